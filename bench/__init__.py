@@ -1,0 +1,1 @@
+"""pykernels' microbenchmark suite: `python -m bench` (or `make bench`), `pytest bench/`."""

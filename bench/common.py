@@ -1,0 +1,161 @@
+"""The benchmark harness: every case runs our op and the baseline side by side, interleaved, in one
+process, and reports the ratio (these machines are shared and noisy: only same-run ratios mean much).
+
+An op's suite is a module `bench/suite_<group>.py` with
+
+    def cases(quick: bool, device: str = "cpu") -> Iterable[Case]   # device "cuda" for `--gpu`
+
+where each Case builds its inputs lazily (`make()` returns the two callables), so listing cases is
+cheap. Suites that need several processes (collectives) may instead define
+`rows(quick: bool, machine: dict, device: str) -> list[dict]` and measure side by side inside their workers.
+"""
+from __future__ import annotations
+
+import gc
+import importlib
+import os
+import pkgutil
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parent
+
+
+@dataclass
+class Case:
+    group: str                      # suite: sort, hash, qgemm, attention, allreduce, ...
+    op: str                         # what is measured, e.g. "sort_keys"
+    label: str                      # the shape/dtype, e.g. "uint32 n=16M"
+    size: float                     # x axis of the plots (elements, tokens, ...)
+    make: Callable[[], tuple]       # -> (ours_fn, baseline_fn); builds inputs (not timed)
+    baseline_name: str              # what a user would otherwise call, e.g. "np.sort"
+    work: float                     # items per call, for throughput
+    unit: str = "items"             # unit of `work` ("keys", "lookups", "FLOP", ...)
+    bytes_moved: Optional[float] = None  # DRAM bytes our op must move at least: % of bandwidth limit
+    goal: Optional[float] = None    # the issue's speed-up goal vs the baseline (ratio)
+    device: str = "cpu"
+    threads: Optional[int] = None   # torch/our thread count during the case
+    notes: str = ""
+
+
+def _sync(device: str):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_pair(ours: Callable, baseline: Callable, device: str = "cpu", *, min_repeats: int = 3,
+              max_repeats: int = 15, budget_s: float = 3.0):
+    """Median seconds of ours() and baseline(), measured alternately after one warm-up each."""
+    for fn in (ours, baseline):
+        fn()
+    _sync(device)
+    t_ours, t_base = [], []
+    start = time.perf_counter()
+    for i in range(max_repeats):
+        for fn, acc in ((ours, t_ours), (baseline, t_base)):
+            gc.collect()
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            acc.append(time.perf_counter() - t0)
+        if i + 1 >= min_repeats and time.perf_counter() - start > budget_s:
+            break
+    return statistics.median(t_ours), statistics.median(t_base), len(t_ours)
+
+
+def measure_machine(nbytes: int = 256 << 20, threads: Optional[int] = None) -> dict:
+    """Memory bandwidth of this machine now (copy counts read + write bytes), with our thread pool."""
+    from pykernels import _cpu_runtime as rt
+
+    threads = threads or torch.get_num_threads()
+    src = torch.ones(nbytes // 8, dtype=torch.int64)
+    dst = torch.empty_like(src)
+    rt.copy_bytes(dst.data_ptr(), src.data_ptr(), nbytes, threads)  # touch pages
+    copies, reads = [], []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        rt.copy_bytes(dst.data_ptr(), src.data_ptr(), nbytes, threads)
+        copies.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        rt.read_sum(src.data_ptr(), nbytes, threads)
+        reads.append(time.perf_counter() - t0)
+    info = {
+        "copy_GBps": 2 * nbytes / min(copies) / 1e9,  # read + write
+        "read_GBps": nbytes / min(reads) / 1e9,
+        "threads": threads,
+        "cpu": _cpu_name(),
+        "cores": len(os.sched_getaffinity(0)),
+        "avx2": bool(rt.cpu_has_avx2()),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def versions() -> dict:
+    import numpy
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__}
+    for mod in ("pandas", "triton", "numba"):
+        try:
+            out[mod] = importlib.import_module(mod).__version__
+        except ImportError:
+            pass
+    import pykernels
+
+    out["pykernels"] = pykernels.__version__
+    return out
+
+
+def suites(groups=None):
+    """{group: module} for bench/suite_<group>.py."""
+    found = {}
+    for info in pkgutil.iter_modules([str(BENCH_DIR)]):
+        if info.name.startswith("suite_"):
+            group = info.name[len("suite_"):]
+            if groups is None or group in groups:
+                found[group] = importlib.import_module(f"bench.{info.name}")
+    return found
+
+
+def run_case(case: Case, machine: dict, budget_s: float = 3.0) -> dict:
+    prev_threads = torch.get_num_threads()
+    if case.threads:
+        torch.set_num_threads(case.threads)
+    try:
+        ours, baseline = case.make()
+        t_ours, t_base, reps = time_pair(ours, baseline, case.device, budget_s=budget_s)
+    finally:
+        torch.set_num_threads(prev_threads)
+        gc.collect()
+    row = {
+        "group": case.group, "op": case.op, "label": case.label, "size": case.size,
+        "baseline": case.baseline_name, "ours_s": t_ours, "baseline_s": t_base,
+        "speedup": t_base / t_ours if t_ours > 0 else float("nan"),
+        "ours_rate": case.work / t_ours if t_ours > 0 else float("nan"),
+        "baseline_rate": case.work / t_base if t_base > 0 else float("nan"),
+        "unit": case.unit, "goal": case.goal, "repeats": reps, "device": case.device,
+        "threads": case.threads or prev_threads, "notes": case.notes,
+    }
+    if case.bytes_moved and t_ours > 0:
+        limit = machine.get("copy_GBps") if case.device == "cpu" else machine.get("gpu_GBps")
+        row["ours_GBps"] = case.bytes_moved / t_ours / 1e9
+        row["pct_of_bw"] = 100.0 * row["ours_GBps"] / limit if limit else None
+    return row

@@ -1,0 +1,71 @@
+// Shared C++ helpers for every pykernels CPU module: errors, dtype codes, runtime CPU feature checks.
+// No torch headers here (a CPU-only torch cannot build CUDA extensions); Python passes raw pointers,
+// sizes and dtype codes, and these helpers keep that boundary explicit.
+#pragma once
+#include <cstdint>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+namespace pk {
+
+// Dtype codes shared with pykernels/_native.py (DTYPE_CODES). Keep the two in sync.
+enum class DType : int {
+  Bool = 0, UInt8 = 1, Int8 = 2, Int16 = 3, UInt16 = 4, Int32 = 5, UInt32 = 6,
+  Int64 = 7, UInt64 = 8, Float16 = 9, BFloat16 = 10, Float32 = 11, Float64 = 12,
+};
+
+inline int dtype_size(DType t) {
+  switch (t) {
+    case DType::Bool: case DType::UInt8: case DType::Int8: return 1;
+    case DType::Int16: case DType::UInt16: case DType::Float16: case DType::BFloat16: return 2;
+    case DType::Int32: case DType::UInt32: case DType::Float32: return 4;
+    case DType::Int64: case DType::UInt64: case DType::Float64: return 8;
+  }
+  return 0;
+}
+
+// A ValueError-style failure; pybind11 maps std::invalid_argument to ValueError.
+[[noreturn]] inline void fail_value(const std::string& op, const std::string& what) {
+  throw std::invalid_argument("pykernels." + op + ": " + what);
+}
+[[noreturn]] inline void fail_runtime(const std::string& op, const std::string& what) {
+  throw std::runtime_error("pykernels." + op + ": " + what);
+}
+
+// Runtime SIMD choice: the wheel is built for baseline x86-64, and AVX2 kernels are compiled with
+// PK_TARGET_AVX2 and only called when the CPU has AVX2+FMA+BMI2. PYKERNELS_DISABLE_AVX2=1 forces
+// the portable path (tests run both).
+#if defined(__x86_64__) || defined(_M_X64)
+#define PK_X86 1
+#define PK_TARGET_AVX2 __attribute__((target("avx2,fma,bmi,bmi2,popcnt,f16c")))
+inline bool cpu_has_avx2() {
+  static const bool has = [] {
+    const char* off = std::getenv("PYKERNELS_DISABLE_AVX2");
+    if (off && off[0] == '1') return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt") &&
+           __builtin_cpu_supports("f16c");
+  }();
+  return has;
+}
+#else
+#define PK_X86 0
+#define PK_TARGET_AVX2
+inline bool cpu_has_avx2() { return false; }
+#endif
+
+#if defined(__GNUC__)
+#define PK_PREFETCH_R(p) __builtin_prefetch((p), 0, 1)
+#define PK_PREFETCH_W(p) __builtin_prefetch((p), 1, 1)
+#define PK_LIKELY(x) __builtin_expect(!!(x), 1)
+#define PK_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#else
+#define PK_PREFETCH_R(p)
+#define PK_PREFETCH_W(p)
+#define PK_LIKELY(x) (x)
+#define PK_UNLIKELY(x) (x)
+#endif
+
+}  // namespace pk

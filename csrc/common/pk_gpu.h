@@ -1,0 +1,109 @@
+// CUDA/HIP portability: the same .cu sources build with nvcc (sm_80/sm_90) and with hipcc for AMD
+// (gfx90a, PYKERNELS_BUILD_HIP=1). Kernels use the pk names below, never cuda*/hip* directly for the
+// few things that differ, and never assume 32 lanes: AMD wavefronts have 64 (PK_WARP_SIZE).
+#pragma once
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#if defined(__HIP__) || defined(__HIP_PLATFORM_AMD__) || defined(PK_BUILD_HIP)
+#define PK_HIP 1
+#include <hip/hip_runtime.h>
+#define PK_WARP_SIZE 64
+typedef uint64_t pk_lane_mask_t;  // ballots are 64-bit on a 64-lane wavefront
+typedef hipStream_t pk_stream_t;
+typedef hipError_t pk_error_t;
+#define pk_success hipSuccess
+#define pkGetDeviceCount hipGetDeviceCount
+#define pkGetErrorString hipGetErrorString
+#define pkGetLastError hipGetLastError
+#define pkMalloc hipMalloc
+#define pkMallocAsync hipMallocAsync
+#define pkFree hipFree
+#define pkFreeAsync hipFreeAsync
+#define pkMemsetAsync hipMemsetAsync
+#define pkMemcpyAsync hipMemcpyAsync
+#define pkMemcpyDeviceToHost hipMemcpyDeviceToHost
+#define pkMemcpyHostToDevice hipMemcpyHostToDevice
+#define pkMemcpyDeviceToDevice hipMemcpyDeviceToDevice
+#define pkStreamSynchronize hipStreamSynchronize
+#define pkDeviceGetAttribute hipDeviceGetAttribute
+#define pkDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
+#define pkGetDevice hipGetDevice
+__device__ __forceinline__ pk_lane_mask_t pk_ballot(bool p) { return __ballot(p); }
+__device__ __forceinline__ int pk_popc_mask(pk_lane_mask_t m) { return __popcll(m); }
+__device__ __forceinline__ pk_lane_mask_t pk_lanemask_lt() {
+  const unsigned lane = __lane_id();
+  return (lane == 0) ? 0ull : (~0ull >> (64 - lane));
+}
+#define PK_SYNCWARP() __builtin_amdgcn_wave_barrier()
+#define PK_SHFL(v, src) __shfl((v), (src))
+#else
+#define PK_HIP 0
+#include <cuda_runtime.h>
+#define PK_WARP_SIZE 32
+typedef uint32_t pk_lane_mask_t;
+typedef cudaStream_t pk_stream_t;
+typedef cudaError_t pk_error_t;
+#define pk_success cudaSuccess
+#define pkGetDeviceCount cudaGetDeviceCount
+#define pkGetErrorString cudaGetErrorString
+#define pkGetLastError cudaGetLastError
+#define pkMalloc cudaMalloc
+#define pkMallocAsync cudaMallocAsync
+#define pkFree cudaFree
+#define pkFreeAsync cudaFreeAsync
+#define pkMemsetAsync cudaMemsetAsync
+#define pkMemcpyAsync cudaMemcpyAsync
+#define pkMemcpyDeviceToHost cudaMemcpyDeviceToHost
+#define pkMemcpyHostToDevice cudaMemcpyHostToDevice
+#define pkMemcpyDeviceToDevice cudaMemcpyDeviceToDevice
+#define pkStreamSynchronize cudaStreamSynchronize
+#define pkDeviceGetAttribute cudaDeviceGetAttribute
+#define pkDevAttrMultiProcessorCount cudaDevAttrMultiProcessorCount
+#define pkGetDevice cudaGetDevice
+#ifdef __CUDACC__
+__device__ __forceinline__ pk_lane_mask_t pk_ballot(bool p) { return __ballot_sync(0xffffffffu, p); }
+__device__ __forceinline__ int pk_popc_mask(pk_lane_mask_t m) { return __popc(m); }
+__device__ __forceinline__ pk_lane_mask_t pk_lanemask_lt() {
+  pk_lane_mask_t m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+#define PK_SYNCWARP() __syncwarp()
+#define PK_SHFL(v, src) __shfl_sync(0xffffffffu, (v), (src))
+#endif
+#endif
+
+namespace pk {
+
+// Host-side error check: turns any CUDA/HIP error into std::runtime_error("pykernels.<op>: ...").
+// "no CUDA device" (no driver, or no GPU) becomes a clean Python RuntimeError through pybind11.
+#define PK_GPU_CHECK(op, expr)                                                             \
+  do {                                                                                     \
+    pk_error_t pk_err__ = (expr);                                                          \
+    if (pk_err__ != pk_success)                                                            \
+      throw std::runtime_error(std::string("pykernels.") + (op) + ": GPU error: " +        \
+                               pkGetErrorString(pk_err__) + " (" #expr ")");               \
+  } while (0)
+
+// Number of usable devices; 0 when there is no driver or no GPU (the error string goes to `why`).
+inline int gpu_device_count(std::string* why) {
+  int n = 0;
+  pk_error_t err = pkGetDeviceCount(&n);
+  if (err != pk_success) {
+    if (why) *why = pkGetErrorString(err);
+    (void)pkGetLastError();  // clear the sticky error so later calls report their own
+    return 0;
+  }
+  if (n == 0 && why) *why = "no CUDA device";
+  return n;
+}
+
+inline void require_gpu(const char* op) {
+  std::string why;
+  if (gpu_device_count(&why) == 0)
+    throw std::runtime_error(std::string("pykernels.") + op + ": no CUDA device (" + why + ")");
+}
+
+}  // namespace pk

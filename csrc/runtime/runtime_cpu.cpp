@@ -1,0 +1,79 @@
+// pykernels._cpu_runtime: facts about this CPU and the memory-bandwidth probes that benchmarks use to
+// say how close an op runs to the machine's limit (measured in the same run as the op).
+#include <pybind11/pybind11.h>
+
+#include <cstring>
+#include <vector>
+
+#include "pk_common.h"
+#include "pk_threads.h"
+#if PK_X86
+#include <immintrin.h>
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+// Sum of 64-bit words: the cheapest loop that still reads every byte (a read-bandwidth probe).
+uint64_t sum_words_portable(const uint64_t* p, int64_t n) {
+  uint64_t a = 0, b = 0, c = 0, d = 0;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) { a += p[i]; b += p[i + 1]; c += p[i + 2]; d += p[i + 3]; }
+  for (; i < n; ++i) a += p[i];
+  return a + b + c + d;
+}
+
+#if PK_X86
+PK_TARGET_AVX2 uint64_t sum_words_avx2(const uint64_t* p, int64_t n) {
+  __m256i a = _mm256_setzero_si256(), b = _mm256_setzero_si256();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    a = _mm256_add_epi64(a, _mm256_loadu_si256((const __m256i*)(p + i)));
+    b = _mm256_add_epi64(b, _mm256_loadu_si256((const __m256i*)(p + i + 4)));
+  }
+  a = _mm256_add_epi64(a, b);
+  alignas(32) uint64_t lanes[4];
+  _mm256_store_si256((__m256i*)lanes, a);
+  uint64_t s = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+  for (; i < n; ++i) s += p[i];
+  return s;
+}
+#endif
+
+uint64_t read_sum(uintptr_t src, int64_t nbytes, int num_threads) {
+  const uint64_t* p = reinterpret_cast<const uint64_t*>(src);
+  const int64_t n = nbytes / 8;
+  std::vector<uint64_t> partial(std::max(1, num_threads), 0);
+  {
+    py::gil_scoped_release release;
+    pk::parallel_ranges(n, num_threads, [&](int t, int64_t b, int64_t e) {
+#if PK_X86
+      partial[t] = pk::cpu_has_avx2() ? sum_words_avx2(p + b, e - b) : sum_words_portable(p + b, e - b);
+#else
+      partial[t] = sum_words_portable(p + b, e - b);
+#endif
+    });
+  }
+  uint64_t s = 0;
+  for (auto v : partial) s += v;
+  return s;
+}
+
+void copy_bytes(uintptr_t dst, uintptr_t src, int64_t nbytes, int num_threads) {
+  py::gil_scoped_release release;
+  char* d = reinterpret_cast<char*>(dst);
+  const char* s = reinterpret_cast<const char*>(src);
+  pk::parallel_ranges(nbytes, num_threads, [&](int, int64_t b, int64_t e) { std::memcpy(d + b, s + b, e - b); });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_cpu_runtime, m) {
+  m.doc() = "pykernels CPU runtime: SIMD detection and memory-bandwidth probes";
+  m.def("cpu_has_avx2", &pk::cpu_has_avx2, "True when the AVX2 kernels run on this CPU");
+  m.def("read_sum", &read_sum, py::arg("src"), py::arg("nbytes"), py::arg("num_threads"),
+        "Sum of the 64-bit words at src (reads every byte once, on num_threads threads)");
+  m.def("copy_bytes", &copy_bytes, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("num_threads"),
+        "memcpy split over num_threads threads");
+}

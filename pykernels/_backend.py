@@ -1,0 +1,145 @@
+"""The one place that decides which backend runs an op, and with which config.
+
+Every public op calls `dispatch(op, device, backend, key)`, which returns (backend_name, config):
+  - backend: "cpu" (native C++), "cuda" (native CUDA/HIP), "triton", or "auto";
+  - "auto": CPU tensors -> "cpu"; CUDA tensors -> the backend the autotune cache recorded for this
+    key, else the op's first preference that can run here;
+  - config: autotune cache (memory -> user dir -> shipped file) for this device and key, else the op's
+    heuristic default (pykernels.autotune).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import _native
+
+BACKENDS = ("cpu", "cuda", "triton")
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    available: bool
+    reason: str
+
+    def __bool__(self):
+        return self.available
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_status() -> BackendStatus:
+    if not torch.cuda.is_available():
+        why = "torch sees no CUDA device" if torch.version.cuda or torch.version.hip else \
+            f"torch {torch.__version__} is a CPU-only build"
+        return BackendStatus(False, why)
+    mods = [n for n in _native_family_names() if n.startswith("_cuda_")]
+    if not mods:
+        return BackendStatus(False, "no native CUDA/HIP module was built (nvcc/hipcc not found at build time)")
+    mod, why = _native.module_status(mods[0])
+    if mod is None:
+        return BackendStatus(False, why)
+    return BackendStatus(True, f"{torch.cuda.get_device_name()} ({len(mods)} native GPU modules)")
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_status() -> BackendStatus:
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return BackendStatus(False, f"triton is not installed ({exc})")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return BackendStatus(True, f"triton {triton.__version__} under TRITON_INTERPRET=1 (CPU tensors)")
+    if not torch.cuda.is_available():
+        return BackendStatus(False, "no GPU for triton (set TRITON_INTERPRET=1 to run its kernels on CPU)")
+    return BackendStatus(True, f"triton {triton.__version__} on {torch.cuda.get_device_name()}")
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_status() -> BackendStatus:
+    mods = [n for n in _native_family_names() if n.startswith("_cpu_")]
+    if not mods:
+        return BackendStatus(False, "no native CPU module is built: run `make build`")
+    broken = [why for n in mods for m, why in [_native.module_status(n)] if m is None]
+    if broken:
+        return BackendStatus(False, "; ".join(broken))
+    simd = "AVX2" if _cpu_has_avx2(mods[0]) else "portable (no AVX2)"
+    return BackendStatus(True, f"native C++ ({simd}, {torch.get_num_threads()} threads by default)")
+
+
+def _cpu_has_avx2(modname: str) -> bool:
+    mod, _ = _native.module_status(modname)
+    return bool(getattr(mod, "cpu_has_avx2", lambda: False)())
+
+
+def _native_family_names():
+    import importlib.machinery
+    import pathlib
+
+    here = pathlib.Path(__file__).parent
+    return sorted({p.name.split(".", 1)[0] for suffix in importlib.machinery.EXTENSION_SUFFIXES
+                   for p in here.glob(f"_c*{suffix}")})
+
+
+def backends() -> dict:
+    """Which backends can run on this build and machine, and why not the others.
+
+    >>> pykernels.backends()
+    {'cpu': BackendStatus(available=True, reason='native C++ (AVX2, 2 threads by default)'), ...}
+    """
+    return {"cpu": _cpu_status(), "cuda": _cuda_status(), "triton": _triton_status()}
+
+
+def select_backend(op: str, device: torch.device, backend: str = "auto",
+                   supported=BACKENDS, preference=("cuda", "triton")) -> str:
+    """Resolve `backend` for an op whose tensors live on `device`. Raises RuntimeError when the
+    requested backend cannot run here, naming the op and the reason."""
+    if backend not in ("auto", *BACKENDS):
+        raise ValueError(f"pykernels.{op}: expected backend 'auto', 'cpu', 'cuda' or 'triton', got {backend!r}")
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if backend == "auto":
+        if device.type == "cpu":
+            backend = "cpu"
+        else:
+            for cand in preference:
+                if cand in supported and backends()[cand]:
+                    backend = cand
+                    break
+            else:
+                raise RuntimeError(f"pykernels.{op}: no backend can run on {device}: "
+                                   + "; ".join(f"{b}: {backends()[b].reason}" for b in preference))
+    if backend not in supported:
+        raise RuntimeError(f"pykernels.{op}: backend {backend!r} is not implemented for this op "
+                           f"(available: {', '.join(supported)})")
+    if backend == "cpu":
+        if device.type != "cpu":
+            raise RuntimeError(f"pykernels.{op}: backend 'cpu' needs CPU tensors, got {device}")
+    elif backend == "cuda":
+        if device.type != "cuda":
+            raise RuntimeError(f"pykernels.{op}: backend 'cuda' needs CUDA tensors, got {device}; "
+                               f"cuda: {backends()['cuda'].reason}")
+        if not backends()["cuda"]:
+            raise RuntimeError(f"pykernels.{op}: backend 'cuda' is not available: {backends()['cuda'].reason}")
+    elif backend == "triton":
+        if not backends()["triton"]:
+            raise RuntimeError(f"pykernels.{op}: backend 'triton' is not available: {backends()['triton'].reason}")
+        if device.type == "cpu" and not interpret:
+            raise RuntimeError(f"pykernels.{op}: backend 'triton' needs CUDA tensors "
+                               "(or TRITON_INTERPRET=1 for CPU tensors)")
+    return backend
+
+
+def dispatch(op: str, device: torch.device, backend: str = "auto", key: dict | None = None,
+             supported=BACKENDS, preference=("cuda", "triton")):
+    """(backend, config) for one call: the single decision point of every op."""
+    from . import autotune
+
+    if backend == "auto" and device.type == "cuda" and key is not None:
+        cached = autotune.lookup(op, key, device)
+        if cached is not None and cached.get("backend") in supported:
+            backend = cached["backend"]
+    chosen = select_backend(op, device, backend, supported, preference)
+    config = autotune.config_for(op, chosen, key or {}, device)
+    return chosen, config

@@ -1,0 +1,80 @@
+"""Loading the native modules and crossing the Python/C++ boundary.
+
+The native modules never see torch: Python passes data pointers, element counts, dtype codes and
+stream handles. This file is the only place that knows the module names and the dtype codes
+(mirrored in csrc/common/pk_common.h).
+"""
+from __future__ import annotations
+
+import importlib
+from functools import lru_cache
+
+import torch
+
+# Must match pk::DType in csrc/common/pk_common.h.
+DTYPE_CODES = {
+    torch.bool: 0, torch.uint8: 1, torch.int8: 2, torch.int16: 3, torch.uint16: 4, torch.int32: 5,
+    torch.uint32: 6, torch.int64: 7, torch.uint64: 8, torch.float16: 9, torch.bfloat16: 10,
+    torch.float32: 11, torch.float64: 12,
+}
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    return DTYPE_CODES[dtype]
+
+
+@lru_cache(maxsize=None)
+def _load(name: str):
+    try:
+        return importlib.import_module(f"pykernels.{name}"), None
+    except ImportError as exc:  # not built, or built for another platform
+        return None, f"pykernels.{name} is not built ({exc})"
+
+
+def cpu_module(family: str):
+    """The CPU module of an op family (csrc/<family>/*.cpp), or raise RuntimeError saying why not."""
+    mod, why = _load(f"_cpu_{family}")
+    if mod is None:
+        raise RuntimeError(f"pykernels.{family}: the native CPU backend is not available: {why}. "
+                           "Run `make build` (or `pip install .`).")
+    return mod
+
+
+def cuda_module(family: str):
+    """The CUDA/HIP module of an op family, or raise RuntimeError saying why not."""
+    mod, why = _load(f"_cuda_{family}")
+    if mod is None:
+        raise RuntimeError(f"pykernels.{family}: the native CUDA backend is not available: {why}")
+    return mod
+
+
+def module_status(name: str):
+    """(module or None, reason) without raising; used by pykernels.backends()."""
+    return _load(name)
+
+
+def as_tensor(x, op: str, arg: str) -> torch.Tensor:
+    """Accepts a torch.Tensor or anything speaking DLPack / the array protocol (numpy, cupy)."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if hasattr(x, "__dlpack__"):
+        try:
+            return torch.from_dlpack(x)
+        except (BufferError, RuntimeError, TypeError):
+            pass  # e.g. a read-only numpy array: fall through to a copy
+    try:
+        import numpy as np
+
+        if isinstance(x, np.ndarray) or hasattr(x, "__array__"):
+            return torch.as_tensor(np.asarray(x))
+    except ImportError:
+        pass
+    raise TypeError(f"pykernels.{op}: expected a torch.Tensor (or a DLPack array) for '{arg}', "
+                    f"got {type(x).__name__}")
+
+
+def cuda_stream_handle(device: torch.device) -> int:
+    """The raw cudaStream_t of torch's current stream on `device` (0 on CPU)."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.current_stream(device).cuda_stream

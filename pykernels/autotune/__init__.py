@@ -1,0 +1,378 @@
+"""Autotuning: each op declares its config space; `tune()` measures it on this device and caches the best.
+
+How an op takes part (see pykernels/sort for a full example):
+
+    autotune.register(autotune.Tunable(
+        op="sort_keys", group="sort", backend="cpu",
+        make_key=lambda keys, **kw: {"dtype": str(keys.dtype), "n": autotune.bucket(keys.numel())},
+        default=lambda key: {"digit_bits": 8, "threads": 0},
+        candidates=lambda key: [{"digit_bits": b, "threads": 0} for b in (8, 11)],
+        run=lambda config, keys, **kw: _sort_keys_impl(keys, config=config, **kw),
+        examples=lambda sizes: [((torch.randint(0, 2**31, (n,)),), {}) for n in sizes or [1 << 20]],
+    ))
+
+and at call time `pykernels._backend.dispatch()` asks `config_for(op, backend, key, device)`.
+
+Cache: one JSON file per device (CPU model and core count, or GPU name and capability) with a metadata
+block (library, torch, triton, CUDA versions) checked on load: a mismatch or a corrupt file is ignored
+with a warning. Lookup order: memory, the user cache (PYKERNELS_CACHE_DIR, default
+~/.cache/pykernels), then the file shipped in pykernels/autotune/shipped/. Writes are atomic (temp
+file + rename under a file lock), so several processes can tune at once.
+
+PYKERNELS_AUTOTUNE=0 ignores every cache (heuristic defaults only). The default is always one of the
+candidates, and a non-default config is kept only if it beats the default by MIN_GAIN when re-measured
+head to head, so a tuned config is never slower than the untuned default on the shape it was tuned for.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = ["Tunable", "register", "tune", "cache_file", "config_for", "lookup", "bucket", "registered",
+           "device_id", "measure", "load_cache_file"]
+
+CACHE_FORMAT = 1
+MIN_GAIN = 0.03  # a tuned config must beat the default by 3% head to head to replace it
+_LOCK = threading.RLock()
+
+
+# ----------------------------------------------------------------------------------------------
+# What an op declares
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Tunable:
+    op: str                                    # name of the op (torch.ops.pykernels.<op>)
+    backend: str                               # "cpu" | "cuda" | "triton"
+    make_key: Callable[..., dict]              # (*args, **kwargs) -> key dict (dtypes, static dims, buckets)
+    default: Callable[[dict], dict]            # key -> heuristic config (always a candidate)
+    candidates: Callable[[dict], list]         # key -> list of configs to measure
+    run: Callable[..., Any]                    # run(config, *args, **kwargs): the op with that config
+    examples: Callable[[Optional[list]], list] = lambda sizes: []  # sizes -> [(args, kwargs)] for `generate`
+    group: str = ""                            # CLI name: sort, hash, qgemm, attention, allreduce
+    setup: Optional[Callable[..., tuple]] = None  # (args, kwargs) -> fresh (args, kwargs) per timed run
+
+    def __post_init__(self):
+        if not self.group:
+            self.group = self.op
+
+
+_REGISTRY: dict[tuple[str, str], Tunable] = {}
+
+
+def register(tunable: Tunable) -> Tunable:
+    _REGISTRY[(tunable.op, tunable.backend)] = tunable
+    return tunable
+
+
+def registered(group: Optional[str] = None) -> list[Tunable]:
+    _import_ops()
+    return [t for t in _REGISTRY.values() if group is None or t.group == group]
+
+
+def _import_ops():
+    import pykernels  # noqa: F401  (importing the package registers every op's tunables)
+    with contextlib.suppress(ImportError):
+        import collectives  # noqa: F401
+
+
+def bucket(n: int) -> int:
+    """Power-of-two bucket of a dynamic size: configs are shared by sizes within a factor of 2."""
+    n = int(n)
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+# ----------------------------------------------------------------------------------------------
+# Devices and files
+# ----------------------------------------------------------------------------------------------
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _cores() -> int:
+    with contextlib.suppress(AttributeError):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def device_id(device=None) -> str:
+    """A file-name-safe id of the device that measurements belong to."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        name = torch.cuda.get_device_name(idx)
+        major, minor = torch.cuda.get_device_capability(idx)
+        raw = f"cuda-{name}-sm{major}{minor}"
+    else:
+        raw = f"cpu-{_cpu_model()}-{_cores()}c"
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", raw).strip("_")
+
+
+def _metadata(device) -> dict:
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    from pykernels import __version__
+
+    return {"format": CACHE_FORMAT, "device": device_id(device), "pykernels": __version__,
+            "torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda,
+            "hip": torch.version.hip}
+
+
+def _user_dir() -> Path:
+    return Path(os.environ.get("PYKERNELS_CACHE_DIR") or Path.home() / ".cache" / "pykernels")
+
+
+_OUT_OVERRIDE: Optional[Path] = None  # set by `generate --out FILE`
+
+
+def cache_file(device=None) -> Path:
+    """Where this device's user cache lives (PYKERNELS_CACHE_DIR moves it)."""
+    if _OUT_OVERRIDE is not None:
+        return _OUT_OVERRIDE
+    return _user_dir() / f"{device_id(device)}.json"
+
+
+def _shipped_file(device=None) -> Path:
+    return Path(__file__).parent / "shipped" / f"{device_id(device)}.json"
+
+
+def load_cache_file(path: Path, device=None, check_metadata: bool = True) -> dict:
+    """Entries of a cache file; {} (with a warning) when missing, corrupt or made by other versions."""
+    path = Path(path)
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+        meta, entries = data["metadata"], data["entries"]
+        if not isinstance(entries, dict):
+            raise ValueError("entries is not an object")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        warnings.warn(f"pykernels.autotune: ignoring corrupt cache file {path}: {exc}", stacklevel=3)
+        return {}
+    if check_metadata:
+        want = _metadata(device)
+        diff = {k: (meta.get(k), v) for k, v in want.items() if meta.get(k) != v}
+        if diff:
+            warnings.warn(f"pykernels.autotune: ignoring cache file {path} made for other versions: "
+                          + ", ".join(f"{k}: {a!r} != {b!r}" for k, (a, b) in diff.items()), stacklevel=3)
+            return {}
+    return entries
+
+
+_MEMORY: dict[str, dict] = {}  # device id -> entries (user cache over shipped cache)
+
+
+def _entries(device) -> dict:
+    dev = device_id(device)
+    with _LOCK:
+        if dev not in _MEMORY:
+            merged = dict(load_cache_file(_shipped_file(device), device))
+            merged.update(load_cache_file(cache_file(device), device))
+            _MEMORY[dev] = merged
+        return _MEMORY[dev]
+
+
+def clear_memory_cache():
+    """Forget what was loaded (the next lookup re-reads the files)."""
+    with _LOCK:
+        _MEMORY.clear()
+
+
+def _entry_key(op: str, backend: str, key: dict) -> str:
+    return f"{op}|{backend}|{json.dumps(key, sort_keys=True, default=str)}"
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(path) + ".lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _store(device, ekey: str, entry: dict) -> Path:
+    path = cache_file(device)
+    with _LOCK, _file_lock(path):
+        current = load_cache_file(path, device) if path.exists() else {}
+        current[ekey] = entry
+        payload = {"metadata": _metadata(device), "entries": current}
+        fd, tmp = tempfile.mkstemp(dir=str(path.parent), prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as fh:
+            json.dump(payload, fh, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+        _entries(device)[ekey] = entry
+    return path
+
+
+def _enabled() -> bool:
+    return os.environ.get("PYKERNELS_AUTOTUNE", "") != "0"
+
+
+# ----------------------------------------------------------------------------------------------
+# Lookups used by dispatch
+# ----------------------------------------------------------------------------------------------
+def lookup(op: str, key: dict, device, backend: Optional[str] = None) -> Optional[dict]:
+    """The cached entry for (op, key) on this device ({"backend", "config", ...}) or None.
+    Without `backend`, the fastest tuned backend for this key."""
+    if not _enabled():
+        return None
+    entries = _entries(device)
+    if backend is not None:
+        return entries.get(_entry_key(op, backend, key))
+    found = [e for b in ("cuda", "triton", "cpu") for e in [entries.get(_entry_key(op, b, key))] if e]
+    return min(found, key=lambda e: e.get("time_s", math.inf)) if found else None
+
+
+def config_for(op: str, backend: str, key: dict, device) -> dict:
+    """The config to run: tuned (cache) when there is one for this key, else the op's heuristic."""
+    entry = lookup(op, key, device, backend)
+    if entry is not None:
+        return dict(entry["config"])
+    tunable = _REGISTRY.get((op, backend))
+    return dict(tunable.default(key)) if tunable is not None else {}
+
+
+# ----------------------------------------------------------------------------------------------
+# Measuring
+# ----------------------------------------------------------------------------------------------
+_L2_FLUSH: dict = {}
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(fn: Callable[[], Any], device=None, *, warmup: int = 1, repeats: int = 5,
+            budget_s: float = 1.0) -> float:
+    """Median seconds of fn(). CPU: wall clock. GPU: CUDA events with the L2 flushed before each run."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    start_all = time.perf_counter()
+    for i in range(repeats):
+        if device.type == "cuda":
+            buf = _L2_FLUSH.setdefault(device, torch.empty(256 << 20, dtype=torch.uint8, device=device))
+            buf.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        if i >= 2 and time.perf_counter() - start_all > budget_s:
+            break
+    return statistics.median(times)
+
+
+def _device_of(args, kwargs) -> torch.device:
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return torch.device("cpu")
+
+
+def _time_config(tunable: Tunable, config: dict, args, kwargs, device, budget_s: float) -> float:
+    if tunable.setup is not None:
+        def call():
+            a, k = tunable.setup(args, kwargs)
+            return tunable.run(config, *a, **k)
+    else:
+        def call():
+            return tunable.run(config, *args, **kwargs)
+    return measure(call, device, budget_s=budget_s)
+
+
+def tune(op_name: str, *example_args, backend: str = "auto", budget_s: float = 0.5, verbose: bool = False,
+         **kwargs) -> dict:
+    """Measure every candidate config of `op_name` on these arguments, cache the best, return it.
+
+    >>> cfg = pykernels.autotune.tune("sort_keys", torch.randint(0, 2**31, (1 << 22,)))
+    """
+    _import_ops()
+    device = _device_of(example_args, kwargs)
+    if backend == "auto":
+        from pykernels._backend import backends
+
+        choices = [b for (op, b) in _REGISTRY if op == op_name]
+        if device.type == "cpu":
+            choices = [b for b in choices if b == "cpu"]
+        else:
+            choices = [b for b in choices if b != "cpu" and backends()[b]]
+    else:
+        choices = [backend]
+    if not choices or any((op_name, b) not in _REGISTRY for b in choices):
+        known = sorted({op for op, _ in _REGISTRY})
+        raise ValueError(f"pykernels.autotune.tune: no tunable op {op_name!r} for backend {backend!r} on "
+                         f"{device.type} (known ops: {', '.join(known)})")
+    best_entry = None
+    for b in choices:
+        tunable = _REGISTRY[(op_name, b)]
+        key = tunable.make_key(*example_args, **kwargs)
+        default = dict(tunable.default(key))
+        configs = [default] + [dict(c) for c in tunable.candidates(key) if dict(c) != default]
+        timed = []
+        for cfg in configs:
+            try:
+                t = _time_config(tunable, cfg, example_args, kwargs, device, budget_s)
+            except Exception as exc:  # a config that cannot run here (too much shared memory, ...)
+                if verbose:
+                    print(f"  {op_name}/{b} {cfg}: failed: {exc}", file=sys.stderr)
+                continue
+            timed.append((t, cfg))
+            if verbose:
+                print(f"  {op_name}/{b} {cfg}: {t * 1e3:.3f} ms", file=sys.stderr)
+        if not timed:
+            continue
+        t_best, best = min(timed, key=lambda tc: tc[0])
+        t_default = next((t for t, c in timed if c == default), math.inf)
+        if best != default and math.isfinite(t_default):
+            # Confirm head to head, interleaved, so noise cannot make the tuned config slower.
+            tb, td = [], []
+            for _ in range(3):
+                tb.append(_time_config(tunable, best, example_args, kwargs, device, budget_s / 2))
+                td.append(_time_config(tunable, default, example_args, kwargs, device, budget_s / 2))
+            t_best, t_default = statistics.median(tb), statistics.median(td)
+            if t_best > t_default * (1 - MIN_GAIN):
+                best, t_best = default, t_default
+        entry = {"backend": b, "config": best, "time_s": t_best, "default_time_s": t_default,
+                 "default_config": default, "candidates": len(configs),
+                 "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        _store(device, _entry_key(op_name, b, key), entry)
+        if best_entry is None or t_best < best_entry["time_s"]:
+            best_entry = entry
+    if best_entry is None:
+        raise RuntimeError(f"pykernels.autotune.tune: every config of {op_name!r} failed on {device}")
+    return dict(best_entry["config"])

@@ -1,0 +1,100 @@
+"""Command line of the autotuner.
+
+  python -m pykernels.autotune generate --ops sort,hash,qgemm,attention,allreduce [--sizes 1e6,4e6] [--out FILE]
+  python -m pykernels.autotune show [FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import pykernels.autotune as at
+
+GROUPS = ("sort", "hash", "qgemm", "attention", "allreduce")
+
+
+def _progress(done: int, total: int, label: str, started: float):
+    width = 30
+    filled = int(width * done / max(total, 1))
+    elapsed = time.perf_counter() - started
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {elapsed:6.1f}s {label[:60]:<60}")
+    sys.stderr.flush()
+
+
+def _parse_sizes(text):
+    if not text:
+        return None
+    return [int(float(s)) for s in text.split(",") if s.strip()]
+
+
+def generate(args) -> int:
+    if args.out:
+        at._OUT_OVERRIDE = Path(args.out).resolve()
+    groups = [g.strip() for g in args.ops.split(",") if g.strip()]
+    unknown = [g for g in groups if g not in GROUPS]
+    if unknown:
+        print(f"unknown --ops {unknown}; choose from {', '.join(GROUPS)}", file=sys.stderr)
+        return 2
+    sizes = _parse_sizes(args.sizes)
+    jobs = []
+    for g in groups:
+        tunables = at.registered(g)
+        if not tunables:
+            print(f"note: no tunable ops registered for {g!r} in this build", file=sys.stderr)
+        for t in tunables:
+            for ex_args, ex_kwargs in t.examples(sizes):
+                jobs.append((t, ex_args, ex_kwargs))
+    started = time.perf_counter()
+    results = []
+    for i, (t, ex_args, ex_kwargs) in enumerate(jobs):
+        _progress(i, len(jobs), f"{t.op}/{t.backend} {t.make_key(*ex_args, **ex_kwargs)}", started)
+        try:
+            cfg = at.tune(t.op, *ex_args, backend=t.backend, budget_s=args.budget, **ex_kwargs)
+            results.append((t.op, t.backend, cfg))
+        except Exception as exc:  # report and go on with the other ops
+            print(f"\n{t.op}/{t.backend}: tuning failed: {exc}", file=sys.stderr)
+    _progress(len(jobs), len(jobs), "done", started)
+    sys.stderr.write("\n")
+    print(f"tuned {len(results)} shape(s); cache: {at.cache_file()}")
+    return 0 if results or not jobs else 1
+
+
+def show(args) -> int:
+    path = Path(args.file) if args.file else at.cache_file()
+    if not path.exists():
+        print(f"no cache at {path}")
+        return 1
+    data = json.loads(path.read_text())
+    meta = data.get("metadata", {})
+    print(f"cache {path}")
+    print("  " + ", ".join(f"{k}={v}" for k, v in meta.items()))
+    rows = []
+    for ekey, e in sorted(data.get("entries", {}).items()):
+        op, backend, key = ekey.split("|", 2)
+        speedup = e.get("default_time_s", 0) / e["time_s"] if e.get("time_s") else float("nan")
+        rows.append((op, backend, key, json.dumps(e["config"], sort_keys=True), e.get("time_s", 0) * 1e3, speedup))
+    print(f"{'op':<18} {'backend':<7} {'time ms':>9} {'vs default':>10}  key -> config")
+    for op, backend, key, cfg, ms, sp in rows:
+        print(f"{op:<18} {backend:<7} {ms:9.3f} {sp:9.2f}x  {key} -> {cfg}")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pykernels.autotune")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="measure every op's configs on this device and write the cache")
+    g.add_argument("--ops", default=",".join(GROUPS), help="comma list of " + ",".join(GROUPS))
+    g.add_argument("--sizes", default=None, help="comma list of problem sizes (op-specific meaning)")
+    g.add_argument("--out", default=None, help="write to this file instead of the user cache")
+    g.add_argument("--budget", type=float, default=0.5, help="seconds of measuring per config")
+    s = sub.add_parser("show", help="print a cache file")
+    s.add_argument("file", nargs="?")
+    args = p.parse_args(argv)
+    return generate(args) if args.cmd == "generate" else show(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

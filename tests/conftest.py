@@ -1,0 +1,38 @@
+"""Shared test fixtures. GPU tests carry @pytest.mark.gpu and skip, with the reason, without a GPU."""
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason=f"needs a CUDA GPU (torch {torch.__version__} sees none)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def tmp_cache(tmp_path, monkeypatch):
+    """A private autotune cache dir for one test (memory cache cleared before and after)."""
+    import pykernels.autotune as at
+
+    monkeypatch.setenv("PYKERNELS_CACHE_DIR", str(tmp_path / "cache"))
+    at.clear_memory_cache()
+    yield tmp_path / "cache"
+    at.clear_memory_cache()
+
+
+@pytest.fixture
+def triton_interpret(monkeypatch):
+    """Run Triton kernels on CPU tensors (TRITON_INTERPRET=1 must be set before triton is used)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from pykernels import _backend
+
+    _backend._triton_status.cache_clear()
+    yield
+    _backend._triton_status.cache_clear()

@@ -1,0 +1,183 @@
+"""The foundation: native modules, the backend switch, the thread pool, and the autotune cache."""
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import pykernels
+import pykernels.autotune as at
+from pykernels import _backend
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_backends_report_every_backend_with_a_reason():
+    b = pykernels.backends()
+    assert set(b) == {"cpu", "cuda", "triton"}
+    assert b["cpu"].available, b["cpu"].reason
+    for status in b.values():
+        assert isinstance(status.reason, str) and status.reason
+    if not torch.cuda.is_available():
+        assert not b["cuda"].available
+
+
+def test_cpu_module_reads_and_copies_on_several_threads():
+    from pykernels import _cpu_runtime as rt
+
+    for n in (0, 1, 7, 1001, 1 << 20):
+        x = torch.randint(0, 1 << 40, (n,), dtype=torch.int64)
+        for threads in (1, 2, 3, 8):
+            assert rt.read_sum(x.data_ptr(), n * 8, threads) == int(x.sum()) % (1 << 64)
+            y = torch.zeros_like(x)
+            rt.copy_bytes(y.data_ptr(), x.data_ptr(), n * 8, threads)
+            assert torch.equal(x, y)
+
+
+def test_portable_path_without_avx2_in_a_fresh_process():
+    code = ("from pykernels import _cpu_runtime as rt; import torch; x = torch.arange(12345, dtype=torch.int64);"
+            "assert not rt.cpu_has_avx2(); assert rt.read_sum(x.data_ptr(), x.numel() * 8, 2) == int(x.sum())")
+    env = dict(os.environ, PYKERNELS_DISABLE_AVX2="1")
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=ROOT)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error path")
+def test_cuda_module_imports_without_a_driver_and_fails_cleanly():
+    mod = pytest.importorskip("pykernels._cuda_runtime", reason="built without nvcc")
+    n, why = mod.device_count()
+    assert n == 0 and why
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        mod.fill_u32(0, 16, 1, 0)
+
+
+@pytest.mark.gpu
+def test_cuda_module_launches_a_kernel():
+    from pykernels import _cuda_runtime as mod
+
+    out = torch.zeros(1000, dtype=torch.int32, device="cuda")
+    mod.fill_u32(out.data_ptr(), out.numel(), 7, torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert bool((out == 7).all())
+
+
+def test_select_backend_errors_name_the_op():
+    cpu = torch.device("cpu")
+    assert _backend.select_backend("sort", cpu, "auto") == "cpu"
+    with pytest.raises(ValueError, match="pykernels.sort: expected backend"):
+        _backend.select_backend("sort", cpu, "gpu")
+    with pytest.raises(RuntimeError, match="pykernels.sort: backend 'cuda'"):
+        _backend.select_backend("sort", cpu, "cuda")
+    with pytest.raises(RuntimeError, match="not implemented for this op"):
+        _backend.select_backend("sort", cpu, "triton", supported=("cpu",))
+
+
+# ---------------------------------------------------------------------------------------------
+# Autotuning, with an op made for the test: its configs sleep for known times.
+# ---------------------------------------------------------------------------------------------
+SLEEP = {"fast": 0.004, "default": 0.012, "slow": 0.02}
+
+
+def _register_sleepy(op="test_sleepy", default="default", cands=("fast", "slow")):
+    return at.register(at.Tunable(
+        op=op, backend="cpu", group="test",
+        make_key=lambda x: {"dtype": str(x.dtype), "n": at.bucket(x.numel())},
+        default=lambda key: {"kind": default},
+        candidates=lambda key: [{"kind": c} for c in cands],
+        run=lambda config, x: time.sleep(SLEEP[config["kind"]]),
+    ))
+
+
+def test_bucket():
+    assert [at.bucket(n) for n in (0, 1, 2, 3, 1000, 1024, 1025)] == [0, 1, 2, 4, 1024, 1024, 2048]
+
+
+def test_tune_picks_the_fastest_and_caches_it(tmp_cache):
+    _register_sleepy()
+    x = torch.zeros(1000)
+    cfg = at.tune("test_sleepy", x, budget_s=0.05)
+    assert cfg == {"kind": "fast"}
+    path = at.cache_file()
+    assert path.exists() and path.parent == tmp_cache
+    data = json.loads(path.read_text())
+    assert data["metadata"]["torch"] == torch.__version__
+    (entry,) = data["entries"].values()
+    assert entry["time_s"] < entry["default_time_s"]
+    # Same bucket -> same config; another bucket -> the heuristic default.
+    assert at.config_for("test_sleepy", "cpu", {"dtype": "torch.float32", "n": 1024}, "cpu") == {"kind": "fast"}
+    assert at.config_for("test_sleepy", "cpu", {"dtype": "torch.float32", "n": 4096}, "cpu") == {"kind": "default"}
+
+
+def test_tuned_config_is_never_slower_than_the_default(tmp_cache):
+    _register_sleepy(op="test_sleepy_slow", cands=("slow",))
+    assert at.tune("test_sleepy_slow", torch.zeros(10), budget_s=0.05) == {"kind": "default"}
+
+
+def test_autotune_off_uses_heuristics(tmp_cache, monkeypatch):
+    _register_sleepy()
+    at.tune("test_sleepy", torch.zeros(1000), budget_s=0.05)
+    monkeypatch.setenv("PYKERNELS_AUTOTUNE", "0")
+    assert at.config_for("test_sleepy", "cpu", {"dtype": "torch.float32", "n": 1024}, "cpu") == {"kind": "default"}
+
+
+def test_second_process_reuses_the_cache(tmp_cache):
+    _register_sleepy()
+    at.tune("test_sleepy", torch.zeros(1000), budget_s=0.05)
+    code = ("import pykernels.autotune as at;"
+            "e = at.lookup('test_sleepy', {'dtype': 'torch.float32', 'n': 1024}, 'cpu', 'cpu');"
+            "print(e['config']['kind'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
+                         env=dict(os.environ, PYKERNELS_CACHE_DIR=str(tmp_cache)))
+    assert out.stdout.strip() == "fast"
+
+
+def test_corrupt_or_foreign_cache_is_ignored_with_a_warning(tmp_cache):
+    _register_sleepy()
+    path = at.cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{ not json")
+    with pytest.warns(UserWarning, match="corrupt"):
+        assert at.lookup("test_sleepy", {"n": 1}, "cpu", "cpu") is None
+    at.clear_memory_cache()
+    meta = dict(at._metadata("cpu"), torch="0.0.1")
+    path.write_text(json.dumps({"metadata": meta, "entries": {"x|cpu|{}": {"config": {}}}}))
+    with pytest.warns(UserWarning, match="other versions"):
+        assert at.lookup("test_sleepy", {"n": 1}, "cpu", "cpu") is None
+    at.clear_memory_cache()
+    # tuning over a corrupt file replaces it with a valid one
+    path.write_text("garbage")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        at.tune("test_sleepy", torch.zeros(1000), budget_s=0.05)
+    assert json.loads(path.read_text())["entries"]
+
+
+def test_concurrent_tuning_processes_keep_every_entry(tmp_cache):
+    # Two processes store different keys into the same file at once: both entries survive (file lock).
+    code = ("import sys, time, torch, pykernels.autotune as at\n"
+            "at.register(at.Tunable(op='test_conc', backend='cpu', make_key=lambda x: {'n': x.numel()},"
+            " default=lambda k: {'v': 0}, candidates=lambda k: [{'v': 1}], run=lambda c, x: time.sleep(0.001)))\n"
+            "for i in range(20):\n"
+            "    at.tune('test_conc', torch.zeros(int(sys.argv[1]) + i * 2), budget_s=0.001)\n")
+    env = dict(os.environ, PYKERNELS_CACHE_DIR=str(tmp_cache))
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(s)], cwd=ROOT, env=env) for s in (1, 2)]
+    assert all(p.wait(timeout=120) == 0 for p in procs)
+    entries = json.loads(at.cache_file().read_text())["entries"]
+    assert len([k for k in entries if k.startswith("test_conc|")]) == 40
+
+
+def test_cli_show(tmp_cache):
+    _register_sleepy()
+    at.tune("test_sleepy", torch.zeros(1000), budget_s=0.05)
+    out = subprocess.run([sys.executable, "-m", "pykernels.autotune", "show", str(at.cache_file())],
+                         capture_output=True, text=True, check=True, cwd=ROOT)
+    assert "test_sleepy" in out.stdout and '"kind": "fast"' in out.stdout
+
+
+def test_tune_unknown_op_is_a_clear_error():
+    with pytest.raises(ValueError, match="no tunable op 'nope'"):
+        at.tune("nope", torch.zeros(3))
