@@ -339,8 +339,8 @@ struct Engine {
       const int64_t b = n * t / T, e = n * (t + 1) / T;
       uint32_t* h = hist.data() + (size_t)t * np * R;
       bool ls = false;
-      int sh[16];
-      uint32_t mk[16];
+      int sh[64];
+      uint32_t mk[64];
       for (int j = 0; j < np; ++j) { sh[j] = passes[j].shift; mk[j] = (1u << passes[j].bits) - 1; }
       // Specialised loops for the common pass counts keep the counters in registers' reach.
       if (np == 3) {

@@ -23,7 +23,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _native, autotune
-from .._backend import dispatch
+from .._backend import dispatch, select_backend
 from ..errors import check_dtype, check_ndim, check_same_device
 
 __all__ = ["sort", "argsort", "sort_keys", "sort_pairs", "segmented_sort", "KEY_DTYPES"]
@@ -109,17 +109,18 @@ def _rows_sort(op: str, x: torch.Tensor, dim: int, descending: bool, backend: st
     if x.dim() == 0:
         v = x.clone()
         return v, torch.zeros((), dtype=torch.int64, device=x.device)
+    if x.numel() == 0:
+        select_backend(op, x.device, backend, supported=_backends_supported())
+        return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
+                torch.empty(x.shape, dtype=torch.int64, device=x.device))
     xt = x.movedim(dim, -1)
     shape = xt.shape
     n = shape[-1]
-    xc = xt.contiguous().reshape(-1, n) if n else xt.reshape(-1, 0)
+    xc = xt.contiguous().reshape(-1, n)
     rows = xc.shape[0]
     chosen, config = dispatch(op, x.device, backend, _key(op, xc, rows=autotune.bucket(rows)),
                               supported=_backends_supported())
-    if xc.numel() == 0:
-        vals = torch.empty(shape, dtype=x.dtype, device=x.device)
-        idx = torch.empty(shape, dtype=torch.int64, device=x.device)
-    elif chosen == "cpu":
+    if chosen == "cpu":
         if rows == 1:
             vals, idx, _, _ = _cpu_sort_1d(xc.reshape(-1), want_keys=want_keys, want_idx=True,
                                            descending=descending, config=config)
@@ -132,13 +133,8 @@ def _rows_sort(op: str, x: torch.Tensor, dim: int, descending: bool, backend: st
     else:
         from . import _triton
         vals, idx = _triton.sort_rows(xc, descending, want_keys)
-    if vals is None:
-        vals = torch.empty(0, dtype=x.dtype, device=x.device)
-    if xc.numel():
-        vals = vals.reshape(shape).movedim(-1, dim).contiguous() if want_keys else vals
-        idx = idx.reshape(shape).movedim(-1, dim).contiguous()
-    else:
-        vals, idx = vals.movedim(-1, dim).contiguous(), idx.movedim(-1, dim).contiguous()
+    idx = idx.reshape(shape).movedim(-1, dim).contiguous()
+    vals = vals.reshape(shape).movedim(-1, dim).contiguous() if want_keys else None
     return vals, idx
 
 
