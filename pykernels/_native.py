@@ -57,6 +57,11 @@ def as_tensor(x, op: str, arg: str) -> torch.Tensor:
     """Accepts a torch.Tensor or anything speaking DLPack / the array protocol (numpy, cupy)."""
     if isinstance(x, torch.Tensor):
         return x
+    if any(s < 0 for s in getattr(x, "strides", None) or ()):
+        # torch.from_dlpack aborts the interpreter on negative strides (torch 2.13): copy those first.
+        import numpy as np
+
+        x = np.ascontiguousarray(x)
     if hasattr(x, "__dlpack__"):
         try:
             return torch.from_dlpack(x)

@@ -1,8 +1,397 @@
-"""Onesweep-style LSD radix sort (issue #3). Not implemented yet."""
+"""Onesweep-style LSD radix sort (issue #3): drop-ins for torch.sort / torch.argsort with stable=True,
+plus CUB-style keys-only, key-value and segmented sorts.
+
+    values, indices = pykernels.sort(x, dim=-1, descending=False)      # == torch.sort(x, stable=True)
+    idx = pykernels.argsort(x)                                           # == torch.argsort(x, stable=True)
+    keys = pykernels.sort_keys(k, begin_bit=0, end_bit=None)             # 1-D keys only: the fastest path
+    keys, vals = pykernels.sort_pairs(k, v)                              # payload of any dtype, stable
+    keys, vals = pykernels.segmented_sort(k, offsets, v)                 # each k[offsets[i]:offsets[i+1]]
+
+Backends: "cpu" (csrc/sort/sort_cpu.cpp: one histogram read for all digits, then one write-combined
+scatter per 8- or 11-bit digit, trivial passes skipped), "cuda" (csrc/sort/sort.cu: Onesweep proper),
+"triton" (pykernels/sort/_triton.py: the same pipeline in Triton). Every op is a torch.library custom
+op (torch.ops.pykernels.<name>) with a fake implementation, so torch.compile(fullgraph=True) works.
+
+Key dtypes: bool, uint8, int8, int16, uint16, int32, uint32, int64, uint64, float16, bfloat16, float32,
+float64. Floats sort as torch does: NaN after +inf, -0.0 equal to +0.0 (so stable indices match
+torch.sort exactly) and the output keys keep their exact input bits.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .. import _native, autotune
+from .._backend import dispatch, select_backend
+from ..errors import check_dtype, check_ndim, check_same_device
+
+__all__ = ["sort", "argsort", "sort_keys", "sort_pairs", "segmented_sort", "KEY_DTYPES"]
+
+KEY_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32,
+              torch.int64, torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_KEY_BITS = {d: (8 if d == torch.bool else torch.empty((), dtype=d).element_size() * 8) for d in KEY_DTYPES}
+MAX_CPU_KEYS = (1 << 32) - 1
 
 
-def _todo(*args, **kwargs):
-    raise NotImplementedError("pykernels.sort: not implemented yet (issue #3)")
+def _backends_supported():
+    """Backends this op family implements in this build (cpu always; cuda/triton when present)."""
+    return ("cpu",)
 
 
-sort = argsort = sort_keys = sort_pairs = segmented_sort = _todo
+def _threads(config: dict) -> int:
+    t = int(config.get("threads", 0) or 0)
+    return t if t > 0 else torch.get_num_threads()
+
+
+def _key(op: str, keys: torch.Tensor, **extra) -> dict:
+    return {"dtype": str(keys.dtype).replace("torch.", ""), "n": autotune.bucket(keys.numel()), **extra}
+
+
+def _default_config(key: dict) -> dict:
+    """Heuristic CPU config: 11-bit digits for >= 32-bit keys past 64K keys (3 passes instead of 4 for
+    32-bit keys; 6 instead of 8 for 64-bit), 8-bit otherwise; every torch thread; streaming stores."""
+    bits = _KEY_BITS.get(getattr(torch, key.get("dtype", "uint32"), torch.uint32), 32)
+    n = key.get("n", 0)
+    return {"digit_bits": 11 if bits >= 32 and n >= (1 << 16) else 8, "threads": 0, "nt": True,
+            "grain": 32768}
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU backend
+# ---------------------------------------------------------------------------------------------
+def _cpu():
+    return _native.cpu_module("sort")
+
+
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None or t.numel() == 0 else t.data_ptr()
+
+
+def _cpu_sort_1d(keys: torch.Tensor, *, want_keys=True, want_idx=False, payload=None, descending=False,
+                 begin_bit=0, end_bit=None, config=None):
+    """Sorts a contiguous 1-D CPU tensor. Returns (keys or None, int64 indices or None, payload or None, stats)."""
+    config = config or {}
+    n = keys.numel()
+    if n > MAX_CPU_KEYS:
+        raise ValueError(f"pykernels.sort: the CPU backend sorts at most 2^32 - 1 keys per call, got {n}")
+    out_k = torch.empty_like(keys, memory_format=torch.contiguous_format) if want_keys else None
+    out_i = torch.empty(n, dtype=torch.int64) if want_idx else None
+    out_p = torch.empty_like(payload, memory_format=torch.contiguous_format) if payload is not None else None
+    stats = _cpu().sort(keys.data_ptr() if n else 0, n, _native.dtype_code(keys.dtype), _ptr(out_k), _ptr(out_i),
+                        _ptr(payload), _ptr(out_p), payload.element_size() if payload is not None else 0,
+                        bool(descending), int(begin_bit), -1 if end_bit is None else int(end_bit),
+                        int(config.get("digit_bits", 0)), _threads(config), bool(config.get("nt", True)),
+                        64, int(config.get("grain", 32768)))
+    return out_k, out_i, out_p, stats
+
+
+def _cpu_segmented(keys: torch.Tensor, offsets: Optional[torch.Tensor], nseg: int, row_len: int, *,
+                   want_keys=True, want_idx=False, payload=None, descending=False, config=None):
+    config = config or {}
+    out_k = torch.empty_like(keys, memory_format=torch.contiguous_format) if want_keys else None
+    out_i = torch.empty(keys.numel(), dtype=torch.int64) if want_idx else None
+    out_p = torch.empty_like(payload, memory_format=torch.contiguous_format) if payload is not None else None
+    if keys.numel():
+        _cpu().segmented(keys.data_ptr(), _native.dtype_code(keys.dtype), _ptr(offsets), nseg, row_len, _ptr(out_k),
+                         _ptr(out_i), _ptr(payload), _ptr(out_p),
+                         payload.element_size() if payload is not None else 0, bool(descending), _threads(config),
+                         int(config.get("digit_bits", 0)), bool(config.get("nt", True)))
+    return out_k, out_i, out_p
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend-neutral implementations (called by the custom ops)
+# ---------------------------------------------------------------------------------------------
+def _rows_sort(op: str, x: torch.Tensor, dim: int, descending: bool, backend: str, want_keys: bool):
+    """sort/argsort along `dim`: the dim goes last, rows are sorted (a 2-D tensor sorted along its last dim
+    is a segmented sort with equal segments), and the result is moved back."""
+    if x.dim() == 0:
+        v = x.clone()
+        return v, torch.zeros((), dtype=torch.int64, device=x.device)
+    if x.numel() == 0:
+        select_backend(op, x.device, backend, supported=_backends_supported())
+        return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
+                torch.empty(x.shape, dtype=torch.int64, device=x.device))
+    xt = x.movedim(dim, -1)
+    shape = xt.shape
+    n = shape[-1]
+    xc = xt.contiguous().reshape(-1, n)
+    rows = xc.shape[0]
+    chosen, config = dispatch(op, x.device, backend, _key(op, xc, rows=autotune.bucket(rows)),
+                              supported=_backends_supported())
+    if chosen == "cpu":
+        if rows == 1:
+            vals, idx, _, _ = _cpu_sort_1d(xc.reshape(-1), want_keys=want_keys, want_idx=True,
+                                           descending=descending, config=config)
+        else:
+            vals, idx, _ = _cpu_segmented(xc.reshape(-1), None, rows, n, want_keys=want_keys, want_idx=True,
+                                          descending=descending, config=config)
+    elif chosen == "cuda":
+        from . import _cuda
+        vals, idx = _cuda.sort_rows(xc, descending, want_keys)
+    else:
+        from . import _triton
+        vals, idx = _triton.sort_rows(xc, descending, want_keys)
+    idx = idx.reshape(shape).movedim(-1, dim).contiguous()
+    vals = vals.reshape(shape).movedim(-1, dim).contiguous() if want_keys else None
+    return vals, idx
+
+
+def _sort_1d_any(op: str, keys: torch.Tensor, values: Optional[torch.Tensor], descending: bool, begin_bit: int,
+                 end_bit: Optional[int], backend: str):
+    kc = keys.contiguous()
+    vc = values.contiguous() if values is not None else None
+    chosen, config = dispatch(op, keys.device, backend,
+                              _key(op, kc, **({"value_bytes": vc.element_size()} if vc is not None else {})),
+                              supported=_backends_supported())
+    if chosen == "cpu":
+        k, _, v, _ = _cpu_sort_1d(kc, payload=vc, descending=descending, begin_bit=begin_bit, end_bit=end_bit,
+                                  config=config)
+        return k, v
+    if chosen == "cuda":
+        from . import _cuda
+        return _cuda.sort_1d(kc, vc, descending, begin_bit, end_bit)
+    from . import _triton
+    return _triton.sort_1d(kc, vc, descending, begin_bit, end_bit)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library registration: pykernels::sort, argsort, sort_keys, sort_pairs, segmented_sort(_pairs)
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("pykernels::sort", mutates_args=())
+def _sort_op(x: torch.Tensor, dim: int, descending: bool, backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _rows_sort("sort", x, dim, descending, backend, True)
+
+
+@_sort_op.register_fake
+def _(x, dim, descending, backend):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), \
+        torch.empty(x.shape, dtype=torch.int64, device=x.device)
+
+
+@torch.library.custom_op("pykernels::argsort", mutates_args=())
+def _argsort_op(x: torch.Tensor, dim: int, descending: bool, backend: str) -> torch.Tensor:
+    return _rows_sort("argsort", x, dim, descending, backend, False)[1]
+
+
+@_argsort_op.register_fake
+def _(x, dim, descending, backend):
+    return torch.empty(x.shape, dtype=torch.int64, device=x.device)
+
+
+@torch.library.custom_op("pykernels::sort_keys", mutates_args=())
+def _sort_keys_op(keys: torch.Tensor, descending: bool, begin_bit: int, end_bit: int, backend: str) -> torch.Tensor:
+    return _sort_1d_any("sort_keys", keys, None, descending, begin_bit, None if end_bit < 0 else end_bit, backend)[0]
+
+
+@_sort_keys_op.register_fake
+def _(keys, descending, begin_bit, end_bit, backend):
+    return torch.empty_like(keys, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("pykernels::sort_pairs", mutates_args=())
+def _sort_pairs_op(keys: torch.Tensor, values: torch.Tensor, descending: bool, begin_bit: int, end_bit: int,
+                   backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _sort_1d_any("sort_pairs", keys, values, descending, begin_bit, None if end_bit < 0 else end_bit, backend)
+
+
+@_sort_pairs_op.register_fake
+def _(keys, values, descending, begin_bit, end_bit, backend):
+    return torch.empty_like(keys, memory_format=torch.contiguous_format), \
+        torch.empty_like(values, memory_format=torch.contiguous_format)
+
+
+def _segmented_impl(keys, offsets, values, descending, backend):
+    kc = keys.contiguous()
+    vc = values.contiguous() if values is not None else None
+    nseg = offsets.numel() - 1
+    chosen, config = dispatch("segmented_sort", keys.device, backend,
+                              _key("segmented_sort", kc, segments=autotune.bucket(max(nseg, 0))),
+                              supported=_backends_supported())
+    if nseg <= 0 or kc.numel() == 0:
+        return kc.clone(), (vc.clone() if vc is not None else None)
+    if chosen == "cpu":
+        off = offsets.to(device="cpu", dtype=torch.int64).contiguous()
+        k, _, v = _cpu_segmented(kc, off, nseg, 0, payload=vc, descending=descending, config=config)
+    elif chosen == "cuda":
+        from . import _cuda
+        k, v = _cuda.segmented(kc, offsets, vc, descending)
+    else:
+        from . import _triton
+        k, v = _triton.segmented(kc, offsets, vc, descending)
+    # Keys outside every segment stay where they are (as CUB leaves them; we copy them through).
+    first, last = int(offsets[0]), int(offsets[-1])
+    if first > 0:
+        k[:first] = kc[:first]
+        if v is not None:
+            v[:first] = vc[:first]
+    if last < kc.numel():
+        k[last:] = kc[last:]
+        if v is not None:
+            v[last:] = vc[last:]
+    return k, v
+
+
+@torch.library.custom_op("pykernels::segmented_sort", mutates_args=())
+def _segmented_keys_op(keys: torch.Tensor, offsets: torch.Tensor, descending: bool, backend: str) -> torch.Tensor:
+    return _segmented_impl(keys, offsets, None, descending, backend)[0]
+
+
+@_segmented_keys_op.register_fake
+def _(keys, offsets, descending, backend):
+    return torch.empty_like(keys, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("pykernels::segmented_sort_pairs", mutates_args=())
+def _segmented_pairs_op(keys: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor, descending: bool,
+                        backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _segmented_impl(keys, offsets, values, descending, backend)
+
+
+@_segmented_pairs_op.register_fake
+def _(keys, offsets, values, descending, backend):
+    return torch.empty_like(keys, memory_format=torch.contiguous_format), \
+        torch.empty_like(values, memory_format=torch.contiguous_format)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API (checks here, work in the custom ops)
+# ---------------------------------------------------------------------------------------------
+def _check_keys(op: str, arg: str, t) -> torch.Tensor:
+    t = _native.as_tensor(t, op, arg)
+    check_dtype(op, arg, t, KEY_DTYPES)
+    return t
+
+
+def _check_flag(op: str, arg: str, v) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError(f"pykernels.{op}: expected a bool for '{arg}', got {type(v).__name__}")
+    return v
+
+
+def _norm_dim(op: str, x: torch.Tensor, dim) -> int:
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise TypeError(f"pykernels.{op}: expected an int for 'dim', got {type(dim).__name__}")
+    nd = max(x.dim(), 1)  # a 0-d tensor takes dim 0 or -1, as in torch
+    if not -nd <= dim < nd:
+        raise ValueError(f"pykernels.{op}: expected 'dim' in [{-nd}, {nd - 1}] for a tensor of shape "
+                         f"{tuple(x.shape)}, got {dim}")
+    return dim % nd if x.dim() else 0
+
+
+def _check_bits(op: str, keys: torch.Tensor, begin_bit, end_bit) -> Tuple[int, int]:
+    bits = _KEY_BITS[keys.dtype]
+    for name, v in (("begin_bit", begin_bit), ("end_bit", end_bit)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+            raise TypeError(f"pykernels.{op}: expected an int for '{name}', got {type(v).__name__}")
+    end = bits if end_bit is None else end_bit
+    if not 0 <= begin_bit <= end <= bits:
+        raise ValueError(f"pykernels.{op}: expected 0 <= begin_bit <= end_bit <= {bits} for {keys.dtype} keys, "
+                         f"got begin_bit={begin_bit}, end_bit={end_bit}")
+    return begin_bit, end
+
+
+def _check_backend(op: str, backend) -> str:
+    if not isinstance(backend, str):
+        raise TypeError(f"pykernels.{op}: expected a str for 'backend', got {type(backend).__name__}")
+    return backend
+
+
+def sort(input, dim: int = -1, descending: bool = False, stable: bool = True, *, out=None, backend: str = "auto"):
+    """Stable sort along `dim`, a drop-in for ``torch.sort(input, dim, descending, stable=True)``:
+    returns ``torch.return_types.sort(values, indices)`` with int64 indices identical to torch's.
+    ``stable=False`` is accepted (a stable result is a valid unstable one). ``out=(values, indices)``
+    receives the result as in torch."""
+    x = _check_keys("sort", "input", input)
+    d = _norm_dim("sort", x, dim)
+    _check_flag("sort", "descending", descending)
+    if stable is not None:
+        _check_flag("sort", "stable", stable)
+    values, indices = torch.ops.pykernels.sort(x, d, descending, _check_backend("sort", backend))
+    if out is not None:
+        if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(o, torch.Tensor) for o in out)):
+            raise TypeError("pykernels.sort: expected 'out' to be a (values, indices) pair of tensors")
+        ov, oi = out
+        if ov.dtype != x.dtype or oi.dtype != torch.int64:
+            raise TypeError(f"pykernels.sort: expected 'out' of dtypes ({x.dtype}, torch.int64), "
+                            f"got ({ov.dtype}, {oi.dtype})")
+        check_same_device("sort", input=x, out_values=ov, out_indices=oi)
+        ov.resize_(values.shape).copy_(values)
+        oi.resize_(indices.shape).copy_(indices)
+        values, indices = ov, oi
+    return torch.return_types.sort((values, indices))
+
+
+def argsort(input, dim: int = -1, descending: bool = False, stable: bool = True, *, backend: str = "auto"):
+    """Stable argsort, a drop-in for ``torch.argsort(input, dim, descending, stable=True)``."""
+    x = _check_keys("argsort", "input", input)
+    d = _norm_dim("argsort", x, dim)
+    _check_flag("argsort", "descending", descending)
+    if stable is not None:
+        _check_flag("argsort", "stable", stable)
+    return torch.ops.pykernels.argsort(x, d, descending, _check_backend("argsort", backend))
+
+
+def sort_keys(keys, *, descending: bool = False, begin_bit: int = 0, end_bit: Optional[int] = None,
+              backend: str = "auto") -> torch.Tensor:
+    """Sorts 1-D keys alone (no indices: the fastest path). ``begin_bit``/``end_bit`` sort on that bit
+    range of the order-preserving transformed key only (like CUB), stably."""
+    k = _check_keys("sort_keys", "keys", keys)
+    check_ndim("sort_keys", "keys", k, 1)
+    _check_flag("sort_keys", "descending", descending)
+    b, e = _check_bits("sort_keys", k, begin_bit, end_bit)
+    return torch.ops.pykernels.sort_keys(k, descending, b, e, _check_backend("sort_keys", backend))
+
+
+def sort_pairs(keys, values, *, descending: bool = False, begin_bit: int = 0, end_bit: Optional[int] = None,
+               backend: str = "auto") -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sorts 1-D keys and moves ``values`` (same length, any dtype) with them, stably."""
+    k = _check_keys("sort_pairs", "keys", keys)
+    v = _native.as_tensor(values, "sort_pairs", "values")
+    check_ndim("sort_pairs", "keys", k, 1)
+    check_ndim("sort_pairs", "values", v, 1)
+    if v.numel() != k.numel():
+        raise ValueError(f"pykernels.sort_pairs: expected 'values' of length {k.numel()} (as 'keys'), "
+                         f"got {v.numel()}")
+    check_same_device("sort_pairs", keys=k, values=v)
+    _check_flag("sort_pairs", "descending", descending)
+    b, e = _check_bits("sort_pairs", k, begin_bit, end_bit)
+    return tuple(torch.ops.pykernels.sort_pairs(k, v, descending, b, e, _check_backend("sort_pairs", backend)))
+
+
+def segmented_sort(keys, offsets, values=None, *, descending: bool = False,
+                   backend: str = "auto") -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Sorts each ``keys[offsets[i]:offsets[i+1]]`` independently (stably), moving ``values`` along.
+    ``offsets``: 1-D integer tensor of non-decreasing positions in [0, len(keys)]. Keys outside every
+    segment are copied through. Returns (keys, values), values None when none were given."""
+    op = "segmented_sort"
+    k = _check_keys(op, "keys", keys)
+    check_ndim(op, "keys", k, 1)
+    off = _native.as_tensor(offsets, op, "offsets")
+    check_dtype(op, "offsets", off, (torch.int32, torch.int64, torch.uint32, torch.int16, torch.uint8, torch.int8,
+                                     torch.uint16, torch.uint64))
+    check_ndim(op, "offsets", off, 1)
+    _check_flag(op, "descending", descending)
+    v = None
+    if values is not None:
+        v = _native.as_tensor(values, op, "values")
+        check_ndim(op, "values", v, 1)
+        if v.numel() != k.numel():
+            raise ValueError(f"pykernels.{op}: expected 'values' of length {k.numel()} (as 'keys'), got {v.numel()}")
+    check_same_device(op, keys=k, offsets=off, values=v)
+    if off.numel() == 0:
+        raise ValueError(f"pykernels.{op}: expected at least one offset (nseg + 1 values), got an empty tensor")
+    off64 = off.to(torch.int64)
+    if off.numel() > 1 and bool((off64[1:] < off64[:-1]).any()):
+        raise ValueError(f"pykernels.{op}: expected non-decreasing 'offsets'")
+    lo, hi = int(off64.min()), int(off64.max())
+    if lo < 0 or hi > k.numel():
+        raise ValueError(f"pykernels.{op}: expected 'offsets' within [0, {k.numel()}], got values in [{lo}, {hi}]")
+    backend = _check_backend(op, backend)
+    if v is None:
+        return torch.ops.pykernels.segmented_sort(k, off64, descending, backend), None
+    return tuple(torch.ops.pykernels.segmented_sort_pairs(k, off64, v, descending, backend))
+
+
+from . import _tune  # noqa: E402,F401  (registers the autotune Tunables)

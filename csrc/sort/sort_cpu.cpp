@@ -1,0 +1,832 @@
+// pykernels._cpu_sort: a parallel, stable LSD radix sort for the CPU in the spirit of Onesweep
+// (Adinets & Merrill, "Onesweep: A Faster Least Significant Digit Radix Sort for GPUs", 2022).
+//
+// How one sort runs (radix_engine below):
+//   1. One read of the keys builds the histograms of EVERY digit at once, per thread (Onesweep's
+//      "global histogram" kernel). The same read encodes keys into order-preserving unsigned integers
+//      and notes whether any float would not survive the round trip (-0.0, NaNs with odd payloads).
+//   2. A pass whose digit is the same for every key is skipped (its histogram has one full bin).
+//   3. One scatter per remaining digit. Each thread owns a contiguous slice of the source; its
+//      destination offsets are a prefix over (digit, thread) of the per-thread counts, so the scatter
+//      is stable without any synchronisation. Writes go through small per-digit write-combining lines
+//      (one 64-byte line per digit, aligned to the destination's cache lines) that are flushed whole,
+//      with non-temporal stores when asked: 256/2048 scattered streams would otherwise thrash the TLB
+//      and the caches, and the streaming stores avoid the read-for-ownership of the destination.
+//   4. While a line is flushed, the thread also counts the NEXT pass's digit of those keys by the
+//      destination slice they land in: the next pass's per-thread counts come for free, so every pass
+//      moves each key exactly twice (read + write) - Onesweep's 2n instead of 3n.
+//   The first pass reads the caller's keys (encoding on the fly); the last writes the caller's output
+//   (decoding on the fly) and, for argsort, widens the 32-bit indices it carried to int64.
+//
+// Keys: every dtype code of pk::DType. Integers are made unsigned by flipping the sign bit; floats by
+// flipping the sign bit of positives and every bit of negatives, after canonicalising NaN (all NaNs
+// sort after +inf, as torch does) and -0.0 (equal to +0.0, so stable indices match torch.sort). When
+// such a canonicalisation changed a key, the output keys are gathered from the input through the
+// sorted indices so the exact bits come back. Descending = every encoded bit flipped (still stable).
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <vector>
+
+#include "pk_common.h"
+#include "pk_threads.h"
+#if PK_X86
+#include <emmintrin.h>
+#endif
+
+namespace py = pybind11;
+
+namespace pksort {
+
+using pk::DType;
+
+// ---------------------------------------------------------------------------------------------
+// Order-preserving key encodings
+// ---------------------------------------------------------------------------------------------
+enum class Enc { Xor, Float };
+
+template <class U>
+struct Codec {
+  static constexpr int BITS = 8 * sizeof(U);
+  static constexpr U SIGN = U(U(1) << (BITS - 1));
+  static constexpr U ALL = U(~U(0));
+  U xor_mask = 0;  // Xor: signed -> SIGN; plus ALL when descending
+  U flip = 0;      // Float: ALL when descending
+  U inf_bits = 0;  // Float: bits of +inf (any larger magnitude is a NaN)
+  U qnan_bits = 0; // Float: the default quiet NaN, which every NaN becomes
+};
+
+template <class U, Enc E>
+struct Coder {
+  Codec<U> c;
+  inline U enc(U x) const {
+    if constexpr (E == Enc::Xor) {
+      return U(x ^ c.xor_mask);
+    } else {
+      U mag = U(x & U(~Codec<U>::SIGN));
+      if (mag > c.inf_bits) x = c.qnan_bits;  // every NaN sorts as one value, after +inf
+      if (mag == 0) x = 0;                    // -0.0 == +0.0
+      U m = (x & Codec<U>::SIGN) ? Codec<U>::ALL : Codec<U>::SIGN;
+      return U(x ^ m ^ c.flip);
+    }
+  }
+  inline U dec(U k) const {
+    if constexpr (E == Enc::Xor) {
+      return U(k ^ c.xor_mask);
+    } else {
+      k = U(k ^ c.flip);
+      U m = (k & Codec<U>::SIGN) ? Codec<U>::SIGN : Codec<U>::ALL;
+      return U(k ^ m);
+    }
+  }
+  // True when enc/dec would not give x back bit for bit.
+  inline bool lossy(U x) const {
+    if constexpr (E == Enc::Xor) {
+      return false;
+    } else {
+      U mag = U(x & U(~Codec<U>::SIGN));
+      return (mag > c.inf_bits && x != c.qnan_bits) || x == Codec<U>::SIGN;
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Scratch memory: grown on demand and kept per thread, so repeated sorts do not pay page faults.
+// ---------------------------------------------------------------------------------------------
+struct Scratch {
+  struct Free { void operator()(void* p) const { std::free(p); } };
+  std::unique_ptr<char, Free> mem;
+  size_t cap = 0;
+  char* get(size_t bytes) {
+    bytes = (bytes + 4095) & ~size_t(4095);
+    if (bytes > cap) {
+      mem.reset();
+      cap = 0;
+      void* p = std::aligned_alloc(4096, bytes);
+      if (!p) throw std::bad_alloc();
+      mem.reset(static_cast<char*>(p));
+      cap = bytes;
+    }
+    return mem.get();
+  }
+  void trim(size_t keep) {
+    if (cap > keep) { mem.reset(); cap = 0; }
+  }
+};
+static Scratch& thread_scratch() {
+  static thread_local Scratch s;
+  return s;
+}
+static constexpr size_t SCRATCH_KEEP = size_t(1) << 30;
+
+// ---------------------------------------------------------------------------------------------
+// Arguments of one 1-D sort (keys of n elements, optional int64 indices and/or payload)
+// ---------------------------------------------------------------------------------------------
+struct SortArgs {
+  const void* keys = nullptr;
+  int64_t n = 0;
+  DType dtype = DType::UInt32;
+  void* out_keys = nullptr;      // may be null (argsort)
+  int64_t* out_idx = nullptr;    // may be null (sort_keys / sort_pairs)
+  const void* pay = nullptr;     // payload (sort_pairs), may be null
+  void* out_pay = nullptr;
+  int pay_size = 0;              // bytes per payload element
+  bool descending = false;
+  int begin_bit = 0, end_bit = -1;
+  int digit_bits = 0;            // 0 = heuristic
+  int threads = 1;
+  bool nt_stores = true;         // streaming stores for full write-combining lines
+  int64_t small_n = 64;          // insertion sort at or below this size
+  int64_t grain = 32768;         // at least this many keys per thread
+};
+
+struct SortStats {
+  int passes = 0, skipped = 0, threads = 1, digit_bits = 0;
+  bool lossy = false, small = false;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Small inputs: stable insertion sort of (encoded key, index), outputs gathered from the input
+// (exact bits, so canonicalised floats come back unchanged).
+// ---------------------------------------------------------------------------------------------
+template <class U, Enc E>
+void small_sort(const SortArgs& a, const Coder<U, E>& cd, U kmask) {
+  const int64_t n = a.n;
+  const U* in = static_cast<const U*>(a.keys);
+  U kbuf[128];
+  uint32_t ibuf[128];
+  std::vector<U> kv;
+  std::vector<uint32_t> iv;
+  U* k = kbuf;
+  uint32_t* ix = ibuf;
+  if (n > 128) {
+    kv.resize(n);
+    iv.resize(n);
+    k = kv.data();
+    ix = iv.data();
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    U key = U(cd.enc(in[i]) & kmask);
+    int64_t j = i;
+    while (j > 0 && k[j - 1] > key) {  // strict: equal keys keep their order (stable)
+      k[j] = k[j - 1];
+      ix[j] = ix[j - 1];
+      --j;
+    }
+    k[j] = key;
+    ix[j] = (uint32_t)i;
+  }
+  U* ok = static_cast<U*>(a.out_keys);
+  const char* pin = static_cast<const char*>(a.pay);
+  char* pout = static_cast<char*>(a.out_pay);
+  for (int64_t i = 0; i < n; ++i) {
+    if (ok) ok[i] = in[ix[i]];
+    if (a.out_idx) a.out_idx[i] = ix[i];
+    if (pout) std::memcpy(pout + i * a.pay_size, pin + (int64_t)ix[i] * a.pay_size, a.pay_size);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The scatter of one pass for one thread's slice [b, e) of the source.
+//   PM: 0 keys only, 1 payload of type PT carried along, 2 indices (generated in the first pass,
+//   32-bit in between, written as int64 by the last pass).
+// ---------------------------------------------------------------------------------------------
+struct PassCtx {
+  int shift = 0;
+  uint32_t mask = 0;
+  // next non-trivial pass's digit, counted per destination slice while flushing (Onesweep-style
+  // "histogram for free"); track_next=false when there is no next pass or only one thread.
+  bool track_next = false;
+  int next_shift = 0;
+  uint32_t next_mask = 0;
+  const int64_t* bounds = nullptr;  // T+1 slice bounds of the next pass
+  int nslices = 1;
+  size_t stride = 0;                // counters per slice (R)
+  int64_t n = 0;
+  bool nt = false;
+};
+
+static inline int slice_of(const PassCtx& c, int64_t x) {
+  int s = (int)((x * (int64_t)c.nslices) / c.n);
+  while (s + 1 < c.nslices && c.bounds[s + 1] <= x) ++s;
+  while (s > 0 && c.bounds[s] > x) --s;
+  return s;
+}
+
+// Copies one whole 64-byte line with streaming stores (SSE2 is baseline x86-64).
+static inline void line_store(void* dst, const void* src, size_t bytes, bool nt) {
+#if PK_X86
+  if (nt && ((uintptr_t)dst & 15) == 0) {
+    const __m128i* s = static_cast<const __m128i*>(src);
+    __m128i* d = static_cast<__m128i*>(dst);
+    for (size_t i = 0; i < bytes / 16; ++i) _mm_stream_si128(d + i, _mm_load_si128(s + i));
+    return;
+  }
+#endif
+  std::memcpy(dst, src, bytes);
+}
+
+template <class U, Enc E, class PT, int PM, bool FIRST, bool LAST>
+void scatter_slice(const Coder<U, E>& cd, const PassCtx& pc, const void* src_keys, const void* src_pay,
+                   U* dst_keys, void* dst_pay, int64_t b, int64_t e, int64_t* pos, const int64_t* lo,
+                   uint32_t* next_hist /* [nslices][R] or null */) {
+  constexpr int L = 64 / sizeof(U);  // keys per write-combining line (one cache line)
+  using PI = std::conditional_t<PM == 2, uint32_t, PT>;                  // payload in the source
+  using PO = std::conditional_t<PM == 2 && LAST, int64_t, PI>;          // payload in the destination
+  constexpr bool HAS_PAY = PM != 0;
+  const uint32_t R = pc.mask + 1;
+  // Line buffers: R lines of L keys (+ R lines of L payloads), 64-byte aligned, kept per thread.
+  static thread_local std::vector<unsigned char> lines;
+  const size_t kbytes = (size_t)R * L * sizeof(U), pbytes = HAS_PAY ? (size_t)R * L * sizeof(PO) : 0;
+  if (lines.size() < kbytes + pbytes + 128) lines.resize(kbytes + pbytes + 128);
+  unsigned char* lb = lines.data() + ((64 - ((uintptr_t)lines.data() & 63)) & 63);
+  U* kb = reinterpret_cast<U*>(lb);
+  PO* pb = reinterpret_cast<PO*>(lb + kbytes);
+  const U* sk = static_cast<const U*>(src_keys);
+  const PI* sp = static_cast<const PI*>(src_pay);
+  PO* dp = static_cast<PO*>(dst_pay);
+  const int shift = pc.shift;
+  const uint32_t mask = pc.mask;
+
+  auto count_next = [&](int64_t from, int64_t to, const U* keys) {  // keys of positions [from, to)
+    if (!pc.track_next) return;
+    int s0 = slice_of(pc, from), s1 = slice_of(pc, to - 1);
+    if (s0 == s1) {
+      uint32_t* h = next_hist + (size_t)s0 * pc.stride;
+      for (int64_t x = from; x < to; ++x) ++h[(uint32_t)(keys[x - from] >> pc.next_shift) & pc.next_mask];
+    } else {
+      for (int64_t x = from; x < to; ++x)
+        ++next_hist[(size_t)slice_of(pc, x) * pc.stride +
+                    ((uint32_t)(keys[x - from] >> pc.next_shift) & pc.next_mask)];
+    }
+  };
+
+  for (int64_t i = b; i < e; ++i) {
+    U k = FIRST ? cd.enc(sk[i]) : sk[i];
+    const uint32_t d = (uint32_t)(k >> shift) & mask;
+    const int64_t p = pos[d]++;
+    const uint32_t s = (uint32_t)p & (L - 1);
+    kb[d * L + s] = LAST ? cd.dec(k) : k;
+    if constexpr (HAS_PAY) {
+      if constexpr (PM == 2 && FIRST) pb[d * L + s] = (PO)i;
+      else pb[d * L + s] = (PO)sp[i];
+    }
+    if (s == L - 1) {  // the line is complete: write it out
+      const int64_t s0 = p - (L - 1);
+      if (PK_LIKELY(s0 >= lo[d])) {
+        line_store(dst_keys + s0, kb + d * L, sizeof(U) * L, pc.nt);
+        if constexpr (HAS_PAY) line_store(dp + s0, pb + d * L, sizeof(PO) * L, pc.nt);
+        if constexpr (!LAST) count_next(s0, p + 1, kb + d * L);
+      } else {  // first line of this digit's run starts inside the line: copy only our part
+        const int64_t off = lo[d] - s0;
+        std::memcpy(dst_keys + lo[d], kb + d * L + off, sizeof(U) * (L - off));
+        if constexpr (HAS_PAY) std::memcpy(dp + lo[d], pb + d * L + off, sizeof(PO) * (L - off));
+        if constexpr (!LAST) count_next(lo[d], p + 1, kb + d * L + off);
+      }
+    }
+  }
+  // Partial last lines.
+  for (uint32_t d = 0; d < R; ++d) {
+    const int64_t end = pos[d];
+    if (end <= lo[d]) continue;
+    const int64_t line0 = end & ~int64_t(L - 1);
+    if (line0 == end) continue;  // ended on a line boundary: already written
+    const int64_t from = std::max(line0, lo[d]);
+    const int64_t off = from - line0;
+    std::memcpy(dst_keys + from, kb + d * L + off, sizeof(U) * (end - from));
+    if constexpr (HAS_PAY) std::memcpy(dp + from, pb + d * L + off, sizeof(PO) * (end - from));
+    if constexpr (!LAST) count_next(from, end, kb + d * L + off);
+  }
+#if PK_X86
+  if (pc.nt) _mm_sfence();  // streaming stores are weakly ordered: publish before the next pass
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// The engine: histogram read, plan, scatters.
+// ---------------------------------------------------------------------------------------------
+struct Pass {
+  int shift, bits;
+};
+
+template <class U, Enc E>
+struct Engine {
+  const SortArgs& a;
+  Coder<U, E> cd;
+  SortStats& st;
+  std::vector<Pass> passes;
+  int T = 1;
+  int R = 256;
+  std::vector<uint32_t> hist;  // [T][npasses][R]
+  std::vector<int64_t> ghist;  // [npasses][R]
+  bool lossy = false;
+
+  Engine(const SortArgs& args, const Coder<U, E>& c, SortStats& s) : a(args), cd(c), st(s) {}
+
+  void histogram(int db) {
+    const int np = (int)passes.size();
+    R = 1 << db;
+    hist.assign((size_t)T * np * R, 0);
+    std::vector<char> lossy_t(T, 0);
+    const U* in = static_cast<const U*>(a.keys);
+    const int64_t n = a.n;
+    pk::parallel_threads(T, [&](int t) {
+      const int64_t b = n * t / T, e = n * (t + 1) / T;
+      uint32_t* h = hist.data() + (size_t)t * np * R;
+      bool ls = false;
+      int sh[64];
+      uint32_t mk[64];
+      for (int j = 0; j < np; ++j) { sh[j] = passes[j].shift; mk[j] = (1u << passes[j].bits) - 1; }
+      // Specialised loops for the common pass counts keep the counters in registers' reach.
+      if (np == 3) {
+        uint32_t *h0 = h, *h1 = h + R, *h2 = h + 2 * R;
+        for (int64_t i = b; i < e; ++i) {
+          U x = in[i];
+          if constexpr (E == Enc::Float) ls |= cd.lossy(x);
+          U k = cd.enc(x);
+          ++h0[(uint32_t)(k >> sh[0]) & mk[0]];
+          ++h1[(uint32_t)(k >> sh[1]) & mk[1]];
+          ++h2[(uint32_t)(k >> sh[2]) & mk[2]];
+        }
+      } else {
+        for (int64_t i = b; i < e; ++i) {
+          U x = in[i];
+          if constexpr (E == Enc::Float) ls |= cd.lossy(x);
+          U k = cd.enc(x);
+          for (int j = 0; j < np; ++j) ++h[j * R + ((uint32_t)(k >> sh[j]) & mk[j])];
+        }
+      }
+      lossy_t[t] = ls;
+    });
+    for (int t = 0; t < T; ++t) lossy |= lossy_t[t] != 0;
+    ghist.assign((size_t)np * R, 0);
+    for (int t = 0; t < T; ++t)
+      for (size_t j = 0; j < (size_t)np * R; ++j) ghist[j] += hist[(size_t)t * np * R + j];
+  }
+
+  template <class PT, int PM>
+  void run_passes(const std::vector<int>& live, U* out_keys, void* out_pay_final) {
+    const int64_t n = a.n;
+    const int Q = (int)live.size();
+    const int np = (int)passes.size();
+    Scratch& scr = thread_scratch();
+    using PI = std::conditional_t<PM == 2, uint32_t, PT>;
+    // Scratch layout: keys (n U), payload ping (n PI), payload pong (n PI, only for PM 2).
+    size_t kbytes = ((size_t)n * sizeof(U) + 63) & ~size_t(63);
+    size_t pbytes = PM ? (((size_t)n * sizeof(PI) + 63) & ~size_t(63)) : 0;
+    char* base = scr.get(kbytes + 2 * pbytes + 64);
+    U* kscr = reinterpret_cast<U*>(base);
+    PI* pscr = reinterpret_cast<PI*>(base + kbytes);
+    PI* pscr2 = reinterpret_cast<PI*>(base + kbytes + pbytes);
+
+    // per-thread counts of the current pass's digit over the source slices
+    std::vector<int64_t> cnt((size_t)T * R, 0);
+    for (int t = 0; t < T; ++t)
+      for (int d = 0; d < R; ++d) cnt[(size_t)t * R + d] = hist[((size_t)t * np + live[0]) * R + d];
+    std::vector<int64_t> bounds(T + 1);
+    for (int t = 0; t <= T; ++t) bounds[t] = n * t / T;
+    std::vector<uint32_t> nh((size_t)T * T * R);
+    std::vector<int64_t> pos((size_t)T * R), lo((size_t)T * R);
+
+    const void* src_k = a.keys;
+    const void* src_p = (PM == 1) ? a.pay : nullptr;
+    for (int q = 0; q < Q; ++q) {
+      const Pass& ps = passes[live[q]];
+      const bool first = q == 0, last = q == Q - 1;
+      // Destination: the caller's output for the last pass; ping-pong so that holds.
+      const bool to_out = ((Q - 1 - q) % 2) == 0;
+      U* dk = to_out ? out_keys : kscr;
+      void* dp = nullptr;
+      if constexpr (PM == 1) dp = to_out ? out_pay_final : (void*)pscr;
+      if constexpr (PM == 2) dp = last ? out_pay_final : (to_out ? (void*)pscr2 : (void*)pscr);
+      // Offsets: digit-major prefix over (digit, thread): stable.
+      int64_t run = 0;
+      for (int d = 0; d < R; ++d) {
+        for (int t = 0; t < T; ++t) {
+          pos[(size_t)t * R + d] = lo[(size_t)t * R + d] = run;
+          run += cnt[(size_t)t * R + d];
+        }
+      }
+      PassCtx pc;
+      pc.shift = ps.shift;
+      pc.mask = (1u << ps.bits) - 1;
+      pc.n = n;
+      pc.nt = a.nt_stores && n >= (int64_t(1) << 18);  // streaming only pays for out-of-cache data
+      pc.track_next = !last && T > 1;
+      if (!last) {
+        const Pass& nx = passes[live[q + 1]];
+        pc.next_shift = nx.shift;
+        pc.next_mask = (1u << nx.bits) - 1;
+        pc.bounds = bounds.data();
+        pc.nslices = T;
+        pc.stride = (size_t)R;
+      }
+      if (pc.track_next) std::fill(nh.begin(), nh.end(), 0u);
+      // Digits narrower than R (last digit of a bit range) still index R-sized tables: fine.
+      pk::parallel_threads(T, [&](int t) {
+        const int64_t b = bounds[t], e = bounds[t + 1];
+        int64_t* pp = pos.data() + (size_t)t * R;
+        const int64_t* ll = lo.data() + (size_t)t * R;
+        uint32_t* h = pc.track_next ? nh.data() + (size_t)t * T * R : nullptr;
+#define PK_SCATTER(F, L_) scatter_slice<U, E, PT, PM, F, L_>(cd, pc, src_k, src_p, dk, dp, b, e, pp, ll, h)
+        if (first && last) PK_SCATTER(true, true);
+        else if (first) PK_SCATTER(true, false);
+        else if (last) PK_SCATTER(false, true);
+        else PK_SCATTER(false, false);
+#undef PK_SCATTER
+      });
+      if (!last) {
+        const int nd = live[q + 1];
+        if (T > 1) {
+          for (int s = 0; s < T; ++s)
+            for (int d = 0; d < R; ++d) {
+              int64_t c = 0;
+              for (int t = 0; t < T; ++t) c += nh[((size_t)t * T + s) * R + d];
+              cnt[(size_t)s * R + d] = c;
+            }
+        } else {
+          for (int d = 0; d < R; ++d) cnt[d] = ghist[(size_t)nd * R + d];
+        }
+      }
+      src_k = dk;
+      src_p = dp;
+    }
+  }
+};
+
+template <class T_>
+static void parallel_copy(T_* dst, const T_* src, int64_t n, int threads) {
+  pk::parallel_ranges(n, n > (1 << 16) ? threads : 1,
+                      [&](int, int64_t b, int64_t e) { std::memcpy(dst + b, src + b, sizeof(T_) * (e - b)); });
+}
+
+template <class U, Enc E>
+void radix_sort_typed(const SortArgs& a, const Codec<U>& codec, SortStats& st) {
+  Coder<U, E> cd{codec};
+  const int key_bits = 8 * sizeof(U);
+  const int bb = a.begin_bit, eb = a.end_bit < 0 ? key_bits : a.end_bit;
+  const int64_t n = a.n;
+  st.threads = 1;
+  if (n <= 0) return;
+  const U kmask = (eb - bb >= key_bits) ? Codec<U>::ALL : U(((U(1) << (eb - bb)) - 1) << bb);
+  if (n <= a.small_n || n <= 1) {
+    st.small = true;
+    small_sort<U, E>(a, cd, kmask);
+    return;
+  }
+  if (n >= (int64_t(1) << 32)) pk::fail_value("sort", "at most 2^32 - 1 keys per CPU sort call");
+  int db = a.digit_bits;
+  if (db <= 0) db = (sizeof(U) >= 4 && n >= (1 << 16)) ? 11 : 8;
+  db = std::max(1, std::min({db, 11, eb - bb}));
+  st.digit_bits = db;
+
+  Engine<U, E> eng(a, cd, st);
+  for (int s = bb; s < eb; s += db) eng.passes.push_back({s, std::min(db, eb - s)});
+  int T = std::max(1, a.threads);
+  T = (int)std::max<int64_t>(1, std::min<int64_t>(T, n / std::max<int64_t>(1, a.grain)));
+  while (T > 1 && (int64_t)T * T * (1 << db) > (1 << 22)) --T;  // bounds the next-pass count tables
+  eng.T = T;
+  st.threads = T;
+  eng.histogram(db);
+  const int R = eng.R;
+  std::vector<int> live;
+  for (int j = 0; j < (int)eng.passes.size(); ++j) {
+    bool trivial = false;
+    for (int d = 0; d < R; ++d)
+      if (eng.ghist[(size_t)j * R + d] == n) { trivial = true; break; }
+    if (!trivial) live.push_back(j);
+  }
+  st.passes = (int)live.size();
+  st.skipped = (int)eng.passes.size() - st.passes;
+  st.lossy = eng.lossy;
+  const int threads = a.threads;
+
+  if (live.empty()) {  // every key has the same sort bits: the input order is the sorted order
+    if (a.out_keys) parallel_copy((U*)a.out_keys, (const U*)a.keys, n, threads);
+    if (a.out_idx) pk::parallel_ranges(n, threads, [&](int, int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) a.out_idx[i] = i;
+      });
+    if (a.out_pay) parallel_copy((char*)a.out_pay, (const char*)a.pay, n * a.pay_size, threads);
+    return;
+  }
+
+  // Choose how the payload travels. Exact-bits output of canonicalised floats needs the indices.
+  const bool need_gather = eng.lossy && a.out_keys;
+  if (!need_gather && a.out_pay == nullptr && a.out_idx == nullptr) {
+    eng.template run_passes<uint32_t, 0>(live, (U*)a.out_keys, nullptr);
+    return;
+  }
+  if (!need_gather && !a.out_idx && a.out_keys && a.out_pay && (a.pay_size == 4 || a.pay_size == 8)) {
+    if (a.pay_size == 4) eng.template run_passes<uint32_t, 1>(live, (U*)a.out_keys, a.out_pay);
+    else eng.template run_passes<uint64_t, 1>(live, (U*)a.out_keys, a.out_pay);
+    return;
+  }
+  // Index mode: sort (key, index), then gather what was not carried.
+  static thread_local Scratch own;  // outputs the caller did not ask for (uninitialised, reused)
+  const size_t ib = ((size_t)n * 8 + 63) & ~size_t(63);
+  char* ob = own.get(ib + (size_t)n * sizeof(U) + 64);
+  int64_t* idx = a.out_idx ? a.out_idx : reinterpret_cast<int64_t*>(ob);
+  U* ok = (U*)a.out_keys;
+  if (!ok || need_gather) ok = reinterpret_cast<U*>(ob + ib);
+  eng.template run_passes<uint32_t, 2>(live, ok, idx);
+  if (need_gather) {
+    const U* in = (const U*)a.keys;
+    U* dst = (U*)a.out_keys;
+    pk::parallel_ranges(n, threads, [&](int, int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) dst[i] = in[idx[i]];
+    });
+  }
+  if (a.out_pay) {
+    const char* pin = (const char*)a.pay;
+    char* pout = (char*)a.out_pay;
+    const int ps = a.pay_size;
+    pk::parallel_ranges(n, threads, [&](int, int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) std::memcpy(pout + i * ps, pin + idx[i] * ps, ps);
+    });
+  }
+}
+
+// Key width and codec of each dtype.
+template <class F>
+void with_codec(DType dt, bool descending, F&& f) {
+  auto fl = [&](auto zero, uint64_t inf, uint64_t qnan) {
+    using U = decltype(zero);
+    Codec<U> c;
+    c.flip = descending ? Codec<U>::ALL : U(0);
+    c.inf_bits = (U)inf;
+    c.qnan_bits = (U)qnan;
+    f(c, std::integral_constant<int, 1>());
+  };
+  auto xr = [&](auto zero, bool is_signed) {
+    using U = decltype(zero);
+    Codec<U> c;
+    c.xor_mask = U((is_signed ? Codec<U>::SIGN : U(0)) ^ (descending ? Codec<U>::ALL : U(0)));
+    f(c, std::integral_constant<int, 0>());
+  };
+  switch (dt) {
+    case DType::Bool: case DType::UInt8: xr(uint8_t(0), false); break;
+    case DType::Int8: xr(uint8_t(0), true); break;
+    case DType::UInt16: xr(uint16_t(0), false); break;
+    case DType::Int16: xr(uint16_t(0), true); break;
+    case DType::UInt32: xr(uint32_t(0), false); break;
+    case DType::Int32: xr(uint32_t(0), true); break;
+    case DType::UInt64: xr(uint64_t(0), false); break;
+    case DType::Int64: xr(uint64_t(0), true); break;
+    case DType::Float16: fl(uint16_t(0), 0x7C00, 0x7E00); break;
+    case DType::BFloat16: fl(uint16_t(0), 0x7F80, 0x7FC0); break;
+    case DType::Float32: fl(uint32_t(0), 0x7F800000u, 0x7FC00000u); break;
+    case DType::Float64: fl(uint64_t(0), 0x7FF0000000000000ull, 0x7FF8000000000000ull); break;
+    default: pk::fail_value("sort", "unsupported key dtype code " + std::to_string((int)dt));
+  }
+}
+
+SortStats radix_sort(const SortArgs& a) {
+  SortStats st;
+  with_codec(a.dtype, a.descending, [&](auto codec, auto kind) {
+    using U = std::remove_cv_t<decltype(codec.xor_mask)>;
+    if constexpr (decltype(kind)::value == 1) {
+      if constexpr (sizeof(U) >= 2) radix_sort_typed<U, Enc::Float>(a, codec, st);
+    } else {
+      radix_sort_typed<U, Enc::Xor>(a, codec, st);
+    }
+  });
+  if (a.n > 0) thread_scratch().trim(SCRATCH_KEEP);
+  return st;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Segmented sort: many independent 1-D sorts. Segments are split over threads by element count;
+// each segment is sorted on its thread with the path that fits its length: insertion sort for tiny
+// segments, a comparison sort of packed (key, index) words for short ones (the index in the low bits
+// makes std::sort stable), the single-threaded radix engine for long ones. Very long segments (few
+// of them) get every thread through the parallel engine.
+// ---------------------------------------------------------------------------------------------
+struct SegArgs {
+  const void* keys;
+  DType dtype;
+  const int64_t* offsets;  // nseg + 1 non-decreasing offsets, or null for rows of row_len
+  int64_t nseg, row_len, total;
+  void* out_keys;
+  int64_t* out_idx;  // indices relative to the segment start, or null
+  const void* pay;
+  void* out_pay;
+  int pay_size;
+  bool descending;
+  int threads;
+  int digit_bits;
+  bool nt_stores;
+};
+
+template <class U, Enc E>
+void sort_short_segment(const SegArgs& g, const Coder<U, E>& cd, int64_t start, int64_t len) {
+  const U* in = static_cast<const U*>(g.keys) + start;
+  U* ok = g.out_keys ? static_cast<U*>(g.out_keys) + start : nullptr;
+  int64_t* oi = g.out_idx ? g.out_idx + start : nullptr;
+  const char* pin = g.pay ? static_cast<const char*>(g.pay) + start * g.pay_size : nullptr;
+  char* pout = g.out_pay ? static_cast<char*>(g.out_pay) + start * g.pay_size : nullptr;
+  const int ps = g.pay_size;
+  auto emit = [&](int64_t i, uint32_t src) {
+    if (ok) ok[i] = in[src];
+    if (oi) oi[i] = src;
+    if (pout) std::memcpy(pout + i * ps, pin + (int64_t)src * ps, ps);
+  };
+  if (len <= 32) {
+    U k[32];
+    uint32_t ix[32];
+    for (int64_t i = 0; i < len; ++i) {
+      U key = cd.enc(in[i]);
+      int64_t j = i;
+      while (j > 0 && k[j - 1] > key) { k[j] = k[j - 1]; ix[j] = ix[j - 1]; --j; }
+      k[j] = key;
+      ix[j] = (uint32_t)i;
+    }
+    for (int64_t i = 0; i < len; ++i) emit(i, ix[i]);
+    return;
+  }
+  if constexpr (sizeof(U) <= 4) {
+    static thread_local std::vector<uint64_t> w;
+    w.resize(len);
+    for (int64_t i = 0; i < len; ++i) w[i] = ((uint64_t)cd.enc(in[i]) << 32) | (uint64_t)i;
+    std::sort(w.begin(), w.end());
+    for (int64_t i = 0; i < len; ++i) emit(i, (uint32_t)w[i]);
+  } else {
+    struct KI { U k; uint32_t i; };
+    static thread_local std::vector<KI> w;
+    w.resize(len);
+    for (int64_t i = 0; i < len; ++i) w[i] = {cd.enc(in[i]), (uint32_t)i};
+    std::sort(w.begin(), w.end(), [](const KI& x, const KI& y) { return x.k < y.k || (x.k == y.k && x.i < y.i); });
+    for (int64_t i = 0; i < len; ++i) emit(i, w[i].i);
+  }
+}
+
+static constexpr int64_t SHORT_SEGMENT = 1024;   // comparison sort at or below
+static constexpr int64_t HUGE_SEGMENT = 1 << 18;  // parallel engine at or above
+
+void segmented_sort(const SegArgs& g) {
+  auto seg_start = [&](int64_t s) { return g.offsets ? g.offsets[s] : s * g.row_len; };
+  auto seg_len = [&](int64_t s) { return g.offsets ? g.offsets[s + 1] - g.offsets[s] : g.row_len; };
+  auto one = [&](int64_t s, int threads) {
+    SortArgs a;
+    const int64_t st = seg_start(s), len = seg_len(s);
+    const int ks = pk::dtype_size(g.dtype);
+    a.keys = static_cast<const char*>(g.keys) + st * ks;
+    a.n = len;
+    a.dtype = g.dtype;
+    a.out_keys = g.out_keys ? static_cast<char*>(g.out_keys) + st * ks : nullptr;
+    a.out_idx = g.out_idx ? g.out_idx + st : nullptr;
+    a.pay = g.pay ? static_cast<const char*>(g.pay) + st * g.pay_size : nullptr;
+    a.out_pay = g.out_pay ? static_cast<char*>(g.out_pay) + st * g.pay_size : nullptr;
+    a.pay_size = g.pay_size;
+    a.descending = g.descending;
+    a.threads = threads;
+    a.digit_bits = g.digit_bits;
+    a.nt_stores = g.nt_stores;
+    radix_sort(a);
+  };
+  // Long segments on all threads, one after another.
+  std::vector<int64_t> rest;
+  bool any_huge = false;
+  for (int64_t s = 0; s < g.nseg && g.offsets; ++s)
+    if (seg_len(s) >= HUGE_SEGMENT) { any_huge = true; break; }
+  if (!g.offsets && g.row_len >= HUGE_SEGMENT) any_huge = true;
+  const int64_t total = g.offsets ? (g.nseg ? g.offsets[g.nseg] - g.offsets[0] : 0) : g.nseg * g.row_len;
+  if (any_huge) {
+    for (int64_t s = 0; s < g.nseg; ++s)
+      if (seg_len(s) >= HUGE_SEGMENT) one(s, g.threads);
+  }
+  // Split the remaining segments over threads by element count (offsets are sorted).
+  const int T = (int)std::max<int64_t>(1, std::min<int64_t>(g.threads, total / 4096 + 1));
+  std::vector<int64_t> cut(T + 1, 0);
+  cut[T] = g.nseg;
+  for (int t = 1; t < T; ++t) {
+    const int64_t target = (g.offsets ? g.offsets[0] : 0) + total * t / T;
+    if (g.offsets) cut[t] = std::upper_bound(g.offsets, g.offsets + g.nseg, target) - g.offsets;
+    else cut[t] = g.row_len ? std::min<int64_t>(g.nseg, target / g.row_len) : g.nseg * t / T;
+    cut[t] = std::max(cut[t], cut[t - 1]);
+  }
+  with_codec(g.dtype, g.descending, [&](auto codec, auto kind) {
+    using U = std::remove_cv_t<decltype(codec.xor_mask)>;
+    auto body = [&](auto enc_tag) {
+      constexpr Enc E = decltype(enc_tag)::value;
+      Coder<U, E> cd{codec};
+      pk::parallel_threads(T, [&](int t) {
+        for (int64_t s = cut[t]; s < cut[t + 1]; ++s) {
+          const int64_t len = seg_len(s);
+          if (len >= HUGE_SEGMENT) continue;
+          if (len <= SHORT_SEGMENT) sort_short_segment<U, E>(g, cd, seg_start(s), len);
+          else one(s, 1);
+        }
+      });
+    };
+    if constexpr (decltype(kind)::value == 1) {
+      if constexpr (sizeof(U) >= 2) body(std::integral_constant<Enc, Enc::Float>());
+    } else {
+      body(std::integral_constant<Enc, Enc::Xor>());
+    }
+  });
+}
+
+}  // namespace pksort
+
+namespace {
+
+py::dict stats_dict(const pksort::SortStats& st) {
+  py::dict d;
+  d["passes"] = st.passes;
+  d["skipped"] = st.skipped;
+  d["threads"] = st.threads;
+  d["digit_bits"] = st.digit_bits;
+  d["lossy"] = st.lossy;
+  d["small"] = st.small;
+  return d;
+}
+
+py::dict sort_1d(uintptr_t keys, int64_t n, int dtype, uintptr_t out_keys, uintptr_t out_idx, uintptr_t pay,
+                 uintptr_t out_pay, int pay_size, bool descending, int begin_bit, int end_bit, int digit_bits,
+                 int threads, bool nt_stores, int64_t small_n, int64_t grain) {
+  pksort::SortArgs a;
+  a.keys = reinterpret_cast<const void*>(keys);
+  a.n = n;
+  a.dtype = static_cast<pk::DType>(dtype);
+  a.out_keys = reinterpret_cast<void*>(out_keys);
+  a.out_idx = reinterpret_cast<int64_t*>(out_idx);
+  a.pay = reinterpret_cast<const void*>(pay);
+  a.out_pay = reinterpret_cast<void*>(out_pay);
+  a.pay_size = pay_size;
+  a.descending = descending;
+  a.begin_bit = begin_bit;
+  a.end_bit = end_bit;
+  a.digit_bits = digit_bits;
+  a.threads = threads;
+  a.nt_stores = nt_stores;
+  a.small_n = small_n;
+  a.grain = grain;
+  const int kb = 8 * pk::dtype_size(a.dtype);
+  if (dtype < 0 || dtype > 12) pk::fail_value("sort", "unknown dtype code");
+  if (a.end_bit < 0) a.end_bit = kb;
+  if (begin_bit < 0 || a.end_bit > kb || begin_bit > a.end_bit)
+    pk::fail_value("sort", "expected 0 <= begin_bit <= end_bit <= " + std::to_string(kb));
+  if (pay && pay_size <= 0) pk::fail_value("sort", "payload element size must be positive");
+  pksort::SortStats st;
+  {
+    py::gil_scoped_release release;
+    if (begin_bit == a.end_bit) {
+      // copy through: identity permutation
+      if (n > 0) {
+        const int ks = pk::dtype_size(a.dtype);
+        if (a.out_keys) std::memcpy(a.out_keys, a.keys, n * ks);
+        if (a.out_idx) for (int64_t i = 0; i < n; ++i) a.out_idx[i] = i;
+        if (a.out_pay) std::memcpy(a.out_pay, a.pay, n * pay_size);
+      }
+    } else {
+      st = pksort::radix_sort(a);
+    }
+  }
+  return stats_dict(st);
+}
+
+void segmented(uintptr_t keys, int dtype, uintptr_t offsets, int64_t nseg, int64_t row_len, uintptr_t out_keys,
+               uintptr_t out_idx, uintptr_t pay, uintptr_t out_pay, int pay_size, bool descending, int threads,
+               int digit_bits, bool nt_stores) {
+  pksort::SegArgs g;
+  g.keys = reinterpret_cast<const void*>(keys);
+  g.dtype = static_cast<pk::DType>(dtype);
+  g.offsets = reinterpret_cast<const int64_t*>(offsets);
+  g.nseg = nseg;
+  g.row_len = row_len;
+  g.total = 0;
+  g.out_keys = reinterpret_cast<void*>(out_keys);
+  g.out_idx = reinterpret_cast<int64_t*>(out_idx);
+  g.pay = reinterpret_cast<const void*>(pay);
+  g.out_pay = reinterpret_cast<void*>(out_pay);
+  g.pay_size = pay_size;
+  g.descending = descending;
+  g.threads = threads;
+  g.digit_bits = digit_bits;
+  g.nt_stores = nt_stores;
+  if (dtype < 0 || dtype > 12) pk::fail_value("segmented_sort", "unknown dtype code");
+  py::gil_scoped_release release;
+  pksort::segmented_sort(g);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_cpu_sort, m) {
+  m.doc() = "pykernels CPU radix sort (Onesweep-style LSD: one histogram read, write-combined scatters)";
+  m.def("cpu_has_avx2", &pk::cpu_has_avx2);
+  m.def("sort", &sort_1d, py::arg("keys"), py::arg("n"), py::arg("dtype"), py::arg("out_keys"), py::arg("out_idx"),
+        py::arg("pay"), py::arg("out_pay"), py::arg("pay_size"), py::arg("descending"), py::arg("begin_bit"),
+        py::arg("end_bit"), py::arg("digit_bits"), py::arg("threads"), py::arg("nt_stores") = true,
+        py::arg("small_n") = 64, py::arg("grain") = 32768,
+        "Stable LSD radix sort of n keys (pointers as integers; 0 = absent). Returns stats.");
+  m.def("segmented", &segmented, py::arg("keys"), py::arg("dtype"), py::arg("offsets"), py::arg("nseg"),
+        py::arg("row_len"), py::arg("out_keys"), py::arg("out_idx"), py::arg("pay"), py::arg("out_pay"),
+        py::arg("pay_size"), py::arg("descending"), py::arg("threads"), py::arg("digit_bits") = 0,
+        py::arg("nt_stores") = true,
+        "Sorts each segment [offsets[i], offsets[i+1]) (or each row of row_len) independently, stably.");
+}

@@ -1,0 +1,431 @@
+"""pykernels.sort family on the CPU backend, against torch.sort(stable=True) / numpy (values AND indices).
+
+The oracle: torch.sort(stable=True) where torch can sort the dtype; numpy's stable argsort for the
+unsigned types torch cannot sort on CPU (uint16/32/64 past 32K keys); a Python model of the
+order-preserving key transform for bit ranges. Values are compared bit for bit (so -0.0 and NaN
+payloads must come back exactly as in the input).
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import pykernels
+from pykernels.sort import KEY_DTYPES, _cpu_sort_1d
+
+ROOT = Path(__file__).resolve().parent.parent
+UNSIGNED_WIDE = (torch.uint16, torch.uint32, torch.uint64)
+INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits_of(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a tensor as a signed integer tensor (for exact comparisons)."""
+    return t.contiguous().view(INT_VIEW[t.element_size()])
+
+
+def assert_same(a: torch.Tensor, b: torch.Tensor, what=""):
+    assert a.shape == b.shape, (what, a.shape, b.shape)
+    assert a.dtype == b.dtype, (what, a.dtype, b.dtype)
+    assert torch.equal(bits_of(a), bits_of(b)), f"{what}: first mismatch at " \
+        f"{(bits_of(a) != bits_of(b)).nonzero()[:5].flatten().tolist()}"
+
+
+def ref_argsort_1d(x: torch.Tensor, descending=False) -> torch.Tensor:
+    """Stable argsort of a 1-D tensor, as torch.sort(stable=True) orders it."""
+    if x.dtype in UNSIGNED_WIDE:
+        a = x.numpy()
+        if descending:
+            a = ~a  # inverts the order of unsigned integers exactly (stable ties stay in order)
+        return torch.from_numpy(np.argsort(a, kind="stable").astype(np.int64))
+    return torch.sort(x, stable=True, descending=descending).indices
+
+
+def ref_sort(x: torch.Tensor, dim=-1, descending=False):
+    if x.dtype in UNSIGNED_WIDE:
+        if x.numel() == 0:
+            return x.clone(), torch.empty(x.shape, dtype=torch.int64)
+        xt = x.movedim(dim, -1).contiguous()
+        flat = xt.reshape(-1, xt.shape[-1]) if xt.dim() else xt.reshape(1, 1)
+        idx = torch.stack([ref_argsort_1d(r, descending) for r in flat]) if flat.shape[0] else \
+            torch.empty(flat.shape, dtype=torch.int64)
+        idx = idx.reshape(xt.shape).movedim(-1, dim)
+        vals = torch.from_numpy(np.take_along_axis(x.numpy(), idx.numpy(), dim)) if x.dim() else x.clone()
+        return vals, idx
+    r = torch.sort(x, dim=dim, stable=True, descending=descending)
+    return r.values, r.indices
+
+
+def take(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x[idx] for every dtype (torch cannot index uint16/32/64 tensors on CPU)."""
+    if x.dtype in UNSIGNED_WIDE:
+        return torch.from_numpy(x.numpy()[idx.numpy()])
+    return x[idx]
+
+
+def encode(x: torch.Tensor) -> np.ndarray:
+    """Python model of the order-preserving transform: unsigned integers of the key's width."""
+    a = x.contiguous().view(INT_VIEW[x.element_size()]).numpy().view(f"u{x.element_size()}").astype(np.uint64)
+    nbits = x.element_size() * 8
+    if x.dtype == torch.bool:
+        return a
+    sign = np.uint64(1) << np.uint64(nbits - 1)
+    allm = np.uint64((1 << nbits) - 1)
+    if not x.is_floating_point():
+        return a ^ sign if x.dtype.is_signed else a
+    inf = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80, torch.float32: 0x7F800000,
+           torch.float64: 0x7FF0000000000000}[x.dtype]
+    qnan = {torch.float16: 0x7E00, torch.bfloat16: 0x7FC0, torch.float32: 0x7FC00000,
+            torch.float64: 0x7FF8000000000000}[x.dtype]
+    mag = a & ~sign & allm
+    a = np.where(mag > np.uint64(inf), np.uint64(qnan), a)
+    a = np.where(mag == 0, np.uint64(0), a)
+    return np.where(a & sign, a ^ allm, a | sign)
+
+
+def make_keys(dtype, n, kind="random", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        base = torch.randint(0, 2, (n,), generator=g).bool()
+        return base if kind != "equal" else torch.ones(n, dtype=torch.bool)
+    if dtype.is_floating_point:
+        x = (torch.randn(n, generator=g, dtype=torch.float64) * 1e3).to(dtype)
+        if kind == "few":
+            x = torch.randint(0, 4, (n,), generator=g).to(dtype) - 1.5
+        if kind == "special" and n:
+            fi = torch.finfo(dtype)
+            specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, fi.tiny, -fi.tiny,
+                                     fi.max, fi.min, fi.tiny / 4, -fi.tiny / 4, float("nan"), -0.0, 1.0],
+                                    dtype=torch.float64).to(dtype)
+            pos = torch.randint(0, n, (n // 2 + 1,), generator=g)
+            x[pos] = specials[torch.randint(0, len(specials), (len(pos),), generator=g)]
+            # a negative NaN and a NaN with a payload: every NaN is "NaN" to torch
+            if dtype == torch.float32 and n > 4:
+                x.view(torch.int32)[1] = -4194304  # 0xFFC00000
+                x.view(torch.int32)[2] = 0x7F800001
+    else:  # integers: built in numpy (torch cannot index uint16/32/64 tensors on CPU)
+        info = torch.iinfo(dtype)
+        npd = np.dtype(str(dtype).replace("torch.", ""))
+        rng = np.random.default_rng(seed)
+        if kind == "few":
+            a = rng.integers(0, 3, n).astype(npd)
+        elif kind == "top":  # only the top bit varies
+            top = np.uint64(1) << np.uint64(info.bits - 1)
+            a = np.where(rng.integers(0, 2, n).astype(bool), top, np.uint64(0)).astype(f"u{info.bits // 8}").view(npd)
+        else:
+            a = rng.integers(info.min, info.max, n, dtype=npd, endpoint=True)
+            if kind == "special" and n:
+                a[rng.integers(0, n, n // 4 + 1)] = info.max
+                a[rng.integers(0, n, n // 4 + 1)] = info.min
+        x = torch.from_numpy(np.ascontiguousarray(a))
+    if kind == "equal":
+        x = x[:1].repeat(n) if n else x
+    elif kind == "sorted":
+        x = ref_sort(x)[0]
+    elif kind == "reversed":
+        x = ref_sort(x, descending=True)[0]
+    return x
+
+
+SIZES = [0, 1, 2, 3, 17, 63, 64, 65, 129, 1000, 4097, 70001]
+KINDS = ["random", "equal", "sorted", "reversed", "few", "special", "top"]
+
+
+@pytest.mark.parametrize("dtype", KEY_DTYPES, ids=[str(d).replace("torch.", "") for d in KEY_DTYPES])
+@pytest.mark.parametrize("descending", [False, True])
+def test_sort_matches_torch_every_dtype_size_and_pattern(dtype, descending):
+    for n in SIZES:
+        for kind in KINDS:
+            if kind in ("top",) and (dtype.is_floating_point or dtype == torch.bool):
+                continue
+            x = make_keys(dtype, n, kind, seed=n)
+            before = x.clone()
+            v, i = pykernels.sort(x, descending=descending)
+            rv, ri = ref_sort(x, descending=descending)
+            assert_same(i, ri, f"indices {dtype} n={n} {kind}")
+            assert_same(v, rv, f"values {dtype} n={n} {kind}")
+            assert_same(x, before, "input modified")
+            assert_same(pykernels.argsort(x, descending=descending), ri, "argsort")
+            if n and kind in ("random", "special"):
+                k = pykernels.sort_keys(x, descending=descending)
+                assert_same(k, rv, f"sort_keys {dtype} n={n}")
+
+
+@pytest.mark.parametrize("dtype", [torch.uint32, torch.int32, torch.float32, torch.int64, torch.float64])
+def test_large_inputs_against_numpy_and_torch(dtype):
+    n = (1 << 20) + 3
+    x = make_keys(dtype, n, "random", seed=1)
+    if dtype == torch.uint32:
+        x = torch.randint(0, 1 << 32, (n,), dtype=torch.int64).to(torch.uint32)
+    v, i = pykernels.sort(x)
+    rv, ri = ref_sort(x)
+    assert_same(i, ri, "indices")
+    assert_same(v, rv, "values")
+    k = pykernels.sort_keys(x)
+    assert np.array_equal(k.numpy(), np.sort(x.numpy(), kind="stable"))
+
+
+def test_float_special_values_order_like_torch():
+    x = torch.tensor([float("nan"), 1.0, -0.0, 0.0, -float("inf"), float("inf"), -1.0, float("nan"), -0.0, 5e-45])
+    for desc in (False, True):
+        v, i = pykernels.sort(x, descending=desc)
+        rv, ri = torch.sort(x, stable=True, descending=desc)
+        assert_same(i, ri)
+        assert_same(v, rv)
+    # big enough for the radix path (and a thread split) with -0.0 and NaNs among many keys
+    y = make_keys(torch.float32, 200003, "special", seed=5)
+    for desc in (False, True):
+        v, i = pykernels.sort(y, descending=desc)
+        rv, ri = torch.sort(y, stable=True, descending=desc)
+        assert_same(i, ri)
+        assert_same(v, rv)
+
+
+@pytest.mark.parametrize("digit_bits", [1, 3, 8, 11])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("nt", [False, True])
+def test_engine_configs_agree(digit_bits, threads, nt):
+    """Every digit width / thread count / store kind the autotuner may pick gives the same stable result."""
+    cfg = {"digit_bits": digit_bits, "threads": threads, "nt": nt, "grain": 1024}
+    for dtype in (torch.int32, torch.float64, torch.uint16):
+        for n in (65, 5000, 300001):
+            if digit_bits <= 3 and n > 5000:
+                continue
+            x = make_keys(dtype, n, "special", seed=n)
+            k, i, _, st = _cpu_sort_1d(x, want_idx=True, config=cfg)
+            assert_same(i, ref_argsort_1d(x), f"{cfg} {dtype} {n}")
+            assert_same(k, take(x, i))
+            k2, _, _, _ = _cpu_sort_1d(x, config=cfg)
+            assert_same(k2, k)
+            p = torch.randn(n, dtype=torch.float64)
+            k3, _, p3, _ = _cpu_sort_1d(x, payload=p, config=cfg)
+            assert_same(p3, p[i], f"payload {cfg}")
+
+
+def test_trivial_passes_are_skipped():
+    x = (torch.randint(0, 256, (1 << 18,)) << 24).to(torch.uint32)  # only the top byte varies
+    k, _, _, st = _cpu_sort_1d(x, config={"digit_bits": 8})
+    assert st["passes"] == 1 and st["skipped"] == 3
+    assert np.array_equal(k.numpy(), np.sort(x.numpy()))
+    y = torch.full((100000,), 7, dtype=torch.int64)
+    k, i, _, st = _cpu_sort_1d(y, want_idx=True, config={"digit_bits": 11})
+    assert st["passes"] == 0 and torch.equal(i, torch.arange(100000)) and torch.equal(k, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.uint32, torch.int32, torch.int64, torch.uint64,
+                                   torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_bit_ranges_like_cub(dtype):
+    nbits = torch.empty((), dtype=dtype).element_size() * 8
+    for n in (50, 3000, 100000):
+        x = make_keys(dtype, n, "special" if dtype.is_floating_point else "random", seed=n)
+        enc = encode(x)
+        for b, e in ((0, nbits), (0, nbits // 2), (nbits // 4, nbits - 3), (nbits - 1, nbits), (3, 3), (5, 17)):
+            e = min(e, nbits)
+            b = min(b, e)
+            sub = (enc >> np.uint64(b)) & np.uint64((1 << (e - b)) - 1)
+            for desc in (False, True):
+                order = np.argsort(~sub if desc else sub, kind="stable")
+                k, v = pykernels.sort_pairs(x, torch.arange(n), begin_bit=b, end_bit=e, descending=desc)
+                assert np.array_equal(v.numpy(), order), (dtype, n, b, e, desc)
+                assert_same(k, take(x, torch.from_numpy(order)), f"keys {dtype} {b}:{e}")
+                k2 = pykernels.sort_keys(x, begin_bit=b, end_bit=e, descending=desc)
+                assert_same(k2, k, "sort_keys bit range")
+
+
+@pytest.mark.parametrize("vdtype", [torch.bool, torch.int8, torch.int16, torch.float32, torch.int64, torch.complex128,
+                                    torch.float16])
+def test_sort_pairs_any_payload(vdtype):
+    for n in (0, 1, 33, 5000, 100003):
+        x = make_keys(torch.int32, n, "few", seed=n)
+        vals = (torch.randn(n, dtype=torch.float64) * 100).to(vdtype) if vdtype != torch.bool else \
+            torch.randint(0, 2, (n,)).bool()
+        vb = vals.clone()
+        for desc in (False, True):
+            k, v = pykernels.sort_pairs(x, vals, descending=desc)
+            ri = ref_argsort_1d(x, desc)
+            assert_same(k, take(x, ri))
+            assert torch.equal(v, vals[ri]), (vdtype, n)
+        assert torch.equal(vals, vb)
+
+
+def test_dims_batched_rows_noncontiguous_0d_empty():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(-5, 5, (4, 7, 300), generator=g).to(torch.float32)
+    for dim in (-1, 0, 1, 2, -2):
+        for desc in (False, True):
+            v, i = pykernels.sort(x, dim=dim, descending=desc)
+            rv, ri = torch.sort(x, dim=dim, stable=True, descending=desc)
+            assert_same(v, rv)
+            assert_same(i, ri)
+    nc = torch.randn(50, 90, generator=g)[::2, 1::3].t()
+    assert not nc.is_contiguous()
+    for dim in (0, 1):
+        v, i = pykernels.sort(nc, dim=dim)
+        rv, ri = torch.sort(nc, dim=dim, stable=True)
+        assert_same(v, rv)
+        assert_same(i, ri)
+    many = torch.randint(0, 50, (20000, 40), generator=g).to(torch.int16)  # rows: short segment path
+    assert_same(pykernels.sort(many).indices, torch.sort(many, stable=True).indices)
+    long_rows = torch.randn(3, 5000, generator=g)  # rows through the per-row radix path
+    assert_same(pykernels.sort(long_rows, descending=True).indices,
+                torch.sort(long_rows, stable=True, descending=True).indices)
+    zero_d = torch.tensor(2.5)
+    for dim in (0, -1):
+        v, i = pykernels.sort(zero_d, dim=dim)
+        rv, ri = torch.sort(zero_d, dim=dim)
+        assert v.shape == () and i.shape == () and v.item() == rv.item() and i.item() == ri.item() == 0
+    for shape in ((0,), (3, 0), (0, 4)):
+        e = torch.empty(shape)
+        for dim in range(len(shape)):
+            v, i = pykernels.sort(e, dim=dim)
+            assert v.shape == e.shape and i.shape == e.shape and i.dtype == torch.int64
+    assert pykernels.sort_keys(torch.empty(0, dtype=torch.uint64)).shape == (0,)
+
+
+def test_out_and_numpy_inputs():
+    x = torch.randn(1000)
+    ov, oi = torch.empty(0), torch.empty(0, dtype=torch.int64)
+    r = pykernels.sort(x, out=(ov, oi))
+    rv, ri = torch.sort(x, stable=True)
+    assert r.values is ov and r.indices is oi and torch.equal(ov, rv) and torch.equal(oi, ri)
+    a = np.random.default_rng(0).integers(0, 1 << 32, 5000, dtype=np.uint32)
+    assert np.array_equal(pykernels.sort_keys(a).numpy(), np.sort(a))
+    ro = np.arange(10, dtype=np.int64)[::-1]
+    ro.setflags(write=False)
+    assert pykernels.sort(ro).values.tolist() == list(range(10))
+
+
+def ref_segmented(keys, offsets, values, descending):
+    k, v = keys.clone(), (values.clone() if values is not None else None)
+    for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+        if b > a:
+            i = ref_argsort_1d(keys[a:b], descending) + a
+            k[a:b] = keys[i]
+            if v is not None:
+                v[a:b] = values[i]
+    return k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float32, torch.uint64, torch.bfloat16, torch.int8])
+def test_segmented_sort(dtype):
+    g = torch.Generator().manual_seed(7)
+    n = 60000
+    x = make_keys(dtype, n, "special" if dtype.is_floating_point else "few", seed=11)
+    # empty, length-1, tiny, short (comparison sort), long (radix) segments, and keys outside any segment
+    lens = [0, 1, 0, 1, 2, 3, 16, 31, 32, 33, 100, 1024, 1025, 5000, 0, 1]
+    lens += torch.randint(0, 40, (500,), generator=g).tolist()
+    starts = [7]
+    for L in lens:
+        starts.append(starts[-1] + L)
+    offsets = torch.tensor(starts)
+    vals = torch.arange(n, dtype=torch.int64) * 3
+    for desc in (False, True):
+        k, v = pykernels.segmented_sort(x, offsets, vals, descending=desc)
+        rk, rv = ref_segmented(x, offsets, vals, desc)
+        assert_same(k, rk, "keys")
+        assert torch.equal(v, rv)
+        k2, none = pykernels.segmented_sort(x, offsets.to(torch.int32), descending=desc)
+        assert none is None and (torch.equal(k2, rk) or dtype.is_floating_point)
+
+
+def test_segmented_many_tiny_and_one_huge():
+    g = torch.Generator().manual_seed(9)
+    x = torch.randint(0, 1000, (16 * 20000,), generator=g).to(torch.int32)
+    offsets = torch.arange(0, x.numel() + 1, 16)
+    k, _ = pykernels.segmented_sort(x, offsets)
+    assert torch.equal(k.view(-1, 16), torch.sort(x.view(-1, 16), stable=True).values)
+    big = torch.randn(300000, generator=g)
+    off = torch.tensor([0, 10, 290000, 300000])
+    k, v = pykernels.segmented_sort(big, off, torch.arange(300000))
+    rk, rv = ref_segmented(big, off, torch.arange(300000), False)
+    assert torch.equal(k, rk) and torch.equal(v, rv)
+
+
+def test_errors_name_the_op_and_argument():
+    x = torch.randn(10)
+    with pytest.raises(TypeError, match=r"pykernels.sort: expected 'input' of dtype"):
+        pykernels.sort(torch.zeros(3, dtype=torch.complex64))
+    with pytest.raises(ValueError, match=r"pykernels.sort: expected 'dim'"):
+        pykernels.sort(x, dim=1)
+    with pytest.raises(ValueError, match=r"pykernels.argsort: expected 'dim'"):
+        pykernels.argsort(torch.tensor(1.0), dim=2)
+    with pytest.raises(ValueError, match=r"pykernels.sort_keys: expected 'keys' with 1"):
+        pykernels.sort_keys(torch.zeros(2, 2))
+    with pytest.raises(ValueError, match=r"begin_bit"):
+        pykernels.sort_keys(torch.zeros(4, dtype=torch.int16), begin_bit=4, end_bit=17)
+    with pytest.raises(ValueError, match=r"pykernels.sort_pairs: expected 'values' of length"):
+        pykernels.sort_pairs(x, torch.zeros(3))
+    with pytest.raises(ValueError, match=r"non-decreasing"):
+        pykernels.segmented_sort(x, torch.tensor([0, 5, 3]))
+    with pytest.raises(ValueError, match=r"within \[0, 10\]"):
+        pykernels.segmented_sort(x, torch.tensor([0, 11]))
+    with pytest.raises(TypeError, match=r"'offsets'"):
+        pykernels.segmented_sort(x, torch.tensor([0.0, 1.0]))
+    with pytest.raises(RuntimeError, match=r"pykernels.sort: backend 'cuda'"):
+        pykernels.sort(x, backend="cuda")
+    with pytest.raises(ValueError, match=r"pykernels.sort_keys: expected backend"):
+        pykernels.sort_keys(x, backend="gpu")
+    with pytest.raises(TypeError, match=r"'out'"):
+        pykernels.sort(x, out=(torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int64)))
+    with pytest.raises(TypeError, match=r"pykernels.sort_keys: expected a torch.Tensor"):
+        pykernels.sort_keys([3, 1, 2])
+    with pytest.raises(TypeError, match=r"descending"):
+        pykernels.sort(x, descending="yes")
+
+
+DTYPE_STRAT = st.sampled_from([torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.float32,
+                               torch.float64, torch.float16, torch.uint32])
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), dtype=DTYPE_STRAT, descending=st.booleans())
+def test_hypothesis_sort_matches_oracle(data, dtype, descending):
+    n = data.draw(st.integers(0, 300))
+    if dtype.is_floating_point:
+        vals = data.draw(st.lists(st.floats(allow_nan=True, allow_infinity=True, width=16 if dtype == torch.float16
+                                            else 32 if dtype == torch.float32 else 64), min_size=n, max_size=n))
+    else:
+        info = torch.iinfo(dtype)
+        vals = data.draw(st.lists(st.integers(info.min, info.max), min_size=n, max_size=n))
+    x = torch.tensor(vals, dtype=torch.float64 if dtype.is_floating_point else torch.int64)
+    x = x.to(dtype) if dtype != torch.uint32 else torch.tensor(np.array(vals, dtype=np.uint32))
+    cfg = {"digit_bits": data.draw(st.sampled_from([4, 8, 11])), "threads": data.draw(st.sampled_from([1, 2])),
+           "grain": 16}
+    v, i = pykernels.sort(x, descending=descending)
+    ri = ref_argsort_1d(x, descending)
+    assert_same(i, ri)
+    assert_same(v, take(x, ri))
+    k, i2, _, _ = _cpu_sort_1d(x, want_idx=True, descending=descending, config=cfg)
+    assert_same(i2, ri)
+    assert_same(k, take(x, ri))
+
+
+def test_autotune_generate_show_and_reuse_in_a_second_process(tmp_path):
+    import pykernels.autotune as at
+
+    cache_dir = tmp_path / "cache"
+    out = cache_dir / f"{at.device_id('cpu')}.json"
+    env = dict(os.environ, PYKERNELS_CACHE_DIR=str(cache_dir))
+    subprocess.run([sys.executable, "-m", "pykernels.autotune", "generate", "--ops", "sort", "--sizes", "65536",
+                    "--out", str(out), "--budget", "0.05"], check=True, cwd=ROOT, env=env, capture_output=True,
+                   timeout=600)
+    assert out.exists()
+    shown = subprocess.run([sys.executable, "-m", "pykernels.autotune", "show", str(out)], check=True, cwd=ROOT,
+                           env=env, capture_output=True, text=True).stdout
+    assert "sort_keys" in shown and "argsort" in shown and "sort_pairs" in shown and "digit_bits" in shown
+    code = ("import torch, pykernels, pykernels.autotune as at\n"
+            "from pykernels.sort import _key\n"
+            "k = torch.zeros(65536, dtype=torch.uint32)\n"
+            "e = at.lookup('sort_keys', _key('sort_keys', k), 'cpu', 'cpu')\n"
+            "assert e is not None, 'no cache entry'\n"
+            "assert at.config_for('sort_keys', 'cpu', _key('sort_keys', k), 'cpu') == e['config']\n"
+            "x = torch.randint(0, 1 << 31, (65536,)).to(torch.uint32)\n"
+            "assert (pykernels.sort_keys(x).to(torch.int64) == x.to(torch.int64).sort().values).all()\n"
+            "print('reused', e['config'])\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "reused" in res.stdout
