@@ -70,6 +70,26 @@ inline int threads_for(int64_t n, int nthreads) {
   return (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, by_size));
 }
 
+// Dynamic work split: threads claim chunks of `kChunk` items from an atomic counter, so a thread that
+// the OS deschedules (these machines are shared) does not hold the others up at the join, as a static
+// split would. fn(tid, begin, end) is called once per chunk.
+constexpr int64_t kChunk = 1 << 14;
+template <class F>
+inline void dyn_ranges(int64_t n, int nthreads, F&& fn) {
+  if (nthreads <= 1 || n <= kChunk) {
+    fn(0, (int64_t)0, n);
+    return;
+  }
+  std::atomic<int64_t> next(0);
+  pk::parallel_threads(nthreads, [&](int tid) {
+    for (;;) {
+      const int64_t b = next.fetch_add(kChunk, std::memory_order_relaxed);
+      if (b >= n) break;
+      fn(tid, b, std::min(n, b + kChunk));
+    }
+  });
+}
+
 // Runs body(i, key, probe) for i in [b, e) as a software pipeline: the probe of key i + D is
 // computed and its first window prefetched D iterations before it is used (D = 0: no prefetch).
 template <class K, bool kWrite, class Body>
@@ -134,71 +154,99 @@ struct Table {
     return nullptr;
   }
 
-  // ---- insert one key. `used`/`limit`: slots that ever left EMPTY, and the most allowed ----
+  // ---- insert, as a resumable state machine (one window per step; see amac_insert) ----
+  // `used`/`limit`: slots that ever left EMPTY, and the most allowed (max load factor).
+  struct InsState {
+    int64_t i;
+    Probe p0, p;
+    uint64_t visited;
+    S* free_slot;  // first EMPTY/TOMBSTONE slot met on the probe sequence
+    uint64_t v;
+    K k;
+  };
+
+  void ins_begin(InsState& s, int64_t i, K k, uint64_t v, Probe p0) const {
+    s.i = i; s.k = k; s.v = v; s.p0 = s.p = p0; s.visited = 0; s.free_slot = nullptr;
+    prefetch_w(s.p.w);
+  }
+  void prefetch_w(uint64_t w) const {
+    const char* line = reinterpret_cast<const char*>(window(w));
+    PK_PREFETCH_W(line);
+    if (window_bytes > 64) PK_PREFETCH_W(line + 64);
+  }
+
+  // Examines the state's current window. Returns true when the key is done (status in `st`).
   template <int Mode>
-  uint8_t insert_one(K k, uint64_t v, Probe p0, std::atomic<int64_t>& used, int64_t limit, int64_t& new_empty) {
-    for (;;) {
-      Probe p = p0;
-      S* free_slot = nullptr;
-      S* found = nullptr;
-      for (uint64_t t = 0; t < nw; ++t) {
-        S* win = window(p.w);
-        for (int j = 0; j < W; ++j) {
-          const K sk = load_relaxed(&win[j].key);
-          if (Mode != M_APPEND && sk == k) { found = &win[j]; goto scanned; }
-          if (sk == EMPTY) {
-            // Beyond the first EMPTY the key cannot be (inserts always fill the first free slot).
-            if (!free_slot) free_slot = &win[j];
-            goto scanned;
-          }
-          if (sk == TOMB && !free_slot) {
-            free_slot = &win[j];
-            if (Mode == M_APPEND) goto scanned;  // duplicates allowed: take the first free slot
-          }
-        }
-        probe_next(p, nw);
-      }
-    scanned:
-      if (found) {
+  bool ins_step(InsState& s, uint8_t& st, std::atomic<int64_t>& used, int64_t limit, int64_t& new_empty) {
+    S* win = window(s.p.w);
+    for (int j = 0; j < W; ++j) {
+      const K sk = load_relaxed(&win[j].key);
+      if (Mode != M_APPEND && sk == s.k) {
         if constexpr (kHasVal) {
-          if (Mode == M_ADD) __atomic_fetch_add(&found->val, (V)v, __ATOMIC_RELAXED);
-          else store_relaxed(&found->val, (V)v);
+          if (Mode == M_ADD) __atomic_fetch_add(&win[j].val, (V)s.v, __ATOMIC_RELAXED);
+          else store_relaxed(&win[j].val, (V)s.v);
         }
-        return ST_EXISTED;
+        st = ST_EXISTED;
+        return true;
       }
-      if (!free_slot) return ST_PENDING;  // every slot holds a live key
-      const K expect = load_relaxed(&free_slot->key);
-      if (expect != EMPTY && expect != TOMB) continue;  // taken meanwhile: rescan
+      if (sk == EMPTY) {
+        // Beyond the first EMPTY the key cannot be (inserts always fill the first free slot).
+        if (!s.free_slot) s.free_slot = &win[j];
+        return claim<Mode>(s, st, used, limit, new_empty);
+      }
+      if (sk == TOMB && !s.free_slot) {
+        s.free_slot = &win[j];
+        if (Mode == M_APPEND) return claim<Mode>(s, st, used, limit, new_empty);  // duplicates allowed
+      }
+    }
+    if (++s.visited < nw) {
+      probe_next(s.p, nw);
+      prefetch_w(s.p.w);
+      return false;
+    }
+    if (!s.free_slot) { st = ST_PENDING; return true; }  // every slot holds a live key
+    return claim<Mode>(s, st, used, limit, new_empty);
+  }
+
+  // CAS the key into the chosen free slot; on a lost race, restart the probe (the winner may have
+  // inserted this very key).
+  template <int Mode>
+  bool claim(InsState& s, uint8_t& st, std::atomic<int64_t>& used, int64_t limit, int64_t& new_empty) {
+    S* slot = s.free_slot;
+    const K expect = load_relaxed(&slot->key);
+    if (expect == EMPTY || expect == TOMB) {
       const bool from_empty = expect == EMPTY;
-      if (from_empty) {
-        if (used.fetch_add(1, std::memory_order_relaxed) + 1 > limit) {
-          used.fetch_sub(1, std::memory_order_relaxed);
-          return ST_PENDING;
-        }
+      if (from_empty && used.fetch_add(1, std::memory_order_relaxed) + 1 > limit) {
+        used.fetch_sub(1, std::memory_order_relaxed);
+        st = ST_PENDING;
+        return true;
       }
-      if constexpr (kHasVal) {
-        if (Mode == M_ADD) {
-          // Counting: the value of a free slot is 0 (fresh tables are zeroed, erase zeroes it), and
-          // other threads may add to it as soon as the key is visible: add, never store.
-          if (cas(&free_slot->key, expect, k)) {
-            __atomic_fetch_add(&free_slot->val, (V)v, __ATOMIC_RELAXED);
-            if (from_empty) ++new_empty;
-            return ST_NEW;
-          }
-        } else if (cas(&free_slot->key, expect, k)) {
-          store_relaxed(&free_slot->val, (V)v);
-          if (from_empty) ++new_empty;
-          return ST_NEW;
+      if (cas(&slot->key, expect, s.k)) {
+        if constexpr (kHasVal) {
+          // Counting: a free slot's value is 0 (fresh tables are zeroed, erase zeroes it) and other
+          // threads may add as soon as the key is visible: add, never store.
+          if (Mode == M_ADD) __atomic_fetch_add(&slot->val, (V)s.v, __ATOMIC_RELAXED);
+          else store_relaxed(&slot->val, (V)s.v);
         }
-      } else {
-        if (cas(&free_slot->key, expect, k)) {
-          if (from_empty) ++new_empty;
-          return ST_NEW;
-        }
+        if (from_empty) ++new_empty;
+        st = ST_NEW;
+        return true;
       }
       if (from_empty) used.fetch_sub(1, std::memory_order_relaxed);
-      // lost the race for this slot: rescan (the winner may have inserted this very key)
     }
+    s.p = s.p0;
+    s.visited = 0;
+    s.free_slot = nullptr;
+    return false;
+  }
+
+  template <int Mode>
+  uint8_t insert_one(K k, uint64_t v, Probe p0, std::atomic<int64_t>& used, int64_t limit, int64_t& new_empty) {
+    InsState s;
+    ins_begin(s, 0, k, v, p0);
+    uint8_t st = ST_PENDING;
+    while (!ins_step<Mode>(s, st, used, limit, new_empty)) {}
+    return st;
   }
 
   // Reserved key patterns: a tiny out-of-band store with the same atomic semantics.
@@ -235,32 +283,122 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
   std::vector<int64_t> news(nt, 0), new_empty(nt, 0), pending(nt, 0);
   {
     py::gil_scoped_release release;
-    pk::parallel_ranges(n, nt, [&](int tid, int64_t b, int64_t e) {
+    dyn_ranges(n, nt, [&](int tid, int64_t b, int64_t e) {
       int64_t nn = 0, ne = 0, np = 0;
       auto run = [&](auto mode_tag) {
         constexpr int Mode = decltype(mode_tag)::value;
-        pipelined<K, true>(keys, b, e, D, g, t.window_bytes, [&](int64_t i, K k, Probe p) {
-          const uint64_t v = (Mode == M_ADD && !vals) ? 1 : (vals ? read_val<K, V>(vals, i) : 0);
-          uint8_t st;
-          if (PK_UNLIKELY(is_special(k))) {
-            st = Mode == M_APPEND ? ST_SKIPPED : t.template insert_special<Mode>(k, v);
-          } else {
-            st = t.template insert_one<Mode>(k, v, p, used, limit, ne);
-          }
+        // AMAC (see amac_find): up to D inserts in flight, one window per step.
+        using St = typename Table<K, V>::InsState;
+        constexpr int kMaxG = 64;
+        St sts[kMaxG];
+        bool live[kMaxG];
+        const int G = std::max(1, std::min(D, kMaxG));
+        int64_t next = b;
+        auto finish = [&](int64_t i, uint8_t st) {
           status[i] = st;
           nn += st == ST_NEW;
           np += st == ST_PENDING;
-        });
+        };
+        auto start = [&](St& s) -> bool {
+          while (next < e) {
+            const int64_t i = next++;
+            const K k = keys[i];
+            const uint64_t v = (Mode == M_ADD && !vals) ? 1 : (vals ? read_val<K, V>(vals, i) : 0);
+            if (PK_UNLIKELY(is_special(k))) {
+              finish(i, Mode == M_APPEND ? ST_SKIPPED : t.template insert_special<Mode>(k, v));
+              continue;
+            }
+            t.ins_begin(s, i, k, v, probe_start((uint64_t)k, g.seed, g.nw));
+            return true;
+          }
+          return false;
+        };
+        int active = 0;
+        for (int x = 0; x < G; ++x) active += (live[x] = start(sts[x]));
+        while (active) {
+          for (int x = 0; x < G; ++x) {
+            if (!live[x]) continue;
+            uint8_t st;
+            if (!t.template ins_step<Mode>(sts[x], st, used, limit, ne)) continue;
+            finish(sts[x].i, st);
+            if (!(live[x] = start(sts[x]))) --active;
+          }
+        }
       };
       if (mode == M_UPSERT) run(std::integral_constant<int, M_UPSERT>());
       else if (mode == M_ADD) run(std::integral_constant<int, M_ADD>());
       else run(std::integral_constant<int, M_APPEND>());
-      news[tid] = nn; new_empty[tid] = ne; pending[tid] = np;
+      news[tid] += nn; new_empty[tid] += ne; pending[tid] += np;
     });
   }
   int64_t a = 0, b = 0, c = 0;
   for (int i = 0; i < nt; ++i) { a += news[i]; b += new_empty[i]; c += pending[i]; }
   return py::make_tuple(a, b, c);
+}
+
+// Lookups as interleaved state machines (AMAC: Kocberber et al., "Asynchronous Memory Access
+// Chaining", VLDB 2015): G lookups are in flight; each step examines one lookup's current window,
+// and a lookup that must go on to its next window prefetches it and yields to the others. Unlike a
+// plain prefetch pipeline, this also overlaps the second and later windows of long probes (misses
+// at high load), so every DRAM access of the layout is overlapped with G - 1 others.
+template <class K, class V, class Emit>
+void amac_find(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, Emit&& emit) {
+  using S = Slot<K, V>;
+  if (G <= 1) {
+    for (int64_t i = b; i < e; ++i) {
+      const K k = keys[i];
+      if (PK_UNLIKELY(is_special(k))) { emit(i, k, nullptr, true); continue; }
+      emit(i, k, t.find_slot(k, probe_start((uint64_t)k, t.seed, t.nw)), false);
+    }
+    return;
+  }
+  struct State { int64_t i; Probe p; uint64_t visited; K k; };
+  constexpr int kMaxG = 64;
+  State st[kMaxG];
+  bool live[kMaxG];
+  if (G > kMaxG) G = kMaxG;
+  int64_t next = b;
+  auto start = [&](State& s) -> bool {
+    while (next < e) {
+      const int64_t i = next++;
+      const K k = keys[i];
+      if (PK_UNLIKELY(is_special(k))) { emit(i, k, nullptr, true); continue; }
+      s.i = i;
+      s.k = k;
+      s.p = probe_start((uint64_t)k, t.seed, t.nw);
+      s.visited = 0;
+      const char* line = reinterpret_cast<const char*>(t.window(s.p.w));
+      PK_PREFETCH_R(line);
+      if (t.window_bytes > 64) PK_PREFETCH_R(line + 64);
+      return true;
+    }
+    return false;
+  };
+  int active = 0;
+  for (int g = 0; g < G; ++g) active += (live[g] = start(st[g]));
+  while (active) {
+    for (int g = 0; g < G; ++g) {
+      if (!live[g]) continue;
+      State& s = st[g];
+      const S* win = t.window(s.p.w);
+      const S* hit = nullptr;
+      bool done = false;
+      for (int j = 0; j < t.W; ++j) {
+        const K sk = load_relaxed(&win[j].key);
+        if (sk == s.k) { hit = &win[j]; done = true; break; }
+        if (sk == Table<K, V>::EMPTY) { done = true; break; }
+      }
+      if (!done && ++s.visited < t.nw) {
+        probe_next(s.p, t.nw);
+        const char* line = reinterpret_cast<const char*>(t.window(s.p.w));
+        PK_PREFETCH_R(line);
+        if (t.window_bytes > 64) PK_PREFETCH_R(line + 64);
+        continue;
+      }
+      emit(s.i, s.k, const_cast<S*>(hit), false);
+      if (!(live[g] = start(s))) --active;
+    }
+  }
 }
 
 template <class K, class V>
@@ -270,16 +408,15 @@ void find_impl(const Geo& g, uintptr_t keys_p, int64_t n, uintptr_t out_vals_p, 
   const K* keys = reinterpret_cast<const K*>(keys_p);
   uint8_t* found = reinterpret_cast<uint8_t*>(found_p);
   py::gil_scoped_release release;
-  pk::parallel_ranges(n, threads_for(n, nthreads), [&](int, int64_t b, int64_t e) {
-    pipelined<K, false>(keys, b, e, D, g, t.window_bytes, [&](int64_t i, K k, Probe p) {
+  dyn_ranges(n, threads_for(n, nthreads), [&](int, int64_t b, int64_t e) {
+    amac_find(t, keys, b, e, D, [&](int64_t i, K k, Slot<K, V>* s, bool special) {
       bool hit;
       uint64_t v = dflt;
-      if (PK_UNLIKELY(is_special(k))) {
-        const int s = special_index(k);
-        hit = load_relaxed(&t.special[2 * s]) != 0;
-        if (hit) v = load_relaxed(&t.special[2 * s + 1]);
+      if (PK_UNLIKELY(special)) {
+        const int si = special_index(k);
+        hit = load_relaxed(&t.special[2 * si]) != 0;
+        if (hit) v = load_relaxed(&t.special[2 * si + 1]);
       } else {
-        auto* s = t.find_slot(k, p);
         hit = s != nullptr;
         if constexpr (Table<K, V>::kHasVal) {
           if (hit) v = (uint64_t)load_relaxed(&s->val);
@@ -305,7 +442,7 @@ int64_t erase_impl(const Geo& g, uintptr_t keys_p, int64_t n, uintptr_t out_p, b
   std::vector<int64_t> tot(nt, 0);
   {
     py::gil_scoped_release release;
-    pk::parallel_ranges(n, nt, [&](int tid, int64_t b, int64_t e) {
+    dyn_ranges(n, nt, [&](int tid, int64_t b, int64_t e) {
       int64_t sum = 0;
       pipelined<K, true>(keys, b, e, D, g, t.window_bytes, [&](int64_t i, K k, Probe p) {
         int64_t erased = 0;
@@ -341,7 +478,7 @@ int64_t erase_impl(const Geo& g, uintptr_t keys_p, int64_t n, uintptr_t out_p, b
         out[i] = erased;
         sum += erased;
       });
-      tot[tid] = sum;
+      tot[tid] += sum;
     });
   }
   int64_t s = 0;
@@ -359,7 +496,7 @@ void multi_walk_impl(const Geo& g, uintptr_t keys_p, int64_t n, uintptr_t counts
   const int64_t* offsets = reinterpret_cast<const int64_t*>(offsets_p);
   V* vals_out = reinterpret_cast<V*>(vals_out_p);
   py::gil_scoped_release release;
-  pk::parallel_ranges(n, threads_for(n, nthreads), [&](int, int64_t b, int64_t e) {
+  dyn_ranges(n, threads_for(n, nthreads), [&](int, int64_t b, int64_t e) {
     pipelined<K, false>(keys, b, e, D, g, t.window_bytes, [&](int64_t i, K k, Probe p) {
       int64_t c = 0;
       if (!is_special(k)) {
@@ -428,7 +565,7 @@ int64_t rehash_impl(const Geo& src, const Geo& dst, int nthreads, int D) {
   const int64_t limit = (int64_t)(dst.nw * (uint64_t)dst.W);
   {
     py::gil_scoped_release release;
-    pk::parallel_ranges(nslots, nt, [&](int tid, int64_t b, int64_t e) {
+    dyn_ranges(nslots, nt, [&](int tid, int64_t b, int64_t e) {
       // Compact this range's live keys in chunks, then run them through the prefetching pipeline.
       constexpr int64_t CH = 1024;
       K kbuf[CH];
@@ -449,14 +586,37 @@ int64_t rehash_impl(const Geo& src, const Geo& dst, int nthreads, int D) {
           if (st == ST_NEW) ++mv; else ++ms;
         });
       }
-      moved[tid] = mv;
-      missed[tid] = ms;
+      moved[tid] += mv;
+      missed[tid] += ms;
     });
   }
   int64_t a = 0, b = 0;
   for (int i = 0; i < nt; ++i) { a += moved[i]; b += missed[i]; }
   if (b) pk::fail_runtime("hash.rehash", "destination table too small (internal error)");
   return a;
+}
+
+// Windows (cache lines on the CPU) a find visits per key: the layout's DRAM accesses per lookup,
+// reported by the benchmarks next to the measured rate.
+template <class K, class V>
+int64_t probe_windows_impl(const Geo& g, uintptr_t keys_p, int64_t n) {
+  Table<K, V> t(g);
+  const K* keys = reinterpret_cast<const K*>(keys_p);
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const K k = keys[i];
+    if (is_special(k)) continue;
+    Probe p = probe_start((uint64_t)k, g.seed, g.nw);
+    for (uint64_t w = 0; w < t.nw; ++w) {
+      ++total;
+      auto* win = t.window(p.w);
+      bool stop = false;
+      for (int j = 0; j < t.W && !stop; ++j) stop = win[j].key == k || win[j].key == Table<K, V>::EMPTY;
+      if (stop) break;
+      probe_next(p, t.nw);
+    }
+  }
+  return total;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -466,7 +626,7 @@ void bloom_add(uintptr_t words_p, uint64_t nblocks, int k, uint64_t seed, uintpt
   uint64_t* words = reinterpret_cast<uint64_t*>(words_p);
   const uint64_t* keys = reinterpret_cast<const uint64_t*>(keys_p);
   py::gil_scoped_release release;
-  pk::parallel_ranges(n, threads_for(n, nthreads), [&](int, int64_t b, int64_t e) {
+  dyn_ranges(n, threads_for(n, nthreads), [&](int, int64_t b, int64_t e) {
     constexpr int D = 16;
     for (int64_t i = b; i < e; ++i) {
       if (i + D < e) PK_PREFETCH_W(words + bloom_block(keys[i + D], seed, nblocks) * BLOOM_BLOCK_WORDS);
@@ -485,7 +645,7 @@ void bloom_contains(uintptr_t words_p, uint64_t nblocks, int k, uint64_t seed, u
   const uint64_t* keys = reinterpret_cast<const uint64_t*>(keys_p);
   uint8_t* out = reinterpret_cast<uint8_t*>(out_p);
   py::gil_scoped_release release;
-  pk::parallel_ranges(n, threads_for(n, nthreads), [&](int, int64_t b, int64_t e) {
+  dyn_ranges(n, threads_for(n, nthreads), [&](int, int64_t b, int64_t e) {
     constexpr int D = 16;
     for (int64_t i = b; i < e; ++i) {
       if (i + D < e) PK_PREFETCH_R(words + bloom_block(keys[i + D], seed, nblocks) * BLOOM_BLOCK_WORDS);
@@ -521,6 +681,22 @@ Geo geo_of(uintptr_t slots, uintptr_t special, uint64_t nw, int W, uint64_t seed
 
 int slot_bytes(int kb, int vb) {
   return by_layout("hash.slot_bytes", kb, vb, [](auto k, auto v) { return (int)sizeof(Slot<decltype(k), decltype(v)>); });
+}
+
+// Fresh/cleared storage: keys EMPTY (all ones), values 0 (counting tables add into a fresh slot).
+void init_slots(uintptr_t slots_p, int64_t nslots, int kb, int vb, int nthreads) {
+  py::gil_scoped_release release;
+  by_layout("hash.clear", kb, vb, [&](auto k, auto v) {
+    using S = Slot<decltype(k), decltype(v)>;
+    S* slots = reinterpret_cast<S*>(slots_p);
+    S proto;
+    std::memset(&proto, 0, sizeof(S));
+    proto.key = Sentinel<decltype(k)>::EMPTY;
+    dyn_ranges(nslots, threads_for(nslots, nthreads), [&](int, int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) slots[i] = proto;
+    });
+    return 0;
+  });
 }
 
 // Random probes of a large table miss the TLB on nearly every access with 4 KiB pages; 2 MiB pages
@@ -599,6 +775,15 @@ PYBIND11_MODULE(_cpu_hash, m) {
             return rehash_impl<decltype(k), decltype(v)>(s, d, nthreads, D);
           });
         });
+  m.def("probe_windows",
+        [](uintptr_t slots, uint64_t nw, int W, uint64_t seed, int kb, int vb, uintptr_t keys, int64_t n) {
+          Geo g = geo_of(slots, 0, nw, W, seed, "hash.probe_windows");
+          return by_layout("hash.probe_windows", kb, vb, [&](auto k, auto v) {
+            return probe_windows_impl<decltype(k), decltype(v)>(g, keys, n);
+          });
+        }, "Total windows visited by finds of these keys (single thread; for the benchmarks)");
+  m.def("init_slots", &init_slots, py::arg("slots"), py::arg("nslots"), py::arg("kb"), py::arg("vb"),
+        py::arg("nthreads"));
   m.def("advise_hugepages", &advise_hugepages, py::arg("ptr"), py::arg("nbytes"));
   m.def("bloom_add", &bloom_add);
   m.def("bloom_contains", &bloom_contains);

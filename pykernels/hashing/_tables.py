@@ -113,6 +113,10 @@ class _OpenTable:
 
     def _init_slots(self, slots):
         """Keys EMPTY (all ones), values zero: counting tables add into a fresh slot's value."""
+        if self.device.type == "cpu":
+            self._mod.init_slots(slots.data_ptr(), slots.numel() * 4 // self._sb, self._kb, self._vb,
+                                 torch.get_num_threads())
+            return
         rows = slots.view(-1, self._sb // 4)
         rows.zero_()
         rows[:, : self._kb // 4].fill_(-1)
@@ -157,7 +161,7 @@ class _OpenTable:
         n = kbits.numel()
         return self._mod.insert(*self._geo(), kbits.data_ptr(), vbits.data_ptr() if vbits is not None else 0, n,
                                 status.data_ptr(), mode, self._used, self._limit(), self._threads(cfg),
-                                int(cfg.get("prefetch", 16)), *self._stream())
+                                int(cfg.get("prefetch", 32)), *self._stream())
 
     def _insert_bits(self, op, kbits, vbits, mode):
         """Inserts, making room (tombstone purge / growth) for keys left out by a full table.
@@ -201,7 +205,7 @@ class _OpenTable:
         self._init_slots(new_slots)
         cfg = self._config("hash_insert")
         moved = self._mod.rehash(old_slots.data_ptr(), old_nw, new_slots.data_ptr(), new_nw, self.window, self.seed,
-                                 self._kb, self._vb, self._threads(cfg), int(cfg.get("prefetch", 16)),
+                                 self._kb, self._vb, self._threads(cfg), int(cfg.get("prefetch", 32)),
                                  *self._stream())
         self._slots, self._nw = new_slots, new_nw
         self._used = moved
@@ -215,7 +219,7 @@ class _OpenTable:
         if n:
             cfg = self._config("hash_find")
             self._mod.find(*self._geo(), kbits.data_ptr(), n, vals.data_ptr() if vals is not None else 0,
-                           found.data_ptr(), default_bits, self._threads(cfg), int(cfg.get("prefetch", 16)),
+                           found.data_ptr(), default_bits, self._threads(cfg), int(cfg.get("prefetch", 32)),
                            *self._stream())
         return vals, found.view(torch.bool)
 
@@ -225,7 +229,7 @@ class _OpenTable:
         if n:
             cfg = self._config("hash_find")
             total = self._mod.erase(*self._geo(), kbits.data_ptr(), n, out.data_ptr(), self._multi, self._counting,
-                                    self._threads(cfg), int(cfg.get("prefetch", 16)), *self._stream())
+                                    self._threads(cfg), int(cfg.get("prefetch", 32)), *self._stream())
             self._size -= total
         return out
 

@@ -14,7 +14,7 @@ import torch
 
 from .. import autotune
 
-_PREFETCH = (0, 4, 8, 16, 24, 32, 48)
+_PREFETCH = (1, 4, 8, 16, 32, 48)
 _CPU_CACHE_BYTES = 8 << 20  # tables up to about this size are mostly cache resident
 
 
@@ -23,7 +23,9 @@ def _key(table, keys=None, **kw):
 
 
 def _cpu_default(key):
-    return {"prefetch": 16 if key["table_bytes"] > _CPU_CACHE_BYTES // 4 else 0, "threads": 0}
+    # measured on a 2-core EPYC (per-core CPU time, 4M keys, 128 MiB table): D=32 gives 3x over D=0;
+    # small cache-resident tables gain little from more than a few lookups in flight.
+    return {"prefetch": 32 if key["table_bytes"] > _CPU_CACHE_BYTES // 4 else 8, "threads": 0}
 
 
 def _cpu_candidates(key):
