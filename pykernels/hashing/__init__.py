@@ -1,13 +1,384 @@
-"""WarpCore-style hash tables (issue #4). Not implemented yet."""
+"""WarpCore-style hash tables (issue #4): HashMap, HashSet, CountingTable, MultiValueHashMap, BloomFilter.
+
+All tables share one layout (csrc/hash/hash_layout.h; Juenger et al., "WarpCore: A Library for fast
+Hash Tables on GPUs", HiPC 2020): open addressing over a prime number of windows of W slots, double
+hashing between windows, CAS inserts, tombstones for erase. The same memory is probed by the native
+CPU module (prefetching pipeline, threads + CAS), the CUDA/HIP module (cooperative probing groups with
+a ballot over a window) and numba.cuda device functions in a user's kernel (`pykernels.hashing.device`).
+
+    >>> t = pykernels.HashMap(1 << 20, key_dtype=torch.int64, value_dtype=torch.float32)
+    >>> t.insert(torch.tensor([3, 5, 3]), torch.tensor([1.0, 2.0, 4.0]))
+    tensor([ True,  True, False])
+    >>> t.find(torch.tensor([5, 7]), default=-1.0)
+    (tensor([ 2., -1.]), tensor([ True, False]))
+
+Every key value is valid: the two bit patterns used internally as EMPTY/TOMBSTONE are stored out of
+band. `capacity` is the number of slots (rounded up to a prime number of windows); a table holds at
+most `max_load_factor * capacity` keys, then grows (`growable=True`) or raises TableFullError.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _layout as L
+from ._tables import M_ADD, M_APPEND, M_UPSERT, ST_NEW, _OpenTable, _device
+from .. import _backend, _native
+from ..errors import TableFullError  # noqa: F401  (re-exported for convenience)
+
+__all__ = ["HashMap", "HashSet", "CountingTable", "MultiValueHashMap", "BloomFilter"]
 
 
-class _Todo:
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError(f"pykernels.{type(self).__name__}: not implemented yet (issue #4)")
+class HashMap(_OpenTable):
+    """Key -> value map (one value per key; insert is an upsert)."""
+
+    _op = "HashMap"
+
+    def __init__(self, capacity, key_dtype=torch.int64, value_dtype=torch.int64, device="cpu", *,
+                 max_load_factor=0.9, growable=True, window=None, backend="auto"):
+        if value_dtype is None:
+            raise TypeError("pykernels.HashMap: expected a 'value_dtype', got None (use HashSet for keys only)")
+        super().__init__(capacity, key_dtype, value_dtype, device, max_load_factor=max_load_factor,
+                         growable=growable, window=window, backend=backend)
+
+    def insert(self, keys, values) -> torch.Tensor:
+        """Upserts; returns a bool tensor, True where the key was new. Among duplicates of a new key in
+        one call exactly one is True, and one of their values is kept."""
+        keys = self._keys("insert", keys)
+        values = self._values("insert", values, keys)
+        with self._lock:
+            status = self._insert_bits(f"{self._op}.insert", L.key_bits(keys), L.value_bits(values), M_UPSERT)
+        return (status == ST_NEW).view(keys.shape)
+
+    def find(self, keys, default=0):
+        """(values, found): the value of each key, `default` where the key is absent."""
+        keys = self._keys("find", keys)
+        dbits = L.scalar_bits(f"{self._op}.find", default, self.value_dtype)
+        with self._lock:
+            vals, found = self._find_bits(L.key_bits(keys), True, dbits)
+        return L.bits_to_values(vals, self.value_dtype).view(keys.shape), found.view(keys.shape)
+
+    def contains(self, keys) -> torch.Tensor:
+        keys = self._keys("contains", keys)
+        with self._lock:
+            _, found = self._find_bits(L.key_bits(keys), False)
+        return found.view(keys.shape)
+
+    def erase(self, keys) -> torch.Tensor:
+        """Removes keys; True where a key was removed (once per key among duplicates)."""
+        keys = self._keys("erase", keys)
+        with self._lock:
+            out = self._erase_bits(L.key_bits(keys))
+        return out.view(keys.shape).bool()
+
+    def items(self):
+        """(keys, values) of every entry, in no particular order."""
+        with self._lock:
+            keys, vb = self._key_values_out()
+        return keys, L.bits_to_values(vb, self.value_dtype)
 
 
-class HashMap(_Todo): pass
-class HashSet(_Todo): pass
-class CountingTable(_Todo): pass
-class MultiValueHashMap(_Todo): pass
-class BloomFilter(_Todo): pass
+class HashSet(_OpenTable):
+    """A set of keys (slots hold keys only: 4- or 8-byte slots, 16 or 8 per cache line)."""
+
+    _op = "HashSet"
+
+    def __init__(self, capacity, key_dtype=torch.int64, device="cpu", *, max_load_factor=0.9, growable=True,
+                 window=None, backend="auto"):
+        super().__init__(capacity, key_dtype, None, device, max_load_factor=max_load_factor, growable=growable,
+                         window=window, backend=backend)
+
+    def insert(self, keys) -> torch.Tensor:
+        keys = self._keys("insert", keys)
+        with self._lock:
+            status = self._insert_bits(f"{self._op}.insert", L.key_bits(keys), None, M_UPSERT)
+        return (status == ST_NEW).view(keys.shape)
+
+    def contains(self, keys) -> torch.Tensor:
+        keys = self._keys("contains", keys)
+        with self._lock:
+            _, found = self._find_bits(L.key_bits(keys), False)
+        return found.view(keys.shape)
+
+    def erase(self, keys) -> torch.Tensor:
+        keys = self._keys("erase", keys)
+        with self._lock:
+            out = self._erase_bits(L.key_bits(keys))
+        return out.view(keys.shape).bool()
+
+    def items(self) -> torch.Tensor:
+        with self._lock:
+            keys, _ = self._key_values_out()
+        return keys
+
+
+class CountingTable(_OpenTable):
+    """Key -> int64 count; `add` increments atomically (every duplicate counts)."""
+
+    _op = "CountingTable"
+    _counting = True
+
+    def __init__(self, capacity, key_dtype=torch.int64, device="cpu", *, max_load_factor=0.9, growable=True,
+                 window=None, backend="auto"):
+        super().__init__(capacity, key_dtype, torch.int64, device, max_load_factor=max_load_factor,
+                         growable=growable, window=window, backend=backend)
+
+    def add(self, keys, counts=None) -> torch.Tensor:
+        """Adds 1 (or `counts[i]`, int64) to each key's count; returns True where a key was new."""
+        keys = self._keys("add", keys)
+        vbits = None
+        if counts is not None:
+            counts = L.check_values(f"{self._op}.add", counts, torch.int64, keys)
+            vbits = L.value_bits(counts)
+        with self._lock:
+            status = self._insert_bits(f"{self._op}.add", L.key_bits(keys), vbits, M_ADD)
+        return (status == ST_NEW).view(keys.shape)
+
+    insert = add
+
+    def counts(self, keys) -> torch.Tensor:
+        """int64 count of each key (0 when absent)."""
+        keys = self._keys("counts", keys)
+        with self._lock:
+            vals, _ = self._find_bits(L.key_bits(keys), True, 0)
+        return vals.view(keys.shape)
+
+    def contains(self, keys) -> torch.Tensor:
+        keys = self._keys("contains", keys)
+        with self._lock:
+            _, found = self._find_bits(L.key_bits(keys), False)
+        return found.view(keys.shape)
+
+    def erase(self, keys) -> torch.Tensor:
+        keys = self._keys("erase", keys)
+        with self._lock:
+            out = self._erase_bits(L.key_bits(keys))
+        return out.view(keys.shape).bool()
+
+    def items(self):
+        """(keys, counts)."""
+        with self._lock:
+            keys, vb = self._key_values_out()
+        return keys, vb
+
+
+class MultiValueHashMap(_OpenTable):
+    """Key -> every value inserted for it (duplicates live in their own slots, in probe order).
+    `find` returns CSR: values of keys[i] are values[offsets[i]:offsets[i+1]]."""
+
+    _op = "MultiValueHashMap"
+    _multi = True
+
+    def __init__(self, capacity, key_dtype=torch.int64, value_dtype=torch.int64, device="cpu", *,
+                 max_load_factor=0.9, growable=True, window=None, backend="auto"):
+        if value_dtype is None:
+            raise TypeError("pykernels.MultiValueHashMap: expected a 'value_dtype', got None")
+        super().__init__(capacity, key_dtype, value_dtype, device, max_load_factor=max_load_factor,
+                         growable=growable, window=window, backend=backend)
+
+    def _special_masks(self, kbits):
+        out = []
+        for bits in (L.EMPTY_BITS, L.TOMB_BITS):
+            m = kbits == bits
+            if bool(m.any()):
+                out.append((bits, m))
+        return out
+
+    def insert(self, keys, values) -> None:
+        """Adds every (key, value) pair (a key inserted k times has k values)."""
+        keys = self._keys("insert", keys)
+        values = self._values("insert", values, keys)
+        kbits, vbits = L.key_bits(keys), L.value_bits(values)
+        with self._lock:
+            self._insert_bits(f"{self._op}.insert", kbits, vbits, M_APPEND)  # reserved patterns: SKIPPED
+            for bits, m in self._special_masks(kbits):
+                self._special_multi.setdefault(bits, []).append(vbits[m].clone())
+                self._size += int(m.sum())
+
+    def _native_counts(self, kbits):
+        n = kbits.numel()
+        counts = torch.zeros(n, dtype=torch.int64, device=self.device)
+        if n:
+            cfg = self._config("hash_find")
+            self._mod.multi_walk(*self._geo(), kbits.data_ptr(), n, counts.data_ptr(), 0, 0, self._threads(cfg),
+                                 int(cfg.get("prefetch", 16)), *self._stream())
+        return counts
+
+    def _special_values(self, bits):
+        lst = self._special_multi.get(bits, [])
+        if not lst:
+            return None
+        return torch.cat(lst)
+
+    def count(self, keys) -> torch.Tensor:
+        """int64 number of values of each key."""
+        keys = self._keys("count", keys)
+        kbits = L.key_bits(keys)
+        with self._lock:
+            counts = self._native_counts(kbits)
+            for bits, m in self._special_masks(kbits):
+                sv = self._special_values(bits)
+                if sv is not None:
+                    counts[m] = sv.numel()
+        return counts.view(keys.shape)
+
+    def contains(self, keys) -> torch.Tensor:
+        return self.count(keys) > 0
+
+    def find(self, keys):
+        """(offsets int64 [n + 1], values): CSR over the flattened keys."""
+        keys = self._keys("find", keys)
+        kbits = L.key_bits(keys)
+        n = kbits.numel()
+        with self._lock:
+            counts = self._native_counts(kbits)
+            specials = []
+            for bits, m in self._special_masks(kbits):
+                sv = self._special_values(bits)
+                if sv is not None:
+                    counts[m] = sv.numel()
+                    specials.append((m, sv))
+            offsets = torch.zeros(n + 1, dtype=torch.int64, device=self.device)
+            torch.cumsum(counts, 0, out=offsets[1:])
+            total = int(offsets[-1]) if n else 0
+            vals = torch.empty(total, dtype=L._BITS[self._vb], device=self.device)
+            if total:
+                cfg = self._config("hash_find")
+                self._mod.multi_walk(*self._geo(), kbits.data_ptr(), n, 0, offsets.data_ptr(), vals.data_ptr(),
+                                     self._threads(cfg), int(cfg.get("prefetch", 16)), *self._stream())
+            for m, sv in specials:
+                starts = offsets[:-1][m]
+                idx = (starts[:, None] + torch.arange(sv.numel(), device=self.device)[None, :]).reshape(-1)
+                vals[idx] = sv.repeat(starts.numel())
+        return offsets, L.bits_to_values(vals, self.value_dtype)
+
+    def erase(self, keys) -> torch.Tensor:
+        """Removes every value of each key; int64 number of values removed per key position."""
+        keys = self._keys("erase", keys)
+        kbits = L.key_bits(keys)
+        with self._lock:
+            out = self._erase_bits(kbits)
+            for bits, m in self._special_masks(kbits):
+                sv = self._special_values(bits)
+                if sv is not None:
+                    first = int(torch.nonzero(m)[0])
+                    out[first] = sv.numel()
+                    self._size -= sv.numel()
+                    del self._special_multi[bits]
+        return out.view(keys.shape)
+
+    def items(self):
+        """(keys, values): every pair."""
+        with self._lock:
+            keys, vb = self._key_values_out()
+        return keys, L.bits_to_values(vb, self.value_dtype)
+
+
+class BloomFilter:
+    """Blocked Bloom filter (Putze, Sanders, Singler 2007): the `num_hashes` bits of a key all lie in one
+    512-bit block (a cache line), so add/contains cost one memory access per key. No false negatives;
+    false positives at about `false_positive_rate(n)` after n distinct keys.
+
+    Keys: int32, int64, uint32 or uint64; a key is its integer value (int32 5 and int64 5 are the same key).
+    """
+
+    BLOCK_BITS = 512
+
+    def __init__(self, num_bits, num_hashes, device="cpu", *, seed=L.DEFAULT_SEED, backend="auto"):
+        op = "BloomFilter"
+        for name, v in (("num_bits", num_bits), ("num_hashes", num_hashes)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"pykernels.{op}: expected an int for '{name}', got {type(v).__name__}")
+        if num_bits < 1:
+            raise ValueError(f"pykernels.{op}: expected 'num_bits' >= 1, got {num_bits}")
+        if not 1 <= num_hashes <= 64:
+            raise ValueError(f"pykernels.{op}: expected 'num_hashes' in 1..64, got {num_hashes}")
+        self.device = _device(op, device)
+        self.backend = _backend.select_backend(op, self.device, backend, supported=("cpu", "cuda"),
+                                               preference=("cuda",))
+        self._mod = _native.cpu_module("hash") if self.backend == "cpu" else _native.cuda_module("hash")
+        self.num_blocks = -(-num_bits // self.BLOCK_BITS)
+        if self.num_blocks >= 1 << 32:
+            raise ValueError(f"pykernels.{op}: 'num_bits' {num_bits} is too large")
+        self.num_hashes = num_hashes
+        self.seed = int(seed) & L.M64
+        self._words = torch.zeros(self.num_blocks * 8, dtype=torch.int64, device=self.device)
+        import threading
+
+        self._lock = threading.RLock()
+
+    @property
+    def num_bits(self) -> int:
+        return self.num_blocks * self.BLOCK_BITS
+
+    def _keys(self, op, keys):
+        keys = _native.as_tensor(keys, f"BloomFilter.{op}", "keys")
+        if keys.dtype not in L.KEY_DTYPES:
+            raise TypeError(f"pykernels.BloomFilter.{op}: expected 'keys' of dtype int32, int64, uint32 or "
+                            f"uint64, got {L.dtype_name(keys.dtype)}")
+        if keys.device != self.device:
+            raise RuntimeError(f"pykernels.BloomFilter.{op}: expected 'keys' on {self.device}, got {keys.device}")
+        flat = keys.reshape(-1)
+        if keys.dtype == torch.uint64:
+            bits = flat.contiguous().view(torch.int64)
+        elif keys.dtype == torch.int64:
+            bits = flat.contiguous()
+        elif keys.dtype == torch.uint32:
+            bits = flat.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        else:
+            bits = flat.to(torch.int64)
+        return keys, bits
+
+    def _stream(self):
+        return (_native.cuda_stream_handle(self.device),) if self.device.type == "cuda" else ()
+
+    def add(self, keys) -> None:
+        keys, bits = self._keys("add", keys)
+        if bits.numel():
+            with self._lock:
+                self._mod.bloom_add(self._words.data_ptr(), self.num_blocks, self.num_hashes, self.seed,
+                                    bits.data_ptr(), bits.numel(), torch.get_num_threads(), *self._stream())
+
+    def contains(self, keys) -> torch.Tensor:
+        keys, bits = self._keys("contains", keys)
+        out = torch.empty(bits.numel(), dtype=torch.uint8, device=self.device)
+        if bits.numel():
+            with self._lock:
+                self._mod.bloom_contains(self._words.data_ptr(), self.num_blocks, self.num_hashes, self.seed,
+                                         bits.data_ptr(), bits.numel(), out.data_ptr(), torch.get_num_threads(),
+                                         *self._stream())
+        return out.view(torch.bool).view(keys.shape)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._words.zero_()
+
+    def false_positive_rate(self, n: int) -> float:
+        """Expected FPR after n distinct keys for this blocked layout (Putze et al. 2007, eq. 3):
+        the number of keys in a block is Poisson(n * B / m); within a block, the classic formula."""
+        return blocked_bloom_fpr(self.num_bits, n, self.num_hashes, self.BLOCK_BITS)
+
+    def __repr__(self):
+        return (f"pykernels.BloomFilter(num_bits={self.num_bits}, num_hashes={self.num_hashes}, "
+                f"device={self.device})")
+
+
+def blocked_bloom_fpr(m: int, n: int, k: int, block_bits: int = 512) -> float:
+    lam = n * block_bits / m
+    total, term = 0.0, math.exp(-lam)  # Poisson(0)
+    i = 0
+    while True:
+        total += term * (1.0 - (1.0 - 1.0 / block_bits) ** (i * k)) ** k
+        i += 1
+        term *= lam / i
+        if i > lam + 20 * math.sqrt(lam + 1) + 20:
+            break
+    return total
+
+
+def classic_bloom_fpr(m: int, n: int, k: int) -> float:
+    return (1.0 - math.exp(-k * n / m)) ** k
+
+
+from . import _tune  # noqa: E402,F401  (registers the autotuner's Tunables)

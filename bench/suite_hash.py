@@ -1,0 +1,215 @@
+"""Hash tables vs what a user would otherwise call (issue #4).
+
+CPU (default, ~2 min): 4M int64 keys at load 0.5 and 0.9 --
+  insert  vs pd.factorize (builds a hash table of the keys) and a Python dict,
+  find    (100% and 50% hits) vs pd.Index.get_indexer (engine built beforehand) and dict.get,
+  count   vs pd.Series.value_counts and torch.unique(return_counts=True).
+  PYKERNELS_BENCH_HASH_LARGE=1 adds the 32M-key cases (about 3 GiB of memory).
+  --quick: 1M keys (smoke run).
+GPU (--gpu): 2^26 uint32 and uint64 keys at load 0.5 / 0.9 / 0.95, inserts and finds vs a
+  sort + searchsorted index (what a torch user does without a hash table).
+
+DRAM accesses: a find visits `lines/op` windows (each one 64-byte line on the CPU: measured on a
+sample, in the notes); an insert additionally writes its line back. `bytes_moved` counts those lines
+plus the streamed key/value/result arrays, so "% of BW limit" says how far the random accesses are from
+the copy bandwidth measured in the same run (latency-bound random access rarely gets near it).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from bench.common import Case
+
+GROUP = "hash"
+
+
+def _keys(n, seed, dtype=torch.int64, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.int64 or dtype == torch.uint64:
+        k = torch.randperm(4 * n, generator=g)[:n] * 2654435761 + 12345  # distinct, scattered
+        return k.to(device).view(dtype) if dtype == torch.uint64 else k.to(device)
+    k = torch.randperm(min(4 * n, 1 << 31), generator=g)[:n].to(torch.int32)
+    return k.view(dtype).to(device)
+
+
+def _lines_per_find(table, q):
+    from pykernels.hashing import _layout as L
+
+    sample = L.key_bits(q[: min(q.numel(), 100000)])
+    visited = table._mod.probe_windows(table._slots.data_ptr(), table._nw, table.window, table.seed, table._kb,
+                                       table._vb, sample.data_ptr(), sample.numel())
+    return visited / max(1, sample.numel())
+
+
+def _cpu_cases(quick):
+    import numpy as np
+    import pandas as pd
+
+    import pykernels
+
+    sizes = [1 << 20] if quick else [1 << 22]
+    if not quick and os.environ.get("PYKERNELS_BENCH_HASH_LARGE") == "1":
+        sizes.append(1 << 25)
+    cases = []
+    for n in sizes:
+        tag = f"{n >> 20}M"
+        for load in (0.5, 0.9):
+            label = f"int64 n={tag} load={load}"
+
+            def build(n=n, load=load):
+                keys = _keys(n, 1)
+                vals = torch.arange(n, dtype=torch.int64)
+                t = pykernels.HashMap(int(n / load) + 1, max_load_factor=max(load, 0.9) + 0.01)
+                t.insert(keys, vals)
+                return keys, vals, t
+
+            def make_insert(build=build):
+                keys, vals, t = build()
+                knp = keys.numpy()
+
+                def ours():
+                    t.clear()
+                    t.insert(keys, vals)
+
+                return ours, lambda: pd.factorize(knp)
+
+            cases.append(Case(GROUP, "insert", label, n, make_insert, "pd.factorize", n, "inserts",
+                              bytes_moved=n * (16 + 2 * 64) + 0, goal=10.0,
+                              notes="fresh table each run (clear + insert); lines/op: 1 read-for-ownership + 1 writeback"))
+            for hits in (1.0, 0.5):
+                def make_find(case, build=build, hits=hits, n=n):
+                    keys, vals, t = build()
+                    g = torch.Generator().manual_seed(7)
+                    q = keys[torch.randperm(n, generator=g)]
+                    if hits < 1.0:
+                        q[: n // 2] = _keys(n // 2, 99) | (1 << 62)  # absent keys
+                        q = q[torch.randperm(n, generator=g)]
+                    idx = pd.Index(keys.numpy())
+                    idx.get_indexer(keys[:10].numpy())  # build the engine's hash table outside the timing
+                    qnp = q.numpy()
+                    lines = _lines_per_find(t, q)
+                    # DRAM traffic of the layout: `lines` random 64-byte lines per find, plus the
+                    # streamed query (8 B), value (8 B) and found flag (1 B)
+                    case.bytes_moved = n * (lines * 64 + 17)
+                    case.notes = f"{lines:.3f} lines (DRAM accesses)/find"
+                    return (lambda: t.find(q, default=-1)), (lambda: idx.get_indexer(qnp))
+
+                c = Case(GROUP, f"find hits={int(hits * 100)}%", label, n, None, "pd.Index.get_indexer", n, "finds",
+                         goal=10.0)
+                c.make = lambda c=c, make_find=make_find: make_find(c)
+                cases.append(c)
+        if n <= 1 << 22 and not quick:
+            def make_dict_insert(n=n):
+                keys = _keys(n, 1)
+                kl, vl = keys.tolist(), list(range(n))
+                t = pykernels.HashMap(2 * n)
+                vals = torch.arange(n, dtype=torch.int64)
+
+                def ours():
+                    t.clear()
+                    t.insert(keys, vals)
+
+                return ours, lambda: dict(zip(kl, vl))
+
+            def make_dict_find(n=n):
+                keys = _keys(n, 1)
+                t = pykernels.HashMap(2 * n)
+                t.insert(keys, keys)
+                d = dict(zip(keys.tolist(), keys.tolist()))
+                q = keys[torch.randperm(n)]
+                ql = q.tolist()
+                return (lambda: t.find(q)), (lambda: [d.get(k, 0) for k in ql])
+
+            cases.append(Case(GROUP, "insert", f"int64 n={tag} load=0.5", n, make_dict_insert, "dict(zip(...))", n,
+                              "inserts", notes="keys already Python lists for the dict (conversion not timed)"))
+            cases.append(Case(GROUP, "find hits=100%", f"int64 n={tag} load=0.5", n, make_dict_find, "dict.get",
+                              n, "finds"))
+
+        # counting: 4 keys per distinct value
+        def make_count(n=n, baseline="value_counts"):
+            g = torch.Generator().manual_seed(3)
+            keys = _keys(n // 4, 5)[torch.randint(0, n // 4, (n,), generator=g)]
+            t = pykernels.CountingTable(int(n / 4 / 0.5))
+
+            def ours():
+                t.clear()
+                t.add(keys)
+                return t.items()
+
+            if baseline == "value_counts":
+                s = pd.Series(keys.numpy())
+                return ours, lambda: s.value_counts(sort=False)
+            return ours, lambda: torch.unique(keys, return_counts=True)
+
+        cases.append(Case(GROUP, "count", f"int64 n={tag} distinct=n/4", n, make_count,
+                          "pd.Series.value_counts", n, "keys", goal=10.0))
+        cases.append(Case(GROUP, "count", f"int64 n={tag} distinct=n/4", n,
+                          lambda n=n: make_count(n, "unique"), "torch.unique(return_counts)", n, "keys"))
+
+    # Bloom filter contains vs an exact HashSet of the same keys (what the filter saves)
+    def make_bloom(n=sizes[0]):
+        keys = _keys(n, 1)
+        f = pykernels.BloomFilter(10 * n, 7)
+        f.add(keys)
+        s = pykernels.HashSet(2 * n)
+        s.insert(keys)
+        q = _keys(n, 2)
+        return (lambda: f.contains(q)), (lambda: torch.isin(q, keys))
+
+    cases.append(Case(GROUP, "bloom contains", f"int64 n={sizes[0] >> 20}M 10 bits/key k=7", sizes[0], make_bloom,
+                      "torch.isin", sizes[0], "lookups"))
+    return cases
+
+
+def _gpu_cases(quick):
+    import pykernels
+
+    n = 1 << (20 if quick else 26)
+    cases = []
+    for dtype in (torch.uint32, torch.uint64):
+        dname = str(dtype).replace("torch.", "")
+        for load in (0.5, 0.9, 0.95):
+            label = f"{dname} n=2^{n.bit_length() - 1} load={load}"
+
+            def make_insert(dtype=dtype, load=load):
+                keys = _keys(n, 1, dtype, "cuda")
+                vals = torch.arange(n, dtype=torch.int32 if dtype == torch.uint32 else torch.int64, device="cuda")
+                t = pykernels.HashMap(int(n / load) + 1, key_dtype=dtype, value_dtype=vals.dtype, device="cuda",
+                                      max_load_factor=min(1.0, load + 0.01), growable=False)
+                sbits = keys.view(torch.int32 if dtype == torch.uint32 else torch.int64)
+
+                def ours():
+                    t.clear()
+                    t.insert(keys, vals)
+
+                return ours, lambda: torch.sort(sbits)
+
+            def make_find(dtype=dtype, load=load):
+                keys = _keys(n, 1, dtype, "cuda")
+                vals = torch.arange(n, dtype=torch.int32 if dtype == torch.uint32 else torch.int64, device="cuda")
+                t = pykernels.HashMap(int(n / load) + 1, key_dtype=dtype, value_dtype=vals.dtype, device="cuda",
+                                      max_load_factor=min(1.0, load + 0.01), growable=False)
+                t.insert(keys, vals)
+                sbits = keys.view(torch.int32 if dtype == torch.uint32 else torch.int64)
+                sk, perm = torch.sort(sbits)
+                q = sbits[torch.randperm(n, device="cuda")]
+
+                def base():
+                    pos = torch.searchsorted(sk, q).clamp_(max=n - 1)
+                    return vals[perm[pos]], sk[pos] == q
+
+                return (lambda: t.find(q.view(dtype))), base
+
+            cases.append(Case(GROUP, "insert", label, n, make_insert, "torch.sort (build a sorted index)", n,
+                              "inserts", device="cuda", goal=None, notes="goal 4 G inserts/s on an H200"))
+            cases.append(Case(GROUP, "find hits=100%", label, n, make_find, "torch.searchsorted", n, "finds",
+                              device="cuda", notes="goal 8 G finds/s on an H200"))
+    return cases
+
+
+def cases(quick: bool, device: str = "cpu"):
+    if device == "cuda":
+        return _gpu_cases(quick)
+    return _cpu_cases(quick)

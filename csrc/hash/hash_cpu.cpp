@@ -1,0 +1,790 @@
+// pykernels._cpu_hash: WarpCore-style open-addressing hash tables on the CPU.
+//
+// Same layout and probing as the GPU tables (hash_layout.h): windows of W slots (one cache line),
+// double hashing between windows, reserved EMPTY/TOMBSTONE key patterns with the colliding user keys
+// kept out of band in `special`. Bulk operations run on the pk thread pool; concurrent inserts into
+// one table are made safe by CAS on the key (a slot is claimed by the thread whose CAS wins).
+//
+// Speed on the CPU comes from memory-level parallelism (each probe of a large table is a DRAM miss of
+// ~100 ns): keys are processed as a software pipeline -- the window of key i + D is hashed and
+// prefetched while key i is probed -- so about D misses are in flight per thread (the prefetch
+// distance D is autotuned).
+#include <pybind11/pybind11.h>
+
+#include <sys/mman.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "hash_layout.h"
+#include "pk_common.h"
+#include "pk_threads.h"
+
+namespace py = pybind11;
+using namespace pkhash;
+
+namespace {
+
+struct NoVal {};
+
+template <class K, class V>
+struct Slot {
+  K key;
+  V val;
+};
+template <class K>
+struct Slot<K, NoVal> {
+  K key;
+};
+
+// Table geometry and storage, as Python passes them.
+struct Geo {
+  uintptr_t slots;
+  uintptr_t special;  // 4 x uint64
+  uint64_t nw;        // number of windows (prime)
+  int W;              // slots per window
+  uint64_t seed;
+};
+
+// Status codes written per key by inserts (Python reads them).
+enum : uint8_t { ST_EXISTED = 0, ST_NEW = 1, ST_PENDING = 2, ST_SKIPPED = 3 };
+// Insert modes.
+enum : int { M_UPSERT = 0, M_ADD = 1, M_APPEND = 2 };
+
+template <class T>
+inline T load_relaxed(const T* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+template <class T>
+inline void store_relaxed(T* p, T v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+template <class T>
+inline bool cas(T* p, T expected, T desired) {
+  return __atomic_compare_exchange_n(p, &expected, desired, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);
+}
+
+constexpr int64_t kMinPerThread = 1 << 14;  // below this, one thread (the pool wake-up costs more)
+
+inline int threads_for(int64_t n, int nthreads) {
+  if (nthreads < 1) nthreads = 1;
+  int64_t by_size = (n + kMinPerThread - 1) / kMinPerThread;
+  return (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, by_size));
+}
+
+// Dynamic work split: threads claim chunks of `kChunk` items from an atomic counter, so a thread that
+// the OS deschedules (these machines are shared) does not hold the others up at the join, as a static
+// split would. fn(tid, begin, end) is called once per chunk.
+constexpr int64_t kChunk = 1 << 14;
+template <class F>
+inline void dyn_ranges(int64_t n, int nthreads, F&& fn) {
+  if (nthreads <= 1 || n <= kChunk) {
+    fn(0, (int64_t)0, n);
+    return;
+  }
+  std::atomic<int64_t> next(0);
+  pk::parallel_threads(nthreads, [&](int tid) {
+    for (;;) {
+      const int64_t b = next.fetch_add(kChunk, std::memory_order_relaxed);
+      if (b >= n) break;
+      fn(tid, b, std::min(n, b + kChunk));
+    }
+  });
+}
+
+// Runs body(i, key, probe) for i in [b, e) as a software pipeline: the probe of key i + D is
+// computed and its first window prefetched D iterations before it is used (D = 0: no prefetch).
+template <class K, bool kWrite, class Body>
+inline void pipelined(const K* keys, int64_t b, int64_t e, int D, const Geo& g, size_t window_bytes, Body&& body) {
+  constexpr int R = 64;  // ring size, >= max D
+  Probe ring[R];
+  const char* base = reinterpret_cast<const char*>(g.slots);
+  if (D > R - 1) D = R - 1;
+  auto issue = [&](int64_t j) {
+    Probe p = probe_start((uint64_t)keys[j], g.seed, g.nw);
+    ring[j & (R - 1)] = p;
+    const char* line = base + p.w * window_bytes;
+    if (kWrite) PK_PREFETCH_W(line); else PK_PREFETCH_R(line);
+    if (window_bytes > 64) {
+      if (kWrite) PK_PREFETCH_W(line + 64); else PK_PREFETCH_R(line + 64);
+    }
+  };
+  if (D <= 0) {
+    for (int64_t i = b; i < e; ++i) body(i, keys[i], probe_start((uint64_t)keys[i], g.seed, g.nw));
+    return;
+  }
+  const int64_t head = std::min<int64_t>(e, b + D);
+  for (int64_t j = b; j < head; ++j) issue(j);
+  for (int64_t i = b; i < e; ++i) {
+    if (i + D < e) issue(i + D);
+    body(i, keys[i], ring[i & (R - 1)]);
+  }
+}
+
+template <class K, class V>
+struct Table {
+  using S = Slot<K, V>;
+  static constexpr bool kHasVal = !std::is_same<V, NoVal>::value;
+  static constexpr K EMPTY = Sentinel<K>::EMPTY;
+  static constexpr K TOMB = Sentinel<K>::TOMB;
+
+  S* slots;
+  uint64_t* special;
+  uint64_t nw;
+  int W;
+  uint64_t seed;
+  Geo geo;
+  size_t window_bytes;
+
+  explicit Table(const Geo& g)
+      : slots(reinterpret_cast<S*>(g.slots)), special(reinterpret_cast<uint64_t*>(g.special)), nw(g.nw), W(g.W),
+        seed(g.seed), geo(g), window_bytes(sizeof(S) * (size_t)g.W) {}
+
+  S* window(uint64_t w) const { return slots + w * (uint64_t)W; }
+
+  // ---- find: returns the slot holding k, or nullptr ----
+  S* find_slot(K k, Probe p) const {
+    for (uint64_t t = 0; t < nw; ++t) {
+      S* win = window(p.w);
+      for (int j = 0; j < W; ++j) {
+        const K sk = load_relaxed(&win[j].key);
+        if (sk == k) return &win[j];
+        if (sk == EMPTY) return nullptr;
+      }
+      probe_next(p, nw);
+    }
+    return nullptr;
+  }
+
+  // ---- insert, as a resumable state machine (one window per step; see amac_insert) ----
+  // `used`/`limit`: slots that ever left EMPTY, and the most allowed (max load factor).
+  struct InsState {
+    int64_t i;
+    Probe p0, p;
+    uint64_t visited;
+    S* free_slot;  // first EMPTY/TOMBSTONE slot met on the probe sequence
+    uint64_t v;
+    K k;
+  };
+
+  void ins_begin(InsState& s, int64_t i, K k, uint64_t v, Probe p0) const {
+    s.i = i; s.k = k; s.v = v; s.p0 = s.p = p0; s.visited = 0; s.free_slot = nullptr;
+    prefetch_w(s.p.w);
+  }
+  void prefetch_w(uint64_t w) const {
+    const char* line = reinterpret_cast<const char*>(window(w));
+    PK_PREFETCH_W(line);
+    if (window_bytes > 64) PK_PREFETCH_W(line + 64);
+  }
+
+  // Examines the state's current window. Returns true when the key is done (status in `st`).
+  template <int Mode>
+  bool ins_step(InsState& s, uint8_t& st, std::atomic<int64_t>& used, int64_t limit, int64_t& new_empty) {
+    S* win = window(s.p.w);
+    for (int j = 0; j < W; ++j) {
+      const K sk = load_relaxed(&win[j].key);
+      if (Mode != M_APPEND && sk == s.k) {
+        if constexpr (kHasVal) {
+          if (Mode == M_ADD) __atomic_fetch_add(&win[j].val, (V)s.v, __ATOMIC_RELAXED);
+          else store_relaxed(&win[j].val, (V)s.v);
+        }
+        st = ST_EXISTED;
+        return true;
+      }
+      if (sk == EMPTY) {
+        // Beyond the first EMPTY the key cannot be (inserts always fill the first free slot).
+        if (!s.free_slot) s.free_slot = &win[j];
+        return claim<Mode>(s, st, used, limit, new_empty);
+      }
+      if (sk == TOMB && !s.free_slot) {
+        s.free_slot = &win[j];
+        if (Mode == M_APPEND) return claim<Mode>(s, st, used, limit, new_empty);  // duplicates allowed
+      }
+    }
+    if (++s.visited < nw) {
+      probe_next(s.p, nw);
+      prefetch_w(s.p.w);
+      return false;
+    }
+    if (!s.free_slot) { st = ST_PENDING; return true; }  // every slot holds a live key
+    return claim<Mode>(s, st, used, limit, new_empty);
+  }
+
+  // CAS the key into the chosen free slot; on a lost race, restart the probe (the winner may have
+  // inserted this very key).
+  template <int Mode>
+  bool claim(InsState& s, uint8_t& st, std::atomic<int64_t>& used, int64_t limit, int64_t& new_empty) {
+    S* slot = s.free_slot;
+    const K expect = load_relaxed(&slot->key);
+    if (expect == EMPTY || expect == TOMB) {
+      const bool from_empty = expect == EMPTY;
+      if (from_empty && used.fetch_add(1, std::memory_order_relaxed) + 1 > limit) {
+        used.fetch_sub(1, std::memory_order_relaxed);
+        st = ST_PENDING;
+        return true;
+      }
+      if (cas(&slot->key, expect, s.k)) {
+        if constexpr (kHasVal) {
+          // Counting: a free slot's value is 0 (fresh tables are zeroed, erase zeroes it) and other
+          // threads may add as soon as the key is visible: add, never store.
+          if (Mode == M_ADD) __atomic_fetch_add(&slot->val, (V)s.v, __ATOMIC_RELAXED);
+          else store_relaxed(&slot->val, (V)s.v);
+        }
+        if (from_empty) ++new_empty;
+        st = ST_NEW;
+        return true;
+      }
+      if (from_empty) used.fetch_sub(1, std::memory_order_relaxed);
+    }
+    s.p = s.p0;
+    s.visited = 0;
+    s.free_slot = nullptr;
+    return false;
+  }
+
+  template <int Mode>
+  uint8_t insert_one(K k, uint64_t v, Probe p0, std::atomic<int64_t>& used, int64_t limit, int64_t& new_empty) {
+    InsState s;
+    ins_begin(s, 0, k, v, p0);
+    uint8_t st = ST_PENDING;
+    while (!ins_step<Mode>(s, st, used, limit, new_empty)) {}
+    return st;
+  }
+
+  // Reserved key patterns: a tiny out-of-band store with the same atomic semantics.
+  template <int Mode>
+  uint8_t insert_special(K k, uint64_t v) {
+    const int s = special_index(k);
+    uint64_t* present = &special[2 * s];
+    uint64_t* value = &special[2 * s + 1];
+    const bool fresh = cas(present, (uint64_t)0, (uint64_t)1);
+    if (Mode == M_ADD) __atomic_fetch_add(value, v, __ATOMIC_RELAXED);
+    else if (kHasVal) store_relaxed(value, v);
+    return fresh ? ST_NEW : ST_EXISTED;
+  }
+};
+
+template <class K, class V>
+uint64_t read_val(const void* vals, int64_t i) {
+  if constexpr (std::is_same<V, NoVal>::value) { (void)vals; (void)i; return 0; }
+  else return (uint64_t)reinterpret_cast<const V*>(vals)[i];
+}
+
+// ------------------------------------------------------------------------------------------------
+// Bulk operations
+// ------------------------------------------------------------------------------------------------
+template <class K, class V>
+py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t n, uintptr_t status_p, int mode,
+                      int64_t used_now, int64_t limit, int nthreads, int D) {
+  Table<K, V> t(g);
+  const K* keys = reinterpret_cast<const K*>(keys_p);
+  const void* vals = reinterpret_cast<const void*>(vals_p);
+  uint8_t* status = reinterpret_cast<uint8_t*>(status_p);
+  std::atomic<int64_t> used(used_now);
+  const int nt = threads_for(n, nthreads);
+  std::vector<int64_t> news(nt, 0), new_empty(nt, 0), pending(nt, 0);
+  {
+    py::gil_scoped_release release;
+    dyn_ranges(n, nt, [&](int tid, int64_t b, int64_t e) {
+      int64_t nn = 0, ne = 0, np = 0;
+      auto run = [&](auto mode_tag) {
+        constexpr int Mode = decltype(mode_tag)::value;
+        // AMAC (see amac_find): up to D inserts in flight, one window per step.
+        using St = typename Table<K, V>::InsState;
+        constexpr int kMaxG = 64;
+        St sts[kMaxG];
+        bool live[kMaxG];
+        const int G = std::max(1, std::min(D, kMaxG));
+        int64_t next = b;
+        auto finish = [&](int64_t i, uint8_t st) {
+          status[i] = st;
+          nn += st == ST_NEW;
+          np += st == ST_PENDING;
+        };
+        auto start = [&](St& s) -> bool {
+          while (next < e) {
+            const int64_t i = next++;
+            const K k = keys[i];
+            const uint64_t v = (Mode == M_ADD && !vals) ? 1 : (vals ? read_val<K, V>(vals, i) : 0);
+            if (PK_UNLIKELY(is_special(k))) {
+              finish(i, Mode == M_APPEND ? ST_SKIPPED : t.template insert_special<Mode>(k, v));
+              continue;
+            }
+            t.ins_begin(s, i, k, v, probe_start((uint64_t)k, g.seed, g.nw));
+            return true;
+          }
+          return false;
+        };
+        int active = 0;
+        for (int x = 0; x < G; ++x) active += (live[x] = start(sts[x]));
+        while (active) {
+          for (int x = 0; x < G; ++x) {
+            if (!live[x]) continue;
+            uint8_t st;
+            if (!t.template ins_step<Mode>(sts[x], st, used, limit, ne)) continue;
+            finish(sts[x].i, st);
+            if (!(live[x] = start(sts[x]))) --active;
+          }
+        }
+      };
+      if (mode == M_UPSERT) run(std::integral_constant<int, M_UPSERT>());
+      else if (mode == M_ADD) run(std::integral_constant<int, M_ADD>());
+      else run(std::integral_constant<int, M_APPEND>());
+      news[tid] += nn; new_empty[tid] += ne; pending[tid] += np;
+    });
+  }
+  int64_t a = 0, b = 0, c = 0;
+  for (int i = 0; i < nt; ++i) { a += news[i]; b += new_empty[i]; c += pending[i]; }
+  return py::make_tuple(a, b, c);
+}
+
+// Lookups as interleaved state machines (AMAC: Kocberber et al., "Asynchronous Memory Access
+// Chaining", VLDB 2015): G lookups are in flight; each step examines one lookup's current window,
+// and a lookup that must go on to its next window prefetches it and yields to the others. Unlike a
+// plain prefetch pipeline, this also overlaps the second and later windows of long probes (misses
+// at high load), so every DRAM access of the layout is overlapped with G - 1 others.
+template <class K, class V, class Emit>
+void amac_find(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, Emit&& emit) {
+  using S = Slot<K, V>;
+  if (G <= 1) {
+    for (int64_t i = b; i < e; ++i) {
+      const K k = keys[i];
+      if (PK_UNLIKELY(is_special(k))) { emit(i, k, nullptr, true); continue; }
+      emit(i, k, t.find_slot(k, probe_start((uint64_t)k, t.seed, t.nw)), false);
+    }
+    return;
+  }
+  struct State { int64_t i; Probe p; uint64_t visited; K k; };
+  constexpr int kMaxG = 64;
+  State st[kMaxG];
+  bool live[kMaxG];
+  if (G > kMaxG) G = kMaxG;
+  int64_t next = b;
+  auto start = [&](State& s) -> bool {
+    while (next < e) {
+      const int64_t i = next++;
+      const K k = keys[i];
+      if (PK_UNLIKELY(is_special(k))) { emit(i, k, nullptr, true); continue; }
+      s.i = i;
+      s.k = k;
+      s.p = probe_start((uint64_t)k, t.seed, t.nw);
+      s.visited = 0;
+      const char* line = reinterpret_cast<const char*>(t.window(s.p.w));
+      PK_PREFETCH_R(line);
+      if (t.window_bytes > 64) PK_PREFETCH_R(line + 64);
+      return true;
+    }
+    return false;
+  };
+  int active = 0;
+  for (int g = 0; g < G; ++g) active += (live[g] = start(st[g]));
+  while (active) {
+    for (int g = 0; g < G; ++g) {
+      if (!live[g]) continue;
+      State& s = st[g];
+      const S* win = t.window(s.p.w);
+      const S* hit = nullptr;
+      bool done = false;
+      for (int j = 0; j < t.W; ++j) {
+        const K sk = load_relaxed(&win[j].key);
+        if (sk == s.k) { hit = &win[j]; done = true; break; }
+        if (sk == Table<K, V>::EMPTY) { done = true; break; }
+      }
+      if (!done && ++s.visited < t.nw) {
+        probe_next(s.p, t.nw);
+        const char* line = reinterpret_cast<const char*>(t.window(s.p.w));
+        PK_PREFETCH_R(line);
+        if (t.window_bytes > 64) PK_PREFETCH_R(line + 64);
+        continue;
+      }
+      emit(s.i, s.k, const_cast<S*>(hit), false);
+      if (!(live[g] = start(s))) --active;
+    }
+  }
+}
+
+template <class K, class V>
+void find_impl(const Geo& g, uintptr_t keys_p, int64_t n, uintptr_t out_vals_p, uintptr_t found_p, uint64_t dflt,
+               int nthreads, int D) {
+  Table<K, V> t(g);
+  const K* keys = reinterpret_cast<const K*>(keys_p);
+  uint8_t* found = reinterpret_cast<uint8_t*>(found_p);
+  py::gil_scoped_release release;
+  dyn_ranges(n, threads_for(n, nthreads), [&](int, int64_t b, int64_t e) {
+    amac_find(t, keys, b, e, D, [&](int64_t i, K k, Slot<K, V>* s, bool special) {
+      bool hit;
+      uint64_t v = dflt;
+      if (PK_UNLIKELY(special)) {
+        const int si = special_index(k);
+        hit = load_relaxed(&t.special[2 * si]) != 0;
+        if (hit) v = load_relaxed(&t.special[2 * si + 1]);
+      } else {
+        hit = s != nullptr;
+        if constexpr (Table<K, V>::kHasVal) {
+          if (hit) v = (uint64_t)load_relaxed(&s->val);
+        }
+      }
+      if (found) found[i] = hit;
+      if constexpr (Table<K, V>::kHasVal) {
+        if (out_vals_p) reinterpret_cast<V*>(out_vals_p)[i] = (V)v;
+      }
+    });
+  });
+}
+
+// Erase: unique tables tombstone the key's slot; multi tables every slot holding the key.
+// `zero_val`: counting tables reset the value so a reused slot starts at 0.
+template <class K, class V>
+int64_t erase_impl(const Geo& g, uintptr_t keys_p, int64_t n, uintptr_t out_p, bool multi, bool zero_val,
+                   int nthreads, int D) {
+  Table<K, V> t(g);
+  const K* keys = reinterpret_cast<const K*>(keys_p);
+  int64_t* out = reinterpret_cast<int64_t*>(out_p);  // erased count per key
+  const int nt = threads_for(n, nthreads);
+  std::vector<int64_t> tot(nt, 0);
+  {
+    py::gil_scoped_release release;
+    dyn_ranges(n, nt, [&](int tid, int64_t b, int64_t e) {
+      int64_t sum = 0;
+      pipelined<K, true>(keys, b, e, D, g, t.window_bytes, [&](int64_t i, K k, Probe p) {
+        int64_t erased = 0;
+        if (PK_UNLIKELY(is_special(k))) {
+          if (!multi) {
+            const int s = special_index(k);
+            if (cas(&t.special[2 * s], (uint64_t)1, (uint64_t)0)) {
+              erased = 1;
+              store_relaxed(&t.special[2 * s + 1], (uint64_t)0);
+            }
+          }
+        } else if (!multi) {
+          auto* s = t.find_slot(k, p);
+          if (s && cas(&s->key, k, Table<K, V>::TOMB)) {
+            erased = 1;
+            if constexpr (Table<K, V>::kHasVal) {
+              if (zero_val) store_relaxed(&s->val, (V)0);
+            }
+          }
+        } else {
+          for (uint64_t w = 0; w < t.nw; ++w) {
+            auto* win = t.window(p.w);
+            bool stop = false;
+            for (int j = 0; j < t.W; ++j) {
+              const K sk = load_relaxed(&win[j].key);
+              if (sk == k && cas(&win[j].key, k, Table<K, V>::TOMB)) ++erased;
+              if (sk == Table<K, V>::EMPTY) { stop = true; break; }
+            }
+            if (stop) break;
+            probe_next(p, t.nw);
+          }
+        }
+        out[i] = erased;
+        sum += erased;
+      });
+      tot[tid] += sum;
+    });
+  }
+  int64_t s = 0;
+  for (auto v : tot) s += v;
+  return s;
+}
+
+// Multi-value: count (vals_out == 0) or retrieve into vals_out[offsets[i]...] (CSR).
+template <class K, class V>
+void multi_walk_impl(const Geo& g, uintptr_t keys_p, int64_t n, uintptr_t counts_p, uintptr_t offsets_p,
+                     uintptr_t vals_out_p, int nthreads, int D) {
+  Table<K, V> t(g);
+  const K* keys = reinterpret_cast<const K*>(keys_p);
+  int64_t* counts = reinterpret_cast<int64_t*>(counts_p);
+  const int64_t* offsets = reinterpret_cast<const int64_t*>(offsets_p);
+  V* vals_out = reinterpret_cast<V*>(vals_out_p);
+  py::gil_scoped_release release;
+  dyn_ranges(n, threads_for(n, nthreads), [&](int, int64_t b, int64_t e) {
+    pipelined<K, false>(keys, b, e, D, g, t.window_bytes, [&](int64_t i, K k, Probe p) {
+      int64_t c = 0;
+      if (!is_special(k)) {
+        int64_t o = vals_out ? offsets[i] : 0;
+        for (uint64_t w = 0; w < t.nw; ++w) {
+          auto* win = t.window(p.w);
+          bool stop = false;
+          for (int j = 0; j < t.W; ++j) {
+            const K sk = load_relaxed(&win[j].key);
+            if (sk == k) {
+              if (vals_out) vals_out[o + c] = win[j].val;
+              ++c;
+            }
+            if (sk == Table<K, V>::EMPTY) { stop = true; break; }
+          }
+          if (stop) break;
+          probe_next(p, t.nw);
+        }
+      }
+      if (counts) counts[i] = c;
+    });
+  });
+}
+
+// items(): live slots in slot order. Two passes (count per range, then write), parallel.
+template <class K, class V>
+int64_t items_impl(const Geo& g, uintptr_t keys_out_p, uintptr_t vals_out_p, int64_t max_out, int nthreads) {
+  Table<K, V> t(g);
+  const int64_t nslots = (int64_t)(g.nw * (uint64_t)g.W);
+  const int nt = threads_for(nslots, nthreads);
+  std::vector<int64_t> cnt(nt + 1, 0);
+  K* ko = reinterpret_cast<K*>(keys_out_p);
+  V* vo = reinterpret_cast<V*>(vals_out_p);
+  py::gil_scoped_release release;
+  pk::parallel_ranges(nslots, nt, [&](int tid, int64_t b, int64_t e) {
+    int64_t c = 0;
+    for (int64_t s = b; s < e; ++s) c += !is_special(t.slots[s].key);
+    cnt[tid + 1] = c;
+  });
+  for (int i = 0; i < nt; ++i) cnt[i + 1] += cnt[i];
+  if (cnt[nt] > max_out) pk::fail_runtime("hash.items", "table holds more keys than expected (internal error)");
+  pk::parallel_ranges(nslots, nt, [&](int tid, int64_t b, int64_t e) {
+    int64_t o = cnt[tid];
+    for (int64_t s = b; s < e; ++s) {
+      const K k = t.slots[s].key;
+      if (is_special(k)) continue;
+      ko[o] = k;
+      if constexpr (Table<K, V>::kHasVal) {
+        if (vo) vo[o] = t.slots[s].val;
+      }
+      ++o;
+    }
+  });
+  return cnt[nt];
+}
+
+// Rehash: every live slot of `src` into the empty table `dst` (append mode: keys are already unique,
+// or duplicates are wanted for multi-value maps).
+template <class K, class V>
+int64_t rehash_impl(const Geo& src, const Geo& dst, int nthreads, int D) {
+  Table<K, V> s(src), d(dst);
+  const int64_t nslots = (int64_t)(src.nw * (uint64_t)src.W);
+  const int nt = threads_for(nslots, nthreads);
+  std::vector<int64_t> moved(nt, 0), missed(nt, 0);
+  std::atomic<int64_t> used(0);
+  const int64_t limit = (int64_t)(dst.nw * (uint64_t)dst.W);
+  {
+    py::gil_scoped_release release;
+    dyn_ranges(nslots, nt, [&](int tid, int64_t b, int64_t e) {
+      // Compact this range's live keys in chunks, then run them through the prefetching pipeline.
+      constexpr int64_t CH = 1024;
+      K kbuf[CH];
+      uint64_t vbuf[CH];
+      int64_t ne = 0, mv = 0, ms = 0;
+      for (int64_t c0 = b; c0 < e; c0 += CH) {
+        int64_t m = 0;
+        for (int64_t x = c0; x < std::min(e, c0 + CH); ++x) {
+          const K k = s.slots[x].key;
+          if (is_special(k)) continue;
+          kbuf[m] = k;
+          if constexpr (Table<K, V>::kHasVal) vbuf[m] = (uint64_t)s.slots[x].val;
+          else vbuf[m] = 0;
+          ++m;
+        }
+        pipelined<K, true>(kbuf, 0, m, D, dst, d.window_bytes, [&](int64_t i, K k, Probe p) {
+          uint8_t st = d.template insert_one<M_APPEND>(k, vbuf[i], p, used, limit, ne);
+          if (st == ST_NEW) ++mv; else ++ms;
+        });
+      }
+      moved[tid] += mv;
+      missed[tid] += ms;
+    });
+  }
+  int64_t a = 0, b = 0;
+  for (int i = 0; i < nt; ++i) { a += moved[i]; b += missed[i]; }
+  if (b) pk::fail_runtime("hash.rehash", "destination table too small (internal error)");
+  return a;
+}
+
+// Windows (cache lines on the CPU) a find visits per key: the layout's DRAM accesses per lookup,
+// reported by the benchmarks next to the measured rate.
+template <class K, class V>
+int64_t probe_windows_impl(const Geo& g, uintptr_t keys_p, int64_t n) {
+  Table<K, V> t(g);
+  const K* keys = reinterpret_cast<const K*>(keys_p);
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const K k = keys[i];
+    if (is_special(k)) continue;
+    Probe p = probe_start((uint64_t)k, g.seed, g.nw);
+    for (uint64_t w = 0; w < t.nw; ++w) {
+      ++total;
+      auto* win = t.window(p.w);
+      bool stop = false;
+      for (int j = 0; j < t.W && !stop; ++j) stop = win[j].key == k || win[j].key == Table<K, V>::EMPTY;
+      if (stop) break;
+      probe_next(p, t.nw);
+    }
+  }
+  return total;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Bloom filter
+// ------------------------------------------------------------------------------------------------
+void bloom_add(uintptr_t words_p, uint64_t nblocks, int k, uint64_t seed, uintptr_t keys_p, int64_t n, int nthreads) {
+  uint64_t* words = reinterpret_cast<uint64_t*>(words_p);
+  const uint64_t* keys = reinterpret_cast<const uint64_t*>(keys_p);
+  py::gil_scoped_release release;
+  dyn_ranges(n, threads_for(n, nthreads), [&](int, int64_t b, int64_t e) {
+    constexpr int D = 16;
+    for (int64_t i = b; i < e; ++i) {
+      if (i + D < e) PK_PREFETCH_W(words + bloom_block(keys[i + D], seed, nblocks) * BLOOM_BLOCK_WORDS);
+      uint64_t* blk = words + bloom_block(keys[i], seed, nblocks) * BLOOM_BLOCK_WORDS;
+      uint64_t mask[BLOOM_BLOCK_WORDS];
+      bloom_pattern(keys[i], seed, k, mask);
+      for (int w = 0; w < BLOOM_BLOCK_WORDS; ++w)
+        if (mask[w] && (load_relaxed(&blk[w]) & mask[w]) != mask[w]) __atomic_fetch_or(&blk[w], mask[w], __ATOMIC_RELAXED);
+    }
+  });
+}
+
+void bloom_contains(uintptr_t words_p, uint64_t nblocks, int k, uint64_t seed, uintptr_t keys_p, int64_t n,
+                    uintptr_t out_p, int nthreads) {
+  const uint64_t* words = reinterpret_cast<const uint64_t*>(words_p);
+  const uint64_t* keys = reinterpret_cast<const uint64_t*>(keys_p);
+  uint8_t* out = reinterpret_cast<uint8_t*>(out_p);
+  py::gil_scoped_release release;
+  dyn_ranges(n, threads_for(n, nthreads), [&](int, int64_t b, int64_t e) {
+    constexpr int D = 16;
+    for (int64_t i = b; i < e; ++i) {
+      if (i + D < e) PK_PREFETCH_R(words + bloom_block(keys[i + D], seed, nblocks) * BLOOM_BLOCK_WORDS);
+      const uint64_t* blk = words + bloom_block(keys[i], seed, nblocks) * BLOOM_BLOCK_WORDS;
+      uint64_t mask[BLOOM_BLOCK_WORDS];
+      bloom_pattern(keys[i], seed, k, mask);
+      bool all = true;
+      for (int w = 0; w < BLOOM_BLOCK_WORDS; ++w) all &= (load_relaxed(&blk[w]) & mask[w]) == mask[w];
+      out[i] = all;
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------------------------
+// Dispatch over (key bytes, value bytes)
+// ------------------------------------------------------------------------------------------------
+template <class F>
+auto by_layout(const char* op, int kb, int vb, F&& f) {
+  if (kb == 4 && vb == 0) return f(uint32_t{}, NoVal{});
+  if (kb == 4 && vb == 4) return f(uint32_t{}, uint32_t{});
+  if (kb == 4 && vb == 8) return f(uint32_t{}, uint64_t{});
+  if (kb == 8 && vb == 0) return f(uint64_t{}, NoVal{});
+  if (kb == 8 && vb == 4) return f(uint64_t{}, uint32_t{});
+  if (kb == 8 && vb == 8) return f(uint64_t{}, uint64_t{});
+  pk::fail_value(op, "unsupported key/value byte widths " + std::to_string(kb) + "/" + std::to_string(vb));
+}
+
+Geo geo_of(uintptr_t slots, uintptr_t special, uint64_t nw, int W, uint64_t seed, const char* op) {
+  if (nw < 1 || nw >= (1ULL << 32)) pk::fail_value(op, "window count out of range");
+  if (W < 1 || W > 64) pk::fail_value(op, "window size must be in 1..64");
+  return Geo{slots, special, nw, W, seed};
+}
+
+int slot_bytes(int kb, int vb) {
+  return by_layout("hash.slot_bytes", kb, vb, [](auto k, auto v) { return (int)sizeof(Slot<decltype(k), decltype(v)>); });
+}
+
+// Fresh/cleared storage: keys EMPTY (all ones), values 0 (counting tables add into a fresh slot).
+void init_slots(uintptr_t slots_p, int64_t nslots, int kb, int vb, int nthreads) {
+  py::gil_scoped_release release;
+  by_layout("hash.clear", kb, vb, [&](auto k, auto v) {
+    using S = Slot<decltype(k), decltype(v)>;
+    S* slots = reinterpret_cast<S*>(slots_p);
+    S proto;
+    std::memset(&proto, 0, sizeof(S));
+    proto.key = Sentinel<decltype(k)>::EMPTY;
+    dyn_ranges(nslots, threads_for(nslots, nthreads), [&](int, int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) slots[i] = proto;
+    });
+    return 0;
+  });
+}
+
+// Random probes of a large table miss the TLB on nearly every access with 4 KiB pages; 2 MiB pages
+// make the page walk cheap (its entries stay cached). Python aligns big tables to 2 MiB and calls this
+// before the first touch. Returns false where the kernel refuses (THP "never"), which is harmless.
+bool advise_hugepages(uintptr_t ptr, int64_t nbytes) {
+#ifdef MADV_HUGEPAGE
+  const uintptr_t huge = 2u << 20;
+  uintptr_t b = (ptr + huge - 1) & ~(huge - 1), e = (ptr + (uintptr_t)nbytes) & ~(huge - 1);
+  if (e <= b) return false;
+  return madvise(reinterpret_cast<void*>(b), e - b, MADV_HUGEPAGE) == 0;
+#else
+  (void)ptr; (void)nbytes;
+  return false;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_cpu_hash, m) {
+  m.doc() = "pykernels CPU hash tables (WarpCore layout: windows, double hashing, CAS, prefetch pipeline)";
+  m.def("cpu_has_avx2", &pk::cpu_has_avx2);
+  m.def("slot_bytes", &slot_bytes, py::arg("kb"), py::arg("vb"));
+  m.def("insert",
+        [](uintptr_t slots, uintptr_t special, uint64_t nw, int W, uint64_t seed, int kb, int vb, uintptr_t keys,
+           uintptr_t vals, int64_t n, uintptr_t status, int mode, int64_t used_now, int64_t limit, int nthreads,
+           int D) {
+          Geo g = geo_of(slots, special, nw, W, seed, "hash.insert");
+          return by_layout("hash.insert", kb, vb, [&](auto k, auto v) {
+            return insert_impl<decltype(k), decltype(v)>(g, keys, vals, n, status, mode, used_now, limit, nthreads, D);
+          });
+        },
+        "Bulk insert; returns (new keys, new keys that took an EMPTY slot, keys left out because the table is full)");
+  m.def("find",
+        [](uintptr_t slots, uintptr_t special, uint64_t nw, int W, uint64_t seed, int kb, int vb, uintptr_t keys,
+           int64_t n, uintptr_t out_vals, uintptr_t found, uint64_t dflt, int nthreads, int D) {
+          Geo g = geo_of(slots, special, nw, W, seed, "hash.find");
+          by_layout("hash.find", kb, vb, [&](auto k, auto v) {
+            find_impl<decltype(k), decltype(v)>(g, keys, n, out_vals, found, dflt, nthreads, D);
+            return 0;
+          });
+        });
+  m.def("erase",
+        [](uintptr_t slots, uintptr_t special, uint64_t nw, int W, uint64_t seed, int kb, int vb, uintptr_t keys,
+           int64_t n, uintptr_t out, bool multi, bool zero_val, int nthreads, int D) {
+          Geo g = geo_of(slots, special, nw, W, seed, "hash.erase");
+          return by_layout("hash.erase", kb, vb, [&](auto k, auto v) {
+            return erase_impl<decltype(k), decltype(v)>(g, keys, n, out, multi, zero_val, nthreads, D);
+          });
+        });
+  m.def("multi_walk",
+        [](uintptr_t slots, uintptr_t special, uint64_t nw, int W, uint64_t seed, int kb, int vb, uintptr_t keys,
+           int64_t n, uintptr_t counts, uintptr_t offsets, uintptr_t vals_out, int nthreads, int D) {
+          Geo g = geo_of(slots, special, nw, W, seed, "hash.multi");
+          if (vb == 0) pk::fail_value("hash.multi", "multi-value tables need values");
+          by_layout("hash.multi", kb, vb, [&](auto k, auto v) {
+            if constexpr (!std::is_same<decltype(v), NoVal>::value)
+              multi_walk_impl<decltype(k), decltype(v)>(g, keys, n, counts, offsets, vals_out, nthreads, D);
+            return 0;
+          });
+        });
+  m.def("items",
+        [](uintptr_t slots, uint64_t nw, int W, int kb, int vb, uintptr_t keys_out, uintptr_t vals_out,
+           int64_t max_out, int nthreads) {
+          Geo g = geo_of(slots, 0, nw, W, 0, "hash.items");
+          return by_layout("hash.items", kb, vb, [&](auto k, auto v) {
+            return items_impl<decltype(k), decltype(v)>(g, keys_out, vals_out, max_out, nthreads);
+          });
+        });
+  m.def("rehash",
+        [](uintptr_t src, uint64_t src_nw, uintptr_t dst, uint64_t dst_nw, int W, uint64_t seed, int kb, int vb,
+           int nthreads, int D) {
+          Geo s = geo_of(src, 0, src_nw, W, seed, "hash.rehash");
+          Geo d = geo_of(dst, 0, dst_nw, W, seed, "hash.rehash");
+          return by_layout("hash.rehash", kb, vb, [&](auto k, auto v) {
+            return rehash_impl<decltype(k), decltype(v)>(s, d, nthreads, D);
+          });
+        });
+  m.def("probe_windows",
+        [](uintptr_t slots, uint64_t nw, int W, uint64_t seed, int kb, int vb, uintptr_t keys, int64_t n) {
+          Geo g = geo_of(slots, 0, nw, W, seed, "hash.probe_windows");
+          return by_layout("hash.probe_windows", kb, vb, [&](auto k, auto v) {
+            return probe_windows_impl<decltype(k), decltype(v)>(g, keys, n);
+          });
+        }, "Total windows visited by finds of these keys (single thread; for the benchmarks)");
+  m.def("init_slots", &init_slots, py::arg("slots"), py::arg("nslots"), py::arg("kb"), py::arg("vb"),
+        py::arg("nthreads"));
+  m.def("advise_hugepages", &advise_hugepages, py::arg("ptr"), py::arg("nbytes"));
+  m.def("bloom_add", &bloom_add);
+  m.def("bloom_contains", &bloom_contains);
+}

@@ -1,0 +1,185 @@
+"""Python side of the table layout (csrc/hash/hash_layout.h): dtype <-> bit conversions, sizes, primes.
+
+The native code only sees key bit patterns of 4 or 8 bytes and value bit patterns of 4 or 8 bytes:
+values of 1-2 bytes are widened to 4 here (and narrowed back on the way out), floats travel as their
+bits. So a float value of -0.0 or NaN comes back bit-exact.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import check_dtype
+
+KEY_DTYPES = (torch.int32, torch.int64, torch.uint32, torch.uint64)
+VALUE_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float16, torch.bfloat16,
+                torch.int32, torch.uint32, torch.float32, torch.int64, torch.uint64, torch.float64)
+
+# Bit-carrier dtype of a 4- or 8-byte pattern.
+_BITS = {4: torch.int32, 8: torch.int64}
+# Reserved key patterns inside the slot array (see hash_layout.h), as signed bit patterns.
+EMPTY_BITS = -1
+TOMB_BITS = -2
+
+DEFAULT_SEED = 0x2545F4914F6CDD1D  # any constant: the layout only needs every user of a table to agree
+
+
+def dtype_name(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def as_dtype(op: str, arg: str, d) -> torch.dtype:
+    if isinstance(d, str):
+        d = getattr(torch, d, None)
+    if not isinstance(d, torch.dtype):
+        raise TypeError(f"pykernels.{op}: expected a torch.dtype for '{arg}', got {d!r}")
+    return d
+
+
+def key_bytes(key_dtype: torch.dtype) -> int:
+    return key_dtype.itemsize
+
+
+def value_slot_bytes(value_dtype) -> int:
+    """Bytes of the value field in a slot: 1-4 byte values use 4, 8-byte values 8, no value 0."""
+    if value_dtype is None:
+        return 0
+    return 8 if value_dtype.itemsize == 8 else 4
+
+
+def slot_bytes(kb: int, vb: int) -> int:
+    if vb == 0:
+        return kb
+    if kb == 4 and vb == 4:
+        return 8
+    return 16
+
+
+def key_bits(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous 1-D bit view (int32/int64) of a key tensor (never a copy of the caller's memory
+    that we then write to: native code only reads keys)."""
+    t = t.reshape(-1)
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.view(_BITS[t.element_size()])
+
+
+def bits_to_keys(bits: torch.Tensor, key_dtype: torch.dtype) -> torch.Tensor:
+    return bits.view(key_dtype)
+
+
+def value_bits(v: torch.Tensor) -> torch.Tensor:
+    """Values as 4- or 8-byte bit patterns (1-2 byte values widened)."""
+    v = v.reshape(-1)
+    if not v.is_contiguous():
+        v = v.contiguous()
+    size = v.element_size()
+    if size in (4, 8):
+        return v.view(_BITS[size])
+    if size == 2:
+        return v.view(torch.int16).to(torch.int32)
+    return v.view(torch.uint8).to(torch.int32)
+
+
+def bits_to_values(bits: torch.Tensor, value_dtype: torch.dtype) -> torch.Tensor:
+    size = value_dtype.itemsize
+    if size in (4, 8):
+        return bits.view(value_dtype)
+    if size == 2:
+        return bits.to(torch.int16).view(value_dtype)
+    return bits.to(torch.uint8).view(value_dtype)
+
+
+def scalar_bits(op: str, value, value_dtype: torch.dtype) -> int:
+    """The slot bit pattern (as an unsigned Python int) of a scalar given in the value dtype."""
+    try:
+        t = torch.as_tensor(value, dtype=value_dtype).reshape(1)
+    except (TypeError, RuntimeError, OverflowError) as exc:
+        raise TypeError(f"pykernels.{op}: expected 'default' convertible to {dtype_name(value_dtype)}, "
+                        f"got {value!r} ({exc})") from None
+    b = int(value_bits(t)[0])
+    return b & 0xFFFFFFFFFFFFFFFF
+
+
+def is_prime(n: int) -> bool:
+    """Deterministic Miller-Rabin for n < 3.3e24 (bases 2..41)."""
+    if n < 2:
+        return False
+    small = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
+    for p in small:
+        if n % p == 0:
+            return n == p
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d //= 2
+        r += 1
+    for a in small:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+def next_prime(n: int) -> int:
+    n = max(2, int(n))
+    while not is_prime(n):
+        n += 1
+    return n
+
+
+def windows_for(capacity: int, window: int) -> int:
+    """A prime number of windows holding at least `capacity` slots (prime: every double-hashing
+    step is coprime with it, so a probe visits every window once)."""
+    nw = next_prime(math.ceil(max(1, capacity) / window))
+    if nw >= 1 << 32:
+        raise ValueError(f"pykernels.HashMap: capacity {capacity} is too large (at most {((1 << 32) - 5) * window} slots)")
+    return nw
+
+
+# ---- a pure-Python mirror of the probe sequence (tests and the numba device API use it) ----
+M64 = 0xFFFFFFFFFFFFFFFF
+
+
+def fmix64(k: int) -> int:
+    k &= M64
+    k ^= k >> 33
+    k = (k * 0xFF51AFD7ED558CCD) & M64
+    k ^= k >> 33
+    k = (k * 0xC4CEB9FE1A85EC53) & M64
+    k ^= k >> 33
+    return k
+
+
+def probe_start(key_bits_u64: int, seed: int, nw: int):
+    h = fmix64((key_bits_u64 ^ seed) & M64)
+    return ((h >> 32) * nw) >> 32, 1 + (((h & 0xFFFFFFFF) * (nw - 1)) >> 32)
+
+
+def check_keys(op: str, keys, key_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    from .._native import as_tensor
+
+    keys = as_tensor(keys, op, "keys")
+    check_dtype(op, "keys", keys, (key_dtype,))
+    if keys.device != device:
+        raise RuntimeError(f"pykernels.{op}: expected 'keys' on the table's device {device}, got {keys.device}")
+    return keys
+
+
+def check_values(op: str, values, value_dtype: torch.dtype, keys: torch.Tensor) -> torch.Tensor:
+    from .._native import as_tensor
+
+    values = as_tensor(values, op, "values")
+    check_dtype(op, "values", values, (value_dtype,))
+    if values.device != keys.device:
+        raise RuntimeError(f"pykernels.{op}: expected 'values' on {keys.device} like 'keys', got {values.device}")
+    if values.shape != keys.shape:
+        raise ValueError(f"pykernels.{op}: expected 'values' of the shape of 'keys' {tuple(keys.shape)}, "
+                         f"got {tuple(values.shape)}")
+    return values

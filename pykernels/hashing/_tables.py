@@ -1,0 +1,292 @@
+"""The host-side table objects: argument checks, growth, the out-of-band store of reserved keys for
+multi-value maps, and the calls into the native CPU (csrc/hash/hash_cpu.cpp) or CUDA/HIP
+(csrc/hash/hash.cu) module. Both modules implement the same functions on the same layout
+(csrc/hash/hash_layout.h), so everything here is device-independent.
+
+Thread safety: every public method holds the table's lock, so several Python threads may share a
+table (the native bulk operations release the GIL and are themselves multi-threaded with CAS).
+"""
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+
+from .. import _backend, _native, autotune
+from ..errors import TableFullError
+from . import _layout as L
+
+# insert status codes (hash_cpu.cpp)
+ST_EXISTED, ST_NEW, ST_PENDING, ST_SKIPPED = 0, 1, 2, 3
+# insert modes
+M_UPSERT, M_ADD, M_APPEND = 0, 1, 2
+
+_SUPPORTED = ("cpu", "cuda")
+_HUGE = 2 << 20
+_HUGE_MIN_BYTES = 8 << 20
+
+
+def _device(op, device) -> torch.device:
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise RuntimeError(f"pykernels.{op}: expected a torch device for 'device', got {device!r} ({exc})") from None
+
+
+def default_window(slot_bytes: int, device: torch.device) -> int:
+    """Slots per window. CPU: one 64-byte cache line. GPU: the probing-group size (autotuned,
+    WarpCore's default 8 lanes; cuCollections uses 4) -- one slot per lane."""
+    if device.type == "cuda":
+        cfg = autotune.config_for("hash_table", "cuda", {"slot_bytes": slot_bytes}, device)
+        return int(cfg.get("window", 8))
+    return max(1, 64 // slot_bytes)
+
+
+class _OpenTable:
+    """Open addressing over nw (prime) windows of W slots; see csrc/hash/hash_layout.h."""
+
+    _op = "HashMap"
+    _multi = False      # duplicates kept (multi-value map)
+    _counting = False   # values are counts (erase zeroes them)
+
+    def __init__(self, capacity, key_dtype, value_dtype, device, *, max_load_factor=0.9, growable=True,
+                 window=None, seed=L.DEFAULT_SEED, backend="auto"):
+        op = self._op
+        if isinstance(capacity, bool) or not isinstance(capacity, int):
+            raise TypeError(f"pykernels.{op}: expected an int for 'capacity', got {type(capacity).__name__}")
+        if capacity < 1:
+            raise ValueError(f"pykernels.{op}: expected 'capacity' >= 1, got {capacity}")
+        key_dtype = L.as_dtype(op, "key_dtype", key_dtype)
+        if key_dtype not in L.KEY_DTYPES:
+            raise TypeError(f"pykernels.{op}: expected 'key_dtype' int32, int64, uint32 or uint64, got "
+                            f"{L.dtype_name(key_dtype)}")
+        if value_dtype is not None:
+            value_dtype = L.as_dtype(op, "value_dtype", value_dtype)
+            if value_dtype not in L.VALUE_DTYPES:
+                raise TypeError(f"pykernels.{op}: expected 'value_dtype' of 1 to 8 bytes (bool, (u)int8..64, "
+                                f"float16/bfloat16/32/64), got {L.dtype_name(value_dtype)}")
+        if not (isinstance(max_load_factor, (int, float)) and 0.0 < max_load_factor <= 1.0):
+            raise ValueError(f"pykernels.{op}: expected 'max_load_factor' in (0, 1], got {max_load_factor!r}")
+        self.device = _device(op, device)
+        self.backend = _backend.select_backend(op, self.device, backend, supported=_SUPPORTED, preference=("cuda",))
+        self._mod = _native.cpu_module("hash") if self.backend == "cpu" else _native.cuda_module("hash")
+        self.key_dtype = key_dtype
+        self.value_dtype = value_dtype
+        self.max_load_factor = float(max_load_factor)
+        self.growable = bool(growable)
+        self.seed = int(seed) & L.M64
+        self._kb = L.key_bytes(key_dtype)
+        self._vb = self._slot_value_bytes()
+        self._sb = L.slot_bytes(self._kb, self._vb)
+        self.window = int(window) if window is not None else default_window(self._sb, self.device)
+        if not 1 <= self.window <= 32:
+            raise ValueError(f"pykernels.{op}: expected 'window' in 1..32, got {self.window}")
+        self._lock = threading.RLock()
+        self._alloc(capacity)
+
+    # -- storage ---------------------------------------------------------------------------------
+    def _slot_value_bytes(self):
+        return L.value_slot_bytes(self.value_dtype)
+
+    def _new_slots(self, nw):
+        """Uninitialized slot storage. Large CPU tables are aligned to 2 MiB and advised to use huge
+        pages before the first touch: random probes then rarely miss the TLB."""
+        words = nw * self.window * self._sb // 4
+        if self.device.type != "cpu" or words * 4 < _HUGE_MIN_BYTES:
+            return torch.empty(words, dtype=torch.int32, device=self.device)
+        pad = _HUGE // 4
+        raw = torch.empty(words + pad, dtype=torch.int32)
+        off = (-raw.data_ptr() % _HUGE) // 4
+        slots = raw[off: off + words]
+        self._mod.advise_hugepages(slots.data_ptr(), words * 4)
+        return slots
+
+    def _alloc(self, capacity):
+        self._nw = L.windows_for(capacity, self.window)
+        self._slots = self._new_slots(self._nw)
+        self._special = torch.zeros(4, dtype=torch.int64, device=self.device)
+        self._init_slots(self._slots)
+        self._size = 0   # live keys (multi: live pairs), the out-of-band ones included
+        self._used = 0   # slots that are not EMPTY (live + tombstones)
+        self._special_multi = {}  # multi-value maps: reserved key bits -> list of value-bit tensors
+
+    def _init_slots(self, slots):
+        """Keys EMPTY (all ones), values zero: counting tables add into a fresh slot's value."""
+        if self.device.type == "cpu":
+            self._mod.init_slots(slots.data_ptr(), slots.numel() * 4 // self._sb, self._kb, self._vb,
+                                 torch.get_num_threads())
+            return
+        rows = slots.view(-1, self._sb // 4)
+        rows.zero_()
+        rows[:, : self._kb // 4].fill_(-1)
+
+    @property
+    def capacity(self) -> int:
+        """Number of slots (a prime number of windows of `window` slots)."""
+        return self._nw * self.window
+
+    @property
+    def load_factor(self) -> float:
+        return self._size / self.capacity
+
+    def __len__(self):
+        return self._size
+
+    def _limit(self):
+        return int(math.floor(self.max_load_factor * self.capacity))
+
+    def __repr__(self):
+        vd = f", value_dtype={L.dtype_name(self.value_dtype)}" if self.value_dtype is not None else ""
+        return (f"pykernels.{self._op}(len={len(self)}, capacity={self.capacity}, key_dtype="
+                f"{L.dtype_name(self.key_dtype)}{vd}, device={self.device}, window={self.window})")
+
+    # -- native calls ----------------------------------------------------------------------------
+    def _config(self, op):
+        key = {"slot_bytes": self._sb, "table_bytes": autotune.bucket(self.capacity * self._sb)}
+        _, cfg = _backend.dispatch(op, self.device, self.backend, key, supported=_SUPPORTED, preference=("cuda",))
+        return cfg
+
+    def _threads(self, cfg):
+        t = int(cfg.get("threads", 0) or 0)
+        return t if t > 0 else torch.get_num_threads()
+
+    def _geo(self):
+        return (self._slots.data_ptr(), self._special.data_ptr(), self._nw, self.window, self.seed, self._kb, self._vb)
+
+    def _stream(self):
+        return (_native.cuda_stream_handle(self.device),) if self.device.type == "cuda" else ()
+
+    def _native_insert(self, kbits, vbits, status, mode, cfg):
+        n = kbits.numel()
+        return self._mod.insert(*self._geo(), kbits.data_ptr(), vbits.data_ptr() if vbits is not None else 0, n,
+                                status.data_ptr(), mode, self._used, self._limit(), self._threads(cfg),
+                                int(cfg.get("prefetch", 32)), *self._stream())
+
+    def _insert_bits(self, op, kbits, vbits, mode):
+        """Inserts, making room (tombstone purge / growth) for keys left out by a full table.
+        Returns the per-key status (uint8)."""
+        n = kbits.numel()
+        status = torch.empty(n, dtype=torch.uint8, device=self.device)
+        if n == 0:
+            return status
+        cfg = self._config("hash_insert")
+        new, new_empty, pending = self._native_insert(kbits, vbits, status, mode, cfg)
+        self._size += new
+        self._used += new_empty
+        while pending:
+            idx = torch.nonzero(status == ST_PENDING).reshape(-1)
+            fits_after_purge = self._size + pending <= self._limit()
+            if self._used > self._size - self._n_special() and fits_after_purge:
+                self._rehash(self.capacity)          # reclaim tombstones, same size
+            elif self.growable:
+                need = math.ceil((self._size + pending) / self.max_load_factor) + 1
+                self._rehash(max(2 * self.capacity, need))
+            else:
+                raise TableFullError(op, pending, self.capacity)
+            sub_status = torch.empty(idx.numel(), dtype=torch.uint8, device=self.device)
+            sub_v = vbits[idx] if vbits is not None else None
+            new, new_empty, pending2 = self._native_insert(kbits[idx], sub_v, sub_status, mode, cfg)
+            self._size += new
+            self._used += new_empty
+            status[idx] = sub_status
+            pending = pending2  # after a purge, the next round grows or raises: no endless loop
+        return status
+
+    def _n_special(self):
+        if self._multi:
+            return sum(int(v.numel()) for lst in self._special_multi.values() for v in lst)
+        return int(self._special[0::2].ne(0).sum())
+
+    def _rehash(self, capacity):
+        old_slots, old_nw = self._slots, self._nw
+        new_nw = L.windows_for(capacity, self.window)
+        new_slots = self._new_slots(new_nw)
+        self._init_slots(new_slots)
+        cfg = self._config("hash_insert")
+        moved = self._mod.rehash(old_slots.data_ptr(), old_nw, new_slots.data_ptr(), new_nw, self.window, self.seed,
+                                 self._kb, self._vb, self._threads(cfg), int(cfg.get("prefetch", 32)),
+                                 *self._stream())
+        self._slots, self._nw = new_slots, new_nw
+        self._used = moved
+
+    def _find_bits(self, kbits, want_values, default_bits=0):
+        n = kbits.numel()
+        found = torch.empty(n, dtype=torch.uint8, device=self.device)
+        vals = None
+        if want_values and self._vb:
+            vals = torch.empty(n, dtype=L._BITS[self._vb], device=self.device)
+        if n:
+            cfg = self._config("hash_find")
+            self._mod.find(*self._geo(), kbits.data_ptr(), n, vals.data_ptr() if vals is not None else 0,
+                           found.data_ptr(), default_bits, self._threads(cfg), int(cfg.get("prefetch", 32)),
+                           *self._stream())
+        return vals, found.view(torch.bool)
+
+    def _erase_bits(self, kbits):
+        n = kbits.numel()
+        out = torch.zeros(n, dtype=torch.int64, device=self.device)
+        if n:
+            cfg = self._config("hash_find")
+            total = self._mod.erase(*self._geo(), kbits.data_ptr(), n, out.data_ptr(), self._multi, self._counting,
+                                    self._threads(cfg), int(cfg.get("prefetch", 32)), *self._stream())
+            self._size -= total
+        return out
+
+    def _items_bits(self):
+        n_slots_live = self._size - self._n_special()
+        kb = torch.empty(max(n_slots_live, 0), dtype=L._BITS[self._kb], device=self.device)
+        vb = torch.empty(max(n_slots_live, 0), dtype=L._BITS[self._vb], device=self.device) if self._vb else None
+        if n_slots_live > 0:
+            cfg = self._config("hash_find")
+            got = self._mod.items(self._slots.data_ptr(), self._nw, self.window, self._kb, self._vb, kb.data_ptr(),
+                                  vb.data_ptr() if vb is not None else 0, n_slots_live, self._threads(cfg),
+                                  *self._stream())
+            if got != n_slots_live:
+                raise RuntimeError(f"pykernels.{self._op}.items: internal error: {got} live slots, expected "
+                                   f"{n_slots_live}")
+        # reserved key patterns live out of band
+        sk, sv = [], []
+        if self._multi:
+            for bits, lst in self._special_multi.items():
+                for v in lst:
+                    sk.append(torch.full((v.numel(),), bits, dtype=kb.dtype, device=self.device))
+                    sv.append(v)
+        else:
+            flags = self._special.cpu().tolist()
+            for s, bits in enumerate((L.EMPTY_BITS, L.TOMB_BITS)):
+                if flags[2 * s]:
+                    sk.append(torch.tensor([bits], dtype=kb.dtype, device=self.device))
+                    if vb is not None:
+                        v = flags[2 * s + 1]
+                        if self._vb == 4:
+                            v = (v & 0xFFFFFFFF) - ((v & 0x80000000) << 1)
+                        elif v >= 1 << 63:
+                            v -= 1 << 64
+                        sv.append(torch.tensor([v], dtype=vb.dtype, device=self.device))
+        if sk:
+            kb = torch.cat([kb, *sk])
+            if vb is not None:
+                vb = torch.cat([vb, *sv])
+        return kb, vb
+
+    def clear(self):
+        """Removes every key; keeps the capacity."""
+        with self._lock:
+            self._init_slots(self._slots)
+            self._special.zero_()
+            self._special_multi = {}
+            self._size = 0
+            self._used = 0
+
+    # -- helpers for subclasses --------------------------------------------------------------------
+    def _keys(self, op, keys):
+        return L.check_keys(f"{self._op}.{op}", keys, self.key_dtype, self.device)
+
+    def _values(self, op, values, keys):
+        return L.check_values(f"{self._op}.{op}", values, self.value_dtype, keys)
+
+    def _key_values_out(self):
+        kb, vb = self._items_bits()
+        keys = L.bits_to_keys(kb, self.key_dtype)
+        return keys, vb

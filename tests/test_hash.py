@@ -1,0 +1,681 @@
+"""Hash tables (issue #4) against Python oracles: dict, collections.Counter, dict of lists.
+
+CPU backend here; the same checks run on the CUDA backend in test_hash_gpu.py (marked gpu).
+"""
+import collections
+import random
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import pykernels
+from pykernels import BloomFilter, CountingTable, HashMap, HashSet, MultiValueHashMap, TableFullError
+from pykernels.hashing import _layout as L
+from pykernels.hashing import blocked_bloom_fpr, classic_bloom_fpr
+
+KEY_DTYPES = [torch.int32, torch.int64, torch.uint32, torch.uint64]
+VALUE_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.float16, torch.bfloat16, torch.int32,
+                torch.uint32, torch.float32, torch.int64, torch.uint64, torch.float64]
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers: random keys/values of any dtype, compared by bit pattern (exact, NaN and -0.0 included)
+# ---------------------------------------------------------------------------------------------
+def kbits(t):
+    """Python ints of the key bit patterns (unsigned)."""
+    b = L.key_bits(t)
+    mask = (1 << (8 * t.element_size())) - 1
+    return [int(x) & mask for x in b.tolist()]
+
+
+def vbits(t):
+    b = L.value_bits(t)
+    mask = (1 << (8 * t.element_size())) - 1
+    return [int(x) & mask for x in b.tolist()]
+
+
+def rand_keys(n, dtype, gen, lo=None, hi=None):
+    nbits = 8 * dtype.itemsize
+    lo = -(1 << 62) if lo is None else lo
+    hi = (1 << 62) if hi is None else hi
+    x = torch.randint(lo, hi, (n,), dtype=torch.int64, generator=gen)
+    if nbits == 32:
+        return x.to(torch.int32).view(dtype) if dtype == torch.uint32 else x.to(torch.int32)
+    return x.view(dtype)
+
+
+def rand_values(n, dtype, gen):
+    nbytes = dtype.itemsize
+    raw = torch.randint(-(1 << 62), 1 << 62, (n,), dtype=torch.int64, generator=gen)
+    if dtype == torch.bool:
+        return (raw & 1).bool()
+    carrier = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[nbytes]
+    return raw.to(carrier).view(dtype) if nbytes < 8 else raw.view(dtype)
+
+
+def adversarial_keys(dtype):
+    """Extremes, 0, -1, and the internal EMPTY/TOMBSTONE patterns (all ones, all ones - 1)."""
+    nbits = 8 * dtype.itemsize
+    pats = [0, 1, 2, (1 << nbits) - 1, (1 << nbits) - 2, (1 << nbits) - 3, 1 << (nbits - 1),
+            (1 << (nbits - 1)) - 1, (1 << (nbits - 1)) + 1, 12345]
+    signed = [p - (1 << nbits) if p >= 1 << (nbits - 1) else p for p in pats]
+    carrier = torch.int32 if nbits == 32 else torch.int64
+    return torch.tensor(signed, dtype=carrier).view(dtype)
+
+
+def fmix64_np(k):
+    k = k.astype(np.uint64)
+    k ^= k >> np.uint64(33)
+    k *= np.uint64(0xFF51AFD7ED558CCD)
+    k ^= k >> np.uint64(33)
+    k *= np.uint64(0xC4CEB9FE1A85EC53)
+    k ^= k >> np.uint64(33)
+    return k
+
+
+def colliding_keys(table, count, start=0):
+    """Keys whose first window is the same in `table` (all hashing near each other)."""
+    cand = np.arange(start, start + 3 * count * table._nw, dtype=np.uint64)
+    h = fmix64_np(cand ^ np.uint64(table.seed))
+    w = ((h >> np.uint64(32)) * np.uint64(table._nw)) >> np.uint64(32)
+    target = w[0]
+    hits = cand[w == target][:count]
+    return torch.from_numpy(hits.astype(np.int64))
+
+
+# ---------------------------------------------------------------------------------------------
+# HashMap
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key_dtype", KEY_DTYPES)
+@pytest.mark.parametrize("value_dtype", VALUE_DTYPES)
+def test_hashmap_matches_dict_every_dtype(key_dtype, value_dtype):
+    gen = torch.Generator().manual_seed(hash((str(key_dtype), str(value_dtype))) % 1000)
+    t = HashMap(16, key_dtype=key_dtype, value_dtype=value_dtype)
+    oracle = {}
+    for step in range(3):
+        keys = torch.cat([rand_keys(300, key_dtype, gen, -50, 50), rand_keys(300, key_dtype, gen),
+                          adversarial_keys(key_dtype)])
+        keys = keys[torch.randperm(keys.numel(), generator=gen)]
+        vals = rand_values(keys.numel(), value_dtype, gen)
+        new = t.insert(keys, vals)
+        kb, vb = kbits(keys), vbits(vals)
+        seen = {}
+        for i, (k, v) in enumerate(zip(kb, vb)):
+            seen.setdefault(k, []).append((i, v))
+        for k, occ in seen.items():
+            # exactly one occurrence of a new key reports True; existing keys report False
+            assert sum(bool(new[i]) for i, _ in occ) == (0 if k in oracle else 1)
+        got, found = t.find(keys, default=0)
+        assert bool(found.all())
+        gb = vbits(got)
+        for k, occ in seen.items():
+            i0 = occ[0][0]
+            assert gb[i0] in {v for _, v in occ}, "kept value must be one of the inserted ones"
+            oracle[k] = gb[i0]
+        assert len(t) == len(oracle)
+        # erase a third, check the rest
+        er = keys[::3]
+        t.erase(er)
+        for k in kbits(er):
+            oracle.pop(k, None)
+        assert len(t) == len(oracle)
+    ik, iv = t.items()
+    assert ik.dtype == key_dtype and iv.dtype == value_dtype
+    assert dict(zip(kbits(ik), vbits(iv))) == oracle
+    absent = rand_keys(500, key_dtype, gen)
+    _, f = t.find(absent)
+    assert [bool(x) for x in f] == [k in oracle for k in kbits(absent)]
+
+
+def test_hashmap_find_default_and_float_bits_exact():
+    t = HashMap(100, key_dtype=torch.int64, value_dtype=torch.float32)
+    vals = torch.tensor([float("nan"), -0.0, float("inf"), -1.5])
+    t.insert(torch.tensor([1, 2, 3, 4]), vals)
+    got, found = t.find(torch.tensor([1, 2, 3, 4, 5]), default=-7.25)
+    assert vbits(got[:4]) == vbits(vals)
+    assert got[4].item() == -7.25 and found.tolist() == [True] * 4 + [False]
+
+
+def test_hashmap_upsert_and_duplicates_in_one_call_single_thread_keeps_last():
+    torch.set_num_threads(1)
+    try:
+        t = HashMap(64)
+        new = t.insert(torch.tensor([7, 7, 7, 8]), torch.tensor([1, 2, 3, 4]))
+        assert new.tolist() == [True, False, False, True]
+        assert t.find(torch.tensor([7]))[0].tolist() == [3]
+        assert t.insert(torch.tensor([7]), torch.tensor([9])).tolist() == [False]
+        assert t.find(torch.tensor([7]))[0].tolist() == [9]
+    finally:
+        torch.set_num_threads(2)
+
+
+@pytest.mark.parametrize("load", [0.1, 0.5, 0.8, 0.9, 0.95, 0.99])
+@pytest.mark.parametrize("key_dtype", [torch.int64, torch.uint32])
+def test_load_factors_up_to_099_non_growable(load, key_dtype):
+    gen = torch.Generator().manual_seed(int(load * 100))
+    t = HashMap(20000, key_dtype=key_dtype, value_dtype=torch.int32, growable=False, max_load_factor=0.99)
+    n = int(load * t.capacity)
+    keys = torch.unique(rand_keys(3 * n, key_dtype, gen).view(torch.int64 if key_dtype.itemsize == 8 else torch.int32))
+    keys = keys[torch.randperm(keys.numel(), generator=gen)][:n].view(key_dtype)
+    assert keys.numel() == n
+    vals = torch.arange(n, dtype=torch.int32)
+    assert bool(t.insert(keys, vals).all())
+    assert abs(t.load_factor - n / t.capacity) < 1e-12
+    got, found = t.find(keys)
+    assert bool(found.all()) and torch.equal(got, vals)
+    miss = rand_keys(2000, key_dtype, gen)
+    _, f = t.find(miss)
+    present = set(kbits(keys))
+    assert [bool(x) for x in f] == [k in present for k in kbits(miss)]
+
+
+def test_table_full_error_counts_and_keeps_inserted_keys():
+    t = HashMap(100, growable=False, max_load_factor=1.0)
+    cap = t.capacity
+    keys = torch.arange(cap + 37, dtype=torch.int64) * 7919
+    with pytest.raises(TableFullError) as ei:
+        t.insert(keys, keys)
+    assert ei.value.not_inserted == 37 and ei.value.capacity == cap
+    assert "37 key(s) were not inserted" in str(ei.value) and "HashMap.insert" in str(ei.value)
+    v, f = t.find(keys)
+    assert int(f.sum()) == cap == len(t)
+    assert torch.equal(v[f], keys[f])
+    # re-inserting present keys in a full table is an update, not an error
+    t.insert(keys[f][:10], -keys[f][:10])
+    assert torch.equal(t.find(keys[f][:10])[0], -keys[f][:10])
+
+
+def test_table_full_respects_max_load_factor_and_purges_tombstones():
+    t = HashMap(1000, growable=False, max_load_factor=0.5)
+    limit = int(0.5 * t.capacity)
+    keys = torch.arange(limit, dtype=torch.int64)
+    t.insert(keys, keys)
+    with pytest.raises(TableFullError) as ei:
+        t.insert(torch.tensor([10 ** 9, 10 ** 9 + 1]), torch.tensor([1, 2]))
+    assert ei.value.not_inserted == 2
+    # erase half, then many insert/erase rounds: tombstones are purged, never a spurious TableFullError
+    t.erase(keys[: limit // 2])
+    for r in range(20):
+        fresh = torch.arange(limit // 2, dtype=torch.int64) + 10 ** 6 * (r + 1)
+        t.insert(fresh, fresh)
+        t.erase(fresh)
+    assert len(t) == limit - limit // 2
+    assert bool(t.contains(keys[limit // 2:]).all()) and not bool(t.contains(keys[: limit // 2]).any())
+
+
+def test_growth_through_many_doublings():
+    gen = torch.Generator().manual_seed(5)
+    t = HashMap(1, key_dtype=torch.int64, value_dtype=torch.int64)
+    oracle = {}
+    caps = {t.capacity}
+    for _ in range(60):
+        n = len(oracle) // 3 + int(torch.randint(1, 40, (1,), generator=gen))
+        keys = rand_keys(n, torch.int64, gen, -30000, 30000)
+        t.insert(keys, keys * 3)
+        for k in keys.tolist():
+            oracle[k] = 3 * k
+        caps.add(t.capacity)
+    assert len(caps) >= 8, "expected many growth steps"
+    assert len(t) == len(oracle) and t.load_factor <= 0.9 + 1e-9
+    ks = torch.tensor(list(oracle))
+    v, f = t.find(ks)
+    assert bool(f.all()) and v.tolist() == [oracle[k] for k in ks.tolist()]
+    ik, iv = t.items()
+    assert dict(zip(ik.tolist(), iv.tolist())) == oracle
+
+
+def test_growth_in_one_big_insert():
+    t = HashMap(8)
+    keys = torch.randperm(200000, dtype=torch.int64) - 100000
+    new = t.insert(keys, keys)
+    assert bool(new.all()) and len(t) == 200000
+    v, f = t.find(keys)
+    assert bool(f.all()) and torch.equal(v, keys)
+
+
+def test_colliding_keys_all_in_one_window_region():
+    t = HashMap(4096, value_dtype=torch.int32, growable=False, max_load_factor=0.99)
+    keys = colliding_keys(t, 600)
+    assert keys.numel() == 600
+    t.insert(keys, torch.arange(600, dtype=torch.int32))
+    v, f = t.find(keys)
+    assert bool(f.all()) and v.tolist() == list(range(600))
+    t.erase(keys[::2])
+    v, f = t.find(keys)
+    assert f.tolist() == [i % 2 == 1 for i in range(600)]
+    t.insert(keys[::2], torch.arange(300, dtype=torch.int32))
+    assert bool(t.contains(keys).all()) and len(t) == 600
+
+
+@pytest.mark.parametrize("pattern", ["all_equal", "sorted", "reversed", "sentinels_only"])
+def test_adversarial_batches(pattern):
+    n = 5000
+    if pattern == "all_equal":
+        keys = torch.full((n,), -1, dtype=torch.int64)
+    elif pattern == "sorted":
+        keys = torch.arange(n, dtype=torch.int64)
+    elif pattern == "reversed":
+        keys = torch.arange(n, 0, -1, dtype=torch.int64)
+    else:
+        keys = torch.tensor([-1, -2] * (n // 2), dtype=torch.int64)
+    t = HashMap(16)
+    vals = torch.arange(n, dtype=torch.int64)
+    new = t.insert(keys, vals)
+    uniq = set(keys.tolist())
+    assert int(new.sum()) == len(uniq) == len(t)
+    v, f = t.find(keys)
+    assert bool(f.all())
+    valmap = collections.defaultdict(set)
+    for k, x in zip(keys.tolist(), vals.tolist()):
+        valmap[k].add(x)
+    assert all(x in valmap[k] for k, x in zip(keys.tolist(), v.tolist()))
+    assert bool(t.erase(torch.tensor(sorted(uniq))).all()) and len(t) == 0
+    assert not bool(t.contains(keys).any())
+
+
+def test_empty_calls_and_shapes():
+    t = HashMap(10)
+    e = torch.empty(0, dtype=torch.int64)
+    assert t.insert(e, e).shape == (0,)
+    v, f = t.find(e)
+    assert v.shape == (0,) and f.shape == (0,)
+    assert t.contains(e).shape == (0,) and t.erase(e).shape == (0,)
+    k, v = t.items()
+    assert k.shape == (0,) and v.shape == (0,) and len(t) == 0
+    keys2d = torch.arange(12, dtype=torch.int64).reshape(3, 4)
+    assert t.insert(keys2d, keys2d * 2).shape == (3, 4)
+    v, f = t.find(keys2d.t())  # non-contiguous
+    assert torch.equal(v, keys2d.t() * 2) and f.shape == (4, 3)
+
+
+def test_inputs_not_modified_and_numpy_accepted():
+    t = HashMap(100)
+    keys = np.array([5, -1, 7], dtype=np.int64)
+    vals = np.array([1, 2, 3], dtype=np.int64)
+    kc, vc = keys.copy(), vals.copy()
+    t.insert(keys, vals)
+    t.find(keys)
+    t.erase(keys[:1])
+    assert (keys == kc).all() and (vals == vc).all()
+
+
+def test_clear_and_properties():
+    t = HashMap(1000)
+    t.insert(torch.arange(500), torch.arange(500))
+    t.insert(torch.tensor([-1]), torch.tensor([4]))
+    assert len(t) == 501 and 0 < t.load_factor < 1 and t.capacity >= 1000
+    cap = t.capacity
+    t.clear()
+    assert len(t) == 0 and t.capacity == cap and not bool(t.contains(torch.tensor([1, -1])).any())
+    assert "HashMap" in repr(t)
+
+
+def test_errors_are_clear():
+    t = HashMap(10, key_dtype=torch.int64, value_dtype=torch.float32)
+    with pytest.raises(TypeError, match=r"pykernels\.HashMap\.insert: expected 'keys' of dtype int64, got int32"):
+        t.insert(torch.tensor([1], dtype=torch.int32), torch.tensor([1.0]))
+    with pytest.raises(TypeError, match=r"HashMap\.insert: expected 'values' of dtype float32"):
+        t.insert(torch.tensor([1]), torch.tensor([1.0], dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"HashMap\.insert: expected 'values' of the shape"):
+        t.insert(torch.tensor([1, 2]), torch.tensor([1.0]))
+    with pytest.raises(TypeError, match="key_dtype"):
+        HashMap(10, key_dtype=torch.float32)
+    with pytest.raises(TypeError, match="value_dtype"):
+        HashMap(10, value_dtype=torch.complex64)
+    with pytest.raises(ValueError, match="capacity"):
+        HashMap(0)
+    with pytest.raises(TypeError, match="capacity"):
+        HashMap(1.5)
+    with pytest.raises(ValueError, match="max_load_factor"):
+        HashMap(10, max_load_factor=1.5)
+    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+        t.find([1, 2])
+    with pytest.raises(TypeError, match="default"):
+        t.find(torch.tensor([1]), default="x")
+    with pytest.raises(RuntimeError, match="HashMap"):
+        HashMap(10, device="cuda", backend="cuda")
+    with pytest.raises(RuntimeError, match="backend 'triton' is not implemented"):
+        HashMap(10, backend="triton")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError):
+            HashMap(10, device="cuda")
+
+
+def test_two_python_threads_share_one_table():
+    t = HashMap(64)
+    errors = []
+
+    def worker(tid):
+        try:
+            base = tid * 10 ** 6
+            for r in range(30):
+                keys = torch.arange(base + r * 1000, base + (r + 1) * 1000, dtype=torch.int64)
+                t.insert(keys, keys + 1)
+                v, f = t.find(keys)
+                assert bool(f.all()) and torch.equal(v, keys + 1)
+                if r % 3 == 0:
+                    t.erase(keys[:500])
+        except Exception as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    th = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for x in th:
+        x.start()
+    for x in th:
+        x.join()
+    assert not errors, errors
+    expect = {}
+    for tid in range(2):
+        for r in range(30):
+            for k in range(tid * 10 ** 6 + r * 1000, tid * 10 ** 6 + (r + 1) * 1000):
+                if not (r % 3 == 0 and k < tid * 10 ** 6 + r * 1000 + 500):
+                    expect[k] = k + 1
+    ik, iv = t.items()
+    assert dict(zip(ik.tolist(), iv.tolist())) == expect
+
+
+def test_multithreaded_native_insert_many_duplicates():
+    # duplicate-heavy keys across the pool's threads: CAS makes exactly one thread claim each key
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randint(0, 3000, (200000,), dtype=torch.int64, generator=gen)
+    t = HashMap(4096, max_load_factor=0.99)
+    new = t.insert(keys, keys * 2)
+    assert int(new.sum()) == len(set(keys.tolist())) == len(t)
+    v, f = t.find(keys)
+    assert bool(f.all()) and torch.equal(v, keys * 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# HashSet
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key_dtype", KEY_DTYPES)
+def test_hashset_matches_python_set(key_dtype):
+    gen = torch.Generator().manual_seed(11)
+    s = HashSet(8, key_dtype=key_dtype)
+    oracle = set()
+    for _ in range(4):
+        keys = torch.cat([rand_keys(2000, key_dtype, gen, -800, 800), adversarial_keys(key_dtype)])
+        new = s.insert(keys)
+        kb = kbits(keys)
+        assert int(new.sum()) == len(set(kb) - oracle)
+        oracle |= set(kb)
+        er = keys[::5]
+        s.erase(er)
+        oracle -= set(kbits(er))
+        assert len(s) == len(oracle)
+        q = rand_keys(1000, key_dtype, gen, -1000, 1000)
+        assert [bool(x) for x in s.contains(q)] == [k in oracle for k in kbits(q)]
+    assert set(kbits(s.items())) == oracle
+
+
+# ---------------------------------------------------------------------------------------------
+# CountingTable
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key_dtype", KEY_DTYPES)
+def test_counting_table_matches_counter(key_dtype):
+    gen = torch.Generator().manual_seed(12)
+    c = CountingTable(4, key_dtype=key_dtype)
+    oracle = collections.Counter()
+    for r in range(3):
+        keys = torch.cat([rand_keys(30000, key_dtype, gen, -300, 300), adversarial_keys(key_dtype).repeat(3)])
+        if r == 1:
+            w = torch.randint(1, 5, keys.shape, dtype=torch.int64, generator=gen)
+            c.add(keys, w)
+            for k, x in zip(kbits(keys), w.tolist()):
+                oracle[k] += x
+        else:
+            c.add(keys)
+            oracle.update(kbits(keys))
+        assert len(c) == len(oracle)
+    q = torch.cat([rand_keys(500, key_dtype, gen, -400, 400), adversarial_keys(key_dtype)])
+    assert c.counts(q).tolist() == [oracle.get(k, 0) for k in kbits(q)]
+    ik, ic = c.items()
+    assert ic.dtype == torch.int64 and dict(zip(kbits(ik), ic.tolist())) == dict(oracle)
+    # erase then re-add: counts restart at zero
+    er = q[:50]
+    c.erase(er)
+    for k in kbits(er):
+        oracle.pop(k, None)
+    c.add(er)
+    for k in set(kbits(er)):
+        oracle[k] = kbits(er).count(k)
+    assert c.counts(q).tolist() == [oracle.get(k, 0) for k in kbits(q)]
+
+
+def test_counting_matches_torch_unique():
+    gen = torch.Generator().manual_seed(2)
+    keys = torch.randint(-(1 << 40), 1 << 40, (5000,), generator=gen).repeat_interleave(7)
+    c = CountingTable(100)
+    c.add(keys)
+    u, cnt = torch.unique(keys, return_counts=True)
+    ik, ic = c.items()
+    order = torch.argsort(ik)
+    assert torch.equal(ik[order], u) and torch.equal(ic[order], cnt)
+
+
+# ---------------------------------------------------------------------------------------------
+# MultiValueHashMap
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key_dtype,value_dtype", [(torch.int64, torch.int64), (torch.uint32, torch.float32),
+                                                   (torch.int32, torch.int8), (torch.uint64, torch.float16)])
+def test_multivalue_matches_dict_of_lists(key_dtype, value_dtype):
+    gen = torch.Generator().manual_seed(13)
+    m = MultiValueHashMap(16, key_dtype, value_dtype)
+    oracle = collections.defaultdict(list)
+    for _ in range(3):
+        keys = torch.cat([rand_keys(3000, key_dtype, gen, -200, 200), adversarial_keys(key_dtype).repeat(2)])
+        vals = rand_values(keys.numel(), value_dtype, gen)
+        m.insert(keys, vals)
+        for k, v in zip(kbits(keys), vbits(vals)):
+            oracle[k].append(v)
+        assert len(m) == sum(len(v) for v in oracle.values())
+    q = torch.cat([rand_keys(300, key_dtype, gen, -250, 250), adversarial_keys(key_dtype)])
+    offsets, vals = m.find(q)
+    assert offsets.shape == (q.numel() + 1,) and vals.dtype == value_dtype
+    vb = vbits(vals)
+    for i, k in enumerate(kbits(q)):
+        got = vb[int(offsets[i]): int(offsets[i + 1])]
+        assert sorted(got) == sorted(oracle.get(k, []))
+    assert m.count(q).tolist() == [len(oracle.get(k, [])) for k in kbits(q)]
+    assert m.contains(q).tolist() == [k in oracle for k in kbits(q)]
+    er = q[:100]
+    erased = m.erase(er)
+    seen = set()
+    for i, k in enumerate(kbits(er)):
+        expect = 0 if k in seen else len(oracle.get(k, []))
+        seen.add(k)
+        assert int(erased[i]) == expect
+        oracle.pop(k, None)
+    ik, iv = m.items()
+    got = collections.defaultdict(list)
+    for k, v in zip(kbits(ik), vbits(iv)):
+        got[k].append(v)
+    assert {k: sorted(v) for k, v in got.items()} == {k: sorted(v) for k, v in oracle.items() if v}
+
+
+def test_multivalue_growth_and_empty():
+    m = MultiValueHashMap(2)
+    e = torch.empty(0, dtype=torch.int64)
+    off, v = m.find(e)
+    assert off.tolist() == [0] and v.numel() == 0
+    keys = torch.arange(20000, dtype=torch.int64) % 777
+    m.insert(keys, keys * 10)
+    assert len(m) == 20000
+    c = m.count(torch.arange(777))
+    assert c.sum().item() == 20000 and int(c.min()) >= 25
+
+
+# ---------------------------------------------------------------------------------------------
+# BloomFilter
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_hashes,bits_per_key", [(3, 8), (7, 10), (10, 16)])
+def test_bloom_no_false_negatives_and_fpr_within_1_5x_of_theory(num_hashes, bits_per_key):
+    gen = torch.Generator().manual_seed(num_hashes)
+    n = 50000
+    f = BloomFilter(n * bits_per_key, num_hashes)
+    keys = torch.randint(-(1 << 62), 1 << 62, (n,), generator=gen)
+    f.add(keys)
+    assert bool(f.contains(keys).all())
+    probes = torch.randint(-(1 << 62), 1 << 62, (400000,), generator=gen)
+    fpr = f.contains(probes).double().mean().item()  # random 62-bit probes: ~never a real member
+    theory = f.false_positive_rate(n)
+    assert theory >= classic_bloom_fpr(f.num_bits, n, num_hashes) * 0.999
+    assert theory / 1.5 <= fpr <= 1.5 * theory, (fpr, theory)
+
+
+def test_bloom_key_dtypes_and_errors():
+    f = BloomFilter(4096, 4)
+    f.add(torch.tensor([5, -1], dtype=torch.int32))
+    assert f.contains(torch.tensor([5, -1], dtype=torch.int64)).tolist() == [True, True]
+    f.add(torch.tensor([7], dtype=torch.uint32))
+    assert f.contains(torch.tensor([7], dtype=torch.uint64)).tolist() == [True]
+    assert f.contains(torch.empty(0, dtype=torch.int64)).shape == (0,)
+    f.clear()
+    assert not bool(f.contains(torch.tensor([5, -1, 7])).any())
+    with pytest.raises(TypeError, match="BloomFilter.add: expected 'keys' of dtype"):
+        f.add(torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="num_hashes"):
+        BloomFilter(100, 0)
+    with pytest.raises(ValueError, match="num_bits"):
+        BloomFilter(0, 3)
+    assert blocked_bloom_fpr(1 << 20, 0, 4) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# the Python mirror of the probe sequence agrees with the native layout
+# ---------------------------------------------------------------------------------------------
+def test_layout_mirror_agrees_with_native_placement():
+    t = HashMap(1000, window=4)
+    keys = torch.arange(1, 200, dtype=torch.int64) * 1000003
+    t.insert(keys, keys)
+    words = t._slots.view(torch.int64).view(-1, 2)
+    for k in keys.tolist()[:50]:
+        w, step = L.probe_start(k & L.M64, t.seed, t._nw)
+        found = False
+        for _ in range(t._nw):
+            slots = words[w * 4:(w + 1) * 4, 0].tolist()
+            if k in slots:
+                found = True
+                break
+            assert -1 not in slots  # an EMPTY before the key would break the probe invariant
+            w = (w + step) % t._nw
+        assert found
+
+
+# ---------------------------------------------------------------------------------------------
+# hypothesis state machines: interleaved insert / erase / find / items / clear vs dict and Counter
+# ---------------------------------------------------------------------------------------------
+from hypothesis import settings, strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule  # noqa: E402
+
+_KEYS = st.lists(st.one_of(st.integers(-40, 40), st.sampled_from([-1, -2, 2 ** 63 - 1, -2 ** 63])), max_size=60)
+
+
+class MapMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.t = HashMap(4, value_dtype=torch.int32, max_load_factor=0.75)
+        self.d = {}
+
+    @rule(keys=_KEYS, data=st.data())
+    def insert(self, keys, data):
+        vals = data.draw(st.lists(st.integers(-2 ** 31, 2 ** 31 - 1), min_size=len(keys), max_size=len(keys)))
+        new = self.t.insert(torch.tensor(keys, dtype=torch.int64), torch.tensor(vals, dtype=torch.int32))
+        first = {}
+        for i, k in enumerate(keys):
+            first.setdefault(k, i)
+        # small batches run on one native thread, in order: the first occurrence is the new one and
+        # the last value wins, exactly like a loop of dict assignments
+        assert [bool(x) for x in new] == [k not in self.d and first[k] == i for i, k in enumerate(keys)]
+        for k, v in zip(keys, vals):
+            self.d[k] = v
+
+    @rule(keys=_KEYS)
+    def erase(self, keys):
+        out = self.t.erase(torch.tensor(keys, dtype=torch.int64))
+        seen = set()
+        for k, e in zip(keys, out.tolist()):
+            assert e == (k in self.d and k not in seen)
+            seen.add(k)
+        for k in keys:
+            self.d.pop(k, None)
+
+    @rule(keys=_KEYS)
+    def find(self, keys):
+        v, f = self.t.find(torch.tensor(keys, dtype=torch.int64), default=-5)
+        assert f.tolist() == [k in self.d for k in keys]
+        assert v.tolist() == [self.d.get(k, -5) for k in keys]
+
+    @rule()
+    def clear(self):
+        self.t.clear()
+        self.d.clear()
+
+    @invariant()
+    def same_items(self):
+        assert len(self.t) == len(self.d)
+        k, v = self.t.items()
+        assert dict(zip(k.tolist(), v.tolist())) == self.d
+
+
+class CountMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.t = CountingTable(4, key_dtype=torch.uint32, growable=True)
+        self.c = collections.Counter()
+
+    @rule(keys=st.lists(st.integers(0, 2 ** 32 - 1) | st.integers(0, 20) | st.sampled_from([2 ** 32 - 1, 2 ** 32 - 2]),
+                        max_size=50))
+    def add(self, keys):
+        self.t.add(torch.tensor(keys, dtype=torch.int64).to(torch.int32).view(torch.uint32))
+        self.c.update(keys)
+
+    @rule(keys=st.lists(st.integers(0, 20) | st.sampled_from([2 ** 32 - 1, 2 ** 32 - 2]), max_size=10))
+    def erase(self, keys):
+        self.t.erase(torch.tensor(keys, dtype=torch.int64).to(torch.int32).view(torch.uint32))
+        for k in keys:
+            self.c.pop(k, None)
+
+    @invariant()
+    def same_counts(self):
+        k, c = self.t.items()
+        got = dict(zip([x & 0xFFFFFFFF for x in k.view(torch.int32).tolist()], c.tolist()))
+        assert got == dict(self.c) and len(self.t) == len(self.c)
+
+
+class MultiMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.t = MultiValueHashMap(4, torch.int64, torch.int16)
+        self.d = collections.defaultdict(list)
+
+    @rule(keys=st.lists(st.integers(-5, 5) | st.sampled_from([-1, -2]), max_size=30), data=st.data())
+    def insert(self, keys, data):
+        vals = data.draw(st.lists(st.integers(-2 ** 15, 2 ** 15 - 1), min_size=len(keys), max_size=len(keys)))
+        self.t.insert(torch.tensor(keys, dtype=torch.int64), torch.tensor(vals, dtype=torch.int16))
+        for k, v in zip(keys, vals):
+            self.d[k].append(v)
+
+    @rule(keys=st.lists(st.integers(-6, 6), max_size=5))
+    def erase(self, keys):
+        self.t.erase(torch.tensor(keys, dtype=torch.int64))
+        for k in keys:
+            self.d.pop(k, None)
+
+    @rule(keys=st.lists(st.integers(-6, 6), max_size=8))
+    def find(self, keys):
+        off, vals = self.t.find(torch.tensor(keys, dtype=torch.int64))
+        for i, k in enumerate(keys):
+            assert sorted(vals[off[i]:off[i + 1]].tolist()) == sorted(self.d.get(k, []))
+
+    @invariant()
+    def same_len(self):
+        assert len(self.t) == sum(len(v) for v in self.d.values())
+
+
+_sm = settings(max_examples=25, stateful_step_count=25, deadline=None)
+TestMapMachine = _sm(MapMachine).TestCase
+TestCountMachine = _sm(CountMachine).TestCase
+TestMultiMachine = _sm(MultiMachine).TestCase
