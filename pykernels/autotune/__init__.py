@@ -26,6 +26,7 @@ head to head, so a tuned config is never slower than the untuned default on the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -99,6 +100,7 @@ def bucket(n: int) -> int:
 # ----------------------------------------------------------------------------------------------
 # Devices and files
 # ----------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)  # read once: every op's dispatch asks for the device id
 def _cpu_model() -> str:
     with contextlib.suppress(OSError):
         for line in open("/proc/cpuinfo"):
@@ -107,6 +109,7 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.lru_cache(maxsize=None)
 def _cores() -> int:
     with contextlib.suppress(AttributeError):
         return len(os.sched_getaffinity(0))

@@ -1,18 +1,289 @@
-"""Quantized GEMMs: bipolar-INT bit-serial and Marlin-style W4 (issue #5). Not implemented yet."""
+"""Quantized GEMMs (issue #5): weight-only W1..W8 x float activations (Marlin-style on GPU, AVX2 integer
+dot products on CPU) and arbitrary-precision bit-serial bipolar-INT products (act_bits).
 
+    qw = pykernels.quantize(weight, bits=4, group_size=128, scheme="asym")   # weight [N, K] like nn.Linear
+    y  = pykernels.qmatmul(x, qw, bias=None, act_bits=None)                   # y = x @ W.T (+ bias)
+    layer = pykernels.QuantLinear.from_linear(linear, bits=4, group_size=128)
+    model = pykernels.quantize_model(model, bits=4, group_size=128, exclude=["lm_head"])
 
-def _todo(*args, **kwargs):
-    raise NotImplementedError("pykernels.qmatmul: not implemented yet (issue #5)")
+Formats and layouts: pykernels/quant/_format.py. Kernels: csrc/qgemm/qgemm_cpu.cpp (CPU),
+pykernels/quant/_triton.py (Triton). The op is registered as torch.ops.pykernels.qmatmul.
+"""
+from __future__ import annotations
 
+import fnmatch
+from typing import Iterable, Optional
 
-quantize = qmatmul = quantize_model = _todo
+import torch
+from torch import nn
+
+from .. import autotune
+from .._native import as_tensor
+from . import _format as F
+from ._ops import qmatmul_op, register_tunables
+
+__all__ = ["quantize", "qmatmul", "QuantizedWeight", "QuantLinear", "quantize_model"]
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class QuantizedWeight:
-    def __init__(self, *args, **kwargs):
-        _todo()
+    """A weight [N, K] quantized per group of `group_size` inputs, in the packed layouts of the kernels.
+
+    Attributes: bits, group_size, scheme, shape (N, K), scales / offsets float32 [N, G] (w = s*u + m),
+    zeros (asym: integer zero points; bipolar: the centre z of W = (s/2) W' + z; sym: None),
+    packed (uint8 tile layout), planes (int64 bit planes for act_bits, made at quantize time for the
+    bipolar scheme, on first use otherwise), code_sums int32 [N, G].
+    """
+
+    def __init__(self, *, shape, bits: int, group_size: int, scheme: str, packed: torch.Tensor,
+                 scales: torch.Tensor, offsets: torch.Tensor, code_sums: torch.Tensor,
+                 planes: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32):
+        self.shape = torch.Size(shape)
+        self.bits, self.group_size, self.scheme = int(bits), int(group_size), str(scheme)
+        self.packed, self.scales, self.offsets, self.code_sums = packed, scales, offsets, code_sums
+        self.planes = planes
+        self.dtype = dtype  # the dtype the weight had (dequantize() default)
+
+    # -- introspection ---------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    @property
+    def zeros(self) -> Optional[torch.Tensor]:
+        if self.scheme == "asym":
+            return torch.round(-self.offsets / self.scales).to(torch.int32)
+        if self.scheme == "bipolar":
+            return self.offsets + self.scales * (((1 << self.bits) - 1) / 2)
+        return None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a GEMV reads: packed codes + scales + offsets."""
+        return self.packed.numel() + self.scales.numel() * 4 + self.offsets.numel() * 4
+
+    def __repr__(self):
+        return (f"QuantizedWeight(shape={tuple(self.shape)}, bits={self.bits}, group_size={self.group_size}, "
+                f"scheme={self.scheme!r}, device={self.device})")
+
+    def codes(self) -> torch.Tensor:
+        """The unsigned codes u, uint8 [N, K]."""
+        N, K = self.shape
+        return F.unpack_tiles(self.packed, self.bits, N, K)
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The weight the kernels multiply by: scales * codes + offsets, [N, K]."""
+        return F.dequantize_codes(self.codes(), self.scales, self.offsets, self.group_size,
+                                  dtype or self.dtype)
+
+    def ensure_planes(self) -> torch.Tensor:
+        if self.planes is None:
+            self.planes = F.pack_planes(self.codes(), self.bits, self.group_size)
+        return self.planes
+
+    def to(self, *args, **kwargs) -> "QuantizedWeight":
+        """Moves every tensor to a device (dtype arguments only change dequantize()'s default dtype)."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        mv = (lambda t: t if t is None else t.to(device)) if device is not None else (lambda t: t)
+        return QuantizedWeight(shape=self.shape, bits=self.bits, group_size=self.group_size, scheme=self.scheme,
+                               packed=mv(self.packed), scales=mv(self.scales), offsets=mv(self.offsets),
+                               code_sums=mv(self.code_sums), planes=mv(self.planes),
+                               dtype=dtype if dtype is not None else self.dtype)
+
+    def cpu(self):
+        return self.to("cpu")
+
+    def cuda(self, device=None):
+        return self.to(device or "cuda")
+
+    # -- serialization ---------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Tensors and plain values only (loads with torch.load(weights_only=True))."""
+        sd = {"packed": self.packed, "scales": self.scales, "offsets": self.offsets, "code_sums": self.code_sums,
+              "shape": list(self.shape), "bits": self.bits, "group_size": self.group_size, "scheme": self.scheme,
+              "dtype": str(self.dtype).replace("torch.", "")}
+        if self.planes is not None:
+            sd["planes"] = self.planes
+        return sd
+
+    @classmethod
+    def from_state_dict(cls, sd: dict) -> "QuantizedWeight":
+        return cls(shape=sd["shape"], bits=sd["bits"], group_size=sd["group_size"], scheme=sd["scheme"],
+                   packed=sd["packed"], scales=sd["scales"], offsets=sd["offsets"], code_sums=sd["code_sums"],
+                   planes=sd.get("planes"), dtype=getattr(torch, sd.get("dtype", "float32")))
+
+    load_state_dict = from_state_dict
 
 
-class QuantLinear:
-    def __init__(self, *args, **kwargs):
-        _todo()
+def _check_format(op: str, bits, group_size, scheme):
+    if scheme not in F.SCHEMES:
+        raise ValueError(f"pykernels.{op}: expected scheme 'asym', 'sym' or 'bipolar', got {scheme!r}")
+    if not isinstance(bits, int) or isinstance(bits, bool) or bits not in F.allowed_bits(scheme):
+        raise ValueError(f"pykernels.{op}: expected bits in {F.allowed_bits(scheme)} for scheme {scheme!r}, "
+                         f"got {bits!r}")
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or not (
+            group_size == -1 or (group_size > 0 and group_size % F.K_BLOCK == 0)):
+        raise ValueError(f"pykernels.{op}: expected group_size -1 or a positive multiple of 32 "
+                         f"(32, 64, 128, ...), got {group_size!r}")
+
+
+def quantize(weight, bits: int = 4, group_size: int = 128, scheme: str = "asym") -> QuantizedWeight:
+    """Round-to-nearest quantization of `weight` [N, K] (nn.Linear layout), per output row and group of
+    `group_size` inputs (-1: one group per row; a last partial group is allowed). See _format.py for
+    the formulas of each scheme. The packed layouts the kernels read are made here, once."""
+    w = as_tensor(weight, "quantize", "weight")
+    _check_format("quantize", bits, group_size, scheme)
+    if not w.is_floating_point():
+        raise TypeError(f"pykernels.quantize: expected a floating-point 'weight', got {str(w.dtype).replace('torch.', '')}")
+    if w.dim() != 2:
+        raise ValueError(f"pykernels.quantize: expected 'weight' of shape [N, K] (2 dimensions), got {tuple(w.shape)}")
+    if w.numel() and not bool(torch.isfinite(w).all()):
+        raise ValueError("pykernels.quantize: 'weight' contains NaN or infinity")
+    codes, scales, offsets = F.quantize_codes(w, bits, group_size, scheme)
+    planes = F.pack_planes(codes, bits, group_size) if scheme == "bipolar" else None
+    return QuantizedWeight(shape=w.shape, bits=bits, group_size=group_size, scheme=scheme,
+                           packed=F.pack_tiles(codes, bits), scales=scales.contiguous(),
+                           offsets=offsets.contiguous(), code_sums=F.code_sums(codes, group_size),
+                           planes=planes, dtype=w.dtype if w.dtype in _FLOATS else torch.float32)
+
+
+def _check_act_bits(act_bits):
+    if act_bits is None:
+        return 0
+    if not isinstance(act_bits, int) or isinstance(act_bits, bool) or not 1 <= act_bits <= 8:
+        raise ValueError(f"pykernels.qmatmul: expected act_bits None or an int in 1..8, got {act_bits!r}")
+    return act_bits
+
+
+def qmatmul(x, qw: QuantizedWeight, bias=None, *, act_bits: Optional[int] = None, backend: str = "auto"):
+    """y = x @ W.T (+ bias) with W the quantized weight [N, K]; x [..., K] float32/bfloat16/float16,
+    y [..., N] of x's dtype. act_bits in 1..8 also quantizes x per token (bipolar-INT) and runs the
+    bit-serial product (p x q one-bit GEMMs)."""
+    x = as_tensor(x, "qmatmul", "x")
+    if not isinstance(qw, QuantizedWeight):
+        raise TypeError(f"pykernels.qmatmul: expected a pykernels.QuantizedWeight for 'qw' "
+                        f"(from pykernels.quantize), got {type(qw).__name__}")
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"pykernels.qmatmul: expected 'x' of dtype float32, bfloat16 or float16, got "
+                        f"{str(x.dtype).replace('torch.', '')}")
+    N, K = qw.shape
+    if x.dim() < 1 or x.shape[-1] != K:
+        raise ValueError(f"pykernels.qmatmul: expected 'x' of shape [..., {K}] for a weight of shape "
+                         f"{tuple(qw.shape)}, got {tuple(x.shape)}")
+    ab = _check_act_bits(act_bits)
+    if bias is not None:
+        bias = as_tensor(bias, "qmatmul", "bias")
+        if bias.shape != (N,):
+            raise ValueError(f"pykernels.qmatmul: expected 'bias' of shape ({N},), got {tuple(bias.shape)}")
+        if not bias.is_floating_point():
+            raise TypeError(f"pykernels.qmatmul: expected a floating-point 'bias', got {bias.dtype}")
+    if x.device != qw.device or (bias is not None and bias.device != x.device):
+        raise RuntimeError(f"pykernels.qmatmul: expected all tensors on one device, got 'x' on {x.device}, "
+                           f"'qw' on {qw.device}" + (f", 'bias' on {bias.device}" if bias is not None else ""))
+    planes = qw.ensure_planes() if ab else None
+    return qmatmul_op(x, qw.packed, qw.scales, qw.offsets, planes, qw.code_sums if ab else None, bias,
+                      N, K, qw.bits, qw.group_size, ab, backend)
+
+
+class QuantLinear(nn.Module):
+    """Drop-in for nn.Linear with a quantized weight. Buffers: packed, scales, offsets, code_sums (and
+    planes when act_bits is set); bits/group_size/scheme travel in the state dict's extra state."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, bits: int = 4,
+                 group_size: int = 128, scheme: str = "asym", act_bits: Optional[int] = None,
+                 device=None, dtype=torch.float32):
+        super().__init__()
+        _check_format("QuantLinear", bits, group_size, scheme)
+        _check_act_bits(act_bits)
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.bits, self.group_size, self.scheme, self.act_bits = bits, group_size, scheme, act_bits
+        self.weight_dtype = dtype
+        # Zero-filled buffers of the right shapes, so that load_state_dict() fills a fresh module.
+        qw = quantize(torch.zeros(out_features, in_features, device=device), bits, group_size, scheme)
+        self._set_qweight(qw)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    def _set_qweight(self, qw: QuantizedWeight):
+        self.register_buffer("packed", qw.packed)
+        self.register_buffer("scales", qw.scales)
+        self.register_buffer("offsets", qw.offsets)
+        self.register_buffer("code_sums", qw.code_sums)
+        planes = qw.ensure_planes() if (self.act_bits or self.scheme == "bipolar") else None
+        self.register_buffer("planes", planes)
+
+    @property
+    def qweight(self) -> QuantizedWeight:
+        return QuantizedWeight(shape=(self.out_features, self.in_features), bits=self.bits,
+                               group_size=self.group_size, scheme=self.scheme, packed=self.packed,
+                               scales=self.scales, offsets=self.offsets, code_sums=self.code_sums,
+                               planes=self.planes, dtype=self.weight_dtype)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, bits: int = 4, group_size: int = 128, scheme: str = "asym",
+                    act_bits: Optional[int] = None) -> "QuantLinear":
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"pykernels.QuantLinear.from_linear: expected an nn.Linear, got {type(linear).__name__}")
+        w = linear.weight.detach()
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        _check_format("QuantLinear", bits, group_size, scheme)
+        _check_act_bits(act_bits)
+        layer.in_features, layer.out_features = linear.in_features, linear.out_features
+        layer.bits, layer.group_size, layer.scheme, layer.act_bits = bits, group_size, scheme, act_bits
+        layer.weight_dtype = w.dtype if w.dtype in _FLOATS else torch.float32
+        layer._set_qweight(quantize(w, bits, group_size, scheme))
+        if linear.bias is not None:
+            layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        else:
+            layer.register_parameter("bias", None)
+        return layer
+
+    def forward(self, x):
+        N, K = self.out_features, self.in_features
+        # A float32 activation through a bf16 model (or the reverse) runs in the activation's dtype.
+        return qmatmul_op(x, self.packed, self.scales, self.offsets, self.planes if self.act_bits else None,
+                          self.code_sums if self.act_bits else None, self.bias, N, K, self.bits,
+                          self.group_size, self.act_bits or 0, "auto")
+
+    def get_extra_state(self):
+        return {"bits": self.bits, "group_size": self.group_size, "scheme": self.scheme,
+                "act_bits": self.act_bits, "in_features": self.in_features, "out_features": self.out_features}
+
+    def set_extra_state(self, state):
+        mine = self.get_extra_state()
+        if state != mine:
+            raise ValueError(f"pykernels.QuantLinear: state dict was saved for {state}, this layer is {mine}")
+
+    def extra_repr(self):
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"bits={self.bits}, group_size={self.group_size}, scheme={self.scheme!r}, act_bits={self.act_bits}")
+
+
+def _matches(name: str, patterns) -> bool:
+    return any(name == p or fnmatch.fnmatchcase(name, p) or name.startswith(p + ".") for p in patterns)
+
+
+def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, include: Optional[Iterable[str]] = None,
+                   exclude: Optional[Iterable[str]] = None, *, scheme: str = "asym",
+                   act_bits: Optional[int] = None) -> nn.Module:
+    """Replaces (in place, and returns `model`) every nn.Linear whose qualified name matches `include`
+    (default: all) and not `exclude` by a QuantLinear. Names match exactly, as a prefix of a sub-module
+    path, or as fnmatch patterns ("*.mlp.*"). A layer whose K is not a multiple of group_size keeps
+    per-group scales with a shorter last group."""
+    _check_format("quantize_model", bits, group_size, scheme)
+    include = [include] if isinstance(include, str) else include
+    exclude = [exclude] if isinstance(exclude, str) else (exclude or [])
+    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)
+               and (include is None or _matches(name, include)) and not _matches(name, exclude)]
+    for name, lin in targets:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, leaf, QuantLinear.from_linear(lin, bits, group_size, scheme, act_bits))
+    return model
+
+
+register_tunables(quantize)

@@ -1,0 +1,140 @@
+"""Quantized GEMM benchmarks: ours vs what a user would otherwise call, in one process, interleaved.
+
+CPU (K = N = 4096, group 128; quick: 1024):
+  - M=1 W4 GEMV, fp32 activations vs fp32 torch.matmul (goal 3x) and vs
+    torch.ops.aten._weight_int4pack_mm_for_cpu with bf16 activations (goal 2x); bytes_moved = packed
+    weight + scale/offset bytes, so "% of BW limit" says how close the GEMV runs to streaming them.
+  - M=16 and M=128 vs torch fp32 and bf16 matmul.
+  - bit-serial W2A2 and W1A1 GEMV vs fp32 torch.matmul and vs our own W4 GEMV.
+GPU (device "cuda", 8192 x 8192): W4A16 vs cuBLAS fp16 at M = 1, 16, 64 (goal 3x at M <= 16);
+  bipolar W2A2 / W1A1 vs cuBLAS fp16.
+"""
+from __future__ import annotations
+
+import torch
+
+from bench.common import Case
+
+GROUP = 128
+
+
+def _weights(N, K, bits=4, scheme="asym", device="cpu"):
+    import pykernels
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(N, K, generator=g)
+    return w, pykernels.quantize(w, bits, GROUP, scheme).to(device)
+
+
+def _int4pack(qw):
+    """torch's own CPU int4 format for the same weights: w = (q - 8) * scale + zero."""
+    q = qw.codes().to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    sz = torch.stack([qw.scales.T, (qw.offsets + 8 * qw.scales).T], -1).to(torch.bfloat16).contiguous()
+    return packed, sz
+
+
+def _cpu_cases(quick: bool):
+    import pykernels
+
+    n = 1024 if quick else 4096
+    K = N = n
+    cache = {}
+
+    def weights(bits=4, scheme="asym"):
+        if (bits, scheme) not in cache:
+            cache[(bits, scheme)] = _weights(N, K, bits, scheme)
+        return cache[(bits, scheme)]
+
+    def w4_nbytes():
+        return weights()[1].nbytes
+
+    flop = lambda M: 2.0 * M * N * K  # noqa: E731
+    cases = []
+
+    def gemv_vs_fp32():
+        w, qw = weights()
+        x = torch.randn(1, K)
+        return (lambda: pykernels.qmatmul(x, qw)), (lambda: torch.matmul(x, w.T))
+
+    cases.append(Case("qgemm", "qmatmul W4 g128", f"M=1 K=N={n} fp32 act", 1, gemv_vs_fp32, "torch.matmul fp32",
+                      flop(1), "FLOP", bytes_moved=N * K / 2 + 2 * 4 * N * (K // GROUP), goal=3.0))
+
+    def gemv_vs_int4pack(act=torch.float32):
+        def make():
+            w, qw = weights()
+            packed, sz = _int4pack(qw)
+            x = torch.randn(1, K)
+            xb = x.to(torch.bfloat16)
+            xa = x.to(act)
+            return (lambda: pykernels.qmatmul(xa, qw)), \
+                (lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, GROUP, sz))
+        return make
+
+    for act in (torch.float32, torch.bfloat16):
+        name = str(act).replace("torch.", "")
+        cases.append(Case("qgemm", "qmatmul W4 g128", f"M=1 K=N={n} {name} act", 1, gemv_vs_int4pack(act),
+                          "aten._weight_int4pack_mm_for_cpu bf16", flop(1), "FLOP",
+                          bytes_moved=N * K / 2 + 2 * 4 * N * (K // GROUP), goal=2.0))
+
+    for M in (16, 128):
+        for act in (torch.float32, torch.bfloat16):
+            def make(M=M, act=act):
+                w, qw = weights()
+                wa = w.to(act)
+                x = torch.randn(M, K).to(act)
+                return (lambda: pykernels.qmatmul(x, qw)), (lambda: torch.matmul(x, wa.T))
+            name = str(act).replace("torch.", "")
+            cases.append(Case("qgemm", "qmatmul W4 g128", f"M={M} K=N={n} {name}", M, make,
+                              f"torch.matmul {name}", flop(M), "FLOP"))
+
+    for bits, ab in ((2, 2), (1, 1)):
+        def make_fp32(bits=bits, ab=ab):
+            w, qw = weights(bits, "bipolar")
+            x = torch.randn(1, K)
+            return (lambda: pykernels.qmatmul(x, qw, act_bits=ab)), (lambda: torch.matmul(x, w.T))
+
+        def make_w4(bits=bits, ab=ab):
+            _, qw = weights(bits, "bipolar")
+            _, q4 = weights()
+            x = torch.randn(1, K)
+            return (lambda: pykernels.qmatmul(x, qw, act_bits=ab)), (lambda: pykernels.qmatmul(x, q4))
+
+        label = f"M=1 K=N={n} W{bits}A{ab}"
+        wbytes = N * K * bits / 8 + 2 * 4 * N * (K // GROUP)
+        cases.append(Case("qgemm", "qmatmul bit-serial", label, 1, make_fp32, "torch.matmul fp32", flop(1), "FLOP",
+                          bytes_moved=wbytes))
+        cases.append(Case("qgemm", "qmatmul bit-serial", label, 1, make_w4, "pykernels W4 GEMV", flop(1), "FLOP",
+                          bytes_moved=wbytes))
+    return cases
+
+
+def _gpu_cases(quick: bool):
+    import pykernels
+
+    n = 4096 if quick else 8192
+    K = N = n
+    cases = []
+    for M in (1, 16, 64):
+        def make(M=M):
+            w, qw = _weights(N, K, 4, "asym", "cuda")
+            wh = w.to("cuda", torch.float16)
+            x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+            return (lambda: pykernels.qmatmul(x, qw)), (lambda: torch.matmul(x, wh.T))
+        cases.append(Case("qgemm", "qmatmul W4A16 g128", f"M={M} K=N={n}", M, make, "cuBLAS fp16",
+                          2.0 * M * N * K, "FLOP", bytes_moved=N * K / 2 + 8 * N * (K // GROUP),
+                          goal=3.0 if M <= 16 else None, device="cuda"))
+    for bits in (2, 1):
+        for M in (1, 16):
+            def make_bs(M=M, bits=bits):
+                w, qw = _weights(N, K, bits, "bipolar", "cuda")
+                wh = w.to("cuda", torch.float16)
+                x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+                return (lambda: pykernels.qmatmul(x, qw, act_bits=bits)), (lambda: torch.matmul(x, wh.T))
+            cases.append(Case("qgemm", "qmatmul bit-serial", f"M={M} K=N={n} W{bits}A{bits}", M, make_bs,
+                              "cuBLAS fp16", 2.0 * M * N * K, "FLOP", device="cuda"))
+    return cases
+
+
+def cases(quick: bool, device: str = "cpu"):
+    return _gpu_cases(quick) if device == "cuda" else _cpu_cases(quick)

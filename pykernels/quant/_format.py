@@ -1,0 +1,180 @@
+"""Quantization formats and the packed layouts the kernels read (made once, at quantize time).
+
+Every scheme is stored in one affine form per (output row n, group g):
+
+    w[n, k] = scales[n, g] * u[n, k] + offsets[n, g],     u = unsigned code in [0, 2^bits - 1]
+
+so one kernel serves all three schemes (y = s * sum(x*u) + m * sum(x) per group):
+
+- "asym"    (bits 2/3/4/8): lo = min(w, 0), hi = max(w, 0), s = (hi - lo) / (2^b - 1),
+            integer zero point zp = round(-lo / s), u = clamp(round(w / s) + zp), offset m = -s * zp.
+- "sym"     (bits 2/3/4/8): s = max|w| / (2^(b-1) - 1), u = clamp(round(w / s) + 2^(b-1)), m = -s * 2^(b-1).
+- "bipolar" (bits 1..8, bipolar-INT of the arbitrary-precision LLM accelerator paper): each bit plane
+            reads as -1/+1, the word is W' = sum_i (2 b_i - 1) 2^i = 2u - (2^b - 1) (odd values, no sign
+            bit); W = (s/2) W' + z with s = (max - min) / (2^b - 1) and z = (max + min) / 2, which is the
+            affine form above with m = min = z - s (2^b - 1) / 2. See ALGORITHMS.md ("Bipolar-INT").
+
+Round to nearest (ties to even, like torch.round). A group whose values are all equal gets s = 1 and
+is reproduced exactly through the offset.
+
+Packed layouts (rows padded to a multiple of 4, K padded to a multiple of 32 with code 0):
+- "nib" (bits <= 4): for each tile of 4 rows and each 32-element block, 4 x 16 bytes (one cache line);
+  byte j of a row holds code k = 32b + j in its low nibble and k = 32b + 16 + j in its high nibble, so
+  an AVX2 kernel widens 16 bytes to int16 lanes and gets both halves with one AND and one shift.
+- "byte" (bits 5..8): the same tiling with one byte per code (4 x 32 bytes per block).
+- bit planes (bit-serial, act_bits): for each tile of 4 rows, group g, plane j, word w: 4 uint64 (one
+  per row), bit t of word w = bit j of the code at position 64 w + t of the group. Groups are padded
+  to whole 64-bit words so per-group popcounts never straddle a group.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+SCHEMES = ("asym", "sym", "bipolar")
+ROW_TILE = 4     # rows interleaved per tile (one 64-byte line per 32-element block at 4 bits)
+K_BLOCK = 32     # codes per block in the nib/byte layouts
+GROUP_SIZES = (32, 64, 128, -1)
+
+
+def allowed_bits(scheme: str):
+    return tuple(range(1, 9)) if scheme == "bipolar" else (2, 3, 4, 8)
+
+
+def layout_bits(bits: int) -> int:
+    """4 -> the nibble layout (bits 1..4), 8 -> the byte layout (bits 5..8)."""
+    return 4 if bits <= 4 else 8
+
+
+def round_up(a: int, b: int) -> int:
+    return (a + b - 1) // b * b
+
+
+def group_geometry(K: int, group_size: int):
+    """(gsize, G): the group length and the number of groups (the last one may be shorter)."""
+    gsize = K if group_size == -1 else group_size
+    gsize = max(gsize, 1)
+    return gsize, max(1, math.ceil(K / gsize)) if K > 0 else 0
+
+
+def quantize_codes(w: torch.Tensor, bits: int, group_size: int, scheme: str):
+    """Round-to-nearest quantization of w [N, K] -> (codes uint8 [N, K], scales f32 [N, G], offsets f32 [N, G])."""
+    N, K = w.shape
+    gsize, G = group_geometry(K, group_size)
+    qmax = (1 << bits) - 1
+    w64 = w.detach().to(torch.float64)
+    if K == 0 or N == 0:
+        z = torch.zeros(N, G, dtype=torch.float32, device=w.device)
+        return torch.zeros(N, K, dtype=torch.uint8, device=w.device), z + 1, z
+    Kp = G * gsize
+    if Kp != K:  # pad the last group with a copy of its last value: min/max/absmax are unchanged
+        w64 = torch.cat([w64, w64[:, -1:].expand(N, Kp - K)], dim=1)
+    wg = w64.reshape(N, G, gsize)
+    if scheme == "asym":
+        lo = wg.amin(-1).clamp(max=0.0)
+        hi = wg.amax(-1).clamp(min=0.0)
+        s = (hi - lo) / qmax
+        s = torch.where(s > 0, s, torch.ones_like(s)).to(torch.float32).to(torch.float64)
+        zp = torch.clamp(torch.round(-lo / s), 0, qmax)
+        u = torch.clamp(torch.round(wg / s[..., None]) + zp[..., None], 0, qmax)
+        m = -s * zp
+    elif scheme == "sym":
+        half = 1 << (bits - 1)
+        amax = wg.abs().amax(-1)
+        s = amax / (half - 1)
+        s = torch.where(s > 0, s, torch.ones_like(s)).to(torch.float32).to(torch.float64)
+        u = torch.clamp(torch.round(wg / s[..., None]) + half, 0, qmax)
+        m = -s * half
+    elif scheme == "bipolar":
+        lo = wg.amin(-1)
+        hi = wg.amax(-1)
+        s = (hi - lo) / qmax
+        s = torch.where(s > 0, s, torch.ones_like(s)).to(torch.float32).to(torch.float64)
+        m = lo.to(torch.float32).to(torch.float64)
+        u = torch.clamp(torch.round((wg - m[..., None]) / s[..., None]), 0, qmax)
+    else:  # checked by the caller
+        raise ValueError(scheme)
+    codes = u.reshape(N, Kp)[:, :K].to(torch.uint8)
+    return codes, s.to(torch.float32), m.to(torch.float32)
+
+
+def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int,
+                     dtype=torch.float32) -> torch.Tensor:
+    N, K = codes.shape
+    gsize, G = group_geometry(K, group_size)
+    if K == 0:
+        return torch.zeros(N, 0, dtype=dtype, device=codes.device)
+    idx = torch.arange(K, device=codes.device) // gsize
+    s = scales.to(torch.float64)[:, idx]
+    m = offsets.to(torch.float64)[:, idx]
+    return (codes.to(torch.float64) * s + m).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Packed layouts
+# ------------------------------------------------------------------------------------------------
+def _pad_codes(codes: torch.Tensor) -> torch.Tensor:
+    N, K = codes.shape
+    N4, Kp = round_up(max(N, 1), ROW_TILE), round_up(max(K, 1), K_BLOCK)
+    out = torch.zeros(N4, Kp, dtype=torch.uint8, device=codes.device)
+    out[:N, :K] = codes
+    return out
+
+
+def pack_tiles(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [N, K] -> the flat uint8 nib (bits <= 4) or byte (bits 5..8) layout."""
+    u = _pad_codes(codes)
+    N4, Kp = u.shape
+    B = Kp // K_BLOCK
+    u = u.reshape(N4 // ROW_TILE, ROW_TILE, B, K_BLOCK)
+    if layout_bits(bits) == 4:
+        u = u[..., :16] | (u[..., 16:] << 4)
+    return u.permute(0, 2, 1, 3).contiguous().reshape(-1)
+
+
+def unpack_tiles(packed: torch.Tensor, bits: int, N: int, K: int) -> torch.Tensor:
+    """Inverse of pack_tiles: [N, K] uint8 codes."""
+    N4, Kp = round_up(max(N, 1), ROW_TILE), round_up(max(K, 1), K_BLOCK)
+    B = Kp // K_BLOCK
+    width = 16 if layout_bits(bits) == 4 else 32
+    t = packed.reshape(N4 // ROW_TILE, B, ROW_TILE, width).permute(0, 2, 1, 3)
+    if width == 16:
+        t = torch.cat([t & 0x0F, t >> 4], dim=-1)
+    return t.reshape(N4, Kp)[:N, :K].contiguous()
+
+
+def plane_geometry(K: int, group_size: int):
+    """(gsize, G, gw): group length, number of groups, 64-bit words per group in the bit planes."""
+    gsize, G = group_geometry(K, group_size)
+    return gsize, G, max(1, math.ceil(gsize / 64))
+
+
+def pack_planes(codes: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """codes [N, K] -> int64 bit planes [N4/4, G, bits, gw, 4] (flat), see the module docstring."""
+    N, K = codes.shape
+    gsize, G, gw = plane_geometry(K, group_size)
+    N4 = round_up(max(N, 1), ROW_TILE)
+    u = torch.zeros(N4, G * gsize, dtype=torch.uint8, device=codes.device)
+    u[:N, :K] = codes
+    u = u.reshape(N4, G, gsize)
+    if gw * 64 != gsize:
+        u = torch.cat([u, torch.zeros(N4, G, gw * 64 - gsize, dtype=torch.uint8, device=u.device)], dim=-1)
+    weights = (1 << torch.arange(8, dtype=torch.int32, device=u.device))
+    planes = []
+    for j in range(bits):
+        b = ((u >> j) & 1).to(torch.int32).reshape(N4, G, gw * 8, 8)
+        byte = (b * weights).sum(-1).to(torch.uint8)           # little-endian bytes of each word
+        planes.append(byte.reshape(N4, G, gw, 8))
+    p = torch.stack(planes, dim=2)                               # [N4, G, bits, gw, 8 bytes]
+    p = p.reshape(N4 // ROW_TILE, ROW_TILE, G, bits, gw, 8).permute(0, 2, 3, 4, 1, 5).contiguous()
+    return p.reshape(-1).view(torch.int64)
+
+
+def code_sums(codes: torch.Tensor, group_size: int) -> torch.Tensor:
+    """sum of codes per (row, group), int32 [N, G] (the colsum term of the bit-serial recombination)."""
+    N, K = codes.shape
+    gsize, G = group_geometry(K, group_size)
+    u = torch.zeros(N, G * gsize, dtype=torch.int32, device=codes.device)
+    u[:, :K] = codes.to(torch.int32)
+    return u.reshape(N, G, gsize).sum(-1, dtype=torch.int32)

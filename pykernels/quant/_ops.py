@@ -1,0 +1,192 @@
+"""torch.ops.pykernels.qmatmul: the op schema (once), its fake implementation, and the backends.
+
+Backends: "cpu" (csrc/qgemm/qgemm_cpu.cpp), "triton" (pykernels/quant/_triton.py). The CUDA module
+(csrc/qgemm/qgemm.cu) is not written yet: backend="cuda" raises NotImplementedError.
+Config (pykernels._backend.dispatch, tuned by pykernels.autotune):
+  cpu, weight-only: {"impl": "native" | "dequant_mm", "threads": 0 (= torch's), "m_block", "n_block"}
+  cpu, bit-serial:  {"mode": 0 portable | 1 POPCNT | 2 AVX2 vpshufb, "threads": 0}
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+
+from .. import autotune
+from .._backend import dispatch
+from .._native import cpu_module, dtype_code
+from . import _format as F
+
+_ROWS_PER_DEQUANT_CHUNK = 1024
+
+
+def _key(M: int, N: int, K: int, bits: int, group_size: int, act_bits: int, dtype) -> dict:
+    return {"M": autotune.bucket(M), "N": N, "K": K, "bits": bits, "group": group_size, "act_bits": act_bits,
+            "dtype": str(dtype).replace("torch.", "")}
+
+
+def _default_cpu_config(key: dict) -> dict:
+    if key.get("act_bits"):
+        return {"mode": 2, "threads": 0}
+    # The integer kernel streams the weights once per block of 16 tokens. Measured at K=N=4096 (2 busy
+    # cores): ~7x fp32 torch.matmul at M=1, ~3x at M=16, on par at M=128 where the op turns compute-bound
+    # (the dequantize + torch.mm route, "dequant_mm", stays a tuning candidate for other CPUs).
+    return {"impl": "native", "threads": 0, "m_block": 16, "n_block": 8}
+
+
+def _threads(cfg: dict) -> int:
+    return int(cfg.get("threads") or 0) or torch.get_num_threads()
+
+
+def _bias_f32(bias):
+    return None if bias is None else bias.detach().to(torch.float32).contiguous()
+
+
+def _dequant_cpu(packed, scales, offsets, N, K, bits, group_size, rows=None, threads=None) -> torch.Tensor:
+    """fp32 weights [N, K] (or rows r0:r1) from the packed tile layout, natively."""
+    mod = cpu_module("qgemm")
+    r0, r1 = rows or (0, N)
+    out = torch.empty(r1 - r0, K, dtype=torch.float32)
+    if out.numel():
+        assert r0 % F.ROW_TILE == 0
+        Kp = F.round_up(max(K, 1), F.K_BLOCK)
+        tile_bytes = Kp // F.K_BLOCK * F.ROW_TILE * (16 if bits <= 4 else 32)
+        G = scales.shape[1]
+        mod.dequant_tiles(packed.data_ptr() + (r0 // F.ROW_TILE) * tile_bytes, bits,
+                          scales.data_ptr() + r0 * G * 4, offsets.data_ptr() + r0 * G * 4, r1 - r0, K, group_size,
+                          out.data_ptr(), dtype_code(torch.float32), threads or torch.get_num_threads())
+    return out
+
+
+def cpu_weight_only(x2, packed, scales, offsets, bias, N, K, bits, group_size, cfg) -> torch.Tensor:
+    M = x2.shape[0]
+    threads = _threads(cfg)
+    if cfg.get("impl") == "dequant_mm" and M > 0:
+        xf = x2.to(torch.float32)
+        y = torch.empty(M, N, dtype=torch.float32)
+        step = _ROWS_PER_DEQUANT_CHUNK
+        for r0 in range(0, N, step):
+            r1 = min(N, r0 + step)
+            w = _dequant_cpu(packed, scales, offsets, N, K, bits, group_size, (r0, r1), threads)
+            torch.mm(xf, w.t(), out=y[:, r0:r1])
+        if bias is not None:
+            y += bias.to(torch.float32)
+        return y.to(x2.dtype)
+    mod = cpu_module("qgemm")
+    y = torch.empty(M, N, dtype=x2.dtype)
+    b = _bias_f32(bias)
+    mod.wo_gemm(x2.data_ptr(), dtype_code(x2.dtype), M, K, packed.data_ptr(), bits, scales.data_ptr(),
+                offsets.data_ptr(), N, group_size, b.data_ptr() if b is not None else 0, y.data_ptr(),
+                dtype_code(y.dtype), threads, int(cfg.get("m_block", 16)), int(cfg.get("n_block", 8)),
+                os.environ.get("PYKERNELS_DISABLE_AVX2") == "1")
+    return y
+
+
+def cpu_bitserial(x2, planes, scales, offsets, wsum, bias, N, K, bits, group_size, act_bits, cfg,
+                  int_out: Optional[torch.Tensor] = None, act_codes: Optional[torch.Tensor] = None):
+    mod = cpu_module("qgemm")
+    M = x2.shape[0]
+    y = torch.empty(M, N, dtype=x2.dtype)
+    b = _bias_f32(bias)
+    mod.bitserial_gemm(x2.data_ptr(), dtype_code(x2.dtype), M, K, act_bits, planes.data_ptr(), bits,
+                       scales.data_ptr(), offsets.data_ptr(), wsum.data_ptr(), N, group_size,
+                       b.data_ptr() if b is not None else 0, y.data_ptr(), dtype_code(y.dtype),
+                       int_out.data_ptr() if int_out is not None else 0,
+                       act_codes.data_ptr() if act_codes is not None else 0, _threads(cfg), int(cfg.get("mode", 2)))
+    return y
+
+
+def _impl(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend,
+          config: Optional[dict] = None):
+    lead = x.shape[:-1]
+    M = math.prod(lead)
+    x2 = x.reshape(M, k)
+    supported = ("cpu", "triton")
+    chosen, cfg = dispatch("qmatmul", x.device, backend, _key(M, n, k, bits, group_size, act_bits, x.dtype),
+                           supported=supported, preference=("triton",))
+    if config is not None:
+        cfg = dict(config)
+    if M == 0 or n == 0 or k == 0:
+        y = torch.zeros(M, n, dtype=torch.float32, device=x.device)
+        if bias is not None:
+            y += bias.to(torch.float32)
+        return y.to(x.dtype).reshape(*lead, n)
+    x2 = x2.contiguous()
+    if chosen == "triton":
+        from . import _triton
+
+        y = _triton.qmatmul(x2, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, cfg)
+    elif act_bits:
+        y = cpu_bitserial(x2, planes, scales, offsets, wsum, bias, n, k, bits, group_size, act_bits, cfg)
+    else:
+        y = cpu_weight_only(x2, packed, scales, offsets, bias, n, k, bits, group_size, cfg)
+    return y.reshape(*lead, n)
+
+
+@torch.library.custom_op("pykernels::qmatmul", mutates_args=())
+def _qmatmul_custom(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                    planes: Optional[torch.Tensor], wsum: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                    n: int, k: int, bits: int, group_size: int, act_bits: int, backend: str) -> torch.Tensor:
+    return _impl(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend)
+
+
+@_qmatmul_custom.register_fake
+def _(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend):
+    return x.new_empty(*x.shape[:-1], n)
+
+
+def qmatmul_op(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend):
+    if backend == "cuda":
+        raise NotImplementedError("pykernels.qmatmul: the native CUDA backend (csrc/qgemm/qgemm.cu) is not "
+                                  "implemented yet; use backend='triton' on GPUs")
+    if act_bits and planes is None:
+        raise ValueError("pykernels.qmatmul: act_bits needs the weight's bit planes")
+    return torch.ops.pykernels.qmatmul(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size,
+                                       act_bits, backend)
+
+
+# ------------------------------------------------------------------------------------------------
+# Autotuning (python -m pykernels.autotune generate --ops qgemm)
+# ------------------------------------------------------------------------------------------------
+def register_tunables(quantize):
+    def make_key(x, qw, bias=None, act_bits=None, **kw):
+        N, K = qw.shape
+        return _key(x.reshape(-1, K).shape[0], N, K, qw.bits, qw.group_size, act_bits or 0, x.dtype)
+
+    def candidates(key):
+        if key.get("act_bits"):
+            return [{"mode": m, "threads": 0} for m in (0, 1, 2)]
+        out = []
+        for impl in ("native", "dequant_mm"):
+            for m_block in ((4, 16, 64) if impl == "native" else (16,)):
+                for n_block in ((1, 8, 32) if impl == "native" else (8,)):
+                    out.append({"impl": impl, "threads": 0, "m_block": m_block, "n_block": n_block})
+        return out
+
+    def run(config, x, qw, bias=None, act_bits=None):
+        N, K = qw.shape
+        planes = qw.ensure_planes() if act_bits else None
+        return _impl(x, qw.packed, qw.scales, qw.offsets, planes, qw.code_sums if act_bits else None, bias,
+                     N, K, qw.bits, qw.group_size, act_bits or 0, "cpu", config=config)
+
+    def examples(sizes):
+        g = torch.Generator().manual_seed(0)
+        shapes = []
+        for n in (sizes or [4096]):
+            for M in (1, 16, 128):
+                shapes.append((M, n, n, 4, 128, None))
+            shapes.append((1, n, n, 2, 128, 2))
+            shapes.append((1, n, n, 1, 128, 1))
+        out = []
+        for M, N, K, bits, gs, ab in shapes:
+            w = torch.randn(N, K, generator=g)
+            scheme = "bipolar" if ab else "asym"
+            qw = quantize(w, bits, gs, scheme)
+            out.append(((torch.randn(M, K, generator=g), qw), {"act_bits": ab}))
+        return out
+
+    autotune.register(autotune.Tunable(op="qmatmul", group="qgemm", backend="cpu", make_key=make_key,
+                                       default=_default_cpu_config, candidates=candidates, run=run,
+                                       examples=examples))

@@ -1,0 +1,405 @@
+"""Quantized GEMMs: formats vs a plain round-to-nearest reference, weight-only qmatmul vs
+x @ dequant(W).T in float64, bit-serial integer sums vs an exact integer reference."""
+import io
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import pykernels
+from pykernels.quant import _format as F
+from pykernels.quant._ops import _impl, cpu_bitserial
+
+SCHEME_BITS = [("asym", b) for b in (2, 3, 4, 8)] + [("sym", b) for b in (2, 3, 4, 8)] + \
+              [("bipolar", b) for b in range(1, 9)]
+GROUPS = (32, 64, 128, -1)
+
+
+# ------------------------------------------------------------------------------------------------
+# A plain numpy round-to-nearest reference, one group at a time
+# ------------------------------------------------------------------------------------------------
+def ref_quantize(w, bits, group_size, scheme):
+    w = np.asarray(w, dtype=np.float64)
+    N, K = w.shape
+    g = K if group_size == -1 else group_size
+    G = math.ceil(K / g)
+    qmax = 2 ** bits - 1
+    codes = np.zeros((N, K), np.int64)
+    S = np.zeros((N, G)); Mo = np.zeros((N, G))
+    for n in range(N):
+        for gi in range(G):
+            seg = w[n, gi * g:(gi + 1) * g]
+            if scheme == "asym":
+                lo, hi = min(seg.min(), 0.0), max(seg.max(), 0.0)
+                s = float(np.float32((hi - lo) / qmax)) if hi > lo else 1.0
+                zp = min(max(np.round(-lo / s), 0), qmax)
+                u = np.clip(np.round(seg / s) + zp, 0, qmax)
+                m = -s * zp
+            elif scheme == "sym":
+                half = 2 ** (bits - 1)
+                a = np.abs(seg).max()
+                s = float(np.float32(a / (half - 1))) if a > 0 else 1.0
+                u = np.clip(np.round(seg / s) + half, 0, qmax)
+                m = -s * half
+            else:
+                lo, hi = seg.min(), seg.max()
+                s = float(np.float32((hi - lo) / qmax)) if hi > lo else 1.0
+                m = float(np.float32(lo))
+                u = np.clip(np.round((seg - m) / s), 0, qmax)
+            codes[n, gi * g:gi * g + len(seg)] = u
+            S[n, gi], Mo[n, gi] = s, np.float32(m)
+    return codes, S, Mo
+
+
+def deq(codes, S, Mo, group_size):
+    K = codes.shape[1]
+    g = K if group_size == -1 else group_size
+    idx = np.arange(K) // g
+    return codes * S[:, idx] + Mo[:, idx]
+
+
+def weights(kind, N, K, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g)
+    if kind == "outliers":
+        w[torch.rand(N, K, generator=g) < 0.01] *= 100.0
+    elif kind == "constant_rows":
+        w[::2] = 0.75
+        w[1::4] = -2.0
+    elif kind == "zeros":
+        w.zero_()
+    elif kind == "positive":
+        w = w.abs() + 1.0
+    return w
+
+
+@pytest.mark.parametrize("scheme,bits", SCHEME_BITS)
+@pytest.mark.parametrize("group_size", GROUPS)
+def test_quantize_matches_rtn_reference(scheme, bits, group_size):
+    N, K = 7, 200  # K not a multiple of 64/128: a shorter last group
+    for kind in ("randn", "outliers", "constant_rows"):
+        w = weights(kind, N, K, seed=bits)
+        qw = pykernels.quantize(w, bits, group_size, scheme)
+        codes, S, Mo = ref_quantize(w.numpy(), bits, group_size, scheme)
+        np.testing.assert_array_equal(qw.codes().numpy().astype(np.int64), codes)
+        np.testing.assert_allclose(qw.scales.numpy(), S, rtol=0, atol=0)
+        np.testing.assert_allclose(qw.offsets.numpy(), Mo.astype(np.float32), rtol=0, atol=0)
+        d = qw.dequantize(torch.float64).numpy()
+        np.testing.assert_allclose(d, deq(codes, S, Mo, group_size), rtol=1e-12, atol=1e-12)
+        # round-to-nearest error: half a step (asym: a step, the zero point is rounded too)
+        step = S[:, np.arange(K) // (K if group_size == -1 else group_size)]
+        bound = (1.0 if scheme == "asym" else 0.5) * step * (1 + 1e-6) + 1e-6 * np.abs(w.numpy())
+        assert (np.abs(d - w.numpy()) <= bound).all(), (kind, np.abs(d - w.numpy()).max())
+        assert qw.bits == bits and qw.group_size == group_size and qw.scheme == scheme
+        assert tuple(qw.shape) == (N, K)
+
+
+def test_constant_and_zero_groups_are_exact():
+    for scheme, bits in [("asym", 4), ("sym", 4), ("bipolar", 1), ("bipolar", 3)]:
+        w = torch.full((4, 64), 0.3125)
+        w[1] = 0.0
+        w[2] = -7.5
+        d = pykernels.quantize(w, bits, 32, scheme).dequantize()
+        assert torch.allclose(d, w, atol=1e-6 * 8), (scheme, d)
+
+
+def test_bipolar_format_semantics():
+    # W = (s/2) * W' + z with W' = sum_i (2 b_i - 1) 2^i: odd values in [-(2^b - 1), 2^b - 1]
+    w = torch.randn(3, 64)
+    for bits in (1, 2, 5):
+        qw = pykernels.quantize(w, bits, 32, "bipolar")
+        u = qw.codes().to(torch.float64)
+        planes = [((qw.codes() >> i) & 1).to(torch.float64) for i in range(bits)]
+        wprime = sum((2 * p - 1) * 2 ** i for i, p in enumerate(planes))
+        assert torch.equal(wprime, 2 * u - (2 ** bits - 1))
+        idx = torch.arange(64) // 32
+        s, z = qw.scales.double()[:, idx], qw.zeros.double()[:, idx]
+        assert torch.allclose(s / 2 * wprime + z, qw.dequantize(torch.float64), atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [1, 3, 4, 6, 8])
+def test_packed_layouts_round_trip(bits):
+    N, K = 9, 77
+    codes = torch.randint(0, 2 ** bits, (N, K), dtype=torch.uint8)
+    assert torch.equal(F.unpack_tiles(F.pack_tiles(codes, bits), bits, N, K), codes)
+    for gs in (32, 64, -1):
+        gsize, G, gw = F.plane_geometry(K, gs)
+        planes = F.pack_planes(codes, bits, gs).view(torch.uint8).numpy()
+        words = planes.view(np.uint64).reshape(-1, G, bits, gw, 4)
+        for n in range(N):
+            for k in range(K):
+                gi, t = divmod(k, gsize)
+                for j in range(bits):
+                    bit = (int(words[n // 4, gi, j, t // 64, n % 4]) >> (t % 64)) & 1
+                    assert bit == (int(codes[n, k]) >> j) & 1
+
+
+def test_code_sums():
+    codes = torch.randint(0, 16, (5, 70), dtype=torch.uint8)
+    cs = F.code_sums(codes, 32)
+    ref = torch.stack([codes[:, :32].sum(1), codes[:, 32:64].sum(1), codes[:, 64:].sum(1)], 1)
+    assert torch.equal(cs, ref.to(torch.int32))
+
+
+def test_quantized_weight_serialization(tmp_path):
+    w = torch.randn(10, 96)
+    for scheme, bits in [("asym", 4), ("bipolar", 2), ("sym", 8)]:
+        qw = pykernels.quantize(w, bits, 32, scheme)
+        sd = qw.state_dict()
+        path = tmp_path / "qw.pt"
+        torch.save(sd, path)
+        back = pykernels.QuantizedWeight.from_state_dict(torch.load(path, weights_only=True))
+        assert torch.equal(back.dequantize(), qw.dequantize())
+        buf = io.BytesIO()
+        torch.save(qw, buf)
+        buf.seek(0)
+        again = torch.load(buf, weights_only=False)
+        assert torch.equal(again.dequantize(), qw.dequantize())
+        moved = qw.to("cpu")
+        assert moved.device.type == "cpu" and torch.equal(moved.packed, qw.packed)
+        assert qw.to(torch.bfloat16).dequantize().dtype == torch.bfloat16
+        x = torch.randn(3, 96)
+        assert torch.equal(pykernels.qmatmul(x, back), pykernels.qmatmul(x, qw))
+
+
+def test_quantize_does_not_modify_input_and_accepts_numpy():
+    w = torch.randn(8, 64)
+    keep = w.clone()
+    qw = pykernels.quantize(w, 4, 32)
+    assert torch.equal(w, keep)
+    qn = pykernels.quantize(w.numpy(), 4, 32)
+    assert torch.equal(qn.packed, qw.packed)
+    qb = pykernels.quantize(w.to(torch.bfloat16), 4, 32)
+    assert qb.dequantize().dtype == torch.bfloat16
+
+
+def test_quantize_errors():
+    w = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="pykernels.quantize: .*scheme"):
+        pykernels.quantize(w, 4, 32, "nf4")
+    with pytest.raises(ValueError, match="bits"):
+        pykernels.quantize(w, 5, 32, "asym")
+    with pytest.raises(ValueError, match="bits"):
+        pykernels.quantize(w, 9, 32, "bipolar")
+    with pytest.raises(ValueError, match="group_size"):
+        pykernels.quantize(w, 4, 48)
+    with pytest.raises(ValueError, match="group_size"):
+        pykernels.quantize(w, 4, 0)
+    with pytest.raises(ValueError, match="shape"):
+        pykernels.quantize(w[0], 4, 32)
+    with pytest.raises(TypeError, match="floating"):
+        pykernels.quantize(w.to(torch.int32), 4, 32)
+    bad = w.clone()
+    bad[1, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        pykernels.quantize(bad, 4, 32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Weight-only qmatmul
+# ------------------------------------------------------------------------------------------------
+def oracle(x, qw, bias=None):
+    y = x.to(torch.float64) @ qw.dequantize(torch.float64).T
+    return y if bias is None else y + bias.to(torch.float64)
+
+
+def check_close(y, x, qw, bias=None, rel=4e-5):
+    """|y - ref| <= rel * max|x_row| * sum|W_n| (int16 activation blocks: <= 1.5e-5 of that) plus the
+    output dtype's rounding."""
+    ref = oracle(x, qw, bias)
+    N, K = qw.shape
+    # the kernel multiplies int16 activations by s * (u - 2^(bits-1)): its error scales with that
+    idx = torch.arange(K) // (K if qw.group_size == -1 else qw.group_size)
+    centred = qw.scales.double()[:, idx] * (qw.codes().double() - 2 ** (qw.bits - 1))
+    mag = qw.dequantize(torch.float64).abs().sum(1) + centred.abs().sum(1)
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.float64)
+    bound = rel * x2.abs().amax(1, keepdim=True) * mag[None] + 1e-30
+    bound = bound.reshape(ref.shape)
+    eps = {torch.float32: 2 ** -23, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[y.dtype]
+    tol = bound + 2 * eps * ref.abs()
+    err = (y.to(torch.float64) - ref).abs()
+    assert y.dtype == x.dtype and y.shape == ref.shape
+    assert bool((err <= tol).all()), f"max err {err.max().item()} vs tol {tol.min().item()}"
+
+
+@pytest.fixture(params=["avx2", "portable"])
+def simd(request, monkeypatch):
+    if request.param == "portable":
+        monkeypatch.setenv("PYKERNELS_DISABLE_AVX2", "1")
+    return request.param
+
+
+@pytest.mark.parametrize("scheme,bits", SCHEME_BITS)
+@pytest.mark.parametrize("group_size", GROUPS)
+def test_qmatmul_weight_only(scheme, bits, group_size, simd):
+    N, K = 37, 200
+    qw = pykernels.quantize(weights("randn", N, K, seed=bits), bits, group_size, scheme)
+    g = torch.Generator().manual_seed(1)
+    for M in (1, 3, 16, 100):
+        x = torch.randn(M, K, generator=g)
+        check_close(pykernels.qmatmul(x, qw), x, qw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("K,N,group_size", [(256, 64, 128), (33, 5, -1), (100, 9, 32), (4096, 8, 128)])
+def test_qmatmul_dtypes_bias_and_shapes(dtype, K, N, group_size, simd):
+    g = torch.Generator().manual_seed(K)
+    qw = pykernels.quantize(torch.randn(N, K, generator=g), 4, group_size, "asym")
+    bias = torch.randn(N, generator=g)
+    x = torch.randn(2, 3, K, generator=g).to(dtype)
+    keep = x.clone()
+    y = pykernels.qmatmul(x, qw, bias)
+    assert y.shape == (2, 3, N)
+    check_close(y, x, qw, bias)
+    assert torch.equal(x, keep)
+    # non-contiguous activations
+    xt = torch.randn(K, 4, generator=g).to(dtype).t()
+    check_close(pykernels.qmatmul(xt, qw), xt, qw)
+
+
+@pytest.mark.parametrize("case", ["zeros", "constant", "outliers", "huge", "tiny", "sorted"])
+def test_qmatmul_adversarial_activations(case, simd):
+    N, K = 12, 192
+    qw = pykernels.quantize(weights("outliers", N, K), 4, 64, "asym")
+    x = torch.randn(5, K)
+    if case == "zeros":
+        x.zero_()
+    elif case == "constant":
+        x.fill_(-1.25)
+    elif case == "outliers":
+        x[:, ::37] *= 1000.0
+    elif case == "huge":
+        x *= 1e30
+    elif case == "tiny":
+        x *= 1e-30
+    elif case == "sorted":
+        x = torch.sort(x, dim=1).values
+    check_close(pykernels.qmatmul(x, qw), x, qw)
+
+
+@pytest.mark.parametrize("kind", ["zeros", "constant_rows", "outliers", "positive"])
+def test_qmatmul_adversarial_weights(kind, simd):
+    qw = pykernels.quantize(weights(kind, 10, 160), 4, 32, "asym")
+    x = torch.randn(4, 160)
+    check_close(pykernels.qmatmul(x, qw), x, qw)
+
+
+def test_qmatmul_nan_propagates(simd):
+    qw = pykernels.quantize(torch.randn(6, 64), 4, 32)
+    x = torch.randn(3, 64)
+    x[1, 5] = float("nan")
+    y = pykernels.qmatmul(x, qw)
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all()
+    ya = pykernels.qmatmul(x, qw, act_bits=4)
+    assert torch.isnan(ya[1]).all() and torch.isfinite(ya[[0, 2]]).all()
+
+
+def test_qmatmul_empty_and_tiny():
+    qw = pykernels.quantize(torch.randn(5, 64), 4, 32)
+    assert pykernels.qmatmul(torch.randn(0, 64), qw).shape == (0, 5)
+    assert pykernels.qmatmul(torch.randn(0, 64), qw, act_bits=2).shape == (0, 5)
+    q1 = pykernels.quantize(torch.randn(1, 1), 4, -1)
+    x = torch.randn(1, 1)
+    check_close(pykernels.qmatmul(x, q1), x, q1)
+    q0 = pykernels.quantize(torch.randn(0, 64), 4, 32)
+    assert pykernels.qmatmul(torch.randn(2, 64), q0).shape == (2, 0)
+    qk = pykernels.quantize(torch.randn(3, 0), 4, -1)
+    b = torch.randn(3)
+    assert torch.equal(pykernels.qmatmul(torch.randn(2, 0), qk, b), b.expand(2, 3))
+    x = torch.randn(64)  # 1-D activations
+    assert pykernels.qmatmul(x, qw).shape == (5,)
+
+
+def test_qmatmul_numpy_input():
+    qw = pykernels.quantize(torch.randn(5, 64), 4, 32)
+    x = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
+    check_close(pykernels.qmatmul(x, qw), torch.from_numpy(x), qw)
+
+
+def test_qmatmul_errors():
+    qw = pykernels.quantize(torch.randn(5, 64), 4, 32)
+    x = torch.randn(2, 64)
+    with pytest.raises(TypeError, match="pykernels.qmatmul: .*'x'"):
+        pykernels.qmatmul(x.to(torch.float64), qw)
+    with pytest.raises(TypeError, match="QuantizedWeight"):
+        pykernels.qmatmul(x, torch.randn(5, 64))
+    with pytest.raises(ValueError, match=r"\[..., 64\]"):
+        pykernels.qmatmul(torch.randn(2, 63), qw)
+    with pytest.raises(ValueError, match="bias"):
+        pykernels.qmatmul(x, qw, torch.randn(4))
+    with pytest.raises(ValueError, match="act_bits"):
+        pykernels.qmatmul(x, qw, act_bits=9)
+    with pytest.raises(ValueError, match="act_bits"):
+        pykernels.qmatmul(x, qw, act_bits=0)
+    with pytest.raises(NotImplementedError, match="pykernels.qmatmul"):
+        pykernels.qmatmul(x, qw, backend="cuda")
+    with pytest.raises(ValueError, match="backend"):
+        pykernels.qmatmul(x, qw, backend="gpu")
+
+
+@pytest.mark.parametrize("impl,m_block,n_block", [("native", 1, 1), ("native", 4, 32), ("dequant_mm", 16, 8)])
+def test_qmatmul_configs_agree(impl, m_block, n_block):
+    N, K = 70, 300
+    qw = pykernels.quantize(torch.randn(N, K), 3, 32, "sym")
+    x = torch.randn(21, K)
+    cfg = {"impl": impl, "threads": 2, "m_block": m_block, "n_block": n_block}
+    y = _impl(x, qw.packed, qw.scales, qw.offsets, None, None, None, N, K, 3, 32, 0, "cpu", config=cfg)
+    check_close(y, x, qw, rel=4e-5 if impl == "native" else 1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# Bit-serial (act_bits)
+# ------------------------------------------------------------------------------------------------
+def ref_act_codes(x, p):
+    x = x.to(torch.float64)
+    lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
+    sa = (hi - lo) / (2 ** p - 1)
+    sa = torch.where(sa > 0, sa, torch.ones_like(sa))
+    return torch.clamp(torch.round((x - lo) / sa), 0, 2 ** p - 1).to(torch.int64), sa, lo
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("p,q", [(1, 1), (2, 2), (1, 4), (3, 2), (4, 4), (8, 8), (2, 7)])
+@pytest.mark.parametrize("group_size,K", [(32, 100), (64, 64), (128, 300), (-1, 2100)])
+def test_bitserial_integer_sums_are_exact(mode, p, q, group_size, K):
+    N, M = 9, 3
+    g = torch.Generator().manual_seed(p * 10 + q)
+    qw = pykernels.quantize(torch.randn(N, K, generator=g), q, group_size, "bipolar")
+    x = torch.randn(M, K, generator=g)
+    gsize, G = F.group_geometry(K, group_size)
+    I = torch.zeros(M, N, G, dtype=torch.int64)
+    ua = torch.zeros(M, K, dtype=torch.uint8)
+    cpu_bitserial(x, qw.planes, qw.scales, qw.offsets, qw.code_sums, None, N, K, q, group_size, p,
+                  {"mode": mode}, int_out=I, act_codes=ua)
+    ref_ua, sa, lo = ref_act_codes(x, p)
+    assert torch.equal(ua.to(torch.int64), ref_ua)
+    uw = qw.codes().to(torch.int64)
+    for gi in range(G):
+        sl = slice(gi * gsize, min(K, (gi + 1) * gsize))
+        assert torch.equal(I[:, :, gi], ref_ua[:, sl] @ uw[:, sl].T), gi
+    # after scaling: exactly (up to fp rounding) the product of the two dequantized operands
+    y = pykernels.qmatmul(x, qw, act_bits=p)
+    A = sa * ref_ua + lo
+    ref = A @ qw.dequantize(torch.float64).T
+    scale = A.abs().amax(1, keepdim=True) * qw.dequantize(torch.float64).abs().sum(1)[None]
+    assert ((y.double() - ref).abs() <= 1e-5 * scale + 1e-6 * ref.abs()).all()
+
+
+@pytest.mark.parametrize("scheme,bits", [("asym", 4), ("sym", 3), ("bipolar", 2), ("bipolar", 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_bitserial_close_to_float_product(scheme, bits, dtype):
+    N, K = 20, 256
+    qw = pykernels.quantize(torch.randn(N, K), bits, 64, scheme)
+    x = torch.randn(4, K).to(dtype)
+    bias = torch.randn(N)
+    ref = oracle(x, qw, bias)
+    y8 = pykernels.qmatmul(x, qw, bias, act_bits=8)
+    assert y8.dtype == dtype
+    W = qw.dequantize(torch.float64)
+    bound = x.double().abs().amax(1, keepdim=True) * W.abs().sum(1)[None]
+    assert ((y8.double() - ref).abs() <= 1e-2 * bound + 1e-2 * ref.abs()).all()
+    # fewer activation bits: larger error, but the same estimator (still correlated with the truth)
+    y2 = pykernels.qmatmul(x, qw, bias, act_bits=2).double()
+    assert torch.corrcoef(torch.stack([y2.flatten(), ref.flatten()]))[0, 1] > 0.5

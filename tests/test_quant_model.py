@@ -1,0 +1,145 @@
+"""QuantLinear, quantize_model and torch.compile on a small transformer built here (no downloads)."""
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import pykernels
+from pykernels.quant import QuantLinear, quantize_model
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=b) for b in (True, False, True, True))
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        B, S, D = x.shape
+        h = self.ln1(x)
+        q, k, v = (t.view(B, S, self.heads, -1).transpose(1, 2) for t in (self.q(h), self.k(h), self.v(h)))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(B, S, D))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=101, d=96, heads=4, layers=2):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.lm_head(self.ln(x))
+
+
+def dequantized_copy(model_q, model_f):
+    """The float model with each quantized layer's weight replaced by its dequantized weight: the
+    exact oracle of the quantized model."""
+    ref = copy.deepcopy(model_f)
+    for name, mod in model_q.named_modules():
+        if isinstance(mod, QuantLinear):
+            ref.get_submodule(name).weight.data = mod.qweight.dequantize(torch.float32)
+    return ref
+
+
+@pytest.fixture(scope="module")
+def lm():
+    torch.manual_seed(0)
+    return TinyLM().eval()
+
+
+@pytest.mark.parametrize("bits,group_size,scheme", [(4, 32, "asym"), (8, -1, "sym"), (3, 64, "bipolar")])
+def test_quantize_model_logits(lm, bits, group_size, scheme):
+    ids = torch.randint(0, 101, (2, 13))
+    q = quantize_model(copy.deepcopy(lm), bits, group_size, scheme=scheme)
+    n_q = sum(isinstance(m, QuantLinear) for m in q.modules())
+    assert n_q == 2 * 6 + 1 and not any(type(m) is nn.Linear for m in q.modules())
+    with torch.no_grad():
+        logits = q(ids)
+        ref = dequantized_copy(q, lm)(ids)
+        full = lm(ids)
+    assert torch.allclose(logits, ref, atol=2e-3, rtol=1e-3), (logits - ref).abs().max()
+    if bits >= 4:  # the quantized model stays close to the float one
+        agree = (logits.argmax(-1) == full.argmax(-1)).float().mean()
+        assert agree > 0.6, agree
+
+
+def test_quantize_model_include_exclude_and_bias(lm):
+    q = quantize_model(copy.deepcopy(lm), 4, 32, exclude=["lm_head", "blocks.1.mlp"])
+    assert type(q.lm_head) is nn.Linear
+    assert type(q.blocks[1].mlp[0]) is nn.Linear and type(q.blocks[1].mlp[2]) is nn.Linear
+    assert isinstance(q.blocks[0].mlp[0], QuantLinear) and isinstance(q.blocks[1].q, QuantLinear)
+    assert torch.equal(q.blocks[0].q.bias, lm.blocks[0].q.bias) and q.blocks[0].k.bias is None
+    q2 = quantize_model(copy.deepcopy(lm), 4, 32, include=["*.mlp.*"])
+    kinds = {n: type(m).__name__ for n, m in q2.named_modules() if isinstance(m, (nn.Linear, QuantLinear))}
+    assert all((k == "QuantLinear") == (".mlp." in n) for n, k in kinds.items()), kinds
+
+
+def test_quantlinear_state_dict_round_trip(lm):
+    layer = QuantLinear.from_linear(lm.blocks[0].mlp[0], bits=4, group_size=32)
+    buf = io.BytesIO()
+    torch.save(layer.state_dict(), buf)
+    buf.seek(0)
+    fresh = QuantLinear(96, 384, bias=True, bits=4, group_size=32)
+    fresh.load_state_dict(torch.load(buf, weights_only=True))
+    x = torch.randn(5, 96)
+    assert torch.equal(fresh(x), layer(x))
+    wrong = QuantLinear(96, 384, bias=True, bits=8, group_size=32)
+    with pytest.raises((ValueError, RuntimeError)):
+        wrong.load_state_dict(layer.state_dict())
+
+
+def test_quantlinear_matches_qmatmul_and_dtypes(lm):
+    lin = lm.blocks[0].q
+    layer = QuantLinear.from_linear(lin, bits=4, group_size=32)
+    x = torch.randn(3, 7, 96)
+    assert torch.equal(layer(x), pykernels.qmatmul(x, layer.qweight, lin.bias))
+    for dt in (torch.bfloat16, torch.float16):
+        y = layer(x.to(dt))
+        assert y.dtype == dt
+        assert torch.allclose(y.float(), layer(x), atol=0.05, rtol=0.02)
+    with pytest.raises(TypeError):
+        QuantLinear.from_linear(nn.Conv1d(3, 3, 1))
+
+
+def test_quantlinear_act_bits(lm):
+    lin = lm.blocks[0].mlp[0]
+    layer = QuantLinear.from_linear(lin, bits=2, group_size=32, scheme="bipolar", act_bits=8)
+    x = torch.randn(4, 96)
+    y = layer(x)
+    ref = x.double() @ layer.qweight.dequantize(torch.float64).T + lin.bias.double()
+    bound = x.abs().amax(1, keepdim=True).double() * layer.qweight.dequantize(torch.float64).abs().sum(1)[None]
+    assert ((y.double() - ref).abs() <= 1e-2 * bound).all()
+
+
+def test_opcheck():
+    qw = pykernels.quantize(torch.randn(12, 64), 4, 32)
+    x = torch.randn(3, 64)
+    args = (x, qw.packed, qw.scales, qw.offsets, None, None, torch.randn(12), 12, 64, 4, 32, 0, "auto")
+    torch.library.opcheck(torch.ops.pykernels.qmatmul.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    qb = pykernels.quantize(torch.randn(12, 64), 2, 32, "bipolar")
+    args = (x, qb.packed, qb.scales, qb.offsets, qb.planes, qb.code_sums, None, 12, 64, 2, 32, 2, "auto")
+    torch.library.opcheck(torch.ops.pykernels.qmatmul.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_torch_compile_fullgraph():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32)).eval()
+    q = quantize_model(model, 4, 32)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        eager = q(x)
+        compiled = torch.compile(q, fullgraph=True, backend="aot_eager")(x)
+    assert torch.equal(eager, compiled)
