@@ -1,5 +1,202 @@
-"""Flash attention returning the log-sum-exp (issue #6). Not implemented yet."""
+"""Flash attention returning the log-sum-exp (issue #6).
+
+    out = pykernels.flash_attention(q, k, v, causal=False, scale=None)
+    out, lse = pykernels.flash_attention(q, k, v, causal=True, return_lse=True)
+
+Math (FlashAttention, Dao et al. 2022; FlashAttention-2, Dao 2023), per batch b and query head h:
+    S = scale * Q K^T                       [S_q, S_k], scale defaults to 1/sqrt(D)
+    causal: S_ij = -inf where j > i + (S_k - S_q)   (aligned bottom-right, as flash-attn)
+    lse_i = log sum_j exp(S_ij)             (natural log, float32; float64 for float64 inputs)
+    out   = exp(S - lse) V
+Backward from the saved out and lse: P = exp(S - lse), dV = P^T dO, dP = dO V^T,
+D_i = rowsum(dO * O)_i - dlse_i, dS = P * (dP - D), dQ = scale dS K, dK = scale dS^T Q.
+
+Layout [B, H, S, D]; k and v may have Hkv heads with H % Hkv == 0 (GQA/MQA: query head h reads KV head
+h // (H // Hkv)); their gradients sum over the query heads of each group.
+Rows that see no key at all (causal with S_q > S_k: the first S_q - S_k rows; or S_k == 0) have
+output 0, lse -inf and zero gradient (flash-attn leaves such rows undefined; SDPA gives NaN).
+
+Backends: "cpu" (aten's CPU flash kernels wrapped for bottom-right causal and GQA, or a BLAS-blocked
+implementation; the autotuner picks), "triton" (FlashAttention-2 forward and backward kernels in
+`_triton.py`; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). The op is registered as
+`torch.ops.pykernels.flash_attention` (+ `flash_attention_backward`) with fake implementations and
+autograd, so it works under torch.compile(fullgraph=True).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .. import _native, autotune
+from .._backend import dispatch
+from ..errors import check_same_device
+from . import _cpu
+
+__all__ = ["flash_attention"]
+
+OP = "flash_attention"
+OP_BWD = "flash_attention_backward"
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float64: CPU backend only
+SUPPORTED = ("cpu", "triton")
 
 
-def flash_attention(*args, **kwargs):
-    raise NotImplementedError("pykernels.flash_attention: not implemented yet (issue #6)")
+def problem_key(q, k, v=None, causal=False, **_) -> dict:
+    """The autotune key: dtypes and static dims, power-of-two buckets of the dynamic ones."""
+    B, H, Sq, D = q.shape
+    return {"dtype": str(q.dtype).replace("torch.", ""), "d": int(D), "causal": bool(causal),
+            "gqa": int(H // max(1, k.shape[1])), "bh": autotune.bucket(B * H),
+            "sq": autotune.bucket(Sq), "sk": autotune.bucket(k.shape[2])}
+
+
+# ----------------------------------------------------------------------------------------------
+# Backend implementations (called inside the custom ops, so dynamo never traces them)
+# ----------------------------------------------------------------------------------------------
+def _all_finite(*tensors) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def _forward_impl(q, k, v, causal: bool, scale: float, backend: str, config: Optional[dict] = None):
+    key = problem_key(q, k, causal=causal)
+    chosen, cfg = dispatch(OP, q.device, backend, key, supported=SUPPORTED, preference=("triton",))
+    if config is not None:
+        cfg = dict(config)
+    if chosen == "triton":
+        from . import _triton
+
+        return _triton.forward(q, k, v, causal, scale, cfg)
+    if cfg.get("impl", "flash") == "blocked" or not _all_finite(q, k, v):
+        # aten's flash kernels turn a NaN row into zeros; the blocked path propagates NaN/inf exactly
+        # as the math does (the check reads the inputs once: O(S*D) against O(S^2*D) of work).
+        return _cpu.blocked_forward(q, k, v, causal, scale, chunk_elems=int(cfg.get("chunk_elems", 1 << 22)))
+    return _cpu.flash_forward(q, k, v, causal, scale)
+
+
+def _backward_impl(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, backend: str,
+                   config: Optional[dict] = None):
+    key = problem_key(q, k, causal=causal)
+    chosen, cfg = dispatch(OP_BWD, q.device, backend, key, supported=SUPPORTED, preference=("triton",))
+    if config is not None:
+        cfg = dict(config)
+    if dlse is not None and not bool(dlse.any()):
+        dlse = None  # autograd materializes an unused LSE gradient as zeros
+    if chosen == "triton":
+        from . import _triton
+
+        return _triton.backward(dout, dlse, q, k, v, out, lse, causal, scale, cfg)
+    if dlse is not None or cfg.get("impl", "flash") == "blocked" or not _all_finite(q, k, v, dout):
+        # aten's backward derives D = rowsum(dO * O) itself, so it cannot take an LSE gradient.
+        return _cpu.blocked_backward(dout, q, k, v, out, lse, causal, scale, dlse=dlse,
+                                     chunk_elems=int(cfg.get("chunk_elems", 1 << 22)))
+    return _cpu.flash_backward(dout, q, k, v, out, lse, causal, scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library registration: forward, backward, fakes, autograd
+# ----------------------------------------------------------------------------------------------
+@torch.library.custom_op("pykernels::flash_attention", mutates_args=())
+def _flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                        backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _forward_impl(q, k, v, causal, scale, backend)
+    return out.contiguous(), lse.contiguous()  # aten's CPU kernels return [B, S, H]-strided results
+
+
+@_flash_attention_op.register_fake
+def _(q, k, v, causal, scale, backend):
+    B, H, Sq, _ = q.shape
+    out = q.new_empty((B, H, Sq, v.shape[-1]))
+    lse = q.new_empty((B, H, Sq), dtype=_cpu.acc_dtype(q.dtype))
+    return out, lse
+
+
+@torch.library.custom_op("pykernels::flash_attention_backward", mutates_args=())
+def _flash_attention_backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor,
+                                 k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                                 causal: bool, scale: float,
+                                 backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = _backward_impl(dout, dlse, q, k, v, out, lse, causal, scale, backend)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@_flash_attention_backward_op.register_fake
+def _(dout, dlse, q, k, v, out, lse, causal, scale, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale, backend = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv = _flash_attention_backward_op(dout, dlse, q, k, v, out, lse, ctx.causal, ctx.scale,
+                                              ctx.backend)
+    return dq, dk, dv, None, None, None
+
+
+_flash_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public entry
+# ----------------------------------------------------------------------------------------------
+def _check(q, k, v, scale, backend):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype not in DTYPES:
+            raise TypeError(f"pykernels.flash_attention: expected '{name}' of dtype float32, bfloat16, "
+                            f"float16 (or float64 on CPU), got {str(t.dtype).replace('torch.', '')}")
+        if t.dim() != 4:
+            raise ValueError(f"pykernels.flash_attention: expected '{name}' with 4 dimensions [B, H, S, D], "
+                             f"got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"pykernels.flash_attention: expected q, k, v of one dtype, got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+    B, H, Sq, D = q.shape
+    if k.shape[0] != B or v.shape[0] != B:
+        raise ValueError(f"pykernels.flash_attention: expected the same batch size B in q, k, v, got shapes "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"pykernels.flash_attention: expected 'k' and 'v' with the same [B, Hkv, S_k], got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[3] != D or v.shape[3] != D:
+        raise ValueError(f"pykernels.flash_attention: expected q, k, v with the same head dim D={D}, got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if D == 0:
+        raise ValueError("pykernels.flash_attention: expected head dim D >= 1, got 0")
+    Hkv = k.shape[1]
+    if (Hkv == 0 and H != 0) or (Hkv != 0 and H % Hkv != 0):
+        raise ValueError(f"pykernels.flash_attention: expected the query heads H={H} to be a multiple of the "
+                         f"key/value heads Hkv={Hkv} (GQA/MQA)")
+    if backend not in ("auto", "cpu", "cuda", "triton"):
+        raise ValueError(f"pykernels.flash_attention: expected backend 'auto', 'cpu', 'cuda' or 'triton', "
+                         f"got {backend!r}")
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise ValueError(f"pykernels.flash_attention: expected 'scale' to be a finite float or None, got {scale!r}")
+
+
+def flash_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = None, return_lse: bool = False,
+                    backend: str = "auto"):
+    """Scaled dot-product attention of q [B, H, S_q, D] over k, v [B, Hkv, S_k, D] (H % Hkv == 0).
+
+    Returns `out` [B, H, S_q, D] in q's dtype, or `(out, lse)` with `return_lse=True`, lse [B, H, S_q]
+    float32 (natural log; float64 for float64 inputs). `causal=True` aligns the mask bottom-right
+    (row i sees keys j <= i + S_k - S_q); rows that see no key give out 0 and lse -inf.
+    Differentiable in q, k, v (and through lse). dtypes float32/bfloat16/float16 (float64 on CPU).
+    """
+    q = _native.as_tensor(q, OP, "q")
+    k = _native.as_tensor(k, OP, "k")
+    v = _native.as_tensor(v, OP, "v")
+    _check(q, k, v, scale, backend)
+    check_same_device(OP, q=q, k=k, v=v)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    out, lse = torch.ops.pykernels.flash_attention(q, k, v, bool(causal), scale, backend)
+    return (out, lse) if return_lse else out
+
+
+from . import _tuning  # noqa: E402,F401  (registers the Tunables)

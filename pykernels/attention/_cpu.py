@@ -1,0 +1,230 @@
+"""CPU backend of flash_attention: two interchangeable implementations, chosen by the autotuner.
+
+"flash"   - aten's CPU flash-attention kernels (`_scaled_dot_product_flash_attention_for_cpu` and its
+            `_backward`), which return the LSE and accept the global (out, lse) in the backward. Two of
+            their properties do not match our contract, so this module wraps them:
+              * their causal mask is top-left aligned when S_q != S_k, ours is bottom-right (flash-attn's):
+                row i sees key j iff j <= i + (S_k - S_q). We never ask aten for a rectangular causal
+                mask. With S_q < S_k the keys split into a prefix [0, S_k - S_q) that every row sees
+                (non-causal) and a square block where top-left == bottom-right; the two partial results
+                are merged with the numerically stable LSE form (as in ring attention):
+                    out = out_a - sigmoid(lse_b - lse_a) * (out_a - out_b)
+                    lse = lse_a - logsigmoid(lse_a - lse_b)
+                The backward of each part uses the *global* out and lse (P = exp(S - lse),
+                D = rowsum(dO * O)), so the parts' dq add up and their dk/dv concatenate.
+                With S_q > S_k the first S_q - S_k rows see no key at all; the rest form a square.
+              * they silently accept fewer K/V heads; we expand GQA/MQA heads explicitly and reduce the
+                expanded dk/dv over each group of query heads.
+"blocked" - FlashAttention's tiling done with BLAS: the query rows are cut into chunks; per chunk the
+            scores against the (causally) visible keys are one batched GEMM, a masked softmax in fp32 (or
+            fp64), and one GEMM with V. GQA is a reshape (the query heads of a group share one GEMM), the
+            causal mask is bottom-right by construction, and keys no row of the chunk can see are not
+            touched. The backward recomputes P from the saved LSE and uses D = rowsum(dO * O) - dlse, so
+            a gradient flowing into the LSE output (ring-attention merges) is exact.
+
+Rows that see no key (causal with S_q > S_k, or S_k == 0): output 0 and lse -inf, and no gradient.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_ATEN_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_ATEN_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation (and LSE) dtype: float64 inputs stay float64, every other dtype computes in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _empty_result(q, v, sk):
+    B, H, Sq, _ = q.shape
+    out = q.new_zeros((B, H, Sq, v.shape[-1]))
+    lse = torch.full((B, H, Sq), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# "flash": aten's CPU flash kernels, wrapped
+# ----------------------------------------------------------------------------------------------
+def _expand_kv(x, groups):
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _reduce_kv(dx, groups):
+    if groups == 1:
+        return dx
+    B, H, S, D = dx.shape
+    return dx.view(B, H // groups, groups, S, D).sum(2, dtype=acc_dtype(dx.dtype)).to(dx.dtype)
+
+
+def _merge(out_a, lse_a, out_b, lse_b, out_dtype):
+    """Stable merge of two partial attentions of the same queries (fp32/fp64)."""
+    acc = lse_a.dtype
+    w = torch.sigmoid(lse_b - lse_a).unsqueeze(-1)
+    oa = out_a.to(acc)
+    out = oa - w * (oa - out_b.to(acc))
+    lse = lse_a - F.logsigmoid(lse_a - lse_b)
+    return out.to(out_dtype), lse
+
+
+def flash_forward(q, k, v, causal: bool, scale: float):
+    B, H, Sq, D = q.shape
+    Sk = k.shape[2]
+    if q.numel() == 0 or Sq == 0:
+        return _empty_result(q, v, Sk)
+    if Sk == 0:
+        return _empty_result(q, v, Sk)
+    g = H // k.shape[1]
+    if scale < 0:  # aten scales after masking, so -inf * negative scale = +inf: fold the sign into q
+        q, scale = -q, -scale
+    q = q.contiguous()
+    k = _expand_kv(k.contiguous(), g)
+    v = _expand_kv(v.contiguous(), g)
+    if not causal or Sq == Sk:
+        out, lse = _ATEN_FWD(q, k, v, 0.0, causal, scale=scale)
+        return out, lse.to(acc_dtype(q.dtype))
+    if Sq < Sk:
+        off = Sk - Sq
+        out_a, lse_a = _ATEN_FWD(q, k[:, :, :off], v[:, :, :off], 0.0, False, scale=scale)
+        out_b, lse_b = _ATEN_FWD(q, k[:, :, off:], v[:, :, off:], 0.0, True, scale=scale)
+        return _merge(out_a, lse_a.to(acc_dtype(q.dtype)), out_b, lse_b.to(acc_dtype(q.dtype)), q.dtype)
+    # Sq > Sk: rows [0, Sq - Sk) see nothing; the last Sk rows form a square causal block.
+    dead = Sq - Sk
+    out, lse = _empty_result(q, v, Sk)
+    o_live, l_live = _ATEN_FWD(q[:, :, dead:], k, v, 0.0, True, scale=scale)
+    out[:, :, dead:] = o_live
+    lse[:, :, dead:] = l_live.to(lse.dtype)
+    return out, lse
+
+
+def flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """dq, dk, dv with aten's CPU flash backward (no LSE gradient: see `blocked_backward`)."""
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if q.numel() == 0 or k.numel() == 0:
+        return dq, dk, dv
+    if causal and Sq > Sk:
+        # Only the last Sk rows see keys; the others have no gradient.
+        dead = Sq - Sk
+        dq_l, dk, dv = flash_backward(dout[:, :, dead:], q[:, :, dead:], k, v, out[:, :, dead:],
+                                      lse[:, :, dead:], True, scale)
+        dq[:, :, dead:] = dq_l
+        return dq, dk, dv
+    if scale < 0:  # see flash_forward: S = (-q) k^T |scale|, so dq changes sign
+        dq, dk, dv = flash_backward(dout, -q, k, v, out, lse, causal, -scale)
+        return -dq, dk, dv
+    g = H // Hkv
+    aten_lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dout, q, out = dout.contiguous(), q.contiguous(), out.contiguous()
+    lse = lse.to(aten_lse_dtype).contiguous()
+    ke, ve = _expand_kv(k.contiguous(), g), _expand_kv(v.contiguous(), g)
+    if not causal or Sq == Sk:
+        dq, dke, dve = _ATEN_BWD(dout, q, ke, ve, out, lse, 0.0, causal, scale=scale)
+        return dq, _reduce_kv(dke, g), _reduce_kv(dve, g)
+    off = Sk - Sq  # Sq < Sk: prefix every row sees + square causal block, both with the global out/lse
+    dq_a, dk_a, dv_a = _ATEN_BWD(dout, q, ke[:, :, :off].contiguous(), ve[:, :, :off].contiguous(),
+                                 out, lse, 0.0, False, scale=scale)
+    dq_b, dk_b, dv_b = _ATEN_BWD(dout, q, ke[:, :, off:].contiguous(), ve[:, :, off:].contiguous(),
+                                 out, lse, 0.0, True, scale=scale)
+    acc = acc_dtype(q.dtype)
+    dq = (dq_a.to(acc) + dq_b.to(acc)).to(q.dtype)
+    dke, dve = torch.cat([dk_a, dk_b], 2), torch.cat([dv_a, dv_b], 2)
+    return dq, _reduce_kv(dke, g), _reduce_kv(dve, g)
+
+
+# ----------------------------------------------------------------------------------------------
+# "blocked": FlashAttention tiling over query rows, each tile a batched BLAS GEMM
+# ----------------------------------------------------------------------------------------------
+def _chunk_rows(B, H, Sk, chunk_elems: int) -> int:
+    """Query rows per chunk so that one chunk's score matrix holds about `chunk_elems` elements."""
+    return max(16, chunk_elems // max(1, B * H * max(Sk, 1)))
+
+
+def _visible(i0, i1, Sq, Sk, causal):
+    """Keys [0, hi) that any of rows [i0, i1) can see (bottom-right causal), and the row offset."""
+    if not causal:
+        return Sk
+    return max(0, min(Sk, i1 + Sk - Sq))
+
+
+def _scores(qc, kc, i0, Sq, Sk, causal, scale):
+    """Scaled scores of a row chunk [B, Hkv, g, c, n] in the accumulation dtype, masked bottom-right."""
+    s = torch.matmul(qc, kc.transpose(-1, -2).unsqueeze(2)) * scale
+    if causal:
+        c, n = s.shape[-2], s.shape[-1]
+        rows = torch.arange(i0, i0 + c).unsqueeze(1) + (Sk - Sq)
+        cols = torch.arange(n).unsqueeze(0)
+        s = s.masked_fill(cols > rows, float("-inf"))
+    return s
+
+
+def blocked_forward(q, k, v, causal: bool, scale: float, chunk_elems: int = 1 << 22):
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    out, lse = _empty_result(q, v, Sk)
+    if q.numel() == 0 or Sk == 0:
+        return out, lse
+    g = H // Hkv
+    acc = acc_dtype(q.dtype)
+    qa = q.to(acc).view(B, Hkv, g, Sq, D)
+    ka, va = k.to(acc), v.to(acc)
+    step = _chunk_rows(B, H, Sk, chunk_elems)
+    for i0 in range(0, Sq, step):
+        i1 = min(Sq, i0 + step)
+        n = _visible(i0, i1, Sq, Sk, causal)
+        if n == 0:
+            continue
+        s = _scores(qa[:, :, :, i0:i1], ka[:, :, :n], i0, Sq, Sk, causal, scale)
+        m = torch.logsumexp(s, dim=-1)                       # -inf for rows that see no key
+        p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m).unsqueeze(-1))
+        o = torch.matmul(p, va[:, :, :n].unsqueeze(2))       # [B, Hkv, g, c, D]
+        out[:, :, i0:i1] = o.reshape(B, H, i1 - i0, -1).to(q.dtype)
+        lse[:, :, i0:i1] = m.reshape(B, H, i1 - i0)
+    return out, lse
+
+
+def blocked_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dlse=None,
+                     chunk_elems: int = 1 << 22):
+    """dq, dk, dv from the saved global out and lse; dlse (optional) is the gradient of the LSE output:
+    d lse_i / d s_ij = p_ij, so it enters as D_i = rowsum(dO_i * O_i) - dlse_i."""
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    acc = acc_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc)
+    dk = torch.zeros(k.shape, dtype=acc)
+    dv = torch.zeros(v.shape, dtype=acc)
+    if q.numel() == 0 or k.numel() == 0:
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    g = H // Hkv
+    qa = q.to(acc).view(B, Hkv, g, Sq, D)
+    ka, va = k.to(acc), v.to(acc)
+    do = dout.to(acc).view(B, Hkv, g, Sq, -1)
+    delta = (do * out.to(acc).view(B, Hkv, g, Sq, -1)).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.to(acc).view(B, Hkv, g, Sq)
+    lse_a = lse.to(acc).view(B, Hkv, g, Sq)
+    lse_a = torch.where(torch.isinf(lse_a), 0.0, lse_a)      # rows with no key: every p is 0 anyway
+    dqv = dq.view(B, Hkv, g, Sq, D)
+    step = _chunk_rows(B, H, Sk, chunk_elems)
+    for i0 in range(0, Sq, step):
+        i1 = min(Sq, i0 + step)
+        n = _visible(i0, i1, Sq, Sk, causal)
+        if n == 0:
+            continue
+        qc, doc = qa[:, :, :, i0:i1], do[:, :, :, i0:i1]
+        kc, vc = ka[:, :, :n], va[:, :, :n]
+        s = _scores(qc, kc, i0, Sq, Sk, causal, scale)
+        p = torch.exp(s - lse_a[:, :, :, i0:i1].unsqueeze(-1))
+        c = i1 - i0
+        # dV = P^T dO, summed over the g query heads of each KV head and the chunk's rows.
+        dv[:, :, :n] += torch.matmul(p.permute(0, 1, 4, 2, 3).reshape(B, Hkv, n, g * c),
+                                     doc.reshape(B, Hkv, g * c, -1))
+        dp = torch.matmul(doc, vc.transpose(-1, -2).unsqueeze(2))
+        ds = p * (dp - delta[:, :, :, i0:i1].unsqueeze(-1))
+        dqv[:, :, :, i0:i1] = torch.matmul(ds, kc.unsqueeze(2)) * scale
+        dk[:, :, :n] += torch.matmul(ds.permute(0, 1, 4, 2, 3).reshape(B, Hkv, n, g * c),
+                                     qc.reshape(B, Hkv, g * c, D)) * scale
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

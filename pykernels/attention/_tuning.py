@@ -1,0 +1,111 @@
+"""Autotune declarations of flash_attention (see pykernels.autotune).
+
+CPU: which implementation ("flash" = aten's CPU flash kernels, wrapped; "blocked" = BLAS-tiled) and,
+for "blocked", how many score elements one row chunk holds. Measured on a 2-core Zen 3 (fp32/bf16,
+S = 256..2048, D = 64/128), aten's kernels won the forward by 1.9-3x and the backward by 1.2-2.6x, so
+"flash" is the default; "blocked" stays a candidate (and is the backward whenever the LSE output has a
+gradient, which aten's backward cannot take).
+
+Triton: BLOCK_M x BLOCK_N tiles, warps and pipeline stages per head-dim bucket; the candidate lists are
+`_triton.fwd_configs(d)` / `_triton.bwd_configs(d)`, every one of which is compiled for sm_90 by
+tests/test_gpu_build.py (AOT_SPECS) and must fit without spills.
+
+`python -m pykernels.autotune generate --ops attention [--sizes 1024,4096]` tunes forward and backward
+for the example shapes below (B=1, H=8, S=size, D=64/128, causal and not, the dtype of the device).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import autotune
+from . import problem_key, _forward_impl, _backward_impl, OP, OP_BWD
+
+_CPU_DEFAULT = {"impl": "flash"}
+_CPU_CANDIDATES = [{"impl": "flash"}, {"impl": "blocked", "chunk_elems": 1 << 18},
+                   {"impl": "blocked", "chunk_elems": 1 << 22}]
+
+
+def _examples(device: str, sizes, with_backward: bool):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    out = []
+    for s in sizes or ([1024] if device == "cpu" else [4096, 16384]):
+        for d in (64, 128):
+            for causal in (False, True):
+                g = torch.Generator().manual_seed(s + d)
+                q, k, v = (torch.randn(1, 8, int(s), d, generator=g).to(device=device, dtype=dtype) for _ in range(3))
+                scale = 1.0 / math.sqrt(d)
+                if not with_backward:
+                    out.append(((q, k, v), {"causal": causal, "scale": scale}))
+                    continue
+                o, lse = _forward_impl(q, k, v, causal, scale, "auto")
+                out.append(((torch.randn_like(o), q, k, v, o, lse), {"causal": causal, "scale": scale}))
+    return out
+
+
+def _bwd_key(dout, q, k, v, out, lse, causal=False, **_):
+    return problem_key(q, k, causal=causal)
+
+
+def _run_fwd(backend):
+    def run(config, q, k, v, causal=False, scale=None):
+        return _forward_impl(q, k, v, causal, scale or 1.0 / math.sqrt(q.shape[-1]), backend, config)
+    return run
+
+
+def _run_bwd(backend):
+    def run(config, dout, q, k, v, out, lse, causal=False, scale=None):
+        return _backward_impl(dout, None, q, k, v, out, lse, causal, scale or 1.0 / math.sqrt(q.shape[-1]),
+                              backend, config)
+    return run
+
+
+autotune.register(autotune.Tunable(
+    op=OP, group="attention", backend="cpu", make_key=problem_key,
+    default=lambda key: dict(_CPU_DEFAULT),
+    candidates=lambda key: [dict(c) for c in _CPU_CANDIDATES],
+    run=_run_fwd("cpu"),
+    examples=lambda sizes: _examples("cpu", sizes, False),
+))
+autotune.register(autotune.Tunable(
+    op=OP_BWD, group="attention", backend="cpu", make_key=_bwd_key,
+    default=lambda key: dict(_CPU_DEFAULT),
+    candidates=lambda key: [dict(c) for c in _CPU_CANDIDATES],
+    run=_run_bwd("cpu"),
+    examples=lambda sizes: _examples("cpu", sizes, True),
+))
+
+
+def _register_triton():
+    from . import _triton_configs as tc
+
+    def fwd_default(key):
+        return dict(tc.default_fwd(key["d"], key["dtype"]))
+
+    def bwd_default(key):
+        return dict(tc.default_bwd(key["d"], key["dtype"]))
+
+    def device_examples(with_backward):
+        def ex(sizes):
+            if not torch.cuda.is_available():
+                return []
+            return _examples("cuda", sizes, with_backward)
+        return ex
+
+    autotune.register(autotune.Tunable(
+        op=OP, group="attention", backend="triton", make_key=problem_key, default=fwd_default,
+        candidates=lambda key: [dict(c) for c in tc.fwd_configs(key["d"], key["dtype"])],
+        run=_run_fwd("triton"), examples=device_examples(False),
+    ))
+    autotune.register(autotune.Tunable(
+        op=OP_BWD, group="attention", backend="triton", make_key=_bwd_key, default=bwd_default,
+        candidates=lambda key: [dict(c) for c in tc.bwd_configs(key["d"], key["dtype"])],
+        run=_run_bwd("triton"), examples=device_examples(True),
+    ))
+
+
+try:
+    _register_triton()
+except ImportError:  # _triton_configs not there yet
+    pass

@@ -1,0 +1,337 @@
+"""flash_attention on CPU against a float64 math oracle: forward, LSE, gradients (q, k, v, and through
+the LSE), bottom-right causal for S_q != S_k, GQA/MQA, every dtype, odd/empty shapes, adversarial data,
+errors, torch.library/torch.compile. Triton kernels: tests/test_attention_triton.py."""
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import pykernels
+from pykernels import flash_attention
+from pykernels.attention import _cpu, _forward_impl, _backward_impl
+
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
+
+
+# ---------------------------------------------------------------------------------------------
+# The oracle: plain softmax attention in float64, bottom-right causal mask, rows with no visible key
+# give out 0 / lse -inf. Differentiable (autograd gives the reference gradients).
+# ---------------------------------------------------------------------------------------------
+def reference(q, k, v, causal=False, scale=None):
+    q, k, v = q.double(), k.double(), v.double()
+    D = q.shape[-1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    g = q.shape[1] // max(1, k.shape[1])
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = q @ k.transpose(-1, -2) * scale
+    Sq, Sk = s.shape[-2:]
+    if causal:
+        mask = torch.arange(Sk)[None, :] > torch.arange(Sq)[:, None] + (Sk - Sq)
+        s = s.masked_fill(mask, -math.inf)
+    lse = torch.logsumexp(s, -1) if Sk > 0 else s.new_full(s.shape[:-1], -math.inf)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(s - safe.unsqueeze(-1))
+    return p @ v, lse
+
+
+def make(B, H, Hkv, Sq, Sk, D, dtype, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, H, Sq, D, generator=g, dtype=torch.float64) * scale).to(dtype)
+    k = (torch.randn(B, Hkv, Sk, D, generator=g, dtype=torch.float64) * scale).to(dtype)
+    v = torch.randn(B, Hkv, Sk, D, generator=g, dtype=torch.float64).to(dtype)
+    return q, k, v
+
+
+def assert_close(got, want, dtype, what):
+    got, want = got.double(), want.double()
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    fin = torch.isfinite(want)
+    assert torch.equal(torch.isfinite(got), fin), f"{what}: finite pattern differs"
+    assert torch.equal(got[~fin], want[~fin]), f"{what}: non-finite values differ"
+    if fin.any():
+        err = (got[fin] - want[fin]).abs().max().item()
+        ref = max(1.0, want[fin].abs().max().item())
+        assert err <= TOL[dtype] * ref, f"{what}: max abs err {err:.3g} (scale {ref:.3g}) > {TOL[dtype]}"
+
+
+def check_forward_and_grads(q, k, v, causal, scale=None, config=None, backend="cpu", check_grads=True):
+    dtype = q.dtype
+    ro, rl = reference(q, k, v, causal, scale)
+    if config is None:
+        out, lse = flash_attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend=backend)
+    else:
+        sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        out, lse = _forward_impl(q, k, v, causal, sc, backend, config)
+    assert out.dtype == dtype and out.shape == ro.shape
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert_close(out, ro, dtype, "out")
+    assert_close(lse, rl, torch.float32 if dtype != torch.float64 else dtype, "lse")
+    if not check_grads:
+        return
+    g = torch.Generator().manual_seed(1)
+    dout = torch.randn(ro.shape, generator=g, dtype=torch.float64).to(dtype)
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    o_ref, _ = reference(qr, kr, vr, causal, scale)
+    rdq, rdk, rdv = torch.autograd.grad(o_ref, (qr, kr, vr), dout.double(), allow_unused=True)
+    if config is None:
+        qa, ka, va = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        o = flash_attention(qa, ka, va, causal=causal, scale=scale, backend=backend)
+        dq, dk, dv = torch.autograd.grad(o, (qa, ka, va), dout)
+    else:
+        sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        dq, dk, dv = _backward_impl(dout, None, q, k, v, out, lse, causal, sc, backend, config)
+    gtol = {torch.float64: torch.float64, torch.float32: torch.float32}.get(dtype, dtype)
+    for name, got, want in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
+        want = torch.zeros_like(got, dtype=torch.float64) if want is None else want
+        assert got.dtype == dtype, name
+        assert_close(got, want, gtol, name)
+
+
+# (B, H, Hkv, S_q, S_k, D): S_q != S_k both ways, S = 1, GQA/MQA, D not a power of two, not a
+# multiple of 8, and larger than aten's vector width.
+SHAPES = [
+    (2, 4, 2, 5, 9, 24),
+    (1, 3, 3, 9, 5, 40),
+    (2, 2, 1, 1, 1, 8),
+    (1, 2, 2, 1, 7, 32),
+    (1, 2, 2, 7, 1, 32),
+    (1, 4, 1, 17, 17, 96),
+    (1, 1, 1, 33, 70, 7),
+    (1, 2, 1, 70, 33, 130),
+    (3, 1, 1, 64, 64, 64),
+]
+IMPLS = [None, {"impl": "flash"}, {"impl": "blocked", "chunk_elems": 64}, {"impl": "blocked"}]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("impl", IMPLS, ids=["public", "flash", "blocked-small", "blocked"])
+def test_matches_float64_oracle_fp32(shape, causal, impl):
+    q, k, v = make(*shape, torch.float32, seed=sum(shape))
+    check_forward_and_grads(q, k, v, causal, config=impl)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("shape", [(2, 4, 2, 5, 9, 24), (1, 2, 1, 70, 33, 130), (1, 4, 4, 16, 16, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("impl", [None, {"impl": "blocked", "chunk_elems": 64}], ids=["public", "blocked"])
+def test_matches_float64_oracle_other_dtypes(dtype, shape, causal, impl):
+    q, k, v = make(*shape, dtype, seed=3)
+    check_forward_and_grads(q, k, v, causal, config=impl)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_explicit_scale(causal):
+    q, k, v = make(1, 2, 1, 6, 11, 16, torch.float32)
+    check_forward_and_grads(q, k, v, causal, scale=0.77)
+    check_forward_and_grads(q, k, v, causal, scale=-0.2)
+
+
+def test_causal_is_bottom_right_aligned():
+    """S_q < S_k: the last query sees every key; S_q > S_k: the first S_q - S_k queries see none."""
+    q, k, v = make(1, 1, 1, 3, 8, 16, torch.float32)
+    out, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    full = flash_attention(q, k, v, causal=False)
+    torch.testing.assert_close(out[:, :, -1], full[:, :, -1])
+    # row 0 sees keys 0..5: same as full attention over the first 6 keys
+    torch.testing.assert_close(out[:, :, 0], flash_attention(q[:, :, :1], k[:, :, :6], v[:, :, :6])[:, :, 0])
+    q2, k2, v2 = make(1, 1, 1, 8, 3, 16, torch.float32)
+    out2, lse2 = flash_attention(q2, k2, v2, causal=True, return_lse=True)
+    assert torch.equal(out2[:, :, :5], torch.zeros_like(out2[:, :, :5]))
+    assert torch.isneginf(lse2[:, :, :5]).all() and torch.isfinite(lse2[:, :, 5:]).all()
+    # the last S_k queries form an ordinary square causal block
+    torch.testing.assert_close(out2[:, :, 5:], torch.nn.functional.scaled_dot_product_attention(
+        q2[:, :, 5:], k2, v2, is_causal=True))
+
+
+def test_rows_without_keys_have_zero_output_and_gradient():
+    q, k, v = (t.requires_grad_() for t in make(2, 2, 1, 9, 4, 16, torch.float32))
+    out, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    assert torch.isneginf(lse[:, :, :5]).all()
+    (out.sum() + lse[:, :, 5:].sum()).backward()
+    assert torch.equal(q.grad[:, :, :5], torch.zeros_like(q.grad[:, :, :5]))
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 2, 4, 4, 16), (2, 0, 0, 4, 4, 16), (1, 2, 2, 0, 5, 16),
+                                   (1, 2, 1, 3, 0, 16), (1, 2, 2, 0, 0, 8)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_empty_shapes(shape, causal):
+    q, k, v = make(*shape, torch.float32)
+    out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    check_forward_and_grads(q, k, v, causal)
+
+
+def test_lse_gradient_flows_through_both_outputs():
+    """A loss that uses lse (as ring attention's merge does) gets exact gradients."""
+    q, k, v = make(1, 4, 2, 6, 10, 16, torch.float64)
+    for causal in (False, True):
+        def f(q_, k_, v_):
+            o, l = flash_attention(q_, k_, v_, causal=causal, return_lse=True)
+            return o, l
+        small = [t[:, :, :3, :4].clone().requires_grad_() for t in (q, k, v)]
+        assert torch.autograd.gradcheck(f, small, fast_mode=True)
+
+        # and the float32 path against the oracle
+        q32, k32, v32 = (t.float().requires_grad_() for t in (q, k, v))
+        o, l = flash_attention(q32, k32, v32, causal=causal, return_lse=True)
+        w = torch.linspace(-1, 1, l.numel()).view_as(l)
+        (o.sum() + (w * l).sum()).backward()
+        qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        ro, rl = reference(qr, kr, vr, causal)
+        (ro.sum() + (w.double() * rl).sum()).backward()
+        for got, want in ((q32.grad, qr.grad), (k32.grad, kr.grad), (v32.grad, vr.grad)):
+            assert_close(got, want, torch.float32, "grad")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(1, 2, 1, 3, 5, 8), (1, 2, 2, 5, 3, 8), (2, 3, 1, 4, 4, 5)])
+def test_gradcheck_float64(shape, causal):
+    q, k, v = (t.requires_grad_() for t in make(*shape, torch.float64))
+    assert torch.autograd.gradcheck(lambda a, b, c: flash_attention(a, b, c, causal=causal), (q, k, v),
+                                    fast_mode=True)
+
+
+def test_adversarial_values():
+    # all-equal inputs: uniform attention, the mean of v
+    q = torch.ones(1, 2, 5, 16)
+    k = torch.ones(1, 2, 9, 16)
+    v = torch.arange(9.0).view(1, 1, 9, 1).expand(1, 2, 9, 16).contiguous()
+    out, lse = flash_attention(q, k, v, return_lse=True)
+    torch.testing.assert_close(out, torch.full_like(out, 4.0))
+    torch.testing.assert_close(lse, torch.full_like(lse, 16 / 4 + math.log(9)))
+    # huge logits (1e4 range) stay finite and match the oracle (online softmax subtracts the max)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        qh, kh, vh = make(1, 2, 2, 12, 20, 16, dtype, seed=5, scale=15.0)
+        check_forward_and_grads(qh, kh, vh, True, check_grads=dtype == torch.float32)
+    # sorted and reversed keys, duplicates, -0.0
+    qs, ks, vs = make(1, 1, 1, 8, 8, 16, torch.float32)
+    ks = torch.sort(ks, dim=2).values
+    vs[..., ::2, :] = -0.0
+    check_forward_and_grads(qs, ks.flip(2).contiguous(), vs, True)
+    # dtype extremes: fp16 values near the top of the range do not overflow the fp32 accumulators
+    q16 = torch.full((1, 1, 4, 8), 200.0, dtype=torch.float16)
+    v16 = torch.full((1, 1, 6, 8), 60000.0, dtype=torch.float16)
+    out16 = flash_attention(q16, q16[:, :, :1].expand(1, 1, 6, 8), v16)
+    assert torch.equal(out16, v16[:, :, :4])
+
+
+def test_nan_stays_in_its_row():
+    q, k, v = make(1, 1, 1, 6, 6, 8, torch.float32)
+    q[0, 0, 2, 3] = float("nan")
+    out, lse = flash_attention(q, k, v, return_lse=True)
+    assert torch.isnan(out[0, 0, 2]).all() and torch.isnan(lse[0, 0, 2])
+    rows = [0, 1, 3, 4, 5]
+    assert torch.isfinite(out[0, 0, rows]).all()
+
+
+def test_inputs_unmodified_non_contiguous_and_numpy():
+    base = torch.randn(2, 7, 4, 24)          # [B, S, H, D] -> transposed views
+    q = base.transpose(1, 2)
+    k = torch.randn(2, 11, 2, 24).transpose(1, 2)
+    v = torch.randn(2, 24, 11, 2).permute(0, 3, 2, 1)
+    assert not q.is_contiguous() and not v.is_contiguous()
+    snap = [t.clone() for t in (q, k, v)]
+    check_forward_and_grads(q, k, v, True)
+    for t, s in zip((q, k, v), snap):
+        assert torch.equal(t, s)
+    out = flash_attention(q.numpy(), k.contiguous().numpy(), v.contiguous().numpy(), causal=True)
+    torch.testing.assert_close(out, flash_attention(q, k, v, causal=True))
+    assert isinstance(out, torch.Tensor) and isinstance(np.asarray(out), np.ndarray)
+
+
+def test_errors_name_the_op_and_argument():
+    q, k, v = make(1, 4, 2, 3, 5, 8, torch.float32)
+    with pytest.raises(TypeError, match="pykernels.flash_attention: expected 'q' of dtype"):
+        flash_attention(q.int(), k, v)
+    with pytest.raises(TypeError, match="one dtype"):
+        flash_attention(q, k.double(), v)
+    with pytest.raises(ValueError, match="'k' with 4 dimensions"):
+        flash_attention(q, k[0], v)
+    with pytest.raises(ValueError, match="multiple of the key/value heads"):
+        flash_attention(q, torch.randn(1, 3, 5, 8), torch.randn(1, 3, 5, 8))
+    with pytest.raises(ValueError, match="same head dim"):
+        flash_attention(q, k, torch.randn(1, 2, 5, 16))
+    with pytest.raises(ValueError, match="same \\[B, Hkv, S_k\\]"):
+        flash_attention(q, k, torch.randn(1, 2, 6, 8))
+    with pytest.raises(ValueError, match="batch size"):
+        flash_attention(q, torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8))
+    with pytest.raises(ValueError, match="expected backend"):
+        flash_attention(q, k, v, backend="gpu")
+    with pytest.raises(ValueError, match="scale"):
+        flash_attention(q, k, v, scale=float("nan"))
+    with pytest.raises(RuntimeError, match="pykernels.flash_attention: backend 'cuda'"):
+        flash_attention(q, k, v, backend="cuda")
+    with pytest.raises(RuntimeError, match="one device"):
+        flash_attention(q, k.to("meta"), v)
+    with pytest.raises(TypeError, match="'q'"):
+        flash_attention([1, 2], k, v)
+
+
+def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from pykernels import _backend
+
+    _backend._triton_status.cache_clear()
+    q, k, v = make(1, 1, 1, 3, 3, 16, torch.float32)
+    with pytest.raises(RuntimeError, match="pykernels.flash_attention: backend 'triton'"):
+        flash_attention(q, k, v, backend="triton")
+    _backend._triton_status.cache_clear()
+
+
+def test_registered_with_torch_library_opcheck():
+    q, k, v = make(1, 4, 2, 5, 7, 16, torch.float32)
+    q.requires_grad_()
+    op = torch.ops.pykernels.flash_attention
+    torch.library.opcheck(op, (q, k, v, True, 0.25, "cpu"))
+    torch.library.opcheck(op, (q.detach(), k, v, False, 0.25, "auto"))
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    torch._dynamo.reset()
+
+    def f(q, k, v):
+        o, lse = pykernels.flash_attention(q, k, v, causal=True, return_lse=True)
+        return (o * 2).sum() + lse.sum()
+
+    cf = torch.compile(f, fullgraph=True, backend="aot_eager")
+    q, k, v = make(1, 4, 2, 6, 9, 16, torch.float32)
+    args = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_args = [t.clone().requires_grad_() for t in (q, k, v)]
+    y = cf(*args)
+    y.backward()
+    y_ref = f(*ref_args)
+    y_ref.backward()
+    torch.testing.assert_close(y, y_ref)
+    for a, b in zip(args, ref_args):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(B=st.integers(1, 2), Hkv=st.integers(1, 3), g=st.integers(1, 3), Sq=st.integers(1, 40),
+       Sk=st.integers(1, 40), D=st.integers(1, 48), causal=st.booleans(),
+       impl=st.sampled_from(["flash", "blocked"]), seed=st.integers(0, 1000))
+def test_hypothesis_shapes(B, Hkv, g, Sq, Sk, D, causal, impl, seed):
+    q, k, v = make(B, Hkv * g, Hkv, Sq, Sk, D, torch.float32, seed=seed)
+    check_forward_and_grads(q, k, v, causal, config={"impl": impl, "chunk_elems": 256})
+
+
+def test_autotune_cpu_picks_a_candidate(tmp_cache):
+    import pykernels.autotune as at
+
+    q, k, v = make(1, 2, 2, 64, 64, 32, torch.float32)
+    cfg = at.tune("flash_attention", q, k, v, causal=True, budget_s=0.05)
+    assert cfg["impl"] in ("flash", "blocked")
+    assert at.cache_file().exists()
+    tunables = [t for t in at.registered("attention") if t.backend == "cpu"]
+    assert {t.op for t in tunables} == {"flash_attention", "flash_attention_backward"}
+    # the backward tunable runs on its own examples
+    bwd = next(t for t in tunables if t.op == "flash_attention_backward")
+    (args, kwargs), = [e for e in bwd.examples([32]) if e[1]["causal"]][:1]
+    cfg_b = at.tune("flash_attention_backward", *args, budget_s=0.05, **kwargs)
+    assert cfg_b["impl"] in ("flash", "blocked")
