@@ -87,7 +87,7 @@ def check_across_ranks(op: str, grp: Group, local_error: Optional[BaseException]
         return
     dev = device if dist.get_backend(grp.pg) == "nccl" else torch.device("cpu")
     everyone = torch.empty(grp.world * mine.numel(), dtype=torch.int64, device=dev)
-    dist.all_gather_into_tensor(everyone, mine.to(dev), group=grp.pg)
+    all_gather_flat(everyone, mine.to(dev), grp.pg)
     table = everyone.view(grp.world, -1).cpu()
     if local_error is not None:
         raise local_error
@@ -100,6 +100,13 @@ def check_across_ranks(op: str, grp: Group, local_error: Optional[BaseException]
         per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{n}={int(table[r, names.index(n) + 1])}"
                                                          for n in differ) for r in range(grp.world))
         raise ValueError(f"{op}: expected the same shard shape and arguments on every rank, got {per_rank}")
+
+
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, pg) -> None:
+    """out[i*n:(i+1)*n] = rank i's inp (all_gather_single where this torch has it: the older name
+    all_gather_into_tensor warns that it is deprecated)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=pg)
 
 
 def dtype_code(dtype: torch.dtype) -> int:

@@ -439,7 +439,7 @@ def _gather_full(local: torch.Tensor, layout: str, grp: comm.Group, dim: int) ->
         return local.clone()
     src = local.contiguous()
     buf = torch.empty((w,) + tuple(src.shape), dtype=src.dtype, device=src.device)
-    dist.all_gather_into_tensor(buf.view(-1), src.view(-1), group=grp.pg)
+    comm.all_gather_flat(buf.view(-1), src.view(-1), grp.pg)
     per = len(_shard_chunks(layout, w, 0))
     c = src.shape[dim] // per
     return torch.cat([buf[rank].narrow(dim, pos * c, c) for rank, pos in _chunk_owner(layout, w)], dim=dim)
