@@ -1,8 +1,514 @@
-"""Ring and TokenRing attention (issue #6). Not implemented yet."""
+"""Sequence-parallel attention over a process group: Ring attention and TokenRing attention (issue #6),
+and the helpers that cut a sequence into per-rank shards and put it back together.
+
+Layouts (the sequence dim is cut into equal chunks):
+  - "contiguous": W chunks, rank r holds chunk r.
+  - "zigzag": 2W chunks, rank r holds chunks r and 2W-1-r, concatenated in that order. With a causal
+    mask every (Q rank, K/V rank) pair then costs the same half block (ring-flash-attention's zigzag):
+        K/V rank == Q rank: the local causal block (the two local chunks are in order),
+        K/V rank <  Q rank: all local queries x the first half of the K/V shard,
+        K/V rank >  Q rank: the second half of the queries x all of the K/V shard.
+
+Ring (Liu et al., "Ring Attention with Blockwise Transformers"): K/V travel one hop per step while the
+local queries are computed against the visiting block; the next block is already in flight
+(batch_isend_irecv) during the compute. Backward (ring style): dQ accumulates locally, dK/dV (fp32)
+travel with their K/V and take one extra hop home; every block uses the global out/lse saved by the
+forward, so P = exp(S - lse) is exact per block.
+
+TokenRing (Wang et al., 2024): K/V stay; Q moves one hop per step and each block's partial
+(out, lse) goes straight back to the Q's owner, on a second process group, so the two directions are
+in flight at the same time. See `token_ring_attention` for the schedule and our backward.
+
+Partials are merged in fp32 (fp64 for fp64 inputs) with the stable form
+  out = out_a - sigmoid(lse_b - lse_a)(out_a - out_b),  lse = lse_a - logsigmoid(lse_a - lse_b).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import _attention_block as blk
+from . import _attention_comm as comm
+
+_LAYOUTS = ("zigzag", "contiguous")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# Message tags (one range each, see _attention_comm.post).
+_TAG_K, _TAG_V, _TAG_DK, _TAG_DV = 1, 2, 3, 4
+_TAG_Q = 10          # + index of the tensor in the travelling bundle
+_TAG_P = 20          # + index of the tensor in the returning partial
 
 
-def _todo(*args, **kwargs):
-    raise NotImplementedError("collectives.ring_attention: not implemented yet (issue #6)")
+# ----------------------------------------------------------------------------------------- schedule
+def _blocks(q_rank: int, kv_rank: int, s: int, causal: bool, layout: str):
+    """The (query rows, key rows, causal?) blocks that the local shard of `q_rank` must compute against
+    the shard of `kv_rank` (rows are positions in the local shards, each of length s)."""
+    full = slice(0, s)
+    if not causal:
+        return [(full, full, False)]
+    if q_rank == kv_rank:
+        return [(full, full, True)]
+    if layout == "contiguous":
+        return [(full, full, False)] if kv_rank < q_rank else []
+    half = s // 2
+    if kv_rank < q_rank:
+        return [(full, slice(0, half), False)]
+    return [(slice(half, s), full, False)]
 
 
-ring_attention = token_ring_attention = shard_sequence = unshard_sequence = _todo
+def _rows_needed(q_rank: int, kv_rank: int, s: int, causal: bool, layout: str) -> slice:
+    """Query rows of q_rank's shard that kv_rank's shard touches: a suffix (all, second half, none)."""
+    b = _blocks(q_rank, kv_rank, s, causal, layout)
+    if not b:
+        return slice(s, s)
+    return slice(min(x[0].start for x in b), s)
+
+
+def _shift(rows: slice, base: slice) -> slice:
+    # rows, a sub-suffix of base, as a slice into a tensor that holds only base's rows
+    return slice(rows.start - base.start, rows.stop - base.start)
+
+
+# ------------------------------------------------------------------------------------------ checks
+def _validate(op: str, q, k, v, causal, scale, layout, grp: comm.Group) -> float:
+    """Local checks, then one small all-gather so that bad input on any rank (or shards of different
+    shapes) raises on every rank instead of leaving the others waiting in the ring."""
+    err = None
+    fields = {}
+    try:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{op}: expected '{name}' to be a torch.Tensor, got {type(t).__name__}")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dtype not in _DTYPES:
+                raise TypeError(f"{op}: expected '{name}' of dtype float16, bfloat16, float32 or float64, "
+                                f"got {str(t.dtype).replace('torch.', '')}")
+        if not (q.dtype == k.dtype == v.dtype):
+            raise TypeError(f"{op}: expected q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.dim() != 4:
+                raise ValueError(f"{op}: expected '{name}' of shape [B, H, S_local, D], got {tuple(t.shape)}")
+        if not (q.device == k.device == v.device):
+            raise RuntimeError(f"{op}: expected q, k, v on one device, got {q.device}, {k.device}, {v.device}")
+        if k.shape != v.shape:
+            raise ValueError(f"{op}: expected 'k' and 'v' of one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        b, h, s, d = q.shape
+        if k.shape[0] != b or k.shape[2] != s or k.shape[3] != d:
+            raise ValueError(f"{op}: expected 'k'/'v' of shape [{b}, Hkv, {s}, {d}] to match 'q' "
+                             f"{tuple(q.shape)}, got {tuple(k.shape)}")
+        if k.shape[1] == 0 or h % k.shape[1] != 0:
+            raise ValueError(f"{op}: expected the number of q heads ({h}) to be a multiple of the number of "
+                             f"k/v heads ({k.shape[1]})")
+        if layout not in _LAYOUTS:
+            raise ValueError(f"{op}: expected 'layout' in {_LAYOUTS}, got {layout!r}")
+        if layout == "zigzag" and s % 2 != 0:
+            raise ValueError(f"{op}: layout 'zigzag' needs an even local length (two chunks per rank), "
+                             f"got S_local={s}; the full length must be a multiple of 2*world_size")
+        if scale is not None and not float(scale) > 0:
+            raise ValueError(f"{op}: expected 'scale' > 0 or None, got {scale}")
+        fields = dict(B=b, H=h, Hkv=k.shape[1], S_local=s, D=d, dtype=comm.dtype_code(q.dtype),
+                      causal=int(bool(causal)), layout=_LAYOUTS.index(layout),
+                      scale=comm.float_bits(blk.default_scale(d, scale)))
+    except (TypeError, ValueError, RuntimeError) as exc:
+        err = exc
+    dev = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+    names = ("B", "H", "Hkv", "S_local", "D", "dtype", "causal", "layout", "scale")
+    comm.check_across_ranks(op, grp, err, {n: fields.get(n, 0) for n in names}, dev)
+    return blk.default_scale(q.shape[-1], scale)
+
+
+# ------------------------------------------------------------------------------------------- ring
+def _ring_forward(q, k, v, scale, causal, layout, grp: comm.Group):
+    w, r, s = grp.world, grp.rank, q.shape[2]
+    acc = blk.acc_dtype(q.dtype)
+    k_cur, v_cur = k.contiguous(), v.contiguous()
+    out_acc = lse_acc = None
+    for step in range(w):
+        works = None
+        if step + 1 < w:  # the next block is in flight while this one is computed
+            k_next, v_next = torch.empty_like(k_cur), torch.empty_like(v_cur)
+            works = comm.post(grp, [(k_cur, r + 1, _TAG_K), (v_cur, r + 1, _TAG_V)],
+                              [(k_next, r - 1, _TAG_K), (v_next, r - 1, _TAG_V)])
+        src = (r - step) % w
+        for rows, krows, diag in _blocks(r, src, s, causal, layout):
+            o, l = blk.block_forward(q[:, :, rows], k_cur[:, :, krows], v_cur[:, :, krows], scale, diag)
+            if out_acc is None:  # step 0 (own K/V) always covers every query row
+                out_acc, lse_acc = o.to(acc), l
+            else:
+                blk.merge_into(out_acc, lse_acc, o, l, rows)
+        if works is not None:
+            comm.wait(works)
+            k_cur, v_cur = k_next, v_next
+    return out_acc.to(q.dtype), lse_acc
+
+
+def _ring_backward(do, q, k, v, out, lse, scale, causal, layout, grp: comm.Group):
+    w, r, s = grp.world, grp.rank, q.shape[2]
+    acc = blk.acc_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    k_cur, v_cur = k.contiguous(), v.contiguous()
+    d_works = None
+    dk_in = dv_in = None
+    for step in range(w):
+        kv_works = None
+        if step + 1 < w:
+            k_next, v_next = torch.empty_like(k_cur), torch.empty_like(v_cur)
+            kv_works = comm.post(grp, [(k_cur, r + 1, _TAG_K), (v_cur, r + 1, _TAG_V)],
+                                 [(k_next, r - 1, _TAG_K), (v_next, r - 1, _TAG_V)])
+        src = (r - step) % w
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        for rows, krows, diag in _blocks(r, src, s, causal, layout):
+            gq, gk, gv = blk.block_backward(do[:, :, rows], q[:, :, rows], k_cur[:, :, krows],
+                                            v_cur[:, :, krows], out[:, :, rows], lse[:, :, rows], scale, diag)
+            dq[:, :, rows] += gq
+            dk[:, :, krows] += gk
+            dv[:, :, krows] += gv
+        if d_works is not None:  # what the earlier holders of this K/V block accumulated
+            comm.wait(d_works)
+            dk += dk_in
+            dv += dv_in
+        if w > 1:
+            # dK/dV travel with their block (one step behind it); after the last step one more hop
+            # brings every rank its own block's total.
+            dk_in, dv_in = torch.empty_like(dk), torch.empty_like(dv)
+            d_works = comm.post(grp, [(dk, r + 1, _TAG_DK), (dv, r + 1, _TAG_DV)],
+                                [(dk_in, r - 1, _TAG_DK), (dv_in, r - 1, _TAG_DV)])
+        if kv_works is not None:
+            comm.wait(kv_works)
+            k_cur, v_cur = k_next, v_next
+    if w > 1:
+        comm.wait(d_works)
+        dk, dv = dk_in, dv_in
+    return dq, dk, dv
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, layout, grp):
+        with torch.no_grad():
+            out, lse = _ring_forward(q, k, v, scale, causal, layout, grp)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (scale, causal, layout, grp)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        with torch.no_grad():
+            dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, *ctx.args)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                   scale: Optional[float] = None, group=None, layout: str = "zigzag",
+                   return_lse: bool = False):
+    """Ring attention over the ranks of `group` (default: the default group; without an initialized
+    torch.distributed, a world of one).
+
+    q [B, H, S_local, D], k/v [B, Hkv, S_local, D] (H % Hkv == 0, GQA/MQA): this rank's shard of the
+    sequence, laid out as `layout` says ("zigzag" or "contiguous", see the module doc). Returns this
+    rank's shard of softmax(q k^T * scale [+ causal mask over global positions]) v, in q's dtype, and
+    with return_lse=True also the LSE [B, H, S_local] (fp32; fp64 for fp64 inputs; natural log; not
+    differentiable). Differentiable in q, k, v; every rank must run backward (it communicates).
+
+    Per step each rank computes its queries against the visiting K/V block while the next block is in
+    flight; backward circulates dK/dV with their K/V (fp32) and uses the global out/lse. Inputs that
+    are bad on any rank raise on every rank. Works over gloo (CPU tensors) and NCCL (CUDA tensors)."""
+    op = "collectives.ring_attention"
+    grp = comm.Group(op, group)
+    scale = _validate(op, q, k, v, causal, scale, layout, grp)
+    out, lse = _RingAttention.apply(q, k, v, scale, bool(causal), layout, grp)
+    return (out, lse) if return_lse else out
+
+
+# ------------------------------------------------------------------------------------- token ring
+def _token_ring_run(bundle: List[torch.Tensor], compute, partial_spec, on_own_partial, s: int,
+                    causal: bool, layout: str, grp: comm.Group, pg_back):
+    """The TokenRing schedule, shared by forward and backward.
+
+    `bundle`: this rank's query-side tensors (seq dim 2) that travel; Q moves one hop per step towards
+    the *lower* rank (r -> r-1), so at step t rank r holds the bundle of rank j = r+t. With the zigzag
+    causal layout the holders after the wrap (W-1, W-2, ... > j) need only the second half of j's
+    queries, and so do all later holders: the bundle shrinks to that half once and is never sent whole
+    again (only the needed half of Q is sent).
+    `compute(j, held, held_rows)` -> list of partial tensors for rows `_rows_needed(j, r)` of j (or
+    None when j's queries do not touch our K/V). The partial goes straight back to j on `pg_back`
+    (a distance-t send), while our own partial computed by rank r-t comes in from the other side;
+    `on_own_partial(rows, tensors)` folds each one in. Q (on grp.pg) and partials (on pg_back) are in
+    flight in opposite directions at the same time, both overlapping the next block's compute."""
+    w, r = grp.world, grp.rank
+    held = bundle
+    held_rows = slice(0, s)
+    back_works, back_in = None, None
+    for t in range(w):
+        j = (r + t) % w
+        q_works = None
+        if t + 1 < w:
+            j_next = (r + 1 + t) % w  # what rank r+1 holds now and hands to us
+            send_rows = _rows_needed(j, r - 1 if r > 0 else w - 1, s, causal, layout)
+            recv_rows = _rows_needed(j_next, r, s, causal, layout)
+            sends = [(x[:, :, _shift(send_rows, held_rows)].contiguous(), r - 1, _TAG_Q + i)
+                     for i, x in enumerate(held)]
+            nxt = [torch.empty(x.shape[:2] + (recv_rows.stop - recv_rows.start,) + x.shape[3:],
+                               dtype=x.dtype, device=x.device) for x in bundle]
+            q_works = comm.post(grp, sends, [(x, r + 1, _TAG_Q + i) for i, x in enumerate(nxt)])
+        parts = compute(j, held, held_rows)
+        if back_works is not None:  # our partial from the previous step's holder
+            comm.wait(back_works)
+            on_own_partial(*back_in)
+            back_works = back_in = None
+        if t == 0:
+            if parts is not None:
+                on_own_partial(slice(0, s), parts)
+        else:
+            src = (r - t) % w  # holds our queries at step t
+            own_rows = _rows_needed(r, src, s, causal, layout)
+            sends = [(p.contiguous(), j, _TAG_P + i) for i, p in enumerate(parts or [])]
+            inc = [torch.empty(shape, dtype=dt, device=bundle[0].device)
+                   for shape, dt in partial_spec(own_rows.stop - own_rows.start)]
+            back_works = comm.post(grp, sends, [(x, src, _TAG_P + i) for i, x in enumerate(inc)],
+                                   pg=pg_back)
+            if own_rows.stop > own_rows.start:
+                back_in = (own_rows, inc)
+            else:
+                back_in = (own_rows, None)
+        if q_works is not None:
+            comm.wait(q_works)
+            held, held_rows = nxt, recv_rows
+    if back_works is not None:  # the last return
+        comm.wait(back_works)
+        on_own_partial(*back_in)
+
+
+def _token_forward(q, k, v, scale, causal, layout, grp, pg_back):
+    r, s = grp.rank, q.shape[2]
+    acc = blk.acc_dtype(q.dtype)
+    b, h, _, d = q.shape
+    state = {"out": None, "lse": None}
+
+    def compute(j, held, held_rows):
+        (qj,) = held
+        blocks = _blocks(j, r, s, causal, layout)
+        if not blocks:
+            return None
+        (rows, krows, diag), = blocks  # one block per pair in every layout
+        o, l = blk.block_forward(qj[:, :, _shift(rows, held_rows)], k[:, :, krows], v[:, :, krows],
+                                 scale, diag)
+        return [o, l]
+
+    def spec(n):
+        return [((b, h, n, d), q.dtype), ((b, h, n), acc)]
+
+    def on_own(rows, parts):
+        if parts is None:
+            return
+        o, l = parts
+        if state["out"] is None:  # step 0: own K/V covers every row
+            state["out"], state["lse"] = o.to(acc), l.to(acc)
+        else:
+            blk.merge_into(state["out"], state["lse"], o, l.to(acc), rows)
+
+    _token_ring_run([q.contiguous()], compute, spec, on_own, s, causal, layout, grp, pg_back)
+    return state["out"].to(q.dtype), state["lse"]
+
+
+def _token_backward(do, q, k, v, out, lse, scale, causal, layout, grp, pg_back):
+    r, s = grp.rank, q.shape[2]
+    acc = blk.acc_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+
+    def compute(j, held, held_rows):
+        qj, doj, outj, lsej = held
+        blocks = _blocks(j, r, s, causal, layout)
+        if not blocks:
+            return None
+        (rows, krows, diag), = blocks
+        sl = _shift(rows, held_rows)
+        gq, gk, gv = blk.block_backward(doj[:, :, sl], qj[:, :, sl], k[:, :, krows], v[:, :, krows],
+                                        outj[:, :, sl], lsej[:, :, sl], scale, diag)
+        dk[:, :, krows] += gk  # K/V never move: their gradients accumulate here, no traffic
+        dv[:, :, krows] += gv
+        return [gq]
+
+    def spec(n):
+        return [((q.shape[0], q.shape[1], n, q.shape[3]), acc)]
+
+    def on_own(rows, parts):
+        if parts is not None:
+            dq[:, :, rows] += parts[0]
+
+    bundle = [q.contiguous(), do.contiguous(), out.contiguous(), lse.contiguous()]
+    _token_ring_run(bundle, compute, spec, on_own, s, causal, layout, grp, pg_back)
+    return dq, dk, dv
+
+
+class _TokenRingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, layout, grp, pg_back):
+        with torch.no_grad():
+            out, lse = _token_forward(q, k, v, scale, causal, layout, grp, pg_back)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (scale, causal, layout, grp, pg_back)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        with torch.no_grad():
+            dq, dk, dv = _token_backward(dout, q, k, v, out, lse, *ctx.args)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def token_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                         scale: Optional[float] = None, group=None, layout: str = "zigzag",
+                         return_lse: bool = False):
+    """TokenRing attention: same contract as `ring_attention` (shards, layouts, GQA, return_lse,
+    differentiable), different schedule.
+
+    Forward (TokenRing, Wang et al. 2024): K/V never move. At step t rank r holds the queries of rank
+    j = r+t (Q moves one hop per step, r -> r-1, on `group`), computes them against its own K/V and
+    sends that partial (out in the input dtype, lse in fp32) straight back to j on a second process
+    group, while receiving its own partial from rank r-t; both directions are in flight together and
+    overlap the next block's compute. Causal + zigzag: each pair costs half a block, and once a Q has
+    passed rank 0 only its second half is still needed, so only that half travels on (and only that
+    half's partials return). Per step and direction that is about half of Ring's bytes for MHA
+    (Q vs K+V); with GQA ratio > 2, Ring sends fewer bytes.
+
+    Backward (ours; TokenRing's paper has none): the same schedule, BurstAttention-style. The bundle
+    (q, dO, the global out and lse of those queries; halved like Q in the zigzag causal case) travels
+    r -> r-1; each holder computes the block's gradients with the global out/lse, keeps dK/dV of its
+    own K/V locally (fp32, no traffic at all for dK/dV), and sends the block's dQ partial (fp32)
+    straight back to the queries' owner on the second group, which sums its partials in fp32.
+
+    `group` may also be a pair (group_q, group_back) of process groups over the same ranks; by default
+    the second group is created once per group (every rank of the group must make its first call
+    together)."""
+    op = "collectives.token_ring_attention"
+    pg_back = None
+    if isinstance(group, (tuple, list)):
+        if len(group) != 2:
+            raise ValueError(f"{op}: expected 'group' to be a process group or a pair of them, got {group!r}")
+        group, pg_back = group
+    grp = comm.Group(op, group)
+    scale = _validate(op, q, k, v, causal, scale, layout, grp)
+    if grp.world > 1 and pg_back is None:
+        pg_back = comm.second_group(grp)
+    out, lse = _TokenRingAttention.apply(q, k, v, scale, bool(causal), layout, grp, pg_back)
+    return (out, lse) if return_lse else out
+
+
+# ------------------------------------------------------------------------------------ shard/unshard
+def _chunk_owner(layout: str, w: int):
+    """For each chunk index of the full sequence: (rank, position in that rank's shard)."""
+    if layout == "contiguous":
+        return [(i, 0) for i in range(w)]
+    return [(i, 0) if i < w else (2 * w - 1 - i, 1) for i in range(2 * w)]
+
+
+def _shard_chunks(layout: str, w: int, r: int):
+    return [r] if layout == "contiguous" else [r, 2 * w - 1 - r]
+
+
+def _check_layout(op, layout, x, dim):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: expected 'x' to be a torch.Tensor, got {type(x).__name__}")
+    if layout not in _LAYOUTS:
+        raise ValueError(f"{op}: expected 'layout' in {_LAYOUTS}, got {layout!r}")
+    if x.dim() == 0 or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"{op}: expected 'dim' in [-{x.dim()}, {x.dim()}), got {dim} for shape {tuple(x.shape)}")
+    return dim % x.dim()
+
+
+def _local_of(full: torch.Tensor, layout: str, w: int, r: int, dim: int) -> torch.Tensor:
+    n = w if layout == "contiguous" else 2 * w
+    c = full.shape[dim] // n
+    return torch.cat([full.narrow(dim, i * c, c) for i in _shard_chunks(layout, w, r)], dim=dim)
+
+
+def _gather_full(local: torch.Tensor, layout: str, grp: comm.Group, dim: int) -> torch.Tensor:
+    """All-gather of the shards, put back in sequence order."""
+    w = grp.world
+    if w == 1:
+        return local.clone()
+    src = local.contiguous()
+    buf = torch.empty((w,) + tuple(src.shape), dtype=src.dtype, device=src.device)
+    comm.all_gather_flat(buf.view(-1), src.view(-1), grp.pg)
+    per = len(_shard_chunks(layout, w, 0))
+    c = src.shape[dim] // per
+    return torch.cat([buf[rank].narrow(dim, pos * c, c) for rank, pos in _chunk_owner(layout, w)], dim=dim)
+
+
+class _Shard(torch.autograd.Function):
+    # Forward: this rank's chunks of a tensor every rank holds whole. Backward: the full tensor is
+    # treated as one tensor replicated on every rank, so its gradient gathers every rank's shard
+    # gradient (then unshard(shard(x)) is the identity, gradients included).
+    @staticmethod
+    def forward(ctx, x, layout, grp, dim):
+        ctx.args = (layout, grp, dim)
+        return _local_of(x, layout, grp.world, grp.rank, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        layout, grp, dim = ctx.args
+        return _gather_full(g, layout, grp, dim), None, None, None
+
+
+class _Unshard(torch.autograd.Function):
+    # Forward: all-gather. Backward: the slice of the (replicated) full gradient that this rank holds.
+    @staticmethod
+    def forward(ctx, local, layout, grp, dim):
+        ctx.args = (layout, grp, dim)
+        return _gather_full(local, layout, grp, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        layout, grp, dim = ctx.args
+        return _local_of(g, layout, grp.world, grp.rank, dim), None, None, None
+
+
+def shard_sequence(x: torch.Tensor, group=None, layout: str = "zigzag", dim: int = 2) -> torch.Tensor:
+    """This rank's shard of `x` (the whole tensor, the same on every rank) along `dim`, laid out as
+    `layout` says. No communication in forward; differentiable (backward all-gathers the shard
+    gradients, so x's gradient is complete on every rank). Raises ValueError when the length along
+    `dim` is not a multiple of world_size ("contiguous") or 2*world_size ("zigzag")."""
+    op = "collectives.shard_sequence"
+    dim = _check_layout(op, layout, x, dim)
+    grp = comm.Group(op, group)
+    n = grp.world if layout == "contiguous" else 2 * grp.world
+    if x.shape[dim] % n:
+        raise ValueError(f"{op}: expected the length along dim {dim} ({x.shape[dim]}) to be a multiple of "
+                         f"{n} ({'' if layout == 'contiguous' else '2*'}world_size, layout {layout!r}); "
+                         f"pad the sequence (and mask the padding) or pick another length")
+    return _Shard.apply(x, layout, grp, dim)
+
+
+def unshard_sequence(local: torch.Tensor, group=None, layout: str = "zigzag", dim: int = 2) -> torch.Tensor:
+    """The full tensor from every rank's shard (all-gather, then the chunks in sequence order); the
+    inverse of `shard_sequence`. Differentiable (backward takes this rank's slice of the gradient of
+    the full tensor, which is treated as replicated). Shards of different shapes on different ranks
+    raise ValueError on every rank."""
+    op = "collectives.unshard_sequence"
+    err = None
+    try:
+        dim = _check_layout(op, layout, local, dim)
+        if layout == "zigzag" and local.shape[dim] % 2:
+            raise ValueError(f"{op}: layout 'zigzag' needs an even local length along dim {dim} (two "
+                             f"chunks per rank), got {local.shape[dim]}")
+    except (TypeError, ValueError) as exc:
+        err = exc
+    grp = comm.Group(op, group)
+    fields = {"ndim": local.dim() if err is None else 0, "dtype": comm.dtype_code(local.dtype) if err is None else 0}
+    for i in range(8):
+        fields[f"size{i}"] = local.shape[i] if err is None and i < local.dim() else -1
+    fields["dim"] = dim if err is None else -1
+    fields["layout"] = _LAYOUTS.index(layout) if err is None else -1
+    dev = local.device if isinstance(local, torch.Tensor) else torch.device("cpu")
+    comm.check_across_ranks(op, grp, err, fields, dev)
+    return _Unshard.apply(local, layout, grp, dim)

@@ -1,0 +1,219 @@
+"""Ring and TokenRing attention (issue #6): W ranks (gloo on CPU, NCCL on GPUs) against the same total
+work in one process (torch SDPA on the full sequence), plus the bytes each rank sends per step in each
+direction.
+
+On CPU the W ranks share this machine's cores: the single process gets min(W, cores) threads and each
+rank one, so the ratio shows the schedule's overhead (communication, merging, per-block kernels) rather
+than a multi-node speed-up. Direction A is the main group (Ring: K/V and dK/dV to rank r+1; TokenRing:
+Q to rank r-1), direction B TokenRing's second group (partials back to their owners).
+"""
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import queue
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+
+GROUP = "ring_attention"
+
+
+def _configs(quick: bool, device: str):
+    """(world sizes, list of case dicts)."""
+    if device == "cuda":
+        n = torch.cuda.device_count()
+        worlds = [w for w in (1, 2, 4, 8) if w <= n]
+        seqs = [4096] if quick else [4096, 16384]
+        cases = [dict(b=1, h=16, hkv=hkv, s=s, d=128, dtype="bfloat16", causal=True, bwd=True)
+                 for s in seqs for hkv in (16, 4)]
+        return worlds, cases
+    worlds = [2] if quick else [2, 3, 4]
+    s = 384 if quick else 1024
+    cases = [dict(b=1, h=8, hkv=8, s=s, d=64, dtype="float32", causal=True, bwd=True),   # MHA
+             dict(b=1, h=8, hkv=2, s=s, d=64, dtype="float32", causal=True, bwd=False)]  # GQA 4:1
+    return worlds, cases
+
+
+def _count_bytes(fn, grp_main):
+    """Bytes this rank sends during fn(), per process group (A: the main group, B: any other)."""
+    from collectives import _attention_comm as comm
+
+    counts = {"A": 0, "B": 0}
+    real = comm.post
+
+    def counting(grp, sends, recvs, pg=None):
+        key = "A" if pg is None or pg is grp_main else "B"
+        counts[key] += sum(t.numel() * t.element_size() for t, _, _ in sends)
+        return real(grp, sends, recvs, pg)
+
+    comm.post = counting
+    try:
+        fn()
+    finally:
+        comm.post = real
+    return counts
+
+
+def _measure(rank, world, dev, case, budget_s):
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from collectives import ring_attention, shard_sequence, token_ring_attention
+
+    dtype = getattr(torch, case["dtype"])
+    b, h, hkv, s, d, causal = case["b"], case["h"], case["hkv"], case["s"], case["d"], case["causal"]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(b, hh, s, d, generator=gen).to(dtype=dtype, device=dev)
+                   for hh in (h, hkv, hkv, h))
+    shard = lambda t: shard_sequence(t, layout="zigzag").contiguous()  # noqa: E731
+    ql, kl, vl, dol = (shard(t) for t in (q, k, v, do))
+    cores = len(os.sched_getaffinity(0))
+    base_threads = min(world, cores)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+
+    def ours_fn(fn, bwd):
+        if not bwd:
+            return lambda: fn(ql, kl, vl, causal=causal)
+        qg, kg, vg = (t.detach().requires_grad_() for t in (ql, kl, vl))
+        return lambda: fn(qg, kg, vg, causal=causal).backward(dol)
+
+    def base_fn(bwd):
+        if not bwd:
+            return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hkv != h)
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        return lambda: F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal,
+                                                      enable_gqa=hkv != h).backward(do)
+
+    def timed(fn, only_rank0):
+        gc.collect()
+        sync()
+        t0 = time.perf_counter()
+        if not only_rank0 or rank == 0:
+            if only_rank0 and dev.type == "cpu":
+                torch.set_num_threads(base_threads)
+            fn()
+            if only_rank0 and dev.type == "cpu":
+                torch.set_num_threads(1)
+        sync()
+        return time.perf_counter() - t0
+
+    rows = []
+    modes = [False, True] if case["bwd"] else [False]
+    for name, fn in (("ring", ring_attention), ("token_ring", token_ring_attention)):
+        from collectives import _attention_comm as comm
+
+        grp_main = comm.Group("bench", None).pg
+        for bwd in modes:
+            ours, base = ours_fn(fn, bwd), base_fn(bwd)
+            sent = _count_bytes(ours, grp_main)  # also the warm-up
+            t_o = timed(ours, False)
+            t_b = timed(base, True)
+            reps = torch.tensor([max(3, min(15, int(budget_s / max(t_o + t_b, 1e-6))))])
+            dist.broadcast(reps, 0)
+            to_, tb_ = [], []
+            for _ in range(int(reps)):
+                to_.append(timed(ours, False))
+                tb_.append(timed(base, True))
+            # bytes per step and direction: the busiest rank's count over the W-1 transfer steps
+            counts = torch.tensor([sent["A"], sent["B"]], dtype=torch.float64)
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+            steps = max(1, world - 1)
+            per_a, per_b = (counts / steps).tolist()
+            if rank == 0:
+                t_ours, t_base = statistics.median(to_), statistics.median(tb_)
+                flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0) * (3.5 if bwd else 1.0)
+                kind = "MHA" if hkv == h else f"GQA {h}:{hkv}"
+                rows.append({
+                    "group": GROUP, "op": f"{name}_{'fwd_bwd' if bwd else 'fwd'}",
+                    "label": (f"W={world} {kind} S={s} {case['dtype']}{' causal' if causal else ''} "
+                              f"sent/step A {per_a / 2**20:.2f} B {per_b / 2**20:.2f} MiB"),
+                    "size": float(s), "baseline": f"SDPA 1 process ({base_threads} thr)" if dev.type == "cpu"
+                    else "SDPA 1 GPU",
+                    "ours_s": t_ours, "baseline_s": t_base, "speedup": t_base / t_ours,
+                    "ours_rate": flops / t_ours, "baseline_rate": flops / t_base, "unit": "FLOP",
+                    "goal": None, "repeats": len(to_), "device": dev.type, "threads": 1, "world": world,
+                    "bytes_per_step_A": per_a, "bytes_per_step_B": per_b,
+                    "notes": "bytes/step: A = main group (Ring K/V, dK/dV; TokenRing Q side), "
+                             "B = TokenRing partials", "gqa": f"{h}:{hkv}",
+                })
+    return rows
+
+
+def _worker(rank, world, init_file, backend, device, cases, budget_s, outq):
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(1)
+        if device == "cuda":
+            torch.cuda.set_device(rank)
+            dev = torch.device("cuda", rank)
+        else:
+            dev = torch.device("cpu")
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=300))
+        rows = []
+        for case in cases:
+            rows += _measure(rank, world, dev, case, budget_s)
+        dist.barrier()
+        dist.destroy_process_group()
+        outq.put((rank, rows, None))
+    except Exception as exc:  # noqa: BLE001 - reported as an error row
+        import traceback
+
+        outq.put((rank, [], f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def rows(quick: bool, machine: dict, device: str = "cpu"):
+    worlds, cases = _configs(quick, device)
+    backend = "nccl" if device == "cuda" else "gloo"
+    budget = 1.0 if quick else 2.0
+    out = []
+    ctx = mp.get_context("spawn")
+    for world in worlds:
+        fd, init_file = tempfile.mkstemp(prefix="pk_ring_bench_")
+        os.close(fd)
+        os.unlink(init_file)
+        outq = ctx.Queue()
+        procs = [ctx.Process(target=_worker, args=(r, world, init_file, backend, device, cases, budget, outq),
+                             daemon=True) for r in range(world)]
+        for p in procs:
+            p.start()
+        got, errs = [], []
+        try:
+            for _ in range(world):
+                rank, rws, err = outq.get(timeout=900)
+                got += rws
+                if err:
+                    errs.append(f"rank {rank}: {err}")
+        except queue.Empty:
+            errs.append("timed out waiting for the ranks")
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+        out += got
+        if errs:
+            out.append({"group": GROUP, "op": f"W={world}", "label": "", "error": errs[0][:2000]})
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    for r in rows("--quick" in sys.argv, {}, "cuda" if "--gpu" in sys.argv else "cpu"):
+        if "error" in r:
+            print(r)
+        else:
+            print(f"{r['op']:18s} {r['label']:60s} ours {r['ours_s'] * 1e3:8.1f} ms  base "
+                  f"{r['baseline_s'] * 1e3:8.1f} ms  {r['speedup']:.2f}x")

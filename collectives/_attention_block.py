@@ -1,0 +1,198 @@
+"""Per-block attention for the sequence-parallel schedules (ring / TokenRing).
+
+One call computes the attention of a block of queries against a block of keys/values and returns the
+*partial* result (out, lse) of those queries, to be merged with the other blocks' partials; the
+backward takes the *global* out and lse of the queries (saved by the forward after all merges), which is
+what makes a blockwise backward exact (FlashAttention-2 backward: P = exp(S - lse), D = rowsum(dO * O),
+dS = P * (dP - D)).
+
+Backends, picked per call by `_fwd_impl` / `_bwd_impl` (the one place to switch):
+  - CPU: torch's fused flash kernels `aten._scaled_dot_product_flash_attention_for_cpu` (returns the
+    LSE) and its `_backward` (accepts the global out and LSE). They silently accept fewer K/V heads, so
+    GQA heads are expanded here explicitly; their causal mask is top-left aligned, so `causal` is only
+    used for square diagonal blocks (where top-left == bottom-right).
+  - GPU: `pykernels.flash_attention(..., return_lse=True)` for the forward once it is implemented,
+    else the exact fp32 math below (query-chunked so memory stays bounded); the backward uses the math.
+The math path is also the oracle-grade fallback for anything the fused kernels do not take.
+
+Accumulators: the merge of partials and the LSE are kept in fp32 (fp64 for fp64 inputs), whatever the
+input dtype (the anchors' users report bf16 error growing with world size otherwise).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of LSEs, merged outputs and gradient accumulators for inputs of `dtype`."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _expand_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    # [B, Hkv, S, D] -> [B, Hkv*groups, S, D]; query head h uses kv head h // groups (GQA convention).
+    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+
+
+def _reduce_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    # Gradient of _expand_kv: sum over the query heads that shared one kv head.
+    if groups == 1:
+        return t
+    b, h, s, d = t.shape
+    return t.view(b, h // groups, groups, s, d).sum(dim=2)
+
+
+_CPU_FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_gpu_flash_state = {"ok": None}  # None: not tried yet; False: pykernels.flash_attention unavailable
+
+
+def _math_forward(q, k, v, scale, causal, chunk: int = 1024):
+    """Exact attention in fp32 (fp64 for fp64), queries in chunks of `chunk` rows."""
+    acc = acc_dtype(q.dtype)
+    qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
+    sq, sk = q.shape[2], k.shape[2]
+    outs, lses = [], []
+    for i0 in range(0, sq, chunk):
+        i1 = min(sq, i0 + chunk)
+        s = torch.matmul(qa[:, :, i0:i1], ka.transpose(-1, -2)) * scale
+        if causal:
+            # bottom-right alignment (flash-attn convention); blocks here are square anyway
+            rows = torch.arange(i0, i1, device=q.device).unsqueeze(1) + (sk - sq)
+            s = s.masked_fill(torch.arange(sk, device=q.device).unsqueeze(0) > rows, float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse.unsqueeze(-1))
+        outs.append(torch.matmul(p, va))
+        lses.append(lse)
+    return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
+
+
+def _math_backward(do, q, k, v, out, lse, scale, causal, chunk: int = 1024):
+    acc = acc_dtype(q.dtype)
+    qa, ka, va, doa = q.to(acc), k.to(acc), v.to(acc), do.to(acc)
+    delta = (doa * out.to(acc)).sum(-1)  # D = rowsum(dO * O), O the *global* output
+    sq, sk = q.shape[2], k.shape[2]
+    dq = torch.empty_like(qa)
+    dk = torch.zeros_like(ka)
+    dv = torch.zeros_like(va)
+    for i0 in range(0, sq, chunk):
+        i1 = min(sq, i0 + chunk)
+        s = torch.matmul(qa[:, :, i0:i1], ka.transpose(-1, -2)) * scale
+        if causal:
+            rows = torch.arange(i0, i1, device=q.device).unsqueeze(1) + (sk - sq)
+            s = s.masked_fill(torch.arange(sk, device=q.device).unsqueeze(0) > rows, float("-inf"))
+        p = torch.exp(s - lse[:, :, i0:i1].to(acc).unsqueeze(-1))  # P of the global softmax
+        dov = doa[:, :, i0:i1]
+        dv += torch.matmul(p.transpose(-1, -2), dov)
+        dp = torch.matmul(dov, va.transpose(-1, -2))
+        ds = p * (dp - delta[:, :, i0:i1].unsqueeze(-1))
+        dq[:, :, i0:i1] = torch.matmul(ds, ka) * scale
+        dk += torch.matmul(ds.transpose(-1, -2), qa[:, :, i0:i1]) * scale
+    return dq, dk, dv
+
+
+def _gpu_flash_forward(q, k, v, scale, causal):
+    """pykernels.flash_attention on GPU if it is implemented there, else None (math fallback)."""
+    if _gpu_flash_state["ok"] is False:
+        return None
+    try:
+        from pykernels import flash_attention
+
+        with torch.no_grad():
+            out, lse = flash_attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+        _gpu_flash_state["ok"] = True
+        return out, lse
+    except (NotImplementedError, ImportError, RuntimeError, TypeError):
+        _gpu_flash_state["ok"] = False
+        return None
+
+
+def _fwd_impl(q, k, v, scale, causal):
+    if q.device.type == "cpu" and q.dtype in _CPU_FUSED_DTYPES:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=None, scale=scale)
+    if q.device.type == "cuda":
+        res = _gpu_flash_forward(q, k, v, scale, causal)
+        if res is not None:
+            return res
+    return _math_forward(q, k, v, scale, causal)
+
+
+def _bwd_impl(do, q, k, v, out, lse, scale, causal):
+    if q.device.type == "cpu" and q.dtype in _CPU_FUSED_DTYPES:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, out, lse, 0.0, causal, attn_mask=None, scale=scale)
+    return _math_backward(do, q, k, v, out, lse, scale, causal)
+
+
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  causal: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Partial attention of q [B,H,Sq,D] against k, v [B,Hkv,Sk,D].
+
+    Returns (out [B,H,Sq,D] in q's dtype, lse [B,H,Sq] in acc_dtype). `causal` is only meaningful for
+    a diagonal block (Sq == Sk, same positions)."""
+    b, h, sq, d = q.shape
+    if causal and sq != k.shape[2]:
+        raise AssertionError("block_forward: causal blocks must be square")
+    acc = acc_dtype(q.dtype)
+    if sq == 0 or k.shape[2] == 0:  # the fused CPU kernel crashes (SIGFPE) on empty sequences
+        return (torch.zeros(b, h, sq, v.shape[-1], dtype=q.dtype, device=q.device),
+                torch.full((b, h, sq), float("-inf"), dtype=acc, device=q.device))
+    groups = h // k.shape[1]
+    q, k, v = q.contiguous(), _expand_kv(k, groups).contiguous(), _expand_kv(v, groups).contiguous()
+    out, lse = _fwd_impl(q, k, v, scale, causal)
+    return out, lse.to(acc)
+
+
+def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool):
+    """Gradients of this block's share of attention, given the *global* out and lse of q's rows.
+
+    Returns (dq [B,H,Sq,D], dk, dv [B,Hkv,Sk,D]) in acc_dtype (the caller accumulates them there)."""
+    acc = acc_dtype(q.dtype)
+    hkv = k.shape[1]
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        return (torch.zeros(q.shape, dtype=acc, device=q.device),
+                torch.zeros(k.shape, dtype=acc, device=q.device),
+                torch.zeros(v.shape, dtype=acc, device=q.device))
+    groups = q.shape[1] // hkv
+    ke, ve = _expand_kv(k, groups).contiguous(), _expand_kv(v, groups).contiguous()
+    # The fused kernels want out/lse in their own dtypes (out: q's dtype, lse: fp32, fp64 for fp64).
+    fused_lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32).contiguous()
+    dq, dk, dv = _bwd_impl(do.contiguous(), q.contiguous(), ke, ve, out.to(q.dtype).contiguous(),
+                           fused_lse, scale, causal)
+    return dq.to(acc), _reduce_kv(dk.to(acc), groups), _reduce_kv(dv.to(acc), groups)
+
+
+def merge(out_a: Optional[torch.Tensor], lse_a: Optional[torch.Tensor], out_b: torch.Tensor,
+          lse_b: torch.Tensor):
+    """Merge two partials of the same queries, in acc dtype, the numerically stable way:
+    out = out_a - sigmoid(lse_b - lse_a) * (out_a - out_b); lse = lse_a - logsigmoid(lse_a - lse_b).
+    (The naive log(exp(a) + exp(b)) overflows.) `out_a is None` means "nothing yet"."""
+    acc = lse_b.dtype
+    if out_a is None:
+        return out_b.to(acc), lse_b
+    ob = out_b.to(acc)
+    w = torch.sigmoid(lse_b - lse_a).unsqueeze(-1)
+    out = out_a - w * (out_a - ob)
+    lse = lse_a - F.logsigmoid(lse_a - lse_b)
+    # Rows that saw no key yet (lse_a = -inf) take b as is; -inf - (-inf) would be NaN.
+    empty_a = torch.isneginf(lse_a)
+    if bool(empty_a.any()):
+        out = torch.where(empty_a.unsqueeze(-1), ob, out)
+        lse = torch.where(empty_a, lse_b, lse)
+    return out, lse
+
+
+def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out_b: torch.Tensor,
+               lse_b: torch.Tensor, rows: slice):
+    """merge() of a partial that covers only `rows` of the sequence dim, in place on the accumulators."""
+    o, l = merge(out_acc[:, :, rows], lse_acc[:, :, rows], out_b, lse_b)
+    out_acc[:, :, rows] = o
+    lse_acc[:, :, rows] = l
+
+
+def default_scale(d: int, scale: Optional[float]) -> float:
+    return 1.0 / math.sqrt(d) if scale is None else float(scale)

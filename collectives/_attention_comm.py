@@ -1,0 +1,132 @@
+"""Process-group plumbing for the sequence-parallel attention ops: the group view, point-to-point
+batches cut into pieces, the cross-rank input check, and the second group TokenRing needs."""
+from __future__ import annotations
+
+import struct
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+# gloo: one large two-way exchange runs at about half speed, ~1 MiB pieces restore it (FIELD_NOTES).
+# NCCL pipelines large messages itself, so pieces are only cut for other backends.
+PIECE_BYTES = 1 << 20
+_TAG_STRIDE = 1 << 12  # piece tags of one logical message: tag * _TAG_STRIDE + piece
+
+
+class Group:
+    """Who we are in `group` (None: the default group; no initialized torch.distributed and
+    group=None: a world of one, so the ops also run in a plain single process)."""
+
+    def __init__(self, op: str, group=None):
+        if group is None and not (dist.is_available() and dist.is_initialized()):
+            self.pg, self.world, self.rank, self.glob = None, 1, 0, [0]
+            self.pieces = False
+            return
+        pg = dist.group.WORLD if group is None else group
+        rank = dist.get_rank(pg)
+        if rank < 0:
+            raise RuntimeError(f"{op}: this process is not a member of the given process group")
+        self.pg = pg
+        self.world = dist.get_world_size(pg)
+        self.rank = rank
+        self.glob = [dist.get_global_rank(pg, i) if pg is not dist.group.WORLD else i
+                     for i in range(self.world)]
+        self.pieces = dist.get_backend(pg) != "nccl"
+
+    def peer(self, r: int) -> int:
+        return self.glob[r % self.world]
+
+
+def _split(t: torch.Tensor, pieces: bool) -> List[torch.Tensor]:
+    flat = t.view(-1)
+    step = max(1, PIECE_BYTES // max(1, t.element_size()))
+    if not pieces or flat.numel() <= step:
+        return [flat]
+    return [flat[i:i + step] for i in range(0, flat.numel(), step)]
+
+
+def post(grp: Group, sends: Sequence[Tuple[torch.Tensor, int, int]],
+         recvs: Sequence[Tuple[torch.Tensor, int, int]], pg=None):
+    """Start point-to-point transfers: sends/recvs are (contiguous tensor, group rank, tag).
+    Returns the works; `wait(works)` finishes them. Each logical message keeps its own tag range, so
+    messages of different kinds in flight between the same pair can never be confused."""
+    pg = grp.pg if pg is None else pg
+    ops = []
+    for kind, items in ((dist.isend, sends), (dist.irecv, recvs)):
+        for t, r, tag in items:
+            if t.numel() == 0:
+                continue
+            assert t.is_contiguous()
+            for i, piece in enumerate(_split(t, grp.pieces)):
+                ops.append(dist.P2POp(kind, piece, grp.peer(r), pg, tag * _TAG_STRIDE + i))
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def wait(works) -> None:
+    for w in works or ():
+        w.wait()
+
+
+_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+
+
+def check_across_ranks(op: str, grp: Group, local_error: Optional[BaseException], fields: Dict[str, int],
+                       device: torch.device) -> None:
+    """Every rank learns whether any rank got bad input, and raises: a local problem (or shard shapes
+    that differ between ranks) becomes an error on *every* rank instead of a hang in the schedule.
+
+    `fields` are small ints that must agree on all ranks (shapes, dtype code, flags)."""
+    kinds = {None: 0, TypeError: 1, ValueError: 2}
+    code = 0 if local_error is None else kinds.get(type(local_error), 3)
+    names = list(fields)
+    mine = torch.tensor([code] + [int(fields[n]) for n in names], dtype=torch.int64)
+    if grp.world == 1:
+        if local_error is not None:
+            raise local_error
+        return
+    dev = device if dist.get_backend(grp.pg) == "nccl" else torch.device("cpu")
+    everyone = torch.empty(grp.world * mine.numel(), dtype=torch.int64, device=dev)
+    all_gather_flat(everyone, mine.to(dev), grp.pg)
+    table = everyone.view(grp.world, -1).cpu()
+    if local_error is not None:
+        raise local_error
+    bad = [r for r in range(grp.world) if int(table[r, 0]) != 0]
+    if bad:
+        exc = {1: TypeError, 2: ValueError}.get(int(table[bad[0], 0]), RuntimeError)
+        raise exc(f"{op}: rank(s) {bad} of the group got invalid input (see the error on that rank)")
+    differ = [n for i, n in enumerate(names) if bool((table[:, i + 1] != table[0, i + 1]).any())]
+    if differ:
+        per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{n}={int(table[r, names.index(n) + 1])}"
+                                                         for n in differ) for r in range(grp.world))
+        raise ValueError(f"{op}: expected the same shard shape and arguments on every rank, got {per_rank}")
+
+
+def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, pg) -> None:
+    """out[i*n:(i+1)*n] = rank i's inp (all_gather_single where this torch has it: the older name
+    all_gather_into_tensor warns that it is deprecated)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=pg)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPE_CODES.get(dtype, 0)
+
+
+def float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+# TokenRing sends Q and the returning partials on two process groups so both directions are in flight
+# at once (separate gloo contexts / NCCL communicators). The second group is made once per group.
+_SECOND: Dict[object, object] = {}
+
+
+def second_group(grp: Group):
+    key = grp.pg
+    if key not in _SECOND:
+        if grp.pg is dist.group.WORLD:
+            _SECOND[key] = dist.new_group(ranks=None)
+        else:
+            _SECOND[key] = dist.new_group(ranks=list(grp.glob), use_local_synchronization=True)
+    return _SECOND[key]
