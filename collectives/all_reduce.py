@@ -1,13 +1,707 @@
-"""Topology-aware hierarchical all-reduce (issue #7). Not implemented yet."""
+"""Topology-aware all-reduce over torch.distributed point-to-point messages (issue #7).
+
+    collectives.all_reduce(tensor, op="sum", group=None, *, topology=None, algorithm="auto", async_op=False)
+    collectives.Topology.detect(group=None) / collectives.Topology([2, 4, 8])
+    collectives.plan(numel, dtype, group=None, topology=None) -> str
+    model.register_comm_hook(state, collectives.ddp_comm_hook)
+    collectives.all_reduce.tune(group=None, topology=None)   # collective: measure alpha/beta, cache them
+
+Algorithms (collectives/_allreduce_algos.py): recursive doubling, recursive halving-doubling
+(Rabenseifner), ring, hierarchical (reduce-scatter per level inside the innermost groups, recurse
+outward, all-reduce the shard at the outermost level, all-gather back down), with the MPICH fold for
+non-powers of two, uneven splits and ~1 MiB pieces. "auto" picks by an alpha-beta-gamma cost model per
+level (Thakur et al. 2005; ../shared/ALGORITHMS.md), whose alpha/beta/gamma and a measured
+best-per-size table come from `tune()`; gloo's own dist.all_reduce ("native") is one of the candidates,
+so auto never picks something that measured slower than it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import queue
+import statistics
+import threading
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import _allreduce_algos as A
+from .topology import Topology, _default_group
+
+__all__ = ["all_reduce", "Topology", "plan", "ddp_comm_hook", "tune", "ALGORITHMS", "AllReduceWork"]
+
+OPNAME = "collectives.all_reduce"
+ALGORITHMS = ("auto", "recursive_doubling", "halving_doubling", "ring", "hierarchical", "native")
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8)
+_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT, "product": dist.ReduceOp.PRODUCT,
+        "mean": dist.ReduceOp.AVG}
+_REDUCE = {"sum": lambda d, s: d.add_(s), "avg": lambda d, s: d.add_(s), "prod": lambda d, s: d.mul_(s),
+           "max": lambda d, s: torch.maximum(d, s, out=d), "min": lambda d, s: torch.minimum(d, s, out=d)}
+_BASE_OP = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
+            "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def _todo(*args, **kwargs):
-    raise NotImplementedError("collectives.all_reduce: not implemented yet (issue #7)")
+# ================================================================================================
+# Argument checks
+# ================================================================================================
+def _parse_op(op) -> str:
+    if isinstance(op, str):
+        key = op.lower()
+        if key in _OPS:
+            return {"product": "prod", "mean": "avg"}.get(key, key)
+        raise ValueError(f"{OPNAME}: op must be one of 'sum', 'avg', 'max', 'min', 'prod' (or a dist.ReduceOp), "
+                         f"got {op!r}")
+    for name in ("sum", "avg", "max", "min", "prod"):
+        try:
+            if op == _OPS[name]:
+                return name
+        except TypeError:
+            break
+    raise ValueError(f"{OPNAME}: op must be one of 'sum', 'avg', 'max', 'min', 'prod' or the matching "
+                     f"dist.ReduceOp, got {op!r}")
 
 
-all_reduce = plan = ddp_comm_hook = _todo
+def _work_dtype(dtype: torch.dtype, op: str) -> torch.dtype:
+    # Half types are reduced in fp32 and rounded once at the end (ALGORITHMS.md); max/min are exact in
+    # any type. An integer average sums exactly in int64 and divides once (truncating, like NCCL).
+    if dtype in (torch.float16, torch.bfloat16) and op in ("sum", "avg", "prod"):
+        return torch.float32
+    if op == "avg" and not dtype.is_floating_point:
+        return torch.int64
+    return dtype
 
 
-class Topology:
-    def __init__(self, *args, **kwargs):
-        _todo()
+def _check_tensor(tensor) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        if hasattr(tensor, "__dlpack__"):
+            tensor = torch.from_dlpack(tensor)  # shares memory: the in-place result lands in the caller's array
+        else:
+            raise TypeError(f"{OPNAME}: tensor must be a torch.Tensor (or a DLPack array), got {type(tensor).__name__}")
+    if tensor.dtype not in _DTYPES:
+        raise TypeError(f"{OPNAME}: tensor dtype must be one of float32, float64, float16, bfloat16, int32, "
+                        f"int64, uint8, got {tensor.dtype}")
+    if tensor.is_sparse or tensor.layout != torch.strided:
+        raise ValueError(f"{OPNAME}: tensor must be dense (strided), got layout {tensor.layout}")
+    return tensor
+
+
+# ================================================================================================
+# The cost model: per level alpha (s per message round), beta (s per byte), gamma (s per reduced byte)
+# ================================================================================================
+_DEFAULTS = {
+    # gloo over TCP on one machine (2-core box, measured while idle); replaced by tune().
+    "gloo": {"alpha": 150e-6, "beta": 1 / 1.2e9, "gamma": 1 / 4e9, "native_alpha": 400e-6,
+             "native_beta": 1 / 0.6e9},
+    # NCCL: our Python-driven rounds cannot beat NCCL's fused kernels; default to native.
+    "nccl": {"alpha": 60e-6, "beta": 1 / 40e9, "gamma": 1 / 500e9, "native_alpha": 15e-6,
+             "native_beta": 1 / 100e9},
+}
+
+
+class Params:
+    """alpha/beta per topology level (innermost first), for the whole group (flat), for native,
+    gamma, and the measured best algorithm per message size (bytes) when tuned."""
+
+    def __init__(self, levels, flat, native, gamma, table=None, source="defaults"):
+        self.levels = [tuple(map(float, ab)) for ab in levels]
+        self.flat = tuple(map(float, flat))
+        self.native = tuple(map(float, native))
+        self.gamma = float(gamma)
+        self.table = [(int(b), dict(c)) for b, c in (table or [])]
+        self.source = source
+
+    def to_json(self) -> str:
+        return json.dumps({"levels": self.levels, "flat": self.flat, "native": self.native,
+                           "gamma": self.gamma, "table": self.table, "source": self.source})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Params":
+        d = json.loads(text)
+        return cls(d["levels"], d["flat"], d["native"], d["gamma"], d.get("table"), d.get("source", "cache"))
+
+    @classmethod
+    def defaults(cls, backend: str, nlevels: int) -> "Params":
+        d = _DEFAULTS.get(backend, _DEFAULTS["gloo"])
+        return cls([(d["alpha"], d["beta"])] * nlevels, (d["alpha"], d["beta"]),
+                   (d["native_alpha"], d["native_beta"]), d["gamma"], source=f"defaults for {backend}")
+
+
+def _lg(p):
+    return p.bit_length() - 1
+
+
+def _fold_cost(p, nbytes, a, b, g):
+    return 0.0 if p & (p - 1) == 0 else 2 * (a + nbytes * b) + nbytes * g
+
+
+def _flat_cost(name, p, nbytes, a, b, g, native=None):
+    """Seconds predicted for a flat all-reduce of nbytes over p members (ALGORITHMS.md)."""
+    if p <= 1:
+        return 0.0
+    q = 1 << _lg(p)
+    if name == "recursive_doubling":
+        return _fold_cost(p, nbytes, a, b, g) + _lg(q) * (a + nbytes * b + nbytes * g)
+    if name == "halving_doubling":
+        return (_fold_cost(p, nbytes, a, b, g) + 2 * _lg(q) * a + 2 * (q - 1) / q * nbytes * b
+                + (q - 1) / q * nbytes * g)
+    if name == "ring":
+        return 2 * (p - 1) * a + 2 * (p - 1) / p * nbytes * b + (p - 1) / p * nbytes * g
+    if name == "native":
+        na, nb = native
+        return na + nbytes * nb
+    raise KeyError(name)
+
+
+def _rs_cost(how, s, nbytes, a, b, g):
+    """Reduce-scatter plus the matching all-gather of nbytes over s members."""
+    if s <= 1:
+        return 0.0
+    frac = (s - 1) / s * nbytes
+    rounds = {"direct": 1, "ring": s - 1, "halving": _lg(s)}[how]
+    return 2 * rounds * a + 2 * frac * b + frac * g
+
+
+def _best_hier(params: Params, sizes, nbytes, native_outer: bool):
+    """The cheapest (inner choices, outer choice) for the hierarchical algorithm, and its cost."""
+    g = params.gamma
+    inner, cost, cur = [], 0.0, float(nbytes)
+    for lvl, s in enumerate(sizes[:-1]):
+        a, b = params.levels[lvl]
+        opts = ["direct", "ring"] + (["halving"] if s & (s - 1) == 0 else [])
+        how = min(opts, key=lambda h: _rs_cost(h, s, cur, a, b, g))
+        inner.append(how)
+        cost += _rs_cost(how, s, cur, a, b, g)
+        cur /= s
+    a, b = params.levels[len(sizes) - 1]
+    s = sizes[-1]
+    outs = ["recursive_doubling", "halving_doubling", "ring"] + (["native"] if native_outer else [])
+    # native on the outer sub-group: scale the measured native cost to this level's link
+    nat = (params.native[0], params.native[1])
+    costs = {o: _flat_cost(o, s, cur, a, b, g, nat) for o in outs}
+    outer = min(costs, key=costs.get)
+    return inner, outer, cost + costs[outer]
+
+
+def _candidates(params: Params, p: int, sizes, nbytes: int, native_outer: bool):
+    """{description: (choice dict, predicted seconds)} for every algorithm auto may run."""
+    g = params.gamma
+    a, b = params.flat
+    out = {}
+    for name in ("recursive_doubling", "halving_doubling", "ring"):
+        out[name] = ({"algorithm": name}, _flat_cost(name, p, nbytes, a, b, g))
+    out["native"] = ({"algorithm": "native"}, _flat_cost("native", p, nbytes, a, b, g, params.native))
+    if len(sizes) > 1:
+        inner, outer, cost = _best_hier(params, sizes, nbytes, native_outer)
+        out["hierarchical"] = ({"algorithm": "hierarchical", "inner": inner, "outer": outer}, cost)
+    return out
+
+
+def _choose(params: Params, p: int, sizes, nbytes: int, native_outer: bool):
+    """(choice, reason) for auto."""
+    if p == 1:
+        return {"algorithm": "none"}, "a group of one rank: nothing to exchange"
+    cands = _candidates(params, p, sizes, nbytes, native_outer)
+    if params.table:
+        # The measured best at the nearest tuned size (within a factor of 2) wins over the model.
+        lb = math.log2(max(nbytes, 1))
+        size, choice = min(params.table, key=lambda t: abs(math.log2(max(t[0], 1)) - lb))
+        if abs(math.log2(max(size, 1)) - lb) <= 1.0:
+            name = choice["algorithm"]
+            if name == "hierarchical" and len(sizes) > 1:
+                choice = cands["hierarchical"][0]
+            if name in cands:
+                return choice, f"measured fastest by tune() at {_fmt_bytes(size)} ({params.source})"
+    best = min(cands, key=lambda k: cands[k][1])
+    # Prefer gloo's own unless ours is predicted clearly (15%) faster: the model is only a model.
+    if best != "native" and cands[best][1] > 0.85 * cands["native"][1]:
+        return cands["native"][0], (f"model: {best} within 15% of native, so native (safe choice) "
+                                    f"({params.source})")
+    return cands[best][0], f"lowest predicted time in the alpha-beta-gamma model ({params.source})"
+
+
+def _fmt_bytes(n):
+    for unit, k in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << k:
+            return f"{n / (1 << k):.3g} {unit}"
+    return f"{int(n)} B"
+
+
+# ================================================================================================
+# Per-group state: topology, communicators, model parameters (agreed on by every rank)
+# ================================================================================================
+_STATE_LOCK = threading.RLock()
+_PARAMS: dict = {}
+
+
+def _backend_name(group) -> str:
+    try:
+        return dist.get_backend(group)
+    except Exception:  # noqa: BLE001
+        return "gloo"
+
+
+def _cache_key(group, topo: Topology, backend: str) -> dict:
+    return {"backend": backend, "world": dist.get_world_size(group), "topology": list(topo.sizes)}
+
+
+def _cache_device(backend):
+    return "cuda" if backend == "nccl" and torch.cuda.is_available() else "cpu"
+
+
+def _load_params(group, topo: Topology) -> Params:
+    """The model parameters for (group, topology): the autotune cache as rank 0 sees it, else defaults,
+    broadcast from rank 0 once so every rank decides identically (a collective on first use)."""
+    key = (group, topo)
+    with _STATE_LOCK:
+        if key in _PARAMS:
+            return _PARAMS[key]
+    backend = _backend_name(group)
+    text = None
+    if dist.get_rank(group) == 0:
+        params = Params.defaults(backend, topo.num_levels)
+        try:
+            import pykernels.autotune as at
+
+            entry = at.lookup("all_reduce", _cache_key(group, topo, backend), _cache_device(backend),
+                              backend="cuda" if backend == "nccl" else "cpu")
+            if entry is not None:
+                params = Params.from_json(json.dumps(entry["config"]["params"]))
+        except Exception:  # noqa: BLE001 - a broken cache must never break the collective
+            pass
+        text = params.to_json()
+    if dist.get_world_size(group) > 1:
+        obj = [text]
+        dist.broadcast_object_list(obj, group_src=0, group=group)
+        text = obj[0]
+    params = Params.from_json(text)
+    with _STATE_LOCK:
+        _PARAMS[key] = params
+    return params
+
+
+def _topology_for(group, topology) -> Topology:
+    if topology is None:
+        return Topology.detect(group).effective()
+    if not isinstance(topology, Topology):
+        if isinstance(topology, (list, tuple)):
+            topology = Topology(topology)
+        else:
+            raise TypeError(f"{OPNAME}: topology must be a collectives.Topology or a list of level sizes, "
+                            f"got {type(topology).__name__}")
+    p = dist.get_world_size(group)
+    if topology.world != p:
+        raise ValueError(f"{OPNAME}: topology {topology!r} has {topology.world} ranks but the group has {p} "
+                         f"(level sizes must multiply to the group size)")
+    return topology.effective()
+
+
+# ================================================================================================
+# Running one all-reduce
+# ================================================================================================
+def _execute(tensor: torch.Tensor, op: str, group, topo: Topology, algorithm: str):
+    p = dist.get_world_size(group)
+    wdt = _work_dtype(tensor.dtype, op)
+    n = tensor.numel()
+    inplace = tensor.is_contiguous() and wdt == tensor.dtype
+    if inplace:
+        x = tensor.view(-1)
+    else:
+        x = torch.empty(n, dtype=wdt, device=tensor.device)
+        x.copy_(tensor.reshape(-1))
+    if p > 1:
+        choice = _resolve(algorithm, group, topo, n * x.element_size())
+        _run_choice(choice, x, n, op, group, topo)
+    if op == "avg":
+        if x.dtype.is_floating_point:
+            x.div_(p)
+        else:
+            x = torch.div(x, p, rounding_mode="trunc")
+    if not inplace or x.data_ptr() != tensor.data_ptr():
+        tensor.copy_(x.view(tensor.shape))  # half types: the single rounding
+    return tensor
+
+
+def _resolve(algorithm: str, group, topo: Topology, nbytes: int) -> dict:
+    if algorithm in ("recursive_doubling", "halving_doubling", "ring", "native"):
+        return {"algorithm": algorithm}
+    params = _load_params(group, topo)
+    p = dist.get_world_size(group)
+    native_outer = p == dist.get_world_size() or topo.num_levels == 1
+    if algorithm == "hierarchical":
+        if topo.num_levels == 1:
+            # one level: hierarchical is the outermost all-reduce alone; pick it by the model
+            _, outer, _ = _best_hier(params, topo.sizes, nbytes, native_outer)
+            return {"algorithm": "hierarchical", "inner": [], "outer": outer}
+        inner, outer, _ = _best_hier(params, topo.sizes, nbytes, native_outer)
+        return {"algorithm": "hierarchical", "inner": inner, "outer": outer}
+    choice, _ = _choose(params, p, topo.sizes, nbytes, native_outer)
+    return choice
+
+
+def _run_choice(choice: dict, x: torch.Tensor, n: int, op: str, group, topo: Topology):
+    name = choice["algorithm"]
+    if name == "none":
+        return
+    if name == "native":
+        # gloo's/NCCL's own collective on the working buffer (fp32 for half types: rounded once)
+        dist.all_reduce(x, op=_BASE_OP[op], group=group)
+        return
+    sig = f"{n}|{x.dtype}|{op}|{json.dumps(choice, sort_keys=True)}|{topo.sizes}"
+    piece = max(1, A.PIECE_BYTES // x.element_size())
+    ctx = A.Ctx(_REDUCE[op], piece, A.Tagger(sig))
+    tmp = torch.empty_like(x)
+    if name == "hierarchical":
+        levels = topo.comms(group)
+        inner = list(choice.get("inner", []))
+        outer = choice.get("outer", "ring")
+        if outer == "native" and not levels[-1].native_ok:
+            outer = "ring"
+        if any(h == "halving" and c.size & (c.size - 1) for h, c in zip(inner, levels)):
+            inner = [("ring" if h == "halving" and c.size & (c.size - 1) else h) for h, c in zip(inner, levels)]
+        A.hierarchical(levels, x, tmp, n, ctx, inner, outer, native_op=_BASE_OP[op])
+        return
+    pg = group
+    comm = A.Comm(pg, range(dist.get_world_size(pg)), dist.get_rank(pg), native_ok=True)
+    A.FLAT[name](comm, x, tmp, 0, n, ctx)
+
+
+# ================================================================================================
+# Async: one worker thread per group keeps every rank's collectives in call order
+# ================================================================================================
+class AllReduceWork:
+    """Handle of an async all_reduce: .wait() (raises what the collective raised), .is_completed(),
+    .get_future() (a torch.futures.Future holding the tensor)."""
+
+    def __init__(self, fut: torch.futures.Future, tensor: torch.Tensor):
+        self._fut = fut
+        self._tensor = tensor
+
+    def wait(self, timeout=None) -> bool:
+        self._fut.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+    def result(self) -> torch.Tensor:
+        return self._fut.wait()
+
+
+class _Runner:
+    def __init__(self):
+        self.q: queue.Queue = queue.Queue()
+        self.pending = 0
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._loop, name="collectives.all_reduce", daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        while True:
+            fn, fut = self.q.get()
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                fut.set_exception(exc)
+            finally:
+                with self.lock:
+                    self.pending -= 1
+
+    def submit(self, fn) -> torch.futures.Future:
+        fut = torch.futures.Future()
+        with self.lock:
+            self.pending += 1
+        self.q.put((fn, fut))
+        return fut
+
+    def busy(self) -> bool:
+        with self.lock:
+            return self.pending > 0
+
+
+_RUNNERS: dict = {}
+
+
+def _runner(group) -> _Runner:
+    with _STATE_LOCK:
+        r = _RUNNERS.get(group)
+        if r is None:
+            r = _RUNNERS[group] = _Runner()
+        return r
+
+
+def all_reduce(tensor, op="sum", group=None, *, topology=None, algorithm="auto", async_op=False):
+    """Reduce `tensor` across the ranks of `group` in place (like dist.all_reduce).
+
+    op: "sum", "avg", "max", "min", "prod" or a dist.ReduceOp. algorithm: "auto",
+    "recursive_doubling", "halving_doubling", "ring", "hierarchical" (and "native": dist.all_reduce
+    itself). topology: a Topology or a list of level sizes (innermost first); default
+    Topology.detect(group). Returns the tensor, or an AllReduceWork with .wait() when async_op=True.
+    Every rank must call it with the same numel, dtype, op and algorithm; a rank that disagrees makes
+    every rank fail with the process group's timeout (never a hang, never a wrong result).
+    """
+    tensor = _check_tensor(tensor)
+    op = _parse_op(op)
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
+        raise ValueError(f"{OPNAME}: algorithm must be one of {', '.join(repr(a) for a in ALGORITHMS)}, "
+                         f"got {algorithm!r}")
+    if not isinstance(async_op, bool):
+        raise TypeError(f"{OPNAME}: async_op must be a bool, got {type(async_op).__name__}")
+    group = _default_group(group)
+    needs_topo = algorithm in ("auto", "hierarchical") or topology is not None
+    runner = _RUNNERS.get(group)
+
+    def job():
+        topo = _topology_for(group, topology) if needs_topo else Topology([dist.get_world_size(group)])
+        return _execute(tensor, op, group, topo, algorithm)
+
+    if async_op:
+        return AllReduceWork(_runner(group).submit(job), tensor)
+    if runner is not None and runner.busy():
+        # earlier async calls are still running: keep the order every rank issued them in
+        return runner.submit(job).wait()
+    return job()
+
+
+# ================================================================================================
+# plan(): what auto runs, and why
+# ================================================================================================
+def plan(numel, dtype=torch.float32, group=None, topology=None, op="sum") -> str:
+    """A human-readable account of what all_reduce(algorithm="auto") runs for `numel` elements of
+    `dtype` on this group, and the model's predictions for every candidate. Collective on first use
+    per group (topology detection and the broadcast of the tuned parameters), like all_reduce."""
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"collectives.plan: numel must be an int >= 0, got {numel!r}")
+    if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES:
+        raise TypeError(f"collectives.plan: dtype must be one of {', '.join(str(d) for d in _DTYPES)}, got {dtype!r}")
+    op = _parse_op(op)
+    group = _default_group(group)
+    p = dist.get_world_size(group)
+    topo = _topology_for(group, topology)
+    wdt = _work_dtype(dtype, op)
+    nbytes = numel * torch.empty((), dtype=wdt).element_size()
+    lines = [f"all_reduce of {numel} x {dtype} ({_fmt_bytes(nbytes)} on the wire as {wdt}), op={op}, "
+             f"{p} rank(s), backend {_backend_name(group)}, topology {topo!r}"
+             + (f" [{topo.note}]" if topo.note else "")]
+    if p == 1:
+        return "\n".join(lines + ["runs: nothing (a group of one rank)"])
+    params = _load_params(group, topo)
+    native_outer = p == dist.get_world_size() or topo.num_levels == 1
+    choice, why = _choose(params, p, topo.sizes, nbytes, native_outer)
+    lines.append(f"runs: {_describe(choice, topo)}")
+    lines.append(f"why: {why}")
+    lines.append("model (alpha s/round, beta s/byte, gamma s/byte): " + "; ".join(
+        f"level {i} (size {s}): alpha={a * 1e6:.1f}us, 1/beta={1 / b / 1e9:.2f} GB/s"
+        for i, (s, (a, b)) in enumerate(zip(topo.sizes, params.levels))) +
+        f"; flat: alpha={params.flat[0] * 1e6:.1f}us, 1/beta={1 / params.flat[1] / 1e9:.2f} GB/s; "
+        f"native: {params.native[0] * 1e6:.1f}us + n/{1 / params.native[1] / 1e9:.2f} GB/s; "
+        f"1/gamma={1 / params.gamma / 1e9:.2f} GB/s")
+    cands = _candidates(params, p, topo.sizes, nbytes, native_outer)
+    lines.append("predicted: " + ", ".join(f"{_describe(c, topo)} {t * 1e3:.3f} ms"
+                                           for _, (c, t) in sorted(cands.items(), key=lambda kv: kv[1][1])))
+    if params.table:
+        lines.append("tuned table: " + ", ".join(f"{_fmt_bytes(b)}->{c['algorithm']}" for b, c in params.table))
+    return "\n".join(lines)
+
+
+def _describe(choice: dict, topo: Topology) -> str:
+    name = choice["algorithm"]
+    if name == "hierarchical":
+        inner = ", ".join(f"level {i} (x{s}) {h} reduce-scatter/all-gather"
+                          for i, (s, h) in enumerate(zip(topo.sizes, choice.get("inner", []))))
+        return f"hierarchical[{inner}{'; ' if inner else ''}outer x{topo.sizes[-1]} {choice.get('outer')}]"
+    if name == "native":
+        return "native (dist.all_reduce)"
+    return name
+
+
+# ================================================================================================
+# tune(): measure alpha/beta per level, gamma, native, and the best algorithm per size (collective)
+# ================================================================================================
+def _sync_max(values, group) -> list:
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def _pingpong(comm: A.Comm, nbytes: int, reps: int) -> float:
+    """Median seconds of one two-way exchange of nbytes with the partner (member XOR 1), with every
+    pair of the level exchanging at the same time (so link sharing is part of the measurement)."""
+    peer = comm.me ^ 1
+    if comm.size == 1 or peer >= comm.size:
+        return 0.0
+    n = max(1, nbytes // 4)
+    x, y = torch.ones(n), torch.empty(n)
+    ctx = A.Ctx(_REDUCE["sum"], max(1, A.PIECE_BYTES // 4), A.Tagger(f"tune|{nbytes}"))
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        A._step(comm, ctx, ctx.tg.next(), [(peer, x, 0, n)], [(peer, y, 0, n)])
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool = False, store: bool = True) -> Params:
+    """Collective: every rank of `group` calls it. Measures alpha/beta of every topology level (all
+    pairs exchanging at once), gamma, gloo's own all-reduce, and for each size in `sizes` (bytes of
+    float32; default 4 KiB..64 MiB by 4x) the fastest of native and the model's two best algorithms.
+    The max over ranks is kept, so every rank gets the same Params; they go into the autotune cache
+    (pykernels.autotune, op "all_reduce") and are used by algorithm="auto" from then on."""
+    group = _default_group(group)
+    p = dist.get_world_size(group)
+    topo = _topology_for(group, topology)
+    backend = _backend_name(group)
+    sizes = [4 << 10 << (2 * k) for k in range(8)] if sizes is None else [int(s) for s in sizes]
+    dev = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
+    if p == 1:
+        return Params.defaults(backend, topo.num_levels)
+    levels = topo.comms(group)
+    small, big = 8, 4 << 20
+    meas = []
+    for comm in levels:
+        dist.barrier(group=group)
+        ts = _pingpong(comm, small, 20)
+        dist.barrier(group=group)
+        tb = _pingpong(comm, big, reps)
+        meas += [ts, tb]
+    # flat: the whole group in its own order (pairs may cross the slowest link)
+    flat_comm = A.Comm(group, range(p), dist.get_rank(group), native_ok=True)
+    dist.barrier(group=group)
+    ts = _pingpong(flat_comm, small, 20)
+    dist.barrier(group=group)
+    tb = _pingpong(flat_comm, big, reps)
+    meas += [ts, tb]
+    # gamma: a local reduction of 4 MiB of fp32
+    a, b = torch.ones(big // 4, device=dev), torch.ones(big // 4, device=dev)
+    gt = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a.add_(b)
+        gt.append(time.perf_counter() - t0)
+    meas.append(statistics.median(gt[1:]))
+    # native at two sizes
+    for nb in (4 << 10, big):
+        t = torch.ones(nb // 4, device=dev)
+        dist.all_reduce(t, group=group)
+        dist.barrier(group=group)
+        nt = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            dist.all_reduce(t, group=group)
+            nt.append(time.perf_counter() - t0)
+        meas.append(statistics.median(nt))
+    meas = _sync_max(meas, group)
+
+    def ab(ts, tb):
+        alpha = max(ts, 1e-7)
+        beta = max((tb - ts) / (big - small), 1e-13)
+        return alpha, beta
+
+    lv = [ab(meas[2 * i], meas[2 * i + 1]) for i in range(len(levels))]
+    fl = ab(meas[2 * len(levels)], meas[2 * len(levels) + 1])
+    flat = (max(fl[0], max(a for a, _ in lv)), max(fl[1], max(b for _, b in lv)))
+    gamma = max(meas[2 * len(levels) + 2] / big, 1e-13)
+    n_small, n_big = meas[-2], meas[-1]
+    nb_beta = max((n_big - n_small) / (big - (4 << 10)), 1e-13)
+    native = (max(n_small - (4 << 10) * nb_beta, 1e-7), nb_beta)
+    params = Params(lv, flat, native, gamma, source=f"tuned {time.strftime('%Y-%m-%d %H:%M')}")
+
+    # the measured table: native and the model's two best, head to head at each size
+    native_outer = p == dist.get_world_size() or topo.num_levels == 1
+    table = []
+    for nbytes in sizes:
+        cands = _candidates(params, p, topo.sizes, nbytes, native_outer)
+        ours = sorted((k for k in cands if k != "native"), key=lambda k: cands[k][1])[:2]
+        names = ["native"] + ours
+        x = torch.ones(max(1, nbytes // 4), device=dev)
+        times = {k: [] for k in names}
+        r = reps if nbytes < (16 << 20) else max(1, reps - 1)
+        for _ in range(r + 1):
+            for k in names:
+                dist.barrier(group=group)
+                t0 = time.perf_counter()
+                _run_choice(cands[k][0], x, x.numel(), "max", group, topo)
+                times[k].append(time.perf_counter() - t0)
+        med = _sync_max([statistics.median(times[k][1:]) for k in names], group)
+        best = min(range(len(names)), key=lambda i: med[i])
+        # keep ours only if it beats native by 3% (a tuned choice is never slower than gloo's own)
+        if names[best] != "native" and med[best] > 0.97 * med[0]:
+            best = 0
+        table.append((nbytes, cands[names[best]][0]))
+        if verbose and dist.get_rank(group) == 0:
+            print(f"tune all_reduce {_fmt_bytes(nbytes)}: " + ", ".join(f"{k} {m * 1e3:.3f} ms" for k, m in zip(names, med))
+                  + f" -> {names[best]}", flush=True)
+    params.table = table
+    with _STATE_LOCK:
+        _PARAMS[(group, topo)] = params
+    if store and dist.get_rank(group) == 0:
+        try:
+            import pykernels.autotune as at
+
+            at._store(_cache_device(backend), at._entry_key("all_reduce", "cuda" if backend == "nccl" else "cpu",
+                                                            _cache_key(group, topo, backend)),
+                      {"backend": "cuda" if backend == "nccl" else "cpu", "config": {"params": json.loads(params.to_json())},
+                       "time_s": 0.0, "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        except Exception as exc:  # noqa: BLE001 - tuning still holds in memory
+            if verbose:
+                print(f"tune all_reduce: could not write the cache: {exc}", flush=True)
+    return params
+
+
+# ================================================================================================
+# DDP
+# ================================================================================================
+def ddp_comm_hook(state, bucket) -> torch.futures.Future:
+    """For DistributedDataParallel.register_comm_hook(state, collectives.ddp_comm_hook): averages each
+    gradient bucket with collectives.all_reduce (async, so it overlaps the rest of backward), as DDP's
+    default hook does. state: None (the DDP's default group), a ProcessGroup, or a dict with any of
+    "group", "topology", "algorithm"."""
+    group, topology, algorithm = None, None, "auto"
+    if isinstance(state, dict):
+        group, topology, algorithm = state.get("group"), state.get("topology"), state.get("algorithm", "auto")
+    elif state is not None:
+        group = state
+    work = all_reduce(bucket.buffer(), "avg", group, topology=topology, algorithm=algorithm, async_op=True)
+    return work.get_future()
+
+
+# ================================================================================================
+# The autotuner knows the op (the measurement itself is collective: see tune()).
+# ================================================================================================
+def _register_tunable():
+    try:
+        import pykernels.autotune as at
+    except Exception:  # noqa: BLE001 - collectives works without pykernels' autotuner
+        return
+
+    def examples(sizes):
+        # tune() needs every rank of a process group at once, which the single-process CLI does not
+        # have; inside an initialized group (torchrun), tune() is what measures.
+        if dist.is_available() and dist.is_initialized():
+            tune(sizes=sizes, verbose=True)
+        return []
+
+    at.register(at.Tunable(
+        op="all_reduce", backend="cpu", group="allreduce",
+        make_key=lambda *a, **k: {},
+        default=lambda key: {"params": None},
+        candidates=lambda key: [],
+        run=lambda config, *a, **k: None,
+        examples=examples,
+    ))
+
+
+_register_tunable()
+
+
+# `collectives.all_reduce` is this function once the package is imported; let it carry the extras too.
+all_reduce.tune = tune
+all_reduce.plan = plan
+all_reduce.Topology = Topology

@@ -1,0 +1,430 @@
+"""The all-reduce algorithms of collectives.all_reduce, written over point-to-point messages only.
+
+Every algorithm works in place on a flat, contiguous working buffer `x` (the caller converts dtypes and
+layouts) and talks through a `Comm`: a process group plus the ordered list of its ranks that take part.
+References (cost terms in ../shared/ALGORITHMS.md):
+  - recursive doubling, recursive halving-doubling and the non-power-of-two fold:
+    Thakur, Rabenseifner, Gropp, "Optimization of Collective Communication Operations in MPICH",
+    IJHPCA 2005 (sections 4.1 and 4.2);
+  - the ring: Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
+    workstations", JPDC 2009 (what NCCL and Horovod run);
+  - hierarchical: reduce-scatter inside the innermost groups, recurse outward, all-reduce the shard at
+    the outermost level, all-gather back down (Horovod's hierarchical all-reduce; the 3-level Frontier
+    scheme of the ZeRO++ hierarchical-partitioning paper).
+
+Messages: each transfer is cut into pieces of about 1 MiB that are all posted at once, and each
+received piece is reduced as soon as it lands, so sends, receives and the reduction overlap (one large
+two-way exchange on gloo runs at about half speed; see FIELD_NOTES).
+
+Tags: every message carries tag = signature(12 bits) | round(10 bits) | piece(9 bits). The signature
+hashes (numel, dtype, op, algorithm), so ranks that disagree about the call never match each other's
+messages: they time out with the process group's timeout (an error on every rank) instead of
+delivering a message of the wrong length, which gloo answers by aborting the whole process.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+PIECE_BYTES = 1 << 20     # ~1 MiB pieces (FIELD_NOTES: measurably faster on gloo than one big message)
+MAX_PIECES = 512          # 9 bits of the tag
+MAX_ROUNDS = 1024         # 10 bits of the tag
+
+
+class Comm:
+    """`ranks[k]` is the rank in `pg` of member k; this process is member `me`."""
+
+    __slots__ = ("pg", "ranks", "me", "size", "coalesce", "native_ok")
+
+    def __init__(self, pg, ranks, me: int, native_ok: bool = False):
+        self.pg = pg
+        self.ranks = list(ranks)
+        self.me = me
+        self.size = len(self.ranks)
+        # NCCL needs the sends and receives of one step in one group call (else two ranks that both
+        # send first can deadlock); gloo's send/recv are independent, and cheapest called directly.
+        try:
+            name = dist.get_backend(pg)
+        except Exception:  # noqa: BLE001 - a backend we do not know: use the general path
+            name = "unknown"
+        self.coalesce = name != "gloo"
+        # native_ok: `pg` holds exactly these members in this order, so dist.all_reduce on it is the
+        # same collective (a level sub-group, or the whole group).
+        self.native_ok = native_ok
+
+    def sub(self, members: list[int], me: int) -> "Comm":
+        c = Comm.__new__(Comm)
+        c.pg, c.ranks, c.me, c.size = self.pg, [self.ranks[m] for m in members], me, len(members)
+        c.coalesce, c.native_ok = self.coalesce, False
+        return c
+
+    def post(self, sends, recvs):
+        """sends/recvs: lists of (member, tensor, tag). Returns (send works, recv works)."""
+        if self.coalesce:
+            ops = [dist.P2POp(dist.isend, t, group=self.pg, tag=tag, group_peer=self.ranks[m]) for m, t, tag in sends]
+            ops += [dist.P2POp(dist.irecv, t, group=self.pg, tag=tag, group_peer=self.ranks[m]) for m, t, tag in recvs]
+            if not ops:
+                return [], []
+            works = dist.batch_isend_irecv(ops)
+            return works[:len(sends)], works[len(sends):]
+        sw = [self.pg.send([t], self.ranks[m], tag) for m, t, tag in sends]
+        rw = [self.pg.recv([t], self.ranks[m], tag) for m, t, tag in recvs]
+        return sw, rw
+
+
+class Tagger:
+    """Round numbers advance identically on every rank (ranks that sit out a phase skip its rounds)."""
+
+    def __init__(self, signature: str):
+        self.sig = (zlib.crc32(signature.encode()) & 0xFFF) << 19
+        self.round = 0
+
+    def next(self) -> int:
+        r = self.round
+        self.round += 1
+        return r
+
+    def skip(self, n: int):
+        self.round += n
+
+    def tag(self, rnd: int, piece: int) -> int:
+        return self.sig | ((rnd % MAX_ROUNDS) << 9) | (piece % MAX_PIECES)
+
+
+def split(lo: int, hi: int, k: int) -> list[int]:
+    """k + 1 offsets cutting [lo, hi) into k parts whose sizes differ by at most one (uneven splits:
+    the first (hi - lo) % k parts get one more element; parts may be empty)."""
+    n = hi - lo
+    q, r = divmod(n, k)
+    out = [lo]
+    for j in range(k):
+        out.append(out[-1] + q + (1 if j < r else 0))
+    return out
+
+
+def pieces(lo: int, hi: int, piece: int) -> list[tuple[int, int]]:
+    """[lo, hi) in pieces of `piece` elements (at most MAX_PIECES; an empty range is one empty piece,
+    so that even an empty transfer is a message: a rank that disagrees then times out)."""
+    n = hi - lo
+    if n <= 0:
+        return [(lo, lo)]
+    piece = max(piece, -(-n // MAX_PIECES))
+    return [(a, min(a + piece, hi)) for a in range(lo, hi, piece)]
+
+
+def _wait(works):
+    for w in works:
+        w.wait()
+
+
+class Ctx:
+    """What every algorithm needs: the reduction, the piece size and the tagger."""
+
+    def __init__(self, red: Callable, piece: int, tagger: Tagger):
+        self.red = red          # red(dst, src): dst <- dst (op) src, in place
+        self.piece = piece      # elements per piece
+        self.tg = tagger
+
+
+# ------------------------------------------------------------------------------------------------
+# Building blocks: one step of exchange, with reduction of each piece as it arrives
+# ------------------------------------------------------------------------------------------------
+def _step(comm: Comm, ctx: Ctx, rnd: int, sends, recvs, reduce_into=None):
+    """sends: [(member, tensor_view_1d, lo, hi)] sent in pieces; recvs: [(member, buf, lo, hi)]
+    received in pieces into buf[lo:hi]; if reduce_into is given, reduce_into[a:b] op= buf[a:b] for each
+    received piece as soon as it arrives. Returns after everything completed."""
+    s_list, r_list, r_meta = [], [], []
+    for m, t, lo, hi in sends:
+        for k, (a, b) in enumerate(pieces(lo, hi, ctx.piece)):
+            s_list.append((m, t[a:b], ctx.tg.tag(rnd, k)))
+    for m, buf, lo, hi in recvs:
+        for k, (a, b) in enumerate(pieces(lo, hi, ctx.piece)):
+            r_list.append((m, buf[a:b], ctx.tg.tag(rnd, k)))
+            r_meta.append((a, b))
+    sw, rw = comm.post(s_list, r_list)
+    for w, (a, b), (_, buf, _) in zip(rw, r_meta, r_list):
+        w.wait()
+        if reduce_into is not None and b > a:
+            ctx.red(reduce_into[a:b], buf)
+    _wait(sw)
+
+
+# ------------------------------------------------------------------------------------------------
+# The MPICH fold for non-powers of two (Thakur et al. 2005, 4.1): with p' = 2^floor(lg p) and
+# r = p - p', among the first 2r members the even one sends its vector to the odd one and sits out;
+# the core algorithm runs over p' members; the result goes back to the members that sat out.
+# ------------------------------------------------------------------------------------------------
+def with_fold(core: Callable, core_rounds: Callable[[int], int]):
+    def run(comm: Comm, x: torch.Tensor, tmp: torch.Tensor, lo: int, hi: int, ctx: Ctx):
+        p, i = comm.size, comm.me
+        if p == 1:
+            return
+        p2 = 1 << (p.bit_length() - 1)
+        r = p - p2
+        if r == 0:
+            core(comm, x, tmp, lo, hi, ctx)
+            return
+        r_in = ctx.tg.next()
+        if i < 2 * r and i % 2 == 0:
+            _step(comm, ctx, r_in, [(i + 1, x, lo, hi)], [])
+            ctx.tg.skip(core_rounds(p2))
+            _step(comm, ctx, ctx.tg.next(), [], [(i + 1, x, lo, hi)])
+            return
+        if i < 2 * r:
+            _step(comm, ctx, r_in, [], [(i - 1, tmp, lo, hi)], reduce_into=x)
+            vi = i // 2
+        else:
+            vi = i - r
+        members = [2 * v + 1 if v < r else v + r for v in range(p2)]
+        core(comm.sub(members, vi), x, tmp, lo, hi, ctx)
+        r_out = ctx.tg.next()
+        if i < 2 * r:
+            _step(comm, ctx, r_out, [(i - 1, x, lo, hi)], [])
+    return run
+
+
+def _lg(p: int) -> int:
+    return p.bit_length() - 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Recursive doubling: lg p rounds, the whole vector exchanged with member XOR 2^k each round.
+# ------------------------------------------------------------------------------------------------
+def _rd_core(comm: Comm, x, tmp, lo, hi, ctx: Ctx):
+    p, i = comm.size, comm.me
+    mask = 1
+    while mask < p:
+        peer = i ^ mask
+        # received pieces are reduced into x while x is still being sent: reduce out of place
+        # (tmp <- x op tmp) and copy back piecewise once the sends are done would cost a copy; instead
+        # wait for the sends of a piece's round first (they finish as fast as the receives on a
+        # symmetric exchange), then reduce in place.
+        rnd = ctx.tg.next()
+        s_list = [(peer, x[a:b], ctx.tg.tag(rnd, k)) for k, (a, b) in enumerate(pieces(lo, hi, ctx.piece))]
+        r_list = [(peer, tmp[a:b], ctx.tg.tag(rnd, k)) for k, (a, b) in enumerate(pieces(lo, hi, ctx.piece))]
+        sw, rw = comm.post(s_list, r_list)
+        for (_, xs, _), (_, ts, _), s, r in zip(s_list, r_list, sw, rw):
+            r.wait()
+            s.wait()
+            if ts.numel():
+                ctx.red(xs, ts)
+        mask <<= 1
+
+
+recursive_doubling = with_fold(_rd_core, _lg)
+
+
+# ------------------------------------------------------------------------------------------------
+# Recursive halving-doubling (Rabenseifner): reduce-scatter by recursive halving, then all-gather by
+# recursive doubling; p' parts, member j ends the reduce-scatter owning part j.
+# ------------------------------------------------------------------------------------------------
+def _hd_core(comm: Comm, x, tmp, lo, hi, ctx: Ctx):
+    p, i = comm.size, comm.me
+    off = split(lo, hi, p)
+    plo, phi = 0, p  # the parts this member is still responsible for
+    mask = p >> 1
+    history = []
+    while mask:
+        peer = i ^ mask
+        mid = (plo + phi) // 2
+        if i & mask:
+            keep, give = (mid, phi), (plo, mid)
+        else:
+            keep, give = (plo, mid), (mid, phi)
+        _step(comm, ctx, ctx.tg.next(), [(peer, x, off[give[0]], off[give[1]])],
+              [(peer, tmp, off[keep[0]], off[keep[1]])], reduce_into=x)
+        history.append((peer, keep, give))
+        plo, phi = keep
+        mask >>= 1
+    for peer, keep, give in reversed(history):
+        _step(comm, ctx, ctx.tg.next(), [(peer, x, off[keep[0]], off[keep[1]])],
+              [(peer, x, off[give[0]], off[give[1]])])
+
+
+halving_doubling = with_fold(_hd_core, lambda p: 2 * _lg(p))
+
+
+# ------------------------------------------------------------------------------------------------
+# Reduce-scatter / all-gather building blocks over `parts` (offsets, one part per member).
+# Each returns / takes `own`: the index of the part this member holds reduced.
+# ------------------------------------------------------------------------------------------------
+def ring_reduce_scatter(comm: Comm, x, tmp, off, ctx: Ctx) -> int:
+    """p - 1 steps; at step s member i sends part (i - s) and receives part (i - s - 1), which it
+    reduces and sends on at step s + 1. Pipelined per piece: a piece goes on as soon as it is reduced."""
+    p, i = comm.size, comm.me
+    if p == 1:
+        return 0
+    nxt, prv = (i + 1) % p, (i - 1) % p
+    rounds = [ctx.tg.next() for _ in range(p - 1)]
+    recvs, meta = [], []
+    for s in range(p - 1):
+        part = (i - s - 1) % p
+        for k, (a, b) in enumerate(pieces(off[part], off[part + 1], ctx.piece)):
+            recvs.append((prv, tmp[a:b], ctx.tg.tag(rounds[s], k)))
+            meta.append((s, k, a, b))
+    part0 = i % p
+    first = [(nxt, x[a:b], ctx.tg.tag(rounds[0], k)) for k, (a, b) in enumerate(pieces(off[part0], off[part0 + 1], ctx.piece))]
+    sw, rw = comm.post(first, recvs)
+    sends = list(sw)
+    for w, (s, k, a, b) in zip(rw, meta):
+        w.wait()
+        if b > a:
+            ctx.red(x[a:b], tmp[a:b])
+        if s + 1 < p - 1:
+            more, _ = comm.post([(nxt, x[a:b], ctx.tg.tag(rounds[s + 1], k))], [])
+            sends.extend(more)
+    _wait(sends)
+    return (i + 1) % p
+
+
+def ring_all_gather(comm: Comm, x, off, own: int, ctx: Ctx):
+    """p - 1 steps; each received piece is forwarded to the next member at once."""
+    p, i = comm.size, comm.me
+    if p == 1:
+        return
+    nxt, prv = (i + 1) % p, (i - 1) % p
+    rounds = [ctx.tg.next() for _ in range(p - 1)]
+    shift = own - (i + 1)  # parts relative to the ring position (own == i + 1 after ring RS)
+    recvs, meta = [], []
+    for s in range(p - 1):
+        part = (i - s + shift) % p
+        for k, (a, b) in enumerate(pieces(off[part], off[part + 1], ctx.piece)):
+            recvs.append((prv, x[a:b], ctx.tg.tag(rounds[s], k)))
+            meta.append((s, k, a, b))
+    first = [(nxt, x[a:b], ctx.tg.tag(rounds[0], k)) for k, (a, b) in enumerate(pieces(off[own], off[own + 1], ctx.piece))]
+    sw, rw = comm.post(first, recvs)
+    sends = list(sw)
+    for w, (s, k, a, b) in zip(rw, meta):
+        w.wait()
+        if s + 1 < p - 1:
+            more, _ = comm.post([(nxt, x[a:b], ctx.tg.tag(rounds[s + 1], k))], [])
+            sends.extend(more)
+    _wait(sends)
+
+
+def direct_reduce_scatter(comm: Comm, x, tmp, off, ctx: Ctx) -> int:
+    """One step: member j receives part j from every other member (all-to-all plus a local reduction:
+    1 latency instead of p - 1; the right choice inside a node, where links do not contend)."""
+    p, i = comm.size, comm.me
+    if p == 1:
+        return 0
+    rnd = ctx.tg.next()
+    mine_lo, mine_hi = off[i], off[i + 1]
+    n = mine_hi - mine_lo
+    scratch = torch.empty((p - 1) * max(n, 0), dtype=x.dtype, device=x.device)
+    sends, recvs = [], []
+    order = [(i + d) % p for d in range(1, p)]  # stagger peers so that not everyone hits member 0 first
+    for j in order:
+        sends.append((j, x, off[j], off[j + 1]))
+    for idx, j in enumerate(reversed(order)):
+        recvs.append((j, scratch[idx * n:(idx + 1) * n], 0, n))
+    s_list, r_list, r_meta = [], [], []
+    for m, t, lo, hi in sends:
+        for k, (a, b) in enumerate(pieces(lo, hi, ctx.piece)):
+            s_list.append((m, t[a:b], ctx.tg.tag(rnd, k)))
+    for m, buf, lo, hi in recvs:
+        for k, (a, b) in enumerate(pieces(lo, hi, ctx.piece)):
+            r_list.append((m, buf[a:b], ctx.tg.tag(rnd, k)))
+            r_meta.append((a, b))
+    sw, rw = comm.post(s_list, r_list)
+    mine = x[mine_lo:mine_hi]
+    for w, (a, b), (_, buf, _) in zip(rw, r_meta, r_list):
+        w.wait()
+        if b > a:
+            ctx.red(mine[a:b], buf)
+    _wait(sw)
+    return i
+
+
+def direct_all_gather(comm: Comm, x, off, own: int, ctx: Ctx):
+    p, i = comm.size, comm.me
+    if p == 1:
+        return
+    rnd = ctx.tg.next()
+    # member j owns part (j + own - i) % p (the same shift for every member: ring or direct layout)
+    shift = own - i
+    order = [(i + d) % p for d in range(1, p)]
+    sends = [(j, x, off[own], off[own + 1]) for j in order]
+    recvs = [(j, x, off[(j + shift) % p], off[(j + shift) % p + 1]) for j in reversed(order)]
+    _step(comm, ctx, rnd, sends, recvs)
+
+
+def halving_reduce_scatter(comm: Comm, x, tmp, off, ctx: Ctx) -> int:
+    """Recursive halving (power-of-two sizes): lg p steps, member j ends owning part j."""
+    p, i = comm.size, comm.me
+    plo, phi, mask = 0, p, p >> 1
+    while mask:
+        peer = i ^ mask
+        mid = (plo + phi) // 2
+        keep, give = ((mid, phi), (plo, mid)) if i & mask else ((plo, mid), (mid, phi))
+        _step(comm, ctx, ctx.tg.next(), [(peer, x, off[give[0]], off[give[1]])],
+              [(peer, tmp, off[keep[0]], off[keep[1]])], reduce_into=x)
+        plo, phi = keep
+        mask >>= 1
+    return i
+
+
+def doubling_all_gather(comm: Comm, x, off, own: int, ctx: Ctx):
+    """Recursive doubling all-gather after halving_reduce_scatter (member j owns part j)."""
+    p, i = comm.size, comm.me
+    lo_p, hi_p, mask = i, i + 1, 1
+    while mask < p:
+        peer = i ^ mask
+        # the peer's block of parts has the same width, on the other side of this mask bit
+        other = (lo_p - mask, hi_p - mask) if i & mask else (lo_p + mask, hi_p + mask)
+        _step(comm, ctx, ctx.tg.next(), [(peer, x, off[lo_p], off[hi_p])], [(peer, x, off[other[0]], off[other[1]])])
+        lo_p, hi_p = min(lo_p, other[0]), max(hi_p, other[1])
+        mask <<= 1
+
+
+def ring(comm: Comm, x, tmp, lo, hi, ctx: Ctx):
+    """Ring all-reduce: ring reduce-scatter then ring all-gather, any p, neighbours only."""
+    if comm.size == 1:
+        return
+    off = split(lo, hi, comm.size)
+    own = ring_reduce_scatter(comm, x, tmp, off, ctx)
+    ring_all_gather(comm, x, off, own, ctx)
+
+
+def native(comm: Comm, x, tmp, lo, hi, ctx: Ctx, op=None):
+    """gloo's/NCCL's own dist.all_reduce on the same members (only where comm.pg is exactly them)."""
+    if comm.size == 1:
+        return
+    if not comm.native_ok:
+        raise RuntimeError("collectives.all_reduce: 'native' needs a process group holding exactly this "
+                           "level's members")
+    dist.all_reduce(x[lo:hi], op=op, group=comm.pg)
+
+
+FLAT = {"recursive_doubling": recursive_doubling, "halving_doubling": halving_doubling, "ring": ring}
+REDUCE_SCATTER = {"direct": (direct_reduce_scatter, direct_all_gather),
+                  "ring": (ring_reduce_scatter, ring_all_gather),
+                  "halving": (halving_reduce_scatter, doubling_all_gather)}
+
+
+def hierarchical(levels: list[Comm], x, tmp, n: int, ctx: Ctx, inner: list[str], outer: str,
+                 native_op=None):
+    """Per level (innermost first) reduce-scatter the current range among that level's members and keep
+    this member's part, all-reduce the remaining shard over the outermost level, then all-gather back
+    down level by level. `inner[l]` names level l's reduce-scatter ("direct", "ring", "halving");
+    `outer` the outermost all-reduce (a FLAT name or "native")."""
+    lo, hi = 0, n
+    stack = []
+    for comm, how in zip(levels[:-1], inner):
+        if comm.size == 1:
+            continue
+        rs, ag = REDUCE_SCATTER[how]
+        off = split(lo, hi, comm.size)
+        own = rs(comm, x, tmp, off, ctx)
+        stack.append((comm, ag, off, own))
+        lo, hi = off[own], off[own + 1]
+    top = levels[-1]
+    if outer == "native":
+        native(top, x, tmp, lo, hi, ctx, op=native_op)
+    else:
+        FLAT[outer](top, x, tmp, lo, hi, ctx)
+    for comm, ag, off, own in reversed(stack):
+        ag(comm, x, off, own, ctx)

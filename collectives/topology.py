@@ -1,0 +1,193 @@
+"""collectives.Topology: how the ranks of a process group nest (GCD pair < GPU node < cluster...).
+
+`Topology([2, 4, 8])` lists the level sizes innermost first: 2 ranks share the fastest link, 4 such
+pairs share a node, 8 nodes make the job (64 ranks). Position k of the mixed-radix numbering
+(k = c0 + 2*(c1 + 4*c2)) is group rank `ranks[k]` (identity by default; `detect` fills it from where the
+ranks actually live). The level-l group of a rank holds the ranks that differ from it only in c_l.
+"""
+from __future__ import annotations
+
+import math
+import os
+import socket
+import threading
+import warnings
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ._allreduce_algos import Comm
+
+_LOCK = threading.RLock()
+_DETECTED: dict = {}   # group -> Topology
+_LEVELS: dict = {}     # (group, sizes, ranks) -> [Comm per level]
+
+
+def _default_group(group):
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("collectives.all_reduce: torch.distributed is not initialized "
+                           "(call dist.init_process_group first)")
+    return group if group is not None else dist.group.WORLD
+
+
+def _group_timeout(pg):
+    for dev in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(dev)).options._timeout
+        except Exception:  # noqa: BLE001 - no such backend for that device
+            continue
+    return None
+
+
+class Topology:
+    """Level sizes innermost first, e.g. Topology([2, 4, 8]); optional `ranks`: group rank at each
+    mixed-radix position (default: group rank k at position k)."""
+
+    def __init__(self, sizes: Sequence[int], ranks: Optional[Sequence[int]] = None, *, note: str = ""):
+        if isinstance(sizes, (int, torch.SymInt)) or not hasattr(sizes, "__iter__"):
+            raise TypeError(f"collectives.Topology: sizes must be a sequence of ints (innermost level first), "
+                            f"got {type(sizes).__name__}")
+        sizes = list(sizes)
+        if not sizes:
+            raise ValueError("collectives.Topology: sizes must not be empty")
+        for s in sizes:
+            if isinstance(s, bool) or not isinstance(s, int):
+                raise TypeError(f"collectives.Topology: every level size must be an int, got {s!r}")
+            if s < 1:
+                raise ValueError(f"collectives.Topology: level sizes must be >= 1, got {sizes}")
+        self.sizes = tuple(sizes)
+        self.world = math.prod(self.sizes)
+        if ranks is None:
+            ranks = range(self.world)
+        ranks = tuple(int(r) for r in ranks)
+        if sorted(ranks) != list(range(self.world)):
+            raise ValueError(f"collectives.Topology: ranks must be a permutation of 0..{self.world - 1} "
+                             f"(sizes {list(self.sizes)}), got {list(ranks)}")
+        self.ranks = ranks
+        self.note = note
+
+    # --------------------------------------------------------------------------------------------
+    def __repr__(self):
+        if self.ranks == tuple(range(self.world)):
+            return f"Topology({list(self.sizes)})"
+        return f"Topology({list(self.sizes)}, ranks={list(self.ranks)})"
+
+    def __eq__(self, other):
+        return isinstance(other, Topology) and (self.sizes, self.ranks) == (other.sizes, other.ranks)
+
+    def __hash__(self):
+        return hash((self.sizes, self.ranks))
+
+    @property
+    def num_levels(self) -> int:
+        return len(self.sizes)
+
+    def effective(self) -> "Topology":
+        """The same topology without levels of size 1."""
+        sizes = [s for s in self.sizes if s > 1] or [1]
+        return Topology(sizes, self.ranks, note=self.note)
+
+    def members(self, position: int, level: int) -> list[int]:
+        """Positions of the level-`level` group that contains `position`, ordered by c_level."""
+        stride = math.prod(self.sizes[:level])
+        c = (position // stride) % self.sizes[level]
+        base = position - c * stride
+        return [base + j * stride for j in range(self.sizes[level])]
+
+    def coords(self, position: int) -> list[int]:
+        out = []
+        for s in self.sizes:
+            out.append(position % s)
+            position //= s
+        return out
+
+    # --------------------------------------------------------------------------------------------
+    @classmethod
+    def detect(cls, group=None) -> "Topology":
+        """Collective (every rank of `group` calls it): ranks on the same host form a node; within a
+        host, LOCAL_WORLD_SIZE (torchrun) splits consecutive ranks further into nodes. Hosts with
+        different numbers of ranks cannot nest evenly: then the topology is flat (one level), with a
+        warning and `note` saying why. Cached per group."""
+        group = _default_group(group)
+        with _LOCK:
+            if group in _DETECTED:
+                return _DETECTED[group]
+        p = dist.get_world_size(group)
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        info = (socket.gethostname(), int(local) if local.isdigit() else 0)
+        gathered = [None] * p
+        if p > 1:
+            dist.all_gather_object(gathered, info, group=group)
+        else:
+            gathered = [info]
+        hosts: dict[str, list[int]] = {}
+        for r, (host, _) in enumerate(gathered):
+            hosts.setdefault(host, []).append(r)
+        nodes = list(hosts.values())
+        locals_ = {lw for _, lw in gathered}
+        if len(nodes) == 1 and len(locals_) == 1:
+            lw = locals_.pop()
+            if 1 <= lw < p and p % lw == 0:
+                nodes = [list(range(k, k + lw)) for k in range(0, p, lw)]
+        counts = {len(n) for n in nodes}
+        if len(counts) != 1:
+            note = (f"hosts hold different numbers of ranks ({', '.join(str(len(n)) for n in nodes)}): "
+                    f"no even nesting, so the topology is flat")
+            warnings.warn(f"collectives.Topology.detect: {note}", stacklevel=2)
+            topo = cls([p], note=note)
+        else:
+            per = counts.pop()
+            order = [r for n in nodes for r in n]
+            sizes = [per, len(nodes)] if 1 < per < p else [p]
+            topo = cls(sizes, order if sizes != [p] else None,
+                       note=f"{len(nodes)} node(s) x {per} rank(s), from hostnames and LOCAL_WORLD_SIZE")
+        with _LOCK:
+            _DETECTED[group] = topo
+        return topo
+
+    # --------------------------------------------------------------------------------------------
+    def comms(self, group=None) -> list[Comm]:
+        """This rank's communicator at every level (innermost first). Collective on first use: when
+        `group` is the whole world, each level's sub-groups are created with dist.new_group (every
+        rank creates every sub-group, in the same order, as new_group requires) and cached; for a
+        smaller group, levels talk over `group` itself with rank lists."""
+        group = _default_group(group)
+        p = dist.get_world_size(group)
+        if self.world != p:
+            raise ValueError(f"collectives.all_reduce: topology {self!r} has {self.world} ranks but the "
+                             f"group has {p}")
+        key = (group, self.sizes, self.ranks)
+        with _LOCK:
+            if key in _LEVELS:
+                return _LEVELS[key]
+        me = dist.get_rank(group)
+        pos = self.ranks.index(me)
+        whole = p == dist.get_world_size()
+        out = []
+        for level, s in enumerate(self.sizes):
+            members = self.members(pos, level)
+            mine = members.index(pos)
+            granks = [self.ranks[m] for m in members]
+            if s == p:
+                out.append(Comm(group, granks, mine, native_ok=True))
+            elif whole and s > 1:
+                sub = None
+                timeout = _group_timeout(group)
+                for base in self._level_bases(level):
+                    ranks = [dist.get_global_rank(group, self.ranks[m]) for m in self.members(base, level)]
+                    g = dist.new_group(ranks, timeout=timeout)
+                    if base == members[0]:
+                        sub = g
+                sub_ranks = [dist.get_group_rank(sub, dist.get_global_rank(group, r)) for r in granks]
+                out.append(Comm(sub, sub_ranks, mine, native_ok=True))
+            else:
+                out.append(Comm(group, granks, mine, native_ok=(s == 1)))
+        with _LOCK:
+            _LEVELS[key] = out
+        return out
+
+    def _level_bases(self, level: int) -> list[int]:
+        """The first position of every level-`level` group, in a fixed order."""
+        stride = math.prod(self.sizes[:level])
+        return [q for q in range(self.world) if (q // stride) % self.sizes[level] == 0]
