@@ -24,10 +24,9 @@ Partials are merged in fp32 (fp64 for fp64 inputs) with the stable form
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 
 from . import _attention_block as blk
 from . import _attention_comm as comm
@@ -373,7 +372,8 @@ def token_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     differentiable), different schedule.
 
     Forward (TokenRing, Wang et al. 2024): K/V never move. At step t rank r holds the queries of rank
-    j = r+t (Q moves one hop per step, r -> r-1, on `group`), computes them against its own K/V and
+    j = r+t (Q moves one hop per step, r -> r-1, on `group`; the direction does not matter without a
+    mask, and with the zigzag causal mask it is the one that lets Q shrink, see below), computes them against its own K/V and
     sends that partial (out in the input dtype, lse in fp32) straight back to j on a second process
     group, while receiving its own partial from rank r-t; both directions are in flight together and
     overlap the next block's compute. Causal + zigzag: each pair costs half a block, and once a Q has

@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import collectives
 from collectives import ring_attention, shard_sequence, token_ring_attention, unshard_sequence
 
 pytestmark = pytest.mark.distributed
@@ -405,3 +404,76 @@ def test_gpu_world_of_one_nccl(fn, tmp_path):
                 assert_close(name, got.cpu(), want.detach(), tol, f"{fn} cuda {dtype}")
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ schedule properties (no ranks)
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from collectives import _attention_block as blk  # noqa: E402
+import importlib  # noqa: E402
+
+ra = importlib.import_module("collectives.ring_attention")  # the module (the package exports the function)
+
+
+def _positions(layout, w, r, c):
+    """Global positions of rank r's shard, chunks of c tokens."""
+    chunks = [r] if layout == "contiguous" else [r, 2 * w - 1 - r]
+    return [i * c + t for i in chunks for t in range(c)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(w=st.integers(1, 9), c=st.integers(1, 3), layout=st.sampled_from(["zigzag", "contiguous"]),
+       causal=st.booleans())
+def test_blocks_cover_the_mask_exactly_once(w, c, layout, causal):
+    """Over all (q rank, kv rank) pairs the blocks cover every (query, key) pair the mask allows
+    exactly once and nothing else; a diagonal block's own causal mask must match the global one."""
+    s = c * (2 if layout == "zigzag" else 1)
+    seen = {}
+    for qr in range(w):
+        qpos = _positions(layout, w, qr, c)
+        for kr in range(w):
+            kpos = _positions(layout, w, kr, c)
+            for rows, krows, diag in ra._blocks(qr, kr, s, causal, layout):
+                for i in range(rows.start, rows.stop):
+                    for j in range(krows.start, krows.stop):
+                        if diag and j - krows.start > i - rows.start:
+                            continue
+                        key = (qpos[i], kpos[j])
+                        seen[key] = seen.get(key, 0) + 1
+    n = w * s
+    want = {(i, j) for i in range(n) for j in range(n) if not causal or j <= i}
+    assert set(seen) == want and all(v == 1 for v in seen.values())
+
+
+@settings(max_examples=60, deadline=None)
+@given(w=st.integers(1, 12), layout=st.sampled_from(["zigzag", "contiguous"]), causal=st.booleans())
+def test_token_ring_query_rows_only_shrink_along_the_ring(w, layout, causal):
+    """TokenRing forwards only the rows the next holder needs: along Q's path j, j-1, ..., j+1 the
+    needed rows must only shrink (else a holder would need rows it never received), and zigzag causal
+    ranks after the wrap need exactly the second half."""
+    s = 4
+    for j in range(w):
+        held = slice(0, s)
+        for t in range(1, w):
+            holder = (j - t) % w
+            need = ra._rows_needed(j, holder, s, causal, layout)
+            assert held.start <= need.start and need.stop == s
+            if causal and layout == "zigzag":
+                assert need == (slice(0, s) if holder < j else slice(s // 2, s))
+            held = need
+
+
+@settings(max_examples=100, deadline=None)
+@given(a=st.floats(-1e4, 1e4), b=st.floats(-1e4, 1e4))
+def test_merge_is_stable_for_far_apart_lse(a, b):
+    oa, ob = torch.full((1, 1, 1, 2), 1.0), torch.full((1, 1, 1, 2), -2.0)
+    la, lb = torch.tensor([[[a]]]), torch.tensor([[[b]]])
+    o, l = blk.merge(oa, la, ob, lb)
+    want_l = max(a, b) + math.log1p(math.exp(-abs(a - b)))
+    wa = 1.0 / (1.0 + math.exp(min(700.0, b - a)))
+    assert torch.isfinite(o).all() and torch.isfinite(l).all()
+    assert abs(l.item() - want_l) <= 1e-3 * max(1.0, abs(want_l))
+    assert abs(o[0, 0, 0, 0].item() - (wa * 1.0 + (1 - wa) * -2.0)) < 1e-4
+    # a row that has seen nothing yet (lse = -inf) takes the other partial as is
+    o, l = blk.merge(oa, torch.tensor([[[float("-inf")]]]), ob, lb)
+    assert torch.equal(o, ob) and torch.equal(l, lb)
