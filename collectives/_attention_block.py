@@ -69,10 +69,12 @@ def _math_forward(q, k, v, scale, causal, chunk: int = 1024):
     return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
 
 
-def _math_backward(do, q, k, v, out, lse, scale, causal, chunk: int = 1024):
+def _math_backward(do, q, k, v, out, lse, scale, causal, chunk: int = 1024, delta=None):
     acc = acc_dtype(q.dtype)
     qa, ka, va, doa = q.to(acc), k.to(acc), v.to(acc), do.to(acc)
-    delta = (doa * out.to(acc)).sum(-1)  # D = rowsum(dO * O), O the *global* output
+    if delta is None:
+        delta = row_delta(do, out)
+    delta = delta.to(acc)
     sq, sk = q.shape[2], k.shape[2]
     dq = torch.empty_like(qa)
     dk = torch.zeros_like(ka)
@@ -120,11 +122,37 @@ def _fwd_impl(q, k, v, scale, causal):
     return _math_forward(q, k, v, scale, causal)
 
 
-def _bwd_impl(do, q, k, v, out, lse, scale, causal):
+def row_delta(do: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """D = rowsum(dO * O) [B, H, S] in acc dtype (FlashAttention-2 backward), O the *global* output."""
+    acc = acc_dtype(do.dtype)
+    return (do.to(acc) * out.to(acc)).sum(-1)
+
+
+def out_standin(do: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """A tensor O' (do's dtype) with rowsum(dO * O') = D, for kernels that take O only to form D.
+
+    O' = u * (D / m) / sum(u^2) with u = dO / m, m = max|dO| of the row: then rowsum(dO * O') =
+    m * sum(u^2) * (D/m) / sum(u^2) = D, with sum(u^2) in [1, head_dim] (no overflow or underflow).
+    Rounding O' to do's dtype perturbs each term by a relative eps, so D comes back within
+    |D| * eps: at least as accurate as forming D from a rounded O (whose error is
+    eps * sum|dO||O|). Rows with dO = 0 get O' = 0 (D is 0 there). Lets the TokenRing backward send
+    D (one number per row) instead of O (head_dim numbers per row)."""
+    acc = acc_dtype(do.dtype)
+    doa = do.to(acc)
+    m = doa.abs().amax(-1, keepdim=True)
+    safe = torch.where(m > 0, m, torch.ones_like(m))
+    u = doa / safe
+    alpha = (delta.to(acc).unsqueeze(-1) / safe) / (u * u).sum(-1, keepdim=True).clamp_min(1.0)
+    return torch.where(m > 0, u * alpha, torch.zeros_like(u)).to(do.dtype)
+
+
+def _bwd_impl(do, q, k, v, out, lse, scale, causal, delta=None):
     if q.device.type == "cpu" and q.dtype in _CPU_FUSED_DTYPES:
+        if out is None:
+            out = out_standin(do, delta)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, out, lse, 0.0, causal, attn_mask=None, scale=scale)
-    return _math_backward(do, q, k, v, out, lse, scale, causal)
+    return _math_backward(do, q, k, v, out, lse, scale, causal, delta=delta)
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -147,8 +175,10 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
 
 def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool):
-    """Gradients of this block's share of attention, given the *global* out and lse of q's rows.
+                   out: Optional[torch.Tensor], lse: torch.Tensor, scale: float, causal: bool,
+                   delta: Optional[torch.Tensor] = None):
+    """Gradients of this block's share of attention, given the *global* out and lse of q's rows
+    (or, with out=None, the global D = rowsum(dO * O) as `delta`, see row_delta / out_standin).
 
     Returns (dq [B,H,Sq,D], dk, dv [B,Hkv,Sk,D]) in acc_dtype (the caller accumulates them there)."""
     acc = acc_dtype(q.dtype)
@@ -161,8 +191,9 @@ def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     ke, ve = _expand_kv(k, groups).contiguous(), _expand_kv(v, groups).contiguous()
     # The fused kernels want out/lse in their own dtypes (out: q's dtype, lse: fp32, fp64 for fp64).
     fused_lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32).contiguous()
-    dq, dk, dv = _bwd_impl(do.contiguous(), q.contiguous(), ke, ve, out.to(q.dtype).contiguous(),
-                           fused_lse, scale, causal)
+    dq, dk, dv = _bwd_impl(do.contiguous(), q.contiguous(), ke, ve,
+                           None if out is None else out.to(q.dtype).contiguous(), fused_lse, scale,
+                           causal, delta=delta)
     return dq.to(acc), _reduce_kv(dk.to(acc), groups), _reduce_kv(dv.to(acc), groups)
 
 

@@ -323,14 +323,14 @@ def _token_backward(do, q, k, v, out, lse, scale, causal, layout, grp, pg_back):
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
 
     def compute(j, held, held_rows):
-        qj, doj, outj, lsej = held
+        qj, doj, deltaj, lsej = held
         blocks = _blocks(j, r, s, causal, layout)
         if not blocks:
             return None
         (rows, krows, diag), = blocks
         sl = _shift(rows, held_rows)
         gq, gk, gv = blk.block_backward(doj[:, :, sl], qj[:, :, sl], k[:, :, krows], v[:, :, krows],
-                                        outj[:, :, sl], lsej[:, :, sl], scale, diag)
+                                        None, lsej[:, :, sl], scale, diag, delta=deltaj[:, :, sl])
         dk[:, :, krows] += gk  # K/V never move: their gradients accumulate here, no traffic
         dv[:, :, krows] += gv
         return [gq]
@@ -342,7 +342,8 @@ def _token_backward(do, q, k, v, out, lse, scale, causal, layout, grp, pg_back):
         if parts is not None:
             dq[:, :, rows] += parts[0]
 
-    bundle = [q.contiguous(), do.contiguous(), out.contiguous(), lse.contiguous()]
+    # D = rowsum(dO * O) travels instead of O: one number per row instead of head_dim
+    bundle = [q.contiguous(), do.contiguous(), blk.row_delta(do, out), lse.contiguous()]
     _token_ring_run(bundle, compute, spec, on_own, s, causal, layout, grp, pg_back)
     return dq, dk, dv
 
@@ -382,10 +383,12 @@ def token_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     (Q vs K+V); with GQA ratio > 2, Ring sends fewer bytes.
 
     Backward (ours; TokenRing's paper has none): the same schedule, BurstAttention-style. The bundle
-    (q, dO, the global out and lse of those queries; halved like Q in the zigzag causal case) travels
-    r -> r-1; each holder computes the block's gradients with the global out/lse, keeps dK/dV of its
-    own K/V locally (fp32, no traffic at all for dK/dV), and sends the block's dQ partial (fp32)
-    straight back to the queries' owner on the second group, which sums its partials in fp32.
+    (q, dO, and per row the global lse and D = rowsum(dO * O), both fp32; halved like Q in the zigzag
+    causal case) travels r -> r-1; each holder computes the block's gradients with the global lse/D
+    (P = exp(S - lse), dS = P * (dP - D)), keeps dK/dV of its own K/V locally (fp32, no traffic at all
+    for dK/dV), and sends the block's dQ partial (fp32) straight back to the queries' owner on the
+    second group, which sums its partials in fp32. Sending D instead of O keeps the Q-side traffic at
+    about 2x Q (Ring's backward sends K, V, dK, dV one way: about 4x Q for MHA in fp32).
 
     `group` may also be a pair (group_q, group_back) of process groups over the same ranks; by default
     the second group is created once per group (every rank of the group must make its first call

@@ -146,13 +146,16 @@ def pool3():
 
 # ---------------------------------------------------------------------------- cases (on each rank)
 def case_attention(rank, world, *, fn, layout, causal, configs, chunk=3, seed=0, scale=None,
-                   kind="randn", noncontig=False, piece_bytes=None):
+                   kind="randn", noncontig=False, piece_bytes=None, force_math=False):
     """Every config: forward out + LSE and dq/dk/dv of this rank's shard vs the float64 oracle."""
+    from collectives import _attention_block as block
     from collectives import _attention_comm as comm
 
-    old_piece = comm.PIECE_BYTES
+    old_piece, old_fused = comm.PIECE_BYTES, block._CPU_FUSED_DTYPES
     if piece_bytes:
         comm.PIECE_BYTES = piece_bytes
+    if force_math:  # the path GPUs take without a fused kernel: exact fp32 math, query-chunked
+        block._CPU_FUSED_DTYPES = ()
     try:
         for cfg_i, (dtype_name, b, h, hkv, d) in enumerate(configs):
             dtype = getattr(torch, dtype_name)
@@ -184,7 +187,7 @@ def case_attention(rank, world, *, fn, layout, causal, configs, chunk=3, seed=0,
             for a, b_ in zip(keep, (ql, kl, vl)):  # inputs never modified
                 assert torch.equal(a, b_.detach()), ctx
     finally:
-        comm.PIECE_BYTES = old_piece
+        comm.PIECE_BYTES, block._CPU_FUSED_DTYPES = old_piece, old_fused
     return True
 
 
@@ -358,6 +361,12 @@ def test_more_dtypes_scale_adversarial_noncontiguous(pool3, fn):
               configs=[("float64", 1, 2, 2, 4)])
 
 
+@pytest.mark.parametrize("fn", ["ring", "token"])
+def test_math_fallback_path(pool3, fn):
+    pool3.run("case_attention", fn=fn, layout="zigzag", causal=True, force_math=True,
+              configs=[("float32", 1, 4, 2, 8), ("bfloat16", 1, 4, 4, 8)])
+
+
 def test_ring_and_token_ring_agree(pool3):
     pool3.run("case_lse_matches_and_equal_inputs", fn="ring")
 
@@ -477,3 +486,22 @@ def test_merge_is_stable_for_far_apart_lse(a, b):
     # a row that has seen nothing yet (lse = -inf) takes the other partial as is
     o, l = blk.merge(oa, torch.tensor([[[float("-inf")]]]), ob, lb)
     assert torch.equal(o, ob) and torch.equal(l, lb)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_out_standin_reproduces_delta(dtype):
+    """TokenRing's backward sends D = rowsum(dO * O) instead of O; the kernel gets a stand-in O'."""
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(2, 3, 7, 16, generator=gen)
+    do[0, 0, 0] = 0.0                      # a row with no gradient
+    do[0, 1] *= 1e-30 if dtype == torch.float32 else 1e-3   # tiny rows (dO^2 underflows in fp32)
+    do[1, 0] *= 1e4                        # large rows
+    o = torch.randn(2, 3, 7, 16, generator=gen)
+    do, o = do.to(dtype), o.to(dtype)
+    delta = blk.row_delta(do, o)
+    o2 = blk.out_standin(do, delta)
+    assert o2.dtype == dtype and torch.isfinite(o2).all()
+    got = (do.double() * o2.double()).sum(-1)
+    eps = torch.finfo(dtype).eps
+    assert ((got - delta.double()).abs() <= delta.double().abs() * eps * 4 + 1e-300).all()
+    assert torch.equal(o2[0, 0, 0], torch.zeros(16, dtype=dtype))
