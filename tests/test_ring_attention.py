@@ -146,10 +146,19 @@ def pool3():
 
 # ---------------------------------------------------------------------------- cases (on each rank)
 def case_attention(rank, world, *, fn, layout, causal, configs, chunk=3, seed=0, scale=None,
-                   kind="randn", noncontig=False, piece_bytes=None, force_math=False):
-    """Every config: forward out + LSE and dq/dk/dv of this rank's shard vs the float64 oracle."""
+                   kind="randn", noncontig=False, piece_bytes=None, force_math=False, subgroup=None):
+    """Every config: forward out + LSE and dq/dk/dv of this rank's shard vs the float64 oracle.
+    subgroup: run on a process group of these global ranks only (the others just take part in
+    creating it), which checks that group ranks and global ranks are never confused."""
     from collectives import _attention_block as block
     from collectives import _attention_comm as comm
+
+    group = None
+    if subgroup is not None:
+        group = dist.new_group(subgroup)
+        if rank not in subgroup:
+            return True
+        rank, world = dist.get_rank(group), len(subgroup)
 
     old_piece, old_fused = comm.PIECE_BYTES, block._CPU_FUSED_DTYPES
     if piece_bytes:
@@ -166,14 +175,15 @@ def case_attention(rank, world, *, fn, layout, causal, configs, chunk=3, seed=0,
             q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
             ref, ref_lse = oracle(q64, k64, v64, causal, sc)
             ref.backward(do.double())
-            shard = lambda t: shard_sequence(t, layout=layout).detach()  # noqa: E731
+            shard = lambda t: shard_sequence(t, group=group, layout=layout).detach()  # noqa: E731
             ql, kl, vl = (shard(t) for t in (q, k, v))
             if noncontig:  # [B, S, H, D] storage seen as [B, H, S, D]
                 ql, kl, vl = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (ql, kl, vl))
                 assert not ql.is_contiguous()
             keep = [t.clone() for t in (ql, kl, vl)]
             ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
-            out, lse = FNS[fn](ql, kl, vl, causal=causal, scale=scale, layout=layout, return_lse=True)
+            out, lse = FNS[fn](ql, kl, vl, causal=causal, scale=scale, layout=layout, return_lse=True,
+                               group=group)
             out.backward(shard(do))
             ctx = f"{fn} W={world} rank {rank} {layout} causal={causal} {dtype_name} H={h} Hkv={hkv} {kind}"
             assert out.dtype == dtype and out.shape == ql.shape, ctx
@@ -365,6 +375,15 @@ def test_more_dtypes_scale_adversarial_noncontiguous(pool3, fn):
 def test_math_fallback_path(pool3, fn):
     pool3.run("case_attention", fn=fn, layout="zigzag", causal=True, force_math=True,
               configs=[("float32", 1, 4, 2, 8), ("bfloat16", 1, 4, 4, 8)])
+
+
+@pytest.mark.parametrize("fn", ["ring", "token"])
+def test_subgroup(pool, fn):
+    if pool.world < 3:
+        pytest.skip("needs three ranks")
+    sub = list(range(1, pool.world))  # group rank i = global rank i+1
+    pool.run("case_attention", fn=fn, layout="zigzag", causal=True, subgroup=sub,
+             configs=[("float32", 1, 4, 2, 8)])
 
 
 def test_ring_and_token_ring_agree(pool3):
