@@ -61,6 +61,7 @@ def make_inputs(seed, b, h, hkv, s, d, dtype, kind="randn"):
 
 def assert_close(name, got, want, tol, ctx):
     atol, rtol = tol
+    got = got.detach().cpu()
     err = (got.double() - want).abs()
     bound = atol + rtol * want.abs()
     if not bool((err <= bound).all()) or not bool(torch.isfinite(got).all()):
@@ -68,9 +69,11 @@ def assert_close(name, got, want, tol, ctx):
 
 
 # ------------------------------------------------------------------------------- worker processes
-def _worker(rank, world, init_file, inq, outq):
+def _worker(rank, world, init_file, inq, outq, backend="gloo"):
     torch.set_num_threads(1)  # up to 4 ranks on 2 cores
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=30))
     while True:
         msg = inq.get()
@@ -85,9 +88,10 @@ def _worker(rank, world, init_file, inq, outq):
 
 
 class Pool:
-    """`world` spawned gloo ranks that run named case functions of this module on request."""
+    """`world` spawned ranks (gloo; nccl: one GPU each) that run named case functions of this module
+    on request."""
 
-    def __init__(self, world):
+    def __init__(self, world, backend="gloo"):
         self.world = world
         ctx = mp.get_context("spawn")
         fd, self.init_file = tempfile.mkstemp(prefix="pk_ring_pg_")
@@ -95,7 +99,7 @@ class Pool:
         os.unlink(self.init_file)  # the file store creates it
         self.outq = ctx.Queue()
         self.inqs = [ctx.Queue() for _ in range(world)]
-        self.procs = [ctx.Process(target=_worker, args=(r, world, self.init_file, self.inqs[r], self.outq),
+        self.procs = [ctx.Process(target=_worker, args=(r, world, self.init_file, self.inqs[r], self.outq, backend),
                                   daemon=True) for r in range(world)]
         for p in self.procs:
             p.start()
@@ -146,7 +150,8 @@ def pool3():
 
 # ---------------------------------------------------------------------------- cases (on each rank)
 def case_attention(rank, world, *, fn, layout, causal, configs, chunk=3, seed=0, scale=None,
-                   kind="randn", noncontig=False, piece_bytes=None, force_math=False, subgroup=None):
+                   kind="randn", noncontig=False, piece_bytes=None, force_math=False, subgroup=None,
+                   device="cpu"):
     """Every config: forward out + LSE and dq/dk/dv of this rank's shard vs the float64 oracle.
     subgroup: run on a process group of these global ranks only (the others just take part in
     creating it), which checks that group ranks and global ranks are never confused."""
@@ -176,7 +181,7 @@ def case_attention(rank, world, *, fn, layout, causal, configs, chunk=3, seed=0,
             ref, ref_lse = oracle(q64, k64, v64, causal, sc)
             ref.backward(do.double())
             shard = lambda t: shard_sequence(t, group=group, layout=layout).detach()  # noqa: E731
-            ql, kl, vl = (shard(t) for t in (q, k, v))
+            ql, kl, vl = (shard(t).to(device) for t in (q, k, v))
             if noncontig:  # [B, S, H, D] storage seen as [B, H, S, D]
                 ql, kl, vl = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (ql, kl, vl))
                 assert not ql.is_contiguous()
@@ -184,7 +189,8 @@ def case_attention(rank, world, *, fn, layout, causal, configs, chunk=3, seed=0,
             ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
             out, lse = FNS[fn](ql, kl, vl, causal=causal, scale=scale, layout=layout, return_lse=True,
                                group=group)
-            out.backward(shard(do))
+            out.backward(shard(do).to(device))
+            assert out.device.type == device, out.device
             ctx = f"{fn} W={world} rank {rank} {layout} causal={causal} {dtype_name} H={h} Hkv={hkv} {kind}"
             assert out.dtype == dtype and out.shape == ql.shape, ctx
             assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32), ctx
@@ -524,3 +530,19 @@ def test_out_standin_reproduces_delta(dtype):
     eps = torch.finfo(dtype).eps
     assert ((got - delta.double()).abs() <= delta.double().abs() * eps * 4 + 1e-300).all()
     assert torch.equal(o2[0, 0, 0], torch.zeros(16, dtype=dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fn", ["ring", "token"])
+def test_gpu_nccl_several_ranks(fn):
+    """On a machine with 2+ GPUs: NCCL ranks (one GPU each), CUDA tensors, against the oracle."""
+    n = min(4, torch.cuda.device_count())
+    if n < 2:
+        pytest.skip(f"needs 2 GPUs, found {n}")
+    p = Pool(n, backend="nccl")
+    try:
+        for layout, causal in (("zigzag", True), ("contiguous", False), ("contiguous", True)):
+            p.run("case_attention", fn=fn, layout=layout, causal=causal, device="cuda", chunk=64,
+                  configs=[("float32", 1, 8, 2, 64), ("bfloat16", 2, 8, 8, 64)])
+    finally:
+        p.close()
