@@ -1,7 +1,8 @@
 """torch.ops.pykernels.qmatmul: the op schema (once), its fake implementation, and the backends.
 
-Backends: "cpu" (csrc/qgemm/qgemm_cpu.cpp), "triton" (pykernels/quant/_triton.py). The CUDA module
-(csrc/qgemm/qgemm.cu) is not written yet: backend="cuda" raises NotImplementedError.
+Backends: "cpu" (csrc/qgemm/qgemm_cpu.cpp), "triton" (pykernels/quant/_triton.py), "cuda"
+(csrc/qgemm/qgemm.cu). On CUDA tensors "auto" prefers Triton (its kernels are the ones also checked
+under TRITON_INTERPRET=1 here), then the native module.
 Config (pykernels._backend.dispatch, tuned by pykernels.autotune):
   cpu, weight-only: {"impl": "native" | "dequant_mm", "threads": 0 (= torch's), "m_block", "n_block"}
   cpu, bit-serial:  {"mode": 0 portable | 1 POPCNT | 2 AVX2 vpshufb, "threads": 0}
@@ -16,7 +17,7 @@ import torch
 
 from .. import autotune
 from .._backend import dispatch
-from .._native import cpu_module, dtype_code
+from .._native import cpu_module, cuda_module, cuda_stream_handle, dtype_code
 from . import _format as F
 
 _ROWS_PER_DEQUANT_CHUNK = 1024
@@ -98,14 +99,38 @@ def cpu_bitserial(x2, planes, scales, offsets, wsum, bias, N, K, bits, group_siz
     return y
 
 
+def cuda_qmatmul(x2, packed, scales, offsets, planes, wsum, bias, N, K, bits, group_size, act_bits, cfg):
+    mod = cuda_module("qgemm")
+    M = x2.shape[0]
+    dev = x2.device
+    y = torch.zeros(M, N, dtype=torch.float32, device=dev)
+    stream = cuda_stream_handle(dev)
+    if act_bits:
+        gsize, G, gw = F.plane_geometry(K, group_size)
+        aplanes = torch.empty(M * G * act_bits * 2 * gw, dtype=torch.int32, device=dev)
+        usum = torch.zeros(M * G, dtype=torch.int32, device=dev)
+        sa = torch.empty(M, dtype=torch.float32, device=dev)
+        ma = torch.empty(M, dtype=torch.float32, device=dev)
+        use_mma = bool(cfg.get("mma", torch.version.hip is None and torch.cuda.get_device_capability(dev) >= (8, 0)))
+        mod.bitserial(x2.data_ptr(), dtype_code(x2.dtype), M, K, act_bits, planes.data_ptr(), bits, scales.data_ptr(),
+                      offsets.data_ptr(), wsum.data_ptr(), N, group_size, aplanes.data_ptr(), usum.data_ptr(),
+                      sa.data_ptr(), ma.data_ptr(), y.data_ptr(), use_mma, stream)
+    else:
+        mod.wo_gemm(x2.data_ptr(), dtype_code(x2.dtype), M, K, packed.data_ptr(), bits, scales.data_ptr(),
+                    offsets.data_ptr(), N, group_size, y.data_ptr(), stream)
+    if bias is not None:
+        y += bias.to(torch.float32)
+    return y.to(x2.dtype)
+
+
 def _impl(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend,
           config: Optional[dict] = None):
     lead = x.shape[:-1]
     M = math.prod(lead)
     x2 = x.reshape(M, k)
-    supported = ("cpu", "triton")
+    supported = ("cpu", "cuda", "triton")
     chosen, cfg = dispatch("qmatmul", x.device, backend, _key(M, n, k, bits, group_size, act_bits, x.dtype),
-                           supported=supported, preference=("triton",))
+                           supported=supported, preference=("triton", "cuda"))
     if config is not None:
         cfg = dict(config)
     if M == 0 or n == 0 or k == 0:
@@ -114,7 +139,9 @@ def _impl(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size
             y += bias.to(torch.float32)
         return y.to(x.dtype).reshape(*lead, n)
     x2 = x2.contiguous()
-    if chosen == "triton":
+    if chosen == "cuda":
+        y = cuda_qmatmul(x2, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, cfg)
+    elif chosen == "triton":
         from . import _triton
 
         y = _triton.qmatmul(x2, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, cfg)
@@ -138,9 +165,6 @@ def _(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, ac
 
 
 def qmatmul_op(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend):
-    if backend == "cuda":
-        raise NotImplementedError("pykernels.qmatmul: the native CUDA backend (csrc/qgemm/qgemm.cu) is not "
-                                  "implemented yet; use backend='triton' on GPUs")
     if act_bits and planes is None:
         raise ValueError("pykernels.qmatmul: act_bits needs the weight's bit planes")
     return torch.ops.pykernels.qmatmul(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size,
