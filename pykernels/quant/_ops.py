@@ -227,3 +227,41 @@ def register_tunables(quantize):
     autotune.register(autotune.Tunable(op="qmatmul", group="qgemm", backend="cpu", make_key=make_key,
                                        default=_default_cpu_config, candidates=candidates, run=run,
                                        examples=examples))
+
+    # GPU: Triton tiles (only those AOT_SPECS compiles for sm_90 without spills) and split-K.
+    def triton_default(key):
+        from ._triton import default_config
+
+        if key.get("act_bits"):
+            return {"BLOCK_M": 16, "BLOCK_N": 32}
+        return default_config(key["M"], key["N"], key["K"], getattr(torch, key["dtype"]))
+
+    def triton_candidates(key):
+        if key.get("act_bits"):
+            return [{"BLOCK_M": 16, "BLOCK_N": 32}, {"BLOCK_M": 32, "BLOCK_N": 64}]
+        if key["dtype"] == "float32":
+            tiles = [(16, 64, 32)]
+        else:
+            tiles = [(16, 64, 32), (16, 64, 64), (32, 128, 32), (64, 128, 32)]
+        return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": 4, "num_stages": 3}
+                for bm, bn, bk in tiles for sk in (1, 2, 4, 8)]
+
+    def triton_run(config, x, qw, bias=None, act_bits=None):
+        N, K = qw.shape
+        planes = qw.ensure_planes() if act_bits else None
+        return _impl(x, qw.packed, qw.scales, qw.offsets, planes, qw.code_sums if act_bits else None, bias,
+                     N, K, qw.bits, qw.group_size, act_bits or 0, "triton", config=config)
+
+    def triton_examples(sizes):
+        if not torch.cuda.is_available():
+            return []
+        out = []
+        for n in (sizes or [8192]):
+            qw = quantize(torch.randn(n, n), 4, 128, "asym").to("cuda")
+            for M in (1, 16, 64):
+                out.append(((torch.randn(M, n, device="cuda", dtype=torch.float16), qw), {}))
+        return out
+
+    autotune.register(autotune.Tunable(op="qmatmul", group="qgemm", backend="triton", make_key=make_key,
+                                       default=triton_default, candidates=triton_candidates, run=triton_run,
+                                       examples=triton_examples))
