@@ -186,3 +186,18 @@ def test_qmatmul_hypothesis(N, K, M, fmt, group_size, act_bits, seed):
         ref = A @ W.T
         bound = 1e-5 * A.abs().amax(1, keepdim=True) * W.abs().sum(1)[None] + 1e-4
     assert bool(((y.double() - ref).abs() <= bound).all())
+
+
+def test_qmatmul_backward_to_activations_and_bias():
+    qw = pykernels.quantize(torch.randn(8, 64), 4, 32)
+    x = torch.randn(2, 3, 64, requires_grad=True)
+    bias = torch.randn(8, requires_grad=True)
+    y = pykernels.qmatmul(x, qw, bias)
+    g = torch.randn_like(y)
+    y.backward(g)
+    W = qw.dequantize(torch.float32)
+    assert torch.allclose(x.grad, g @ W, atol=1e-5)
+    assert torch.allclose(bias.grad, g.reshape(-1, 8).sum(0), atol=1e-5)
+    torch.library.opcheck(torch.ops.pykernels.qmatmul.default,
+                          (x.detach().requires_grad_(), qw.packed, qw.scales, qw.offsets, None, None, None,
+                           8, 64, 4, 32, 0, "auto"), test_utils=("test_schema", "test_autograd_registration"))

@@ -176,6 +176,27 @@ def _(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, ac
     return x.new_empty(*x.shape[:-1], n)
 
 
+def _setup_context(ctx, inputs, output):
+    x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend = inputs
+    ctx.save_for_backward(packed, scales, offsets)
+    ctx.meta = (n, k, bits, group_size, x.dtype)
+    ctx.bias_needs_grad = bias is not None and bias.requires_grad
+
+
+def _backward(ctx, grad):
+    """d/dx of x @ W.T with W the dequantized weight (a straight-through estimator for act_bits);
+    the bias gets the usual sum. The quantized weight itself has no gradient."""
+    packed, scales, offsets = ctx.saved_tensors
+    n, k, bits, group_size, dtype = ctx.meta
+    W = F.dequantize_codes(F.unpack_tiles(packed, bits, n, k), scales, offsets, group_size, torch.float32)
+    gx = (grad.to(torch.float32) @ W).to(dtype)
+    gb = grad.reshape(-1, n).sum(0) if ctx.bias_needs_grad else None
+    return gx, None, None, None, None, None, gb, None, None, None, None, None, None
+
+
+_qmatmul_custom.register_autograd(_backward, setup_context=_setup_context)
+
+
 def qmatmul_op(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend):
     if act_bits and planes is None:
         raise ValueError("pykernels.qmatmul: act_bits needs the weight's bit planes")
