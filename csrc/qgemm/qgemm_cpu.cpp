@@ -628,6 +628,12 @@ void bitserial_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, int act_bits
 #endif
   const int64_t T = (N + RT - 1) / RT;
   const int64_t tile_words = s.G * s.q * s.gw * RT;
+  // Per token and group: sa * sum(u_a) + ma * len, the activation side of the affine recombination.
+  std::vector<double> act_terms(std::max<int64_t>(1, M * s.G));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < s.G; ++g)
+      act_terms[m * s.G + g] = A.sa[m] * (double)A.usum[m * s.G + g] +
+                               A.ma[m] * (double)(std::min(K, (g + 1) * s.gsize) - g * s.gsize);
   pk::parallel_ranges(T, num_threads, [&](int, int64_t t0, int64_t t1) {
     std::vector<int64_t> Iall(std::max<int64_t>(1, s.G) * RT);
     for (int64_t t = t0; t < t1; ++t) {
@@ -637,16 +643,22 @@ void bitserial_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, int act_bits
         double acc[RT] = {0, 0, 0, 0};
         const double sa = A.sa[m], ma = A.ma[m];
         groups_fn(&A.planes[m * s.G * s.p * s.gw], W + t * tile_words, s, Iall.data());
-        for (int64_t g = 0; g < s.G; ++g) {
-          const int64_t* I = &Iall[g * RT];
-          const double len = (double)(std::min(K, (g + 1) * s.gsize) - g * s.gsize);
-          const double ua = A.usum[m * s.G + g];
-          for (int r = 0; r < rows; ++r) {
-            const int64_t n = n0 + r;
-            if (iout) { iout[(m * N + n) * s.G + g] = I[r]; continue; }
-            const double sw = sc[n * s.G + g], mw = of[n * s.G + g], uw = ws[n * s.G + g];
-            acc[r] += sa * sw * (double)I[r] + sa * mw * ua + ma * sw * uw + ma * mw * len;
-          }
+        if (iout) {
+          for (int r = 0; r < rows; ++r)
+            for (int64_t g = 0; g < s.G; ++g) iout[(m * N + n0 + r) * s.G + g] = Iall[g * RT + r];
+          continue;
+        }
+        // Row by row, groups innermost: the weight-side terms are contiguous in g.
+        const double* c1 = &act_terms[m * s.G];
+        for (int r = 0; r < rows; ++r) {
+          const int64_t n = n0 + r;
+          const float* swr = sc + n * s.G;
+          const float* mwr = of + n * s.G;
+          const int32_t* uwr = ws + n * s.G;
+          double a = 0;
+          for (int64_t g = 0; g < s.G; ++g)
+            a += (double)swr[g] * (sa * (double)Iall[g * RT + r] + ma * (double)uwr[g]) + (double)mwr[g] * c1[g];
+          acc[r] = a;
         }
         if (iout) continue;
         for (int r = 0; r < rows; ++r) {
