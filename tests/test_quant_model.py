@@ -201,3 +201,19 @@ def test_qmatmul_backward_to_activations_and_bias():
     torch.library.opcheck(torch.ops.pykernels.qmatmul.default,
                           (x.detach().requires_grad_(), qw.packed, qw.scales, qw.offsets, None, None, None,
                            8, 64, 4, 32, 0, "auto"), test_utils=("test_schema", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("N,K,bits,group_size,scheme,act_bits", [(10, 96, 4, 32, "asym", None), (7, 200, 6, 64, "bipolar", None),
+                                                                   (9, 33, 2, -1, "bipolar", 2), (5, 64, 8, 32, "sym", 4)])
+def test_empty_quantlinear_buffers_match_quantize(N, K, bits, group_size, scheme, act_bits):
+    lin = nn.Linear(K, N)
+    full = QuantLinear.from_linear(lin, bits, group_size, scheme, act_bits)
+    empty = QuantLinear(K, N, True, bits=bits, group_size=group_size, scheme=scheme, act_bits=act_bits)
+    a, b = full.state_dict(), empty.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].shape == b[k].shape and a[k].dtype == b[k].dtype, k
+    empty.load_state_dict(a)
+    x = torch.randn(3, K)
+    assert torch.equal(empty(x), full(x))
