@@ -200,6 +200,11 @@ _qmatmul_custom.register_autograd(_backward, setup_context=_setup_context)
 def qmatmul_op(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend):
     if act_bits and planes is None:
         raise ValueError("pykernels.qmatmul: act_bits needs the weight's bit planes")
+    if (type(x) is torch.Tensor and not x.requires_grad and (bias is None or not bias.requires_grad)
+            and not torch.compiler.is_compiling()):
+        # Eager fast path (same implementation, minus the torch.library dispatch layers: ~10% of a
+        # 4096x4096 GEMV). Tracing, fake tensors and autograd go through the registered op.
+        return _impl(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend)
     return torch.ops.pykernels.qmatmul(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size,
                                        act_bits, backend)
 
