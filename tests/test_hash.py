@@ -679,3 +679,36 @@ _sm = settings(max_examples=25, stateful_step_count=25, deadline=None)
 TestMapMachine = _sm(MapMachine).TestCase
 TestCountMachine = _sm(CountMachine).TestCase
 TestMultiMachine = _sm(MultiMachine).TestCase
+
+
+# ---------------------------------------------------------------------------------------------
+# autotuning: the hash Tunables measure, cache and are then used by dispatch
+# ---------------------------------------------------------------------------------------------
+def test_autotune_hash_find_and_insert(tmp_cache):
+    from pykernels import autotune
+
+    t = HashMap(20000)
+    keys = torch.arange(8000, dtype=torch.int64) * 31
+    t.insert(keys, keys)
+    cfg = autotune.tune("hash_find", t, keys, budget_s=0.02)
+    assert set(cfg) == {"prefetch", "threads"}
+    key = {"slot_bytes": 16, "table_bytes": autotune.bucket(t.capacity * 16)}
+    assert autotune.config_for("hash_find", "cpu", key, torch.device("cpu")) == cfg
+    cfg_i = autotune.tune("hash_insert", t, keys, budget_s=0.02)
+    assert set(cfg_i) == {"prefetch", "threads"}
+    # timed inserts go to a scratch table: the user's table is untouched
+    v, f = t.find(keys)
+    assert bool(f.all()) and torch.equal(v, keys) and len(t) == 8000
+    assert [tn.op for tn in autotune.registered("hash")] == ["hash_find", "hash_insert"]
+
+
+@pytest.mark.parametrize("prefetch", [1, 3, 64, 100])
+def test_any_prefetch_distance_is_correct(prefetch):
+    from pykernels.hashing import _tune
+
+    t = HashMap(5000, max_load_factor=0.99)
+    keys = torch.randperm(4900, dtype=torch.int64) * 977
+    _tune._run_insert({"prefetch": prefetch, "threads": 2}, t, keys)
+    t = _tune._SCRATCH[t]
+    vals = _tune._run_find({"prefetch": prefetch, "threads": 1}, t, torch.cat([keys, keys + 1]))
+    assert torch.equal(vals[:4900], keys) and bool((vals[4900:] == 0).all())

@@ -270,6 +270,13 @@ class _OpenTable:
                 vb = torch.cat([vb, *sv])
         return kb, vb
 
+    def device_view(self):
+        """The table's arrays for numba.cuda device functions (pykernels.hashing.device); use as a
+        context manager around the kernel launch so len() takes in what the kernel inserted."""
+        from .device import DeviceView
+
+        return DeviceView(self)
+
     def clear(self):
         """Removes every key; keeps the capacity."""
         with self._lock:

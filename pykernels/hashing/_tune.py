@@ -10,6 +10,8 @@ is chosen when a table is created ("hash_table"); "hash_insert"/"hash_find" tune
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .. import autotune
@@ -72,21 +74,25 @@ def _find_with(table, keys, config):
     return vals
 
 
-def _insert_setup(args, kwargs):
-    """A fresh, empty table of the example's size for every timed insert."""
-    table, keys = args
-    fresh = type(table)(table.capacity, key_dtype=table.key_dtype, value_dtype=table.value_dtype,
-                        device=table.device, window=table.window)
-    return (fresh, keys), kwargs
+_SCRATCH = weakref.WeakKeyDictionary()
 
 
 def _run_insert(config, table, keys):
+    """Times inserts into an empty scratch table of the example table's layout (the user's table is
+    left untouched)."""
     from . import _layout as L
 
+    scratch = _SCRATCH.get(table)
+    if scratch is None:
+        scratch = _SCRATCH[table] = type(table)(table.capacity, key_dtype=table.key_dtype,
+                                                value_dtype=table.value_dtype, device=table.device,
+                                                window=table.window, max_load_factor=1.0, growable=False)
     kbits = L.key_bits(keys)
     status = torch.empty(kbits.numel(), dtype=torch.uint8, device=table.device)
-    with table._lock:
-        table._native_insert(kbits, kbits, status, 0, config)
+    vbits = kbits if scratch._vb == scratch._kb else torch.zeros(kbits.numel(), dtype=L._BITS[scratch._vb])
+    with scratch._lock:
+        scratch.clear()
+        scratch._native_insert(kbits, vbits if scratch._vb else None, status, 0, config)
 
 
 autotune.register(autotune.Tunable(
@@ -95,4 +101,4 @@ autotune.register(autotune.Tunable(
 
 autotune.register(autotune.Tunable(
     op="hash_insert", group="hash", backend="cpu", make_key=_key, default=_cpu_default,
-    candidates=_cpu_candidates, run=_run_insert, examples=_examples, setup=_insert_setup))
+    candidates=_cpu_candidates, run=_run_insert, examples=_examples))
