@@ -699,7 +699,7 @@ def test_autotune_hash_find_and_insert(tmp_cache):
     # timed inserts go to a scratch table: the user's table is untouched
     v, f = t.find(keys)
     assert bool(f.all()) and torch.equal(v, keys) and len(t) == 8000
-    assert [tn.op for tn in autotune.registered("hash")] == ["hash_find", "hash_insert"]
+    assert {"hash_find", "hash_insert", "hash_table"} <= {tn.op for tn in autotune.registered("hash")}
 
 
 @pytest.mark.parametrize("prefetch", [1, 3, 64, 100])

@@ -23,6 +23,7 @@ ST_EXISTED, ST_NEW, ST_PENDING, ST_SKIPPED = 0, 1, 2, 3
 M_UPSERT, M_ADD, M_APPEND = 0, 1, 2
 
 _SUPPORTED = ("cpu", "cuda")
+_GPU_WINDOWS = (1, 2, 4, 8, 16, 32)  # group sizes hash.cu is instantiated for
 _HUGE = 2 << 20
 _HUGE_MIN_BYTES = 8 << 20
 
@@ -82,6 +83,9 @@ class _OpenTable:
         self.window = int(window) if window is not None else default_window(self._sb, self.device)
         if not 1 <= self.window <= 32:
             raise ValueError(f"pykernels.{op}: expected 'window' in 1..32, got {self.window}")
+        if self.device.type == "cuda" and self.window not in _GPU_WINDOWS:
+            raise ValueError(f"pykernels.{op}: expected 'window' (the probing-group size) in {_GPU_WINDOWS} on "
+                             f"the GPU, got {self.window}")
         self._lock = threading.RLock()
         self._alloc(capacity)
 

@@ -102,3 +102,43 @@ autotune.register(autotune.Tunable(
 autotune.register(autotune.Tunable(
     op="hash_insert", group="hash", backend="cpu", make_key=_key, default=_cpu_default,
     candidates=_cpu_candidates, run=_run_insert, examples=_examples))
+
+
+# ---- GPU: the probing-group size (= window) of a new table ------------------------------------
+def _gpu_table_key(table, keys=None, **kw):
+    return {"slot_bytes": table._sb}
+
+
+def _gpu_table_default(key):
+    return {"window": 8}  # WarpCore's default group size
+
+
+def _gpu_table_candidates(key):
+    # one group of G lanes loads G slots: keep a window within 2 x 128-byte lines
+    return [{"window": w} for w in (2, 4, 8, 16, 32) if w * key["slot_bytes"] <= 256]
+
+
+def _run_gpu_table(config, table, keys):
+    """Build a table of this layout with the candidate window, insert the keys and find them."""
+    t = type(table)(table.capacity, key_dtype=table.key_dtype, value_dtype=table.value_dtype, device=table.device,
+                    window=config["window"], max_load_factor=1.0, growable=False)
+    t.insert(keys, keys)
+    return t.find(keys)
+
+
+def _gpu_examples(sizes):
+    out = []
+    for n in sizes or [1 << 22]:
+        for load in (0.5, 0.9):
+            from . import HashMap
+
+            t = HashMap(int(n / load), key_dtype=torch.int64, value_dtype=torch.int64, device="cuda")
+            keys = torch.randperm(4 * n, device="cuda")[:n]
+            out.append(((t, keys), {}))
+    return out
+
+
+autotune.register(autotune.Tunable(
+    op="hash_table", group="hash", backend="cuda", make_key=_gpu_table_key, default=_gpu_table_default,
+    candidates=_gpu_table_candidates, run=_run_gpu_table,
+    examples=lambda sizes: _gpu_examples(sizes) if torch.cuda.is_available() else []))
