@@ -712,3 +712,19 @@ def test_any_prefetch_distance_is_correct(prefetch):
     t = _tune._SCRATCH[t]
     vals = _tune._run_find({"prefetch": prefetch, "threads": 1}, t, torch.cat([keys, keys + 1]))
     assert torch.equal(vals[:4900], keys) and bool((vals[4900:] == 0).all())
+
+
+@pytest.mark.parametrize("cls,kw", [(HashMap, dict(key_dtype=torch.int32, value_dtype=torch.int32)),
+                                    (HashMap, dict(key_dtype=torch.int32, value_dtype=torch.int64)),
+                                    (HashMap, dict(key_dtype=torch.uint64, value_dtype=torch.int8)),
+                                    (HashMap, dict(key_dtype=torch.int64, value_dtype=torch.float64)),
+                                    (HashSet, dict(key_dtype=torch.uint32)), (HashSet, dict(key_dtype=torch.int64)),
+                                    (CountingTable, dict(key_dtype=torch.int32))])
+def test_gpu_init_path_matches_native_layout(cls, kw):
+    # GPU tables initialize their slots with torch ops: byte-identical to the native CPU init
+    t = cls(100, **kw)
+    a = t._slots.clone()
+    b = torch.full_like(t._slots, 12345)
+    t._init_slots_torch(b)
+    assert torch.equal(a, b)
+    assert t._sb == {(4, 0): 4, (8, 0): 8, (4, 4): 8}.get((t._kb, t._vb), 16)

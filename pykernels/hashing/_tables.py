@@ -121,6 +121,10 @@ class _OpenTable:
             self._mod.init_slots(slots.data_ptr(), slots.numel() * 4 // self._sb, self._kb, self._vb,
                                  torch.get_num_threads())
             return
+        self._init_slots_torch(slots)
+
+    def _init_slots_torch(self, slots):
+        """The same initialization with torch ops (GPU tables)."""
         rows = slots.view(-1, self._sb // 4)
         rows.zero_()
         rows[:, : self._kb // 4].fill_(-1)
