@@ -728,3 +728,29 @@ def test_gpu_init_path_matches_native_layout(cls, kw):
     t._init_slots_torch(b)
     assert torch.equal(a, b)
     assert t._sb == {(4, 0): 4, (8, 0): 8, (4, 4): 8}.get((t._kb, t._vb), 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library: the kernels are ops with fake implementations
+# ---------------------------------------------------------------------------------------------
+def test_hash_ops_pass_opcheck_and_compile_fullgraph():
+    from pykernels.hashing import _ops
+
+    t = HashMap(200)
+    keys = torch.arange(50, dtype=torch.int64) * 7
+    t.insert(keys, keys + 1)
+    args = (t._slots, t._special, keys, t._nw, t.window, t.seed, t._kb, t._vb, -1, True, 1, 8)
+    torch.library.opcheck(torch.ops.pykernels.hash_find.default, args)
+    s2, sp2 = t._slots.clone(), t._special.clone()
+    more = torch.arange(50, 60, dtype=torch.int64)
+    torch.library.opcheck(torch.ops.pykernels.hash_insert_.default,
+                          (s2, sp2, more, more, t._nw, t.window, t.seed, t._kb, t._vb, 0, t._used, 10 ** 6, 1, 8),
+                          test_utils=("test_schema", "test_faketensor"))
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def lookup_plus_one(slots, special, q):
+        vals, found = torch.ops.pykernels.hash_find(slots, special, q, t._nw, t.window, t.seed, 8, 8, -1, True, 1, 8)
+        return torch.where(found, vals + 1, vals)
+
+    q = torch.cat([keys, torch.tensor([3, 5])])
+    assert lookup_plus_one(t._slots, t._special, q).tolist() == [k + 2 for k in keys.tolist()] + [-1, -1]

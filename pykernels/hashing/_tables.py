@@ -16,6 +16,7 @@ import torch
 from .. import _backend, _native, autotune
 from ..errors import TableFullError
 from . import _layout as L
+from . import _ops
 
 # insert status codes (hash_cpu.cpp)
 ST_EXISTED, ST_NEW, ST_PENDING, ST_SKIPPED = 0, 1, 2, 3
@@ -76,7 +77,7 @@ class _OpenTable:
         self.value_dtype = value_dtype
         self.max_load_factor = float(max_load_factor)
         self.growable = bool(growable)
-        self.seed = int(seed) & L.M64
+        self.seed = int(seed) & ((1 << 63) - 1)  # an int64 in the op schemas
         self._kb = L.key_bytes(key_dtype)
         self._vb = self._slot_value_bytes()
         self._sb = L.slot_bytes(self._kb, self._vb)
@@ -165,21 +166,21 @@ class _OpenTable:
     def _stream(self):
         return (_native.cuda_stream_handle(self.device),) if self.device.type == "cuda" else ()
 
-    def _native_insert(self, kbits, vbits, status, mode, cfg):
-        n = kbits.numel()
-        return self._mod.insert(*self._geo(), kbits.data_ptr(), vbits.data_ptr() if vbits is not None else 0, n,
-                                status.data_ptr(), mode, self._used, self._limit(), self._threads(cfg),
-                                int(cfg.get("prefetch", 32)), *self._stream())
+    def _native_insert(self, kbits, vbits, mode, cfg):
+        """One bulk insert through torch.ops.pykernels.hash_insert_: (status, (new, new_empty, pending))."""
+        status, counts = _ops.hash_insert_(self._slots, self._special, kbits, vbits, self._nw, self.window, self.seed,
+                                           self._kb, self._vb, mode, self._used, self._limit(), self._threads(cfg),
+                                           int(cfg.get("prefetch", 32)))
+        return status, tuple(int(c) for c in counts.tolist())
 
     def _insert_bits(self, op, kbits, vbits, mode):
         """Inserts, making room (tombstone purge / growth) for keys left out by a full table.
         Returns the per-key status (uint8)."""
         n = kbits.numel()
-        status = self._out(n, torch.uint8)
         if n == 0:
-            return status
+            return torch.empty(0, dtype=torch.uint8, device=self.device)
         cfg = self._config("hash_insert")
-        new, new_empty, pending = self._native_insert(kbits, vbits, status, mode, cfg)
+        status, (new, new_empty, pending) = self._native_insert(kbits, vbits, mode, cfg)
         self._size += new
         self._used += new_empty
         while pending:
@@ -192,9 +193,8 @@ class _OpenTable:
                 self._rehash(max(2 * self.capacity, need))
             else:
                 raise TableFullError(op, pending, self.capacity)
-            sub_status = torch.empty(idx.numel(), dtype=torch.uint8, device=self.device)
             sub_v = vbits[idx] if vbits is not None else None
-            new, new_empty, pending2 = self._native_insert(kbits[idx], sub_v, sub_status, mode, cfg)
+            sub_status, (new, new_empty, pending2) = self._native_insert(kbits[idx], sub_v, mode, cfg)
             self._size += new
             self._used += new_empty
             status[idx] = sub_status
@@ -218,31 +218,13 @@ class _OpenTable:
         self._slots, self._nw = new_slots, new_nw
         self._used = moved
 
-    def _out(self, n, dtype):
-        """An output buffer. Large CPU outputs are 2 MiB-aligned views advised to use huge pages:
-        the first touch of a fresh 4 KiB-paged buffer costs a page fault per 4 KiB, which for a
-        lookup writing 9 bytes per key was ~20% of the time."""
-        nbytes = n * dtype.itemsize
-        if self.device.type != "cpu" or nbytes < 2 * _HUGE:
-            return torch.empty(n, dtype=dtype, device=self.device)
-        raw = torch.empty(nbytes + _HUGE, dtype=torch.uint8)
-        off = -raw.data_ptr() % _HUGE
-        out = raw[off: off + nbytes].view(dtype)
-        self._mod.advise_hugepages(out.data_ptr(), nbytes)
-        return out
-
     def _find_bits(self, kbits, want_values, default_bits=0):
-        n = kbits.numel()
-        found = self._out(n, torch.uint8)
-        vals = None
-        if want_values and self._vb:
-            vals = self._out(n, L._BITS[self._vb])
-        if n:
-            cfg = self._config("hash_find")
-            self._mod.find(*self._geo(), kbits.data_ptr(), n, vals.data_ptr() if vals is not None else 0,
-                           found.data_ptr(), default_bits, self._threads(cfg), int(cfg.get("prefetch", 32)),
-                           *self._stream())
-        return vals, found.view(torch.bool)
+        cfg = self._config("hash_find") if kbits.numel() else {}
+        signed_default = default_bits - (1 << 64) if default_bits >= 1 << 63 else default_bits
+        vals, found = _ops.hash_find(self._slots, self._special, kbits, self._nw, self.window, self.seed, self._kb,
+                                     self._vb, signed_default, bool(want_values), self._threads(cfg),
+                                     int(cfg.get("prefetch", 32)))
+        return (vals if want_values and self._vb else None), found
 
     def _erase_bits(self, kbits):
         n = kbits.numel()

@@ -65,13 +65,15 @@ def _run_find(config, table, keys):
 def _find_with(table, keys, config):
     from . import _layout as L
 
-    kbits = L.key_bits(keys)
-    n = kbits.numel()
-    found = torch.empty(n, dtype=torch.uint8, device=table.device)
-    vals = torch.empty(n, dtype=L._BITS[table._vb], device=table.device)
-    table._mod.find(*table._geo(), kbits.data_ptr(), n, vals.data_ptr(), found.data_ptr(), 0,
-                    table._threads(config), int(config.get("prefetch", 16)), *table._stream())
+    vals, _ = _find_cfg(table, L.key_bits(keys), config)
     return vals
+
+
+def _find_cfg(table, kbits, config):
+    from . import _ops
+
+    return _ops.hash_find(table._slots, table._special, kbits, table._nw, table.window, table.seed, table._kb,
+                          table._vb, 0, True, table._threads(config), int(config.get("prefetch", 32)))
 
 
 _SCRATCH = weakref.WeakKeyDictionary()
@@ -88,11 +90,12 @@ def _run_insert(config, table, keys):
                                                 value_dtype=table.value_dtype, device=table.device,
                                                 window=table.window, max_load_factor=1.0, growable=False)
     kbits = L.key_bits(keys)
-    status = torch.empty(kbits.numel(), dtype=torch.uint8, device=table.device)
-    vbits = kbits if scratch._vb == scratch._kb else torch.zeros(kbits.numel(), dtype=L._BITS[scratch._vb])
+    vbits = None
+    if scratch._vb:
+        vbits = kbits if scratch._vb == scratch._kb else torch.zeros(kbits.numel(), dtype=L._BITS[scratch._vb])
     with scratch._lock:
         scratch.clear()
-        scratch._native_insert(kbits, vbits if scratch._vb else None, status, 0, config)
+        scratch._native_insert(kbits, vbits, 0, config)
 
 
 autotune.register(autotune.Tunable(
