@@ -54,7 +54,10 @@ def problem_key(q, k, v=None, causal=False, **_) -> dict:
 # Backend implementations (called inside the custom ops, so dynamo never traces them)
 # ----------------------------------------------------------------------------------------------
 def _all_finite(*tensors) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    """False if any element is NaN or +-inf (or, harmlessly, if a sum overflows): one reduction per tensor
+    and no boolean temporaries, so the check costs a read of the inputs."""
+    acc = _cpu.acc_dtype(tensors[0].dtype)
+    return bool(torch.isfinite(sum(t.sum(dtype=acc) for t in tensors)))
 
 
 def _forward_impl(q, k, v, causal: bool, scale: float, backend: str, config: Optional[dict] = None):
