@@ -335,3 +335,34 @@ def test_autotune_cpu_picks_a_candidate(tmp_cache):
     (args, kwargs), = [e for e in bwd.examples([32]) if e[1]["causal"]][:1]
     cfg_b = at.tune("flash_attention_backward", *args, budget_s=0.05, **kwargs)
     assert cfg_b["impl"] in ("flash", "blocked")
+
+
+@pytest.mark.parametrize("impl", ["flash", "blocked"])
+def test_backward_per_key_block_with_global_out_and_lse(impl):
+    """Ring attention's use: split the keys into blocks, call the backward per block with the global
+    out/lse; dk/dv concatenate and dq sums to the full gradient (causal diagonal block included)."""
+    from pykernels.attention import flash_attention_backward
+
+    q, k, v = make(1, 4, 2, 12, 12, 16, torch.float32, seed=11)
+    out, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    dout = torch.randn_like(out)
+    full = flash_attention_backward(dout, q, k, v, out, lse, causal=True)
+    # keys [0, 5) are visible to the rows [5, 12) without a mask; keys [5, 12) vs rows [5, 12) are the
+    # square causal diagonal block (rows [0, 5) handled with their own diagonal block of keys [0, 5)).
+    dq = torch.zeros_like(q)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    pieces = [((0, 5), (0, 5), True), ((5, 12), (0, 5), False), ((5, 12), (5, 12), True)]
+    for (r0, r1), (c0, c1), causal in pieces:
+        args = (dout[:, :, r0:r1], q[:, :, r0:r1], k[:, :, c0:c1], v[:, :, c0:c1], out[:, :, r0:r1],
+                lse[:, :, r0:r1])
+        if impl == "flash":
+            g = flash_attention_backward(*args, causal=causal)
+        else:
+            g = _backward_impl(args[0], None, *args[1:], causal, 0.25, "cpu", {"impl": "blocked"})
+        dq[:, :, r0:r1] += g[0]
+        dk[:, :, c0:c1] += g[1]
+        dv[:, :, c0:c1] += g[2]
+    for a, b in zip((dq, dk, dv), full):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="'lse' of shape"):
+        flash_attention_backward(dout, q, k, v, out, lse[:, :, 1:])

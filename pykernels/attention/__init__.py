@@ -34,7 +34,7 @@ from .._backend import dispatch
 from ..errors import check_same_device
 from . import _cpu
 
-__all__ = ["flash_attention"]
+__all__ = ["flash_attention", "flash_attention_backward"]
 
 OP = "flash_attention"
 OP_BWD = "flash_attention_backward"
@@ -200,6 +200,38 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = N
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, lse = torch.ops.pykernels.flash_attention(q, k, v, bool(causal), scale, backend)
     return (out, lse) if return_lse else out
+
+
+def flash_attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, scale: Optional[float] = None,
+                             dlse=None, backend: str = "auto"):
+    """dq, dk, dv of attention of q over (k, v) given an `out` and `lse` computed elsewhere.
+
+    The building block of ring/context-parallel attention (BurstAttention, ring-flash-attention): with
+    the *global* out and lse of the queries (merged over every key block), P = exp(S - lse) is the
+    block's exact share of the softmax, so calling this once per key block gives that block's dk/dv
+    and a partial dq that sums to the full dq. `dlse` is the gradient flowing into lse, if any.
+    Same layouts, dtypes and causal alignment as `flash_attention`; lse is float32 [B, H, S_q].
+    """
+    q = _native.as_tensor(q, OP_BWD, "q")
+    k = _native.as_tensor(k, OP_BWD, "k")
+    v = _native.as_tensor(v, OP_BWD, "v")
+    _check(q, k, v, scale, backend)
+    B, H, Sq, D = q.shape
+    for name, t, shape in (("dout", dout, (B, H, Sq, D)), ("out", out, (B, H, Sq, D)), ("lse", lse, (B, H, Sq)),
+                           ("dlse", dlse, (B, H, Sq))):
+        if t is None and name == "dlse":
+            continue
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"pykernels.flash_attention_backward: expected '{name}' of shape {shape}, got {got}")
+    if dout.dtype != q.dtype or out.dtype != q.dtype:
+        raise TypeError(f"pykernels.flash_attention_backward: expected 'dout' and 'out' of dtype {q.dtype}, "
+                        f"got {dout.dtype} and {out.dtype}")
+    if not lse.is_floating_point():
+        raise TypeError(f"pykernels.flash_attention_backward: expected a float32 'lse', got {lse.dtype}")
+    check_same_device(OP_BWD, q=q, k=k, v=v, dout=dout, out=out, lse=lse)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    return torch.ops.pykernels.flash_attention_backward(dout, dlse, q, k, v, out, lse, bool(causal), scale, backend)
 
 
 from . import _tuning  # noqa: E402,F401  (registers the Tunables)
