@@ -55,9 +55,9 @@ def problem_key(q, k, v=None, causal=False, **_) -> dict:
 # ----------------------------------------------------------------------------------------------
 def _all_finite(*tensors) -> bool:
     """False if any element is NaN or +-inf (or, harmlessly, if a sum overflows): one reduction per tensor
-    and no boolean temporaries, so the check costs a read of the inputs."""
-    acc = _cpu.acc_dtype(tensors[0].dtype)
-    return bool(torch.isfinite(sum(t.sum(dtype=acc) for t in tensors)))
+    and no boolean temporaries, so the check costs a read of the tensors."""
+    # (t.sum() and not t.sum(dtype=...): the latter took a slow path, 1000x slower, in torch 2.13 on CPU)
+    return bool(torch.isfinite(sum(t.sum().float() for t in tensors)))
 
 
 def _forward_impl(q, k, v, causal: bool, scale: float, backend: str, config: Optional[dict] = None):
@@ -69,11 +69,15 @@ def _forward_impl(q, k, v, causal: bool, scale: float, backend: str, config: Opt
         from . import _triton
 
         return _triton.forward(q, k, v, causal, scale, cfg)
-    if cfg.get("impl", "flash") == "blocked" or not _all_finite(q, k, v):
-        # aten's flash kernels turn a NaN row into zeros; the blocked path propagates NaN/inf exactly
-        # as the math does (the check reads the inputs once: O(S*D) against O(S^2*D) of work).
-        return _cpu.blocked_forward(q, k, v, causal, scale, chunk_elems=int(cfg.get("chunk_elems", 1 << 22)))
-    return _cpu.flash_forward(q, k, v, causal, scale)
+    if cfg.get("impl", "flash") != "blocked" and _all_finite(q):
+        out, lse = _cpu.flash_forward(q, k, v, causal, scale)
+        # aten's flash kernels turn a query row holding NaN into zeros (checked above); non-finite keys
+        # or values show up as a non-finite lse or out, which the blocked path then reproduces exactly
+        # as the math does. lse is small; out is only read when lse was finite.
+        live = lse[:, :, max(0, q.shape[2] - k.shape[2]):] if causal else lse  # rows that see keys
+        if k.shape[2] == 0 or bool(torch.isfinite(live.sum())):
+            return out, lse
+    return _cpu.blocked_forward(q, k, v, causal, scale, chunk_elems=int(cfg.get("chunk_elems", 1 << 22)))
 
 
 def _backward_impl(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, backend: str,
@@ -88,7 +92,7 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, ba
         from . import _triton
 
         return _triton.backward(dout, dlse, q, k, v, out, lse, causal, scale, cfg)
-    if dlse is not None or cfg.get("impl", "flash") == "blocked" or not _all_finite(q, k, v, dout):
+    if dlse is not None or cfg.get("impl", "flash") == "blocked" or not _all_finite(dout, out, lse):
         # aten's backward derives D = rowsum(dO * O) itself, so it cannot take an LSE gradient.
         return _cpu.blocked_backward(dout, q, k, v, out, lse, causal, scale, dlse=dlse,
                                      chunk_elems=int(cfg.get("chunk_elems", 1 << 22)))
@@ -102,14 +106,20 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, ba
 def _flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                         backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _forward_impl(q, k, v, causal, scale, backend)
-    return out.contiguous(), lse.contiguous()  # aten's CPU kernels return [B, S, H]-strided results
+    if q.device.type == "cpu" and backend != "triton":
+        return out.contiguous(), _cpu.to_bshd(lse)
+    return out.contiguous(), lse.contiguous()
 
 
 @_flash_attention_op.register_fake
 def _(q, k, v, causal, scale, backend):
+    # Strides as the real op returns them: out contiguous; lse in [B, S, H] memory order on CPU (the
+    # layout aten's kernels write, kept to avoid a copy), contiguous from the Triton kernels.
     B, H, Sq, _ = q.shape
     out = q.new_empty((B, H, Sq, v.shape[-1]))
     lse = q.new_empty((B, H, Sq), dtype=_cpu.acc_dtype(q.dtype))
+    if q.device.type == "cpu" and backend != "triton":
+        return out, _cpu.to_bshd(lse)
     return out, lse
 
 
@@ -124,7 +134,7 @@ def _flash_attention_backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor
 
 @_flash_attention_backward_op.register_fake
 def _(dout, dlse, q, k, v, out, lse, causal, scale, backend):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 
 
 def _setup_context(ctx, inputs, output):

@@ -38,6 +38,17 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def to_bshd(x: torch.Tensor) -> torch.Tensor:
+    """x ([B, H, S, D] or [B, H, S]) laid out in memory as [B, S, H, (D)]: the layout in which aten's CPU
+    flash kernels write the LSE, so the CPU backend returns it without a copy. No-op when x is already
+    laid out so."""
+    perm = (0, 2, 1, 3) if x.dim() == 4 else (0, 2, 1)
+    want = torch.empty([x.shape[p] for p in perm], dtype=x.dtype, device=x.device).permute(perm)
+    if x.stride() == want.stride():
+        return x
+    return want.copy_(x)
+
+
 def _empty_result(q, v, sk):
     B, H, Sq, _ = q.shape
     out = q.new_zeros((B, H, Sq, v.shape[-1]))
@@ -118,8 +129,8 @@ def flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
         return -dq, dk, dv
     g = H // Hkv
     aten_lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dout, q, out = dout.contiguous(), q.contiguous(), out.contiguous()
-    lse = lse.to(aten_lse_dtype).contiguous()
+    # aten's kernels take any strides; out and lse usually arrive in the [B, S, H] layout they wrote.
+    lse = lse.to(aten_lse_dtype)
     ke, ve = _expand_kv(k.contiguous(), g), _expand_kv(v.contiguous(), g)
     if not causal or Sq == Sk:
         dq, dke, dve = _ATEN_BWD(dout, q, ke, ve, out, lse, 0.0, causal, scale=scale)

@@ -390,6 +390,11 @@ def _aot_specs():
                 specs.append(_fwd_spec(d, dtype, c))
             for c in cfgs.bwd_configs(d, dtype):
                 specs.extend(_bwd_specs(d, dtype, c))
+    # The causal variant is the superset (it adds the diagonal mask); the non-causal one of the default
+    # configs is compiled too, for the common head dims.
+    for d in (64, 128):
+        specs.append(_fwd_spec(d, "bfloat16", cfgs.default_fwd(d, "bfloat16"), causal=False))
+        specs.extend(_bwd_specs(d, "bfloat16", cfgs.default_bwd(d, "bfloat16"), causal=False))
     return specs
 
 
