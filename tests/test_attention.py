@@ -366,3 +366,15 @@ def test_backward_per_key_block_with_global_out_and_lse(impl):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="'lse' of shape"):
         flash_attention_backward(dout, q, k, v, out, lse[:, :, 1:])
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 2, 5, 9, 24), (2, 6, 2, 9, 5, 16), (1, 3, 1, 8, 8, 8)])
+def test_gqa_expansion_fallback(monkeypatch, shape):
+    """If aten's kernels ever stop grouping K/V heads as we do, the wrapper expands them instead."""
+    from pykernels.attention import _cpu
+
+    assert _cpu.aten_handles_gqa() in (True, False)
+    monkeypatch.setattr(_cpu, "aten_handles_gqa", lambda: False)
+    q, k, v = make(*shape, torch.float32, seed=9)
+    for causal in (False, True):
+        check_forward_and_grads(q, k, v, causal)

@@ -13,8 +13,9 @@
                 The backward of each part uses the *global* out and lse (P = exp(S - lse),
                 D = rowsum(dO * O)), so the parts' dq add up and their dk/dv concatenate.
                 With S_q > S_k the first S_q - S_k rows see no key at all; the rest form a square.
-              * they silently accept fewer K/V heads; we expand GQA/MQA heads explicitly and reduce the
-                expanded dk/dv over each group of query heads.
+              * they accept fewer K/V heads without checking; `aten_handles_gqa()` probes once that they
+                group heads as we do (torch 2.13 does, and sums dk/dv per group), else GQA/MQA heads are
+                expanded explicitly and the expanded dk/dv reduced over each group.
 "blocked" - FlashAttention's tiling done with BLAS: the query rows are cut into chunks; per chunk the
             scores against the (causally) visible keys are one batched GEMM, a masked softmax in fp32 (or
             fp64), and one GEMM with V. GQA is a reshape (the query heads of a group share one GEMM), the
@@ -25,6 +26,8 @@
 Rows that see no key (causal with S_q > S_k, or S_k == 0): output 0 and lse -inf, and no gradient.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +62,27 @@ def _empty_result(q, v, sk):
 # ----------------------------------------------------------------------------------------------
 # "flash": aten's CPU flash kernels, wrapped
 # ----------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def aten_handles_gqa() -> bool:
+    """Whether this torch's CPU flash kernels read KV head h // (H // Hkv) for query head h (and sum dk/dv
+    over each group) when given fewer K/V heads. torch 2.13 does; the kernels do not check the head
+    counts, so rather than trust a version number this is probed once on a tiny case against explicit
+    expansion. If it ever fails, the heads are expanded (a copy of K/V per call)."""
+    g = torch.Generator().manual_seed(0)
+    q, do = torch.randn(1, 4, 5, 8, generator=g), torch.randn(1, 4, 5, 8, generator=g)
+    k, v = torch.randn(1, 2, 7, 8, generator=g), torch.randn(1, 2, 7, 8, generator=g)
+    try:
+        o, lse = _ATEN_FWD(q, k, v, 0.0, True, scale=0.3)
+        got = _ATEN_BWD(do, q, k, v, o, lse, 0.0, True, scale=0.3)
+    except RuntimeError:
+        return False
+    ke, ve = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    o2, lse2 = _ATEN_FWD(q, ke, ve, 0.0, True, scale=0.3)
+    dq2, dk2, dv2 = _ATEN_BWD(do, q, ke, ve, o2, lse2, 0.0, True, scale=0.3)
+    want = (o2, lse2, dq2, dk2.view(1, 2, 2, 7, 8).sum(2), dv2.view(1, 2, 2, 7, 8).sum(2))
+    return all(a.shape == b.shape and torch.allclose(a, b, atol=1e-5) for a, b in zip((o, lse, *got), want))
+
+
 def _expand_kv(x, groups):
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
@@ -87,7 +111,7 @@ def flash_forward(q, k, v, causal: bool, scale: float):
         return _empty_result(q, v, Sk)
     if Sk == 0:
         return _empty_result(q, v, Sk)
-    g = H // k.shape[1]
+    g = 1 if aten_handles_gqa() else H // k.shape[1]
     if scale < 0:  # aten scales after masking, so -inf * negative scale = +inf: fold the sign into q
         q, scale = -q, -scale
     q = q.contiguous()
@@ -114,20 +138,20 @@ def flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     """dq, dk, dv with aten's CPU flash backward (no LSE gradient: see `blocked_backward`)."""
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if q.numel() == 0 or k.numel() == 0:
-        return dq, dk, dv
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if causal and Sq > Sk:
         # Only the last Sk rows see keys; the others have no gradient.
         dead = Sq - Sk
         dq_l, dk, dv = flash_backward(dout[:, :, dead:], q[:, :, dead:], k, v, out[:, :, dead:],
                                       lse[:, :, dead:], True, scale)
+        dq = torch.zeros_like(q)
         dq[:, :, dead:] = dq_l
         return dq, dk, dv
     if scale < 0:  # see flash_forward: S = (-q) k^T |scale|, so dq changes sign
         dq, dk, dv = flash_backward(dout, -q, k, v, out, lse, causal, -scale)
         return -dq, dk, dv
-    g = H // Hkv
+    g = 1 if aten_handles_gqa() else H // Hkv
     aten_lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     # aten's kernels take any strides; out and lse usually arrive in the [B, S, H] layout they wrote.
     lse = lse.to(aten_lse_dtype)
