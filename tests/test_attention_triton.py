@@ -169,3 +169,17 @@ def test_gpu_compile_and_autotune(tmp_cache):
     cfg = at.tune("flash_attention", q, k, v, causal=True, budget_s=0.2)
     assert cfg in tc.fwd_configs(64, "bfloat16")
     check_forward_and_grads(q, k, v, True, backend="auto", tol=2.0)
+
+
+def test_huge_strides_are_made_int32_safe():
+    """In-head offsets are 32-bit in the kernels: a view whose rows are 2**30 elements apart is copied
+    to a contiguous tensor first, and a head too large even then is a clear error (meta tensors: no data)."""
+    from pykernels.attention import _triton
+
+    t = torch.empty_strided((1, 1, 3, 2), (0, 0, 2 ** 30, 1), device="meta")
+    fixed = _triton._i32_offsets(t)
+    assert fixed.is_contiguous() and fixed.shape == t.shape
+    ok = torch.empty((2, 4, 100, 64), device="meta").transpose(1, 2)
+    assert _triton._i32_offsets(ok) is ok
+    with pytest.raises(ValueError, match="S\\*D < 2\\*\\*31"):
+        _triton._i32_offsets(torch.empty((1, 1, 2 ** 25, 128), device="meta"))

@@ -266,6 +266,21 @@ def _check(q, k):
                          f"{tuple(q.shape)}")
 
 
+def _i32_offsets(t: torch.Tensor) -> torch.Tensor:
+    """The kernels add int64 (batch, head) offsets to 32-bit in-head offsets (row * stride + col): give
+    them a tensor whose in-head offsets fit in int32 (a copy only for huge strided views)."""
+    def span(x):
+        return sum((n - 1) * st for n, st in zip(x.shape[2:], x.stride()[2:]) if n > 0)
+
+    if span(t) < 2 ** 31:
+        return t
+    t = t.contiguous()
+    if span(t) >= 2 ** 31:
+        raise ValueError(f"pykernels.flash_attention: backend 'triton' needs S*D < 2**31 per head, got shape "
+                         f"{tuple(t.shape)}")
+    return t
+
+
 def _dot_prec(dtype):
     return "ieee" if dtype == torch.float32 or _upcast(dtype) else "tf32"  # 16-bit inputs ignore it
 
@@ -291,6 +306,7 @@ def forward(q, k, v, causal: bool, scale: float, cfg: dict):
     lse = torch.full((B, H, SQ), float("-inf"), dtype=torch.float32, device=q.device)
     if out.numel() == 0 or SK == 0:
         return out, lse
+    q, k, v = _i32_offsets(q), _i32_offsets(k), _i32_offsets(v)
     cfg = {**cfgs.default_fwd(D, str(q.dtype)), **(cfg or {})}
     bm, bn = int(cfg["BLOCK_M"]), int(cfg["BLOCK_N"])
     grid = (triton.cdiv(SQ, bm), H, B)
@@ -311,6 +327,7 @@ def backward(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, cfg: dic
     dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
     if q.numel() == 0 or k.numel() == 0:
         return dq, dk, dv
+    q, k, v, dout = _i32_offsets(q), _i32_offsets(k), _i32_offsets(v), _i32_offsets(dout)
     cfg = {**cfgs.default_bwd(D, str(q.dtype)), **(cfg or {})}
     # D_i = rowsum(dO * O) - dlse_i (FlashAttention-2's preprocessing step, with the LSE gradient folded in).
     delta = (dout.float() * out.float()).sum(-1)
