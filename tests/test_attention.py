@@ -408,3 +408,15 @@ def test_torch_compile_dynamic_shapes_and_partial_grads():
     qr = q.detach().double().requires_grad_()
     reference(qr, k, v, True)[0].sum().backward()
     assert_close(q.grad, qr.grad, torch.float32, "dq")
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 2, 5, 9, 24), (1, 1, 1, 33, 70, 7), (1, 2, 2, 1, 7, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rectangular_causal_split_path(monkeypatch, shape, dtype):
+    """S_q < S_k causal without the explicit mask (too large): prefix + square block, merged by LSE."""
+    from pykernels.attention import _cpu
+
+    monkeypatch.setattr(_cpu, "MASK_BYTES", 0)
+    assert _cpu._bottom_right_mask(5, 9, torch.float32) is None
+    q, k, v = make(*shape, dtype, seed=13)
+    check_forward_and_grads(q, k, v, True)

@@ -5,7 +5,8 @@
             their properties do not match our contract, so this module wraps them:
               * their causal mask is top-left aligned when S_q != S_k, ours is bottom-right (flash-attn's):
                 row i sees key j iff j <= i + (S_k - S_q). We never ask aten for a rectangular causal
-                mask. With S_q < S_k the keys split into a prefix [0, S_k - S_q) that every row sees
+                mask. With S_q < S_k we pass an explicit additive bottom-right mask (up to MASK_BYTES);
+                for larger problems the keys split into a prefix [0, S_k - S_q) that every row sees
                 (non-causal) and a square block where top-left == bottom-right; the two partial results
                 are merged with the numerically stable LSE form (as in ring attention):
                     out = out_a - sigmoid(lse_b - lse_a) * (out_a - out_b)
@@ -104,6 +105,21 @@ def _merge(out_a, lse_a, out_b, lse_b, out_dtype):
     return out.to(out_dtype), lse
 
 
+# Largest additive mask (bytes) built for a rectangular bottom-right causal problem (S_q < S_k). Up to
+# this size one masked aten call was 1.3-3x faster than the two-call split + merge here (2-core Zen 3,
+# S_q = 64..1024, S_k = 1024..2048); beyond it the split keeps memory at O(S).
+MASK_BYTES = 64 << 20
+
+
+def _bottom_right_mask(Sq: int, Sk: int, dtype):
+    """Additive [S_q, S_k] mask (0 where key j <= i + S_k - S_q, -inf elsewhere) in the query dtype, as
+    aten's kernels require; None when it would exceed MASK_BYTES."""
+    if Sq * Sk * torch.finfo(dtype).bits // 8 > MASK_BYTES:
+        return None
+    visible = torch.ones(Sq, Sk, dtype=torch.bool).tril(Sk - Sq)
+    return torch.zeros(Sq, Sk, dtype=dtype).masked_fill_(~visible, float("-inf"))
+
+
 def flash_forward(q, k, v, causal: bool, scale: float):
     B, H, Sq, D = q.shape
     Sk = k.shape[2]
@@ -121,6 +137,10 @@ def flash_forward(q, k, v, causal: bool, scale: float):
         out, lse = _ATEN_FWD(q, k, v, 0.0, causal, scale=scale)
         return out, lse.to(acc_dtype(q.dtype))
     if Sq < Sk:
+        mask = _bottom_right_mask(Sq, Sk, q.dtype)
+        if mask is not None:
+            out, lse = _ATEN_FWD(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+            return out, lse.to(acc_dtype(q.dtype))
         off = Sk - Sq
         out_a, lse_a = _ATEN_FWD(q, k[:, :, :off], v[:, :, :off], 0.0, False, scale=scale)
         out_b, lse_b = _ATEN_FWD(q, k[:, :, off:], v[:, :, off:], 0.0, True, scale=scale)
@@ -158,6 +178,10 @@ def flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     ke, ve = _expand_kv(k.contiguous(), g), _expand_kv(v.contiguous(), g)
     if not causal or Sq == Sk:
         dq, dke, dve = _ATEN_BWD(dout, q, ke, ve, out, lse, 0.0, causal, scale=scale)
+        return dq, _reduce_kv(dke, g), _reduce_kv(dve, g)
+    mask = _bottom_right_mask(Sq, Sk, q.dtype)
+    if mask is not None:
+        dq, dke, dve = _ATEN_BWD(dout, q, ke, ve, out, lse, 0.0, False, attn_mask=mask, scale=scale)
         return dq, _reduce_kv(dke, g), _reduce_kv(dve, g)
     off = Sk - Sq  # Sq < Sk: prefix every row sees + square causal block, both with the global out/lse
     dq_a, dk_a, dv_a = _ATEN_BWD(dout, q, ke[:, :, :off].contiguous(), ve[:, :, :off].contiguous(),
