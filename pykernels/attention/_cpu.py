@@ -108,7 +108,8 @@ def _merge(out_a, lse_a, out_b, lse_b, out_dtype):
 # Largest additive mask (bytes) built for a rectangular bottom-right causal problem (S_q < S_k). Up to
 # this size one masked aten call was 1.3-3x faster than the two-call split + merge here (2-core Zen 3,
 # S_q = 64..1024, S_k = 1024..2048); beyond it the split keeps memory at O(S).
-MASK_BYTES = 64 << 20
+# The last few masks are kept (at most 4 x MASK_BYTES): repeated calls of one shape reuse them.
+MASK_BYTES = 16 << 20
 
 
 def _bottom_right_mask(Sq: int, Sk: int, dtype):
@@ -116,8 +117,13 @@ def _bottom_right_mask(Sq: int, Sk: int, dtype):
     aten's kernels require; None when it would exceed MASK_BYTES."""
     if Sq * Sk * torch.finfo(dtype).bits // 8 > MASK_BYTES:
         return None
-    visible = torch.ones(Sq, Sk, dtype=torch.bool).tril(Sk - Sq)
-    return torch.zeros(Sq, Sk, dtype=dtype).masked_fill_(~visible, float("-inf"))
+    return _mask_cached(Sq, Sk, dtype)
+
+
+@functools.lru_cache(maxsize=4)
+def _mask_cached(Sq: int, Sk: int, dtype):
+    # -inf strictly above the diagonal j - i = S_k - S_q, 0 on and below it (never written to by aten)
+    return torch.full((Sq, Sk), float("-inf"), dtype=dtype).triu_(Sk - Sq + 1)
 
 
 def flash_forward(q, k, v, causal: bool, scale: float):
