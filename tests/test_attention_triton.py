@@ -4,7 +4,6 @@ Without a GPU they run under TRITON_INTERPRET=1 on small CPU tensors (the interp
 stay small, with 16x16 tiles so that several tiles, masked edges and the causal diagonal are all
 exercised). The @pytest.mark.gpu tests run the compiled kernels on a real GPU, with the tuned configs.
 """
-import math
 
 import pytest
 import torch

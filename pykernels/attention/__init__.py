@@ -21,6 +21,10 @@ implementation; the autotuner picks), "triton" (FlashAttention-2 forward and bac
 `_triton.py`; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). The op is registered as
 `torch.ops.pykernels.flash_attention` (+ `flash_attention_backward`) with fake implementations and
 autograd, so it works under torch.compile(fullgraph=True).
+
+`flash_attention_backward(dout, q, k, v, out, lse, ...)` (this module) is the backward on its own: given
+the global out/lse of the queries it returns one key block's dk/dv and partial dq, the building block
+of ring / context-parallel attention.
 """
 from __future__ import annotations
 

@@ -20,7 +20,6 @@ import; `AOT_SPECS` compiles every config the autotuner may pick for sm_90 (test
 """
 from __future__ import annotations
 
-import math
 import os
 
 import torch
