@@ -182,3 +182,15 @@ def test_huge_strides_are_made_int32_safe():
     assert _triton._i32_offsets(ok) is ok
     with pytest.raises(ValueError, match="S\\*D < 2\\*\\*31"):
         _triton._i32_offsets(torch.empty((1, 1, 2 ** 25, 128), device="meta"))
+
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                HealthCheck.function_scoped_fixture])
+@given(Hkv=st.integers(1, 2), g=st.integers(1, 2), Sq=st.integers(1, 24), Sk=st.integers(1, 24),
+       D=st.integers(1, 40), causal=st.booleans(), seed=st.integers(0, 1000))
+def test_interpreter_hypothesis_shapes(triton_interpret, Hkv, g, Sq, Sk, D, causal, seed):
+    q, k, v = make(1, Hkv * g, Hkv, Sq, Sk, D, torch.float32, seed=seed)
+    check_forward_and_grads(q, k, v, causal, backend="triton")
