@@ -125,8 +125,13 @@ class Params:
     """alpha/beta per topology level (innermost first), for the whole group (flat), for native,
     gamma, and the measured best algorithm per message size (bytes) when tuned."""
 
-    def __init__(self, levels, flat, native, gamma, table=None, source="defaults"):
+    def __init__(self, levels, flat, native, gamma, table=None, source="defaults", level_native=None):
         self.levels = [tuple(map(float, ab)) for ab in levels]
+        # gloo's own all-reduce on each level's sub-group (alpha, beta per byte of the vector); by
+        # default priced like our ring on that level, and preferred on a tie (it is gloo's own code,
+        # and on a rate-limited link it measured faster than p2p messages: FIELD_NOTES/netns runs)
+        self.level_native = [None if ab is None else tuple(map(float, ab)) for ab in (level_native or [])] \
+            or [None] * len(self.levels)
         self.flat = tuple(map(float, flat))
         self.native = tuple(map(float, native))
         self.gamma = float(gamma)
@@ -135,12 +140,14 @@ class Params:
 
     def to_json(self) -> str:
         return json.dumps({"levels": self.levels, "flat": self.flat, "native": self.native,
-                           "gamma": self.gamma, "table": self.table, "source": self.source})
+                           "gamma": self.gamma, "table": self.table, "source": self.source,
+                           "level_native": self.level_native})
 
     @classmethod
     def from_json(cls, text: str) -> "Params":
         d = json.loads(text)
-        return cls(d["levels"], d["flat"], d["native"], d["gamma"], d.get("table"), d.get("source", "cache"))
+        return cls(d["levels"], d["flat"], d["native"], d["gamma"], d.get("table"), d.get("source", "cache"),
+                   d.get("level_native"))
 
     @classmethod
     def defaults(cls, backend: str, nlevels: int) -> "Params":
@@ -198,10 +205,12 @@ def _best_hier(params: Params, sizes, nbytes, native_outer: bool):
     a, b = params.levels[len(sizes) - 1]
     s = sizes[-1]
     outs = ["recursive_doubling", "halving_doubling", "ring"] + (["native"] if native_outer else [])
-    # native on the outer sub-group: scale the measured native cost to this level's link
-    nat = (params.native[0], params.native[1])
-    costs = {o: _flat_cost(o, s, cur, a, b, g, nat) for o in outs}
-    outer = min(costs, key=costs.get)
+    # native on the outer sub-group: gloo's own all-reduce, as measured on that level
+    nat = params.level_native[len(sizes) - 1]
+    costs = {o: _flat_cost(o, s, cur, a, b, g, nat) for o in outs if o != "native"}
+    if native_outer:
+        costs["native"] = costs["ring"] if nat is None else _flat_cost("native", s, cur, a, b, g, nat)
+    outer = min(costs, key=lambda o: (costs[o] * (0.999 if o == "native" else 1.0)))
     return inner, outer, cost + costs[outer]
 
 
@@ -536,6 +545,9 @@ def plan(numel, dtype=torch.float32, group=None, topology=None, op="sum") -> str
         for i, (s, (a, b)) in enumerate(zip(topo.sizes, params.levels))) +
         f"; flat: alpha={params.flat[0] * 1e6:.1f}us, 1/beta={1 / params.flat[1] / 1e9:.2f} GB/s; "
         f"native: {params.native[0] * 1e6:.1f}us + n/{1 / params.native[1] / 1e9:.2f} GB/s; "
+        + "".join(f"native on level {i}: " + ("priced as our ring; " if ln is None else
+                  f"{ln[0] * 1e6:.1f}us + n/{1 / ln[1] / 1e9:.2f} GB/s; ")
+                  for i, ln in enumerate(params.level_native)) +
         f"1/gamma={1 / params.gamma / 1e9:.2f} GB/s")
     cands = _candidates(params, p, topo.sizes, nbytes, native_outer)
     lines.append("predicted: " + ", ".join(f"{_describe(c, topo)} {t * 1e3:.3f} ms"
@@ -606,6 +618,22 @@ def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool 
         dist.barrier(group=group)
         tb = _pingpong(comm, big, reps)
         meas += [ts, tb]
+    # gloo's own all-reduce on each level's sub-groups (all groups of the level at once)
+    for comm in levels:
+        for nb in (small, big):
+            if comm.size > 1 and comm.native_ok:
+                t = torch.ones(max(1, nb // 4), device=dev)
+                dist.all_reduce(t, group=comm.pg)
+                dist.barrier(group=group)
+                nt = []
+                for _ in range(reps if nb == big else 10):
+                    t0 = time.perf_counter()
+                    dist.all_reduce(t, group=comm.pg)
+                    nt.append(time.perf_counter() - t0)
+                meas.append(statistics.median(nt))
+            else:
+                dist.barrier(group=group)
+                meas.append(0.0)
     # flat: the whole group in its own order (pairs may cross the slowest link)
     flat_comm = A.Comm(group, range(p), dist.get_rank(group), native_ok=True)
     dist.barrier(group=group)
@@ -639,14 +667,20 @@ def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool 
         beta = max((tb - ts) / (big - small), 1e-13)
         return alpha, beta
 
-    lv = [ab(meas[2 * i], meas[2 * i + 1]) for i in range(len(levels))]
-    fl = ab(meas[2 * len(levels)], meas[2 * len(levels) + 1])
+    L = len(levels)
+    lv = [ab(meas[2 * i], meas[2 * i + 1]) for i in range(L)]
+    lnat = []
+    for i, comm in enumerate(levels):
+        ts, tb = meas[2 * L + 2 * i], meas[2 * L + 2 * i + 1]
+        lnat.append(ab(ts, tb) if comm.size > 1 and comm.native_ok and tb > 0 else None)
+    k = 4 * L
+    fl = ab(meas[k], meas[k + 1])
     flat = (max(fl[0], max(a for a, _ in lv)), max(fl[1], max(b for _, b in lv)))
-    gamma = max(meas[2 * len(levels) + 2] / big, 1e-13)
+    gamma = max(meas[k + 2] / big, 1e-13)
     n_small, n_big = meas[-2], meas[-1]
     nb_beta = max((n_big - n_small) / (big - (4 << 10)), 1e-13)
     native = (max(n_small - (4 << 10) * nb_beta, 1e-7), nb_beta)
-    params = Params(lv, flat, native, gamma, source=f"tuned {time.strftime('%Y-%m-%d %H:%M')}")
+    params = Params(lv, flat, native, gamma, source=f"tuned {time.strftime('%Y-%m-%d %H:%M')}", level_native=lnat)
 
     # the measured table: native and the model's two best, head to head at each size
     native_outer = p == dist.get_world_size() or topo.num_levels == 1

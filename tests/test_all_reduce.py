@@ -222,6 +222,31 @@ def chk_vs_native(algos, topos, sizes, seed=500):
                         assert torch.equal(x, ref), (algo, topo, n, op, dt)
 
 
+def chk_pipelined(topo_sizes, n, op, dtype, seed=77):
+    """The pipelined hierarchical path (native outer level, the vector in up to 8 segments whose outer
+    all-reduce runs asynchronously while the inner levels work on the neighbours)."""
+    from collectives import _allreduce_algos as A
+    from collectives.all_reduce import _REDUCE, _BASE_OP, _work_dtype
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    old = A.SEGMENT_BYTES
+    A.SEGMENT_BYTES = 256
+    try:
+        topo = Topology(topo_sizes)
+        levels = topo.comms()
+        for inner in (["direct"] * (len(topo_sizes) - 1), ["ring"] * (len(topo_sizes) - 1)):
+            seed += 1
+            ins = _inputs(seed, world, (n,), dtype, op)
+            x = ins[rank].clone().to(_work_dtype(dtype, op))
+            ctx = A.Ctx(_REDUCE[op], 64, A.Tagger(f"pipe{seed}"))
+            A.hierarchical(levels, x, torch.empty_like(x), n, ctx, inner, "native", native_op=_BASE_OP[op])
+            want = _expected(ins, dtype, op)
+            got = (x / world if op == "avg" else x).to(dtype)
+            assert _equal(got, want), (topo_sizes, inner, n, op, dtype)
+    finally:
+        A.SEGMENT_BYTES = old
+
+
 def chk_layouts(algo):
     """Non-contiguous and multi-dimensional tensors are reduced in place, same storage; extremes."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -406,6 +431,14 @@ def test_world_4_vs_native_and_chunks(clusters):
           0, 1024)
 
 
+def test_world_4_pipelined_hierarchical(clusters):
+    c = clusters(4)
+    for n in (1, 7, 3001):
+        c.run("chk_pipelined", [2, 2], n, "sum", torch.float32)
+    c.run("chk_pipelined", [2, 2], 2000, "max", torch.int64)
+    c.run("chk_pipelined", [2, 2], 2000, "avg", torch.bfloat16)
+
+
 def test_world_4_layouts_async_errors(clusters):
     c = clusters(4)
     for algo in ("ring", "hierarchical", "auto"):
@@ -458,6 +491,8 @@ def test_non_power_of_two(clusters, world):
         c.run("chk_sweep", ["hierarchical", "auto"], [[2, 3], [3, 2], [3, 2, 1]], [1, 7, 1001], ["sum", "avg"],
               [torch.float32, torch.int64])
         c.run("chk_ddp", "auto")
+        c.run("chk_pipelined", [2, 3], 3001, "sum", torch.float32)
+        c.run("chk_pipelined", [3, 2], 3001, "prod", torch.float64)
     else:
         c.run("chk_sweep", ["hierarchical"], [None], [1, 1001], ["sum"], [torch.float32])
     c.run("chk_vs_native", FLAT_ALGOS, [None], [1001])
@@ -470,6 +505,7 @@ def test_world_8_three_levels(clusters):
           [torch.float32, torch.int64], timeout=240)
     c.run("chk_sweep", ["hierarchical"], [[2, 2, 2]], [3001], ["avg", "prod"], [torch.bfloat16, torch.uint8], 0, 512)
     c.run("chk_vs_native", ["hierarchical"], [[2, 2, 2]], [1001])
+    c.run("chk_pipelined", [2, 2, 2], 3001, "sum", torch.float32)
 
 
 # ================================================================================================
