@@ -73,10 +73,24 @@ class Comm:
             if not ops:
                 return [], []
             works = dist.batch_isend_irecv(ops)
-            return works[:len(sends)], works[len(sends):]
+            if len(works) == len(ops):
+                return works[:len(sends)], works[len(sends):]
+            # NCCL coalesces the whole batch into one work: every receive is then "done" only when the
+            # batch is, so waiting on any of them waits on all
+            return [], [_AllOf(works)] * len(recvs)
         sw = [self.pg.send([t], self.ranks[m], tag) for m, t, tag in sends]
         rw = [self.pg.recv([t], self.ranks[m], tag) for m, t, tag in recvs]
         return sw, rw
+
+
+class _AllOf:
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+        return True
 
 
 class Tagger:

