@@ -234,7 +234,31 @@ def _candidates(params: Params, p: int, sizes, nbytes: int, native_outer: bool):
     if len(sizes) > 1:
         inner, outer, cost = _best_hier(params, sizes, nbytes, native_outer)
         out["hierarchical"] = ({"algorithm": "hierarchical", "inner": inner, "outer": outer}, cost)
+        if native_outer and outer != "native" and _segments(sizes, nbytes) > 1:
+            # the pipelined variant (native outer level) as its own candidate: on slow links it
+            # measured better than the model predicts (tune() times it head to head)
+            out["hierarchical_pipelined"] = ({"algorithm": "hierarchical", "inner": inner, "outer": "native"},
+                                             _hier_cost_with_outer(params, sizes, nbytes, inner, "native"))
     return out
+
+
+def _segments(sizes, nbytes) -> int:
+    return max(1, min(A.MAX_SEGMENTS, int(nbytes) // A.SEGMENT_BYTES)) if len(sizes) > 1 else 1
+
+
+def _hier_cost_with_outer(params, sizes, nbytes, inner, outer):
+    g, cost, cur = params.gamma, 0.0, float(nbytes)
+    for lvl, (s, how) in enumerate(zip(sizes[:-1], inner)):
+        a, b = params.levels[lvl]
+        cost += _rs_cost(how, s, cur, a, b, g)
+        cur /= s
+    a, b = params.levels[len(sizes) - 1]
+    nat = params.level_native[len(sizes) - 1]
+    if outer != "native":
+        return cost + _flat_cost(outer, sizes[-1], cur, a, b, g)
+    on = _flat_cost("ring", sizes[-1], cur, a, b, g) if nat is None else _flat_cost("native", sizes[-1], cur, a, b, g, nat)
+    k = _segments(sizes, nbytes)
+    return (cost / k + max(on, cost * (k - 1) / k)) if k > 1 else cost + on
 
 
 def _choose(params: Params, p: int, sizes, nbytes: int, native_outer: bool):
@@ -248,8 +272,8 @@ def _choose(params: Params, p: int, sizes, nbytes: int, native_outer: bool):
         size, choice = min(params.table, key=lambda t: abs(math.log2(max(t[0], 1)) - lb))
         if abs(math.log2(max(size, 1)) - lb) <= 1.0:
             name = choice["algorithm"]
-            if name == "hierarchical" and len(sizes) > 1:
-                choice = cands["hierarchical"][0]
+            if name == "hierarchical" and len(choice.get("inner", [])) != len(sizes) - 1:
+                choice = cands["hierarchical"][0] if "hierarchical" in cands else cands["native"][0]
             if name in cands:
                 return choice, f"measured fastest by tune() at {_fmt_bytes(size)} ({params.source})"
     best = min(cands, key=lambda k: cands[k][1])
@@ -377,6 +401,11 @@ def _resolve(algorithm: str, group, topo: Topology, nbytes: int) -> dict:
             _, outer, _ = _best_hier(params, topo.sizes, nbytes, native_outer)
             return {"algorithm": "hierarchical", "inner": [], "outer": outer}
         inner, outer, _ = _best_hier(params, topo.sizes, nbytes, native_outer)
+        if native_outer and _segments(topo.sizes, nbytes) > 1:
+            # explicit "hierarchical" on a large vector: the pipelined form (gloo's own all-reduce on the
+            # outer sub-groups, overlapped with the inner levels), which measured 1.5x over gloo's flat
+            # ring on 2 x 2 emulated nodes at 100 Mbit/s where p2p outer levels did not
+            outer = "native"
         return {"algorithm": "hierarchical", "inner": inner, "outer": outer}
     choice, _ = _choose(params, p, topo.sizes, nbytes, native_outer)
     return choice
@@ -704,8 +733,9 @@ def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool 
     table = []
     for nbytes in sizes:
         cands = _candidates(params, p, topo.sizes, nbytes, native_outer)
-        ours = sorted((k for k in cands if k != "native"), key=lambda k: cands[k][1])[:2]
-        names = ["native"] + ours
+        ours = sorted((k for k in cands if k not in ("native", "hierarchical_pipelined")),
+                      key=lambda k: cands[k][1])[:2]
+        names = ["native"] + ours + (["hierarchical_pipelined"] if "hierarchical_pipelined" in cands else [])
         x = torch.ones(max(1, nbytes // 4), device=dev)
         times = {k: [] for k in names}
         # small sizes are cheap: more repeats there (the machines these run on are noisy)

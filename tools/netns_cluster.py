@@ -111,7 +111,7 @@ class Cluster:
                     raise RuntimeError(f"benchmark did not finish within {timeout} s")
             bad = [(i, p.returncode) for i, p in enumerate(self.procs) if p.returncode != 0]
             if bad:
-                raise RuntimeError(f"ranks failed: {bad}\n" + "\n".join(l[-1500:] for l in logs))
+                raise RuntimeError(f"ranks failed: {bad}\n" + "\n".join(f"--- rank {i}:\n{logs[i][-3000:]}" for i, _ in bad))
 
     # -- clean up --------------------------------------------------------------------------------
     def cleanup(self):
