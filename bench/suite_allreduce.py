@@ -104,6 +104,12 @@ def _fmt(n):
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
 
 
+def _quiet_teardown():
+    from collectives.all_reduce import _quiet_teardown as q
+
+    q()
+
+
 def _spawn_worker(rank, world, init, sizes, algos, topology, reps, out):
     import torch.distributed as dist
 
@@ -114,7 +120,7 @@ def _spawn_worker(rank, world, init, sizes, algos, topology, reps, out):
         if rank == 0:
             Path(out).write_text(json.dumps(rows))
     finally:
-        dist.destroy_process_group()
+        _quiet_teardown()
 
 
 def loopback_rows(quick, world=4):
@@ -194,7 +200,7 @@ def main(argv=None):
                     row["goal"] = 1.4  # the link-traffic model predicts 1.5x for 2 nodes x 2 ranks
             Path(args.out).write_text(json.dumps(res))
     finally:
-        dist.destroy_process_group()
+        _quiet_teardown()
     return 0
 
 

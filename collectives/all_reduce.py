@@ -798,6 +798,49 @@ def ddp_comm_hook(state, bucket) -> torch.futures.Future:
 # ================================================================================================
 # The autotuner knows the op (the measurement itself is collective: see tune()).
 # ================================================================================================
+def _quiet_teardown():
+    """Leave together: a barrier first, so no rank tears its gloo pairs down while a peer still
+    talks to it (a rare abort at exit otherwise)."""
+    try:
+        dist.barrier()
+    except Exception:  # noqa: BLE001 - a failed run still tears down
+        pass
+    dist.destroy_process_group()
+
+
+def _tune_worker(rank, world, init, sizes, out=None):
+    from datetime import timedelta
+
+    if out is not None:  # `generate --out FILE` in the parent
+        import pykernels.autotune as at
+
+        at._OUT_OVERRIDE = out
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    try:
+        tune(sizes=sizes, verbose=True, store=True)
+    finally:
+        _quiet_teardown()
+
+
+def _tune_local(world: int, sizes=None):
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    try:
+        import pykernels.autotune as at
+
+        out = at._OUT_OVERRIDE
+    except Exception:  # noqa: BLE001
+        out = None
+    with tempfile.TemporaryDirectory() as d:
+        mp.start_processes(_tune_worker, args=(world, f"file://{d}/init", sizes, out), nprocs=world,
+                           start_method="spawn")
+    if out is not None:
+        at.clear_memory_cache()
+
+
 def _register_tunable():
     try:
         import pykernels.autotune as at
@@ -805,10 +848,14 @@ def _register_tunable():
         return
 
     def examples(sizes):
-        # tune() needs every rank of a process group at once, which the single-process CLI does not
-        # have; inside an initialized group (torchrun), tune() is what measures.
+        # tune() needs every rank of a process group at once. Inside an initialized group (torchrun)
+        # it measures that group; from the single-process CLI it spawns a local gloo group of
+        # COLLECTIVES_TUNE_WORLD ranks (default 4) on loopback and tunes that. Either way the
+        # result is in the cache when this returns (nothing is left for the generic per-config loop).
         if dist.is_available() and dist.is_initialized():
             tune(sizes=sizes, verbose=True)
+        else:
+            _tune_local(int(os.environ.get("COLLECTIVES_TUNE_WORLD", "4")), sizes)
         return []
 
     at.register(at.Tunable(
