@@ -129,6 +129,18 @@ class Topology:
         return topo
 
     @classmethod
+    def from_device_mesh(cls, mesh) -> "Topology":
+        """The topology of a torch DeviceMesh whose dimensions go outermost first (e.g. ("node",
+        "gpu")): its last dimension is the innermost level. Ranks are the mesh's ranks in row-major
+        order (group ranks of the default group)."""
+        grid = getattr(mesh, "mesh", mesh)
+        if not isinstance(grid, torch.Tensor) or grid.dim() < 1:
+            raise TypeError(f"collectives.Topology.from_device_mesh: expected a DeviceMesh (or a rank tensor), "
+                            f"got {type(mesh).__name__}")
+        return cls(list(reversed(grid.shape)), [int(r) for r in grid.flatten().tolist()],
+                   note=f"from a DeviceMesh of shape {tuple(grid.shape)}")
+
+    @classmethod
     def from_placement(cls, placement) -> "Topology":
         """The topology of ranks placed as `placement[r] = (hostname, LOCAL_WORLD_SIZE or 0)` (what
         detect gathers): ranks of one host form a node, in rank order; a single host whose ranks all

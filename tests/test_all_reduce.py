@@ -568,6 +568,13 @@ def test_topology_validation_and_placement():
     tp = Topology.from_placement([("a", 0)] * 3 + [("b", 0)] * 2)
     assert tp.sizes == (5,) and "different numbers" in tp.note
     assert Topology([1, 4, 1]).effective().sizes == (4,)
+    # a DeviceMesh (outermost dimension first): 2 nodes x 3 GPUs, ranks laid out node-major
+    class Mesh:
+        mesh = torch.arange(6).reshape(2, 3)
+    tm = Topology.from_device_mesh(Mesh())
+    assert tm.sizes == (3, 2) and tm.members(0, 0) == [0, 1, 2] and tm.members(0, 1) == [0, 3]
+    with pytest.raises(TypeError, match="from_device_mesh"):
+        Topology.from_device_mesh("mesh")
 
 
 def test_cost_model_choices():
