@@ -36,7 +36,11 @@ MAX_CPU_KEYS = (1 << 32) - 1
 
 def _backends_supported():
     """Backends this op family implements in this build (cpu always; cuda/triton when present)."""
-    return ("cpu",)
+    out = ["cpu"]
+    if _native.module_status("_cuda_sort")[0] is not None:
+        out.append("cuda")
+    out.append("triton")
+    return tuple(out)
 
 
 def _threads(config: dict) -> int:
