@@ -112,3 +112,13 @@ def test_gpu_rows_segments_and_bits(backend):
     _, p = pykernels.sort_pairs(y.cuda(), torch.arange(1 << 20, device="cuda"), begin_bit=5, end_bit=19,
                                 backend=backend)
     assert np.array_equal(p.cpu().numpy(), np.argsort(sub, kind="stable"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error path")
+def test_cuda_module_imports_without_a_driver_and_fails_cleanly():
+    mod = pytest.importorskip("pykernels._cuda_sort", reason="built without nvcc")
+    n, why = mod.device_count()
+    assert n == 0 and why
+    assert mod.tile_keys() > 0 and mod.temp_bytes(1 << 20, 4, 4, 0, 32) > (1 << 20) * 8
+    with pytest.raises(RuntimeError, match="pykernels.sort: no CUDA device"):
+        mod.onesweep(0, 0, 0, 0, 10, 4, 0, 0, 32, 0, 0, 0)
