@@ -209,9 +209,15 @@ struct PassCtx {
   size_t stride = 0;                // counters per slice (R)
   int64_t n = 0;
   bool nt = false;
+  bool drop_keys = false;  // last pass of an argsort: only the indices leave
 };
 
 static inline int slice_of(const PassCtx& c, int64_t x) {
+  if (c.nslices <= 8) {  // few threads: a short scan beats a 64-bit division
+    int s = 0;
+    while (s + 1 < c.nslices && c.bounds[s + 1] <= x) ++s;
+    return s;
+  }
   int s = (int)((x * (int64_t)c.nslices) / c.n);
   while (s + 1 < c.nslices && c.bounds[s + 1] <= x) ++s;
   while (s > 0 && c.bounds[s] > x) --s;
@@ -271,7 +277,7 @@ void scatter_slice(const Coder<U, E>& cd, const PassCtx& pc, const void* src_key
     const uint32_t d = (uint32_t)(k >> shift) & mask;
     const int64_t p = pos[d]++;
     const uint32_t s = (uint32_t)p & (L - 1);
-    kb[d * L + s] = LAST ? cd.dec(k) : k;
+    if (!LAST || !pc.drop_keys) kb[d * L + s] = LAST ? cd.dec(k) : k;
     if constexpr (HAS_PAY) {
       if constexpr (PM == 2 && FIRST) pb[d * L + s] = (PO)i;
       else pb[d * L + s] = (PO)sp[i];
@@ -279,12 +285,12 @@ void scatter_slice(const Coder<U, E>& cd, const PassCtx& pc, const void* src_key
     if (s == L - 1) {  // the line is complete: write it out
       const int64_t s0 = p - (L - 1);
       if (PK_LIKELY(s0 >= lo[d])) {
-        line_store(dst_keys + s0, kb + d * L, sizeof(U) * L, pc.nt);
+        if (!LAST || !pc.drop_keys) line_store(dst_keys + s0, kb + d * L, sizeof(U) * L, pc.nt);
         if constexpr (HAS_PAY) line_store(dp + s0, pb + d * L, sizeof(PO) * L, pc.nt);
         if constexpr (!LAST) count_next(s0, p + 1, kb + d * L);
       } else {  // first line of this digit's run starts inside the line: copy only our part
         const int64_t off = lo[d] - s0;
-        std::memcpy(dst_keys + lo[d], kb + d * L + off, sizeof(U) * (L - off));
+        if (!LAST || !pc.drop_keys) std::memcpy(dst_keys + lo[d], kb + d * L + off, sizeof(U) * (L - off));
         if constexpr (HAS_PAY) std::memcpy(dp + lo[d], pb + d * L + off, sizeof(PO) * (L - off));
         if constexpr (!LAST) count_next(lo[d], p + 1, kb + d * L + off);
       }
@@ -298,7 +304,7 @@ void scatter_slice(const Coder<U, E>& cd, const PassCtx& pc, const void* src_key
     if (line0 == end) continue;  // ended on a line boundary: already written
     const int64_t from = std::max(line0, lo[d]);
     const int64_t off = from - line0;
-    std::memcpy(dst_keys + from, kb + d * L + off, sizeof(U) * (end - from));
+    if (!LAST || !pc.drop_keys) std::memcpy(dst_keys + from, kb + d * L + off, sizeof(U) * (end - from));
     if constexpr (HAS_PAY) std::memcpy(dp + from, pb + d * L + off, sizeof(PO) * (end - from));
     if constexpr (!LAST) count_next(from, end, kb + d * L + off);
   }
@@ -370,7 +376,7 @@ struct Engine {
   }
 
   template <class PT, int PM>
-  void run_passes(const std::vector<int>& live, U* out_keys, void* out_pay_final) {
+  void run_passes(const std::vector<int>& live, U* out_keys, void* out_pay_final, bool drop_keys = false) {
     const int64_t n = a.n;
     const int Q = (int)live.size();
     const int np = (int)passes.size();
@@ -418,6 +424,7 @@ struct Engine {
       pc.n = n;
       pc.nt = a.nt_stores && n >= (int64_t(1) << 18);  // streaming only pays for out-of-cache data
       pc.track_next = !last && T > 1;
+      pc.drop_keys = last && drop_keys;
       if (!last) {
         const Pass& nx = passes[live[q + 1]];
         pc.next_shift = nx.shift;
@@ -533,7 +540,8 @@ void radix_sort_typed(const SortArgs& a, const Codec<U>& codec, SortStats& st) {
   int64_t* idx = a.out_idx ? a.out_idx : reinterpret_cast<int64_t*>(ob);
   U* ok = (U*)a.out_keys;
   if (!ok || need_gather) ok = reinterpret_cast<U*>(ob + ib);
-  eng.template run_passes<uint32_t, 2>(live, ok, idx);
+  // argsort (no keys wanted, none to gather): the last pass writes only the indices.
+  eng.template run_passes<uint32_t, 2>(live, ok, idx, !a.out_keys && !need_gather);
   if (need_gather) {
     const U* in = (const U*)a.keys;
     U* dst = (U*)a.out_keys;
