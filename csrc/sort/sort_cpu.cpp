@@ -643,6 +643,18 @@ void sort_short_segment(const SegArgs& g, const Coder<U, E>& cd, int64_t start, 
     if (oi) oi[i] = src;
     if (pout) std::memcpy(pout + i * ps, pin + (int64_t)src * ps, ps);
   };
+  if (sizeof(U) <= 4 && len <= 32) {
+    // (key << 32 | position) words: one compare and one move per step, and stable by construction.
+    uint64_t w[32];
+    for (int64_t i = 0; i < len; ++i) {
+      const uint64_t x = ((uint64_t)cd.enc(in[i]) << 32) | (uint64_t)i;
+      int64_t j = i;
+      while (j > 0 && w[j - 1] > x) { w[j] = w[j - 1]; --j; }
+      w[j] = x;
+    }
+    for (int64_t i = 0; i < len; ++i) emit(i, (uint32_t)w[i]);
+    return;
+  }
   if (len <= 32) {
     U k[32];
     uint32_t ix[32];
