@@ -654,6 +654,28 @@ struct SegArgs {
   bool nt_stores;
 };
 
+// Batcher's odd-even merge sort network on N (a power of two) 64-bit words; padding words are all-ones.
+template <int N>
+static inline void sort_network(uint64_t* w) {
+#pragma GCC unroll 64
+  for (int p = 1; p < N; p <<= 1) {
+#pragma GCC unroll 64
+    for (int k = p; k >= 1; k >>= 1) {
+#pragma GCC unroll 64
+      for (int j = k % p; j + k < N; j += 2 * k) {
+#pragma GCC unroll 64
+        for (int i = 0; i < k && i + j + k < N; ++i) {
+          if ((i + j) / (2 * p) == (i + j + k) / (2 * p)) {
+            const uint64_t a = w[i + j], b = w[i + j + k];
+            w[i + j] = a < b ? a : b;
+            w[i + j + k] = a < b ? b : a;
+          }
+        }
+      }
+    }
+  }
+}
+
 template <class U, Enc E>
 void sort_short_segment(const SegArgs& g, const Coder<U, E>& cd, int64_t start, int64_t len) {
   const U* in = static_cast<const U*>(g.keys) + start;
@@ -668,14 +690,14 @@ void sort_short_segment(const SegArgs& g, const Coder<U, E>& cd, int64_t start, 
     if (pout) std::memcpy(pout + i * ps, pin + (int64_t)src * ps, ps);
   };
   if (sizeof(U) <= 4 && len <= 32) {
-    // (key << 32 | position) words: one compare and one move per step, and stable by construction.
+    // (key << 32 | position) words are distinct, so any sorting network sorts them stably. Batcher's
+    // odd-even merge network compiles to branch-free min/max: insertion sort's data-dependent exits
+    // mispredict about once per key on random rows.
     uint64_t w[32];
-    for (int64_t i = 0; i < len; ++i) {
-      const uint64_t x = ((uint64_t)cd.enc(in[i]) << 32) | (uint64_t)i;
-      int64_t j = i;
-      while (j > 0 && w[j - 1] > x) { w[j] = w[j - 1]; --j; }
-      w[j] = x;
-    }
+    for (int64_t i = 0; i < len; ++i) w[i] = ((uint64_t)cd.enc(in[i]) << 32) | (uint64_t)i;
+    if (len <= 8) { for (int64_t i = len; i < 8; ++i) w[i] = ~uint64_t(0); sort_network<8>(w); }
+    else if (len <= 16) { for (int64_t i = len; i < 16; ++i) w[i] = ~uint64_t(0); sort_network<16>(w); }
+    else { for (int64_t i = len; i < 32; ++i) w[i] = ~uint64_t(0); sort_network<32>(w); }
     for (int64_t i = 0; i < len; ++i) emit(i, (uint32_t)w[i]);
     return;
   }
