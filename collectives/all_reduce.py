@@ -16,6 +16,7 @@ so auto never picks something that measured slower than it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -427,10 +428,27 @@ def _scratch(group, x: torch.Tensor) -> torch.Tensor:
         return buf[:x.numel()]
 
 
+def _check_agreement(group, signature: str, device: torch.device):
+    """Raise on every rank unless every rank of `group` passed the same signature."""
+    h = int.from_bytes(hashlib.blake2b(signature.encode(), digest_size=7).digest(), "little")  # < 2**56
+    on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    t = torch.tensor([h, -h], dtype=torch.int64, device=on)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    hi, neg_lo = t.tolist()
+    if hi != h or -neg_lo != h:
+        raise RuntimeError(f"{OPNAME}: the ranks of the group disagree on numel, dtype or op "
+                           f"(this rank: {signature}); every rank must pass the same")
+
+
 def _run_choice(choice: dict, x: torch.Tensor, n: int, op: str, group, topo: Topology):
     name = choice["algorithm"]
     if name == "none":
         return
+    if name == "native" or choice.get("outer") == "native":
+        # gloo aborts the whole process when a peer's message is longer than expected, so before handing
+        # the vector to gloo's/NCCL's own all-reduce every rank checks (16 bytes, same size everywhere)
+        # that all agree on numel, dtype and op: a mismatch becomes an error on every rank, never a crash.
+        _check_agreement(group, f"{n}|{x.dtype}|{op}", x.device)
     if name == "native":
         # gloo's/NCCL's own collective on the working buffer (fp32 for half types: rounded once)
         dist.all_reduce(x, op=_BASE_OP[op], group=group)

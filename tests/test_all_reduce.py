@@ -476,7 +476,7 @@ def test_world_4_tune(clusters, tmp_path):
     assert len({o[1] for o in out}) == 1, "ranks tuned different parameters"
 
 
-@pytest.mark.parametrize("algo", ["recursive_doubling", "ring", "hierarchical"])
+@pytest.mark.parametrize("algo", ["recursive_doubling", "ring", "hierarchical", "native", "auto"])
 def test_size_mismatch_fails_on_every_rank(clusters, algo):
     c = clusters(4)
     t0 = time.monotonic()
