@@ -763,6 +763,10 @@ ERRORS = [
     ("qmatmul-act_bits", "qmatmul", ValueError, lambda: pykernels.qmatmul(torch.zeros(2, 64), _qw(), act_bits=9)),
     ("qmatmul-device", "qmatmul", RuntimeError, lambda: pykernels.qmatmul(_meta(2, 64), _qw())),
     ("qmatmul-qw", "qmatmul", TypeError, lambda: pykernels.qmatmul(torch.zeros(2, 64), torch.zeros(8, 64))),
+    ("QuantLinear-K", "qmatmul", ValueError,
+     lambda: pykernels.QuantLinear.from_linear(torch.nn.Linear(64, 8))(torch.zeros(2, 63))),
+    ("QuantLinear-dtype", "qmatmul", TypeError,
+     lambda: pykernels.QuantLinear.from_linear(torch.nn.Linear(64, 8))(torch.zeros(2, 64, dtype=torch.int32))),
     # attention
     ("flash_attention-dtype", "flash_attention", TypeError,
      lambda: pykernels.flash_attention(*(t.to(torch.int32) for t in (_f, _f, _f)))),
@@ -780,6 +784,11 @@ ERRORS = [
 ]
 
 ERROR_DEVIATIONS = {
+    "QuantLinear-K": "QuantLinear.forward calls qmatmul_op directly, skipping qmatmul's checks: an x of the wrong "
+                     "width fails in x.reshape with torch's bare RuntimeError (quant/__init__.py QuantLinear.forward)",
+    "QuantLinear-dtype": "QuantLinear.forward skips qmatmul's checks: an int x reaches the native kernel, which raises "
+                         "ValueError, not TypeError (quant/__init__.py QuantLinear.forward; pk_common.h has no "
+                         "TypeError helper)",
     "HashMap.find-default-range": "HashMap.find(default=2**70) raises torch's bare 'Overflow when unpacking long "
                                   "long' without the 'pykernels.HashMap.find:' prefix (hashing/_layout.py "
                                   "scalar_bits catches TypeError/RuntimeError/OverflowError, not ValueError)",
