@@ -24,24 +24,31 @@ def _flops(B, H, Sq, Sk, D, causal, backward):
     return f * (3.5 if backward else 1.0)
 
 
-def _make(B, H, Hkv, S, D, causal, dtype, device, backward):
+def _make(B, H, Hkv, S, D, causal, dtype, device, backward, Sk=None):
+    Sk = S if Sk is None else Sk
+
     def make():
         import pykernels
         import torch.nn.functional as F
 
         g = torch.Generator(device="cpu").manual_seed(0)
         q = torch.randn(B, H, S, D, generator=g).to(device=device, dtype=dtype)
-        k = torch.randn(B, Hkv, S, D, generator=g).to(device=device, dtype=dtype)
-        v = torch.randn(B, Hkv, S, D, generator=g).to(device=device, dtype=dtype)
+        k = torch.randn(B, Hkv, Sk, D, generator=g).to(device=device, dtype=dtype)
+        v = torch.randn(B, Hkv, Sk, D, generator=g).to(device=device, dtype=dtype)
         gqa = H != Hkv
+        # SDPA's is_causal is top-left aligned when S_q != S_k; a user wanting flash-attn's bottom-right
+        # mask (chunked prefill against a KV cache) passes it explicitly.
+        mask = (torch.ones(S, Sk, dtype=torch.bool, device=device).tril(Sk - S)
+                if causal and S != Sk else None)
 
         def sdpa(q_, k_, v_):
-            if device == "cuda":
+            kw = dict(attn_mask=mask) if mask is not None else dict(is_causal=causal)
+            if device == "cuda" and mask is None:
                 from torch.nn.attention import SDPBackend, sdpa_kernel
 
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    return F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal, enable_gqa=gqa)
-            return F.scaled_dot_product_attention(q_, k_, v_, is_causal=causal, enable_gqa=gqa)
+                    return F.scaled_dot_product_attention(q_, k_, v_, enable_gqa=gqa, **kw)
+            return F.scaled_dot_product_attention(q_, k_, v_, enable_gqa=gqa, **kw)
 
         def ours_fn(q_, k_, v_):
             return pykernels.flash_attention(q_, k_, v_, causal=causal)
@@ -68,23 +75,26 @@ def cases(quick: bool, device: str = "cpu"):
         if not torch.cuda.is_available():
             return
         seqs = [4096, 16384] if quick else [4096, 8192, 16384, 32768]
-        shapes = [(1, 16, 16, s, 128, c, torch.bfloat16) for s in seqs for c in (False, True)]
-        shapes += [(1, 32, 8, 8192, 128, True, torch.bfloat16)]  # GQA 4:1
+        shapes = [(1, 16, 16, s, 128, c, torch.bfloat16, None) for s in seqs for c in (False, True)]
+        shapes += [(1, 32, 8, 8192, 128, True, torch.bfloat16, None)]  # GQA 4:1
     else:
         s = 256 if quick else 1024
-        shapes = [(1, 8, 8, s, 64, False, torch.float32), (1, 8, 8, s, 64, True, torch.float32),
-                  (1, 8, 2, s, 64, True, torch.float32),             # GQA 4:1
-                  (1, 8, 8, 2 * s, 128, True, torch.bfloat16)]
-    for B, H, Hkv, S, D, causal, dtype in shapes:
+        shapes = [(1, 8, 8, s, 64, False, torch.float32, None), (1, 8, 8, s, 64, True, torch.float32, None),
+                  (1, 8, 2, s, 64, True, torch.float32, None),             # GQA 4:1
+                  (1, 8, 8, 2 * s, 128, True, torch.bfloat16, None),
+                  (1, 8, 8, s // 4, 64, True, torch.float32, 2 * s)]      # chunked prefill, bottom-right
+    for B, H, Hkv, S, D, causal, dtype, Sk in shapes:
+        Sk_ = S if Sk is None else Sk
         for backward in (False, True):
             dt = str(dtype).replace("torch.", "")
-            label = (f"{dt} B={B} H={H}" + (f"/{Hkv}" if Hkv != H else "") + f" S={S} D={D}"
-                     + (" causal" if causal else ""))
+            label = (f"{dt} B={B} H={H}" + (f"/{Hkv}" if Hkv != H else "")
+                     + (f" S={S}" if Sk is None else f" Sq={S} Sk={Sk}") + f" D={D}" + (" causal" if causal else ""))
             yield Case(
                 group=GROUP, op="flash_attention" + (" fwd+bwd" if backward else " fwd"), label=label,
-                size=float(S), make=_make(B, H, Hkv, S, D, causal, dtype, device, backward),
-                baseline_name="F.scaled_dot_product_attention" + (" (flash)" if device == "cuda" else ""),
-                work=_flops(B, H, S, S, D, causal, backward), unit="FLOP", device=device,
+                size=float(S), make=_make(B, H, Hkv, S, D, causal, dtype, device, backward, Sk),
+                baseline_name="F.scaled_dot_product_attention" + (" (flash)" if device == "cuda" else "")
+                + (" + bottom-right mask" if Sk is not None and causal else ""),
+                work=_flops(B, H, S, Sk_, D, causal and Sk is None, backward), unit="FLOP", device=device,
                 notes="CPU path: aten CPU flash kernels wrapped (bottom-right causal, GQA)" if device == "cpu"
                 else "Triton FlashAttention-2 kernels",
             )

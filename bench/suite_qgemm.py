@@ -18,12 +18,20 @@ from bench.common import Case
 GROUP = 128
 
 
+_CACHE: dict = {}
+
+
 def _weights(N, K, bits=4, scheme="asym", device="cpu"):
+    """(float weight, QuantizedWeight), made once per suite run (quantized on `device`: seconds on a
+    CPU for 8192 x 8192, milliseconds on a GPU)."""
     import pykernels
 
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(N, K, generator=g)
-    return w, pykernels.quantize(w, bits, GROUP, scheme).to(device)
+    key = (N, K, bits, scheme, device)
+    if key not in _CACHE:
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(N, K, generator=g).to(device)
+        _CACHE[key] = (w, pykernels.quantize(w, bits, GROUP, scheme))
+    return _CACHE[key]
 
 
 def _int4pack(qw):
@@ -115,20 +123,21 @@ def _gpu_cases(quick: bool):
     n = 4096 if quick else 8192
     K = N = n
     cases = []
-    for M in (1, 16, 64):
-        def make(M=M):
-            w, qw = _weights(N, K, 4, "asym", "cuda")
-            wh = w.to("cuda", torch.float16)
-            x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-            return (lambda: pykernels.qmatmul(x, qw)), (lambda: torch.matmul(x, wh.T))
-        cases.append(Case("qgemm", "qmatmul W4A16 g128", f"M={M} K=N={n}", M, make, "cuBLAS fp16",
-                          2.0 * M * N * K, "FLOP", bytes_moved=N * K / 2 + 8 * N * (K // GROUP),
-                          goal=3.0 if M <= 16 else None, device="cuda"))
+    for backend in ("triton", "cuda"):
+        for M in (1, 16, 64):
+            def make(M=M, backend=backend):
+                w, qw = _weights(N, K, 4, "asym", "cuda")
+                wh = w.to(torch.float16)
+                x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+                return (lambda: pykernels.qmatmul(x, qw, backend=backend)), (lambda: torch.matmul(x, wh.T))
+            cases.append(Case("qgemm", f"qmatmul W4A16 g128 ({backend})", f"M={M} K=N={n}", M, make, "cuBLAS fp16",
+                              2.0 * M * N * K, "FLOP", bytes_moved=N * K / 2 + 8 * N * (K // GROUP),
+                              goal=3.0 if M <= 16 else None, device="cuda"))
     for bits in (2, 1):
         for M in (1, 16):
             def make_bs(M=M, bits=bits):
                 w, qw = _weights(N, K, bits, "bipolar", "cuda")
-                wh = w.to("cuda", torch.float16)
+                wh = w.to(torch.float16)
                 x = torch.randn(M, K, device="cuda", dtype=torch.float16)
                 return (lambda: pykernels.qmatmul(x, qw, act_bits=bits)), (lambda: torch.matmul(x, wh.T))
             cases.append(Case("qgemm", "qmatmul bit-serial", f"M={M} K=N={n} W{bits}A{bits}", M, make_bs,

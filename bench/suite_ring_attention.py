@@ -33,7 +33,7 @@ def _configs(quick: bool, device: str):
                  for s in seqs for hkv in (16, 4)]
         return worlds, cases
     worlds = [2] if quick else [2, 3, 4]
-    s = 384 if quick else 1024
+    s = 384 if quick else 576  # a multiple of 2W for W = 2, 3, 4
     cases = [dict(b=1, h=8, hkv=8, s=s, d=64, dtype="float32", causal=True, bwd=True),   # MHA
              dict(b=1, h=8, hkv=2, s=s, d=64, dtype="float32", causal=True, bwd=False)]  # GQA 4:1
     return worlds, cases
@@ -117,7 +117,7 @@ def _measure(rank, world, dev, case, budget_s):
             sent = _count_bytes(ours, grp_main)  # also the warm-up
             t_o = timed(ours, False)
             t_b = timed(base, True)
-            reps = torch.tensor([max(3, min(15, int(budget_s / max(t_o + t_b, 1e-6))))])
+            reps = torch.tensor([max(3, min(6, int(budget_s / max(t_o + t_b, 1e-6))))])
             dist.broadcast(reps, 0)
             to_, tb_ = [], []
             for _ in range(int(reps)):
@@ -125,9 +125,12 @@ def _measure(rank, world, dev, case, budget_s):
                 tb_.append(timed(base, True))
             # bytes per step and direction: the busiest rank's count over the W-1 transfer steps
             counts = torch.tensor([sent["A"], sent["B"]], dtype=torch.float64)
+            mean = counts.clone()
             dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+            dist.all_reduce(mean)
             steps = max(1, world - 1)
             per_a, per_b = (counts / steps).tolist()
+            mean_a, mean_b = (mean / world / steps).tolist()
             if rank == 0:
                 t_ours, t_base = statistics.median(to_), statistics.median(tb_)
                 flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0) * (3.5 if bwd else 1.0)
@@ -135,14 +138,15 @@ def _measure(rank, world, dev, case, budget_s):
                 rows.append({
                     "group": GROUP, "op": f"{name}_{'fwd_bwd' if bwd else 'fwd'}",
                     "label": (f"W={world} {kind} S={s} {case['dtype']}{' causal' if causal else ''} "
-                              f"sent/step A {per_a / 2**20:.2f} B {per_b / 2**20:.2f} MiB"),
+                              f"MiB/step A {per_a / 2**20:.2f} B {per_b / 2**20:.2f} (mean {mean_a / 2**20:.2f}/{mean_b / 2**20:.2f})"),
                     "size": float(s), "baseline": f"SDPA 1 process ({base_threads} thr)" if dev.type == "cpu"
                     else "SDPA 1 GPU",
                     "ours_s": t_ours, "baseline_s": t_base, "speedup": t_base / t_ours,
                     "ours_rate": flops / t_ours, "baseline_rate": flops / t_base, "unit": "FLOP",
                     "goal": None, "repeats": len(to_), "device": dev.type, "threads": 1, "world": world,
                     "bytes_per_step_A": per_a, "bytes_per_step_B": per_b,
-                    "notes": "bytes/step: A = main group (Ring K/V, dK/dV; TokenRing Q side), "
+                    "mean_bytes_per_step_A": mean_a, "mean_bytes_per_step_B": mean_b,
+                    "notes": "bytes/step (busiest rank; mean over ranks in mean_bytes_*): A = main group (Ring K/V, dK/dV; TokenRing Q side), "
                              "B = TokenRing partials", "gqa": f"{h}:{hkv}",
                 })
     return rows
@@ -175,7 +179,7 @@ def _worker(rank, world, init_file, backend, device, cases, budget_s, outq):
 def rows(quick: bool, machine: dict, device: str = "cpu"):
     worlds, cases = _configs(quick, device)
     backend = "nccl" if device == "cuda" else "gloo"
-    budget = 1.0 if quick else 2.0
+    budget = 0.5 if quick else 1.0
     out = []
     ctx = mp.get_context("spawn")
     for world in worlds:

@@ -29,7 +29,11 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-PIECE_BYTES = 1 << 20     # ~1 MiB pieces (FIELD_NOTES: measurably faster on gloo than one big message)
+import os as _os
+
+# ~1 MiB pieces (FIELD_NOTES: measurably faster on gloo than one big message); COLLECTIVES_PIECE_BYTES
+# overrides it (slow links with deep queues may prefer fewer, larger pieces).
+PIECE_BYTES = int(_os.environ.get("COLLECTIVES_PIECE_BYTES", 1 << 20))
 MAX_PIECES = 512          # 9 bits of the tag
 MAX_ROUNDS = 1024         # 10 bits of the tag
 
@@ -69,10 +73,24 @@ class Comm:
             if not ops:
                 return [], []
             works = dist.batch_isend_irecv(ops)
-            return works[:len(sends)], works[len(sends):]
+            if len(works) == len(ops):
+                return works[:len(sends)], works[len(sends):]
+            # NCCL coalesces the whole batch into one work: every receive is then "done" only when the
+            # batch is, so waiting on any of them waits on all
+            return [], [_AllOf(works)] * len(recvs)
         sw = [self.pg.send([t], self.ranks[m], tag) for m, t, tag in sends]
         rw = [self.pg.recv([t], self.ranks[m], tag) for m, t, tag in recvs]
         return sw, rw
+
+
+class _AllOf:
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+        return True
 
 
 class Tagger:
@@ -405,13 +423,11 @@ REDUCE_SCATTER = {"direct": (direct_reduce_scatter, direct_all_gather),
                   "halving": (halving_reduce_scatter, doubling_all_gather)}
 
 
-def hierarchical(levels: list[Comm], x, tmp, n: int, ctx: Ctx, inner: list[str], outer: str,
-                 native_op=None):
-    """Per level (innermost first) reduce-scatter the current range among that level's members and keep
-    this member's part, all-reduce the remaining shard over the outermost level, then all-gather back
-    down level by level. `inner[l]` names level l's reduce-scatter ("direct", "ring", "halving");
-    `outer` the outermost all-reduce (a FLAT name or "native")."""
-    lo, hi = 0, n
+SEGMENT_BYTES = 1 << 20   # pipelined hierarchical: segments of at least this size ...
+MAX_SEGMENTS = 8          # ... and at most this many
+
+
+def _inner_down(levels, inner, x, tmp, lo, hi, ctx):
     stack = []
     for comm, how in zip(levels[:-1], inner):
         if comm.size == 1:
@@ -421,10 +437,48 @@ def hierarchical(levels: list[Comm], x, tmp, n: int, ctx: Ctx, inner: list[str],
         own = rs(comm, x, tmp, off, ctx)
         stack.append((comm, ag, off, own))
         lo, hi = off[own], off[own + 1]
+    return lo, hi, stack
+
+
+def _inner_up(stack, x, ctx):
+    for comm, ag, off, own in reversed(stack):
+        ag(comm, x, off, own, ctx)
+
+
+def hierarchical(levels: list[Comm], x, tmp, n: int, ctx: Ctx, inner: list[str], outer: str,
+                 native_op=None):
+    """Per level (innermost first) reduce-scatter the current range among that level's members and keep
+    this member's part, all-reduce the remaining shard over the outermost level, then all-gather back
+    down level by level. `inner[l]` names level l's reduce-scatter ("direct", "ring", "halving");
+    `outer` the outermost all-reduce (a FLAT name or "native").
+
+    With a native outer level and a large vector, the vector is cut into segments and pipelined: the
+    outer all-reduce of segment k runs asynchronously (in gloo's/NCCL's own thread, on the outer
+    sub-group) while this thread reduce-scatters segment k + 1 and all-gathers segment k - 1 inside
+    the node, so the slow outer link never waits for the inner phases (Horovod/BlueConnect-style
+    overlap of the levels)."""
     top = levels[-1]
+    seg_count = 1
+    if outer == "native" and top.size > 1 and top.native_ok:
+        seg_count = max(1, min(MAX_SEGMENTS, (n * x.element_size()) // SEGMENT_BYTES))
+    if seg_count > 1:
+        segs = split(0, n, seg_count)
+        pending = []  # (work, stack) of segments whose outer all-reduce is in flight
+        for k in range(seg_count):
+            lo, hi, stack = _inner_down(levels, inner, x, tmp, segs[k], segs[k + 1], ctx)
+            work = dist.all_reduce(x[lo:hi], op=native_op, group=top.pg, async_op=True)
+            pending.append((work, stack))
+            if len(pending) > 1:
+                w, st = pending.pop(0)
+                w.wait()
+                _inner_up(st, x, ctx)
+        for w, st in pending:
+            w.wait()
+            _inner_up(st, x, ctx)
+        return
+    lo, hi, stack = _inner_down(levels, inner, x, tmp, 0, n, ctx)
     if outer == "native":
         native(top, x, tmp, lo, hi, ctx, op=native_op)
     else:
         FLAT[outer](top, x, tmp, lo, hi, ctx)
-    for comm, ag, off, own in reversed(stack):
-        ag(comm, x, off, own, ctx)
+    _inner_up(stack, x, ctx)

@@ -11,8 +11,9 @@ Backends, picked per call by `_fwd_impl` / `_bwd_impl` (the one place to switch)
     LSE) and its `_backward` (accepts the global out and LSE). They silently accept fewer K/V heads, so
     GQA heads are expanded here explicitly; their causal mask is top-left aligned, so `causal` is only
     used for square diagonal blocks (where top-left == bottom-right).
-  - GPU: `pykernels.flash_attention(..., return_lse=True)` for the forward once it is implemented,
-    else the exact fp32 math below (query-chunked so memory stays bounded); the backward uses the math.
+  - GPU: `pykernels.attention.flash_attention(..., return_lse=True)` and
+    `pykernels.attention.flash_attention_backward(dout, q, k, v, out, lse)` (issue #6's Triton kernels)
+    where this build has them, else the exact fp32 math below (query-chunked so memory stays bounded).
 The math path is also the oracle-grade fallback for anything the fused kernels do not take.
 
 Accumulators: the merge of partials and the LSE are kept in fp32 (fp64 for fp64 inputs), whatever the
@@ -46,7 +47,6 @@ def _reduce_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 _CPU_FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_gpu_flash_state = {"ok": None}  # None: not tried yet; False: pykernels.flash_attention unavailable
 
 
 def _math_forward(q, k, v, scale, causal, chunk: int = 1024):
@@ -69,10 +69,12 @@ def _math_forward(q, k, v, scale, causal, chunk: int = 1024):
     return torch.cat(outs, dim=2).to(q.dtype), torch.cat(lses, dim=2)
 
 
-def _math_backward(do, q, k, v, out, lse, scale, causal, chunk: int = 1024):
+def _math_backward(do, q, k, v, out, lse, scale, causal, chunk: int = 1024, delta=None):
     acc = acc_dtype(q.dtype)
     qa, ka, va, doa = q.to(acc), k.to(acc), v.to(acc), do.to(acc)
-    delta = (doa * out.to(acc)).sum(-1)  # D = rowsum(dO * O), O the *global* output
+    if delta is None:
+        delta = row_delta(do, out)
+    delta = delta.to(acc)
     sq, sk = q.shape[2], k.shape[2]
     dq = torch.empty_like(qa)
     dk = torch.zeros_like(ka)
@@ -93,19 +95,41 @@ def _math_backward(do, q, k, v, out, lse, scale, causal, chunk: int = 1024):
     return dq, dk, dv
 
 
-def _gpu_flash_forward(q, k, v, scale, causal):
-    """pykernels.flash_attention on GPU if it is implemented there, else None (math fallback)."""
-    if _gpu_flash_state["ok"] is False:
+def _gpu_kernel(name: str):
+    """pykernels.attention.<name> if this build has it implemented, else None (then the math path).
+
+    flash_attention(..., return_lse=True) and flash_attention_backward(dout, q, k, v, out, lse) are the
+    fused GPU kernels of issue #6; until they exist (NotImplementedError / ImportError) we stay on the
+    exact math path for good."""
+    state = _gpu_state.get(name)
+    if state is False:
         return None
     try:
-        from pykernels import flash_attention
+        import pykernels.attention as attn
 
+        return getattr(attn, name)
+    except (ImportError, AttributeError):
+        _gpu_state[name] = False
+        return None
+
+
+_gpu_state: dict = {}
+
+
+def _gpu_call(name: str, *args, **kwargs):
+    fn = _gpu_kernel(name)
+    if fn is None:
+        return None
+    try:
         with torch.no_grad():
-            out, lse = flash_attention(q, k, v, causal=causal, scale=scale, return_lse=True)
-        _gpu_flash_state["ok"] = True
-        return out, lse
-    except (NotImplementedError, ImportError, RuntimeError, TypeError):
-        _gpu_flash_state["ok"] = False
+            res = fn(*args, **kwargs)
+        _gpu_state[name] = True
+        return res
+    except NotImplementedError:
+        _gpu_state[name] = False
+        return None
+    except (ValueError, TypeError, RuntimeError):
+        # a shape/dtype that kernel does not take (e.g. head_dim > 256): math path for this call
         return None
 
 
@@ -114,17 +138,49 @@ def _fwd_impl(q, k, v, scale, causal):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, causal, attn_mask=None, scale=scale)
     if q.device.type == "cuda":
-        res = _gpu_flash_forward(q, k, v, scale, causal)
+        res = _gpu_call("flash_attention", q, k, v, causal=causal, scale=scale, return_lse=True)
         if res is not None:
             return res
     return _math_forward(q, k, v, scale, causal)
 
 
-def _bwd_impl(do, q, k, v, out, lse, scale, causal):
+def row_delta(do: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """D = rowsum(dO * O) [B, H, S] in acc dtype (FlashAttention-2 backward), O the *global* output."""
+    acc = acc_dtype(do.dtype)
+    return (do.to(acc) * out.to(acc)).sum(-1)
+
+
+def out_standin(do: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """A tensor O' (do's dtype) with rowsum(dO * O') = D, for kernels that take O only to form D.
+
+    O' = u * (D / m) / sum(u^2) with u = dO / m, m = max|dO| of the row: then rowsum(dO * O') =
+    m * sum(u^2) * (D/m) / sum(u^2) = D, with sum(u^2) in [1, head_dim] (no overflow or underflow).
+    Rounding O' to do's dtype perturbs each term by a relative eps, so D comes back within
+    |D| * eps: at least as accurate as forming D from a rounded O (whose error is
+    eps * sum|dO||O|). Rows with dO = 0 get O' = 0 (D is 0 there). Lets the TokenRing backward send
+    D (one number per row) instead of O (head_dim numbers per row)."""
+    acc = acc_dtype(do.dtype)
+    doa = do.to(acc)
+    m = doa.abs().amax(-1, keepdim=True)
+    safe = torch.where(m > 0, m, torch.ones_like(m))
+    u = doa / safe
+    alpha = (delta.to(acc).unsqueeze(-1) / safe) / (u * u).sum(-1, keepdim=True).clamp_min(1.0)
+    return torch.where(m > 0, u * alpha, torch.zeros_like(u)).to(do.dtype)
+
+
+def _bwd_impl(do, q, k, v, out, lse, scale, causal, delta=None):
     if q.device.type == "cpu" and q.dtype in _CPU_FUSED_DTYPES:
+        if out is None:
+            out = out_standin(do, delta)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do, q, k, v, out, lse, 0.0, causal, attn_mask=None, scale=scale)
-    return _math_backward(do, q, k, v, out, lse, scale, causal)
+    if q.device.type == "cuda":
+        res = _gpu_call("flash_attention_backward", do, q, k, v,
+                        out if out is not None else out_standin(do, delta), lse.float(),
+                        causal=causal, scale=scale)
+        if res is not None:
+            return res
+    return _math_backward(do, q, k, v, out, lse, scale, causal, delta=delta)
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -141,14 +197,23 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
         return (torch.zeros(b, h, sq, v.shape[-1], dtype=q.dtype, device=q.device),
                 torch.full((b, h, sq), float("-inf"), dtype=acc, device=q.device))
     groups = h // k.shape[1]
+    if groups > 1 and not causal:
+        # GQA without a mask: the g query heads of one kv head are just more rows against the same
+        # keys, so fold them into the sequence dim (a view) instead of copying K/V g times.
+        hkv = k.shape[1]
+        out, lse = _fwd_impl(q.contiguous().view(b, hkv, groups * sq, d), k.contiguous(), v.contiguous(),
+                             scale, False)
+        return out.reshape(b, h, sq, -1), lse.reshape(b, h, sq).to(acc)
     q, k, v = q.contiguous(), _expand_kv(k, groups).contiguous(), _expand_kv(v, groups).contiguous()
     out, lse = _fwd_impl(q, k, v, scale, causal)
     return out, lse.to(acc)
 
 
 def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool):
-    """Gradients of this block's share of attention, given the *global* out and lse of q's rows.
+                   out: Optional[torch.Tensor], lse: torch.Tensor, scale: float, causal: bool,
+                   delta: Optional[torch.Tensor] = None):
+    """Gradients of this block's share of attention, given the *global* out and lse of q's rows
+    (or, with out=None, the global D = rowsum(dO * O) as `delta`, see row_delta / out_standin).
 
     Returns (dq [B,H,Sq,D], dk, dv [B,Hkv,Sk,D]) in acc_dtype (the caller accumulates them there)."""
     acc = acc_dtype(q.dtype)
@@ -158,11 +223,18 @@ def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                 torch.zeros(k.shape, dtype=acc, device=q.device),
                 torch.zeros(v.shape, dtype=acc, device=q.device))
     groups = q.shape[1] // hkv
-    ke, ve = _expand_kv(k, groups).contiguous(), _expand_kv(v, groups).contiguous()
     # The fused kernels want out/lse in their own dtypes (out: q's dtype, lse: fp32, fp64 for fp64).
     fused_lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32).contiguous()
-    dq, dk, dv = _bwd_impl(do.contiguous(), q.contiguous(), ke, ve, out.to(q.dtype).contiguous(),
-                           fused_lse, scale, causal)
+    do, q = do.contiguous(), q.contiguous()
+    out = None if out is None else out.to(q.dtype).contiguous()
+    if groups > 1 and not causal:  # GQA fold, as in block_forward: dk/dv come out per kv head
+        b, h, sq, d = q.shape
+        fold = lambda t: None if t is None else t.contiguous().view(b, hkv, groups * sq, *t.shape[3:])  # noqa: E731
+        dq, dk, dv = _bwd_impl(fold(do), fold(q), k.contiguous(), v.contiguous(), fold(out), fold(fused_lse),
+                               scale, False, delta=fold(delta))
+        return dq.reshape(b, h, sq, d).to(acc), dk.to(acc), dv.to(acc)
+    ke, ve = _expand_kv(k, groups).contiguous(), _expand_kv(v, groups).contiguous()
+    dq, dk, dv = _bwd_impl(do, q, ke, ve, out, fused_lse, scale, causal, delta=delta)
     return dq.to(acc), _reduce_kv(dk.to(acc), groups), _reduce_kv(dv.to(acc), groups)
 
 
@@ -178,11 +250,11 @@ def merge(out_a: Optional[torch.Tensor], lse_a: Optional[torch.Tensor], out_b: t
     w = torch.sigmoid(lse_b - lse_a).unsqueeze(-1)
     out = out_a - w * (out_a - ob)
     lse = lse_a - F.logsigmoid(lse_a - lse_b)
-    # Rows that saw no key yet (lse_a = -inf) take b as is; -inf - (-inf) would be NaN.
+    # Rows that saw no key yet (lse_a = -inf) take b as is; -inf - (-inf) would be NaN. Branch-free
+    # (no host sync on GPUs); our schedules never produce such rows after step 0, but stay safe.
     empty_a = torch.isneginf(lse_a)
-    if bool(empty_a.any()):
-        out = torch.where(empty_a.unsqueeze(-1), ob, out)
-        lse = torch.where(empty_a, lse_b, lse)
+    out = torch.where(empty_a.unsqueeze(-1), ob, out)
+    lse = torch.where(empty_a, lse_b, lse)
     return out, lse
 
 

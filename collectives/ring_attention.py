@@ -24,10 +24,9 @@ Partials are merged in fp32 (fp64 for fp64 inputs) with the stable form
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
-import torch.distributed as dist
 
 from . import _attention_block as blk
 from . import _attention_comm as comm
@@ -324,14 +323,14 @@ def _token_backward(do, q, k, v, out, lse, scale, causal, layout, grp, pg_back):
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
 
     def compute(j, held, held_rows):
-        qj, doj, outj, lsej = held
+        qj, doj, deltaj, lsej = held
         blocks = _blocks(j, r, s, causal, layout)
         if not blocks:
             return None
         (rows, krows, diag), = blocks
         sl = _shift(rows, held_rows)
         gq, gk, gv = blk.block_backward(doj[:, :, sl], qj[:, :, sl], k[:, :, krows], v[:, :, krows],
-                                        outj[:, :, sl], lsej[:, :, sl], scale, diag)
+                                        None, lsej[:, :, sl], scale, diag, delta=deltaj[:, :, sl])
         dk[:, :, krows] += gk  # K/V never move: their gradients accumulate here, no traffic
         dv[:, :, krows] += gv
         return [gq]
@@ -343,7 +342,8 @@ def _token_backward(do, q, k, v, out, lse, scale, causal, layout, grp, pg_back):
         if parts is not None:
             dq[:, :, rows] += parts[0]
 
-    bundle = [q.contiguous(), do.contiguous(), out.contiguous(), lse.contiguous()]
+    # D = rowsum(dO * O) travels instead of O: one number per row instead of head_dim
+    bundle = [q.contiguous(), do.contiguous(), blk.row_delta(do, out), lse.contiguous()]
     _token_ring_run(bundle, compute, spec, on_own, s, causal, layout, grp, pg_back)
     return dq, dk, dv
 
@@ -373,7 +373,8 @@ def token_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     differentiable), different schedule.
 
     Forward (TokenRing, Wang et al. 2024): K/V never move. At step t rank r holds the queries of rank
-    j = r+t (Q moves one hop per step, r -> r-1, on `group`), computes them against its own K/V and
+    j = r+t (Q moves one hop per step, r -> r-1, on `group`; the direction does not matter without a
+    mask, and with the zigzag causal mask it is the one that lets Q shrink, see below), computes them against its own K/V and
     sends that partial (out in the input dtype, lse in fp32) straight back to j on a second process
     group, while receiving its own partial from rank r-t; both directions are in flight together and
     overlap the next block's compute. Causal + zigzag: each pair costs half a block, and once a Q has
@@ -382,10 +383,12 @@ def token_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     (Q vs K+V); with GQA ratio > 2, Ring sends fewer bytes.
 
     Backward (ours; TokenRing's paper has none): the same schedule, BurstAttention-style. The bundle
-    (q, dO, the global out and lse of those queries; halved like Q in the zigzag causal case) travels
-    r -> r-1; each holder computes the block's gradients with the global out/lse, keeps dK/dV of its
-    own K/V locally (fp32, no traffic at all for dK/dV), and sends the block's dQ partial (fp32)
-    straight back to the queries' owner on the second group, which sums its partials in fp32.
+    (q, dO, and per row the global lse and D = rowsum(dO * O), both fp32; halved like Q in the zigzag
+    causal case) travels r -> r-1; each holder computes the block's gradients with the global lse/D
+    (P = exp(S - lse), dS = P * (dP - D)), keeps dK/dV of its own K/V locally (fp32, no traffic at all
+    for dK/dV), and sends the block's dQ partial (fp32) straight back to the queries' owner on the
+    second group, which sums its partials in fp32. Sending D instead of O keeps the Q-side traffic at
+    about 2x Q (Ring's backward sends K, V, dK, dV one way: about 4x Q for MHA in fp32).
 
     `group` may also be a pair (group_q, group_back) of process groups over the same ranks; by default
     the second group is created once per group (every rank of the group must make its first call

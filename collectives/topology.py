@@ -121,30 +121,52 @@ class Topology:
             dist.all_gather_object(gathered, info, group=group)
         else:
             gathered = [info]
-        hosts: dict[str, list[int]] = {}
-        for r, (host, _) in enumerate(gathered):
+        topo = cls.from_placement(gathered)
+        if topo.note.startswith("hosts hold different"):
+            warnings.warn(f"collectives.Topology.detect: {topo.note}", stacklevel=2)
+        with _LOCK:
+            _DETECTED[group] = topo
+        return topo
+
+    @classmethod
+    def from_device_mesh(cls, mesh) -> "Topology":
+        """The topology of a torch DeviceMesh whose dimensions go outermost first (e.g. ("node",
+        "gpu")): its last dimension is the innermost level. Ranks are the mesh's ranks in row-major
+        order (group ranks of the default group)."""
+        grid = getattr(mesh, "mesh", mesh)
+        if not isinstance(grid, torch.Tensor) or grid.dim() < 1:
+            raise TypeError(f"collectives.Topology.from_device_mesh: expected a DeviceMesh (or a rank tensor), "
+                            f"got {type(mesh).__name__}")
+        return cls(list(reversed(grid.shape)), [int(r) for r in grid.flatten().tolist()],
+                   note=f"from a DeviceMesh of shape {tuple(grid.shape)}")
+
+    @classmethod
+    def from_placement(cls, placement) -> "Topology":
+        """The topology of ranks placed as `placement[r] = (hostname, LOCAL_WORLD_SIZE or 0)` (what
+        detect gathers): ranks of one host form a node, in rank order; a single host whose ranks all
+        report LOCAL_WORLD_SIZE = L (1 < L < p, p % L == 0) is cut into nodes of L consecutive ranks
+        (torchrun's layout). Uneven hosts give a flat topology with a note saying why."""
+        p = len(placement)
+        hosts: dict = {}
+        for r, (host, _) in enumerate(placement):
             hosts.setdefault(host, []).append(r)
         nodes = list(hosts.values())
-        locals_ = {lw for _, lw in gathered}
+        locals_ = {int(lw or 0) for _, lw in placement}
         if len(nodes) == 1 and len(locals_) == 1:
             lw = locals_.pop()
-            if 1 <= lw < p and p % lw == 0:
+            if 1 < lw < p and p % lw == 0:
                 nodes = [list(range(k, k + lw)) for k in range(0, p, lw)]
         counts = {len(n) for n in nodes}
         if len(counts) != 1:
             note = (f"hosts hold different numbers of ranks ({', '.join(str(len(n)) for n in nodes)}): "
                     f"no even nesting, so the topology is flat")
-            warnings.warn(f"collectives.Topology.detect: {note}", stacklevel=2)
-            topo = cls([p], note=note)
-        else:
-            per = counts.pop()
-            order = [r for n in nodes for r in n]
-            sizes = [per, len(nodes)] if 1 < per < p else [p]
-            topo = cls(sizes, order if sizes != [p] else None,
-                       note=f"{len(nodes)} node(s) x {per} rank(s), from hostnames and LOCAL_WORLD_SIZE")
-        with _LOCK:
-            _DETECTED[group] = topo
-        return topo
+            return cls([p], note=note)
+        per = counts.pop()
+        if not 1 < per < p:
+            return cls([p], note=f"{len(nodes)} node(s) x {per} rank(s), from hostnames and LOCAL_WORLD_SIZE")
+        order = [r for n in nodes for r in n]
+        return cls([per, len(nodes)], order,
+                   note=f"{len(nodes)} node(s) x {per} rank(s), from hostnames and LOCAL_WORLD_SIZE")
 
     # --------------------------------------------------------------------------------------------
     def comms(self, group=None) -> list[Comm]:

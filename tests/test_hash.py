@@ -679,3 +679,78 @@ _sm = settings(max_examples=25, stateful_step_count=25, deadline=None)
 TestMapMachine = _sm(MapMachine).TestCase
 TestCountMachine = _sm(CountMachine).TestCase
 TestMultiMachine = _sm(MultiMachine).TestCase
+
+
+# ---------------------------------------------------------------------------------------------
+# autotuning: the hash Tunables measure, cache and are then used by dispatch
+# ---------------------------------------------------------------------------------------------
+def test_autotune_hash_find_and_insert(tmp_cache):
+    from pykernels import autotune
+
+    t = HashMap(20000)
+    keys = torch.arange(8000, dtype=torch.int64) * 31
+    t.insert(keys, keys)
+    cfg = autotune.tune("hash_find", t, keys, budget_s=0.02)
+    assert set(cfg) == {"prefetch", "threads"}
+    key = {"slot_bytes": 16, "table_bytes": autotune.bucket(t.capacity * 16)}
+    assert autotune.config_for("hash_find", "cpu", key, torch.device("cpu")) == cfg
+    cfg_i = autotune.tune("hash_insert", t, keys, budget_s=0.02)
+    assert set(cfg_i) == {"prefetch", "threads"}
+    # timed inserts go to a scratch table: the user's table is untouched
+    v, f = t.find(keys)
+    assert bool(f.all()) and torch.equal(v, keys) and len(t) == 8000
+    assert {"hash_find", "hash_insert", "hash_table"} <= {tn.op for tn in autotune.registered("hash")}
+
+
+@pytest.mark.parametrize("prefetch", [1, 3, 64, 100])
+def test_any_prefetch_distance_is_correct(prefetch):
+    from pykernels.hashing import _tune
+
+    t = HashMap(5000, max_load_factor=0.99)
+    keys = torch.randperm(4900, dtype=torch.int64) * 977
+    _tune._run_insert({"prefetch": prefetch, "threads": 2}, t, keys)
+    t = _tune._SCRATCH[t]
+    vals = _tune._run_find({"prefetch": prefetch, "threads": 1}, t, torch.cat([keys, keys + 1]))
+    assert torch.equal(vals[:4900], keys) and bool((vals[4900:] == 0).all())
+
+
+@pytest.mark.parametrize("cls,kw", [(HashMap, dict(key_dtype=torch.int32, value_dtype=torch.int32)),
+                                    (HashMap, dict(key_dtype=torch.int32, value_dtype=torch.int64)),
+                                    (HashMap, dict(key_dtype=torch.uint64, value_dtype=torch.int8)),
+                                    (HashMap, dict(key_dtype=torch.int64, value_dtype=torch.float64)),
+                                    (HashSet, dict(key_dtype=torch.uint32)), (HashSet, dict(key_dtype=torch.int64)),
+                                    (CountingTable, dict(key_dtype=torch.int32))])
+def test_gpu_init_path_matches_native_layout(cls, kw):
+    # GPU tables initialize their slots with torch ops: byte-identical to the native CPU init
+    t = cls(100, **kw)
+    a = t._slots.clone()
+    b = torch.full_like(t._slots, 12345)
+    t._init_slots_torch(b)
+    assert torch.equal(a, b)
+    assert t._sb == {(4, 0): 4, (8, 0): 8, (4, 4): 8}.get((t._kb, t._vb), 16)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.library: the kernels are ops with fake implementations
+# ---------------------------------------------------------------------------------------------
+def test_hash_ops_pass_opcheck_and_compile_fullgraph():
+    from pykernels.hashing import _ops
+
+    t = HashMap(200)
+    keys = torch.arange(50, dtype=torch.int64) * 7
+    t.insert(keys, keys + 1)
+    args = (t._slots, t._special, keys, t._nw, t.window, t.seed, t._kb, t._vb, -1, True, 1, 8)
+    torch.library.opcheck(torch.ops.pykernels.hash_find.default, args)
+    s2, sp2 = t._slots.clone(), t._special.clone()
+    more = torch.arange(50, 60, dtype=torch.int64)
+    torch.library.opcheck(torch.ops.pykernels.hash_insert_.default,
+                          (s2, sp2, more, more, t._nw, t.window, t.seed, t._kb, t._vb, 0, t._used, 10 ** 6, 1, 8),
+                          test_utils=("test_schema", "test_faketensor"))
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def lookup_plus_one(slots, special, q):
+        vals, found = torch.ops.pykernels.hash_find(slots, special, q, t._nw, t.window, t.seed, 8, 8, -1, True, 1, 8)
+        return torch.where(found, vals + 1, vals)
+
+    q = torch.cat([keys, torch.tensor([3, 5])])
+    assert lookup_plus_one(t._slots, t._special, q).tolist() == [k + 2 for k in keys.tolist()] + [-1, -1]

@@ -333,7 +333,7 @@ def test_qmatmul_errors():
         pykernels.qmatmul(x, qw, act_bits=9)
     with pytest.raises(ValueError, match="act_bits"):
         pykernels.qmatmul(x, qw, act_bits=0)
-    with pytest.raises(NotImplementedError, match="pykernels.qmatmul"):
+    with pytest.raises(RuntimeError, match="pykernels.qmatmul: backend 'cuda'"):
         pykernels.qmatmul(x, qw, backend="cuda")
     with pytest.raises(ValueError, match="backend"):
         pykernels.qmatmul(x, qw, backend="gpu")
@@ -347,6 +347,36 @@ def test_qmatmul_configs_agree(impl, m_block, n_block):
     cfg = {"impl": impl, "threads": 2, "m_block": m_block, "n_block": n_block}
     y = _impl(x, qw.packed, qw.scales, qw.offsets, None, None, None, N, K, 3, 32, 0, "cpu", config=cfg)
     check_close(y, x, qw, rel=4e-5 if impl == "native" else 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_qmatmul_dequant_mm_path(dtype, simd):
+    """The compute-bound route (dequantize chunks + torch GEMM, default for bf16 at M >= 32)."""
+    N, K = 1030, 200  # more rows than one dequantization chunk, N and K odd sizes
+    qw = pykernels.quantize(torch.randn(N, K), 4, 64, "asym")
+    x = torch.randn(40, K).to(dtype)
+    bias = torch.randn(N)
+    cfg = {"impl": "dequant_mm", "threads": 0}
+    y = _impl(x, qw.packed, qw.scales, qw.offsets, None, None, bias, N, K, 4, 64, 0, "cpu", config=cfg)
+    ref = oracle(x, qw, bias)
+    W = qw.dequantize(torch.float64)
+    eps = {torch.float32: 1e-6, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
+    bound = eps * (x.double().abs() @ W.abs().T) + 2 * eps * ref.abs() + 1e-6
+    assert y.dtype == dtype and bool(((y.double() - ref).abs() <= bound).all())
+    yd = pykernels.qmatmul(x, qw, bias)  # default config for this shape
+    assert bool(((yd.double() - ref).abs() <= bound + 4e-5 * x.double().abs().amax() * W.abs().sum(1)).all())
+
+
+def test_dequantize_native_matches_python():
+    from pykernels.quant._ops import _dequant_cpu
+
+    for bits, gs in ((4, 32), (8, -1), (3, 128), (6, 64)):
+        N, K = 9, 200
+        qw = pykernels.quantize(torch.randn(N, K), bits, gs, "bipolar" if bits == 6 else "asym")
+        ref = qw.dequantize(torch.float32)
+        assert torch.allclose(_dequant_cpu(qw.packed, qw.scales, qw.offsets, N, K, bits, gs), ref, rtol=1e-6, atol=1e-6)
+        bf = _dequant_cpu(qw.packed, qw.scales, qw.offsets, N, K, bits, gs, dtype=torch.bfloat16)
+        assert torch.allclose(bf.float(), ref, rtol=2 ** -8, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------------

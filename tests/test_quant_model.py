@@ -143,3 +143,77 @@ def test_torch_compile_fullgraph():
         eager = q(x)
         compiled = torch.compile(q, fullgraph=True, backend="aot_eager")(x)
     assert torch.equal(eager, compiled)
+
+
+def test_autotune_qmatmul_caches_a_config(tmp_cache):
+    from pykernels import autotune
+
+    qw = pykernels.quantize(torch.randn(64, 256), 4, 128)
+    x = torch.randn(3, 256)
+    cfg = autotune.tune("qmatmul", x, qw, backend="cpu", budget_s=0.02)
+    assert cfg.get("impl") in ("native", "dequant_mm")
+    entries = autotune.load_cache_file(autotune.cache_file())
+    assert any(k.startswith("qmatmul|cpu|") for k in entries)
+    ref = x.double() @ qw.dequantize(torch.float64).T
+    assert torch.allclose(pykernels.qmatmul(x, qw).double(), ref, rtol=1e-3, atol=1e-3)
+
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=25, deadline=None)
+@given(N=st.integers(1, 40), K=st.integers(1, 300), M=st.integers(0, 9),
+       fmt=st.sampled_from([("asym", 4), ("asym", 2), ("sym", 8), ("sym", 3), ("bipolar", 1), ("bipolar", 5)]),
+       group_size=st.sampled_from([32, 64, 128, -1]), act_bits=st.sampled_from([None, None, 3, 8]),
+       seed=st.integers(0, 2 ** 16))
+def test_qmatmul_hypothesis(N, K, M, fmt, group_size, act_bits, seed):
+    g = torch.Generator().manual_seed(seed)
+    scheme, bits = fmt
+    qw = pykernels.quantize(torch.randn(N, K, generator=g) * 3, bits, group_size, scheme)
+    x = torch.randn(M, K, generator=g)
+    y = pykernels.qmatmul(x, qw, act_bits=act_bits)
+    assert y.shape == (M, N)
+    W = qw.dequantize(torch.float64)
+    if act_bits is None:
+        ref = x.double() @ W.T
+        centred = W.abs().sum(1) + (qw.scales.double().max(1).values * 2 ** bits * K)
+        bound = 4e-5 * x.double().abs().amax(1, keepdim=True) * centred[None] + 1e-5
+    else:  # the activations are quantized too: compare with the dequantized activations' product
+        lo, hi = x.double().amin(1, keepdim=True), x.double().amax(1, keepdim=True)
+        sa = torch.where(hi > lo, (hi - lo) / (2 ** act_bits - 1), torch.ones_like(hi))
+        A = torch.clamp(torch.round((x.double() - lo) / sa), 0, 2 ** act_bits - 1) * sa + lo
+        ref = A @ W.T
+        bound = 1e-5 * A.abs().amax(1, keepdim=True) * W.abs().sum(1)[None] + 1e-4
+    assert bool(((y.double() - ref).abs() <= bound).all())
+
+
+def test_qmatmul_backward_to_activations_and_bias():
+    qw = pykernels.quantize(torch.randn(8, 64), 4, 32)
+    x = torch.randn(2, 3, 64, requires_grad=True)
+    bias = torch.randn(8, requires_grad=True)
+    y = pykernels.qmatmul(x, qw, bias)
+    g = torch.randn_like(y)
+    y.backward(g)
+    W = qw.dequantize(torch.float32)
+    assert torch.allclose(x.grad, g @ W, atol=1e-5)
+    assert torch.allclose(bias.grad, g.reshape(-1, 8).sum(0), atol=1e-5)
+    torch.library.opcheck(torch.ops.pykernels.qmatmul.default,
+                          (x.detach().requires_grad_(), qw.packed, qw.scales, qw.offsets, None, None, None,
+                           8, 64, 4, 32, 0, "auto"), test_utils=("test_schema", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("N,K,bits,group_size,scheme,act_bits", [(10, 96, 4, 32, "asym", None), (7, 200, 6, 64, "bipolar", None),
+                                                                   (9, 33, 2, -1, "bipolar", 2), (5, 64, 8, 32, "sym", 4)])
+def test_empty_quantlinear_buffers_match_quantize(N, K, bits, group_size, scheme, act_bits):
+    lin = nn.Linear(K, N)
+    full = QuantLinear.from_linear(lin, bits, group_size, scheme, act_bits)
+    empty = QuantLinear(K, N, True, bits=bits, group_size=group_size, scheme=scheme, act_bits=act_bits)
+    a, b = full.state_dict(), empty.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert a[k].shape == b[k].shape and a[k].dtype == b[k].dtype, k
+    empty.load_state_dict(a)
+    x = torch.randn(3, K)
+    assert torch.equal(empty(x), full(x))

@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import collectives
 from collectives import ring_attention, shard_sequence, token_ring_attention, unshard_sequence
 
 pytestmark = pytest.mark.distributed
@@ -62,6 +61,7 @@ def make_inputs(seed, b, h, hkv, s, d, dtype, kind="randn"):
 
 def assert_close(name, got, want, tol, ctx):
     atol, rtol = tol
+    got = got.detach().cpu()
     err = (got.double() - want).abs()
     bound = atol + rtol * want.abs()
     if not bool((err <= bound).all()) or not bool(torch.isfinite(got).all()):
@@ -69,9 +69,11 @@ def assert_close(name, got, want, tol, ctx):
 
 
 # ------------------------------------------------------------------------------- worker processes
-def _worker(rank, world, init_file, inq, outq):
+def _worker(rank, world, init_file, inq, outq, backend="gloo"):
     torch.set_num_threads(1)  # up to 4 ranks on 2 cores
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=30))
     while True:
         msg = inq.get()
@@ -86,9 +88,10 @@ def _worker(rank, world, init_file, inq, outq):
 
 
 class Pool:
-    """`world` spawned gloo ranks that run named case functions of this module on request."""
+    """`world` spawned ranks (gloo; nccl: one GPU each) that run named case functions of this module
+    on request."""
 
-    def __init__(self, world):
+    def __init__(self, world, backend="gloo"):
         self.world = world
         ctx = mp.get_context("spawn")
         fd, self.init_file = tempfile.mkstemp(prefix="pk_ring_pg_")
@@ -96,7 +99,7 @@ class Pool:
         os.unlink(self.init_file)  # the file store creates it
         self.outq = ctx.Queue()
         self.inqs = [ctx.Queue() for _ in range(world)]
-        self.procs = [ctx.Process(target=_worker, args=(r, world, self.init_file, self.inqs[r], self.outq),
+        self.procs = [ctx.Process(target=_worker, args=(r, world, self.init_file, self.inqs[r], self.outq, backend),
                                   daemon=True) for r in range(world)]
         for p in self.procs:
             p.start()
@@ -147,13 +150,26 @@ def pool3():
 
 # ---------------------------------------------------------------------------- cases (on each rank)
 def case_attention(rank, world, *, fn, layout, causal, configs, chunk=3, seed=0, scale=None,
-                   kind="randn", noncontig=False, piece_bytes=None):
-    """Every config: forward out + LSE and dq/dk/dv of this rank's shard vs the float64 oracle."""
+                   kind="randn", noncontig=False, piece_bytes=None, force_math=False, subgroup=None,
+                   device="cpu"):
+    """Every config: forward out + LSE and dq/dk/dv of this rank's shard vs the float64 oracle.
+    subgroup: run on a process group of these global ranks only (the others just take part in
+    creating it), which checks that group ranks and global ranks are never confused."""
+    from collectives import _attention_block as block
     from collectives import _attention_comm as comm
 
-    old_piece = comm.PIECE_BYTES
+    group = None
+    if subgroup is not None:
+        group = dist.new_group(subgroup)
+        if rank not in subgroup:
+            return True
+        rank, world = dist.get_rank(group), len(subgroup)
+
+    old_piece, old_fused = comm.PIECE_BYTES, block._CPU_FUSED_DTYPES
     if piece_bytes:
         comm.PIECE_BYTES = piece_bytes
+    if force_math:  # the path GPUs take without a fused kernel: exact fp32 math, query-chunked
+        block._CPU_FUSED_DTYPES = ()
     try:
         for cfg_i, (dtype_name, b, h, hkv, d) in enumerate(configs):
             dtype = getattr(torch, dtype_name)
@@ -164,15 +180,17 @@ def case_attention(rank, world, *, fn, layout, causal, configs, chunk=3, seed=0,
             q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
             ref, ref_lse = oracle(q64, k64, v64, causal, sc)
             ref.backward(do.double())
-            shard = lambda t: shard_sequence(t, layout=layout).detach()  # noqa: E731
-            ql, kl, vl = (shard(t) for t in (q, k, v))
+            shard = lambda t: shard_sequence(t, group=group, layout=layout).detach()  # noqa: E731
+            ql, kl, vl = (shard(t).to(device) for t in (q, k, v))
             if noncontig:  # [B, S, H, D] storage seen as [B, H, S, D]
                 ql, kl, vl = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (ql, kl, vl))
                 assert not ql.is_contiguous()
             keep = [t.clone() for t in (ql, kl, vl)]
             ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
-            out, lse = FNS[fn](ql, kl, vl, causal=causal, scale=scale, layout=layout, return_lse=True)
-            out.backward(shard(do))
+            out, lse = FNS[fn](ql, kl, vl, causal=causal, scale=scale, layout=layout, return_lse=True,
+                               group=group)
+            out.backward(shard(do).to(device))
+            assert out.device.type == device, out.device
             ctx = f"{fn} W={world} rank {rank} {layout} causal={causal} {dtype_name} H={h} Hkv={hkv} {kind}"
             assert out.dtype == dtype and out.shape == ql.shape, ctx
             assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32), ctx
@@ -185,7 +203,7 @@ def case_attention(rank, world, *, fn, layout, causal, configs, chunk=3, seed=0,
             for a, b_ in zip(keep, (ql, kl, vl)):  # inputs never modified
                 assert torch.equal(a, b_.detach()), ctx
     finally:
-        comm.PIECE_BYTES = old_piece
+        comm.PIECE_BYTES, block._CPU_FUSED_DTYPES = old_piece, old_fused
     return True
 
 
@@ -359,6 +377,21 @@ def test_more_dtypes_scale_adversarial_noncontiguous(pool3, fn):
               configs=[("float64", 1, 2, 2, 4)])
 
 
+@pytest.mark.parametrize("fn", ["ring", "token"])
+def test_math_fallback_path(pool3, fn):
+    pool3.run("case_attention", fn=fn, layout="zigzag", causal=True, force_math=True,
+              configs=[("float32", 1, 4, 2, 8), ("bfloat16", 1, 4, 4, 8)])
+
+
+@pytest.mark.parametrize("fn", ["ring", "token"])
+def test_subgroup(pool, fn):
+    if pool.world < 3:
+        pytest.skip("needs three ranks")
+    sub = list(range(1, pool.world))  # group rank i = global rank i+1
+    pool.run("case_attention", fn=fn, layout="zigzag", causal=True, subgroup=sub,
+             configs=[("float32", 1, 4, 2, 8)])
+
+
 def test_ring_and_token_ring_agree(pool3):
     pool3.run("case_lse_matches_and_equal_inputs", fn="ring")
 
@@ -405,3 +438,111 @@ def test_gpu_world_of_one_nccl(fn, tmp_path):
                 assert_close(name, got.cpu(), want.detach(), tol, f"{fn} cuda {dtype}")
     finally:
         dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ schedule properties (no ranks)
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from collectives import _attention_block as blk  # noqa: E402
+import importlib  # noqa: E402
+
+ra = importlib.import_module("collectives.ring_attention")  # the module (the package exports the function)
+
+
+def _positions(layout, w, r, c):
+    """Global positions of rank r's shard, chunks of c tokens."""
+    chunks = [r] if layout == "contiguous" else [r, 2 * w - 1 - r]
+    return [i * c + t for i in chunks for t in range(c)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(w=st.integers(1, 9), c=st.integers(1, 3), layout=st.sampled_from(["zigzag", "contiguous"]),
+       causal=st.booleans())
+def test_blocks_cover_the_mask_exactly_once(w, c, layout, causal):
+    """Over all (q rank, kv rank) pairs the blocks cover every (query, key) pair the mask allows
+    exactly once and nothing else; a diagonal block's own causal mask must match the global one."""
+    s = c * (2 if layout == "zigzag" else 1)
+    seen = {}
+    for qr in range(w):
+        qpos = _positions(layout, w, qr, c)
+        for kr in range(w):
+            kpos = _positions(layout, w, kr, c)
+            for rows, krows, diag in ra._blocks(qr, kr, s, causal, layout):
+                for i in range(rows.start, rows.stop):
+                    for j in range(krows.start, krows.stop):
+                        if diag and j - krows.start > i - rows.start:
+                            continue
+                        key = (qpos[i], kpos[j])
+                        seen[key] = seen.get(key, 0) + 1
+    n = w * s
+    want = {(i, j) for i in range(n) for j in range(n) if not causal or j <= i}
+    assert set(seen) == want and all(v == 1 for v in seen.values())
+
+
+@settings(max_examples=60, deadline=None)
+@given(w=st.integers(1, 12), layout=st.sampled_from(["zigzag", "contiguous"]), causal=st.booleans())
+def test_token_ring_query_rows_only_shrink_along_the_ring(w, layout, causal):
+    """TokenRing forwards only the rows the next holder needs: along Q's path j, j-1, ..., j+1 the
+    needed rows must only shrink (else a holder would need rows it never received), and zigzag causal
+    ranks after the wrap need exactly the second half."""
+    s = 4
+    for j in range(w):
+        held = slice(0, s)
+        for t in range(1, w):
+            holder = (j - t) % w
+            need = ra._rows_needed(j, holder, s, causal, layout)
+            assert held.start <= need.start and need.stop == s
+            if causal and layout == "zigzag":
+                assert need == (slice(0, s) if holder < j else slice(s // 2, s))
+            held = need
+
+
+@settings(max_examples=100, deadline=None)
+@given(a=st.floats(-1e4, 1e4), b=st.floats(-1e4, 1e4))
+def test_merge_is_stable_for_far_apart_lse(a, b):
+    oa, ob = torch.full((1, 1, 1, 2), 1.0), torch.full((1, 1, 1, 2), -2.0)
+    la, lb = torch.tensor([[[a]]]), torch.tensor([[[b]]])
+    o, l = blk.merge(oa, la, ob, lb)
+    want_l = max(a, b) + math.log1p(math.exp(-abs(a - b)))
+    wa = 1.0 / (1.0 + math.exp(min(700.0, b - a)))
+    assert torch.isfinite(o).all() and torch.isfinite(l).all()
+    assert abs(l.item() - want_l) <= 1e-3 * max(1.0, abs(want_l))
+    assert abs(o[0, 0, 0, 0].item() - (wa * 1.0 + (1 - wa) * -2.0)) < 1e-4
+    # a row that has seen nothing yet (lse = -inf) takes the other partial as is
+    o, l = blk.merge(oa, torch.tensor([[[float("-inf")]]]), ob, lb)
+    assert torch.equal(o, ob) and torch.equal(l, lb)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_out_standin_reproduces_delta(dtype):
+    """TokenRing's backward sends D = rowsum(dO * O) instead of O; the kernel gets a stand-in O'."""
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(2, 3, 7, 16, generator=gen)
+    do[0, 0, 0] = 0.0                      # a row with no gradient
+    do[0, 1] *= 1e-30 if dtype == torch.float32 else 1e-3   # tiny rows (dO^2 underflows in fp32)
+    do[1, 0] *= 1e4                        # large rows
+    o = torch.randn(2, 3, 7, 16, generator=gen)
+    do, o = do.to(dtype), o.to(dtype)
+    delta = blk.row_delta(do, o)
+    o2 = blk.out_standin(do, delta)
+    assert o2.dtype == dtype and torch.isfinite(o2).all()
+    got = (do.double() * o2.double()).sum(-1)
+    eps = torch.finfo(dtype).eps
+    assert ((got - delta.double()).abs() <= delta.double().abs() * eps * 4 + 1e-300).all()
+    assert torch.equal(o2[0, 0, 0], torch.zeros(16, dtype=dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fn", ["ring", "token"])
+def test_gpu_nccl_several_ranks(fn):
+    """On a machine with 2+ GPUs: NCCL ranks (one GPU each), CUDA tensors, against the oracle."""
+    n = min(4, torch.cuda.device_count())
+    if n < 2:
+        pytest.skip(f"needs 2 GPUs, found {n}")
+    p = Pool(n, backend="nccl")
+    try:
+        for layout, causal in (("zigzag", True), ("contiguous", False), ("contiguous", True)):
+            p.run("case_attention", fn=fn, layout=layout, causal=causal, device="cuda", chunk=64,
+                  configs=[("float32", 1, 8, 2, 64), ("bfloat16", 2, 8, 8, 64)])
+    finally:
+        p.close()

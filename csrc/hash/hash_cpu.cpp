@@ -341,8 +341,37 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
 // and a lookup that must go on to its next window prefetches it and yields to the others. Unlike a
 // plain prefetch pipeline, this also overlaps the second and later windows of long probes (misses
 // at high load), so every DRAM access of the layout is overlapped with G - 1 others.
+// One window examined without a branch per slot: bit masks of "key matches" and "slot EMPTY"
+// (the key never sits after an EMPTY slot, so a match anywhere in the window is the answer).
+// CW > 0: window size known at compile time (unrolled); CW == 0: t.W at run time.
+template <int CW, class K, class V>
+inline uint32_t window_masks(const Table<K, V>& t, const Slot<K, V>* win, K k, uint32_t& empty) {
+  const int W = CW > 0 ? CW : t.W;
+  uint32_t hit = 0, emp = 0;
+  for (int j = 0; j < W; ++j) {
+    const K sk = load_relaxed(&win[j].key);
+    hit |= (uint32_t)(sk == k) << j;
+    emp |= (uint32_t)(sk == Table<K, V>::EMPTY) << j;
+  }
+  empty = emp;
+  return hit;
+}
+
+template <int CW, class K, class V, class Emit>
+void amac_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, Emit&& emit);
+
 template <class K, class V, class Emit>
 void amac_find(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, Emit&& emit) {
+  switch (t.W) {  // the CPU default windows (one cache line of 16-, 8- or 4-byte slots)
+    case 4: return amac_find_w<4>(t, keys, b, e, G, emit);
+    case 8: return amac_find_w<8>(t, keys, b, e, G, emit);
+    case 16: return amac_find_w<16>(t, keys, b, e, G, emit);
+    default: return amac_find_w<0>(t, keys, b, e, G, emit);
+  }
+}
+
+template <int CW, class K, class V, class Emit>
+void amac_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, Emit&& emit) {
   using S = Slot<K, V>;
   if (G <= 1) {
     for (int64_t i = b; i < e; ++i) {
@@ -382,12 +411,10 @@ void amac_find(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G,
       State& s = st[g];
       const S* win = t.window(s.p.w);
       const S* hit = nullptr;
-      bool done = false;
-      for (int j = 0; j < t.W; ++j) {
-        const K sk = load_relaxed(&win[j].key);
-        if (sk == s.k) { hit = &win[j]; done = true; break; }
-        if (sk == Table<K, V>::EMPTY) { done = true; break; }
-      }
+      uint32_t empty;
+      const uint32_t m = window_masks<CW>(t, win, s.k, empty);
+      if (m) hit = &win[__builtin_ctz(m)];
+      const bool done = (m | empty) != 0;
       if (!done && ++s.visited < t.nw) {
         probe_next(s.p, t.nw);
         const char* line = reinterpret_cast<const char*>(t.window(s.p.w));
@@ -699,6 +726,31 @@ void init_slots(uintptr_t slots_p, int64_t nslots, int kb, int vb, int nthreads)
   });
 }
 
+// The machine's random-access limit, for the benchmarks: read n random 64-byte lines of a buffer
+// (xorshift addresses, D lines prefetched ahead, the same memory-level parallelism a find can have).
+// A find needs `lines/op` such reads, so rate(find) <= rate(this) / lines_per_op.
+uint64_t random_lines(uintptr_t buf, int64_t nbytes, int64_t n, int D, int nthreads) {
+  const int64_t nlines = nbytes / 64;
+  const char* base = reinterpret_cast<const char*>(buf);
+  std::vector<uint64_t> sums(std::max(1, nthreads), 0);
+  py::gil_scoped_release release;
+  dyn_ranges(n, std::max(1, nthreads), [&](int tid, int64_t b, int64_t e) {
+    auto line = [&](uint64_t x) {
+      x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+      return base + (int64_t)(((x >> 32) * (uint64_t)nlines) >> 32) * 64;
+    };
+    uint64_t acc = 0;
+    for (int64_t i = b; i < e; ++i) {
+      if (i + D < e) PK_PREFETCH_R(line((uint64_t)(i + D) * 0x9e3779b97f4a7c15ULL + 1));
+      acc += *reinterpret_cast<const uint64_t*>(line((uint64_t)i * 0x9e3779b97f4a7c15ULL + 1));
+    }
+    sums[tid] += acc;
+  });
+  uint64_t t = 0;
+  for (auto v : sums) t += v;
+  return t;
+}
+
 // Random probes of a large table miss the TLB on nearly every access with 4 KiB pages; 2 MiB pages
 // make the page walk cheap (its entries stay cached). Python aligns big tables to 2 MiB and calls this
 // before the first touch. Returns false where the kernel refuses (THP "never"), which is harmless.
@@ -784,6 +836,8 @@ PYBIND11_MODULE(_cpu_hash, m) {
         }, "Total windows visited by finds of these keys (single thread; for the benchmarks)");
   m.def("init_slots", &init_slots, py::arg("slots"), py::arg("nslots"), py::arg("kb"), py::arg("vb"),
         py::arg("nthreads"));
+  m.def("random_lines", &random_lines, py::arg("buf"), py::arg("nbytes"), py::arg("n"), py::arg("prefetch"),
+        py::arg("nthreads"), "Reads n random 64-byte lines of buf (the random-access limit probe)");
   m.def("advise_hugepages", &advise_hugepages, py::arg("ptr"), py::arg("nbytes"));
   m.def("bloom_add", &bloom_add);
   m.def("bloom_contains", &bloom_contains);

@@ -354,6 +354,47 @@ void wo_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int bi
 }
 
 // Codes of a packed tile layout -> float weights [N, K] (dequantize on the CPU without torch ops).
+#if PK_X86
+// One row of a tile layout -> fp32 (vectorized widening + FMA), then optionally fp32 -> bf16 (RNE).
+PK_TARGET_AVX2 void dequant_row_avx2(const uint8_t* wt, int64_t r, int64_t B, int bw, const float* sc,
+                                     const float* of, int64_t G, int64_t gsize, float* row) {
+  const __m128i low = _mm_set1_epi8(0x0f);
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* wb = wt + (b * RT + r) * bw;
+    const int64_t g = std::min<int64_t>(G - 1, b * KB / gsize);
+    const __m256 s = _mm256_set1_ps(sc[g]), m = _mm256_set1_ps(of[g]);
+    __m128i c0, c1;  // 32 codes as bytes, in k order
+    if (bw == 16) {
+      const __m128i v = _mm_loadu_si128((const __m128i*)wb);
+      c0 = _mm_and_si128(v, low);
+      c1 = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+    } else {
+      c0 = _mm_loadu_si128((const __m128i*)wb);
+      c1 = _mm_loadu_si128((const __m128i*)(wb + 16));
+    }
+    float* o = row + b * KB;
+    _mm256_storeu_ps(o + 0, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c0)), s, m));
+    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c0, 8))), s, m));
+    _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c1)), s, m));
+    _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c1, 8))), s, m));
+  }
+}
+
+PK_TARGET_AVX2 void f32_to_bf16_avx2(const float* in, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+  const __m256i round = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
+  for (; i + 16 <= n; i += 16) {
+    __m256i a = _mm256_castps_si256(_mm256_loadu_ps(in + i));
+    __m256i b = _mm256_castps_si256(_mm256_loadu_ps(in + i + 8));
+    a = _mm256_srli_epi32(_mm256_add_epi32(a, _mm256_add_epi32(round, _mm256_and_si256(_mm256_srli_epi32(a, 16), one))), 16);
+    b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(round, _mm256_and_si256(_mm256_srli_epi32(b, 16), one))), 16);
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8);
+    _mm256_storeu_si256((__m256i*)(out + i), packed);
+  }
+  for (; i < n; ++i) out[i] = f32_to_bf16(in[i]);
+}
+#endif
+
 void dequant_tiles(uintptr_t w, int bits, uintptr_t scales, uintptr_t offsets, int64_t N, int64_t K,
                    int64_t group_size, uintptr_t out, int out_dtype, int num_threads) {
   const pk::DType odt = float_dtype(out_dtype, "dequantize", "out");
@@ -369,8 +410,22 @@ void dequant_tiles(uintptr_t w, int bits, uintptr_t scales, uintptr_t offsets, i
   // Per block the group (hence scale and offset) is fixed: group sizes are multiples of 32 or -1.
   pk::parallel_ranges(N, num_threads, [&](int, int64_t n0, int64_t n1) {
     std::vector<float> row(Kp);
+    const bool avx2 = pk::cpu_has_avx2();
     for (int64_t n = n0; n < n1; ++n) {
       const int64_t t = n / RT, r = n % RT;
+#if PK_X86
+      if (avx2) {
+        dequant_row_avx2(wp + t * B * RT * bw, r, B, bw, sc + n * G, of + n * G, G, gsize, row.data());
+        if (odt == pk::DType::BFloat16) {
+          f32_to_bf16_avx2(row.data(), static_cast<uint16_t*>(o) + n * K, K);
+          continue;
+        }
+        if (odt == pk::DType::Float32) {
+          std::memcpy(static_cast<float*>(o) + n * K, row.data(), K * sizeof(float));
+          continue;
+        }
+      }
+#endif
       for (int64_t b = 0; b < B; ++b) {
         const uint8_t* wb = wp + ((t * B + b) * RT + r) * bw;
         const int64_t g = std::min<int64_t>(G - 1, b * KB / gsize);
@@ -385,7 +440,7 @@ void dequant_tiles(uintptr_t w, int bits, uintptr_t scales, uintptr_t offsets, i
           for (int j = 0; j < 32; ++j) o[j] = (float)wb[j] * s + m;
         }
       }
-      if (odt == pk::DType::Float32) {
+      if (odt == pk::DType::Float32 && !avx2) {
         std::memcpy(static_cast<float*>(o) + n * K, row.data(), K * sizeof(float));
       } else {
         for (int64_t k = 0; k < K; ++k) store_elem(o, odt, n * K + k, row[k]);
@@ -453,8 +508,9 @@ void quantize_act_planes(const void* x, pk::DType dt, int64_t m, const BsShape& 
   }
 }
 
-// Integer sums I[r] = sum_k u_a[k] u_w[r][k] over one group for the 4 rows of a tile.
-inline void bs_group_portable(const uint64_t* ap, const uint64_t* wp, const BsShape& s, int64_t out[RT]) {
+// Integer sums I[g][r] = sum_k u_a[k] u_w[r][k] over every group g of one token and the 4 rows of a tile
+// (one call per (tile, token): the per-call overhead is paid once for all groups).
+inline void bs_group_portable_one(const uint64_t* ap, const uint64_t* wp, const BsShape& s, int64_t* out) {
   for (int r = 0; r < RT; ++r) out[r] = 0;
   for (int i = 0; i < s.p; ++i)
     for (int j = 0; j < s.q; ++j) {
@@ -466,14 +522,22 @@ inline void bs_group_portable(const uint64_t* ap, const uint64_t* wp, const BsSh
       for (int r = 0; r < RT; ++r) out[r] += c[r] << (i + j);
     }
 }
+void bs_groups_portable(const uint64_t* ap, const uint64_t* wp, const BsShape& s, int64_t* out) {
+  for (int64_t g = 0; g < s.G; ++g)
+    bs_group_portable_one(ap + g * s.p * s.gw, wp + g * s.q * s.gw * RT, s, out + g * RT);
+}
 
 #if PK_X86
 // AVX2 popcount of each 64-bit lane's AND via the vpshufb nibble table; byte counts are summed with
 // vpaddb for up to 31 words (31 * 8 < 256) before one vpsadbw folds them into 64-bit lanes.
-PK_TARGET_AVX2 inline void bs_group_avx2(const uint64_t* ap, const uint64_t* wp, const BsShape& s, int64_t out[RT]) {
+PK_TARGET_AVX2 void bs_groups_avx2(const uint64_t* ap0, const uint64_t* wp0, const BsShape& s, int64_t* out0) {
   const __m256i table = _mm256_setr_epi8(0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4,
                                          0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4);
   const __m256i low = _mm256_set1_epi8(0x0f), zero = _mm256_setzero_si256();
+  for (int64_t g = 0; g < s.G; ++g) {
+  const uint64_t* ap = ap0 + g * s.p * s.gw;
+  const uint64_t* wp = wp0 + g * s.q * s.gw * RT;
+  int64_t* out = out0 + g * RT;
   __m256i total = zero;
   for (int i = 0; i < s.p; ++i)
     for (int j = 0; j < s.q; ++j) {
@@ -497,10 +561,15 @@ PK_TARGET_AVX2 inline void bs_group_avx2(const uint64_t* ap, const uint64_t* wp,
       total = _mm256_add_epi64(total, _mm256_sll_epi64(acc, _mm_cvtsi32_si128(i + j)));
     }
   _mm256_storeu_si256((__m256i*)out, total);
+  }
 }
 
 // Scalar 64-bit POPCNT (the instruction, through the target attribute) for tiny groups.
-PK_TARGET_AVX2 inline void bs_group_popcnt(const uint64_t* ap, const uint64_t* wp, const BsShape& s, int64_t out[RT]) {
+PK_TARGET_AVX2 void bs_groups_popcnt(const uint64_t* ap0, const uint64_t* wp0, const BsShape& s, int64_t* out0) {
+  for (int64_t g = 0; g < s.G; ++g) {
+  const uint64_t* ap = ap0 + g * s.p * s.gw;
+  const uint64_t* wp = wp0 + g * s.q * s.gw * RT;
+  int64_t* out = out0 + g * RT;
   for (int r = 0; r < RT; ++r) out[r] = 0;
   for (int i = 0; i < s.p; ++i)
     for (int j = 0; j < s.q; ++j) {
@@ -516,6 +585,7 @@ PK_TARGET_AVX2 inline void bs_group_popcnt(const uint64_t* ap, const uint64_t* w
       }
       out[0] += c0 << (i + j); out[1] += c1 << (i + j); out[2] += c2 << (i + j); out[3] += c3 << (i + j);
     }
+  }
 }
 #endif
 
@@ -551,31 +621,44 @@ void bitserial_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, int act_bits
   const int32_t* ws = reinterpret_cast<const int32_t*>(wsum);
   const float* bs = bias ? reinterpret_cast<const float*>(bias) : nullptr;
   int64_t* iout = reinterpret_cast<int64_t*>(int_out);
-  void (*group_fn)(const uint64_t*, const uint64_t*, const BsShape&, int64_t*) = bs_group_portable;
+  void (*groups_fn)(const uint64_t*, const uint64_t*, const BsShape&, int64_t*) = bs_groups_portable;
 #if PK_X86
-  if (pk::cpu_has_avx2() && mode == 1) group_fn = bs_group_popcnt;
-  if (pk::cpu_has_avx2() && mode == 2) group_fn = bs_group_avx2;
+  if (pk::cpu_has_avx2() && mode == 1) groups_fn = bs_groups_popcnt;
+  if (pk::cpu_has_avx2() && mode == 2) groups_fn = bs_groups_avx2;
 #endif
   const int64_t T = (N + RT - 1) / RT;
   const int64_t tile_words = s.G * s.q * s.gw * RT;
+  // Per token and group: sa * sum(u_a) + ma * len, the activation side of the affine recombination.
+  std::vector<double> act_terms(std::max<int64_t>(1, M * s.G));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < s.G; ++g)
+      act_terms[m * s.G + g] = A.sa[m] * (double)A.usum[m * s.G + g] +
+                               A.ma[m] * (double)(std::min(K, (g + 1) * s.gsize) - g * s.gsize);
   pk::parallel_ranges(T, num_threads, [&](int, int64_t t0, int64_t t1) {
+    std::vector<int64_t> Iall(std::max<int64_t>(1, s.G) * RT);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * RT;
       const int rows = (int)std::min<int64_t>(RT, N - n0);
       for (int64_t m = 0; m < M; ++m) {
         double acc[RT] = {0, 0, 0, 0};
         const double sa = A.sa[m], ma = A.ma[m];
-        for (int64_t g = 0; g < s.G; ++g) {
-          int64_t I[RT];
-          group_fn(&A.planes[(m * s.G + g) * s.p * s.gw], W + t * tile_words + g * s.q * s.gw * RT, s, I);
-          const double len = (double)(std::min(K, (g + 1) * s.gsize) - g * s.gsize);
-          const double ua = A.usum[m * s.G + g];
-          for (int r = 0; r < rows; ++r) {
-            const int64_t n = n0 + r;
-            if (iout) { iout[(m * N + n) * s.G + g] = I[r]; continue; }
-            const double sw = sc[n * s.G + g], mw = of[n * s.G + g], uw = ws[n * s.G + g];
-            acc[r] += sa * sw * (double)I[r] + sa * mw * ua + ma * sw * uw + ma * mw * len;
-          }
+        groups_fn(&A.planes[m * s.G * s.p * s.gw], W + t * tile_words, s, Iall.data());
+        if (iout) {
+          for (int r = 0; r < rows; ++r)
+            for (int64_t g = 0; g < s.G; ++g) iout[(m * N + n0 + r) * s.G + g] = Iall[g * RT + r];
+          continue;
+        }
+        // Row by row, groups innermost: the weight-side terms are contiguous in g.
+        const double* c1 = &act_terms[m * s.G];
+        for (int r = 0; r < rows; ++r) {
+          const int64_t n = n0 + r;
+          const float* swr = sc + n * s.G;
+          const float* mwr = of + n * s.G;
+          const int32_t* uwr = ws + n * s.G;
+          double a = 0;
+          for (int64_t g = 0; g < s.G; ++g)
+            a += (double)swr[g] * (sa * (double)Iall[g * RT + r] + ma * (double)uwr[g]) + (double)mwr[g] * c1[g];
+          acc[r] = a;
         }
         if (iout) continue;
         for (int r = 0; r < rows; ++r) {

@@ -38,6 +38,9 @@
 #if PK_X86
 #include <emmintrin.h>
 #endif
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 namespace py = pybind11;
 
@@ -98,6 +101,19 @@ struct Coder {
 // ---------------------------------------------------------------------------------------------
 // Scratch memory: grown on demand and kept per thread, so repeated sorts do not pay page faults.
 // ---------------------------------------------------------------------------------------------
+// Transparent huge pages for the big arrays a scatter writes all over: 2048 digit streams on 4 KiB
+// pages would need more TLB entries than the CPU has (a hint; ignored where THP is off).
+static void advise_huge(void* p, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const uintptr_t a = ((uintptr_t)p + (size_t(2) << 20) - 1) & ~uintptr_t((size_t(2) << 20) - 1);
+  const uintptr_t e = ((uintptr_t)p + bytes) & ~uintptr_t((size_t(2) << 20) - 1);
+  if (e > a) madvise((void*)a, e - a, MADV_HUGEPAGE);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
 struct Scratch {
   struct Free { void operator()(void* p) const { std::free(p); } };
   std::unique_ptr<char, Free> mem;
@@ -107,8 +123,11 @@ struct Scratch {
     if (bytes > cap) {
       mem.reset();
       cap = 0;
-      void* p = std::aligned_alloc(4096, bytes);
+      const size_t align = bytes >= (size_t(4) << 20) ? (size_t(2) << 20) : 4096;
+      bytes = (bytes + align - 1) & ~(align - 1);
+      void* p = std::aligned_alloc(align, bytes);
       if (!p) throw std::bad_alloc();
+      advise_huge(p, bytes);
       mem.reset(static_cast<char*>(p));
       cap = bytes;
     }
@@ -209,9 +228,15 @@ struct PassCtx {
   size_t stride = 0;                // counters per slice (R)
   int64_t n = 0;
   bool nt = false;
+  bool drop_keys = false;  // last pass of an argsort: only the indices leave
 };
 
 static inline int slice_of(const PassCtx& c, int64_t x) {
+  if (c.nslices <= 8) {  // few threads: a short scan beats a 64-bit division
+    int s = 0;
+    while (s + 1 < c.nslices && c.bounds[s + 1] <= x) ++s;
+    return s;
+  }
   int s = (int)((x * (int64_t)c.nslices) / c.n);
   while (s + 1 < c.nslices && c.bounds[s + 1] <= x) ++s;
   while (s > 0 && c.bounds[s] > x) --s;
@@ -271,7 +296,7 @@ void scatter_slice(const Coder<U, E>& cd, const PassCtx& pc, const void* src_key
     const uint32_t d = (uint32_t)(k >> shift) & mask;
     const int64_t p = pos[d]++;
     const uint32_t s = (uint32_t)p & (L - 1);
-    kb[d * L + s] = LAST ? cd.dec(k) : k;
+    if (!LAST || !pc.drop_keys) kb[d * L + s] = LAST ? cd.dec(k) : k;
     if constexpr (HAS_PAY) {
       if constexpr (PM == 2 && FIRST) pb[d * L + s] = (PO)i;
       else pb[d * L + s] = (PO)sp[i];
@@ -279,12 +304,12 @@ void scatter_slice(const Coder<U, E>& cd, const PassCtx& pc, const void* src_key
     if (s == L - 1) {  // the line is complete: write it out
       const int64_t s0 = p - (L - 1);
       if (PK_LIKELY(s0 >= lo[d])) {
-        line_store(dst_keys + s0, kb + d * L, sizeof(U) * L, pc.nt);
+        if (!LAST || !pc.drop_keys) line_store(dst_keys + s0, kb + d * L, sizeof(U) * L, pc.nt);
         if constexpr (HAS_PAY) line_store(dp + s0, pb + d * L, sizeof(PO) * L, pc.nt);
         if constexpr (!LAST) count_next(s0, p + 1, kb + d * L);
       } else {  // first line of this digit's run starts inside the line: copy only our part
         const int64_t off = lo[d] - s0;
-        std::memcpy(dst_keys + lo[d], kb + d * L + off, sizeof(U) * (L - off));
+        if (!LAST || !pc.drop_keys) std::memcpy(dst_keys + lo[d], kb + d * L + off, sizeof(U) * (L - off));
         if constexpr (HAS_PAY) std::memcpy(dp + lo[d], pb + d * L + off, sizeof(PO) * (L - off));
         if constexpr (!LAST) count_next(lo[d], p + 1, kb + d * L + off);
       }
@@ -298,7 +323,7 @@ void scatter_slice(const Coder<U, E>& cd, const PassCtx& pc, const void* src_key
     if (line0 == end) continue;  // ended on a line boundary: already written
     const int64_t from = std::max(line0, lo[d]);
     const int64_t off = from - line0;
-    std::memcpy(dst_keys + from, kb + d * L + off, sizeof(U) * (end - from));
+    if (!LAST || !pc.drop_keys) std::memcpy(dst_keys + from, kb + d * L + off, sizeof(U) * (end - from));
     if constexpr (HAS_PAY) std::memcpy(dp + from, pb + d * L + off, sizeof(PO) * (end - from));
     if constexpr (!LAST) count_next(from, end, kb + d * L + off);
   }
@@ -370,7 +395,7 @@ struct Engine {
   }
 
   template <class PT, int PM>
-  void run_passes(const std::vector<int>& live, U* out_keys, void* out_pay_final) {
+  void run_passes(const std::vector<int>& live, U* out_keys, void* out_pay_final, bool drop_keys = false) {
     const int64_t n = a.n;
     const int Q = (int)live.size();
     const int np = (int)passes.size();
@@ -418,6 +443,7 @@ struct Engine {
       pc.n = n;
       pc.nt = a.nt_stores && n >= (int64_t(1) << 18);  // streaming only pays for out-of-cache data
       pc.track_next = !last && T > 1;
+      pc.drop_keys = last && drop_keys;
       if (!last) {
         const Pass& nx = passes[live[q + 1]];
         pc.next_shift = nx.shift;
@@ -485,6 +511,11 @@ void radix_sort_typed(const SortArgs& a, const Codec<U>& codec, SortStats& st) {
   db = std::max(1, std::min({db, 11, eb - bb}));
   st.digit_bits = db;
 
+  if (n >= (int64_t(1) << 20)) {  // the caller's fresh outputs: not yet touched, so the hint still counts
+    if (a.out_keys) advise_huge(a.out_keys, (size_t)n * sizeof(U));
+    if (a.out_idx) advise_huge(a.out_idx, (size_t)n * 8);
+    if (a.out_pay) advise_huge(a.out_pay, (size_t)n * a.pay_size);
+  }
   Engine<U, E> eng(a, cd, st);
   for (int s = bb; s < eb; s += db) eng.passes.push_back({s, std::min(db, eb - s)});
   int T = std::max(1, a.threads);
@@ -533,7 +564,8 @@ void radix_sort_typed(const SortArgs& a, const Codec<U>& codec, SortStats& st) {
   int64_t* idx = a.out_idx ? a.out_idx : reinterpret_cast<int64_t*>(ob);
   U* ok = (U*)a.out_keys;
   if (!ok || need_gather) ok = reinterpret_cast<U*>(ob + ib);
-  eng.template run_passes<uint32_t, 2>(live, ok, idx);
+  // argsort (no keys wanted, none to gather): the last pass writes only the indices.
+  eng.template run_passes<uint32_t, 2>(live, ok, idx, !a.out_keys && !need_gather);
   if (need_gather) {
     const U* in = (const U*)a.keys;
     U* dst = (U*)a.out_keys;
@@ -622,6 +654,28 @@ struct SegArgs {
   bool nt_stores;
 };
 
+// Batcher's odd-even merge sort network on N (a power of two) 64-bit words; padding words are all-ones.
+template <int N>
+static inline void sort_network(uint64_t* w) {
+#pragma GCC unroll 64
+  for (int p = 1; p < N; p <<= 1) {
+#pragma GCC unroll 64
+    for (int k = p; k >= 1; k >>= 1) {
+#pragma GCC unroll 64
+      for (int j = k % p; j + k < N; j += 2 * k) {
+#pragma GCC unroll 64
+        for (int i = 0; i < k && i + j + k < N; ++i) {
+          if ((i + j) / (2 * p) == (i + j + k) / (2 * p)) {
+            const uint64_t a = w[i + j], b = w[i + j + k];
+            w[i + j] = a < b ? a : b;
+            w[i + j + k] = a < b ? b : a;
+          }
+        }
+      }
+    }
+  }
+}
+
 template <class U, Enc E>
 void sort_short_segment(const SegArgs& g, const Coder<U, E>& cd, int64_t start, int64_t len) {
   const U* in = static_cast<const U*>(g.keys) + start;
@@ -635,6 +689,18 @@ void sort_short_segment(const SegArgs& g, const Coder<U, E>& cd, int64_t start, 
     if (oi) oi[i] = src;
     if (pout) std::memcpy(pout + i * ps, pin + (int64_t)src * ps, ps);
   };
+  if (sizeof(U) <= 4 && len <= 32) {
+    // (key << 32 | position) words are distinct, so any sorting network sorts them stably. Batcher's
+    // odd-even merge network compiles to branch-free min/max: insertion sort's data-dependent exits
+    // mispredict about once per key on random rows.
+    uint64_t w[32];
+    for (int64_t i = 0; i < len; ++i) w[i] = ((uint64_t)cd.enc(in[i]) << 32) | (uint64_t)i;
+    if (len <= 8) { for (int64_t i = len; i < 8; ++i) w[i] = ~uint64_t(0); sort_network<8>(w); }
+    else if (len <= 16) { for (int64_t i = len; i < 16; ++i) w[i] = ~uint64_t(0); sort_network<16>(w); }
+    else { for (int64_t i = len; i < 32; ++i) w[i] = ~uint64_t(0); sort_network<32>(w); }
+    for (int64_t i = 0; i < len; ++i) emit(i, (uint32_t)w[i]);
+    return;
+  }
   if (len <= 32) {
     U k[32];
     uint32_t ix[32];
@@ -668,6 +734,14 @@ static constexpr int64_t SHORT_SEGMENT = 1024;   // comparison sort at or below
 static constexpr int64_t HUGE_SEGMENT = 1 << 18;  // parallel engine at or above
 
 void segmented_sort(const SegArgs& g) {
+  {
+    const int64_t n = g.offsets ? (g.nseg ? g.offsets[g.nseg] : 0) : g.nseg * g.row_len;
+    if (n >= (int64_t(1) << 20)) {  // fresh outputs: huge pages mean 512x fewer page faults
+      if (g.out_keys) advise_huge(g.out_keys, (size_t)n * pk::dtype_size(g.dtype));
+      if (g.out_idx) advise_huge(g.out_idx, (size_t)n * 8);
+      if (g.out_pay) advise_huge(g.out_pay, (size_t)n * g.pay_size);
+    }
+  }
   auto seg_start = [&](int64_t s) { return g.offsets ? g.offsets[s] : s * g.row_len; };
   auto seg_len = [&](int64_t s) { return g.offsets ? g.offsets[s + 1] - g.offsets[s] : g.row_len; };
   auto one = [&](int64_t s, int threads) {

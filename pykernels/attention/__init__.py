@@ -21,6 +21,10 @@ implementation; the autotuner picks), "triton" (FlashAttention-2 forward and bac
 `_triton.py`; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). The op is registered as
 `torch.ops.pykernels.flash_attention` (+ `flash_attention_backward`) with fake implementations and
 autograd, so it works under torch.compile(fullgraph=True).
+
+`flash_attention_backward(dout, q, k, v, out, lse, ...)` (this module) is the backward on its own: given
+the global out/lse of the queries it returns one key block's dk/dv and partial dq, the building block
+of ring / context-parallel attention.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from .._backend import dispatch
 from ..errors import check_same_device
 from . import _cpu
 
-__all__ = ["flash_attention"]
+__all__ = ["flash_attention", "flash_attention_backward"]
 
 OP = "flash_attention"
 OP_BWD = "flash_attention_backward"
@@ -54,7 +58,28 @@ def problem_key(q, k, v=None, causal=False, **_) -> dict:
 # Backend implementations (called inside the custom ops, so dynamo never traces them)
 # ----------------------------------------------------------------------------------------------
 def _all_finite(*tensors) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    """False if any element is NaN or +-inf (or, harmlessly, if a sum overflows): one read of each tensor.
+
+    CPU tensors are checked with numpy on the calling thread: a torch reduction right after aten's
+    attention kernel paid ~10 ms waking torch's thread pool on a busy 2-core machine (numpy: 0.15 ms
+    for 2 MB)."""
+    import numpy as np
+
+    for t in tensors:
+        if t.device.type != "cpu":
+            if not bool(torch.isfinite(t.sum().float())):
+                return False
+            continue
+        a = t.detach()
+        if a.dtype == torch.bfloat16:  # no numpy bf16: all exponent bits set <=> inf or NaN
+            bits = a.view(torch.int16).numpy()
+            if bits.size and int(np.max(bits & 0x7F80)) == 0x7F80:
+                return False
+            continue
+        arr = a.numpy()
+        if not np.isfinite(arr.sum(dtype=np.float64 if arr.dtype == np.float64 else np.float32)):
+            return False
+    return True
 
 
 def _forward_impl(q, k, v, causal: bool, scale: float, backend: str, config: Optional[dict] = None):
@@ -66,11 +91,16 @@ def _forward_impl(q, k, v, causal: bool, scale: float, backend: str, config: Opt
         from . import _triton
 
         return _triton.forward(q, k, v, causal, scale, cfg)
-    if cfg.get("impl", "flash") == "blocked" or not _all_finite(q, k, v):
-        # aten's flash kernels turn a NaN row into zeros; the blocked path propagates NaN/inf exactly
-        # as the math does (the check reads the inputs once: O(S*D) against O(S^2*D) of work).
-        return _cpu.blocked_forward(q, k, v, causal, scale, chunk_elems=int(cfg.get("chunk_elems", 1 << 22)))
-    return _cpu.flash_forward(q, k, v, causal, scale)
+    if cfg.get("impl", "flash") != "blocked":
+        out, lse = _cpu.flash_forward(q, k, v, causal, scale)
+        # aten's flash kernels turn a query row holding NaN into zeros, so q is checked (after the kernel,
+        # while the thread pool is still awake: before it, waking the pool cost ~10 ms on a busy
+        # machine); non-finite keys show up as a non-finite lse. The blocked path then reproduces
+        # NaN/inf exactly as the math does.
+        live = lse[:, :, max(0, q.shape[2] - k.shape[2]):] if causal else lse  # rows that see keys
+        if k.shape[2] == 0 or (_all_finite(q) and bool(torch.isfinite(live.sum()))):
+            return out, lse
+    return _cpu.blocked_forward(q, k, v, causal, scale, chunk_elems=int(cfg.get("chunk_elems", 1 << 22)))
 
 
 def _backward_impl(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, backend: str,
@@ -85,7 +115,7 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, ba
         from . import _triton
 
         return _triton.backward(dout, dlse, q, k, v, out, lse, causal, scale, cfg)
-    if dlse is not None or cfg.get("impl", "flash") == "blocked" or not _all_finite(q, k, v, dout):
+    if dlse is not None or cfg.get("impl", "flash") == "blocked" or not _all_finite(dout, out, lse):
         # aten's backward derives D = rowsum(dO * O) itself, so it cannot take an LSE gradient.
         return _cpu.blocked_backward(dout, q, k, v, out, lse, causal, scale, dlse=dlse,
                                      chunk_elems=int(cfg.get("chunk_elems", 1 << 22)))
@@ -99,14 +129,20 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, ba
 def _flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                         backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _forward_impl(q, k, v, causal, scale, backend)
-    return out.contiguous(), lse.contiguous()  # aten's CPU kernels return [B, S, H]-strided results
+    if q.device.type == "cpu" and backend != "triton":
+        return out.contiguous(), _cpu.to_bshd(lse)
+    return out.contiguous(), lse.contiguous()
 
 
 @_flash_attention_op.register_fake
 def _(q, k, v, causal, scale, backend):
+    # Strides as the real op returns them: out contiguous; lse in [B, S, H] memory order on CPU (the
+    # layout aten's kernels write, kept to avoid a copy), contiguous from the Triton kernels.
     B, H, Sq, _ = q.shape
     out = q.new_empty((B, H, Sq, v.shape[-1]))
     lse = q.new_empty((B, H, Sq), dtype=_cpu.acc_dtype(q.dtype))
+    if q.device.type == "cpu" and backend != "triton":
+        return out, _cpu.to_bshd(lse)
     return out, lse
 
 
@@ -121,7 +157,7 @@ def _flash_attention_backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor
 
 @_flash_attention_backward_op.register_fake
 def _(dout, dlse, q, k, v, out, lse, causal, scale, backend):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 
 
 def _setup_context(ctx, inputs, output):
@@ -197,6 +233,38 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = N
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, lse = torch.ops.pykernels.flash_attention(q, k, v, bool(causal), scale, backend)
     return (out, lse) if return_lse else out
+
+
+def flash_attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, scale: Optional[float] = None,
+                             dlse=None, backend: str = "auto"):
+    """dq, dk, dv of attention of q over (k, v) given an `out` and `lse` computed elsewhere.
+
+    The building block of ring/context-parallel attention (BurstAttention, ring-flash-attention): with
+    the *global* out and lse of the queries (merged over every key block), P = exp(S - lse) is the
+    block's exact share of the softmax, so calling this once per key block gives that block's dk/dv
+    and a partial dq that sums to the full dq. `dlse` is the gradient flowing into lse, if any.
+    Same layouts, dtypes and causal alignment as `flash_attention`; lse is float32 [B, H, S_q].
+    """
+    q = _native.as_tensor(q, OP_BWD, "q")
+    k = _native.as_tensor(k, OP_BWD, "k")
+    v = _native.as_tensor(v, OP_BWD, "v")
+    _check(q, k, v, scale, backend)
+    B, H, Sq, D = q.shape
+    for name, t, shape in (("dout", dout, (B, H, Sq, D)), ("out", out, (B, H, Sq, D)), ("lse", lse, (B, H, Sq)),
+                           ("dlse", dlse, (B, H, Sq))):
+        if t is None and name == "dlse":
+            continue
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"pykernels.flash_attention_backward: expected '{name}' of shape {shape}, got {got}")
+    if dout.dtype != q.dtype or out.dtype != q.dtype:
+        raise TypeError(f"pykernels.flash_attention_backward: expected 'dout' and 'out' of dtype {q.dtype}, "
+                        f"got {dout.dtype} and {out.dtype}")
+    if not lse.is_floating_point():
+        raise TypeError(f"pykernels.flash_attention_backward: expected a float32 'lse', got {lse.dtype}")
+    check_same_device(OP_BWD, q=q, k=k, v=v, dout=dout, out=out, lse=lse)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    return torch.ops.pykernels.flash_attention_backward(dout, dlse, q, k, v, out, lse, bool(causal), scale, backend)
 
 
 from . import _tuning  # noqa: E402,F401  (registers the Tunables)

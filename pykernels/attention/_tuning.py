@@ -4,10 +4,11 @@ CPU: which implementation ("flash" = aten's CPU flash kernels, wrapped; "blocked
 for "blocked", how many score elements one row chunk holds. Measured on a 2-core Zen 3 (fp32/bf16,
 S = 256..2048, D = 64/128), aten's kernels won the forward by 1.9-3x and the backward by 1.2-2.6x, so
 "flash" is the default; "blocked" stays a candidate (and is the backward whenever the LSE output has a
-gradient, which aten's backward cannot take).
+gradient, which aten's backward cannot take, and whenever an input holds NaN/inf, which aten's kernels
+turn into zeros for a query row).
 
 Triton: BLOCK_M x BLOCK_N tiles, warps and pipeline stages per head-dim bucket; the candidate lists are
-`_triton.fwd_configs(d)` / `_triton.bwd_configs(d)`, every one of which is compiled for sm_90 by
+`_triton_configs.fwd_configs(d, dtype)` / `bwd_configs(d, dtype)`, every one of which is compiled for sm_90 by
 tests/test_gpu_build.py (AOT_SPECS) and must fit without spills.
 
 `python -m pykernels.autotune generate --ops attention [--sizes 1024,4096]` tunes forward and backward
@@ -80,10 +81,17 @@ autotune.register(autotune.Tunable(
 def _register_triton():
     from . import _triton_configs as tc
 
+    import os
+
+    # Under TRITON_INTERPRET=1 (CPU tensors) small tiles: the interpreter's cost grows with the tile.
     def fwd_default(key):
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return dict(tc.INTERPRET_FWD)
         return dict(tc.default_fwd(key["d"], key["dtype"]))
 
     def bwd_default(key):
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            return dict(tc.INTERPRET_BWD)
         return dict(tc.default_bwd(key["d"], key["dtype"]))
 
     def device_examples(with_backward):
@@ -105,7 +113,4 @@ def _register_triton():
     ))
 
 
-try:
-    _register_triton()
-except ImportError:  # _triton_configs not there yet
-    pass
+_register_triton()

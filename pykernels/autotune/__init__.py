@@ -121,12 +121,23 @@ def device_id(device=None) -> str:
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type == "cuda":
         idx = device.index if device.index is not None else torch.cuda.current_device()
-        name = torch.cuda.get_device_name(idx)
-        major, minor = torch.cuda.get_device_capability(idx)
-        raw = f"cuda-{name}-sm{major}{minor}"
-    else:
-        raw = f"cpu-{_cpu_model()}-{_cores()}c"
+        return _cuda_device_id(idx)
+    return _cpu_device_id()
+
+
+def _safe(raw: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", raw).strip("_")
+
+
+@functools.lru_cache(maxsize=None)  # every op's dispatch asks: compute once per device
+def _cpu_device_id() -> str:
+    return _safe(f"cpu-{_cpu_model()}-{_cores()}c")
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device_id(idx: int) -> str:
+    major, minor = torch.cuda.get_device_capability(idx)
+    return _safe(f"cuda-{torch.cuda.get_device_name(idx)}-sm{major}{minor}")
 
 
 def _metadata(device) -> dict:

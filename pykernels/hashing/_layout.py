@@ -134,12 +134,12 @@ def next_prime(n: int) -> int:
     return n
 
 
-def windows_for(capacity: int, window: int) -> int:
+def windows_for(capacity: int, window: int, op: str = "HashMap") -> int:
     """A prime number of windows holding at least `capacity` slots (prime: every double-hashing
     step is coprime with it, so a probe visits every window once)."""
     nw = next_prime(math.ceil(max(1, capacity) / window))
     if nw >= 1 << 32:
-        raise ValueError(f"pykernels.HashMap: capacity {capacity} is too large (at most {((1 << 32) - 5) * window} slots)")
+        raise ValueError(f"pykernels.{op}: capacity {capacity} is too large (at most {((1 << 32) - 5) * window} slots)")
     return nw
 
 

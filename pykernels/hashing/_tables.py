@@ -16,6 +16,7 @@ import torch
 from .. import _backend, _native, autotune
 from ..errors import TableFullError
 from . import _layout as L
+from . import _ops
 
 # insert status codes (hash_cpu.cpp)
 ST_EXISTED, ST_NEW, ST_PENDING, ST_SKIPPED = 0, 1, 2, 3
@@ -23,6 +24,7 @@ ST_EXISTED, ST_NEW, ST_PENDING, ST_SKIPPED = 0, 1, 2, 3
 M_UPSERT, M_ADD, M_APPEND = 0, 1, 2
 
 _SUPPORTED = ("cpu", "cuda")
+_GPU_WINDOWS = (1, 2, 4, 8, 16, 32)  # group sizes hash.cu is instantiated for
 _HUGE = 2 << 20
 _HUGE_MIN_BYTES = 8 << 20
 
@@ -75,13 +77,16 @@ class _OpenTable:
         self.value_dtype = value_dtype
         self.max_load_factor = float(max_load_factor)
         self.growable = bool(growable)
-        self.seed = int(seed) & L.M64
+        self.seed = int(seed) & ((1 << 63) - 1)  # an int64 in the op schemas
         self._kb = L.key_bytes(key_dtype)
         self._vb = self._slot_value_bytes()
         self._sb = L.slot_bytes(self._kb, self._vb)
         self.window = int(window) if window is not None else default_window(self._sb, self.device)
         if not 1 <= self.window <= 32:
             raise ValueError(f"pykernels.{op}: expected 'window' in 1..32, got {self.window}")
+        if self.device.type == "cuda" and self.window not in _GPU_WINDOWS:
+            raise ValueError(f"pykernels.{op}: expected 'window' (the probing-group size) in {_GPU_WINDOWS} on "
+                             f"the GPU, got {self.window}")
         self._lock = threading.RLock()
         self._alloc(capacity)
 
@@ -103,7 +108,7 @@ class _OpenTable:
         return slots
 
     def _alloc(self, capacity):
-        self._nw = L.windows_for(capacity, self.window)
+        self._nw = L.windows_for(capacity, self.window, self._op)
         self._slots = self._new_slots(self._nw)
         self._special = torch.zeros(4, dtype=torch.int64, device=self.device)
         self._init_slots(self._slots)
@@ -117,6 +122,10 @@ class _OpenTable:
             self._mod.init_slots(slots.data_ptr(), slots.numel() * 4 // self._sb, self._kb, self._vb,
                                  torch.get_num_threads())
             return
+        self._init_slots_torch(slots)
+
+    def _init_slots_torch(self, slots):
+        """The same initialization with torch ops (GPU tables)."""
         rows = slots.view(-1, self._sb // 4)
         rows.zero_()
         rows[:, : self._kb // 4].fill_(-1)
@@ -157,21 +166,21 @@ class _OpenTable:
     def _stream(self):
         return (_native.cuda_stream_handle(self.device),) if self.device.type == "cuda" else ()
 
-    def _native_insert(self, kbits, vbits, status, mode, cfg):
-        n = kbits.numel()
-        return self._mod.insert(*self._geo(), kbits.data_ptr(), vbits.data_ptr() if vbits is not None else 0, n,
-                                status.data_ptr(), mode, self._used, self._limit(), self._threads(cfg),
-                                int(cfg.get("prefetch", 32)), *self._stream())
+    def _native_insert(self, kbits, vbits, mode, cfg):
+        """One bulk insert through torch.ops.pykernels.hash_insert_: (status, (new, new_empty, pending))."""
+        status, counts = _ops.hash_insert_(self._slots, self._special, kbits, vbits, self._nw, self.window, self.seed,
+                                           self._kb, self._vb, mode, self._used, self._limit(), self._threads(cfg),
+                                           int(cfg.get("prefetch", 32)))
+        return status, tuple(int(c) for c in counts.tolist())
 
     def _insert_bits(self, op, kbits, vbits, mode):
         """Inserts, making room (tombstone purge / growth) for keys left out by a full table.
         Returns the per-key status (uint8)."""
         n = kbits.numel()
-        status = torch.empty(n, dtype=torch.uint8, device=self.device)
         if n == 0:
-            return status
+            return torch.empty(0, dtype=torch.uint8, device=self.device)
         cfg = self._config("hash_insert")
-        new, new_empty, pending = self._native_insert(kbits, vbits, status, mode, cfg)
+        status, (new, new_empty, pending) = self._native_insert(kbits, vbits, mode, cfg)
         self._size += new
         self._used += new_empty
         while pending:
@@ -184,9 +193,8 @@ class _OpenTable:
                 self._rehash(max(2 * self.capacity, need))
             else:
                 raise TableFullError(op, pending, self.capacity)
-            sub_status = torch.empty(idx.numel(), dtype=torch.uint8, device=self.device)
             sub_v = vbits[idx] if vbits is not None else None
-            new, new_empty, pending2 = self._native_insert(kbits[idx], sub_v, sub_status, mode, cfg)
+            sub_status, (new, new_empty, pending2) = self._native_insert(kbits[idx], sub_v, mode, cfg)
             self._size += new
             self._used += new_empty
             status[idx] = sub_status
@@ -200,7 +208,7 @@ class _OpenTable:
 
     def _rehash(self, capacity):
         old_slots, old_nw = self._slots, self._nw
-        new_nw = L.windows_for(capacity, self.window)
+        new_nw = L.windows_for(capacity, self.window, self._op)
         new_slots = self._new_slots(new_nw)
         self._init_slots(new_slots)
         cfg = self._config("hash_insert")
@@ -211,17 +219,12 @@ class _OpenTable:
         self._used = moved
 
     def _find_bits(self, kbits, want_values, default_bits=0):
-        n = kbits.numel()
-        found = torch.empty(n, dtype=torch.uint8, device=self.device)
-        vals = None
-        if want_values and self._vb:
-            vals = torch.empty(n, dtype=L._BITS[self._vb], device=self.device)
-        if n:
-            cfg = self._config("hash_find")
-            self._mod.find(*self._geo(), kbits.data_ptr(), n, vals.data_ptr() if vals is not None else 0,
-                           found.data_ptr(), default_bits, self._threads(cfg), int(cfg.get("prefetch", 32)),
-                           *self._stream())
-        return vals, found.view(torch.bool)
+        cfg = self._config("hash_find") if kbits.numel() else {}
+        signed_default = default_bits - (1 << 64) if default_bits >= 1 << 63 else default_bits
+        vals, found = _ops.hash_find(self._slots, self._special, kbits, self._nw, self.window, self.seed, self._kb,
+                                     self._vb, signed_default, bool(want_values), self._threads(cfg),
+                                     int(cfg.get("prefetch", 32)))
+        return (vals if want_values and self._vb else None), found
 
     def _erase_bits(self, kbits):
         n = kbits.numel()
@@ -269,6 +272,13 @@ class _OpenTable:
             if vb is not None:
                 vb = torch.cat([vb, *sv])
         return kb, vb
+
+    def device_view(self):
+        """The table's arrays for numba.cuda device functions (pykernels.hashing.device); use as a
+        context manager around the kernel launch so len() takes in what the kernel inserted."""
+        from .device import DeviceView
+
+        return DeviceView(self)
 
     def clear(self):
         """Removes every key; keeps the capacity."""

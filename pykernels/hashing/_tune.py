@@ -10,6 +10,8 @@ is chosen when a table is created ("hash_table"); "hash_insert"/"hash_find" tune
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .. import autotune
@@ -63,30 +65,37 @@ def _run_find(config, table, keys):
 def _find_with(table, keys, config):
     from . import _layout as L
 
-    kbits = L.key_bits(keys)
-    n = kbits.numel()
-    found = torch.empty(n, dtype=torch.uint8, device=table.device)
-    vals = torch.empty(n, dtype=L._BITS[table._vb], device=table.device)
-    table._mod.find(*table._geo(), kbits.data_ptr(), n, vals.data_ptr(), found.data_ptr(), 0,
-                    table._threads(config), int(config.get("prefetch", 16)), *table._stream())
+    vals, _ = _find_cfg(table, L.key_bits(keys), config)
     return vals
 
 
-def _insert_setup(args, kwargs):
-    """A fresh, empty table of the example's size for every timed insert."""
-    table, keys = args
-    fresh = type(table)(table.capacity, key_dtype=table.key_dtype, value_dtype=table.value_dtype,
-                        device=table.device, window=table.window)
-    return (fresh, keys), kwargs
+def _find_cfg(table, kbits, config):
+    from . import _ops
+
+    return _ops.hash_find(table._slots, table._special, kbits, table._nw, table.window, table.seed, table._kb,
+                          table._vb, 0, True, table._threads(config), int(config.get("prefetch", 32)))
+
+
+_SCRATCH = weakref.WeakKeyDictionary()
 
 
 def _run_insert(config, table, keys):
+    """Times inserts into an empty scratch table of the example table's layout (the user's table is
+    left untouched)."""
     from . import _layout as L
 
+    scratch = _SCRATCH.get(table)
+    if scratch is None:
+        scratch = _SCRATCH[table] = type(table)(table.capacity, key_dtype=table.key_dtype,
+                                                value_dtype=table.value_dtype, device=table.device,
+                                                window=table.window, max_load_factor=1.0, growable=False)
     kbits = L.key_bits(keys)
-    status = torch.empty(kbits.numel(), dtype=torch.uint8, device=table.device)
-    with table._lock:
-        table._native_insert(kbits, kbits, status, 0, config)
+    vbits = None
+    if scratch._vb:
+        vbits = kbits if scratch._vb == scratch._kb else torch.zeros(kbits.numel(), dtype=L._BITS[scratch._vb])
+    with scratch._lock:
+        scratch.clear()
+        scratch._native_insert(kbits, vbits, 0, config)
 
 
 autotune.register(autotune.Tunable(
@@ -95,4 +104,44 @@ autotune.register(autotune.Tunable(
 
 autotune.register(autotune.Tunable(
     op="hash_insert", group="hash", backend="cpu", make_key=_key, default=_cpu_default,
-    candidates=_cpu_candidates, run=_run_insert, examples=_examples, setup=_insert_setup))
+    candidates=_cpu_candidates, run=_run_insert, examples=_examples))
+
+
+# ---- GPU: the probing-group size (= window) of a new table ------------------------------------
+def _gpu_table_key(table, keys=None, **kw):
+    return {"slot_bytes": table._sb}
+
+
+def _gpu_table_default(key):
+    return {"window": 8}  # WarpCore's default group size
+
+
+def _gpu_table_candidates(key):
+    # one group of G lanes loads G slots: keep a window within 2 x 128-byte lines
+    return [{"window": w} for w in (2, 4, 8, 16, 32) if w * key["slot_bytes"] <= 256]
+
+
+def _run_gpu_table(config, table, keys):
+    """Build a table of this layout with the candidate window, insert the keys and find them."""
+    t = type(table)(table.capacity, key_dtype=table.key_dtype, value_dtype=table.value_dtype, device=table.device,
+                    window=config["window"], max_load_factor=1.0, growable=False)
+    t.insert(keys, keys)
+    return t.find(keys)
+
+
+def _gpu_examples(sizes):
+    out = []
+    for n in sizes or [1 << 22]:
+        for load in (0.5, 0.9):
+            from . import HashMap
+
+            t = HashMap(int(n / load), key_dtype=torch.int64, value_dtype=torch.int64, device="cuda")
+            keys = torch.randperm(4 * n, device="cuda")[:n]
+            out.append(((t, keys), {}))
+    return out
+
+
+autotune.register(autotune.Tunable(
+    op="hash_table", group="hash", backend="cuda", make_key=_gpu_table_key, default=_gpu_table_default,
+    candidates=_gpu_table_candidates, run=_run_gpu_table,
+    examples=lambda sizes: _gpu_examples(sizes) if torch.cuda.is_available() else []))

@@ -186,6 +186,19 @@ def qmatmul(x, qw: QuantizedWeight, bias=None, *, act_bits: Optional[int] = None
                       N, K, qw.bits, qw.group_size, ab, backend)
 
 
+def _empty_qweight(N: int, K: int, bits: int, group_size: int, scheme: str, device=None) -> QuantizedWeight:
+    """A QuantizedWeight of zeros with every buffer shaped as quantize() would make it."""
+    gsize, G, gw = F.plane_geometry(K, group_size)
+    N4, Kp = F.round_up(max(N, 1), F.ROW_TILE), F.round_up(max(K, 1), F.K_BLOCK)
+    width = 16 if F.layout_bits(bits) == 4 else 32
+    packed = torch.zeros(N4 * (Kp // F.K_BLOCK) * width, dtype=torch.uint8, device=device)
+    z = torch.zeros(N, G, dtype=torch.float32, device=device)
+    planes = torch.zeros(N4 * G * bits * gw, dtype=torch.int64, device=device) if scheme == "bipolar" else None
+    return QuantizedWeight(shape=(N, K), bits=bits, group_size=group_size, scheme=scheme, packed=packed,
+                           scales=z + 1, offsets=z.clone(), code_sums=torch.zeros(N, G, dtype=torch.int32, device=device),
+                           planes=planes)
+
+
 class QuantLinear(nn.Module):
     """Drop-in for nn.Linear with a quantized weight. Buffers: packed, scales, offsets, code_sums (and
     planes when act_bits is set); bits/group_size/scheme travel in the state dict's extra state."""
@@ -199,9 +212,8 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.bits, self.group_size, self.scheme, self.act_bits = bits, group_size, scheme, act_bits
         self.weight_dtype = dtype
-        # Zero-filled buffers of the right shapes, so that load_state_dict() fills a fresh module.
-        qw = quantize(torch.zeros(out_features, in_features, device=device), bits, group_size, scheme)
-        self._set_qweight(qw)
+        # Zero-filled buffers of the right shapes (no quantization pass), for load_state_dict().
+        self._set_qweight(_empty_qweight(out_features, in_features, bits, group_size, scheme, device))
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype), requires_grad=False)
         else:

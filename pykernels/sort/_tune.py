@@ -29,7 +29,7 @@ def _candidates(key: dict) -> list:
     for bits in (8, 11):
         for nt in (True, False):
             for threads in (0, 1):
-                for grain in (16384, 65536):
+                for grain in (16384, 1 << 17):
                     cfg = dict(base, digit_bits=bits, nt=nt, threads=threads, grain=grain)
                     if cfg not in out and cfg != base:
                         out.append(cfg)

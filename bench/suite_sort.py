@@ -1,0 +1,135 @@
+"""Sort benchmarks: pykernels' radix sorts vs what a user would otherwise call (numpy / torch), same
+process, interleaved (bench.common.time_pair). Goals from issue #3 are attached to their cases.
+
+bytes_moved is the DRAM traffic our plan needs at least: an LSD sort reads the keys once for all the
+histograms, then reads and writes keys (and payloads) once per digit pass. With 11-bit digits a 32-bit
+key takes 3 passes: 4 + 3 * 8 = 28 bytes per key (Onesweep's 8-bit plan: 36); an int32 key with an
+index (32-bit in between, int64 written by the last pass) about 4 + 3 * 16 + 4 = 56.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import pykernels
+from bench.common import Case
+
+M = 1 << 20
+
+
+def _passes(bits: int, digit: int = 11) -> int:
+    return -(-bits // digit)
+
+
+def _keys(dtype, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=g, dtype=torch.float32).to(dtype)
+    if dtype == torch.uint32:
+        return torch.randint(0, 1 << 32, (n,), generator=g, dtype=torch.int64).to(torch.uint32)
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, (n,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def _cpu_cases(quick: bool):
+    n_keys = M if quick else 16 * M
+    n_mid = M // 4 if quick else 4 * M
+    segs = 1 << 14 if quick else M
+
+    def sort_keys_vs_np():
+        x = _keys(torch.uint32, n_keys)
+        xn = x.numpy()
+        return (lambda: pykernels.sort_keys(x)), (lambda: np.sort(xn))
+
+    yield Case("sort", "sort_keys", f"uint32 n={n_keys // M}M" if n_keys >= M else f"uint32 n={n_keys}",
+               n_keys, sort_keys_vs_np, "np.sort", n_keys, "keys",
+               bytes_moved=n_keys * (4 + 8 * _passes(32)), goal=3.0)
+
+    def sort_vs_torch(dtype, n):
+        def make():
+            x = _keys(dtype, n, 1)
+            return (lambda: pykernels.sort(x)), (lambda: torch.sort(x, stable=True))
+        return make
+
+    for dtype, goal in ((torch.int32, 4.0), (torch.int64, None), (torch.float32, None), (torch.float64, None)):
+        kb = torch.empty((), dtype=dtype).element_size()
+        name = str(dtype).replace("torch.", "")
+        yield Case("sort", "sort", f"{name} n={n_mid / M:g}M", n_mid, sort_vs_torch(dtype, n_mid),
+                   "torch.sort(stable=True)", n_mid, "keys",
+                   bytes_moved=n_mid * (kb + (2 * kb + 8) * _passes(8 * kb) + 4), goal=goal,
+                   notes="values + int64 indices")
+
+    def argsort_vs_np():
+        x = _keys(torch.int32, n_mid, 2)
+        xn = x.numpy()
+        return (lambda: pykernels.argsort(x)), (lambda: np.argsort(xn, kind="stable"))
+
+    yield Case("sort", "argsort", f"int32 n={n_mid / M:g}M", n_mid, argsort_vs_np, "np.argsort(kind='stable')",
+               n_mid, "keys", bytes_moved=n_mid * (4 + 16 * _passes(32) + 4), goal=10.0)
+
+    def pairs_vs_torch():
+        k = _keys(torch.int32, n_mid, 3)
+        v = torch.randn(n_mid)
+
+        def base():
+            i = torch.sort(k, stable=True).indices
+            return k[i], v[i]
+        return (lambda: pykernels.sort_pairs(k, v)), base
+
+    yield Case("sort", "sort_pairs", f"int32+float32 n={n_mid / M:g}M", n_mid, pairs_vs_torch,
+               "torch.sort + gather", n_mid, "pairs", bytes_moved=n_mid * (4 + 16 * _passes(32)))
+
+    def rows_vs_torch():
+        x = torch.randn(segs, 16)
+        return (lambda: pykernels.sort(x, dim=-1)), (lambda: torch.sort(x, dim=-1, stable=True))
+
+    yield Case("sort", "sort(rows)", f"float32 {segs // 1024}K rows x 16", segs * 16, rows_vs_torch,
+               "torch.sort(dim=-1, stable=True)", segs * 16, "keys", bytes_moved=segs * 16 * (4 + 4 + 8))
+
+    def segmented_vs_torch():
+        x = torch.randn(segs * 16)
+        v = torch.arange(segs * 16, dtype=torch.int32)
+        off = torch.arange(0, segs * 16 + 1, 16)
+
+        def base():
+            i = torch.sort(x.view(segs, 16), dim=-1, stable=True).indices
+            i = (i + torch.arange(0, segs * 16, 16).unsqueeze(1)).view(-1)
+            return x[i], v[i]
+        return (lambda: pykernels.segmented_sort(x, off, v)), base
+
+    yield Case("sort", "segmented_sort", f"float32+int32 {segs // 1024}K segs x 16", segs * 16, segmented_vs_torch,
+               "torch.sort(rows) + gather", segs * 16, "keys", bytes_moved=segs * 16 * 16)
+
+
+def _gpu_cases(quick: bool):
+    n = (1 << 24) if quick else (1 << 28)
+
+    def keys_vs_torch():
+        x = torch.randint(0, 1 << 32, (n,), dtype=torch.int64, device="cuda").to(torch.uint32)
+        return (lambda: pykernels.sort_keys(x)), (lambda: torch.sort(x))
+
+    yield Case("sort", "sort_keys", f"uint32 n=2^{n.bit_length() - 1}", n, keys_vs_torch, "torch.sort (CUB)", n,
+               "keys", bytes_moved=36 * n, goal=1.2, device="cuda")
+
+    def pairs_vs_torch():
+        k = torch.randint(0, 1 << 32, (n,), dtype=torch.int64, device="cuda").to(torch.uint32)
+        v = torch.arange(n, dtype=torch.int32, device="cuda")
+
+        def base():
+            s = torch.sort(k)
+            return s.values, v[s.indices]
+        return (lambda: pykernels.sort_pairs(k, v)), base
+
+    yield Case("sort", "sort_pairs", f"uint32+int32 n=2^{n.bit_length() - 1}", n, pairs_vs_torch,
+               "torch.sort + gather (CUB)", n, "pairs", bytes_moved=68 * n, goal=1.2, device="cuda")
+
+    def triton_vs_cuda():
+        x = torch.randint(0, 1 << 32, (n // 16,), dtype=torch.int64, device="cuda").to(torch.uint32)
+        return (lambda: pykernels.sort_keys(x, backend="triton")), (lambda: pykernels.sort_keys(x, backend="cuda"))
+
+    yield Case("sort", "sort_keys[triton]", f"uint32 n=2^{(n // 16).bit_length() - 1}", n // 16, triton_vs_cuda,
+               "pykernels cuda backend", n // 16, "keys", bytes_moved=36 * n // 16, device="cuda")
+
+
+def cases(quick: bool, device: str = "cpu"):
+    return list(_gpu_cases(quick) if device == "cuda" else _cpu_cases(quick))

@@ -1,0 +1,389 @@
+// pykernels._cuda_qgemm: quantized GEMMs on NVIDIA (nvcc, sm_80/sm_90) and AMD (hipcc, gfx90a) GPUs.
+//
+// Weights come in the packed layouts of pykernels/quant/_format.py (made once at quantize time):
+// w = s[n,g] * u + m[n,g]. For every 4-row tile and 32-element block the 4 rows' codes are one 64-byte
+// line (bits <= 4: byte j = code j | code (16+j) << 4), so a tile's K range is one contiguous stream.
+//
+// 1. wo_gemm_kernel — weight-only, Marlin-style for the memory-bound regime (M up to ~64):
+//    each CTA takes TILES 4-row tiles x a K slice of SLICE_BLOCKS*32 (striped split-K, so small M still
+//    fills every SM), stages the slice of activations once in shared memory as fp32 (with per-block
+//    sums for the offset term), and streams the weight lines through a STAGES-deep cp.async pipeline
+//    (sm_80+; a plain 16-byte load elsewhere). Codes are dequantized in registers (fp32 FMA), partial
+//    sums reduce in shared memory and meet in the fp32 output with atomics (Python adds bias, casts).
+// 2. Bit-serial bipolar-INT (act_bits): act_quant_kernel quantizes each token to p bits and packs its bit
+//    planes; bs_mma_kernel (sm_80+, CUDA) runs every (i, j) plane pair as 1-bit tensor-core MMAs
+//    mma.m16n8k256 .b1 AND+POPC (weights = the 16-row A operand, tokens = the 8-column B operand),
+//    recombines by shifts 2^(i+j) per group and applies the affine terms of ALGORITHMS.md;
+//    bs_popc_kernel is the portable path (HIP, other archs): 32-bit __popc of AND.
+#include <cstdint>
+
+#include "pk_gpu.h"
+#if PK_HIP
+#include <hip/hip_fp16.h>
+#else
+#include <cuda_fp16.h>
+#endif
+
+namespace {
+
+constexpr int RT = 4;            // rows per tile
+constexpr int KB = 32;           // codes per block
+constexpr int THREADS = 128;     // one thread per (row, block) of a tile slice: 4 rows x 32 blocks
+constexpr int SLICE_BLOCKS = 32; // K slice per CTA: 1024 elements
+constexpr int TILES = 8;         // tiles per CTA (activations staged once, reused 8x)
+constexpr int MT = 8;            // tokens per CTA (gridDim.z covers the rest)
+constexpr int XSTRIDE = KB + 1;  // padded row of the staged activations: no bank conflicts across blocks
+
+__device__ __forceinline__ float load_act(const void* x, int dt, int64_t i) {
+  if (dt == 11) return static_cast<const float*>(x)[i];
+  const uint16_t h = static_cast<const uint16_t*>(x)[i];
+  if (dt == 10) return __uint_as_float((uint32_t)h << 16);  // bf16: the top half of an fp32
+  __half hv;
+  *reinterpret_cast<uint16_t*>(&hv) = h;
+  return __half2float(hv);
+}
+
+// 16-byte global -> shared copy: cp.async (Ampere+) so the next tiles' lines are in flight while
+// this one is dequantized; a synchronous copy on other targets.
+__device__ __forceinline__ void copy16(void* smem, const void* gmem) {
+#if !PK_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+#else
+  *reinterpret_cast<uint4*>(smem) = *reinterpret_cast<const uint4*>(gmem);
+#endif
+}
+__device__ __forceinline__ void copy_commit() {
+#if !PK_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
+__device__ __forceinline__ void copy_wait() {
+#if !PK_HIP && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
+// LB = 4: nibble layout (16 bytes per row per block); LB = 8: byte layout (32 bytes).
+template <int LB>
+__global__ void __launch_bounds__(THREADS) wo_gemm_kernel(const void* __restrict__ x, int xdt, int64_t M, int64_t N,
+                                                          int64_t K, const uint8_t* __restrict__ w,
+                                                          const float* __restrict__ scales,
+                                                          const float* __restrict__ offsets, int64_t G, int64_t gsize,
+                                                          int64_t NB, float* __restrict__ y) {
+  constexpr int CHUNK = LB == 4 ? 16 : 32;
+  constexpr int VEC = CHUNK / 16;
+  constexpr int STAGES = LB == 4 ? 3 : 2;  // cp.async pipeline depth (fits 48 KiB of static smem)
+  __shared__ float xs[MT][SLICE_BLOCKS * XSTRIDE];
+  __shared__ float xsum[MT][SLICE_BLOCKS];
+  __shared__ float red[MT][THREADS];
+  __shared__ uint4 stage[STAGES][VEC][THREADS];
+
+  const int tid = threadIdx.x;
+  const int64_t T = (N + RT - 1) / RT;
+  const int64_t b0 = (int64_t)blockIdx.y * SLICE_BLOCKS;
+  const int64_t m0 = (int64_t)blockIdx.z * MT;
+  const int64_t t0 = (int64_t)blockIdx.x * TILES;
+
+  // Stage this K slice of MT tokens (fp32), then the per-block sums of the offset term.
+  for (int i = tid; i < MT * SLICE_BLOCKS * KB; i += THREADS) {
+    const int m = i / (SLICE_BLOCKS * KB), kk = i % (SLICE_BLOCKS * KB);
+    const int64_t k = b0 * KB + kk;
+    xs[m][(kk / KB) * XSTRIDE + kk % KB] = (m0 + m < M && k < K) ? load_act(x, xdt, (m0 + m) * K + k) : 0.f;
+  }
+  __syncthreads();
+  for (int i = tid; i < MT * SLICE_BLOCKS; i += THREADS) {
+    const int m = i / SLICE_BLOCKS, b = i % SLICE_BLOCKS;
+    float s = 0.f;
+    for (int j = 0; j < KB; ++j) s += xs[m][b * XSTRIDE + j];
+    xsum[m][b] = s;
+  }
+
+  const int r = tid % RT, bl = tid / RT;  // this thread's row of each tile and block of the slice
+  const int64_t b = b0 + bl;
+  const bool valid_b = b < NB;
+  auto line = [&](int64_t t) { return w + ((t * NB + b) * RT + r) * CHUNK; };
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (t0 + s < T && s < TILES && valid_b)
+      for (int v = 0; v < VEC; ++v) copy16(&stage[s][v][tid], line(t0 + s) + 16 * v);
+    copy_commit();
+  }
+  __syncthreads();
+
+  for (int i = 0; i < TILES && t0 + i < T; ++i) {
+    const int nx = i + STAGES - 1;
+    if (nx < TILES && t0 + nx < T && valid_b)
+      for (int v = 0; v < VEC; ++v) copy16(&stage[nx % STAGES][v][tid], line(t0 + nx) + 16 * v);
+    copy_commit();
+    copy_wait<STAGES - 1>();
+    const int64_t n = (t0 + i) * RT + r;
+    float acc[MT];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) acc[m] = 0.f;
+    if (valid_b && n < N) {
+      const int64_t g = G == 1 ? 0 : min(G - 1, b * KB / gsize);
+      const float sc = scales[n * G + g], of = offsets[n * G + g];
+      uint32_t words[VEC * 4];
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) {
+        const uint4 q = stage[i % STAGES][v][tid];
+        words[4 * v + 0] = q.x; words[4 * v + 1] = q.y; words[4 * v + 2] = q.z; words[4 * v + 3] = q.w;
+      }
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        const float* xm = &xs[m][bl * XSTRIDE];
+        float d = 0.f;
+        if (LB == 4) {
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            const uint32_t byte = (words[j / 4] >> (8 * (j % 4))) & 0xffu;
+            d = fmaf((float)(byte & 15u), xm[j], d);
+            d = fmaf((float)(byte >> 4), xm[16 + j], d);
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < 32; ++j) d = fmaf((float)((words[j / 4] >> (8 * (j % 4))) & 0xffu), xm[j], d);
+        }
+        acc[m] = fmaf(sc, d, of * xsum[m][bl]);
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < MT; ++m) red[m][tid] = acc[m];
+    __syncthreads();
+    if (tid < RT * MT) {
+      const int m = tid / RT, rr = tid % RT;
+      float s = 0.f;
+      for (int j = 0; j < SLICE_BLOCKS; ++j) s += red[m][j * RT + rr];
+      const int64_t nn = (t0 + i) * RT + rr;
+      if (nn < N && m0 + m < M) atomicAdd(&y[(m0 + m) * N + nn], s);
+    }
+    __syncthreads();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bit-serial
+// ---------------------------------------------------------------------------------------------
+// One block per token: min/max, p-bit codes u = round((x - min)/sa), their per-group sums and the bit
+// planes as 32-bit halves [G][p][2*gw] (bit t of half h = element 32h + t of the group).
+__global__ void act_quant_kernel(const void* __restrict__ x, int xdt, int64_t K, int p, int64_t G, int64_t gsize,
+                                 int64_t gw, uint32_t* __restrict__ planes, int32_t* __restrict__ usum,
+                                 float* __restrict__ sa_out, float* __restrict__ ma_out) {
+  __shared__ float lo_s[256], hi_s[256];
+  __shared__ int bad_s;
+  const int64_t m = blockIdx.x;
+  const int tid = threadIdx.x;
+  float lo = INFINITY, hi = -INFINITY;
+  int bad = 0;
+  if (tid == 0) bad_s = 0;
+  for (int64_t k = tid; k < K; k += blockDim.x) {
+    const float v = load_act(x, xdt, m * K + k);
+    bad |= !isfinite(v);
+    lo = fminf(lo, v);
+    hi = fmaxf(hi, v);
+  }
+  lo_s[tid] = lo;
+  hi_s[tid] = hi;
+  __syncthreads();
+  if (bad) atomicOr(&bad_s, 1);
+  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (tid < s) {
+      lo_s[tid] = fminf(lo_s[tid], lo_s[tid + s]);
+      hi_s[tid] = fmaxf(hi_s[tid], hi_s[tid + s]);
+    }
+    __syncthreads();
+  }
+  lo = lo_s[0];
+  hi = hi_s[0];
+  const int qmax = (1 << p) - 1;
+  float sa = (hi - lo) / (float)qmax;
+  if (!(sa > 0.f)) sa = 1.f;
+  if (tid == 0) {
+    sa_out[m] = bad_s ? NAN : sa;
+    ma_out[m] = lo;
+  }
+  const int64_t halves = 2 * gw;
+  for (int64_t idx = tid; idx < G * halves; idx += blockDim.x) {
+    const int64_t g = idx / halves, h = idx % halves;
+    // One plane at a time (codes recomputed per plane): no dynamically indexed local array, which
+    // would live in scratch memory on AMD.
+    int32_t partial = 0;
+    for (int i = 0; i < p; ++i) {
+      uint32_t word = 0;
+      for (int t = 0; t < 32; ++t) {
+        const int64_t e = h * 32 + t, k = g * gsize + e;
+        if (e < gsize && k < K) {
+          int u = (int)rintf((load_act(x, xdt, m * K + k) - lo) / sa);
+          u = min(qmax, max(0, u));
+          if (i == 0) partial += u;
+          word |= (uint32_t)((u >> i) & 1) << t;
+        }
+      }
+      planes[((m * G + g) * p + i) * halves + h] = word;
+    }
+    atomicAdd(&usum[m * G + g], partial);  // usum is zeroed by the caller
+  }
+}
+
+__device__ __forceinline__ uint32_t wplane_half(const uint32_t* wp, int64_t n, int64_t G, int q, int64_t gw,
+                                                int64_t g, int j, int64_t h) {
+  const int64_t t = n / RT, r = n % RT;
+  return wp[(((((t * G + g) * q + j) * gw + h / 2) * RT + r) * 2) + (h & 1)];
+}
+
+// Portable bit-serial GEMM: one thread per (token, output row).
+__global__ void bs_popc_kernel(const uint32_t* __restrict__ ap, const uint32_t* __restrict__ wp,
+                               const float* __restrict__ scales, const float* __restrict__ offsets,
+                               const int32_t* __restrict__ wsum, const int32_t* __restrict__ usum,
+                               const float* __restrict__ sa_, const float* __restrict__ ma_, int64_t M, int64_t N,
+                               int64_t K, int64_t G, int64_t gsize, int64_t gw, int p, int q, float* __restrict__ y) {
+  const int64_t n = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int64_t m = blockIdx.y;
+  if (n >= N || m >= M) return;
+  const float sa = sa_[m], ma = ma_[m];
+  float acc = 0.f;
+  const int64_t halves = 2 * gw;
+  for (int64_t g = 0; g < G; ++g) {
+    int64_t isum = 0;
+    for (int i = 0; i < p; ++i)
+      for (int j = 0; j < q; ++j) {
+        int32_t c = 0;
+        for (int64_t h = 0; h < halves; ++h)
+          c += __popc(ap[((m * G + g) * p + i) * halves + h] & wplane_half(wp, n, G, q, gw, g, j, h));
+        isum += (int64_t)c << (i + j);
+      }
+    const float len = (float)(min(K, (g + 1) * gsize) - g * gsize);
+    const float s = scales[n * G + g], mo = offsets[n * G + g];
+    acc += sa * s * (float)isum + sa * mo * (float)usum[m * G + g] + ma * s * (float)wsum[n * G + g] + ma * mo * len;
+  }
+  y[m * N + n] = acc;
+}
+
+#if !PK_HIP
+// 1-bit tensor-core path: one warp computes 16 output rows x 8 tokens. Fragment layouts of
+// mma.m16n8k256.row.col.s32.b1.b1.s32.and.popc (PTX ISA, "Matrix fragments for mma.m16n8k256"):
+// lane = 4*groupID + tig; A (16x256 bits, row-major): a0 = row groupID, bits [32 tig, +32); a1 = row
+// groupID+8; a2/a3 = the same rows at bit offset 128. B (256x8, column-major): b0 = column groupID,
+// bits [32 tig, +32); b1 at +128. D: d0/d1 = row groupID, columns 2 tig and 2 tig + 1; d2/d3 = row +8.
+// Groups shorter than 256 bits feed zero words beyond the group (AND makes them count nothing).
+__global__ void bs_mma_kernel(const uint32_t* __restrict__ ap, const uint32_t* __restrict__ wp,
+                              const float* __restrict__ scales, const float* __restrict__ offsets,
+                              const int32_t* __restrict__ wsum, const int32_t* __restrict__ usum,
+                              const float* __restrict__ sa_, const float* __restrict__ ma_, int64_t M, int64_t N,
+                              int64_t K, int64_t G, int64_t gsize, int64_t gw, int p, int q, float* __restrict__ y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int gid = lane / 4, tig = lane % 4;
+  const int64_t n0 = ((int64_t)blockIdx.x * (blockDim.x / 32) + warp) * 16;
+  const int64_t m0 = (int64_t)blockIdx.y * 8;
+  if (n0 >= N) return;  // whole warp leaves together
+  const int64_t halves = 2 * gw;
+  const int64_t na = n0 + gid, nb = n0 + gid + 8;  // A rows of this lane
+  const int64_t mb = m0 + gid;                      // B column of this lane
+  const int64_t mc0 = m0 + 2 * tig, mc1 = mc0 + 1;  // D columns
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int64_t g = 0; g < G; ++g) {
+    int32_t isum[4] = {0, 0, 0, 0};
+    for (int64_t c = 0; c < (halves + 7) / 8; ++c) {
+      const int64_t h0 = 8 * c + tig, h1 = h0 + 4;
+      for (int i = 0; i < p; ++i) {
+        const uint32_t* arow = ap + ((mb * G + g) * p + i) * halves;
+        const uint32_t b0 = (mb < M && h0 < halves) ? arow[h0] : 0u;
+        const uint32_t b1 = (mb < M && h1 < halves) ? arow[h1] : 0u;
+        for (int j = 0; j < q; ++j) {
+          const uint32_t a0 = (na < N && h0 < halves) ? wplane_half(wp, na, G, q, gw, g, j, h0) : 0u;
+          const uint32_t a1 = (nb < N && h0 < halves) ? wplane_half(wp, nb, G, q, gw, g, j, h0) : 0u;
+          const uint32_t a2 = (na < N && h1 < halves) ? wplane_half(wp, na, G, q, gw, g, j, h1) : 0u;
+          const uint32_t a3 = (nb < N && h1 < halves) ? wplane_half(wp, nb, G, q, gw, g, j, h1) : 0u;
+          int32_t d0 = 0, d1 = 0, d2 = 0, d3 = 0;
+          asm volatile(
+              "mma.sync.aligned.m16n8k256.row.col.s32.b1.b1.s32.and.popc "
+              "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+              : "+r"(d0), "+r"(d1), "+r"(d2), "+r"(d3)
+              : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+          isum[0] += d0 << (i + j);
+          isum[1] += d1 << (i + j);
+          isum[2] += d2 << (i + j);
+          isum[3] += d3 << (i + j);
+        }
+      }
+    }
+    const float len = (float)(min(K, (g + 1) * gsize) - g * gsize);
+    const int64_t rows[4] = {na, na, nb, nb};
+    const int64_t cols[4] = {mc0, mc1, mc0, mc1};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t n = rows[e], m = cols[e];
+      if (n >= N || m >= M) continue;
+      const float s = scales[n * G + g], mo = offsets[n * G + g], sa = sa_[m], ma = ma_[m];
+      acc[e] += sa * s * (float)isum[e] + sa * mo * (float)usum[m * G + g] + ma * s * (float)wsum[n * G + g] +
+                ma * mo * len;
+    }
+  }
+  const int64_t rows[4] = {na, na, nb, nb};
+  const int64_t cols[4] = {mc0, mc1, mc0, mc1};
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+    if (rows[e] < N && cols[e] < M) y[cols[e] * N + rows[e]] = acc[e];
+#endif
+}
+#endif
+
+}  // namespace
+
+// Host entry points (no CUDA types in the signatures: the binding file includes no CUDA headers).
+void pk_qgemm_wo(uintptr_t x, int xdt, int64_t M, int64_t K, uintptr_t w, int bits, uintptr_t scales,
+                 uintptr_t offsets, int64_t N, int64_t group_size, uintptr_t y, uintptr_t stream) {
+  pk::require_gpu("qmatmul");
+  if (M <= 0 || N <= 0 || K <= 0) return;
+  const int64_t NB = (K + KB - 1) / KB;
+  const int64_t gsize = group_size == -1 ? K : group_size;
+  const int64_t G = (K + gsize - 1) / gsize;
+  const int64_t T = (N + RT - 1) / RT;
+  dim3 grid((unsigned)((T + TILES - 1) / TILES), (unsigned)((NB + SLICE_BLOCKS - 1) / SLICE_BLOCKS),
+            (unsigned)((M + MT - 1) / MT));
+  auto s = (pk_stream_t)stream;
+  if (bits <= 4)
+    wo_gemm_kernel<4><<<grid, THREADS, 0, s>>>((const void*)x, xdt, M, N, K, (const uint8_t*)w, (const float*)scales,
+                                               (const float*)offsets, G, gsize, NB, (float*)y);
+  else
+    wo_gemm_kernel<8><<<grid, THREADS, 0, s>>>((const void*)x, xdt, M, N, K, (const uint8_t*)w, (const float*)scales,
+                                               (const float*)offsets, G, gsize, NB, (float*)y);
+  PK_GPU_CHECK("qmatmul", pkGetLastError());
+}
+
+// workspace: planes [M*G*p*2gw] u32, usum [M*G] i32 (zeroed by the caller), sa [M], ma [M] f32.
+void pk_qgemm_bitserial(uintptr_t x, int xdt, int64_t M, int64_t K, int act_bits, uintptr_t wplanes, int bits,
+                        uintptr_t scales, uintptr_t offsets, uintptr_t wsum, int64_t N, int64_t group_size,
+                        uintptr_t aplanes, uintptr_t usum, uintptr_t sa, uintptr_t ma, uintptr_t y, bool use_mma,
+                        uintptr_t stream) {
+  pk::require_gpu("qmatmul");
+  if (M <= 0 || N <= 0 || K <= 0) return;
+  const int64_t gsize = group_size == -1 ? K : group_size;
+  const int64_t G = (K + gsize - 1) / gsize;
+  const int64_t gw = (gsize + 63) / 64;
+  auto s = (pk_stream_t)stream;
+  act_quant_kernel<<<(unsigned)M, 256, 0, s>>>((const void*)x, xdt, K, act_bits, G, gsize, gw, (uint32_t*)aplanes,
+                                                (int32_t*)usum, (float*)sa, (float*)ma);
+  PK_GPU_CHECK("qmatmul", pkGetLastError());
+#if !PK_HIP
+  if (use_mma) {
+    const int warps = 4;
+    dim3 grid((unsigned)((N + 16 * warps - 1) / (16 * warps)), (unsigned)((M + 7) / 8));
+    bs_mma_kernel<<<grid, 32 * warps, 0, s>>>((const uint32_t*)aplanes, (const uint32_t*)wplanes, (const float*)scales,
+                                              (const float*)offsets, (const int32_t*)wsum, (const int32_t*)usum,
+                                              (const float*)sa, (const float*)ma, M, N, K, G, gsize, gw, act_bits,
+                                              bits, (float*)y);
+    PK_GPU_CHECK("qmatmul", pkGetLastError());
+    return;
+  }
+#endif
+  (void)use_mma;
+  dim3 grid((unsigned)((N + 127) / 128), (unsigned)M);
+  bs_popc_kernel<<<grid, 128, 0, s>>>((const uint32_t*)aplanes, (const uint32_t*)wplanes, (const float*)scales,
+                                      (const float*)offsets, (const int32_t*)wsum, (const int32_t*)usum,
+                                      (const float*)sa, (const float*)ma, M, N, K, G, gsize, gw, act_bits, bits,
+                                      (float*)y);
+  PK_GPU_CHECK("qmatmul", pkGetLastError());
+}

@@ -1,0 +1,375 @@
+// Onesweep LSD radix sort for CUDA and HIP (Adinets & Merrill, "Onesweep: A Faster Least Significant
+// Digit Radix Sort for GPUs", 2022), built through pk_gpu.h for sm_80/sm_90 and gfx90a.
+//
+//   global_hist_kernel  one read of the keys -> the 256-bin histograms of EVERY 8-bit digit
+//                       (shared-memory atomics per block, then global atomics).
+//   host                exclusive scan of each histogram (the "tile -1" prefix of every pass) and
+//                       trivial-pass skipping (a pass whose histogram has one full bin moves nothing).
+//   onesweep_bin_kernel one launch per remaining digit; per tile of BIN_THREADS * BIN_ITEMS keys:
+//     1. tile id from an atomic counter (not blockIdx): a tile only waits for tiles already running,
+//        which is what makes the spin-waiting of the look-back safe;
+//     2. warp-level multisplit ranking: 8 ballots per key give the mask of lanes with the same digit;
+//        per-warp 256-bin counts in shared memory give each key its rank (stable: lanes, items and
+//        warps are visited in input order);
+//     3. the tile's per-digit counts are published at once as AGGREGATE in packed status words
+//        (2 flag bits + count in one word: one store publishes both), then one thread per digit walks
+//        back over predecessor tiles summing AGGREGATEs until an INCLUSIVE one (decoupled look-back),
+//        and publishes its own INCLUSIVE value; the block scan of the tile's counts overlaps the wait;
+//     4. keys (then payloads) are staged in shared memory in digit order and written out in runs,
+//        out[global_start[d] + j - local_start[d]], so global writes stay coalesced.
+//   Status words are 32-bit (30-bit counts) below 2^28 keys and widened to 64-bit above, so inputs of
+//   any size up to 2^32 - 1 keys run in one sort (the histogram counters are 32-bit).
+//   The last tile is padded with all-ones keys: they take the largest digit, so stability keeps them
+//   after every real key of the tile and they are never written.
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "pk_gpu.h"
+
+namespace pksort_gpu {
+
+constexpr int RADIX = 256;
+constexpr int DIGIT_BITS = 8;
+constexpr int MAX_PASSES = 8;                // 64-bit keys
+constexpr int HIST_THREADS = 512;
+constexpr int HIST_KEYS_PER_BLOCK = 1 << 15;
+constexpr int BIN_THREADS = 256;             // one thread per digit in the look-back
+constexpr int BIN_ITEMS = 15;                // keys per thread: tiles of 3840 keys
+constexpr int TILE = BIN_THREADS * BIN_ITEMS;
+constexpr int WARPS = BIN_THREADS / PK_WARP_SIZE;  // 8 on NVIDIA, 4 wavefronts on AMD
+static_assert(BIN_THREADS == RADIX, "the look-back runs one thread per digit");
+
+struct PassTable {
+  int shift[MAX_PASSES];
+  uint32_t mask[MAX_PASSES];
+  int npass;
+};
+
+template <class S>
+struct StatusWord;
+template <>
+struct StatusWord<uint32_t> {
+  static constexpr int FLAG_SHIFT = 30;
+};
+template <>
+struct StatusWord<unsigned long long> {
+  static constexpr int FLAG_SHIFT = 62;
+};
+constexpr unsigned FLAG_AGGREGATE = 1, FLAG_INCLUSIVE = 2;
+
+__device__ __forceinline__ void publish(uint32_t* p, uint32_t v) { atomicExch(p, v); }
+__device__ __forceinline__ void publish(unsigned long long* p, unsigned long long v) { atomicExch(p, v); }
+
+template <class K>
+__device__ __forceinline__ uint32_t digit_of(K k, int shift, uint32_t mask) {
+  return (uint32_t)(k >> shift) & mask;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. Histograms of every digit in one read.
+// ---------------------------------------------------------------------------------------------
+template <class K>
+__global__ void __launch_bounds__(HIST_THREADS) global_hist_kernel(const K* __restrict__ keys, int64_t n,
+                                                                  uint32_t* __restrict__ hist, PassTable pt) {
+  __shared__ uint32_t sh[MAX_PASSES * RADIX];
+  for (int i = threadIdx.x; i < pt.npass * RADIX; i += blockDim.x) sh[i] = 0;
+  __syncthreads();
+  const int64_t begin = (int64_t)blockIdx.x * HIST_KEYS_PER_BLOCK;
+  const int64_t end = begin + HIST_KEYS_PER_BLOCK < n ? begin + HIST_KEYS_PER_BLOCK : n;
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    const K k = keys[i];
+#pragma unroll
+    for (int p = 0; p < MAX_PASSES; ++p)
+      if (p < pt.npass) atomicAdd(&sh[p * RADIX + digit_of(k, pt.shift[p], pt.mask[p])], 1u);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < pt.npass * RADIX; i += blockDim.x)
+    if (sh[i]) atomicAdd(&hist[i], sh[i]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. One binning pass (one digit) of Onesweep.
+// ---------------------------------------------------------------------------------------------
+template <class K, class V, class S, bool PAIRS>
+__global__ void __launch_bounds__(BIN_THREADS) onesweep_bin_kernel(
+    const K* __restrict__ kin, K* __restrict__ kout, const V* __restrict__ vin, V* __restrict__ vout, int64_t n,
+    int shift, uint32_t dmask, const uint32_t* __restrict__ goff, S* status, uint32_t* counter) {
+  constexpr int SB = sizeof(K) > sizeof(V) ? sizeof(K) : sizeof(V);
+  constexpr int FS = StatusWord<S>::FLAG_SHIFT;
+  constexpr S COUNT_MASK = (S(1) << FS) - 1;
+  __shared__ uint32_t s_tile;
+  __shared__ uint32_t s_whist[WARPS][RADIX];  // per-warp digit counts, then their prefix over warps
+  __shared__ uint32_t s_scan[RADIX];
+  __shared__ int64_t s_global[RADIX];         // global start of digit d's run minus its local start
+  __shared__ uint8_t s_digit[TILE];
+  __shared__ __align__(16) unsigned char s_stage[TILE * SB];
+  K* stage_k = reinterpret_cast<K*>(s_stage);
+  V* stage_v = reinterpret_cast<V*>(s_stage);
+
+  const int tid = threadIdx.x;
+  const int lane = tid % PK_WARP_SIZE, warp = tid / PK_WARP_SIZE;
+  if (tid == 0) s_tile = atomicAdd(counter, 1u);  // start order, not blockIdx
+  for (int i = tid; i < WARPS * RADIX; i += BIN_THREADS) (&s_whist[0][0])[i] = 0;
+  __syncthreads();
+  const int64_t tile = s_tile;
+  const int64_t base = tile * TILE;
+  const int64_t valid = n - base < TILE ? n - base : TILE;
+
+  // Load: warp-striped so each warp reads PK_WARP_SIZE consecutive keys per item (coalesced) and the
+  // (warp, item, lane) visiting order is the input order.
+  K keys[BIN_ITEMS];
+  uint32_t rank[BIN_ITEMS];
+  const int64_t wbase = base + (int64_t)warp * (PK_WARP_SIZE * BIN_ITEMS) + lane;
+#pragma unroll
+  for (int i = 0; i < BIN_ITEMS; ++i) {
+    const int64_t idx = wbase + i * PK_WARP_SIZE;
+    keys[i] = idx < n ? kin[idx] : ~K(0);  // padding: largest digit, stays last, never written
+  }
+  // Warp multisplit: the lanes holding the same digit, from 8 ballots.
+  const pk_lane_mask_t lt = pk_lanemask_lt();
+#pragma unroll
+  for (int i = 0; i < BIN_ITEMS; ++i) {
+    const uint32_t d = digit_of(keys[i], shift, dmask);
+    pk_lane_mask_t eq = ~pk_lane_mask_t(0);
+#pragma unroll
+    for (int b = 0; b < DIGIT_BITS; ++b) {
+      const bool bit = (d >> b) & 1u;
+      const pk_lane_mask_t bal = pk_ballot(bit);
+      eq &= bit ? bal : ~bal;
+    }
+    const int before = pk_popc_mask(eq & lt);
+    const uint32_t pre = s_whist[warp][d];
+    PK_SYNCWARP();
+    if (before == 0) s_whist[warp][d] = pre + pk_popc_mask(eq);  // the group's lowest lane adds for all
+    PK_SYNCWARP();
+    rank[i] = pre + before;
+  }
+  __syncthreads();
+
+  // Thread `tid` owns digit d = tid: prefix over warps, the tile's count, publish, scan, look-back.
+  const int d = tid;
+  uint32_t count = 0;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) {
+    const uint32_t c = s_whist[w][d];
+    s_whist[w][d] = count;
+    count += c;
+  }
+  // Padding keys are counted in the largest digit of the last tile; nobody looks back at the last
+  // tile, but publish real counts anyway.
+  uint32_t real = count;
+  if (valid < TILE && (uint32_t)d == dmask) real -= (uint32_t)(TILE - valid);
+  S* my = status + tile * RADIX + d;
+  if (tile == 0) publish(my, (S(FLAG_INCLUSIVE) << FS) | S(real));
+  else publish(my, (S(FLAG_AGGREGATE) << FS) | S(real));
+  // Block exclusive scan of the counts (local starts), while predecessors finish.
+  s_scan[d] = count;
+  __syncthreads();
+  for (int off = 1; off < RADIX; off <<= 1) {
+    const uint32_t v = d >= off ? s_scan[d - off] : 0u;
+    __syncthreads();
+    s_scan[d] += v;
+    __syncthreads();
+  }
+  const uint32_t local_start = s_scan[d] - count;
+  // Decoupled look-back over predecessor tiles for digit d.
+  S excl = 0;
+  if (tile > 0) {
+    int64_t k = tile - 1;
+    for (;;) {
+      const S s = *(volatile S*)(status + k * RADIX + d);
+      const unsigned flag = (unsigned)(s >> FS);
+      if (flag == 0) continue;  // not ready: spin (volatile load is re-issued every iteration)
+      excl += s & COUNT_MASK;
+      if (flag == FLAG_INCLUSIVE || k == 0) break;
+      --k;
+    }
+    publish(my, (S(FLAG_INCLUSIVE) << FS) | S(excl + real));
+  }
+  s_global[d] = (int64_t)goff[d] + (int64_t)excl - (int64_t)local_start;
+  s_scan[d] = local_start;
+  __syncthreads();
+
+  // Stage keys in digit order, then write runs.
+  uint32_t pos[BIN_ITEMS];
+#pragma unroll
+  for (int i = 0; i < BIN_ITEMS; ++i) {
+    const uint32_t dg = digit_of(keys[i], shift, dmask);
+    pos[i] = s_scan[dg] + s_whist[warp][dg] + rank[i];
+    stage_k[pos[i]] = keys[i];
+    s_digit[pos[i]] = (uint8_t)dg;
+  }
+  __syncthreads();
+  for (int j = tid; j < valid; j += BIN_THREADS) kout[s_global[s_digit[j]] + j] = stage_k[j];
+  if constexpr (PAIRS) {
+    V vals[BIN_ITEMS];
+#pragma unroll
+    for (int i = 0; i < BIN_ITEMS; ++i) {
+      const int64_t idx = wbase + i * PK_WARP_SIZE;
+      vals[i] = idx < n ? vin[idx] : V(0);
+    }
+    __syncthreads();  // every key has left the staging buffer
+#pragma unroll
+    for (int i = 0; i < BIN_ITEMS; ++i) stage_v[pos[i]] = vals[i];
+    __syncthreads();
+    for (int j = tid; j < valid; j += BIN_THREADS) vout[s_global[s_digit[j]] + j] = stage_v[j];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side
+// ---------------------------------------------------------------------------------------------
+inline size_t align256(size_t x) { return (x + 255) & ~size_t(255); }
+
+PassTable make_passes(int begin_bit, int end_bit) {
+  PassTable pt{};
+  pt.npass = 0;
+  for (int s = begin_bit; s < end_bit && pt.npass < MAX_PASSES; s += DIGIT_BITS) {
+    const int bits = end_bit - s < DIGIT_BITS ? end_bit - s : DIGIT_BITS;
+    pt.shift[pt.npass] = s;
+    pt.mask[pt.npass] = (1u << bits) - 1u;
+    ++pt.npass;
+  }
+  return pt;
+}
+
+struct TempLayout {
+  size_t alt_keys, alt_vals, hist, goff, counter, status, total;
+};
+
+TempLayout layout(int64_t n, int kb, int vb, int npass) {
+  const int64_t tiles = (n + TILE - 1) / TILE;
+  const size_t sword = n >= (int64_t(1) << 28) ? 8 : 4;
+  TempLayout t{};
+  size_t off = 0;
+  t.alt_keys = off; off += align256((size_t)n * kb);
+  t.alt_vals = off; off += align256((size_t)n * vb);
+  t.hist = off; off += align256((size_t)MAX_PASSES * RADIX * 4);
+  t.goff = off; off += align256((size_t)MAX_PASSES * RADIX * 4);
+  t.counter = off; off += align256(4);
+  t.status = off; off += align256((size_t)tiles * RADIX * sword);
+  t.total = off;
+  (void)npass;
+  return t;
+}
+
+template <class K, class V, class S, bool PAIRS>
+void launch_bin(const void* kin, void* kout, const void* vin, void* vout, int64_t n, int shift, uint32_t mask,
+                const uint32_t* goff, void* status, uint32_t* counter, pk_stream_t stream) {
+  const int64_t tiles = (n + TILE - 1) / TILE;
+  onesweep_bin_kernel<K, V, S, PAIRS><<<(unsigned)tiles, BIN_THREADS, 0, stream>>>(
+      (const K*)kin, (K*)kout, (const V*)vin, (V*)vout, n, shift, mask, goff, (S*)status, counter);
+}
+
+template <class K, class V, bool PAIRS>
+void run_sort(const void* kin, void* kout, const void* vin, void* vout, int64_t n, int vb, int begin_bit,
+              int end_bit, char* temp, pk_stream_t stream) {
+  const char* op = "sort";
+  const PassTable pt = make_passes(begin_bit, end_bit);
+  const TempLayout L = layout(n, sizeof(K), vb, pt.npass);
+  uint32_t* hist = (uint32_t*)(temp + L.hist);
+  uint32_t* goff = (uint32_t*)(temp + L.goff);
+  uint32_t* counter = (uint32_t*)(temp + L.counter);
+  void* status = temp + L.status;
+  void* alt_k = temp + L.alt_keys;
+  void* alt_v = temp + L.alt_vals;
+  PK_GPU_CHECK(op, pkMemsetAsync(hist, 0, (size_t)MAX_PASSES * RADIX * 4, stream));
+  const int64_t hblocks = (n + HIST_KEYS_PER_BLOCK - 1) / HIST_KEYS_PER_BLOCK;
+  global_hist_kernel<K><<<(unsigned)hblocks, HIST_THREADS, 0, stream>>>((const K*)kin, n, hist, pt);
+  PK_GPU_CHECK(op, pkGetLastError());
+  // Read the histograms back (a few KB) to scan them and skip trivial passes.
+  std::vector<uint32_t> h((size_t)MAX_PASSES * RADIX), g((size_t)MAX_PASSES * RADIX, 0);
+  PK_GPU_CHECK(op, pkMemcpyAsync(h.data(), hist, h.size() * 4, pkMemcpyDeviceToHost, stream));
+  PK_GPU_CHECK(op, pkStreamSynchronize(stream));
+  std::vector<int> live;
+  for (int p = 0; p < pt.npass; ++p) {
+    uint32_t run = 0;
+    bool trivial = false;
+    for (int d = 0; d < RADIX; ++d) {
+      g[(size_t)p * RADIX + d] = run;
+      run += h[(size_t)p * RADIX + d];
+      if ((int64_t)h[(size_t)p * RADIX + d] == n) trivial = true;
+    }
+    if (!trivial) live.push_back(p);
+  }
+  const size_t vbytes = PAIRS ? (size_t)n * vb : 0;
+  if (live.empty()) {
+    PK_GPU_CHECK(op, pkMemcpyAsync(kout, kin, (size_t)n * sizeof(K), pkMemcpyDeviceToDevice, stream));
+    if (PAIRS) PK_GPU_CHECK(op, pkMemcpyAsync(vout, vin, vbytes, pkMemcpyDeviceToDevice, stream));
+    return;
+  }
+  PK_GPU_CHECK(op, pkMemcpyAsync(goff, g.data(), g.size() * 4, pkMemcpyHostToDevice, stream));
+  const bool wide = n >= (int64_t(1) << 28);
+  const int64_t tiles = (n + TILE - 1) / TILE;
+  const void* sk = kin;
+  const void* sv = vin;
+  const int Q = (int)live.size();
+  for (int q = 0; q < Q; ++q) {
+    const int p = live[q];
+    const bool to_out = ((Q - 1 - q) % 2) == 0;
+    void* dk = to_out ? kout : alt_k;
+    void* dv = to_out ? vout : alt_v;
+    PK_GPU_CHECK(op, pkMemsetAsync(status, 0, (size_t)tiles * RADIX * (wide ? 8 : 4), stream));
+    PK_GPU_CHECK(op, pkMemsetAsync(counter, 0, 4, stream));
+    if (wide)
+      launch_bin<K, V, unsigned long long, PAIRS>(sk, dk, sv, dv, n, pt.shift[p], pt.mask[p], goff + p * RADIX,
+                                                  status, counter, stream);
+    else
+      launch_bin<K, V, uint32_t, PAIRS>(sk, dk, sv, dv, n, pt.shift[p], pt.mask[p], goff + p * RADIX, status,
+                                        counter, stream);
+    PK_GPU_CHECK(op, pkGetLastError());
+    sk = dk;
+    sv = dv;
+  }
+}
+
+}  // namespace pksort_gpu
+
+// Entry points for sort_cuda_bind.cpp (no CUDA types cross this line).
+size_t pk_sort_temp_bytes(int64_t n, int key_bytes, int val_bytes, int begin_bit, int end_bit) {
+  const pksort_gpu::PassTable pt = pksort_gpu::make_passes(begin_bit, end_bit);
+  return pksort_gpu::layout(n, key_bytes, val_bytes, pt.npass).total;
+}
+
+int pk_sort_tile_keys() { return pksort_gpu::TILE; }
+
+int pk_sort_device_count(std::string* why) { return pk::gpu_device_count(why); }
+
+void pk_sort_onesweep(uintptr_t keys_in, uintptr_t keys_out, uintptr_t vals_in, uintptr_t vals_out, int64_t n,
+                      int key_bytes, int val_bytes, int begin_bit, int end_bit, uintptr_t temp, size_t temp_bytes,
+                      uintptr_t stream) {
+  pk::require_gpu("sort");
+  if (n <= 0) return;
+  if (n >= (int64_t(1) << 32)) throw std::invalid_argument("pykernels.sort: at most 2^32 - 1 keys per GPU sort");
+  if (key_bytes != 4 && key_bytes != 8) throw std::invalid_argument("pykernels.sort: keys must be 4 or 8 bytes");
+  if (val_bytes != 0 && val_bytes != 4 && val_bytes != 8)
+    throw std::invalid_argument("pykernels.sort: payloads must be 4 or 8 bytes");
+  if (begin_bit < 0 || end_bit > 8 * key_bytes || begin_bit > end_bit)
+    throw std::invalid_argument("pykernels.sort: bad bit range");
+  if (temp_bytes < pk_sort_temp_bytes(n, key_bytes, val_bytes, begin_bit, end_bit))
+    throw std::invalid_argument("pykernels.sort: temporary buffer too small");
+  const void* ki = (const void*)keys_in;
+  void* ko = (void*)keys_out;
+  const void* vi = (const void*)vals_in;
+  void* vo = (void*)vals_out;
+  char* t = (char*)temp;
+  pk_stream_t s = (pk_stream_t)stream;
+  if (begin_bit == end_bit) {
+    PK_GPU_CHECK("sort", pkMemcpyAsync(ko, ki, (size_t)n * key_bytes, pkMemcpyDeviceToDevice, s));
+    if (val_bytes) PK_GPU_CHECK("sort", pkMemcpyAsync(vo, vi, (size_t)n * val_bytes, pkMemcpyDeviceToDevice, s));
+    return;
+  }
+  using namespace pksort_gpu;
+  if (key_bytes == 4) {
+    if (val_bytes == 0) run_sort<uint32_t, uint32_t, false>(ki, ko, vi, vo, n, 0, begin_bit, end_bit, t, s);
+    else if (val_bytes == 4) run_sort<uint32_t, uint32_t, true>(ki, ko, vi, vo, n, 4, begin_bit, end_bit, t, s);
+    else run_sort<uint32_t, unsigned long long, true>(ki, ko, vi, vo, n, 8, begin_bit, end_bit, t, s);
+  } else {
+    if (val_bytes == 0) run_sort<unsigned long long, uint32_t, false>(ki, ko, vi, vo, n, 0, begin_bit, end_bit, t, s);
+    else if (val_bytes == 4) run_sort<unsigned long long, uint32_t, true>(ki, ko, vi, vo, n, 4, begin_bit, end_bit, t, s);
+    else run_sort<unsigned long long, unsigned long long, true>(ki, ko, vi, vo, n, 8, begin_bit, end_bit, t, s);
+  }
+}

@@ -1,0 +1,86 @@
+"""The table kernels as torch.library ops (namespace `pykernels`), over a table's tensors.
+
+The table classes are Python objects holding state (sizes, growth, a lock), like cuCollections'
+containers; their bulk kernels are these functional ops, so code that holds a table's tensors can call
+`torch.ops.pykernels.hash_find` / `hash_insert_` inside `torch.compile(fullgraph=True)` (fake
+implementations included), and the classes go through the same ops eagerly.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _native
+
+_M64 = (1 << 64) - 1
+_BITS = {4: torch.int32, 8: torch.int64}
+_HUGE = 2 << 20
+
+
+def _mod(t: torch.Tensor):
+    return _native.cpu_module("hash") if t.device.type == "cpu" else _native.cuda_module("hash")
+
+
+def _stream(t: torch.Tensor):
+    return (_native.cuda_stream_handle(t.device),) if t.device.type == "cuda" else ()
+
+
+def out_buffer(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An output buffer. Large CPU outputs are 2 MiB-aligned views advised to use huge pages: the
+    first touch of a fresh 4 KiB-paged buffer costs a page fault per 4 KiB, which for a lookup
+    writing 9 bytes per key was ~20% of its time."""
+    nbytes = n * dtype.itemsize
+    if device.type != "cpu" or nbytes < 2 * _HUGE:
+        return torch.empty(n, dtype=dtype, device=device)
+    raw = torch.empty(nbytes + _HUGE, dtype=torch.uint8)
+    off = -raw.data_ptr() % _HUGE
+    out = raw[off: off + nbytes].view(dtype)
+    _native.cpu_module("hash").advise_hugepages(out.data_ptr(), nbytes)
+    return out
+
+
+@torch.library.custom_op("pykernels::hash_find", mutates_args=())
+def hash_find(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor, nw: int, window: int, seed: int,
+              kb: int, vb: int, default_bits: int, with_values: bool, threads: int,
+              prefetch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(value bits [n] (int32/int64; empty for sets or without `with_values`), found [n] bool) of
+    key bits `keys` (1-D). `kb`/`vb`: the table's key and value-slot bytes (its layout)."""
+    n = keys.numel()
+    nv = n if (vb and with_values) else 0
+    found = out_buffer(n, torch.uint8, keys.device)
+    vals = out_buffer(nv, _BITS.get(vb, torch.int64), keys.device)
+    if n:
+        _mod(slots).find(slots.data_ptr(), special.data_ptr(), nw, window, seed & _M64, kb, vb, keys.data_ptr(), n,
+                         vals.data_ptr() if nv else 0, found.data_ptr(), default_bits & _M64, threads, prefetch,
+                         *_stream(slots))
+    return vals, found.view(torch.bool)
+
+
+@hash_find.register_fake
+def _(slots, special, keys, nw, window, seed, kb, vb, default_bits, with_values, threads, prefetch):
+    n = keys.numel()
+    nv = n if (vb and with_values) else 0
+    return keys.new_empty(nv, dtype=_BITS.get(vb, torch.int64)), keys.new_empty(n, dtype=torch.bool)
+
+
+@torch.library.custom_op("pykernels::hash_insert_", mutates_args=("slots", "special"))
+def hash_insert_(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor, values: Optional[torch.Tensor],
+                 nw: int, window: int, seed: int, kb: int, vb: int, mode: int, used: int, limit: int, threads: int,
+                 prefetch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bulk insert (mode 0 upsert, 1 add, 2 append) in place. Returns (status [n] uint8:
+    0 existed, 1 new, 2 left out (table full), 3 skipped; counts int64[3] on the CPU:
+    new keys, new keys that took an EMPTY slot, keys left out)."""
+    n = keys.numel()
+    status = out_buffer(n, torch.uint8, keys.device)
+    counts = (0, 0, 0)
+    if n:
+        counts = _mod(slots).insert(slots.data_ptr(), special.data_ptr(), nw, window, seed & _M64, kb, vb,
+                                    keys.data_ptr(), values.data_ptr() if values is not None else 0, n,
+                                    status.data_ptr(), mode, used, limit, threads, prefetch, *_stream(slots))
+    return status, torch.tensor(list(counts), dtype=torch.int64)
+
+
+@hash_insert_.register_fake
+def _(slots, special, keys, values, nw, window, seed, kb, vb, mode, used, limit, threads, prefetch):
+    return keys.new_empty(keys.numel(), dtype=torch.uint8), torch.empty(3, dtype=torch.int64, device="cpu")

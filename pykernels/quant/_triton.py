@@ -1,0 +1,245 @@
+"""Triton kernels of qmatmul.
+
+1. `_wo_kernel` — weight-only, Marlin-style: the packed codes (the same tile layout the CPU kernel
+   reads, made once by quantize) are loaded as bytes and dequantized in registers
+   (w = s * u + m, the group's scale/offset loaded once per K step), multiplied by tl.dot with fp32
+   accumulation; for small M the K loop is split over SPLIT_K programs (Marlin's striped split) whose
+   partial sums meet through fp32 atomics.
+2. `_bs_kernel` — bit-serial bipolar-INT (act_bits): activations are quantized per token and packed
+   into bit planes (torch ops, on device), each (i, j) pair of planes contributes
+   popcount(a_i AND w_j) << (i + j) (an integer SWAR popcount on 32-bit halves, which also runs under
+   the interpreter), and the affine recombination of ALGORITHMS.md turns the integer sums into floats.
+
+The kernels are plain functions wrapped when used (triton.jit decides interpreter vs compiler when a
+function is decorated, and the tests switch TRITON_INTERPRET=1 on after import); AOT_SPECS lists the
+configs that tests/test_gpu_build.py compiles for sm_90.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..triton_aot import AotSpec
+from . import _format as F
+
+
+def _wo_kernel(X, W, S, O, Bias, Y, M, N, K, G, GSIZE, NB, stride_xm,
+               LB: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, UPCAST: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = rm < M
+    mask_n = rn < N
+    tile = rn // 4
+    row = rn % 4
+    # tl.zeros / tl.cdiv are themselves jit functions, which the interpreter cannot call when triton was
+    # imported before TRITON_INTERPRET=1 was set: core builtins (tl.full, //) only.
+    acc = tl.full((BLOCK_M, BLOCK_N), 0, tl.float32)
+    steps = (K + BLOCK_K - 1) // BLOCK_K
+    per_split = (steps + SPLIT_K - 1) // SPLIT_K
+    s0 = pid_k * per_split
+    s1 = tl.minimum(steps, s0 + per_split)
+    for step in range(s0, s1):
+        k0 = step * BLOCK_K
+        rk = k0 + tl.arange(0, BLOCK_K)
+        mask_k = rk < K
+        x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        blk = rk // 32
+        j = rk % 32
+        wmask = mask_k[:, None] & mask_n[None, :]
+        if LB == 4:
+            addr = ((tile[None, :] * NB + blk[:, None]) * 4 + row[None, :]) * 16 + (j % 16)[:, None]
+            byte = tl.load(W + addr, mask=wmask, other=0).to(tl.int32)
+            u = (byte >> ((j // 16) * 4)[:, None]) & 0xF
+        else:
+            addr = ((tile[None, :] * NB + blk[:, None]) * 4 + row[None, :]) * 32 + j[:, None]
+            u = tl.load(W + addr, mask=wmask, other=0).to(tl.int32)
+        g = k0 // GSIZE  # BLOCK_K divides the group size (or there is one group): one scale per step
+        s = tl.load(S + rn * G + g, mask=mask_n, other=0.0)
+        m = tl.load(O + rn * G + g, mask=mask_n, other=0.0)
+        w = u.to(tl.float32) * s[None, :] + m[None, :]
+        w = tl.where(wmask, w, 0.0)
+        if X.dtype.element_ty == tl.float32:
+            acc += tl.dot(x, w, input_precision="ieee")
+        elif UPCAST:  # the interpreter's bf16 tl.dot is wrong (numpy has no bf16): same math in fp32
+            acc += tl.dot(x.to(tl.float32), w.to(X.dtype.element_ty).to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(x, w.to(X.dtype.element_ty))
+    if HAS_BIAS:
+        b = tl.load(Bias + rn, mask=mask_n, other=0.0)
+        acc += b[None, :] * (pid_k == 0).to(tl.float32)  # added once, by the first K split
+    ptrs = Y + rm[:, None] * N + rn[None, :]
+    omask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(ptrs, acc, mask=omask)
+    else:
+        tl.atomic_add(ptrs, acc, mask=omask)
+
+
+def _bs_kernel(A, Wp, S, O, WS, US, SA, MA, Bias, Y, M, N, K, G, GSIZE, GW2, P, Q,
+               HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = rm < M
+    mask_n = rn < N
+    tile = rn // 4
+    row = rn % 4
+    sa = tl.load(SA + rm, mask=mask_m, other=1.0)
+    ma = tl.load(MA + rm, mask=mask_m, other=0.0)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0, tl.float32)
+    for g in range(G):
+        isum = tl.full((BLOCK_M, BLOCK_N), 0, tl.int32)
+        for i in range(P):
+            for jb in range(Q):
+                cnt = tl.full((BLOCK_M, BLOCK_N), 0, tl.int32)
+                for w in range(GW2):
+                    a = tl.load(A + ((rm * G + g) * P + i) * GW2 + w, mask=mask_m, other=0).to(tl.uint32, bitcast=True)
+                    waddr = ((((tile * G + g) * Q + jb) * (GW2 // 2) + w // 2) * 4 + row) * 2 + w % 2
+                    wv = tl.load(Wp + waddr, mask=mask_n, other=0).to(tl.uint32, bitcast=True)
+                    v = a[:, None] & wv[None, :]
+                    # SWAR popcount of uint32 lanes (Hacker's Delight 5-2)
+                    v = v - ((v >> 1) & 0x55555555)
+                    v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
+                    v = (v + (v >> 4)) & 0x0F0F0F0F
+                    cnt += ((v * 0x01010101) >> 24).to(tl.int32)
+                isum += cnt << (i + jb)
+        length = (tl.minimum(K, (g + 1) * GSIZE) - g * GSIZE).to(tl.float32)
+        s = tl.load(S + rn * G + g, mask=mask_n, other=0.0)
+        m = tl.load(O + rn * G + g, mask=mask_n, other=0.0)
+        uw = tl.load(WS + rn * G + g, mask=mask_n, other=0).to(tl.float32)
+        ua = tl.load(US + rm * G + g, mask=mask_m, other=0).to(tl.float32)
+        # sum_k A W = sa*s*I + sa*m*sum(u_a) + ma*s*sum(u_w) + ma*m*len   (A = sa*u_a + ma, W = s*u_w + m)
+        acc += (sa[:, None] * s[None, :]) * isum.to(tl.float32) + (sa * ua)[:, None] * m[None, :] \
+            + ma[:, None] * (s * uw)[None, :] + (ma[:, None] * m[None, :]) * length
+    if HAS_BIAS:
+        acc += tl.load(Bias + rn, mask=mask_n, other=0.0)[None, :]
+    tl.store(Y + rm[:, None] * N + rn[None, :], acc, mask=mask_m[:, None] & mask_n[None, :])
+
+
+# ------------------------------------------------------------------------------------------------
+# Host side
+# ------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _compiled(fn, interpret: bool):
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return InterpretedFunction(fn)
+    from triton.runtime.jit import JITFunction
+
+    return JITFunction(fn)
+
+
+def _kernel(fn):
+    from triton import knobs
+
+    return _compiled(fn, bool(knobs.runtime.interpret))
+
+
+def default_config(M: int, N: int, K: int, dtype=torch.float16) -> dict:
+    """Heuristic: split K for small M so that every SM has work (Marlin's striped partition). Only
+    tiles listed in AOT_SPECS (compiled for sm_90 without spills) are chosen."""
+    block_m = 16 if M <= 16 else (32 if M <= 64 else 64)
+    block_n = 64 if M <= 16 else 128
+    if dtype == torch.float32:
+        block_m, block_n = 16, 64
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    split = 1
+    while tiles * split < 132 and split < 8 and K // (32 * split * 2) >= 4:
+        split *= 2
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 32, "SPLIT_K": split, "num_warps": 4, "num_stages": 3}
+
+
+def _act_planes(x2: torch.Tensor, p: int, group_size: int):
+    """Per-token p-bit activation quantization (A = sa * u + ma) and bit planes [M, G, p, 2*gw] int32."""
+    M, K = x2.shape
+    gsize, G, gw = F.plane_geometry(K, group_size)
+    xf = x2.to(torch.float64)
+    lo, hi = xf.amin(1), xf.amax(1)
+    sa = (hi - lo) / ((1 << p) - 1)
+    sa = torch.where(sa > 0, sa, torch.ones_like(sa))
+    u = torch.clamp(torch.round((xf - lo[:, None]) / sa[:, None]), 0, (1 << p) - 1).to(torch.int32)
+    up = torch.zeros(M, G * gsize, dtype=torch.int32, device=x2.device)
+    up[:, :K] = u
+    up = up.reshape(M, G, gsize)
+    usum = up.sum(-1, dtype=torch.int32)
+    if gw * 64 != gsize:
+        up = torch.cat([up, torch.zeros(M, G, gw * 64 - gsize, dtype=torch.int32, device=x2.device)], -1)
+    weights = (1 << torch.arange(31, dtype=torch.int64, device=x2.device))
+    planes = []
+    for i in range(p):
+        b = ((up >> i) & 1).to(torch.int64).reshape(M, G, gw * 2, 32)
+        lowbits = (b[..., :31] * weights).sum(-1)
+        word = lowbits - (b[..., 31] << 31)  # the top bit is the int32 sign bit
+        planes.append(word.to(torch.int32))
+    bad = ~torch.isfinite(xf).all(1)
+    sa = torch.where(bad, torch.full_like(sa, float("nan")), sa)
+    return torch.stack(planes, 2).contiguous(), usum.contiguous(), sa.to(torch.float32), lo.to(torch.float32)
+
+
+def qmatmul(x2, packed, scales, offsets, planes, wsum, bias, N, K, bits, group_size, act_bits, cfg):
+    M = x2.shape[0]
+    gsize, G = F.group_geometry(K, group_size)
+    y = torch.zeros(M, N, dtype=torch.float32, device=x2.device)
+    b = bias.to(torch.float32).contiguous() if bias is not None else y
+    if act_bits:
+        a_planes, usum, sa, ma = _act_planes(x2, act_bits, group_size)
+        _, _, gw = F.plane_geometry(K, group_size)
+        bm, bn = int(cfg.get("BLOCK_M", 16)), int(cfg.get("BLOCK_N", 32))
+        grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
+        _kernel(_bs_kernel)[grid](a_planes, planes.view(torch.int32), scales, offsets, wsum, usum, sa, ma, b, y,
+                                  M, N, K, G, gsize, 2 * gw, act_bits, bits, HAS_BIAS=bias is not None,
+                                  BLOCK_M=bm, BLOCK_N=bn)
+        return y.to(x2.dtype)
+    c = dict(default_config(M, N, K, x2.dtype))
+    c.update({k: v for k, v in cfg.items() if k in c})
+    bk = c["BLOCK_K"]
+    if G > 1 and gsize % bk:
+        bk = 32
+    NB = F.round_up(max(K, 1), F.K_BLOCK) // F.K_BLOCK
+    grid = (triton.cdiv(M, c["BLOCK_M"]), triton.cdiv(N, c["BLOCK_N"]), c["SPLIT_K"])
+    kw = {} if x2.device.type == "cpu" else {"num_warps": c["num_warps"], "num_stages": c["num_stages"]}
+    _kernel(_wo_kernel)[grid](x2, packed, scales, offsets, b, y, M, N, K, G, gsize, NB, x2.stride(0),
+                              LB=F.layout_bits(bits), HAS_BIAS=bias is not None, SPLIT_K=c["SPLIT_K"],
+                              UPCAST=x2.device.type == "cpu" and x2.dtype == torch.bfloat16,
+                              BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=bk, **kw)
+    return y.to(x2.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Ahead-of-time configs (tests/test_gpu_build.py compiles each for sm_90 and rejects spills)
+# ------------------------------------------------------------------------------------------------
+def _aot_specs():
+    from triton.runtime.jit import JITFunction
+
+    wo, bs = JITFunction(_wo_kernel), JITFunction(_bs_kernel)
+    specs = []
+    half_tiles = ((16, 64, 32, 4), (16, 64, 64, 1), (32, 128, 32, 2), (64, 128, 32, 1))
+    f32_tiles = ((16, 64, 32, 4), (16, 64, 32, 1))  # ieee fp32 dots spill beyond 16x64x32 at 4 warps
+    for act in ("fp16", "bf16", "fp32"):
+        for bm, bn, bk, split in (f32_tiles if act == "fp32" else half_tiles):
+            for lb in (4, 8):
+                sig = {"X": f"*{act}", "W": "*u8", "S": "*fp32", "O": "*fp32", "Bias": "*fp32", "Y": "*fp32",
+                       "M": "i32", "N": "i32", "K": "i32", "G": "i32", "GSIZE": "i32", "NB": "i32", "stride_xm": "i32",
+                       "LB": "constexpr", "HAS_BIAS": "constexpr", "SPLIT_K": "constexpr", "UPCAST": "constexpr", "BLOCK_M": "constexpr",
+                       "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+                const = {"LB": lb, "HAS_BIAS": True, "SPLIT_K": split, "UPCAST": False, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}
+                specs.append(AotSpec(f"qgemm.wo[{act},LB={lb}]", wo, sig, const, num_warps=4, num_stages=3))
+    for bm, bn in ((16, 32), (32, 64)):
+        sig = {"A": "*i32", "Wp": "*i32", "S": "*fp32", "O": "*fp32", "WS": "*i32", "US": "*i32", "SA": "*fp32",
+               "MA": "*fp32", "Bias": "*fp32", "Y": "*fp32", "M": "i32", "N": "i32", "K": "i32", "G": "i32",
+               "GSIZE": "i32", "GW2": "i32", "P": "i32", "Q": "i32", "HAS_BIAS": "constexpr", "BLOCK_M": "constexpr",
+               "BLOCK_N": "constexpr"}
+        specs.append(AotSpec("qgemm.bitserial", bs, sig, {"HAS_BIAS": True, "BLOCK_M": bm, "BLOCK_N": bn}, num_warps=4))
+    return specs
+
+
+AOT_SPECS = _aot_specs()

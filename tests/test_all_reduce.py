@@ -1,0 +1,627 @@
+"""collectives.all_reduce, Topology, plan, tune and ddp_comm_hook on real gloo process groups.
+
+One group of W processes is spawned per world size and shared by every case of that size (spawning
+is slow on 2 cores): each test sends the name of a check function below to every rank and collects
+what each rank raised. Groups use init_method="file://..." (no port collisions) and a 20 s timeout,
+so a broken collective fails the test instead of hanging CI. The oracle is a plain torch computation
+over every rank's inputs (each rank regenerates all ranks' inputs from the same seeds), and a subset
+is also checked bit for bit against dist.all_reduce itself. Data are small integers, so sums,
+averages and products are exact in every dtype and any reduction order.
+"""
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import tempfile
+import time
+import traceback
+import warnings
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import collectives
+from collectives import Topology
+
+pytestmark = pytest.mark.distributed
+
+ALGOS = ["recursive_doubling", "halving_doubling", "ring", "hierarchical", "auto"]
+OPS = ["sum", "avg", "max", "min", "prod"]
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8]
+TIMEOUT_S = 20
+
+
+# ================================================================================================
+# The shared process groups
+# ================================================================================================
+def _serve(rank, world, init_file, inq, outq, backend="gloo"):
+    os.environ.setdefault("PYKERNELS_AUTOTUNE", "0")  # auto uses the model defaults unless a test tunes
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=TIMEOUT_S))
+    while True:
+        item = inq.get()
+        if item is None:
+            break
+        name, args = item
+        try:
+            result = globals()[name](*args)
+            outq.put((rank, "ok", result))
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            outq.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    dist.destroy_process_group()
+
+
+class Cluster:
+    def __init__(self, world: int, backend: str = "gloo"):
+        self.world = world
+        ctx = mp.get_context("spawn")
+        fd, self.init_file = tempfile.mkstemp(prefix="allreduce_init_")
+        os.close(fd)
+        os.unlink(self.init_file)
+        self.inq = [ctx.Queue() for _ in range(world)]
+        self.outq = ctx.Queue()
+        self.procs = [ctx.Process(target=_serve, args=(r, world, self.init_file, self.inq[r], self.outq, backend),
+                                 daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, name: str, *args, timeout: float = 120.0, expect_error: bool = False):
+        """Run check `name(*args)` on every rank; returns the per-rank results (or error texts)."""
+        for q in self.inq:
+            q.put((name, args))
+        results = {}
+        deadline = time.monotonic() + timeout
+        while len(results) < self.world:
+            left = deadline - time.monotonic()
+            try:
+                rank, status, value = self.outq.get(timeout=max(left, 0.1))
+            except queue_mod.Empty:
+                self.close(force=True)
+                raise AssertionError(f"{name}: ranks {sorted(set(range(self.world)) - set(results))} did not "
+                                     f"answer within {timeout} s (hang)")
+            results[rank] = (status, value)
+        errors = {r: v for r, (s, v) in results.items() if s == "error"}
+        if expect_error:
+            return results
+        if errors:
+            raise AssertionError(f"{name} failed on ranks {sorted(errors)}:\n" + "\n".join(
+                f"--- rank {r}:\n{v}" for r, v in sorted(errors.items())))
+        return [results[r][1] for r in range(self.world)]
+
+    def close(self, force=False):
+        for q, p in zip(self.inq, self.procs):
+            if p.is_alive() and not force:
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=0 if force else 10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if os.path.exists(self.init_file):
+            os.unlink(self.init_file)
+
+
+_CLUSTERS: dict = {}
+
+
+@pytest.fixture(scope="module")
+def clusters():
+    def get(world):
+        c = _CLUSTERS.get(world)
+        if c is None or not all(p.is_alive() for p in c.procs):
+            # one live group at a time: 2 cores
+            for w in list(_CLUSTERS):
+                _CLUSTERS.pop(w).close()
+            c = _CLUSTERS[world] = Cluster(world)
+        return c
+    yield get
+    for w in list(_CLUSTERS):
+        _CLUSTERS.pop(w).close()
+
+
+# ================================================================================================
+# Oracle
+# ================================================================================================
+def _inputs(seed, world, shape, dtype, op):
+    """Every rank's input (small integers: exact in every dtype for every op at world <= 8)."""
+    out = []
+    for r in range(world):
+        g = torch.Generator().manual_seed(seed * 1000 + r)
+        if op == "prod":
+            lo, hi = (1, 3) if dtype == torch.uint8 else (-1, 3)
+            v = torch.randint(lo, hi, shape, generator=g)
+            if dtype != torch.uint8:
+                v[v == 0] = 1
+        elif dtype == torch.uint8:
+            v = torch.randint(0, 30, shape, generator=g)
+        else:
+            v = torch.randint(-30, 30, shape, generator=g)
+        out.append(v.to(dtype))
+    return out
+
+
+def _expected(inputs, dtype, op):
+    world = len(inputs)
+    if dtype.is_floating_point:
+        stack = torch.stack([x.to(torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype) for x in inputs])
+    else:
+        stack = torch.stack([x.to(torch.int64) for x in inputs])
+    if op == "sum":
+        res = stack.sum(0)
+    elif op == "avg":
+        res = stack.sum(0)
+        res = res / world if dtype.is_floating_point else torch.div(res, world, rounding_mode="trunc")
+    elif op == "prod":
+        res = stack.prod(0)
+    elif op == "max":
+        res = stack.max(0).values
+    else:
+        res = stack.min(0).values
+    return res.to(dtype)
+
+
+def _equal(a, b):
+    if a.dtype.is_floating_point:
+        return torch.equal(torch.nan_to_num(a.double(), 1e300), torch.nan_to_num(b.double(), 1e300)) and \
+            torch.equal(a.isnan(), b.isnan())
+    return torch.equal(a, b)
+
+
+# ================================================================================================
+# Checks (run on every rank)
+# ================================================================================================
+def chk_sweep(algos, topos, sizes, ops, dtypes, seed=0, piece_bytes=None, device="cpu"):
+    """All combinations against the torch oracle; returns the number of cases."""
+    from collectives import _allreduce_algos as A
+
+    old = A.PIECE_BYTES
+    if piece_bytes:
+        A.PIECE_BYTES = piece_bytes
+    world, rank = dist.get_world_size(), dist.get_rank()
+    count = 0
+    try:
+        for algo in algos:
+            for topo in topos:
+                for n in sizes:
+                    for op in ops:
+                        for dt in dtypes:
+                            seed += 1
+                            ins = _inputs(seed, world, (n,), dt, op)
+                            x = ins[rank].clone().to(device)
+                            collectives.all_reduce(x, op, topology=topo, algorithm=algo)
+                            x = x.cpu()
+                            want = _expected(ins, dt, op)
+                            if not _equal(x, want):
+                                bad = (x.double() - want.double()).abs().argmax().item() if n else -1
+                                raise AssertionError(f"algo={algo} topo={topo} n={n} op={op} dtype={dt}: first bad "
+                                                     f"index {bad}: got {x[bad] if n else x} want {want[bad] if n else want}")
+                            count += 1
+    finally:
+        A.PIECE_BYTES = old
+    return count
+
+
+def chk_vs_native(algos, topos, sizes, seed=500):
+    """Bit-for-bit against dist.all_reduce (the gloo baseline) on integer-valued data."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT}
+    for algo in algos:
+        for topo in topos:
+            for n in sizes:
+                for op, rop in ops.items():
+                    for dt in (torch.float32, torch.int32, torch.int64, torch.float64):
+                        seed += 1
+                        x = _inputs(seed, world, (n,), dt, op)[rank]
+                        ref = x.clone()
+                        dist.all_reduce(ref, op=rop)
+                        collectives.all_reduce(x, getattr(dist.ReduceOp, {"prod": "PRODUCT"}.get(op, op.upper())),
+                                               topology=topo, algorithm=algo)
+                        assert torch.equal(x, ref), (algo, topo, n, op, dt)
+
+
+def chk_pipelined(topo_sizes, n, op, dtype, seed=77):
+    """The pipelined hierarchical path (native outer level, the vector in up to 8 segments whose outer
+    all-reduce runs asynchronously while the inner levels work on the neighbours)."""
+    from collectives import _allreduce_algos as A
+    from collectives.all_reduce import _REDUCE, _BASE_OP, _work_dtype
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    old = A.SEGMENT_BYTES
+    A.SEGMENT_BYTES = 256
+    try:
+        topo = Topology(topo_sizes)
+        levels = topo.comms()
+        for inner in (["direct"] * (len(topo_sizes) - 1), ["ring"] * (len(topo_sizes) - 1)):
+            seed += 1
+            ins = _inputs(seed, world, (n,), dtype, op)
+            x = ins[rank].clone().to(_work_dtype(dtype, op))
+            ctx = A.Ctx(_REDUCE[op], 64, A.Tagger(f"pipe{seed}"))
+            A.hierarchical(levels, x, torch.empty_like(x), n, ctx, inner, "native", native_op=_BASE_OP[op])
+            want = _expected(ins, dtype, op)
+            got = (x / world if op == "avg" else x).to(dtype)
+            assert _equal(got, want), (topo_sizes, inner, n, op, dtype)
+    finally:
+        A.SEGMENT_BYTES = old
+
+
+def chk_layouts(algo):
+    """Non-contiguous and multi-dimensional tensors are reduced in place, same storage; extremes."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ins = _inputs(7, world, (6, 5), torch.float32, "sum")
+    base = ins[rank].clone().t()  # non-contiguous view
+    ptr = base.data_ptr()
+    out = collectives.all_reduce(base, algorithm=algo)
+    assert out is base and base.data_ptr() == ptr
+    assert torch.equal(base, _expected(ins, torch.float32, "sum").t())
+    # a 0-d tensor
+    s = torch.tensor(float(rank + 1))
+    collectives.all_reduce(s, "max", algorithm=algo)
+    assert s.item() == world
+    # dtype extremes: max/min of int64 limits, and int32 sums that wrap like gloo's
+    info = torch.iinfo(torch.int64)
+    e = torch.tensor([info.max - rank, info.min + rank, rank], dtype=torch.int64)
+    collectives.all_reduce(e, "max", algorithm=algo)
+    assert e.tolist() == [info.max, info.min + world - 1, world - 1]
+    w = torch.full((5,), torch.iinfo(torch.int32).max, dtype=torch.int32)
+    ref = w.clone()
+    dist.all_reduce(ref)
+    collectives.all_reduce(w, algorithm=algo)
+    assert torch.equal(w, ref)
+    # NaN anywhere -> NaN for sum; -0.0 max/min stay exact zeros
+    f = torch.tensor([1.0, float("nan") if rank == 0 else 2.0, -0.0])
+    collectives.all_reduce(f, algorithm=algo)
+    assert torch.isnan(f[1]) and f[0].item() == world and f[2].item() == 0.0
+    # a DLPack array (numpy) is reduced in place too
+    import numpy as np
+
+    arr = np.full(5, rank + 1, dtype=np.int64)
+    collectives.all_reduce(arr, algorithm=algo)
+    assert arr.tolist() == [world * (world + 1) // 2] * 5
+    # all equal inputs
+    a = torch.full((1001,), 3.0, dtype=torch.bfloat16)
+    collectives.all_reduce(a, "avg", algorithm=algo)
+    assert torch.all(a == 3.0)
+
+
+def chk_async(algo):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tensors = [torch.full((n,), float(rank + i), dtype=torch.float32) for i, n in enumerate((1, 1000, 70000, 0))]
+    works = [collectives.all_reduce(t, algorithm=algo, async_op=True) for t in tensors]
+    # a synchronous call while the async ones run keeps the order on every rank
+    s = torch.full((3,), float(rank))
+    collectives.all_reduce(s, algorithm=algo)
+    for w in works:
+        assert w.wait() is True
+        assert w.is_completed()
+    base = world * (world - 1) / 2
+    for i, t in enumerate(tensors):
+        assert torch.all(t == base + world * i), (i, t[:3])
+    assert torch.all(s == base)
+    fut = collectives.all_reduce(torch.ones(4), async_op=True, algorithm=algo).get_future()
+    assert torch.equal(fut.wait(), torch.full((4,), float(world)))
+
+
+def chk_errors_in_group():
+    """Argument errors are raised before any message is sent, identically on every rank."""
+    world = dist.get_world_size()
+    x = torch.ones(4)
+    with pytest.raises(ValueError, match="collectives.all_reduce.*topology"):
+        collectives.all_reduce(x, topology=Topology([world + 1]))
+    with pytest.raises(TypeError, match="collectives.all_reduce.*topology"):
+        collectives.all_reduce(x, topology="flat")
+    # the group still works afterwards
+    collectives.all_reduce(x)
+    assert torch.all(x == world)
+
+
+def chk_plan(numel, topo):
+    text = collectives.plan(numel, torch.float32, topology=topo)
+    assert "runs:" in text and "why:" in text
+    return text
+
+
+def chk_tune_then_auto(sizes):
+    from collectives.all_reduce import tune
+
+    params = tune(sizes=sizes, topology=[2, dist.get_world_size() // 2], store=False)
+    assert len(params.table) == len(sizes)
+    text = collectives.plan(sizes[0] // 4, torch.float32, topology=[2, dist.get_world_size() // 2])
+    assert "measured fastest by tune()" in text, text
+    n = chk_sweep(["auto"], [[2, dist.get_world_size() // 2]], [s // 4 for s in sizes] + [3],
+                  ["sum", "max"], [torch.float32, torch.int64], seed=900)
+    return text, params.to_json(), n
+
+
+def chk_same_params():
+    """Every rank decides from the same parameters (rank 0's, broadcast)."""
+    from collectives.all_reduce import _load_params
+
+    p = _load_params(dist.group.WORLD, Topology([dist.get_world_size()]))
+    return p.to_json()
+
+
+def chk_mismatch(kind, algo, timeout_s):
+    """One rank passes a different size (or dtype): every rank must raise, none may hang."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = dist.new_group(list(range(world)), timeout=timedelta(seconds=timeout_s))
+    n = 1000
+    if rank == 1:
+        x = torch.ones(n + 1) if kind == "size" else torch.ones(n, dtype=torch.float64)
+    else:
+        x = torch.ones(n)
+    t0 = time.monotonic()
+    try:
+        collectives.all_reduce(x, group=g, algorithm=algo,
+                               topology=[2, world // 2] if algo == "hierarchical" else None)
+    except Exception as exc:  # noqa: BLE001
+        return ("raised", type(exc).__name__, str(exc)[:200], time.monotonic() - t0)
+    return ("returned", None, None, time.monotonic() - t0)
+
+
+def chk_world_ok():
+    x = torch.ones(10)
+    collectives.all_reduce(x)
+    assert torch.all(x == dist.get_world_size())
+
+
+def chk_ddp(algo):
+    """One training step with collectives.ddp_comm_hook gives the same parameters as DDP's own."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    results = []
+    for use_hook in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
+        ddp = DDP(model, bucket_cap_mb=0.001)  # several buckets
+        if use_hook:
+            ddp.register_comm_hook({"algorithm": algo}, collectives.ddp_comm_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 3, (8,), generator=g)
+        for _ in range(2):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def chk_detect():
+    t = Topology.detect()
+    return repr(t), t.note
+
+
+def chk_level_comms(sizes):
+    """Each level's members differ only in that level's coordinate; sub-groups are cached."""
+    topo = Topology(sizes)
+    a = topo.comms()
+    b = topo.comms()
+    assert all(x is y for x, y in zip(a, b))
+    return [(c.size, c.me) for c in a]
+
+
+# ================================================================================================
+# The tests
+# ================================================================================================
+def test_world_1(clusters):
+    c = clusters(1)
+    c.run("chk_sweep", ALGOS, [None], [0, 1, 7], OPS, DTYPES)
+    c.run("chk_layouts", "auto")
+    assert "nothing" in c.run("chk_plan", 100, None)[0]
+
+
+def test_world_2(clusters):
+    c = clusters(2)
+    c.run("chk_sweep", ALGOS, [None, [2], [1, 2]], [0, 1, 7, 1001], ["sum", "max", "avg"],
+          [torch.float32, torch.int64, torch.bfloat16])
+    c.run("chk_vs_native", ALGOS + ["native"], [None], [1, 33])
+
+
+def test_world_4_all_ops_dtypes(clusters):
+    """Every op and dtype through every algorithm, on a 2-level topology (2 x 2)."""
+    c = clusters(4)
+    c.run("chk_sweep", ALGOS + ["native"], [[2, 2]], [0, 1, 7, 1001], OPS, DTYPES, timeout=240)
+
+
+def test_world_4_vs_native_and_chunks(clusters):
+    c = clusters(4)
+    c.run("chk_vs_native", ALGOS, [[2, 2], [4]], [1, 1001])
+    # larger than a piece: the real 1 MiB pieces (a 1.2 MB message) and tiny pieces (many per step)
+    c.run("chk_sweep", ALGOS, [[2, 2]], [300_007], ["sum"], [torch.float32])
+    c.run("chk_sweep", ALGOS, [[2, 2], [4, 1]], [5000], ["sum", "max"], [torch.float32, torch.float16],
+          0, 1024)
+
+
+def test_world_4_pipelined_hierarchical(clusters):
+    c = clusters(4)
+    for n in (1, 7, 3001):
+        c.run("chk_pipelined", [2, 2], n, "sum", torch.float32)
+    c.run("chk_pipelined", [2, 2], 2000, "max", torch.int64)
+    c.run("chk_pipelined", [2, 2], 2000, "avg", torch.bfloat16)
+
+
+def test_world_4_layouts_async_errors(clusters):
+    c = clusters(4)
+    for algo in ("ring", "hierarchical", "auto"):
+        c.run("chk_layouts", algo)
+        c.run("chk_async", algo)
+    c.run("chk_errors_in_group")
+    shapes = c.run("chk_level_comms", [2, 2])
+    assert shapes == [[(2, 0), (2, 0)], [(2, 1), (2, 0)], [(2, 0), (2, 1)], [(2, 1), (2, 1)]]
+    rep, note = c.run("chk_detect")[0]
+    assert rep == "Topology([4])", (rep, note)
+    texts = c.run("chk_plan", 1 << 20, [2, 2])
+    assert len(set(texts)) == 1, "ranks disagree on the plan"
+    assert len(set(c.run("chk_same_params"))) == 1
+
+
+def test_world_4_ddp_hook(clusters):
+    c = clusters(4)
+    c.run("chk_ddp", "auto")
+    c.run("chk_ddp", "hierarchical")
+
+
+def test_world_4_tune(clusters, tmp_path):
+    c = clusters(4)
+    out = c.run("chk_tune_then_auto", [4 << 10, 256 << 10])
+    assert len({o[1] for o in out}) == 1, "ranks tuned different parameters"
+
+
+@pytest.mark.parametrize("algo", ["recursive_doubling", "ring", "hierarchical"])
+def test_size_mismatch_fails_on_every_rank(clusters, algo):
+    c = clusters(4)
+    t0 = time.monotonic()
+    res = c.run("chk_mismatch", "size" if algo != "ring" else "dtype", algo, 2, timeout=60)
+    assert time.monotonic() - t0 < 30
+    for rank, value in enumerate(res):
+        assert value[0] == "raised", f"rank {rank} did not fail: {value}"
+    c.run("chk_world_ok")  # the default group is unharmed
+
+
+FLAT_ALGOS = ["recursive_doubling", "halving_doubling", "ring"]
+
+
+@pytest.mark.parametrize("world", [3, 5, 6, 7])
+def test_non_power_of_two(clusters, world):
+    c = clusters(world)
+    dtypes = [torch.float32, torch.int32] + ([torch.float16] if world in (3, 6) else [])
+    c.run("chk_sweep", FLAT_ALGOS + ["auto"], [None], [0, 7, 1001], ["sum", "max", "avg"], dtypes)
+    c.run("chk_sweep", FLAT_ALGOS, [None], [4099], ["prod", "min"], [torch.float64, torch.uint8], 0, 2048)
+    if world == 6:
+        # 3 does not divide the sizes: uneven splits at every level
+        c.run("chk_sweep", ["hierarchical", "auto"], [[2, 3], [3, 2], [3, 2, 1]], [1, 7, 1001], ["sum", "avg"],
+              [torch.float32, torch.int64])
+        c.run("chk_ddp", "auto")
+        c.run("chk_pipelined", [2, 3], 3001, "sum", torch.float32)
+        c.run("chk_pipelined", [3, 2], 3001, "prod", torch.float64)
+    else:
+        c.run("chk_sweep", ["hierarchical"], [None], [1, 1001], ["sum"], [torch.float32])
+    c.run("chk_vs_native", FLAT_ALGOS, [None], [1001])
+
+
+def test_world_8_three_levels(clusters):
+    c = clusters(8)
+    c.run("chk_sweep", FLAT_ALGOS, [None], [0, 1, 1001], ["sum", "max"], [torch.float32, torch.int64])
+    c.run("chk_sweep", ["hierarchical", "auto"], [[2, 2, 2], [4, 2]], [7, 1001], ["sum", "max"],
+          [torch.float32, torch.int64], timeout=240)
+    c.run("chk_sweep", ["hierarchical"], [[2, 4]], [0, 1001], ["sum"], [torch.float32])
+    c.run("chk_sweep", ["hierarchical"], [[2, 2, 2]], [3001], ["avg", "prod"], [torch.bfloat16, torch.uint8], 0, 512)
+    c.run("chk_vs_native", ["hierarchical"], [[2, 2, 2]], [1001])
+    c.run("chk_pipelined", [2, 2, 2], 3001, "sum", torch.float32)
+
+
+# ================================================================================================
+# Without process groups
+# ================================================================================================
+def test_argument_errors():
+    x = torch.ones(3)
+    with pytest.raises(TypeError, match="collectives.all_reduce: tensor dtype"):
+        collectives.all_reduce(torch.ones(3, dtype=torch.bool))
+    with pytest.raises(TypeError, match="collectives.all_reduce: tensor must be"):
+        collectives.all_reduce([1.0, 2.0])
+    with pytest.raises(ValueError, match="collectives.all_reduce: op"):
+        collectives.all_reduce(x, "xor")
+    with pytest.raises(ValueError, match="collectives.all_reduce: op"):
+        collectives.all_reduce(x, dist.ReduceOp.BAND)
+    with pytest.raises(ValueError, match="collectives.all_reduce: algorithm"):
+        collectives.all_reduce(x, algorithm="tree")
+    with pytest.raises(TypeError, match="collectives.all_reduce: async_op"):
+        collectives.all_reduce(x, async_op="yes")
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="collectives.all_reduce: torch.distributed is not initialized"):
+            collectives.all_reduce(x)
+    with pytest.raises(ValueError, match="collectives.plan: numel"):
+        collectives.plan(-1, torch.float32)
+    with pytest.raises(TypeError, match="collectives.plan: dtype"):
+        collectives.plan(10, torch.bool)
+    assert torch.equal(x, torch.ones(3))
+
+
+def test_topology_validation_and_placement():
+    with pytest.raises(TypeError, match="collectives.Topology"):
+        Topology(4)
+    with pytest.raises(ValueError, match="collectives.Topology"):
+        Topology([2, 0])
+    with pytest.raises(TypeError, match="collectives.Topology"):
+        Topology([2.0, 2])
+    with pytest.raises(ValueError, match="permutation"):
+        Topology([2, 2], ranks=[0, 1, 2, 2])
+    t = Topology([2, 4, 8])
+    assert t.world == 64 and t.members(0, 0) == [0, 1] and t.members(5, 1) == [1, 3, 5, 7]
+    assert t.members(5, 2) == [5 + 8 * j for j in range(8)] and t.coords(13) == [1, 2, 1]
+    # hostnames: two hosts, interleaved ranks
+    tp = Topology.from_placement([("a", 0), ("b", 0), ("a", 0), ("b", 0)])
+    assert tp.sizes == (2, 2) and tp.ranks == (0, 2, 1, 3)
+    # torchrun on one host with LOCAL_WORLD_SIZE=2
+    tp = Topology.from_placement([("h", 2)] * 6)
+    assert tp.sizes == (2, 3) and tp.ranks == tuple(range(6))
+    # uneven hosts (3 + 2): flat, with a note
+    tp = Topology.from_placement([("a", 0)] * 3 + [("b", 0)] * 2)
+    assert tp.sizes == (5,) and "different numbers" in tp.note
+    assert Topology([1, 4, 1]).effective().sizes == (4,)
+    # a DeviceMesh (outermost dimension first): 2 nodes x 3 GPUs, ranks laid out node-major
+    class Mesh:
+        mesh = torch.arange(6).reshape(2, 3)
+    tm = Topology.from_device_mesh(Mesh())
+    assert tm.sizes == (3, 2) and tm.members(0, 0) == [0, 1, 2] and tm.members(0, 1) == [0, 3]
+    with pytest.raises(TypeError, match="from_device_mesh"):
+        Topology.from_device_mesh("mesh")
+
+
+def test_cost_model_choices():
+    from collectives.all_reduce import Params, _choose, _candidates
+
+    p = Params([(5e-6, 1 / 10e9), (50e-6, 1 / 0.0125e9)], (50e-6, 1 / 0.0125e9), (200e-6, 1 / 0.01e9), 1 / 5e9)
+    # small messages: latency-bound -> recursive doubling; large: bandwidth -> hierarchical over a slow link
+    small, _ = _choose(p, 4, (2, 2), 64, True)
+    large, _ = _choose(p, 4, (2, 2), 64 << 20, True)
+    # small: latency-bound, so one round per level (direct inside, recursive doubling outside)
+    assert small == {"algorithm": "hierarchical", "inner": ["direct"], "outer": "recursive_doubling"}, small
+    assert large["algorithm"] == "hierarchical", large
+    # one level: recursive doubling for small messages, halving-doubling for large ones (MPICH)
+    q = Params([(50e-6, 1 / 1e9)], (50e-6, 1 / 1e9), (1.0, 1.0), 1 / 5e9)
+    assert _choose(q, 8, (8,), 64, False)[0]["algorithm"] == "recursive_doubling"
+    assert _choose(q, 8, (8,), 64 << 20, False)[0]["algorithm"] == "halving_doubling"
+    assert _choose(q, 6, (6,), 64 << 20, False)[0]["algorithm"] == "ring"  # the fold costs 2 full copies
+    c = _candidates(p, 4, (2, 2), 64 << 20, True)
+    # the link-traffic model: hierarchical moves ~1.5x fewer inter-node bytes than a flat ring
+    assert c["ring"][1] / c["hierarchical"][1] > 1.3
+    # a measured table overrides the model near its sizes, not far away
+    p.table = [(1 << 20, {"algorithm": "native"})]
+    assert _choose(p, 4, (2, 2), 1 << 20, True)[0]["algorithm"] == "native"
+    assert _choose(p, 4, (2, 2), 64 << 20, True)[0]["algorithm"] == "hierarchical"
+
+
+# ================================================================================================
+# GPU (skipped without CUDA): NCCL with one GPU per rank, and gloo staging CUDA tensors on one GPU
+# ================================================================================================
+@pytest.mark.gpu
+def test_cuda_tensors_over_gloo():
+    c = Cluster(2)
+    try:
+        c.run("chk_sweep", ALGOS, [None], [0, 7, 1001], ["sum", "avg", "max"], [torch.float32, torch.bfloat16],
+              0, None, "cuda")
+    finally:
+        c.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL all-reduce needs at least 2 GPUs")
+def test_nccl():
+    world = min(torch.cuda.device_count(), 4)
+    c = Cluster(world, backend="nccl")
+    try:
+        c.run("chk_sweep", ALGOS + ["native"], [None, [2, world // 2] if world % 2 == 0 else None],
+              [0, 7, 1001, 300_007], ["sum", "avg", "max", "prod"], [torch.float32, torch.float16, torch.int64],
+              0, None, "cuda", timeout=300)
+    finally:
+        c.close()

@@ -1,0 +1,109 @@
+"""GPU hash tables (csrc/hash/hash.cu) against the same oracles as the CPU tests, and against the CPU
+tables on the same layout (a table copied between devices must answer the same). Marked gpu: they
+skip without a CUDA device; the no-driver error path is checked here on every machine."""
+import collections
+
+import pytest
+import torch
+
+import pykernels
+from pykernels import BloomFilter, CountingTable, HashMap, HashSet, MultiValueHashMap, TableFullError
+
+WINDOWS = [1, 2, 4, 8, 16, 32]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error path")
+def test_cuda_tables_fail_cleanly_without_a_gpu():
+    with pytest.raises(RuntimeError, match="HashMap"):
+        HashMap(10, device="cuda")
+    with pytest.raises(RuntimeError, match="BloomFilter"):
+        BloomFilter(1000, 3, device="cuda")
+    mod = pytest.importorskip("pykernels._cuda_hash", reason="built without nvcc")
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        mod.find(0, 0, 3, 8, 0, 8, 8, 0, 1, 0, 0, 0, 1, 1, 0)
+
+
+def _keys(n, seed, dtype=torch.int64):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randint(-(1 << 62), 1 << 62, (n,), generator=g)
+    if dtype.itemsize == 4:
+        k = k.to(torch.int32)
+    return k.view(dtype) if dtype in (torch.uint32, torch.uint64) else k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("key_dtype,value_dtype", [(torch.int64, torch.int64), (torch.uint32, torch.float32),
+                                                   (torch.int32, torch.int64), (torch.uint64, torch.int16)])
+def test_gpu_hashmap_matches_cpu_and_dict(window, key_dtype, value_dtype):
+    n = 50000
+    keys = torch.cat([_keys(n, window, key_dtype), _keys(n // 4, window, key_dtype)])  # duplicates
+    adv = torch.tensor([0, -1, -2, 1], dtype=torch.int64).to(torch.int32 if key_dtype.itemsize == 4 else torch.int64)
+    keys = torch.cat([keys, adv.view(key_dtype)])
+    vals = torch.randint(-100, 100, (keys.numel(),)).to(value_dtype)
+    g = HashMap(1000, key_dtype=key_dtype, value_dtype=value_dtype, device="cuda", window=window)
+    c = HashMap(1000, key_dtype=key_dtype, value_dtype=value_dtype)
+    new_g = g.insert(keys.cuda(), vals.cuda())
+    new_c = c.insert(keys, vals)
+    assert int(new_g.sum()) == int(new_c.sum()) == len(g) == len(c)
+    vg, fg = g.find(keys.cuda())
+    assert bool(fg.all())
+    # duplicates: the kept value is one of the inserted ones
+    bits = keys.view(torch.int32 if key_dtype.itemsize == 4 else torch.int64).tolist()
+    allowed = collections.defaultdict(set)
+    for k, v in zip(bits, vals.tolist()):
+        allowed[k].add(v)
+    assert all(v in allowed[k] for k, v in zip(bits, vg.cpu().tolist()))
+    er = keys[::3]
+    assert torch.equal(g.erase(er.cuda()).cpu().sum(), c.erase(er).sum())
+    q = torch.cat([keys, _keys(1000, 99, key_dtype)])
+    assert torch.equal(g.contains(q.cuda()).cpu(), c.contains(q))
+    gk, gv = g.items()
+    ck, cv = c.items()
+    assert sorted(gk.cpu().view(torch.int32 if key_dtype.itemsize == 4 else torch.int64).tolist()) == \
+        sorted(ck.view(torch.int32 if key_dtype.itemsize == 4 else torch.int64).tolist())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("load", [0.5, 0.9, 0.95, 0.99])
+def test_gpu_high_load_and_table_full(load):
+    t = HashMap(1 << 16, device="cuda", growable=False, max_load_factor=0.99)
+    n = int(load * t.capacity)
+    keys = torch.randperm(1 << 30, device="cuda")[:n]
+    assert bool(t.insert(keys, keys).all())
+    v, f = t.find(keys)
+    assert bool(f.all()) and torch.equal(v, keys)
+    more = torch.arange(t.capacity, device="cuda") + (1 << 40)
+    with pytest.raises(TableFullError) as ei:
+        t.insert(more, more)
+    assert ei.value.not_inserted == more.numel() - (int(0.99 * t.capacity) - n)
+    assert bool(t.contains(keys).all())
+
+
+@pytest.mark.gpu
+def test_gpu_growth_set_counting_multi_bloom():
+    keys = torch.randint(0, 5000, (200000,), device="cuda")
+    m = HashMap(8, device="cuda")
+    m.insert(keys, keys * 2)
+    assert len(m) == len(set(keys.tolist()))
+    v, f = m.find(keys)
+    assert bool(f.all()) and torch.equal(v, keys * 2)
+    s = HashSet(8, device="cuda")
+    assert int(s.insert(keys).sum()) == len(m)
+    c = CountingTable(8, device="cuda")
+    c.add(keys)
+    u, cnt = torch.unique(keys, return_counts=True)
+    assert torch.equal(c.counts(u), cnt)
+    mv = MultiValueHashMap(8, torch.int64, torch.int64, "cuda")
+    mv.insert(keys, torch.arange(keys.numel(), device="cuda"))
+    off, vals = mv.find(u)
+    assert torch.equal(off[1:] - off[:-1], cnt)
+    assert torch.equal(torch.sort(vals).values, torch.arange(keys.numel(), device="cuda"))
+    b = BloomFilter(1 << 20, 7, device="cuda")
+    b.add(keys)
+    assert bool(b.contains(keys).all())
+    # the same filter on the CPU answers the same
+    bc = BloomFilter(1 << 20, 7)
+    bc.add(keys.cpu())
+    probe = torch.randint(-(1 << 62), 1 << 62, (100000,))
+    assert torch.equal(b.contains(probe.cuda()).cpu(), bc.contains(probe))

@@ -1,0 +1,112 @@
+"""Triton kernels of qmatmul under TRITON_INTERPRET=1 (small shapes), against the same float64 oracle as
+the CPU kernels; GPU-marked tests run the Triton backend on CUDA tensors."""
+import pytest
+import torch
+
+import pykernels
+from pykernels.quant import _format as F
+
+pytest.importorskip("triton")
+
+
+def oracle(x, qw, bias=None):
+    y = x.to(torch.float64) @ qw.dequantize(torch.float64).T
+    return y if bias is None else y + bias.to(torch.float64)
+
+
+def assert_close(y, x, qw, bias=None):
+    ref = oracle(x, qw, bias).cpu()
+    W = qw.dequantize(torch.float64).cpu()
+    x2 = x.reshape(-1, x.shape[-1]).double().cpu()
+    # fp16/bf16 tl.dot rounds the dequantized weights to the activation dtype
+    eps = {torch.float32: 1e-6, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}[x.dtype]
+    bound = eps * (x2.abs() @ W.abs().T).reshape(ref.shape) + 2 * eps * ref.abs() + 1e-6
+    err = (y.double().cpu() - ref).abs()
+    assert y.dtype == x.dtype and bool((err <= bound).all()), err.max()
+
+
+CASES = [  # N, K, bits, group, scheme, M, dtype
+    (37, 200, 4, 32, "asym", 5, torch.float32),
+    (9, 100, 6, -1, "bipolar", 3, torch.float16),
+    (20, 256, 2, 64, "sym", 1, torch.bfloat16),
+    (13, 130, 8, 128, "asym", 17, torch.float32),
+    (64, 512, 4, 128, "asym", 1, torch.float16),   # splits K (M small)
+    (5, 33, 1, -1, "bipolar", 2, torch.float32),
+]
+
+
+@pytest.mark.parametrize("N,K,bits,group_size,scheme,M,dtype", CASES)
+def test_triton_weight_only(triton_interpret, N, K, bits, group_size, scheme, M, dtype):
+    g = torch.Generator().manual_seed(N + K)
+    qw = pykernels.quantize(torch.randn(N, K, generator=g), bits, group_size, scheme)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    bias = torch.randn(N, generator=g)
+    assert_close(pykernels.qmatmul(x, qw, bias, backend="triton"), x, qw, bias)
+    assert_close(pykernels.qmatmul(x, qw, backend="triton"), x, qw)
+
+
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_triton_split_k_configs(triton_interpret, split):
+    from pykernels.quant._ops import _impl
+
+    qw = pykernels.quantize(torch.randn(24, 320), 4, 64, "asym")
+    x = torch.randn(4, 320)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": split}
+    y = _impl(x, qw.packed, qw.scales, qw.offsets, None, None, None, 24, 320, 4, 64, 0, "triton", config=cfg)
+    assert_close(y, x, qw)
+
+
+@pytest.mark.parametrize("p,q,group_size,K", [(1, 1, 32, 100), (2, 2, 64, 256), (3, 4, -1, 150), (8, 8, 128, 200)])
+def test_triton_bitserial_matches_cpu(triton_interpret, p, q, group_size, K):
+    N, M = 11, 3
+    qw = pykernels.quantize(torch.randn(N, K), q, group_size, "bipolar")
+    x = torch.randn(M, K)
+    bias = torch.randn(N)
+    yt = pykernels.qmatmul(x, qw, bias, act_bits=p, backend="triton")
+    yc = pykernels.qmatmul(x, qw, bias, act_bits=p, backend="cpu")
+    # same integer sums and the same recombination; the Triton kernel recombines in fp32, the CPU in fp64
+    scale = x.abs().amax(1, keepdim=True) * qw.dequantize().abs().sum(1)[None]
+    assert ((yt - yc).abs() <= 1e-5 * scale + 1e-5).all()
+
+
+def test_triton_act_planes_match_cpu_codes(triton_interpret):
+    from pykernels.quant._ops import cpu_bitserial
+    from pykernels.quant._triton import _act_planes
+
+    K, p = 200, 3
+    x = torch.randn(4, K)
+    planes, usum, sa, ma = _act_planes(x, p, 64)
+    qw = pykernels.quantize(torch.randn(4, K), 2, 64, "bipolar")
+    ua = torch.zeros(4, K, dtype=torch.uint8)
+    I = torch.zeros(4, 4, F.group_geometry(K, 64)[1], dtype=torch.int64)
+    cpu_bitserial(x, qw.planes, qw.scales, qw.offsets, qw.code_sums, None, 4, K, 2, 64, p, {"mode": 0},
+                  int_out=I, act_codes=ua)
+    assert torch.equal(usum, F.code_sums(ua, 64))
+    # unpack the Triton planes and compare with the CPU codes bit by bit
+    gsize, G, gw = F.plane_geometry(K, 64)
+    words = planes.view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # [M, G, p, 2gw]
+    bits = ((words[..., None] >> torch.arange(32)) & 1).reshape(4, G, p, gw * 64)[..., :gsize]
+    codes = sum(bits[:, :, i] << i for i in range(p)).reshape(4, G * gsize)[:, :K]
+    assert torch.equal(codes, ua.to(torch.int64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("M", [1, 16, 64, 200])
+def test_triton_on_gpu(dtype, M):
+    N, K = 1000, 1024
+    qw = pykernels.quantize(torch.randn(N, K), 4, 128, "asym").to("cuda")
+    x = torch.randn(M, K, device="cuda", dtype=dtype)
+    bias = torch.randn(N, device="cuda")
+    assert_close(pykernels.qmatmul(x, qw, bias), x, qw, bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits", [1, 2, 3])
+def test_triton_bitserial_on_gpu(bits):
+    qw = pykernels.quantize(torch.randn(300, 512), bits, 128, "bipolar")
+    x = torch.randn(7, 512)
+    yc = pykernels.qmatmul(x, qw, act_bits=bits, backend="cpu")
+    yg = pykernels.qmatmul(x.cuda(), qw.to("cuda"), act_bits=bits).cpu()
+    scale = x.abs().amax(1, keepdim=True) * qw.dequantize().abs().sum(1)[None]
+    assert ((yg - yc).abs() <= 1e-5 * scale + 1e-5).all()
