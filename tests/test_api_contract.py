@@ -257,10 +257,7 @@ def test_public_signature(path):
     assert not probs, f"{path}{inspect.signature(obj)} deviates from API.md {API_SIGNATURES[path]}: {probs}"
 
 
-NAME_DEVIATIONS = {
-    "pykernels.hashing.device": "pykernels.hashing.device (numba.cuda device functions, API.md 'Hash tables') "
-                                "does not exist on main",
-}
+NAME_DEVIATIONS = {}
 
 
 @pytest.mark.parametrize("path", [
@@ -479,11 +476,7 @@ def test_backend_checked_on_early_exits(name, backend, monkeypatch):
         _backend._triton_status.cache_clear()
 
 
-NON_STR_BACKEND_DEVIATIONS = {
-    "qmatmul": "pykernels.qmatmul passes a non-str backend straight to torch.ops.pykernels.qmatmul, whose schema "
-               "check raises RuntimeError 'pykernels::qmatmul() Expected a value of type str' (no "
-               "'pykernels.qmatmul:' prefix, not TypeError/ValueError) (quant/__init__.py qmatmul)",
-}
+NON_STR_BACKEND_DEVIATIONS = {}
 
 
 @pytest.mark.parametrize("name", [
@@ -498,15 +491,7 @@ def test_non_str_backend_is_a_clear_error(name):
         run(*make(), backend=3)
 
 
-TRITON_DEVIATIONS = {
-    "qmatmul": "backend='triton' (and 'auto' on CUDA tensors, whose first preference is triton) imports "
-               "pykernels.quant._triton, which does not exist on main: ImportError instead of a result or a "
-               "RuntimeError naming the op (quant/_ops.py _impl, supported=('cpu', 'triton'))",
-    "qmatmul_act_bits": "as qmatmul: pykernels.quant._triton does not exist (quant/_ops.py _impl)",
-    "flash_attention": "backend='triton' (and 'auto' on CUDA tensors) imports pykernels.attention._triton, which "
-                       "does not exist on main: ImportError instead of a result or a RuntimeError naming the op "
-                       "(attention/__init__.py _forward_impl, SUPPORTED = ('cpu', 'triton'))",
-}
+TRITON_DEVIATIONS = {}
 
 
 @pytest.mark.parametrize("name", [
@@ -799,10 +784,6 @@ ERROR_DEVIATIONS = {
     "HashMap.find-default-range": "HashMap.find(default=2**70) raises torch's bare 'Overflow when unpacking long "
                                   "long' without the 'pykernels.HashMap.find:' prefix (hashing/_layout.py "
                                   "scalar_bits catches TypeError/RuntimeError/OverflowError, not ValueError)",
-    "HashSet-capacity-too-large": "the capacity check names 'pykernels.HashMap' for every table class "
-                                  "(hashing/_layout.py windows_for hard-codes the op name)",
-    "CountingTable-capacity-too-large": "the capacity check names 'pykernels.HashMap' for every table class "
-                                        "(hashing/_layout.py windows_for hard-codes the op name)",
 }
 
 
@@ -1025,9 +1006,6 @@ def test_sort_values_are_differentiable_like_torch_sort():
     _assert_same(x.grad, ref.grad, "sort gradient")
 
 
-@pytest.mark.xfail(strict=True, reason="QuantLinear/qmatmul has no autograd formula for x: a QuantLinear inside a "
-                                       "model whose other layers train (e.g. LoRA) fails in backward, unlike the "
-                                       "nn.Linear it replaces (quant/_ops.py: _qmatmul_custom lacks register_autograd)")
 def test_quant_linear_passes_gradients_to_its_input():
     lin = torch.nn.Linear(64, 8)
     ql = pykernels.QuantLinear.from_linear(lin, bits=8, group_size=32)
