@@ -1,5 +1,8 @@
 // A small persistent thread pool for the CPU kernels.
 //
+// Each _cpu_<family> module holds its own pool (header-only, hidden visibility); idle workers sleep
+// on a condition variable, so extra pools cost memory for their stacks, not CPU time.
+//
 // Why not OpenMP: torch ships its own OpenMP runtime (libgomp/libiomp) and two OpenMP runtimes in one
 // process fight over cores. Python passes `num_threads` (default torch.get_num_threads()), so our
 // kernels never use more threads than torch was told to, and the caller releases the GIL around us.

@@ -77,6 +77,7 @@ _REGISTRY: dict[tuple[str, str], Tunable] = {}
 
 def register(tunable: Tunable) -> Tunable:
     _REGISTRY[(tunable.op, tunable.backend)] = tunable
+    _CONFIG_MEMO.clear()
     return tunable
 
 
@@ -102,8 +103,8 @@ def bucket(n: int) -> int:
 # ----------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)  # read once: every op's dispatch asks for the device id
 def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in open("/proc/cpuinfo"):
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as fh:
+        for line in fh:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
@@ -211,6 +212,7 @@ def clear_memory_cache():
     """Forget what was loaded (the next lookup re-reads the files)."""
     with _LOCK:
         _MEMORY.clear()
+        _CONFIG_MEMO.clear()
 
 
 def _entry_key(op: str, backend: str, key: dict) -> str:
@@ -241,6 +243,7 @@ def _store(device, ekey: str, entry: dict) -> Path:
             json.dump(payload, fh, indent=1, sort_keys=True)
         os.replace(tmp, path)
         _entries(device)[ekey] = entry
+        _CONFIG_MEMO.clear()
     return path
 
 
@@ -263,13 +266,32 @@ def lookup(op: str, key: dict, device, backend: Optional[str] = None) -> Optiona
     return min(found, key=lambda e: e.get("time_s", math.inf)) if found else None
 
 
+_CONFIG_MEMO: dict = {}  # (op, backend, frozen key, device id, enabled) -> config; cleared on every store
+
+
+def _freeze(value):
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
+
+
 def config_for(op: str, backend: str, key: dict, device) -> dict:
-    """The config to run: tuned (cache) when there is one for this key, else the op's heuristic."""
-    entry = lookup(op, key, device, backend)
-    if entry is not None:
-        return dict(entry["config"])
-    tunable = _REGISTRY.get((op, backend))
-    return dict(tunable.default(key)) if tunable is not None else {}
+    """The config to run: tuned (cache) when there is one for this key, else the op's heuristic.
+    Memoized per (op, backend, key, device): this sits on every op's call path."""
+    memo_key = (op, backend, _freeze(key), device_id(device), _enabled())
+    config = _CONFIG_MEMO.get(memo_key)
+    if config is None:
+        entry = lookup(op, key, device, backend)
+        if entry is not None:
+            config = dict(entry["config"])
+        else:
+            tunable = _REGISTRY.get((op, backend))
+            config = dict(tunable.default(key)) if tunable is not None else {}
+        with _LOCK:
+            _CONFIG_MEMO[memo_key] = config
+    return dict(config)
 
 
 # ----------------------------------------------------------------------------------------------
