@@ -112,6 +112,22 @@ def test_quantlinear_matches_qmatmul_and_dtypes(lm):
         QuantLinear.from_linear(nn.Conv1d(3, 3, 1))
 
 
+def test_quantlinear_forward_checks_x_like_qmatmul():
+    """QuantLinear.forward runs qmatmul's checks: a dtype is a TypeError, a width a ValueError, both
+    with the op's prefix (not torch's bare reshape error or the native kernel's ValueError)."""
+    layer = QuantLinear.from_linear(nn.Linear(64, 8), bits=4, group_size=32)
+    for x in (torch.zeros(2, 64, dtype=torch.int32), torch.zeros(3, 64, dtype=torch.float64),
+              torch.zeros(2, 64, dtype=torch.bool)):
+        with pytest.raises(TypeError, match=r"^pykernels\.qmatmul: .*'x'.*QuantLinear"):
+            layer(x)
+    for x in (torch.zeros(2, 63), torch.zeros(64, 2), torch.zeros(())):
+        with pytest.raises(ValueError, match=r"^pykernels\.qmatmul: expected 'x' of shape \[\.\.\., 64\]"):
+            layer(x)
+    with pytest.raises(ValueError, match=r"^pykernels\.qmatmul: expected 'x' of shape"):
+        pykernels.qmatmul(torch.zeros(2, 63), layer.qweight)
+    assert layer(torch.zeros(0, 64)).shape == (0, 8)
+
+
 def test_quantlinear_act_bits(lm):
     lin = lm.blocks[0].mlp[0]
     layer = QuantLinear.from_linear(lin, bits=2, group_size=32, scheme="bipolar", act_bits=8)

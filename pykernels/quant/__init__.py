@@ -156,6 +156,18 @@ def _check_act_bits(act_bits):
     return act_bits
 
 
+def _check_x(x: torch.Tensor, N: int, K: int, where: str = "") -> None:
+    """The checks qmatmul and QuantLinear.forward share (the native kernels and x.reshape would
+    otherwise raise torch's bare errors, or ValueError for a dtype). `where` names the caller in the
+    message; the prefix stays "pykernels.qmatmul:", the op that runs."""
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"pykernels.qmatmul: expected 'x' of dtype float32, bfloat16 or float16{where}, got "
+                        f"{str(x.dtype).replace('torch.', '')}")
+    if x.dim() < 1 or x.shape[-1] != K:
+        raise ValueError(f"pykernels.qmatmul: expected 'x' of shape [..., {K}] for a weight of shape "
+                         f"{(N, K)}{where}, got {tuple(x.shape)}")
+
+
 def qmatmul(x, qw: QuantizedWeight, bias=None, *, act_bits: Optional[int] = None, backend: str = "auto"):
     """y = x @ W.T (+ bias) with W the quantized weight [N, K]; x [..., K] float32/bfloat16/float16,
     y [..., N] of x's dtype. act_bits in 1..8 also quantizes x per token (bipolar-INT) and runs the
@@ -164,13 +176,8 @@ def qmatmul(x, qw: QuantizedWeight, bias=None, *, act_bits: Optional[int] = None
     if not isinstance(qw, QuantizedWeight):
         raise TypeError(f"pykernels.qmatmul: expected a pykernels.QuantizedWeight for 'qw' "
                         f"(from pykernels.quantize), got {type(qw).__name__}")
-    if x.dtype not in _FLOATS:
-        raise TypeError(f"pykernels.qmatmul: expected 'x' of dtype float32, bfloat16 or float16, got "
-                        f"{str(x.dtype).replace('torch.', '')}")
     N, K = qw.shape
-    if x.dim() < 1 or x.shape[-1] != K:
-        raise ValueError(f"pykernels.qmatmul: expected 'x' of shape [..., {K}] for a weight of shape "
-                         f"{tuple(qw.shape)}, got {tuple(x.shape)}")
+    _check_x(x, N, K)
     ab = _check_act_bits(act_bits)
     if bias is not None:
         bias = as_tensor(bias, "qmatmul", "bias")
@@ -256,6 +263,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x):
         N, K = self.out_features, self.in_features
+        x = as_tensor(x, "qmatmul", "x")
+        _check_x(x, N, K, " (in pykernels.QuantLinear.forward)")
         # A float32 activation through a bf16 model (or the reverse) runs in the activation's dtype.
         return qmatmul_op(x, self.packed, self.scales, self.offsets, self.planes if self.act_bits else None,
                           self.code_sums if self.act_bits else None, self.bias, N, K, self.bits,
