@@ -349,6 +349,19 @@ def test_qmatmul_configs_agree(impl, m_block, n_block):
     check_close(y, x, qw, rel=4e-5 if impl == "native" else 1e-6)
 
 
+@pytest.mark.parametrize("M,N,K", [(1, 64, 64), (1, 256, 256), (3, 260, 96), (2, 1030, 64)])
+@pytest.mark.parametrize("impl", ["native", "dequant_mm"])
+def test_qmatmul_thread_counts_agree(M, N, K, impl):
+    """Around the work thresholds that cap the threads (one per ~2^16 multiply-adds, so a 64x64 GEMV
+    runs on one): 1, 2 and 7 requested threads give the same bits (every tile is computed alone)."""
+    qw = pykernels.quantize(torch.randn(N, K), 4, 32, "asym")
+    x = torch.randn(M, K)
+    ys = [_impl(x, qw.packed, qw.scales, qw.offsets, None, None, None, N, K, 4, 32, 0, "cpu",
+                config={"impl": impl, "threads": t, "m_block": 16, "n_block": 1}) for t in (1, 2, 7)]
+    assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2])
+    check_close(ys[0], x, qw, rel=4e-5 if impl == "native" else 1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_qmatmul_dequant_mm_path(dtype, simd):
     """The compute-bound route (dequantize chunks + torch GEMM, default for bf16 at M >= 32)."""
