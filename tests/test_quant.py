@@ -157,6 +157,20 @@ def test_quantized_weight_serialization(tmp_path):
         buf.seek(0)
         again = torch.load(buf, weights_only=False)
         assert torch.equal(again.dequantize(), qw.dequantize())
+        # the default torch.load (weights_only=True): QuantizedWeight is a registered safe global
+        for obj in (qw, qw.to(torch.bfloat16), {"layer.qw": qw, "n": 3}):
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            buf.seek(0)
+            got = torch.load(buf)
+            got = got["layer.qw"] if isinstance(got, dict) else got
+            want = obj["layer.qw"] if isinstance(obj, dict) else obj
+            assert isinstance(got, pykernels.QuantizedWeight) and got.dtype == want.dtype
+            assert (got.shape, got.bits, got.group_size, got.scheme) == (qw.shape, bits, 32, scheme)
+            assert (got.planes is None) == (qw.planes is None)
+            for name in ("packed", "scales", "offsets", "code_sums"):
+                assert torch.equal(getattr(got, name), getattr(qw, name)), name
+            assert torch.equal(pykernels.qmatmul(torch.ones(2, 96), got), pykernels.qmatmul(torch.ones(2, 96), qw))
         moved = qw.to("cpu")
         assert moved.device.type == "cpu" and torch.equal(moved.packed, qw.packed)
         assert qw.to(torch.bfloat16).dequantize().dtype == torch.bfloat16

@@ -34,6 +34,11 @@ class QuantizedWeight:
     zeros (asym: integer zero points; bipolar: the centre z of W = (s/2) W' + z; sym: None),
     packed (uint8 tile layout), planes (int64 bit planes for act_bits, made at quantize time for the
     bipolar scheme, on first use otherwise), code_sums int32 [N, G].
+
+    Saving: torch.save(qw, f) loads back with torch.load(f) and its default weights_only=True, since
+    importing pykernels registers this class with torch.serialization.add_safe_globals (its state is
+    tensors, ints, str, torch.Size and torch.dtype, which weights_only already allows). Without
+    importing pykernels first, save qw.state_dict() and rebuild with QuantizedWeight.from_state_dict.
     """
 
     def __init__(self, *, shape, bits: int, group_size: int, scheme: str, packed: torch.Tensor,
@@ -114,6 +119,10 @@ class QuantizedWeight:
                    planes=sd.get("planes"), dtype=getattr(torch, sd.get("dtype", "float32")))
 
     load_state_dict = from_state_dict
+
+
+# torch.load's weights_only unpickler (the default since torch 2.6) rebuilds only allow-listed classes.
+torch.serialization.add_safe_globals([QuantizedWeight])
 
 
 def _check_format(op: str, bits, group_size, scheme):
