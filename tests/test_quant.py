@@ -363,6 +363,29 @@ def test_qmatmul_configs_agree(impl, m_block, n_block):
     check_close(y, x, qw, rel=4e-5 if impl == "native" else 1e-6)
 
 
+def test_qmatmul_documented_accuracy_and_exact_route():
+    """qmatmul's docstring: the native fp32 path rounds x to int16 per 32-block (each x_k within 2^-16
+    of its block's max|x|, ~1e-5 of max|y|); the dequantize route is the fp32 product itself."""
+    g = torch.Generator().manual_seed(5)
+    N, K = 48, 256
+    qw = pykernels.quantize(torch.randn(N, K, generator=g), 4, 32)
+    x = torch.randn(7, K, generator=g) * torch.logspace(-3, 2, K)  # blocks of very different scales
+    b = torch.randn(N, generator=g)
+    W = qw.dequantize(torch.float32)
+    exact = torch.nn.functional.linear(x, W, b)
+    ref = x.double() @ W.double().T + b.double()
+    assert (exact.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+    y = _impl(x, qw.packed, qw.scales, qw.offsets, None, None, b, N, K, 4, 32, 0, "cpu",
+              config={"impl": "native", "threads": 1, "m_block": 16, "n_block": 8})
+    blockmax = x.abs().reshape(7, K // 32, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(7, K)
+    bound = (blockmax.double() * 2.0 ** -16) @ W.double().abs().T + 1e-6 * ref.abs().max()
+    assert ((y.double() - ref).abs() <= bound).all()
+    assert (y.double() - ref).abs().max() <= 1e-4 * ref.abs().max()
+    dq = _impl(x, qw.packed, qw.scales, qw.offsets, None, None, b, N, K, 4, 32, 0, "cpu",
+               config={"impl": "dequant_mm", "threads": 1, "m_block": 16, "n_block": 8})
+    assert torch.allclose(dq, exact, rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
+
+
 @pytest.mark.parametrize("M,N,K", [(1, 64, 64), (1, 256, 256), (3, 260, 96), (2, 1030, 64)])
 @pytest.mark.parametrize("impl", ["native", "dequant_mm"])
 def test_qmatmul_thread_counts_agree(M, N, K, impl):

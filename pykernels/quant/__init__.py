@@ -190,7 +190,15 @@ def _check_x(x: torch.Tensor, N: int, K: int, where: str = "") -> None:
 def qmatmul(x, qw: QuantizedWeight, bias=None, *, act_bits: Optional[int] = None, backend: str = "auto"):
     """y = x @ W.T (+ bias) with W the quantized weight [N, K]; x [..., K] float32/bfloat16/float16,
     y [..., N] of x's dtype. act_bits in 1..8 also quantizes x per token (bipolar-INT) and runs the
-    bit-serial product (p x q one-bit GEMMs)."""
+    bit-serial product (p x q one-bit GEMMs).
+
+    Accuracy of the weight-only CPU path: the native kernel (config impl "native", the default except
+    for bf16 activations from M=64 on) rounds the activations to int16 per 32-element block (scale =
+    the block's max|x| / 32767) to run integer dot products: each x_k moves by at most 2^-16 of its
+    block's max|x|, so y differs from the fp32 product with the dequantized weight by about 2-4e-5
+    of max|y| on typical data. The weights themselves are used exactly. For an exact fp32 result
+    use the dequantize route, torch.nn.functional.linear(x, qw.dequantize(torch.float32), bias)
+    (what the "dequant_mm" config does chunk by chunk, with the same weights)."""
     x = as_tensor(x, "qmatmul", "x")
     if not isinstance(qw, QuantizedWeight):
         raise TypeError(f"pykernels.qmatmul: expected a pykernels.QuantizedWeight for 'qw' "
