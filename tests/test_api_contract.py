@@ -777,11 +777,6 @@ ERRORS = [
 ]
 
 ERROR_DEVIATIONS = {
-    "QuantLinear-K": "QuantLinear.forward calls qmatmul_op directly, skipping qmatmul's checks: an x of the wrong "
-                     "width fails in x.reshape with torch's bare RuntimeError (quant/__init__.py QuantLinear.forward)",
-    "QuantLinear-dtype": "QuantLinear.forward skips qmatmul's checks: an int x reaches the native kernel, which raises "
-                         "ValueError, not TypeError (quant/__init__.py QuantLinear.forward; pk_common.h has no "
-                         "TypeError helper)",
     "HashMap.find-default-range": "HashMap.find(default=2**70) raises torch's bare 'Overflow when unpacking long "
                                   "long' without the 'pykernels.HashMap.find:' prefix (hashing/_layout.py "
                                   "scalar_bits catches TypeError/RuntimeError/OverflowError, not ValueError)",

@@ -157,6 +157,20 @@ def test_quantized_weight_serialization(tmp_path):
         buf.seek(0)
         again = torch.load(buf, weights_only=False)
         assert torch.equal(again.dequantize(), qw.dequantize())
+        # the default torch.load (weights_only=True): QuantizedWeight is a registered safe global
+        for obj in (qw, qw.to(torch.bfloat16), {"layer.qw": qw, "n": 3}):
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            buf.seek(0)
+            got = torch.load(buf)
+            got = got["layer.qw"] if isinstance(got, dict) else got
+            want = obj["layer.qw"] if isinstance(obj, dict) else obj
+            assert isinstance(got, pykernels.QuantizedWeight) and got.dtype == want.dtype
+            assert (got.shape, got.bits, got.group_size, got.scheme) == (qw.shape, bits, 32, scheme)
+            assert (got.planes is None) == (qw.planes is None)
+            for name in ("packed", "scales", "offsets", "code_sums"):
+                assert torch.equal(getattr(got, name), getattr(qw, name)), name
+            assert torch.equal(pykernels.qmatmul(torch.ones(2, 96), got), pykernels.qmatmul(torch.ones(2, 96), qw))
         moved = qw.to("cpu")
         assert moved.device.type == "cpu" and torch.equal(moved.packed, qw.packed)
         assert qw.to(torch.bfloat16).dequantize().dtype == torch.bfloat16
@@ -347,6 +361,42 @@ def test_qmatmul_configs_agree(impl, m_block, n_block):
     cfg = {"impl": impl, "threads": 2, "m_block": m_block, "n_block": n_block}
     y = _impl(x, qw.packed, qw.scales, qw.offsets, None, None, None, N, K, 3, 32, 0, "cpu", config=cfg)
     check_close(y, x, qw, rel=4e-5 if impl == "native" else 1e-6)
+
+
+def test_qmatmul_documented_accuracy_and_exact_route():
+    """qmatmul's docstring: the native fp32 path rounds x to int16 per 32-block (each x_k within 2^-16
+    of its block's max|x|, ~1e-5 of max|y|); the dequantize route is the fp32 product itself."""
+    g = torch.Generator().manual_seed(5)
+    N, K = 48, 256
+    qw = pykernels.quantize(torch.randn(N, K, generator=g), 4, 32)
+    x = torch.randn(7, K, generator=g) * torch.logspace(-3, 2, K)  # blocks of very different scales
+    b = torch.randn(N, generator=g)
+    W = qw.dequantize(torch.float32)
+    exact = torch.nn.functional.linear(x, W, b)
+    ref = x.double() @ W.double().T + b.double()
+    assert (exact.double() - ref).abs().max() <= 1e-6 * ref.abs().max()
+    y = _impl(x, qw.packed, qw.scales, qw.offsets, None, None, b, N, K, 4, 32, 0, "cpu",
+              config={"impl": "native", "threads": 1, "m_block": 16, "n_block": 8})
+    blockmax = x.abs().reshape(7, K // 32, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(7, K)
+    bound = (blockmax.double() * 2.0 ** -16) @ W.double().abs().T + 1e-6 * ref.abs().max()
+    assert ((y.double() - ref).abs() <= bound).all()
+    assert (y.double() - ref).abs().max() <= 1e-4 * ref.abs().max()
+    dq = _impl(x, qw.packed, qw.scales, qw.offsets, None, None, b, N, K, 4, 32, 0, "cpu",
+               config={"impl": "dequant_mm", "threads": 1, "m_block": 16, "n_block": 8})
+    assert torch.allclose(dq, exact, rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 64, 64), (1, 256, 256), (3, 260, 96), (2, 1030, 64)])
+@pytest.mark.parametrize("impl", ["native", "dequant_mm"])
+def test_qmatmul_thread_counts_agree(M, N, K, impl):
+    """Around the work thresholds that cap the threads (one per ~2^16 multiply-adds, so a 64x64 GEMV
+    runs on one): 1, 2 and 7 requested threads give the same bits (every tile is computed alone)."""
+    qw = pykernels.quantize(torch.randn(N, K), 4, 32, "asym")
+    x = torch.randn(M, K)
+    ys = [_impl(x, qw.packed, qw.scales, qw.offsets, None, None, None, N, K, 4, 32, 0, "cpu",
+                config={"impl": impl, "threads": t, "m_block": 16, "n_block": 1}) for t in (1, 2, 7)]
+    assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2])
+    check_close(ys[0], x, qw, rel=4e-5 if impl == "native" else 1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

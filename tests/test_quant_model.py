@@ -112,6 +112,49 @@ def test_quantlinear_matches_qmatmul_and_dtypes(lm):
         QuantLinear.from_linear(nn.Conv1d(3, 3, 1))
 
 
+def test_quantlinear_forward_checks_x_like_qmatmul():
+    """QuantLinear.forward runs qmatmul's checks: a dtype is a TypeError, a width a ValueError, both
+    with the op's prefix (not torch's bare reshape error or the native kernel's ValueError)."""
+    layer = QuantLinear.from_linear(nn.Linear(64, 8), bits=4, group_size=32)
+    for x in (torch.zeros(2, 64, dtype=torch.int32), torch.zeros(3, 64, dtype=torch.float64),
+              torch.zeros(2, 64, dtype=torch.bool)):
+        with pytest.raises(TypeError, match=r"^pykernels\.qmatmul: .*'x'.*QuantLinear"):
+            layer(x)
+    for x in (torch.zeros(2, 63), torch.zeros(64, 2), torch.zeros(())):
+        with pytest.raises(ValueError, match=r"^pykernels\.qmatmul: expected 'x' of shape \[\.\.\., 64\]"):
+            layer(x)
+    with pytest.raises(ValueError, match=r"^pykernels\.qmatmul: expected 'x' of shape"):
+        pykernels.qmatmul(torch.zeros(2, 63), layer.qweight)
+    assert layer(torch.zeros(0, 64)).shape == (0, 8)
+
+
+@pytest.mark.parametrize("act_bits", [None, 2])
+def test_bipolar_quantlinear_keeps_planes_only_for_act_bits(act_bits):
+    """Bit planes are read by act_bits only: a weight-only bipolar layer holds none (they are +50%
+    of the packed codes), in from_linear, in the empty constructor and in its state dict."""
+    lin = nn.Linear(96, 40)
+    layers = [QuantLinear.from_linear(lin, 2, 32, "bipolar", act_bits),
+              QuantLinear(96, 40, True, bits=2, group_size=32, scheme="bipolar", act_bits=act_bits)]
+    for layer in layers:
+        assert (layer.planes is not None) == bool(act_bits)
+        assert ("planes" in layer.state_dict()) == bool(act_bits)
+        nbytes = sum(b.numel() * b.element_size() for b in layer.buffers())
+        packed = layer.packed.numel()
+        assert nbytes - packed <= 40 * 3 * 12 + (packed if act_bits else 0), nbytes
+    layers[1].load_state_dict(layers[0].state_dict())
+    x = torch.randn(5, 96)
+    assert torch.equal(layers[1](x), layers[0](x))
+    if not act_bits:
+        # the weight-only layer still runs act_bits through qmatmul (planes made for that call)
+        y = pykernels.qmatmul(x, layers[0].qweight, lin.bias, act_bits=4)
+        ref = QuantLinear.from_linear(lin, 2, 32, "bipolar", act_bits=4)(x)
+        assert torch.equal(y, ref)
+        # a state dict saved with planes for a weight-only bipolar layer (older files) still loads
+        old = dict(layers[0].state_dict(), planes=layers[0].qweight.ensure_planes())
+        layers[1].load_state_dict(old)
+        assert layers[1].planes is None and torch.equal(layers[1](x), layers[0](x))
+
+
 def test_quantlinear_act_bits(lm):
     lin = lm.blocks[0].mlp[0]
     layer = QuantLinear.from_linear(lin, bits=2, group_size=32, scheme="bipolar", act_bits=8)

@@ -295,6 +295,13 @@ PK_TARGET_AVX2 void wo_tile_avx2(const WoArgs& a, int64_t t) {
 }
 #endif
 
+// At most one thread per ~2^16 multiply-adds (plus one): a small GEMV (64x64: 4096) costs less than
+// waking and joining a second pool thread, which measured slower on 2 threads than on 1.
+constexpr int64_t kMinWorkPerThread = int64_t(1) << 16;
+inline int threads_for_work(int num_threads, int64_t work) {
+  return (int)std::max<int64_t>(1, std::min<int64_t>(num_threads, work / kMinWorkPerThread + 1));
+}
+
 // Splits the N tiles into `nthreads` contiguous ranges. `m_block` tokens run per pass over a tile range
 // so that a block of activations stays in cache while the weights stream (the GEMM tiling for M > 1).
 void wo_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int bits, uintptr_t scales,
@@ -321,7 +328,7 @@ void wo_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int bi
   std::vector<float> xs(M * s.B), xsum(std::max<int64_t>(M * s.G, 1));
   py::gil_scoped_release release;
   const void* xp = reinterpret_cast<const void*>(x);
-  pk::parallel_ranges(M, std::min<int64_t>(num_threads, M), [&](int, int64_t m0, int64_t m1) {
+  pk::parallel_ranges(M, threads_for_work(num_threads, M * K), [&](int, int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       quantize_act_int16(xp, xdt, m, s, &xq[m * s.Kp], &xs[m * s.B], &xsum[m * s.G]);
   });
@@ -347,7 +354,7 @@ void wo_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int bi
     const int esize = ydt == pk::DType::Float32 ? 4 : 2;
     a.y = reinterpret_cast<char*>(y) + mb * N * esize;
     const int64_t chunks = (T + n_block - 1) / n_block;
-    pk::parallel_ranges(chunks, num_threads, [&](int, int64_t c0, int64_t c1) {
+    pk::parallel_ranges(chunks, threads_for_work(num_threads, a.s.M * N * K), [&](int, int64_t c0, int64_t c1) {
       for (int64_t t = c0 * n_block; t < std::min(T, c1 * n_block); ++t) tile_fn(a, t);
     });
   }
@@ -408,7 +415,7 @@ void dequant_tiles(uintptr_t w, int bits, uintptr_t scales, uintptr_t offsets, i
   void* o = reinterpret_cast<void*>(out);
   py::gil_scoped_release release;
   // Per block the group (hence scale and offset) is fixed: group sizes are multiples of 32 or -1.
-  pk::parallel_ranges(N, num_threads, [&](int, int64_t n0, int64_t n1) {
+  pk::parallel_ranges(N, threads_for_work(num_threads, N * K), [&](int, int64_t n0, int64_t n1) {
     std::vector<float> row(Kp);
     const bool avx2 = pk::cpu_has_avx2();
     for (int64_t n = n0; n < n1; ++n) {

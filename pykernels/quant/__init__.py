@@ -34,6 +34,11 @@ class QuantizedWeight:
     zeros (asym: integer zero points; bipolar: the centre z of W = (s/2) W' + z; sym: None),
     packed (uint8 tile layout), planes (int64 bit planes for act_bits, made at quantize time for the
     bipolar scheme, on first use otherwise), code_sums int32 [N, G].
+
+    Saving: torch.save(qw, f) loads back with torch.load(f) and its default weights_only=True, since
+    importing pykernels registers this class with torch.serialization.add_safe_globals (its state is
+    tensors, ints, str, torch.Size and torch.dtype, which weights_only already allows). Without
+    importing pykernels first, save qw.state_dict() and rebuild with QuantizedWeight.from_state_dict.
     """
 
     def __init__(self, *, shape, bits: int, group_size: int, scheme: str, packed: torch.Tensor,
@@ -116,6 +121,10 @@ class QuantizedWeight:
     load_state_dict = from_state_dict
 
 
+# torch.load's weights_only unpickler (the default since torch 2.6) rebuilds only allow-listed classes.
+torch.serialization.add_safe_globals([QuantizedWeight])
+
+
 def _check_format(op: str, bits, group_size, scheme):
     if scheme not in F.SCHEMES:
         raise ValueError(f"pykernels.{op}: expected scheme 'asym', 'sym' or 'bipolar', got {scheme!r}")
@@ -134,14 +143,24 @@ def quantize(weight, bits: int = 4, group_size: int = 128, scheme: str = "asym")
     the formulas of each scheme. The packed layouts the kernels read are made here, once."""
     w = as_tensor(weight, "quantize", "weight")
     _check_format("quantize", bits, group_size, scheme)
+    _check_weight(w)
+    return _quantize(w, bits, group_size, scheme, with_planes=scheme == "bipolar")
+
+
+def _check_weight(w: torch.Tensor) -> None:
     if not w.is_floating_point():
         raise TypeError(f"pykernels.quantize: expected a floating-point 'weight', got {str(w.dtype).replace('torch.', '')}")
     if w.dim() != 2:
         raise ValueError(f"pykernels.quantize: expected 'weight' of shape [N, K] (2 dimensions), got {tuple(w.shape)}")
     if w.numel() and not bool(torch.isfinite(w).all()):
         raise ValueError("pykernels.quantize: 'weight' contains NaN or infinity")
+
+
+def _quantize(w: torch.Tensor, bits: int, group_size: int, scheme: str, with_planes: bool) -> QuantizedWeight:
+    """quantize() after its checks; `with_planes` also packs the bit planes only act_bits reads
+    (QuantLinear without act_bits skips them: they are half again the packed codes' memory)."""
     codes, scales, offsets = F.quantize_codes(w, bits, group_size, scheme)
-    planes = F.pack_planes(codes, bits, group_size) if scheme == "bipolar" else None
+    planes = F.pack_planes(codes, bits, group_size) if with_planes else None
     return QuantizedWeight(shape=w.shape, bits=bits, group_size=group_size, scheme=scheme,
                            packed=F.pack_tiles(codes, bits), scales=scales.contiguous(),
                            offsets=offsets.contiguous(), code_sums=F.code_sums(codes, group_size),
@@ -156,21 +175,36 @@ def _check_act_bits(act_bits):
     return act_bits
 
 
+def _check_x(x: torch.Tensor, N: int, K: int, where: str = "") -> None:
+    """The checks qmatmul and QuantLinear.forward share (the native kernels and x.reshape would
+    otherwise raise torch's bare errors, or ValueError for a dtype). `where` names the caller in the
+    message; the prefix stays "pykernels.qmatmul:", the op that runs."""
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"pykernels.qmatmul: expected 'x' of dtype float32, bfloat16 or float16{where}, got "
+                        f"{str(x.dtype).replace('torch.', '')}")
+    if x.dim() < 1 or x.shape[-1] != K:
+        raise ValueError(f"pykernels.qmatmul: expected 'x' of shape [..., {K}] for a weight of shape "
+                         f"{(N, K)}{where}, got {tuple(x.shape)}")
+
+
 def qmatmul(x, qw: QuantizedWeight, bias=None, *, act_bits: Optional[int] = None, backend: str = "auto"):
     """y = x @ W.T (+ bias) with W the quantized weight [N, K]; x [..., K] float32/bfloat16/float16,
     y [..., N] of x's dtype. act_bits in 1..8 also quantizes x per token (bipolar-INT) and runs the
-    bit-serial product (p x q one-bit GEMMs)."""
+    bit-serial product (p x q one-bit GEMMs).
+
+    Accuracy of the weight-only CPU path: the native kernel (config impl "native", the default except
+    for bf16 activations from M=64 on) rounds the activations to int16 per 32-element block (scale =
+    the block's max|x| / 32767) to run integer dot products: each x_k moves by at most 2^-16 of its
+    block's max|x|, so y differs from the fp32 product with the dequantized weight by about 2-4e-5
+    of max|y| on typical data. The weights themselves are used exactly. For an exact fp32 result
+    use the dequantize route, torch.nn.functional.linear(x, qw.dequantize(torch.float32), bias)
+    (what the "dequant_mm" config does chunk by chunk, with the same weights)."""
     x = as_tensor(x, "qmatmul", "x")
     if not isinstance(qw, QuantizedWeight):
         raise TypeError(f"pykernels.qmatmul: expected a pykernels.QuantizedWeight for 'qw' "
                         f"(from pykernels.quantize), got {type(qw).__name__}")
-    if x.dtype not in _FLOATS:
-        raise TypeError(f"pykernels.qmatmul: expected 'x' of dtype float32, bfloat16 or float16, got "
-                        f"{str(x.dtype).replace('torch.', '')}")
     N, K = qw.shape
-    if x.dim() < 1 or x.shape[-1] != K:
-        raise ValueError(f"pykernels.qmatmul: expected 'x' of shape [..., {K}] for a weight of shape "
-                         f"{tuple(qw.shape)}, got {tuple(x.shape)}")
+    _check_x(x, N, K)
     ab = _check_act_bits(act_bits)
     if bias is not None:
         bias = as_tensor(bias, "qmatmul", "bias")
@@ -186,14 +220,15 @@ def qmatmul(x, qw: QuantizedWeight, bias=None, *, act_bits: Optional[int] = None
                       N, K, qw.bits, qw.group_size, ab, backend)
 
 
-def _empty_qweight(N: int, K: int, bits: int, group_size: int, scheme: str, device=None) -> QuantizedWeight:
-    """A QuantizedWeight of zeros with every buffer shaped as quantize() would make it."""
+def _empty_qweight(N: int, K: int, bits: int, group_size: int, scheme: str, with_planes: bool,
+                   device=None) -> QuantizedWeight:
+    """A QuantizedWeight of zeros with every buffer shaped as _quantize() would make it."""
     gsize, G, gw = F.plane_geometry(K, group_size)
     N4, Kp = F.round_up(max(N, 1), F.ROW_TILE), F.round_up(max(K, 1), F.K_BLOCK)
     width = 16 if F.layout_bits(bits) == 4 else 32
     packed = torch.zeros(N4 * (Kp // F.K_BLOCK) * width, dtype=torch.uint8, device=device)
     z = torch.zeros(N, G, dtype=torch.float32, device=device)
-    planes = torch.zeros(N4 * G * bits * gw, dtype=torch.int64, device=device) if scheme == "bipolar" else None
+    planes = torch.zeros(N4 * G * bits * gw, dtype=torch.int64, device=device) if with_planes else None
     return QuantizedWeight(shape=(N, K), bits=bits, group_size=group_size, scheme=scheme, packed=packed,
                            scales=z + 1, offsets=z.clone(), code_sums=torch.zeros(N, G, dtype=torch.int32, device=device),
                            planes=planes)
@@ -213,7 +248,8 @@ class QuantLinear(nn.Module):
         self.bits, self.group_size, self.scheme, self.act_bits = bits, group_size, scheme, act_bits
         self.weight_dtype = dtype
         # Zero-filled buffers of the right shapes (no quantization pass), for load_state_dict().
-        self._set_qweight(_empty_qweight(out_features, in_features, bits, group_size, scheme, device))
+        self._set_qweight(_empty_qweight(out_features, in_features, bits, group_size, scheme, bool(act_bits),
+                                         device))
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype), requires_grad=False)
         else:
@@ -224,7 +260,9 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", qw.scales)
         self.register_buffer("offsets", qw.offsets)
         self.register_buffer("code_sums", qw.code_sums)
-        planes = qw.ensure_planes() if (self.act_bits or self.scheme == "bipolar") else None
+        # Only act_bits reads the bit planes: without it they would be +50% memory that forward never
+        # touches (a bipolar weight keeps none either; qweight's qmatmul(act_bits=...) makes them then).
+        planes = qw.ensure_planes() if self.act_bits else None
         self.register_buffer("planes", planes)
 
     @property
@@ -247,7 +285,8 @@ class QuantLinear(nn.Module):
         layer.in_features, layer.out_features = linear.in_features, linear.out_features
         layer.bits, layer.group_size, layer.scheme, layer.act_bits = bits, group_size, scheme, act_bits
         layer.weight_dtype = w.dtype if w.dtype in _FLOATS else torch.float32
-        layer._set_qweight(quantize(w, bits, group_size, scheme))
+        _check_weight(w)
+        layer._set_qweight(_quantize(w, bits, group_size, scheme, with_planes=bool(act_bits)))
         if linear.bias is not None:
             layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         else:
@@ -256,10 +295,21 @@ class QuantLinear(nn.Module):
 
     def forward(self, x):
         N, K = self.out_features, self.in_features
+        x = as_tensor(x, "qmatmul", "x")
+        _check_x(x, N, K, " (in pykernels.QuantLinear.forward)")
         # A float32 activation through a bf16 model (or the reverse) runs in the activation's dtype.
         return qmatmul_op(x, self.packed, self.scales, self.offsets, self.planes if self.act_bits else None,
                           self.code_sums if self.act_bits else None, self.bias, N, K, self.bits,
                           self.group_size, self.act_bits or 0, "auto")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # State dicts saved before planes were act_bits-only carry them for every bipolar layer: drop
+        # them where this layer keeps none (the extra state still checks the format matches).
+        if self.planes is None:
+            state_dict.pop(prefix + "planes", None)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def get_extra_state(self):
         return {"bits": self.bits, "group_size": self.group_size, "scheme": self.scheme,
