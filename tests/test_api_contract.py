@@ -1030,10 +1030,6 @@ def test_table_full_error_contract():
     _assert_same(vals[found], keys[found] * 3, "keys inserted before the table filled up")
 
 
-@pytest.mark.xfail(strict=True, reason="tables compare keys.device with the device they were given without "
-                                       "normalizing it: HashMap(device='cpu:0') rejects CPU keys, and on a GPU "
-                                       "HashMap(device='cuda') would reject every cuda:0 tensor (hashing/_tables.py "
-                                       "_device, _layout.py check_keys, BloomFilter._keys)")
 @pytest.mark.parametrize("cls", ["HashMap", "BloomFilter"])
 def test_tables_accept_tensors_on_an_equivalent_device_spelling(cls):
     keys = torch.arange(5)

@@ -312,6 +312,32 @@ def test_clear_and_properties():
     assert "HashMap" in repr(t)
 
 
+@pytest.mark.parametrize("device", ["cpu:0", torch.device("cpu"), torch.device("cpu", 0), "cpu"])
+@pytest.mark.parametrize("cls", [HashMap, HashSet, CountingTable, MultiValueHashMap, BloomFilter])
+def test_every_spelling_of_the_cpu_is_the_same_device(cls, device):
+    """Tables keep their device in one canonical spelling: CPU tensors (device "cpu") work with a table
+    made with device="cpu:0", and the table reports device "cpu"."""
+    keys = torch.arange(-3, 5)
+    if cls is BloomFilter:
+        t = cls(512, 3, device=device)
+        t.add(keys)
+    elif cls is MultiValueHashMap:
+        t = cls(16, torch.int64, torch.int64, device)
+        t.insert(keys, keys)
+    elif cls is HashMap:
+        t = cls(16, device=device)
+        t.insert(keys, keys * 2)
+        v, f = t.find(keys)
+        assert bool(f.all()) and torch.equal(v, keys * 2)
+    else:
+        t = cls(16, device=device)
+        t.insert(keys)
+    assert t.device == torch.device("cpu")
+    assert bool(t.contains(keys).all())
+    with pytest.raises(RuntimeError, match=rf"pykernels\.{cls.__name__}\.(contains|count): expected 'keys' on"):
+        t.contains(keys.to("meta"))
+
+
 def test_errors_are_clear():
     t = HashMap(10, key_dtype=torch.int64, value_dtype=torch.float32)
     with pytest.raises(TypeError, match=r"pykernels\.HashMap\.insert: expected 'keys' of dtype int64, got int32"):

@@ -23,6 +23,7 @@ import math
 import torch
 
 from . import _layout as L
+from ._ops import stream_args
 from ._tables import M_ADD, M_APPEND, M_UPSERT, ST_NEW, _OpenTable, _device
 from .. import _backend, _native
 from ..errors import TableFullError  # noqa: F401  (re-exported for convenience)
@@ -202,7 +203,7 @@ class MultiValueHashMap(_OpenTable):
         if n:
             cfg = self._config("hash_find")
             self._mod.multi_walk(*self._geo(), kbits.data_ptr(), n, counts.data_ptr(), 0, 0, self._threads(cfg),
-                                 int(cfg.get("prefetch", 16)), *self._stream())
+                                 int(cfg.get("prefetch", 16)), *stream_args(self.device))
         return counts
 
     def _special_values(self, bits):
@@ -246,7 +247,7 @@ class MultiValueHashMap(_OpenTable):
             if total:
                 cfg = self._config("hash_find")
                 self._mod.multi_walk(*self._geo(), kbits.data_ptr(), n, 0, offsets.data_ptr(), vals.data_ptr(),
-                                     self._threads(cfg), int(cfg.get("prefetch", 16)), *self._stream())
+                                     self._threads(cfg), int(cfg.get("prefetch", 16)), *stream_args(self.device))
             for m, sv in specials:
                 starts = offsets[:-1][m]
                 idx = (starts[:, None] + torch.arange(sv.numel(), device=self.device)[None, :]).reshape(-1)
@@ -317,7 +318,7 @@ class BloomFilter:
         if keys.dtype not in L.KEY_DTYPES:
             raise TypeError(f"pykernels.BloomFilter.{op}: expected 'keys' of dtype int32, int64, uint32 or "
                             f"uint64, got {L.dtype_name(keys.dtype)}")
-        if keys.device != self.device:
+        if not L.same_device(keys.device, self.device):
             raise RuntimeError(f"pykernels.BloomFilter.{op}: expected 'keys' on {self.device}, got {keys.device}")
         flat = keys.reshape(-1)
         if keys.dtype == torch.uint64:
@@ -330,15 +331,12 @@ class BloomFilter:
             bits = flat.to(torch.int64)
         return keys, bits
 
-    def _stream(self):
-        return (_native.cuda_stream_handle(self.device),) if self.device.type == "cuda" else ()
-
     def add(self, keys) -> None:
         keys, bits = self._keys("add", keys)
         if bits.numel():
             with self._lock:
                 self._mod.bloom_add(self._words.data_ptr(), self.num_blocks, self.num_hashes, self.seed,
-                                    bits.data_ptr(), bits.numel(), torch.get_num_threads(), *self._stream())
+                                    bits.data_ptr(), bits.numel(), torch.get_num_threads(), *stream_args(self.device))
 
     def contains(self, keys) -> torch.Tensor:
         keys, bits = self._keys("contains", keys)
@@ -347,7 +345,7 @@ class BloomFilter:
             with self._lock:
                 self._mod.bloom_contains(self._words.data_ptr(), self.num_blocks, self.num_hashes, self.seed,
                                          bits.data_ptr(), bits.numel(), out.data_ptr(), torch.get_num_threads(),
-                                         *self._stream())
+                                         *stream_args(self.device))
         return out.view(torch.bool).view(keys.shape)
 
     def clear(self) -> None:

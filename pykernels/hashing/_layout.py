@@ -162,12 +162,24 @@ def probe_start(key_bits_u64: int, seed: int, nw: int):
     return ((h >> 32) * nw) >> 32, 1 + (((h & 0xFFFFFFFF) * (nw - 1)) >> 32)
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether tensors on `a` may be used with a table on `b`: the same (type, index), a missing index
+    being the current one ("cuda" as the current GPU; tables store theirs resolved, _tables._device)
+    and the CPU's only index 0."""
+    if a.type != b.type:
+        return False
+    if a.type == "cuda":
+        cur = torch.cuda.current_device() if (a.index is None or b.index is None) else 0
+        return (cur if a.index is None else a.index) == (cur if b.index is None else b.index)
+    return (a.index or 0) == (b.index or 0)
+
+
 def check_keys(op: str, keys, key_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     from .._native import as_tensor
 
     keys = as_tensor(keys, op, "keys")
     check_dtype(op, "keys", keys, (key_dtype,))
-    if keys.device != device:
+    if not same_device(keys.device, device):
         raise RuntimeError(f"pykernels.{op}: expected 'keys' on the table's device {device}, got {keys.device}")
     return keys
 
@@ -177,7 +189,7 @@ def check_values(op: str, values, value_dtype: torch.dtype, keys: torch.Tensor) 
 
     values = as_tensor(values, op, "values")
     check_dtype(op, "values", values, (value_dtype,))
-    if values.device != keys.device:
+    if not same_device(values.device, keys.device):
         raise RuntimeError(f"pykernels.{op}: expected 'values' on {keys.device} like 'keys', got {values.device}")
     if values.shape != keys.shape:
         raise ValueError(f"pykernels.{op}: expected 'values' of the shape of 'keys' {tuple(keys.shape)}, "

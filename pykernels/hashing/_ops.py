@@ -22,8 +22,10 @@ def _mod(t: torch.Tensor):
     return _native.cpu_module("hash") if t.device.type == "cpu" else _native.cuda_module("hash")
 
 
-def _stream(t: torch.Tensor):
-    return (_native.cuda_stream_handle(t.device),) if t.device.type == "cuda" else ()
+def stream_args(device: torch.device) -> tuple:
+    """The trailing stream argument of a native CUDA call (torch's current stream on `device`); none on
+    the CPU. The one helper every table call into the native modules uses."""
+    return (_native.cuda_stream_handle(device),) if device.type == "cuda" else ()
 
 
 def out_buffer(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -53,7 +55,7 @@ def hash_find(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor, nw
     if n:
         _mod(slots).find(slots.data_ptr(), special.data_ptr(), nw, window, seed & _M64, kb, vb, keys.data_ptr(), n,
                          vals.data_ptr() if nv else 0, found.data_ptr(), default_bits & _M64, threads, prefetch,
-                         *_stream(slots))
+                         *stream_args(slots.device))
     return vals, found.view(torch.bool)
 
 
@@ -77,7 +79,7 @@ def hash_insert_(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor,
     if n:
         counts = _mod(slots).insert(slots.data_ptr(), special.data_ptr(), nw, window, seed & _M64, kb, vb,
                                     keys.data_ptr(), values.data_ptr() if values is not None else 0, n,
-                                    status.data_ptr(), mode, used, limit, threads, prefetch, *_stream(slots))
+                                    status.data_ptr(), mode, used, limit, threads, prefetch, *stream_args(slots.device))
     return status, torch.tensor(list(counts), dtype=torch.int64)
 
 

@@ -30,10 +30,18 @@ _HUGE_MIN_BYTES = 8 << 20
 
 
 def _device(op, device) -> torch.device:
+    """The table's device in one canonical spelling: "cuda" gets the current device's index (the one
+    torch would allocate on), and "cpu:0" is "cpu" (tensors report their CPU device without an index)."""
     try:
-        return torch.device(device)
+        device = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise RuntimeError(f"pykernels.{op}: expected a torch device for 'device', got {device!r} ({exc})") from None
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device  # no GPU: backend selection raises the error naming the op
+
 
 
 def default_window(slot_bytes: int, device: torch.device) -> int:
@@ -163,9 +171,6 @@ class _OpenTable:
     def _geo(self):
         return (self._slots.data_ptr(), self._special.data_ptr(), self._nw, self.window, self.seed, self._kb, self._vb)
 
-    def _stream(self):
-        return (_native.cuda_stream_handle(self.device),) if self.device.type == "cuda" else ()
-
     def _native_insert(self, kbits, vbits, mode, cfg):
         """One bulk insert through torch.ops.pykernels.hash_insert_: (status, (new, new_empty, pending))."""
         status, counts = _ops.hash_insert_(self._slots, self._special, kbits, vbits, self._nw, self.window, self.seed,
@@ -214,7 +219,7 @@ class _OpenTable:
         cfg = self._config("hash_insert")
         moved = self._mod.rehash(old_slots.data_ptr(), old_nw, new_slots.data_ptr(), new_nw, self.window, self.seed,
                                  self._kb, self._vb, self._threads(cfg), int(cfg.get("prefetch", 32)),
-                                 *self._stream())
+                                 *_ops.stream_args(self.device))
         self._slots, self._nw = new_slots, new_nw
         self._used = moved
 
@@ -232,7 +237,7 @@ class _OpenTable:
         if n:
             cfg = self._config("hash_find")
             total = self._mod.erase(*self._geo(), kbits.data_ptr(), n, out.data_ptr(), self._multi, self._counting,
-                                    self._threads(cfg), int(cfg.get("prefetch", 32)), *self._stream())
+                                    self._threads(cfg), int(cfg.get("prefetch", 32)), *_ops.stream_args(self.device))
             self._size -= total
         return out
 
@@ -244,7 +249,7 @@ class _OpenTable:
             cfg = self._config("hash_find")
             got = self._mod.items(self._slots.data_ptr(), self._nw, self.window, self._kb, self._vb, kb.data_ptr(),
                                   vb.data_ptr() if vb is not None else 0, n_slots_live, self._threads(cfg),
-                                  *self._stream())
+                                  *_ops.stream_args(self.device))
             if got != n_slots_live:
                 raise RuntimeError(f"pykernels.{self._op}.items: internal error: {got} live slots, expected "
                                    f"{n_slots_live}")
