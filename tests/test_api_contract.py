@@ -782,9 +782,6 @@ ERROR_DEVIATIONS = {
     "QuantLinear-dtype": "QuantLinear.forward skips qmatmul's checks: an int x reaches the native kernel, which raises "
                          "ValueError, not TypeError (quant/__init__.py QuantLinear.forward; pk_common.h has no "
                          "TypeError helper)",
-    "HashMap.find-default-range": "HashMap.find(default=2**70) raises torch's bare 'Overflow when unpacking long "
-                                  "long' without the 'pykernels.HashMap.find:' prefix (hashing/_layout.py "
-                                  "scalar_bits catches TypeError/RuntimeError/OverflowError, not ValueError)",
 }
 
 

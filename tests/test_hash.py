@@ -138,6 +138,46 @@ def test_hashmap_find_default_and_float_bits_exact():
     assert got[4].item() == -7.25 and found.tolist() == [True] * 4 + [False]
 
 
+@pytest.mark.parametrize("value_dtype,default", [
+    (torch.int64, 2 ** 63 - 1), (torch.int64, -2 ** 63), (torch.uint64, 2 ** 64 - 1), (torch.int8, -128),
+    (torch.uint8, 255), (torch.int32, 3.0), (torch.bool, True), (torch.int16, np.int16(-5)),
+    (torch.int64, torch.tensor(-9)), (torch.float16, 65504.0), (torch.float32, float("-inf")),
+    (torch.float64, float("nan")), (torch.bfloat16, -0.0), (torch.float32, 2 ** 70)])
+def test_hashmap_find_default_that_fits_comes_back_exactly(value_dtype, default):
+    t = HashMap(16, value_dtype=value_dtype)
+    got, found = t.find(torch.tensor([1, 2]), default=default)
+    ref = torch.tensor(float(default) if value_dtype.is_floating_point else int(default), dtype=value_dtype)
+    assert not bool(found.any()) and got.dtype == value_dtype
+    assert vbits(got) == vbits(ref.expand(2)), (got, ref)
+
+
+@pytest.mark.parametrize("value_dtype,default,exc,match", [
+    (torch.int64, 2 ** 70, ValueError, r"within the range of int64"),
+    (torch.int64, -2 ** 63 - 1, ValueError, r"within the range of int64"),
+    (torch.uint64, -1, ValueError, r"within the range of uint64"),
+    (torch.uint8, 256, ValueError, r"within the range of uint8"),
+    (torch.int32, 2 ** 31, ValueError, r"within the range of int32"),
+    (torch.bool, 2, ValueError, r"within the range of bool"),
+    (torch.int64, 3.7, ValueError, r"to be an integer for the int64 values.*3\.7"),
+    (torch.int16, -0.5, ValueError, r"to be an integer"),
+    (torch.int64, float("nan"), ValueError, r"to be an integer"),
+    (torch.int64, float("inf"), ValueError, r"to be an integer"),
+    (torch.int64, torch.tensor(2.5), ValueError, r"to be an integer"),
+    (torch.int64, torch.zeros(2, dtype=torch.int64), ValueError, r"to be a scalar"),
+    (torch.float16, 70000.0, ValueError, r"within the range of float16"),
+    (torch.float32, 1e300, ValueError, r"within the range of float32"),
+    (torch.float64, 2 ** 1100, ValueError, r"within the range of float64"),
+    (torch.int64, "x", TypeError, r"to be a real number"),
+    (torch.int64, None, TypeError, r"to be a real number"),
+    (torch.float32, 1j, TypeError, r"to be a real number"),
+])
+def test_hashmap_find_default_that_does_not_fit_is_an_error(value_dtype, default, exc, match):
+    """torch would wrap 2**70 or -1 into an integer dtype and truncate 3.7 silently; find refuses."""
+    t = HashMap(16, value_dtype=value_dtype)
+    with pytest.raises(exc, match=r"^pykernels\.HashMap\.find: expected 'default' " + match):
+        t.find(torch.tensor([1]), default=default)
+
+
 def test_hashmap_upsert_and_duplicates_in_one_call_single_thread_keeps_last():
     torch.set_num_threads(1)
     try:
