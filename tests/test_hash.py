@@ -768,6 +768,52 @@ def test_autotune_hash_find_and_insert(tmp_cache):
     assert {"hash_find", "hash_insert", "hash_table"} <= {tn.op for tn in autotune.registered("hash")}
 
 
+def test_table_caches_its_config_until_rehash_or_autotune_cache_change(tmp_cache, monkeypatch):
+    """The per-call config lookup runs once per op; a rehash (new capacity, new key), a cleared or
+    updated autotune cache, or PYKERNELS_AUTOTUNE=0 makes the table look again."""
+    from pykernels import _backend, autotune
+
+    calls = []
+    real = _backend.dispatch
+
+    def counting(op, *a, **kw):
+        calls.append(op)
+        return real(op, *a, **kw)
+
+    monkeypatch.setattr(_backend, "dispatch", counting)
+    t = HashMap(64, growable=True)
+    keys = torch.arange(20)
+    for _ in range(3):
+        t.insert(keys, keys)
+        t.find(keys)
+        t.contains(keys)
+    assert calls == ["hash_insert", "hash_find"]
+    cap = t.capacity
+    big = torch.arange(1000, 1000 + 4 * cap)
+    t.insert(big, big)                    # grows: the key (table size) changed
+    assert t.capacity > cap
+    n = len(calls)
+    t.insert(keys, keys)
+    t.find(keys)
+    assert calls[n:] == ["hash_insert", "hash_find"]
+    n = len(calls)
+    t.find(keys)
+    assert len(calls) == n
+    autotune.clear_memory_cache()
+    t.find(keys)
+    assert calls[n:] == ["hash_find"]
+    # a tune() stores a config the table must then use
+    key = {"slot_bytes": t._sb, "table_bytes": autotune.bucket(t.capacity * t._sb)}
+    tuned = {"prefetch": 3, "threads": 1}
+    autotune._store(torch.device("cpu"), autotune._entry_key("hash_find", "cpu", key),
+                    {"backend": "cpu", "config": tuned, "time_s": 1.0})
+    assert t._config("hash_find") == tuned
+    monkeypatch.setenv("PYKERNELS_AUTOTUNE", "0")
+    assert t._config("hash_find") == autotune.config_for("hash_find", "cpu", key, torch.device("cpu")) != tuned
+    v, f = t.find(keys)
+    assert bool(f.all()) and torch.equal(v, keys)
+
+
 @pytest.mark.parametrize("prefetch", [1, 3, 64, 100])
 def test_any_prefetch_distance_is_correct(prefetch):
     from pykernels.hashing import _tune

@@ -96,6 +96,8 @@ class _OpenTable:
             raise ValueError(f"pykernels.{op}: expected 'window' (the probing-group size) in {_GPU_WINDOWS} on "
                              f"the GPU, got {self.window}")
         self._lock = threading.RLock()
+        self._tune_device_id = autotune.device_id(self.device)
+        self._config_cache = {}  # op -> (_tune_state() when computed, config)
         self._alloc(capacity)
 
     # -- storage ---------------------------------------------------------------------------------
@@ -159,9 +161,27 @@ class _OpenTable:
                 f"{L.dtype_name(self.key_dtype)}{vd}, device={self.device}, window={self.window})")
 
     # -- native calls ----------------------------------------------------------------------------
+    def _tune_state(self):
+        """What a cached config depends on besides the op: the table's size (its key) and the autotune
+        cache (entries loaded for this device; a clear_memory_cache() drops them, a tune() adds one;
+        PYKERNELS_AUTOTUNE=0 ignores them). The entries dict itself is held, not its id(), so a new
+        dict at the old address cannot pass for it."""
+        entries = autotune._MEMORY.get(self._tune_device_id)
+        return self._nw, autotune._enabled(), entries, -1 if entries is None else len(entries)
+
     def _config(self, op):
+        """The autotuned (or default) config of `op` for this table. Cached on the table: the lookup
+        (a JSON key, the cache's lock) cost ~20 us, as much as a small find; recomputed after a rehash
+        changes the capacity or when the autotune cache changes (see _tune_state)."""
+        state = self._tune_state()
+        hit = self._config_cache.get(op)
+        if hit is not None:
+            (nw, enabled, entries, n), cfg = hit
+            if nw == state[0] and enabled == state[1] and entries is state[2] and n == state[3]:
+                return cfg
         key = {"slot_bytes": self._sb, "table_bytes": autotune.bucket(self.capacity * self._sb)}
         _, cfg = _backend.dispatch(op, self.device, self.backend, key, supported=_SUPPORTED, preference=("cuda",))
+        self._config_cache[op] = (self._tune_state(), cfg)  # after dispatch: it loads the entries
         return cfg
 
     def _threads(self, cfg):
