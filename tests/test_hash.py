@@ -866,3 +866,41 @@ def test_hash_ops_pass_opcheck_and_compile_fullgraph():
 
     q = torch.cat([keys, torch.tensor([3, 5])])
     assert lookup_plus_one(t._slots, t._special, q).tolist() == [k + 2 for k in keys.tolist()] + [-1, -1]
+
+
+def test_table_lookups_compile_fullgraph_and_follow_growth():
+    """t.find / t.contains trace without a graph break (no lock while dynamo traces, the config is the
+    table's cached one); a rehash changes the table's size, so the guards recompile and answers stay
+    right."""
+    torch._dynamo.reset()
+    t = HashMap(16, value_dtype=torch.int32)
+    s = HashSet(16, key_dtype=torch.uint32)
+    keys = torch.arange(-5, 7)
+    t.insert(keys, (keys * 3).to(torch.int32))
+    s.insert(keys.to(torch.int32).view(torch.uint32))
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def lookup(q):
+        vals, found = t.find(q, default=-100)
+        return torch.where(found, vals + 1, vals), t.contains(q)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def member(q):
+        return s.contains(q)
+
+    q = torch.cat([keys, torch.tensor([1000, -1000, 2 ** 40])])
+
+    def oracle(present):
+        return ([3 * k + 1 if k in present else -100 for k in q.tolist()], [k in present for k in q.tolist()])
+
+    v, f = lookup(q)
+    assert (v.tolist(), f.tolist()) == oracle(set(keys.tolist()))
+    q32 = q.to(torch.int32).view(torch.uint32)
+    assert member(q32).tolist() == [k in set(keys.tolist()) for k in q.to(torch.int32).tolist()]
+    big = torch.arange(100, 400)
+    cap = t.capacity
+    t.insert(big, (big * 3).to(torch.int32))     # eager, grows the table
+    assert t.capacity > cap
+    q = torch.cat([q, big])
+    v, f = lookup(q)
+    assert (v.tolist(), f.tolist()) == oracle(set(keys.tolist()) | set(big.tolist()))

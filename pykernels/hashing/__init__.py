@@ -48,7 +48,7 @@ class HashMap(_OpenTable):
         one call exactly one is True, and one of their values is kept."""
         keys = self._keys("insert", keys)
         values = self._values("insert", values, keys)
-        with self._lock:
+        with self._locked():
             status = self._insert_bits(f"{self._op}.insert", L.key_bits(keys), L.value_bits(values), M_UPSERT)
         return (status == ST_NEW).view(keys.shape)
 
@@ -56,26 +56,26 @@ class HashMap(_OpenTable):
         """(values, found): the value of each key, `default` where the key is absent."""
         keys = self._keys("find", keys)
         dbits = L.scalar_bits(f"{self._op}.find", default, self.value_dtype)
-        with self._lock:
+        with self._locked():
             vals, found = self._find_bits(L.key_bits(keys), True, dbits)
         return L.bits_to_values(vals, self.value_dtype).view(keys.shape), found.view(keys.shape)
 
     def contains(self, keys) -> torch.Tensor:
         keys = self._keys("contains", keys)
-        with self._lock:
+        with self._locked():
             _, found = self._find_bits(L.key_bits(keys), False)
         return found.view(keys.shape)
 
     def erase(self, keys) -> torch.Tensor:
         """Removes keys; True where a key was removed (once per key among duplicates)."""
         keys = self._keys("erase", keys)
-        with self._lock:
+        with self._locked():
             out = self._erase_bits(L.key_bits(keys))
         return out.view(keys.shape).bool()
 
     def items(self):
         """(keys, values) of every entry, in no particular order."""
-        with self._lock:
+        with self._locked():
             keys, vb = self._key_values_out()
         return keys, L.bits_to_values(vb, self.value_dtype)
 
@@ -92,24 +92,24 @@ class HashSet(_OpenTable):
 
     def insert(self, keys) -> torch.Tensor:
         keys = self._keys("insert", keys)
-        with self._lock:
+        with self._locked():
             status = self._insert_bits(f"{self._op}.insert", L.key_bits(keys), None, M_UPSERT)
         return (status == ST_NEW).view(keys.shape)
 
     def contains(self, keys) -> torch.Tensor:
         keys = self._keys("contains", keys)
-        with self._lock:
+        with self._locked():
             _, found = self._find_bits(L.key_bits(keys), False)
         return found.view(keys.shape)
 
     def erase(self, keys) -> torch.Tensor:
         keys = self._keys("erase", keys)
-        with self._lock:
+        with self._locked():
             out = self._erase_bits(L.key_bits(keys))
         return out.view(keys.shape).bool()
 
     def items(self) -> torch.Tensor:
-        with self._lock:
+        with self._locked():
             keys, _ = self._key_values_out()
         return keys
 
@@ -132,7 +132,7 @@ class CountingTable(_OpenTable):
         if counts is not None:
             counts = L.check_values(f"{self._op}.add", counts, torch.int64, keys)
             vbits = L.value_bits(counts)
-        with self._lock:
+        with self._locked():
             status = self._insert_bits(f"{self._op}.add", L.key_bits(keys), vbits, M_ADD)
         return (status == ST_NEW).view(keys.shape)
 
@@ -141,25 +141,25 @@ class CountingTable(_OpenTable):
     def counts(self, keys) -> torch.Tensor:
         """int64 count of each key (0 when absent)."""
         keys = self._keys("counts", keys)
-        with self._lock:
+        with self._locked():
             vals, _ = self._find_bits(L.key_bits(keys), True, 0)
         return vals.view(keys.shape)
 
     def contains(self, keys) -> torch.Tensor:
         keys = self._keys("contains", keys)
-        with self._lock:
+        with self._locked():
             _, found = self._find_bits(L.key_bits(keys), False)
         return found.view(keys.shape)
 
     def erase(self, keys) -> torch.Tensor:
         keys = self._keys("erase", keys)
-        with self._lock:
+        with self._locked():
             out = self._erase_bits(L.key_bits(keys))
         return out.view(keys.shape).bool()
 
     def items(self):
         """(keys, counts)."""
-        with self._lock:
+        with self._locked():
             keys, vb = self._key_values_out()
         return keys, vb
 
@@ -191,7 +191,7 @@ class MultiValueHashMap(_OpenTable):
         keys = self._keys("insert", keys)
         values = self._values("insert", values, keys)
         kbits, vbits = L.key_bits(keys), L.value_bits(values)
-        with self._lock:
+        with self._locked():
             self._insert_bits(f"{self._op}.insert", kbits, vbits, M_APPEND)  # reserved patterns: SKIPPED
             for bits, m in self._special_masks(kbits):
                 self._special_multi.setdefault(bits, []).append(vbits[m].clone())
@@ -216,7 +216,7 @@ class MultiValueHashMap(_OpenTable):
         """int64 number of values of each key."""
         keys = self._keys("count", keys)
         kbits = L.key_bits(keys)
-        with self._lock:
+        with self._locked():
             counts = self._native_counts(kbits)
             for bits, m in self._special_masks(kbits):
                 sv = self._special_values(bits)
@@ -232,7 +232,7 @@ class MultiValueHashMap(_OpenTable):
         keys = self._keys("find", keys)
         kbits = L.key_bits(keys)
         n = kbits.numel()
-        with self._lock:
+        with self._locked():
             counts = self._native_counts(kbits)
             specials = []
             for bits, m in self._special_masks(kbits):
@@ -258,7 +258,7 @@ class MultiValueHashMap(_OpenTable):
         """Removes every value of each key; int64 number of values removed per key position."""
         keys = self._keys("erase", keys)
         kbits = L.key_bits(keys)
-        with self._lock:
+        with self._locked():
             out = self._erase_bits(kbits)
             for bits, m in self._special_masks(kbits):
                 sv = self._special_values(bits)
@@ -271,7 +271,7 @@ class MultiValueHashMap(_OpenTable):
 
     def items(self):
         """(keys, values): every pair."""
-        with self._lock:
+        with self._locked():
             keys, vb = self._key_values_out()
         return keys, L.bits_to_values(vb, self.value_dtype)
 
@@ -285,6 +285,7 @@ class BloomFilter:
     """
 
     BLOCK_BITS = 512
+    _locked = _OpenTable._locked  # the lock, skipped while torch.compile traces
 
     def __init__(self, num_bits, num_hashes, device="cpu", *, seed=L.DEFAULT_SEED, backend="auto"):
         op = "BloomFilter"
@@ -334,7 +335,7 @@ class BloomFilter:
     def add(self, keys) -> None:
         keys, bits = self._keys("add", keys)
         if bits.numel():
-            with self._lock:
+            with self._locked():
                 self._mod.bloom_add(self._words.data_ptr(), self.num_blocks, self.num_hashes, self.seed,
                                     bits.data_ptr(), bits.numel(), torch.get_num_threads(), *stream_args(self.device))
 
@@ -342,14 +343,14 @@ class BloomFilter:
         keys, bits = self._keys("contains", keys)
         out = torch.empty(bits.numel(), dtype=torch.uint8, device=self.device)
         if bits.numel():
-            with self._lock:
+            with self._locked():
                 self._mod.bloom_contains(self._words.data_ptr(), self.num_blocks, self.num_hashes, self.seed,
                                          bits.data_ptr(), bits.numel(), out.data_ptr(), torch.get_num_threads(),
                                          *stream_args(self.device))
         return out.view(torch.bool).view(keys.shape)
 
     def clear(self) -> None:
-        with self._lock:
+        with self._locked():
             self._words.zero_()
 
     def false_positive_rate(self, n: int) -> float:

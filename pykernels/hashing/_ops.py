@@ -28,6 +28,12 @@ def stream_args(device: torch.device) -> tuple:
     return (_native.cuda_stream_handle(device),) if device.type == "cuda" else ()
 
 
+def _nthreads(threads: int) -> int:
+    """`threads` <= 0: torch's intra-op thread count, read when the kernel runs (not baked into a
+    compiled graph)."""
+    return threads if threads > 0 else torch.get_num_threads()
+
+
 def out_buffer(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An output buffer. Large CPU outputs are 2 MiB-aligned views advised to use huge pages: the
     first touch of a fresh 4 KiB-paged buffer costs a page fault per 4 KiB, which for a lookup
@@ -47,15 +53,16 @@ def hash_find(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor, nw
               kb: int, vb: int, default_bits: int, with_values: bool, threads: int,
               prefetch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(value bits [n] (int32/int64; empty for sets or without `with_values`), found [n] bool) of
-    key bits `keys` (1-D). `kb`/`vb`: the table's key and value-slot bytes (its layout)."""
+    key bits `keys` (1-D). `kb`/`vb`: the table's key and value-slot bytes (its layout); `threads` <= 0:
+    torch.get_num_threads()."""
     n = keys.numel()
     nv = n if (vb and with_values) else 0
     found = out_buffer(n, torch.uint8, keys.device)
     vals = out_buffer(nv, _BITS.get(vb, torch.int64), keys.device)
     if n:
         _mod(slots).find(slots.data_ptr(), special.data_ptr(), nw, window, seed & _M64, kb, vb, keys.data_ptr(), n,
-                         vals.data_ptr() if nv else 0, found.data_ptr(), default_bits & _M64, threads, prefetch,
-                         *stream_args(slots.device))
+                         vals.data_ptr() if nv else 0, found.data_ptr(), default_bits & _M64, _nthreads(threads),
+                         prefetch, *stream_args(slots.device))
     return vals, found.view(torch.bool)
 
 
@@ -79,7 +86,8 @@ def hash_insert_(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor,
     if n:
         counts = _mod(slots).insert(slots.data_ptr(), special.data_ptr(), nw, window, seed & _M64, kb, vb,
                                     keys.data_ptr(), values.data_ptr() if values is not None else 0, n,
-                                    status.data_ptr(), mode, used, limit, threads, prefetch, *stream_args(slots.device))
+                                    status.data_ptr(), mode, used, limit, _nthreads(threads), prefetch,
+                                    *stream_args(slots.device))
     return status, torch.tensor(list(counts), dtype=torch.int64)
 
 

@@ -8,6 +8,7 @@ table (the native bulk operations release the GIL and are themselves multi-threa
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 
@@ -24,6 +25,7 @@ ST_EXISTED, ST_NEW, ST_PENDING, ST_SKIPPED = 0, 1, 2, 3
 M_UPSERT, M_ADD, M_APPEND = 0, 1, 2
 
 _SUPPORTED = ("cpu", "cuda")
+_TUNED_OPS = ("hash_find", "hash_insert")  # the autotuned ops of a table (_tune.py)
 _GPU_WINDOWS = (1, 2, 4, 8, 16, 32)  # group sizes hash.cu is instantiated for
 _HUGE = 2 << 20
 _HUGE_MIN_BYTES = 8 << 20
@@ -99,6 +101,12 @@ class _OpenTable:
         self._tune_device_id = autotune.device_id(self.device)
         self._config_cache = {}  # op -> (_tune_state() when computed, config)
         self._alloc(capacity)
+        self._config("hash_find")
+
+    def _locked(self):
+        """The table's lock; none while torch.compile traces a method (dynamo cannot trace an RLock, and
+        the traced kernels are the functional torch.ops.pykernels ops, whose ordering the graph keeps)."""
+        return contextlib.nullcontext() if torch.compiler.is_compiling() else self._lock
 
     # -- storage ---------------------------------------------------------------------------------
     def _slot_value_bytes(self):
@@ -173,6 +181,10 @@ class _OpenTable:
         """The autotuned (or default) config of `op` for this table. Cached on the table: the lookup
         (a JSON key, the cache's lock) cost ~20 us, as much as a small find; recomputed after a rehash
         changes the capacity or when the autotune cache changes (see _tune_state)."""
+        if torch.compiler.is_compiling():
+            # No cache files under dynamo: use what the last eager call (or __init__) computed; the
+            # graph's guards on the table's size and this config recompile it when either changes.
+            return self._config_cache[op][1]
         state = self._tune_state()
         hit = self._config_cache.get(op)
         if hit is not None:
@@ -180,9 +192,11 @@ class _OpenTable:
             if nw == state[0] and enabled == state[1] and entries is state[2] and n == state[3]:
                 return cfg
         key = {"slot_bytes": self._sb, "table_bytes": autotune.bucket(self.capacity * self._sb)}
-        _, cfg = _backend.dispatch(op, self.device, self.backend, key, supported=_SUPPORTED, preference=("cuda",))
-        self._config_cache[op] = (self._tune_state(), cfg)  # after dispatch: it loads the entries
-        return cfg
+        for name in _TUNED_OPS:  # both at once, so a traced call finds either
+            _, cfg = _backend.dispatch(name, self.device, self.backend, key, supported=_SUPPORTED,
+                                       preference=("cuda",))
+            self._config_cache[name] = (self._tune_state(), cfg)  # after dispatch: it loads the entries
+        return self._config_cache[op][1]
 
     def _threads(self, cfg):
         t = int(cfg.get("threads", 0) or 0)
@@ -194,7 +208,7 @@ class _OpenTable:
     def _native_insert(self, kbits, vbits, mode, cfg):
         """One bulk insert through torch.ops.pykernels.hash_insert_: (status, (new, new_empty, pending))."""
         status, counts = _ops.hash_insert_(self._slots, self._special, kbits, vbits, self._nw, self.window, self.seed,
-                                           self._kb, self._vb, mode, self._used, self._limit(), self._threads(cfg),
+                                           self._kb, self._vb, mode, self._used, self._limit(), int(cfg.get("threads", 0) or 0),
                                            int(cfg.get("prefetch", 32)))
         return status, tuple(int(c) for c in counts.tolist())
 
@@ -247,7 +261,7 @@ class _OpenTable:
         cfg = self._config("hash_find") if kbits.numel() else {}
         signed_default = default_bits - (1 << 64) if default_bits >= 1 << 63 else default_bits
         vals, found = _ops.hash_find(self._slots, self._special, kbits, self._nw, self.window, self.seed, self._kb,
-                                     self._vb, signed_default, bool(want_values), self._threads(cfg),
+                                     self._vb, signed_default, bool(want_values), int(cfg.get("threads", 0) or 0),
                                      int(cfg.get("prefetch", 32)))
         return (vals if want_values and self._vb else None), found
 
