@@ -787,7 +787,7 @@ def test_table_caches_its_config_until_rehash_or_autotune_cache_change(tmp_cache
         t.insert(keys, keys)
         t.find(keys)
         t.contains(keys)
-    assert calls == ["hash_insert", "hash_find"]
+    assert sorted(calls) == ["hash_find", "hash_insert"]     # once, when the table was made
     cap = t.capacity
     big = torch.arange(1000, 1000 + 4 * cap)
     t.insert(big, big)                    # grows: the key (table size) changed
@@ -795,13 +795,14 @@ def test_table_caches_its_config_until_rehash_or_autotune_cache_change(tmp_cache
     n = len(calls)
     t.insert(keys, keys)
     t.find(keys)
-    assert calls[n:] == ["hash_insert", "hash_find"]
+    assert sorted(calls[n:]) == ["hash_find", "hash_insert"]
     n = len(calls)
     t.find(keys)
+    t.insert(keys, keys)
     assert len(calls) == n
     autotune.clear_memory_cache()
     t.find(keys)
-    assert calls[n:] == ["hash_find"]
+    assert sorted(calls[n:]) == ["hash_find", "hash_insert"]
     # a tune() stores a config the table must then use
     key = {"slot_bytes": t._sb, "table_bytes": autotune.bucket(t.capacity * t._sb)}
     tuned = {"prefetch": 3, "threads": 1}
