@@ -905,3 +905,25 @@ def test_table_lookups_compile_fullgraph_and_follow_growth():
     q = torch.cat([q, big])
     v, f = lookup(q)
     assert (v.tolist(), f.tolist()) == oracle(set(keys.tolist()) | set(big.tolist()))
+
+
+def test_shared_methods_live_in_the_base_class_and_answer_per_table_kind():
+    from pykernels.hashing._tables import _OpenTable
+
+    for cls in (HashMap, HashSet, CountingTable):
+        for name in ("contains", "erase", "items", "clear"):
+            assert getattr(cls, name) is getattr(_OpenTable, name), (cls, name)
+    assert MultiValueHashMap.items is _OpenTable.items
+    keys = torch.tensor([4, -1, 9, 4])
+    m, s, c = HashMap(8, value_dtype=torch.float16), HashSet(8), CountingTable(8)
+    m.insert(keys, torch.tensor([1.5, -0.0, 2.0, 1.5], dtype=torch.float16))
+    s.insert(keys)
+    c.add(keys)
+    mk, mv = m.items()
+    assert mv.dtype == torch.float16 and dict(zip(mk.tolist(), mv.tolist())) == {4: 1.5, -1: -0.0, 9: 2.0}
+    assert sorted(s.items().tolist()) == [-1, 4, 9]
+    ck, cv = c.items()
+    assert cv.dtype == torch.int64 and dict(zip(ck.tolist(), cv.tolist())) == {4: 2, -1: 1, 9: 1}
+    for t in (m, s, c):
+        assert t.erase(torch.tensor([4, 4, 5])).tolist() == [True, False, False]
+        assert t.contains(keys).tolist() == [False, True, True, False]

@@ -60,26 +60,6 @@ class HashMap(_OpenTable):
             vals, found = self._find_bits(L.key_bits(keys), True, dbits)
         return L.bits_to_values(vals, self.value_dtype).view(keys.shape), found.view(keys.shape)
 
-    def contains(self, keys) -> torch.Tensor:
-        keys = self._keys("contains", keys)
-        with self._locked():
-            _, found = self._find_bits(L.key_bits(keys), False)
-        return found.view(keys.shape)
-
-    def erase(self, keys) -> torch.Tensor:
-        """Removes keys; True where a key was removed (once per key among duplicates)."""
-        keys = self._keys("erase", keys)
-        with self._locked():
-            out = self._erase_bits(L.key_bits(keys))
-        return out.view(keys.shape).bool()
-
-    def items(self):
-        """(keys, values) of every entry, in no particular order."""
-        with self._locked():
-            keys, vb = self._key_values_out()
-        return keys, L.bits_to_values(vb, self.value_dtype)
-
-
 class HashSet(_OpenTable):
     """A set of keys (slots hold keys only: 4- or 8-byte slots, 16 or 8 per cache line)."""
 
@@ -95,23 +75,6 @@ class HashSet(_OpenTable):
         with self._locked():
             status = self._insert_bits(f"{self._op}.insert", L.key_bits(keys), None, M_UPSERT)
         return (status == ST_NEW).view(keys.shape)
-
-    def contains(self, keys) -> torch.Tensor:
-        keys = self._keys("contains", keys)
-        with self._locked():
-            _, found = self._find_bits(L.key_bits(keys), False)
-        return found.view(keys.shape)
-
-    def erase(self, keys) -> torch.Tensor:
-        keys = self._keys("erase", keys)
-        with self._locked():
-            out = self._erase_bits(L.key_bits(keys))
-        return out.view(keys.shape).bool()
-
-    def items(self) -> torch.Tensor:
-        with self._locked():
-            keys, _ = self._key_values_out()
-        return keys
 
 
 class CountingTable(_OpenTable):
@@ -144,24 +107,6 @@ class CountingTable(_OpenTable):
         with self._locked():
             vals, _ = self._find_bits(L.key_bits(keys), True, 0)
         return vals.view(keys.shape)
-
-    def contains(self, keys) -> torch.Tensor:
-        keys = self._keys("contains", keys)
-        with self._locked():
-            _, found = self._find_bits(L.key_bits(keys), False)
-        return found.view(keys.shape)
-
-    def erase(self, keys) -> torch.Tensor:
-        keys = self._keys("erase", keys)
-        with self._locked():
-            out = self._erase_bits(L.key_bits(keys))
-        return out.view(keys.shape).bool()
-
-    def items(self):
-        """(keys, counts)."""
-        with self._locked():
-            keys, vb = self._key_values_out()
-        return keys, vb
 
 
 class MultiValueHashMap(_OpenTable):
@@ -268,12 +213,6 @@ class MultiValueHashMap(_OpenTable):
                     self._size -= sv.numel()
                     del self._special_multi[bits]
         return out.view(keys.shape)
-
-    def items(self):
-        """(keys, values): every pair."""
-        with self._locked():
-            keys, vb = self._key_values_out()
-        return keys, L.bits_to_values(vb, self.value_dtype)
 
 
 class BloomFilter:

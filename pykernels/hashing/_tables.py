@@ -208,8 +208,8 @@ class _OpenTable:
     def _native_insert(self, kbits, vbits, mode, cfg):
         """One bulk insert through torch.ops.pykernels.hash_insert_: (status, (new, new_empty, pending))."""
         status, counts = _ops.hash_insert_(self._slots, self._special, kbits, vbits, self._nw, self.window, self.seed,
-                                           self._kb, self._vb, mode, self._used, self._limit(), int(cfg.get("threads", 0) or 0),
-                                           int(cfg.get("prefetch", 32)))
+                                           self._kb, self._vb, mode, self._used, self._limit(),
+                                           int(cfg.get("threads", 0) or 0), int(cfg.get("prefetch", 32)))
         return status, tuple(int(c) for c in counts.tolist())
 
     def _insert_bits(self, op, kbits, vbits, mode):
@@ -319,9 +319,33 @@ class _OpenTable:
 
         return DeviceView(self)
 
+    # -- the methods every table shares -------------------------------------------------------
+    def contains(self, keys) -> torch.Tensor:
+        """bool, True where the key is in the table."""
+        keys = self._keys("contains", keys)
+        with self._locked():
+            _, found = self._find_bits(L.key_bits(keys), False)
+        return found.view(keys.shape)
+
+    def erase(self, keys) -> torch.Tensor:
+        """Removes keys; True where a key was removed (once per key among duplicates)."""
+        keys = self._keys("erase", keys)
+        with self._locked():
+            out = self._erase_bits(L.key_bits(keys))
+        return out.view(keys.shape).bool()
+
+    def items(self):
+        """Every entry, in no particular order: the keys (sets), or (keys, values) (maps; a counting
+        table's values are its counts, a multi-value map has one pair per value)."""
+        with self._locked():
+            keys, vb = self._key_values_out()
+        if self.value_dtype is None:
+            return keys
+        return keys, L.bits_to_values(vb, self.value_dtype)
+
     def clear(self):
         """Removes every key; keeps the capacity."""
-        with self._lock:
+        with self._locked():
             self._init_slots(self._slots)
             self._special.zero_()
             self._special_multi = {}
