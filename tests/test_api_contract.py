@@ -627,9 +627,6 @@ COMPILE_DEVIATIONS = {
     "segmented_sort": "pykernels.segmented_sort validates offsets with int(offsets.min()/max()) and "
                       "bool((offsets[1:] < offsets[:-1]).any()) outside the custom op: data-dependent, so "
                       "torch.compile(fullgraph=True) fails (sort/__init__.py segmented_sort)",
-    "HashMap.contains": "the tables' kernels are torch.ops.pykernels.hash_find/hash_insert_ now, but every table "
-                        "method runs them under `with self._lock:` (threading.RLock), which dynamo cannot trace: "
-                        "t.contains/find/insert graph-break under torch.compile(fullgraph=True) (hashing/__init__.py)",
 }
 
 
@@ -777,9 +774,6 @@ ERRORS = [
 ]
 
 ERROR_DEVIATIONS = {
-    "HashMap.find-default-range": "HashMap.find(default=2**70) raises torch's bare 'Overflow when unpacking long "
-                                  "long' without the 'pykernels.HashMap.find:' prefix (hashing/_layout.py "
-                                  "scalar_bits catches TypeError/RuntimeError/OverflowError, not ValueError)",
 }
 
 
@@ -1025,10 +1019,6 @@ def test_table_full_error_contract():
     _assert_same(vals[found], keys[found] * 3, "keys inserted before the table filled up")
 
 
-@pytest.mark.xfail(strict=True, reason="tables compare keys.device with the device they were given without "
-                                       "normalizing it: HashMap(device='cpu:0') rejects CPU keys, and on a GPU "
-                                       "HashMap(device='cuda') would reject every cuda:0 tensor (hashing/_tables.py "
-                                       "_device, _layout.py check_keys, BloomFilter._keys)")
 @pytest.mark.parametrize("cls", ["HashMap", "BloomFilter"])
 def test_tables_accept_tensors_on_an_equivalent_device_spelling(cls):
     keys = torch.arange(5)

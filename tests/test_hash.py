@@ -138,6 +138,46 @@ def test_hashmap_find_default_and_float_bits_exact():
     assert got[4].item() == -7.25 and found.tolist() == [True] * 4 + [False]
 
 
+@pytest.mark.parametrize("value_dtype,default", [
+    (torch.int64, 2 ** 63 - 1), (torch.int64, -2 ** 63), (torch.uint64, 2 ** 64 - 1), (torch.int8, -128),
+    (torch.uint8, 255), (torch.int32, 3.0), (torch.bool, True), (torch.int16, np.int16(-5)),
+    (torch.int64, torch.tensor(-9)), (torch.float16, 65504.0), (torch.float32, float("-inf")),
+    (torch.float64, float("nan")), (torch.bfloat16, -0.0), (torch.float32, 2 ** 70)])
+def test_hashmap_find_default_that_fits_comes_back_exactly(value_dtype, default):
+    t = HashMap(16, value_dtype=value_dtype)
+    got, found = t.find(torch.tensor([1, 2]), default=default)
+    ref = torch.tensor(float(default) if value_dtype.is_floating_point else int(default), dtype=value_dtype)
+    assert not bool(found.any()) and got.dtype == value_dtype
+    assert vbits(got) == vbits(ref.expand(2)), (got, ref)
+
+
+@pytest.mark.parametrize("value_dtype,default,exc,match", [
+    (torch.int64, 2 ** 70, ValueError, r"within the range of int64"),
+    (torch.int64, -2 ** 63 - 1, ValueError, r"within the range of int64"),
+    (torch.uint64, -1, ValueError, r"within the range of uint64"),
+    (torch.uint8, 256, ValueError, r"within the range of uint8"),
+    (torch.int32, 2 ** 31, ValueError, r"within the range of int32"),
+    (torch.bool, 2, ValueError, r"within the range of bool"),
+    (torch.int64, 3.7, ValueError, r"to be an integer for the int64 values.*3\.7"),
+    (torch.int16, -0.5, ValueError, r"to be an integer"),
+    (torch.int64, float("nan"), ValueError, r"to be an integer"),
+    (torch.int64, float("inf"), ValueError, r"to be an integer"),
+    (torch.int64, torch.tensor(2.5), ValueError, r"to be an integer"),
+    (torch.int64, torch.zeros(2, dtype=torch.int64), ValueError, r"to be a scalar"),
+    (torch.float16, 70000.0, ValueError, r"within the range of float16"),
+    (torch.float32, 1e300, ValueError, r"within the range of float32"),
+    (torch.float64, 2 ** 1100, ValueError, r"within the range of float64"),
+    (torch.int64, "x", TypeError, r"to be a real number"),
+    (torch.int64, None, TypeError, r"to be a real number"),
+    (torch.float32, 1j, TypeError, r"to be a real number"),
+])
+def test_hashmap_find_default_that_does_not_fit_is_an_error(value_dtype, default, exc, match):
+    """torch would wrap 2**70 or -1 into an integer dtype and truncate 3.7 silently; find refuses."""
+    t = HashMap(16, value_dtype=value_dtype)
+    with pytest.raises(exc, match=r"^pykernels\.HashMap\.find: expected 'default' " + match):
+        t.find(torch.tensor([1]), default=default)
+
+
 def test_hashmap_upsert_and_duplicates_in_one_call_single_thread_keeps_last():
     torch.set_num_threads(1)
     try:
@@ -310,6 +350,32 @@ def test_clear_and_properties():
     t.clear()
     assert len(t) == 0 and t.capacity == cap and not bool(t.contains(torch.tensor([1, -1])).any())
     assert "HashMap" in repr(t)
+
+
+@pytest.mark.parametrize("device", ["cpu:0", torch.device("cpu"), torch.device("cpu", 0), "cpu"])
+@pytest.mark.parametrize("cls", [HashMap, HashSet, CountingTable, MultiValueHashMap, BloomFilter])
+def test_every_spelling_of_the_cpu_is_the_same_device(cls, device):
+    """Tables keep their device in one canonical spelling: CPU tensors (device "cpu") work with a table
+    made with device="cpu:0", and the table reports device "cpu"."""
+    keys = torch.arange(-3, 5)
+    if cls is BloomFilter:
+        t = cls(512, 3, device=device)
+        t.add(keys)
+    elif cls is MultiValueHashMap:
+        t = cls(16, torch.int64, torch.int64, device)
+        t.insert(keys, keys)
+    elif cls is HashMap:
+        t = cls(16, device=device)
+        t.insert(keys, keys * 2)
+        v, f = t.find(keys)
+        assert bool(f.all()) and torch.equal(v, keys * 2)
+    else:
+        t = cls(16, device=device)
+        t.insert(keys)
+    assert t.device == torch.device("cpu")
+    assert bool(t.contains(keys).all())
+    with pytest.raises(RuntimeError, match=rf"pykernels\.{cls.__name__}\.(contains|count): expected 'keys' on"):
+        t.contains(keys.to("meta"))
 
 
 def test_errors_are_clear():
@@ -702,6 +768,53 @@ def test_autotune_hash_find_and_insert(tmp_cache):
     assert {"hash_find", "hash_insert", "hash_table"} <= {tn.op for tn in autotune.registered("hash")}
 
 
+def test_table_caches_its_config_until_rehash_or_autotune_cache_change(tmp_cache, monkeypatch):
+    """The per-call config lookup runs once per op; a rehash (new capacity, new key), a cleared or
+    updated autotune cache, or PYKERNELS_AUTOTUNE=0 makes the table look again."""
+    from pykernels import _backend, autotune
+
+    calls = []
+    real = _backend.dispatch
+
+    def counting(op, *a, **kw):
+        calls.append(op)
+        return real(op, *a, **kw)
+
+    monkeypatch.setattr(_backend, "dispatch", counting)
+    t = HashMap(64, growable=True)
+    keys = torch.arange(20)
+    for _ in range(3):
+        t.insert(keys, keys)
+        t.find(keys)
+        t.contains(keys)
+    assert sorted(calls) == ["hash_find", "hash_insert"]     # once, when the table was made
+    cap = t.capacity
+    big = torch.arange(1000, 1000 + 4 * cap)
+    t.insert(big, big)                    # grows: the key (table size) changed
+    assert t.capacity > cap
+    n = len(calls)
+    t.insert(keys, keys)
+    t.find(keys)
+    assert sorted(calls[n:]) == ["hash_find", "hash_insert"]
+    n = len(calls)
+    t.find(keys)
+    t.insert(keys, keys)
+    assert len(calls) == n
+    autotune.clear_memory_cache()
+    t.find(keys)
+    assert sorted(calls[n:]) == ["hash_find", "hash_insert"]
+    # a tune() stores a config the table must then use
+    key = {"slot_bytes": t._sb, "table_bytes": autotune.bucket(t.capacity * t._sb)}
+    tuned = {"prefetch": 3, "threads": 1}
+    autotune._store(torch.device("cpu"), autotune._entry_key("hash_find", "cpu", key),
+                    {"backend": "cpu", "config": tuned, "time_s": 1.0})
+    assert t._config("hash_find") == tuned
+    monkeypatch.setenv("PYKERNELS_AUTOTUNE", "0")
+    assert t._config("hash_find") == autotune.config_for("hash_find", "cpu", key, torch.device("cpu")) != tuned
+    v, f = t.find(keys)
+    assert bool(f.all()) and torch.equal(v, keys)
+
+
 @pytest.mark.parametrize("prefetch", [1, 3, 64, 100])
 def test_any_prefetch_distance_is_correct(prefetch):
     from pykernels.hashing import _tune
@@ -754,3 +867,63 @@ def test_hash_ops_pass_opcheck_and_compile_fullgraph():
 
     q = torch.cat([keys, torch.tensor([3, 5])])
     assert lookup_plus_one(t._slots, t._special, q).tolist() == [k + 2 for k in keys.tolist()] + [-1, -1]
+
+
+def test_table_lookups_compile_fullgraph_and_follow_growth():
+    """t.find / t.contains trace without a graph break (no lock while dynamo traces, the config is the
+    table's cached one); a rehash changes the table's size, so the guards recompile and answers stay
+    right."""
+    torch._dynamo.reset()
+    t = HashMap(16, value_dtype=torch.int32)
+    s = HashSet(16, key_dtype=torch.uint32)
+    keys = torch.arange(-5, 7)
+    t.insert(keys, (keys * 3).to(torch.int32))
+    s.insert(keys.to(torch.int32).view(torch.uint32))
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def lookup(q):
+        vals, found = t.find(q, default=-100)
+        return torch.where(found, vals + 1, vals), t.contains(q)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def member(q):
+        return s.contains(q)
+
+    q = torch.cat([keys, torch.tensor([1000, -1000, 2 ** 40])])
+
+    def oracle(present):
+        return ([3 * k + 1 if k in present else -100 for k in q.tolist()], [k in present for k in q.tolist()])
+
+    v, f = lookup(q)
+    assert (v.tolist(), f.tolist()) == oracle(set(keys.tolist()))
+    q32 = q.to(torch.int32).view(torch.uint32)
+    assert member(q32).tolist() == [k in set(keys.tolist()) for k in q.to(torch.int32).tolist()]
+    big = torch.arange(100, 400)
+    cap = t.capacity
+    t.insert(big, (big * 3).to(torch.int32))     # eager, grows the table
+    assert t.capacity > cap
+    q = torch.cat([q, big])
+    v, f = lookup(q)
+    assert (v.tolist(), f.tolist()) == oracle(set(keys.tolist()) | set(big.tolist()))
+
+
+def test_shared_methods_live_in_the_base_class_and_answer_per_table_kind():
+    from pykernels.hashing._tables import _OpenTable
+
+    for cls in (HashMap, HashSet, CountingTable):
+        for name in ("contains", "erase", "items", "clear"):
+            assert getattr(cls, name) is getattr(_OpenTable, name), (cls, name)
+    assert MultiValueHashMap.items is _OpenTable.items
+    keys = torch.tensor([4, -1, 9, 4])
+    m, s, c = HashMap(8, value_dtype=torch.float16), HashSet(8), CountingTable(8)
+    m.insert(keys, torch.tensor([1.5, -0.0, 2.0, 1.5], dtype=torch.float16))
+    s.insert(keys)
+    c.add(keys)
+    mk, mv = m.items()
+    assert mv.dtype == torch.float16 and dict(zip(mk.tolist(), mv.tolist())) == {4: 1.5, -1: -0.0, 9: 2.0}
+    assert sorted(s.items().tolist()) == [-1, 4, 9]
+    ck, cv = c.items()
+    assert cv.dtype == torch.int64 and dict(zip(ck.tolist(), cv.tolist())) == {4: 2, -1: 1, 9: 1}
+    for t in (m, s, c):
+        assert t.erase(torch.tensor([4, 4, 5])).tolist() == [True, False, False]
+        assert t.contains(keys).tolist() == [False, True, True, False]

@@ -107,3 +107,21 @@ def test_gpu_growth_set_counting_multi_bloom():
     bc.add(keys.cpu())
     probe = torch.randint(-(1 << 62), 1 << 62, (100000,))
     assert torch.equal(b.contains(probe.cuda()).cpu(), bc.contains(probe))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda"), torch.device("cuda", 0)])
+def test_gpu_tables_made_with_any_spelling_of_the_device_accept_its_tensors(device):
+    """device="cuda" means the current GPU: the table resolves the index, so cuda:0 tensors (what
+    .cuda() and torch.device("cuda", 0) give) are accepted, and a CPU tensor is refused."""
+    cur = torch.device("cuda", torch.cuda.current_device())
+    keys = torch.arange(-3, 100, device=cur)
+    for t in (HashMap(16, device=device), HashSet(16, device=device), CountingTable(16, device=device),
+              MultiValueHashMap(16, torch.int64, torch.int64, device), BloomFilter(4096, 3, device=device)):
+        assert t.device == cur
+        (t.add if isinstance(t, BloomFilter) else t.insert)(*((keys, keys) if isinstance(t, (HashMap,
+                                                               MultiValueHashMap)) else (keys,)))
+        assert bool(t.contains(keys).all()), t
+        assert bool(t.contains(keys.cpu().cuda()).all()), t
+        with pytest.raises(RuntimeError, match="expected 'keys' on"):
+            t.contains(keys.cpu())

@@ -23,6 +23,7 @@ import math
 import torch
 
 from . import _layout as L
+from ._ops import stream_args
 from ._tables import M_ADD, M_APPEND, M_UPSERT, ST_NEW, _OpenTable, _device
 from .. import _backend, _native
 from ..errors import TableFullError  # noqa: F401  (re-exported for convenience)
@@ -47,7 +48,7 @@ class HashMap(_OpenTable):
         one call exactly one is True, and one of their values is kept."""
         keys = self._keys("insert", keys)
         values = self._values("insert", values, keys)
-        with self._lock:
+        with self._locked():
             status = self._insert_bits(f"{self._op}.insert", L.key_bits(keys), L.value_bits(values), M_UPSERT)
         return (status == ST_NEW).view(keys.shape)
 
@@ -55,29 +56,9 @@ class HashMap(_OpenTable):
         """(values, found): the value of each key, `default` where the key is absent."""
         keys = self._keys("find", keys)
         dbits = L.scalar_bits(f"{self._op}.find", default, self.value_dtype)
-        with self._lock:
+        with self._locked():
             vals, found = self._find_bits(L.key_bits(keys), True, dbits)
         return L.bits_to_values(vals, self.value_dtype).view(keys.shape), found.view(keys.shape)
-
-    def contains(self, keys) -> torch.Tensor:
-        keys = self._keys("contains", keys)
-        with self._lock:
-            _, found = self._find_bits(L.key_bits(keys), False)
-        return found.view(keys.shape)
-
-    def erase(self, keys) -> torch.Tensor:
-        """Removes keys; True where a key was removed (once per key among duplicates)."""
-        keys = self._keys("erase", keys)
-        with self._lock:
-            out = self._erase_bits(L.key_bits(keys))
-        return out.view(keys.shape).bool()
-
-    def items(self):
-        """(keys, values) of every entry, in no particular order."""
-        with self._lock:
-            keys, vb = self._key_values_out()
-        return keys, L.bits_to_values(vb, self.value_dtype)
-
 
 class HashSet(_OpenTable):
     """A set of keys (slots hold keys only: 4- or 8-byte slots, 16 or 8 per cache line)."""
@@ -91,26 +72,9 @@ class HashSet(_OpenTable):
 
     def insert(self, keys) -> torch.Tensor:
         keys = self._keys("insert", keys)
-        with self._lock:
+        with self._locked():
             status = self._insert_bits(f"{self._op}.insert", L.key_bits(keys), None, M_UPSERT)
         return (status == ST_NEW).view(keys.shape)
-
-    def contains(self, keys) -> torch.Tensor:
-        keys = self._keys("contains", keys)
-        with self._lock:
-            _, found = self._find_bits(L.key_bits(keys), False)
-        return found.view(keys.shape)
-
-    def erase(self, keys) -> torch.Tensor:
-        keys = self._keys("erase", keys)
-        with self._lock:
-            out = self._erase_bits(L.key_bits(keys))
-        return out.view(keys.shape).bool()
-
-    def items(self) -> torch.Tensor:
-        with self._lock:
-            keys, _ = self._key_values_out()
-        return keys
 
 
 class CountingTable(_OpenTable):
@@ -131,7 +95,7 @@ class CountingTable(_OpenTable):
         if counts is not None:
             counts = L.check_values(f"{self._op}.add", counts, torch.int64, keys)
             vbits = L.value_bits(counts)
-        with self._lock:
+        with self._locked():
             status = self._insert_bits(f"{self._op}.add", L.key_bits(keys), vbits, M_ADD)
         return (status == ST_NEW).view(keys.shape)
 
@@ -140,27 +104,9 @@ class CountingTable(_OpenTable):
     def counts(self, keys) -> torch.Tensor:
         """int64 count of each key (0 when absent)."""
         keys = self._keys("counts", keys)
-        with self._lock:
+        with self._locked():
             vals, _ = self._find_bits(L.key_bits(keys), True, 0)
         return vals.view(keys.shape)
-
-    def contains(self, keys) -> torch.Tensor:
-        keys = self._keys("contains", keys)
-        with self._lock:
-            _, found = self._find_bits(L.key_bits(keys), False)
-        return found.view(keys.shape)
-
-    def erase(self, keys) -> torch.Tensor:
-        keys = self._keys("erase", keys)
-        with self._lock:
-            out = self._erase_bits(L.key_bits(keys))
-        return out.view(keys.shape).bool()
-
-    def items(self):
-        """(keys, counts)."""
-        with self._lock:
-            keys, vb = self._key_values_out()
-        return keys, vb
 
 
 class MultiValueHashMap(_OpenTable):
@@ -190,7 +136,7 @@ class MultiValueHashMap(_OpenTable):
         keys = self._keys("insert", keys)
         values = self._values("insert", values, keys)
         kbits, vbits = L.key_bits(keys), L.value_bits(values)
-        with self._lock:
+        with self._locked():
             self._insert_bits(f"{self._op}.insert", kbits, vbits, M_APPEND)  # reserved patterns: SKIPPED
             for bits, m in self._special_masks(kbits):
                 self._special_multi.setdefault(bits, []).append(vbits[m].clone())
@@ -202,7 +148,7 @@ class MultiValueHashMap(_OpenTable):
         if n:
             cfg = self._config("hash_find")
             self._mod.multi_walk(*self._geo(), kbits.data_ptr(), n, counts.data_ptr(), 0, 0, self._threads(cfg),
-                                 int(cfg.get("prefetch", 16)), *self._stream())
+                                 int(cfg.get("prefetch", 16)), *stream_args(self.device))
         return counts
 
     def _special_values(self, bits):
@@ -215,7 +161,7 @@ class MultiValueHashMap(_OpenTable):
         """int64 number of values of each key."""
         keys = self._keys("count", keys)
         kbits = L.key_bits(keys)
-        with self._lock:
+        with self._locked():
             counts = self._native_counts(kbits)
             for bits, m in self._special_masks(kbits):
                 sv = self._special_values(bits)
@@ -231,7 +177,7 @@ class MultiValueHashMap(_OpenTable):
         keys = self._keys("find", keys)
         kbits = L.key_bits(keys)
         n = kbits.numel()
-        with self._lock:
+        with self._locked():
             counts = self._native_counts(kbits)
             specials = []
             for bits, m in self._special_masks(kbits):
@@ -246,7 +192,7 @@ class MultiValueHashMap(_OpenTable):
             if total:
                 cfg = self._config("hash_find")
                 self._mod.multi_walk(*self._geo(), kbits.data_ptr(), n, 0, offsets.data_ptr(), vals.data_ptr(),
-                                     self._threads(cfg), int(cfg.get("prefetch", 16)), *self._stream())
+                                     self._threads(cfg), int(cfg.get("prefetch", 16)), *stream_args(self.device))
             for m, sv in specials:
                 starts = offsets[:-1][m]
                 idx = (starts[:, None] + torch.arange(sv.numel(), device=self.device)[None, :]).reshape(-1)
@@ -257,7 +203,7 @@ class MultiValueHashMap(_OpenTable):
         """Removes every value of each key; int64 number of values removed per key position."""
         keys = self._keys("erase", keys)
         kbits = L.key_bits(keys)
-        with self._lock:
+        with self._locked():
             out = self._erase_bits(kbits)
             for bits, m in self._special_masks(kbits):
                 sv = self._special_values(bits)
@@ -267,12 +213,6 @@ class MultiValueHashMap(_OpenTable):
                     self._size -= sv.numel()
                     del self._special_multi[bits]
         return out.view(keys.shape)
-
-    def items(self):
-        """(keys, values): every pair."""
-        with self._lock:
-            keys, vb = self._key_values_out()
-        return keys, L.bits_to_values(vb, self.value_dtype)
 
 
 class BloomFilter:
@@ -284,6 +224,7 @@ class BloomFilter:
     """
 
     BLOCK_BITS = 512
+    _locked = _OpenTable._locked  # the lock, skipped while torch.compile traces
 
     def __init__(self, num_bits, num_hashes, device="cpu", *, seed=L.DEFAULT_SEED, backend="auto"):
         op = "BloomFilter"
@@ -317,7 +258,7 @@ class BloomFilter:
         if keys.dtype not in L.KEY_DTYPES:
             raise TypeError(f"pykernels.BloomFilter.{op}: expected 'keys' of dtype int32, int64, uint32 or "
                             f"uint64, got {L.dtype_name(keys.dtype)}")
-        if keys.device != self.device:
+        if not L.same_device(keys.device, self.device):
             raise RuntimeError(f"pykernels.BloomFilter.{op}: expected 'keys' on {self.device}, got {keys.device}")
         flat = keys.reshape(-1)
         if keys.dtype == torch.uint64:
@@ -330,28 +271,25 @@ class BloomFilter:
             bits = flat.to(torch.int64)
         return keys, bits
 
-    def _stream(self):
-        return (_native.cuda_stream_handle(self.device),) if self.device.type == "cuda" else ()
-
     def add(self, keys) -> None:
         keys, bits = self._keys("add", keys)
         if bits.numel():
-            with self._lock:
+            with self._locked():
                 self._mod.bloom_add(self._words.data_ptr(), self.num_blocks, self.num_hashes, self.seed,
-                                    bits.data_ptr(), bits.numel(), torch.get_num_threads(), *self._stream())
+                                    bits.data_ptr(), bits.numel(), torch.get_num_threads(), *stream_args(self.device))
 
     def contains(self, keys) -> torch.Tensor:
         keys, bits = self._keys("contains", keys)
         out = torch.empty(bits.numel(), dtype=torch.uint8, device=self.device)
         if bits.numel():
-            with self._lock:
+            with self._locked():
                 self._mod.bloom_contains(self._words.data_ptr(), self.num_blocks, self.num_hashes, self.seed,
                                          bits.data_ptr(), bits.numel(), out.data_ptr(), torch.get_num_threads(),
-                                         *self._stream())
+                                         *stream_args(self.device))
         return out.view(torch.bool).view(keys.shape)
 
     def clear(self) -> None:
-        with self._lock:
+        with self._locked():
             self._words.zero_()
 
     def false_positive_rate(self, n: int) -> float:

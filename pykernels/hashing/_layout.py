@@ -7,7 +7,9 @@ bits. So a float value of -0.0 or NaN comes back bit-exact.
 from __future__ import annotations
 
 import math
+import numbers
 
+import numpy as np
 import torch
 
 from ..errors import check_dtype
@@ -92,12 +94,43 @@ def bits_to_values(bits: torch.Tensor, value_dtype: torch.dtype) -> torch.Tensor
 
 
 def scalar_bits(op: str, value, value_dtype: torch.dtype) -> int:
-    """The slot bit pattern (as an unsigned Python int) of a scalar given in the value dtype."""
-    try:
-        t = torch.as_tensor(value, dtype=value_dtype).reshape(1)
-    except (TypeError, RuntimeError, OverflowError) as exc:
-        raise TypeError(f"pykernels.{op}: expected 'default' convertible to {dtype_name(value_dtype)}, "
-                        f"got {value!r} ({exc})") from None
+    """The slot bit pattern (as an unsigned Python int) of a scalar given in the value dtype.
+
+    The scalar must be representable in the value dtype: torch would wrap 2**70 or -1 into an integer
+    dtype, or truncate 3.7 to 3, silently. Integer (and bool) dtypes take integral numbers within
+    their range; float dtypes take any real number whose magnitude they can hold (rounding to the
+    nearest representable value, as storing a float does; inf and NaN are values too)."""
+    where = f"pykernels.{op}: expected 'default'"
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{where} to be a scalar, got a tensor of shape {tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, (bool, np.bool_)):
+        value = int(value)
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"{where} to be a real number (the table holds {dtype_name(value_dtype)} values), got "
+                        f"{type(value).__name__} {value!r}")
+    if value_dtype.is_floating_point:
+        try:
+            as_float = float(value)
+            t = torch.tensor(as_float, dtype=value_dtype).reshape(1)
+            overflow = math.isinf(float(t[0])) and not math.isinf(as_float)
+        except OverflowError:  # an int beyond float64
+            overflow = True
+        if overflow:
+            raise ValueError(f"{where} within the range of {dtype_name(value_dtype)}, got {value!r}")
+    else:
+        if isinstance(value, numbers.Integral):
+            as_int = int(value)
+        elif math.isfinite(value) and float(value).is_integer():
+            as_int = int(value)
+        else:
+            raise ValueError(f"{where} to be an integer for the {dtype_name(value_dtype)} values of this "
+                             f"table, got {value!r} (it would be truncated)")
+        lo, hi = (0, 1) if value_dtype == torch.bool else (torch.iinfo(value_dtype).min, torch.iinfo(value_dtype).max)
+        if not lo <= as_int <= hi:
+            raise ValueError(f"{where} within the range of {dtype_name(value_dtype)} [{lo}, {hi}], got {value!r}")
+        t = torch.tensor(as_int, dtype=value_dtype).reshape(1)
     b = int(value_bits(t)[0])
     return b & 0xFFFFFFFFFFFFFFFF
 
@@ -162,12 +195,24 @@ def probe_start(key_bits_u64: int, seed: int, nw: int):
     return ((h >> 32) * nw) >> 32, 1 + (((h & 0xFFFFFFFF) * (nw - 1)) >> 32)
 
 
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether tensors on `a` may be used with a table on `b`: the same (type, index), a missing index
+    being the current one ("cuda" as the current GPU; tables store theirs resolved, _tables._device)
+    and the CPU's only index 0."""
+    if a.type != b.type:
+        return False
+    if a.type == "cuda":
+        cur = torch.cuda.current_device() if (a.index is None or b.index is None) else 0
+        return (cur if a.index is None else a.index) == (cur if b.index is None else b.index)
+    return (a.index or 0) == (b.index or 0)
+
+
 def check_keys(op: str, keys, key_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     from .._native import as_tensor
 
     keys = as_tensor(keys, op, "keys")
     check_dtype(op, "keys", keys, (key_dtype,))
-    if keys.device != device:
+    if not same_device(keys.device, device):
         raise RuntimeError(f"pykernels.{op}: expected 'keys' on the table's device {device}, got {keys.device}")
     return keys
 
@@ -177,7 +222,7 @@ def check_values(op: str, values, value_dtype: torch.dtype, keys: torch.Tensor) 
 
     values = as_tensor(values, op, "values")
     check_dtype(op, "values", values, (value_dtype,))
-    if values.device != keys.device:
+    if not same_device(values.device, keys.device):
         raise RuntimeError(f"pykernels.{op}: expected 'values' on {keys.device} like 'keys', got {values.device}")
     if values.shape != keys.shape:
         raise ValueError(f"pykernels.{op}: expected 'values' of the shape of 'keys' {tuple(keys.shape)}, "

@@ -22,8 +22,16 @@ def _mod(t: torch.Tensor):
     return _native.cpu_module("hash") if t.device.type == "cpu" else _native.cuda_module("hash")
 
 
-def _stream(t: torch.Tensor):
-    return (_native.cuda_stream_handle(t.device),) if t.device.type == "cuda" else ()
+def stream_args(device: torch.device) -> tuple:
+    """The trailing stream argument of a native CUDA call (torch's current stream on `device`); none on
+    the CPU. The one helper every table call into the native modules uses."""
+    return (_native.cuda_stream_handle(device),) if device.type == "cuda" else ()
+
+
+def _nthreads(threads: int) -> int:
+    """`threads` <= 0: torch's intra-op thread count, read when the kernel runs (not baked into a
+    compiled graph)."""
+    return threads if threads > 0 else torch.get_num_threads()
 
 
 def out_buffer(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -45,15 +53,16 @@ def hash_find(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor, nw
               kb: int, vb: int, default_bits: int, with_values: bool, threads: int,
               prefetch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(value bits [n] (int32/int64; empty for sets or without `with_values`), found [n] bool) of
-    key bits `keys` (1-D). `kb`/`vb`: the table's key and value-slot bytes (its layout)."""
+    key bits `keys` (1-D). `kb`/`vb`: the table's key and value-slot bytes (its layout); `threads` <= 0:
+    torch.get_num_threads()."""
     n = keys.numel()
     nv = n if (vb and with_values) else 0
     found = out_buffer(n, torch.uint8, keys.device)
     vals = out_buffer(nv, _BITS.get(vb, torch.int64), keys.device)
     if n:
         _mod(slots).find(slots.data_ptr(), special.data_ptr(), nw, window, seed & _M64, kb, vb, keys.data_ptr(), n,
-                         vals.data_ptr() if nv else 0, found.data_ptr(), default_bits & _M64, threads, prefetch,
-                         *_stream(slots))
+                         vals.data_ptr() if nv else 0, found.data_ptr(), default_bits & _M64, _nthreads(threads),
+                         prefetch, *stream_args(slots.device))
     return vals, found.view(torch.bool)
 
 
@@ -77,7 +86,8 @@ def hash_insert_(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor,
     if n:
         counts = _mod(slots).insert(slots.data_ptr(), special.data_ptr(), nw, window, seed & _M64, kb, vb,
                                     keys.data_ptr(), values.data_ptr() if values is not None else 0, n,
-                                    status.data_ptr(), mode, used, limit, threads, prefetch, *_stream(slots))
+                                    status.data_ptr(), mode, used, limit, _nthreads(threads), prefetch,
+                                    *stream_args(slots.device))
     return status, torch.tensor(list(counts), dtype=torch.int64)
 
 

@@ -8,6 +8,7 @@ table (the native bulk operations release the GIL and are themselves multi-threa
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 
@@ -24,16 +25,25 @@ ST_EXISTED, ST_NEW, ST_PENDING, ST_SKIPPED = 0, 1, 2, 3
 M_UPSERT, M_ADD, M_APPEND = 0, 1, 2
 
 _SUPPORTED = ("cpu", "cuda")
+_TUNED_OPS = ("hash_find", "hash_insert")  # the autotuned ops of a table (_tune.py)
 _GPU_WINDOWS = (1, 2, 4, 8, 16, 32)  # group sizes hash.cu is instantiated for
 _HUGE = 2 << 20
 _HUGE_MIN_BYTES = 8 << 20
 
 
 def _device(op, device) -> torch.device:
+    """The table's device in one canonical spelling: "cuda" gets the current device's index (the one
+    torch would allocate on), and "cpu:0" is "cpu" (tensors report their CPU device without an index)."""
     try:
-        return torch.device(device)
+        device = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise RuntimeError(f"pykernels.{op}: expected a torch device for 'device', got {device!r} ({exc})") from None
+    if device.type == "cpu":
+        return torch.device("cpu")
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device  # no GPU: backend selection raises the error naming the op
+
 
 
 def default_window(slot_bytes: int, device: torch.device) -> int:
@@ -88,7 +98,15 @@ class _OpenTable:
             raise ValueError(f"pykernels.{op}: expected 'window' (the probing-group size) in {_GPU_WINDOWS} on "
                              f"the GPU, got {self.window}")
         self._lock = threading.RLock()
+        self._tune_device_id = autotune.device_id(self.device)
+        self._config_cache = {}  # op -> (_tune_state() when computed, config)
         self._alloc(capacity)
+        self._config("hash_find")
+
+    def _locked(self):
+        """The table's lock; none while torch.compile traces a method (dynamo cannot trace an RLock, and
+        the traced kernels are the functional torch.ops.pykernels ops, whose ordering the graph keeps)."""
+        return contextlib.nullcontext() if torch.compiler.is_compiling() else self._lock
 
     # -- storage ---------------------------------------------------------------------------------
     def _slot_value_bytes(self):
@@ -151,10 +169,34 @@ class _OpenTable:
                 f"{L.dtype_name(self.key_dtype)}{vd}, device={self.device}, window={self.window})")
 
     # -- native calls ----------------------------------------------------------------------------
+    def _tune_state(self):
+        """What a cached config depends on besides the op: the table's size (its key) and the autotune
+        cache (entries loaded for this device; a clear_memory_cache() drops them, a tune() adds one;
+        PYKERNELS_AUTOTUNE=0 ignores them). The entries dict itself is held, not its id(), so a new
+        dict at the old address cannot pass for it."""
+        entries = autotune._MEMORY.get(self._tune_device_id)
+        return self._nw, autotune._enabled(), entries, -1 if entries is None else len(entries)
+
     def _config(self, op):
+        """The autotuned (or default) config of `op` for this table. Cached on the table: the lookup
+        (a JSON key, the cache's lock) cost ~20 us, as much as a small find; recomputed after a rehash
+        changes the capacity or when the autotune cache changes (see _tune_state)."""
+        if torch.compiler.is_compiling():
+            # No cache files under dynamo: use what the last eager call (or __init__) computed; the
+            # graph's guards on the table's size and this config recompile it when either changes.
+            return self._config_cache[op][1]
+        state = self._tune_state()
+        hit = self._config_cache.get(op)
+        if hit is not None:
+            (nw, enabled, entries, n), cfg = hit
+            if nw == state[0] and enabled == state[1] and entries is state[2] and n == state[3]:
+                return cfg
         key = {"slot_bytes": self._sb, "table_bytes": autotune.bucket(self.capacity * self._sb)}
-        _, cfg = _backend.dispatch(op, self.device, self.backend, key, supported=_SUPPORTED, preference=("cuda",))
-        return cfg
+        for name in _TUNED_OPS:  # both at once, so a traced call finds either
+            _, cfg = _backend.dispatch(name, self.device, self.backend, key, supported=_SUPPORTED,
+                                       preference=("cuda",))
+            self._config_cache[name] = (self._tune_state(), cfg)  # after dispatch: it loads the entries
+        return self._config_cache[op][1]
 
     def _threads(self, cfg):
         t = int(cfg.get("threads", 0) or 0)
@@ -163,14 +205,11 @@ class _OpenTable:
     def _geo(self):
         return (self._slots.data_ptr(), self._special.data_ptr(), self._nw, self.window, self.seed, self._kb, self._vb)
 
-    def _stream(self):
-        return (_native.cuda_stream_handle(self.device),) if self.device.type == "cuda" else ()
-
     def _native_insert(self, kbits, vbits, mode, cfg):
         """One bulk insert through torch.ops.pykernels.hash_insert_: (status, (new, new_empty, pending))."""
         status, counts = _ops.hash_insert_(self._slots, self._special, kbits, vbits, self._nw, self.window, self.seed,
-                                           self._kb, self._vb, mode, self._used, self._limit(), self._threads(cfg),
-                                           int(cfg.get("prefetch", 32)))
+                                           self._kb, self._vb, mode, self._used, self._limit(),
+                                           int(cfg.get("threads", 0) or 0), int(cfg.get("prefetch", 32)))
         return status, tuple(int(c) for c in counts.tolist())
 
     def _insert_bits(self, op, kbits, vbits, mode):
@@ -214,7 +253,7 @@ class _OpenTable:
         cfg = self._config("hash_insert")
         moved = self._mod.rehash(old_slots.data_ptr(), old_nw, new_slots.data_ptr(), new_nw, self.window, self.seed,
                                  self._kb, self._vb, self._threads(cfg), int(cfg.get("prefetch", 32)),
-                                 *self._stream())
+                                 *_ops.stream_args(self.device))
         self._slots, self._nw = new_slots, new_nw
         self._used = moved
 
@@ -222,7 +261,7 @@ class _OpenTable:
         cfg = self._config("hash_find") if kbits.numel() else {}
         signed_default = default_bits - (1 << 64) if default_bits >= 1 << 63 else default_bits
         vals, found = _ops.hash_find(self._slots, self._special, kbits, self._nw, self.window, self.seed, self._kb,
-                                     self._vb, signed_default, bool(want_values), self._threads(cfg),
+                                     self._vb, signed_default, bool(want_values), int(cfg.get("threads", 0) or 0),
                                      int(cfg.get("prefetch", 32)))
         return (vals if want_values and self._vb else None), found
 
@@ -232,7 +271,7 @@ class _OpenTable:
         if n:
             cfg = self._config("hash_find")
             total = self._mod.erase(*self._geo(), kbits.data_ptr(), n, out.data_ptr(), self._multi, self._counting,
-                                    self._threads(cfg), int(cfg.get("prefetch", 32)), *self._stream())
+                                    self._threads(cfg), int(cfg.get("prefetch", 32)), *_ops.stream_args(self.device))
             self._size -= total
         return out
 
@@ -244,7 +283,7 @@ class _OpenTable:
             cfg = self._config("hash_find")
             got = self._mod.items(self._slots.data_ptr(), self._nw, self.window, self._kb, self._vb, kb.data_ptr(),
                                   vb.data_ptr() if vb is not None else 0, n_slots_live, self._threads(cfg),
-                                  *self._stream())
+                                  *_ops.stream_args(self.device))
             if got != n_slots_live:
                 raise RuntimeError(f"pykernels.{self._op}.items: internal error: {got} live slots, expected "
                                    f"{n_slots_live}")
@@ -280,9 +319,33 @@ class _OpenTable:
 
         return DeviceView(self)
 
+    # -- the methods every table shares -------------------------------------------------------
+    def contains(self, keys) -> torch.Tensor:
+        """bool, True where the key is in the table."""
+        keys = self._keys("contains", keys)
+        with self._locked():
+            _, found = self._find_bits(L.key_bits(keys), False)
+        return found.view(keys.shape)
+
+    def erase(self, keys) -> torch.Tensor:
+        """Removes keys; True where a key was removed (once per key among duplicates)."""
+        keys = self._keys("erase", keys)
+        with self._locked():
+            out = self._erase_bits(L.key_bits(keys))
+        return out.view(keys.shape).bool()
+
+    def items(self):
+        """Every entry, in no particular order: the keys (sets), or (keys, values) (maps; a counting
+        table's values are its counts, a multi-value map has one pair per value)."""
+        with self._locked():
+            keys, vb = self._key_values_out()
+        if self.value_dtype is None:
+            return keys
+        return keys, L.bits_to_values(vb, self.value_dtype)
+
     def clear(self):
         """Removes every key; keeps the capacity."""
-        with self._lock:
+        with self._locked():
             self._init_slots(self._slots)
             self._special.zero_()
             self._special_multi = {}
