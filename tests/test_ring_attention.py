@@ -397,6 +397,51 @@ def test_ring_and_token_ring_agree(pool3):
 
 
 # --------------------------------------------------------------------- single process, no dist init
+@pytest.mark.parametrize("kind", ["numpy", "numpy_readonly", "numpy_reversed", "dlpack"])
+def test_numpy_and_dlpack_inputs(kind):
+    """API.md: numpy / DLPack arrays are accepted wherever a tensor is; results are torch tensors."""
+    import numpy as np
+
+    class DLPackOnly:  # speaks only DLPack, like a cupy array
+        def __init__(self, t):
+            self._t = t
+
+        def __dlpack__(self, *args, **kwargs):
+            return self._t.__dlpack__(*args, **kwargs)
+
+        def __dlpack_device__(self):
+            return self._t.__dlpack_device__()
+
+    def conv(t):
+        if kind == "dlpack":
+            return DLPackOnly(t)
+        a = t.numpy()
+        if kind == "numpy_readonly":
+            a.flags.writeable = False
+        elif kind == "numpy_reversed":  # negative strides: torch.from_dlpack would abort on them
+            a = np.flip(np.flip(a, 2).copy(), 2)
+            assert any(st < 0 for st in a.strides)
+        return a
+
+    q, k, v, _ = make_inputs(4, 1, 4, 2, 8, 8, torch.float32)
+    for name, fn in FNS.items():
+        want, want_lse = fn(q, k, v, causal=True, return_lse=True)
+        out, lse = fn(conv(q), conv(k), conv(v), causal=True, return_lse=True)
+        assert type(out) is torch.Tensor and type(lse) is torch.Tensor, name
+        torch.testing.assert_close(out, want, atol=0, rtol=0)
+        torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+    local = shard_sequence(conv(q), layout="zigzag")
+    assert type(local) is torch.Tensor and torch.equal(local, shard_sequence(q, layout="zigzag"))
+    full = unshard_sequence(conv(q), layout="zigzag")
+    assert type(full) is torch.Tensor and torch.equal(full, q)
+    with pytest.raises(TypeError, match="collectives.shard_sequence: expected 'x'"):
+        shard_sequence([[1.0, 2.0]])
+    with pytest.raises(TypeError, match="collectives.unshard_sequence: expected 'local'"):
+        unshard_sequence("abc")
+    with pytest.raises(TypeError, match="collectives.ring_attention: expected 'k'"):
+        ring_attention(q, object(), v)
+
+
 @pytest.mark.parametrize("fn", ["ring", "token"])
 def test_world_of_one_without_process_group(fn):
     assert not dist.is_initialized()
