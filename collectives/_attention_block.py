@@ -7,13 +7,14 @@ what makes a blockwise backward exact (FlashAttention-2 backward: P = exp(S - ls
 dS = P * (dP - D)).
 
 Backends, picked per call by `_fwd_impl` / `_bwd_impl` (the one place to switch):
-  - CPU: torch's fused flash kernels `aten._scaled_dot_product_flash_attention_for_cpu` (returns the
-    LSE) and its `_backward` (accepts the global out and LSE). They silently accept fewer K/V heads, so
-    GQA heads are expanded here explicitly; their causal mask is top-left aligned, so `causal` is only
-    used for square diagonal blocks (where top-left == bottom-right).
-  - GPU: `pykernels.attention.flash_attention(..., return_lse=True)` and
-    `pykernels.attention.flash_attention_backward(dout, q, k, v, out, lse)` (issue #6's Triton kernels)
-    where this build has them, else the exact fp32 math below (query-chunked so memory stays bounded).
+  - CPU: pykernels' own attention op (`torch.ops.pykernels.flash_attention` and
+    `flash_attention_backward`, backend "cpu"), which returns the LSE, takes the global out/lse in the
+    backward, handles GQA/MQA heads and bottom-right causal masks itself, and turns NaN/inf inputs into
+    NaN outputs exactly like `pykernels.flash_attention` (aten's fused CPU kernels alone would zero
+    such rows: a silent wrong answer).
+  - GPU: the same op with backend "triton" (issue #6's FlashAttention-2 kernels) when this build can
+    run it and the block is inside the kernels' documented limits (`_triton_takes`), else the exact
+    fp32 math below (query-chunked so memory stays bounded).
 The math path is also the oracle-grade fallback for anything the fused kernels do not take.
 
 Accumulators: the merge of partials and the LSE are kept in fp32 (fp64 for fp64 inputs), whatever the
@@ -46,11 +47,15 @@ def _reduce_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
     return t.view(b, h // groups, groups, s, d).sum(dim=2)
 
 
+# Dtypes for which the CPU path uses pykernels' attention op (every one it takes; the tests empty this
+# tuple to exercise the math path that GPUs fall back to).
 _CPU_FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _math_forward(q, k, v, scale, causal, chunk: int = 1024):
-    """Exact attention in fp32 (fp64 for fp64), queries in chunks of `chunk` rows."""
+    """Exact attention in fp32 (fp64 for fp64), queries in chunks of `chunk` rows. NaN/inf inputs give
+    NaN rows (logsumexp and exp propagate them), as flash_attention does."""
     acc = acc_dtype(q.dtype)
     qa, ka, va = q.to(acc), k.to(acc), v.to(acc)
     sq, sk = q.shape[2], k.shape[2]
@@ -95,53 +100,50 @@ def _math_backward(do, q, k, v, out, lse, scale, causal, chunk: int = 1024, delt
     return dq, dk, dv
 
 
-def _gpu_kernel(name: str):
-    """pykernels.attention.<name> if this build has it implemented, else None (then the math path).
+def _attention_ops():
+    """pykernels' registered attention ops (importing pykernels.attention registers them)."""
+    import pykernels.attention  # noqa: F401
 
-    flash_attention(..., return_lse=True) and flash_attention_backward(dout, q, k, v, out, lse) are the
-    fused GPU kernels of issue #6; until they exist (NotImplementedError / ImportError) we stay on the
-    exact math path for good."""
-    state = _gpu_state.get(name)
-    if state is False:
-        return None
+    return torch.ops.pykernels.flash_attention, torch.ops.pykernels.flash_attention_backward
+
+
+_triton_state: dict = {}  # "fwd"/"bwd" -> False once the op said NotImplementedError
+
+
+def _triton_takes(which: str, q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the block is inside the Triton kernels' documented limits (pykernels/attention/_triton.py
+    `_check`: float16/bfloat16/float32, head dim <= 256, B and H <= 65535, S*D < 2**31 per head) and
+    this machine can run Triton. Checked up front, so that any error the kernels do raise is a real
+    one and propagates (a CUDA OOM must not turn into an O(S^2) fallback)."""
+    if _triton_state.get(which) is False or q.dtype not in _TRITON_DTYPES:
+        return False
+    b, h, sq, d = q.shape
+    if d > 256 or b > 65535 or h > 65535 or max(sq, k.shape[2]) * d >= 2 ** 31:
+        return False
+    from pykernels import backends
+
+    return bool(backends()["triton"])
+
+
+def _triton_call(which: str, fn, *args):
     try:
-        import pykernels.attention as attn
-
-        return getattr(attn, name)
-    except (ImportError, AttributeError):
-        _gpu_state[name] = False
-        return None
-
-
-_gpu_state: dict = {}
-
-
-def _gpu_call(name: str, *args, **kwargs):
-    fn = _gpu_kernel(name)
-    if fn is None:
-        return None
-    try:
-        with torch.no_grad():
-            res = fn(*args, **kwargs)
-        _gpu_state[name] = True
-        return res
-    except NotImplementedError:
-        _gpu_state[name] = False
-        return None
-    except (ValueError, TypeError, RuntimeError):
-        # a shape/dtype that kernel does not take (e.g. head_dim > 256): math path for this call
+        return fn(*args)
+    except NotImplementedError:  # an op (or this build) without the kernel: math path for good
+        _triton_state[which] = False
         return None
 
 
 def _fwd_impl(q, k, v, scale, causal):
+    """(out, lse) of q against k, v; k/v may have fewer (GQA) heads."""
     if q.device.type == "cpu" and q.dtype in _CPU_FUSED_DTYPES:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=None, scale=scale)
-    if q.device.type == "cuda":
-        res = _gpu_call("flash_attention", q, k, v, causal=causal, scale=scale, return_lse=True)
+        fwd, _ = _attention_ops()
+        return fwd(q, k, v, causal, scale, "cpu")
+    if q.device.type == "cuda" and _triton_takes("fwd", q, k):
+        fwd, _ = _attention_ops()
+        res = _triton_call("fwd", fwd, q, k, v, causal, scale, "triton")
         if res is not None:
             return res
-    return _math_forward(q, k, v, scale, causal)
+    return None
 
 
 def row_delta(do: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -169,18 +171,16 @@ def out_standin(do: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
 
 
 def _bwd_impl(do, q, k, v, out, lse, scale, causal, delta=None):
-    if q.device.type == "cpu" and q.dtype in _CPU_FUSED_DTYPES:
-        if out is None:
-            out = out_standin(do, delta)
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do, q, k, v, out, lse, 0.0, causal, attn_mask=None, scale=scale)
-    if q.device.type == "cuda":
-        res = _gpu_call("flash_attention_backward", do, q, k, v,
-                        out if out is not None else out_standin(do, delta), lse.float(),
-                        causal=causal, scale=scale)
-        if res is not None:
-            return res
-    return _math_backward(do, q, k, v, out, lse, scale, causal, delta=delta)
+    """(dq, dk, dv) through pykernels' attention backward, or None where it does not apply."""
+    if not ((q.device.type == "cpu" and q.dtype in _CPU_FUSED_DTYPES)
+            or (q.device.type == "cuda" and _triton_takes("bwd", q, k))):
+        return None
+    _, bwd = _attention_ops()
+    if out is None:
+        out = out_standin(do, delta)
+    if q.device.type == "cpu":
+        return bwd(do, None, q, k, v, out, lse, causal, scale, "cpu")
+    return _triton_call("bwd", bwd, do, None, q, k, v, out, lse, causal, scale, "triton")
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -193,19 +193,22 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     if causal and sq != k.shape[2]:
         raise AssertionError("block_forward: causal blocks must be square")
     acc = acc_dtype(q.dtype)
-    if sq == 0 or k.shape[2] == 0:  # the fused CPU kernel crashes (SIGFPE) on empty sequences
+    if sq == 0 or k.shape[2] == 0:
         return (torch.zeros(b, h, sq, v.shape[-1], dtype=q.dtype, device=q.device),
                 torch.full((b, h, sq), float("-inf"), dtype=acc, device=q.device))
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    res = _fwd_impl(q, k, v, scale, causal)
+    if res is not None:
+        out, lse = res
+        return out, lse.to(acc).contiguous()
     groups = h // k.shape[1]
     if groups > 1 and not causal:
-        # GQA without a mask: the g query heads of one kv head are just more rows against the same
-        # keys, so fold them into the sequence dim (a view) instead of copying K/V g times.
+        # Math path, GQA without a mask: the g query heads of one kv head are just more rows against
+        # the same keys, so fold them into the sequence dim (a view) instead of copying K/V g times.
         hkv = k.shape[1]
-        out, lse = _fwd_impl(q.contiguous().view(b, hkv, groups * sq, d), k.contiguous(), v.contiguous(),
-                             scale, False)
+        out, lse = _math_forward(q.view(b, hkv, groups * sq, d), k, v, scale, False)
         return out.reshape(b, h, sq, -1), lse.reshape(b, h, sq).to(acc)
-    q, k, v = q.contiguous(), _expand_kv(k, groups).contiguous(), _expand_kv(v, groups).contiguous()
-    out, lse = _fwd_impl(q, k, v, scale, causal)
+    out, lse = _math_forward(q, _expand_kv(k, groups), _expand_kv(v, groups), scale, causal)
     return out, lse.to(acc)
 
 
@@ -223,18 +226,22 @@ def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                 torch.zeros(k.shape, dtype=acc, device=q.device),
                 torch.zeros(v.shape, dtype=acc, device=q.device))
     groups = q.shape[1] // hkv
-    # The fused kernels want out/lse in their own dtypes (out: q's dtype, lse: fp32, fp64 for fp64).
-    fused_lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32).contiguous()
-    do, q = do.contiguous(), q.contiguous()
+    # The attention op wants out/lse in its own dtypes (out: q's dtype, lse: fp32, fp64 for fp64).
+    lse = lse.to(acc).contiguous()
+    do, q, k, v = do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous()
     out = None if out is None else out.to(q.dtype).contiguous()
+    res = _bwd_impl(do, q, k, v, out, lse, scale, causal, delta=delta)
+    if res is not None:
+        dq, dk, dv = res
+        return dq.to(acc), dk.to(acc), dv.to(acc)
     if groups > 1 and not causal:  # GQA fold, as in block_forward: dk/dv come out per kv head
         b, h, sq, d = q.shape
         fold = lambda t: None if t is None else t.contiguous().view(b, hkv, groups * sq, *t.shape[3:])  # noqa: E731
-        dq, dk, dv = _bwd_impl(fold(do), fold(q), k.contiguous(), v.contiguous(), fold(out), fold(fused_lse),
-                               scale, False, delta=fold(delta))
+        dq, dk, dv = _math_backward(fold(do), fold(q), k, v, fold(out), fold(lse), scale, False,
+                                    delta=fold(delta))
         return dq.reshape(b, h, sq, d).to(acc), dk.to(acc), dv.to(acc)
-    ke, ve = _expand_kv(k, groups).contiguous(), _expand_kv(v, groups).contiguous()
-    dq, dk, dv = _bwd_impl(do, q, ke, ve, out, fused_lse, scale, causal, delta=delta)
+    dq, dk, dv = _math_backward(do, q, _expand_kv(k, groups), _expand_kv(v, groups), out, lse, scale, causal,
+                                delta=delta)
     return dq.to(acc), _reduce_kv(dk.to(acc), groups), _reduce_kv(dv.to(acc), groups)
 
 

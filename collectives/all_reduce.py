@@ -95,10 +95,32 @@ def _work_dtype(dtype: torch.dtype, op: str) -> torch.dtype:
     return dtype
 
 
+def _shared_view(arr) -> torch.Tensor:
+    """A torch tensor sharing `arr`'s memory, or ValueError if that is impossible without a copy.
+
+    all_reduce is in place, so a copy would leave the caller's array unchanged (a silent wrong answer).
+    Negative strides (np_array[::-1]) must be refused before torch.from_dlpack sees them: torch 2.13
+    aborts the interpreter on them; a read-only array cannot receive the result at all."""
+    strides = getattr(arr, "strides", None) or ()
+    if any(s < 0 for s in strides):
+        raise ValueError(f"{OPNAME}: tensor is an array with negative strides {tuple(strides)}, which torch "
+                         f"cannot share without a copy, and all_reduce works in place; pass a "
+                         f"positive-stride array (e.g. numpy.ascontiguousarray) and read the result from it")
+    flags = getattr(arr, "flags", None)
+    if flags is not None and getattr(flags, "writeable", True) is False:
+        raise ValueError(f"{OPNAME}: tensor is a read-only array and all_reduce works in place; pass a "
+                         f"writable array")
+    try:
+        return torch.from_dlpack(arr)
+    except (BufferError, RuntimeError, TypeError) as exc:
+        raise ValueError(f"{OPNAME}: tensor could not be shared through DLPack without a copy "
+                         f"({exc}), and all_reduce works in place; pass a torch.Tensor") from exc
+
+
 def _check_tensor(tensor) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         if hasattr(tensor, "__dlpack__"):
-            tensor = torch.from_dlpack(tensor)  # shares memory: the in-place result lands in the caller's array
+            tensor = _shared_view(tensor)  # shares memory: the in-place result lands in the caller's array
         else:
             raise TypeError(f"{OPNAME}: tensor must be a torch.Tensor (or a DLPack array), got {type(tensor).__name__}")
     if tensor.dtype not in _DTYPES:

@@ -71,6 +71,21 @@ def _shift(rows: slice, base: slice) -> slice:
 
 
 # ------------------------------------------------------------------------------------------ checks
+def _as_tensor(x, op: str, arg: str):
+    """A numpy / DLPack input as a torch tensor (API.md: accepted wherever a tensor is; shared without
+    a copy where possible, see pykernels._native.as_tensor). Anything it cannot convert is returned as
+    is, so the argument checks raise the TypeError on every rank together (a local raise here would
+    leave the other ranks waiting in the ring)."""
+    if isinstance(x, torch.Tensor):
+        return x
+    from pykernels import _native
+
+    try:
+        return _native.as_tensor(x, op, arg)
+    except TypeError:
+        return x
+
+
 def _validate(op: str, q, k, v, causal, scale, layout, grp: comm.Group) -> float:
     """Local checks, then one small all-gather so that bad input on any rank (or shards of different
     shapes) raises on every rank instead of leaving the others waiting in the ring."""
@@ -79,7 +94,8 @@ def _validate(op: str, q, k, v, causal, scale, layout, grp: comm.Group) -> float
     try:
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{op}: expected '{name}' to be a torch.Tensor, got {type(t).__name__}")
+                raise TypeError(f"{op}: expected '{name}' to be a torch.Tensor (or a numpy/DLPack array), "
+                                f"got {type(t).__name__}")
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.dtype not in _DTYPES:
                 raise TypeError(f"{op}: expected '{name}' of dtype float16, bfloat16, float32 or float64, "
@@ -218,6 +234,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     flight; backward circulates dK/dV with their K/V (fp32) and uses the global out/lse. Inputs that
     are bad on any rank raise on every rank. Works over gloo (CPU tensors) and NCCL (CUDA tensors)."""
     op = "collectives.ring_attention"
+    q, k, v = (_as_tensor(t, op, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
     grp = comm.Group(op, group)
     scale = _validate(op, q, k, v, causal, scale, layout, grp)
     out, lse = _RingAttention.apply(q, k, v, scale, bool(causal), layout, grp)
@@ -399,6 +416,7 @@ def token_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
         if len(group) != 2:
             raise ValueError(f"{op}: expected 'group' to be a process group or a pair of them, got {group!r}")
         group, pg_back = group
+    q, k, v = (_as_tensor(t, op, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
     grp = comm.Group(op, group)
     scale = _validate(op, q, k, v, causal, scale, layout, grp)
     if grp.world > 1 and pg_back is None:
@@ -419,9 +437,10 @@ def _shard_chunks(layout: str, w: int, r: int):
     return [r] if layout == "contiguous" else [r, 2 * w - 1 - r]
 
 
-def _check_layout(op, layout, x, dim):
+def _check_layout(op, layout, x, dim, arg="x"):
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{op}: expected 'x' to be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{op}: expected '{arg}' to be a torch.Tensor (or a numpy/DLPack array), "
+                        f"got {type(x).__name__}")
     if layout not in _LAYOUTS:
         raise ValueError(f"{op}: expected 'layout' in {_LAYOUTS}, got {layout!r}")
     if x.dim() == 0 or not -x.dim() <= dim < x.dim():
@@ -482,6 +501,7 @@ def shard_sequence(x: torch.Tensor, group=None, layout: str = "zigzag", dim: int
     gradients, so x's gradient is complete on every rank). Raises ValueError when the length along
     `dim` is not a multiple of world_size ("contiguous") or 2*world_size ("zigzag")."""
     op = "collectives.shard_sequence"
+    x = _as_tensor(x, op, "x")
     dim = _check_layout(op, layout, x, dim)
     grp = comm.Group(op, group)
     n = grp.world if layout == "contiguous" else 2 * grp.world
@@ -498,9 +518,10 @@ def unshard_sequence(local: torch.Tensor, group=None, layout: str = "zigzag", di
     the full tensor, which is treated as replicated). Shards of different shapes on different ranks
     raise ValueError on every rank."""
     op = "collectives.unshard_sequence"
+    local = _as_tensor(local, op, "local")
     err = None
     try:
-        dim = _check_layout(op, layout, local, dim)
+        dim = _check_layout(op, layout, local, dim, "local")
         if layout == "zigzag" and local.shape[dim] % 2:
             raise ValueError(f"{op}: layout 'zigzag' needs an even local length along dim {dim} (two "
                              f"chunks per rank), got {local.shape[dim]}")

@@ -284,10 +284,30 @@ def chk_layouts(algo):
     arr = np.full(5, rank + 1, dtype=np.int64)
     collectives.all_reduce(arr, algorithm=algo)
     assert arr.tolist() == [world * (world + 1) // 2] * 5
+    view = np.full((3, 4), rank + 1.0, dtype=np.float32)[:, 1::2]  # positive strides: still in place
+    collectives.all_reduce(view, algorithm=algo)
+    assert view.tolist() == [[world * (world + 1) / 2] * 2] * 3
+    _check_unshareable_arrays_rejected()
     # all equal inputs
     a = torch.full((1001,), 3.0, dtype=torch.bfloat16)
     collectives.all_reduce(a, "avg", algorithm=algo)
     assert torch.all(a == 3.0)
+
+
+def _check_unshareable_arrays_rejected():
+    """Arrays torch cannot share without a copy (the in-place result would be lost) are a ValueError
+    naming the op and the argument: never an interpreter abort (torch.from_dlpack aborts on negative
+    strides), never a silent copy. Raised before any message, so identically on every rank."""
+    import numpy as np
+
+    rev = np.arange(6, dtype=np.float32)[::-1]
+    with pytest.raises(ValueError, match="collectives.all_reduce: tensor .*negative strides"):
+        collectives.all_reduce(rev)
+    assert rev.tolist() == [5.0, 4.0, 3.0, 2.0, 1.0, 0.0]
+    ro = np.ones(4, dtype=np.float64)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="collectives.all_reduce: tensor .*read-only"):
+        collectives.all_reduce(ro)
 
 
 def chk_async(algo):
@@ -539,6 +559,7 @@ def test_argument_errors():
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="collectives.all_reduce: torch.distributed is not initialized"):
             collectives.all_reduce(x)
+    _check_unshareable_arrays_rejected()
     with pytest.raises(ValueError, match="collectives.plan: numel"):
         collectives.plan(-1, torch.float32)
     with pytest.raises(TypeError, match="collectives.plan: dtype"):

@@ -273,6 +273,31 @@ def test_errors_name_the_op_and_argument():
         flash_attention([1, 2], k, v)
 
 
+def test_flags_and_scale_are_type_checked():
+    """causal="no" must not silently run causal (bool("no") is True), scale=True is not a scale."""
+    import numpy as np
+
+    from pykernels.attention import flash_attention_backward
+
+    q, k, v = make(1, 4, 2, 3, 5, 8, torch.float32)
+    for bad in ("no", 1, None, torch.tensor(True)):
+        with pytest.raises(TypeError, match="^pykernels.flash_attention: expected 'causal' to be a bool"):
+            flash_attention(q, k, v, causal=bad)
+        with pytest.raises(TypeError, match="^pykernels.flash_attention: expected 'return_lse' to be a bool"):
+            flash_attention(q, k, v, return_lse=bad)
+    for bad in (True, "0.5", 1j, torch.tensor(0.5)):
+        with pytest.raises(TypeError, match="^pykernels.flash_attention: expected 'scale' to be a real number"):
+            flash_attention(q, k, v, scale=bad)
+    out, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    with pytest.raises(TypeError, match="^pykernels.flash_attention: expected 'causal' to be a bool"):
+        flash_attention_backward(torch.ones_like(out), q, k, v, out, lse, causal="yes")
+    # real numbers of any Python/numpy type and numpy booleans still work
+    ref = flash_attention(q, k, v, causal=True, scale=0.5)
+    torch.testing.assert_close(flash_attention(q, k, v, causal=np.bool_(True), scale=np.float32(0.5)), ref)
+    torch.testing.assert_close(flash_attention(q, k, v, causal=True, scale=1) * 1.0,
+                               flash_attention(q, k, v, causal=True, scale=1.0))
+
+
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     from pykernels import _backend

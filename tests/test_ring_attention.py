@@ -313,6 +313,34 @@ def case_lse_matches_and_equal_inputs(rank, world, *, fn):
     return True
 
 
+def case_nan_propagates(rank, world, *, fn, layout, causal):
+    """A NaN in q, k or v makes every output row that reads it NaN, as pykernels.flash_attention does
+    on the full sequence (aten's fused CPU kernels alone return 0 for a NaN query row). Rows that do
+    not read it may still be NaN where flash_attention's are (its fused kernels multiply masked-out
+    probabilities, 0, by the NaN value), never elsewhere; their finite values match the clean inputs."""
+    import pykernels
+
+    out = {}
+    for where in ("q", "k", "v"):
+        q, k, v, _ = make_inputs(21, 1, 4, 2, 4 * world, 8, torch.float32)
+        t = {"q": q, "k": k, "v": v}[where]
+        t[0, 1, 3, 2] = float("nan")  # head 1 (kv head 1: query heads 2, 3), position 3, column 2
+        n, g = q.shape[2], q.shape[1] // k.shape[1]
+        vis = torch.ones(n, n).tril() if causal else torch.ones(n, n)
+        kv_nan = (torch.isnan(k) | torch.isnan(v)).any(-1).repeat_interleave(g, 1).float()
+        reads = torch.isnan(q).any(-1) | ((vis @ kv_nan.unsqueeze(-1)).squeeze(-1) > 0)  # [B, H, S]
+        ref = pykernels.flash_attention(q, k, v, causal=causal)
+        clean = pykernels.flash_attention(*(x.nan_to_num(0.0) for x in (q, k, v)), causal=causal)
+        sh = lambda x: shard_sequence(x, layout=layout)  # noqa: E731
+        got = FNS[fn](sh(q), sh(k), sh(v), causal=causal, layout=layout)
+        got_nan, reads_l = torch.isnan(got).any(-1), sh(reads.unsqueeze(-1)).squeeze(-1)
+        assert bool(got_nan[reads_l].all()), (where, got_nan, reads_l)
+        assert not bool((got_nan & ~torch.isnan(sh(ref)).any(-1)).any()), (where, got_nan)
+        torch.testing.assert_close(got[~got_nan], sh(clean)[~got_nan], atol=2e-5, rtol=1e-4)
+        out[where] = int(reads_l.sum())
+    return out
+
+
 # ------------------------------------------------------------------------------------------- tests
 CONFIGS = [("float32", 2, 4, 4, 8), ("float32", 1, 4, 1, 8),   # MHA, MQA
            ("bfloat16", 1, 4, 4, 16), ("bfloat16", 2, 6, 2, 8)]  # MHA, GQA 3:1
@@ -396,7 +424,61 @@ def test_ring_and_token_ring_agree(pool3):
     pool3.run("case_lse_matches_and_equal_inputs", fn="ring")
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("fn", ["ring", "token"])
+def test_nan_rows_propagate_like_flash_attention(pool3, fn, causal):
+    for layout in ("zigzag", "contiguous"):
+        counts = pool3.run("case_nan_propagates", fn=fn, layout=layout, causal=causal)
+        for where in ("q", "k", "v"):  # the NaN reached some output row (on some rank)
+            assert sum(c[where] for c in counts) > 0, (where, counts)
+
+
 # --------------------------------------------------------------------- single process, no dist init
+@pytest.mark.parametrize("kind", ["numpy", "numpy_readonly", "numpy_reversed", "dlpack"])
+def test_numpy_and_dlpack_inputs(kind):
+    """API.md: numpy / DLPack arrays are accepted wherever a tensor is; results are torch tensors."""
+    import numpy as np
+
+    class DLPackOnly:  # speaks only DLPack, like a cupy array
+        def __init__(self, t):
+            self._t = t
+
+        def __dlpack__(self, *args, **kwargs):
+            return self._t.__dlpack__(*args, **kwargs)
+
+        def __dlpack_device__(self):
+            return self._t.__dlpack_device__()
+
+    def conv(t):
+        if kind == "dlpack":
+            return DLPackOnly(t)
+        a = t.numpy()
+        if kind == "numpy_readonly":
+            a.flags.writeable = False
+        elif kind == "numpy_reversed":  # negative strides: torch.from_dlpack would abort on them
+            a = np.flip(np.flip(a, 2).copy(), 2)
+            assert any(st < 0 for st in a.strides)
+        return a
+
+    q, k, v, _ = make_inputs(4, 1, 4, 2, 8, 8, torch.float32)
+    for name, fn in FNS.items():
+        want, want_lse = fn(q, k, v, causal=True, return_lse=True)
+        out, lse = fn(conv(q), conv(k), conv(v), causal=True, return_lse=True)
+        assert type(out) is torch.Tensor and type(lse) is torch.Tensor, name
+        torch.testing.assert_close(out, want, atol=0, rtol=0)
+        torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+    local = shard_sequence(conv(q), layout="zigzag")
+    assert type(local) is torch.Tensor and torch.equal(local, shard_sequence(q, layout="zigzag"))
+    full = unshard_sequence(conv(q), layout="zigzag")
+    assert type(full) is torch.Tensor and torch.equal(full, q)
+    with pytest.raises(TypeError, match="collectives.shard_sequence: expected 'x'"):
+        shard_sequence([[1.0, 2.0]])
+    with pytest.raises(TypeError, match="collectives.unshard_sequence: expected 'local'"):
+        unshard_sequence("abc")
+    with pytest.raises(TypeError, match="collectives.ring_attention: expected 'k'"):
+        ring_attention(q, object(), v)
+
+
 @pytest.mark.parametrize("fn", ["ring", "token"])
 def test_world_of_one_without_process_group(fn):
     assert not dist.is_initialized()
@@ -411,6 +493,31 @@ def test_world_of_one_without_process_group(fn):
     assert out.shape == (1, 2, 0, 4)
     out.sum().backward()
     assert e.grad.shape == e.shape
+
+
+def test_gpu_block_path_only_falls_back_for_unsupported_blocks(monkeypatch):
+    """On CUDA, a block goes to the math path only when it is outside the Triton kernels' documented
+    limits (checked up front) or the op is not implemented; any other error (a CUDA OOM, a bug) from
+    the kernel propagates instead of silently running the O(S^2) math."""
+    from collectives import _attention_block as block
+
+    def oom(*args):
+        raise RuntimeError("CUDA out of memory")
+
+    def missing(*args):
+        raise NotImplementedError("no kernel")
+
+    monkeypatch.setattr(block, "_triton_state", {})
+    with pytest.raises(RuntimeError, match="out of memory"):
+        block._triton_call("fwd", oom, 1)
+    with pytest.raises(ValueError, match="real error"):
+        block._triton_call("fwd", lambda *a: (_ for _ in ()).throw(ValueError("real error")))
+    assert block._triton_call("bwd", missing) is None and block._triton_state["bwd"] is False
+    assert not block._triton_takes("bwd", torch.empty(1, 1, 4, 8), torch.empty(1, 1, 4, 8))  # disabled now
+    for shape, dtype in (((1, 1, 4, 8), torch.float64), ((1, 1, 4, 512), torch.float32),
+                         ((1, 70000, 1, 8), torch.float32)):
+        t = torch.empty(shape, dtype=dtype, device="meta")
+        assert not block._triton_takes("fwd", t, t), (shape, dtype)
 
 
 @pytest.mark.gpu

@@ -29,8 +29,10 @@ of ring / context-parallel attention.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
+import numpy as np
 import torch
 
 from .. import _native, autotune
@@ -212,8 +214,19 @@ def _check(q, k, v, scale, backend):
     if backend not in ("auto", "cpu", "cuda", "triton"):
         raise ValueError(f"pykernels.flash_attention: expected backend 'auto', 'cpu', 'cuda' or 'triton', "
                          f"got {backend!r}")
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise TypeError(f"pykernels.flash_attention: expected 'scale' to be a real number or None, got "
+                        f"{type(scale).__name__}")
+    if scale is not None and not math.isfinite(scale):
         raise ValueError(f"pykernels.flash_attention: expected 'scale' to be a finite float or None, got {scale!r}")
+
+
+def _check_flag(name: str, value) -> bool:
+    # bool(value) would make causal="no" (any non-empty string) silently causal: only real booleans.
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"pykernels.flash_attention: expected '{name}' to be a bool, got "
+                        f"{type(value).__name__} {value!r}")
+    return bool(value)
 
 
 def flash_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = None, return_lse: bool = False,
@@ -229,6 +242,7 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = N
     k = _native.as_tensor(k, OP, "k")
     v = _native.as_tensor(v, OP, "v")
     _check(q, k, v, scale, backend)
+    causal, return_lse = _check_flag("causal", causal), _check_flag("return_lse", return_lse)
     check_same_device(OP, q=q, k=k, v=v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, lse = torch.ops.pykernels.flash_attention(q, k, v, bool(causal), scale, backend)
@@ -249,6 +263,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, s
     k = _native.as_tensor(k, OP_BWD, "k")
     v = _native.as_tensor(v, OP_BWD, "v")
     _check(q, k, v, scale, backend)
+    causal = _check_flag("causal", causal)
     B, H, Sq, D = q.shape
     for name, t, shape in (("dout", dout, (B, H, Sq, D)), ("out", out, (B, H, Sq, D)), ("lse", lse, (B, H, Sq)),
                            ("dlse", dlse, (B, H, Sq))):
