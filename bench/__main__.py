@@ -76,7 +76,8 @@ def write_plots(rows, out: Path):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        name = out / f"{group}_{op}_vs_{''.join(c if c.isalnum() else '_' for c in base)}.png"
+        stem = f"{group}_{op}_vs_{base}"
+        name = out / ("".join(c if c.isalnum() or c in "-." else "_" for c in stem).strip("_") + ".png")
         fig.savefig(name, dpi=100)
         plt.close(fig)
         made.append(name)
