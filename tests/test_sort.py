@@ -377,6 +377,63 @@ def test_errors_name_the_op_and_argument():
         pykernels.sort(x, descending="yes")
 
 
+@pytest.mark.parametrize("op", ["sort", "argsort"])
+def test_0d_and_empty_inputs_still_check_the_backend(op, monkeypatch):
+    """A 0-d or empty input has nothing to sort, but backend= is validated exactly as for other shapes."""
+    from pykernels import _backend
+
+    fn = getattr(pykernels, op)
+    for x in (torch.tensor(1.5), torch.empty(3, 0)):
+        with pytest.raises(ValueError, match=rf"^pykernels\.{op}: expected backend"):
+            fn(x, backend="nvidia")
+        if not torch.cuda.is_available():
+            monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+            _backend._triton_status.cache_clear()
+            try:
+                for b in ("cuda", "triton"):
+                    with pytest.raises(RuntimeError, match=rf"^pykernels\.{op}: backend '{b}'"):
+                        fn(x, backend=b)
+            finally:
+                _backend._triton_status.cache_clear()
+        ref = torch.sort(x, stable=True) if op == "sort" else torch.argsort(x, stable=True)
+        got = fn(x, backend="cpu")
+        for a, b in zip(got if op == "sort" else [got], ref if op == "sort" else [ref]):
+            assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("shape,dim", [((7,), 0), ((3, 5), 0), ((3, 5), -1), ((2, 3, 4), 1), ((), 0), ((3, 0), 1),
+                                       ((0, 4), 0)])
+@pytest.mark.parametrize("descending", [False, True])
+def test_sort_values_gradient_like_torch_sort(shape, dim, descending):
+    """Backward through the values scatters the upstream gradient to where each value came from, as
+    torch.sort's derivative does; checked numerically (gradcheck, float64, distinct values: finite
+    differences reorder ties) and, with ties, against torch.sort's own gradient."""
+    gen = torch.Generator().manual_seed(len(shape) * 10 + dim + descending)
+    n = int(np.prod(shape)) if shape else 1
+    distinct = (torch.randperm(n, generator=gen).to(torch.float64) * 0.1).reshape(shape).requires_grad_()
+    torch.autograd.gradcheck(lambda t: pykernels.sort(t, dim=dim, descending=descending).values, (distinct,))
+    if distinct.numel():  # the backward is differentiable itself (double backward)
+        torch.autograd.gradgradcheck(lambda t: pykernels.sort(t, dim=dim, descending=descending).values,
+                                     (distinct,))
+    x = torch.randint(-3, 4, shape, generator=gen).to(torch.float64).requires_grad_()  # many ties
+    g = torch.randn(shape, generator=gen, dtype=torch.float64)
+    (got,) = torch.autograd.grad(pykernels.sort(x, dim=dim, descending=descending).values, x, g)
+    (ref,) = torch.autograd.grad(torch.sort(x, dim=dim, descending=descending, stable=True).values, x, g)
+    assert_same(got, ref, "sort gradient")
+    v, i = pykernels.sort(x, dim=dim, descending=descending)
+    assert not i.requires_grad and v.requires_grad
+
+
+def test_sort_gradient_float32_and_only_indices_used():
+    x = torch.randn(4, 9, requires_grad=True)
+    pykernels.sort(x, dim=0).values.pow(2).sum().backward()
+    ref = x.detach().clone().requires_grad_()
+    torch.sort(ref, dim=0, stable=True).values.pow(2).sum().backward()
+    assert_same(x.grad, ref.grad)
+    _, i = pykernels.sort(x)  # indices only: no graph through them, nothing to backward
+    assert i.grad_fn is None
+
+
 DTYPE_STRAT = st.sampled_from([torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.float32,
                                torch.float64, torch.float16, torch.uint32])
 

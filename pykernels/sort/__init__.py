@@ -112,11 +112,13 @@ def _cpu_segmented(keys: torch.Tensor, offsets: Optional[torch.Tensor], nseg: in
 def _rows_sort(op: str, x: torch.Tensor, dim: int, descending: bool, backend: str, want_keys: bool):
     """sort/argsort along `dim`: the dim goes last, rows are sorted (a 2-D tensor sorted along its last dim
     is a segmented sort with equal segments), and the result is moved back."""
-    if x.dim() == 0:
-        v = x.clone()
-        return v, torch.zeros((), dtype=torch.int64, device=x.device)
-    if x.numel() == 0:
+    if x.dim() == 0 or x.numel() == 0:
+        # Nothing to sort, but the backend is still validated and resolved as for any other shape, so
+        # backend="nvidia" or an unavailable backend is the same error whatever the input's shape.
         select_backend(op, x.device, backend, supported=_backends_supported())
+    if x.dim() == 0:
+        return x.clone(), torch.zeros((), dtype=torch.int64, device=x.device)
+    if x.numel() == 0:
         return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
                 torch.empty(x.shape, dtype=torch.int64, device=x.device))
     xt = x.movedim(dim, -1)
@@ -174,6 +176,28 @@ def _sort_op(x: torch.Tensor, dim: int, descending: bool, backend: str) -> Tuple
 def _(x, dim, descending, backend):
     return torch.empty_like(x, memory_format=torch.contiguous_format), \
         torch.empty(x.shape, dtype=torch.int64, device=x.device)
+
+
+def _sort_setup_context(ctx, inputs, output):
+    x, dim, _, _ = inputs
+    ctx.dim = dim
+    ctx.save_for_backward(output[1])
+
+
+def _sort_backward(ctx, grad_values, grad_indices):
+    """As torch.sort's derivative: values[..., j, ...] = x[..., indices[j], ...], so each upstream gradient
+    goes back to the position its value came from (a permutation: scatter, no accumulation needed).
+    Written with differentiable torch ops, so double backward works too."""
+    indices, = ctx.saved_tensors
+    if grad_values is None:
+        return None, None, None, None
+    if indices.dim() == 0:
+        return grad_values.clone(), None, None, None
+    grad_input = torch.zeros(indices.shape, dtype=grad_values.dtype, device=grad_values.device)
+    return grad_input.scatter(ctx.dim, indices, grad_values), None, None, None
+
+
+_sort_op.register_autograd(_sort_backward, setup_context=_sort_setup_context)
 
 
 @torch.library.custom_op("pykernels::argsort", mutates_args=())
