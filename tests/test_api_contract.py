@@ -619,9 +619,6 @@ def test_registered_as_torch_ops_pykernels(name):
 
 
 COMPILE_DEVIATIONS = {
-    "segmented_sort": "pykernels.segmented_sort validates offsets with int(offsets.min()/max()) and "
-                      "bool((offsets[1:] < offsets[:-1]).any()) outside the custom op: data-dependent, so "
-                      "torch.compile(fullgraph=True) fails (sort/__init__.py segmented_sort)",
     "HashMap.contains": "the tables' kernels are torch.ops.pykernels.hash_find/hash_insert_ now, but every table "
                         "method runs them under `with self._lock:` (threading.RLock), which dynamo cannot trace: "
                         "t.contains/find/insert graph-break under torch.compile(fullgraph=True) (hashing/__init__.py)",

@@ -232,7 +232,18 @@ def _(keys, values, descending, begin_bit, end_bit, backend):
         torch.empty_like(values, memory_format=torch.contiguous_format)
 
 
+def _check_offsets(op: str, offsets: torch.Tensor, n: int):
+    """Value checks of 'offsets'. They read the tensor's data, so they run inside the custom op (on real
+    tensors), never in the traced public function: torch.compile(fullgraph=True) cannot trace them."""
+    if offsets.numel() > 1 and bool((offsets[1:] < offsets[:-1]).any()):
+        raise ValueError(f"pykernels.{op}: expected non-decreasing 'offsets'")
+    lo, hi = int(offsets.min()), int(offsets.max())
+    if lo < 0 or hi > n:
+        raise ValueError(f"pykernels.{op}: expected 'offsets' within [0, {n}], got values in [{lo}, {hi}]")
+
+
 def _segmented_impl(keys, offsets, values, descending, backend):
+    _check_offsets("segmented_sort", offsets, keys.numel())
     kc = keys.contiguous()
     vc = values.contiguous() if values is not None else None
     nseg = offsets.numel() - 1
@@ -412,12 +423,7 @@ def segmented_sort(keys, offsets, values=None, *, descending: bool = False,
     check_same_device(op, keys=k, offsets=off, values=v)
     if off.numel() == 0:
         raise ValueError(f"pykernels.{op}: expected at least one offset (nseg + 1 values), got an empty tensor")
-    off64 = off.to(torch.int64)
-    if off.numel() > 1 and bool((off64[1:] < off64[:-1]).any()):
-        raise ValueError(f"pykernels.{op}: expected non-decreasing 'offsets'")
-    lo, hi = int(off64.min()), int(off64.max())
-    if lo < 0 or hi > k.numel():
-        raise ValueError(f"pykernels.{op}: expected 'offsets' within [0, {k.numel()}], got values in [{lo}, {hi}]")
+    off64 = off.to(torch.int64)  # its values are checked inside the custom op (_check_offsets)
     backend = _check_backend(op, backend)
     if v is None:
         return torch.ops.pykernels.segmented_sort(k, off64, descending, backend), None
