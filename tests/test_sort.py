@@ -208,12 +208,36 @@ def test_engine_configs_agree(digit_bits, threads, nt):
 
 def test_trivial_passes_are_skipped():
     x = (torch.randint(0, 256, (1 << 18,)) << 24).to(torch.uint32)  # only the top byte varies
-    k, _, _, st = _cpu_sort_1d(x, config={"digit_bits": 8})
+    k, _, _, st = _cpu_sort_1d(x, config={"digit_bits": 8}, want_stats=True)
     assert st["passes"] == 1 and st["skipped"] == 3
+    assert _cpu_sort_1d(x, config={"digit_bits": 8})[3] is None  # no stats dict unless asked for
     assert np.array_equal(k.numpy(), np.sort(x.numpy()))
     y = torch.full((100000,), 7, dtype=torch.int64)
-    k, i, _, st = _cpu_sort_1d(y, want_idx=True, config={"digit_bits": 11})
+    k, i, _, st = _cpu_sort_1d(y, want_idx=True, config={"digit_bits": 11}, want_stats=True)
     assert st["passes"] == 0 and torch.equal(i, torch.arange(100000)) and torch.equal(k, y)
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident set size from /proc")
+def test_big_scratch_buffers_are_not_kept_after_the_call():
+    """A sort's ping-pong scratch (and the index-mode outputs nobody asked for) are per-thread buffers
+    reused across calls; those above 64 MiB are released when the call returns, not kept until the
+    thread exits."""
+    import gc
+
+    def rss():
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    n = 12 << 20  # 96 MiB of int64 keys: scratch and own outputs are each ~100 MiB
+    x = torch.randint(-(1 << 62), 1 << 62, (n,), dtype=torch.int64)
+    gc.collect()
+    before = rss()
+    v, i = pykernels.sort(x)  # index mode: keys scratch + index ping-pong
+    assert bool((v[1:] >= v[:-1]).all())
+    i2 = pykernels.argsort(x)  # argsort: the keys output is an internal buffer too
+    assert torch.equal(i, i2)
+    del v, i, i2
+    gc.collect()
+    assert rss() - before < (48 << 20), f"{(rss() - before) >> 20} MiB still resident after the sorts"
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.uint32, torch.int32, torch.int64, torch.uint64,

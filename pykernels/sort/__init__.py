@@ -75,8 +75,9 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
 
 
 def _cpu_sort_1d(keys: torch.Tensor, *, want_keys=True, want_idx=False, payload=None, descending=False,
-                 begin_bit=0, end_bit=None, config=None):
-    """Sorts a contiguous 1-D CPU tensor. Returns (keys or None, int64 indices or None, payload or None, stats)."""
+                 begin_bit=0, end_bit=None, config=None, want_stats=False):
+    """Sorts a contiguous 1-D CPU tensor. Returns (keys or None, int64 indices or None, payload or None,
+    stats dict if want_stats else None)."""
     config = config or {}
     n = keys.numel()
     if n > MAX_CPU_KEYS:
@@ -88,7 +89,7 @@ def _cpu_sort_1d(keys: torch.Tensor, *, want_keys=True, want_idx=False, payload=
                         _ptr(payload), _ptr(out_p), payload.element_size() if payload is not None else 0,
                         bool(descending), int(begin_bit), -1 if end_bit is None else int(end_bit),
                         int(config.get("digit_bits", 0)), _threads(config), bool(config.get("nt", True)),
-                        64, int(config.get("grain", 1 << 17)))
+                        64, int(config.get("grain", 1 << 17)), bool(want_stats))
     return out_k, out_i, out_p, stats
 
 
