@@ -448,12 +448,7 @@ EDGE_BACKEND_CASES = {
     "flash_attention-B0": ("flash_attention",
                            lambda b: pykernels.flash_attention(*(torch.empty(0, 1, 3, 8),) * 3, backend=b)),
 }
-EDGE_BACKEND_DEVIATIONS = {
-    "sort-0d": "pykernels.sort returns early for 0-d input before any backend check: backend='nvidia'/'cuda'/"
-               "'triton' are silently accepted (sort/__init__.py _rows_sort, `if x.dim() == 0`)",
-    "argsort-0d": "pykernels.argsort returns early for 0-d input before any backend check: backend='nvidia'/"
-                  "'cuda'/'triton' are silently accepted (sort/__init__.py _rows_sort, `if x.dim() == 0`)",
-}
+EDGE_BACKEND_DEVIATIONS = {}
 
 
 @pytest.mark.parametrize("backend", ["nvidia", "cuda", "triton"])
@@ -624,9 +619,6 @@ def test_registered_as_torch_ops_pykernels(name):
 
 
 COMPILE_DEVIATIONS = {
-    "segmented_sort": "pykernels.segmented_sort validates offsets with int(offsets.min()/max()) and "
-                      "bool((offsets[1:] < offsets[:-1]).any()) outside the custom op: data-dependent, so "
-                      "torch.compile(fullgraph=True) fails (sort/__init__.py segmented_sort)",
 }
 
 
@@ -984,9 +976,6 @@ def test_result_dtypes(dtype):
     assert v.dtype == dtype and i.dtype == torch.int64
 
 
-@pytest.mark.xfail(strict=True, reason="pykernels.sort has no autograd formula: backward through the values "
-                                       "raises 'no autograd formula was registered' where torch.sort's values are "
-                                       "differentiable (sort/__init__.py: _sort_op lacks register_autograd)")
 def test_sort_values_are_differentiable_like_torch_sort():
     x = torch.randn(3, 7, generator=_gen(24), requires_grad=True)
     g = torch.randn(3, 7, generator=_gen(25))

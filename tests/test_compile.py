@@ -21,6 +21,34 @@ def test_sort_and_sort_keys_compile_fullgraph():
     assert torch.equal(ks, torch.sort(k, stable=True).values + 1)
 
 
+def test_segmented_sort_compiles_fullgraph_and_still_checks_offsets():
+    """The offsets' value checks read the tensor, so they live inside the custom op: dynamo traces the
+    public call without a graph break, and bad offsets are still a ValueError naming the op."""
+    import pytest
+
+    torch._dynamo.reset()
+
+    def f(k, o, v):
+        keys, vals = pykernels.segmented_sort(k, o, v, descending=True)
+        return keys + 1, vals, pykernels.segmented_sort(k, o)[0]
+
+    compiled = torch.compile(f, fullgraph=True, backend="inductor")
+    k = torch.randint(-50, 50, (300,), dtype=torch.int32)
+    v = torch.randn(300)
+    o = torch.tensor([0, 10, 10, 200, 290])
+    keys, vals, keys2 = compiled(k, o, v)
+    rk, rv, rk2 = f(k, o, v)
+    assert torch.equal(keys, rk) and torch.equal(vals, rv) and torch.equal(keys2, rk2)
+    ref = k.clone()
+    for a, b in zip(o[:-1].tolist(), o[1:].tolist()):
+        ref[a:b] = torch.sort(k[a:b], descending=True, stable=True).values
+    assert torch.equal(keys, ref + 1)
+    with pytest.raises(ValueError, match=r"^pykernels\.segmented_sort: expected non-decreasing 'offsets'"):
+        compiled(k, torch.tensor([0, 20, 10, 300]), v)
+    with pytest.raises(ValueError, match=r"^pykernels\.segmented_sort: expected 'offsets' within \[0, 300\]"):
+        compiled(k, torch.tensor([0, 301]), v)
+
+
 def test_ops_are_registered_and_pass_opcheck():
     x = torch.randn(4, 33)
     torch.library.opcheck(torch.ops.pykernels.sort.default, (x, 1, False, "auto"))

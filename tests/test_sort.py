@@ -208,12 +208,36 @@ def test_engine_configs_agree(digit_bits, threads, nt):
 
 def test_trivial_passes_are_skipped():
     x = (torch.randint(0, 256, (1 << 18,)) << 24).to(torch.uint32)  # only the top byte varies
-    k, _, _, st = _cpu_sort_1d(x, config={"digit_bits": 8})
+    k, _, _, st = _cpu_sort_1d(x, config={"digit_bits": 8}, want_stats=True)
     assert st["passes"] == 1 and st["skipped"] == 3
+    assert _cpu_sort_1d(x, config={"digit_bits": 8})[3] is None  # no stats dict unless asked for
     assert np.array_equal(k.numpy(), np.sort(x.numpy()))
     y = torch.full((100000,), 7, dtype=torch.int64)
-    k, i, _, st = _cpu_sort_1d(y, want_idx=True, config={"digit_bits": 11})
+    k, i, _, st = _cpu_sort_1d(y, want_idx=True, config={"digit_bits": 11}, want_stats=True)
     assert st["passes"] == 0 and torch.equal(i, torch.arange(100000)) and torch.equal(k, y)
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident set size from /proc")
+def test_big_scratch_buffers_are_not_kept_after_the_call():
+    """A sort's ping-pong scratch (and the index-mode outputs nobody asked for) are per-thread buffers
+    reused across calls; those above 64 MiB are released when the call returns, not kept until the
+    thread exits."""
+    import gc
+
+    def rss():
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    n = 12 << 20  # 96 MiB of int64 keys: scratch and own outputs are each ~100 MiB
+    x = torch.randint(-(1 << 62), 1 << 62, (n,), dtype=torch.int64)
+    gc.collect()
+    before = rss()
+    v, i = pykernels.sort(x)  # index mode: keys scratch + index ping-pong
+    assert bool((v[1:] >= v[:-1]).all())
+    i2 = pykernels.argsort(x)  # argsort: the keys output is an internal buffer too
+    assert torch.equal(i, i2)
+    del v, i, i2
+    gc.collect()
+    assert rss() - before < (48 << 20), f"{(rss() - before) >> 20} MiB still resident after the sorts"
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.uint32, torch.int32, torch.int64, torch.uint64,
@@ -375,6 +399,63 @@ def test_errors_name_the_op_and_argument():
         pykernels.sort_keys([3, 1, 2])
     with pytest.raises(TypeError, match=r"descending"):
         pykernels.sort(x, descending="yes")
+
+
+@pytest.mark.parametrize("op", ["sort", "argsort"])
+def test_0d_and_empty_inputs_still_check_the_backend(op, monkeypatch):
+    """A 0-d or empty input has nothing to sort, but backend= is validated exactly as for other shapes."""
+    from pykernels import _backend
+
+    fn = getattr(pykernels, op)
+    for x in (torch.tensor(1.5), torch.empty(3, 0)):
+        with pytest.raises(ValueError, match=rf"^pykernels\.{op}: expected backend"):
+            fn(x, backend="nvidia")
+        if not torch.cuda.is_available():
+            monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+            _backend._triton_status.cache_clear()
+            try:
+                for b in ("cuda", "triton"):
+                    with pytest.raises(RuntimeError, match=rf"^pykernels\.{op}: backend '{b}'"):
+                        fn(x, backend=b)
+            finally:
+                _backend._triton_status.cache_clear()
+        ref = torch.sort(x, stable=True) if op == "sort" else torch.argsort(x, stable=True)
+        got = fn(x, backend="cpu")
+        for a, b in zip(got if op == "sort" else [got], ref if op == "sort" else [ref]):
+            assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("shape,dim", [((7,), 0), ((3, 5), 0), ((3, 5), -1), ((2, 3, 4), 1), ((), 0), ((3, 0), 1),
+                                       ((0, 4), 0)])
+@pytest.mark.parametrize("descending", [False, True])
+def test_sort_values_gradient_like_torch_sort(shape, dim, descending):
+    """Backward through the values scatters the upstream gradient to where each value came from, as
+    torch.sort's derivative does; checked numerically (gradcheck, float64, distinct values: finite
+    differences reorder ties) and, with ties, against torch.sort's own gradient."""
+    gen = torch.Generator().manual_seed(len(shape) * 10 + dim + descending)
+    n = int(np.prod(shape)) if shape else 1
+    distinct = (torch.randperm(n, generator=gen).to(torch.float64) * 0.1).reshape(shape).requires_grad_()
+    torch.autograd.gradcheck(lambda t: pykernels.sort(t, dim=dim, descending=descending).values, (distinct,))
+    if distinct.numel():  # the backward is differentiable itself (double backward)
+        torch.autograd.gradgradcheck(lambda t: pykernels.sort(t, dim=dim, descending=descending).values,
+                                     (distinct,))
+    x = torch.randint(-3, 4, shape, generator=gen).to(torch.float64).requires_grad_()  # many ties
+    g = torch.randn(shape, generator=gen, dtype=torch.float64)
+    (got,) = torch.autograd.grad(pykernels.sort(x, dim=dim, descending=descending).values, x, g)
+    (ref,) = torch.autograd.grad(torch.sort(x, dim=dim, descending=descending, stable=True).values, x, g)
+    assert_same(got, ref, "sort gradient")
+    v, i = pykernels.sort(x, dim=dim, descending=descending)
+    assert not i.requires_grad and v.requires_grad
+
+
+def test_sort_gradient_float32_and_only_indices_used():
+    x = torch.randn(4, 9, requires_grad=True)
+    pykernels.sort(x, dim=0).values.pow(2).sum().backward()
+    ref = x.detach().clone().requires_grad_()
+    torch.sort(ref, dim=0, stable=True).values.pow(2).sum().backward()
+    assert_same(x.grad, ref.grad)
+    _, i = pykernels.sort(x)  # indices only: no graph through them, nothing to backward
+    assert i.grad_fn is None
 
 
 DTYPE_STRAT = st.sampled_from([torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.float32,

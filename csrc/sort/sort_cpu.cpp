@@ -137,11 +137,19 @@ struct Scratch {
     if (cap > keep) { mem.reset(); cap = 0; }
   }
 };
-static Scratch& thread_scratch() {
+static Scratch& thread_scratch() {  // ping-pong keys/payloads of the radix passes
   static thread_local Scratch s;
   return s;
 }
-static constexpr size_t SCRATCH_KEEP = size_t(1) << 30;
+static Scratch& thread_own_outputs() {  // outputs the caller did not ask for (index mode)
+  static thread_local Scratch s;
+  return s;
+}
+// What a thread keeps after a call: reuse saves the page faults of repeated mid-size sorts, but every
+// calling thread (and every pool thread of a segmented sort) keeps its own buffers until it exits, so
+// bigger buffers are released after the call (a sort of more than ~8M 32-bit keys pays its page faults
+// again, which costs a few % of that sort).
+static constexpr size_t SCRATCH_KEEP = size_t(64) << 20;
 
 // ---------------------------------------------------------------------------------------------
 // Arguments of one 1-D sort (keys of n elements, optional int64 indices and/or payload)
@@ -558,7 +566,7 @@ void radix_sort_typed(const SortArgs& a, const Codec<U>& codec, SortStats& st) {
     return;
   }
   // Index mode: sort (key, index), then gather what was not carried.
-  static thread_local Scratch own;  // outputs the caller did not ask for (uninitialised, reused)
+  Scratch& own = thread_own_outputs();  // outputs the caller did not ask for (uninitialised, reused)
   const size_t ib = ((size_t)n * 8 + 63) & ~size_t(63);
   char* ob = own.get(ib + (size_t)n * sizeof(U) + 64);
   int64_t* idx = a.out_idx ? a.out_idx : reinterpret_cast<int64_t*>(ob);
@@ -627,7 +635,10 @@ SortStats radix_sort(const SortArgs& a) {
       radix_sort_typed<U, Enc::Xor>(a, codec, st);
     }
   });
-  if (a.n > 0) thread_scratch().trim(SCRATCH_KEEP);
+  if (a.n > 0) {
+    thread_scratch().trim(SCRATCH_KEEP);
+    thread_own_outputs().trim(SCRATCH_KEEP);
+  }
   return st;
 }
 
@@ -820,9 +831,11 @@ py::dict stats_dict(const pksort::SortStats& st) {
   return d;
 }
 
-py::dict sort_1d(uintptr_t keys, int64_t n, int dtype, uintptr_t out_keys, uintptr_t out_idx, uintptr_t pay,
+// Returns the stats dict only when asked (tests, tuning): the public ops discard it, and building a dict
+// per call is measurable on small sorts.
+py::object sort_1d(uintptr_t keys, int64_t n, int dtype, uintptr_t out_keys, uintptr_t out_idx, uintptr_t pay,
                  uintptr_t out_pay, int pay_size, bool descending, int begin_bit, int end_bit, int digit_bits,
-                 int threads, bool nt_stores, int64_t small_n, int64_t grain) {
+                 int threads, bool nt_stores, int64_t small_n, int64_t grain, bool want_stats) {
   pksort::SortArgs a;
   a.keys = reinterpret_cast<const void*>(keys);
   a.n = n;
@@ -861,6 +874,7 @@ py::dict sort_1d(uintptr_t keys, int64_t n, int dtype, uintptr_t out_keys, uintp
       st = pksort::radix_sort(a);
     }
   }
+  if (!want_stats) return py::none();
   return stats_dict(st);
 }
 
@@ -896,8 +910,9 @@ PYBIND11_MODULE(_cpu_sort, m) {
   m.def("sort", &sort_1d, py::arg("keys"), py::arg("n"), py::arg("dtype"), py::arg("out_keys"), py::arg("out_idx"),
         py::arg("pay"), py::arg("out_pay"), py::arg("pay_size"), py::arg("descending"), py::arg("begin_bit"),
         py::arg("end_bit"), py::arg("digit_bits"), py::arg("threads"), py::arg("nt_stores") = true,
-        py::arg("small_n") = 64, py::arg("grain") = 32768,
-        "Stable LSD radix sort of n keys (pointers as integers; 0 = absent). Returns stats.");
+        py::arg("small_n") = 64, py::arg("grain") = 32768, py::arg("stats") = false,
+        "Stable LSD radix sort of n keys (pointers as integers; 0 = absent). Returns a stats dict if stats=True, "
+        "else None.");
   m.def("segmented", &segmented, py::arg("keys"), py::arg("dtype"), py::arg("offsets"), py::arg("nseg"),
         py::arg("row_len"), py::arg("out_keys"), py::arg("out_idx"), py::arg("pay"), py::arg("out_pay"),
         py::arg("pay_size"), py::arg("descending"), py::arg("threads"), py::arg("digit_bits") = 0,

@@ -75,8 +75,9 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
 
 
 def _cpu_sort_1d(keys: torch.Tensor, *, want_keys=True, want_idx=False, payload=None, descending=False,
-                 begin_bit=0, end_bit=None, config=None):
-    """Sorts a contiguous 1-D CPU tensor. Returns (keys or None, int64 indices or None, payload or None, stats)."""
+                 begin_bit=0, end_bit=None, config=None, want_stats=False):
+    """Sorts a contiguous 1-D CPU tensor. Returns (keys or None, int64 indices or None, payload or None,
+    stats dict if want_stats else None)."""
     config = config or {}
     n = keys.numel()
     if n > MAX_CPU_KEYS:
@@ -88,7 +89,7 @@ def _cpu_sort_1d(keys: torch.Tensor, *, want_keys=True, want_idx=False, payload=
                         _ptr(payload), _ptr(out_p), payload.element_size() if payload is not None else 0,
                         bool(descending), int(begin_bit), -1 if end_bit is None else int(end_bit),
                         int(config.get("digit_bits", 0)), _threads(config), bool(config.get("nt", True)),
-                        64, int(config.get("grain", 1 << 17)))
+                        64, int(config.get("grain", 1 << 17)), bool(want_stats))
     return out_k, out_i, out_p, stats
 
 
@@ -112,11 +113,13 @@ def _cpu_segmented(keys: torch.Tensor, offsets: Optional[torch.Tensor], nseg: in
 def _rows_sort(op: str, x: torch.Tensor, dim: int, descending: bool, backend: str, want_keys: bool):
     """sort/argsort along `dim`: the dim goes last, rows are sorted (a 2-D tensor sorted along its last dim
     is a segmented sort with equal segments), and the result is moved back."""
-    if x.dim() == 0:
-        v = x.clone()
-        return v, torch.zeros((), dtype=torch.int64, device=x.device)
-    if x.numel() == 0:
+    if x.dim() == 0 or x.numel() == 0:
+        # Nothing to sort, but the backend is still validated and resolved as for any other shape, so
+        # backend="nvidia" or an unavailable backend is the same error whatever the input's shape.
         select_backend(op, x.device, backend, supported=_backends_supported())
+    if x.dim() == 0:
+        return x.clone(), torch.zeros((), dtype=torch.int64, device=x.device)
+    if x.numel() == 0:
         return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
                 torch.empty(x.shape, dtype=torch.int64, device=x.device))
     xt = x.movedim(dim, -1)
@@ -176,6 +179,28 @@ def _(x, dim, descending, backend):
         torch.empty(x.shape, dtype=torch.int64, device=x.device)
 
 
+def _sort_setup_context(ctx, inputs, output):
+    x, dim, _, _ = inputs
+    ctx.dim = dim
+    ctx.save_for_backward(output[1])
+
+
+def _sort_backward(ctx, grad_values, grad_indices):
+    """As torch.sort's derivative: values[..., j, ...] = x[..., indices[j], ...], so each upstream gradient
+    goes back to the position its value came from (a permutation: scatter, no accumulation needed).
+    Written with differentiable torch ops, so double backward works too."""
+    indices, = ctx.saved_tensors
+    if grad_values is None:
+        return None, None, None, None
+    if indices.dim() == 0:
+        return grad_values.clone(), None, None, None
+    grad_input = torch.zeros(indices.shape, dtype=grad_values.dtype, device=grad_values.device)
+    return grad_input.scatter(ctx.dim, indices, grad_values), None, None, None
+
+
+_sort_op.register_autograd(_sort_backward, setup_context=_sort_setup_context)
+
+
 @torch.library.custom_op("pykernels::argsort", mutates_args=())
 def _argsort_op(x: torch.Tensor, dim: int, descending: bool, backend: str) -> torch.Tensor:
     return _rows_sort("argsort", x, dim, descending, backend, False)[1]
@@ -208,7 +233,18 @@ def _(keys, values, descending, begin_bit, end_bit, backend):
         torch.empty_like(values, memory_format=torch.contiguous_format)
 
 
+def _check_offsets(op: str, offsets: torch.Tensor, n: int):
+    """Value checks of 'offsets'. They read the tensor's data, so they run inside the custom op (on real
+    tensors), never in the traced public function: torch.compile(fullgraph=True) cannot trace them."""
+    if offsets.numel() > 1 and bool((offsets[1:] < offsets[:-1]).any()):
+        raise ValueError(f"pykernels.{op}: expected non-decreasing 'offsets'")
+    lo, hi = int(offsets.min()), int(offsets.max())
+    if lo < 0 or hi > n:
+        raise ValueError(f"pykernels.{op}: expected 'offsets' within [0, {n}], got values in [{lo}, {hi}]")
+
+
 def _segmented_impl(keys, offsets, values, descending, backend):
+    _check_offsets("segmented_sort", offsets, keys.numel())
     kc = keys.contiguous()
     vc = values.contiguous() if values is not None else None
     nseg = offsets.numel() - 1
@@ -388,12 +424,7 @@ def segmented_sort(keys, offsets, values=None, *, descending: bool = False,
     check_same_device(op, keys=k, offsets=off, values=v)
     if off.numel() == 0:
         raise ValueError(f"pykernels.{op}: expected at least one offset (nseg + 1 values), got an empty tensor")
-    off64 = off.to(torch.int64)
-    if off.numel() > 1 and bool((off64[1:] < off64[:-1]).any()):
-        raise ValueError(f"pykernels.{op}: expected non-decreasing 'offsets'")
-    lo, hi = int(off64.min()), int(off64.max())
-    if lo < 0 or hi > k.numel():
-        raise ValueError(f"pykernels.{op}: expected 'offsets' within [0, {k.numel()}], got values in [{lo}, {hi}]")
+    off64 = off.to(torch.int64)  # its values are checked inside the custom op (_check_offsets)
     backend = _check_backend(op, backend)
     if v is None:
         return torch.ops.pykernels.segmented_sort(k, off64, descending, backend), None
