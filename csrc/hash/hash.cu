@@ -28,16 +28,6 @@ using namespace pkhash;
 
 namespace {
 
-struct NoVal {};
-template <class K, class V>
-struct Slot {
-  K key;
-  V val;
-};
-template <class K>
-struct Slot<K, NoVal> {
-  K key;
-};
 
 enum : uint8_t { ST_EXISTED = 0, ST_NEW = 1, ST_PENDING = 2, ST_SKIPPED = 3 };
 enum : int { M_UPSERT = 0, M_ADD = 1, M_APPEND = 2 };

@@ -27,17 +27,6 @@ using namespace pkhash;
 
 namespace {
 
-struct NoVal {};
-
-template <class K, class V>
-struct Slot {
-  K key;
-  V val;
-};
-template <class K>
-struct Slot<K, NoVal> {
-  K key;
-};
 
 // Table geometry and storage, as Python passes them.
 struct Geo {

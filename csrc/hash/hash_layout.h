@@ -97,4 +97,16 @@ PKH_HD void bloom_pattern(uint64_t key_bits, uint64_t seed, int k, uint64_t mask
   }
 }
 
+// One slot of the table, the same struct for the CPU and GPU kernels: key, then value (none for sets).
+struct NoVal {};
+template <class K, class V>
+struct Slot {
+  K key;
+  V val;
+};
+template <class K>
+struct Slot<K, NoVal> {
+  K key;
+};
+
 }  // namespace pkhash
