@@ -339,21 +339,7 @@ def direct_reduce_scatter(comm: Comm, x, tmp, off, ctx: Ctx) -> int:
         sends.append((j, x, off[j], off[j + 1]))
     for idx, j in enumerate(reversed(order)):
         recvs.append((j, scratch[idx * n:(idx + 1) * n], 0, n))
-    s_list, r_list, r_meta = [], [], []
-    for m, t, lo, hi in sends:
-        for k, (a, b) in enumerate(pieces(lo, hi, ctx.piece)):
-            s_list.append((m, t[a:b], ctx.tg.tag(rnd, k)))
-    for m, buf, lo, hi in recvs:
-        for k, (a, b) in enumerate(pieces(lo, hi, ctx.piece)):
-            r_list.append((m, buf[a:b], ctx.tg.tag(rnd, k)))
-            r_meta.append((a, b))
-    sw, rw = comm.post(s_list, r_list)
-    mine = x[mine_lo:mine_hi]
-    for w, (a, b), (_, buf, _) in zip(rw, r_meta, r_list):
-        w.wait()
-        if b > a:
-            ctx.red(mine[a:b], buf)
-    _wait(sw)
+    _step(comm, ctx, rnd, sends, recvs, reduce_into=x[mine_lo:mine_hi])  # each part reduced as it arrives
     return i
 
 
