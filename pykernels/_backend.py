@@ -65,13 +65,18 @@ def _cpu_status() -> BackendStatus:
     broken = [why for n in mods for m, why in [_native.module_status(n)] if m is None]
     if broken:
         return BackendStatus(False, "; ".join(broken))
-    simd = "AVX2" if _cpu_has_avx2(mods[0]) else "portable (no AVX2)"
+    simd = _cpu_simd_tier("_cpu_runtime" if "_cpu_runtime" in mods else mods[0])
     return BackendStatus(True, f"native C++ ({simd}, {torch.get_num_threads()} threads by default)")
 
 
-def _cpu_has_avx2(modname: str) -> bool:
+def _cpu_simd_tier(modname: str) -> str:
+    """The widest SIMD tier the native kernels use on this CPU (chosen at run time, see pk_common.h)."""
     mod, _ = _native.module_status(modname)
-    return bool(getattr(mod, "cpu_has_avx2", lambda: False)())
+    if getattr(mod, "cpu_has_avx512", lambda: False)():
+        return "AVX-512"
+    if getattr(mod, "cpu_has_avx2", lambda: False)():
+        return "AVX2"
+    return "portable (no AVX2)"
 
 
 def _native_family_names():
@@ -87,7 +92,7 @@ def backends() -> dict:
     """Which backends can run on this build and machine, and why not the others.
 
     >>> pykernels.backends()
-    {'cpu': BackendStatus(available=True, reason='native C++ (AVX2, 2 threads by default)'), ...}
+    {'cpu': BackendStatus(available=True, reason='native C++ (AVX-512, 2 threads by default)'), ...}
     """
     return {"cpu": _cpu_status(), "cuda": _cuda_status(), "triton": _triton_status()}
 

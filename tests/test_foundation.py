@@ -46,6 +46,13 @@ def test_portable_path_without_avx2_in_a_fresh_process():
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=ROOT)
 
 
+def test_avx512_tier_can_be_turned_off_in_a_fresh_process():
+    code = ("from pykernels import _cpu_runtime as rt; import pykernels;"
+            "assert not rt.cpu_has_avx512(); assert 'AVX-512' not in pykernels.backends()['cpu'].reason")
+    env = dict(os.environ, PYKERNELS_DISABLE_AVX512="1")
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=ROOT)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error path")
 def test_cuda_module_imports_without_a_driver_and_fails_cleanly():
     mod = pytest.importorskip("pykernels._cuda_runtime", reason="built without nvcc")

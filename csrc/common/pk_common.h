@@ -50,10 +50,31 @@ inline bool cpu_has_avx2() {
   }();
   return has;
 }
+// AVX-512 tier (Zen 4, Ice Lake and newer): F/BW/DQ/VL plus VNNI, BF16 and VPOPCNTDQ, which the
+// quantized GEMMs and bit-serial kernels use. Only chosen when cpu_has_avx2() too, so
+// PYKERNELS_DISABLE_AVX2=1 still forces the portable path; PYKERNELS_DISABLE_AVX512=1 forces AVX2.
+#define PK_TARGET_AVX512 \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512bf16,avx512vpopcntdq," \
+                        "avx2,fma,bmi,bmi2,popcnt,f16c")))
+inline bool cpu_has_avx512() {
+  static const bool has = [] {
+    if (!cpu_has_avx2()) return false;
+    const char* off = std::getenv("PYKERNELS_DISABLE_AVX512");
+    if (off && off[0] == '1') return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bf16") &&
+           __builtin_cpu_supports("avx512vpopcntdq");
+  }();
+  return has;
+}
 #else
 #define PK_X86 0
 #define PK_TARGET_AVX2
+#define PK_TARGET_AVX512
 inline bool cpu_has_avx2() { return false; }
+inline bool cpu_has_avx512() { return false; }
 #endif
 
 #if defined(__GNUC__)

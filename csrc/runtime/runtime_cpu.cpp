@@ -72,6 +72,7 @@ void copy_bytes(uintptr_t dst, uintptr_t src, int64_t nbytes, int num_threads) {
 PYBIND11_MODULE(_cpu_runtime, m) {
   m.doc() = "pykernels CPU runtime: SIMD detection and memory-bandwidth probes";
   m.def("cpu_has_avx2", &pk::cpu_has_avx2, "True when the AVX2 kernels run on this CPU");
+  m.def("cpu_has_avx512", &pk::cpu_has_avx512, "True when the AVX-512 (VNNI, BF16, VPOPCNTDQ) kernels run on this CPU");
   m.def("read_sum", &read_sum, py::arg("src"), py::arg("nbytes"), py::arg("num_threads"),
         "Sum of the 64-bit words at src (reads every byte once, on num_threads threads)");
   m.def("copy_bytes", &copy_bytes, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("num_threads"),
