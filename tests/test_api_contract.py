@@ -502,12 +502,6 @@ def test_triton_backend_under_the_interpreter(name, triton_interpret):
     except NotImplementedError as exc:
         pytest.xfail(f"not implemented on main: {exc}")
     except Exception as exc:  # noqa: BLE001 - sorted out below
-        if "outside of the scope of a kernel" in str(exc):  # triton's InterpreterError, not a RuntimeError
-            # Order-dependent, hence not a strict xfail: kernels calling @triton.jit helpers of
-            # triton.language.standard (tl.sum, tl.zeros, ...) are interpretable only when
-            # TRITON_INTERPRET=1 was set before triton was first imported (pykernels.backends() imports it).
-            pytest.xfail(f"pykernels.{op}: its Triton kernels run under TRITON_INTERPRET=1 only if the variable "
-                         f"was set before triton was imported (triton.language.standard @jit helpers): {exc}")
         assert isinstance(exc, RuntimeError), f"{type(exc).__name__}: {exc}"
         assert str(exc).startswith(f"pykernels.{op}"), str(exc)
         return

@@ -20,13 +20,12 @@ import; `AOT_SPECS` compiles every config the autotuner may pick for sm_90 (test
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
 
+from .._triton_util import ADD as _ADD, MAX as _MAX, interpreting as _interpreting, kernel as _kernel
 from ..triton_aot import AotSpec
 from . import _triton_configs as cfgs
 
@@ -38,16 +37,7 @@ LOG2E = 1.4426950408889634
 # @triton.jit helpers of triton.language.standard (tl.zeros, tl.max, tl.sum): those become interpretable
 # only if TRITON_INTERPRET=1 was set before triton was imported, which a test session cannot promise.
 # ----------------------------------------------------------------------------------------------
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-def _add_combine(a, b):
-    return a + b
-
-
-_MAX = JITFunction(_max_combine)
-_ADD = JITFunction(_add_combine)
+# Combine functions: _MAX / _ADD from pykernels/_triton_util.py (tl.reduce(x, 1, _ADD) is tl.sum).
 
 
 def _attn_fwd(Q, K, V, O, L,
@@ -225,26 +215,7 @@ def _attn_bwd_dq(Q, K, V, DO, L, DELTA, DQ,
 # ----------------------------------------------------------------------------------------------
 # Compiled or interpreted, decided at call time
 # ----------------------------------------------------------------------------------------------
-_CACHE: dict = {}
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _kernel(fn):
-    interp = _interpreting()
-    key = (fn, interp)
-    if key not in _CACHE:
-        if interp:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            _CACHE[key] = InterpretedFunction(fn)
-        else:
-            from triton.runtime.jit import JITFunction
-
-            _CACHE[key] = JITFunction(fn)
-    return _CACHE[key]
+# _kernel(fn): pykernels/_triton_util.kernel (InterpretedFunction under TRITON_INTERPRET=1, else JITFunction).
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,12 +16,11 @@ configs that tests/test_gpu_build.py compiles for sm_90.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from .._triton_util import kernel as _kernel
 from ..triton_aot import AotSpec
 from . import _format as F
 
@@ -127,21 +126,7 @@ def _bs_kernel(A, Wp, S, O, WS, US, SA, MA, Bias, Y, M, N, K, G, GSIZE, GW2, P, 
 # ------------------------------------------------------------------------------------------------
 # Host side
 # ------------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _compiled(fn, interpret: bool):
-    if interpret:
-        from triton.runtime.interpreter import InterpretedFunction
-
-        return InterpretedFunction(fn)
-    from triton.runtime.jit import JITFunction
-
-    return JITFunction(fn)
-
-
-def _kernel(fn):
-    from triton import knobs
-
-    return _compiled(fn, bool(knobs.runtime.interpret))
+# _kernel(fn): pykernels/_triton_util.kernel (interpreted under TRITON_INTERPRET=1, else compiled).
 
 
 def default_config(M: int, N: int, K: int, dtype=torch.float16) -> dict:

@@ -25,7 +25,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
+from .._triton_util import ADD, MIN, interpreting, kernel
 from ..triton_aot import AotSpec
 from ._encode import encode, take as _take
 
@@ -39,12 +41,12 @@ BLOCK_INTERPRET = 256  # under TRITON_INTERPRET=1 (same code, smaller tiles run 
 
 
 def _tile_keys() -> int:
-    import os
-
-    return BLOCK_INTERPRET if os.environ.get("TRITON_INTERPRET") == "1" else BLOCK_DEFAULT
+    return BLOCK_INTERPRET if interpreting() else BLOCK_DEFAULT
 
 
-@triton.jit
+# The kernels are plain functions launched through kernel() and use only Triton builtins (tl.full, tl.reduce,
+# tl.associative_scan with our combine functions), so they run under TRITON_INTERPRET=1 even when it was set
+# after triton was imported (pykernels/_triton_util.py).
 def _hist_kernel(keys_ptr, hist_ptr, shifts_ptr, masks_ptr, n, NPASS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -59,7 +61,6 @@ def _hist_kernel(keys_ptr, hist_ptr, shifts_ptr, masks_ptr, n, NPASS: tl.constex
         tl.atomic_add(hist_ptr + p * 256 + bins, h, sem="relaxed")
 
 
-@triton.jit
 def _bin_kernel(keys_in, keys_out, idx_in, idx_out, status_ptr, counter_ptr, goff_ptr, base_ptr, stage_ptr, n, shift,
                 dmask,
                 BLOCK: tl.constexpr, LOG_BLOCK: tl.constexpr):
@@ -77,10 +78,10 @@ def _bin_kernel(keys_in, keys_out, idx_in, idx_out, status_ptr, counter_ptr, gof
     st_row = status_ptr + tile.to(tl.int64) * 256 + bins
     tl.atomic_xchg(st_row, local | (1 << 29), sem="release")
     # Decoupled look-back, one lane per digit: sum AGGREGATEs until an INCLUSIVE (or tile -1).
-    excl = tl.zeros([256], dtype=tl.int32)
-    pred = tl.zeros([256], dtype=tl.int32) + (tile - 1)
+    excl = tl.full([256], 0, tl.int32)
+    pred = tl.full([256], 0, tl.int32) + (tile - 1)
     done = pred < 0
-    while tl.min(done.to(tl.int32), axis=0) == 0:
+    while tl.reduce(done.to(tl.int32), 0, MIN) == 0:
         s = tl.atomic_add(status_ptr + pred.to(tl.int64) * 256 + bins, 0, mask=~done, sem="acquire")
         flag = (s >> 29) & 3
         take = (~done) & (flag != 0)
@@ -93,7 +94,7 @@ def _bin_kernel(keys_in, keys_out, idx_in, idx_out, status_ptr, counter_ptr, gof
     # (one-hot [BLOCK, 16] prefix sums give each key its rank among equal nibbles), staged through
     # this tile's scratch row - Triton's stand-in for warp multisplit + shared-memory staging. Keys then
     # leave in per-digit runs: out[goff[d] + excl[d] + (j - local_start[d])].
-    lstart = tl.cumsum(local, axis=0) - local
+    lstart = tl.associative_scan(local, 0, ADD) - local
     goff = tl.load(goff_ptr + bins)
     tl.store(base_ptr + tile.to(tl.int64) * 256 + bins, goff + excl - lstart)
     word = tl.where(m, d, 255) * BLOCK + lane  # lanes past n take digit 255: stable, they stay last
@@ -102,9 +103,9 @@ def _bin_kernel(keys_in, keys_out, idx_in, idx_out, status_ptr, counter_ptr, gof
     for sub in tl.static_range(2):
         dig = (word >> (LOG_BLOCK + 4 * sub)) & 15
         onehot = (dig[:, None] == nib[None, :]).to(tl.int32)
-        rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
-        cnt = tl.sum(onehot, axis=0)
-        start = tl.sum(onehot * (tl.cumsum(cnt, axis=0) - cnt)[None, :], axis=1)
+        rank = tl.reduce(tl.associative_scan(onehot, 0, ADD) * onehot, 1, ADD) - 1
+        cnt = tl.reduce(onehot, 0, ADD)
+        start = tl.reduce(onehot * (tl.associative_scan(cnt, 0, ADD) - cnt)[None, :], 1, ADD)
         tl.debug_barrier()
         tl.store(row + start + rank, word)
         tl.debug_barrier()
@@ -142,7 +143,7 @@ def radix_sort_encoded(enc: torch.Tensor, idx: torch.Tensor, begin_bit: int, end
     sh_t = torch.tensor(shifts, dtype=torch.int32, device=dev)
     mk_t = torch.tensor(masks, dtype=enc.dtype, device=dev)
     tiles = triton.cdiv(n, block)
-    _hist_kernel[(tiles,)](enc, hist, sh_t, mk_t, n, NPASS=npass, BLOCK=block)
+    kernel(_hist_kernel)[(tiles,)](enc, hist, sh_t, mk_t, n, NPASS=npass, BLOCK=block)
     hist = hist.view(npass, RADIX).to(torch.int64)
     live = [p for p in range(npass) if int(hist[p].max()) != n]  # trivial passes skipped
     src_k, src_i = enc, idx
@@ -157,7 +158,7 @@ def radix_sort_encoded(enc: torch.Tensor, idx: torch.Tensor, begin_bit: int, end
         status.zero_()
         counter.zero_()
         dk, di = (out_k, out_i) if (len(live) - 1 - q) % 2 == 0 else (tmp_k, tmp_i)
-        _bin_kernel[(tiles,)](src_k, dk, src_i, di, status, counter, goff, scratch, stage, n, shifts[p], masks[p],
+        kernel(_bin_kernel)[(tiles,)](src_k, dk, src_i, di, status, counter, goff, scratch, stage, n, shifts[p], masks[p],
                               BLOCK=block, LOG_BLOCK=block.bit_length() - 1)
         src_k, src_i = dk, di
     if not live:
@@ -219,7 +220,7 @@ def segmented(keys: torch.Tensor, offsets: torch.Tensor, values, descending: boo
 AOT_SPECS = []
 for _kt, _block, _warps in (("*i32", 512, 4), ("*i32", 1024, 4), ("*i64", 1024, 4)):
     AOT_SPECS.append(AotSpec(
-        name=f"sort.bin[{_kt[1:]},BLOCK={_block}]", fn=_bin_kernel,
+        name=f"sort.bin[{_kt[1:]},BLOCK={_block}]", fn=JITFunction(_bin_kernel),
         signature={"keys_in": _kt, "keys_out": _kt, "idx_in": "*i32", "idx_out": "*i32", "status_ptr": "*i32",
                    "counter_ptr": "*i32", "goff_ptr": "*i32", "base_ptr": "*i32", "stage_ptr": "*i32", "n": "i64",
                    "shift": "i32", "dmask": "i32" if _kt == "*i32" else "i64", "BLOCK": "constexpr",
@@ -227,7 +228,7 @@ for _kt, _block, _warps in (("*i32", 512, 4), ("*i32", 1024, 4), ("*i64", 1024, 
         constexprs={"BLOCK": _block, "LOG_BLOCK": _block.bit_length() - 1}, num_warps=_warps, num_stages=1))
 for _kt in ("*i32", "*i64"):
     AOT_SPECS.append(AotSpec(
-        name=f"sort.hist[{_kt[1:]},BLOCK=1024]", fn=_hist_kernel,
+        name=f"sort.hist[{_kt[1:]},BLOCK=1024]", fn=JITFunction(_hist_kernel),
         signature={"keys_ptr": _kt, "hist_ptr": "*i32", "shifts_ptr": "*i32", "masks_ptr": _kt, "n": "i64",
                    "NPASS": "constexpr", "BLOCK": "constexpr"},
         constexprs={"NPASS": 4 if _kt == "*i32" else 8, "BLOCK": 1024}, num_warps=4, num_stages=1))
