@@ -38,7 +38,7 @@ def _lines_per_find(table, q):
     from pykernels.hashing import _layout as L
 
     sample = L.key_bits(q[: min(q.numel(), 100000)])
-    visited = table._mod.probe_windows(table._slots.data_ptr(), table._nw, table.window, table.seed, table._kb,
+    visited = table._mod.probe_windows(table._slots.data_ptr(), table._special.data_ptr(), table._nw, table.window, table.seed, table._kb,
                                        table._vb, sample.data_ptr(), sample.numel())
     return visited / max(1, sample.numel())
 

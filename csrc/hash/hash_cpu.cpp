@@ -122,12 +122,23 @@ struct Table {
   uint64_t seed;
   Geo geo;
   size_t window_bytes;
+  // The overflow filter (hash_layout.h): byte w after the 4 head words of `special`; null for the
+  // callers that pass no `special` (items, the source of a rehash), which then never stop early.
+  uint8_t* ovf;
 
   explicit Table(const Geo& g)
       : slots(reinterpret_cast<S*>(g.slots)), special(reinterpret_cast<uint64_t*>(g.special)), nw(g.nw), W(g.W),
-        seed(g.seed), geo(g), window_bytes(sizeof(S) * (size_t)g.W) {}
+        seed(g.seed), geo(g), window_bytes(sizeof(S) * (size_t)g.W),
+        ovf(g.special ? reinterpret_cast<uint8_t*>(g.special + 8 * SPECIAL_HEAD_WORDS) : nullptr) {}
 
   S* window(uint64_t w) const { return slots + w * (uint64_t)W; }
+
+  // True when a probe that met neither the key nor an EMPTY slot in window w must go on.
+  bool overflowed(uint64_t w, uint32_t tag) const { return !ovf || (load_relaxed(&ovf[w]) & tag); }
+  // An insert leaves window w without a free slot: the key will live beyond it.
+  void mark_overflow(uint64_t w, uint32_t tag) const {
+    if (ovf && !(load_relaxed(&ovf[w]) & tag)) __atomic_fetch_or(&ovf[w], (uint8_t)tag, __ATOMIC_RELAXED);
+  }
 
   // ---- find: returns the slot holding k, or nullptr ----
   S* find_slot(K k, Probe p) const {
@@ -138,6 +149,7 @@ struct Table {
         if (sk == k) return &win[j];
         if (sk == EMPTY) return nullptr;
       }
+      if (!overflowed(p.w, p.tag)) return nullptr;
       probe_next(p, nw);
     }
     return nullptr;
@@ -189,6 +201,11 @@ struct Table {
       }
     }
     if (++s.visited < nw) {
+      if (!s.free_slot) {
+        mark_overflow(s.p.w, s.p.tag);  // the key will live beyond this window
+      } else if (!overflowed(s.p.w, s.p.tag)) {
+        return claim<Mode>(s, st, used, limit, new_empty);  // not beyond either: take the free slot met
+      }
       probe_next(s.p, nw);
       prefetch_w(s.p.w);
       return false;
@@ -370,12 +387,21 @@ void amac_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int 
     }
     return;
   }
-  struct State { int64_t i; Probe p; uint64_t visited; K k; };
+  // check: the current window was full without the key; its overflow-filter byte (prefetched, then
+  // read at the lookup's next turn) decides whether the lookup goes on to the next window. The next
+  // window is prefetched only then, so a miss costs no DRAM line beyond the windows it must read
+  // (the filter, nw bytes, stays in cache).
+  struct State { int64_t i; Probe p; uint64_t visited; K k; bool check; };
   constexpr int kMaxG = 64;
   State st[kMaxG];
   bool live[kMaxG];
   if (G > kMaxG) G = kMaxG;
   int64_t next = b;
+  auto prefetch_window = [&](uint64_t w) {
+    const char* line = reinterpret_cast<const char*>(t.window(w));
+    PK_PREFETCH_R(line);
+    if (t.window_bytes > 64) PK_PREFETCH_R(line + 64);
+  };
   auto start = [&](State& s) -> bool {
     while (next < e) {
       const int64_t i = next++;
@@ -385,9 +411,8 @@ void amac_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int 
       s.k = k;
       s.p = probe_start((uint64_t)k, t.seed, t.nw);
       s.visited = 0;
-      const char* line = reinterpret_cast<const char*>(t.window(s.p.w));
-      PK_PREFETCH_R(line);
-      if (t.window_bytes > 64) PK_PREFETCH_R(line + 64);
+      s.check = false;
+      prefetch_window(s.p.w);
       return true;
     }
     return false;
@@ -398,20 +423,26 @@ void amac_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int 
     for (int g = 0; g < G; ++g) {
       if (!live[g]) continue;
       State& s = st[g];
-      const S* win = t.window(s.p.w);
-      const S* hit = nullptr;
-      uint32_t empty;
-      const uint32_t m = window_masks<CW>(t, win, s.k, empty);
-      if (m) hit = &win[__builtin_ctz(m)];
-      const bool done = (m | empty) != 0;
-      if (!done && ++s.visited < t.nw) {
-        probe_next(s.p, t.nw);
-        const char* line = reinterpret_cast<const char*>(t.window(s.p.w));
-        PK_PREFETCH_R(line);
-        if (t.window_bytes > 64) PK_PREFETCH_R(line + 64);
+      if (PK_UNLIKELY(s.check)) {
+        s.check = false;
+        if (t.overflowed(s.p.w, s.p.tag) && ++s.visited < t.nw) {
+          probe_next(s.p, t.nw);
+          prefetch_window(s.p.w);
+          continue;
+        }
+        emit(s.i, s.k, nullptr, false);
+        if (!(live[g] = start(s))) --active;
         continue;
       }
-      emit(s.i, s.k, const_cast<S*>(hit), false);
+      const S* win = t.window(s.p.w);
+      uint32_t empty;
+      const uint32_t m = window_masks<CW>(t, win, s.k, empty);
+      if ((m | empty) == 0) {
+        s.check = true;
+        if (t.ovf) PK_PREFETCH_R(t.ovf + s.p.w);
+        continue;
+      }
+      emit(s.i, s.k, m ? const_cast<S*>(&win[__builtin_ctz(m)]) : nullptr, false);
       if (!(live[g] = start(s))) --active;
     }
   }
@@ -487,7 +518,7 @@ int64_t erase_impl(const Geo& g, uintptr_t keys_p, int64_t n, uintptr_t out_p, b
               if (sk == k && cas(&win[j].key, k, Table<K, V>::TOMB)) ++erased;
               if (sk == Table<K, V>::EMPTY) { stop = true; break; }
             }
-            if (stop) break;
+            if (stop || !t.overflowed(p.w, p.tag)) break;
             probe_next(p, t.nw);
           }
         }
@@ -528,7 +559,7 @@ void multi_walk_impl(const Geo& g, uintptr_t keys_p, int64_t n, uintptr_t counts
             }
             if (sk == Table<K, V>::EMPTY) { stop = true; break; }
           }
-          if (stop) break;
+          if (stop || !t.overflowed(p.w, p.tag)) break;
           probe_next(p, t.nw);
         }
       }
@@ -628,7 +659,7 @@ int64_t probe_windows_impl(const Geo& g, uintptr_t keys_p, int64_t n) {
       auto* win = t.window(p.w);
       bool stop = false;
       for (int j = 0; j < t.W && !stop; ++j) stop = win[j].key == k || win[j].key == Table<K, V>::EMPTY;
-      if (stop) break;
+      if (stop || !t.overflowed(p.w, p.tag)) break;
       probe_next(p, t.nw);
     }
   }
@@ -808,17 +839,18 @@ PYBIND11_MODULE(_cpu_hash, m) {
           });
         });
   m.def("rehash",
-        [](uintptr_t src, uint64_t src_nw, uintptr_t dst, uint64_t dst_nw, int W, uint64_t seed, int kb, int vb,
-           int nthreads, int D) {
+        [](uintptr_t src, uint64_t src_nw, uintptr_t dst, uintptr_t dst_special, uint64_t dst_nw, int W, uint64_t seed,
+           int kb, int vb, int nthreads, int D) {
           Geo s = geo_of(src, 0, src_nw, W, seed, "hash.rehash");
-          Geo d = geo_of(dst, 0, dst_nw, W, seed, "hash.rehash");
+          Geo d = geo_of(dst, dst_special, dst_nw, W, seed, "hash.rehash");  // its overflow filter is set
           return by_layout("hash.rehash", kb, vb, [&](auto k, auto v) {
             return rehash_impl<decltype(k), decltype(v)>(s, d, nthreads, D);
           });
         });
   m.def("probe_windows",
-        [](uintptr_t slots, uint64_t nw, int W, uint64_t seed, int kb, int vb, uintptr_t keys, int64_t n) {
-          Geo g = geo_of(slots, 0, nw, W, seed, "hash.probe_windows");
+        [](uintptr_t slots, uintptr_t special, uint64_t nw, int W, uint64_t seed, int kb, int vb, uintptr_t keys,
+           int64_t n) {
+          Geo g = geo_of(slots, special, nw, W, seed, "hash.probe_windows");
           return by_layout("hash.probe_windows", kb, vb, [&](auto k, auto v) {
             return probe_windows_impl<decltype(k), decltype(v)>(g, keys, n);
           });
