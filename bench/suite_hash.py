@@ -10,7 +10,8 @@ GPU (--gpu): 2^26 uint32 and uint64 keys at load 0.5 / 0.9 / 0.95, inserts and f
   sort + searchsorted index (what a torch user does without a hash table).
 
 DRAM accesses: a find visits `lines/op` windows (each one 64-byte line on the CPU: measured on a
-sample, in the notes); an insert additionally writes its line back. `bytes_moved` counts those lines
+sample with the overflow filter, which lets a miss stop at its first full window; in the notes); an
+insert additionally writes its line back. `bytes_moved` counts those lines
 plus the streamed key/value/result arrays, so "% of BW limit" says how far the random accesses are from
 the copy bandwidth measured in the same run (latency-bound random access rarely gets near it).
 """
@@ -38,7 +39,7 @@ def _lines_per_find(table, q):
     from pykernels.hashing import _layout as L
 
     sample = L.key_bits(q[: min(q.numel(), 100000)])
-    visited = table._mod.probe_windows(table._slots.data_ptr(), table._nw, table.window, table.seed, table._kb,
+    visited = table._mod.probe_windows(table._slots.data_ptr(), table._special.data_ptr(), table._nw, table.window, table.seed, table._kb,
                                        table._vb, sample.data_ptr(), sample.numel())
     return visited / max(1, sample.numel())
 

@@ -227,6 +227,28 @@ def test_table_full_error_counts_and_keeps_inserted_keys():
     assert torch.equal(t.find(keys[f][:10])[0], -keys[f][:10])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_table_full_count_is_exact_with_threads_reserving_slots_in_chunks(threads):
+    """Threads reserve load-limit budget in chunks (hash_cpu.cpp Budget): a thread refused while the
+    other held unused budget is retried, so exactly `len(keys) - limit` keys are left out, and present
+    keys in the same call are updated, as with one thread."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        t = HashMap(60000, growable=False, max_load_factor=0.7)
+        limit = int(0.7 * t.capacity)
+        first = torch.arange(1000, dtype=torch.int64) * 31 + 5
+        t.insert(first, first)
+        keys = torch.cat([torch.arange(100000, dtype=torch.int64) * 7919 + 1, first])
+        with pytest.raises(TableFullError) as ei:
+            t.insert(keys, -keys)
+        assert ei.value.not_inserted == len(keys) - len(first) - (limit - len(first)) and len(t) == limit
+        v, f = t.find(keys)
+        assert int(f.sum()) == limit and torch.equal(v[f], -keys[f])
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_table_full_respects_max_load_factor_and_purges_tombstones():
     t = HashMap(1000, growable=False, max_load_factor=0.5)
     limit = int(0.5 * t.capacity)
@@ -618,7 +640,7 @@ def test_layout_mirror_agrees_with_native_placement():
     t.insert(keys, keys)
     words = t._slots.view(torch.int64).view(-1, 2)
     for k in keys.tolist()[:50]:
-        w, step = L.probe_start(k & L.M64, t.seed, t._nw)
+        w, step, _ = L.probe_start(k & L.M64, t.seed, t._nw)
         found = False
         for _ in range(t._nw):
             slots = words[w * 4:(w + 1) * 4, 0].tolist()
@@ -628,6 +650,134 @@ def test_layout_mirror_agrees_with_native_placement():
             assert -1 not in slots  # an EMPTY before the key would break the probe invariant
             w = (w + step) % t._nw
         assert found
+
+
+def _filter_byte(t, w):
+    return int(t._special[4 + w // 8]) >> (8 * (w % 8)) & 0xFF
+
+
+def test_overflow_filter_marks_every_window_a_key_passed_and_misses_stop_early():
+    """Layout invariant (hash_layout.h): for each key, every window before its own on its probe sequence
+    has the key's tag bit in the overflow filter; so a miss may stop at a full window without the bit."""
+    t = HashMap(2000, window=4, max_load_factor=1.0, growable=False)
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randint(-(1 << 62), 1 << 62, (int(t.capacity * 0.97),), dtype=torch.int64, generator=g).unique()
+    t.insert(keys, keys)
+    words = t._slots.view(torch.int64).view(-1, 2)[:, 0].tolist()
+    passed = 0
+    for k in keys.tolist():
+        w, step, tag = L.probe_start(k & L.M64, t.seed, t._nw)
+        while k not in words[w * 4:(w + 1) * 4]:
+            assert _filter_byte(t, w) & tag, "a window the key passed lacks its filter bit"
+            passed += 1
+            w = (w + step) % t._nw
+    assert passed > len(keys) // 10  # the load is high enough for the check to mean something
+    absent = torch.randint(-(1 << 62), 1 << 62, (5000,), dtype=torch.int64, generator=g)
+    absent = absent[~torch.isin(absent, keys)]
+    assert not bool(t.contains(absent).any()) and bool(t.contains(keys).all())
+    kb = L.key_bits(absent)
+    args = (t._slots.data_ptr(), t._nw, t.window, t.seed, t._kb, t._vb, kb.data_ptr(), kb.numel())
+    with_filter = t._mod.probe_windows(t._slots.data_ptr(), t._special.data_ptr(), *args[1:])
+    without = t._mod.probe_windows(args[0], 0, *args[1:])
+    assert with_filter < 0.6 * without  # misses read far fewer windows (DRAM lines)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("cls", [HashMap, CountingTable, MultiValueHashMap])
+def test_overflow_filter_survives_erase_reinsert_churn_at_full_load(cls, seed):
+    """Tombstones at load ~1: inserts reuse a tombstone met before a full window whose filter byte
+    says the key is not further on; lookups stop early; the table must still agree with a dict."""
+    rng = random.Random(seed)
+    kw = dict(key_dtype=torch.int64) if cls is CountingTable else dict(key_dtype=torch.int64,
+                                                                        value_dtype=torch.int64)
+    t = cls(64, max_load_factor=1.0, **kw) if cls is not HashMap else cls(64, max_load_factor=1.0, growable=False,
+                                                                          **kw)
+    universe = [rng.randrange(-(1 << 40), 1 << 40) for _ in range(3 * t.capacity)] + [-1, -2, 0]
+    ref = collections.defaultdict(list)
+    for step in range(60):
+        live = [k for k, v in ref.items() if v]
+        if live and rng.random() < 0.5:
+            gone = rng.sample(live, k=min(len(live), rng.randrange(1, 12)))
+            t.erase(torch.tensor(gone, dtype=torch.int64))
+            for k in gone:
+                ref[k] = []
+        room = t.capacity - sum(len(v) for v in ref.values()) - 3
+        if room > 0:
+            new = rng.sample(universe, k=min(room, rng.randrange(1, 20)))
+            if cls is HashMap:
+                new = list(dict.fromkeys(new))
+            vals = [rng.randrange(1000) for _ in new]
+            if cls is CountingTable:
+                t.add(torch.tensor(new, dtype=torch.int64))
+                for k in new:
+                    ref[k] = [ref[k][0] + 1 if ref[k] else 1]
+            else:
+                t.insert(torch.tensor(new, dtype=torch.int64), torch.tensor(vals, dtype=torch.int64))
+                for k, v in zip(new, vals):
+                    if cls is HashMap:
+                        ref[k] = [v]
+                    else:
+                        ref[k].append(v)
+        q = torch.tensor(universe, dtype=torch.int64)
+        if cls is MultiValueHashMap:
+            assert t.count(q).tolist() == [len(ref[k]) for k in universe]
+        elif cls is CountingTable:
+            assert t.counts(q).tolist() == [ref[k][0] if ref[k] else 0 for k in universe]
+        else:
+            vals, found = t.find(q, default=-7)
+            assert found.tolist() == [bool(ref[k]) for k in universe]
+            assert vals.tolist() == [ref[k][0] if ref[k] else -7 for k in universe]
+    assert len(t) == sum(len(v) for v in ref.values())
+
+
+_TIER_SCRIPT = r"""
+import random, torch, pykernels
+from pykernels import HashMap, HashSet, CountingTable
+from pykernels.hashing import _layout as L
+rng = random.Random(3)
+for kd in (torch.int32, torch.int64, torch.uint32, torch.uint64):
+    for cls, vd in ((HashMap, torch.int64), (HashMap, torch.int32), (HashSet, None), (CountingTable, None)):
+        for load, window in ((0.5, None), (0.97, None), (0.9, 3)):
+            kw = dict(key_dtype=kd) if cls is not HashMap else dict(key_dtype=kd, value_dtype=vd)
+            t = cls(3000, window=window, **kw) if window else cls(3000, **kw)
+            t.max_load_factor = 1.0
+            n = int(t.capacity * load)
+            bits = 8 * kd.itemsize
+            pool = list({rng.getrandbits(bits) for _ in range(2 * n)} | {0, 2 ** bits - 1, 2 ** bits - 2, 1})
+            ins, absent = pool[:n], pool[n:]
+            keys = L.bits_to_keys(torch.tensor([x - (1 << bits) if x >= 1 << (bits - 1) else x for x in ins],
+                                               dtype={32: torch.int32, 64: torch.int64}[bits]), kd)
+            q = L.bits_to_keys(torch.tensor([x - (1 << bits) if x >= 1 << (bits - 1) else x for x in ins + absent],
+                                            dtype={32: torch.int32, 64: torch.int64}[bits]), kd)
+            if cls is HashMap:
+                vals = torch.arange(n, dtype=vd)
+                t.insert(keys, vals)
+                v, f = t.find(q, default=-1)
+                assert f.tolist() == [True] * n + [False] * len(absent), (kd, vd, load, window)
+                assert v.tolist() == list(range(n)) + [-1] * len(absent), (kd, vd, load, window)
+            elif cls is HashSet:
+                t.insert(keys)
+                assert t.contains(q).tolist() == [True] * n + [False] * len(absent), (kd, load, window)
+            else:
+                t.add(keys); t.add(keys[: n // 2])
+                assert t.counts(q).tolist() == [2] * (n // 2) + [1] * (n - n // 2) + [0] * len(absent)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("env", [{}, {"PYKERNELS_DISABLE_AVX512": "1"}, {"PYKERNELS_DISABLE_AVX2": "1"}],
+                         ids=["best", "avx2", "portable"])
+def test_lookups_agree_on_every_simd_tier(env):
+    """Lookups compare a whole 64-byte window at once on the AVX-512 and AVX2 tiers (hash_cpu.cpp);
+    every tier must answer alike for every key width and slot layout, the reserved patterns, high load
+    and a window that is not one cache line (scalar path). Tier flags are read once per process."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _TIER_SCRIPT], env={**os.environ, **env}, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -93,6 +93,16 @@ __device__ __forceinline__ uint64_t read_val(const void* vals, int64_t i, uint64
   else return vals ? (uint64_t)((const V*)vals)[i] : dflt;
 }
 
+// ---- the overflow filter (hash_layout.h): byte w of the words after special's head ------------
+// Every lane of a group reads the same word, so the group decides alike; rank 0 marks.
+__device__ __forceinline__ bool ovf_has(const unsigned long long* f, uint64_t w, uint32_t tag) {
+  return (vload(&f[w >> 3]) >> ((w & 7) * 8)) & tag;
+}
+__device__ __forceinline__ void ovf_mark(unsigned long long* f, uint64_t w, uint32_t tag) {
+  const unsigned long long bit = (unsigned long long)tag << ((w & 7) * 8);
+  if (!(vload(&f[w >> 3]) & bit)) atomicOr(&f[w >> 3], bit);
+}
+
 // ---- the special (reserved key pattern) store --------------------------------------------------
 template <class K, int Mode, bool HasVal>
 __device__ __forceinline__ uint8_t insert_special(unsigned long long* special, K k, uint64_t v) {
@@ -105,8 +115,8 @@ __device__ __forceinline__ uint8_t insert_special(unsigned long long* special, K
 
 // ---- insert of one key by one group -----------------------------------------------------------
 template <class K, class V, int G, int Mode>
-__device__ __forceinline__ uint8_t group_insert(const Group<G> g, Slot<K, V>* slots, uint64_t nw, uint64_t seed, K k, uint64_t v,
-                                long long* counters, long long limit) {
+__device__ __forceinline__ uint8_t group_insert(const Group<G> g, Slot<K, V>* slots, unsigned long long* ovf, uint64_t nw,
+                                uint64_t seed, K k, uint64_t v, long long* counters, long long limit) {
   using S = Slot<K, V>;
   constexpr bool kHasVal = !std::is_same<V, NoVal>::value;
   constexpr bool kPacked = kHasVal && sizeof(S) == 8;  // 4-byte key + 4-byte value: one 64-bit CAS
@@ -135,6 +145,11 @@ __device__ __forceinline__ uint8_t group_insert(const Group<G> g, Slot<K, V>* sl
         if (Mode == M_APPEND) break;  // duplicates allowed: the first free slot is the place
       }
       if (empty) break;  // the key cannot be beyond the first EMPTY
+      if (free_slot < 0) {
+        if (g.rank == 0) ovf_mark(ovf, p.w, p.tag);  // the key will live beyond this window
+      } else if (!ovf_has(ovf, p.w, p.tag)) {
+        break;  // nor is it beyond: take the free slot met
+      }
       probe_next(p, nw);
     }
     if (free_slot < 0) return ST_PENDING;  // every slot holds a live key
@@ -212,7 +227,7 @@ __global__ void insert_kernel(Slot<K, V>* slots, unsigned long long* special, ui
       if (Mode != M_APPEND && g.rank == 0)
         st = insert_special<K, Mode, !std::is_same<V, NoVal>::value>(special, k, v);
     } else {
-      st = group_insert<K, V, G, Mode>(g, slots, nw, seed, k, v, counters, limit);
+      st = group_insert<K, V, G, Mode>(g, slots, special + SPECIAL_HEAD_WORDS, nw, seed, k, v, counters, limit);
     }
     if (g.rank == 0) {
       status[i] = st;
@@ -227,7 +242,8 @@ __global__ void insert_kernel(Slot<K, V>* slots, unsigned long long* special, ui
 // ---- find / erase / multi-value walks ---------------------------------------------------------
 // Returns the slot index holding k, or -1.
 template <class K, class V, int G>
-__device__ __forceinline__ int64_t group_find(const Group<G> g, const Slot<K, V>* slots, uint64_t nw, uint64_t seed, K k) {
+__device__ __forceinline__ int64_t group_find(const Group<G> g, const Slot<K, V>* slots, const unsigned long long* ovf,
+                                              uint64_t nw, uint64_t seed, K k) {
   Probe p = probe_start((uint64_t)k, seed, nw);
   for (uint64_t t = 0; t < nw; ++t) {
     const Slot<K, V>* win = slots + p.w * G;
@@ -235,6 +251,7 @@ __device__ __forceinline__ int64_t group_find(const Group<G> g, const Slot<K, V>
     const unsigned long long hit = g.ballot(sk == k);
     if (hit) return (int64_t)(p.w * G) + first_bit(hit);
     if (g.ballot(sk == Sentinel<K>::EMPTY)) return -1;
+    if (!ovf_has(ovf, p.w, p.tag)) return -1;  // no key with this tag went on past this window
     probe_next(p, nw);
   }
   return -1;
@@ -255,7 +272,7 @@ __global__ void find_kernel(const Slot<K, V>* slots, const unsigned long long* s
       hit = vload(&special[2 * s]) != 0;
       if (hit) v = vload(&special[2 * s + 1]);
     } else {
-      const int64_t at = group_find<K, V, G>(g, slots, nw, seed, k);
+      const int64_t at = group_find<K, V, G>(g, slots, special + SPECIAL_HEAD_WORDS, nw, seed, k);
       hit = at >= 0;
       if constexpr (!std::is_same<V, NoVal>::value) {
         if (hit) v = (uint64_t)vload(&slots[at].val);
@@ -289,7 +306,7 @@ __global__ void erase_kernel(Slot<K, V>* slots, unsigned long long* special, uin
         }
       }
     } else if (!multi) {
-      const int64_t at = group_find<K, V, G>(g, slots, nw, seed, k);
+      const int64_t at = group_find<K, V, G>(g, slots, special + SPECIAL_HEAD_WORDS, nw, seed, k);
       if (at >= 0 && g.rank == 0 && cas_word(&slots[at].key, k, Sentinel<K>::TOMB) == k) {
         erased = 1;
         if constexpr (!std::is_same<V, NoVal>::value) {
@@ -366,7 +383,7 @@ __global__ void items_kernel(const Slot<K, V>* slots, int64_t nslots, K* keys_ou
 
 // rehash: each group loads a window of the old table and inserts its live keys one by one
 template <class K, class V, int G>
-__global__ void rehash_kernel(const Slot<K, V>* src, uint64_t src_nw, Slot<K, V>* dst,
+__global__ void rehash_kernel(const Slot<K, V>* src, uint64_t src_nw, Slot<K, V>* dst, unsigned long long* dst_ovf,
                                                          uint64_t dst_nw, uint64_t seed, long long* counters,
                                                          long long limit) {
   const Group<G> g;
@@ -381,7 +398,7 @@ __global__ void rehash_kernel(const Slot<K, V>* src, uint64_t src_nw, Slot<K, V>
       const K k = g.shfl(mine.key, r);
       uint64_t v = 0;
       if constexpr (!std::is_same<V, NoVal>::value) v = (uint64_t)g.shfl(mine.val, r);
-      if (group_insert<K, V, G, M_APPEND>(g, dst, dst_nw, seed, k, v, counters, limit) == ST_NEW) ++moved;
+      if (group_insert<K, V, G, M_APPEND>(g, dst, dst_ovf, dst_nw, seed, k, v, counters, limit) == ST_NEW) ++moved;
     }
   }
   if (g.rank == 0 && moved) atomicAdd((unsigned long long*)&counters[C_NEW], (unsigned long long)moved);
@@ -598,8 +615,8 @@ int64_t pk_hash_items(uintptr_t slots, uint64_t nw, int W, int kb, int vb, uintp
   return h[0];
 }
 
-int64_t pk_hash_rehash(uintptr_t src, uint64_t src_nw, uintptr_t dst, uint64_t dst_nw, int W, uint64_t seed, int kb,
-                       int vb, uintptr_t stream) {
+int64_t pk_hash_rehash(uintptr_t src, uint64_t src_nw, uintptr_t dst, uintptr_t dst_special, uint64_t dst_nw, int W,
+                       uint64_t seed, int kb, int vb, uintptr_t stream) {
   const char* op = "HashMap.rehash";
   pk::require_gpu(op);
   pk_stream_t s = (pk_stream_t)stream;
@@ -610,7 +627,7 @@ int64_t pk_hash_rehash(uintptr_t src, uint64_t src_nw, uintptr_t dst, uint64_t d
     by_group(op, W, [&](auto gsz) {
       constexpr int G = decltype(gsz)::value;
       rehash_kernel<K, V, G><<<grid_for((int64_t)src_nw * G), kBlock, 0, s>>>(
-          (const Slot<K, V>*)src, src_nw, (Slot<K, V>*)dst, dst_nw, seed, c.d, (long long)(dst_nw * (uint64_t)W));
+          (const Slot<K, V>*)src, src_nw, (Slot<K, V>*)dst, (unsigned long long*)dst_special + SPECIAL_HEAD_WORDS, dst_nw, seed, c.d, (long long)(dst_nw * (uint64_t)W));
     });
   });
   PK_GPU_CHECK(op, pkGetLastError());

@@ -18,8 +18,8 @@ void pk_hash_multi_walk(uintptr_t slots, uint64_t nw, int W, uint64_t seed, int 
                         int64_t n, uintptr_t counts, uintptr_t offsets, uintptr_t vals_out, uintptr_t stream);
 int64_t pk_hash_items(uintptr_t slots, uint64_t nw, int W, int kb, int vb, uintptr_t keys_out, uintptr_t vals_out,
                       int64_t max_out, uintptr_t stream);
-int64_t pk_hash_rehash(uintptr_t src, uint64_t src_nw, uintptr_t dst, uint64_t dst_nw, int W, uint64_t seed, int kb,
-                       int vb, uintptr_t stream);
+int64_t pk_hash_rehash(uintptr_t src, uint64_t src_nw, uintptr_t dst, uintptr_t dst_special, uint64_t dst_nw, int W,
+                       uint64_t seed, int kb, int vb, uintptr_t stream);
 void pk_hash_bloom_add(uintptr_t words, uint64_t nblocks, int k, uint64_t seed, uintptr_t keys, int64_t n,
                        uintptr_t stream);
 void pk_hash_bloom_contains(uintptr_t words, uint64_t nblocks, int k, uint64_t seed, uintptr_t keys, int64_t n,
@@ -59,10 +59,10 @@ PYBIND11_MODULE(_cuda_hash, m) {
     py::gil_scoped_release release;
     return pk_hash_items(slots, nw, W, kb, vb, keys_out, vals_out, max_out, stream);
   });
-  m.def("rehash", [](uintptr_t src, uint64_t src_nw, uintptr_t dst, uint64_t dst_nw, int W, uint64_t seed, int kb,
-                     int vb, int, int, uintptr_t stream) {
+  m.def("rehash", [](uintptr_t src, uint64_t src_nw, uintptr_t dst, uintptr_t dst_special, uint64_t dst_nw, int W,
+                     uint64_t seed, int kb, int vb, int, int, uintptr_t stream) {
     py::gil_scoped_release release;
-    return pk_hash_rehash(src, src_nw, dst, dst_nw, W, seed, kb, vb, stream);
+    return pk_hash_rehash(src, src_nw, dst, dst_special, dst_nw, W, seed, kb, vb, stream);
   });
   m.def("bloom_add", [](uintptr_t words, uint64_t nblocks, int k, uint64_t seed, uintptr_t keys, int64_t n, int,
                         uintptr_t stream) {

@@ -167,6 +167,12 @@ def next_prime(n: int) -> int:
     return n
 
 
+def special_words(nw: int) -> int:
+    """Length (int64 words) of a table's `special` tensor: 4 for the reserved key patterns, then the
+    overflow filter, one byte per window (hash_layout.h special_words)."""
+    return 4 + (nw + 7) // 8
+
+
 def windows_for(capacity: int, window: int, op: str = "HashMap") -> int:
     """A prime number of windows holding at least `capacity` slots (prime: every double-hashing
     step is coprime with it, so a probe visits every window once)."""
@@ -191,8 +197,9 @@ def fmix64(k: int) -> int:
 
 
 def probe_start(key_bits_u64: int, seed: int, nw: int):
+    """(first window, step, overflow-filter tag bit) of a key, as hash_layout.h probe_start."""
     h = fmix64((key_bits_u64 ^ seed) & M64)
-    return ((h >> 32) * nw) >> 32, 1 + (((h & 0xFFFFFFFF) * (nw - 1)) >> 32)
+    return ((h >> 32) * nw) >> 32, 1 + (((h & 0xFFFFFFFF) * (nw - 1)) >> 32), 1 << (h & 7)
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:

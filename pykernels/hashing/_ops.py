@@ -48,6 +48,16 @@ def out_buffer(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     return out
 
 
+def _check_special(op: str, special: torch.Tensor, nw: int):
+    """`special` must hold the reserved-key words and the overflow filter of an `nw`-window table
+    (the native code reads and writes that many words)."""
+    need = 4 + (nw + 7) // 8
+    if special.dtype != torch.int64 or not special.is_contiguous() or special.numel() < need:
+        raise ValueError(f"pykernels.{op}: expected 'special' a contiguous int64 tensor of at least {need} words "
+                         f"(4 + one overflow-filter byte per window) for nw={nw}, got {special.dtype} of "
+                         f"{special.numel()} words")
+
+
 @torch.library.custom_op("pykernels::hash_find", mutates_args=())
 def hash_find(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor, nw: int, window: int, seed: int,
               kb: int, vb: int, default_bits: int, with_values: bool, threads: int,
@@ -60,6 +70,7 @@ def hash_find(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor, nw
     found = out_buffer(n, torch.uint8, keys.device)
     vals = out_buffer(nv, _BITS.get(vb, torch.int64), keys.device)
     if n:
+        _check_special("hash_find", special, nw)
         _mod(slots).find(slots.data_ptr(), special.data_ptr(), nw, window, seed & _M64, kb, vb, keys.data_ptr(), n,
                          vals.data_ptr() if nv else 0, found.data_ptr(), default_bits & _M64, _nthreads(threads),
                          prefetch, *stream_args(slots.device))
@@ -84,6 +95,7 @@ def hash_insert_(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor,
     status = out_buffer(n, torch.uint8, keys.device)
     counts = (0, 0, 0)
     if n:
+        _check_special("hash_insert_", special, nw)
         counts = _mod(slots).insert(slots.data_ptr(), special.data_ptr(), nw, window, seed & _M64, kb, vb,
                                     keys.data_ptr(), values.data_ptr() if values is not None else 0, n,
                                     status.data_ptr(), mode, used, limit, _nthreads(threads), prefetch,

@@ -128,11 +128,16 @@ class _OpenTable:
     def _alloc(self, capacity):
         self._nw = L.windows_for(capacity, self.window, self._op)
         self._slots = self._new_slots(self._nw)
-        self._special = torch.zeros(4, dtype=torch.int64, device=self.device)
+        self._special = self._new_special(self._nw)
         self._init_slots(self._slots)
         self._size = 0   # live keys (multi: live pairs), the out-of-band ones included
         self._used = 0   # slots that are not EMPTY (live + tombstones)
         self._special_multi = {}  # multi-value maps: reserved key bits -> list of value-bit tensors
+
+    def _new_special(self, nw):
+        """Zeroed `special`: 4 words for the reserved key patterns (flags and values), then the overflow
+        filter, one byte per window (csrc/hash/hash_layout.h)."""
+        return torch.zeros(L.special_words(nw), dtype=torch.int64, device=self.device)
 
     def _init_slots(self, slots):
         """Keys EMPTY (all ones), values zero: counting tables add into a fresh slot's value."""
@@ -243,18 +248,20 @@ class _OpenTable:
     def _n_special(self):
         if self._multi:
             return sum(int(v.numel()) for lst in self._special_multi.values() for v in lst)
-        return int(self._special[0::2].ne(0).sum())
+        return int(self._special[0:4:2].ne(0).sum())
 
     def _rehash(self, capacity):
         old_slots, old_nw = self._slots, self._nw
         new_nw = L.windows_for(capacity, self.window, self._op)
         new_slots = self._new_slots(new_nw)
         self._init_slots(new_slots)
+        new_special = self._new_special(new_nw)  # the reserved keys carry over; the filter is rebuilt
+        new_special[:4] = self._special[:4]
         cfg = self._config("hash_insert")
-        moved = self._mod.rehash(old_slots.data_ptr(), old_nw, new_slots.data_ptr(), new_nw, self.window, self.seed,
-                                 self._kb, self._vb, self._threads(cfg), int(cfg.get("prefetch", 32)),
-                                 *_ops.stream_args(self.device))
-        self._slots, self._nw = new_slots, new_nw
+        moved = self._mod.rehash(old_slots.data_ptr(), old_nw, new_slots.data_ptr(), new_special.data_ptr(), new_nw,
+                                 self.window, self.seed, self._kb, self._vb, self._threads(cfg),
+                                 int(cfg.get("prefetch", 32)), *_ops.stream_args(self.device))
+        self._slots, self._nw, self._special = new_slots, new_nw, new_special
         self._used = moved
 
     def _find_bits(self, kbits, want_values, default_bits=0):
@@ -295,7 +302,7 @@ class _OpenTable:
                     sk.append(torch.full((v.numel(),), bits, dtype=kb.dtype, device=self.device))
                     sv.append(v)
         else:
-            flags = self._special.cpu().tolist()
+            flags = self._special[:4].cpu().tolist()
             for s, bits in enumerate((L.EMPTY_BITS, L.TOMB_BITS)):
                 if flags[2 * s]:
                     sk.append(torch.tensor([bits], dtype=kb.dtype, device=self.device))

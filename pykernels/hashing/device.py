@@ -52,6 +52,9 @@ _TOMB32 = np.uint64(0xFFFFFFFE)
 _ZERO = np.uint64(0)
 _ONE = np.uint64(1)
 _TWO = np.uint64(2)
+_THREE = np.uint64(3)
+_FOUR = np.uint64(4)
+_SEVEN = np.uint64(7)
 
 # status values returned by inserts
 NEW, EXISTED, FULL = 1, 0, -1
@@ -73,7 +76,23 @@ def _probe_start(key, seed, nw):
     n = _U(nw)
     w = ((h >> _S32) * n) >> _S32
     step = _ONE + (((h & _LO32) * (n - _ONE)) >> _S32)
-    return w, step
+    return w, step, _ONE << (h & _SEVEN)
+
+
+# The overflow filter (hash_layout.h): byte w of special's words after the first 4. Inserts that leave a
+# window without having met a free slot set the key's tag bit there; lookups stop at a full window
+# whose byte lacks it.
+@cuda.jit(device=True, inline=True)
+def _ovf_has(special, w, tag):
+    return ((special[_FOUR + (w >> _THREE)] >> ((w & _SEVEN) * _U(8))) & tag) != _ZERO
+
+
+@cuda.jit(device=True, inline=True)
+def _ovf_mark(special, w, tag):
+    word = _FOUR + (w >> _THREE)
+    bit = tag << ((w & _SEVEN) * _U(8))
+    if (special[word] & bit) == _ZERO:
+        cuda.atomic.or_(special, word, bit)
 
 
 @cuda.jit(device=True, inline=True)
@@ -114,8 +133,7 @@ def _pair_upsert(slots, special, counters, nw, window, seed, key, value, add):
         return EXISTED
     W = _U(window)
     while True:
-        w0, step = _probe_start(key, seed, nw)
-        w = w0
+        w, step, tag = _probe_start(key, seed, nw)
         free = _EMPTY64  # slot index of the first free slot (EMPTY64 = none yet)
         t = _ZERO
         stop = False
@@ -138,6 +156,10 @@ def _pair_upsert(slots, special, counters, nw, window, seed, key, value, add):
                 if sk == _TOMB64 and free == _EMPTY64:
                     free = s
             if not stop:
+                if free == _EMPTY64:
+                    _ovf_mark(special, w, tag)  # the key will live beyond this window
+                elif not _ovf_has(special, w, tag):
+                    break  # nor is it beyond: take the free slot met
                 w = _next(w, step, nw)
                 t += _ONE
         if free == _EMPTY64:
@@ -181,7 +203,7 @@ def map_find(slots, special, nw, window, seed, key):
             return special[2 * s + 1], True
         return _ZERO, False
     W = _U(window)
-    w, step = _probe_start(key, seed, nw)
+    w, step, tag = _probe_start(key, seed, nw)
     t = _ZERO
     while t < _U(nw):
         base = w * W
@@ -192,6 +214,8 @@ def map_find(slots, special, nw, window, seed, key):
                 return slots[_TWO * s + _ONE], True
             if sk == _EMPTY64:
                 return _ZERO, False
+        if not _ovf_has(special, w, tag):
+            return _ZERO, False
         w = _next(w, step, nw)
         t += _ONE
     return _ZERO, False
@@ -212,7 +236,7 @@ def set_insert(slots, special, counters, nw, window, seed, key):
         return EXISTED
     W = _U(window)
     while True:
-        w, step = _probe_start(key, seed, nw)
+        w, step, tag = _probe_start(key, seed, nw)
         free = _EMPTY64
         t = _ZERO
         stop = False
@@ -231,6 +255,10 @@ def set_insert(slots, special, counters, nw, window, seed, key):
                 if sk == _TOMB64 and free == _EMPTY64:
                     free = s
             if not stop:
+                if free == _EMPTY64:
+                    _ovf_mark(special, w, tag)  # the key will live beyond this window
+                elif not _ovf_has(special, w, tag):
+                    break  # nor is it beyond: take the free slot met
                 w = _next(w, step, nw)
                 t += _ONE
         if free == _EMPTY64:
@@ -254,7 +282,7 @@ def set_contains(slots, special, nw, window, seed, key):
     if key >= _TOMB64:
         return special[2 * (0 if key == _EMPTY64 else 1)] != _ZERO
     W = _U(window)
-    w, step = _probe_start(key, seed, nw)
+    w, step, tag = _probe_start(key, seed, nw)
     t = _ZERO
     while t < _U(nw):
         base = w * W
@@ -264,6 +292,8 @@ def set_contains(slots, special, nw, window, seed, key):
                 return True
             if sk == _EMPTY64:
                 return False
+        if not _ovf_has(special, w, tag):
+            return False
         w = _next(w, step, nw)
         t += _ONE
     return False
@@ -289,7 +319,7 @@ def packed_insert(slots, special, counters, nw, window, seed, key, value):
     W = _U(window)
     packed = key | (value << _S32)
     while True:
-        w, step = _probe_start(key, seed, nw)
+        w, step, tag = _probe_start(key, seed, nw)
         free = _EMPTY64
         t = _ZERO
         stop = False
@@ -313,6 +343,10 @@ def packed_insert(slots, special, counters, nw, window, seed, key, value):
                 if sk == _TOMB32 and free == _EMPTY64:
                     free = s
             if not stop:
+                if free == _EMPTY64:
+                    _ovf_mark(special, w, tag)  # the key will live beyond this window
+                elif not _ovf_has(special, w, tag):
+                    break  # nor is it beyond: take the free slot met
                 w = _next(w, step, nw)
                 t += _ONE
         if free == _EMPTY64:
@@ -341,7 +375,7 @@ def packed_find(slots, special, nw, window, seed, key):
             return special[2 * s + 1] & _LO32, True
         return _ZERO, False
     W = _U(window)
-    w, step = _probe_start(key, seed, nw)
+    w, step, tag = _probe_start(key, seed, nw)
     t = _ZERO
     while t < _U(nw):
         base = w * W
@@ -352,6 +386,8 @@ def packed_find(slots, special, nw, window, seed, key):
                 return word >> _S32, True
             if sk == _EMPTY32:
                 return _ZERO, False
+        if not _ovf_has(special, w, tag):
+            return _ZERO, False
         w = _next(w, step, nw)
         t += _ONE
     return _ZERO, False
@@ -369,7 +405,7 @@ def _as_u64_array(t: torch.Tensor):
 
 class DeviceView:
     """The arrays and scalars device functions take, as `args`:
-    (slots uint64[], special uint64[4], counters int64[3] = [used slots, load limit, new keys], nw,
+    (slots uint64[], special uint64[4 + overflow filter], counters int64[3] = [used slots, load limit, new keys], nw,
     window, seed). A context manager: on exit, the host table's len() and load accounting take in
     what the kernel inserted."""
 
