@@ -187,10 +187,11 @@ def test_float_special_values_order_like_torch():
 
 @pytest.mark.parametrize("digit_bits", [1, 3, 8, 11])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("nt", [False, True])
-def test_engine_configs_agree(digit_bits, threads, nt):
-    """Every digit width / thread count / store kind the autotuner may pick gives the same stable result."""
-    cfg = {"digit_bits": digit_bits, "threads": threads, "nt": nt, "grain": 1024}
+@pytest.mark.parametrize("wc,nt", [(1, False), (1, True), (0, True)])
+def test_engine_configs_agree(digit_bits, threads, wc, nt):
+    """Every digit width / thread count / store kind (write-combined with or without streaming stores,
+    plain scattered stores) the autotuner may pick gives the same stable result."""
+    cfg = {"digit_bits": digit_bits, "threads": threads, "wc": wc, "nt": nt, "grain": 1024}
     for dtype in (torch.int32, torch.float64, torch.uint16):
         for n in (65, 5000, 300001):
             if digit_bits <= 3 and n > 5000:
@@ -475,7 +476,7 @@ def test_hypothesis_sort_matches_oracle(data, dtype, descending):
     x = torch.tensor(vals, dtype=torch.float64 if dtype.is_floating_point else torch.int64)
     x = x.to(dtype) if dtype != torch.uint32 else torch.tensor(np.array(vals, dtype=np.uint32))
     cfg = {"digit_bits": data.draw(st.sampled_from([4, 8, 11])), "threads": data.draw(st.sampled_from([1, 2])),
-           "grain": 16}
+           "wc": data.draw(st.sampled_from([0, 1])), "grain": 16}
     v, i = pykernels.sort(x, descending=descending)
     ri = ref_argsort_1d(x, descending)
     assert_same(i, ri)
