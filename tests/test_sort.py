@@ -511,3 +511,45 @@ def test_autotune_generate_show_and_reuse_in_a_second_process(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert "reused" in res.stdout
+
+
+def test_eager_calls_skip_the_registered_op_and_traced_calls_use_it(monkeypatch):
+    """Plain eager calls run the implementation directly (the torch.library layers cost ~60-100 us a call);
+    fake tensors (what tracing sees) and inputs needing autograd still go through torch.ops.pykernels."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import pykernels.sort as ps
+
+    used = []
+    real = torch.ops
+
+    class Spy:
+        def __getattr__(self, name):
+            if name == "pykernels":
+                used.append(name)
+            return getattr(real, name)
+
+    x = torch.randn(5, 8)
+    k = torch.randint(0, 9, (40,), dtype=torch.int32)
+    off = torch.tensor([0, 3, 40])
+    with monkeypatch.context() as m:
+        m.setattr(torch, "ops", Spy())
+        v, i = pykernels.sort(x, dim=0)
+        ia = pykernels.argsort(x, descending=True)
+        kk = pykernels.sort_keys(k)
+        kp, vp = pykernels.sort_pairs(k, x.view(-1)[:40])
+        ks, vs = pykernels.segmented_sort(k, off, k)
+        assert used == []
+        rv, ri = torch.sort(x, dim=0, stable=True)
+        assert torch.equal(v, rv) and torch.equal(i, ri)
+        assert torch.equal(ia, torch.argsort(x, descending=True, stable=True))
+        assert torch.equal(kk, torch.sort(k, stable=True).values)
+        assert torch.equal(vp, x.view(-1)[:40][torch.sort(k, stable=True).indices]) and torch.equal(kp, kk)
+        assert torch.equal(ks, vs)
+        pykernels.sort(x.clone().requires_grad_())
+        assert used
+        seen = len(used)
+        with FakeTensorMode() as mode:
+            fv, fi = pykernels.sort(mode.from_tensor(x))
+        assert fv.shape == x.shape and fi.dtype == torch.int64
+        assert len(used) > seen
