@@ -553,3 +553,46 @@ def test_eager_calls_skip_the_registered_op_and_traced_calls_use_it(monkeypatch)
             fv, fi = pykernels.sort(mode.from_tensor(x))
         assert fv.shape == x.shape and fi.dtype == torch.int64
         assert len(used) > seen
+
+
+def _short_rows_check():
+    """Segments and rows of 0..33 keys (the AVX-512 in-register path takes 2..16 keys of 32 bits) for 32-bit
+    and other key dtypes, both directions, payloads of 1, 2, 4, 8 and 16 bytes."""
+    g = torch.Generator().manual_seed(21)
+    lens = list(range(0, 19)) + [31, 32, 33, 16, 16, 8, 9]
+    starts = [3]
+    for L in lens:
+        starts.append(starts[-1] + L)
+    offsets = torch.tensor(starts)
+    n = starts[-1] + 5
+    for dtype in (torch.int32, torch.uint32, torch.float32, torch.int16, torch.float64):
+        x = make_keys(dtype, n, "special" if dtype.is_floating_point else "random", seed=5)
+        if dtype == torch.int32:
+            x[10:40] = x[10]  # ties inside short segments
+        for desc in (False, True):
+            rk, ri = ref_segmented(x, offsets, torch.arange(n), desc)
+            for vals in (torch.arange(n, dtype=torch.int64), torch.arange(n, dtype=torch.int32),
+                         torch.arange(n, dtype=torch.int16), torch.randint(0, 2, (n,), generator=g).bool(),
+                         torch.randn(n, 2, generator=g).view(torch.complex64).view(-1)):
+                k, v = pykernels.segmented_sort(x, offsets, vals, descending=desc)
+                assert_same(k, rk, f"{dtype} {desc}")
+                assert torch.equal(v, vals[ri]), (dtype, desc, vals.dtype)
+            for L in (2, 5, 8, 9, 16, 17):
+                rows = x[: (n // L) * L].view(-1, L)
+                v, i = pykernels.sort(rows, descending=desc)
+                rv, rri = torch.sort(rows.to(torch.float64) if dtype == torch.uint32 else rows, dim=-1,
+                                     stable=True, descending=desc)
+                assert_same(i, rri, f"rows {dtype} {L} {desc}")
+                assert_same(v, torch.gather(rows.view(torch.int32) if dtype == torch.uint32 else rows, 1, i)
+                            .view(dtype))
+
+
+@pytest.mark.parametrize("tier", ["default", "PYKERNELS_DISABLE_AVX512", "PYKERNELS_DISABLE_AVX2"])
+def test_short_rows_every_length_on_every_simd_tier(tier):
+    if tier == "default":
+        _short_rows_check()
+        return
+    code = ("import sys; sys.path.insert(0, 'tests'); import test_sort as t; from pykernels import _native;"
+            "m = _native.cpu_module('sort'); assert not m.cpu_has_avx512()"
+            + ("; assert not m.cpu_has_avx2()" if tier.endswith("AVX2") else "") + "; t._short_rows_check()")
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, **{tier: "1"}), cwd=ROOT)

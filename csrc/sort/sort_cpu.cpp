@@ -36,7 +36,7 @@
 #include "pk_common.h"
 #include "pk_threads.h"
 #if PK_X86
-#include <emmintrin.h>
+#include <immintrin.h>
 #endif
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -809,6 +809,107 @@ void sort_short_segment(const SegArgs& g, const Coder<U, E>& cd, int64_t start, 
   }
 }
 
+#if PK_X86
+// ---------------------------------------------------------------------------------------------
+// AVX-512 path for segments of 2..16 keys of 32 bits (1M rows of 16 is the benchmark shape): the row
+// is one register. Keys are encoded in-register, packed with their position into 64-bit words
+// (key << 32 | position: distinct, so any sorting network is stable), sorted in two registers by
+// Batcher's bitonic network (Batcher 1968; in-register as in Chhugani et al., "Efficient
+// implementation of sorting on multicore SIMD CPU architecture", VLDB 2008), and the outputs are
+// permutes of the row by the sorted positions: exact input bits, no gathers.
+// ---------------------------------------------------------------------------------------------
+// Lanes of one register (global index BASE + lane) that keep the max in step (J, K) of the bitonic sort.
+static constexpr unsigned bitonic_max_lanes(int j, int k, int base) {
+  unsigned m = 0;
+  for (int i = 0; i < 8; ++i) {
+    const bool asc = ((base + i) & k) == 0, lower = (i & j) == 0;
+    if (lower != asc) m |= 1u << i;
+  }
+  return m;
+}
+
+template <int J, int K, int BASE>
+PK_TARGET_AVX512 static inline __m512i bitonic_step(__m512i v) {
+  __m512i p;
+  if constexpr (J == 1) p = _mm512_shuffle_epi32(v, _MM_PERM_BADC);     // swap neighbouring words
+  else if constexpr (J == 2) p = _mm512_permutex_epi64(v, 0x4E);        // swap word pairs
+  else p = _mm512_shuffle_i64x2(v, v, 0x4E);                              // swap halves
+  constexpr __mmask8 mx = (__mmask8)bitonic_max_lanes(J, K, BASE);
+  return _mm512_mask_blend_epi64(mx, _mm512_min_epu64(v, p), _mm512_max_epu64(v, p));
+}
+
+// Steps K = 2, 4, 8 of the bitonic sort: one register holding global lanes BASE..BASE+7.
+template <int BASE>
+PK_TARGET_AVX512 static inline __m512i bitonic_8(__m512i v) {
+  v = bitonic_step<1, 2, BASE>(v);
+  v = bitonic_step<2, 4, BASE>(v);
+  v = bitonic_step<1, 4, BASE>(v);
+  v = bitonic_step<4, 8, BASE>(v);
+  v = bitonic_step<2, 8, BASE>(v);
+  return bitonic_step<1, 8, BASE>(v);
+}
+
+template <Enc E>
+PK_TARGET_AVX512 static void sort_row16_avx512(const SegArgs& g, const Coder<uint32_t, E>& cd, int64_t start,
+                                               int64_t len) {
+  const __mmask16 m = (__mmask16)((1u << len) - 1);
+  const uint32_t* in = static_cast<const uint32_t*>(g.keys) + start;
+  const __m512i raw = _mm512_maskz_loadu_epi32(m, in);
+  __m512i x = raw, key;
+  if constexpr (E == Enc::Xor) {
+    key = _mm512_xor_si512(x, _mm512_set1_epi32((int)cd.c.xor_mask));
+  } else {  // as Coder::enc: NaNs -> the quiet NaN, -0.0 -> +0.0, then sign-magnitude -> unsigned
+    const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi32(0x7FFFFFFF));
+    x = _mm512_mask_mov_epi32(x, _mm512_cmpgt_epu32_mask(mag, _mm512_set1_epi32((int)cd.c.inf_bits)),
+                              _mm512_set1_epi32((int)cd.c.qnan_bits));
+    x = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(mag, mag), x);
+    const __m512i flip = _mm512_mask_blend_epi32(_mm512_test_epi32_mask(x, _mm512_set1_epi32(INT32_MIN)),
+                                                 _mm512_set1_epi32(INT32_MIN), _mm512_set1_epi32(-1));
+    key = _mm512_xor_si512(_mm512_xor_si512(x, flip), _mm512_set1_epi32((int)cd.c.flip));
+  }
+  key = _mm512_mask_mov_epi32(_mm512_set1_epi32(-1), m, key);  // padding sorts last (largest positions)
+  const __m512i pos_lo = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i pos_hi = _mm512_set_epi64(15, 14, 13, 12, 11, 10, 9, 8);
+  __m512i a = _mm512_or_si512(_mm512_slli_epi64(_mm512_cvtepu32_epi64(_mm512_castsi512_si256(key)), 32), pos_lo);
+  __m512i b = _mm512_or_si512(_mm512_slli_epi64(_mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(key, 1)), 32),
+                              pos_hi);
+  a = bitonic_8<0>(a);
+  if (len > 8) {
+    b = bitonic_8<8>(b);
+    const __m512i lo = _mm512_min_epu64(a, b), hi = _mm512_max_epu64(a, b);  // step J = 8, K = 16
+    a = bitonic_step<1, 16, 0>(bitonic_step<2, 16, 0>(bitonic_step<4, 16, 0>(lo)));
+    b = bitonic_step<1, 16, 8>(bitonic_step<2, 16, 8>(bitonic_step<4, 16, 8>(hi)));
+  }
+  const __m512i low32 = _mm512_set1_epi64(0xFFFFFFFF);
+  const __m512i src_a = _mm512_and_si512(a, low32), src_b = _mm512_and_si512(b, low32);
+  const __m512i src16 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(src_a)),
+                                           _mm512_cvtepi64_epi32(src_b), 1);
+  if (g.out_keys)
+    _mm512_mask_storeu_epi32(static_cast<uint32_t*>(g.out_keys) + start, m, _mm512_permutexvar_epi32(src16, raw));
+  if (g.out_idx) {
+    _mm512_mask_storeu_epi64(g.out_idx + start, (__mmask8)(m & 0xFF), src_a);
+    _mm512_mask_storeu_epi64(g.out_idx + start + 8, (__mmask8)(m >> 8), src_b);
+  }
+  if (g.out_pay) {
+    const int ps = g.pay_size;
+    const char* pin = static_cast<const char*>(g.pay) + start * ps;
+    char* pout = static_cast<char*>(g.out_pay) + start * ps;
+    if (ps == 4) {
+      _mm512_mask_storeu_epi32(pout, m, _mm512_permutexvar_epi32(src16, _mm512_maskz_loadu_epi32(m, pin)));
+    } else if (ps == 8) {
+      const __m512i p0 = _mm512_maskz_loadu_epi64((__mmask8)(m & 0xFF), pin);
+      const __m512i p1 = _mm512_maskz_loadu_epi64((__mmask8)(m >> 8), pin + 64);
+      _mm512_mask_storeu_epi64(pout, (__mmask8)(m & 0xFF), _mm512_permutex2var_epi64(p0, src_a, p1));
+      _mm512_mask_storeu_epi64(pout + 64, (__mmask8)(m >> 8), _mm512_permutex2var_epi64(p0, src_b, p1));
+    } else {
+      alignas(64) uint32_t src[16];
+      _mm512_store_si512(src, src16);
+      for (int64_t i = 0; i < len; ++i) std::memcpy(pout + i * ps, pin + (int64_t)src[i] * ps, ps);
+    }
+  }
+}
+#endif
+
 static constexpr int64_t SHORT_SEGMENT = 1024;   // comparison sort at or below
 static constexpr int64_t HUGE_SEGMENT = 1 << 18;  // parallel engine at or above
 
@@ -862,6 +963,7 @@ void segmented_sort(const SegArgs& g) {
     else cut[t] = g.row_len ? std::min<int64_t>(g.nseg, target / g.row_len) : g.nseg * t / T;
     cut[t] = std::max(cut[t], cut[t - 1]);
   }
+  const bool v512 = pk::cpu_has_avx512();
   with_codec(g.dtype, g.descending, [&](auto codec, auto kind) {
     using U = std::remove_cv_t<decltype(codec.xor_mask)>;
     auto body = [&](auto enc_tag) {
@@ -871,6 +973,14 @@ void segmented_sort(const SegArgs& g) {
         for (int64_t s = cut[t]; s < cut[t + 1]; ++s) {
           const int64_t len = seg_len(s);
           if (len >= HUGE_SEGMENT) continue;
+#if PK_X86
+          if constexpr (sizeof(U) == 4) {
+            if (v512 && len >= 2 && len <= 16) {
+              sort_row16_avx512<E>(g, cd, seg_start(s), len);
+              continue;
+            }
+          }
+#endif
           if (len <= SHORT_SEGMENT) sort_short_segment<U, E>(g, cd, seg_start(s), len);
           else one(s, 1);
         }
@@ -977,6 +1087,7 @@ void segmented(uintptr_t keys, int dtype, uintptr_t offsets, int64_t nseg, int64
 PYBIND11_MODULE(_cpu_sort, m) {
   m.doc() = "pykernels CPU radix sort (Onesweep-style LSD: one histogram read, write-combined scatters)";
   m.def("cpu_has_avx2", &pk::cpu_has_avx2);
+  m.def("cpu_has_avx512", &pk::cpu_has_avx512);
   m.def("sort", &sort_1d, py::arg("keys"), py::arg("n"), py::arg("dtype"), py::arg("out_keys"), py::arg("out_idx"),
         py::arg("pay"), py::arg("out_pay"), py::arg("pay_size"), py::arg("descending"), py::arg("begin_bit"),
         py::arg("end_bit"), py::arg("digit_bits"), py::arg("threads"), py::arg("nt_stores") = true,
