@@ -313,9 +313,13 @@ void scatter_plain(const Coder<U, E>& cd, const PassCtx& pc, const void* src_key
 }
 
 template <class U, Enc E, class PT, int PM, bool FIRST, bool LAST>
-void scatter_slice(const Coder<U, E>& cd, const PassCtx& pc, const void* src_keys, const void* src_pay,
-                   U* dst_keys, void* dst_pay, int64_t b, int64_t e, int64_t* pos, const int64_t* lo,
-                   uint32_t* next_hist /* [nslices][R] or null */) {
+void scatter_slice(const Coder<U, E>& cd_ref, const PassCtx& pc, const void* src_keys,
+                                             const void* src_pay, U* dst_keys, void* dst_pay, int64_t b, int64_t e,
+                                             int64_t* __restrict pos, const int64_t* lo,
+                                             uint32_t* next_hist /* [nslices][R] or null */) {
+  // A local copy of the codec and restrict pointers: the line buffers are written through U* and the
+  // compiler would otherwise reload the codec's masks after every store (and spill around them).
+  const Coder<U, E> cd = cd_ref;
   constexpr int L = 64 / sizeof(U);  // keys per write-combining line (one cache line)
   using PI = std::conditional_t<PM == 2, uint32_t, PT>;                  // payload in the source
   using PO = std::conditional_t<PM == 2 && LAST, int64_t, PI>;          // payload in the destination
@@ -328,10 +332,10 @@ void scatter_slice(const Coder<U, E>& cd, const PassCtx& pc, const void* src_key
   // and payload line never share an L1 set (nor alias 4 KiB apart).
   if (lines.size() < kbytes + SKEW + pbytes + 128) lines.resize(kbytes + SKEW + pbytes + 128);
   unsigned char* lb = lines.data() + ((64 - ((uintptr_t)lines.data() & 63)) & 63);
-  U* kb = reinterpret_cast<U*>(lb);
-  PO* pb = reinterpret_cast<PO*>(lb + kbytes + SKEW);
-  const U* sk = static_cast<const U*>(src_keys);
-  const PI* sp = static_cast<const PI*>(src_pay);
+  U* __restrict kb = reinterpret_cast<U*>(lb);
+  PO* __restrict pb = reinterpret_cast<PO*>(lb + kbytes + SKEW);
+  const U* __restrict sk = static_cast<const U*>(src_keys);
+  const PI* __restrict sp = static_cast<const PI*>(src_pay);
   PO* dp = static_cast<PO*>(dst_pay);
   const int shift = pc.shift;
   const uint32_t mask = pc.mask;
