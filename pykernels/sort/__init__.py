@@ -52,28 +52,14 @@ def _key(op: str, keys: torch.Tensor, **extra) -> dict:
     return {"dtype": str(keys.dtype).replace("torch.", ""), "n": autotune.bucket(keys.numel()), **extra}
 
 
-# Past this many bytes of keys + carried payload (one copy), the radix passes stream from DRAM.
-_IN_CACHE_BYTES = 16 << 20
-
-
 def _default_config(key: dict) -> dict:
-    """Heuristic CPU config, from measurements on a 2-core Zen 4 (L2 1 MiB/core, L3 32 MiB):
-    - while keys + payload (int32 indices for sort/argsort) fit in 16 MiB, 8-bit digits with plain
-      scattered stores (wc=0): the 256 open destination lines stay in L1, and this beat the
-      write-combined 11-bit passes by 1.3-2x from 2K to 2M keys;
-    - past that, 11-bit digits for >= 32-bit keys (3 passes instead of 4 for 32-bit keys, 6 instead of
-      8 for 64-bit) through write-combining lines with streaming stores (wc=1): 1.3x faster than plain
-      8-bit at 4M int32 keys + indices and at 16M uint32 keys;
-    - every torch thread, but at least 128K keys per thread (waking a pool thread costs more than
-      sorting fewer keys: measured with the autotuner at 64K keys, one thread was 1.2-7x faster)."""
-    dt = getattr(torch, key.get("dtype", "uint32"), torch.uint32)
-    bits = _KEY_BITS.get(dt, 32)
-    n = key.get("n", 0)
-    pay = key.get("value_bytes", 4 if "rows" in key else 0)
-    in_cache = n * (bits // 8 + pay) <= _IN_CACHE_BYTES
-    wide = bits >= 32 and not in_cache
-    return {"digit_bits": 11 if wide else 8, "wc": 0 if in_cache else 1, "threads": 0, "nt": True,
-            "grain": 1 << 17}
+    """Heuristic CPU config. digit_bits=0 and wc=-1 leave the digit width and the store kind to the
+    engine (csrc/sort/sort_cpu.cpp, radix_sort_typed), which knows the thread count and what the keys
+    carry: on one thread while keys + payload fit in 16 MiB, 8-bit digits with plain stores; otherwise
+    write-combining lines with 11-bit digits for >= 32-bit keys past 64K keys. Every torch thread, but
+    at least 128K keys per thread (waking a pool thread costs more than sorting fewer keys: measured
+    with the autotuner at 64K keys, one thread was 1.2-7x faster than two); streaming stores."""
+    return {"digit_bits": 0, "wc": -1, "threads": 0, "nt": True, "grain": 1 << 17}
 
 
 # ---------------------------------------------------------------------------------------------
