@@ -479,7 +479,7 @@ struct Engine {
     size_t pbytes = PM ? (((size_t)n * sizeof(PI) + 63) & ~size_t(63)) : 0;
     // Each array starts SKEW bytes past a 4 KiB multiple from the previous one: with keys and payloads
     // at equal offsets of 4 KiB-aligned arrays, the open destination lines of one digit would always
-    // share an L1 set (measured: the plain 8-bit passes into such scratch ran 2x slower).
+    // share an L1 set (a precaution: no difference was measurable on the shared test machine).
     char* base = scr.get(kbytes + 2 * pbytes + 3 * SKEW + 64);
     U* kscr = reinterpret_cast<U*>(base);
     PI* pscr = reinterpret_cast<PI*>(base + kbytes + SKEW);
