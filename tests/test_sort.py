@@ -187,10 +187,11 @@ def test_float_special_values_order_like_torch():
 
 @pytest.mark.parametrize("digit_bits", [1, 3, 8, 11])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-@pytest.mark.parametrize("nt", [False, True])
-def test_engine_configs_agree(digit_bits, threads, nt):
-    """Every digit width / thread count / store kind the autotuner may pick gives the same stable result."""
-    cfg = {"digit_bits": digit_bits, "threads": threads, "nt": nt, "grain": 1024}
+@pytest.mark.parametrize("wc,nt", [(1, False), (1, True), (0, True)])
+def test_engine_configs_agree(digit_bits, threads, wc, nt):
+    """Every digit width / thread count / store kind (write-combined with or without streaming stores,
+    plain scattered stores) the autotuner may pick gives the same stable result."""
+    cfg = {"digit_bits": digit_bits, "threads": threads, "wc": wc, "nt": nt, "grain": 1024}
     for dtype in (torch.int32, torch.float64, torch.uint16):
         for n in (65, 5000, 300001):
             if digit_bits <= 3 and n > 5000:
@@ -475,7 +476,7 @@ def test_hypothesis_sort_matches_oracle(data, dtype, descending):
     x = torch.tensor(vals, dtype=torch.float64 if dtype.is_floating_point else torch.int64)
     x = x.to(dtype) if dtype != torch.uint32 else torch.tensor(np.array(vals, dtype=np.uint32))
     cfg = {"digit_bits": data.draw(st.sampled_from([4, 8, 11])), "threads": data.draw(st.sampled_from([1, 2])),
-           "grain": 16}
+           "wc": data.draw(st.sampled_from([0, 1])), "grain": 16}
     v, i = pykernels.sort(x, descending=descending)
     ri = ref_argsort_1d(x, descending)
     assert_same(i, ri)
@@ -510,3 +511,88 @@ def test_autotune_generate_show_and_reuse_in_a_second_process(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert "reused" in res.stdout
+
+
+def test_eager_calls_skip_the_registered_op_and_traced_calls_use_it(monkeypatch):
+    """Plain eager calls run the implementation directly (the torch.library layers cost ~60-100 us a call);
+    fake tensors (what tracing sees) and inputs needing autograd still go through torch.ops.pykernels."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import pykernels.sort as ps
+
+    used = []
+    real = torch.ops
+
+    class Spy:
+        def __getattr__(self, name):
+            if name == "pykernels":
+                used.append(name)
+            return getattr(real, name)
+
+    x = torch.randn(5, 8)
+    k = torch.randint(0, 9, (40,), dtype=torch.int32)
+    off = torch.tensor([0, 3, 40])
+    with monkeypatch.context() as m:
+        m.setattr(torch, "ops", Spy())
+        v, i = pykernels.sort(x, dim=0)
+        ia = pykernels.argsort(x, descending=True)
+        kk = pykernels.sort_keys(k)
+        kp, vp = pykernels.sort_pairs(k, x.view(-1)[:40])
+        ks, vs = pykernels.segmented_sort(k, off, k)
+        assert used == []
+        rv, ri = torch.sort(x, dim=0, stable=True)
+        assert torch.equal(v, rv) and torch.equal(i, ri)
+        assert torch.equal(ia, torch.argsort(x, descending=True, stable=True))
+        assert torch.equal(kk, torch.sort(k, stable=True).values)
+        assert torch.equal(vp, x.view(-1)[:40][torch.sort(k, stable=True).indices]) and torch.equal(kp, kk)
+        assert torch.equal(ks, vs)
+        pykernels.sort(x.clone().requires_grad_())
+        assert used
+        seen = len(used)
+        with FakeTensorMode() as mode:
+            fv, fi = pykernels.sort(mode.from_tensor(x))
+        assert fv.shape == x.shape and fi.dtype == torch.int64
+        assert len(used) > seen
+
+
+def _short_rows_check():
+    """Segments and rows of 0..33 keys (the AVX-512 in-register path takes 2..16 keys of 32 bits) for 32-bit
+    and other key dtypes, both directions, payloads of 1, 2, 4, 8 and 16 bytes."""
+    g = torch.Generator().manual_seed(21)
+    lens = list(range(0, 19)) + [31, 32, 33, 16, 16, 8, 9]
+    starts = [3]
+    for L in lens:
+        starts.append(starts[-1] + L)
+    offsets = torch.tensor(starts)
+    n = starts[-1] + 5
+    for dtype in (torch.int32, torch.uint32, torch.float32, torch.int16, torch.float64):
+        x = make_keys(dtype, n, "special" if dtype.is_floating_point else "random", seed=5)
+        if dtype == torch.int32:
+            x[10:40] = x[10]  # ties inside short segments
+        for desc in (False, True):
+            rk, ri = ref_segmented(x, offsets, torch.arange(n), desc)
+            for vals in (torch.arange(n, dtype=torch.int64), torch.arange(n, dtype=torch.int32),
+                         torch.arange(n, dtype=torch.int16), torch.randint(0, 2, (n,), generator=g).bool(),
+                         torch.randn(n, 2, generator=g).view(torch.complex64).view(-1)):
+                k, v = pykernels.segmented_sort(x, offsets, vals, descending=desc)
+                assert_same(k, rk, f"{dtype} {desc}")
+                assert torch.equal(v, vals[ri]), (dtype, desc, vals.dtype)
+            for L in (2, 5, 8, 9, 16, 17):
+                rows = x[: (n // L) * L].view(-1, L)
+                v, i = pykernels.sort(rows, descending=desc)
+                rv, rri = torch.sort(rows.to(torch.float64) if dtype == torch.uint32 else rows, dim=-1,
+                                     stable=True, descending=desc)
+                assert_same(i, rri, f"rows {dtype} {L} {desc}")
+                assert_same(v, torch.gather(rows.view(torch.int32) if dtype == torch.uint32 else rows, 1, i)
+                            .view(dtype))
+
+
+@pytest.mark.parametrize("tier", ["default", "PYKERNELS_DISABLE_AVX512", "PYKERNELS_DISABLE_AVX2"])
+def test_short_rows_every_length_on_every_simd_tier(tier):
+    if tier == "default":
+        _short_rows_check()
+        return
+    code = ("import sys; sys.path.insert(0, 'tests'); import test_sort as t; from pykernels import _native;"
+            "m = _native.cpu_module('sort'); assert not m.cpu_has_avx512()"
+            + ("; assert not m.cpu_has_avx2()" if tier.endswith("AVX2") else "") + "; t._short_rows_check()")
+    subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, **{tier: "1"}), cwd=ROOT)

@@ -36,7 +36,7 @@
 #include "pk_common.h"
 #include "pk_threads.h"
 #if PK_X86
-#include <emmintrin.h>
+#include <immintrin.h>
 #endif
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -99,6 +99,9 @@ struct Coder {
 };
 
 // ---------------------------------------------------------------------------------------------
+// Offset between arrays written in step (keys and their payloads): half of an L1 way (32 lines).
+static constexpr size_t SKEW = 2048;
+
 // Scratch memory: grown on demand and kept per thread, so repeated sorts do not pay page faults.
 // ---------------------------------------------------------------------------------------------
 // Transparent huge pages for the big arrays a scatter writes all over: 2048 digit streams on 4 KiB
@@ -168,13 +171,14 @@ struct SortArgs {
   int digit_bits = 0;            // 0 = heuristic
   int threads = 1;
   bool nt_stores = true;         // streaming stores for full write-combining lines
+  int wc = -1;                   // software write-combining: 1 on, 0 off (plain stores), -1 = heuristic
   int64_t small_n = 64;          // insertion sort at or below this size
   int64_t grain = 32768;         // at least this many keys per thread
 };
 
 struct SortStats {
   int passes = 0, skipped = 0, threads = 1, digit_bits = 0;
-  bool lossy = false, small = false;
+  bool lossy = false, small = false, wc = false;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -264,10 +268,58 @@ static inline void line_store(void* dst, const void* src, size_t bytes, bool nt)
   std::memcpy(dst, src, bytes);
 }
 
+// Plain scatter (WC=false): every key goes straight to its destination. With 256 digits the 256 open
+// destination lines (x2 with a payload) stay in L1, so the hardware combines the writes; measured on
+// Zen 4 it beats the software write-combining below by ~1.5x per pass at 8-bit digits (the line
+// bookkeeping and its flush branch cost more than they save). 2048 open lines do not fit L1: 11-bit
+// digits need the write-combining lines.
 template <class U, Enc E, class PT, int PM, bool FIRST, bool LAST>
-void scatter_slice(const Coder<U, E>& cd, const PassCtx& pc, const void* src_keys, const void* src_pay,
-                   U* dst_keys, void* dst_pay, int64_t b, int64_t e, int64_t* pos, const int64_t* lo,
-                   uint32_t* next_hist /* [nslices][R] or null */) {
+void scatter_plain(const Coder<U, E>& cd, const PassCtx& pc, const void* src_keys, const void* src_pay,
+                   U* __restrict dst_keys, void* dst_pay, int64_t b, int64_t e, int64_t* __restrict pos,
+                   uint32_t* next_hist) {
+  using PI = std::conditional_t<PM == 2, uint32_t, PT>;
+  using PO = std::conditional_t<PM == 2 && LAST, int64_t, PI>;
+  const U* __restrict sk = static_cast<const U*>(src_keys);
+  const PI* __restrict sp = static_cast<const PI*>(src_pay);
+  PO* __restrict dp = static_cast<PO*>(dst_pay);
+  const int shift = pc.shift;
+  const uint32_t mask = pc.mask;
+  const bool keys_out = !LAST || !pc.drop_keys;
+  auto body = [&](auto track_tag, auto keys_tag) {
+    constexpr bool TRACK = decltype(track_tag)::value, KEYS = decltype(keys_tag)::value;
+    const int ns = pc.nslices;
+    const int64_t* bd = pc.bounds;
+    for (int64_t i = b; i < e; ++i) {
+      const U k = FIRST ? cd.enc(sk[i]) : sk[i];
+      const uint32_t d = (uint32_t)(k >> shift) & mask;
+      const int64_t p = pos[d]++;
+      if constexpr (KEYS) dst_keys[p] = LAST ? cd.dec(k) : k;
+      if constexpr (PM == 2 && FIRST) dp[p] = (PO)i;
+      else if constexpr (PM != 0) dp[p] = (PO)sp[i];
+      if constexpr (TRACK) {  // next pass's digit, counted by the destination slice (see PassCtx)
+        int s = 0;
+        while (s + 1 < ns && bd[s + 1] <= p) ++s;
+        ++next_hist[(size_t)s * pc.stride + ((uint32_t)(k >> pc.next_shift) & pc.next_mask)];
+      }
+    }
+  };
+  using T_ = std::true_type;
+  using F_ = std::false_type;
+  if (LAST) {
+    if (keys_out) body(F_(), T_()); else body(F_(), F_());
+  } else {
+    if (pc.track_next) body(T_(), T_()); else body(F_(), T_());
+  }
+}
+
+template <class U, Enc E, class PT, int PM, bool FIRST, bool LAST>
+void scatter_slice(const Coder<U, E>& cd_ref, const PassCtx& pc, const void* src_keys,
+                                             const void* src_pay, U* dst_keys, void* dst_pay, int64_t b, int64_t e,
+                                             int64_t* __restrict pos, const int64_t* lo,
+                                             uint32_t* next_hist /* [nslices][R] or null */) {
+  // A local copy of the codec and restrict pointers: the line buffers are written through U* and the
+  // compiler would otherwise reload the codec's masks after every store (and spill around them).
+  const Coder<U, E> cd = cd_ref;
   constexpr int L = 64 / sizeof(U);  // keys per write-combining line (one cache line)
   using PI = std::conditional_t<PM == 2, uint32_t, PT>;                  // payload in the source
   using PO = std::conditional_t<PM == 2 && LAST, int64_t, PI>;          // payload in the destination
@@ -276,12 +328,14 @@ void scatter_slice(const Coder<U, E>& cd, const PassCtx& pc, const void* src_key
   // Line buffers: R lines of L keys (+ R lines of L payloads), 64-byte aligned, kept per thread.
   static thread_local std::vector<unsigned char> lines;
   const size_t kbytes = (size_t)R * L * sizeof(U), pbytes = HAS_PAY ? (size_t)R * L * sizeof(PO) : 0;
-  if (lines.size() < kbytes + pbytes + 128) lines.resize(kbytes + pbytes + 128);
+  // The payload lines start SKEW bytes past a multiple of 4 KiB from the key lines, so a digit's key line
+  // and payload line never share an L1 set (nor alias 4 KiB apart).
+  if (lines.size() < kbytes + SKEW + pbytes + 128) lines.resize(kbytes + SKEW + pbytes + 128);
   unsigned char* lb = lines.data() + ((64 - ((uintptr_t)lines.data() & 63)) & 63);
-  U* kb = reinterpret_cast<U*>(lb);
-  PO* pb = reinterpret_cast<PO*>(lb + kbytes);
-  const U* sk = static_cast<const U*>(src_keys);
-  const PI* sp = static_cast<const PI*>(src_pay);
+  U* __restrict kb = reinterpret_cast<U*>(lb);
+  PO* __restrict pb = reinterpret_cast<PO*>(lb + kbytes + SKEW);
+  const U* __restrict sk = static_cast<const U*>(src_keys);
+  const PI* __restrict sp = static_cast<const PI*>(src_pay);
   PO* dp = static_cast<PO*>(dst_pay);
   const int shift = pc.shift;
   const uint32_t mask = pc.mask;
@@ -358,6 +412,7 @@ struct Engine {
   std::vector<uint32_t> hist;  // [T][npasses][R]
   std::vector<int64_t> ghist;  // [npasses][R]
   bool lossy = false;
+  bool wc = true;              // write-combining lines (scatter_slice) or plain stores (scatter_plain)
 
   Engine(const SortArgs& args, const Coder<U, E>& c, SortStats& s) : a(args), cd(c), st(s) {}
 
@@ -375,24 +430,34 @@ struct Engine {
       int sh[64];
       uint32_t mk[64];
       for (int j = 0; j < np; ++j) { sh[j] = passes[j].shift; mk[j] = (1u << passes[j].bits) - 1; }
-      // Specialised loops for the common pass counts keep the counters in registers' reach.
-      if (np == 3) {
-        uint32_t *h0 = h, *h1 = h + R, *h2 = h + 2 * R;
+      // One loop per pass count (unrolled over the passes): a loop over a runtime pass count was 2-3x
+      // slower for 8-bit digits of 32-bit keys (4 counters per key).
+      auto loop = [&](auto np_tag) {
+        constexpr int NP = decltype(np_tag)::value;
         for (int64_t i = b; i < e; ++i) {
           U x = in[i];
           if constexpr (E == Enc::Float) ls |= cd.lossy(x);
           U k = cd.enc(x);
-          ++h0[(uint32_t)(k >> sh[0]) & mk[0]];
-          ++h1[(uint32_t)(k >> sh[1]) & mk[1]];
-          ++h2[(uint32_t)(k >> sh[2]) & mk[2]];
+#pragma GCC unroll 8
+          for (int j = 0; j < NP; ++j) ++h[j * R + ((uint32_t)(k >> sh[j]) & mk[j])];
         }
-      } else {
-        for (int64_t i = b; i < e; ++i) {
-          U x = in[i];
-          if constexpr (E == Enc::Float) ls |= cd.lossy(x);
-          U k = cd.enc(x);
-          for (int j = 0; j < np; ++j) ++h[j * R + ((uint32_t)(k >> sh[j]) & mk[j])];
-        }
+      };
+      switch (np) {
+        case 1: loop(std::integral_constant<int, 1>()); break;
+        case 2: loop(std::integral_constant<int, 2>()); break;
+        case 3: loop(std::integral_constant<int, 3>()); break;
+        case 4: loop(std::integral_constant<int, 4>()); break;
+        case 5: loop(std::integral_constant<int, 5>()); break;
+        case 6: loop(std::integral_constant<int, 6>()); break;
+        case 7: loop(std::integral_constant<int, 7>()); break;
+        case 8: loop(std::integral_constant<int, 8>()); break;
+        default:
+          for (int64_t i = b; i < e; ++i) {
+            U x = in[i];
+            if constexpr (E == Enc::Float) ls |= cd.lossy(x);
+            U k = cd.enc(x);
+            for (int j = 0; j < np; ++j) ++h[j * R + ((uint32_t)(k >> sh[j]) & mk[j])];
+          }
       }
       lossy_t[t] = ls;
     });
@@ -412,10 +477,13 @@ struct Engine {
     // Scratch layout: keys (n U), payload ping (n PI), payload pong (n PI, only for PM 2).
     size_t kbytes = ((size_t)n * sizeof(U) + 63) & ~size_t(63);
     size_t pbytes = PM ? (((size_t)n * sizeof(PI) + 63) & ~size_t(63)) : 0;
-    char* base = scr.get(kbytes + 2 * pbytes + 64);
+    // Each array starts SKEW bytes past a 4 KiB multiple from the previous one: with keys and payloads
+    // at equal offsets of 4 KiB-aligned arrays, the open destination lines of one digit would always
+    // share an L1 set (a precaution: no difference was measurable on the shared test machine).
+    char* base = scr.get(kbytes + 2 * pbytes + 3 * SKEW + 64);
     U* kscr = reinterpret_cast<U*>(base);
-    PI* pscr = reinterpret_cast<PI*>(base + kbytes);
-    PI* pscr2 = reinterpret_cast<PI*>(base + kbytes + pbytes);
+    PI* pscr = reinterpret_cast<PI*>(base + kbytes + SKEW);
+    PI* pscr2 = reinterpret_cast<PI*>(base + kbytes + pbytes + 2 * SKEW);
 
     // per-thread counts of the current pass's digit over the source slices
     std::vector<int64_t> cnt((size_t)T * R, 0);
@@ -428,6 +496,8 @@ struct Engine {
 
     const void* src_k = a.keys;
     const void* src_p = (PM == 1) ? a.pay : nullptr;
+    // Software write-combining for wide digits (or when asked); plain stores otherwise (scatter_plain).
+    st.wc = wc;
     for (int q = 0; q < Q; ++q) {
       const Pass& ps = passes[live[q]];
       const bool first = q == 0, last = q == Q - 1;
@@ -467,7 +537,9 @@ struct Engine {
         int64_t* pp = pos.data() + (size_t)t * R;
         const int64_t* ll = lo.data() + (size_t)t * R;
         uint32_t* h = pc.track_next ? nh.data() + (size_t)t * T * R : nullptr;
-#define PK_SCATTER(F, L_) scatter_slice<U, E, PT, PM, F, L_>(cd, pc, src_k, src_p, dk, dp, b, e, pp, ll, h)
+#define PK_SCATTER(F, L_)                                                                  \
+  (wc ? scatter_slice<U, E, PT, PM, F, L_>(cd, pc, src_k, src_p, dk, dp, b, e, pp, ll, h) \
+      : scatter_plain<U, E, PT, PM, F, L_>(cd, pc, src_k, src_p, dk, dp, b, e, pp, h))
         if (first && last) PK_SCATTER(true, true);
         else if (first) PK_SCATTER(true, false);
         else if (last) PK_SCATTER(false, true);
@@ -514,8 +586,17 @@ void radix_sort_typed(const SortArgs& a, const Codec<U>& codec, SortStats& st) {
     return;
   }
   if (n >= (int64_t(1) << 32)) pk::fail_value("sort", "at most 2^32 - 1 keys per CPU sort call");
+  int T = std::max(1, a.threads);
+  T = (int)std::max<int64_t>(1, std::min<int64_t>(T, n / std::max<int64_t>(1, a.grain)));
+  // Heuristics for digit_bits = 0 / wc = -1 (the autotuner's default config), measured on a 2-core Zen 4:
+  // on one thread, while keys + what they carry fit in 16 MiB, 8-bit digits with plain stores (1.3-2x
+  // faster than write-combined 11-bit passes from 2K to 2M keys); otherwise write-combining lines, with
+  // 11-bit digits for >= 32-bit keys past 64K keys. Plain stores on two threads ran 2x slower than
+  // either on one (measured at 1M-2M keys), so they are only the default on one thread.
+  const size_t carried = a.out_idx ? 4 : (a.pay ? (size_t)a.pay_size : 0);
+  const bool plain_fits = T == 1 && (size_t)n * (sizeof(U) + carried) <= (size_t(16) << 20);
   int db = a.digit_bits;
-  if (db <= 0) db = (sizeof(U) >= 4 && n >= (1 << 16)) ? 11 : 8;
+  if (db <= 0) db = plain_fits ? 8 : (sizeof(U) >= 4 && n >= (1 << 16)) ? 11 : 8;
   db = std::max(1, std::min({db, 11, eb - bb}));
   st.digit_bits = db;
 
@@ -525,9 +606,8 @@ void radix_sort_typed(const SortArgs& a, const Codec<U>& codec, SortStats& st) {
     if (a.out_pay) advise_huge(a.out_pay, (size_t)n * a.pay_size);
   }
   Engine<U, E> eng(a, cd, st);
+  eng.wc = a.wc < 0 ? !(plain_fits && db <= 8) : a.wc > 0;
   for (int s = bb; s < eb; s += db) eng.passes.push_back({s, std::min(db, eb - s)});
-  int T = std::max(1, a.threads);
-  T = (int)std::max<int64_t>(1, std::min<int64_t>(T, n / std::max<int64_t>(1, a.grain)));
   while (T > 1 && (int64_t)T * T * (1 << db) > (1 << 22)) --T;  // bounds the next-pass count tables
   eng.T = T;
   st.threads = T;
@@ -741,6 +821,107 @@ void sort_short_segment(const SegArgs& g, const Coder<U, E>& cd, int64_t start, 
   }
 }
 
+#if PK_X86
+// ---------------------------------------------------------------------------------------------
+// AVX-512 path for segments of 2..16 keys of 32 bits (1M rows of 16 is the benchmark shape): the row
+// is one register. Keys are encoded in-register, packed with their position into 64-bit words
+// (key << 32 | position: distinct, so any sorting network is stable), sorted in two registers by
+// Batcher's bitonic network (Batcher 1968; in-register as in Chhugani et al., "Efficient
+// implementation of sorting on multicore SIMD CPU architecture", VLDB 2008), and the outputs are
+// permutes of the row by the sorted positions: exact input bits, no gathers.
+// ---------------------------------------------------------------------------------------------
+// Lanes of one register (global index BASE + lane) that keep the max in step (J, K) of the bitonic sort.
+static constexpr unsigned bitonic_max_lanes(int j, int k, int base) {
+  unsigned m = 0;
+  for (int i = 0; i < 8; ++i) {
+    const bool asc = ((base + i) & k) == 0, lower = (i & j) == 0;
+    if (lower != asc) m |= 1u << i;
+  }
+  return m;
+}
+
+template <int J, int K, int BASE>
+PK_TARGET_AVX512 static inline __m512i bitonic_step(__m512i v) {
+  __m512i p;
+  if constexpr (J == 1) p = _mm512_shuffle_epi32(v, _MM_PERM_BADC);     // swap neighbouring words
+  else if constexpr (J == 2) p = _mm512_permutex_epi64(v, 0x4E);        // swap word pairs
+  else p = _mm512_shuffle_i64x2(v, v, 0x4E);                              // swap halves
+  constexpr __mmask8 mx = (__mmask8)bitonic_max_lanes(J, K, BASE);
+  return _mm512_mask_blend_epi64(mx, _mm512_min_epu64(v, p), _mm512_max_epu64(v, p));
+}
+
+// Steps K = 2, 4, 8 of the bitonic sort: one register holding global lanes BASE..BASE+7.
+template <int BASE>
+PK_TARGET_AVX512 static inline __m512i bitonic_8(__m512i v) {
+  v = bitonic_step<1, 2, BASE>(v);
+  v = bitonic_step<2, 4, BASE>(v);
+  v = bitonic_step<1, 4, BASE>(v);
+  v = bitonic_step<4, 8, BASE>(v);
+  v = bitonic_step<2, 8, BASE>(v);
+  return bitonic_step<1, 8, BASE>(v);
+}
+
+template <Enc E>
+PK_TARGET_AVX512 static void sort_row16_avx512(const SegArgs& g, const Coder<uint32_t, E>& cd, int64_t start,
+                                               int64_t len) {
+  const __mmask16 m = (__mmask16)((1u << len) - 1);
+  const uint32_t* in = static_cast<const uint32_t*>(g.keys) + start;
+  const __m512i raw = _mm512_maskz_loadu_epi32(m, in);
+  __m512i x = raw, key;
+  if constexpr (E == Enc::Xor) {
+    key = _mm512_xor_si512(x, _mm512_set1_epi32((int)cd.c.xor_mask));
+  } else {  // as Coder::enc: NaNs -> the quiet NaN, -0.0 -> +0.0, then sign-magnitude -> unsigned
+    const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi32(0x7FFFFFFF));
+    x = _mm512_mask_mov_epi32(x, _mm512_cmpgt_epu32_mask(mag, _mm512_set1_epi32((int)cd.c.inf_bits)),
+                              _mm512_set1_epi32((int)cd.c.qnan_bits));
+    x = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(mag, mag), x);
+    const __m512i flip = _mm512_mask_blend_epi32(_mm512_test_epi32_mask(x, _mm512_set1_epi32(INT32_MIN)),
+                                                 _mm512_set1_epi32(INT32_MIN), _mm512_set1_epi32(-1));
+    key = _mm512_xor_si512(_mm512_xor_si512(x, flip), _mm512_set1_epi32((int)cd.c.flip));
+  }
+  key = _mm512_mask_mov_epi32(_mm512_set1_epi32(-1), m, key);  // padding sorts last (largest positions)
+  const __m512i pos_lo = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i pos_hi = _mm512_set_epi64(15, 14, 13, 12, 11, 10, 9, 8);
+  __m512i a = _mm512_or_si512(_mm512_slli_epi64(_mm512_cvtepu32_epi64(_mm512_castsi512_si256(key)), 32), pos_lo);
+  __m512i b = _mm512_or_si512(_mm512_slli_epi64(_mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(key, 1)), 32),
+                              pos_hi);
+  a = bitonic_8<0>(a);
+  if (len > 8) {
+    b = bitonic_8<8>(b);
+    const __m512i lo = _mm512_min_epu64(a, b), hi = _mm512_max_epu64(a, b);  // step J = 8, K = 16
+    a = bitonic_step<1, 16, 0>(bitonic_step<2, 16, 0>(bitonic_step<4, 16, 0>(lo)));
+    b = bitonic_step<1, 16, 8>(bitonic_step<2, 16, 8>(bitonic_step<4, 16, 8>(hi)));
+  }
+  const __m512i low32 = _mm512_set1_epi64(0xFFFFFFFF);
+  const __m512i src_a = _mm512_and_si512(a, low32), src_b = _mm512_and_si512(b, low32);
+  const __m512i src16 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(src_a)),
+                                           _mm512_cvtepi64_epi32(src_b), 1);
+  if (g.out_keys)
+    _mm512_mask_storeu_epi32(static_cast<uint32_t*>(g.out_keys) + start, m, _mm512_permutexvar_epi32(src16, raw));
+  if (g.out_idx) {
+    _mm512_mask_storeu_epi64(g.out_idx + start, (__mmask8)(m & 0xFF), src_a);
+    _mm512_mask_storeu_epi64(g.out_idx + start + 8, (__mmask8)(m >> 8), src_b);
+  }
+  if (g.out_pay) {
+    const int ps = g.pay_size;
+    const char* pin = static_cast<const char*>(g.pay) + start * ps;
+    char* pout = static_cast<char*>(g.out_pay) + start * ps;
+    if (ps == 4) {
+      _mm512_mask_storeu_epi32(pout, m, _mm512_permutexvar_epi32(src16, _mm512_maskz_loadu_epi32(m, pin)));
+    } else if (ps == 8) {
+      const __m512i p0 = _mm512_maskz_loadu_epi64((__mmask8)(m & 0xFF), pin);
+      const __m512i p1 = _mm512_maskz_loadu_epi64((__mmask8)(m >> 8), pin + 64);
+      _mm512_mask_storeu_epi64(pout, (__mmask8)(m & 0xFF), _mm512_permutex2var_epi64(p0, src_a, p1));
+      _mm512_mask_storeu_epi64(pout + 64, (__mmask8)(m >> 8), _mm512_permutex2var_epi64(p0, src_b, p1));
+    } else {
+      alignas(64) uint32_t src[16];
+      _mm512_store_si512(src, src16);
+      for (int64_t i = 0; i < len; ++i) std::memcpy(pout + i * ps, pin + (int64_t)src[i] * ps, ps);
+    }
+  }
+}
+#endif
+
 static constexpr int64_t SHORT_SEGMENT = 1024;   // comparison sort at or below
 static constexpr int64_t HUGE_SEGMENT = 1 << 18;  // parallel engine at or above
 
@@ -794,6 +975,7 @@ void segmented_sort(const SegArgs& g) {
     else cut[t] = g.row_len ? std::min<int64_t>(g.nseg, target / g.row_len) : g.nseg * t / T;
     cut[t] = std::max(cut[t], cut[t - 1]);
   }
+  const bool v512 = pk::cpu_has_avx512();
   with_codec(g.dtype, g.descending, [&](auto codec, auto kind) {
     using U = std::remove_cv_t<decltype(codec.xor_mask)>;
     auto body = [&](auto enc_tag) {
@@ -803,6 +985,14 @@ void segmented_sort(const SegArgs& g) {
         for (int64_t s = cut[t]; s < cut[t + 1]; ++s) {
           const int64_t len = seg_len(s);
           if (len >= HUGE_SEGMENT) continue;
+#if PK_X86
+          if constexpr (sizeof(U) == 4) {
+            if (v512 && len >= 2 && len <= 16) {
+              sort_row16_avx512<E>(g, cd, seg_start(s), len);
+              continue;
+            }
+          }
+#endif
           if (len <= SHORT_SEGMENT) sort_short_segment<U, E>(g, cd, seg_start(s), len);
           else one(s, 1);
         }
@@ -828,6 +1018,7 @@ py::dict stats_dict(const pksort::SortStats& st) {
   d["digit_bits"] = st.digit_bits;
   d["lossy"] = st.lossy;
   d["small"] = st.small;
+  d["wc"] = st.wc;
   return d;
 }
 
@@ -835,7 +1026,7 @@ py::dict stats_dict(const pksort::SortStats& st) {
 // per call is measurable on small sorts.
 py::object sort_1d(uintptr_t keys, int64_t n, int dtype, uintptr_t out_keys, uintptr_t out_idx, uintptr_t pay,
                  uintptr_t out_pay, int pay_size, bool descending, int begin_bit, int end_bit, int digit_bits,
-                 int threads, bool nt_stores, int64_t small_n, int64_t grain, bool want_stats) {
+                 int threads, bool nt_stores, int64_t small_n, int64_t grain, bool want_stats, int wc) {
   pksort::SortArgs a;
   a.keys = reinterpret_cast<const void*>(keys);
   a.n = n;
@@ -853,6 +1044,7 @@ py::object sort_1d(uintptr_t keys, int64_t n, int dtype, uintptr_t out_keys, uin
   a.nt_stores = nt_stores;
   a.small_n = small_n;
   a.grain = grain;
+  a.wc = wc;
   const int kb = 8 * pk::dtype_size(a.dtype);
   if (dtype < 0 || dtype > 12) pk::fail_value("sort", "unknown dtype code");
   if (a.end_bit < 0) a.end_bit = kb;
@@ -907,10 +1099,11 @@ void segmented(uintptr_t keys, int dtype, uintptr_t offsets, int64_t nseg, int64
 PYBIND11_MODULE(_cpu_sort, m) {
   m.doc() = "pykernels CPU radix sort (Onesweep-style LSD: one histogram read, write-combined scatters)";
   m.def("cpu_has_avx2", &pk::cpu_has_avx2);
+  m.def("cpu_has_avx512", &pk::cpu_has_avx512);
   m.def("sort", &sort_1d, py::arg("keys"), py::arg("n"), py::arg("dtype"), py::arg("out_keys"), py::arg("out_idx"),
         py::arg("pay"), py::arg("out_pay"), py::arg("pay_size"), py::arg("descending"), py::arg("begin_bit"),
         py::arg("end_bit"), py::arg("digit_bits"), py::arg("threads"), py::arg("nt_stores") = true,
-        py::arg("small_n") = 64, py::arg("grain") = 32768, py::arg("stats") = false,
+        py::arg("small_n") = 64, py::arg("grain") = 32768, py::arg("stats") = false, py::arg("wc") = -1,
         "Stable LSD radix sort of n keys (pointers as integers; 0 = absent). Returns a stats dict if stats=True, "
         "else None.");
   m.def("segmented", &segmented, py::arg("keys"), py::arg("dtype"), py::arg("offsets"), py::arg("nseg"),

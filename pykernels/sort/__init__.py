@@ -53,14 +53,13 @@ def _key(op: str, keys: torch.Tensor, **extra) -> dict:
 
 
 def _default_config(key: dict) -> dict:
-    """Heuristic CPU config: 11-bit digits for >= 32-bit keys past 64K keys (3 passes instead of 4 for
-    32-bit keys; 6 instead of 8 for 64-bit), 8-bit otherwise; every torch thread, but at least 128K keys
-    per thread (waking a pool thread costs more than sorting fewer keys: measured with the autotuner at
-    64K keys, one thread was 1.2-7x faster than two); streaming stores."""
-    bits = _KEY_BITS.get(getattr(torch, key.get("dtype", "uint32"), torch.uint32), 32)
-    n = key.get("n", 0)
-    return {"digit_bits": 11 if bits >= 32 and n >= (1 << 16) else 8, "threads": 0, "nt": True,
-            "grain": 1 << 17}
+    """Heuristic CPU config. digit_bits=0 and wc=-1 leave the digit width and the store kind to the
+    engine (csrc/sort/sort_cpu.cpp, radix_sort_typed), which knows the thread count and what the keys
+    carry: on one thread while keys + payload fit in 16 MiB, 8-bit digits with plain stores; otherwise
+    write-combining lines with 11-bit digits for >= 32-bit keys past 64K keys. Every torch thread, but
+    at least 128K keys per thread (waking a pool thread costs more than sorting fewer keys: measured
+    with the autotuner at 64K keys, one thread was 1.2-7x faster than two); streaming stores."""
+    return {"digit_bits": 0, "wc": -1, "threads": 0, "nt": True, "grain": 1 << 17}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,7 +88,7 @@ def _cpu_sort_1d(keys: torch.Tensor, *, want_keys=True, want_idx=False, payload=
                         _ptr(payload), _ptr(out_p), payload.element_size() if payload is not None else 0,
                         bool(descending), int(begin_bit), -1 if end_bit is None else int(end_bit),
                         int(config.get("digit_bits", 0)), _threads(config), bool(config.get("nt", True)),
-                        64, int(config.get("grain", 1 << 17)), bool(want_stats))
+                        64, int(config.get("grain", 1 << 17)), bool(want_stats), int(config.get("wc", -1)))
     return out_k, out_i, out_p, stats
 
 
@@ -122,28 +121,35 @@ def _rows_sort(op: str, x: torch.Tensor, dim: int, descending: bool, backend: st
     if x.numel() == 0:
         return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
                 torch.empty(x.shape, dtype=torch.int64, device=x.device))
-    xt = x.movedim(dim, -1)
+    last = dim == x.dim() - 1
+    xt = x if last else x.movedim(dim, -1)
     shape = xt.shape
     n = shape[-1]
-    xc = xt.contiguous().reshape(-1, n)
-    rows = xc.shape[0]
+    xc = xt.contiguous()
+    rows = xc.numel() // n
+    flat = xc.view(-1)
     chosen, config = dispatch(op, x.device, backend, _key(op, xc, rows=autotune.bucket(rows)),
                               supported=_backends_supported())
     if chosen == "cpu":
         if rows == 1:
-            vals, idx, _, _ = _cpu_sort_1d(xc.reshape(-1), want_keys=want_keys, want_idx=True,
-                                           descending=descending, config=config)
+            vals, idx, _, _ = _cpu_sort_1d(flat, want_keys=want_keys, want_idx=True, descending=descending,
+                                           config=config)
         else:
-            vals, idx, _ = _cpu_segmented(xc.reshape(-1), None, rows, n, want_keys=want_keys, want_idx=True,
+            vals, idx, _ = _cpu_segmented(flat, None, rows, n, want_keys=want_keys, want_idx=True,
                                           descending=descending, config=config)
     elif chosen == "cuda":
         from . import _cuda
-        vals, idx = _cuda.sort_rows(xc, descending, want_keys)
+        vals, idx = _cuda.sort_rows(flat.view(rows, n), descending, want_keys)
     else:
         from . import _triton
-        vals, idx = _triton.sort_rows(xc, descending, want_keys)
-    idx = idx.reshape(shape).movedim(-1, dim).contiguous()
-    vals = vals.reshape(shape).movedim(-1, dim).contiguous() if want_keys else None
+        vals, idx = _triton.sort_rows(flat.view(rows, n), descending, want_keys)
+
+    def back(t):  # to the caller's layout; skipped when already there (reshapes cost ~5 us a call)
+        if t.dim() != len(shape) or t.shape != shape:
+            t = t.reshape(shape)
+        return t if last else t.movedim(-1, dim).contiguous()
+    idx = back(idx)
+    vals = back(vals) if want_keys else None
     return vals, idx
 
 
@@ -300,6 +306,18 @@ def _(keys, offsets, values, descending, backend):
 # ---------------------------------------------------------------------------------------------
 # Public API (checks here, work in the custom ops)
 # ---------------------------------------------------------------------------------------------
+def _eager(*tensors) -> bool:
+    """True when a public call may run its implementation directly instead of through its registered
+    torch.library op: the op's dispatch layers cost ~60-100 us a call (6x a 1K-element torch.sort).
+    Not while torch.compile traces, nor under a Python dispatch or torch-function mode (fake tensors,
+    make_fx, FlopCounter...), nor for tensor subclasses or inputs that need autograd: those go through
+    the op, whose fake and autograd registrations handle them (as pykernels.qmatmul does)."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._is_torch_function_mode_enabled()):
+        return False
+    return all(t is None or (type(t) is torch.Tensor and not t.requires_grad) for t in tensors)
+
+
 def _check_keys(op: str, arg: str, t) -> torch.Tensor:
     t = _native.as_tensor(t, op, arg)
     check_dtype(op, arg, t, KEY_DTYPES)
@@ -350,7 +368,11 @@ def sort(input, dim: int = -1, descending: bool = False, stable: bool = True, *,
     _check_flag("sort", "descending", descending)
     if stable is not None:
         _check_flag("sort", "stable", stable)
-    values, indices = torch.ops.pykernels.sort(x, d, descending, _check_backend("sort", backend))
+    backend = _check_backend("sort", backend)
+    if _eager(x):
+        values, indices = _rows_sort("sort", x, d, descending, backend, True)
+    else:
+        values, indices = torch.ops.pykernels.sort(x, d, descending, backend)
     if out is not None:
         if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(o, torch.Tensor) for o in out)):
             raise TypeError("pykernels.sort: expected 'out' to be a (values, indices) pair of tensors")
@@ -372,7 +394,10 @@ def argsort(input, dim: int = -1, descending: bool = False, stable: bool = True,
     _check_flag("argsort", "descending", descending)
     if stable is not None:
         _check_flag("argsort", "stable", stable)
-    return torch.ops.pykernels.argsort(x, d, descending, _check_backend("argsort", backend))
+    backend = _check_backend("argsort", backend)
+    if _eager(x):
+        return _rows_sort("argsort", x, d, descending, backend, False)[1]
+    return torch.ops.pykernels.argsort(x, d, descending, backend)
 
 
 def sort_keys(keys, *, descending: bool = False, begin_bit: int = 0, end_bit: Optional[int] = None,
@@ -383,7 +408,10 @@ def sort_keys(keys, *, descending: bool = False, begin_bit: int = 0, end_bit: Op
     check_ndim("sort_keys", "keys", k, 1)
     _check_flag("sort_keys", "descending", descending)
     b, e = _check_bits("sort_keys", k, begin_bit, end_bit)
-    return torch.ops.pykernels.sort_keys(k, descending, b, e, _check_backend("sort_keys", backend))
+    backend = _check_backend("sort_keys", backend)
+    if _eager(k):
+        return _sort_1d_any("sort_keys", k, None, descending, b, e, backend)[0]
+    return torch.ops.pykernels.sort_keys(k, descending, b, e, backend)
 
 
 def sort_pairs(keys, values, *, descending: bool = False, begin_bit: int = 0, end_bit: Optional[int] = None,
@@ -399,7 +427,10 @@ def sort_pairs(keys, values, *, descending: bool = False, begin_bit: int = 0, en
     check_same_device("sort_pairs", keys=k, values=v)
     _check_flag("sort_pairs", "descending", descending)
     b, e = _check_bits("sort_pairs", k, begin_bit, end_bit)
-    return tuple(torch.ops.pykernels.sort_pairs(k, v, descending, b, e, _check_backend("sort_pairs", backend)))
+    backend = _check_backend("sort_pairs", backend)
+    if _eager(k, v):
+        return tuple(_sort_1d_any("sort_pairs", k, v, descending, b, e, backend))
+    return tuple(torch.ops.pykernels.sort_pairs(k, v, descending, b, e, backend))
 
 
 def segmented_sort(keys, offsets, values=None, *, descending: bool = False,
@@ -426,6 +457,8 @@ def segmented_sort(keys, offsets, values=None, *, descending: bool = False,
         raise ValueError(f"pykernels.{op}: expected at least one offset (nseg + 1 values), got an empty tensor")
     off64 = off.to(torch.int64)  # its values are checked inside the custom op (_check_offsets)
     backend = _check_backend(op, backend)
+    if _eager(k, off64, v):
+        return _segmented_impl(k, off64, v, descending, backend)
     if v is None:
         return torch.ops.pykernels.segmented_sort(k, off64, descending, backend), None
     return tuple(torch.ops.pykernels.segmented_sort_pairs(k, off64, v, descending, backend))

@@ -4,6 +4,8 @@ CPU config space (csrc/sort/sort_cpu.cpp):
   digit_bits  8 or 11: 11-bit digits make 3 passes for 32-bit keys (6 for 64-bit) instead of 4 (8), but
               their 2048 write-combining lines and counters need more cache; which wins depends on the
               cache sizes and n.
+  wc          1: software write-combining lines (flushed whole, streaming stores if nt); 0: plain
+              scattered stores (wins while the data fits the caches and the open lines fit L1).
   threads     0 = torch.get_num_threads(), or a fixed count (a shared machine may do better with fewer).
   nt          streaming (non-temporal) stores for full write-combining lines: skips the read-for-ownership
               of the destination; pays off once the arrays exceed the caches.
@@ -27,12 +29,13 @@ def _candidates(key: dict) -> list:
     base = _default_config(key)
     out = []
     for bits in (8, 11):
-        for nt in (True, False):
-            for threads in (0, 1):
-                for grain in (16384, 1 << 17):
-                    cfg = dict(base, digit_bits=bits, nt=nt, threads=threads, grain=grain)
-                    if cfg not in out and cfg != base:
-                        out.append(cfg)
+        for wc in (0, 1):
+            for nt in ((True, False) if wc else (True,)):  # nt only matters with write-combining
+                for threads in (0, 1):
+                    for grain in (16384, 1 << 17):
+                        cfg = dict(base, digit_bits=bits, wc=wc, nt=nt, threads=threads, grain=grain)
+                        if cfg not in out and cfg != base:
+                            out.append(cfg)
     return out
 
 
