@@ -238,11 +238,71 @@ def check_close(y, x, qw, bias=None, rel=4e-5):
     assert bool((err <= tol).all()), f"max err {err.max().item()} vs tol {tol.min().item()}"
 
 
-@pytest.fixture(params=["avx2", "portable"])
+@pytest.fixture(params=["avx512", "avx2", "portable"])
 def simd(request, monkeypatch):
+    """The SIMD tier of the weight-only kernel (pykernels.quant._ops reads the flags on every call; a
+    machine without AVX-512 runs the "avx512" case on AVX2). test_simd_flags_from_process_start checks
+    the flags the native module reads once, in fresh processes."""
     if request.param == "portable":
         monkeypatch.setenv("PYKERNELS_DISABLE_AVX2", "1")
+    elif request.param == "avx2":
+        monkeypatch.setenv("PYKERNELS_DISABLE_AVX512", "1")
     return request.param
+
+
+@pytest.mark.parametrize("scheme,bits,group_size,N,K", [
+    ("asym", 4, -1, 13, 2100),     # one group over several activation blocks (AVX-512: 1024 codes each)
+    ("sym", 8, 256, 6, 800),       # the byte layout's largest AVX-512 group (and a partial last group)
+    ("asym", 8, 512, 5, 1100),     # larger: the AVX-512 kernel hands it to the AVX2 one
+    ("bipolar", 5, 96, 7, 500),    # 3 blocks per group, groups not a multiple of 4 (register quads)
+    ("asym", 2, 160, 3, 700),      # 5 blocks per group, 1..3 rows in the last tile
+    ("asym", 4, 2048, 9, 4500),    # the nibble layout's largest AVX-512 group
+])
+def test_qmatmul_group_geometries(scheme, bits, group_size, N, K, simd):
+    g = torch.Generator().manual_seed(N * K)
+    qw = pykernels.quantize(weights("outliers", N, K, seed=K), bits, group_size, scheme)
+    for M in (1, 5):
+        x = torch.randn(M, K, generator=g)
+        check_close(pykernels.qmatmul(x, qw), x, qw)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_qmatmul_extreme_codes_do_not_overflow(bits, simd):
+    """Every activation at its block's max (int16 code 32767) times extreme codes over the longest
+    integer accumulation each kernel does: the exact integer sums must not wrap."""
+    K = 4096 if bits == 4 else 256
+    w = torch.ones(8, K)
+    w[1::2] = -1.0
+    w[2] = 0.0
+    w[3, ::2] = 5.0
+    qw = pykernels.quantize(w, bits, -1 if bits == 4 else 256, "asym")
+    for x in (torch.full((2, K), 3.0), torch.full((2, K), -7.5), torch.randn(2, K).sign() * 2.0):
+        check_close(pykernels.qmatmul(x, qw), x, qw)
+
+
+@pytest.mark.parametrize("flags", [{"PYKERNELS_DISABLE_AVX512": "1"}, {"PYKERNELS_DISABLE_AVX2": "1"}])
+def test_simd_flags_from_process_start(flags):
+    """The flags as a user sets them (read once by the native module at its first call)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, pykernels\n"
+        "from pykernels._native import cpu_module\n"
+        "m = cpu_module('qgemm')\n"
+        "assert not m.cpu_has_avx512()\n"
+        "assert m.cpu_has_avx2() == ('PYKERNELS_DISABLE_AVX2' not in %r)\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "qw = pykernels.quantize(torch.randn(9, 300, generator=g), 4, 64)\n"
+        "x = torch.randn(3, 300, generator=g)\n"
+        "ref = x.double() @ qw.dequantize(torch.float64).T\n"
+        "err = (pykernels.qmatmul(x, qw).double() - ref).abs().max().item()\n"
+        "assert err <= 1e-4 * ref.abs().max().item(), err\n"
+        "y = pykernels.qmatmul(x, pykernels.quantize(torch.randn(9, 300, generator=g), 2, 64, 'bipolar'), act_bits=2)\n"
+        "assert torch.isfinite(y).all()\n" % (sorted(flags),))
+    env = dict(os.environ, **flags)
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
 
 
 @pytest.mark.parametrize("scheme,bits", SCHEME_BITS)

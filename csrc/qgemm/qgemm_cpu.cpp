@@ -11,6 +11,8 @@
 //    are widened in registers (vpmovzxbw + AND/shift for nibbles); four weight rows are interleaved so
 //    one cache line holds a 32-element block of 4 rows and each activation load feeds 4 outputs.
 //    At M=1 the kernel then streams the packed weights at memory bandwidth (~6 uops per 32 weights).
+//    On AVX-512 VNNI CPUs a third tier (wo_tile_avx512, below) splits the int16 activations into two
+//    bytes for `vpdpbusd` and needs ~7 vector ops per 128 weights.
 //    Threads split the output rows (N), never K, so no reduction is needed.
 // 2. Bit-serial (act_bits, bipolar-INT), `bitserial_gemm`:
 //    activations are quantized per token to p-bit codes and split into bit planes; every (i, j) pair of
@@ -122,6 +124,16 @@ struct WoShape {
   int64_t tile_bytes() const { return B * RT * (lbits == 4 ? 16 : 32); }
 };
 
+// Exact (double) per-group sums of one token's activations: the offset term m * sum(x) of each group.
+void group_sums(const float* xr, const WoShape& s, float* gsum) {
+  for (int64_t g = 0; g < s.G; ++g) {
+    double acc = 0;
+    const int64_t k1 = std::min(s.K, (g + 1) * s.gsize);
+    for (int64_t k = g * s.gsize; k < k1; ++k) acc += xr[k];
+    gsum[g] = (float)acc;
+  }
+}
+
 // Activations of one token -> int16 per 32-block (+ block scales) and exact per-group sums.
 void quantize_act_int16(const void* x, pk::DType dt, int64_t row, const WoShape& s, int16_t* q, float* bscale,
                         float* gsum) {
@@ -149,12 +161,7 @@ void quantize_act_int16(const void* x, pk::DType dt, int64_t row, const WoShape&
       }
     }
   }
-  for (int64_t g = 0; g < s.G; ++g) {
-    double acc = 0;
-    const int64_t k1 = std::min(K, (g + 1) * s.gsize);
-    for (int64_t k = g * s.gsize; k < k1; ++k) acc += xr[k];
-    gsum[g] = (float)acc;
-  }
+  group_sums(xr.data(), s, gsum);
 }
 
 struct WoArgs {
@@ -177,7 +184,8 @@ inline void block_range(const WoShape& s, int64_t g, int64_t* b0, int64_t* b1) {
   *b1 = std::min(s.B, ((g + 1) * s.gsize + KB - 1) / KB);
 }
 
-inline void finish_tile(const WoArgs& a, int64_t m, int64_t n0, int rows, const double* out) {
+template <class Args>  // WoArgs or WoArgs16
+inline void finish_tile(const Args& a, int64_t m, int64_t n0, int rows, const double* out) {
   for (int r = 0; r < rows; ++r) {
     double v = out[r] + (a.bias ? a.bias[n0 + r] : 0.f);
     store_elem(a.y, a.ydt, m * a.s.N + n0 + r, (float)v);
@@ -293,6 +301,222 @@ PK_TARGET_AVX2 void wo_tile_avx2(const WoArgs& a, int64_t t) {
     finish_tile(a, m, n0, rows, out);
   }
 }
+
+// GCC 12 warns "__Y may be used uninitialized" inside its own AVX-512 intrinsic headers (the
+// _mm512_undefined_* placeholders of unmasked forms): a known false positive.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// ---------------------------------------------------------------------------------------------
+// AVX-512 VNNI weight-only kernel (Zen 4 / Ice Lake and newer), on the same packed tiles.
+//
+// Count per 64-byte line of the nibble layout (4 rows x 32 codes = 128 weights): 1 load, 3 ops to
+// split the nibbles (and, shift, and), 4 `vpdpbusd` (64 u8 x s8 products each) = 7 vector ops, against
+// ~16 for the AVX2 path's widen + vpmaddwd chain; the two multiply pipes bound it at ~4 cycles/line.
+// Activations keep 16 bits: x = 256*xh + xl with xh signed and xl unsigned bytes, so
+//   sum x*u = 256 * dpbusd(u as u8, xh as s8) + dpbusd(xl as u8, u as s8)
+// (codes < 16 are valid s8; 8-bit codes enter the second product as u - 128, corrected per block).
+// The zero point is factored out of the inner loop (sum x (u - c) = sum x u - c sum x): the integer
+// correction -c * sum(xq) seeds one lane per row, so each block's integer sum is exact and centred.
+// Activation scales are per block of one weight group ("sblock", <= 2048 codes so int32 cannot
+// overflow; group_size=-1 uses blocks of up to 1024), so one float scale per (row, sblock) remains:
+// 4 sblocks' 4x4 partial sums are transposed and reduced in registers into one vector of 16
+// (row, sblock) lanes, converted once and scaled by w_scale * x_scale with one FMA.
+// ---------------------------------------------------------------------------------------------
+struct Act16 {
+  std::vector<int8_t> xh;     // [M, Kp] high bytes (signed)
+  std::vector<uint8_t> xl;    // [M, Kp] low bytes (unsigned)
+  std::vector<float> xs;      // [M, NS4] per-sblock scale (NaN: the sblock had NaN/inf)
+  std::vector<int32_t> corr;  // [M, NS4] integer correction seeded into each sblock's sums
+  std::vector<float> gsum;    // [M, G] exact per-group sums of x (the offset term)
+};
+
+struct Vnni {
+  int64_t d;    // blocks of 32 per sblock
+  int64_t NS;   // sblocks
+  int64_t NS4;  // NS rounded up to a multiple of 4 (padded with zero scales)
+};
+
+// Largest sblock (in 32-blocks) whose centred per-row integer sum fits int32:
+// |x| <= 32767, |u - c| <= 128 (8-bit layout) or 8 (nibbles).
+inline int64_t vnni_dmax(int lbits) { return lbits == 4 ? 64 : 8; }
+
+inline bool vnni_geometry(const WoShape& s, Vnni* v) {
+  const int64_t dmax = vnni_dmax(s.lbits);
+  if (s.G > 1) {
+    if (s.gsize / KB > dmax) return false;  // a huge group (8-bit, > 256 codes): the AVX2 kernel
+    v->d = s.gsize / KB;
+  } else {
+    v->d = std::min<int64_t>(s.B, s.lbits == 4 ? 32 : dmax);
+  }
+  v->NS = (s.B + v->d - 1) / v->d;
+  v->NS4 = (v->NS + 3) / 4 * 4;
+  return true;
+}
+
+void quantize_act16(const void* x, pk::DType dt, int64_t row, const WoShape& s, const Vnni& v, int8_t* xh,
+                    uint8_t* xl, float* xs, int32_t* corr, float* gsum) {
+  const int64_t K = s.K;
+  std::vector<float> xr(s.Kp, 0.f);
+  for (int64_t k = 0; k < K; ++k) xr[k] = load_elem(x, dt, row * K + k);
+  for (int64_t sb = 0; sb < v.NS4; ++sb) {
+    xs[sb] = 0.f;
+    corr[sb] = 0;
+    if (sb >= v.NS) continue;
+    const int64_t k0 = sb * v.d * KB, k1 = std::min(s.Kp, k0 + v.d * KB);
+    float amax = 0.f;
+    bool finite = true;
+    for (int64_t k = k0; k < k1; ++k) {
+      amax = std::max(amax, std::fabs(xr[k]));
+      finite &= std::isfinite(xr[k]);
+    }
+    const float inv = amax > 0.f && finite ? 32767.f / amax : 0.f;
+    xs[sb] = !finite ? std::numeric_limits<float>::quiet_NaN() : amax / 32767.f;
+    int64_t sq = 0, sl = 0;
+    for (int64_t k = k0; k < k1; ++k) {
+      int32_t q = (int32_t)std::nearbyint(xr[k] * inv);
+      q = std::min(32767, std::max(-32767, q));
+      xh[k] = (int8_t)(q >> 8);  // arithmetic shift: q = 256 * xh + xl, 0 <= xl < 256
+      xl[k] = (uint8_t)(q & 0xff);
+      sq += q;
+      sl += q & 0xff;
+    }
+    corr[sb] = (int32_t)(-(int64_t)s.center * sq + (s.lbits == 8 ? 128 * sl : 0));
+  }
+  group_sums(xr.data(), s, gsum);
+}
+
+struct WoArgs16 {
+  WoShape s;
+  Vnni v;
+  const uint8_t* w;
+  const float* scales;   // [N, G]
+  const float* offsets;  // [N, G]
+  const int8_t* xh;      // [M, Kp]
+  const uint8_t* xl;     // [M, Kp]
+  const float* xs;       // [M, NS4]
+  const int32_t* corr;   // [M, NS4]
+  const float* gsum;     // [M, G]
+  const float* bias;
+  void* y;
+  pk::DType ydt;
+};
+
+// Integer sum of one sblock for one token, lanes (row r = 128-bit lane, 4 partials).
+template <int LB>
+PK_TARGET_AVX512 inline __m512i vnni_sblock(const uint8_t* wt, const int8_t* xh, const uint8_t* xl, int64_t b0,
+                                            int64_t b1, int32_t corr) {
+  __m512i acc_h = _mm512_setzero_si512(), acc_l = _mm512_maskz_set1_epi32(0x1111, corr);
+  if constexpr (LB == 4) {
+    // four independent accumulators: one vpdpbusd per chain per line (its latency is 4+ cycles)
+    __m512i acc_h2 = _mm512_setzero_si512(), acc_l2 = _mm512_setzero_si512();
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int64_t b = b0; b < b1; ++b) {
+      const __m512i v = _mm512_loadu_si512(wt + b * 64);
+      const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      // byte j of a row: code k=j (low nibble) and k=16+j (high nibble); every row reads x[0..15], x[16..31]
+      const __m512i h0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xh + b * KB)));
+      const __m512i h1 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xh + b * KB + 16)));
+      const __m512i l0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xl + b * KB)));
+      const __m512i l1 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xl + b * KB + 16)));
+      acc_h = _mm512_dpbusd_epi32(acc_h, lo, h0);
+      acc_h2 = _mm512_dpbusd_epi32(acc_h2, hi, h1);
+      acc_l = _mm512_dpbusd_epi32(acc_l, l0, lo);
+      acc_l2 = _mm512_dpbusd_epi32(acc_l2, l1, hi);
+    }
+    return _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(acc_h, acc_h2), 8), _mm512_add_epi32(acc_l, acc_l2));
+  } else {
+    // byte layout: a block is 2 lines, rows (0,1) then (2,3), 32 codes each; lanes (row, 8 partials)
+    __m512i acc_h2 = _mm512_setzero_si512(), acc_l2 = _mm512_maskz_set1_epi32(0x0101, corr);
+    acc_l = _mm512_maskz_set1_epi32(0x0101, corr);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t b = b0; b < b1; ++b) {
+      const __m512i v0 = _mm512_loadu_si512(wt + b * 128), v1 = _mm512_loadu_si512(wt + b * 128 + 64);
+      const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(xh + b * KB)));
+      const __m512i l = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(xl + b * KB)));
+      acc_h = _mm512_dpbusd_epi32(acc_h, v0, h);
+      acc_h2 = _mm512_dpbusd_epi32(acc_h2, v1, h);
+      acc_l = _mm512_dpbusd_epi32(acc_l, l, _mm512_xor_si512(v0, flip));  // xl * (u - 128)
+      acc_l2 = _mm512_dpbusd_epi32(acc_l2, l, _mm512_xor_si512(v1, flip));
+    }
+    const __m512i a = _mm512_add_epi32(_mm512_slli_epi32(acc_h, 8), acc_l);    // rows 0,1 (2 lanes each)
+    const __m512i c = _mm512_add_epi32(_mm512_slli_epi32(acc_h2, 8), acc_l2);  // rows 2,3
+    // 128-bit lanes [r0a r0b r1a r1b] + [r2a r2b r3a r3b] -> [r0 r1 r2 r3] (4 partials each)
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(a, c, 0x88), _mm512_shuffle_i32x4(a, c, 0xDD));
+  }
+}
+
+// 4 vectors of (row, 4 partials) -> one vector of (row, j) sums: an in-lane 4x4 transpose-and-add.
+PK_TARGET_AVX512 inline __m512i reduce4x4(__m512i i0, __m512i i1, __m512i i2, __m512i i3) {
+  const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(i0, i1), _mm512_unpackhi_epi32(i0, i1));
+  const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(i2, i3), _mm512_unpackhi_epi32(i2, i3));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+}
+
+template <int LB>
+PK_TARGET_AVX512 void wo_tile_avx512(const WoArgs16& a, int64_t t) {
+  const WoShape& s = a.s;
+  const Vnni& v = a.v;
+  const int64_t n0 = t * RT;
+  const int rows = (int)std::min<int64_t>(RT, s.N - n0);
+  const uint8_t* wt = a.w + t * s.tile_bytes();
+  // Per-row weight scale of every (row, j) lane when there is one group: broadcast once per tile.
+  __m512 ws1 = _mm512_setzero_ps();
+  if (s.G == 1) {
+    const __m128 s4 = _mm_maskz_loadu_ps((__mmask8)((1u << rows) - 1), a.scales + n0);
+    ws1 = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                _mm512_castps128_ps512(s4));
+  }
+  for (int64_t m = 0; m < s.M; ++m) {
+    const int8_t* xh = a.xh + m * s.Kp;
+    const uint8_t* xl = a.xl + m * s.Kp;
+    const float* xs = a.xs + m * v.NS4;
+    const int32_t* corr = a.corr + m * v.NS4;
+    __m512 tot = _mm512_setzero_ps();
+    for (int64_t q = 0; q < v.NS4; q += 4) {
+      __m512i I[4];
+      for (int j = 0; j < 4; ++j) {
+        const int64_t sb = q + j;
+        if (sb >= v.NS) { I[j] = _mm512_setzero_si512(); continue; }
+        I[j] = vnni_sblock<LB>(wt, xh, xl, sb * v.d, std::min(s.B, (sb + 1) * v.d), corr[sb]);
+      }
+      const __m512 f = _mm512_cvtepi32_ps(reduce4x4(I[0], I[1], I[2], I[3]));
+      __m512 sv = _mm512_mul_ps(ws1, _mm512_broadcast_f32x4(_mm_loadu_ps(xs + q)));
+      if (s.G > 1) {  // sblock == group: row r's 4 scales are contiguous at scales[n, q..q+3]
+        const __mmask8 jm = (__mmask8)((1u << std::min<int64_t>(4, v.NS - q)) - 1);
+        const float* s0 = a.scales + n0 * s.G + q;  // rows past N: mask 0 (a masked load never faults)
+        __m512 w4 = _mm512_castps128_ps512(_mm_maskz_loadu_ps(jm, s0));
+        w4 = _mm512_insertf32x4(w4, _mm_maskz_loadu_ps(rows > 1 ? jm : 0, s0 + s.G), 1);
+        w4 = _mm512_insertf32x4(w4, _mm_maskz_loadu_ps(rows > 2 ? jm : 0, s0 + 2 * s.G), 2);
+        w4 = _mm512_insertf32x4(w4, _mm_maskz_loadu_ps(rows > 3 ? jm : 0, s0 + 3 * s.G), 3);
+        sv = _mm512_mul_ps(w4, _mm512_broadcast_f32x4(_mm_loadu_ps(xs + q)));
+      }
+      tot = _mm512_fmadd_ps(f, sv, tot);
+    }
+    // (row, j) lanes -> row sums
+    tot = _mm512_add_ps(tot, _mm512_permute_ps(tot, 0x4E));
+    tot = _mm512_add_ps(tot, _mm512_permute_ps(tot, 0xB1));
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, tot);
+    double out[RT] = {0, 0, 0, 0};
+    const float* gs = a.gsum + m * s.G;
+    for (int r = 0; r < rows; ++r) {
+      // offset term sum_g (m + c s)[n, g] * sum_g(x), vectorized over groups
+      const float* sr = a.scales + (n0 + r) * s.G;
+      const float* mr = a.offsets + (n0 + r) * s.G;
+      __m512 am = _mm512_setzero_ps(), as = _mm512_setzero_ps();
+      for (int64_t g = 0; g < s.G; g += 16) {
+        const __mmask16 gm = (__mmask16)(s.G - g >= 16 ? 0xffff : (1u << (s.G - g)) - 1);
+        const __m512 xg = _mm512_maskz_loadu_ps(gm, gs + g);
+        am = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(gm, mr + g), xg, am);
+        as = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(gm, sr + g), xg, as);
+      }
+      out[r] = (double)lanes[4 * r] + (double)_mm512_reduce_add_ps(am) +
+               (double)s.center * (double)_mm512_reduce_add_ps(as);
+    }
+    finish_tile(a, m, n0, rows, out);
+  }
+}
+#pragma GCC diagnostic pop
 #endif
 
 // At most one thread per ~2^16 multiply-adds (plus one): a small GEMV (64x64: 4096) costs less than
@@ -304,9 +528,11 @@ inline int threads_for_work(int num_threads, int64_t work) {
 
 // Splits the N tiles into `nthreads` contiguous ranges. `m_block` tokens run per pass over a tile range
 // so that a block of activations stays in cache while the weights stream (the GEMM tiling for M > 1).
+// isa: 0 portable, 1 AVX2, 2 AVX-512 VNNI (each capped by what the CPU has and the PYKERNELS_DISABLE_*
+// flags; the AVX-512 kernel also needs groups of <= 2048 codes, <= 256 for the byte layout).
 void wo_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int bits, uintptr_t scales,
              uintptr_t offsets, int64_t N, int64_t group_size, uintptr_t bias, uintptr_t y, int y_dtype,
-             int num_threads, int64_t m_block, int64_t n_block, bool force_portable) {
+             int num_threads, int64_t m_block, int64_t n_block, int isa) {
   const char* op = "qmatmul";
   if (bits < 1 || bits > 8) pk::fail_value(op, "bits must be in 1..8");
   if (M < 0 || N < 0 || K < 0) pk::fail_value(op, "negative size");
@@ -324,20 +550,59 @@ void wo_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int bi
   s.center = 1 << (bits - 1);
   const pk::DType xdt = float_dtype(x_dtype, op, "x"), ydt = float_dtype(y_dtype, op, "out");
   if (M == 0 || N == 0) return;
+  const int64_t T = (N + RT - 1) / RT;
+  m_block = std::max<int64_t>(1, m_block);
+  n_block = std::max<int64_t>(1, n_block);  // tiles per chunk handed to a thread
+  const int64_t chunks = (T + n_block - 1) / n_block;
+  const void* xp = reinterpret_cast<const void*>(x);
+  const int esize = ydt == pk::DType::Float32 ? 4 : 2;
+#if PK_X86
+  Vnni v{};
+  if (isa >= 2 && pk::cpu_has_avx512() && vnni_geometry(s, &v)) {
+    Act16 A;
+    A.xh.resize(M * s.Kp); A.xl.resize(M * s.Kp);
+    A.xs.resize(M * v.NS4); A.corr.resize(M * v.NS4);
+    A.gsum.resize(std::max<int64_t>(M * s.G, 1));
+    py::gil_scoped_release release;
+    pk::parallel_ranges(M, threads_for_work(num_threads, M * K), [&](int, int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m)
+        quantize_act16(xp, xdt, m, s, v, &A.xh[m * s.Kp], &A.xl[m * s.Kp], &A.xs[m * v.NS4],
+                       &A.corr[m * v.NS4], &A.gsum[m * s.G]);
+    });
+    void (*tile_fn)(const WoArgs16&, int64_t) = s.lbits == 4 ? wo_tile_avx512<4> : wo_tile_avx512<8>;
+    for (int64_t mb = 0; mb < M; mb += m_block) {
+      WoArgs16 a{};
+      a.s = s;
+      a.s.M = std::min(m_block, M - mb);
+      a.v = v;
+      a.w = reinterpret_cast<const uint8_t*>(w);
+      a.scales = reinterpret_cast<const float*>(scales);
+      a.offsets = reinterpret_cast<const float*>(offsets);
+      a.xh = A.xh.data() + mb * s.Kp;
+      a.xl = A.xl.data() + mb * s.Kp;
+      a.xs = A.xs.data() + mb * v.NS4;
+      a.corr = A.corr.data() + mb * v.NS4;
+      a.gsum = A.gsum.data() + mb * s.G;
+      a.bias = bias ? reinterpret_cast<const float*>(bias) : nullptr;
+      a.ydt = ydt;
+      a.y = reinterpret_cast<char*>(y) + mb * N * esize;
+      pk::parallel_ranges(chunks, threads_for_work(num_threads, a.s.M * N * K), [&](int, int64_t c0, int64_t c1) {
+        for (int64_t t = c0 * n_block; t < std::min(T, c1 * n_block); ++t) tile_fn(a, t);
+      });
+    }
+    return;
+  }
+#endif
   std::vector<int16_t> xq(M * s.Kp);
   std::vector<float> xs(M * s.B), xsum(std::max<int64_t>(M * s.G, 1));
   py::gil_scoped_release release;
-  const void* xp = reinterpret_cast<const void*>(x);
   pk::parallel_ranges(M, threads_for_work(num_threads, M * K), [&](int, int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       quantize_act_int16(xp, xdt, m, s, &xq[m * s.Kp], &xs[m * s.B], &xsum[m * s.G]);
   });
-  const int64_t T = (N + RT - 1) / RT;
-  m_block = std::max<int64_t>(1, m_block);
-  n_block = std::max<int64_t>(1, n_block);  // tiles per chunk handed to a thread
   void (*tile_fn)(const WoArgs&, int64_t) = wo_tile_portable;
 #if PK_X86
-  if (!force_portable && pk::cpu_has_avx2()) tile_fn = s.lbits == 4 ? wo_tile_avx2<4> : wo_tile_avx2<8>;
+  if (isa >= 1 && pk::cpu_has_avx2()) tile_fn = s.lbits == 4 ? wo_tile_avx2<4> : wo_tile_avx2<8>;
 #endif
   for (int64_t mb = 0; mb < M; mb += m_block) {
     WoArgs a{};
@@ -351,9 +616,7 @@ void wo_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int bi
     a.xsum = xsum.data() + mb * s.G;
     a.bias = bias ? reinterpret_cast<const float*>(bias) : nullptr;
     a.ydt = ydt;
-    const int esize = ydt == pk::DType::Float32 ? 4 : 2;
     a.y = reinterpret_cast<char*>(y) + mb * N * esize;
-    const int64_t chunks = (T + n_block - 1) / n_block;
     pk::parallel_ranges(chunks, threads_for_work(num_threads, a.s.M * N * K), [&](int, int64_t c0, int64_t c1) {
       for (int64_t t = c0 * n_block; t < std::min(T, c1 * n_block); ++t) tile_fn(a, t);
     });
@@ -682,10 +945,11 @@ void bitserial_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, int act_bits
 PYBIND11_MODULE(_cpu_qgemm, m) {
   m.doc() = "pykernels quantized GEMMs on the CPU (weight-only int16-activation kernels, bit-serial bipolar-INT)";
   m.def("cpu_has_avx2", &pk::cpu_has_avx2);
+  m.def("cpu_has_avx512", &pk::cpu_has_avx512);
   m.def("wo_gemm", &wo_gemm, py::arg("x"), py::arg("x_dtype"), py::arg("M"), py::arg("K"), py::arg("w"),
         py::arg("bits"), py::arg("scales"), py::arg("offsets"), py::arg("N"), py::arg("group_size"),
         py::arg("bias"), py::arg("y"), py::arg("y_dtype"), py::arg("num_threads"), py::arg("m_block"),
-        py::arg("n_block"), py::arg("force_portable"),
+        py::arg("n_block"), py::arg("isa"),
         "y[M,N] = x[M,K] @ dequant(W).T (+ bias): weight-only quantized GEMM on packed tiles");
   m.def("dequant_tiles", &dequant_tiles, py::arg("w"), py::arg("bits"), py::arg("scales"), py::arg("offsets"),
         py::arg("N"), py::arg("K"), py::arg("group_size"), py::arg("out"), py::arg("out_dtype"),

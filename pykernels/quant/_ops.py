@@ -4,7 +4,8 @@ Backends: "cpu" (csrc/qgemm/qgemm_cpu.cpp), "triton" (pykernels/quant/_triton.py
 (csrc/qgemm/qgemm.cu). On CUDA tensors "auto" prefers Triton (its kernels are the ones also checked
 under TRITON_INTERPRET=1 here), then the native module.
 Config (pykernels._backend.dispatch, tuned by pykernels.autotune):
-  cpu, weight-only: {"impl": "native" | "dequant_mm", "threads": 0 (= torch's), "m_block", "n_block"}
+  cpu, weight-only: {"impl": "native" | "dequant_mm", "threads": 0 (= torch's), "m_block", "n_block",
+                     "isa": 2 AVX-512 VNNI | 1 AVX2 (highest allowed tier, capped by the CPU)}
   cpu, bit-serial:  {"mode": 0 portable | 1 POPCNT | 2 AVX2 vpshufb, "threads": 0}
 """
 from __future__ import annotations
@@ -43,6 +44,18 @@ def _default_cpu_config(key: dict) -> dict:
 
 def _threads(cfg: dict) -> int:
     return int(cfg.get("threads") or 0) or torch.get_num_threads()
+
+
+def _isa(cfg: dict) -> int:
+    """Highest SIMD tier the weight-only kernel may use: 2 AVX-512 VNNI, 1 AVX2, 0 portable. The native
+    module caps it by the CPU (and by the PYKERNELS_DISABLE_* flags it read at its first call); reading
+    them here again lets a test switch tiers within one process."""
+    isa = int(cfg.get("isa", 2))
+    if os.environ.get("PYKERNELS_DISABLE_AVX2") == "1":
+        return 0
+    if os.environ.get("PYKERNELS_DISABLE_AVX512") == "1":
+        return min(isa, 1)
+    return isa
 
 
 def _bias_f32(bias):
@@ -93,7 +106,7 @@ def cpu_weight_only(x2, packed, scales, offsets, bias, N, K, bits, group_size, c
     mod.wo_gemm(x2.data_ptr(), dtype_code(x2.dtype), M, K, packed.data_ptr(), bits, scales.data_ptr(),
                 offsets.data_ptr(), N, group_size, b.data_ptr() if b is not None else 0, y.data_ptr(),
                 dtype_code(y.dtype), threads, int(cfg.get("m_block", 16)), int(cfg.get("n_block", 8)),
-                os.environ.get("PYKERNELS_DISABLE_AVX2") == "1")
+                _isa(cfg))
     return y
 
 
