@@ -276,8 +276,9 @@ def test_qmatmul_extreme_codes_do_not_overflow(bits, simd):
     w[2] = 0.0
     w[3, ::2] = 5.0
     qw = pykernels.quantize(w, bits, -1 if bits == 4 else 256, "asym")
-    for x in (torch.full((2, K), 3.0), torch.full((2, K), -7.5), torch.randn(2, K).sign() * 2.0):
-        check_close(pykernels.qmatmul(x, qw), x, qw)
+    for x in (torch.full((5, K), 3.0), torch.full((5, K), -7.5), torch.randn(5, K).sign() * 2.0):
+        check_close(pykernels.qmatmul(x, qw), x, qw)          # M >= 4: the AVX-512 panel GEMM
+        check_close(pykernels.qmatmul(x[:1], qw), x[:1], qw)  # M = 1: the GEMV kernel
 
 
 @pytest.mark.parametrize("flags", [{"PYKERNELS_DISABLE_AVX512": "1"}, {"PYKERNELS_DISABLE_AVX2": "1"}])

@@ -322,11 +322,24 @@ PK_TARGET_AVX2 void wo_tile_avx2(const WoArgs& a, int64_t t) {
 // 4 sblocks' 4x4 partial sums are transposed and reduced in registers into one vector of 16
 // (row, sblock) lanes, converted once and scaled by w_scale * x_scale with one FMA.
 // ---------------------------------------------------------------------------------------------
+// acc += u8 x s8 dot products of 4 bytes per int32 lane (vpdpbusd). GCC 12 allocates the intrinsic's
+// tied accumulator badly in loops (a register copy around every instruction and spills to the stack:
+// measured 1.5x slower); the one-line asm accumulates in place.
+PK_TARGET_AVX512 inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
+#if defined(__GNUC__) && !defined(__clang__)
+  __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
+  return acc;
+#else
+  return _mm512_dpbusd_epi32(acc, u8, s8);
+#endif
+}
+
 struct Act16 {
   std::vector<int8_t> xh;     // [M, Kp] high bytes (signed)
   std::vector<uint8_t> xl;    // [M, Kp] low bytes (unsigned)
   std::vector<float> xs;      // [M, NS4] per-sblock scale (NaN: the sblock had NaN/inf)
   std::vector<int32_t> corr;  // [M, NS4] integer correction seeded into each sblock's sums
+  std::vector<int32_t> sumq;  // [M, NS4] sum of the int16 codes
   std::vector<float> gsum;    // [M, G] exact per-group sums of x (the offset term)
 };
 
@@ -354,13 +367,13 @@ inline bool vnni_geometry(const WoShape& s, Vnni* v) {
 }
 
 void quantize_act16(const void* x, pk::DType dt, int64_t row, const WoShape& s, const Vnni& v, int8_t* xh,
-                    uint8_t* xl, float* xs, int32_t* corr, float* gsum) {
+                    uint8_t* xl, float* xs, int32_t* corr, int32_t* sumq, float* gsum) {
   const int64_t K = s.K;
   std::vector<float> xr(s.Kp, 0.f);
   for (int64_t k = 0; k < K; ++k) xr[k] = load_elem(x, dt, row * K + k);
   for (int64_t sb = 0; sb < v.NS4; ++sb) {
     xs[sb] = 0.f;
-    corr[sb] = 0;
+    corr[sb] = sumq[sb] = 0;
     if (sb >= v.NS) continue;
     const int64_t k0 = sb * v.d * KB, k1 = std::min(s.Kp, k0 + v.d * KB);
     float amax = 0.f;
@@ -381,6 +394,7 @@ void quantize_act16(const void* x, pk::DType dt, int64_t row, const WoShape& s, 
       sl += q & 0xff;
     }
     corr[sb] = (int32_t)(-(int64_t)s.center * sq + (s.lbits == 8 ? 128 * sl : 0));
+    sumq[sb] = (int32_t)sq;
   }
   group_sums(xr.data(), s, gsum);
 }
@@ -418,10 +432,10 @@ PK_TARGET_AVX512 inline __m512i vnni_sblock(const uint8_t* wt, const int8_t* xh,
       const __m512i h1 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xh + b * KB + 16)));
       const __m512i l0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xl + b * KB)));
       const __m512i l1 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xl + b * KB + 16)));
-      acc_h = _mm512_dpbusd_epi32(acc_h, lo, h0);
-      acc_h2 = _mm512_dpbusd_epi32(acc_h2, hi, h1);
-      acc_l = _mm512_dpbusd_epi32(acc_l, l0, lo);
-      acc_l2 = _mm512_dpbusd_epi32(acc_l2, l1, hi);
+      acc_h = dpbusd(acc_h, lo, h0);
+      acc_h2 = dpbusd(acc_h2, hi, h1);
+      acc_l = dpbusd(acc_l, l0, lo);
+      acc_l2 = dpbusd(acc_l2, l1, hi);
     }
     return _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(acc_h, acc_h2), 8), _mm512_add_epi32(acc_l, acc_l2));
   } else {
@@ -433,10 +447,10 @@ PK_TARGET_AVX512 inline __m512i vnni_sblock(const uint8_t* wt, const int8_t* xh,
       const __m512i v0 = _mm512_loadu_si512(wt + b * 128), v1 = _mm512_loadu_si512(wt + b * 128 + 64);
       const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(xh + b * KB)));
       const __m512i l = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(xl + b * KB)));
-      acc_h = _mm512_dpbusd_epi32(acc_h, v0, h);
-      acc_h2 = _mm512_dpbusd_epi32(acc_h2, v1, h);
-      acc_l = _mm512_dpbusd_epi32(acc_l, l, _mm512_xor_si512(v0, flip));  // xl * (u - 128)
-      acc_l2 = _mm512_dpbusd_epi32(acc_l2, l, _mm512_xor_si512(v1, flip));
+      acc_h = dpbusd(acc_h, v0, h);
+      acc_h2 = dpbusd(acc_h2, v1, h);
+      acc_l = dpbusd(acc_l, l, _mm512_xor_si512(v0, flip));  // xl * (u - 128)
+      acc_l2 = dpbusd(acc_l2, l, _mm512_xor_si512(v1, flip));
     }
     const __m512i a = _mm512_add_epi32(_mm512_slli_epi32(acc_h, 8), acc_l);    // rows 0,1 (2 lanes each)
     const __m512i c = _mm512_add_epi32(_mm512_slli_epi32(acc_h2, 8), acc_l2);  // rows 2,3
@@ -516,6 +530,176 @@ PK_TARGET_AVX512 void wo_tile_avx512(const WoArgs16& a, int64_t t) {
     finish_tile(a, m, n0, rows, out);
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512 VNNI GEMM for M > 1 (the GEMV kernel above decodes every nibble once per token).
+// The roles of the operands swap: 16 tokens sit in the 16 int32 lanes, and each weight dword (4 codes)
+// comes straight from memory as an embedded broadcast ({1to16}) operand of vpdpbusd. A tile pair (8
+// rows) is decoded once into a byte panel (8 x Kp, L1/L2-resident) and reused by every token group, so
+// the inner loop is 2 activation loads + 16 vpdpbusd per 4 codes x 8 rows x 16 tokens (like unpacking
+// a Marlin tile once into registers and feeding it to all of a block's rows).
+// Both products need the activation as the unsigned operand: xh' = xh + 128 (xor 0x80), corrected by
+// -32768 * sum(u') per (row, sblock); codes enter as u' = u (nibbles) or u - 128 (bytes), corrected by
+// (o - c) * sum(xq) per (token, sblock) with o = 0 or 128, so every sblock's integer sum is the exact
+// centred sum(xq * (u - c)), as in the GEMV kernel.
+// ---------------------------------------------------------------------------------------------
+constexpr int TG = 16;  // tokens per group (the int32 lanes)
+constexpr int PR = 8;   // rows per panel (two tiles)
+
+struct GemmArgs16 {
+  WoShape s;
+  Vnni v;
+  const uint8_t* w;
+  const float* scales;
+  const float* offsets;
+  const uint8_t* xh16;  // [MG, Kp/4, 16 tokens, 4]: xh + 128
+  const uint8_t* xl16;  // [MG, Kp/4, 16, 4]
+  const float* xs16;    // [MG, NS, 16]
+  const int32_t* tc16;  // [MG, NS, 16]: (o - c) * sum(xq)
+  const float* gs16;    // [MG, G, 16]: exact group sums
+  int64_t MG;           // token groups
+  const float* bias;
+  void* y;
+  pk::DType ydt;
+};
+
+inline int32_t load_u32(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Tile pair p -> panel[r][k] = u' (row r of the pair, code k), usum[r][sb] = sum of u' over sblock sb.
+template <int LB>
+PK_TARGET_AVX512 void decode_panel(const GemmArgs16& a, int64_t p, uint8_t* panel, int32_t* usum) {
+  const WoShape& s = a.s;
+  const Vnni& v = a.v;
+  const __m512i zero = _mm512_setzero_si512();
+  alignas(64) int64_t q0[8], q1[8];
+  for (int h = 0; h < 2; ++h) {
+    const int64_t t = 2 * p + h;
+    const uint8_t* wt = a.w + t * s.tile_bytes();
+    uint8_t* pr = panel + (int64_t)(4 * h) * s.Kp;
+    const bool present = t * RT < s.N;  // the second tile of the last pair may not exist: codes 0
+    for (int64_t sb = 0; sb < v.NS; ++sb) {
+      __m512i s0 = zero, s1 = zero;  // vpsadbw sums, 64-bit lanes
+      const int64_t b0 = sb * v.d, b1 = std::min(s.B, (sb + 1) * v.d);
+      for (int64_t b = b0; b < b1; ++b) {
+        if constexpr (LB == 4) {  // 128-bit lane r = row r: low nibbles codes 32b.., high 32b+16..
+          const __m512i raw = present ? _mm512_loadu_si512(wt + b * 64) : zero;
+          const __m512i lo = _mm512_and_si512(raw, _mm512_set1_epi8(0x0f));
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0f));
+          s0 = _mm512_add_epi64(s0, _mm512_add_epi64(_mm512_sad_epu8(lo, zero), _mm512_sad_epu8(hi, zero)));
+          // straight from the registers (a 64-byte stack store read back in 16-byte pieces stalls the
+          // store-to-load forwarding: measured ~3x slower)
+          uint8_t* d = pr + b * KB;
+          _mm_storeu_si128((__m128i*)d, _mm512_castsi512_si128(lo));
+          _mm_storeu_si128((__m128i*)(d + 16), _mm512_castsi512_si128(hi));
+          _mm_storeu_si128((__m128i*)(d + s.Kp), _mm512_extracti32x4_epi32(lo, 1));
+          _mm_storeu_si128((__m128i*)(d + s.Kp + 16), _mm512_extracti32x4_epi32(hi, 1));
+          _mm_storeu_si128((__m128i*)(d + 2 * s.Kp), _mm512_extracti32x4_epi32(lo, 2));
+          _mm_storeu_si128((__m128i*)(d + 2 * s.Kp + 16), _mm512_extracti32x4_epi32(hi, 2));
+          _mm_storeu_si128((__m128i*)(d + 3 * s.Kp), _mm512_extracti32x4_epi32(lo, 3));
+          _mm_storeu_si128((__m128i*)(d + 3 * s.Kp + 16), _mm512_extracti32x4_epi32(hi, 3));
+        } else {  // two lines: rows (0, 1) then (2, 3), 32 codes each; u' = u - 128
+          const __m512i flip = _mm512_set1_epi8((char)0x80);
+          const __m512i r01 = present ? _mm512_loadu_si512(wt + b * 128) : zero;
+          const __m512i r23 = present ? _mm512_loadu_si512(wt + b * 128 + 64) : zero;
+          s0 = _mm512_add_epi64(s0, _mm512_sad_epu8(r01, zero));
+          s1 = _mm512_add_epi64(s1, _mm512_sad_epu8(r23, zero));
+          const __m512i c01 = _mm512_xor_si512(r01, flip), c23 = _mm512_xor_si512(r23, flip);
+          uint8_t* d = pr + b * KB;
+          _mm256_storeu_si256((__m256i*)d, _mm512_castsi512_si256(c01));
+          _mm256_storeu_si256((__m256i*)(d + s.Kp), _mm512_extracti64x4_epi64(c01, 1));
+          _mm256_storeu_si256((__m256i*)(d + 2 * s.Kp), _mm512_castsi512_si256(c23));
+          _mm256_storeu_si256((__m256i*)(d + 3 * s.Kp), _mm512_extracti64x4_epi64(c23, 1));
+        }
+      }
+      _mm512_store_si512(q0, s0);
+      _mm512_store_si512(q1, s1);
+      int32_t* us = usum + (int64_t)(4 * h) * v.NS + sb;
+      if constexpr (LB == 4) {
+        for (int r = 0; r < 4; ++r) us[r * v.NS] = (int32_t)(q0[2 * r] + q0[2 * r + 1]);
+      } else {
+        const int64_t len = 128 * (b1 - b0) * KB;
+        us[0] = (int32_t)(q0[0] + q0[1] + q0[2] + q0[3] - len);
+        us[v.NS] = (int32_t)(q0[4] + q0[5] + q0[6] + q0[7] - len);
+        us[2 * v.NS] = (int32_t)(q1[0] + q1[1] + q1[2] + q1[3] - len);
+        us[3 * v.NS] = (int32_t)(q1[4] + q1[5] + q1[6] + q1[7] - len);
+      }
+    }
+  }
+}
+
+// The inner loop of gemm_pair_avx512: 16 accumulators in named registers (GCC copies and spills an
+// array of them around every vpdpbusd), one broadcast weight dword shared by the two products.
+PK_TARGET_AVX512 inline void panel_dot(const uint8_t* pn, int64_t ld, const uint8_t* xh, const uint8_t* xl,
+                                       int64_t n, __m512i* ah, __m512i* al) {
+  __m512i h0 = _mm512_setzero_si512(), h1 = h0, h2 = h0, h3 = h0, h4 = h0, h5 = h0, h6 = h0, h7 = h0;
+  __m512i l0 = h0, l1 = h0, l2 = h0, l3 = h0, l4 = h0, l5 = h0, l6 = h0, l7 = h0;
+  for (int64_t c = 0; c < n; ++c) {
+    const __m512i h = _mm512_loadu_si512(xh + c * 64), l = _mm512_loadu_si512(xl + c * 64);
+#define PK_PANEL_ROW(r)                                                     \
+  {                                                                         \
+    const __m512i wv = _mm512_set1_epi32(load_u32(pn + (r) * ld + 4 * c)); \
+    h##r = dpbusd(h##r, h, wv);                                \
+    l##r = dpbusd(l##r, l, wv);                                \
+  }
+    PK_PANEL_ROW(0) PK_PANEL_ROW(1) PK_PANEL_ROW(2) PK_PANEL_ROW(3)
+    PK_PANEL_ROW(4) PK_PANEL_ROW(5) PK_PANEL_ROW(6) PK_PANEL_ROW(7)
+#undef PK_PANEL_ROW
+  }
+  ah[0] = h0; ah[1] = h1; ah[2] = h2; ah[3] = h3; ah[4] = h4; ah[5] = h5; ah[6] = h6; ah[7] = h7;
+  al[0] = l0; al[1] = l1; al[2] = l2; al[3] = l3; al[4] = l4; al[5] = l5; al[6] = l6; al[7] = l7;
+}
+
+template <int LB>
+PK_TARGET_AVX512 void gemm_pair_avx512(const GemmArgs16& a, int64_t p, int64_t mg0, int64_t mg1, uint8_t* panel,
+                                       int32_t* usum) {
+  const WoShape& s = a.s;
+  const Vnni& v = a.v;
+  decode_panel<LB>(a, p, panel, usum);
+  const int64_t n0 = p * PR;
+  const int rows = (int)std::min<int64_t>(PR, s.N - n0);
+  const int64_t chunks = s.Kp / 4;
+  for (int64_t mg = mg0; mg < mg1; ++mg) {
+    const uint8_t* xh = a.xh16 + mg * chunks * 64;
+    const uint8_t* xl = a.xl16 + mg * chunks * 64;
+    __m512 tot[PR];
+    for (int r = 0; r < PR; ++r) tot[r] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < v.NS; ++sb) {
+      __m512i ah[PR], al[PR];
+      const int64_t c0 = sb * v.d * (KB / 4), c1 = std::min(chunks, (sb + 1) * v.d * (KB / 4));
+      panel_dot(panel + 4 * c0, s.Kp, xh + c0 * 64, xl + c0 * 64, c1 - c0, ah, al);
+      const __m512i tc = _mm512_loadu_si512(a.tc16 + (mg * v.NS + sb) * TG);
+      const __m512 xs = _mm512_loadu_ps(a.xs16 + (mg * v.NS + sb) * TG);
+      const int64_t g = s.G > 1 ? sb : 0;
+      for (int r = 0; r < PR; ++r) {
+        const __m512i I = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(ah[r], 8), al[r]),
+                                           _mm512_sub_epi32(tc, _mm512_set1_epi32(32768 * usum[r * v.NS + sb])));
+        const float wsc = r < rows ? a.scales[(n0 + r) * s.G + g] : 0.f;
+        tot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(xs, _mm512_set1_ps(wsc)), tot[r]);
+      }
+    }
+    // offset term and output: per row, a vector over the 16 tokens
+    const float* gs = a.gs16 + mg * s.G * TG;
+    const int64_t m0 = mg * TG;
+    const int toks = (int)std::min<int64_t>(TG, a.s.M - m0);
+    for (int r = 0; r < rows; ++r) {
+      const int64_t n = n0 + r;
+      __m512 off = _mm512_setzero_ps();
+      for (int64_t gg = 0; gg < s.G; ++gg) {
+        const float mc = a.offsets[n * s.G + gg] + (float)s.center * a.scales[n * s.G + gg];
+        off = _mm512_fmadd_ps(_mm512_set1_ps(mc), _mm512_loadu_ps(gs + gg * TG), off);
+      }
+      alignas(64) float o1[TG], o2[TG];
+      _mm512_store_ps(o1, tot[r]);
+      _mm512_store_ps(o2, off);
+      const double bb = a.bias ? a.bias[n] : 0.0;
+      for (int t = 0; t < toks; ++t) store_elem(a.y, a.ydt, (m0 + t) * s.N + n, (float)((double)o1[t] + o2[t] + bb));
+    }
+  }
+}
 #pragma GCC diagnostic pop
 #endif
 
@@ -526,13 +710,65 @@ inline int threads_for_work(int num_threads, int64_t work) {
   return (int)std::max<int64_t>(1, std::min<int64_t>(num_threads, work / kMinWorkPerThread + 1));
 }
 
+#if PK_X86
+// M >= gemm_min_m on AVX-512: activations regrouped 16 tokens to a vector, then one panel per tile pair.
+void wo_gemm_panel512(const WoShape& s, const Vnni& v, const Act16& A, const uint8_t* w, const float* scales,
+                      const float* offsets, const float* bias, void* y, pk::DType ydt, int num_threads,
+                      int64_t m_block) {
+  const int64_t M = s.M, MG = (M + TG - 1) / TG, chunks = s.Kp / 4;
+  std::vector<uint8_t> xh16(MG * chunks * 64, 0x80), xl16(MG * chunks * 64, 0);
+  std::vector<float> xs16(MG * v.NS * TG, 0.f), gs16(std::max<int64_t>(1, MG * s.G * TG), 0.f);
+  std::vector<int32_t> tc16(MG * v.NS * TG, 0);
+  const int32_t oc = (s.lbits == 8 ? 128 : 0) - s.center;
+  pk::parallel_ranges(M, threads_for_work(num_threads, M * s.K), [&](int, int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const int64_t mg = m / TG, t = m % TG;
+      uint8_t* dh = &xh16[mg * chunks * 64 + 4 * t];
+      uint8_t* dl = &xl16[mg * chunks * 64 + 4 * t];
+      const int8_t* sh = &A.xh[m * s.Kp];
+      const uint8_t* sl = &A.xl[m * s.Kp];
+      for (int64_t c = 0; c < chunks; ++c) {
+        uint32_t hv, lv;
+        std::memcpy(&hv, sh + 4 * c, 4);
+        std::memcpy(&lv, sl + 4 * c, 4);
+        hv ^= 0x80808080u;  // xh + 128 as unsigned bytes
+        std::memcpy(dh + c * 64, &hv, 4);
+        std::memcpy(dl + c * 64, &lv, 4);
+      }
+      for (int64_t sb = 0; sb < v.NS; ++sb) {
+        xs16[(mg * v.NS + sb) * TG + t] = A.xs[m * v.NS4 + sb];
+        tc16[(mg * v.NS + sb) * TG + t] = (int32_t)((int64_t)oc * A.sumq[m * v.NS4 + sb]);
+      }
+      for (int64_t g = 0; g < s.G; ++g) gs16[(mg * s.G + g) * TG + t] = A.gsum[m * s.G + g];
+    }
+  });
+  GemmArgs16 a{};
+  a.s = s; a.v = v; a.w = w; a.scales = scales; a.offsets = offsets;
+  a.xh16 = xh16.data(); a.xl16 = xl16.data(); a.xs16 = xs16.data(); a.tc16 = tc16.data(); a.gs16 = gs16.data();
+  a.MG = MG; a.bias = bias; a.y = y; a.ydt = ydt;
+  const int64_t T = (s.N + RT - 1) / RT, P = (T + 1) / 2;
+  auto fn = s.lbits == 4 ? gemm_pair_avx512<4> : gemm_pair_avx512<8>;
+  // m_block tokens per pass over the weights: their activations (2 * Kp bytes per token) stay in L2
+  // while the panels stream; each pass decodes every panel once more.
+  const int64_t gb = std::max<int64_t>(1, m_block / TG);
+  for (int64_t mg0 = 0; mg0 < MG; mg0 += gb) {
+    const int64_t mg1 = std::min(MG, mg0 + gb);
+    pk::parallel_ranges(P, threads_for_work(num_threads, M * s.N * s.K), [&](int, int64_t p0, int64_t p1) {
+      std::vector<uint8_t> panel(PR * s.Kp);
+      std::vector<int32_t> usum(PR * v.NS);
+      for (int64_t p = p0; p < p1; ++p) fn(a, p, mg0, mg1, panel.data(), usum.data());
+    });
+  }
+}
+#endif
+
 // Splits the N tiles into `nthreads` contiguous ranges. `m_block` tokens run per pass over a tile range
 // so that a block of activations stays in cache while the weights stream (the GEMM tiling for M > 1).
 // isa: 0 portable, 1 AVX2, 2 AVX-512 VNNI (each capped by what the CPU has and the PYKERNELS_DISABLE_*
 // flags; the AVX-512 kernel also needs groups of <= 2048 codes, <= 256 for the byte layout).
 void wo_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int bits, uintptr_t scales,
              uintptr_t offsets, int64_t N, int64_t group_size, uintptr_t bias, uintptr_t y, int y_dtype,
-             int num_threads, int64_t m_block, int64_t n_block, int isa) {
+             int num_threads, int64_t m_block, int64_t n_block, int isa, int64_t gemm_min_m) {
   const char* op = "qmatmul";
   if (bits < 1 || bits > 8) pk::fail_value(op, "bits must be in 1..8");
   if (M < 0 || N < 0 || K < 0) pk::fail_value(op, "negative size");
@@ -561,14 +797,20 @@ void wo_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int bi
   if (isa >= 2 && pk::cpu_has_avx512() && vnni_geometry(s, &v)) {
     Act16 A;
     A.xh.resize(M * s.Kp); A.xl.resize(M * s.Kp);
-    A.xs.resize(M * v.NS4); A.corr.resize(M * v.NS4);
+    A.xs.resize(M * v.NS4); A.corr.resize(M * v.NS4); A.sumq.resize(M * v.NS4);
     A.gsum.resize(std::max<int64_t>(M * s.G, 1));
     py::gil_scoped_release release;
     pk::parallel_ranges(M, threads_for_work(num_threads, M * K), [&](int, int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m)
         quantize_act16(xp, xdt, m, s, v, &A.xh[m * s.Kp], &A.xl[m * s.Kp], &A.xs[m * v.NS4],
-                       &A.corr[m * v.NS4], &A.gsum[m * s.G]);
+                       &A.corr[m * v.NS4], &A.sumq[m * v.NS4], &A.gsum[m * s.G]);
     });
+    if (M >= std::max<int64_t>(2, gemm_min_m)) {
+      wo_gemm_panel512(s, v, A, reinterpret_cast<const uint8_t*>(w), reinterpret_cast<const float*>(scales),
+                       reinterpret_cast<const float*>(offsets), bias ? reinterpret_cast<const float*>(bias) : nullptr,
+                       reinterpret_cast<void*>(y), ydt, num_threads, m_block);
+      return;
+    }
     void (*tile_fn)(const WoArgs16&, int64_t) = s.lbits == 4 ? wo_tile_avx512<4> : wo_tile_avx512<8>;
     for (int64_t mb = 0; mb < M; mb += m_block) {
       WoArgs16 a{};
@@ -949,7 +1191,7 @@ PYBIND11_MODULE(_cpu_qgemm, m) {
   m.def("wo_gemm", &wo_gemm, py::arg("x"), py::arg("x_dtype"), py::arg("M"), py::arg("K"), py::arg("w"),
         py::arg("bits"), py::arg("scales"), py::arg("offsets"), py::arg("N"), py::arg("group_size"),
         py::arg("bias"), py::arg("y"), py::arg("y_dtype"), py::arg("num_threads"), py::arg("m_block"),
-        py::arg("n_block"), py::arg("isa"),
+        py::arg("n_block"), py::arg("isa"), py::arg("gemm_min_m"),
         "y[M,N] = x[M,K] @ dequant(W).T (+ bias): weight-only quantized GEMM on packed tiles");
   m.def("dequant_tiles", &dequant_tiles, py::arg("w"), py::arg("bits"), py::arg("scales"), py::arg("offsets"),
         py::arg("N"), py::arg("K"), py::arg("group_size"), py::arg("out"), py::arg("out_dtype"),

@@ -106,7 +106,7 @@ def cpu_weight_only(x2, packed, scales, offsets, bias, N, K, bits, group_size, c
     mod.wo_gemm(x2.data_ptr(), dtype_code(x2.dtype), M, K, packed.data_ptr(), bits, scales.data_ptr(),
                 offsets.data_ptr(), N, group_size, b.data_ptr() if b is not None else 0, y.data_ptr(),
                 dtype_code(y.dtype), threads, int(cfg.get("m_block", 16)), int(cfg.get("n_block", 8)),
-                _isa(cfg))
+                _isa(cfg), int(cfg.get("gemm_min_m", 4)))
     return y
 
 
