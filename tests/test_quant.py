@@ -261,7 +261,7 @@ def simd(request, monkeypatch):
 def test_qmatmul_group_geometries(scheme, bits, group_size, N, K, simd):
     g = torch.Generator().manual_seed(N * K)
     qw = pykernels.quantize(weights("outliers", N, K, seed=K), bits, group_size, scheme)
-    for M in (1, 5):
+    for M in (1, 5, 13):  # AVX-512: the GEMV kernel up to M=11, the panel GEMM from 12
         x = torch.randn(M, K, generator=g)
         check_close(pykernels.qmatmul(x, qw), x, qw)
 
@@ -276,8 +276,8 @@ def test_qmatmul_extreme_codes_do_not_overflow(bits, simd):
     w[2] = 0.0
     w[3, ::2] = 5.0
     qw = pykernels.quantize(w, bits, -1 if bits == 4 else 256, "asym")
-    for x in (torch.full((5, K), 3.0), torch.full((5, K), -7.5), torch.randn(5, K).sign() * 2.0):
-        check_close(pykernels.qmatmul(x, qw), x, qw)          # M >= 4: the AVX-512 panel GEMM
+    for x in (torch.full((13, K), 3.0), torch.full((13, K), -7.5), torch.randn(13, K).sign() * 2.0):
+        check_close(pykernels.qmatmul(x, qw), x, qw)          # M >= 12: the AVX-512 panel GEMM
         check_close(pykernels.qmatmul(x[:1], qw), x[:1], qw)  # M = 1: the GEMV kernel
 
 
