@@ -501,7 +501,7 @@ def ref_act_codes(x, p):
     return torch.clamp(torch.round((x - lo) / sa), 0, 2 ** p - 1).to(torch.int64), sa, lo
 
 
-@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("mode", [0, 1, 2, 3])
 @pytest.mark.parametrize("p,q", [(1, 1), (2, 2), (1, 4), (3, 2), (4, 4), (8, 8), (2, 7)])
 @pytest.mark.parametrize("group_size,K", [(32, 100), (64, 64), (128, 300), (-1, 2100)])
 def test_bitserial_integer_sums_are_exact(mode, p, q, group_size, K):

@@ -6,7 +6,7 @@ under TRITON_INTERPRET=1 here), then the native module.
 Config (pykernels._backend.dispatch, tuned by pykernels.autotune):
   cpu, weight-only: {"impl": "native" | "dequant_mm", "threads": 0 (= torch's), "m_block", "n_block",
                      "isa": 2 AVX-512 VNNI | 1 AVX2 (highest allowed tier, capped by the CPU)}
-  cpu, bit-serial:  {"mode": 0 portable | 1 POPCNT | 2 AVX2 vpshufb, "threads": 0}
+  cpu, bit-serial:  {"mode": 0 portable | 1 POPCNT | 2 AVX2 vpshufb | 3 AVX-512 VPOPCNTDQ, "threads": 0}
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _has_avx512() -> bool:
 
 def _default_cpu_config(key: dict) -> dict:
     if key.get("act_bits"):
-        return {"mode": 2, "threads": 0}
+        return {"mode": 3 if _has_avx512() else 2, "threads": 0}
     if _has_avx512():
         # AVX-512 VNNI (measured on Zen 4, K=N=4096, 1 thread, same-run ratios): the per-token GEMV kernel
         # up to M=11 (M=8: 3.1 ms vs the panel's 8.0 ms), the panel GEMM from M=12 (where its 16 token
@@ -66,6 +66,17 @@ def _isa(cfg: dict) -> int:
     if os.environ.get("PYKERNELS_DISABLE_AVX512") == "1":
         return min(isa, 1)
     return isa
+
+
+def _bs_mode(cfg: dict) -> int:
+    """Bit-serial kernel: 3 AVX-512 VPOPCNTDQ, 2 AVX2 vpshufb, 1 scalar POPCNT, 0 portable (the flags
+    cap it per call, like _isa)."""
+    mode = int(cfg.get("mode", 3))
+    if os.environ.get("PYKERNELS_DISABLE_AVX2") == "1":
+        return 0
+    if os.environ.get("PYKERNELS_DISABLE_AVX512") == "1":
+        return min(mode, 2)
+    return mode
 
 
 def _bias_f32(bias):
@@ -130,7 +141,7 @@ def cpu_bitserial(x2, planes, scales, offsets, wsum, bias, N, K, bits, group_siz
                        scales.data_ptr(), offsets.data_ptr(), wsum.data_ptr(), N, group_size,
                        b.data_ptr() if b is not None else 0, y.data_ptr(), dtype_code(y.dtype),
                        int_out.data_ptr() if int_out is not None else 0,
-                       act_codes.data_ptr() if act_codes is not None else 0, _threads(cfg), int(cfg.get("mode", 2)))
+                       act_codes.data_ptr() if act_codes is not None else 0, _threads(cfg), _bs_mode(cfg))
     return y
 
 
@@ -242,7 +253,7 @@ def register_tunables(quantize):
 
     def candidates(key):
         if key.get("act_bits"):
-            return [{"mode": m, "threads": t} for m in (0, 1, 2) for t in (0, 1)]
+            return [{"mode": m, "threads": t} for m in ((0, 1, 2, 3) if _has_avx512() else (0, 1, 2)) for t in (0, 1)]
         out = []
         for threads in (0, 1):  # all of torch's threads, or one (shared/noisy machines, tiny shapes)
             for impl in ("native", "dequant_mm"):
