@@ -56,27 +56,25 @@ def _threads(cfg: dict) -> int:
     return int(cfg.get("threads") or 0) or torch.get_num_threads()
 
 
-def _isa(cfg: dict) -> int:
-    """Highest SIMD tier the weight-only kernel may use: 2 AVX-512 VNNI, 1 AVX2, 0 portable. The native
-    module caps it by the CPU (and by the PYKERNELS_DISABLE_* flags it read at its first call); reading
-    them here again lets a test switch tiers within one process."""
-    isa = int(cfg.get("isa", 2))
+def _capped(level: int, avx2_level: int) -> int:
+    """A kernel level capped by the PYKERNELS_DISABLE_* flags: 0 (portable) without AVX2, at most
+    avx2_level without AVX-512. The native module also caps by the CPU (and by the flags it read at its
+    first call); reading them here on every call lets a test switch tiers within one process."""
     if os.environ.get("PYKERNELS_DISABLE_AVX2") == "1":
         return 0
     if os.environ.get("PYKERNELS_DISABLE_AVX512") == "1":
-        return min(isa, 1)
-    return isa
+        return min(level, avx2_level)
+    return level
+
+
+def _isa(cfg: dict) -> int:
+    """Weight-only kernel tier: 2 AVX-512 VNNI, 1 AVX2, 0 portable."""
+    return _capped(int(cfg.get("isa", 2)), 1)
 
 
 def _bs_mode(cfg: dict) -> int:
-    """Bit-serial kernel: 3 AVX-512 VPOPCNTDQ, 2 AVX2 vpshufb, 1 scalar POPCNT, 0 portable (the flags
-    cap it per call, like _isa)."""
-    mode = int(cfg.get("mode", 3))
-    if os.environ.get("PYKERNELS_DISABLE_AVX2") == "1":
-        return 0
-    if os.environ.get("PYKERNELS_DISABLE_AVX512") == "1":
-        return min(mode, 2)
-    return mode
+    """Bit-serial kernel: 3 AVX-512 VPOPCNTDQ, 2 AVX2 vpshufb, 1 scalar POPCNT, 0 portable."""
+    return _capped(int(cfg.get("mode", 3)), 2)
 
 
 def _bias_f32(bias):
