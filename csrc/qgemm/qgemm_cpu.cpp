@@ -446,47 +446,62 @@ struct WoArgs16 {
   pk::DType ydt;
 };
 
-// Integer sum of one sblock for one token, lanes (row r = 128-bit lane, 4 partials).
-template <int LB>
-PK_TARGET_AVX512 inline __m512i vnni_sblock(const uint8_t* wt, const int8_t* xh, const uint8_t* xl, int64_t b0,
-                                            int64_t b1, int32_t corr) {
-  __m512i acc_h = _mm512_setzero_si512(), acc_l = _mm512_maskz_set1_epi32(0x1111, corr);
+// Integer sums of one sblock for one token and NT consecutive tiles (the activation broadcasts are
+// shared: loads were the bound with one tile), lanes (row r = 128-bit lane, 4 partials).
+template <int LB, int NT>
+PK_TARGET_AVX512 inline void vnni_sblock(const uint8_t* wt, int64_t tstride, const int8_t* xh, const uint8_t* xl,
+                                         int64_t b0, int64_t b1, int32_t corr, __m512i* out) {
   if constexpr (LB == 4) {
-    // four independent accumulators: one vpdpbusd per chain per line (its latency is 4+ cycles)
-    __m512i acc_h2 = _mm512_setzero_si512(), acc_l2 = _mm512_setzero_si512();
+    // per tile 4 independent accumulators: one vpdpbusd per chain per line (its latency is 4+ cycles)
+    __m512i ah[NT], ah2[NT], al[NT], al2[NT];
+    for (int i = 0; i < NT; ++i) {
+      ah[i] = ah2[i] = al2[i] = _mm512_setzero_si512();
+      al[i] = _mm512_maskz_set1_epi32(0x1111, corr);
+    }
     const __m512i low = _mm512_set1_epi8(0x0f);
     for (int64_t b = b0; b < b1; ++b) {
-      const __m512i v = _mm512_loadu_si512(wt + b * 64);
-      const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       // byte j of a row: code k=j (low nibble) and k=16+j (high nibble); every row reads x[0..15], x[16..31]
       const __m512i h0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xh + b * KB)));
       const __m512i h1 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xh + b * KB + 16)));
       const __m512i l0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xl + b * KB)));
       const __m512i l1 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xl + b * KB + 16)));
-      acc_h = dpbusd(acc_h, lo, h0);
-      acc_h2 = dpbusd(acc_h2, hi, h1);
-      acc_l = dpbusd(acc_l, l0, lo);
-      acc_l2 = dpbusd(acc_l2, l1, hi);
+      for (int i = 0; i < NT; ++i) {
+        const __m512i v = _mm512_loadu_si512(wt + i * tstride + b * 64);
+        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        ah[i] = dpbusd(ah[i], lo, h0);
+        ah2[i] = dpbusd(ah2[i], hi, h1);
+        al[i] = dpbusd(al[i], l0, lo);
+        al2[i] = dpbusd(al2[i], l1, hi);
+      }
     }
-    return _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(acc_h, acc_h2), 8), _mm512_add_epi32(acc_l, acc_l2));
+    for (int i = 0; i < NT; ++i)
+      out[i] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(ah[i], ah2[i]), 8), _mm512_add_epi32(al[i], al2[i]));
   } else {
     // byte layout: a block is 2 lines, rows (0,1) then (2,3), 32 codes each; lanes (row, 8 partials)
-    __m512i acc_h2 = _mm512_setzero_si512(), acc_l2 = _mm512_maskz_set1_epi32(0x0101, corr);
-    acc_l = _mm512_maskz_set1_epi32(0x0101, corr);
+    __m512i ah[NT], ah2[NT], al[NT], al2[NT];
+    for (int i = 0; i < NT; ++i) {
+      ah[i] = ah2[i] = _mm512_setzero_si512();
+      al[i] = al2[i] = _mm512_maskz_set1_epi32(0x0101, corr);
+    }
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int64_t b = b0; b < b1; ++b) {
-      const __m512i v0 = _mm512_loadu_si512(wt + b * 128), v1 = _mm512_loadu_si512(wt + b * 128 + 64);
       const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(xh + b * KB)));
       const __m512i l = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(xl + b * KB)));
-      acc_h = dpbusd(acc_h, v0, h);
-      acc_h2 = dpbusd(acc_h2, v1, h);
-      acc_l = dpbusd(acc_l, l, _mm512_xor_si512(v0, flip));  // xl * (u - 128)
-      acc_l2 = dpbusd(acc_l2, l, _mm512_xor_si512(v1, flip));
+      for (int i = 0; i < NT; ++i) {
+        const __m512i v0 = _mm512_loadu_si512(wt + i * tstride + b * 128);
+        const __m512i v1 = _mm512_loadu_si512(wt + i * tstride + b * 128 + 64);
+        ah[i] = dpbusd(ah[i], v0, h);
+        ah2[i] = dpbusd(ah2[i], v1, h);
+        al[i] = dpbusd(al[i], l, _mm512_xor_si512(v0, flip));  // xl * (u - 128)
+        al2[i] = dpbusd(al2[i], l, _mm512_xor_si512(v1, flip));
+      }
     }
-    const __m512i a = _mm512_add_epi32(_mm512_slli_epi32(acc_h, 8), acc_l);    // rows 0,1 (2 lanes each)
-    const __m512i c = _mm512_add_epi32(_mm512_slli_epi32(acc_h2, 8), acc_l2);  // rows 2,3
-    // 128-bit lanes [r0a r0b r1a r1b] + [r2a r2b r3a r3b] -> [r0 r1 r2 r3] (4 partials each)
-    return _mm512_add_epi32(_mm512_shuffle_i32x4(a, c, 0x88), _mm512_shuffle_i32x4(a, c, 0xDD));
+    for (int i = 0; i < NT; ++i) {
+      const __m512i a = _mm512_add_epi32(_mm512_slli_epi32(ah[i], 8), al[i]);    // rows 0,1 (2 lanes each)
+      const __m512i c = _mm512_add_epi32(_mm512_slli_epi32(ah2[i], 8), al2[i]);  // rows 2,3
+      // 128-bit lanes [r0a r0b r1a r1b] + [r2a r2b r3a r3b] -> [r0 r1 r2 r3] (4 partials each)
+      out[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(a, c, 0x88), _mm512_shuffle_i32x4(a, c, 0xDD));
+    }
   }
 }
 
@@ -497,68 +512,83 @@ PK_TARGET_AVX512 inline __m512i reduce4x4(__m512i i0, __m512i i1, __m512i i2, __
   return _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
 }
 
-template <int LB>
-PK_TARGET_AVX512 void wo_tile_avx512(const WoArgs16& a, int64_t t) {
+// Tiles t .. t+NT-1 for every token of the pass.
+template <int LB, int NT>
+PK_TARGET_AVX512 void wo_tiles_avx512(const WoArgs16& a, int64_t t) {
   const WoShape& s = a.s;
   const Vnni& v = a.v;
-  const int64_t n0 = t * RT;
-  const int rows = (int)std::min<int64_t>(RT, s.N - n0);
   const uint8_t* wt = a.w + t * s.tile_bytes();
-  // Per-row weight scale of every (row, j) lane when there is one group: broadcast once per tile.
-  __m512 ws1 = _mm512_setzero_ps();
-  if (s.G == 1) {
-    const __m128 s4 = _mm_maskz_loadu_ps((__mmask8)((1u << rows) - 1), a.scales + n0);
-    ws1 = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
-                                _mm512_castps128_ps512(s4));
+  int rows[NT];
+  __m512 ws1[NT];  // per-row weight scale of every (row, j) lane when there is one group
+  for (int i = 0; i < NT; ++i) {
+    const int64_t n0 = (t + i) * RT;
+    rows[i] = (int)std::min<int64_t>(RT, s.N - n0);
+    ws1[i] = _mm512_setzero_ps();
+    if (s.G == 1) {
+      const __m128 s4 = _mm_maskz_loadu_ps((__mmask8)((1u << rows[i]) - 1), a.scales + n0);
+      ws1[i] = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                     _mm512_castps128_ps512(s4));
+    }
   }
   for (int64_t m = 0; m < s.M; ++m) {
     const int8_t* xh = a.xh + m * s.Kp;
     const uint8_t* xl = a.xl + m * s.Kp;
     const float* xs = a.xs + m * v.NS4;
     const int32_t* corr = a.corr + m * v.NS4;
-    __m512 tot = _mm512_setzero_ps();
+    __m512 tot[NT];
+    for (int i = 0; i < NT; ++i) tot[i] = _mm512_setzero_ps();
     for (int64_t q = 0; q < v.NS4; q += 4) {
-      __m512i I[4];
+      __m512i I[4][NT];
       for (int j = 0; j < 4; ++j) {
         const int64_t sb = q + j;
-        if (sb >= v.NS) { I[j] = _mm512_setzero_si512(); continue; }
-        I[j] = vnni_sblock<LB>(wt, xh, xl, sb * v.d, std::min(s.B, (sb + 1) * v.d), corr[sb]);
+        if (sb >= v.NS) {
+          for (int i = 0; i < NT; ++i) I[j][i] = _mm512_setzero_si512();
+          continue;
+        }
+        vnni_sblock<LB, NT>(wt, s.tile_bytes(), xh, xl, sb * v.d, std::min(s.B, (sb + 1) * v.d), corr[sb], I[j]);
       }
-      const __m512 f = _mm512_cvtepi32_ps(reduce4x4(I[0], I[1], I[2], I[3]));
-      __m512 sv = _mm512_mul_ps(ws1, _mm512_broadcast_f32x4(_mm_loadu_ps(xs + q)));
-      if (s.G > 1) {  // sblock == group: row r's 4 scales are contiguous at scales[n, q..q+3]
-        const __mmask8 jm = (__mmask8)((1u << std::min<int64_t>(4, v.NS - q)) - 1);
-        const float* s0 = a.scales + n0 * s.G + q;  // rows past N: mask 0 (a masked load never faults)
-        __m512 w4 = _mm512_castps128_ps512(_mm_maskz_loadu_ps(jm, s0));
-        w4 = _mm512_insertf32x4(w4, _mm_maskz_loadu_ps(rows > 1 ? jm : 0, s0 + s.G), 1);
-        w4 = _mm512_insertf32x4(w4, _mm_maskz_loadu_ps(rows > 2 ? jm : 0, s0 + 2 * s.G), 2);
-        w4 = _mm512_insertf32x4(w4, _mm_maskz_loadu_ps(rows > 3 ? jm : 0, s0 + 3 * s.G), 3);
-        sv = _mm512_mul_ps(w4, _mm512_broadcast_f32x4(_mm_loadu_ps(xs + q)));
+      const __m512 xq = _mm512_broadcast_f32x4(_mm_loadu_ps(xs + q));
+      for (int i = 0; i < NT; ++i) {
+        const __m512 f = _mm512_cvtepi32_ps(reduce4x4(I[0][i], I[1][i], I[2][i], I[3][i]));
+        __m512 sv = _mm512_mul_ps(ws1[i], xq);
+        if (s.G > 1) {  // sblock == group: row r's 4 scales are contiguous at scales[n, q..q+3]
+          const __mmask8 jm = (__mmask8)((1u << std::min<int64_t>(4, v.NS - q)) - 1);
+          const float* s0 = a.scales + (t + i) * RT * s.G + q;  // rows past N: mask 0 (never faults)
+          const int rw = rows[i];
+          __m512 w4 = _mm512_castps128_ps512(_mm_maskz_loadu_ps(jm, s0));
+          w4 = _mm512_insertf32x4(w4, _mm_maskz_loadu_ps(rw > 1 ? jm : 0, s0 + s.G), 1);
+          w4 = _mm512_insertf32x4(w4, _mm_maskz_loadu_ps(rw > 2 ? jm : 0, s0 + 2 * s.G), 2);
+          w4 = _mm512_insertf32x4(w4, _mm_maskz_loadu_ps(rw > 3 ? jm : 0, s0 + 3 * s.G), 3);
+          sv = _mm512_mul_ps(w4, xq);
+        }
+        tot[i] = _mm512_fmadd_ps(f, sv, tot[i]);
       }
-      tot = _mm512_fmadd_ps(f, sv, tot);
     }
-    // (row, j) lanes -> row sums
-    tot = _mm512_add_ps(tot, _mm512_permute_ps(tot, 0x4E));
-    tot = _mm512_add_ps(tot, _mm512_permute_ps(tot, 0xB1));
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, tot);
-    double out[RT] = {0, 0, 0, 0};
     const float* gs = a.gsum + m * s.G;
-    for (int r = 0; r < rows; ++r) {
-      // offset term sum_g (m + c s)[n, g] * sum_g(x), vectorized over groups
-      const float* sr = a.scales + (n0 + r) * s.G;
-      const float* mr = a.offsets + (n0 + r) * s.G;
-      __m512 am = _mm512_setzero_ps(), as = _mm512_setzero_ps();
-      for (int64_t g = 0; g < s.G; g += 16) {
-        const __mmask16 gm = (__mmask16)(s.G - g >= 16 ? 0xffff : (1u << (s.G - g)) - 1);
-        const __m512 xg = _mm512_maskz_loadu_ps(gm, gs + g);
-        am = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(gm, mr + g), xg, am);
-        as = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(gm, sr + g), xg, as);
+    for (int i = 0; i < NT; ++i) {
+      const int64_t n0 = (t + i) * RT;
+      // (row, j) lanes -> row sums
+      __m512 tt = _mm512_add_ps(tot[i], _mm512_permute_ps(tot[i], 0x4E));
+      tt = _mm512_add_ps(tt, _mm512_permute_ps(tt, 0xB1));
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, tt);
+      double out[RT] = {0, 0, 0, 0};
+      for (int r = 0; r < rows[i]; ++r) {
+        // offset term sum_g (m + c s)[n, g] * sum_g(x), vectorized over groups
+        const float* sr = a.scales + (n0 + r) * s.G;
+        const float* mr = a.offsets + (n0 + r) * s.G;
+        __m512 am = _mm512_setzero_ps(), as = _mm512_setzero_ps();
+        for (int64_t g = 0; g < s.G; g += 16) {
+          const __mmask16 gm = (__mmask16)(s.G - g >= 16 ? 0xffff : (1u << (s.G - g)) - 1);
+          const __m512 xg = _mm512_maskz_loadu_ps(gm, gs + g);
+          am = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(gm, mr + g), xg, am);
+          as = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(gm, sr + g), xg, as);
+        }
+        out[r] = (double)lanes[4 * r] + (double)_mm512_reduce_add_ps(am) +
+                 (double)s.center * (double)_mm512_reduce_add_ps(as);
       }
-      out[r] = (double)lanes[4 * r] + (double)_mm512_reduce_add_ps(am) +
-               (double)s.center * (double)_mm512_reduce_add_ps(as);
+      finish_tile(a, m, n0, rows[i], out);
     }
-    finish_tile(a, m, n0, rows, out);
   }
 }
 
@@ -843,7 +873,8 @@ void wo_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int bi
                        reinterpret_cast<void*>(y), ydt, num_threads, m_block);
       return;
     }
-    void (*tile_fn)(const WoArgs16&, int64_t) = s.lbits == 4 ? wo_tile_avx512<4> : wo_tile_avx512<8>;
+    void (*tile_fn)(const WoArgs16&, int64_t) = s.lbits == 4 ? wo_tiles_avx512<4, 1> : wo_tiles_avx512<8, 1>;
+    void (*pair_fn)(const WoArgs16&, int64_t) = s.lbits == 4 ? wo_tiles_avx512<4, 2> : wo_tiles_avx512<8, 2>;
     for (int64_t mb = 0; mb < M; mb += m_block) {
       WoArgs16 a{};
       a.s = s;
@@ -861,7 +892,10 @@ void wo_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int bi
       a.ydt = ydt;
       a.y = reinterpret_cast<char*>(y) + mb * N * esize;
       pk::parallel_ranges(chunks, threads_for_work(num_threads, a.s.M * N * K), [&](int, int64_t c0, int64_t c1) {
-        for (int64_t t = c0 * n_block; t < std::min(T, c1 * n_block); ++t) tile_fn(a, t);
+        const int64_t t1 = std::min(T, c1 * n_block);
+        int64_t t = c0 * n_block;
+        for (; t + 2 <= t1; t += 2) pair_fn(a, t);
+        if (t < t1) tile_fn(a, t);
       });
     }
     return;
