@@ -11,13 +11,16 @@
 //    are widened in registers (vpmovzxbw + AND/shift for nibbles); four weight rows are interleaved so
 //    one cache line holds a 32-element block of 4 rows and each activation load feeds 4 outputs.
 //    At M=1 the kernel then streams the packed weights at memory bandwidth (~6 uops per 32 weights).
-//    On AVX-512 VNNI CPUs a third tier (wo_tile_avx512, below) splits the int16 activations into two
-//    bytes for `vpdpbusd` and needs ~7 vector ops per 128 weights.
+//    On AVX-512 VNNI CPUs a third tier splits the int16 activations into two bytes for `vpdpbusd`
+//    (64 byte products per instruction): the GEMV kernel (wo_tiles_avx512, ~7 vector ops per 128
+//    weights, up to M=11) and a panel GEMM (gemm_pair_avx512, from M=12) that decodes each 8-row panel
+//    once and feeds it to 16 tokens per vector. Activation scales are per weight group there.
 //    Threads split the output rows (N), never K, so no reduction is needed.
 // 2. Bit-serial (act_bits, bipolar-INT), `bitserial_gemm`:
 //    activations are quantized per token to p-bit codes and split into bit planes; every (i, j) pair of
-//    activation/weight planes gives a one-bit GEMM  popcount(a_i AND w_j)  (64-bit POPCNT, or AVX2
-//    vpshufb nibble counts + vpsadbw on 4 weight rows at once), recombined by shifts 2^(i+j) into the
+//    activation/weight planes gives a one-bit GEMM  popcount(a_i AND w_j)  (64-bit POPCNT, AVX2
+//    vpshufb nibble counts + vpsadbw on 4 weight rows at once, or AVX-512 vpopcntq on 2 words x 4 rows),
+//    recombined by shifts 2^(i+j) into the
 //    exact integer sum(u_a*u_w) per group, then the affine recombination of ALGORITHMS.md:
 //      sum_k A W = sa*s*I + sa*m*sum(u_a) + ma*s*sum(u_w) + ma*m*len   (per group, A = sa*u_a + ma).
 #include <pybind11/pybind11.h>
