@@ -253,13 +253,16 @@ def register_tunables(quantize):
         if key.get("act_bits"):
             return [{"mode": m, "threads": t} for m in ((0, 1, 2, 3) if _has_avx512() else (0, 1, 2)) for t in (0, 1)]
         out = []
+        avx512 = _has_avx512()
+        # with AVX-512 the AVX2 kernel only keeps its default blocking as a candidate
+        m_blocks, n_blocks = ((16,), (8,)) if avx512 else ((4, 16, 64), (1, 8, 32))
         for threads in (0, 1):  # all of torch's threads, or one (shared/noisy machines, tiny shapes)
             for impl in ("native", "dequant_mm"):
-                for m_block in ((4, 16, 64) if impl == "native" else (16,)):
-                    for n_block in ((1, 8, 32) if impl == "native" else (8,)):
+                for m_block in (m_blocks if impl == "native" else (16,)):
+                    for n_block in (n_blocks if impl == "native" else (8,)):
                         out.append({"impl": impl, "threads": threads, "m_block": m_block, "n_block": n_block,
                                     "isa": 1})
-            if _has_avx512():  # the VNNI tier: GEMV kernel or panel GEMM, weights in one or more passes
+            if avx512:  # the VNNI tier: GEMV kernel or panel GEMM, weights in one or more passes
                 for gemm_min_m in (2, 12, 1 << 30):
                     for m_block in (32, 4096):
                         for n_block in (1, 8):
