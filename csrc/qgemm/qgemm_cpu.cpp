@@ -633,7 +633,18 @@ inline int32_t load_u32(const uint8_t* p) {
   return v;
 }
 
-// Tile pair p -> panel[r][k] = u' (row r of the pair, code k), usum[r][sb] = sum of u' over sblock sb.
+// Tile pair p -> the panel of u' codes, usum[r][sb] = sum of u' over sblock sb. The panel keeps the
+// packed tile order, only unpacked: per 32-code block 256 bytes, tile h at 128 h: nibbles as two lines
+// (low nibbles: row r's codes 0..15 at 16 r; high nibbles: codes 16..31 at 64 + 16 r), bytes as they
+// are (row r at 32 r) minus 128. Two aligned stores per line (a row-major panel cost 8 extracts).
+constexpr int PANEL_BLOCK = 256;
+
+template <int LB>
+PK_TARGET_AVX512 inline int64_t panel_off(int R, int cc) {  // row R of the pair, 4-code chunk cc of a block
+  const int h = R / 4, r = R % 4;
+  return LB == 4 ? h * 128 + (cc / 4) * 64 + r * 16 + (cc % 4) * 4 : h * 128 + r * 32 + cc * 4;
+}
+
 template <int LB>
 PK_TARGET_AVX512 void decode_panel(const GemmArgs16& a, int64_t p, uint8_t* panel, int32_t* usum) {
   const WoShape& s = a.s;
@@ -643,40 +654,27 @@ PK_TARGET_AVX512 void decode_panel(const GemmArgs16& a, int64_t p, uint8_t* pane
   for (int h = 0; h < 2; ++h) {
     const int64_t t = 2 * p + h;
     const uint8_t* wt = a.w + t * s.tile_bytes();
-    uint8_t* pr = panel + (int64_t)(4 * h) * s.Kp;
     const bool present = t * RT < s.N;  // the second tile of the last pair may not exist: codes 0
     for (int64_t sb = 0; sb < v.NS; ++sb) {
       __m512i s0 = zero, s1 = zero;  // vpsadbw sums, 64-bit lanes
       const int64_t b0 = sb * v.d, b1 = std::min(s.B, (sb + 1) * v.d);
       for (int64_t b = b0; b < b1; ++b) {
-        if constexpr (LB == 4) {  // 128-bit lane r = row r: low nibbles codes 32b.., high 32b+16..
+        uint8_t* d = panel + b * PANEL_BLOCK + h * 128;
+        if constexpr (LB == 4) {  // 128-bit lane r = row r
           const __m512i raw = present ? _mm512_loadu_si512(wt + b * 64) : zero;
           const __m512i lo = _mm512_and_si512(raw, _mm512_set1_epi8(0x0f));
           const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0f));
           s0 = _mm512_add_epi64(s0, _mm512_add_epi64(_mm512_sad_epu8(lo, zero), _mm512_sad_epu8(hi, zero)));
-          // straight from the registers (a 64-byte stack store read back in 16-byte pieces stalls the
-          // store-to-load forwarding: measured ~3x slower)
-          uint8_t* d = pr + b * KB;
-          _mm_storeu_si128((__m128i*)d, _mm512_castsi512_si128(lo));
-          _mm_storeu_si128((__m128i*)(d + 16), _mm512_castsi512_si128(hi));
-          _mm_storeu_si128((__m128i*)(d + s.Kp), _mm512_extracti32x4_epi32(lo, 1));
-          _mm_storeu_si128((__m128i*)(d + s.Kp + 16), _mm512_extracti32x4_epi32(hi, 1));
-          _mm_storeu_si128((__m128i*)(d + 2 * s.Kp), _mm512_extracti32x4_epi32(lo, 2));
-          _mm_storeu_si128((__m128i*)(d + 2 * s.Kp + 16), _mm512_extracti32x4_epi32(hi, 2));
-          _mm_storeu_si128((__m128i*)(d + 3 * s.Kp), _mm512_extracti32x4_epi32(lo, 3));
-          _mm_storeu_si128((__m128i*)(d + 3 * s.Kp + 16), _mm512_extracti32x4_epi32(hi, 3));
+          _mm512_storeu_si512(d, lo);
+          _mm512_storeu_si512(d + 64, hi);
         } else {  // two lines: rows (0, 1) then (2, 3), 32 codes each; u' = u - 128
           const __m512i flip = _mm512_set1_epi8((char)0x80);
           const __m512i r01 = present ? _mm512_loadu_si512(wt + b * 128) : zero;
           const __m512i r23 = present ? _mm512_loadu_si512(wt + b * 128 + 64) : zero;
           s0 = _mm512_add_epi64(s0, _mm512_sad_epu8(r01, zero));
           s1 = _mm512_add_epi64(s1, _mm512_sad_epu8(r23, zero));
-          const __m512i c01 = _mm512_xor_si512(r01, flip), c23 = _mm512_xor_si512(r23, flip);
-          uint8_t* d = pr + b * KB;
-          _mm256_storeu_si256((__m256i*)d, _mm512_castsi512_si256(c01));
-          _mm256_storeu_si256((__m256i*)(d + s.Kp), _mm512_extracti64x4_epi64(c01, 1));
-          _mm256_storeu_si256((__m256i*)(d + 2 * s.Kp), _mm512_castsi512_si256(c23));
-          _mm256_storeu_si256((__m256i*)(d + 3 * s.Kp), _mm512_extracti64x4_epi64(c23, 1));
+          _mm512_storeu_si512(d, _mm512_xor_si512(r01, flip));
+          _mm512_storeu_si512(d + 64, _mm512_xor_si512(r23, flip));
         }
       }
       _mm512_store_si512(q0, s0);
@@ -695,23 +693,30 @@ PK_TARGET_AVX512 void decode_panel(const GemmArgs16& a, int64_t p, uint8_t* pane
   }
 }
 
-// The inner loop of gemm_pair_avx512: 16 accumulators in named registers (GCC copies and spills an
-// array of them around every vpdpbusd), one broadcast weight dword shared by the two products.
-PK_TARGET_AVX512 inline void panel_dot(const uint8_t* pn, int64_t ld, const uint8_t* xh, const uint8_t* xl,
-                                       int64_t n, __m512i* ah, __m512i* al) {
+// The inner loop of gemm_pair_avx512 over blocks [b0, b1): 16 accumulators in named registers (GCC
+// copies and spills an array of them around every vpdpbusd), one broadcast weight dword shared by the
+// two products; the 8 chunks of a block unrolled so every panel offset is a constant.
+template <int LB>
+PK_TARGET_AVX512 inline void panel_dot(const uint8_t* panel, const uint8_t* xh, const uint8_t* xl, int64_t b0,
+                                       int64_t b1, __m512i* ah, __m512i* al) {
   __m512i h0 = _mm512_setzero_si512(), h1 = h0, h2 = h0, h3 = h0, h4 = h0, h5 = h0, h6 = h0, h7 = h0;
   __m512i l0 = h0, l1 = h0, l2 = h0, l3 = h0, l4 = h0, l5 = h0, l6 = h0, l7 = h0;
-  for (int64_t c = 0; c < n; ++c) {
-    const __m512i h = _mm512_loadu_si512(xh + c * 64), l = _mm512_loadu_si512(xl + c * 64);
-#define PK_PANEL_ROW(r)                                                     \
-  {                                                                         \
-    const __m512i wv = _mm512_set1_epi32(load_u32(pn + (r) * ld + 4 * c)); \
-    h##r = dpbusd(h##r, h, wv);                                \
-    l##r = dpbusd(l##r, l, wv);                                \
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* pb = panel + b * PANEL_BLOCK;
+#pragma GCC unroll 8
+    for (int cc = 0; cc < 8; ++cc) {
+      const int64_t c = b * 8 + cc;
+      const __m512i h = _mm512_loadu_si512(xh + c * 64), l = _mm512_loadu_si512(xl + c * 64);
+#define PK_PANEL_ROW(r)                                                            \
+  {                                                                                \
+    const __m512i wv = _mm512_set1_epi32(load_u32(pb + panel_off<LB>(r, cc)));    \
+    h##r = dpbusd(h##r, h, wv);                                                    \
+    l##r = dpbusd(l##r, l, wv);                                                    \
   }
-    PK_PANEL_ROW(0) PK_PANEL_ROW(1) PK_PANEL_ROW(2) PK_PANEL_ROW(3)
-    PK_PANEL_ROW(4) PK_PANEL_ROW(5) PK_PANEL_ROW(6) PK_PANEL_ROW(7)
+      PK_PANEL_ROW(0) PK_PANEL_ROW(1) PK_PANEL_ROW(2) PK_PANEL_ROW(3)
+      PK_PANEL_ROW(4) PK_PANEL_ROW(5) PK_PANEL_ROW(6) PK_PANEL_ROW(7)
 #undef PK_PANEL_ROW
+    }
   }
   ah[0] = h0; ah[1] = h1; ah[2] = h2; ah[3] = h3; ah[4] = h4; ah[5] = h5; ah[6] = h6; ah[7] = h7;
   al[0] = l0; al[1] = l1; al[2] = l2; al[3] = l3; al[4] = l4; al[5] = l5; al[6] = l6; al[7] = l7;
@@ -733,8 +738,7 @@ PK_TARGET_AVX512 void gemm_pair_avx512(const GemmArgs16& a, int64_t p, int64_t m
     for (int r = 0; r < PR; ++r) tot[r] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < v.NS; ++sb) {
       __m512i ah[PR], al[PR];
-      const int64_t c0 = sb * v.d * (KB / 4), c1 = std::min(chunks, (sb + 1) * v.d * (KB / 4));
-      panel_dot(panel + 4 * c0, s.Kp, xh + c0 * 64, xl + c0 * 64, c1 - c0, ah, al);
+      panel_dot<LB>(panel, xh, xl, sb * v.d, std::min(s.B, (sb + 1) * v.d), ah, al);
       const __m512i tc = _mm512_loadu_si512(a.tc16 + (mg * v.NS + sb) * TG);
       const __m512 xs = _mm512_loadu_ps(a.xs16 + (mg * v.NS + sb) * TG);
       const int64_t g = s.G > 1 ? sb : 0;
@@ -818,7 +822,7 @@ void wo_gemm_panel512(const WoShape& s, const Vnni& v, const Act16& A, const uin
   for (int64_t mg0 = 0; mg0 < MG; mg0 += gb) {
     const int64_t mg1 = std::min(MG, mg0 + gb);
     pk::parallel_ranges(P, threads_for_work(num_threads, M * s.N * s.K), [&](int, int64_t p0, int64_t p1) {
-      std::vector<uint8_t> panel(PR * s.Kp);
+      std::vector<uint8_t> panel(s.B * PANEL_BLOCK);
       std::vector<int32_t> usum(PR * v.NS);
       for (int64_t p = p0; p < p1; ++p) fn(a, p, mg0, mg1, panel.data(), usum.data());
     });
