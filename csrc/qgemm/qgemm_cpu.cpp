@@ -636,7 +636,7 @@ inline int32_t load_u32(const uint8_t* p) {
 // Tile pair p -> the panel of u' codes, usum[r][sb] = sum of u' over sblock sb. The panel keeps the
 // packed tile order, only unpacked: per 32-code block 256 bytes, tile h at 128 h: nibbles as two lines
 // (low nibbles: row r's codes 0..15 at 16 r; high nibbles: codes 16..31 at 64 + 16 r), bytes as they
-// are (row r at 32 r) minus 128. Two aligned stores per line (a row-major panel cost 8 extracts).
+// are (row r at 32 r) minus 128. Two 64-byte stores per line (a row-major panel cost 8 extracts).
 constexpr int PANEL_BLOCK = 256;
 
 template <int LB>
