@@ -362,6 +362,25 @@ def test_qmatmul_adversarial_weights(kind, simd):
     check_close(pykernels.qmatmul(x, qw), x, qw)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_qmatmul_gemm_sizes_bias_and_nan(dtype, simd):
+    """M from 12 up runs the AVX-512 panel GEMM (16 tokens per vector): partial token groups, bias,
+    half-precision in/out, and a NaN/inf token that must not leak into the others."""
+    g = torch.Generator().manual_seed(3)
+    N, K = 22, 320
+    for bits, gs in ((4, 64), (8, 128), (3, -1)):
+        qw = pykernels.quantize(torch.randn(N, K, generator=g), bits, gs, "asym")
+        bias = torch.randn(N, generator=g)
+        x = torch.randn(33, K, generator=g).to(dtype)
+        check_close(pykernels.qmatmul(x, qw, bias), x, qw, bias)
+        x[5, 7] = float("nan")
+        x[20, 1] = float("inf")
+        y = pykernels.qmatmul(x, qw, bias)
+        assert torch.isnan(y[5]).all() and not torch.isfinite(y[20]).any()
+        keep = [i for i in range(33) if i not in (5, 20)]
+        check_close(y[keep], x[keep], qw, bias)
+
+
 def test_qmatmul_nan_propagates(simd):
     qw = pykernels.quantize(torch.randn(6, 64), 4, 32)
     x = torch.randn(3, 64)
