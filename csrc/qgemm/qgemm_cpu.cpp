@@ -469,6 +469,10 @@ PK_TARGET_AVX512 inline void vnni_sblock(const uint8_t* wt, int64_t tstride, con
       const __m512i l0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xl + b * KB)));
       const __m512i l1 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xl + b * KB + 16)));
       for (int i = 0; i < NT; ++i) {
+        // 4 KB ahead: when the L3 is shared the tiles come from DRAM, and the hardware prefetcher alone
+        // left this loop at ~55% of the read bandwidth (measured: 1.20 -> 0.95 ms for 4096 x 4096 cold;
+        // 2 and 8 KB ahead were slower)
+        PK_PREFETCH_R(wt + i * tstride + (b + 64) * 64);
         const __m512i v = _mm512_loadu_si512(wt + i * tstride + b * 64);
         const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         ah[i] = dpbusd(ah[i], lo, h0);
@@ -491,6 +495,8 @@ PK_TARGET_AVX512 inline void vnni_sblock(const uint8_t* wt, int64_t tstride, con
       const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(xh + b * KB)));
       const __m512i l = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(xl + b * KB)));
       for (int i = 0; i < NT; ++i) {
+        PK_PREFETCH_R(wt + i * tstride + (b + 32) * 128);  // 4 KB ahead, as for nibbles
+        PK_PREFETCH_R(wt + i * tstride + (b + 32) * 128 + 64);
         const __m512i v0 = _mm512_loadu_si512(wt + i * tstride + b * 128);
         const __m512i v1 = _mm512_loadu_si512(wt + i * tstride + b * 128 + 64);
         ah[i] = dpbusd(ah[i], v0, h);
@@ -661,6 +667,7 @@ PK_TARGET_AVX512 void decode_panel(const GemmArgs16& a, int64_t p, uint8_t* pane
       for (int64_t b = b0; b < b1; ++b) {
         uint8_t* d = panel + b * PANEL_BLOCK + h * 128;
         if constexpr (LB == 4) {  // 128-bit lane r = row r
+          PK_PREFETCH_R(wt + (b + 64) * 64);  // 4 KB ahead, as in the GEMV kernel
           const __m512i raw = present ? _mm512_loadu_si512(wt + b * 64) : zero;
           const __m512i lo = _mm512_and_si512(raw, _mm512_set1_epi8(0x0f));
           const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0f));
@@ -669,6 +676,8 @@ PK_TARGET_AVX512 void decode_panel(const GemmArgs16& a, int64_t p, uint8_t* pane
           _mm512_storeu_si512(d + 64, hi);
         } else {  // two lines: rows (0, 1) then (2, 3), 32 codes each; u' = u - 128
           const __m512i flip = _mm512_set1_epi8((char)0x80);
+          PK_PREFETCH_R(wt + (b + 32) * 128);
+          PK_PREFETCH_R(wt + (b + 32) * 128 + 64);
           const __m512i r01 = present ? _mm512_loadu_si512(wt + b * 128) : zero;
           const __m512i r23 = present ? _mm512_loadu_si512(wt + b * 128 + 64) : zero;
           s0 = _mm512_add_epi64(s0, _mm512_sad_epu8(r01, zero));
