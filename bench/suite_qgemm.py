@@ -68,11 +68,11 @@ def _cpu_cases(quick: bool):
     cases.append(Case("qgemm", "qmatmul W4 g128", f"M=1 K=N={n} fp32 act", 1, gemv_vs_fp32, "torch.matmul fp32",
                       flop(1), "FLOP", bytes_moved=N * K / 2 + 2 * 4 * N * (K // GROUP), goal=3.0))
 
-    def gemv_vs_int4pack(act=torch.float32):
+    def gemv_vs_int4pack(act=torch.float32, M=1):
         def make():
             w, qw = weights()
             packed, sz = _int4pack(qw)
-            x = torch.randn(1, K)
+            x = torch.randn(M, K)
             xb = x.to(torch.bfloat16)
             xa = x.to(act)
             return (lambda: pykernels.qmatmul(xa, qw)), \
@@ -95,6 +95,9 @@ def _cpu_cases(quick: bool):
             name = str(act).replace("torch.", "")
             cases.append(Case("qgemm", "qmatmul W4 g128", f"M={M} K=N={n} {name}", M, make,
                               f"torch.matmul {name}", flop(M), "FLOP"))
+        # torch's own int4 CPU kernel on the same weights (bf16 activations, its only fast path)
+        cases.append(Case("qgemm", "qmatmul W4 g128", f"M={M} K=N={n} bfloat16 act", M, gemv_vs_int4pack(torch.bfloat16, M),
+                          "aten._weight_int4pack_mm_for_cpu bf16", flop(M), "FLOP"))
 
     for bits, ab in ((2, 2), (1, 1)):
         def make_fp32(bits=bits, ab=ab):

@@ -238,11 +238,73 @@ def check_close(y, x, qw, bias=None, rel=4e-5):
     assert bool((err <= tol).all()), f"max err {err.max().item()} vs tol {tol.min().item()}"
 
 
-@pytest.fixture(params=["avx2", "portable"])
+@pytest.fixture(params=["avx512", "avx2", "portable"])
 def simd(request, monkeypatch):
+    """The SIMD tier of the weight-only kernel (pykernels.quant._ops reads the flags on every call; a
+    machine without AVX-512 runs the "avx512" case on AVX2). test_simd_flags_from_process_start checks
+    the flags the native module reads once, in fresh processes."""
     if request.param == "portable":
         monkeypatch.setenv("PYKERNELS_DISABLE_AVX2", "1")
+    elif request.param == "avx2":
+        monkeypatch.setenv("PYKERNELS_DISABLE_AVX512", "1")
     return request.param
+
+
+@pytest.mark.parametrize("scheme,bits,group_size,N,K", [
+    ("asym", 4, -1, 13, 2100),     # one group over several activation blocks (AVX-512: 1024 codes each)
+    ("sym", 8, 256, 6, 800),       # the byte layout's largest AVX-512 group (and a partial last group)
+    ("asym", 8, 512, 5, 1100),     # larger: the AVX-512 kernel hands it to the AVX2 one
+    ("bipolar", 5, 96, 7, 500),    # 3 blocks per group, groups not a multiple of 4 (register quads)
+    ("asym", 2, 160, 3, 700),      # 5 blocks per group, 1..3 rows in the last tile
+    ("asym", 4, 2048, 9, 4500),    # the nibble layout's largest AVX-512 group
+])
+def test_qmatmul_group_geometries(scheme, bits, group_size, N, K, simd):
+    g = torch.Generator().manual_seed(N * K)
+    qw = pykernels.quantize(weights("outliers", N, K, seed=K), bits, group_size, scheme)
+    for M in (1, 5, 13):  # AVX-512: the GEMV kernel up to M=11, the panel GEMM from 12
+        x = torch.randn(M, K, generator=g)
+        check_close(pykernels.qmatmul(x, qw), x, qw)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_qmatmul_extreme_codes_do_not_overflow(bits, simd):
+    """Every activation at its block's max (int16 code 32767) times extreme codes over the longest
+    integer accumulation each kernel does: the exact integer sums must not wrap."""
+    K = 4096 if bits == 4 else 256
+    w = torch.ones(8, K)
+    w[1::2] = -1.0
+    w[2] = 0.0
+    w[3, ::2] = 5.0
+    qw = pykernels.quantize(w, bits, -1 if bits == 4 else 256, "asym")
+    for x in (torch.full((13, K), 3.0), torch.full((13, K), -7.5), torch.randn(13, K).sign() * 2.0):
+        check_close(pykernels.qmatmul(x, qw), x, qw)          # M >= 12: the AVX-512 panel GEMM
+        check_close(pykernels.qmatmul(x[:1], qw), x[:1], qw)  # M = 1: the GEMV kernel
+
+
+@pytest.mark.parametrize("flags", [{"PYKERNELS_DISABLE_AVX512": "1"}, {"PYKERNELS_DISABLE_AVX2": "1"}])
+def test_simd_flags_from_process_start(flags):
+    """The flags as a user sets them (read once by the native module at its first call)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, pykernels\n"
+        "from pykernels._native import cpu_module\n"
+        "m = cpu_module('qgemm')\n"
+        "assert not m.cpu_has_avx512()\n"
+        "assert m.cpu_has_avx2() == ('PYKERNELS_DISABLE_AVX2' not in %r)\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "qw = pykernels.quantize(torch.randn(9, 300, generator=g), 4, 64)\n"
+        "x = torch.randn(3, 300, generator=g)\n"
+        "ref = x.double() @ qw.dequantize(torch.float64).T\n"
+        "err = (pykernels.qmatmul(x, qw).double() - ref).abs().max().item()\n"
+        "assert err <= 1e-4 * ref.abs().max().item(), err\n"
+        "y = pykernels.qmatmul(x, pykernels.quantize(torch.randn(9, 300, generator=g), 2, 64, 'bipolar'), act_bits=2)\n"
+        "assert torch.isfinite(y).all()\n" % (sorted(flags),))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYKERNELS_DISABLE_")}
+    env.update(flags)
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
 
 
 @pytest.mark.parametrize("scheme,bits", SCHEME_BITS)
@@ -298,6 +360,29 @@ def test_qmatmul_adversarial_weights(kind, simd):
     qw = pykernels.quantize(weights(kind, 10, 160), 4, 32, "asym")
     x = torch.randn(4, 160)
     check_close(pykernels.qmatmul(x, qw), x, qw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_qmatmul_gemm_sizes_bias_and_nan(dtype, simd):
+    """M from 12 up runs the AVX-512 panel GEMM (16 tokens per vector): partial token groups, bias,
+    half-precision in/out, and a NaN/inf token that must not leak into the others. The native config
+    is forced (without AVX-512 the default for bf16 at this M is the dequantize route, tested above)."""
+    g = torch.Generator().manual_seed(3)
+    N, K = 22, 320
+    cfg = {"impl": "native", "threads": 0, "m_block": 4096, "n_block": 8, "isa": 2, "gemm_min_m": 12}
+    for bits, gs in ((4, 64), (8, 128), (3, -1)):
+        qw = pykernels.quantize(torch.randn(N, K, generator=g), bits, gs, "asym")
+        bias = torch.randn(N, generator=g)
+        x = torch.randn(33, K, generator=g).to(dtype)
+        run = lambda x: _impl(x, qw.packed, qw.scales, qw.offsets, None, None, bias, N, K, bits, gs, 0, "cpu",  # noqa: E731
+                              config=cfg)
+        check_close(run(x), x, qw, bias)
+        x[5, 7] = float("nan")
+        x[20, 1] = float("inf")
+        y = run(x)
+        assert torch.isnan(y[5]).all() and not torch.isfinite(y[20]).any()
+        keep = [i for i in range(33) if i not in (5, 20)]
+        check_close(y[keep], x[keep], qw, bias)
 
 
 def test_qmatmul_nan_propagates(simd):
@@ -440,7 +525,7 @@ def ref_act_codes(x, p):
     return torch.clamp(torch.round((x - lo) / sa), 0, 2 ** p - 1).to(torch.int64), sa, lo
 
 
-@pytest.mark.parametrize("mode", [0, 1, 2])
+@pytest.mark.parametrize("mode", [0, 1, 2, 3])
 @pytest.mark.parametrize("p,q", [(1, 1), (2, 2), (1, 4), (3, 2), (4, 4), (8, 8), (2, 7)])
 @pytest.mark.parametrize("group_size,K", [(32, 100), (64, 64), (128, 300), (-1, 2100)])
 def test_bitserial_integer_sums_are_exact(mode, p, q, group_size, K):

@@ -11,11 +11,16 @@
 //    are widened in registers (vpmovzxbw + AND/shift for nibbles); four weight rows are interleaved so
 //    one cache line holds a 32-element block of 4 rows and each activation load feeds 4 outputs.
 //    At M=1 the kernel then streams the packed weights at memory bandwidth (~6 uops per 32 weights).
+//    On AVX-512 VNNI CPUs a third tier splits the int16 activations into two bytes for `vpdpbusd`
+//    (64 byte products per instruction): the GEMV kernel (wo_tiles_avx512, ~7 vector ops per 128
+//    weights, up to M=11) and a panel GEMM (gemm_pair_avx512, from M=12) that decodes each 8-row panel
+//    once and feeds it to 16 tokens per vector. Activation scales are per weight group there.
 //    Threads split the output rows (N), never K, so no reduction is needed.
 // 2. Bit-serial (act_bits, bipolar-INT), `bitserial_gemm`:
 //    activations are quantized per token to p-bit codes and split into bit planes; every (i, j) pair of
-//    activation/weight planes gives a one-bit GEMM  popcount(a_i AND w_j)  (64-bit POPCNT, or AVX2
-//    vpshufb nibble counts + vpsadbw on 4 weight rows at once), recombined by shifts 2^(i+j) into the
+//    activation/weight planes gives a one-bit GEMM  popcount(a_i AND w_j)  (64-bit POPCNT, AVX2
+//    vpshufb nibble counts + vpsadbw on 4 weight rows at once, or AVX-512 vpopcntq on 2 words x 4 rows),
+//    recombined by shifts 2^(i+j) into the
 //    exact integer sum(u_a*u_w) per group, then the affine recombination of ALGORITHMS.md:
 //      sum_k A W = sa*s*I + sa*m*sum(u_a) + ma*s*sum(u_w) + ma*m*len   (per group, A = sa*u_a + ma).
 #include <pybind11/pybind11.h>
@@ -122,6 +127,16 @@ struct WoShape {
   int64_t tile_bytes() const { return B * RT * (lbits == 4 ? 16 : 32); }
 };
 
+// Exact (double) per-group sums of one token's activations: the offset term m * sum(x) of each group.
+void group_sums(const float* xr, const WoShape& s, float* gsum) {
+  for (int64_t g = 0; g < s.G; ++g) {
+    double acc = 0;
+    const int64_t k1 = std::min(s.K, (g + 1) * s.gsize);
+    for (int64_t k = g * s.gsize; k < k1; ++k) acc += xr[k];
+    gsum[g] = (float)acc;
+  }
+}
+
 // Activations of one token -> int16 per 32-block (+ block scales) and exact per-group sums.
 void quantize_act_int16(const void* x, pk::DType dt, int64_t row, const WoShape& s, int16_t* q, float* bscale,
                         float* gsum) {
@@ -149,12 +164,7 @@ void quantize_act_int16(const void* x, pk::DType dt, int64_t row, const WoShape&
       }
     }
   }
-  for (int64_t g = 0; g < s.G; ++g) {
-    double acc = 0;
-    const int64_t k1 = std::min(K, (g + 1) * s.gsize);
-    for (int64_t k = g * s.gsize; k < k1; ++k) acc += xr[k];
-    gsum[g] = (float)acc;
-  }
+  group_sums(xr.data(), s, gsum);
 }
 
 struct WoArgs {
@@ -177,7 +187,8 @@ inline void block_range(const WoShape& s, int64_t g, int64_t* b0, int64_t* b1) {
   *b1 = std::min(s.B, ((g + 1) * s.gsize + KB - 1) / KB);
 }
 
-inline void finish_tile(const WoArgs& a, int64_t m, int64_t n0, int rows, const double* out) {
+template <class Args>  // WoArgs or WoArgs16
+inline void finish_tile(const Args& a, int64_t m, int64_t n0, int rows, const double* out) {
   for (int r = 0; r < rows; ++r) {
     double v = out[r] + (a.bias ? a.bias[n0 + r] : 0.f);
     store_elem(a.y, a.ydt, m * a.s.N + n0 + r, (float)v);
@@ -293,6 +304,480 @@ PK_TARGET_AVX2 void wo_tile_avx2(const WoArgs& a, int64_t t) {
     finish_tile(a, m, n0, rows, out);
   }
 }
+
+// GCC 12 warns "__Y may be used uninitialized" inside its own AVX-512 intrinsic headers (the
+// _mm512_undefined_* placeholders of unmasked forms): a known false positive.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+// ---------------------------------------------------------------------------------------------
+// AVX-512 VNNI weight-only kernel (Zen 4 / Ice Lake and newer), on the same packed tiles.
+//
+// Count per 64-byte line of the nibble layout (4 rows x 32 codes = 128 weights): 1 load, 3 ops to
+// split the nibbles (and, shift, and), 4 `vpdpbusd` (64 u8 x s8 products each) = 7 vector ops, against
+// ~16 for the AVX2 path's widen + vpmaddwd chain; the two multiply pipes bound it at ~4 cycles/line.
+// Activations keep 16 bits: x = 256*xh + xl with xh signed and xl unsigned bytes, so
+//   sum x*u = 256 * dpbusd(u as u8, xh as s8) + dpbusd(xl as u8, u as s8)
+// (codes < 16 are valid s8; 8-bit codes enter the second product as u - 128, corrected per block).
+// The zero point is factored out of the inner loop (sum x (u - c) = sum x u - c sum x): the integer
+// correction -c * sum(xq) seeds one lane per row, so each block's integer sum is exact and centred.
+// Activation scales are per block of one weight group ("sblock", <= 2048 codes so int32 cannot
+// overflow; group_size=-1 uses blocks of up to 1024), so one float scale per (row, sblock) remains:
+// 4 sblocks' 4x4 partial sums are transposed and reduced in registers into one vector of 16
+// (row, sblock) lanes, converted once and scaled by w_scale * x_scale with one FMA.
+// ---------------------------------------------------------------------------------------------
+// acc += u8 x s8 dot products of 4 bytes per int32 lane (vpdpbusd). GCC 12 allocates the intrinsic's
+// tied accumulator badly in loops (a register copy around every instruction and spills to the stack:
+// measured 1.5x slower); the one-line asm accumulates in place.
+PK_TARGET_AVX512 inline __m512i dpbusd(__m512i acc, __m512i u8, __m512i s8) {
+#if defined(__GNUC__) && !defined(__clang__)
+  __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8), "v"(s8));
+  return acc;
+#else
+  return _mm512_dpbusd_epi32(acc, u8, s8);
+#endif
+}
+
+struct Act16 {
+  std::vector<int8_t> xh;     // [M, Kp] high bytes (signed)
+  std::vector<uint8_t> xl;    // [M, Kp] low bytes (unsigned)
+  std::vector<float> xs;      // [M, NS4] per-sblock scale (NaN: the sblock had NaN/inf)
+  std::vector<int32_t> corr;  // [M, NS4] integer correction seeded into each sblock's sums
+  std::vector<int32_t> sumq;  // [M, NS4] sum of the int16 codes
+  std::vector<float> gsum;    // [M, G] exact per-group sums of x (the offset term)
+};
+
+struct Vnni {
+  int64_t d;    // blocks of 32 per sblock
+  int64_t NS;   // sblocks
+  int64_t NS4;  // NS rounded up to a multiple of 4 (padded with zero scales)
+};
+
+// Largest sblock (in 32-blocks) whose centred per-row integer sum fits int32:
+// |x| <= 32767, |u - c| <= 128 (8-bit layout) or 8 (nibbles).
+inline int64_t vnni_dmax(int lbits) { return lbits == 4 ? 64 : 8; }
+
+inline bool vnni_geometry(const WoShape& s, Vnni* v) {
+  const int64_t dmax = vnni_dmax(s.lbits);
+  if (s.G > 1) {
+    if (s.gsize / KB > dmax) return false;  // a huge group (8-bit, > 256 codes): the AVX2 kernel
+    v->d = s.gsize / KB;
+  } else {
+    v->d = std::min<int64_t>(s.B, s.lbits == 4 ? 32 : dmax);
+  }
+  v->NS = (s.B + v->d - 1) / v->d;
+  v->NS4 = (v->NS + 3) / 4 * 4;
+  return true;
+}
+
+// One token -> int16 codes split into bytes, per-sblock scales and integer sums, exact group sums; all
+// 16 lanes wide (a scalar loop here cost ~18 us per 4096-element token, 10% of a 4096^2 GEMV).
+PK_TARGET_AVX512 inline __m512 load16_f32(const void* x, pk::DType dt, int64_t i, __mmask16 m) {
+  if (dt == pk::DType::Float32) return _mm512_maskz_loadu_ps(m, static_cast<const float*>(x) + i);
+  const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(x) + i);
+  if (dt == pk::DType::BFloat16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return _mm512_cvtph_ps(h);
+}
+
+PK_TARGET_AVX512 void quantize_act16(const void* x, pk::DType dt, int64_t row, const WoShape& s, const Vnni& v,
+                                     float* xr, int8_t* xh, uint8_t* xl, float* xs, int32_t* corr, int32_t* sumq,
+                                     float* gsum) {
+  const int64_t K = s.K;
+  for (int64_t k = 0; k < s.Kp; k += 16) {  // fp32 copy of the row, zero-padded to Kp
+    const int64_t left = K - k;
+    const __mmask16 m = left >= 16 ? (__mmask16)0xffff : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+    _mm512_storeu_ps(xr + k, load16_f32(x, dt, row * K + k, m));
+  }
+  const __m512i lim = _mm512_set1_epi32(32767), nlim = _mm512_set1_epi32(-32767), ff = _mm512_set1_epi32(0xff);
+  for (int64_t sb = 0; sb < v.NS4; ++sb) {
+    xs[sb] = 0.f;
+    corr[sb] = sumq[sb] = 0;
+    if (sb >= v.NS) continue;
+    const int64_t k0 = sb * v.d * KB, k1 = std::min(s.Kp, k0 + v.d * KB);
+    __m512 amax = _mm512_setzero_ps();
+    __mmask16 bad = 0;
+    for (int64_t k = k0; k < k1; k += 16) {
+      const __m512 xv = _mm512_loadu_ps(xr + k);
+      amax = _mm512_max_ps(amax, _mm512_abs_ps(xv));
+      bad |= _mm512_fpclass_ps_mask(xv, 0x99);  // QNaN | +inf | -inf | SNaN
+    }
+    const float am = _mm512_reduce_max_ps(amax);
+    const bool finite = bad == 0;
+    const float inv = am > 0.f && finite ? 32767.f / am : 0.f;
+    xs[sb] = !finite ? std::numeric_limits<float>::quiet_NaN() : am / 32767.f;
+    __m512i sq = _mm512_setzero_si512(), sl = sq;
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (int64_t k = k0; k < k1; k += 16) {
+      // round to nearest even (MXCSR default), like nearbyint
+      __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xr + k), iv));
+      q = _mm512_max_epi32(nlim, _mm512_min_epi32(lim, q));
+      const __m512i lo = _mm512_and_si512(q, ff);
+      _mm_storeu_si128((__m128i*)(xh + k), _mm512_cvtepi32_epi8(_mm512_srai_epi32(q, 8)));  // q = 256 xh + xl
+      _mm_storeu_si128((__m128i*)(xl + k), _mm512_cvtepi32_epi8(lo));
+      sq = _mm512_add_epi32(sq, q);
+      sl = _mm512_add_epi32(sl, lo);
+    }
+    const int64_t tq = _mm512_reduce_add_epi32(sq), tl = _mm512_reduce_add_epi32(sl);
+    corr[sb] = (int32_t)(-(int64_t)s.center * tq + (s.lbits == 8 ? 128 * tl : 0));
+    sumq[sb] = (int32_t)tq;
+  }
+  for (int64_t g = 0; g < s.G; ++g) {  // groups start at multiples of 32; xr is zero past K
+    const int64_t k0 = g * s.gsize, k1 = std::min(s.Kp, (g + 1) * s.gsize);
+    __m512d acc = _mm512_setzero_pd();
+    for (int64_t k = k0; k < k1; k += 16) {
+      const __m512 xv = _mm512_loadu_ps(xr + k);
+      acc = _mm512_add_pd(acc, _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(xv)),
+                                             _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(xv), 1)))));
+    }
+    gsum[g] = (float)_mm512_reduce_add_pd(acc);
+  }
+}
+
+struct WoArgs16 {
+  WoShape s;
+  Vnni v;
+  const uint8_t* w;
+  const float* scales;   // [N, G]
+  const float* offsets;  // [N, G]
+  const int8_t* xh;      // [M, Kp]
+  const uint8_t* xl;     // [M, Kp]
+  const float* xs;       // [M, NS4]
+  const int32_t* corr;   // [M, NS4]
+  const float* gsum;     // [M, G]
+  const float* bias;
+  void* y;
+  pk::DType ydt;
+};
+
+// Integer sums of one sblock for one token and NT consecutive tiles (the activation broadcasts are
+// shared: loads were the bound with one tile), lanes (row r = 128-bit lane, 4 partials).
+template <int LB, int NT>
+PK_TARGET_AVX512 inline void vnni_sblock(const uint8_t* wt, int64_t tstride, const int8_t* xh, const uint8_t* xl,
+                                         int64_t b0, int64_t b1, int32_t corr, __m512i* out) {
+  if constexpr (LB == 4) {
+    // per tile 4 independent accumulators: one vpdpbusd per chain per line (its latency is 4+ cycles)
+    __m512i ah[NT], ah2[NT], al[NT], al2[NT];
+    for (int i = 0; i < NT; ++i) {
+      ah[i] = ah2[i] = al2[i] = _mm512_setzero_si512();
+      al[i] = _mm512_maskz_set1_epi32(0x1111, corr);
+    }
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int64_t b = b0; b < b1; ++b) {
+      // byte j of a row: code k=j (low nibble) and k=16+j (high nibble); every row reads x[0..15], x[16..31]
+      const __m512i h0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xh + b * KB)));
+      const __m512i h1 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xh + b * KB + 16)));
+      const __m512i l0 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xl + b * KB)));
+      const __m512i l1 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(xl + b * KB + 16)));
+      for (int i = 0; i < NT; ++i) {
+        // 4 KB ahead: when the L3 is shared the tiles come from DRAM, and the hardware prefetcher alone
+        // left this loop at ~55% of the read bandwidth (measured: 1.20 -> 0.95 ms for 4096 x 4096 cold;
+        // 2 and 8 KB ahead were slower)
+        PK_PREFETCH_R(wt + i * tstride + (b + 64) * 64);
+        const __m512i v = _mm512_loadu_si512(wt + i * tstride + b * 64);
+        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        ah[i] = dpbusd(ah[i], lo, h0);
+        ah2[i] = dpbusd(ah2[i], hi, h1);
+        al[i] = dpbusd(al[i], l0, lo);
+        al2[i] = dpbusd(al2[i], l1, hi);
+      }
+    }
+    for (int i = 0; i < NT; ++i)
+      out[i] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(ah[i], ah2[i]), 8), _mm512_add_epi32(al[i], al2[i]));
+  } else {
+    // byte layout: a block is 2 lines, rows (0,1) then (2,3), 32 codes each; lanes (row, 8 partials)
+    __m512i ah[NT], ah2[NT], al[NT], al2[NT];
+    for (int i = 0; i < NT; ++i) {
+      ah[i] = ah2[i] = _mm512_setzero_si512();
+      al[i] = al2[i] = _mm512_maskz_set1_epi32(0x0101, corr);
+    }
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (int64_t b = b0; b < b1; ++b) {
+      const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(xh + b * KB)));
+      const __m512i l = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(xl + b * KB)));
+      for (int i = 0; i < NT; ++i) {
+        PK_PREFETCH_R(wt + i * tstride + (b + 32) * 128);  // 4 KB ahead, as for nibbles
+        PK_PREFETCH_R(wt + i * tstride + (b + 32) * 128 + 64);
+        const __m512i v0 = _mm512_loadu_si512(wt + i * tstride + b * 128);
+        const __m512i v1 = _mm512_loadu_si512(wt + i * tstride + b * 128 + 64);
+        ah[i] = dpbusd(ah[i], v0, h);
+        ah2[i] = dpbusd(ah2[i], v1, h);
+        al[i] = dpbusd(al[i], l, _mm512_xor_si512(v0, flip));  // xl * (u - 128)
+        al2[i] = dpbusd(al2[i], l, _mm512_xor_si512(v1, flip));
+      }
+    }
+    for (int i = 0; i < NT; ++i) {
+      const __m512i a = _mm512_add_epi32(_mm512_slli_epi32(ah[i], 8), al[i]);    // rows 0,1 (2 lanes each)
+      const __m512i c = _mm512_add_epi32(_mm512_slli_epi32(ah2[i], 8), al2[i]);  // rows 2,3
+      // 128-bit lanes [r0a r0b r1a r1b] + [r2a r2b r3a r3b] -> [r0 r1 r2 r3] (4 partials each)
+      out[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(a, c, 0x88), _mm512_shuffle_i32x4(a, c, 0xDD));
+    }
+  }
+}
+
+// 4 vectors of (row, 4 partials) -> one vector of (row, j) sums: an in-lane 4x4 transpose-and-add.
+PK_TARGET_AVX512 inline __m512i reduce4x4(__m512i i0, __m512i i1, __m512i i2, __m512i i3) {
+  const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(i0, i1), _mm512_unpackhi_epi32(i0, i1));
+  const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(i2, i3), _mm512_unpackhi_epi32(i2, i3));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+}
+
+// Tiles t .. t+NT-1 for every token of the pass.
+template <int LB, int NT>
+PK_TARGET_AVX512 void wo_tiles_avx512(const WoArgs16& a, int64_t t) {
+  const WoShape& s = a.s;
+  const Vnni& v = a.v;
+  const uint8_t* wt = a.w + t * s.tile_bytes();
+  int rows[NT];
+  __m512 ws1[NT];  // per-row weight scale of every (row, j) lane when there is one group
+  for (int i = 0; i < NT; ++i) {
+    const int64_t n0 = (t + i) * RT;
+    rows[i] = (int)std::min<int64_t>(RT, s.N - n0);
+    ws1[i] = _mm512_setzero_ps();
+    if (s.G == 1) {
+      const __m128 s4 = _mm_maskz_loadu_ps((__mmask8)((1u << rows[i]) - 1), a.scales + n0);
+      ws1[i] = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                     _mm512_castps128_ps512(s4));
+    }
+  }
+  for (int64_t m = 0; m < s.M; ++m) {
+    const int8_t* xh = a.xh + m * s.Kp;
+    const uint8_t* xl = a.xl + m * s.Kp;
+    const float* xs = a.xs + m * v.NS4;
+    const int32_t* corr = a.corr + m * v.NS4;
+    __m512 tot[NT];
+    for (int i = 0; i < NT; ++i) tot[i] = _mm512_setzero_ps();
+    for (int64_t q = 0; q < v.NS4; q += 4) {
+      __m512i I[4][NT];
+      for (int j = 0; j < 4; ++j) {
+        const int64_t sb = q + j;
+        if (sb >= v.NS) {
+          for (int i = 0; i < NT; ++i) I[j][i] = _mm512_setzero_si512();
+          continue;
+        }
+        vnni_sblock<LB, NT>(wt, s.tile_bytes(), xh, xl, sb * v.d, std::min(s.B, (sb + 1) * v.d), corr[sb], I[j]);
+      }
+      const __m512 xq = _mm512_broadcast_f32x4(_mm_loadu_ps(xs + q));
+      for (int i = 0; i < NT; ++i) {
+        const __m512 f = _mm512_cvtepi32_ps(reduce4x4(I[0][i], I[1][i], I[2][i], I[3][i]));
+        __m512 sv = _mm512_mul_ps(ws1[i], xq);
+        if (s.G > 1) {  // sblock == group: row r's 4 scales are contiguous at scales[n, q..q+3]
+          const __mmask8 jm = (__mmask8)((1u << std::min<int64_t>(4, v.NS - q)) - 1);
+          const float* s0 = a.scales + (t + i) * RT * s.G + q;  // rows past N: mask 0 (never faults)
+          const int rw = rows[i];
+          __m512 w4 = _mm512_castps128_ps512(_mm_maskz_loadu_ps(jm, s0));
+          w4 = _mm512_insertf32x4(w4, _mm_maskz_loadu_ps(rw > 1 ? jm : 0, s0 + s.G), 1);
+          w4 = _mm512_insertf32x4(w4, _mm_maskz_loadu_ps(rw > 2 ? jm : 0, s0 + 2 * s.G), 2);
+          w4 = _mm512_insertf32x4(w4, _mm_maskz_loadu_ps(rw > 3 ? jm : 0, s0 + 3 * s.G), 3);
+          sv = _mm512_mul_ps(w4, xq);
+        }
+        tot[i] = _mm512_fmadd_ps(f, sv, tot[i]);
+      }
+    }
+    const float* gs = a.gsum + m * s.G;
+    for (int i = 0; i < NT; ++i) {
+      const int64_t n0 = (t + i) * RT;
+      // (row, j) lanes -> row sums
+      __m512 tt = _mm512_add_ps(tot[i], _mm512_permute_ps(tot[i], 0x4E));
+      tt = _mm512_add_ps(tt, _mm512_permute_ps(tt, 0xB1));
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, tt);
+      double out[RT] = {0, 0, 0, 0};
+      for (int r = 0; r < rows[i]; ++r) {
+        // offset term sum_g (m + c s)[n, g] * sum_g(x), vectorized over groups
+        const float* sr = a.scales + (n0 + r) * s.G;
+        const float* mr = a.offsets + (n0 + r) * s.G;
+        __m512 am = _mm512_setzero_ps(), as = _mm512_setzero_ps();
+        for (int64_t g = 0; g < s.G; g += 16) {
+          const __mmask16 gm = (__mmask16)(s.G - g >= 16 ? 0xffff : (1u << (s.G - g)) - 1);
+          const __m512 xg = _mm512_maskz_loadu_ps(gm, gs + g);
+          am = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(gm, mr + g), xg, am);
+          as = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(gm, sr + g), xg, as);
+        }
+        out[r] = (double)lanes[4 * r] + (double)_mm512_reduce_add_ps(am) +
+                 (double)s.center * (double)_mm512_reduce_add_ps(as);
+      }
+      finish_tile(a, m, n0, rows[i], out);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512 VNNI GEMM for M > 1 (the GEMV kernel above decodes every nibble once per token).
+// The roles of the operands swap: 16 tokens sit in the 16 int32 lanes, and each weight dword (4 codes)
+// comes straight from memory as an embedded broadcast ({1to16}) operand of vpdpbusd. A tile pair (8
+// rows) is decoded once into a byte panel (8 x Kp, L1/L2-resident) and reused by every token group, so
+// the inner loop is 2 activation loads + 16 vpdpbusd per 4 codes x 8 rows x 16 tokens (like unpacking
+// a Marlin tile once into registers and feeding it to all of a block's rows).
+// Both products need the activation as the unsigned operand: xh' = xh + 128 (xor 0x80), corrected by
+// -32768 * sum(u') per (row, sblock); codes enter as u' = u (nibbles) or u - 128 (bytes), corrected by
+// (o - c) * sum(xq) per (token, sblock) with o = 0 or 128, so every sblock's integer sum is the exact
+// centred sum(xq * (u - c)), as in the GEMV kernel.
+// ---------------------------------------------------------------------------------------------
+constexpr int TG = 16;  // tokens per group (the int32 lanes)
+constexpr int PR = 8;   // rows per panel (two tiles)
+
+struct GemmArgs16 {
+  WoShape s;
+  Vnni v;
+  const uint8_t* w;
+  const float* scales;
+  const float* offsets;
+  const uint8_t* xh16;  // [MG, Kp/4, 16 tokens, 4]: xh + 128
+  const uint8_t* xl16;  // [MG, Kp/4, 16, 4]
+  const float* xs16;    // [MG, NS, 16]
+  const int32_t* tc16;  // [MG, NS, 16]: (o - c) * sum(xq)
+  const float* gs16;    // [MG, G, 16]: exact group sums
+  int64_t MG;           // token groups
+  const float* bias;
+  void* y;
+  pk::DType ydt;
+};
+
+inline int32_t load_u32(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Tile pair p -> the panel of u' codes, usum[r][sb] = sum of u' over sblock sb. The panel keeps the
+// packed tile order, only unpacked: per 32-code block 256 bytes, tile h at 128 h: nibbles as two lines
+// (low nibbles: row r's codes 0..15 at 16 r; high nibbles: codes 16..31 at 64 + 16 r), bytes as they
+// are (row r at 32 r) minus 128. Two 64-byte stores per line (a row-major panel cost 8 extracts).
+constexpr int PANEL_BLOCK = 256;
+
+template <int LB>
+PK_TARGET_AVX512 inline int64_t panel_off(int R, int cc) {  // row R of the pair, 4-code chunk cc of a block
+  const int h = R / 4, r = R % 4;
+  return LB == 4 ? h * 128 + (cc / 4) * 64 + r * 16 + (cc % 4) * 4 : h * 128 + r * 32 + cc * 4;
+}
+
+template <int LB>
+PK_TARGET_AVX512 void decode_panel(const GemmArgs16& a, int64_t p, uint8_t* panel, int32_t* usum) {
+  const WoShape& s = a.s;
+  const Vnni& v = a.v;
+  const __m512i zero = _mm512_setzero_si512();
+  alignas(64) int64_t q0[8], q1[8];
+  for (int h = 0; h < 2; ++h) {
+    const int64_t t = 2 * p + h;
+    const uint8_t* wt = a.w + t * s.tile_bytes();
+    const bool present = t * RT < s.N;  // the second tile of the last pair may not exist: codes 0
+    for (int64_t sb = 0; sb < v.NS; ++sb) {
+      __m512i s0 = zero, s1 = zero;  // vpsadbw sums, 64-bit lanes
+      const int64_t b0 = sb * v.d, b1 = std::min(s.B, (sb + 1) * v.d);
+      for (int64_t b = b0; b < b1; ++b) {
+        uint8_t* d = panel + b * PANEL_BLOCK + h * 128;
+        if constexpr (LB == 4) {  // 128-bit lane r = row r
+          PK_PREFETCH_R(wt + (b + 64) * 64);  // 4 KB ahead, as in the GEMV kernel
+          const __m512i raw = present ? _mm512_loadu_si512(wt + b * 64) : zero;
+          const __m512i lo = _mm512_and_si512(raw, _mm512_set1_epi8(0x0f));
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0f));
+          s0 = _mm512_add_epi64(s0, _mm512_add_epi64(_mm512_sad_epu8(lo, zero), _mm512_sad_epu8(hi, zero)));
+          _mm512_storeu_si512(d, lo);
+          _mm512_storeu_si512(d + 64, hi);
+        } else {  // two lines: rows (0, 1) then (2, 3), 32 codes each; u' = u - 128
+          const __m512i flip = _mm512_set1_epi8((char)0x80);
+          PK_PREFETCH_R(wt + (b + 32) * 128);
+          PK_PREFETCH_R(wt + (b + 32) * 128 + 64);
+          const __m512i r01 = present ? _mm512_loadu_si512(wt + b * 128) : zero;
+          const __m512i r23 = present ? _mm512_loadu_si512(wt + b * 128 + 64) : zero;
+          s0 = _mm512_add_epi64(s0, _mm512_sad_epu8(r01, zero));
+          s1 = _mm512_add_epi64(s1, _mm512_sad_epu8(r23, zero));
+          _mm512_storeu_si512(d, _mm512_xor_si512(r01, flip));
+          _mm512_storeu_si512(d + 64, _mm512_xor_si512(r23, flip));
+        }
+      }
+      _mm512_store_si512(q0, s0);
+      _mm512_store_si512(q1, s1);
+      int32_t* us = usum + (int64_t)(4 * h) * v.NS + sb;
+      if constexpr (LB == 4) {
+        for (int r = 0; r < 4; ++r) us[r * v.NS] = (int32_t)(q0[2 * r] + q0[2 * r + 1]);
+      } else {
+        const int64_t len = 128 * (b1 - b0) * KB;
+        us[0] = (int32_t)(q0[0] + q0[1] + q0[2] + q0[3] - len);
+        us[v.NS] = (int32_t)(q0[4] + q0[5] + q0[6] + q0[7] - len);
+        us[2 * v.NS] = (int32_t)(q1[0] + q1[1] + q1[2] + q1[3] - len);
+        us[3 * v.NS] = (int32_t)(q1[4] + q1[5] + q1[6] + q1[7] - len);
+      }
+    }
+  }
+}
+
+// The inner loop of gemm_pair_avx512 over blocks [b0, b1): 16 accumulators in named registers (GCC
+// copies and spills an array of them around every vpdpbusd), one broadcast weight dword shared by the
+// two products; the 8 chunks of a block unrolled so every panel offset is a constant.
+template <int LB>
+PK_TARGET_AVX512 inline void panel_dot(const uint8_t* panel, const uint8_t* xh, const uint8_t* xl, int64_t b0,
+                                       int64_t b1, __m512i* ah, __m512i* al) {
+  __m512i h0 = _mm512_setzero_si512(), h1 = h0, h2 = h0, h3 = h0, h4 = h0, h5 = h0, h6 = h0, h7 = h0;
+  __m512i l0 = h0, l1 = h0, l2 = h0, l3 = h0, l4 = h0, l5 = h0, l6 = h0, l7 = h0;
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* pb = panel + b * PANEL_BLOCK;
+#pragma GCC unroll 8
+    for (int cc = 0; cc < 8; ++cc) {
+      const int64_t c = b * 8 + cc;
+      const __m512i h = _mm512_loadu_si512(xh + c * 64), l = _mm512_loadu_si512(xl + c * 64);
+#define PK_PANEL_ROW(r)                                                            \
+  {                                                                                \
+    const __m512i wv = _mm512_set1_epi32(load_u32(pb + panel_off<LB>(r, cc)));    \
+    h##r = dpbusd(h##r, h, wv);                                                    \
+    l##r = dpbusd(l##r, l, wv);                                                    \
+  }
+      PK_PANEL_ROW(0) PK_PANEL_ROW(1) PK_PANEL_ROW(2) PK_PANEL_ROW(3)
+      PK_PANEL_ROW(4) PK_PANEL_ROW(5) PK_PANEL_ROW(6) PK_PANEL_ROW(7)
+#undef PK_PANEL_ROW
+    }
+  }
+  ah[0] = h0; ah[1] = h1; ah[2] = h2; ah[3] = h3; ah[4] = h4; ah[5] = h5; ah[6] = h6; ah[7] = h7;
+  al[0] = l0; al[1] = l1; al[2] = l2; al[3] = l3; al[4] = l4; al[5] = l5; al[6] = l6; al[7] = l7;
+}
+
+template <int LB>
+PK_TARGET_AVX512 void gemm_pair_avx512(const GemmArgs16& a, int64_t p, int64_t mg0, int64_t mg1, uint8_t* panel,
+                                       int32_t* usum) {
+  const WoShape& s = a.s;
+  const Vnni& v = a.v;
+  decode_panel<LB>(a, p, panel, usum);
+  const int64_t n0 = p * PR;
+  const int rows = (int)std::min<int64_t>(PR, s.N - n0);
+  const int64_t chunks = s.Kp / 4;
+  for (int64_t mg = mg0; mg < mg1; ++mg) {
+    const uint8_t* xh = a.xh16 + mg * chunks * 64;
+    const uint8_t* xl = a.xl16 + mg * chunks * 64;
+    __m512 tot[PR];
+    for (int r = 0; r < PR; ++r) tot[r] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < v.NS; ++sb) {
+      __m512i ah[PR], al[PR];
+      panel_dot<LB>(panel, xh, xl, sb * v.d, std::min(s.B, (sb + 1) * v.d), ah, al);
+      const __m512i tc = _mm512_loadu_si512(a.tc16 + (mg * v.NS + sb) * TG);
+      const __m512 xs = _mm512_loadu_ps(a.xs16 + (mg * v.NS + sb) * TG);
+      const int64_t g = s.G > 1 ? sb : 0;
+      for (int r = 0; r < PR; ++r) {
+        const __m512i I = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(ah[r], 8), al[r]),
+                                           _mm512_sub_epi32(tc, _mm512_set1_epi32(32768 * usum[r * v.NS + sb])));
+        const float wsc = r < rows ? a.scales[(n0 + r) * s.G + g] : 0.f;
+        tot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(xs, _mm512_set1_ps(wsc)), tot[r]);
+      }
+    }
+    // offset term and output: per row, a vector over the 16 tokens
+    const float* gs = a.gs16 + mg * s.G * TG;
+    const int64_t m0 = mg * TG;
+    const int toks = (int)std::min<int64_t>(TG, a.s.M - m0);
+    for (int r = 0; r < rows; ++r) {
+      const int64_t n = n0 + r;
+      __m512 off = _mm512_setzero_ps();
+      for (int64_t gg = 0; gg < s.G; ++gg) {
+        const float mc = a.offsets[n * s.G + gg] + (float)s.center * a.scales[n * s.G + gg];
+        off = _mm512_fmadd_ps(_mm512_set1_ps(mc), _mm512_loadu_ps(gs + gg * TG), off);
+      }
+      alignas(64) float o1[TG], o2[TG];
+      _mm512_store_ps(o1, tot[r]);
+      _mm512_store_ps(o2, off);
+      const double bb = a.bias ? a.bias[n] : 0.0;
+      for (int t = 0; t < toks; ++t) store_elem(a.y, a.ydt, (m0 + t) * s.N + n, (float)((double)o1[t] + o2[t] + bb));
+    }
+  }
+}
+#pragma GCC diagnostic pop
 #endif
 
 // At most one thread per ~2^16 multiply-adds (plus one): a small GEMV (64x64: 4096) costs less than
@@ -302,11 +787,65 @@ inline int threads_for_work(int num_threads, int64_t work) {
   return (int)std::max<int64_t>(1, std::min<int64_t>(num_threads, work / kMinWorkPerThread + 1));
 }
 
+#if PK_X86
+// M >= gemm_min_m on AVX-512: activations regrouped 16 tokens to a vector, then one panel per tile pair.
+void wo_gemm_panel512(const WoShape& s, const Vnni& v, const Act16& A, const uint8_t* w, const float* scales,
+                      const float* offsets, const float* bias, void* y, pk::DType ydt, int num_threads,
+                      int64_t m_block) {
+  const int64_t M = s.M, MG = (M + TG - 1) / TG, chunks = s.Kp / 4;
+  std::vector<uint8_t> xh16(MG * chunks * 64, 0x80), xl16(MG * chunks * 64, 0);
+  std::vector<float> xs16(MG * v.NS * TG, 0.f), gs16(std::max<int64_t>(1, MG * s.G * TG), 0.f);
+  std::vector<int32_t> tc16(MG * v.NS * TG, 0);
+  const int32_t oc = (s.lbits == 8 ? 128 : 0) - s.center;
+  pk::parallel_ranges(M, threads_for_work(num_threads, M * s.K), [&](int, int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const int64_t mg = m / TG, t = m % TG;
+      uint8_t* dh = &xh16[mg * chunks * 64 + 4 * t];
+      uint8_t* dl = &xl16[mg * chunks * 64 + 4 * t];
+      const int8_t* sh = &A.xh[m * s.Kp];
+      const uint8_t* sl = &A.xl[m * s.Kp];
+      for (int64_t c = 0; c < chunks; ++c) {
+        uint32_t hv, lv;
+        std::memcpy(&hv, sh + 4 * c, 4);
+        std::memcpy(&lv, sl + 4 * c, 4);
+        hv ^= 0x80808080u;  // xh + 128 as unsigned bytes
+        std::memcpy(dh + c * 64, &hv, 4);
+        std::memcpy(dl + c * 64, &lv, 4);
+      }
+      for (int64_t sb = 0; sb < v.NS; ++sb) {
+        xs16[(mg * v.NS + sb) * TG + t] = A.xs[m * v.NS4 + sb];
+        tc16[(mg * v.NS + sb) * TG + t] = (int32_t)((int64_t)oc * A.sumq[m * v.NS4 + sb]);
+      }
+      for (int64_t g = 0; g < s.G; ++g) gs16[(mg * s.G + g) * TG + t] = A.gsum[m * s.G + g];
+    }
+  });
+  GemmArgs16 a{};
+  a.s = s; a.v = v; a.w = w; a.scales = scales; a.offsets = offsets;
+  a.xh16 = xh16.data(); a.xl16 = xl16.data(); a.xs16 = xs16.data(); a.tc16 = tc16.data(); a.gs16 = gs16.data();
+  a.MG = MG; a.bias = bias; a.y = y; a.ydt = ydt;
+  const int64_t T = (s.N + RT - 1) / RT, P = (T + 1) / 2;
+  auto fn = s.lbits == 4 ? gemm_pair_avx512<4> : gemm_pair_avx512<8>;
+  // m_block tokens per pass over the weights (each pass decodes every panel again; measured: one pass
+  // for all 128 tokens beats 8 passes of 16, though 128 tokens' activations, 1 MB, outgrow L2).
+  const int64_t gb = std::max<int64_t>(1, m_block / TG);
+  for (int64_t mg0 = 0; mg0 < MG; mg0 += gb) {
+    const int64_t mg1 = std::min(MG, mg0 + gb);
+    pk::parallel_ranges(P, threads_for_work(num_threads, M * s.N * s.K), [&](int, int64_t p0, int64_t p1) {
+      std::vector<uint8_t> panel(s.B * PANEL_BLOCK);
+      std::vector<int32_t> usum(PR * v.NS);
+      for (int64_t p = p0; p < p1; ++p) fn(a, p, mg0, mg1, panel.data(), usum.data());
+    });
+  }
+}
+#endif
+
 // Splits the N tiles into `nthreads` contiguous ranges. `m_block` tokens run per pass over a tile range
 // so that a block of activations stays in cache while the weights stream (the GEMM tiling for M > 1).
+// isa: 0 portable, 1 AVX2, 2 AVX-512 VNNI (each capped by what the CPU has and the PYKERNELS_DISABLE_*
+// flags; the AVX-512 kernel also needs groups of <= 2048 codes, <= 256 for the byte layout).
 void wo_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int bits, uintptr_t scales,
              uintptr_t offsets, int64_t N, int64_t group_size, uintptr_t bias, uintptr_t y, int y_dtype,
-             int num_threads, int64_t m_block, int64_t n_block, bool force_portable) {
+             int num_threads, int64_t m_block, int64_t n_block, int isa, int64_t gemm_min_m) {
   const char* op = "qmatmul";
   if (bits < 1 || bits > 8) pk::fail_value(op, "bits must be in 1..8");
   if (M < 0 || N < 0 || K < 0) pk::fail_value(op, "negative size");
@@ -324,20 +863,70 @@ void wo_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int bi
   s.center = 1 << (bits - 1);
   const pk::DType xdt = float_dtype(x_dtype, op, "x"), ydt = float_dtype(y_dtype, op, "out");
   if (M == 0 || N == 0) return;
+  const int64_t T = (N + RT - 1) / RT;
+  m_block = std::max<int64_t>(1, m_block);
+  n_block = std::max<int64_t>(1, n_block);  // tiles per chunk handed to a thread
+  const int64_t chunks = (T + n_block - 1) / n_block;
+  const void* xp = reinterpret_cast<const void*>(x);
+  const int esize = ydt == pk::DType::Float32 ? 4 : 2;
+#if PK_X86
+  Vnni v{};
+  if (isa >= 2 && pk::cpu_has_avx512() && vnni_geometry(s, &v)) {
+    Act16 A;
+    A.xh.resize(M * s.Kp); A.xl.resize(M * s.Kp);
+    A.xs.resize(M * v.NS4); A.corr.resize(M * v.NS4); A.sumq.resize(M * v.NS4);
+    A.gsum.resize(std::max<int64_t>(M * s.G, 1));
+    py::gil_scoped_release release;
+    pk::parallel_ranges(M, threads_for_work(num_threads, M * K), [&](int, int64_t m0, int64_t m1) {
+      std::vector<float> xr(s.Kp);
+      for (int64_t m = m0; m < m1; ++m)
+        quantize_act16(xp, xdt, m, s, v, xr.data(), &A.xh[m * s.Kp], &A.xl[m * s.Kp], &A.xs[m * v.NS4],
+                       &A.corr[m * v.NS4], &A.sumq[m * v.NS4], &A.gsum[m * s.G]);
+    });
+    if (M >= std::max<int64_t>(2, gemm_min_m)) {
+      wo_gemm_panel512(s, v, A, reinterpret_cast<const uint8_t*>(w), reinterpret_cast<const float*>(scales),
+                       reinterpret_cast<const float*>(offsets), bias ? reinterpret_cast<const float*>(bias) : nullptr,
+                       reinterpret_cast<void*>(y), ydt, num_threads, m_block);
+      return;
+    }
+    void (*tile_fn)(const WoArgs16&, int64_t) = s.lbits == 4 ? wo_tiles_avx512<4, 1> : wo_tiles_avx512<8, 1>;
+    void (*pair_fn)(const WoArgs16&, int64_t) = s.lbits == 4 ? wo_tiles_avx512<4, 2> : wo_tiles_avx512<8, 2>;
+    for (int64_t mb = 0; mb < M; mb += m_block) {
+      WoArgs16 a{};
+      a.s = s;
+      a.s.M = std::min(m_block, M - mb);
+      a.v = v;
+      a.w = reinterpret_cast<const uint8_t*>(w);
+      a.scales = reinterpret_cast<const float*>(scales);
+      a.offsets = reinterpret_cast<const float*>(offsets);
+      a.xh = A.xh.data() + mb * s.Kp;
+      a.xl = A.xl.data() + mb * s.Kp;
+      a.xs = A.xs.data() + mb * v.NS4;
+      a.corr = A.corr.data() + mb * v.NS4;
+      a.gsum = A.gsum.data() + mb * s.G;
+      a.bias = bias ? reinterpret_cast<const float*>(bias) : nullptr;
+      a.ydt = ydt;
+      a.y = reinterpret_cast<char*>(y) + mb * N * esize;
+      pk::parallel_ranges(chunks, threads_for_work(num_threads, a.s.M * N * K), [&](int, int64_t c0, int64_t c1) {
+        const int64_t t1 = std::min(T, c1 * n_block);
+        int64_t t = c0 * n_block;
+        for (; t + 2 <= t1; t += 2) pair_fn(a, t);
+        if (t < t1) tile_fn(a, t);
+      });
+    }
+    return;
+  }
+#endif
   std::vector<int16_t> xq(M * s.Kp);
   std::vector<float> xs(M * s.B), xsum(std::max<int64_t>(M * s.G, 1));
   py::gil_scoped_release release;
-  const void* xp = reinterpret_cast<const void*>(x);
   pk::parallel_ranges(M, threads_for_work(num_threads, M * K), [&](int, int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       quantize_act_int16(xp, xdt, m, s, &xq[m * s.Kp], &xs[m * s.B], &xsum[m * s.G]);
   });
-  const int64_t T = (N + RT - 1) / RT;
-  m_block = std::max<int64_t>(1, m_block);
-  n_block = std::max<int64_t>(1, n_block);  // tiles per chunk handed to a thread
   void (*tile_fn)(const WoArgs&, int64_t) = wo_tile_portable;
 #if PK_X86
-  if (!force_portable && pk::cpu_has_avx2()) tile_fn = s.lbits == 4 ? wo_tile_avx2<4> : wo_tile_avx2<8>;
+  if (isa >= 1 && pk::cpu_has_avx2()) tile_fn = s.lbits == 4 ? wo_tile_avx2<4> : wo_tile_avx2<8>;
 #endif
   for (int64_t mb = 0; mb < M; mb += m_block) {
     WoArgs a{};
@@ -351,9 +940,7 @@ void wo_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int bi
     a.xsum = xsum.data() + mb * s.G;
     a.bias = bias ? reinterpret_cast<const float*>(bias) : nullptr;
     a.ydt = ydt;
-    const int esize = ydt == pk::DType::Float32 ? 4 : 2;
     a.y = reinterpret_cast<char*>(y) + mb * N * esize;
-    const int64_t chunks = (T + n_block - 1) / n_block;
     pk::parallel_ranges(chunks, threads_for_work(num_threads, a.s.M * N * K), [&](int, int64_t c0, int64_t c1) {
       for (int64_t t = c0 * n_block; t < std::min(T, c1 * n_block); ++t) tile_fn(a, t);
     });
@@ -596,7 +1183,61 @@ PK_TARGET_AVX2 void bs_groups_popcnt(const uint64_t* ap0, const uint64_t* wp0, c
 }
 #endif
 
-// mode: 0 portable, 1 scalar POPCNT, 2 AVX2 vpshufb (1 and 2 need AVX2 hardware; else portable).
+#if PK_X86
+#pragma GCC diagnostic push  // see the AVX-512 weight-only section
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+// AVX-512 VPOPCNTDQ: one zmm holds 2 words x 4 rows of a weight plane, ANDed with the 2 activation words
+// each broadcast to its 4 lanes, popcounted per 64-bit lane (vpopcntq) and shifted by 2^(i+j): ~5
+// instructions per 512 one-bit products, against ~10 per 256 with the AVX2 nibble table.
+PK_TARGET_AVX512 void bs_groups_avx512(const uint64_t* ap0, const uint64_t* wp0, const BsShape& s, int64_t* out0) {
+  const __m512i spread = _mm512_setr_epi64(0, 0, 0, 0, 1, 1, 1, 1);
+  for (int64_t g = 0; g < s.G; ++g) {
+    const uint64_t* ap = ap0 + g * s.p * s.gw;
+    const uint64_t* wp = wp0 + g * s.q * s.gw * RT;
+    __m512i total = _mm512_setzero_si512();
+    for (int64_t w = 0; w < s.gw; w += 2) {
+      const bool pair = w + 1 < s.gw;  // an odd last word: the upper 4 lanes stay 0
+      for (int i = 0; i < s.p; ++i) {
+        const __m512i a = _mm512_permutexvar_epi64(
+            spread, _mm512_castsi128_si512(_mm_maskz_loadu_epi64(pair ? 3 : 1, ap + i * s.gw + w)));
+        for (int j = 0; j < s.q; ++j) {
+          const __m512i wv = _mm512_maskz_loadu_epi64(pair ? 0xff : 0x0f, wp + (j * s.gw + w) * RT);
+          const __m512i c = _mm512_popcnt_epi64(_mm512_and_si512(a, wv));
+          total = _mm512_add_epi64(total, _mm512_sll_epi64(c, _mm_cvtsi32_si128(i + j)));
+        }
+      }
+    }
+    const __m256i r4 = _mm256_add_epi64(_mm512_castsi512_si256(total), _mm512_extracti64x4_epi64(total, 1));
+    // row-major [RT][G] (not [G][RT] like the other kernels): bs_combine_avx512 then reads each row's
+    // groups contiguously
+    alignas(32) int64_t o[RT];
+    _mm256_store_si256((__m256i*)o, r4);
+    for (int r = 0; r < RT; ++r) out0[r * s.G + g] = o[r];
+  }
+}
+
+// sum_g sw[g] (sa I[g] + ma uw[g]) + mw[g] c1[g] for one row, 8 groups per step in fp64.
+PK_TARGET_AVX512 double bs_combine_avx512(const float* sw, const float* mw, const int32_t* uw, const double* c1,
+                                          const int64_t* I, int64_t G, double sa, double ma) {
+  const __m512d vsa = _mm512_set1_pd(sa), vma = _mm512_set1_pd(ma);
+  __m512d acc = _mm512_setzero_pd();
+  for (int64_t g = 0; g < G; g += 8) {
+    const __mmask8 m = G - g >= 8 ? (__mmask8)0xff : (__mmask8)((1u << (G - g)) - 1);
+    const __m512d iv = _mm512_cvtepi64_pd(_mm512_maskz_loadu_epi64(m, I + g));
+    const __m512d s8 = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, sw + g));
+    const __m512d m8 = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(m, mw + g));
+    const __m512d u8 = _mm512_cvtepi32_pd(_mm256_maskz_loadu_epi32(m, uw + g));
+    const __m512d inner = _mm512_fmadd_pd(vsa, iv, _mm512_mul_pd(vma, u8));
+    acc = _mm512_fmadd_pd(s8, inner, _mm512_fmadd_pd(m8, _mm512_maskz_loadu_pd(m, c1 + g), acc));
+  }
+  return _mm512_reduce_add_pd(acc);
+}
+#pragma GCC diagnostic pop
+#endif
+
+// mode: 0 portable, 1 scalar POPCNT, 2 AVX2 vpshufb (1 and 2 need AVX2 hardware; else portable),
+// 3 AVX-512 VPOPCNTDQ (AVX2 where the CPU has no AVX-512 or PYKERNELS_DISABLE_AVX512=1).
 void bitserial_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, int act_bits, uintptr_t wplanes, int bits,
                     uintptr_t scales, uintptr_t offsets, uintptr_t wsum, int64_t N, int64_t group_size,
                     uintptr_t bias, uintptr_t y, int y_dtype, uintptr_t int_out, uintptr_t act_codes,
@@ -631,7 +1272,11 @@ void bitserial_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, int act_bits
   void (*groups_fn)(const uint64_t*, const uint64_t*, const BsShape&, int64_t*) = bs_groups_portable;
 #if PK_X86
   if (pk::cpu_has_avx2() && mode == 1) groups_fn = bs_groups_popcnt;
-  if (pk::cpu_has_avx2() && mode == 2) groups_fn = bs_groups_avx2;
+  if (pk::cpu_has_avx2() && mode >= 2) groups_fn = bs_groups_avx2;
+  const bool avx512 = mode == 3 && pk::cpu_has_avx512();
+  if (avx512) groups_fn = bs_groups_avx512;
+#else
+  const bool avx512 = false;
 #endif
   const int64_t T = (N + RT - 1) / RT;
   const int64_t tile_words = s.G * s.q * s.gw * RT;
@@ -652,7 +1297,8 @@ void bitserial_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, int act_bits
         groups_fn(&A.planes[m * s.G * s.p * s.gw], W + t * tile_words, s, Iall.data());
         if (iout) {
           for (int r = 0; r < rows; ++r)
-            for (int64_t g = 0; g < s.G; ++g) iout[(m * N + n0 + r) * s.G + g] = Iall[g * RT + r];
+            for (int64_t g = 0; g < s.G; ++g)
+              iout[(m * N + n0 + r) * s.G + g] = avx512 ? Iall[r * s.G + g] : Iall[g * RT + r];
           continue;
         }
         // Row by row, groups innermost: the weight-side terms are contiguous in g.
@@ -663,6 +1309,12 @@ void bitserial_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, int act_bits
           const float* mwr = of + n * s.G;
           const int32_t* uwr = ws + n * s.G;
           double a = 0;
+#if PK_X86
+          if (avx512) {
+            acc[r] = bs_combine_avx512(swr, mwr, uwr, c1, Iall.data() + r * s.G, s.G, sa, ma);
+            continue;
+          }
+#endif
           for (int64_t g = 0; g < s.G; ++g)
             a += (double)swr[g] * (sa * (double)Iall[g * RT + r] + ma * (double)uwr[g]) + (double)mwr[g] * c1[g];
           acc[r] = a;
@@ -682,10 +1334,11 @@ void bitserial_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, int act_bits
 PYBIND11_MODULE(_cpu_qgemm, m) {
   m.doc() = "pykernels quantized GEMMs on the CPU (weight-only int16-activation kernels, bit-serial bipolar-INT)";
   m.def("cpu_has_avx2", &pk::cpu_has_avx2);
+  m.def("cpu_has_avx512", &pk::cpu_has_avx512);
   m.def("wo_gemm", &wo_gemm, py::arg("x"), py::arg("x_dtype"), py::arg("M"), py::arg("K"), py::arg("w"),
         py::arg("bits"), py::arg("scales"), py::arg("offsets"), py::arg("N"), py::arg("group_size"),
         py::arg("bias"), py::arg("y"), py::arg("y_dtype"), py::arg("num_threads"), py::arg("m_block"),
-        py::arg("n_block"), py::arg("force_portable"),
+        py::arg("n_block"), py::arg("isa"), py::arg("gemm_min_m"),
         "y[M,N] = x[M,K] @ dequant(W).T (+ bias): weight-only quantized GEMM on packed tiles");
   m.def("dequant_tiles", &dequant_tiles, py::arg("w"), py::arg("bits"), py::arg("scales"), py::arg("offsets"),
         py::arg("N"), py::arg("K"), py::arg("group_size"), py::arg("out"), py::arg("out_dtype"),

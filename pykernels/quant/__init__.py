@@ -1,5 +1,5 @@
-"""Quantized GEMMs (issue #5): weight-only W1..W8 x float activations (Marlin-style on GPU, AVX2 integer
-dot products on CPU) and arbitrary-precision bit-serial bipolar-INT products (act_bits).
+"""Quantized GEMMs (issue #5): weight-only W1..W8 x float activations (Marlin-style on GPU, AVX-512 VNNI
+or AVX2 integer dot products on CPU) and arbitrary-precision bit-serial bipolar-INT products (act_bits).
 
     qw = pykernels.quantize(weight, bits=4, group_size=128, scheme="asym")   # weight [N, K] like nn.Linear
     y  = pykernels.qmatmul(x, qw, bias=None, act_bits=None)                   # y = x @ W.T (+ bias)
@@ -193,10 +193,11 @@ def qmatmul(x, qw: QuantizedWeight, bias=None, *, act_bits: Optional[int] = None
     bit-serial product (p x q one-bit GEMMs).
 
     Accuracy of the weight-only CPU path: the native kernel (config impl "native", the default except
-    for bf16 activations from M=64 on) rounds the activations to int16 per 32-element block (scale =
-    the block's max|x| / 32767) to run integer dot products: each x_k moves by at most 2^-16 of its
-    block's max|x|, so y differs from the fp32 product with the dequantized weight by about 2-4e-5
-    of max|y| on typical data. The weights themselves are used exactly. For an exact fp32 result
+    for bf16 activations from M=64 on) rounds the activations to int16 per block (scale = the block's
+    max|x| / 32767) to run integer dot products: blocks of 32 elements on AVX2 and portable CPUs, of
+    one weight group (at most 2048 elements; 1024 with group_size=-1) on AVX-512 VNNI CPUs. Each x_k
+    moves by at most 2^-16 of its block's max|x|, so y differs from the fp32 product with the
+    dequantized weight by about 2-4e-5 of max|y| on typical data. The weights themselves are used exactly. For an exact fp32 result
     use the dequantize route, torch.nn.functional.linear(x, qw.dequantize(torch.float32), bias)
     (what the "dequant_mm" config does chunk by chunk, with the same weights)."""
     x = as_tensor(x, "qmatmul", "x")
