@@ -437,27 +437,54 @@ def _resolve(algorithm: str, group, topo: Topology, nbytes: int) -> dict:
 _SCRATCH: dict = {}
 
 
-def _scratch(group, x: torch.Tensor) -> torch.Tensor:
-    """A receive buffer as large as x, kept per group and reused (fresh pages cost a page fault each:
-    ~10% of a 64 MiB all-reduce). One collective at a time runs per group (see _Runner)."""
+_RD_REGIONS_BYTES = 8 << 20  # up to this size recursive doubling gets a receive region per round
+
+
+def _scratch(group, x: torch.Tensor, p: int, rounds: int = 1) -> torch.Tensor:
+    """A receive buffer of rounds * x.numel() + p elements (the direct reduce-scatter and recursive
+    halving pack p - 1 parts of up to ceil(m / p) elements in it; recursive doubling takes a region per
+    round so that every receive is posted up front), kept per group and reused (fresh pages cost a page
+    fault each: ~10% of a 64 MiB all-reduce). One collective at a time runs per group (see _Runner)."""
     key = (group, x.dtype, x.device)
+    need = max(1, rounds) * x.numel() + p
     with _STATE_LOCK:
         buf = _SCRATCH.get(key)
-        if buf is None or buf.numel() < x.numel():
-            buf = torch.empty(max(x.numel(), 1), dtype=x.dtype, device=x.device)
+        if buf is None or buf.numel() < need:
+            buf = torch.empty(need, dtype=x.dtype, device=x.device)
             if x.numel() <= (256 << 20) // max(x.element_size(), 1):
                 _SCRATCH[key] = buf
-        return buf[:x.numel()]
+        return buf[:need]
+
+
+_AGREE_CALLS: dict = {}
+_FLAT_COMMS: dict = {}
+
+
+def _flat_comm(group) -> A.Comm:
+    """The whole group in rank order, made once per group."""
+    with _STATE_LOCK:
+        comm = _FLAT_COMMS.get(group)
+        if comm is None:
+            comm = _FLAT_COMMS[group] = A.Comm(group, range(dist.get_world_size(group)), dist.get_rank(group),
+                                               native_ok=True)
+        return comm
 
 
 def _check_agreement(group, signature: str, device: torch.device):
     """Raise on every rank unless every rank of `group` passed the same signature."""
     h = int.from_bytes(hashlib.blake2b(signature.encode(), digest_size=7).digest(), "little")  # < 2**56
-    on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    t = torch.tensor([h, -h], dtype=torch.int64, device=on)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    hi, neg_lo = t.tolist()
-    if hi != h or -neg_lo != h:
+    if _backend_name(group) == "nccl":
+        # NCCL's own small all-reduce is one fused kernel: cheaper than any exchange of ours
+        t = torch.tensor([h, -h], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        hi, neg_lo = t.tolist()
+        ok = hi == h and -neg_lo == h
+    else:
+        with _STATE_LOCK:
+            count = _AGREE_CALLS.get(group, 0)
+            _AGREE_CALLS[group] = count + 1
+        ok = A.agree(_flat_comm(group), h, count)
+    if not ok:
         raise RuntimeError(f"{OPNAME}: the ranks of the group disagree on numel, dtype or op "
                            f"(this rank: {signature}); every rank must pass the same")
 
@@ -478,7 +505,10 @@ def _run_choice(choice: dict, x: torch.Tensor, n: int, op: str, group, topo: Top
     sig = f"{n}|{x.dtype}|{op}|{json.dumps(choice, sort_keys=True)}|{topo.sizes}"
     piece = max(1, A.PIECE_BYTES // x.element_size())
     ctx = A.Ctx(_REDUCE[op], piece, A.Tagger(sig))
-    tmp = _scratch(group, x)
+    p = dist.get_world_size(group)
+    rd = name == "recursive_doubling" or choice.get("outer") == "recursive_doubling"
+    rounds = A._lg(p) if rd and n * x.element_size() <= _RD_REGIONS_BYTES else 1
+    tmp = _scratch(group, x, p, rounds)
     if name == "hierarchical":
         levels = topo.comms(group)
         inner = list(choice.get("inner", []))
@@ -489,9 +519,7 @@ def _run_choice(choice: dict, x: torch.Tensor, n: int, op: str, group, topo: Top
             inner = [("ring" if h == "halving" and c.size & (c.size - 1) else h) for h, c in zip(inner, levels)]
         A.hierarchical(levels, x, tmp, n, ctx, inner, outer, native_op=_BASE_OP[op])
         return
-    pg = group
-    comm = A.Comm(pg, range(dist.get_world_size(pg)), dist.get_rank(pg), native_ok=True)
-    A.FLAT[name](comm, x, tmp, 0, n, ctx)
+    A.FLAT[name](_flat_comm(group), x, tmp, 0, n, ctx)
 
 
 # ================================================================================================
