@@ -712,7 +712,8 @@ _TUNE_MARGIN = 0.05
 def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool = False, store: bool = True) -> Params:
     """Collective: every rank of `group` calls it. Measures alpha/beta of every topology level (all
     pairs exchanging at once), gamma, gloo's own all-reduce, and for each size in `sizes` (bytes of
-    float32; default 4 KiB..64 MiB by 4x) the fastest of native and the model's two best algorithms.
+    float32; default 4 KiB..64 MiB by 4x) the fastest of native and the model's best two or three
+    algorithms (ours only when it beats native clearly in two races in a row).
     The max over ranks is kept, so every rank gets the same Params; they go into the autotune cache
     (pykernels.autotune, op "all_reduce") and are used by algorithm="auto" from then on."""
     group = _default_group(group)
@@ -796,34 +797,45 @@ def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool 
     native = (max(n_small - (4 << 10) * nb_beta, 1e-7), nb_beta)
     params = Params(lv, flat, native, gamma, source=f"tuned {time.strftime('%Y-%m-%d %H:%M')}", level_native=lnat)
 
-    # the measured table: native and the model's two best, head to head at each size
+    # the measured table: native and the model's best (three up to 4 MiB, where a try is cheap; two
+    # above), head to head at each size
     native_outer = p == dist.get_world_size() or topo.num_levels == 1
     table = []
     for nbytes in sizes:
         cands = _candidates(params, p, topo.sizes, nbytes, native_outer)
         ours = sorted((k for k in cands if k not in ("native", "hierarchical_pipelined")),
-                      key=lambda k: cands[k][1])[:2]
+                      key=lambda k: cands[k][1])[:3 if nbytes <= (4 << 20) else 2]
         names = ["native"] + ours + (["hierarchical_pipelined"] if "hierarchical_pipelined" in cands else [])
         x = torch.ones(max(1, nbytes // 4), device=dev)
-        times = {k: [] for k in names}
         # small sizes are cheap: more repeats there (the machines these run on are noisy)
-        r = reps * 3 if nbytes <= (1 << 20) else (reps if nbytes < (16 << 20) else max(2, reps - 1))
-        for _ in range(r + 1):
-            for k in names:
-                dist.barrier(group=group)
-                t0 = time.perf_counter()
-                _run_choice(cands[k][0], x, x.numel(), "max", group, topo)
-                times[k].append(time.perf_counter() - t0)
-        # per repeat the slowest rank's time; then the best repeat and the median of the repeats:
-        # ours must win on both, by MARGIN, to replace gloo's own (a tuned choice never loses to it)
-        mat = torch.tensor([times[k][1:] for k in names], dtype=torch.float64)
-        if p > 1:
-            dist.all_reduce(mat, op=dist.ReduceOp.MAX, group=group)
-        best_t = mat.min(dim=1).values.tolist()
-        med = mat.median(dim=1).values.tolist()
-        best = min(range(len(names)), key=lambda i: best_t[i])
-        if names[best] != "native" and (best_t[best] > (1 - _TUNE_MARGIN) * best_t[0]
-                                        or med[best] > (1 - _TUNE_MARGIN) * med[0]):
+        r = max(reps * 5, 15) if nbytes <= (1 << 20) else (max(reps * 3, 9) if nbytes < (16 << 20) else max(reps, 5))
+
+        def race(names):
+            """Median time and median ratio to names[0] (per repeat) of each candidate, every rank's
+            slowest time per call; the order rotates every repeat; the first repeat is a warm-up."""
+            times = {k: [] for k in names}
+            for rep in range(r + 1):
+                for k in names[rep % len(names):] + names[:rep % len(names)]:
+                    dist.barrier(group=group)
+                    t0 = time.perf_counter()
+                    _run_choice(cands[k][0], x, x.numel(), "max", group, topo)
+                    times[k].append(time.perf_counter() - t0)
+            mat = torch.tensor([times[k][1:] for k in names], dtype=torch.float64)
+            if p > 1:
+                dist.all_reduce(mat, op=dist.ReduceOp.MAX, group=group)
+            return mat.median(dim=1).values.tolist(), (mat / mat[0]).median(dim=1).values.tolist()
+
+        # Ours replaces gloo's own (native: also what an untuned auto falls back to) only if it wins by
+        # MARGIN on the median time AND on the median of its per-repeat ratio to native (load that
+        # drifts during tuning cancels out of each pair), and then again in a second race of the two
+        # alone: a tuned choice must never lose to the default, and one lucky race is not enough.
+        med, rel = race(names)
+        best = min(range(len(names)), key=lambda i: med[i])
+
+        def wins(med, rel, i):
+            return med[i] <= (1 - _TUNE_MARGIN) * med[0] and rel[i] <= 1 - _TUNE_MARGIN
+
+        if names[best] != "native" and not (wins(med, rel, best) and wins(*race(["native", names[best]]), 1)):
             best = 0
         table.append((nbytes, cands[names[best]][0]))
         if verbose and dist.get_rank(group) == 0:
