@@ -520,18 +520,36 @@ def _max_into(d, s):
     torch.maximum(d, s, out=d)
 
 
-def agree(comm: Comm, value: int, counter: int) -> bool:
+AGREE_DIRECT_MAX = 16     # up to this many members agree() is one round of direct messages
+
+
+def agree(comm: Comm, value: int, counter: int, direct: Optional[bool] = None) -> bool:
     """True on every member iff every member passed the same `value` (|value| < 2**62), else False on
-    every member. A 16-byte recursive doubling of (value, -value) under max (lg p rounds, plus 2 for the
-    MPICH fold): the same message sizes on every rank whatever it passed, so a disagreeing rank can never
-    make gloo abort on a longer-than-expected message, and about a third of the latency of gloo's own
-    all-reduce of 16 bytes (a ring: 2(p - 1) rounds). The tags carry the reserved signature AGREE_SIG and
-    the call counter (mod MAX_ROUNDS / AGREE_STRIDE), so a message left over from a call that failed
-    is not taken for the next call's."""
+    every member. Up to AGREE_DIRECT_MAX members: one round in which every member sends its value to
+    every other (p - 1 messages of 8 bytes each way, all in flight at once: one latency, and usually
+    no wait at all by the time they are checked); beyond: a 16-byte recursive doubling of (value,
+    -value) under max (lg p rounds, plus 2 for the MPICH fold). Either way the message sizes are the
+    same on every rank whatever it passed, so a disagreeing rank can never make gloo abort on a
+    longer-than-expected message, and it costs a fraction of gloo's own all-reduce of 16 bytes (a
+    ring: 2(p - 1) rounds). The tags carry the reserved signature AGREE_SIG and the call counter (mod
+    MAX_ROUNDS / AGREE_STRIDE), so a message left over from a call that failed is not taken for the
+    next call's."""
+    p, i = comm.size, comm.me
+    tg = Tagger("", sig_bits=AGREE_SIG)
+    tg.round = (counter * AGREE_STRIDE) % MAX_ROUNDS
+    if p == 1:
+        return True
+    if direct if direct is not None else p <= AGREE_DIRECT_MAX:
+        tag = tg.tag(tg.next(), 0)
+        mine = torch.tensor([value], dtype=torch.int64)
+        got = torch.empty(p - 1, dtype=torch.int64)
+        peers = [(i + d) % p for d in range(1, p)]  # staggered, so not everyone sends to member 0 first
+        sw, rw = comm.post([(m, mine, tag) for m in peers], [(m, got[j:j + 1], tag) for j, m in enumerate(peers)])
+        _wait(rw)
+        _wait(sw)
+        return bool((got == value).all())
     t = torch.tensor([value, -value], dtype=torch.int64)
-    ctx = Ctx(_max_into, 2, Tagger("", sig_bits=AGREE_SIG))
-    ctx.tg.round = (counter * AGREE_STRIDE) % MAX_ROUNDS
-    recursive_doubling(comm, t, torch.empty(2, dtype=torch.int64), 0, 2, ctx)
+    recursive_doubling(comm, t, torch.empty(2 * _lg(p), dtype=torch.int64), 0, 2, Ctx(_max_into, 2, tg))
     hi, neg_lo = t.tolist()
     return hi == value and -neg_lo == value
 
