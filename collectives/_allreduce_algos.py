@@ -28,7 +28,7 @@ delivering a message of the wrong length, which gloo answers by aborting the who
 from __future__ import annotations
 
 import zlib
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -99,19 +99,11 @@ class _AllOf:
         return True
 
 
-AGREE_SIG = 0xFFF         # the signature field reserved for agree(): no algorithm's messages carry it
-AGREE_STRIDE = 32         # rounds per agree() call (lg p + 2 <= 22 for any p < 2**20)
-
-
 class Tagger:
     """Round numbers advance identically on every rank (ranks that sit out a phase skip its rounds)."""
 
-    def __init__(self, signature: str, *, sig_bits: Optional[int] = None):
-        if sig_bits is None:
-            sig_bits = zlib.crc32(signature.encode()) & 0xFFF
-            if sig_bits == AGREE_SIG:  # keep the agreement exchange's tags apart from every algorithm's
-                sig_bits = AGREE_SIG - 1
-        self.sig = sig_bits << 19
+    def __init__(self, signature: str):
+        self.sig = (zlib.crc32(signature.encode()) & 0xFFF) << 19
         self.round = 0
 
     def next(self) -> int:
@@ -514,44 +506,6 @@ def native(comm: Comm, x, tmp, lo, hi, ctx: Ctx, op=None):
         raise RuntimeError("collectives.all_reduce: 'native' needs a process group holding exactly this "
                            "level's members")
     dist.all_reduce(x[lo:hi], op=op, group=comm.pg)
-
-
-def _max_into(d, s):
-    torch.maximum(d, s, out=d)
-
-
-AGREE_DIRECT_MAX = 16     # up to this many members agree() is one round of direct messages
-
-
-def agree(comm: Comm, value: int, counter: int, direct: Optional[bool] = None) -> bool:
-    """True on every member iff every member passed the same `value` (|value| < 2**62), else False on
-    every member. Up to AGREE_DIRECT_MAX members: one round in which every member sends its value to
-    every other (p - 1 messages of 8 bytes each way, all in flight at once: one latency, and usually
-    no wait at all by the time they are checked); beyond: a 16-byte recursive doubling of (value,
-    -value) under max (lg p rounds, plus 2 for the MPICH fold). Either way the message sizes are the
-    same on every rank whatever it passed, so a disagreeing rank can never make gloo abort on a
-    longer-than-expected message, and it costs a fraction of gloo's own all-reduce of 16 bytes (a
-    ring: 2(p - 1) rounds). The tags carry the reserved signature AGREE_SIG and the call counter (mod
-    MAX_ROUNDS / AGREE_STRIDE), so a message left over from a call that failed is not taken for the
-    next call's."""
-    p, i = comm.size, comm.me
-    tg = Tagger("", sig_bits=AGREE_SIG)
-    tg.round = (counter * AGREE_STRIDE) % MAX_ROUNDS
-    if p == 1:
-        return True
-    if direct if direct is not None else p <= AGREE_DIRECT_MAX:
-        tag = tg.tag(tg.next(), 0)
-        mine = torch.tensor([value], dtype=torch.int64)
-        got = torch.empty(p - 1, dtype=torch.int64)
-        peers = [(i + d) % p for d in range(1, p)]  # staggered, so not everyone sends to member 0 first
-        sw, rw = comm.post([(m, mine, tag) for m in peers], [(m, got[j:j + 1], tag) for j, m in enumerate(peers)])
-        _wait(rw)
-        _wait(sw)
-        return bool((got == value).all())
-    t = torch.tensor([value, -value], dtype=torch.int64)
-    recursive_doubling(comm, t, torch.empty(2 * _lg(p), dtype=torch.int64), 0, 2, Ctx(_max_into, 2, tg))
-    hi, neg_lo = t.tolist()
-    return hi == value and -neg_lo == value
 
 
 FLAT = {"recursive_doubling": recursive_doubling, "halving_doubling": halving_doubling, "ring": ring}

@@ -282,21 +282,6 @@ def chk_scratch_sizes(n, seed=321):
         assert torch.equal(x, _expected(ins, torch.int64, "sum")), ("direct", n)
 
 
-def chk_agree():
-    """The agreement exchange before gloo's own all-reduce: True on every rank iff all passed the same
-    value, False on every rank otherwise (whichever rank differs, by how much), call after call."""
-    from collectives import _allreduce_algos as A
-
-    world, rank = dist.get_world_size(), dist.get_rank()
-    comm = A.Comm(dist.group.WORLD, range(world), rank, native_ok=True)
-    out = []
-    for direct in (True, False):  # one round of direct messages, and recursive doubling (large groups)
-        for call, (odd, delta) in enumerate([(None, 0), (world - 1, 1), (0, -(1 << 55)), (None, 0), (world // 2, 3)]):
-            v = (1 << 54) + 12345 + (delta if rank == odd else 0)
-            out.append(A.agree(comm, v, 2 * call + direct, direct))
-    return out
-
-
 def chk_layouts(algo):
     """Non-contiguous and multi-dimensional tensors are reduced in place, same storage; extremes."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -523,7 +508,6 @@ def test_world_4_layouts_async_errors(clusters):
     c.run("chk_errors_in_group")
     c.run("chk_scratch_sizes", 0)
     c.run("chk_scratch_sizes", 103)
-    assert c.run("chk_agree") == [[True, False, False, True, False] * 2] * 4
     shapes = c.run("chk_level_comms", [2, 2])
     assert shapes == [[(2, 0), (2, 0)], [(2, 1), (2, 0)], [(2, 0), (2, 1)], [(2, 1), (2, 1)]]
     rep, note = c.run("chk_detect")[0]
@@ -576,8 +560,6 @@ def test_non_power_of_two(clusters, world):
         c.run("chk_sweep", ["hierarchical"], [None], [1, 1001], ["sum"], [torch.float32])
     c.run("chk_vs_native", FLAT_ALGOS, [None], [1001])
     c.run("chk_scratch_sizes", 61)
-    want = [True, False, False, True, False] * 2
-    assert c.run("chk_agree") == [want] * world
 
 
 def test_world_8_three_levels(clusters):
