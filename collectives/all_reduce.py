@@ -437,16 +437,13 @@ def _resolve(algorithm: str, group, topo: Topology, nbytes: int) -> dict:
 _SCRATCH: dict = {}
 
 
-_RD_REGIONS_BYTES = 8 << 20  # up to this size recursive doubling gets a receive region per round
-
-
-def _scratch(group, x: torch.Tensor, p: int, rounds: int = 1) -> torch.Tensor:
-    """A receive buffer of rounds * x.numel() + p elements (the direct reduce-scatter and recursive
-    halving pack p - 1 parts of up to ceil(m / p) elements in it; recursive doubling takes a region per
-    round so that every receive is posted up front), kept per group and reused (fresh pages cost a page
-    fault each: ~10% of a 64 MiB all-reduce). One collective at a time runs per group (see _Runner)."""
+def _scratch(group, x: torch.Tensor, p: int) -> torch.Tensor:
+    """A receive buffer of x.numel() + p elements (the direct reduce-scatter and recursive halving pack
+    p - 1 parts of up to ceil(m / p) elements in it), kept per group and reused (fresh pages cost a
+    page fault each: ~10% of a 64 MiB all-reduce). One collective at a time runs per group (see
+    _Runner)."""
     key = (group, x.dtype, x.device)
-    need = max(1, rounds) * x.numel() + p
+    need = x.numel() + p
     with _STATE_LOCK:
         buf = _SCRATCH.get(key)
         if buf is None or buf.numel() < need:
@@ -502,10 +499,7 @@ def _run_choice(choice: dict, x: torch.Tensor, n: int, op: str, group, topo: Top
     sig = f"{n}|{x.dtype}|{op}|{json.dumps(choice, sort_keys=True)}|{topo.sizes}"
     piece = max(1, A.PIECE_BYTES // x.element_size())
     ctx = A.Ctx(_REDUCE[op], piece, A.Tagger(sig))
-    p = dist.get_world_size(group)
-    rd = name == "recursive_doubling" or choice.get("outer") == "recursive_doubling"
-    rounds = A._lg(p) if rd and n * x.element_size() <= _RD_REGIONS_BYTES else 1
-    tmp = _scratch(group, x, p, rounds)
+    tmp = _scratch(group, x, dist.get_world_size(group))
     if name == "hierarchical":
         levels = topo.comms(group)
         inner = list(choice.get("inner", []))

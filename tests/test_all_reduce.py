@@ -253,9 +253,9 @@ def chk_pipelined(topo_sizes, n, op, dtype, seed=77):
 
 def chk_scratch_sizes(n, seed=321):
     """The algorithms with a scratch smaller than they would like (the contract: at least hi elements):
-    recursive doubling with one receive region for all its rounds (each piece's next receive posted once that piece is reduced), halving
-    with a buffer too small for its kept halves (it allocates), the direct reduce-scatter likewise;
-    tiny pieces so that every round has several."""
+    halving with a buffer too small for its kept halves (it allocates), the direct reduce-scatter
+    likewise; recursive doubling and the ring with exactly n; tiny pieces so that every round has
+    several."""
     from collectives import _allreduce_algos as A
     from collectives.all_reduce import _REDUCE
 
