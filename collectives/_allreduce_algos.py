@@ -15,10 +15,11 @@ References (cost terms in ../shared/ALGORITHMS.md):
 Messages: each transfer is cut into pieces of about 1 MiB that are all posted at once, and each
 received piece is reduced as soon as it lands, so sends, receives and the reduction overlap (one large
 two-way exchange on gloo runs at about half speed; see FIELD_NOTES). Receives are posted before the
-sends they answer and, where the buffers allow, before their round starts (`Round`): gloo's tcp
+sends they answer and, in halving-doubling, the ring and the fold, before their round starts (`Round`): gloo's tcp
 transport is a rendezvous (a message leaves only once the peer has announced the matching receive; a
 send that finds no announcement announces itself and waits), so a late receive costs a round trip and
-a thread wake-up per message, which on a loaded 2-core machine is most of a small all-reduce.
+a thread wake-up per message (halving-doubling at 4 KiB-1 MiB on 4 ranks: 0.5-0.7x of gloo before,
+0.8-1.0x after).
 
 Tags: every message carries tag = signature(12 bits) | round(10 bits) | piece(9 bits). The signature
 hashes (numel, dtype, op, algorithm), so ranks that disagree about the call never match each other's

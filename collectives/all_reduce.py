@@ -477,8 +477,7 @@ def _check_agreement(group, signature: str, device: torch.device):
     t = torch.tensor([h, -h], dtype=torch.int64, device=on)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     hi, neg_lo = t.tolist()
-    ok = hi == h and -neg_lo == h
-    if not ok:
+    if hi != h or -neg_lo != h:
         raise RuntimeError(f"{OPNAME}: the ranks of the group disagree on numel, dtype or op "
                            f"(this rank: {signature}); every rank must pass the same")
 
