@@ -7,7 +7,10 @@
     100 Mbit/s link, hierarchical vs gloo flat (goal 1.4x), and 3 nodes x 2 ranks.
 
 Each measurement: barrier, every rank times the call, the slowest rank's time counts (max over ranks),
-median over repeats; ours and the baseline alternate call by call.
+median over repeats (>= 30 up to 1 MiB, >= 9 up to 4 MiB, >= 5 above, more while the time budget
+lasts); ours and the baseline alternate call by call in the same processes, the order rotating every
+repeat. `speedup` is the ratio of the medians, `paired_speedup` the median of the per-repeat ratios,
+`cpu_ratio` the ratio of the median CPU seconds per call summed over ranks (all threads).
 
 Standalone worker (used by the netns script): python -m bench.suite_allreduce worker --rank R --world W
   --init file:///path [--sizes 4194304,...] [--algos auto,hierarchical] [--topology 2,2] [--out FILE]
@@ -64,25 +67,41 @@ def measure(sizes, algos, topology, reps, tune_first=True, budget_s=3.0):
             return lambda: collectives.all_reduce(x, algorithm=algo, topology=topology)
 
         fns = {"native": native, **{a: ours(a) for a in algos}}
+        names = list(fns)
         times = {k: [] for k in fns}
-        for k, fn in fns.items():  # warm-up (and sub-group creation)
-            fn()
+        cpu = {k: [] for k in fns}
+        for _ in range(2):  # warm-up (sub-group creation, scratch pages, gloo's pair buffers)
+            for k, fn in fns.items():
+                fn()
+        # small calls are cheap and noisy: more repeats; big ones at least 5 (the median needs them)
+        min_reps = max(reps, 30 if nbytes <= (1 << 20) else 9 if nbytes <= (4 << 20) else 5)
+        max_reps = max(min_reps, 60 if nbytes <= (1 << 20) else 25)
         start = time.perf_counter()
         r = 0
         while True:
-            for k, fn in fns.items():
+            # the order rotates every repeat, so no candidate always runs right after the same one
+            for k in names[r % len(names):] + names[:r % len(names)]:
                 dist.barrier()
-                t0 = time.perf_counter()
-                fn()
+                c0, t0 = time.process_time(), time.perf_counter()
+                fns[k]()
                 times[k].append(time.perf_counter() - t0)
+                cpu[k].append(time.process_time() - c0)  # every thread of this rank (gloo's included)
             r += 1
             spent = torch.tensor([time.perf_counter() - start])
             dist.all_reduce(spent, op=dist.ReduceOp.MAX)  # every rank stops after the same repeat
-            if r >= reps and (spent.item() > budget_s or r >= 15):
+            if r >= min_reps and (spent.item() > budget_s or r >= max_reps):
                 break
-        t = torch.tensor([v[:r] for v in times.values()], dtype=torch.float64)
+        t = torch.tensor([times[k][:r] for k in names], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time of each call
-        med = {k: statistics.median(t[i].tolist()) for i, k in enumerate(fns)}
+        med = {k: statistics.median(t[i].tolist()) for i, k in enumerate(names)}
+        # CPU seconds of all ranks together per call: with 4 ranks on 2 cores (and neighbours) the cost
+        # that does not depend on how busy the machine is
+        c = torch.tensor([cpu[k][:r] for k in names], dtype=torch.float64)
+        dist.all_reduce(c)
+        cmed = {k: statistics.median(c[i].tolist()) for i, k in enumerate(names)}
+        # the median over repeats of gloo's time / ours in the same repeat: load that drifts during the
+        # run (this machine is shared) cancels out of each pair
+        paired = {k: statistics.median((t[0] / t[i]).tolist()) for i, k in enumerate(names)}
         if rank == 0:
             for algo in algos:
                 algbw = nbytes / med[algo]
@@ -93,6 +112,8 @@ def measure(sizes, algos, topology, reps, tune_first=True, budget_s=3.0):
                     "size": nbytes, "baseline": "dist.all_reduce (gloo)", "ours_s": med[algo],
                     "baseline_s": med["native"], "speedup": med["native"] / med[algo],
                     "ours_rate": algbw, "baseline_rate": nbytes / med["native"], "unit": "B",
+                    "paired_speedup": paired[algo], "ours_cpu_s": cmed[algo], "baseline_cpu_s": cmed["native"],
+                    "cpu_ratio": cmed["native"] / cmed[algo] if cmed[algo] > 0 else float("nan"),
                     "goal": 1.0 if algo == "auto" else None, "repeats": r, "device": "cpu", "threads": 1,
                     "algbw_GBps": algbw / 1e9, "busbw_GBps": busbw / 1e9, "baseline_busbw_GBps": base_bus / 1e9,
                     "topology": str(topology), "notes": (f"auto runs {runs}; " if algo == "auto" else "") + notes,

@@ -14,7 +14,12 @@ References (cost terms in ../shared/ALGORITHMS.md):
 
 Messages: each transfer is cut into pieces of about 1 MiB that are all posted at once, and each
 received piece is reduced as soon as it lands, so sends, receives and the reduction overlap (one large
-two-way exchange on gloo runs at about half speed; see FIELD_NOTES).
+two-way exchange on gloo runs at about half speed; see FIELD_NOTES). Receives are posted before the
+sends they answer and, in halving-doubling, the ring and the fold, before their round starts (`Round`): gloo's tcp
+transport is a rendezvous (a message leaves only once the peer has announced the matching receive; a
+send that finds no announcement announces itself and waits), so a late receive costs a round trip and
+a thread wake-up per message (halving-doubling at 4 KiB-1 MiB on 4 ranks: 0.5-0.7x of gloo before,
+0.8-1.0x after).
 
 Tags: every message carries tag = signature(12 bits) | round(10 bits) | piece(9 bits). The signature
 hashes (numel, dtype, op, algorithm), so ranks that disagree about the call never match each other's
@@ -24,7 +29,7 @@ delivering a message of the wrong length, which gloo answers by aborting the who
 from __future__ import annotations
 
 import zlib
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -78,8 +83,10 @@ class Comm:
             # NCCL coalesces the whole batch into one work: every receive is then "done" only when the
             # batch is, so waiting on any of them waits on all
             return [], [_AllOf(works)] * len(recvs)
-        sw = [self.pg.send([t], self.ranks[m], tag) for m, t, tag in sends]
+        # receives first: gloo's tcp transport sends a message only once the peer has announced the
+        # matching receive (else it announces the send and waits for that notice: a round trip more)
         rw = [self.pg.recv([t], self.ranks[m], tag) for m, t, tag in recvs]
+        sw = [self.pg.send([t], self.ranks[m], tag) for m, t, tag in sends]
         return sw, rw
 
 
@@ -147,6 +154,47 @@ class Ctx:
         self.tg = tagger
 
 
+class Round:
+    """The receives of one round, posted as early as the algorithm allows: on gloo at once (its tcp
+    transport is a rendezvous: the peer's data leaves only after our receive-ready notice reaches it, so
+    a receive posted when the round starts costs a round trip per message), on NCCL together with the
+    round's first sends (a receive alone in a group call would block the sends queued behind it).
+    recvs: [(member, view, tag)]; meta: anything per receive, handed back by `arrived`."""
+
+    __slots__ = ("comm", "recvs", "meta", "works")
+
+    def __init__(self, comm: Comm, recvs, meta):
+        self.comm, self.recvs, self.meta = comm, recvs, meta
+        self.works = None if comm.coalesce else comm.post([], recvs)[1]
+
+    def send(self, sends) -> list:
+        if self.works is None:
+            sw, self.works = self.comm.post(sends, self.recvs)
+            return sw
+        return self.comm.post(sends, [])[0] if sends else []
+
+    def arrived(self):
+        """Yields (view, meta) of each receive once it completed, in posting order."""
+        if self.works is None:
+            self.send([])
+        for w, (_, view, _), m in zip(self.works, self.recvs, self.meta):
+            w.wait()
+            yield view, m
+
+
+def _piece_recvs(ctx: Ctx, member: int, buf, lo: int, hi: int, rnd: int, shift: int = 0):
+    """Receives of [lo, hi) in pieces into buf[lo + shift: hi + shift]; meta = (a, b) in x's indexing."""
+    recvs, meta = [], []
+    for k, (a, b) in enumerate(pieces(lo, hi, ctx.piece)):
+        recvs.append((member, buf[a + shift:b + shift], ctx.tg.tag(rnd, k)))
+        meta.append((a, b))
+    return recvs, meta
+
+
+def _piece_sends(ctx: Ctx, member: int, x, lo: int, hi: int, rnd: int):
+    return [(member, x[a:b], ctx.tg.tag(rnd, k)) for k, (a, b) in enumerate(pieces(lo, hi, ctx.piece))]
+
+
 # ------------------------------------------------------------------------------------------------
 # Building blocks: one step of exchange, with reduction of each piece as it arrives
 # ------------------------------------------------------------------------------------------------
@@ -187,9 +235,14 @@ def with_fold(core: Callable, core_rounds: Callable[[int], int]):
             return
         r_in = ctx.tg.next()
         if i < 2 * r and i % 2 == 0:
-            _step(comm, ctx, r_in, [(i + 1, x, lo, hi)], [])
+            # the result's receive is posted before the vector leaves (it can only arrive after the
+            # partner has all of it, so x is no longer being sent by then)
             ctx.tg.skip(core_rounds(p2))
-            _step(comm, ctx, ctx.tg.next(), [], [(i + 1, x, lo, hi)])
+            back = Round(comm, *_piece_recvs(ctx, i + 1, x, lo, hi, ctx.tg.next()))
+            sw = comm.post(_piece_sends(ctx, i + 1, x, lo, hi, r_in), [])[0]
+            for _ in back.arrived():
+                pass
+            _wait(sw)
             return
         if i < 2 * r:
             _step(comm, ctx, r_in, [], [(i - 1, tmp, lo, hi)], reduce_into=x)
@@ -212,21 +265,25 @@ def _lg(p: int) -> int:
 # Recursive doubling: lg p rounds, the whole vector exchanged with member XOR 2^k each round.
 # ------------------------------------------------------------------------------------------------
 def _rd_core(comm: Comm, x, tmp, lo, hi, ctx: Ctx):
+    """lg p rounds; round k exchanges the whole vector with member XOR 2^k and reduces it in place.
+    Each round's receives are posted with (just before) its sends, not ahead of the round: measured
+    on 4 ranks / 2 cores, receives for every round posted up front cost ~10% more CPU (the pending
+    receives keep gloo's I/O thread busier) for no gain in time; halving-doubling and the ring, whose
+    rounds are bigger, do gain from it."""
     p, i = comm.size, comm.me
     mask = 1
     while mask < p:
         peer = i ^ mask
-        # received pieces are reduced into x while x is still being sent: reduce out of place
-        # (tmp <- x op tmp) and copy back piecewise once the sends are done would cost a copy; instead
-        # wait for the sends of a piece's round first (they finish as fast as the receives on a
-        # symmetric exchange), then reduce in place.
+        # x is still being sent while its pieces come in: a piece is reduced in place once its own send
+        # is done too (they finish as fast as the receives on a symmetric exchange), so no copy back
         rnd = ctx.tg.next()
-        s_list = [(peer, x[a:b], ctx.tg.tag(rnd, k)) for k, (a, b) in enumerate(pieces(lo, hi, ctx.piece))]
-        r_list = [(peer, tmp[a:b], ctx.tg.tag(rnd, k)) for k, (a, b) in enumerate(pieces(lo, hi, ctx.piece))]
-        sw, rw = comm.post(s_list, r_list)
-        for (_, xs, _), (_, ts, _), s, r in zip(s_list, r_list, sw, rw):
+        sends = _piece_sends(ctx, peer, x, lo, hi, rnd)
+        recvs, _ = _piece_recvs(ctx, peer, tmp, lo, hi, rnd)
+        sw, rw = comm.post(sends, recvs)
+        for (_, xs, _), (_, ts, _), s, r in zip(sends, recvs, sw or [None] * len(rw), rw):
             r.wait()
-            s.wait()
+            if s is not None:
+                s.wait()
             if ts.numel():
                 ctx.red(xs, ts)
         mask <<= 1
@@ -240,26 +297,14 @@ recursive_doubling = with_fold(_rd_core, _lg)
 # recursive doubling; p' parts, member j ends the reduce-scatter owning part j.
 # ------------------------------------------------------------------------------------------------
 def _hd_core(comm: Comm, x, tmp, lo, hi, ctx: Ctx):
-    p, i = comm.size, comm.me
-    off = split(lo, hi, p)
-    plo, phi = 0, p  # the parts this member is still responsible for
-    mask = p >> 1
-    history = []
-    while mask:
-        peer = i ^ mask
-        mid = (plo + phi) // 2
-        if i & mask:
-            keep, give = (mid, phi), (plo, mid)
-        else:
-            keep, give = (plo, mid), (mid, phi)
-        _step(comm, ctx, ctx.tg.next(), [(peer, x, off[give[0]], off[give[1]])],
-              [(peer, tmp, off[keep[0]], off[keep[1]])], reduce_into=x)
-        history.append((peer, keep, give))
-        plo, phi = keep
-        mask >>= 1
-    for peer, keep, give in reversed(history):
-        _step(comm, ctx, ctx.tg.next(), [(peer, x, off[keep[0]], off[keep[1]])],
-              [(peer, x, off[give[0]], off[give[1]])])
+    """Reduce-scatter by recursive halving, then all-gather by recursive doubling. The all-gather's
+    receives are posted before the reduce-scatter starts (they land in parts of x this member has sent
+    and will not touch again, and only after the peer has received them), the reduce-scatter's all at
+    its start: no round waits for a receive-ready notice."""
+    off = split(lo, hi, comm.size)
+    pre = _doubling_ag_rounds(comm, x, off, ctx)
+    halving_reduce_scatter(comm, x, tmp, off, ctx)
+    doubling_all_gather(comm, x, off, comm.me, ctx, pre)
 
 
 halving_doubling = with_fold(_hd_core, lambda p: 2 * _lg(p))
@@ -298,28 +343,33 @@ def ring_reduce_scatter(comm: Comm, x, tmp, off, ctx: Ctx) -> int:
     return (i + 1) % p
 
 
-def ring_all_gather(comm: Comm, x, off, own: int, ctx: Ctx):
-    """p - 1 steps; each received piece is forwarded to the next member at once."""
+def _ring_ag_post(comm: Comm, x, off, own: int, ctx: Ctx):
+    """The receives of ring_all_gather, posted now: (rounds, Round)."""
     p, i = comm.size, comm.me
-    if p == 1:
-        return
-    nxt, prv = (i + 1) % p, (i - 1) % p
+    prv = (i - 1) % p
     rounds = [ctx.tg.next() for _ in range(p - 1)]
     shift = own - (i + 1)  # parts relative to the ring position (own == i + 1 after ring RS)
     recvs, meta = [], []
     for s in range(p - 1):
         part = (i - s + shift) % p
-        for k, (a, b) in enumerate(pieces(off[part], off[part + 1], ctx.piece)):
-            recvs.append((prv, x[a:b], ctx.tg.tag(rounds[s], k)))
-            meta.append((s, k, a, b))
-    first = [(nxt, x[a:b], ctx.tg.tag(rounds[0], k)) for k, (a, b) in enumerate(pieces(off[own], off[own + 1], ctx.piece))]
-    sw, rw = comm.post(first, recvs)
-    sends = list(sw)
-    for w, (s, k, a, b) in zip(rw, meta):
-        w.wait()
+        r, m = _piece_recvs(ctx, prv, x, off[part], off[part + 1], rounds[s])
+        recvs += r
+        meta += [(s, k) for k in range(len(m))]
+    return rounds, Round(comm, recvs, meta)
+
+
+def ring_all_gather(comm: Comm, x, off, own: int, ctx: Ctx, pre=None):
+    """p - 1 steps; each received piece is forwarded to the next member at once. `pre`: the receives,
+    when the caller posted them earlier (_ring_ag_post)."""
+    p, i = comm.size, comm.me
+    if p == 1:
+        return
+    nxt = (i + 1) % p
+    rounds, got = pre if pre is not None else _ring_ag_post(comm, x, off, own, ctx)
+    sends = got.send(_piece_sends(ctx, nxt, x, off[own], off[own + 1], rounds[0]))
+    for view, (s, k) in got.arrived():
         if s + 1 < p - 1:
-            more, _ = comm.post([(nxt, x[a:b], ctx.tg.tag(rounds[s + 1], k))], [])
-            sends.extend(more)
+            sends += comm.post([(nxt, view, ctx.tg.tag(rounds[s + 1], k))], [])[0]
     _wait(sends)
 
 
@@ -332,7 +382,10 @@ def direct_reduce_scatter(comm: Comm, x, tmp, off, ctx: Ctx) -> int:
     rnd = ctx.tg.next()
     mine_lo, mine_hi = off[i], off[i + 1]
     n = mine_hi - mine_lo
-    scratch = torch.empty((p - 1) * max(n, 0), dtype=x.dtype, device=x.device)
+    # the p - 1 incoming parts land side by side in tmp (the caller's reused scratch, sized numel + p:
+    # (p - 1) * ceil(m / p) <= m + p - 2), so no fresh pages per call
+    need = (p - 1) * max(n, 0)
+    scratch = tmp if tmp.numel() >= need else torch.empty(need, dtype=x.dtype, device=x.device)
     sends, recvs = [], []
     order = [(i + d) % p for d in range(1, p)]  # stagger peers so that not everyone hits member 0 first
     for j in order:
@@ -356,32 +409,67 @@ def direct_all_gather(comm: Comm, x, off, own: int, ctx: Ctx):
     _step(comm, ctx, rnd, sends, recvs)
 
 
-def halving_reduce_scatter(comm: Comm, x, tmp, off, ctx: Ctx) -> int:
-    """Recursive halving (power-of-two sizes): lg p steps, member j ends owning part j."""
-    p, i = comm.size, comm.me
-    plo, phi, mask = 0, p, p >> 1
+def _halving_plan(p: int, i: int) -> list:
+    """[(peer, keep, give)] per round of recursive halving, in parts: member i ends owning part i."""
+    plan, plo, phi, mask = [], 0, p, p >> 1
     while mask:
-        peer = i ^ mask
         mid = (plo + phi) // 2
         keep, give = ((mid, phi), (plo, mid)) if i & mask else ((plo, mid), (mid, phi))
-        _step(comm, ctx, ctx.tg.next(), [(peer, x, off[give[0]], off[give[1]])],
-              [(peer, tmp, off[keep[0]], off[keep[1]])], reduce_into=x)
+        plan.append((i ^ mask, keep, give))
         plo, phi = keep
         mask >>= 1
+    return plan
+
+
+def halving_reduce_scatter(comm: Comm, x, tmp, off, ctx: Ctx) -> int:
+    """Recursive halving (power-of-two sizes): lg p steps, member j ends owning part j. Every round's
+    receive is posted at the start, each into its own region of tmp (the kept halves shrink: p - 1
+    parts in all). A round's sends (the half given away) are never touched again, so only the end
+    waits for them."""
+    p, i = comm.size, comm.me
+    plan = _halving_plan(p, i)
+    rounds = [ctx.tg.next() for _ in plan]
+    total = sum(off[keep[1]] - off[keep[0]] for _, keep, _ in plan)
+    buf = tmp if tmp.numel() >= total else torch.empty(total, dtype=x.dtype, device=x.device)
+    got, base = [], 0
+    for (peer, keep, _), rnd in zip(plan, rounds):
+        a0, b0 = off[keep[0]], off[keep[1]]
+        got.append(Round(comm, *_piece_recvs(ctx, peer, buf, a0, b0, rnd, base - a0)))
+        base += b0 - a0
+    sends = []
+    for (peer, _, give), rnd, g in zip(plan, rounds, got):
+        sends += g.send(_piece_sends(ctx, peer, x, off[give[0]], off[give[1]], rnd))
+        for view, (a, b) in g.arrived():
+            if b > a:
+                ctx.red(x[a:b], view)
+    _wait(sends)
     return i
 
 
-def doubling_all_gather(comm: Comm, x, off, own: int, ctx: Ctx):
-    """Recursive doubling all-gather after halving_reduce_scatter (member j owns part j)."""
+def _doubling_ag_rounds(comm: Comm, x, off, ctx: Ctx) -> list:
+    """The receives of the recursive-doubling all-gather, posted now: [(peer, own block, round, Round)]."""
     p, i = comm.size, comm.me
-    lo_p, hi_p, mask = i, i + 1, 1
+    out, lo_p, hi_p, mask = [], i, i + 1, 1
     while mask < p:
         peer = i ^ mask
         # the peer's block of parts has the same width, on the other side of this mask bit
         other = (lo_p - mask, hi_p - mask) if i & mask else (lo_p + mask, hi_p + mask)
-        _step(comm, ctx, ctx.tg.next(), [(peer, x, off[lo_p], off[hi_p])], [(peer, x, off[other[0]], off[other[1]])])
+        rnd = ctx.tg.next()
+        out.append((peer, (lo_p, hi_p), rnd, Round(comm, *_piece_recvs(ctx, peer, x, off[other[0]], off[other[1]], rnd))))
         lo_p, hi_p = min(lo_p, other[0]), max(hi_p, other[1])
         mask <<= 1
+    return out
+
+
+def doubling_all_gather(comm: Comm, x, off, own: int, ctx: Ctx, pre=None):
+    """Recursive doubling all-gather after halving_reduce_scatter (member j owns part j); `pre`: its
+    receives, when the caller posted them earlier (_doubling_ag_rounds)."""
+    sends = []
+    for peer, (lo_p, hi_p), rnd, got in (pre if pre is not None else _doubling_ag_rounds(comm, x, off, ctx)):
+        sends += got.send(_piece_sends(ctx, peer, x, off[lo_p], off[hi_p], rnd))
+        for _ in got.arrived():
+            pass
+    _wait(sends)
 
 
 def ring(comm: Comm, x, tmp, lo, hi, ctx: Ctx):
@@ -389,8 +477,11 @@ def ring(comm: Comm, x, tmp, lo, hi, ctx: Ctx):
     if comm.size == 1:
         return
     off = split(lo, hi, comm.size)
+    # the all-gather's receives go out first: each lands in a part this member has finished with (its
+    # last use there is a send, which the data's arrival proves complete)
+    pre = _ring_ag_post(comm, x, off, (comm.me + 1) % comm.size, ctx)
     own = ring_reduce_scatter(comm, x, tmp, off, ctx)
-    ring_all_gather(comm, x, off, own, ctx)
+    ring_all_gather(comm, x, off, own, ctx, pre)
 
 
 def native(comm: Comm, x, tmp, lo, hi, ctx: Ctx, op=None):

@@ -437,23 +437,43 @@ def _resolve(algorithm: str, group, topo: Topology, nbytes: int) -> dict:
 _SCRATCH: dict = {}
 
 
-def _scratch(group, x: torch.Tensor) -> torch.Tensor:
-    """A receive buffer as large as x, kept per group and reused (fresh pages cost a page fault each:
-    ~10% of a 64 MiB all-reduce). One collective at a time runs per group (see _Runner)."""
+def _scratch(group, x: torch.Tensor, p: int) -> torch.Tensor:
+    """A receive buffer of x.numel() + p elements (the direct reduce-scatter and recursive halving pack
+    p - 1 parts of up to ceil(m / p) elements in it), kept per group and reused (fresh pages cost a
+    page fault each: ~10% of a 64 MiB all-reduce). One collective at a time runs per group (see
+    _Runner)."""
     key = (group, x.dtype, x.device)
+    need = x.numel() + p
     with _STATE_LOCK:
         buf = _SCRATCH.get(key)
-        if buf is None or buf.numel() < x.numel():
-            buf = torch.empty(max(x.numel(), 1), dtype=x.dtype, device=x.device)
+        if buf is None or buf.numel() < need:
+            buf = torch.empty(need, dtype=x.dtype, device=x.device)
             if x.numel() <= (256 << 20) // max(x.element_size(), 1):
                 _SCRATCH[key] = buf
-        return buf[:x.numel()]
+        return buf[:need]
+
+
+_FLAT_COMMS: dict = {}
+
+
+def _flat_comm(group) -> A.Comm:
+    """The whole group in rank order, made once per group."""
+    with _STATE_LOCK:
+        comm = _FLAT_COMMS.get(group)
+        if comm is None:
+            comm = _FLAT_COMMS[group] = A.Comm(group, range(dist.get_world_size(group)), dist.get_rank(group),
+                                               native_ok=True)
+        return comm
 
 
 def _check_agreement(group, signature: str, device: torch.device):
     """Raise on every rank unless every rank of `group` passed the same signature."""
     h = int.from_bytes(hashlib.blake2b(signature.encode(), digest_size=7).digest(), "little")  # < 2**56
-    on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    # gloo's own all-reduce of 2 elements: measured cheaper than any exchange of ours (2 elements over 4
+    # ranks leave most of its ring's chunks empty; p2p messages cost ~2x its CPU on a loaded 2-core
+    # machine). max(h) == min(h) == this rank's h on every rank iff all agree, so a mismatch fails
+    # on every rank.
+    on = device if _backend_name(group) == "nccl" else torch.device("cpu")
     t = torch.tensor([h, -h], dtype=torch.int64, device=on)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     hi, neg_lo = t.tolist()
@@ -478,7 +498,7 @@ def _run_choice(choice: dict, x: torch.Tensor, n: int, op: str, group, topo: Top
     sig = f"{n}|{x.dtype}|{op}|{json.dumps(choice, sort_keys=True)}|{topo.sizes}"
     piece = max(1, A.PIECE_BYTES // x.element_size())
     ctx = A.Ctx(_REDUCE[op], piece, A.Tagger(sig))
-    tmp = _scratch(group, x)
+    tmp = _scratch(group, x, dist.get_world_size(group))
     if name == "hierarchical":
         levels = topo.comms(group)
         inner = list(choice.get("inner", []))
@@ -489,9 +509,7 @@ def _run_choice(choice: dict, x: torch.Tensor, n: int, op: str, group, topo: Top
             inner = [("ring" if h == "halving" and c.size & (c.size - 1) else h) for h, c in zip(inner, levels)]
         A.hierarchical(levels, x, tmp, n, ctx, inner, outer, native_op=_BASE_OP[op])
         return
-    pg = group
-    comm = A.Comm(pg, range(dist.get_world_size(pg)), dist.get_rank(pg), native_ok=True)
-    A.FLAT[name](comm, x, tmp, 0, n, ctx)
+    A.FLAT[name](_flat_comm(group), x, tmp, 0, n, ctx)
 
 
 # ================================================================================================
@@ -684,7 +702,8 @@ _TUNE_MARGIN = 0.05
 def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool = False, store: bool = True) -> Params:
     """Collective: every rank of `group` calls it. Measures alpha/beta of every topology level (all
     pairs exchanging at once), gamma, gloo's own all-reduce, and for each size in `sizes` (bytes of
-    float32; default 4 KiB..64 MiB by 4x) the fastest of native and the model's two best algorithms.
+    float32; default 4 KiB..64 MiB by 4x) the fastest of native and the model's best two or three
+    algorithms (ours only when it beats native clearly in two races in a row).
     The max over ranks is kept, so every rank gets the same Params; they go into the autotune cache
     (pykernels.autotune, op "all_reduce") and are used by algorithm="auto" from then on."""
     group = _default_group(group)
@@ -768,34 +787,45 @@ def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool 
     native = (max(n_small - (4 << 10) * nb_beta, 1e-7), nb_beta)
     params = Params(lv, flat, native, gamma, source=f"tuned {time.strftime('%Y-%m-%d %H:%M')}", level_native=lnat)
 
-    # the measured table: native and the model's two best, head to head at each size
+    # the measured table: native and the model's best (three up to 4 MiB, where a try is cheap; two
+    # above), head to head at each size
     native_outer = p == dist.get_world_size() or topo.num_levels == 1
     table = []
     for nbytes in sizes:
         cands = _candidates(params, p, topo.sizes, nbytes, native_outer)
         ours = sorted((k for k in cands if k not in ("native", "hierarchical_pipelined")),
-                      key=lambda k: cands[k][1])[:2]
+                      key=lambda k: cands[k][1])[:3 if nbytes <= (4 << 20) else 2]
         names = ["native"] + ours + (["hierarchical_pipelined"] if "hierarchical_pipelined" in cands else [])
         x = torch.ones(max(1, nbytes // 4), device=dev)
-        times = {k: [] for k in names}
         # small sizes are cheap: more repeats there (the machines these run on are noisy)
-        r = reps * 3 if nbytes <= (1 << 20) else (reps if nbytes < (16 << 20) else max(2, reps - 1))
-        for _ in range(r + 1):
-            for k in names:
-                dist.barrier(group=group)
-                t0 = time.perf_counter()
-                _run_choice(cands[k][0], x, x.numel(), "max", group, topo)
-                times[k].append(time.perf_counter() - t0)
-        # per repeat the slowest rank's time; then the best repeat and the median of the repeats:
-        # ours must win on both, by MARGIN, to replace gloo's own (a tuned choice never loses to it)
-        mat = torch.tensor([times[k][1:] for k in names], dtype=torch.float64)
-        if p > 1:
-            dist.all_reduce(mat, op=dist.ReduceOp.MAX, group=group)
-        best_t = mat.min(dim=1).values.tolist()
-        med = mat.median(dim=1).values.tolist()
-        best = min(range(len(names)), key=lambda i: best_t[i])
-        if names[best] != "native" and (best_t[best] > (1 - _TUNE_MARGIN) * best_t[0]
-                                        or med[best] > (1 - _TUNE_MARGIN) * med[0]):
+        r = max(reps * 5, 15) if nbytes <= (1 << 20) else (max(reps * 3, 9) if nbytes < (16 << 20) else max(reps, 5))
+
+        def race(names):
+            """Median time and median ratio to names[0] (per repeat) of each candidate, every rank's
+            slowest time per call; the order rotates every repeat; the first repeat is a warm-up."""
+            times = {k: [] for k in names}
+            for rep in range(r + 1):
+                for k in names[rep % len(names):] + names[:rep % len(names)]:
+                    dist.barrier(group=group)
+                    t0 = time.perf_counter()
+                    _run_choice(cands[k][0], x, x.numel(), "max", group, topo)
+                    times[k].append(time.perf_counter() - t0)
+            mat = torch.tensor([times[k][1:] for k in names], dtype=torch.float64)
+            if p > 1:
+                dist.all_reduce(mat, op=dist.ReduceOp.MAX, group=group)
+            return mat.median(dim=1).values.tolist(), (mat / mat[0]).median(dim=1).values.tolist()
+
+        # Ours replaces gloo's own (native: also what an untuned auto falls back to) only if it wins by
+        # MARGIN on the median time AND on the median of its per-repeat ratio to native (load that
+        # drifts during tuning cancels out of each pair), and then again in a second race of the two
+        # alone: a tuned choice must never lose to the default, and one lucky race is not enough.
+        med, rel = race(names)
+        best = min(range(len(names)), key=lambda i: med[i])
+
+        def wins(med, rel, i):
+            return med[i] <= (1 - _TUNE_MARGIN) * med[0] and rel[i] <= 1 - _TUNE_MARGIN
+
+        if names[best] != "native" and not (wins(med, rel, best) and wins(*race(["native", names[best]]), 1)):
             best = 0
         table.append((nbytes, cands[names[best]][0]))
         if verbose and dist.get_rank(group) == 0:

@@ -251,6 +251,37 @@ def chk_pipelined(topo_sizes, n, op, dtype, seed=77):
         A.SEGMENT_BYTES = old
 
 
+def chk_scratch_sizes(n, seed=321):
+    """The algorithms with a scratch smaller than they would like (the contract: at least hi elements):
+    halving with a buffer too small for its kept halves (it allocates), the direct reduce-scatter
+    likewise; recursive doubling and the ring with exactly n; tiny pieces so that every round has
+    several."""
+    from collectives import _allreduce_algos as A
+    from collectives.all_reduce import _REDUCE
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    comm = A.Comm(dist.group.WORLD, range(world), rank, native_ok=True)
+    pow2 = world & (world - 1) == 0  # (the fold for other sizes receives into tmp[lo:hi]: it needs n)
+    for name, fn, tmp_len in (("rd", A.recursive_doubling, n), ("hd", A.halving_doubling, 1 if pow2 else n),
+                              ("ring", A.ring, n)):
+        for op in ("sum", "max"):
+            seed += 1
+            ins = _inputs(seed, world, (n,), torch.int64, op)
+            x = ins[rank].clone()
+            ctx = A.Ctx(_REDUCE[op], 7, A.Tagger(f"scratch{seed}"))
+            fn(comm, x, torch.empty(tmp_len, dtype=x.dtype), 0, n, ctx)
+            assert torch.equal(x, _expected(ins, torch.int64, op)), (name, op, n)
+    if world > 1:
+        seed += 1
+        ins = _inputs(seed, world, (n,), torch.int64, "sum")
+        x = ins[rank].clone()
+        off = A.split(0, n, world)
+        ctx = A.Ctx(_REDUCE["sum"], 5, A.Tagger(f"direct{seed}"))
+        own = A.direct_reduce_scatter(comm, x, torch.empty(1, dtype=x.dtype), off, ctx)
+        A.direct_all_gather(comm, x, off, own, ctx)
+        assert torch.equal(x, _expected(ins, torch.int64, "sum")), ("direct", n)
+
+
 def chk_layouts(algo):
     """Non-contiguous and multi-dimensional tensors are reduced in place, same storage; extremes."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -475,6 +506,8 @@ def test_world_4_layouts_async_errors(clusters):
         c.run("chk_layouts", algo)
         c.run("chk_async", algo)
     c.run("chk_errors_in_group")
+    c.run("chk_scratch_sizes", 0)
+    c.run("chk_scratch_sizes", 103)
     shapes = c.run("chk_level_comms", [2, 2])
     assert shapes == [[(2, 0), (2, 0)], [(2, 1), (2, 0)], [(2, 0), (2, 1)], [(2, 1), (2, 1)]]
     rep, note = c.run("chk_detect")[0]
@@ -526,6 +559,7 @@ def test_non_power_of_two(clusters, world):
     else:
         c.run("chk_sweep", ["hierarchical"], [None], [1, 1001], ["sum"], [torch.float32])
     c.run("chk_vs_native", FLAT_ALGOS, [None], [1001])
+    c.run("chk_scratch_sizes", 61)
 
 
 def test_world_8_three_levels(clusters):
@@ -537,6 +571,7 @@ def test_world_8_three_levels(clusters):
     c.run("chk_sweep", ["hierarchical"], [[2, 2, 2]], [3001], ["avg", "prod"], [torch.bfloat16, torch.uint8], 0, 512)
     c.run("chk_vs_native", ["hierarchical"], [[2, 2, 2]], [1001])
     c.run("chk_pipelined", [2, 2, 2], 3001, "sum", torch.float32)
+    c.run("chk_scratch_sizes", 77)
 
 
 # ================================================================================================
