@@ -16,7 +16,7 @@ echo "== build for sm_$arch" | tee "$OUT/build.log"
 PYKERNELS_BUILD_CUDA=1 PYKERNELS_CUDA_ARCHS=$arch timeout 240 $PY setup.py -q build_ext --inplace -j 8 >> "$OUT/build.log" 2>&1
 echo "build rc=$?" | tee -a "$OUT/build.log"
 echo "== tests (GPU tests enabled)"
-timeout 240 $PY -m pytest tests -x -q -m "gpu or not slow" -p no:cacheprovider --deselect tests/test_gpu_build.py \
+timeout 240 $PY -m pytest tests --maxfail=30 -q -m "gpu or not slow" -p no:cacheprovider --deselect tests/test_gpu_build.py \
   --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.log" | tail -30
 echo "== GPU benchmarks"
 timeout 200 $PY -m bench --gpu --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -40
