@@ -767,7 +767,8 @@ auto by_layout(const char* op, int kb, int vb, F&& f) {
 
 Geo geo_of(uintptr_t slots, uintptr_t special, uint64_t nw, int W, uint64_t seed, const char* op) {
   if (nw < 1 || nw >= (1ULL << 32)) pk::fail_value(op, "window count out of range");
-  if (W < 1 || W > 64) pk::fail_value(op, "window size must be in 1..64");
+  // Window masks are 32-bit (window_masks in hash_cpu_probe.h): the Python layer never asks for more.
+  if (W < 1 || W > 32) pk::fail_value(op, "window size must be in 1..32");
   return Geo{slots, special, nw, W, seed};
 }
 
