@@ -113,6 +113,82 @@ def _reserve(counters):
     return True
 
 
+# Probing shared by the pair (2 words per slot, key first) and set (1 word) layouts; `stride` is the
+# slot's word count as a uint64 (_TWO or _ONE), so index arithmetic stays in uint64.
+_RETRY = 2  # _claim: the free slot was taken meanwhile; rescan (the winner may hold this very key)
+
+
+@cuda.jit(device=True, inline=True)
+def _scan_for_insert(slots, stride, special, nw, window, key, seed):
+    """One probe sequence of an insert: (hit, free). hit is the slot holding `key` (_EMPTY64 if absent);
+    free is the first EMPTY/TOMBSTONE slot met where the key belongs (_EMPTY64: every slot is live).
+    Windows passed without a free slot get the key's overflow bit (the key will live beyond them)."""
+    W = _U(window)
+    w, step, tag = _probe_start(key, seed, nw)
+    free = _EMPTY64
+    t = _ZERO
+    while t < _U(nw):
+        base = w * W
+        for j in range(window):
+            s = base + _U(j)
+            sk = slots[stride * s]
+            if sk == key:
+                return s, _EMPTY64
+            if sk == _EMPTY64:  # beyond the first EMPTY the key cannot be
+                if free == _EMPTY64:
+                    free = s
+                return _EMPTY64, free
+            if sk == _TOMB64 and free == _EMPTY64:
+                free = s
+        if free == _EMPTY64:
+            _ovf_mark(special, w, tag)
+        elif not _ovf_has(special, w, tag):
+            return _EMPTY64, free  # nor is it beyond: take the free slot met
+        w = _next(w, step, nw)
+        t += _ONE
+    return _EMPTY64, free
+
+
+@cuda.jit(device=True, inline=True)
+def _claim(slots, stride, counters, free, key):
+    """CAS `key` into slot `free`: NEW when claimed, _RETRY when it was taken meanwhile, FULL when an
+    EMPTY slot would pass the load limit."""
+    expect = slots[stride * free]
+    if expect != _EMPTY64 and expect != _TOMB64:
+        return _RETRY
+    from_empty = expect == _EMPTY64
+    if from_empty and not _reserve(counters):
+        return FULL
+    if cuda.atomic.cas(slots, stride * free, expect, key) == expect:
+        cuda.atomic.add(counters, 2, 1)
+        return NEW
+    if from_empty:
+        cuda.atomic.sub(counters, 0, 1)
+    return _RETRY
+
+
+@cuda.jit(device=True, inline=True)
+def _find_slot(slots, stride, special, nw, window, seed, key):
+    """The slot holding `key`, or _EMPTY64."""
+    W = _U(window)
+    w, step, tag = _probe_start(key, seed, nw)
+    t = _ZERO
+    while t < _U(nw):
+        base = w * W
+        for j in range(window):
+            s = base + _U(j)
+            sk = slots[stride * s]
+            if sk == key:
+                return s
+            if sk == _EMPTY64:
+                return _EMPTY64
+        if not _ovf_has(special, w, tag):
+            return _EMPTY64
+        w = _next(w, step, nw)
+        t += _ONE
+    return _EMPTY64
+
+
 # ------------------------------------------------------------------------------------------------
 # 8-byte keys, 8-byte values: slots is uint64[2 * capacity], key at 2s, value at 2s + 1
 # ------------------------------------------------------------------------------------------------
@@ -131,54 +207,25 @@ def _pair_upsert(slots, special, counters, nw, window, seed, key, value, add):
             cuda.atomic.add(counters, 2, 1)
             return NEW
         return EXISTED
-    W = _U(window)
     while True:
-        w, step, tag = _probe_start(key, seed, nw)
-        free = _EMPTY64  # slot index of the first free slot (EMPTY64 = none yet)
-        t = _ZERO
-        stop = False
-        while t < _U(nw) and not stop:
-            base = w * W
-            for j in range(window):
-                s = base + _U(j)
-                sk = slots[_TWO * s]
-                if sk == key:
-                    if add:
-                        cuda.atomic.add(slots, _TWO * s + _ONE, value)
-                    else:
-                        slots[_TWO * s + _ONE] = value
-                    return EXISTED
-                if sk == _EMPTY64:
-                    if free == _EMPTY64:
-                        free = s
-                    stop = True
-                    break
-                if sk == _TOMB64 and free == _EMPTY64:
-                    free = s
-            if not stop:
-                if free == _EMPTY64:
-                    _ovf_mark(special, w, tag)  # the key will live beyond this window
-                elif not _ovf_has(special, w, tag):
-                    break  # nor is it beyond: take the free slot met
-                w = _next(w, step, nw)
-                t += _ONE
+        hit, free = _scan_for_insert(slots, _TWO, special, nw, window, key, seed)
+        if hit != _EMPTY64:
+            if add:
+                cuda.atomic.add(slots, _TWO * hit + _ONE, value)
+            else:
+                slots[_TWO * hit + _ONE] = value
+            return EXISTED
         if free == _EMPTY64:
             return FULL
-        expect = slots[_TWO * free]
-        if expect != _EMPTY64 and expect != _TOMB64:
-            continue  # taken meanwhile: rescan
-        from_empty = expect == _EMPTY64
-        if from_empty and not _reserve(counters):
-            return FULL
-        if cuda.atomic.cas(slots, _TWO * free, expect, key) == expect:
+        st = _claim(slots, _TWO, counters, free, key)
+        if st == NEW:
+            # Counting: a free slot's value is 0 and other threads may add once the key is visible.
             if add:
                 cuda.atomic.add(slots, _TWO * free + _ONE, value)
             else:
                 slots[_TWO * free + _ONE] = value
-            cuda.atomic.add(counters, 2, 1)
-            return NEW
-        if from_empty:
-            cuda.atomic.sub(counters, 0, 1)
+        if st != _RETRY:
+            return st
 
 
 @cuda.jit(device=True)
@@ -202,23 +249,10 @@ def map_find(slots, special, nw, window, seed, key):
         if special[2 * s] != _ZERO:
             return special[2 * s + 1], True
         return _ZERO, False
-    W = _U(window)
-    w, step, tag = _probe_start(key, seed, nw)
-    t = _ZERO
-    while t < _U(nw):
-        base = w * W
-        for j in range(window):
-            s = base + _U(j)
-            sk = slots[_TWO * s]
-            if sk == key:
-                return slots[_TWO * s + _ONE], True
-            if sk == _EMPTY64:
-                return _ZERO, False
-        if not _ovf_has(special, w, tag):
-            return _ZERO, False
-        w = _next(w, step, nw)
-        t += _ONE
-    return _ZERO, False
+    s = _find_slot(slots, _TWO, special, nw, window, seed, key)
+    if s == _EMPTY64:
+        return _ZERO, False
+    return slots[_TWO * s + _ONE], True
 
 
 # ------------------------------------------------------------------------------------------------
@@ -234,46 +268,15 @@ def set_insert(slots, special, counters, nw, window, seed, key):
             cuda.atomic.add(counters, 2, 1)
             return NEW
         return EXISTED
-    W = _U(window)
     while True:
-        w, step, tag = _probe_start(key, seed, nw)
-        free = _EMPTY64
-        t = _ZERO
-        stop = False
-        while t < _U(nw) and not stop:
-            base = w * W
-            for j in range(window):
-                s = base + _U(j)
-                sk = slots[s]
-                if sk == key:
-                    return EXISTED
-                if sk == _EMPTY64:
-                    if free == _EMPTY64:
-                        free = s
-                    stop = True
-                    break
-                if sk == _TOMB64 and free == _EMPTY64:
-                    free = s
-            if not stop:
-                if free == _EMPTY64:
-                    _ovf_mark(special, w, tag)  # the key will live beyond this window
-                elif not _ovf_has(special, w, tag):
-                    break  # nor is it beyond: take the free slot met
-                w = _next(w, step, nw)
-                t += _ONE
+        hit, free = _scan_for_insert(slots, _ONE, special, nw, window, key, seed)
+        if hit != _EMPTY64:
+            return EXISTED
         if free == _EMPTY64:
             return FULL
-        expect = slots[free]
-        if expect != _EMPTY64 and expect != _TOMB64:
-            continue
-        from_empty = expect == _EMPTY64
-        if from_empty and not _reserve(counters):
-            return FULL
-        if cuda.atomic.cas(slots, free, expect, key) == expect:
-            cuda.atomic.add(counters, 2, 1)
-            return NEW
-        if from_empty:
-            cuda.atomic.sub(counters, 0, 1)
+        st = _claim(slots, _ONE, counters, free, key)
+        if st != _RETRY:
+            return st
 
 
 @cuda.jit(device=True)
@@ -281,22 +284,7 @@ def set_contains(slots, special, nw, window, seed, key):
     key = _U(key)
     if key >= _TOMB64:
         return special[2 * (0 if key == _EMPTY64 else 1)] != _ZERO
-    W = _U(window)
-    w, step, tag = _probe_start(key, seed, nw)
-    t = _ZERO
-    while t < _U(nw):
-        base = w * W
-        for j in range(window):
-            sk = slots[base + _U(j)]
-            if sk == key:
-                return True
-            if sk == _EMPTY64:
-                return False
-        if not _ovf_has(special, w, tag):
-            return False
-        w = _next(w, step, nw)
-        t += _ONE
-    return False
+    return _find_slot(slots, _ONE, special, nw, window, seed, key) != _EMPTY64
 
 
 # ------------------------------------------------------------------------------------------------
