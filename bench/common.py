@@ -132,6 +132,8 @@ def suites(groups=None):
             group = info.name[len("suite_"):]
             if groups is None or group in groups:
                 found[group] = importlib.import_module(f"bench.{info.name}")
+    if groups is not None:  # in the order asked for (a time-limited GPU run puts the goals first)
+        found = {g: found[g] for g in groups if g in found}
     return found
 
 

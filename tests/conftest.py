@@ -16,6 +16,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report):
+    """PK_FAILURE_LOG=<file>: each failure's traceback is appended as it happens (the one-shot GPU run
+    may be cut off by its time limit before pytest prints its summary). Written by the controlling
+    process only, under xdist."""
+    path = os.environ.get("PK_FAILURE_LOG")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(path, "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+
+
 @pytest.fixture
 def tmp_cache(tmp_path, monkeypatch):
     """A private autotune cache dir for one test (memory cache cleared before and after)."""
