@@ -24,7 +24,7 @@ echo "build rc=$?" | tee -a "$OUT/build.log"
 echo "== GPU tests"
 par=""
 $PY -c "import xdist" 2>/dev/null && par="-n $(( jobs < 12 ? jobs : 12 ))"
-$PY -c "import pytest_timeout" 2>/dev/null && par="$par --timeout ${TEST_CASE_TIMEOUT:-60}"
+$PY -c "import pytest_timeout" 2>/dev/null && par="$par --timeout ${TEST_CASE_TIMEOUT:-180}"
 PK_FAILURE_LOG="$OUT/failures.log" timeout ${TEST_TIMEOUT:-200} $PY -m pytest tests -m gpu $par -q -rfE --tb=short \
   -p no:cacheprovider -p no:benchmark --durations=12 --deselect tests/test_gpu_build.py 2>&1 | tee "$OUT/tests.log" | tail -40
 

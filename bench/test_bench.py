@@ -15,3 +15,44 @@ def test_bench(benchmark, case: Case):
     benchmark.extra_info.update({"baseline": case.baseline_name, "baseline_s": t_base, "ours_s_interleaved": t_ours,
                                  "speedup": t_base / t_ours})
     benchmark.pedantic(ours, rounds=3, warmup_rounds=1)
+
+
+def test_gpu_timing_uses_event_batches(monkeypatch):
+    """The CUDA branch of time_pair, with the CUDA calls faked on the CPU: batches of back-to-back calls
+    between two events, sized to ~20 ms, ours and the baseline alternating, the GC paused meanwhile."""
+    import gc
+    import time
+
+    import torch
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    calls, gc_states = {"ours": 0, "base": 0}, []
+
+    def ours():
+        calls["ours"] += 1
+        time.sleep(0.002)
+
+    def base():
+        calls["base"] += 1
+        gc_states.append(gc.isenabled())
+        time.sleep(0.004)
+
+    t_ours, t_base, reps = time_pair(ours, base, "cuda", min_repeats=3, max_repeats=3, budget_s=0.0)
+    assert reps == 3
+    assert 0.0015 < t_ours < 0.004 and 0.0035 < t_base < 0.008  # per call, not per batch
+    assert calls["ours"] > 3 * 5 and calls["base"] > 3 * 3     # batches of several calls
+    assert gc.isenabled() and not all(gc_states)                 # paused while timing, back after

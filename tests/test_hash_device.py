@@ -164,9 +164,30 @@ def test_device_functions_in_cuda_simulator_match_host_tables():
     _run("cpu", {"NUMBA_ENABLE_CUDASIM": "1"})
 
 
+_TRIVIAL_NUMBA_KERNEL = """
+import numpy as np
+from numba import cuda
+
+@cuda.jit
+def k(a):
+    a[0] = 1
+
+a = cuda.to_device(np.zeros(1, np.int32))
+k[1, 1](a)
+assert a.copy_to_host()[0] == 1
+"""
+
+
 @pytest.mark.gpu
 def test_device_functions_on_gpu_match_host_tables():
     pytest.importorskip("numba")
+    # numba-cuda must be able to compile anything at all here: on the H200 image of 2026-11 it could
+    # not (numba-cuda imports numpy.row_stack, which numpy 2.5 removed), a fault of that pairing that
+    # no code of ours can work around, so the test says so instead of failing on it.
+    probe = subprocess.run([sys.executable, "-c", _TRIVIAL_NUMBA_KERNEL], capture_output=True, text=True, timeout=300)
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        pytest.skip(f"numba.cuda cannot compile a one-line kernel in this environment: {last}")
     _run("cuda", {})
 
 
