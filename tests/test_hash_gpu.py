@@ -125,3 +125,32 @@ def test_gpu_tables_made_with_any_spelling_of_the_device_accept_its_tensors(devi
         assert bool(t.contains(keys.cpu().cuda()).all()), t
         with pytest.raises(RuntimeError, match="expected 'keys' on"):
             t.contains(keys.cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [2, 8, 16])
+def test_gpu_growth_and_purge_from_a_full_table_keep_every_key(window):
+    """Rehashes whose destination is barely larger than what it receives: the GPU inserts reserve
+    load-limit budget in chunks per probing group, and a rehash that honoured a limit that way refused
+    keys it then dropped (found in review: ~8k of 57k keys lost growing a full 64k table). Growth of a
+    table filled to its limit, and a same-size tombstone purge, must keep every key."""
+    m = HashMap(65536, device="cuda", window=window)
+    cap = m.capacity
+    need = int(cap * m.max_load_factor)
+    keys = torch.unique(torch.randint(1, 1 << 40, (2 * need,), device="cuda"))[:need]
+    keys = keys[torch.randperm(need, device="cuda")]
+    m.insert(keys, keys * 3)
+    more = keys.max() + 1 + torch.arange(1000, device="cuda")
+    m.insert(more, more * 3)                     # past the limit: the table grows
+    assert m.capacity > cap
+    everything = torch.cat([keys, more])
+    vals, found = m.find(everything)
+    assert bool(found.all()) and torch.equal(vals, everything * 3) and len(m) == everything.numel()
+    # erase half, insert as many new keys: the tombstones are purged by a same-size rehash
+    m.erase(keys[::2])
+    fresh = more.max() + 1 + torch.arange(keys[::2].numel(), device="cuda")
+    m.insert(fresh, fresh * 3)
+    live = torch.cat([keys[1::2], more, fresh])
+    vals, found = m.find(live)
+    assert bool(found.all()) and torch.equal(vals, live * 3) and len(m) == live.numel()
+    assert sorted(m.items()[0].tolist()) == sorted(live.tolist())

@@ -120,7 +120,9 @@ __device__ __forceinline__ uint8_t insert_special(unsigned long long* special, K
 // time, spends them without atomics and hands back the rest when the kernel ends; the new-EMPTY count
 // is summed per group too. Near the limit a chunk no longer fits and a group reserves single slots;
 // a key refused then may only have met the other groups' unspent reservations, so the host launches
-// once more over the refused keys with chunk 1, after every reservation has been handed back.
+// once more over the refused keys with chunk 1, after every reservation has been handed back; with
+// chunk 1 a reservation whose CAS lost goes straight back to the counter, so that pass is exact.
+// limit < 0: no limit (a rehash into a table that holds every key by construction).
 struct SlotBudget {  // lane 0 of a group uses it
   long long* counters;
   long long limit;
@@ -128,6 +130,7 @@ struct SlotBudget {  // lane 0 of a group uses it
   long long left = 0;       // reserved, not yet spent
   long long new_empty = 0;  // slots this group turned from EMPTY to a key
   __device__ bool take() {
+    if (limit < 0) return true;
     if (left > 0) { --left; return true; }
     auto* used = (unsigned long long*)&counters[C_USED];
     if (chunk > 1) {
@@ -138,7 +141,11 @@ struct SlotBudget {  // lane 0 of a group uses it
     atomicAdd(used, (unsigned long long)-1ll);
     return false;
   }
-  __device__ void untake() { ++left; }  // the CAS lost: the reservation stays with the group
+  __device__ void untake() {  // the CAS lost: the reservation stays with the group (chunk 1: returned)
+    if (limit < 0) return;
+    if (chunk > 1) ++left;
+    else atomicAdd((unsigned long long*)&counters[C_USED], (unsigned long long)-1ll);
+  }
   __device__ void close() {             // at the end of the kernel
     if (left) atomicAdd((unsigned long long*)&counters[C_USED], (unsigned long long)(-left));
     if (new_empty) atomicAdd((unsigned long long*)&counters[C_NEW_EMPTY], (unsigned long long)new_empty);
@@ -687,7 +694,7 @@ int64_t pk_hash_rehash(uintptr_t src, uint64_t src_nw, uintptr_t dst, uintptr_t 
       constexpr int G = decltype(gsz)::value;
       rehash_kernel<K, V, G><<<resident_grid_for(op, (int64_t)src_nw * G), kBlock, 0, s>>>(
           (const Slot<K, V>*)src, src_nw, (Slot<K, V>*)dst, (unsigned long long*)dst_special + SPECIAL_HEAD_WORDS,
-          dst_nw, seed, c.d, (long long)(dst_nw * (uint64_t)W), kReserveChunk);
+          dst_nw, seed, c.d, /*limit: none*/ -1, kReserveChunk);
     });
   });
   PK_GPU_CHECK(op, pkGetLastError());
