@@ -3,12 +3,22 @@
 // Each _cpu_<family> module holds its own pool (header-only, hidden visibility); idle workers sleep
 // on a condition variable, so extra pools cost memory for their stacks, not CPU time.
 //
+// Waking a sleeping thread is slow on the VMs we run on: a halted vCPU takes ~0.3-0.6 ms to come back
+// (a warm 4096 x 4096 W4 GEMV, 0.48 ms on 2 threads, took 1.1 ms right after 20 ms of idling). So a
+// worker spins for kSpinWorker after each job before it sleeps (back-to-back calls, a model's layers,
+// find it awake, as OpenMP's spin-wait does), the caller spins for kSpinCaller on the workers' last
+// chunk before it sleeps, and parallel_chunks hands out work dynamically: the caller takes the chunks
+// a sleeping worker has not come for, and once they are all taken a worker that has not started yet
+// skips the job, so its wake-up is not waited for. Spinning yields the core every 64 polls: on an
+// oversubscribed machine (4 processes on 2 cores) a pause-only spin kept the woken worker off the core.
+//
 // Why not OpenMP: torch ships its own OpenMP runtime (libgomp/libiomp) and two OpenMP runtimes in one
 // process fight over cores. Python passes `num_threads` (default torch.get_num_threads()), so our
 // kernels never use more threads than torch was told to, and the caller releases the GIL around us.
 #pragma once
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -16,8 +26,28 @@
 #include <mutex>
 #include <thread>
 #include <vector>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define PK_SPIN_PAUSE() _mm_pause()
+#else
+#define PK_SPIN_PAUSE() std::this_thread::yield()
+#endif
 
 namespace pk {
+
+// Spins until pred() or `budget` has passed; returns pred().
+template <class P>
+inline bool spin_until(P&& pred, std::chrono::microseconds budget) {
+  const auto until = std::chrono::steady_clock::now() + budget;
+  for (int i = 0;; ++i) {
+    if (pred()) return true;
+    if ((i & 63) == 63) {
+      if (std::chrono::steady_clock::now() >= until) return pred();
+      std::this_thread::yield();  // lets a runnable thread (the one we wait for, maybe) have the core
+    }
+    PK_SPIN_PAUSE();
+  }
+}
 
 class ThreadPool {
  public:
@@ -28,8 +58,10 @@ class ThreadPool {
 
   // Runs fn(tid) for tid in [0, nthreads) and returns when all are done. tid 0 runs on the caller.
   // Calls from several Python threads at once are serialized (one job at a time); nested calls run
-  // inline on the calling worker.
-  void run(int nthreads, const std::function<void(int)>& fn) {
+  // inline on the calling worker. `skippable`: fn(tid) for tid > 0 may be skipped, because fn(0)
+  // returns only when nothing is left to do (parallel_chunks); workers that have not started the job
+  // when fn(0) returns then skip it and are not waited for.
+  void run(int nthreads, const std::function<void(int)>& fn, bool skippable = false) {
     if (nthreads <= 1 || in_worker_) {
       for (int t = 0; t < std::max(nthreads, 1); ++t) fn(t);
       return;
@@ -48,15 +80,23 @@ class ThreadPool {
       std::lock_guard<std::mutex> g(mutex_);
       job_ = &guarded;
       job_threads_ = nthreads;
-      pending_ = nthreads - 1;
-      ++generation_;
+      job_open_ = true;
+      job_skippable_ = skippable;
+      // static jobs: every worker's share must run; skippable ones count the workers that start
+      pending_.store(skippable ? 0 : nthreads - 1);
+      generation_.fetch_add(1);
     }
     cv_.notify_all();
     in_worker_ = true;
     guarded(0);
     in_worker_ = false;
+    if (skippable) {  // from now on no worker starts it; pending_ holds those that did
+      std::lock_guard<std::mutex> g(mutex_);
+      job_open_ = false;
+    }
+    spin_until([&] { return pending_.load(std::memory_order_acquire) == 0; }, kSpinCaller);
     std::unique_lock<std::mutex> lk(mutex_);
-    done_cv_.wait(lk, [&] { return pending_ == 0; });
+    done_cv_.wait(lk, [&] { return pending_.load() == 0; });
     job_ = nullptr;
     if (first_error) std::rethrow_exception(first_error);
   }
@@ -65,7 +105,7 @@ class ThreadPool {
     {
       std::lock_guard<std::mutex> g(mutex_);
       stop_ = true;
-      ++generation_;
+      generation_.fetch_add(1);
     }
     cv_.notify_all();
     for (auto& w : workers_) w.join();
@@ -82,7 +122,7 @@ class ThreadPool {
         // Read under the lock, before run() bumps the generation, so a worker that starts late
         // still sees the job it was created for.
         std::lock_guard<std::mutex> g(mutex_);
-        start_generation = generation_;
+        start_generation = generation_.load();
       }
       workers_.emplace_back([this, index, start_generation] { worker_loop(index, start_generation); });
     }
@@ -92,17 +132,23 @@ class ThreadPool {
     in_worker_ = true;
     for (;;) {
       const std::function<void(int)>* job = nullptr;
+      spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; }, kSpinWorker);
       {
         std::unique_lock<std::mutex> lk(mutex_);
-        cv_.wait(lk, [&] { return stop_ || generation_ != seen; });
+        cv_.wait(lk, [&] { return stop_ || generation_.load() != seen; });
         if (stop_) return;
-        seen = generation_;
-        if (tid < job_threads_) job = job_;
+        seen = generation_.load();
+        if (tid < job_threads_ && job_open_) {
+          job = job_;
+          if (job_skippable_) pending_.fetch_add(1);  // under mutex_: the caller closes the job under it
+        }
       }
       if (!job) continue;
       (*job)(tid);
-      std::lock_guard<std::mutex> g(mutex_);
-      if (--pending_ == 0) done_cv_.notify_all();
+      if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        std::lock_guard<std::mutex> g(mutex_);  // the caller may be (about to be) asleep on done_cv_
+        done_cv_.notify_all();
+      }
     }
   }
 
@@ -112,9 +158,11 @@ class ThreadPool {
   std::vector<std::thread> workers_;
   const std::function<void(int)>* job_ = nullptr;
   int job_threads_ = 0;
-  int pending_ = 0;
-  uint64_t generation_ = 0;
+  bool job_open_ = false, job_skippable_ = false;
+  std::atomic<int> pending_{0};
+  std::atomic<uint64_t> generation_{0};
   bool stop_ = false;
+  static constexpr std::chrono::microseconds kSpinWorker{100}, kSpinCaller{300};
   static inline thread_local bool in_worker_ = false;
 };
 
@@ -126,6 +174,23 @@ inline void parallel_ranges(int64_t n, int nthreads, F&& fn) {
     int64_t begin = n * t / nthreads, end = n * (t + 1) / nthreads;
     fn(t, begin, end);
   });
+}
+
+// Splits [0, n) into pieces of `grain` handed out in order to whichever thread asks first, and runs
+// fn(tid, begin, end) on each: for work whose pieces cost about the same, where a late worker should
+// leave its share to the threads already running (see the top of this file).
+template <class F>
+inline void parallel_chunks(int64_t n, int nthreads, int64_t grain, F&& fn) {
+  grain = std::max<int64_t>(1, grain);
+  nthreads = (int)std::max<int64_t>(1, std::min<int64_t>(nthreads, (n + grain - 1) / grain));
+  std::atomic<int64_t> next{0};
+  ThreadPool::instance().run(nthreads, [&](int t) {
+    for (;;) {
+      const int64_t b = next.fetch_add(grain, std::memory_order_relaxed);
+      if (b >= n) return;
+      fn(t, b, std::min(n, b + grain));
+    }
+  }, /*skippable=*/true);
 }
 
 // Runs fn(tid) on nthreads threads (for kernels that split their own work).

@@ -907,7 +907,7 @@ void wo_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int bi
       a.bias = bias ? reinterpret_cast<const float*>(bias) : nullptr;
       a.ydt = ydt;
       a.y = reinterpret_cast<char*>(y) + mb * N * esize;
-      pk::parallel_ranges(chunks, threads_for_work(num_threads, a.s.M * N * K), [&](int, int64_t c0, int64_t c1) {
+      pk::parallel_chunks(chunks, threads_for_work(num_threads, a.s.M * N * K), 1, [&](int, int64_t c0, int64_t c1) {
         const int64_t t1 = std::min(T, c1 * n_block);
         int64_t t = c0 * n_block;
         for (; t + 2 <= t1; t += 2) pair_fn(a, t);
@@ -941,7 +941,7 @@ void wo_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int bi
     a.bias = bias ? reinterpret_cast<const float*>(bias) : nullptr;
     a.ydt = ydt;
     a.y = reinterpret_cast<char*>(y) + mb * N * esize;
-    pk::parallel_ranges(chunks, threads_for_work(num_threads, a.s.M * N * K), [&](int, int64_t c0, int64_t c1) {
+    pk::parallel_chunks(chunks, threads_for_work(num_threads, a.s.M * N * K), 1, [&](int, int64_t c0, int64_t c1) {
       for (int64_t t = c0 * n_block; t < std::min(T, c1 * n_block); ++t) tile_fn(a, t);
     });
   }
