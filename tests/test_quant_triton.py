@@ -110,3 +110,20 @@ def test_triton_bitserial_on_gpu(bits):
     yg = pykernels.qmatmul(x.cuda(), qw.to("cuda"), act_bits=bits).cpu()
     scale = x.abs().amax(1, keepdim=True) * qw.dequantize().abs().sum(1)[None]
     assert ((yg - yc).abs() <= 1e-5 * scale + 1e-5).all()
+
+
+@pytest.mark.parametrize("bits,K,group_size", [(4, 200, -1), (8, 200, -1), (3, 100, 32), (8, 256, 128)])
+def test_triton_blocks_past_k_are_masked(triton_interpret, bits, K, group_size):
+    """BLOCK_K = 64 over K not a multiple of it: the last step's second 32-code block starts at or past
+    K (its bytes lie beyond the packed row) and must contribute nothing; N not a multiple of the tile."""
+    from pykernels.quant._ops import _impl
+
+    g = torch.Generator().manual_seed(bits * K)
+    N = 22
+    qw = pykernels.quantize(torch.randn(N, K, generator=g), bits, group_size, "asym")
+    x = torch.randn(3, K, generator=g)
+    for split in (1, 2):
+        cfg = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": split}
+        y = _impl(x, qw.packed, qw.scales, qw.offsets, None, None, None, N, K, bits, group_size, 0, "triton",
+                  config=cfg)
+        assert_close(y, x, qw)
