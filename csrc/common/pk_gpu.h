@@ -30,6 +30,9 @@ typedef hipError_t pk_error_t;
 #define pkDeviceGetAttribute hipDeviceGetAttribute
 #define pkDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
 #define pkGetDevice hipGetDevice
+#define pkSetDevice hipSetDevice
+#define pkPointerGetAttributes hipPointerGetAttributes
+typedef hipPointerAttribute_t pk_pointer_attributes_t;
 __device__ __forceinline__ pk_lane_mask_t pk_ballot(bool p) { return __ballot(p); }
 __device__ __forceinline__ int pk_popc_mask(pk_lane_mask_t m) { return __popcll(m); }
 __device__ __forceinline__ pk_lane_mask_t pk_lanemask_lt() {
@@ -62,6 +65,9 @@ typedef cudaError_t pk_error_t;
 #define pkDeviceGetAttribute cudaDeviceGetAttribute
 #define pkDevAttrMultiProcessorCount cudaDevAttrMultiProcessorCount
 #define pkGetDevice cudaGetDevice
+#define pkSetDevice cudaSetDevice
+#define pkPointerGetAttributes cudaPointerGetAttributes
+typedef cudaPointerAttributes pk_pointer_attributes_t;
 #ifdef __CUDACC__
 __device__ __forceinline__ pk_lane_mask_t pk_ballot(bool p) { return __ballot_sync(0xffffffffu, p); }
 __device__ __forceinline__ int pk_popc_mask(pk_lane_mask_t m) { return __popc(m); }
@@ -105,5 +111,36 @@ inline void require_gpu(const char* op) {
   if (gpu_device_count(&why) == 0)
     throw std::runtime_error(std::string("pykernels.") + op + ": no CUDA device (" + why + ")");
 }
+
+// The scope of one entry point: a GPU must exist ("no CUDA device" otherwise), and the device that
+// holds `data` (one of the call's tensors) is the current one until the scope ends. Kernels launch on
+// the calling thread's current device, and torch does not make a tensor's device current for us (it
+// guards its own ops): a tensor on cuda:1 with cuda:0 current would meet a stream of another device.
+class GpuScope {
+ public:
+  GpuScope(const char* op, uintptr_t data) {
+    require_gpu(op);
+    if (!data) return;
+    pk_pointer_attributes_t attr{};
+    if (pkPointerGetAttributes(&attr, reinterpret_cast<const void*>(data)) != pk_success) {
+      (void)pkGetLastError();  // not a device pointer this runtime knows: leave the device as it is
+      return;
+    }
+    int current = 0;
+    PK_GPU_CHECK(op, pkGetDevice(&current));
+    if (attr.device >= 0 && attr.device != current) {
+      PK_GPU_CHECK(op, pkSetDevice(attr.device));
+      previous_ = current;
+    }
+  }
+  ~GpuScope() {
+    if (previous_ >= 0) (void)pkSetDevice(previous_);
+  }
+  GpuScope(const GpuScope&) = delete;
+  GpuScope& operator=(const GpuScope&) = delete;
+
+ private:
+  int previous_ = -1;
+};
 
 }  // namespace pk

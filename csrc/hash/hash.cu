@@ -555,7 +555,7 @@ void pk_hash_insert(uintptr_t slots, uintptr_t special, uint64_t nw, int W, uint
                     uintptr_t keys, uintptr_t vals, int64_t n, uintptr_t status, int mode, int64_t used_now,
                     int64_t limit, uintptr_t stream, long long out[3]) {
   const char* op = "HashMap.insert";
-  pk::require_gpu(op);
+  const pk::GpuScope gpu_scope(op, slots);
   out[0] = out[1] = out[2] = 0;
   if (n <= 0) return;
   pk_stream_t s = (pk_stream_t)stream;
@@ -599,7 +599,7 @@ void pk_hash_insert(uintptr_t slots, uintptr_t special, uint64_t nw, int W, uint
 void pk_hash_find(uintptr_t slots, uintptr_t special, uint64_t nw, int W, uint64_t seed, int kb, int vb,
                   uintptr_t keys, int64_t n, uintptr_t out_vals, uintptr_t found, uint64_t dflt, uintptr_t stream) {
   const char* op = "HashMap.find";
-  pk::require_gpu(op);
+  const pk::GpuScope gpu_scope(op, slots);
   if (n <= 0) return;
   pk_stream_t s = (pk_stream_t)stream;
   by_layout(op, kb, vb, [&](auto k, auto v) {
@@ -619,7 +619,7 @@ void pk_hash_find(uintptr_t slots, uintptr_t special, uint64_t nw, int W, uint64
 int64_t pk_hash_erase(uintptr_t slots, uintptr_t special, uint64_t nw, int W, uint64_t seed, int kb, int vb,
                       uintptr_t keys, int64_t n, uintptr_t out, bool multi, bool zero_val, uintptr_t stream) {
   const char* op = "HashMap.erase";
-  pk::require_gpu(op);
+  const pk::GpuScope gpu_scope(op, slots);
   if (n <= 0) return 0;
   pk_stream_t s = (pk_stream_t)stream;
   Counters c(op, s, 0);
@@ -642,7 +642,7 @@ int64_t pk_hash_erase(uintptr_t slots, uintptr_t special, uint64_t nw, int W, ui
 void pk_hash_multi_walk(uintptr_t slots, uint64_t nw, int W, uint64_t seed, int kb, int vb, uintptr_t keys,
                         int64_t n, uintptr_t counts, uintptr_t offsets, uintptr_t vals_out, uintptr_t stream) {
   const char* op = "MultiValueHashMap.find";
-  pk::require_gpu(op);
+  const pk::GpuScope gpu_scope(op, slots);
   if (n <= 0) return;
   pk_stream_t s = (pk_stream_t)stream;
   by_layout(op, kb, vb, [&](auto k, auto v) {
@@ -665,7 +665,7 @@ void pk_hash_multi_walk(uintptr_t slots, uint64_t nw, int W, uint64_t seed, int 
 int64_t pk_hash_items(uintptr_t slots, uint64_t nw, int W, int kb, int vb, uintptr_t keys_out, uintptr_t vals_out,
                       int64_t max_out, uintptr_t stream) {
   const char* op = "HashMap.items";
-  pk::require_gpu(op);
+  const pk::GpuScope gpu_scope(op, slots);
   pk_stream_t s = (pk_stream_t)stream;
   Counters c(op, s, 0);
   const int64_t nslots = (int64_t)(nw * (uint64_t)W);
@@ -684,7 +684,7 @@ int64_t pk_hash_items(uintptr_t slots, uint64_t nw, int W, int kb, int vb, uintp
 int64_t pk_hash_rehash(uintptr_t src, uint64_t src_nw, uintptr_t dst, uintptr_t dst_special, uint64_t dst_nw, int W,
                        uint64_t seed, int kb, int vb, uintptr_t stream) {
   const char* op = "HashMap.rehash";
-  pk::require_gpu(op);
+  const pk::GpuScope gpu_scope(op, dst);
   pk_stream_t s = (pk_stream_t)stream;
   Counters c(op, s, 0);
   by_layout(op, kb, vb, [&](auto k, auto v) {
@@ -705,7 +705,7 @@ int64_t pk_hash_rehash(uintptr_t src, uint64_t src_nw, uintptr_t dst, uintptr_t 
 
 void pk_hash_bloom_add(uintptr_t words, uint64_t nblocks, int k, uint64_t seed, uintptr_t keys, int64_t n,
                        uintptr_t stream) {
-  pk::require_gpu("BloomFilter.add");
+  const pk::GpuScope gpu_scope("BloomFilter.add", words);
   if (n <= 0) return;
   bloom_add_kernel<<<grid_for(n), kBlock, 0, (pk_stream_t)stream>>>((unsigned long long*)words, nblocks, k, seed,
                                                                      (const uint64_t*)keys, n);
@@ -714,7 +714,7 @@ void pk_hash_bloom_add(uintptr_t words, uint64_t nblocks, int k, uint64_t seed, 
 
 void pk_hash_bloom_contains(uintptr_t words, uint64_t nblocks, int k, uint64_t seed, uintptr_t keys, int64_t n,
                             uintptr_t out, uintptr_t stream) {
-  pk::require_gpu("BloomFilter.contains");
+  const pk::GpuScope gpu_scope("BloomFilter.contains", words);
   if (n <= 0) return;
   bloom_contains_kernel<<<grid_for(n), kBlock, 0, (pk_stream_t)stream>>>((const unsigned long long*)words, nblocks,
                                                                           k, seed, (const uint64_t*)keys, n,

@@ -335,7 +335,7 @@ __global__ void bs_mma_kernel(const uint32_t* __restrict__ ap, const uint32_t* _
 // Host entry points (no CUDA types in the signatures: the binding file includes no CUDA headers).
 void pk_qgemm_wo(uintptr_t x, int xdt, int64_t M, int64_t K, uintptr_t w, int bits, uintptr_t scales,
                  uintptr_t offsets, int64_t N, int64_t group_size, uintptr_t y, uintptr_t stream) {
-  pk::require_gpu("qmatmul");
+  const pk::GpuScope gpu_scope("qmatmul", x);
   if (M <= 0 || N <= 0 || K <= 0) return;
   const int64_t NB = (K + KB - 1) / KB;
   const int64_t gsize = group_size == -1 ? K : group_size;
@@ -358,7 +358,7 @@ void pk_qgemm_bitserial(uintptr_t x, int xdt, int64_t M, int64_t K, int act_bits
                         uintptr_t scales, uintptr_t offsets, uintptr_t wsum, int64_t N, int64_t group_size,
                         uintptr_t aplanes, uintptr_t usum, uintptr_t sa, uintptr_t ma, uintptr_t y, bool use_mma,
                         uintptr_t stream) {
-  pk::require_gpu("qmatmul");
+  const pk::GpuScope gpu_scope("qmatmul", x);
   if (M <= 0 || N <= 0 || K <= 0) return;
   const int64_t gsize = group_size == -1 ? K : group_size;
   const int64_t G = (K + gsize - 1) / gsize;

@@ -15,7 +15,7 @@ __global__ void fill_u32_kernel(uint32_t* out, int64_t n, uint32_t value) {
 int pk_runtime_device_count(std::string* why) { return pk::gpu_device_count(why); }
 
 void pk_runtime_fill_u32(uintptr_t out, int64_t n, uint32_t value, uintptr_t stream) {
-  pk::require_gpu("runtime.fill_u32");
+  const pk::GpuScope gpu_scope("runtime.fill_u32", out);
   if (n <= 0) return;
   const int threads = 256;
   const int64_t blocks = (n + threads - 1) / threads;

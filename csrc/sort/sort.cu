@@ -341,7 +341,7 @@ int pk_sort_device_count(std::string* why) { return pk::gpu_device_count(why); }
 void pk_sort_onesweep(uintptr_t keys_in, uintptr_t keys_out, uintptr_t vals_in, uintptr_t vals_out, int64_t n,
                       int key_bytes, int val_bytes, int begin_bit, int end_bit, uintptr_t temp, size_t temp_bytes,
                       uintptr_t stream) {
-  pk::require_gpu("sort");
+  const pk::GpuScope gpu_scope("sort", keys_in);
   if (n <= 0) return;
   if (n >= (int64_t(1) << 32)) throw std::invalid_argument("pykernels.sort: at most 2^32 - 1 keys per GPU sort");
   if (key_bytes != 4 && key_bytes != 8) throw std::invalid_argument("pykernels.sort: keys must be 4 or 8 bytes");
