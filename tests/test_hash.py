@@ -17,7 +17,9 @@ from pykernels.hashing import blocked_bloom_fpr, classic_bloom_fpr
 
 KEY_DTYPES = [torch.int32, torch.int64, torch.uint32, torch.uint64]
 VALUE_DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.float16, torch.bfloat16, torch.int32,
-                torch.uint32, torch.float32, torch.int64, torch.uint64, torch.float64]
+                torch.uint32, torch.float32, torch.int64, torch.uint64, torch.float64,
+                # any 1-8 byte dtype travels by its bit pattern
+                torch.float8_e4m3fn, torch.float8_e5m2, torch.complex32, torch.complex64]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,6 +229,24 @@ def test_table_full_error_counts_and_keeps_inserted_keys():
     assert torch.equal(t.find(keys[f][:10])[0], -keys[f][:10])
 
 
+@pytest.mark.parametrize("key_dtype", [torch.int64, torch.int32])
+def test_multi_value_table_full_keeps_reserved_keys_and_counts_exactly(key_dtype):
+    """Keys equal to the reserved EMPTY/TOMBSTONE patterns (-1, -2) live out of band: a full
+    non-growable multi-value map must still keep their values, and count only the keys left out."""
+    m = MultiValueHashMap(8, key_dtype, torch.int64, growable=False, max_load_factor=1.0)
+    cap = m.capacity
+    keys = torch.tensor([-1, 7, -2, -1] + list(range(100, 100 + cap + 10)), dtype=key_dtype)
+    vals = torch.arange(len(keys), dtype=torch.int64)
+    with pytest.raises(TableFullError) as ei:
+        m.insert(keys, vals)
+    reserved = 3  # -1, -2, -1: out of band; every slot holds one ordinary pair
+    assert ei.value.not_inserted == len(keys) - reserved - cap
+    assert len(m) == cap + reserved
+    assert m.count(torch.tensor([-1, -2], dtype=key_dtype)).tolist() == [2, 1]
+    offsets, values = m.find(torch.tensor([-1], dtype=key_dtype))
+    assert sorted(values.tolist()) == [0, 3]
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_table_full_count_is_exact_with_threads_reserving_slots_in_chunks(threads):
     """Threads reserve load-limit budget in chunks (hash_cpu.cpp Budget): a thread refused while the
@@ -411,7 +431,7 @@ def test_errors_are_clear():
     with pytest.raises(TypeError, match="key_dtype"):
         HashMap(10, key_dtype=torch.float32)
     with pytest.raises(TypeError, match="value_dtype"):
-        HashMap(10, value_dtype=torch.complex64)
+        HashMap(10, value_dtype=torch.complex128)
     with pytest.raises(ValueError, match="capacity"):
         HashMap(0)
     with pytest.raises(TypeError, match="capacity"):

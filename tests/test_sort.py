@@ -388,6 +388,8 @@ def test_errors_name_the_op_and_argument():
         pykernels.segmented_sort(x, torch.tensor([0, 5, 3]))
     with pytest.raises(ValueError, match=r"within \[0, 10\]"):
         pykernels.segmented_sort(x, torch.tensor([0, 11]))
+    with pytest.raises(ValueError, match=r"within \[0, 10\]"):  # 2**63 + 5 must not wrap to a negative int64
+        pykernels.segmented_sort(x, torch.tensor([0, 2 ** 63 + 5], dtype=torch.uint64))
     with pytest.raises(TypeError, match=r"'offsets'"):
         pykernels.segmented_sort(x, torch.tensor([0.0, 1.0]))
     with pytest.raises(RuntimeError, match=r"pykernels.sort: backend 'cuda'"):

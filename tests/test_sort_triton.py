@@ -11,7 +11,8 @@ from tests.test_sort import assert_same, encode, make_keys, ref_argsort_1d, ref_
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.uint32, torch.float32, torch.int64, torch.float64, torch.uint8,
-                                   torch.int16, torch.float16, torch.bfloat16, torch.bool])
+                                   torch.int16, torch.float16, torch.bfloat16, torch.bool, torch.int8, torch.uint16,
+                                   torch.uint64])
 def test_triton_sort_matches_oracle(triton_interpret, dtype):
     for n, kind in ((0, "random"), (1, "random"), (2, "reversed"), (255, "special"), (257, "few"), (1100, "random"),
                     (700, "equal"), (600, "sorted")):
@@ -23,6 +24,20 @@ def test_triton_sort_matches_oracle(triton_interpret, dtype):
             assert_same(i, ri, f"{dtype} {n} {kind} desc={desc}")
             assert_same(v, rv)
         assert_same(x, before)
+
+
+def test_triton_non_contiguous_inputs(triton_interpret):
+    base = make_keys(torch.float32, 1200, "special", seed=7)
+    x = base[::3]  # a strided 1-D view
+    v, i = pykernels.sort(x, backend="triton")
+    rv, ri = ref_sort(x.contiguous())
+    assert_same(v, rv)
+    assert_same(i, ri)
+    m = make_keys(torch.int32, 600, "few", seed=3).view(20, 30).t()  # rows of a transposed matrix
+    v, i = pykernels.sort(m, dim=-1, backend="triton")
+    rv, ri = torch.sort(m, dim=-1, stable=True)
+    assert_same(v, rv)
+    assert_same(i, ri)
 
 
 def test_triton_bit_ranges_pairs_keys(triton_interpret):

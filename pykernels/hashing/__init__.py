@@ -137,10 +137,12 @@ class MultiValueHashMap(_OpenTable):
         values = self._values("insert", values, keys)
         kbits, vbits = L.key_bits(keys), L.value_bits(values)
         with self._locked():
-            self._insert_bits(f"{self._op}.insert", kbits, vbits, M_APPEND)  # reserved patterns: SKIPPED
+            # The reserved patterns live out of band and never need room: store them first, so a full
+            # non-growable table (TableFullError from _insert_bits) still keeps them.
             for bits, m in self._special_masks(kbits):
                 self._special_multi.setdefault(bits, []).append(vbits[m].clone())
                 self._size += int(m.sum())
+            self._insert_bits(f"{self._op}.insert", kbits, vbits, M_APPEND)  # reserved patterns: SKIPPED
 
     def _native_counts(self, kbits):
         n = kbits.numel()

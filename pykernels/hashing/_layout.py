@@ -16,7 +16,10 @@ from ..errors import check_dtype
 
 KEY_DTYPES = (torch.int32, torch.int64, torch.uint32, torch.uint64)
 VALUE_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float16, torch.bfloat16,
-                torch.int32, torch.uint32, torch.float32, torch.int64, torch.uint64, torch.float64)
+                torch.int32, torch.uint32, torch.float32, torch.int64, torch.uint64, torch.float64,
+                torch.complex32, torch.complex64) + tuple(  # values travel as bits: any 1-8 byte dtype
+    getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                                "float8_e8m0fnu") if hasattr(torch, n))
 
 # Bit-carrier dtype of a 4- or 8-byte pattern.
 _BITS = {4: torch.int32, 8: torch.int64}
@@ -107,6 +110,13 @@ def scalar_bits(op: str, value, value_dtype: torch.dtype) -> int:
         value = value.item()
     if isinstance(value, (bool, np.bool_)):
         value = int(value)
+    if value_dtype.is_complex and isinstance(value, numbers.Complex):
+        c = complex(value)
+        t = torch.tensor(c, dtype=value_dtype).reshape(1)
+        back = complex(t[0])
+        if (math.isinf(back.real) and not math.isinf(c.real)) or (math.isinf(back.imag) and not math.isinf(c.imag)):
+            raise ValueError(f"{where} within the range of {dtype_name(value_dtype)}, got {value!r}")
+        return int(value_bits(t)[0]) & 0xFFFFFFFFFFFFFFFF
     if not isinstance(value, numbers.Real):
         raise TypeError(f"{where} to be a real number (the table holds {dtype_name(value_dtype)} values), got "
                         f"{type(value).__name__} {value!r}")

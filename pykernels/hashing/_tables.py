@@ -77,7 +77,7 @@ class _OpenTable:
             value_dtype = L.as_dtype(op, "value_dtype", value_dtype)
             if value_dtype not in L.VALUE_DTYPES:
                 raise TypeError(f"pykernels.{op}: expected 'value_dtype' of 1 to 8 bytes (bool, (u)int8..64, "
-                                f"float16/bfloat16/32/64), got {L.dtype_name(value_dtype)}")
+                                f"float8/16/32/64, bfloat16, complex32/64), got {L.dtype_name(value_dtype)}")
         if not (isinstance(max_load_factor, (int, float)) and 0.0 < max_load_factor <= 1.0):
             raise ValueError(f"pykernels.{op}: expected 'max_load_factor' in (0, 1], got {max_load_factor!r}")
         self.device = _device(op, device)

@@ -6,7 +6,9 @@ table far larger than the last-level cache wants D around the number of line-fil
 x86). Keyed by slot bytes and the table's size in bytes (power-of-two bucket).
 
 GPU: the window (= probing-group size, WarpCore section III) is a property of a table's layout, so it
-is chosen when a table is created ("hash_table"); "hash_insert"/"hash_find" tune the block size.
+is chosen when a table is created ("hash_table"). The block size is fixed (256 threads, hash.cu kBlock):
+the kernels are grid-stride loops over probing groups, so the block size only sets how groups are
+packed, and the H200 runs met the issue's rates with it; it is not a tuning knob yet.
 """
 from __future__ import annotations
 

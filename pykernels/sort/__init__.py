@@ -455,7 +455,11 @@ def segmented_sort(keys, offsets, values=None, *, descending: bool = False,
     check_same_device(op, keys=k, offsets=off, values=v)
     if off.numel() == 0:
         raise ValueError(f"pykernels.{op}: expected at least one offset (nseg + 1 values), got an empty tensor")
-    off64 = off.to(torch.int64)  # its values are checked inside the custom op (_check_offsets)
+    if off.dtype == torch.uint64:  # values >= 2**63 would wrap negative: saturate, so the range check names them
+        off64 = off.view(torch.int64)
+        off64 = torch.where(off64 < 0, torch.iinfo(torch.int64).max, off64)
+    else:
+        off64 = off.to(torch.int64)  # its values are checked inside the custom op (_check_offsets)
     backend = _check_backend(op, backend)
     if _eager(k, off64, v):
         return _segmented_impl(k, off64, v, descending, backend)
