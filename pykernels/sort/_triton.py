@@ -4,8 +4,8 @@
    (tl.histogram per tile, atomics into the global table) - Onesweep's upfront histogram kernel.
 2. Per non-trivial digit, `_bin_kernel` (one launch): each program takes its tile number from an atomic
    counter (not program_id: a tile only ever waits for tiles that already started, which is what makes
-   the spin safe), publishes its per-digit counts as AGGREGATE in a packed 32-bit status word
-   (2 flag bits + 29-bit count, so one store publishes both), walks back over predecessor tiles with one
+   the spin safe), publishes its per-digit counts as AGGREGATE in a packed 64-bit status word
+   (flag in bits 32-33 + 32-bit count, so one store publishes both), walks back over predecessor tiles with one
    lane per digit (decoupled look-back: sum AGGREGATEs until an INCLUSIVE), publishes INCLUSIVE, then
    ranks its keys by digit (a stable in-tile sort of (digit, position) words stands in for the warp
    multisplit + shared-memory staging of the CUDA version) and writes them out in per-digit runs.
@@ -17,8 +17,8 @@ up to 32 bits, int64 for 64-bit keys) with the same transform as the CPU backend
 the 32-bit index of every key, and the outputs are gathered through it (exact input bits back).
 Batched rows and segments sort by (segment, key): a stable sort by key, then a stable sort by segment id.
 Under the interpreter programs run in launch order, so the look-back always finds its predecessors done.
-Status words hold 29-bit counts, so one call sorts at most 2^28 keys (larger inputs: ValueError naming
-the limit; the CUDA backend chunks them).
+Indices, digit counts and offsets are 32-bit, so one call sorts at most 2^31 - 1 keys (larger inputs:
+ValueError naming the limit; the CUDA backend chunks them).
 """
 from __future__ import annotations
 
@@ -32,10 +32,12 @@ from ..triton_aot import AotSpec
 from ._encode import encode, take as _take
 
 RADIX = 256
-FLAG_AGG = 1 << 29  # status word: bits 29-30 flag (0 not ready, 1 aggregate, 2 inclusive), bits 0-28 count
-FLAG_INC = 2 << 29
-COUNT_MASK = (1 << 29) - 1
-MAX_TRITON_KEYS = 1 << 28
+# Status word (int64): bits 32-33 flag (0 not ready, 1 aggregate, 2 inclusive), bits 0-31 the count. A 32-bit
+# word (2 flag bits + 29-bit count) would cap a sort at 2^28 keys; the 32-bit indices cap it at 2^31 - 1.
+FLAG_AGG = tl.constexpr(1 << 32)
+FLAG_INC = tl.constexpr(2 << 32)
+COUNT_MASK = tl.constexpr((1 << 32) - 1)
+MAX_TRITON_KEYS = (1 << 31) - 1
 BLOCK_DEFAULT = 1024  # keys per tile on a GPU (4 warps, no spills on sm_90)
 BLOCK_INTERPRET = 256  # under TRITON_INTERPRET=1 (same code, smaller tiles run faster on the CPU)
 
@@ -76,20 +78,20 @@ def _bin_kernel(keys_in, keys_out, idx_in, idx_out, status_ptr, counter_ptr, gof
     local = tl.histogram(d, 256, mask=m)
     # Publish this tile's counts as AGGREGATE: one store per digit carries flag and count.
     st_row = status_ptr + tile.to(tl.int64) * 256 + bins
-    tl.atomic_xchg(st_row, local | (1 << 29), sem="release")
+    tl.atomic_xchg(st_row, local.to(tl.int64) | FLAG_AGG, sem="release")
     # Decoupled look-back, one lane per digit: sum AGGREGATEs until an INCLUSIVE (or tile -1).
     excl = tl.full([256], 0, tl.int32)
     pred = tl.full([256], 0, tl.int32) + (tile - 1)
     done = pred < 0
     while tl.reduce(done.to(tl.int32), 0, MIN) == 0:
         s = tl.atomic_add(status_ptr + pred.to(tl.int64) * 256 + bins, 0, mask=~done, sem="acquire")
-        flag = (s >> 29) & 3
+        flag = (s >> 32) & 3
         take = (~done) & (flag != 0)
-        excl += tl.where(take, s & ((1 << 29) - 1), 0)
+        excl += tl.where(take, (s & COUNT_MASK).to(tl.int32), 0)
         inclusive = take & (flag == 2)
         pred = tl.where(take & (flag == 1), pred - 1, pred)
         done = done | inclusive | (pred < 0)
-    tl.atomic_xchg(st_row, (excl + local) | (2 << 29), sem="release")
+    tl.atomic_xchg(st_row, (excl + local).to(tl.int64) | FLAG_INC, sem="release")
     # Rank inside the tile: a stable in-tile counting sort by the digit, as two 4-bit sub-passes
     # (one-hot [BLOCK, 16] prefix sums give each key its rank among equal nibbles), staged through
     # this tile's scratch row - Triton's stand-in for warp multisplit + shared-memory staging. Keys then
@@ -123,8 +125,8 @@ def _bin_kernel(keys_in, keys_out, idx_in, idx_out, status_ptr, counter_ptr, gof
 
 def _check_n(n: int):
     if n > MAX_TRITON_KEYS:
-        raise ValueError(f"pykernels.sort: the triton backend sorts at most 2^28 keys per call (29-bit status "
-                         f"counts), got {n}; use backend='cuda' (chunks larger inputs) or 'cpu'")
+        raise ValueError(f"pykernels.sort: the triton backend sorts at most 2^31 - 1 keys per call (32-bit "
+                         f"indices), got {n}; use backend='cuda' (chunks larger inputs) or 'cpu'")
 
 
 def radix_sort_encoded(enc: torch.Tensor, idx: torch.Tensor, begin_bit: int, end_bit: int, block: int = 0):
@@ -149,7 +151,7 @@ def radix_sort_encoded(enc: torch.Tensor, idx: torch.Tensor, begin_bit: int, end
     src_k, src_i = enc, idx
     tmp_k, tmp_i = torch.empty_like(enc), torch.empty_like(idx)
     out_k, out_i = torch.empty_like(enc), torch.empty_like(idx)
-    status = torch.empty(tiles * RADIX, dtype=torch.int32, device=dev)
+    status = torch.empty(tiles * RADIX, dtype=torch.int64, device=dev)
     scratch = torch.empty(tiles * RADIX, dtype=torch.int32, device=dev)
     stage = torch.empty(tiles * block, dtype=torch.int32, device=dev)
     counter = torch.empty(1, dtype=torch.int32, device=dev)
@@ -221,7 +223,7 @@ AOT_SPECS = []
 for _kt, _block, _warps in (("*i32", 512, 4), ("*i32", 1024, 4), ("*i64", 1024, 4)):
     AOT_SPECS.append(AotSpec(
         name=f"sort.bin[{_kt[1:]},BLOCK={_block}]", fn=JITFunction(_bin_kernel),
-        signature={"keys_in": _kt, "keys_out": _kt, "idx_in": "*i32", "idx_out": "*i32", "status_ptr": "*i32",
+        signature={"keys_in": _kt, "keys_out": _kt, "idx_in": "*i32", "idx_out": "*i32", "status_ptr": "*i64",
                    "counter_ptr": "*i32", "goff_ptr": "*i32", "base_ptr": "*i32", "stage_ptr": "*i32", "n": "i64",
                    "shift": "i32", "dmask": "i32" if _kt == "*i32" else "i64", "BLOCK": "constexpr",
                    "LOG_BLOCK": "constexpr"},
