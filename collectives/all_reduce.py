@@ -495,6 +495,22 @@ def _run_choice(choice: dict, x: torch.Tensor, n: int, op: str, group, topo: Top
         # gloo's/NCCL's own collective on the working buffer (fp32 for half types: rounded once)
         dist.all_reduce(x, op=_BASE_OP[op], group=group)
         return
+    try:
+        _run_p2p(name, choice, x, n, op, group, topo)
+    except RuntimeError as exc:  # gloo's own errors (DistBackendError is one) do not name our op
+        if str(exc).startswith(OPNAME):
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise RuntimeError(
+            f"{OPNAME}: a point-to-point transfer of the {name} all-reduce failed ({type(exc).__name__}: {first}). "
+            f"Every rank must pass the same numel, dtype and op (this rank: numel={n}, dtype={x.dtype}, op={op}); "
+            f"a rank that disagrees ends the call this way on every rank, and the group may be unusable "
+            f"afterwards") from exc
+
+
+def _run_p2p(name: str, choice: dict, x: torch.Tensor, n: int, op: str, group, topo: Topology):
+    """Our algorithms over point-to-point messages whose tags hash the call's signature: ranks that
+    disagree never match each other's messages, so they time out instead of mixing data."""
     sig = f"{n}|{x.dtype}|{op}|{json.dumps(choice, sort_keys=True)}|{topo.sizes}"
     piece = max(1, A.PIECE_BYTES // x.element_size())
     ctx = A.Ctx(_REDUCE[op], piece, A.Tagger(sig))

@@ -537,6 +537,7 @@ def test_size_mismatch_fails_on_every_rank(clusters, algo):
     assert time.monotonic() - t0 < 30
     for rank, value in enumerate(res):
         assert value[0] == "raised", f"rank {rank} did not fail: {value}"
+        assert value[2].startswith("collectives.all_reduce: "), f"rank {rank}: the error must name the op: {value}"
     c.run("chk_world_ok")  # the default group is unharmed
 
 
