@@ -159,7 +159,9 @@ def _ring_forward(q, k, v, scale, causal, layout, grp: comm.Group):
     return out_acc.to(q.dtype), lse_acc
 
 
-def _ring_backward(do, q, k, v, out, lse, scale, causal, layout, grp: comm.Group):
+def _ring_backward(do, q, k, v, out, lse, scale, causal, layout, grp: comm.Group, delta=None):
+    """delta: D = rowsum(dO * O) - dlse when the LSE has a gradient (see _with_lse_grad); then the
+    blocks take it instead of O."""
     w, r, s = grp.world, grp.rank, q.shape[2]
     acc = blk.acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -177,7 +179,9 @@ def _ring_backward(do, q, k, v, out, lse, scale, causal, layout, grp: comm.Group
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         for rows, krows, diag in _blocks(r, src, s, causal, layout):
             gq, gk, gv = blk.block_backward(do[:, :, rows], q[:, :, rows], k_cur[:, :, krows],
-                                            v_cur[:, :, krows], out[:, :, rows], lse[:, :, rows], scale, diag)
+                                            v_cur[:, :, krows], None if delta is not None else out[:, :, rows],
+                                            lse[:, :, rows], scale, diag,
+                                            delta=None if delta is None else delta[:, :, rows])
             dq[:, :, rows] += gq
             dk[:, :, krows] += gk
             dv[:, :, krows] += gv
@@ -200,6 +204,18 @@ def _ring_backward(do, q, k, v, out, lse, scale, causal, layout, grp: comm.Group
     return dq, dk, dv
 
 
+def _with_lse_grad(dout, dlse, out):
+    """(dO, D) for a backward whose LSE output has a gradient. lse_i = logsumexp_j S_ij, so
+    dlse_i / dS_ij = P_ij and dS = P * (dP - D) + P * dlse = P * (dP - (D - dlse)): the LSE's
+    gradient only shifts FlashAttention-2's row term D = rowsum(dO * O). Returns (dO, None) when
+    there is none (D then comes from O as usual); a missing dO (only the LSE used) is zeros."""
+    if dout is None:
+        dout = torch.zeros_like(out)
+    if dlse is None:
+        return dout, None
+    return dout, blk.row_delta(dout, out) - dlse.to(blk.acc_dtype(dout.dtype))
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, causal, layout, grp):
@@ -207,14 +223,15 @@ class _RingAttention(torch.autograd.Function):
             out, lse = _ring_forward(q, k, v, scale, causal, layout, grp)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (scale, causal, layout, grp)
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an unused LSE gives dlse None, not zeros to subtract
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         with torch.no_grad():
-            dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, *ctx.args)
+            dout, delta = _with_lse_grad(dout, dlse, out)
+            dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, *ctx.args, delta=delta)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
@@ -227,8 +244,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     q [B, H, S_local, D], k/v [B, Hkv, S_local, D] (H % Hkv == 0, GQA/MQA): this rank's shard of the
     sequence, laid out as `layout` says ("zigzag" or "contiguous", see the module doc). Returns this
     rank's shard of softmax(q k^T * scale [+ causal mask over global positions]) v, in q's dtype, and
-    with return_lse=True also the LSE [B, H, S_local] (fp32; fp64 for fp64 inputs; natural log; not
-    differentiable). Differentiable in q, k, v; every rank must run backward (it communicates).
+    with return_lse=True also the LSE [B, H, S_local] (fp32; fp64 for fp64 inputs; natural log).
+    Differentiable in q, k, v through out and the LSE (as pykernels.flash_attention); every rank
+    must run backward (it communicates).
 
     Per step each rank computes its queries against the visiting K/V block while the next block is in
     flight; backward circulates dK/dV with their K/V (fp32) and uses the global out/lse. Inputs that
@@ -332,7 +350,7 @@ def _token_forward(q, k, v, scale, causal, layout, grp, pg_back):
     return state["out"].to(q.dtype), state["lse"]
 
 
-def _token_backward(do, q, k, v, out, lse, scale, causal, layout, grp, pg_back):
+def _token_backward(do, q, k, v, out, lse, scale, causal, layout, grp, pg_back, delta=None):
     r, s = grp.rank, q.shape[2]
     acc = blk.acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -360,7 +378,10 @@ def _token_backward(do, q, k, v, out, lse, scale, causal, layout, grp, pg_back):
             dq[:, :, rows] += parts[0]
 
     # D = rowsum(dO * O) travels instead of O: one number per row instead of head_dim
-    bundle = [q.contiguous(), do.contiguous(), blk.row_delta(do, out), lse.contiguous()]
+    # (minus dlse when the LSE has a gradient, see _with_lse_grad)
+    if delta is None:
+        delta = blk.row_delta(do, out)
+    bundle = [q.contiguous(), do.contiguous(), delta.contiguous(), lse.contiguous()]
     _token_ring_run(bundle, compute, spec, on_own, s, causal, layout, grp, pg_back)
     return dq, dk, dv
 
@@ -372,14 +393,15 @@ class _TokenRingAttention(torch.autograd.Function):
             out, lse = _token_forward(q, k, v, scale, causal, layout, grp, pg_back)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (scale, causal, layout, grp, pg_back)
-        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # an unused LSE gives dlse None, not zeros to subtract
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         with torch.no_grad():
-            dq, dk, dv = _token_backward(dout, q, k, v, out, lse, *ctx.args)
+            dout, delta = _with_lse_grad(dout, dlse, out)
+            dq, dk, dv = _token_backward(dout, q, k, v, out, lse, *ctx.args, delta=delta)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 

@@ -151,7 +151,7 @@ def pool3():
 # ---------------------------------------------------------------------------- cases (on each rank)
 def case_attention(rank, world, *, fn, layout, causal, configs, chunk=3, seed=0, scale=None,
                    kind="randn", noncontig=False, piece_bytes=None, force_math=False, subgroup=None,
-                   device="cpu"):
+                   device="cpu", lse_grad=False):
     """Every config: forward out + LSE and dq/dk/dv of this rank's shard vs the float64 oracle.
     subgroup: run on a process group of these global ranks only (the others just take part in
     creating it), which checks that group ranks and global ranks are never confused."""
@@ -179,7 +179,12 @@ def case_attention(rank, world, *, fn, layout, causal, configs, chunk=3, seed=0,
             sc = 1.0 / math.sqrt(d) if scale is None else scale
             q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
             ref, ref_lse = oracle(q64, k64, v64, causal, sc)
-            ref.backward(do.double())
+            # lse_grad: the loss also depends on the LSE (as through flash_attention's lse)
+            dl = torch.randn(ref_lse.shape, generator=torch.Generator().manual_seed(seed + 99)) if lse_grad else None
+            if lse_grad:
+                torch.autograd.backward([ref, ref_lse], [do.double(), dl.double()])
+            else:
+                ref.backward(do.double())
             shard = lambda t: shard_sequence(t, group=group, layout=layout).detach()  # noqa: E731
             ql, kl, vl = (shard(t).to(device) for t in (q, k, v))
             if noncontig:  # [B, S, H, D] storage seen as [B, H, S, D]
@@ -189,7 +194,10 @@ def case_attention(rank, world, *, fn, layout, causal, configs, chunk=3, seed=0,
             ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
             out, lse = FNS[fn](ql, kl, vl, causal=causal, scale=scale, layout=layout, return_lse=True,
                                group=group)
-            out.backward(shard(do).to(device))
+            if lse_grad:
+                torch.autograd.backward([out, lse], [shard(do).to(device), shard(dl).to(device=device, dtype=lse.dtype)])
+            else:
+                out.backward(shard(do).to(device))
             assert out.device.type == device, out.device
             ctx = f"{fn} W={world} rank {rank} {layout} causal={causal} {dtype_name} H={h} Hkv={hkv} {kind}"
             assert out.dtype == dtype and out.shape == ql.shape, ctx
@@ -403,6 +411,15 @@ def test_more_dtypes_scale_adversarial_noncontiguous(pool3, fn):
                   configs=[("float32", 1, 2, 2, 8), ("float64", 1, 2, 1, 4)])
     pool3.run("case_attention", fn=fn, layout="contiguous", causal=True, chunk=1,
               configs=[("float64", 1, 2, 2, 4)])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("fn", ["ring", "token"])
+def test_gradient_through_the_lse(pool3, fn, causal):
+    """A loss that uses the LSE too: dq/dk/dv must include its gradient (dS = P * (dP - (D - dlse)))."""
+    for layout in ("zigzag", "contiguous"):
+        pool3.run("case_attention", fn=fn, layout=layout, causal=causal, lse_grad=True,
+                  configs=[("float32", 1, 4, 2, 8), ("float64", 1, 2, 2, 4)])
 
 
 @pytest.mark.parametrize("fn", ["ring", "token"])
