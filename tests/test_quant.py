@@ -385,6 +385,54 @@ def test_qmatmul_gemm_sizes_bias_and_nan(dtype, simd):
         check_close(y[keep], x[keep], qw, bias)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", [1, 3, 20])
+def test_qmatmul_two_scale_rows_keep_their_small_values(dtype, M, simd):
+    """A row with huge outliers next to ordinary values (an LLM's "massive activations"): int16 blocks
+    scaled by the outlier would round the ordinary values away, which shows when the outliers' weight
+    columns are zero. Such rows go through magnitude bands (act_range_flags), so y is as accurate as
+    for the ordinary values alone."""
+    g = torch.Generator().manual_seed(M)
+    N, K = 24, 256
+    w = torch.randn(N, K, generator=g)
+    cols = [0, 77, 200]
+    w[:, cols] = 0.0  # sym codes: exactly zero after quantization
+    qw = pykernels.quantize(w, 4, 64, "sym")
+    x = torch.randn(M, K, generator=g)
+    big = 3e4 if dtype == torch.float16 else 1e9
+    x[0, cols] = torch.tensor([big, -big / 1e3, big / 1e5])  # three scales in one row
+    x = x.to(dtype)
+    y = pykernels.qmatmul(x, qw)
+    assert torch.equal(qw.dequantize(torch.float64)[:, cols], torch.zeros(N, 3, dtype=torch.float64))
+    rest = x.clone()
+    rest[:, cols] = 0  # the error bound of the ordinary values (the outliers contribute exactly 0)
+    check_close(y, rest, qw)
+
+
+def test_act_range_flags_leave_ordinary_rows_alone():
+    """Only two-scale rows (1) and NaN/inf rows (2) are flagged: Gaussian, uniform, ReLU'd, sparse,
+    constant and LLM-like rows with ~50x outlier features take the fast path."""
+    from pykernels import _native
+
+    g = torch.Generator().manual_seed(0)
+    K = 4096
+    rows = [torch.randn(K, generator=g), torch.rand(K, generator=g), torch.randn(K, generator=g).relu(),
+            torch.randn(K, generator=g) * (torch.rand(K, generator=g) < 0.1), torch.full((K,), -2.5),
+            torch.zeros(K)]
+    llm = torch.randn(K, generator=g)
+    llm[::512] *= 50.0
+    rows.append(llm)
+    two = torch.randn(K, generator=g)
+    two[3] = 1e7
+    nonfinite = torch.randn(K, generator=g)
+    nonfinite[9] = float("-inf")
+    x = torch.stack(rows + [two, nonfinite])
+    flags = torch.empty(x.shape[0], dtype=torch.uint8)
+    n = _native.cpu_module("qgemm").act_range_flags(x.data_ptr(), _native.dtype_code(x.dtype), x.shape[0], K,
+                                                    flags.data_ptr(), 2)
+    assert flags.tolist() == [0] * len(rows) + [1, 2] and n == 2
+
+
 def test_qmatmul_nan_propagates(simd):
     qw = pykernels.quantize(torch.randn(6, 64), 4, 32)
     x = torch.randn(3, 64)

@@ -137,6 +137,92 @@ void group_sums(const float* xr, const WoShape& s, float* gsum) {
   }
 }
 
+// Rows the int16 activation path would get wrong (qmatmul's split, pykernels/quant/_ops.py).
+// The int16 path scales a block by its max|x|, so an element keeps about log2(32767 |x| / max) bits: a
+// row with two scales (an outlier 1e6 next to values ~1) loses the small values entirely, which matters
+// when the outlier's weights are small. flag 1: the row's nonzero elements below max/2^8 average less
+// than max/2^12 (fewer than 8 int16 steps): two scales. (Gaussian, uniform or ReLU rows average
+// ~max/2^9 there: never flagged.) flag 2: a NaN or an inf (the int16 path would give NaN for the whole
+// row; torch gives inf where the product is inf). Returns the number of flagged rows.
+// One row's flag, on the fp32 bit patterns of |x| (sign cleared): for non-negative floats the bit
+// patterns order like the values (inf above every finite value, NaN above inf), so the max and the
+// band test are integer operations the compiler vectorizes (a float max is not, for NaN's sake).
+template <class Bits>
+static uint8_t act_row_flag(Bits bits_of, int64_t K, uint32_t* abits) {
+  uint32_t amax = 0;
+  for (int64_t k = 0; k < K; ++k) {
+    const uint32_t a = bits_of(k) & 0x7fffffffu;
+    abits[k] = a;
+    amax = std::max(amax, a);
+  }
+  if (amax >= 0x7f800000u) return 2;  // inf or NaN
+  if (amax == 0) return 0;
+  float am;
+  std::memcpy(&am, &amax, 4);
+  const float limf = am * (1.f / 256.f);
+  uint32_t lim;
+  std::memcpy(&lim, &limf, 4);
+  float ps[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int32_t pn[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t a = abits[k + j];
+      const bool small = a - 1u < lim;  // 0 < |x| <= max / 2^8
+      float v;
+      std::memcpy(&v, &a, 4);
+      ps[j] += small ? v : 0.f;
+      pn[j] += small;
+    }
+  }
+  for (; k < K; ++k) {
+    const uint32_t a = abits[k];
+    const bool small = a - 1u < lim;
+    float v;
+    std::memcpy(&v, &a, 4);
+    ps[0] += small ? v : 0.f;
+    pn[0] += small;
+  }
+  double sum = 0.0;
+  int64_t n = 0;
+  for (int j = 0; j < 8; ++j) sum += ps[j], n += pn[j];
+  return n > 0 && sum < (double)n * am * (1.0 / 4096.0) ? 1 : 0;
+}
+
+int64_t act_range_flags(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t flags, int num_threads) {
+  const pk::DType dt = float_dtype(x_dtype, "qmatmul", "x");
+  uint8_t* out = reinterpret_cast<uint8_t*>(flags);
+  std::vector<int64_t> counts(std::max(1, num_threads), 0);
+  py::gil_scoped_release release;
+  pk::parallel_ranges(M, std::max(1, std::min<int>(num_threads, (int)(M * K / 262144 + 1))),
+                      [&](int t, int64_t m0, int64_t m1) {
+    std::vector<uint32_t> abits(std::max<int64_t>(K, 1));
+    for (int64_t m = m0; m < m1; ++m) {
+      uint8_t f;
+      if (dt == pk::DType::Float32) {
+        const uint32_t* row = reinterpret_cast<const uint32_t*>(x) + m * K;
+        f = act_row_flag([row](int64_t k) { return row[k]; }, K, abits.data());
+      } else if (dt == pk::DType::BFloat16) {
+        const uint16_t* row = reinterpret_cast<const uint16_t*>(x) + m * K;
+        f = act_row_flag([row](int64_t k) { return (uint32_t)row[k] << 16; }, K, abits.data());
+      } else {
+        const uint16_t* row = reinterpret_cast<const uint16_t*>(x) + m * K;
+        f = act_row_flag([row](int64_t k) {
+          const float v = f16_to_f32(row[k]);
+          uint32_t b;
+          std::memcpy(&b, &v, 4);
+          return b;
+        }, K, abits.data());
+      }
+      out[m] = f;
+      counts[t] += f != 0;
+    }
+  });
+  int64_t total = 0;
+  for (auto c : counts) total += c;
+  return total;
+}
+
 // Activations of one token -> int16 per 32-block (+ block scales) and exact per-group sums.
 void quantize_act_int16(const void* x, pk::DType dt, int64_t row, const WoShape& s, int16_t* q, float* bscale,
                         float* gsum) {
@@ -1340,6 +1426,10 @@ PYBIND11_MODULE(_cpu_qgemm, m) {
         py::arg("bias"), py::arg("y"), py::arg("y_dtype"), py::arg("num_threads"), py::arg("m_block"),
         py::arg("n_block"), py::arg("isa"), py::arg("gemm_min_m"),
         "y[M,N] = x[M,K] @ dequant(W).T (+ bias): weight-only quantized GEMM on packed tiles");
+  m.def("act_range_flags", &act_range_flags, py::arg("x"), py::arg("x_dtype"), py::arg("M"), py::arg("K"),
+        py::arg("flags"), py::arg("num_threads"),
+        "per-row flags (uint8[M]): 1 = two scales the int16 activation path would lose, 2 = NaN/inf; "
+        "returns how many rows are flagged");
   m.def("dequant_tiles", &dequant_tiles, py::arg("w"), py::arg("bits"), py::arg("scales"), py::arg("offsets"),
         py::arg("N"), py::arg("K"), py::arg("group_size"), py::arg("out"), py::arg("out_dtype"),
         py::arg("num_threads"), "out[N,K] = dequantized weights of a packed tile layout");

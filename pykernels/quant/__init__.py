@@ -197,7 +197,11 @@ def qmatmul(x, qw: QuantizedWeight, bias=None, *, act_bits: Optional[int] = None
     max|x| / 32767) to run integer dot products: blocks of 32 elements on AVX2 and portable CPUs, of
     one weight group (at most 2048 elements; 1024 with group_size=-1) on AVX-512 VNNI CPUs. Each x_k
     moves by at most 2^-16 of its block's max|x|, so y differs from the fp32 product with the
-    dequantized weight by about 2-4e-5 of max|y| on typical data. The weights themselves are used exactly. For an exact fp32 result
+    dequantized weight by about 2-4e-5 of max|y| on typical data. Rows where that step would swallow
+    the ordinary values (huge outliers next to them: the row's small elements average under 2^-12 of
+    its max) are computed in magnitude bands, each band with its own int16 scale, and rows holding a
+    NaN or inf take the fp32 route (so an inf gives torch's inf, not NaN); a cheap per-row check (a few
+    microseconds for 4096 elements) decides. The weights themselves are used exactly. For an exact fp32 result
     use the dequantize route, torch.nn.functional.linear(x, qw.dequantize(torch.float32), bias)
     (what the "dequant_mm" config does chunk by chunk, with the same weights)."""
     x = as_tensor(x, "qmatmul", "x")
