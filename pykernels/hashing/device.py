@@ -1,9 +1,10 @@
 """numba.cuda device functions over a table's arrays: WarpCore's device-side operations, for Python.
 
 A user's own `@numba.cuda.jit` kernel can insert into, look up in and count with a table that the host
-API (`pykernels.HashMap`, `CountingTable`, `HashSet`) built or will read: the functions below walk the
-very same layout (csrc/hash/hash_layout.h) -- same hash, same windows, same double hashing, same
-EMPTY/TOMBSTONE patterns and the same out-of-band store for keys equal to them.
+API (`pykernels.HashMap`, `CountingTable`, `HashSet`, `MultiValueHashMap`) built or will read: the
+functions below walk the very same layout (csrc/hash/hash_layout.h) -- same hash, same windows, same
+double hashing, same EMPTY/TOMBSTONE patterns, the same overflow filter and the same out-of-band store
+for keys equal to those patterns.
 
     from numba import cuda
     from pykernels.hashing import device as hd
@@ -18,16 +19,39 @@ EMPTY/TOMBSTONE patterns and the same out-of-band store for keys equal to them.
     with t.device_view() as v:                  # hands out the arrays, then updates len(t)
         kernel[blocks, 256](*v.args, keys_u64, out)
 
-Keys and values are passed as their bit patterns in uint64 (view an int64 tensor as uint64; a float64
-value as its bits). Layouts supported here: 8-byte keys with 8-byte values (HashMap int64/uint64 ->
-8-byte values, CountingTable) or without values (HashSet), and 4-byte keys with 4-byte values (packed
-into one 64-bit word: a single 64-bit CAS claims key and value together). One thread handles one key
-and scans a window in slot order, which is what a cooperative group's ballot (lowest lane first)
-decides, so host, CUDA kernels and these functions agree on where every key lives.
+Which functions fit a table is decided by its slot layout (hash_layout.h: a slot is {key} or {key, value}
+with natural alignment; _layout.slot_bytes). `DeviceView.layout` names it and `DeviceView.functions`
+maps the table's operations to the functions for it (see DeviceView):
 
-Inserts never grow the table: a key that would take the table past its max load factor is refused
-(return -1), as the host's growable=False tables do. Under the CUDA simulator (NUMBA_ENABLE_CUDASIM=1)
-NumPy warns about the (intended) wrap-around of 64-bit multiplications: filter RuntimeWarning.
+    layout    key/value bytes  tables                                        functions
+    pair64    8 / 8  (16 B)    HashMap, MultiValueHashMap: 8-byte keys and   map_insert, map_find, counting_add,
+                               values; CountingTable: 8-byte keys            multi_insert, multi_count, multi_find
+    k8v4      8 / 4  (16 B)    HashMap, MultiValueHashMap: 8-byte keys,      map_k8v4_insert, map_k8v4_find,
+                               1-4 byte values                               multi_k8v4_insert/_count/_find
+    k4v8      4 / 8  (16 B)    HashMap, MultiValueHashMap: 4-byte keys,      map_k4v8_insert, map_k4v8_find,
+                               8-byte values; CountingTable: 4-byte keys     counting_k4v8_add,
+                                                                             multi_k4v8_insert/_count/_find
+    packed32  4 / 4  (8 B)     HashMap, MultiValueHashMap: 4-byte keys,      packed_insert, packed_find,
+                               1-4 byte values                               packed_multi_insert/_count/_find
+    set64     8 / -  (8 B)     HashSet: 8-byte keys                          set_insert, set_contains
+    set32     4 / -  (4 B)     HashSet: 4-byte keys                          set32_insert, set32_contains
+
+Keys and values are passed as their bit patterns in uint64 (view an int64 tensor as uint64; a float64
+value as its bits). 4-byte keys and values use the low 32 bits (the high ones are ignored, so an int32
+key may come sign-extended); 1-2 byte values are widened to 4 bytes as the host widens them
+(`pykernels.hashing._layout.value_bits`). One thread handles one key and scans a window in slot order,
+which is what a cooperative group's ballot (lowest lane first) decides, so host, CUDA kernels and these
+functions agree on where every key lives.
+
+Inserts return NEW (1), EXISTED (0: a map's value was updated, a counting table's count added to) or
+FULL (-1): they never grow the table, so a key that would take it past its max load factor is refused,
+as the host's growable=False tables do. Keys equal to the reserved patterns (EMPTY = all ones,
+TOMBSTONE = all ones - 1 of the key's width: -1 and -2 of a signed key) live out of band in `special`,
+on the device as on the host -- except in a MultiValueHashMap, which keeps their values host-side in
+Python lists (_tables.py) that device code cannot reach: its device functions return RESERVED (-2) for
+such keys and store nothing; insert and read them with the host API. Under the CUDA simulator
+(NUMBA_ENABLE_CUDASIM=1) NumPy warns about the (intended) wrap-around of 64-bit multiplications: filter
+RuntimeWarning.
 """
 from __future__ import annotations
 
@@ -37,7 +61,11 @@ import torch
 from numba import cuda
 
 __all__ = ["map_insert", "map_find", "counting_add", "set_insert", "set_contains", "packed_insert",
-           "packed_find", "DeviceView"]
+           "packed_find", "set32_insert", "set32_contains", "map_k8v4_insert", "map_k8v4_find",
+           "map_k4v8_insert", "map_k4v8_find", "counting_k4v8_add", "multi_insert", "multi_count",
+           "multi_find", "multi_k8v4_insert", "multi_k8v4_count", "multi_k8v4_find", "multi_k4v8_insert",
+           "multi_k4v8_count", "multi_k4v8_find", "packed_multi_insert", "packed_multi_count",
+           "packed_multi_find", "NEW", "EXISTED", "FULL", "RESERVED", "DeviceView"]
 
 _U = numba.uint64
 _M1 = np.uint64(0xFF51AFD7ED558CCD)
@@ -56,8 +84,14 @@ _THREE = np.uint64(3)
 _FOUR = np.uint64(4)
 _SEVEN = np.uint64(7)
 
-# status values returned by inserts
-NEW, EXISTED, FULL = 1, 0, -1
+# Status values returned by inserts. RESERVED: a MultiValueHashMap key equal to the EMPTY/TOMBSTONE
+# pattern, whose values the host keeps in Python lists (see the module docstring); nothing was stored.
+NEW, EXISTED, FULL, RESERVED = 1, 0, -1, -2
+
+# A key's width is given to the shared helpers as `kmask`, its all-ones pattern: _EMPTY64 for 8-byte
+# keys, _LO32 for 4-byte ones. It is the key's EMPTY pattern, kmask - 1 its TOMBSTONE (hash_layout.h
+# Sentinel<K>), and `word & kmask` the key bits of a slot word that may also hold padding (k4v8) or the
+# value (packed32). `vmask` likewise cuts a value to its slot width.
 
 
 @cuda.jit(device=True, inline=True)
@@ -113,17 +147,19 @@ def _reserve(counters):
     return True
 
 
-# Probing shared by the pair (2 words per slot, key first) and set (1 word) layouts; `stride` is the
-# slot's word count as a uint64 (_TWO or _ONE), so index arithmetic stays in uint64.
+# Probing shared by every layout. `stride` is the slot's word count in `slots` as a uint64 (_TWO for
+# the 16-byte slots, key word first; _ONE for set64/set32/packed32), so index arithmetic stays in
+# uint64; the key bits of slot s are slots[stride * s] & kmask.
 _RETRY = 2  # _claim: the free slot was taken meanwhile; rescan (the winner may hold this very key)
 
 
 @cuda.jit(device=True, inline=True)
-def _scan_for_insert(slots, stride, special, nw, window, key, seed):
+def _scan_for_insert(slots, stride, kmask, special, nw, window, key, seed):
     """One probe sequence of an insert: (hit, free). hit is the slot holding `key` (_EMPTY64 if absent);
     free is the first EMPTY/TOMBSTONE slot met where the key belongs (_EMPTY64: every slot is live).
     Windows passed without a free slot get the key's overflow bit (the key will live beyond them)."""
     W = _U(window)
+    tomb = kmask - _ONE
     w, step, tag = _probe_start(key, seed, nw)
     free = _EMPTY64
     t = _ZERO
@@ -131,14 +167,14 @@ def _scan_for_insert(slots, stride, special, nw, window, key, seed):
         base = w * W
         for j in range(window):
             s = base + _U(j)
-            sk = slots[stride * s]
+            sk = slots[stride * s] & kmask
             if sk == key:
                 return s, _EMPTY64
-            if sk == _EMPTY64:  # beyond the first EMPTY the key cannot be
+            if sk == kmask:  # EMPTY: beyond the first EMPTY the key cannot be
                 if free == _EMPTY64:
                     free = s
                 return _EMPTY64, free
-            if sk == _TOMB64 and free == _EMPTY64:
+            if sk == tomb and free == _EMPTY64:
                 free = s
         if free == _EMPTY64:
             _ovf_mark(special, w, tag)
@@ -150,16 +186,41 @@ def _scan_for_insert(slots, stride, special, nw, window, key, seed):
 
 
 @cuda.jit(device=True, inline=True)
-def _claim(slots, stride, counters, free, key):
-    """CAS `key` into slot `free`: NEW when claimed, _RETRY when it was taken meanwhile, FULL when an
-    EMPTY slot would pass the load limit."""
-    expect = slots[stride * free]
-    if expect != _EMPTY64 and expect != _TOMB64:
+def _scan_for_append(slots, stride, kmask, special, nw, window, key, seed):
+    """The first EMPTY/TOMBSTONE slot on the key's probe sequence, _EMPTY64 if every slot is live. A
+    multi-value map keeps every pair in its own slot, so an append does not look for the key
+    (hash_cpu.cpp ins_step / hash.cu group_insert with M_APPEND); windows passed get its overflow bit."""
+    W = _U(window)
+    tomb = kmask - _ONE
+    w, step, tag = _probe_start(key, seed, nw)
+    t = _ZERO
+    while t < _U(nw):
+        base = w * W
+        for j in range(window):
+            s = base + _U(j)
+            sk = slots[stride * s] & kmask
+            if sk == kmask or sk == tomb:
+                return s
+        _ovf_mark(special, w, tag)
+        w = _next(w, step, nw)
+        t += _ONE
+    return _EMPTY64
+
+
+@cuda.jit(device=True, inline=True)
+def _claim(slots, idx, kmask, counters, keep, bits):
+    """CAS word `idx`, whose key bits must be EMPTY or TOMBSTONE, to (word & keep) | bits: NEW when
+    claimed, _RETRY when it was taken meanwhile, FULL when an EMPTY slot would pass the load limit.
+    keep = ~kmask keeps what is not the key (k4v8: the padding after the key, never written); packed32
+    passes keep = 0 and bits = key and value, claimed together by one 64-bit CAS."""
+    word = slots[idx]
+    sk = word & kmask
+    if sk != kmask and sk != kmask - _ONE:
         return _RETRY
-    from_empty = expect == _EMPTY64
+    from_empty = sk == kmask
     if from_empty and not _reserve(counters):
         return FULL
-    if cuda.atomic.cas(slots, stride * free, expect, key) == expect:
+    if cuda.atomic.cas(slots, idx, word, (word & keep) | bits) == word:
         cuda.atomic.add(counters, 2, 1)
         return NEW
     if from_empty:
@@ -168,7 +229,7 @@ def _claim(slots, stride, counters, free, key):
 
 
 @cuda.jit(device=True, inline=True)
-def _find_slot(slots, stride, special, nw, window, seed, key):
+def _find_slot(slots, stride, kmask, special, nw, window, seed, key):
     """The slot holding `key`, or _EMPTY64."""
     W = _U(window)
     w, step, tag = _probe_start(key, seed, nw)
@@ -177,10 +238,10 @@ def _find_slot(slots, stride, special, nw, window, seed, key):
         base = w * W
         for j in range(window):
             s = base + _U(j)
-            sk = slots[stride * s]
+            sk = slots[stride * s] & kmask
             if sk == key:
                 return s
-            if sk == _EMPTY64:
+            if sk == kmask:
                 return _EMPTY64
         if not _ovf_has(special, w, tag):
             return _EMPTY64
@@ -189,15 +250,46 @@ def _find_slot(slots, stride, special, nw, window, seed, key):
     return _EMPTY64
 
 
+@cuda.jit(device=True, inline=True)
+def _multi_walk(slots, stride, voff, vshift, kmask, vmask, special, nw, window, seed, key, out, start, cap):
+    """Number of slots holding `key` (hash_cpu.cpp multi_walk_impl: every slot on the probe sequence up
+    to the first EMPTY, or a full window whose filter byte lacks the key's tag). The first `cap` values,
+    in probe order, go to out[start], out[start + 1], ...; cap 0 only counts (`out` is not touched).
+    The value of slot s is (slots[stride * s + voff] >> vshift) & vmask."""
+    W = _U(window)
+    w, step, tag = _probe_start(key, seed, nw)
+    n = 0
+    t = _ZERO
+    while t < _U(nw):
+        base = w * W
+        for j in range(window):
+            i = stride * (base + _U(j))
+            sk = slots[i] & kmask
+            if sk == key:
+                if n < cap:
+                    out[start + n] = (slots[i + voff] >> vshift) & vmask
+                n += 1
+            if sk == kmask:
+                return n
+        if not _ovf_has(special, w, tag):
+            return n
+        w = _next(w, step, nw)
+        t += _ONE
+    return n
+
+
 # ------------------------------------------------------------------------------------------------
-# 8-byte keys, 8-byte values: slots is uint64[2 * capacity], key at 2s, value at 2s + 1
+# 16-byte slots {key, value}: slots is uint64[2 * capacity], the key word at 2s, the value word at
+# 2s + 1 (Slot<K, V> with natural alignment, hash_layout.h). pair64: both 8 bytes. k8v4: the value is
+# the low half of word 2s + 1 (its high half is padding, zero). k4v8: the key is the low half of word
+# 2s (its high half is padding, zero, and kept by the key's CAS).
 # ------------------------------------------------------------------------------------------------
 @cuda.jit(device=True)
-def _pair_upsert(slots, special, counters, nw, window, seed, key, value, add):
-    key = _U(key)
-    value = _U(value)
-    if key >= _TOMB64:  # reserved patterns live out of band
-        s = 0 if key == _EMPTY64 else 1
+def _pair_upsert(slots, special, counters, nw, window, seed, key, value, add, kmask, vmask):
+    key = _U(key) & kmask
+    value = _U(value) & vmask
+    if key >= kmask - _ONE:  # reserved patterns live out of band
+        s = 0 if key == kmask else 1
         fresh = cuda.atomic.cas(special, 2 * s, _ZERO, _ONE) == _ZERO
         if add:
             cuda.atomic.add(special, 2 * s + 1, value)
@@ -208,7 +300,7 @@ def _pair_upsert(slots, special, counters, nw, window, seed, key, value, add):
             return NEW
         return EXISTED
     while True:
-        hit, free = _scan_for_insert(slots, _TWO, special, nw, window, key, seed)
+        hit, free = _scan_for_insert(slots, _TWO, kmask, special, nw, window, key, seed)
         if hit != _EMPTY64:
             if add:
                 cuda.atomic.add(slots, _TWO * hit + _ONE, value)
@@ -217,7 +309,7 @@ def _pair_upsert(slots, special, counters, nw, window, seed, key, value, add):
             return EXISTED
         if free == _EMPTY64:
             return FULL
-        st = _claim(slots, _TWO, counters, free, key)
+        st = _claim(slots, _TWO * free, kmask, counters, kmask ^ _EMPTY64, key)
         if st == NEW:
             # Counting: a free slot's value is 0 and other threads may add once the key is visible.
             if add:
@@ -229,66 +321,207 @@ def _pair_upsert(slots, special, counters, nw, window, seed, key, value, add):
 
 
 @cuda.jit(device=True)
+def _pair_find(slots, special, nw, window, seed, key, kmask, vmask):
+    key = _U(key) & kmask
+    if key >= kmask - _ONE:
+        s = 0 if key == kmask else 1
+        if special[2 * s] != _ZERO:
+            return special[2 * s + 1] & vmask, True
+        return _ZERO, False
+    s = _find_slot(slots, _TWO, kmask, special, nw, window, seed, key)
+    if s == _EMPTY64:
+        return _ZERO, False
+    return slots[_TWO * s + _ONE] & vmask, True
+
+
+@cuda.jit(device=True)
 def map_insert(slots, special, counters, nw, window, seed, key, value):
-    """Upsert key -> value (uint64 bit patterns). Returns 1 new, 0 updated, -1 table full."""
-    return _pair_upsert(slots, special, counters, nw, window, seed, key, value, False)
+    """pair64: upsert key -> value (uint64 bit patterns). Returns 1 new, 0 updated, -1 table full."""
+    return _pair_upsert(slots, special, counters, nw, window, seed, key, value, False, _EMPTY64, _EMPTY64)
 
 
 @cuda.jit(device=True)
 def counting_add(slots, special, counters, nw, window, seed, key, inc):
-    """count[key] += inc (CountingTable). Returns 1 if the key was new, 0 if not, -1 table full."""
-    return _pair_upsert(slots, special, counters, nw, window, seed, key, inc, True)
+    """pair64: count[key] += inc (CountingTable). Returns 1 if the key was new, 0 if not, -1 table full."""
+    return _pair_upsert(slots, special, counters, nw, window, seed, key, inc, True, _EMPTY64, _EMPTY64)
 
 
 @cuda.jit(device=True)
 def map_find(slots, special, nw, window, seed, key):
-    """(value bits, found) of a key (CountingTable: its count)."""
-    key = _U(key)
-    if key >= _TOMB64:
-        s = 0 if key == _EMPTY64 else 1
-        if special[2 * s] != _ZERO:
-            return special[2 * s + 1], True
-        return _ZERO, False
-    s = _find_slot(slots, _TWO, special, nw, window, seed, key)
-    if s == _EMPTY64:
-        return _ZERO, False
-    return slots[_TWO * s + _ONE], True
+    """pair64: (value bits, found) of a key (CountingTable: its count)."""
+    return _pair_find(slots, special, nw, window, seed, key, _EMPTY64, _EMPTY64)
 
 
-# ------------------------------------------------------------------------------------------------
-# 8-byte keys, no values (HashSet): slots is uint64[capacity]
-# ------------------------------------------------------------------------------------------------
 @cuda.jit(device=True)
-def set_insert(slots, special, counters, nw, window, seed, key):
-    """Adds a key. Returns 1 new, 0 present, -1 table full."""
-    key = _U(key)
-    if key >= _TOMB64:
-        s = 0 if key == _EMPTY64 else 1
-        if cuda.atomic.cas(special, 2 * s, _ZERO, _ONE) == _ZERO:
-            cuda.atomic.add(counters, 2, 1)
-            return NEW
-        return EXISTED
+def map_k8v4_insert(slots, special, counters, nw, window, seed, key, value):
+    """k8v4: upsert of an 8-byte key -> 4-byte value bits (the low 32 of `value`). 1 new, 0 updated, -1 full."""
+    return _pair_upsert(slots, special, counters, nw, window, seed, key, value, False, _EMPTY64, _LO32)
+
+
+@cuda.jit(device=True)
+def map_k8v4_find(slots, special, nw, window, seed, key):
+    """k8v4: (value bits in the low 32, found) of an 8-byte key."""
+    return _pair_find(slots, special, nw, window, seed, key, _EMPTY64, _LO32)
+
+
+@cuda.jit(device=True)
+def map_k4v8_insert(slots, special, counters, nw, window, seed, key, value):
+    """k4v8: upsert of a 4-byte key (the low 32 bits of `key`) -> 8-byte value bits. 1 new, 0 updated, -1 full."""
+    return _pair_upsert(slots, special, counters, nw, window, seed, key, value, False, _LO32, _EMPTY64)
+
+
+@cuda.jit(device=True)
+def counting_k4v8_add(slots, special, counters, nw, window, seed, key, inc):
+    """k4v8: count[key] += inc for a CountingTable with 4-byte keys. 1 new key, 0 not, -1 full."""
+    return _pair_upsert(slots, special, counters, nw, window, seed, key, inc, True, _LO32, _EMPTY64)
+
+
+@cuda.jit(device=True)
+def map_k4v8_find(slots, special, nw, window, seed, key):
+    """k4v8: (value bits, found) of a 4-byte key (CountingTable: its count)."""
+    return _pair_find(slots, special, nw, window, seed, key, _LO32, _EMPTY64)
+
+
+# ---- MultiValueHashMap over 16-byte slots: every pair in its own slot ----
+@cuda.jit(device=True)
+def _pair_append(slots, special, counters, nw, window, seed, key, value, kmask, vmask):
+    key = _U(key) & kmask
+    value = _U(value) & vmask
+    if key >= kmask - _ONE:
+        return RESERVED  # kept host-side (MultiValueHashMap._special_multi)
     while True:
-        hit, free = _scan_for_insert(slots, _ONE, special, nw, window, key, seed)
-        if hit != _EMPTY64:
-            return EXISTED
+        free = _scan_for_append(slots, _TWO, kmask, special, nw, window, key, seed)
         if free == _EMPTY64:
             return FULL
-        st = _claim(slots, _ONE, counters, free, key)
+        st = _claim(slots, _TWO * free, kmask, counters, kmask ^ _EMPTY64, key)
+        if st == NEW:
+            slots[_TWO * free + _ONE] = value
         if st != _RETRY:
             return st
 
 
 @cuda.jit(device=True)
-def set_contains(slots, special, nw, window, seed, key):
-    key = _U(key)
-    if key >= _TOMB64:
-        return special[2 * (0 if key == _EMPTY64 else 1)] != _ZERO
-    return _find_slot(slots, _ONE, special, nw, window, seed, key) != _EMPTY64
+def _pair_multi_find(slots, special, nw, window, seed, key, out, start, cap, kmask, vmask):
+    key = _U(key) & kmask
+    if key >= kmask - _ONE:
+        return RESERVED
+    return _multi_walk(slots, _TWO, _ONE, _ZERO, kmask, vmask, special, nw, window, seed, key, out, start, cap)
+
+
+@cuda.jit(device=True)
+def multi_insert(slots, special, counters, nw, window, seed, key, value):
+    """pair64 MultiValueHashMap: adds the pair (key, value), even when the key already has values.
+    Returns 1 (stored), -1 table full, -2 RESERVED (key bits equal to EMPTY/TOMBSTONE: insert on the host)."""
+    return _pair_append(slots, special, counters, nw, window, seed, key, value, _EMPTY64, _EMPTY64)
+
+
+@cuda.jit(device=True)
+def multi_count(slots, special, nw, window, seed, key):
+    """pair64 MultiValueHashMap: the number of values of `key`; -2 RESERVED for a reserved key pattern."""
+    return _pair_multi_find(slots, special, nw, window, seed, key, special, 0, 0, _EMPTY64, _EMPTY64)
+
+
+@cuda.jit(device=True)
+def multi_find(slots, special, nw, window, seed, key, out, start, cap):
+    """pair64 MultiValueHashMap: writes the key's first `cap` value bits (probe order, as the host's
+    find) to out[start:] (a uint64 array) and returns its number of values (-2 RESERVED as multi_count)."""
+    return _pair_multi_find(slots, special, nw, window, seed, key, out, start, cap, _EMPTY64, _EMPTY64)
+
+
+@cuda.jit(device=True)
+def multi_k8v4_insert(slots, special, counters, nw, window, seed, key, value):
+    """k8v4 MultiValueHashMap: multi_insert of an 8-byte key and 4-byte value bits."""
+    return _pair_append(slots, special, counters, nw, window, seed, key, value, _EMPTY64, _LO32)
+
+
+@cuda.jit(device=True)
+def multi_k8v4_count(slots, special, nw, window, seed, key):
+    """k8v4 MultiValueHashMap: multi_count."""
+    return _pair_multi_find(slots, special, nw, window, seed, key, special, 0, 0, _EMPTY64, _LO32)
+
+
+@cuda.jit(device=True)
+def multi_k8v4_find(slots, special, nw, window, seed, key, out, start, cap):
+    """k8v4 MultiValueHashMap: multi_find (value bits in the low 32 of each out word)."""
+    return _pair_multi_find(slots, special, nw, window, seed, key, out, start, cap, _EMPTY64, _LO32)
+
+
+@cuda.jit(device=True)
+def multi_k4v8_insert(slots, special, counters, nw, window, seed, key, value):
+    """k4v8 MultiValueHashMap: multi_insert of a 4-byte key and 8-byte value bits."""
+    return _pair_append(slots, special, counters, nw, window, seed, key, value, _LO32, _EMPTY64)
+
+
+@cuda.jit(device=True)
+def multi_k4v8_count(slots, special, nw, window, seed, key):
+    """k4v8 MultiValueHashMap: multi_count."""
+    return _pair_multi_find(slots, special, nw, window, seed, key, special, 0, 0, _LO32, _EMPTY64)
+
+
+@cuda.jit(device=True)
+def multi_k4v8_find(slots, special, nw, window, seed, key, out, start, cap):
+    """k4v8 MultiValueHashMap: multi_find."""
+    return _pair_multi_find(slots, special, nw, window, seed, key, out, start, cap, _LO32, _EMPTY64)
 
 
 # ------------------------------------------------------------------------------------------------
-# 4-byte keys with 4-byte values packed in one uint64 word (key in the low half): slots is
+# Key-only slots (HashSet). set64: slots is uint64[capacity]. set32: slots is uint32[capacity] (4-byte
+# slots, hash_layout.h Slot<K, NoVal>; an odd capacity has no uint64 view), claimed by a 32-bit CAS.
+# ------------------------------------------------------------------------------------------------
+@cuda.jit(device=True)
+def _set_insert(slots, special, counters, nw, window, seed, key, kmask):
+    key = _U(key) & kmask
+    if key >= kmask - _ONE:
+        s = 0 if key == kmask else 1
+        if cuda.atomic.cas(special, 2 * s, _ZERO, _ONE) == _ZERO:
+            cuda.atomic.add(counters, 2, 1)
+            return NEW
+        return EXISTED
+    while True:
+        hit, free = _scan_for_insert(slots, _ONE, kmask, special, nw, window, key, seed)
+        if hit != _EMPTY64:
+            return EXISTED
+        if free == _EMPTY64:
+            return FULL
+        st = _claim(slots, free, kmask, counters, kmask ^ _EMPTY64, key)
+        if st != _RETRY:
+            return st
+
+
+@cuda.jit(device=True)
+def _set_contains(slots, special, nw, window, seed, key, kmask):
+    key = _U(key) & kmask
+    if key >= kmask - _ONE:
+        return special[2 * (0 if key == kmask else 1)] != _ZERO
+    return _find_slot(slots, _ONE, kmask, special, nw, window, seed, key) != _EMPTY64
+
+
+@cuda.jit(device=True)
+def set_insert(slots, special, counters, nw, window, seed, key):
+    """set64: adds a key. Returns 1 new, 0 present, -1 table full."""
+    return _set_insert(slots, special, counters, nw, window, seed, key, _EMPTY64)
+
+
+@cuda.jit(device=True)
+def set_contains(slots, special, nw, window, seed, key):
+    """set64: whether the key is in the set."""
+    return _set_contains(slots, special, nw, window, seed, key, _EMPTY64)
+
+
+@cuda.jit(device=True)
+def set32_insert(slots, special, counters, nw, window, seed, key):
+    """set32 (`slots` uint32): adds a 4-byte key (the low 32 bits of `key`). 1 new, 0 present, -1 full."""
+    return _set_insert(slots, special, counters, nw, window, seed, key, _LO32)
+
+
+@cuda.jit(device=True)
+def set32_contains(slots, special, nw, window, seed, key):
+    """set32 (`slots` uint32): whether the 4-byte key is in the set."""
+    return _set_contains(slots, special, nw, window, seed, key, _LO32)
+
+
+# ------------------------------------------------------------------------------------------------
+# packed32: 4-byte keys with 4-byte values packed in one uint64 word (key in the low half): slots is
 # uint64[capacity]; one 64-bit CAS claims key and value together (WarpCore's packed pairs).
 # ------------------------------------------------------------------------------------------------
 @cuda.jit(device=True)
@@ -381,6 +614,41 @@ def packed_find(slots, special, nw, window, seed, key):
     return _ZERO, False
 
 
+@cuda.jit(device=True)
+def packed_multi_insert(slots, special, counters, nw, window, seed, key, value):
+    """packed32 MultiValueHashMap: adds the pair (4-byte key, 4-byte value bits), claimed with its value by
+    one 64-bit CAS (hash.cu group_insert, kPacked). Returns 1 (stored), -1 table full, -2 RESERVED."""
+    key = _U(key) & _LO32
+    value = _U(value) & _LO32
+    if key >= _TOMB32:
+        return RESERVED  # kept host-side (MultiValueHashMap._special_multi)
+    while True:
+        free = _scan_for_append(slots, _ONE, _LO32, special, nw, window, key, seed)
+        if free == _EMPTY64:
+            return FULL
+        st = _claim(slots, free, _LO32, counters, _ZERO, key | (value << _S32))
+        if st != _RETRY:
+            return st
+
+
+@cuda.jit(device=True)
+def packed_multi_count(slots, special, nw, window, seed, key):
+    """packed32 MultiValueHashMap: multi_count."""
+    key = _U(key) & _LO32
+    if key >= _TOMB32:
+        return RESERVED
+    return _multi_walk(slots, _ONE, _ZERO, _S32, _LO32, _LO32, special, nw, window, seed, key, special, 0, 0)
+
+
+@cuda.jit(device=True)
+def packed_multi_find(slots, special, nw, window, seed, key, out, start, cap):
+    """packed32 MultiValueHashMap: multi_find (value bits in the low 32 of each out word)."""
+    key = _U(key) & _LO32
+    if key >= _TOMB32:
+        return RESERVED
+    return _multi_walk(slots, _ONE, _ZERO, _S32, _LO32, _LO32, special, nw, window, seed, key, out, start, cap)
+
+
 # ------------------------------------------------------------------------------------------------
 # Handing a table's arrays to a kernel
 # ------------------------------------------------------------------------------------------------
@@ -391,26 +659,96 @@ def _as_u64_array(t: torch.Tensor):
     return t.numpy().view(np.uint64)  # the CUDA simulator works on host arrays (shared memory)
 
 
+def _as_u32_array(t: torch.Tensor):
+    t = t.view(torch.int32)
+    if t.device.type == "cuda":
+        return cuda.as_cuda_array(t).view(np.uint32)
+    return t.numpy().view(np.uint32)
+
+
+def _as_counters(t: torch.Tensor):
+    if t.device.type == "cuda":
+        return cuda.as_cuda_array(t)
+    return t.numpy()
+
+
+# (key bytes, value-slot bytes) -> layout name (_layout.value_slot_bytes: 1-4 byte values take 4).
+_LAYOUTS = {(8, 8): "pair64", (8, 4): "k8v4", (4, 8): "k4v8", (4, 4): "packed32", (8, 0): "set64",
+            (4, 0): "set32"}
+
+# (table kind, layout) -> the table's operations and the device functions doing them. Insert-type
+# functions take DeviceView.args, the others DeviceView.read_args, then their own arguments.
+_FUNCTIONS = {
+    ("map", "pair64"): {"insert": map_insert, "find": map_find},
+    ("map", "k8v4"): {"insert": map_k8v4_insert, "find": map_k8v4_find},
+    ("map", "k4v8"): {"insert": map_k4v8_insert, "find": map_k4v8_find},
+    ("map", "packed32"): {"insert": packed_insert, "find": packed_find},
+    ("counting", "pair64"): {"add": counting_add, "find": map_find},
+    ("counting", "k4v8"): {"add": counting_k4v8_add, "find": map_k4v8_find},
+    ("set", "set64"): {"insert": set_insert, "contains": set_contains},
+    ("set", "set32"): {"insert": set32_insert, "contains": set32_contains},
+    ("multi", "pair64"): {"insert": multi_insert, "count": multi_count, "find": multi_find},
+    ("multi", "k8v4"): {"insert": multi_k8v4_insert, "count": multi_k8v4_count, "find": multi_k8v4_find},
+    ("multi", "k4v8"): {"insert": multi_k4v8_insert, "count": multi_k4v8_count, "find": multi_k4v8_find},
+    ("multi", "packed32"): {"insert": packed_multi_insert, "count": packed_multi_count,
+                            "find": packed_multi_find},
+}
+
+
+def _kind(table) -> str:
+    if table._multi:
+        return "multi"
+    if table._counting:
+        return "counting"
+    return "set" if table._vb == 0 else "map"
+
+
 class DeviceView:
-    """The arrays and scalars device functions take, as `args`:
-    (slots uint64[], special uint64[4 + overflow filter], counters int64[3] = [used slots, load limit, new keys], nw,
-    window, seed). A context manager: on exit, the host table's len() and load accounting take in
-    what the kernel inserted."""
+    """A table's arrays and scalars, as device functions take them.
+
+    `args` = (slots, special, counters, nw, window, seed) for the functions that insert (*_insert,
+    *_add); `read_args` = (slots, special, nw, window, seed) for the others (*_find, *_contains,
+    *_count). slots: the slot array as uint64 words, except layout "set32": uint32 (4-byte slots);
+    special: uint64[4 + overflow filter] (hash_layout.h); counters: int64[3] = [used slots, load limit,
+    new keys]; nw: windows; window: slots per window; seed: the hash seed.
+
+    `layout` names the table's slot layout and `functions` maps its operations to the device functions
+    written for that layout (the table in the module docstring):
+      HashMap             {"insert", "find"}           CountingTable  {"add", "find"}
+      HashSet             {"insert", "contains"}       MultiValueHashMap  {"insert", "count", "find"}
+    so a kernel can be written once for a kind of table:
+
+        v = table.device_view()
+        insert = v.functions["insert"]
+
+        @cuda.jit
+        def kernel(slots, special, counters, nw, window, seed, keys, vals, status):
+            i = cuda.grid(1)
+            if i < keys.size:
+                status[i] = insert(slots, special, counters, nw, window, seed, keys[i], vals[i])
+
+        with v:
+            kernel[blocks, 256](*v.args, keys_u64, vals_u64, status)
+
+    A context manager: on exit, the host table's len() and load accounting take in what the kernel
+    inserted (or call commit() after the kernel). A function of another layout than the table's reads
+    its memory wrongly: take them from `functions`, or check `layout`."""
 
     def __init__(self, table):
-        layouts = {(8, 8): "pair64", (8, 0): "set64", (4, 4): "packed32"}
-        self.layout = layouts.get((table._kb, table._vb))
-        if self.layout is None:
+        self.layout = _LAYOUTS.get((table._kb, table._vb))
+        self.kind = _kind(table)
+        self.functions = _FUNCTIONS.get((self.kind, self.layout))
+        if self.functions is None:
+            # Every table the host can build has an entry; this guards a future layout.
             raise NotImplementedError(
-                f"pykernels.hashing.device: no device functions for {table._kb}-byte keys with "
-                f"{table._vb}-byte value slots (supported: 8/8 HashMap and CountingTable, 8/- HashSet, "
-                "4/4 HashMap)")
-        if table._multi:
-            raise NotImplementedError("pykernels.hashing.device: MultiValueHashMap has no device functions yet")
+                f"pykernels.hashing.device: DeviceView has no device functions for a {type(table).__name__} with "
+                f"{table._kb}-byte keys and {table._vb}-byte value slots (layout {self.layout})")
         self.table = table
         self._counters = torch.tensor([table._used, table._limit(), 0], dtype=torch.int64, device=table.device)
-        self.args = (_as_u64_array(table._slots), _as_u64_array(table._special), _as_counters(self._counters),
-                     table._nw, table.window, table.seed)
+        slots = _as_u32_array(table._slots) if self.layout == "set32" else _as_u64_array(table._slots)
+        special = _as_u64_array(table._special)
+        self.args = (slots, special, _as_counters(self._counters), table._nw, table.window, table.seed)
+        self.read_args = (slots, special, table._nw, table.window, table.seed)
 
     def commit(self):
         used, _, new = (int(x) for x in self._counters.cpu().tolist())
@@ -430,9 +768,3 @@ class DeviceView:
         finally:
             self.table._lock.release()
         return False
-
-
-def _as_counters(t: torch.Tensor):
-    if t.device.type == "cuda":
-        return cuda.as_cuda_array(t)
-    return t.numpy()
