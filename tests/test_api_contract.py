@@ -696,7 +696,7 @@ ERRORS = [
      lambda: pykernels.segmented_sort(torch.zeros(4), torch.tensor([0, 4]), _meta(4))),
     # hash tables
     ("HashMap-key-dtype", "HashMap", TypeError, lambda: pykernels.HashMap(16, key_dtype=torch.float32)),
-    ("HashMap-value-dtype", "HashMap", TypeError, lambda: pykernels.HashMap(16, value_dtype=torch.complex64)),
+    ("HashMap-value-dtype", "HashMap", TypeError, lambda: pykernels.HashMap(16, value_dtype=torch.complex128)),
     ("HashMap-capacity", "HashMap", ValueError, lambda: pykernels.HashMap(0)),
     ("HashMap-load", "HashMap", ValueError, lambda: pykernels.HashMap(16, max_load_factor=1.5)),
     ("HashMap-device", "HashMap", RuntimeError, lambda: pykernels.HashMap(16, device="meta")),

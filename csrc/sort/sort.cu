@@ -5,7 +5,7 @@
 //                       (shared-memory atomics per block, then global atomics).
 //   host                exclusive scan of each histogram (the "tile -1" prefix of every pass) and
 //                       trivial-pass skipping (a pass whose histogram has one full bin moves nothing).
-//   onesweep_bin_kernel one launch per remaining digit; per tile of BIN_THREADS * BIN_ITEMS keys:
+//   onesweep_bin_kernel one launch per remaining digit; per tile of BIN_THREADS * ITEMS keys:
 //     1. tile id from an atomic counter (not blockIdx): a tile only waits for tiles already running,
 //        which is what makes the spin-waiting of the look-back safe;
 //     2. warp-level multisplit ranking: 8 ballots per key give the mask of lanes with the same digit;
@@ -21,6 +21,17 @@
 //   any size up to 2^32 - 1 keys run in one sort (the histogram counters are 32-bit).
 //   The last tile is padded with all-ones keys: they take the largest digit, so stability keeps them
 //   after every real key of the tile and they are never written.
+//
+// Tuning parameters (issue #3; chosen per call by pykernels/sort/_tune.py, checked by check_config):
+//   bin_items            keys per thread of the binning kernel, a template parameter (the key, rank and
+//                        position arrays live in registers): 8, 11, 15 or 19 when keys and payloads are
+//                        4 bytes; 8, 11 or 15 with 8-byte keys or payloads, whose 19-item tile would need
+//                        55 KB of static shared memory (the limit is 48 KiB). Default 15 (3840-key tiles).
+//   hist_threads         threads per block of the histogram kernel: 256, 512 or 1024 (a template
+//                        parameter, for __launch_bounds__). Default 512.
+//   hist_keys_per_block  keys each histogram block reads, run time, in [2^10, 2^20]: fewer give more
+//                        blocks (small inputs fill the GPU), more give fewer global atomics. Default 2^15.
+//   BIN_THREADS stays 256: the look-back and the block scan run one thread per digit (RADIX = 256).
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -34,13 +45,30 @@ namespace pksort_gpu {
 constexpr int RADIX = 256;
 constexpr int DIGIT_BITS = 8;
 constexpr int MAX_PASSES = 8;                // 64-bit keys
-constexpr int HIST_THREADS = 512;
-constexpr int HIST_KEYS_PER_BLOCK = 1 << 15;
-constexpr int BIN_THREADS = 256;             // one thread per digit in the look-back
-constexpr int BIN_ITEMS = 15;                // keys per thread: tiles of 3840 keys
-constexpr int TILE = BIN_THREADS * BIN_ITEMS;
+constexpr int BIN_THREADS = 256;             // one thread per digit in the look-back: not a tuning knob
 constexpr int WARPS = BIN_THREADS / PK_WARP_SIZE;  // 8 on NVIDIA, 4 wavefronts on AMD
 static_assert(BIN_THREADS == RADIX, "the look-back runs one thread per digit");
+
+// The configs compiled below (pykernels/sort/_cuda.py lists the same ones; tests cross-check them).
+struct SortConfig {
+  int bin_items = 15;                  // keys per thread: tiles of 3840 keys
+  int hist_threads = 512;
+  int64_t hist_keys_per_block = 1 << 15;
+};
+constexpr int BIN_ITEMS_CHOICES[] = {8, 11, 15, 19};
+constexpr int BIN_ITEMS_MAX_WIDE = 15;       // with an 8-byte key or payload (shared memory, see above)
+constexpr int HIST_THREADS_CHOICES[] = {256, 512, 1024};
+constexpr int64_t HIST_KEYS_MIN = 1 << 10, HIST_KEYS_MAX = 1 << 20;
+constexpr size_t STATIC_SMEM_LIMIT = 48 * 1024;  // static __shared__ bytes per block (NVIDIA; AMD has 64 KiB)
+
+// Static shared memory of onesweep_bin_kernel<K, V, ., ., ITEMS>: staging (the wider of key and payload),
+// the digit of each staged key, per-warp counts, the scan and the global offsets. launch_bin checks it.
+template <class K, class V>
+constexpr size_t bin_smem_bytes(int items) {
+  const size_t sb = sizeof(K) > sizeof(V) ? sizeof(K) : sizeof(V);
+  const size_t tile = (size_t)BIN_THREADS * items;
+  return tile * sb + tile + (size_t)WARPS * RADIX * 4 + RADIX * 4 + RADIX * 8 + 16;
+}
 
 struct PassTable {
   int shift[MAX_PASSES];
@@ -71,35 +99,37 @@ __device__ __forceinline__ uint32_t digit_of(K k, int shift, uint32_t mask) {
 // ---------------------------------------------------------------------------------------------
 // 1. Histograms of every digit in one read.
 // ---------------------------------------------------------------------------------------------
-template <class K>
-__global__ void __launch_bounds__(HIST_THREADS) global_hist_kernel(const K* __restrict__ keys, int64_t n,
-                                                                  uint32_t* __restrict__ hist, PassTable pt) {
+template <class K, int THREADS>
+__global__ void __launch_bounds__(THREADS) global_hist_kernel(const K* __restrict__ keys, int64_t n,
+                                                             int64_t keys_per_block, uint32_t* __restrict__ hist,
+                                                             PassTable pt) {
   __shared__ uint32_t sh[MAX_PASSES * RADIX];
-  for (int i = threadIdx.x; i < pt.npass * RADIX; i += blockDim.x) sh[i] = 0;
+  for (int i = threadIdx.x; i < pt.npass * RADIX; i += THREADS) sh[i] = 0;
   __syncthreads();
-  const int64_t begin = (int64_t)blockIdx.x * HIST_KEYS_PER_BLOCK;
-  const int64_t end = begin + HIST_KEYS_PER_BLOCK < n ? begin + HIST_KEYS_PER_BLOCK : n;
-  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+  const int64_t begin = (int64_t)blockIdx.x * keys_per_block;
+  const int64_t end = begin + keys_per_block < n ? begin + keys_per_block : n;
+  for (int64_t i = begin + threadIdx.x; i < end; i += THREADS) {
     const K k = keys[i];
 #pragma unroll
     for (int p = 0; p < MAX_PASSES; ++p)
       if (p < pt.npass) atomicAdd(&sh[p * RADIX + digit_of(k, pt.shift[p], pt.mask[p])], 1u);
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < pt.npass * RADIX; i += blockDim.x)
+  for (int i = threadIdx.x; i < pt.npass * RADIX; i += THREADS)
     if (sh[i]) atomicAdd(&hist[i], sh[i]);
 }
 
 // ---------------------------------------------------------------------------------------------
 // 2. One binning pass (one digit) of Onesweep.
 // ---------------------------------------------------------------------------------------------
-template <class K, class V, class S, bool PAIRS>
+template <class K, class V, class S, bool PAIRS, int ITEMS>
 __global__ void __launch_bounds__(BIN_THREADS) onesweep_bin_kernel(
     const K* __restrict__ kin, K* __restrict__ kout, const V* __restrict__ vin, V* __restrict__ vout, int64_t n,
     int shift, uint32_t dmask, const uint32_t* __restrict__ goff, S* status, uint32_t* counter) {
   constexpr int SB = sizeof(K) > sizeof(V) ? sizeof(K) : sizeof(V);
   constexpr int FS = StatusWord<S>::FLAG_SHIFT;
   constexpr S COUNT_MASK = (S(1) << FS) - 1;
+  constexpr int TILE = BIN_THREADS * ITEMS;
   __shared__ uint32_t s_tile;
   __shared__ uint32_t s_whist[WARPS][RADIX];  // per-warp digit counts, then their prefix over warps
   __shared__ uint32_t s_scan[RADIX];
@@ -120,18 +150,18 @@ __global__ void __launch_bounds__(BIN_THREADS) onesweep_bin_kernel(
 
   // Load: warp-striped so each warp reads PK_WARP_SIZE consecutive keys per item (coalesced) and the
   // (warp, item, lane) visiting order is the input order.
-  K keys[BIN_ITEMS];
-  uint32_t rank[BIN_ITEMS];
-  const int64_t wbase = base + (int64_t)warp * (PK_WARP_SIZE * BIN_ITEMS) + lane;
+  K keys[ITEMS];
+  uint32_t rank[ITEMS];
+  const int64_t wbase = base + (int64_t)warp * (PK_WARP_SIZE * ITEMS) + lane;
 #pragma unroll
-  for (int i = 0; i < BIN_ITEMS; ++i) {
+  for (int i = 0; i < ITEMS; ++i) {
     const int64_t idx = wbase + i * PK_WARP_SIZE;
     keys[i] = idx < n ? kin[idx] : ~K(0);  // padding: largest digit, stays last, never written
   }
   // Warp multisplit: the lanes holding the same digit, from 8 ballots.
   const pk_lane_mask_t lt = pk_lanemask_lt();
 #pragma unroll
-  for (int i = 0; i < BIN_ITEMS; ++i) {
+  for (int i = 0; i < ITEMS; ++i) {
     const uint32_t d = digit_of(keys[i], shift, dmask);
     pk_lane_mask_t eq = ~pk_lane_mask_t(0);
 #pragma unroll
@@ -194,9 +224,9 @@ __global__ void __launch_bounds__(BIN_THREADS) onesweep_bin_kernel(
   __syncthreads();
 
   // Stage keys in digit order, then write runs.
-  uint32_t pos[BIN_ITEMS];
+  uint32_t pos[ITEMS];
 #pragma unroll
-  for (int i = 0; i < BIN_ITEMS; ++i) {
+  for (int i = 0; i < ITEMS; ++i) {
     const uint32_t dg = digit_of(keys[i], shift, dmask);
     pos[i] = s_scan[dg] + s_whist[warp][dg] + rank[i];
     stage_k[pos[i]] = keys[i];
@@ -205,15 +235,15 @@ __global__ void __launch_bounds__(BIN_THREADS) onesweep_bin_kernel(
   __syncthreads();
   for (int j = tid; j < valid; j += BIN_THREADS) kout[s_global[s_digit[j]] + j] = stage_k[j];
   if constexpr (PAIRS) {
-    V vals[BIN_ITEMS];
+    V vals[ITEMS];
 #pragma unroll
-    for (int i = 0; i < BIN_ITEMS; ++i) {
+    for (int i = 0; i < ITEMS; ++i) {
       const int64_t idx = wbase + i * PK_WARP_SIZE;
       vals[i] = idx < n ? vin[idx] : V(0);
     }
     __syncthreads();  // every key has left the staging buffer
 #pragma unroll
-    for (int i = 0; i < BIN_ITEMS; ++i) stage_v[pos[i]] = vals[i];
+    for (int i = 0; i < ITEMS; ++i) stage_v[pos[i]] = vals[i];
     __syncthreads();
     for (int j = tid; j < valid; j += BIN_THREADS) vout[s_global[s_digit[j]] + j] = stage_v[j];
   }
@@ -240,8 +270,9 @@ struct TempLayout {
   size_t alt_keys, alt_vals, hist, goff, counter, status, total;
 };
 
-TempLayout layout(int64_t n, int kb, int vb, int npass) {
-  const int64_t tiles = (n + TILE - 1) / TILE;
+// The status words (one per tile and digit) depend on the tile, so on bin_items.
+TempLayout layout(int64_t n, int kb, int vb, int tile) {
+  const int64_t tiles = (n + tile - 1) / tile;
   const size_t sword = n >= (int64_t(1) << 28) ? 8 : 4;
   TempLayout t{};
   size_t off = 0;
@@ -252,24 +283,95 @@ TempLayout layout(int64_t n, int kb, int vb, int npass) {
   t.counter = off; off += align256(4);
   t.status = off; off += align256((size_t)tiles * RADIX * sword);
   t.total = off;
-  (void)npass;
   return t;
 }
 
-template <class K, class V, class S, bool PAIRS>
+// Argument checks of a config, as std::invalid_argument (ValueError in Python) naming the op and the
+// config entry. They need no GPU, so they run before anything touches the device.
+std::string join(const int* v, int count) {
+  std::string s;
+  for (int i = 0; i < count; ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s;
+}
+
+void check_bin_items(const std::string& op, int key_bytes, int val_bytes, int bin_items) {
+  const bool wide = key_bytes == 8 || val_bytes == 8;
+  int allowed[sizeof(BIN_ITEMS_CHOICES) / sizeof(int)], count = 0;
+  for (int b : BIN_ITEMS_CHOICES)
+    if (!wide || b <= BIN_ITEMS_MAX_WIDE) allowed[count++] = b;
+  for (int i = 0; i < count; ++i)
+    if (allowed[i] == bin_items) return;
+  throw std::invalid_argument("pykernels." + op + ": expected config 'bin_items' in {" + join(allowed, count) +
+                              "} for " + std::to_string(key_bytes) + "-byte keys and " +
+                              (val_bytes ? std::to_string(val_bytes) + "-byte payloads" : std::string("no payload")) +
+                              ", got " + std::to_string(bin_items));
+}
+
+void check_config(const std::string& op, int key_bytes, int val_bytes, const SortConfig& cfg) {
+  check_bin_items(op, key_bytes, val_bytes, cfg.bin_items);
+  bool ok = false;
+  for (int t : HIST_THREADS_CHOICES) ok = ok || t == cfg.hist_threads;
+  if (!ok)
+    throw std::invalid_argument("pykernels." + op + ": expected config 'hist_threads' in {" +
+                                join(HIST_THREADS_CHOICES, sizeof(HIST_THREADS_CHOICES) / sizeof(int)) + "}, got " +
+                                std::to_string(cfg.hist_threads));
+  if (cfg.hist_keys_per_block < HIST_KEYS_MIN || cfg.hist_keys_per_block > HIST_KEYS_MAX)
+    throw std::invalid_argument("pykernels." + op + ": expected config 'hist_keys_per_block' in [" +
+                                std::to_string(HIST_KEYS_MIN) + ", " + std::to_string(HIST_KEYS_MAX) + "], got " +
+                                std::to_string(cfg.hist_keys_per_block));
+}
+
+template <class K, int THREADS>
+void launch_hist(const void* kin, int64_t n, int64_t keys_per_block, uint32_t* hist, const PassTable& pt,
+                 pk_stream_t stream) {
+  const int64_t blocks = (n + keys_per_block - 1) / keys_per_block;
+  global_hist_kernel<K, THREADS><<<(unsigned)blocks, THREADS, 0, stream>>>((const K*)kin, n, keys_per_block, hist, pt);
+}
+
+template <class K>
+void launch_hist_cfg(const SortConfig& cfg, const void* kin, int64_t n, uint32_t* hist, const PassTable& pt,
+                     pk_stream_t stream) {
+  switch (cfg.hist_threads) {
+    case 256: return launch_hist<K, 256>(kin, n, cfg.hist_keys_per_block, hist, pt, stream);
+    case 512: return launch_hist<K, 512>(kin, n, cfg.hist_keys_per_block, hist, pt, stream);
+    case 1024: return launch_hist<K, 1024>(kin, n, cfg.hist_keys_per_block, hist, pt, stream);
+  }
+  throw std::logic_error("pykernels.sort: hist_threads " + std::to_string(cfg.hist_threads) + " is not compiled");
+}
+
+template <class K, class V, class S, bool PAIRS, int ITEMS>
 void launch_bin(const void* kin, void* kout, const void* vin, void* vout, int64_t n, int shift, uint32_t mask,
                 const uint32_t* goff, void* status, uint32_t* counter, pk_stream_t stream) {
+  static_assert(bin_smem_bytes<K, V>(ITEMS) <= STATIC_SMEM_LIMIT, "this tile does not fit in shared memory");
+  constexpr int TILE = BIN_THREADS * ITEMS;
   const int64_t tiles = (n + TILE - 1) / TILE;
-  onesweep_bin_kernel<K, V, S, PAIRS><<<(unsigned)tiles, BIN_THREADS, 0, stream>>>(
+  onesweep_bin_kernel<K, V, S, PAIRS, ITEMS><<<(unsigned)tiles, BIN_THREADS, 0, stream>>>(
       (const K*)kin, (K*)kout, (const V*)vin, (V*)vout, n, shift, mask, goff, (S*)status, counter);
 }
 
+// One instantiation per bin_items choice; 19 only where its tile fits in shared memory (4-byte keys and
+// payloads). check_config has already refused the others, so the throw is a guard against a mismatch.
+template <class K, class V, class S, bool PAIRS>
+void launch_bin_cfg(int items, const void* kin, void* kout, const void* vin, void* vout, int64_t n, int shift,
+                    uint32_t mask, const uint32_t* goff, void* status, uint32_t* counter, pk_stream_t stream) {
+  switch (items) {
+    case 8: return launch_bin<K, V, S, PAIRS, 8>(kin, kout, vin, vout, n, shift, mask, goff, status, counter, stream);
+    case 11: return launch_bin<K, V, S, PAIRS, 11>(kin, kout, vin, vout, n, shift, mask, goff, status, counter, stream);
+    case 15: return launch_bin<K, V, S, PAIRS, 15>(kin, kout, vin, vout, n, shift, mask, goff, status, counter, stream);
+    case 19:
+      if constexpr (bin_smem_bytes<K, V>(19) <= STATIC_SMEM_LIMIT)
+        return launch_bin<K, V, S, PAIRS, 19>(kin, kout, vin, vout, n, shift, mask, goff, status, counter, stream);
+      break;
+  }
+  throw std::logic_error("pykernels.sort: bin_items " + std::to_string(items) + " is not compiled for these types");
+}
+
 template <class K, class V, bool PAIRS>
-void run_sort(const void* kin, void* kout, const void* vin, void* vout, int64_t n, int vb, int begin_bit,
-              int end_bit, char* temp, pk_stream_t stream) {
-  const char* op = "sort";
+void run_sort(const char* op, const SortConfig& cfg, const void* kin, void* kout, const void* vin, void* vout,
+              int64_t n, int vb, int begin_bit, int end_bit, char* temp, pk_stream_t stream) {
   const PassTable pt = make_passes(begin_bit, end_bit);
-  const TempLayout L = layout(n, sizeof(K), vb, pt.npass);
+  const int tile = BIN_THREADS * cfg.bin_items;
+  const TempLayout L = layout(n, sizeof(K), vb, tile);
   uint32_t* hist = (uint32_t*)(temp + L.hist);
   uint32_t* goff = (uint32_t*)(temp + L.goff);
   uint32_t* counter = (uint32_t*)(temp + L.counter);
@@ -277,8 +379,7 @@ void run_sort(const void* kin, void* kout, const void* vin, void* vout, int64_t 
   void* alt_k = temp + L.alt_keys;
   void* alt_v = temp + L.alt_vals;
   PK_GPU_CHECK(op, pkMemsetAsync(hist, 0, (size_t)MAX_PASSES * RADIX * 4, stream));
-  const int64_t hblocks = (n + HIST_KEYS_PER_BLOCK - 1) / HIST_KEYS_PER_BLOCK;
-  global_hist_kernel<K><<<(unsigned)hblocks, HIST_THREADS, 0, stream>>>((const K*)kin, n, hist, pt);
+  launch_hist_cfg<K>(cfg, kin, n, hist, pt, stream);
   PK_GPU_CHECK(op, pkGetLastError());
   // Read the histograms back (a few KB) to scan them and skip trivial passes.
   std::vector<uint32_t> h((size_t)MAX_PASSES * RADIX), g((size_t)MAX_PASSES * RADIX, 0);
@@ -303,7 +404,7 @@ void run_sort(const void* kin, void* kout, const void* vin, void* vout, int64_t 
   }
   PK_GPU_CHECK(op, pkMemcpyAsync(goff, g.data(), g.size() * 4, pkMemcpyHostToDevice, stream));
   const bool wide = n >= (int64_t(1) << 28);
-  const int64_t tiles = (n + TILE - 1) / TILE;
+  const int64_t tiles = (n + tile - 1) / tile;
   const void* sk = kin;
   const void* sv = vin;
   const int Q = (int)live.size();
@@ -315,11 +416,11 @@ void run_sort(const void* kin, void* kout, const void* vin, void* vout, int64_t 
     PK_GPU_CHECK(op, pkMemsetAsync(status, 0, (size_t)tiles * RADIX * (wide ? 8 : 4), stream));
     PK_GPU_CHECK(op, pkMemsetAsync(counter, 0, 4, stream));
     if (wide)
-      launch_bin<K, V, unsigned long long, PAIRS>(sk, dk, sv, dv, n, pt.shift[p], pt.mask[p], goff + p * RADIX,
-                                                  status, counter, stream);
+      launch_bin_cfg<K, V, unsigned long long, PAIRS>(cfg.bin_items, sk, dk, sv, dv, n, pt.shift[p], pt.mask[p],
+                                                      goff + p * RADIX, status, counter, stream);
     else
-      launch_bin<K, V, uint32_t, PAIRS>(sk, dk, sv, dv, n, pt.shift[p], pt.mask[p], goff + p * RADIX, status,
-                                        counter, stream);
+      launch_bin_cfg<K, V, uint32_t, PAIRS>(cfg.bin_items, sk, dk, sv, dv, n, pt.shift[p], pt.mask[p],
+                                            goff + p * RADIX, status, counter, stream);
     PK_GPU_CHECK(op, pkGetLastError());
     sk = dk;
     sv = dv;
@@ -328,29 +429,46 @@ void run_sort(const void* kin, void* kout, const void* vin, void* vout, int64_t 
 
 }  // namespace pksort_gpu
 
-// Entry points for sort_cuda_bind.cpp (no CUDA types cross this line).
-size_t pk_sort_temp_bytes(int64_t n, int key_bytes, int val_bytes, int begin_bit, int end_bit) {
-  const pksort_gpu::PassTable pt = pksort_gpu::make_passes(begin_bit, end_bit);
-  return pksort_gpu::layout(n, key_bytes, val_bytes, pt.npass).total;
+// Entry points for sort_cuda_bind.cpp (no CUDA types cross this line). `op` names the calling Python op
+// in error messages.
+size_t pk_sort_temp_bytes(int64_t n, int key_bytes, int val_bytes, int begin_bit, int end_bit, int bin_items,
+                          const std::string& op) {
+  pksort_gpu::check_bin_items(op, key_bytes, val_bytes, bin_items);
+  (void)begin_bit;  // the layout has room for every pass whatever the bit range
+  (void)end_bit;
+  return pksort_gpu::layout(n, key_bytes, val_bytes, pksort_gpu::BIN_THREADS * bin_items).total;
 }
 
-int pk_sort_tile_keys() { return pksort_gpu::TILE; }
+int pk_sort_tile_keys(int bin_items) {
+  // Any choice, whatever the key width: the tile is only BIN_THREADS * bin_items keys.
+  pksort_gpu::check_bin_items("sort", 4, 4, bin_items);
+  return pksort_gpu::BIN_THREADS * bin_items;
+}
 
 int pk_sort_device_count(std::string* why) { return pk::gpu_device_count(why); }
 
 void pk_sort_onesweep(uintptr_t keys_in, uintptr_t keys_out, uintptr_t vals_in, uintptr_t vals_out, int64_t n,
                       int key_bytes, int val_bytes, int begin_bit, int end_bit, uintptr_t temp, size_t temp_bytes,
-                      uintptr_t stream) {
-  const pk::GpuScope gpu_scope("sort", keys_in);
+                      uintptr_t stream, int bin_items, int hist_threads, int64_t hist_keys_per_block,
+                      const std::string& op_name) {
+  using namespace pksort_gpu;
+  const char* op = op_name.c_str();
+  SortConfig cfg;
+  cfg.bin_items = bin_items;
+  cfg.hist_threads = hist_threads;
+  cfg.hist_keys_per_block = hist_keys_per_block;
+  if (key_bytes == 4 || key_bytes == 8) check_config(op_name, key_bytes, val_bytes, cfg);  // before the GPU
+  const pk::GpuScope gpu_scope(op, keys_in);
   if (n <= 0) return;
-  if (n >= (int64_t(1) << 32)) throw std::invalid_argument("pykernels.sort: at most 2^32 - 1 keys per GPU sort");
-  if (key_bytes != 4 && key_bytes != 8) throw std::invalid_argument("pykernels.sort: keys must be 4 or 8 bytes");
+  const std::string pre = "pykernels." + op_name + ": ";
+  if (n >= (int64_t(1) << 32)) throw std::invalid_argument(pre + "at most 2^32 - 1 keys per GPU sort");
+  if (key_bytes != 4 && key_bytes != 8) throw std::invalid_argument(pre + "keys must be 4 or 8 bytes");
   if (val_bytes != 0 && val_bytes != 4 && val_bytes != 8)
-    throw std::invalid_argument("pykernels.sort: payloads must be 4 or 8 bytes");
+    throw std::invalid_argument(pre + "payloads must be 4 or 8 bytes");
   if (begin_bit < 0 || end_bit > 8 * key_bytes || begin_bit > end_bit)
-    throw std::invalid_argument("pykernels.sort: bad bit range");
-  if (temp_bytes < pk_sort_temp_bytes(n, key_bytes, val_bytes, begin_bit, end_bit))
-    throw std::invalid_argument("pykernels.sort: temporary buffer too small");
+    throw std::invalid_argument(pre + "bad bit range");
+  if (temp_bytes < pk_sort_temp_bytes(n, key_bytes, val_bytes, begin_bit, end_bit, bin_items, op_name))
+    throw std::invalid_argument(pre + "temporary buffer too small");
   const void* ki = (const void*)keys_in;
   void* ko = (void*)keys_out;
   const void* vi = (const void*)vals_in;
@@ -358,18 +476,19 @@ void pk_sort_onesweep(uintptr_t keys_in, uintptr_t keys_out, uintptr_t vals_in, 
   char* t = (char*)temp;
   pk_stream_t s = (pk_stream_t)stream;
   if (begin_bit == end_bit) {
-    PK_GPU_CHECK("sort", pkMemcpyAsync(ko, ki, (size_t)n * key_bytes, pkMemcpyDeviceToDevice, s));
-    if (val_bytes) PK_GPU_CHECK("sort", pkMemcpyAsync(vo, vi, (size_t)n * val_bytes, pkMemcpyDeviceToDevice, s));
+    PK_GPU_CHECK(op, pkMemcpyAsync(ko, ki, (size_t)n * key_bytes, pkMemcpyDeviceToDevice, s));
+    if (val_bytes) PK_GPU_CHECK(op, pkMemcpyAsync(vo, vi, (size_t)n * val_bytes, pkMemcpyDeviceToDevice, s));
     return;
   }
-  using namespace pksort_gpu;
+  using u32 = uint32_t;
+  using u64 = unsigned long long;
   if (key_bytes == 4) {
-    if (val_bytes == 0) run_sort<uint32_t, uint32_t, false>(ki, ko, vi, vo, n, 0, begin_bit, end_bit, t, s);
-    else if (val_bytes == 4) run_sort<uint32_t, uint32_t, true>(ki, ko, vi, vo, n, 4, begin_bit, end_bit, t, s);
-    else run_sort<uint32_t, unsigned long long, true>(ki, ko, vi, vo, n, 8, begin_bit, end_bit, t, s);
+    if (val_bytes == 0) run_sort<u32, u32, false>(op, cfg, ki, ko, vi, vo, n, 0, begin_bit, end_bit, t, s);
+    else if (val_bytes == 4) run_sort<u32, u32, true>(op, cfg, ki, ko, vi, vo, n, 4, begin_bit, end_bit, t, s);
+    else run_sort<u32, u64, true>(op, cfg, ki, ko, vi, vo, n, 8, begin_bit, end_bit, t, s);
   } else {
-    if (val_bytes == 0) run_sort<unsigned long long, uint32_t, false>(ki, ko, vi, vo, n, 0, begin_bit, end_bit, t, s);
-    else if (val_bytes == 4) run_sort<unsigned long long, uint32_t, true>(ki, ko, vi, vo, n, 4, begin_bit, end_bit, t, s);
-    else run_sort<unsigned long long, unsigned long long, true>(ki, ko, vi, vo, n, 8, begin_bit, end_bit, t, s);
+    if (val_bytes == 0) run_sort<u64, u32, false>(op, cfg, ki, ko, vi, vo, n, 0, begin_bit, end_bit, t, s);
+    else if (val_bytes == 4) run_sort<u64, u32, true>(op, cfg, ki, ko, vi, vo, n, 4, begin_bit, end_bit, t, s);
+    else run_sort<u64, u64, true>(op, cfg, ki, ko, vi, vo, n, 8, begin_bit, end_bit, t, s);
   }
 }

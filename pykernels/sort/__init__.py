@@ -139,7 +139,7 @@ def _rows_sort(op: str, x: torch.Tensor, dim: int, descending: bool, backend: st
                                           descending=descending, config=config)
     elif chosen == "cuda":
         from . import _cuda
-        vals, idx = _cuda.sort_rows(flat.view(rows, n), descending, want_keys)
+        vals, idx = _cuda.sort_rows(flat.view(rows, n), descending, want_keys, config=config)
     else:
         from . import _triton
         vals, idx = _triton.sort_rows(flat.view(rows, n), descending, want_keys)
@@ -166,7 +166,7 @@ def _sort_1d_any(op: str, keys: torch.Tensor, values: Optional[torch.Tensor], de
         return k, v
     if chosen == "cuda":
         from . import _cuda
-        return _cuda.sort_1d(kc, vc, descending, begin_bit, end_bit)
+        return _cuda.sort_1d(kc, vc, descending, begin_bit, end_bit, config=config)
     from . import _triton
     return _triton.sort_1d(kc, vc, descending, begin_bit, end_bit)
 
@@ -264,7 +264,7 @@ def _segmented_impl(keys, offsets, values, descending, backend):
         k, _, v = _cpu_segmented(kc, off, nseg, 0, payload=vc, descending=descending, config=config)
     elif chosen == "cuda":
         from . import _cuda
-        k, v = _cuda.segmented(kc, offsets, vc, descending)
+        k, v = _cuda.segmented(kc, offsets, vc, descending, config=config)
     else:
         from . import _triton
         k, v = _triton.segmented(kc, offsets, vc, descending)

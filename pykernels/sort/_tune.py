@@ -12,6 +12,18 @@ CPU config space (csrc/sort/sort_cpu.cpp):
   grain       the tile: at least this many keys per thread (smaller inputs use fewer threads).
 `python -m pykernels.autotune generate --ops sort [--sizes 65536,1e6]` tunes sort_keys/sort/argsort/
 sort_pairs on random uint32/int32/float32/int64 keys of those sizes.
+
+CUDA config space (csrc/sort/sort.cu, "Tuning parameters"; pykernels/sort/_cuda.py lists the compiled ones):
+  bin_items            keys per thread of the Onesweep binning kernel (tile = 256 * bin_items keys; the
+                       block stays at 256 threads, one per digit in the look-back): 8, 11, 15, 19, or 8,
+                       11, 15 when a key or payload is 8 bytes. Longer tiles mean fewer look-back steps and
+                       status words, shorter ones more resident blocks (fewer registers, less shared memory).
+  hist_threads,        the histogram kernel's block shape: 256/512/1024 threads reading 16 or 64 keys
+  hist_keys_per_block  each; small inputs want more, smaller blocks to fill the GPU.
+The default is the kernels' old constants (15; 512 threads x 64 keys), so untuned behaviour is unchanged.
+Keys are the ones dispatch builds (dtype, size bucket, payload bytes / rows / segments), shared with the
+CPU tunables; the candidates of a key are the configs valid for every Onesweep call that key can make.
+On a GPU, `generate --ops sort` also tunes these on uint32/uint64/float32 keys (default sizes 2^20, 2^24).
 """
 from __future__ import annotations
 
@@ -88,6 +100,107 @@ def _make_key(op: str):
     return make_key
 
 
+# ---------------------------------------------------------------------------------------------
+# CUDA backend (csrc/sort/sort.cu through pykernels/sort/_cuda.py)
+# ---------------------------------------------------------------------------------------------
+_OPS_CUDA = _OPS_1D + _OPS_ROWS + ("segmented_sort",)
+# (hist_threads, keys per histogram thread): hist_keys_per_block = the product.
+_CUDA_HIST_SHAPES = ((512, 64), (256, 16), (256, 64), (512, 16), (1024, 16), (1024, 64))
+
+
+def _cuda_widest_bytes(key: dict) -> int:
+    """The widest key or payload (4 or 8 bytes) of any Onesweep call an op with this key can make, so that
+    every candidate is valid for all of them: 64-bit keys sort as 8-byte keys; other keys, and every
+    non-direct path (descending, signed/float keys, rows, segments), sort as (encoded key, index) pairs
+    with int32 indices (int64 from 2^31 keys, i.e. size buckets >= 2^31); sort_pairs of uint32/uint64
+    keys carries a 4- or 8-byte payload itself. Descending is not part of the key, so both paths count."""
+    widest = 8 if getattr(torch, key["dtype"]).itemsize == 8 else 4
+    if key.get("n", 0) >= (1 << 31):
+        widest = 8
+    if key.get("value_bytes") == 8:
+        widest = 8
+    return widest
+
+
+def _cuda_default(key: dict) -> dict:
+    from . import _cuda
+
+    return dict(_cuda.DEFAULT_CONFIG)
+
+
+def _cuda_candidates(key: dict) -> list:
+    from . import _cuda
+
+    wide = _cuda_widest_bytes(key)
+    out = []
+    for items in _cuda.bin_items_choices(wide, wide):
+        for threads, per_thread in _CUDA_HIST_SHAPES:
+            out.append({"bin_items": items, "hist_threads": threads, "hist_keys_per_block": threads * per_thread})
+    return out
+
+
+def _cuda_run(op: str):
+    """A real sort on the device with this config (the CUDA path of the op, ascending)."""
+    def run(config, keys, values=None, offsets=None, **kw):
+        from . import _cuda
+
+        if op == "sort_keys":
+            return _cuda.sort_1d(keys, None, False, 0, None, config=config)
+        if op == "sort_pairs":
+            return _cuda.sort_1d(keys, values, False, 0, None, config=config)
+        if op == "segmented_sort":
+            return _cuda.segmented(keys, offsets, values, False, config=config)
+        n = keys.shape[-1] if keys.dim() else 1
+        return _cuda.sort_rows(keys.reshape(-1, n), False, op == "sort", config=config)
+    return run
+
+
+def _cuda_make_key(op: str):
+    if op != "segmented_sort":
+        return _make_key(op)
+    from . import _key
+
+    def make_key(keys, values=None, offsets=None, **kw):  # as pykernels.sort._segmented_impl builds it
+        return _key(op, keys, segments=autotune.bucket(max(offsets.numel() - 1, 0)))
+    return make_key
+
+
+def _cuda_examples(op: str):
+    """GPU examples: the direct Onesweep paths (uint32/uint64 keys, payloads of the key's width) and the
+    (encoded key, index) path of float32 keys; rows of 1024 keys; 1024-key segments."""
+    dtypes = {"sort_keys": (torch.uint32, torch.uint64, torch.float32), "sort_pairs": (torch.uint32, torch.uint64),
+              "sort": (torch.float32,), "argsort": (torch.int32,), "segmented_sort": (torch.int32,)}[op]
+
+    def make(sizes):
+        from .._backend import backends
+
+        if not backends()["cuda"]:
+            return []
+        ex = []
+        g = torch.Generator().manual_seed(0)
+        for n in sizes or [1 << 20, 1 << 24]:
+            for dt in dtypes:
+                if dt.is_floating_point:
+                    k = torch.randn(n, generator=g).to(dt)
+                else:
+                    k = torch.randint(0, 1 << 62, (n,), generator=g, dtype=torch.int64).to(dt)
+                k = k.cuda()
+                if op == "sort_pairs":
+                    vdt = torch.int32 if dt.itemsize == 4 else torch.int64
+                    ex.append(((k, torch.arange(n, dtype=vdt, device="cuda")), {}))
+                elif op in _OPS_ROWS:
+                    ex.append(((k,), {}))
+                    if n % 1024 == 0:
+                        ex.append(((k.view(-1, 1024),), {}))
+                elif op == "segmented_sort":
+                    off = torch.arange(0, n + 1, 1024, device="cuda")
+                    ex.append(((k,), {"offsets": off}))
+                else:
+                    ex.append(((k,), {}))
+        return ex
+    return make
+
+
 def _register():
     from . import _default_config
 
@@ -97,6 +210,12 @@ def _register():
         autotune.register(autotune.Tunable(
             op=op, backend="cpu", group="sort", make_key=_make_key(op), default=_default_config,
             candidates=_candidates, run=_run(op), examples=_examples(op, dtypes[op])))
+    # Registered whatever the build (as the hash tables' GPU tunable): tune() and dispatch only use them
+    # where the CUDA backend runs, and their examples are empty elsewhere.
+    for op in _OPS_CUDA:
+        autotune.register(autotune.Tunable(
+            op=op, backend="cuda", group="sort", make_key=_cuda_make_key(op), default=_cuda_default,
+            candidates=_cuda_candidates, run=_cuda_run(op), examples=_cuda_examples(op)))
 
 
 _register()
