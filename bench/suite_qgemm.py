@@ -18,6 +18,7 @@ import torch
 from bench.common import Case
 
 GROUP = 128
+LAYERS = 8  # weight copies the "weights from DRAM" GEMV cases rotate through
 
 
 _CACHE: dict = {}
@@ -86,6 +87,35 @@ def _cpu_cases(quick: bool):
         cases.append(Case("qgemm", "qmatmul W4 g128", f"M=1 K=N={n} {name} act", 1, gemv_vs_int4pack(act),
                           "aten._weight_int4pack_mm_for_cpu bf16", flop(1), "FLOP",
                           bytes_moved=N * K / 2 + 2 * 4 * N * (K // GROUP), goal=2.0))
+
+    # A model's decode step: GEMVs back to back, each on another layer's weights. Rotating through
+    # LAYERS copies (76 MiB packed, more than the 32 MiB L3) makes every call stream its weights from
+    # DRAM with the threads already awake, where the single calls above (after gc.collect()) also
+    # measure waking the cores, and where a loop on one weight would find it in the L3.
+    def layers_vs(baseline):
+        def make():
+            from pykernels.quant import QuantizedWeight
+
+            w, qw = weights()
+            sd = qw.state_dict()
+            qws = [QuantizedWeight.from_state_dict({k: v.clone() if torch.is_tensor(v) else v for k, v in sd.items()})
+                   for _ in range(LAYERS)]
+            x = torch.randn(1, K)
+            if baseline == "int4pack":
+                packed, sz = _int4pack(qw)
+                base = [(packed.clone(), sz.clone()) for _ in range(LAYERS)]
+                xb = x.to(torch.bfloat16)
+                run_base = lambda: [torch.ops.aten._weight_int4pack_mm_for_cpu(xb, p, GROUP, s) for p, s in base]  # noqa: E731
+            else:
+                ws = [w.clone() for _ in range(LAYERS)]
+                run_base = lambda: [torch.matmul(x, wi.T) for wi in ws]  # noqa: E731
+            return (lambda: [pykernels.qmatmul(x, q) for q in qws]), run_base
+        return make
+
+    for baseline, name in (("int4pack", "aten._weight_int4pack_mm_for_cpu bf16"), ("fp32", "torch.matmul fp32")):
+        cases.append(Case("qgemm", f"qmatmul W4 g128 x{LAYERS} layers", f"M=1 K=N={n} fp32 act, " + ("weights in cache (quick)" if quick else "weights from DRAM"),
+                          1, layers_vs(baseline), name, LAYERS * flop(1), "FLOP",
+                          bytes_moved=LAYERS * (N * K / 2 + 2 * 4 * N * (K // GROUP))))
 
     for M in (16, 128):
         for act in (torch.float32, torch.bfloat16):
