@@ -159,8 +159,8 @@ def out_standin(do: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     m * sum(u^2) * (D/m) / sum(u^2) = D, with sum(u^2) in [1, head_dim] (no overflow or underflow).
     Rounding O' to do's dtype perturbs each term by a relative eps, so D comes back within
     |D| * eps: at least as accurate as forming D from a rounded O (whose error is
-    eps * sum|dO||O|). Rows with dO = 0 get O' = 0 (D is 0 there). Lets the TokenRing backward send
-    D (one number per row) instead of O (head_dim numbers per row)."""
+    eps * sum|dO||O|). Rows with dO = 0 get O' = 0, right only where D is 0 there (_bwd_impl checks).
+    Lets the TokenRing backward send D (one number per row) instead of O (head_dim numbers per row)."""
     acc = acc_dtype(do.dtype)
     doa = do.to(acc)
     m = doa.abs().amax(-1, keepdim=True)
@@ -176,11 +176,23 @@ def _bwd_impl(do, q, k, v, out, lse, scale, causal, delta=None):
             or (q.device.type == "cuda" and _triton_takes("bwd", q, k))):
         return None
     _, bwd = _attention_ops()
+    dlse = None
     if out is None:
-        out = out_standin(do, delta)
+        # D through a stand-in O where it can carry it; a row with dO = 0 but D != 0 (a loss on the
+        # LSE only) or with |D| / max|dO| near the dtype's range cannot: then O = 0 and D goes in
+        # as the op's own LSE gradient (D = rowsum(dO * 0) - dlse), exact but off the aten fast path.
+        acc = acc_dtype(do.dtype)
+        m = do.to(acc).abs().amax(-1)
+        d = delta.to(acc)
+        lim = torch.finfo(do.dtype).max / 16
+        fits = torch.where(m > 0, d.abs() < lim * m, d == 0)
+        if bool(fits.all()):
+            out = out_standin(do, delta)
+        else:
+            out, dlse = torch.zeros_like(do), (-d).to(lse.dtype)
     if q.device.type == "cpu":
-        return bwd(do, None, q, k, v, out, lse, causal, scale, "cpu")
-    return _triton_call("bwd", bwd, do, None, q, k, v, out, lse, causal, scale, "triton")
+        return bwd(do, dlse, q, k, v, out, lse, causal, scale, "cpu")
+    return _triton_call("bwd", bwd, do, dlse, q, k, v, out, lse, causal, scale, "triton")
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -169,6 +169,10 @@ def test_hashmap_find_default_that_fits_comes_back_exactly(value_dtype, default)
     (torch.float16, 70000.0, ValueError, r"within the range of float16"),
     (torch.float32, 1e300, ValueError, r"within the range of float32"),
     (torch.float64, 2 ** 1100, ValueError, r"within the range of float64"),
+    (torch.float8_e4m3fn, 1e6, ValueError, r"within the range of float8_e4m3fn"),   # would saturate to 448
+    (torch.float8_e4m3fn, float("inf"), ValueError, r"within the range of float8_e4m3fn"),  # no inf: would saturate to 448
+    (torch.float8_e4m3fnuz, 500.0, ValueError, r"within the range of float8_e4m3fnuz"),
+    (torch.float8_e8m0fnu, -1e6, ValueError, r"within the range of float8_e8m0fnu"),  # would lose the sign
     (torch.int64, "x", TypeError, r"to be a real number"),
     (torch.int64, None, TypeError, r"to be a real number"),
     (torch.float32, 1j, TypeError, r"to be a real number"),

@@ -568,6 +568,30 @@ for kd in KEYS:
         check(pykernels.HashMap(10, key_dtype=kd, value_dtype=vd), "map", layout(kd, vd), ["insert", "find"])
         check(pykernels.MultiValueHashMap(10, key_dtype=kd, value_dtype=vd), "multi", layout(kd, vd),
               ["insert", "count", "find"])
+# A view taken early: host inserts before the kernel stay counted; a rehash makes the view stale.
+from numba import cuda
+t = pykernels.HashMap(100)
+v = t.device_view()
+t.insert(torch.arange(10), torch.arange(10))
+ins = v.functions["insert"]
+@cuda.jit
+def k_ins(slots, special, counters, nw, window, seed, keys, vals, status):
+    i = cuda.grid(1)
+    if i < keys.size:
+        status[i] = ins(slots, special, counters, nw, window, seed, keys[i], vals[i])
+keys = np.arange(100, 105, dtype=np.uint64)
+status = np.zeros(5, dtype=np.int32)
+with v:
+    k_ins[1, 32](*v.args, keys, keys, status)
+assert len(t) == 15 and t._used == 15 and status.tolist() == [1] * 5, (len(t), t._used, status)
+assert t.find(torch.arange(100, 105))[1].all()
+t.insert(torch.arange(1000, 1200), torch.arange(200))  # grows: the view's arrays are the old ones
+try:
+    with v:
+        pass
+    raise AssertionError("a stale view was accepted")
+except RuntimeError as e:
+    assert "rehashed" in str(e), e
 print("VIEW-OK")
 """
 

@@ -181,6 +181,10 @@ def case_attention(rank, world, *, fn, layout, causal, configs, chunk=3, seed=0,
             ref, ref_lse = oracle(q64, k64, v64, causal, sc)
             # lse_grad: the loss also depends on the LSE (as through flash_attention's lse)
             dl = torch.randn(ref_lse.shape, generator=torch.Generator().manual_seed(seed + 99)) if lse_grad else None
+            if lse_grad == "lse_only":  # no gradient through out: dO = 0 on every row
+                do = torch.zeros_like(do)
+            elif lse_grad == "tiny_do":  # |D| / max|dO| huge: a stand-in O would overflow fp16
+                do = do * 1e-6
             if lse_grad:
                 torch.autograd.backward([ref, ref_lse], [do.double(), dl.double()])
             else:
@@ -420,6 +424,9 @@ def test_gradient_through_the_lse(pool3, fn, causal):
     for layout in ("zigzag", "contiguous"):
         pool3.run("case_attention", fn=fn, layout=layout, causal=causal, lse_grad=True,
                   configs=[("float32", 1, 4, 2, 8), ("float64", 1, 2, 2, 4)])
+    for mode in ("lse_only", "tiny_do"):  # rows a stand-in O cannot carry D for
+        pool3.run("case_attention", fn=fn, layout="zigzag", causal=causal, lse_grad=mode,
+                  configs=[("float32", 1, 4, 2, 8), ("float16", 1, 4, 2, 8), ("bfloat16", 1, 2, 2, 8)])
 
 
 @pytest.mark.parametrize("fn", ["ring", "token"])

@@ -744,20 +744,42 @@ class DeviceView:
                 f"pykernels.hashing.device: DeviceView has no device functions for a {type(table).__name__} with "
                 f"{table._kb}-byte keys and {table._vb}-byte value slots (layout {self.layout})")
         self.table = table
-        self._counters = torch.tensor([table._used, table._limit(), 0], dtype=torch.int64, device=table.device)
+        self._bound = (table._slots.data_ptr(), table._special.data_ptr(), table._nw)
+        self._counters = torch.zeros(3, dtype=torch.int64, device=table.device)
+        self._snapshot()
         slots = _as_u32_array(table._slots) if self.layout == "set32" else _as_u64_array(table._slots)
         special = _as_u64_array(table._special)
         self.args = (slots, special, _as_counters(self._counters), table._nw, table.window, table.seed)
         self.read_args = (slots, special, table._nw, table.window, table.seed)
 
+    def _check_bound(self):
+        t = self.table
+        if (t._slots.data_ptr(), t._special.data_ptr(), t._nw) != self._bound:
+            raise RuntimeError("pykernels.hashing.device: the table was rehashed (grown, or its tombstones "
+                               "purged) after device_view() bound its arrays, so a kernel would use the old "
+                               "ones: take a new device_view()")
+
+    def _snapshot(self):
+        # The host may insert between device_view() and the kernel: counters start from the table's
+        # state now, and commit() adds only what the kernel did.
+        self._used0 = self.table._used
+        self._counters.copy_(torch.tensor([self.table._used, self.table._limit(), 0], dtype=torch.int64))
+
     def commit(self):
         used, _, new = (int(x) for x in self._counters.cpu().tolist())
-        self.table._used = used
+        self._check_bound()
+        self.table._used += used - self._used0
         self.table._size += new
-        self._counters[2] = 0
+        self._snapshot()
 
     def __enter__(self):
         self.table._lock.acquire()
+        try:
+            self._check_bound()
+            self._snapshot()
+        except BaseException:
+            self.table._lock.release()
+            raise
         return self
 
     def __exit__(self, *exc):

@@ -133,33 +133,37 @@ def cpu_weight_only(x2, packed, scales, offsets, bias, N, K, bits, group_size, c
         return y
 
     b = _bias_f32(bias)
-    y = native(x2, b, x2.dtype)
     flags = torch.empty(M, dtype=torch.uint8)
-    if M and mod.act_range_flags(x2.data_ptr(), dtype_code(x2.dtype), M, K, flags.data_ptr(), threads):
-        # Rows the int16 activations cannot carry (see act_range_flags in qgemm_cpu.cpp), redone:
-        two_scales = torch.nonzero(flags == 1).flatten()
-        if two_scales.numel():
-            # split by magnitude into bands (LLM.int8()'s outlier decomposition, Dettmers et al. 2022,
-            # with the same kernel for every band): each band is one scale, so its int16 steps are
-            # fine for all its elements; the products add up in fp32
-            rest = x2[two_scales].float()
-            acc = torch.zeros(rest.shape[0], N, dtype=torch.float32)
-            for band in range(_MAX_BANDS):
-                band_flags = torch.empty(rest.shape[0], dtype=torch.uint8)
-                if band == _MAX_BANDS - 1 or not mod.act_range_flags(
-                        rest.data_ptr(), dtype_code(rest.dtype), rest.shape[0], K, band_flags.data_ptr(), threads):
-                    acc += native(rest, None, torch.float32)
-                    break
-                big = rest.abs() > rest.abs().amax(-1, keepdim=True) / 256  # act_range_flags' split point
-                acc += native(torch.where(big, rest, 0.0), None, torch.float32)
-                rest = torch.where(big, 0.0, rest)
-            if b is not None:
-                acc += b
-            y[two_scales] = acc.to(y.dtype)
-        non_finite = torch.nonzero(flags == 2).flatten()
-        if non_finite.numel():  # NaN/inf: the exact fp32 route, so inf * w comes out as torch's inf
-            y[non_finite] = cpu_weight_only(x2[non_finite], packed, scales, offsets, bias, N, K, bits, group_size,
-                                            {**cfg, "impl": "dequant_mm"}).to(y.dtype)
+    if not (M and mod.act_range_flags(x2.data_ptr(), dtype_code(x2.dtype), M, K, flags.data_ptr(), threads)):
+        return native(x2, b, x2.dtype)
+    # Rows the int16 activations cannot carry (see act_range_flags in qgemm_cpu.cpp) take other routes
+    y = torch.empty(M, N, dtype=x2.dtype)
+    ordinary = torch.nonzero(flags == 0).flatten()
+    if ordinary.numel():
+        y[ordinary] = native(x2[ordinary], b, x2.dtype)
+    two_scales = torch.nonzero(flags == 1).flatten()
+    if two_scales.numel():
+        # split by magnitude into bands (LLM.int8()'s outlier decomposition, Dettmers et al. 2022,
+        # with the same kernel for every band): each band is one scale, so its int16 steps are
+        # fine for all its elements; the products add up in fp32
+        rest = x2[two_scales].float()
+        acc = torch.zeros(rest.shape[0], N, dtype=torch.float32)
+        for band in range(_MAX_BANDS):
+            band_flags = torch.empty(rest.shape[0], dtype=torch.uint8)
+            if band == _MAX_BANDS - 1 or not mod.act_range_flags(
+                    rest.data_ptr(), dtype_code(rest.dtype), rest.shape[0], K, band_flags.data_ptr(), threads):
+                acc += native(rest, None, torch.float32)
+                break
+            big = rest.abs() > rest.abs().amax(-1, keepdim=True) / 256  # act_range_flags' split point
+            acc += native(torch.where(big, rest, 0.0), None, torch.float32)
+            rest = torch.where(big, 0.0, rest)
+        if b is not None:
+            acc += b
+        y[two_scales] = acc.to(y.dtype)
+    non_finite = torch.nonzero(flags == 2).flatten()
+    if non_finite.numel():  # NaN/inf: the exact fp32 route, so inf * w comes out as torch's inf
+        y[non_finite] = cpu_weight_only(x2[non_finite], packed, scales, offsets, bias, N, K, bits, group_size,
+                                        {**cfg, "impl": "dequant_mm"}).to(y.dtype)
     return y
 
 
