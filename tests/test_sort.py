@@ -5,6 +5,7 @@ unsigned types torch cannot sort on CPU (uint16/32/64 past 32K keys); a Python m
 order-preserving key transform for bit ranges. Values are compared bit for bit (so -0.0 and NaN
 payloads must come back exactly as in the input).
 """
+import json
 import os
 import subprocess
 import sys
@@ -513,6 +514,21 @@ def test_autotune_generate_show_and_reuse_in_a_second_process(tmp_path):
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     assert "reused" in res.stdout
+
+
+def test_autotune_generate_backends_filter(tmp_path):
+    """--backends keeps only those backends' tunables (bench/gpu_suite.sh tunes the GPU's alone)."""
+    out = tmp_path / "c.json"
+    res = subprocess.run([sys.executable, "-m", "pykernels.autotune", "generate", "--ops", "sort", "--sizes", "4096",
+                          "--backends", "cuda", "--out", str(out), "--budget", "0.02"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0 and "tuned 0 shape(s)" in res.stdout, res.stdout + res.stderr  # no GPU here
+    res = subprocess.run([sys.executable, "-m", "pykernels.autotune", "generate", "--ops", "sort", "--sizes", "4096",
+                          "--backends", "cpu", "--out", str(out), "--budget", "0.02"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    entries = json.loads(out.read_text())["entries"]
+    assert entries and all(k.split("|")[1] == "cpu" for k in entries)
 
 
 def test_eager_calls_skip_the_registered_op_and_traced_calls_use_it(monkeypatch):

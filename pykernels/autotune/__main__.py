@@ -1,6 +1,6 @@
 """Command line of the autotuner.
 
-  python -m pykernels.autotune generate --ops sort,hash,qgemm,attention,allreduce [--sizes 1e6,4e6] [--out FILE]
+  python -m pykernels.autotune generate --ops sort,hash,qgemm,attention,allreduce [--sizes 1e6,4e6] [--backends cuda] [--out FILE]
   python -m pykernels.autotune show [FILE]
 """
 from __future__ import annotations
@@ -39,12 +39,15 @@ def generate(args) -> int:
         print(f"unknown --ops {unknown}; choose from {', '.join(GROUPS)}", file=sys.stderr)
         return 2
     sizes = _parse_sizes(args.sizes)
+    backends = {b.strip() for b in args.backends.split(",") if b.strip()} if args.backends else None
     jobs = []
     for g in groups:
         tunables = at.registered(g)
         if not tunables:
             print(f"note: no tunable ops registered for {g!r} in this build", file=sys.stderr)
         for t in tunables:
+            if backends and t.backend not in backends:
+                continue
             for ex_args, ex_kwargs in t.examples(sizes):
                 jobs.append((t, ex_args, ex_kwargs))
     started = time.perf_counter()
@@ -88,6 +91,7 @@ def main(argv=None) -> int:
     g = sub.add_parser("generate", help="measure every op's configs on this device and write the cache")
     g.add_argument("--ops", default=",".join(GROUPS), help="comma list of " + ",".join(GROUPS))
     g.add_argument("--sizes", default=None, help="comma list of problem sizes (op-specific meaning)")
+    g.add_argument("--backends", default=None, help="comma list of backends to tune (cpu, cuda, triton; default all)")
     g.add_argument("--out", default=None, help="write to this file instead of the user cache")
     g.add_argument("--budget", type=float, default=0.5, help="seconds of measuring per config")
     s = sub.add_parser("show", help="print a cache file")
