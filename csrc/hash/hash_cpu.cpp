@@ -499,18 +499,19 @@ void find_impl(const Geo& g, uintptr_t keys_p, int64_t n, uintptr_t out_vals_p, 
   uint8_t* found = reinterpret_cast<uint8_t*>(found_p);
   py::gil_scoped_release release;
   dyn_ranges(n, threads_for(n, nthreads), [&](int, int64_t b, int64_t e) {
-    amac_find_tiered(t, keys, b, e, D, [&](int64_t i, K k, Slot<K, V>* s, bool special) {
-      bool hit;
+    // Inlined into the lookup loop, and branch-free on hit/miss: with hits and misses mixed at random a
+    // branch mispredicts on every other lookup (measured: 50% hits took ~1.5x the time of 0% or 100%).
+    amac_find_tiered(t, keys, b, e, D, [&](int64_t i, K k, Slot<K, V>* s, bool hit, bool special)
+                                           __attribute__((always_inline)) {
       uint64_t v = dflt;
       if (PK_UNLIKELY(special)) {
         const int si = special_index(k);
         hit = load_relaxed(&t.special[2 * si]) != 0;
         if (hit) v = load_relaxed(&t.special[2 * si + 1]);
-      } else {
-        hit = s != nullptr;
-        if constexpr (Table<K, V>::kHasVal) {
-          if (hit) v = (uint64_t)load_relaxed(&s->val);
-        }
+      } else if constexpr (Table<K, V>::kHasVal) {
+        const uint64_t sv = (uint64_t)load_relaxed(&s->val);  // s is a valid slot even on a miss
+        const uint64_t keep = 0 - (uint64_t)hit;                // all ones on a hit: a mask, not a branch
+        v = (sv & keep) | (dflt & ~keep);
       }
       if (found) found[i] = hit;
       if constexpr (Table<K, V>::kHasVal) {

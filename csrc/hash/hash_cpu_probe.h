@@ -29,6 +29,9 @@ inline uint32_t window_masks(const Table<K, V>& t, const Slot<K, V>* win, K k, u
   return hit;
 }
 
+// emit(i, key, slot, hit, special): `slot` is the key's slot when hit, else some valid slot of the table
+// (or nullptr), so the caller may read it unconditionally and select with `hit`: a hit-or-miss branch
+// costs a misprediction per lookup when hits and misses mix (50% hits: measured ~1.5x slower lookups).
 template <int CW, class K, class V, class Emit>
 void amac_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, Emit&& emit);
 
@@ -48,8 +51,9 @@ void amac_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int 
   if (G <= 1) {
     for (int64_t i = b; i < e; ++i) {
       const K k = keys[i];
-      if (PK_UNLIKELY(is_special(k))) { emit(i, k, nullptr, true); continue; }
-      emit(i, k, t.find_slot(k, probe_start((uint64_t)k, t.seed, t.nw)), false);
+      if (PK_UNLIKELY(is_special(k))) { emit(i, k, nullptr, false, true); continue; }
+      S* slot = t.find_slot(k, probe_start((uint64_t)k, t.seed, t.nw));
+      emit(i, k, slot ? slot : t.slots, slot != nullptr, false);
     }
     return;
   }
@@ -72,7 +76,7 @@ void amac_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int 
     while (next < e) {
       const int64_t i = next++;
       const K k = keys[i];
-      if (PK_UNLIKELY(is_special(k))) { emit(i, k, nullptr, true); continue; }
+      if (PK_UNLIKELY(is_special(k))) { emit(i, k, nullptr, false, true); continue; }
       s.i = i;
       s.k = k;
       s.p = probe_start((uint64_t)k, t.seed, t.nw);
@@ -96,7 +100,7 @@ void amac_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int 
           prefetch_window(s.p.w);
           continue;
         }
-        emit(s.i, s.k, nullptr, false);
+        emit(s.i, s.k, const_cast<S*>(t.window(s.p.w)), false, false);
         if (!(live[g] = start(s))) --active;
         continue;
       }
@@ -110,7 +114,9 @@ void amac_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int 
         if (t.ovf) PK_PREFETCH_R(t.ovf + s.p.w);
         continue;
       }
-      emit(s.i, s.k, m ? const_cast<S*>(&win[__builtin_ctz(m)]) : nullptr, false);
+      // the hit's slot, or (m == 0) the window's last slot: a valid address either way, no branch
+      const int last = (CW > 0 ? CW : t.W) - 1;
+      emit(s.i, s.k, const_cast<S*>(&win[__builtin_ctz(m | (1u << last))]), m != 0, false);
       if (!(live[g] = start(s))) --active;
     }
   }
