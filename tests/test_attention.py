@@ -445,3 +445,31 @@ def test_rectangular_causal_split_path(monkeypatch, shape, dtype):
     assert _cpu._bottom_right_mask(5, 9, torch.float32) is None
     q, k, v = make(*shape, dtype, seed=13)
     check_forward_and_grads(q, k, v, True)
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2, 3), (0, 2, 1, 3), (2, 0, 1, 3)])
+@pytest.mark.parametrize("shape,sk,causal", [((2, 4, 64, 16), 64, False), ((1, 1, 32, 8), 32, True),
+                                             ((2, 1, 16, 8), 40, True), ((1, 3, 24, 8), 8, True)])
+def test_cpu_out_follows_q_layout_and_fake_strides_match(order, shape, sk, causal):
+    """out comes back in q's memory order, as from aten's kernels and SDPA (no copy for a contiguous
+    q or a model's [B, S, H, D]-strided one), whatever path made it (masked, split, dead rows), and
+    the fake op reports exactly those strides (torch.compile relies on it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    g = torch.Generator().manual_seed(0)
+    B, H, Sq, D = shape
+    phys = [shape[i] for i in order]
+    q = torch.randn(phys, generator=g).permute([order.index(i) for i in range(4)])
+    k, v = torch.randn(B, H, sk, D, generator=g), torch.randn(B, H, sk, D, generator=g)
+    out, lse = pykernels.flash_attention(q, k, v, causal=causal, return_lse=True, backend="cpu")
+    with FakeTensorMode() as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+        fo, fl = torch.ops.pykernels.flash_attention(fq, fk, fv, causal, 1.0 / D ** 0.5, "cpu")
+    assert out.stride() == fo.stride() and lse.stride() == fl.stride(), (out.stride(), fo.stride())
+    if 1 not in shape[:3]:
+        assert out.stride() == torch.empty_like(q).stride()  # q's own layout: aten wrote it, no copy
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), k.double(), v.double(),
+        attn_mask=None if not causal else torch.ones(Sq, sk, dtype=torch.bool).tril(sk - Sq))
+    live = slice(max(0, Sq - sk), Sq) if causal else slice(0, Sq)
+    torch.testing.assert_close(out[:, :, live].double(), ref[:, :, live], atol=2e-5, rtol=1e-4)

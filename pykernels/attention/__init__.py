@@ -132,21 +132,21 @@ def _flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
                         backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _forward_impl(q, k, v, causal, scale, backend)
     if q.device.type == "cpu" and backend != "triton":
-        return _cpu.to_bshd(out), _cpu.to_bshd(lse)
+        return _cpu.like_q(out, q), _cpu.to_bshd(lse)
     return out.contiguous(), lse.contiguous()
 
 
 @_flash_attention_op.register_fake
 def _(q, k, v, causal, scale, backend):
-    # Strides as the real op returns them: on CPU out and lse in [B, S, H, (D)] memory order (the layout
-    # aten's kernels write, and SDPA returns: kept to avoid a copy of out, ~4% of a 1024-token
-    # forward); contiguous from the Triton kernels.
+    # Strides as the real op returns them: on CPU out in q's memory order (as aten's kernels and SDPA
+    # give it: a copy of out is ~4% of a 1024-token forward) and lse in [B, S, H] order (the layout
+    # aten writes); contiguous from the Triton kernels.
     B, H, Sq, _ = q.shape
-    out = q.new_empty((B, H, Sq, v.shape[-1]))
     lse = q.new_empty((B, H, Sq), dtype=_cpu.acc_dtype(q.dtype))
     if q.device.type == "cpu" and backend != "triton":
-        return _cpu.to_bshd(out), _cpu.to_bshd(lse)
-    return out, lse
+        out = q.new_empty_strided((B, H, Sq, v.shape[-1]), _cpu.out_strides(q, v.shape[-1]))
+        return out, _cpu.to_bshd(lse)
+    return q.new_empty((B, H, Sq, v.shape[-1])), lse
 
 
 @torch.library.custom_op("pykernels::flash_attention_backward", mutates_args=())

@@ -53,6 +53,33 @@ def to_bshd(x: torch.Tensor) -> torch.Tensor:
     return want.copy_(x)
 
 
+def out_strides(q: torch.Tensor, dv: int) -> tuple:
+    """Strides of out [B, H, S_q, dv] in q's memory order, D innermost: what aten's CPU flash kernels
+    return (empty_like(q)), so neither a contiguous q nor one laid out as [B, S, H, D] (a model's
+    usual q = x.view(B, S, H, D).transpose(1, 2)) costs a copy of out. Also the fake op's strides."""
+    B, H, Sq, _ = q.shape
+    shape = (B, H, Sq, dv)
+    order = sorted(range(3), key=lambda d: (-q.stride(d), d)) + [3]  # outermost first, ties by dim
+    st, acc = [0] * 4, 1
+    for d in reversed(order):
+        st[d] = acc
+        acc *= shape[d]
+    return tuple(st)
+
+
+def like_q(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """out laid out as out_strides(q, ...): a no-op for what aten returned, a copy otherwise."""
+    want = out_strides(q, out.shape[-1])
+    if out.stride() == want:
+        return out
+    return torch.empty_strided(out.shape, want, dtype=out.dtype, device=out.device).copy_(out)
+
+
+def _dense_last(x: torch.Tensor) -> torch.Tensor:
+    """aten's kernels take any strides with a unit-stride head dim; copy only without one."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def _empty_result(q, v, sk):
     B, H, Sq, _ = q.shape
     out = q.new_zeros((B, H, Sq, v.shape[-1]))
@@ -136,9 +163,9 @@ def flash_forward(q, k, v, causal: bool, scale: float):
     g = 1 if aten_handles_gqa() else H // k.shape[1]
     if scale < 0:  # aten scales after masking, so -inf * negative scale = +inf: fold the sign into q
         q, scale = -q, -scale
-    q = q.contiguous()
-    k = _expand_kv(k.contiguous(), g)
-    v = _expand_kv(v.contiguous(), g)
+    q = _dense_last(q)
+    k = _expand_kv(_dense_last(k), g)
+    v = _expand_kv(_dense_last(v), g)
     if not causal or Sq == Sk:
         out, lse = _ATEN_FWD(q, k, v, 0.0, causal, scale=scale)
         return out, lse.to(acc_dtype(q.dtype))
