@@ -473,3 +473,17 @@ def test_cpu_out_follows_q_layout_and_fake_strides_match(order, shape, sk, causa
         attn_mask=None if not causal else torch.ones(Sq, sk, dtype=torch.bool).tril(sk - Sq))
     live = slice(max(0, Sq - sk), Sq) if causal else slice(0, Sq)
     torch.testing.assert_close(out[:, :, live].double(), ref[:, :, live], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("sq,sk", [(64, 64), (32, 256), (4096, 8192), (128, 32)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_nan_query_row_is_caught_on_every_cpu_path(sq, sk, causal):
+    """aten zeroes a NaN query row (out 0, lse exactly 0): the CPU path reads q only when some lse is
+    exactly 0, except after the split + merge of a large rectangular causal problem (4096 x 8192),
+    where the merged lse is log 2 and q is always read. Either way the row comes back NaN."""
+    g = torch.Generator().manual_seed(sq)
+    q, k, v = torch.randn(1, 1, sq, 16, generator=g), torch.randn(1, 1, sk, 16, generator=g), torch.randn(1, 1, sk, 16, generator=g)
+    q[0, 0, sq - 1, 3] = float("nan")
+    out, lse = flash_attention(q, k, v, causal=causal, return_lse=True, backend="cpu")
+    assert torch.isnan(out[0, 0, sq - 1]).all() and torch.isnan(lse[0, 0, sq - 1])
+    assert torch.isfinite(out[0, 0, : sq - 1]).all()

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from .. import _native, autotune
-from .._backend import dispatch
+from .._backend import dispatch, eager_direct
 from ..errors import check_same_device
 from . import _cpu
 
@@ -95,12 +95,15 @@ def _forward_impl(q, k, v, causal: bool, scale: float, backend: str, config: Opt
         return _triton.forward(q, k, v, causal, scale, cfg)
     if cfg.get("impl", "flash") != "blocked":
         out, lse = _cpu.flash_forward(q, k, v, causal, scale)
-        # aten's flash kernels turn a query row holding NaN into zeros, so q is checked (after the kernel,
-        # while the thread pool is still awake: before it, waking the pool cost ~10 ms on a busy
-        # machine); non-finite keys show up as a non-finite lse. The blocked path then reproduces
-        # NaN/inf exactly as the math does.
+        # aten's flash kernels turn a query row holding NaN into zeros with an lse of exactly 0, and
+        # an inf in q or k gives a NaN lse. So q is read (one pass, ~2% of a 1024-token forward) only
+        # when some lse is exactly 0, which finite inputs almost never give; the blocked path then
+        # reproduces NaN/inf exactly as the math does. (Checked after the kernel, while the thread
+        # pool is still awake: before it, waking the pool cost ~10 ms on a busy machine.)
         live = lse[:, :, max(0, q.shape[2] - k.shape[2]):] if causal else lse  # rows that see keys
-        if k.shape[2] == 0 or (_all_finite(q) and bool(torch.isfinite(live.sum()))):
+        zero_lse_flags_nan = _cpu.nan_rows_show_as_zero_lse(q.shape[2], k.shape[2], causal, q.dtype)
+        if k.shape[2] == 0 or (bool(torch.isfinite(live.sum()))
+                               and ((zero_lse_flags_nan and not bool((live == 0).any())) or _all_finite(q))):
             return out, lse
     return _cpu.blocked_forward(q, k, v, causal, scale, chunk_elems=int(cfg.get("chunk_elems", 1 << 22)))
 
@@ -127,13 +130,18 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, ba
 # ----------------------------------------------------------------------------------------------
 # torch.library registration: forward, backward, fakes, autograd
 # ----------------------------------------------------------------------------------------------
-@torch.library.custom_op("pykernels::flash_attention", mutates_args=())
-def _flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                        backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_laid_out(q, k, v, causal: bool, scale: float, backend: str):
+    """_forward_impl with the layouts the op promises (its fake below reports them)."""
     out, lse = _forward_impl(q, k, v, causal, scale, backend)
     if q.device.type == "cpu" and backend != "triton":
         return _cpu.like_q(out, q), _cpu.to_bshd(lse)
     return out.contiguous(), lse.contiguous()
+
+
+@torch.library.custom_op("pykernels::flash_attention", mutates_args=())
+def _flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                        backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward_laid_out(q, k, v, causal, scale, backend)
 
 
 @_flash_attention_op.register_fake
@@ -246,7 +254,10 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = N
     causal, return_lse = _check_flag("causal", causal), _check_flag("return_lse", return_lse)
     check_same_device(OP, q=q, k=k, v=v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out, lse = torch.ops.pykernels.flash_attention(q, k, v, bool(causal), scale, backend)
+    if eager_direct(q, k, v):  # nothing to trace or differentiate: skip the op's dispatch layers
+        out, lse = _forward_laid_out(q, k, v, bool(causal), scale, backend)
+    else:
+        out, lse = torch.ops.pykernels.flash_attention(q, k, v, bool(causal), scale, backend)
     return (out, lse) if return_lse else out
 
 

@@ -147,6 +147,13 @@ def _bottom_right_mask(Sq: int, Sk: int, dtype):
     return _mask_cached(Sq, Sk, dtype)
 
 
+def nan_rows_show_as_zero_lse(Sq: int, Sk: int, causal: bool, dtype) -> bool:
+    """Whether flash_forward gives a query row holding NaN an lse of exactly 0 (aten zeroes such a row and
+    its lse): true for one aten call per row, false for the split + merge of large rectangular causal
+    problems (the merge turns 0 and 0 into log 2)."""
+    return not (causal and Sq < Sk and Sq * Sk * torch.finfo(dtype).bits // 8 > MASK_BYTES)
+
+
 @functools.lru_cache(maxsize=4)
 def _mask_cached(Sq: int, Sk: int, dtype):
     # -inf strictly above the diagonal j - i = S_k - S_q, 0 on and below it (never written to by aten)

@@ -23,7 +23,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _native, autotune
-from .._backend import dispatch, select_backend
+from .._backend import eager_direct as _eager, dispatch, select_backend
 from ..errors import check_dtype, check_ndim, check_same_device
 
 __all__ = ["sort", "argsort", "sort_keys", "sort_pairs", "segmented_sort", "KEY_DTYPES"]
@@ -306,18 +306,6 @@ def _(keys, offsets, values, descending, backend):
 # ---------------------------------------------------------------------------------------------
 # Public API (checks here, work in the custom ops)
 # ---------------------------------------------------------------------------------------------
-def _eager(*tensors) -> bool:
-    """True when a public call may run its implementation directly instead of through its registered
-    torch.library op: the op's dispatch layers cost ~60-100 us a call (6x a 1K-element torch.sort).
-    Not while torch.compile traces, nor under a Python dispatch or torch-function mode (fake tensors,
-    make_fx, FlopCounter...), nor for tensor subclasses or inputs that need autograd: those go through
-    the op, whose fake and autograd registrations handle them (as pykernels.qmatmul does)."""
-    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._is_torch_function_mode_enabled()):
-        return False
-    return all(t is None or (type(t) is torch.Tensor and not t.requires_grad) for t in tensors)
-
-
 def _check_keys(op: str, arg: str, t) -> torch.Tensor:
     t = _native.as_tensor(t, op, arg)
     check_dtype(op, arg, t, KEY_DTYPES)
