@@ -47,10 +47,13 @@ def to_bshd(x: torch.Tensor) -> torch.Tensor:
     flash kernels write the LSE, so the CPU backend returns it without a copy. No-op when x is already
     laid out so."""
     perm = (0, 2, 1, 3) if x.dim() == 4 else (0, 2, 1)
-    want = torch.empty([x.shape[p] for p in perm], dtype=x.dtype, device=x.device).permute(perm)
-    if x.stride() == want.stride():
+    st, acc = [0] * x.dim(), 1
+    for d in reversed(perm):  # the strides of that layout, without allocating to compare
+        st[d] = acc
+        acc *= x.shape[d]
+    if x.stride() == tuple(st):
         return x
-    return want.copy_(x)
+    return torch.empty_strided(x.shape, st, dtype=x.dtype, device=x.device).copy_(x)
 
 
 def out_strides(q: torch.Tensor, dv: int) -> tuple:
