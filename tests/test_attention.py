@@ -482,8 +482,30 @@ def test_nan_query_row_is_caught_on_every_cpu_path(sq, sk, causal):
     exactly 0, except after the split + merge of a large rectangular causal problem (4096 x 8192),
     where the merged lse is log 2 and q is always read. Either way the row comes back NaN."""
     g = torch.Generator().manual_seed(sq)
-    q, k, v = torch.randn(1, 1, sq, 16, generator=g), torch.randn(1, 1, sk, 16, generator=g), torch.randn(1, 1, sk, 16, generator=g)
+    q = torch.randn(1, 1, sq, 16, generator=g)
+    k, v = torch.randn(1, 1, sk, 16, generator=g), torch.randn(1, 1, sk, 16, generator=g)
     q[0, 0, sq - 1, 3] = float("nan")
     out, lse = flash_attention(q, k, v, causal=causal, return_lse=True, backend="cpu")
     assert torch.isnan(out[0, 0, sq - 1]).all() and torch.isnan(lse[0, 0, sq - 1])
     assert torch.isfinite(out[0, 0, : sq - 1]).all()
+
+
+def test_cpu_overlapping_and_broadcast_q():
+    """A q whose rows overlap (as_strided) or are broadcast: aten would write out with the wrong strides,
+    so such a q is copied first (the result matches SDPA)."""
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(20, generator=g)
+    k, v = torch.randn(1, 2, 6, 8, generator=g), torch.randn(1, 2, 6, 8, generator=g)
+    for q in (base.as_strided((1, 2, 6, 8), (12, 6, 1, 1)), torch.randn(1, 1, 1, 8, generator=g).expand(1, 2, 6, 8)):
+        out = flash_attention(q, k, v, backend="cpu")
+        ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_vmap_over_flash_attention():
+    """torch.func.vmap goes through the op's batching fallback, never the direct eager path."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(3, 1, 2, 8, 8, generator=g) for _ in range(3))
+    got = torch.func.vmap(lambda a, b, c: flash_attention(a, b, c, causal=True))(q, k, v)
+    want = torch.stack([flash_attention(q[i], k[i], v[i], causal=True) for i in range(3)])
+    torch.testing.assert_close(got, want)

@@ -79,8 +79,10 @@ def like_q(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def _dense_last(x: torch.Tensor) -> torch.Tensor:
-    """aten's kernels take any strides with a unit-stride head dim; copy only without one."""
-    return x if x.stride(-1) == 1 else x.contiguous()
+    """aten's kernels take any strides with a unit-stride head dim, as long as rows do not overlap (they
+    size out with empty_like(q) but write it as if the head dim were dense): copy only otherwise."""
+    rows_apart = all(x.shape[d] == 1 or x.stride(d) >= x.shape[-1] for d in range(x.dim() - 1))
+    return x if x.stride(-1) == 1 and rows_apart else x.contiguous()
 
 
 def _empty_result(q, v, sk):
