@@ -192,7 +192,7 @@ def test_float_special_values_order_like_torch():
 def test_engine_configs_agree(digit_bits, threads, wc, nt):
     """Every digit width / thread count / store kind (write-combined with or without streaming stores,
     plain scattered stores) the autotuner may pick gives the same stable result."""
-    cfg = {"digit_bits": digit_bits, "threads": threads, "wc": wc, "nt": nt, "grain": 1024}
+    cfg = {"digit_bits": digit_bits, "threads": threads, "wc": wc, "nt": nt, "grain": 1024, "msd": 0}
     for dtype in (torch.int32, torch.float64, torch.uint16):
         for n in (65, 5000, 300001):
             if digit_bits <= 3 and n > 5000:
@@ -210,13 +210,65 @@ def test_engine_configs_agree(digit_bits, threads, wc, nt):
 
 def test_trivial_passes_are_skipped():
     x = (torch.randint(0, 256, (1 << 18,)) << 24).to(torch.uint32)  # only the top byte varies
-    k, _, _, st = _cpu_sort_1d(x, config={"digit_bits": 8}, want_stats=True)
+    k, _, _, st = _cpu_sort_1d(x, config={"digit_bits": 8, "msd": 0}, want_stats=True)
     assert st["passes"] == 1 and st["skipped"] == 3
-    assert _cpu_sort_1d(x, config={"digit_bits": 8})[3] is None  # no stats dict unless asked for
+    assert _cpu_sort_1d(x, config={"digit_bits": 8, "msd": 0})[3] is None  # no stats dict unless asked for
     assert np.array_equal(k.numpy(), np.sort(x.numpy()))
     y = torch.full((100000,), 7, dtype=torch.int64)
     k, i, _, st = _cpu_sort_1d(y, want_idx=True, config={"digit_bits": 11}, want_stats=True)
     assert st["passes"] == 0 and torch.equal(i, torch.arange(100000)) and torch.equal(k, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint32, torch.int32, torch.float32])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("descending", [False, True])
+def test_msd_split_then_in_cache_lsd_agrees_with_the_oracle(dtype, threads, descending):
+    """32-bit keys: the MSD split into 256 buckets + LSD inside each bucket (forced with msd=1 at every
+    size and skew; the heuristic only takes it where buckets fit the cache), every output mode: keys,
+    keys + indices, argsort, a 4-byte payload carried in the records, an 8-byte one gathered."""
+    cfg = {"msd": 1, "threads": threads, "grain": 1024}
+    for n in (65, 1000, 4095, 4096, 4097, 70001, 300001):
+        for kind in KINDS:
+            if kind == "top" and dtype.is_floating_point:
+                continue
+            x = make_keys(dtype, n, kind, seed=n + len(kind))
+            before = x.clone()
+            ri = ref_argsort_1d(x, descending=descending)
+            rv = take(x, ri)
+            k, i, _, st = _cpu_sort_1d(x, want_idx=True, descending=descending, config=cfg, want_stats=True)
+            assert st["msd"], f"msd=1 not taken {dtype} {n} {kind}"
+            assert_same(i, ri, f"indices {dtype} n={n} {kind}")
+            assert_same(k, rv, f"values {dtype} n={n} {kind}")
+            k2 = _cpu_sort_1d(x, descending=descending, config=cfg)[0]
+            assert_same(k2, rv, f"keys only {dtype} n={n} {kind}")
+            i2 = _cpu_sort_1d(x, want_keys=False, want_idx=True, descending=descending, config=cfg)[1]
+            assert_same(i2, ri, f"argsort {dtype} n={n} {kind}")
+            p4 = torch.randint(-(1 << 31), 1 << 31, (n,), dtype=torch.int64).to(torch.int32)
+            k3, _, p3, _ = _cpu_sort_1d(x, payload=p4, descending=descending, config=cfg)
+            assert_same(k3, rv, f"pairs keys {dtype} n={n} {kind}")
+            assert_same(p3, p4[ri], f"pairs payload {dtype} n={n} {kind}")
+            p8 = torch.randn(n, dtype=torch.float64)
+            k4, _, p5, _ = _cpu_sort_1d(x, payload=p8, descending=descending, config=cfg)
+            assert_same(k4, rv)
+            assert_same(p5, p8[ri], f"8-byte payload {dtype} n={n} {kind}")
+            assert_same(x, before, "input modified")
+
+
+def test_msd_split_heuristic_takes_cache_sized_buckets_only():
+    x = torch.randint(-(1 << 31), 1 << 31, (1 << 19,), dtype=torch.int64).to(torch.int32)
+    k, i, _, st = _cpu_sort_1d(x, want_idx=True, want_stats=True)
+    assert st["msd"] and torch.equal(i, ref_argsort_1d(x)) and torch.equal(k, x[i])
+    # small non-negative ints: the top byte is always 0, one bucket would hold every key
+    y = torch.randint(0, 1000, (1 << 19,), dtype=torch.int32)
+    k, i, _, st = _cpu_sort_1d(y, want_idx=True, want_stats=True)
+    assert not st["msd"] and torch.equal(i, ref_argsort_1d(y))
+    # below 256K keys, and with msd=0, the LSD engine
+    assert not _cpu_sort_1d(x[: 1 << 17], want_stats=True)[3]["msd"]
+    assert not _cpu_sort_1d(x, config={"msd": 0}, want_stats=True)[3]["msd"]
+    # bit ranges and 64-bit keys never take it
+    assert not _cpu_sort_1d(x, end_bit=31, config={"msd": 1}, want_stats=True)[3]["msd"]
+    z = x.to(torch.int64)
+    assert not _cpu_sort_1d(z, config={"msd": 1}, want_stats=True)[3]["msd"]
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident set size from /proc")

@@ -10,6 +10,9 @@ CPU config space (csrc/sort/sort_cpu.cpp):
   nt          streaming (non-temporal) stores for full write-combining lines: skips the read-for-ownership
               of the destination; pays off once the arrays exceed the caches.
   grain       the tile: at least this many keys per thread (smaller inputs use fewer threads).
+  msd         32-bit keys over their whole width: 1 = split by the top byte into 256 buckets, then LSD
+              inside each bucket in cache (digit_bits/wc/nt do not apply); 0 = the LSD engine only;
+              -1 (default) = the split where a sample says the buckets fit the cache, from 256K keys.
 `python -m pykernels.autotune generate --ops sort [--sizes 65536,1e6]` tunes sort_keys/sort/argsort/
 sort_pairs on random uint32/int32/float32/int64 keys of those sizes.
 
@@ -40,12 +43,18 @@ def _candidates(key: dict) -> list:
 
     base = _default_config(key)
     out = []
+    for threads in (0, 1):
+        for grain in (16384, 1 << 17):
+            # 32-bit keys: MSD split + in-cache LSD wherever it applies (other keys ignore msd=1)
+            cfg = dict(base, msd=1, threads=threads, grain=grain)
+            if cfg not in out and cfg != base:
+                out.append(cfg)
     for bits in (8, 11):
         for wc in (0, 1):
             for nt in ((True, False) if wc else (True,)):  # nt only matters with write-combining
                 for threads in (0, 1):
                     for grain in (16384, 1 << 17):
-                        cfg = dict(base, digit_bits=bits, wc=wc, nt=nt, threads=threads, grain=grain)
+                        cfg = dict(base, digit_bits=bits, wc=wc, nt=nt, threads=threads, grain=grain, msd=0)
                         if cfg not in out and cfg != base:
                             out.append(cfg)
     return out
