@@ -589,12 +589,13 @@ static constexpr size_t MSD_MAX_BUCKET_BYTES = size_t(768) << 10;  // heuristic:
 static constexpr int MSD_BITS = 8;
 static constexpr int MSD_BUCKETS = 1 << MSD_BITS;
 static constexpr int LB = 32 - MSD_BITS;
+static constexpr int64_t BIG_BUCKET = 4096;  // from here two in-cache passes of LB / 2 bits, else three
 
 // Sorts the m records of one bucket by bits [0, W0 + W1 + W2) of their key (stable; passes of W0, W1
 // and W2 bits, W2 may be 0), ping-ponging between src and tmp, and hands each record with its final
 // position to out(q, record). hist: the caller's 3 x 4096 counters (no thread-local lookup in the loops).
 template <int W0, int W1, int W2, class Rec, int KSHIFT, class Out>
-static void bucket_lsd_w(Rec* __restrict src, Rec* __restrict tmp, int64_t m, uint32_t* __restrict hist, Out&& out) {
+static int bucket_lsd_w(Rec* __restrict src, Rec* __restrict tmp, int64_t m, uint32_t* __restrict hist, Out&& out) {
   constexpr int NP = W2 ? 3 : 2;
   constexpr int WID[3] = {W0, W1, W2}, SH[3] = {0, W0, W0 + W1};
   constexpr uint32_t R0 = 1u << W0, R1 = 1u << W1;
@@ -633,7 +634,7 @@ static void bucket_lsd_w(Rec* __restrict src, Rec* __restrict tmp, int64_t m, ui
   }
   if (nl == 0) {
     for (int64_t i = 0; i < m; ++i) out(i, s[i]);
-    return;
+    return 0;
   }
   uint32_t* h = hist + OFF[live[nl - 1]];
   const int sh = SH[live[nl - 1]];
@@ -643,14 +644,15 @@ static void bucket_lsd_w(Rec* __restrict src, Rec* __restrict tmp, int64_t m, ui
     d[h[((uint32_t)(x >> KSHIFT) >> sh) & mask]++] = x;
   }
   for (int64_t i = 0; i < m; ++i) out(i, d[i]);
+  return nl;
 }
 
 template <class Rec, int KSHIFT, class Out>
-static void bucket_lsd(Rec* src, Rec* tmp, int64_t m, uint32_t* hist, Out&& out) {
+static int bucket_lsd(Rec* src, Rec* tmp, int64_t m, uint32_t* hist, Out&& out) {
   // two passes of ~12 bits need 2 x 4096 counters: worth it once a bucket has a few thousand records;
   // smaller buckets (skewed keys, small inputs) take three passes of ~8 bits
-  if (m >= 4096) bucket_lsd_w<LB / 2, LB - LB / 2, 0, Rec, KSHIFT>(src, tmp, m, hist, out);
-  else bucket_lsd_w<LB / 3, LB / 3, LB - 2 * (LB / 3), Rec, KSHIFT>(src, tmp, m, hist, out);
+  if (m >= BIG_BUCKET) return bucket_lsd_w<LB / 2, LB - LB / 2, 0, Rec, KSHIFT>(src, tmp, m, hist, out);
+  return bucket_lsd_w<LB / 3, LB / 3, LB - 2 * (LB / 3), Rec, KSHIFT>(src, tmp, m, hist, out);
 }
 
 // After an index-mode sort: keys gathered from the input when canonicalising changed some (exact bits),
@@ -684,14 +686,18 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     const int64_t n = a.n;
     const int key_bits = 32;
     const int eb = a.end_bit < 0 ? key_bits : a.end_bit;
+    // msd: 0 off; -1 heuristic (from MSD_MIN_N keys, buckets that fit the cache); 1 the same skew guard
+    // at any size (what the autotuner may pick on random keys: it must not push skewed keys of the same
+    // size and dtype into one DRAM-sized bucket); 2 always (tests)
     if (a.msd == 0 || a.begin_bit != 0 || eb != key_bits) return false;
     if (a.msd < 0 && n < MSD_MIN_N) return false;
+    const bool guard = a.msd < 2;
     // an 8-byte payload travels with its key in the LSD engine; the records here carry 4 bytes
     if (a.out_pay && a.pay_size == 8 && !a.out_idx) return false;
     if (!a.out_keys && !a.out_idx) return false;
     constexpr int RB = MSD_BUCKETS;
     const U* in = static_cast<const U*>(a.keys);
-    if (a.msd < 0) {
+    if (guard) {
       // A strided sample first: keys whose top bits hardly vary (small non-negative ints, floats of
       // one magnitude) make buckets too big for the cache, and the LSD engine sorts them without the
       // wasted histogram read.
@@ -734,11 +740,13 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     const size_t rec_bytes = keys_only ? 4 : 8;
     // skewed keys (one big bucket, e.g. small non-negative ints whose top byte is always 0): the
     // bucket would not fit the cache, and the LSD engine skips the trivial top pass anyway
-    if (a.msd < 0 && (size_t)biggest * rec_bytes > MSD_MAX_BUCKET_BYTES) return false;
+    if (guard && (size_t)biggest * rec_bytes > MSD_MAX_BUCKET_BYTES) return false;
 
     st.threads = T;
-    st.passes = 3;
-    st.digit_bits = 8;
+    // stats: the bucket with the most non-trivial in-bucket passes (fewest skipped on a tie), packed as
+    // live * 8 + (7 - skipped) for one atomic max
+    std::atomic<int> most_live{0};
+    st.digit_bits = biggest >= BIG_BUCKET ? LB / 2 : LB / 3;
     st.lossy = lossy;
     st.msd = true;
     Scratch& scr = thread_scratch();
@@ -770,10 +778,16 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
           if (m == 0) continue;
           if ((int64_t)tmp.size() < m) tmp.resize((size_t)m);
           constexpr int KS = sizeof(Rec) == 8 ? 32 : 0;
-          bucket_lsd<Rec, KS>(rec + b, tmp.data(), m, bh, [out, b](int64_t q, Rec x) { out(b + q, x); });
-          if (tmp.size() > (size_t(1) << 20)) std::vector<Rec>().swap(tmp);  // a skewed call's big buffer
+          const int live = bucket_lsd<Rec, KS>(rec + b, tmp.data(), m, bh, [out, b](int64_t q, Rec x) { out(b + q, x); });
+          const int packed = live * 8 + (7 - ((m >= BIG_BUCKET ? 2 : 3) - live));
+          int seen = most_live.load(std::memory_order_relaxed);
+          while (packed > seen && !most_live.compare_exchange_weak(seen, packed, std::memory_order_relaxed)) {}
         }
+        // kept for the next call only while bucket-sized (a skewed or huge call's buffer is released)
+        if (tmp.size() > MSD_MAX_BUCKET_BYTES / sizeof(Rec)) std::vector<Rec>().swap(tmp);
       });
+      st.passes = 1 + most_live.load() / 8;
+      st.skipped = 7 - most_live.load() % 8;
     };
 
     if (keys_only) {

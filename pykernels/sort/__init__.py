@@ -8,7 +8,8 @@ plus CUB-style keys-only, key-value and segmented sorts.
     keys, vals = pykernels.segmented_sort(k, offsets, v)                 # each k[offsets[i]:offsets[i+1]]
 
 Backends: "cpu" (csrc/sort/sort_cpu.cpp: one histogram read for all digits, then one write-combined
-scatter per 8- or 11-bit digit, trivial passes skipped), "cuda" (csrc/sort/sort.cu: Onesweep proper),
+scatter per 8- or 11-bit digit, trivial passes skipped; 32-bit keys from 256K on split by their top byte
+into cache-sized buckets first, each then sorted by LSD passes inside the cache), "cuda" (csrc/sort/sort.cu: Onesweep proper),
 "triton" (pykernels/sort/_triton.py: the same pipeline in Triton). Every op is a torch.library custom
 op (torch.ops.pykernels.<name>) with a fake implementation, so torch.compile(fullgraph=True) works.
 
@@ -74,15 +75,19 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
 
 
 def _cpu_sort_1d(keys: torch.Tensor, *, want_keys=True, want_idx=False, payload=None, descending=False,
-                 begin_bit=0, end_bit=None, config=None, want_stats=False):
+                 begin_bit=0, end_bit=None, config=None, want_stats=False, out=None):
     """Sorts a contiguous 1-D CPU tensor. Returns (keys or None, int64 indices or None, payload or None,
-    stats dict if want_stats else None)."""
+    stats dict if want_stats else None). out: (keys, indices) contiguous tensors of n elements that
+    overlap nothing else, written in place (the caller checked them)."""
     config = config or {}
     n = keys.numel()
     if n > MAX_CPU_KEYS:
         raise ValueError(f"pykernels.sort: the CPU backend sorts at most 2^32 - 1 keys per call, got {n}")
-    out_k = torch.empty_like(keys, memory_format=torch.contiguous_format) if want_keys else None
-    out_i = torch.empty(n, dtype=torch.int64) if want_idx else None
+    if out is not None:
+        out_k, out_i = out
+    else:
+        out_k = torch.empty_like(keys, memory_format=torch.contiguous_format) if want_keys else None
+        out_i = torch.empty(n, dtype=torch.int64) if want_idx else None
     out_p = torch.empty_like(payload, memory_format=torch.contiguous_format) if payload is not None else None
     stats = _cpu().sort(keys.data_ptr() if n else 0, n, _native.dtype_code(keys.dtype), _ptr(out_k), _ptr(out_i),
                         _ptr(payload), _ptr(out_p), payload.element_size() if payload is not None else 0,
@@ -110,9 +115,11 @@ def _cpu_segmented(keys: torch.Tensor, offsets: Optional[torch.Tensor], nseg: in
 # ---------------------------------------------------------------------------------------------
 # Backend-neutral implementations (called by the custom ops)
 # ---------------------------------------------------------------------------------------------
-def _rows_sort(op: str, x: torch.Tensor, dim: int, descending: bool, backend: str, want_keys: bool):
+def _rows_sort(op: str, x: torch.Tensor, dim: int, descending: bool, backend: str, want_keys: bool, out=None):
     """sort/argsort along `dim`: the dim goes last, rows are sorted (a 2-D tensor sorted along its last dim
-    is a segmented sort with equal segments), and the result is moved back."""
+    is a segmented sort with equal segments), and the result is moved back. out: the caller's (values,
+    indices), already shaped like x, contiguous and overlapping nothing: the CPU sort of a single row
+    writes them directly (no fresh pages to fault in, no copy); other paths ignore it."""
     if x.dim() == 0 or x.numel() == 0:
         # Nothing to sort, but the backend is still validated and resolved as for any other shape, so
         # backend="nvidia" or an unavailable backend is the same error whatever the input's shape.
@@ -133,8 +140,11 @@ def _rows_sort(op: str, x: torch.Tensor, dim: int, descending: bool, backend: st
                               supported=_backends_supported())
     if chosen == "cpu":
         if rows == 1:
+            direct = out is not None and last and want_keys
             vals, idx, _, _ = _cpu_sort_1d(flat, want_keys=want_keys, want_idx=True, descending=descending,
-                                           config=config)
+                                           config=config, out=(out[0].view(-1), out[1].view(-1)) if direct else None)
+            if direct:
+                return out
         else:
             vals, idx, _ = _cpu_segmented(flat, None, rows, n, want_keys=want_keys, want_idx=True,
                                           descending=descending, config=config)
@@ -358,10 +368,6 @@ def sort(input, dim: int = -1, descending: bool = False, stable: bool = True, *,
     if stable is not None:
         _check_flag("sort", "stable", stable)
     backend = _check_backend("sort", backend)
-    if _eager(x):
-        values, indices = _rows_sort("sort", x, d, descending, backend, True)
-    else:
-        values, indices = torch.ops.pykernels.sort(x, d, descending, backend)
     if out is not None:
         if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(o, torch.Tensor) for o in out)):
             raise TypeError("pykernels.sort: expected 'out' to be a (values, indices) pair of tensors")
@@ -370,10 +376,34 @@ def sort(input, dim: int = -1, descending: bool = False, stable: bool = True, *,
             raise TypeError(f"pykernels.sort: expected 'out' of dtypes ({x.dtype}, torch.int64), "
                             f"got ({ov.dtype}, {oi.dtype})")
         check_same_device("sort", input=x, out_values=ov, out_indices=oi)
+    if _eager(x):
+        direct = None
+        if out is not None and _writable_in_place(x, ov, oi):
+            direct = (ov, oi)
+        values, indices = _rows_sort("sort", x, d, descending, backend, True, out=direct)
+    else:
+        values, indices = torch.ops.pykernels.sort(x, d, descending, backend)
+    if out is not None and values is not ov:
         ov.resize_(values.shape).copy_(values)
         oi.resize_(indices.shape).copy_(indices)
         values, indices = ov, oi
     return torch.return_types.sort((values, indices))
+
+
+def _writable_in_place(x: torch.Tensor, ov: torch.Tensor, oi: torch.Tensor) -> bool:
+    """out= tensors a CPU sort may write directly: no autograd, contiguous once shaped like x, and sharing
+    no storage with the input or each other (else the result is computed aside and copied, as before)."""
+    if x.device.type != "cpu" or x.requires_grad or ov.requires_grad or oi.requires_grad:
+        return False
+    if x.dim() == 0 or x.numel() == 0:
+        return False
+    for t in (ov, oi):
+        if t.numel() == 0:  # empty outs are resized silently, as torch does
+            t.resize_(x.shape)
+    if ov.shape != x.shape or oi.shape != x.shape or not (ov.is_contiguous() and oi.is_contiguous()):
+        return False  # wrong shapes: the copy path resizes them (with torch's warning)
+    storages = [t.untyped_storage().data_ptr() for t in (x, ov, oi)]
+    return len(set(storages)) == 3
 
 
 def argsort(input, dim: int = -1, descending: bool = False, stable: bool = True, *, backend: str = "auto"):

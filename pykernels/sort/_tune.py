@@ -10,9 +10,11 @@ CPU config space (csrc/sort/sort_cpu.cpp):
   nt          streaming (non-temporal) stores for full write-combining lines: skips the read-for-ownership
               of the destination; pays off once the arrays exceed the caches.
   grain       the tile: at least this many keys per thread (smaller inputs use fewer threads).
-  msd         32-bit keys over their whole width: 1 = split by the top byte into 256 buckets, then LSD
-              inside each bucket in cache (digit_bits/wc/nt do not apply); 0 = the LSD engine only;
-              -1 (default) = the split where a sample says the buckets fit the cache, from 256K keys.
+  msd         32-bit keys over their whole width: split by the top byte into 256 buckets, then LSD inside
+              each bucket in cache (digit_bits/wc/nt do not apply there). -1 (default): from 256K keys,
+              where a sample and the top-byte counts say the buckets fit the cache; 1: the same check at
+              any size (so a choice tuned on random keys still leaves skewed keys to the LSD engine);
+              0: the LSD engine only; 2: always (tests).
 `python -m pykernels.autotune generate --ops sort [--sizes 65536,1e6]` tunes sort_keys/sort/argsort/
 sort_pairs on random uint32/int32/float32/int64 keys of those sizes.
 
