@@ -58,11 +58,19 @@ def _cpu_cases(quick: bool):
         name = str(dtype).replace("torch.", "")
         # random int32 keys take the MSD split + in-cache LSD: 4 (top-byte count) + 4 + 8 (split into
         # (key, index) records) + 8 + 12 (records in, values + int64 indices out) = 36 bytes per key;
-        # the others (randn floats: few distinct top bytes) the LSD plan
+        # the others the LSD plan (randn floats cluster in a few top bytes; full-range int64 spans >= 2^32)
         moved = 36 if dtype == torch.int32 else kb + (2 * kb + 8) * _passes(8 * kb) + 4
         yield Case("sort", "sort", f"{name} n={n_mid / M:g}M", n_mid, sort_vs_torch(dtype, n_mid),
                    "torch.sort(stable=True)", n_mid, "keys", bytes_moved=n_mid * moved, goal=goal,
                    notes="values + int64 indices; fresh outputs each call (both pay their page faults)")
+
+    def sort_ids_vs_torch():
+        x = torch.randint(0, 1 << 31, (n_mid,), generator=torch.Generator().manual_seed(4), dtype=torch.int64)
+        return (lambda: pykernels.sort(x)), (lambda: torch.sort(x, stable=True))
+
+    yield Case("sort", "sort", f"int64 ids < 2^31 n={n_mid / M:g}M", n_mid, sort_ids_vs_torch,
+               "torch.sort(stable=True)", n_mid, "keys", bytes_moved=n_mid * (8 + 8 + 8 + 8 + 8 + 16),
+               notes="values + int64 indices; keys spanning < 2^32 travel as 8-byte (key - min, index) records")
 
     def sort_out_vs_torch():
         x = _keys(torch.int32, n_mid, 1)

@@ -219,24 +219,36 @@ def test_trivial_passes_are_skipped():
     assert st["passes"] == 0 and torch.equal(i, torch.arange(100000)) and torch.equal(k, y)
 
 
-@pytest.mark.parametrize("dtype", [torch.uint32, torch.int32, torch.float32])
+def _narrow_64(x: torch.Tensor, dtype, kind: str, seed: int) -> torch.Tensor:
+    """64-bit keys spanning less than 2^32 (the MSD split's records hold key - min in 32 bits): the
+    pattern of 16-bit keys, scaled and moved far from zero (negative for int64)."""
+    base = make_keys(torch.int16 if dtype == torch.int64 else torch.uint16, x.numel(), kind, seed).to(torch.int64)
+    if dtype == torch.int64:
+        return base * 65537 - (1 << 40)
+    return (base * 65537 + (1 << 50)).to(torch.uint64)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint32, torch.int32, torch.float32, torch.int64, torch.uint64])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("descending", [False, True])
 def test_msd_split_then_in_cache_lsd_agrees_with_the_oracle(dtype, threads, descending):
-    """32-bit keys: the MSD split into 256 buckets + LSD inside each bucket (forced with msd=1 at every
-    size and skew with msd=2; the heuristic only takes it where buckets fit the cache), every output mode: keys,
-    keys + indices, argsort, a 4-byte payload carried in the records, an 8-byte one gathered."""
+    """The MSD split into 256 buckets + LSD inside each bucket (forced with msd=2 at every size and skew;
+    the heuristic only takes it where buckets fit the cache): 32-bit keys, and 64-bit keys spanning less
+    than 2^32; every output mode: keys, keys + indices, argsort, a 4-byte payload carried in the records,
+    an 8-byte one gathered. Inputs whose keys are all equal are left to the LSD engine."""
     cfg = {"msd": 2, "threads": threads, "grain": 1024}
     for n in (65, 1000, 4095, 4096, 4097, 70001, 300001):
         for kind in KINDS:
-            if kind == "top" and dtype.is_floating_point:
+            if kind == "top" and (dtype.is_floating_point or dtype in (torch.int64, torch.uint64)):
                 continue
             x = make_keys(dtype, n, kind, seed=n + len(kind))
+            if dtype in (torch.int64, torch.uint64):
+                x = _narrow_64(x, dtype, kind, n + len(kind))
             before = x.clone()
             ri = ref_argsort_1d(x, descending=descending)
             rv = take(x, ri)
             k, i, _, st = _cpu_sort_1d(x, want_idx=True, descending=descending, config=cfg, want_stats=True)
-            assert st["msd"], f"msd=2 not taken {dtype} {n} {kind}"
+            assert st["msd"] == (kind != "equal"), f"msd=2 not taken {dtype} {n} {kind}"
             assert_same(i, ri, f"indices {dtype} n={n} {kind}")
             assert_same(k, rv, f"values {dtype} n={n} {kind}")
             k2 = _cpu_sort_1d(x, descending=descending, config=cfg)[0]
@@ -258,20 +270,31 @@ def test_msd_split_heuristic_takes_cache_sized_buckets_only():
     x = torch.randint(-(1 << 31), 1 << 31, (1 << 19,), dtype=torch.int64).to(torch.int32)
     k, i, _, st = _cpu_sort_1d(x, want_idx=True, want_stats=True)
     assert st["msd"] and torch.equal(i, ref_argsort_1d(x)) and torch.equal(k, x[i])
-    # small non-negative ints: the top byte is always 0, one bucket would hold every key
+    # small ints: the digit is the top byte of the span (here 0..999: bits 2..9), so they spread too
     y = torch.randint(0, 1000, (1 << 19,), dtype=torch.int32)
     k, i, _, st = _cpu_sort_1d(y, want_idx=True, want_stats=True)
-    assert not st["msd"] and torch.equal(i, ref_argsort_1d(y))
+    assert st["msd"] and torch.equal(i, ref_argsort_1d(y))
+    # one value in 1024 keys with the rest clustered: the sample sees one huge bucket
+    c = torch.zeros(1 << 19, dtype=torch.int32)
+    c[::1024] = 1 << 30
+    k, i, _, st = _cpu_sort_1d(c, want_idx=True, want_stats=True)
+    assert not st["msd"] and torch.equal(i, ref_argsort_1d(c))
     # below 256K keys, and with msd=0, the LSD engine
     assert not _cpu_sort_1d(x[: 1 << 17], want_stats=True)[3]["msd"]
     assert not _cpu_sort_1d(x, config={"msd": 0}, want_stats=True)[3]["msd"]
     # msd=1 (what the autotuner may choose on random keys) still refuses skewed keys, at any size
-    assert not _cpu_sort_1d(y, config={"msd": 1}, want_stats=True)[3]["msd"]
+    assert not _cpu_sort_1d(c, config={"msd": 1}, want_stats=True)[3]["msd"]
     assert _cpu_sort_1d(x[: 1 << 12], config={"msd": 1}, want_stats=True)[3]["msd"]
     # bit ranges and 64-bit keys never take it
     assert not _cpu_sort_1d(x, end_bit=31, config={"msd": 2}, want_stats=True)[3]["msd"]
-    z = x.to(torch.int64)
+    z = x.to(torch.int64) << 1  # 64-bit keys spanning 2^32 or more stay with the LSD engine
     assert not _cpu_sort_1d(z, config={"msd": 2}, want_stats=True)[3]["msd"]
+    # 64-bit keys spanning less than 2^32, of either sign (ids, indices, timestamps)
+    for z in (x.to(torch.int64), y.to(torch.int64) - (1 << 45), x.to(torch.int64) + (1 << 40)):
+        k, i, _, st = _cpu_sort_1d(z, want_idx=True, want_stats=True)
+        assert st["msd"] and torch.equal(i, ref_argsort_1d(z)) and torch.equal(k, z[i])
+    # randn floats (a few magnitudes: clustered) stay with the LSD engine
+    assert not _cpu_sort_1d(torch.randn(1 << 19), want_stats=True)[3]["msd"]
     # stats: in-bucket passes whose digit is the same for every key are skipped
     t = (torch.randint(0, 256, (1 << 18,)) << 24).to(torch.uint32)  # only the top byte varies
     k, _, _, st = _cpu_sort_1d(t, config={"msd": 2}, want_stats=True)

@@ -567,52 +567,63 @@ struct Engine {
 };
 
 // ---------------------------------------------------------------------------------------------
-// 32-bit keys: an MSD split, then LSD inside the cache (config "msd"; the default for large inputs).
-//   1. One read of the keys counts their top byte per thread (and notes lossy floats).
-//   2. One stable scatter into 256 buckets by that byte, of records {encoded key} (keys only) or
-//      {encoded key, what it carries: its index or a 4-byte payload} (8 bytes). 256 open destination
-//      lines fit L1, so plain stores are combined by the hardware (see scatter_plain).
-//   3. Each bucket (~n/256 records: ~128 KiB at 4M keys, inside one core's L2) is sorted on its low 24
-//      bits by LSD passes that never leave the cache (2 x 12 bits, or 3 x 8 for small buckets; trivial
-//      passes skipped), the last one writing the caller's outputs. Buckets go to threads dynamically.
-//   DRAM traffic for values + int64 indices: 4 (count) + 4 + 8 (split) + 8 + 4 + 8 (bucket in, outputs
-//   out) = 36 bytes per key, against 48 for three 11-bit LSD passes, and only the split scatters into
-//   DRAM-resident streams. Partition to cache-resident parts first, then sort each in cache: Polychroniou
-//   & Ross, "A comprehensive study of main-memory partitioning and its application to large-scale
-//   comparison- and radix-sort", SIGMOD 2014; measured 2x the pure LSD engine at 4M int32 + indices.
-// Records carry the whole encoded key in their high 32 bits, so a bucket's output needs no other input.
+// Keys that fit 32 bits once their minimum is taken off (all 32-bit keys; 64-bit keys spanning less
+// than 2^32): an MSD split, then LSD inside the cache (config "msd"; the default for large inputs).
+//   1. One read of the keys finds their min and max (and lossy floats); for 32-bit keys that a sample
+//      shows spread by their top byte (random keys) it also counts that byte, the digit. Otherwise the
+//      digit is the top byte of v = key - min (v has w = bit width of max - min bits), counted in a
+//      second read: small ints, ids, timestamps spread over the buckets too.
+//   2. One stable scatter into 256 buckets by the digit, of records {v} (keys only) or {v, what the key
+//      carries: its index or a 4-byte payload} (8 bytes). 256 open destination lines fit L1, so plain
+//      stores are combined by the hardware (see scatter_plain).
+//   3. Each bucket (~n/256 records: ~128 KiB at 4M keys, inside one core's L2) is sorted on v's w - 8
+//      bits below the digit by LSD passes that never leave the cache (2 x ~12 bits, or 3 x ~8 for small
+//      buckets, one pass up to 12 bits; trivial passes skipped), then written to the caller's outputs in
+//      order (key = min + v). Buckets go to threads dynamically.
+//   DRAM traffic for int32 values + int64 indices: 4 (count) + 4 + 8 (split) + 8 + 4 + 8 (bucket in,
+//   outputs out) = 36 bytes per key, against 48 for three 11-bit LSD passes, and only the split scatters
+//   into DRAM-resident streams; 64-bit keys of a small span travel as 8-byte records instead of 16.
+//   Partition to cache-resident parts first, then sort each in cache: Polychroniou & Ross, "A
+//   comprehensive study of main-memory partitioning and its application to large-scale comparison- and
+//   radix-sort", SIGMOD 2014. Measured 2x the pure LSD engine at 4M int32 + indices, 3x for int64 keys
+//   below 2^31.
 // ---------------------------------------------------------------------------------------------
 static constexpr int64_t MSD_MIN_N = int64_t(1) << 18;       // heuristic: below, the LSD engine
 static constexpr size_t MSD_MAX_BUCKET_BYTES = size_t(768) << 10;  // heuristic: a bucket stays in L2
 
-// The MSD split's digit: the top MSD_BITS bits; each bucket is then sorted on the low LB bits.
+// The MSD split's digit: the top MSD_BITS of v's w bits; each bucket is then sorted on the w - 8 below.
 static constexpr int MSD_BITS = 8;
 static constexpr int MSD_BUCKETS = 1 << MSD_BITS;
-static constexpr int LB = 32 - MSD_BITS;
-static constexpr int64_t BIG_BUCKET = 4096;  // from here two in-cache passes of LB / 2 bits, else three
+static constexpr int64_t BIG_BUCKET = 4096;  // from here two in-cache passes of ~12 bits, else three of ~8
 
-// Sorts the m records of one bucket by bits [0, W0 + W1 + W2) of their key (stable; passes of W0, W1
-// and W2 bits, W2 may be 0), ping-ponging between src and tmp, and hands each record with its final
-// position to out(q, record). hist: the caller's 3 x 4096 counters (no thread-local lookup in the loops).
-template <int W0, int W1, int W2, class Rec, int KSHIFT, class Out>
-static int bucket_lsd_w(Rec* __restrict src, Rec* __restrict tmp, int64_t m, uint32_t* __restrict hist, Out&& out) {
-  constexpr int NP = W2 ? 3 : 2;
-  constexpr int WID[3] = {W0, W1, W2}, SH[3] = {0, W0, W0 + W1};
-  constexpr uint32_t R0 = 1u << W0, R1 = 1u << W1;
-  constexpr int OFF[3] = {0, (int)R0, (int)(R0 + R1)};
-  std::memset(hist, 0, sizeof(uint32_t) * (R0 + R1 + (W2 ? (1u << W2) : 0)));
+// Sorts the m records of one bucket by the low bits of their 32-bit value v = (uint32)(record >> KSHIFT)
+// (stable; NP passes of wid[0..NP) bits from bit 0 up), ping-ponging between src and tmp, and hands
+// each record with its final position to out(q, record). Passes whose digit is the same for the whole
+// bucket are skipped. hist: the caller's 3 x 4096 counters (no thread-local lookup in the loops).
+// Returns the passes that ran.
+template <int NP, class Rec, int KSHIFT, class Out>
+static int bucket_lsd_n(Rec* __restrict src, Rec* __restrict tmp, int64_t m, uint32_t* __restrict hist,
+                        const int* wid, Out&& out) {
+  int sh[3] = {0, 0, 0}, off[4] = {0, 0, 0, 0};
+  uint32_t mk[3] = {0, 0, 0};
+  for (int j = 0; j < NP; ++j) {
+    sh[j] = j ? sh[j - 1] + wid[j - 1] : 0;
+    mk[j] = (1u << wid[j]) - 1;
+    off[j + 1] = off[j] + (1 << wid[j]);
+  }
+  std::memset(hist, 0, sizeof(uint32_t) * off[NP]);
   for (int64_t i = 0; i < m; ++i) {
     const uint32_t k = (uint32_t)(src[i] >> KSHIFT);
-    ++hist[k & (R0 - 1)];
-    ++hist[R0 + ((k >> W0) & (R1 - 1))];
-    if constexpr (W2 > 0) ++hist[R0 + R1 + ((k >> (W0 + W1)) & ((1u << W2) - 1))];
+    ++hist[k & mk[0]];
+    if constexpr (NP > 1) ++hist[off[1] + ((k >> sh[1]) & mk[1])];
+    if constexpr (NP > 2) ++hist[off[2] + ((k >> sh[2]) & mk[2])];
   }
   int live[NP], nl = 0;
   for (int j = 0; j < NP; ++j) {
-    uint32_t* h = hist + OFF[j];
+    uint32_t* h = hist + off[j];
     bool trivial = false;
     uint32_t run = 0;
-    for (uint32_t d = 0; d < (1u << WID[j]); ++d) {
+    for (uint32_t d = 0; d <= mk[j]; ++d) {
       const uint32_t c = h[d];
       trivial |= c == (uint32_t)m;
       h[d] = run;
@@ -620,39 +631,57 @@ static int bucket_lsd_w(Rec* __restrict src, Rec* __restrict tmp, int64_t m, uin
     }
     if (!trivial) live[nl++] = j;
   }
+  if (nl == 0) {
+    for (int64_t i = 0; i < m; ++i) out(i, src[i]);
+    return 0;
+  }
   Rec* s = src;
   Rec* d = tmp;
-  for (int q = 0; q + 1 < nl; ++q) {
-    uint32_t* h = hist + OFF[live[q]];
-    const int sh = SH[live[q]];
-    const uint32_t mask = (1u << WID[live[q]]) - 1;
+  for (int q = 0; q < nl; ++q) {
+    uint32_t* h = hist + off[live[q]];
+    const int shq = sh[live[q]];
+    const uint32_t mask = mk[live[q]];
     for (int64_t i = 0; i < m; ++i) {
       const Rec x = s[i];
-      d[h[((uint32_t)(x >> KSHIFT) >> sh) & mask]++] = x;
+      d[h[((uint32_t)(x >> KSHIFT) >> shq) & mask]++] = x;
     }
     std::swap(s, d);
   }
-  if (nl == 0) {
-    for (int64_t i = 0; i < m; ++i) out(i, s[i]);
-    return 0;
-  }
-  uint32_t* h = hist + OFF[live[nl - 1]];
-  const int sh = SH[live[nl - 1]];
-  const uint32_t mask = (1u << WID[live[nl - 1]]) - 1;
-  for (int64_t i = 0; i < m; ++i) {
-    const Rec x = s[i];
-    d[h[((uint32_t)(x >> KSHIFT) >> sh) & mask]++] = x;
-  }
-  for (int64_t i = 0; i < m; ++i) out(i, d[i]);
+  // the outputs are written in order (a last scatter straight into them measured ~20% slower)
+  for (int64_t i = 0; i < m; ++i) out(i, s[i]);
   return nl;
 }
 
-template <class Rec, int KSHIFT, class Out>
-static int bucket_lsd(Rec* src, Rec* tmp, int64_t m, uint32_t* hist, Out&& out) {
+// The in-bucket plan for a bucket of m records and lb bits: its pass count (0-3) and widths.
+static inline int bucket_plan(int64_t m, int lb, int wid[3]) {
+  if (lb <= 0) return 0;
+  if (lb <= 12) {
+    wid[0] = lb;
+    return 1;
+  }
   // two passes of ~12 bits need 2 x 4096 counters: worth it once a bucket has a few thousand records;
   // smaller buckets (skewed keys, small inputs) take three passes of ~8 bits
-  if (m >= BIG_BUCKET) return bucket_lsd_w<LB / 2, LB - LB / 2, 0, Rec, KSHIFT>(src, tmp, m, hist, out);
-  return bucket_lsd_w<LB / 3, LB / 3, LB - 2 * (LB / 3), Rec, KSHIFT>(src, tmp, m, hist, out);
+  if (m >= BIG_BUCKET) {
+    wid[0] = lb / 2;
+    wid[1] = lb - lb / 2;
+    return 2;
+  }
+  wid[0] = wid[1] = lb / 3;
+  wid[2] = lb - 2 * (lb / 3);
+  return 3;
+}
+
+template <class Rec, int KSHIFT, class Out>
+static int bucket_lsd(Rec* src, Rec* tmp, int64_t m, int lb, uint32_t* hist, Out&& out) {
+  int wid[3];
+  switch (bucket_plan(m, lb, wid)) {
+    case 0:
+      for (int64_t i = 0; i < m; ++i) out(i, src[i]);
+      return 0;
+    case 1: return bucket_lsd_n<1, Rec, KSHIFT>(src, tmp, m, hist, wid, out);
+    case 2: return bucket_lsd_n<2, Rec, KSHIFT>(src, tmp, m, hist, wid, out);
+    default: return bucket_lsd_n<3, Rec, KSHIFT>(src, tmp, m, hist, wid, out);
+  }
 }
 
 // After an index-mode sort: keys gathered from the input when canonicalising changed some (exact bits),
@@ -678,17 +707,22 @@ static void gather_by_index(const SortArgs& a, const int64_t* idx, bool need_gat
 }
 
 // Returns false (having written nothing) where the LSD engine should sort instead.
+//   The records hold v = key - min (encoded keys, so order is kept) when max - min < 2^32: all 32-bit
+//   keys, and 64-bit keys spanning less than 2^32 (ids, indices, timestamps, small ranges of either
+//   sign). The MSD digit is the top byte of v's width, so small ints spread over the buckets too. One
+//   read finds min and max (for 32-bit keys it also counts the top byte, which random keys use as the
+//   digit with min taken as 0), a second counts the digit where that was not it.
 template <class U, Enc E>
 bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, int T) {
-  if constexpr (sizeof(U) != 4) {
+  if constexpr (sizeof(U) < 4) {
     return false;
   } else {
     const int64_t n = a.n;
-    const int key_bits = 32;
+    constexpr int key_bits = 8 * sizeof(U);
     const int eb = a.end_bit < 0 ? key_bits : a.end_bit;
     // msd: 0 off; -1 heuristic (from MSD_MIN_N keys, buckets that fit the cache); 1 the same skew guard
     // at any size (what the autotuner may pick on random keys: it must not push skewed keys of the same
-    // size and dtype into one DRAM-sized bucket); 2 always (tests)
+    // size and dtype into one DRAM-sized bucket); 2 always where the keys allow it (tests)
     if (a.msd == 0 || a.begin_bit != 0 || eb != key_bits) return false;
     if (a.msd < 0 && n < MSD_MIN_N) return false;
     const bool guard = a.msd < 2;
@@ -697,61 +731,132 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     if (!a.out_keys && !a.out_idx) return false;
     constexpr int RB = MSD_BUCKETS;
     const U* in = static_cast<const U*>(a.keys);
-    if (guard) {
-      // A strided sample first: keys whose top bits hardly vary (small non-negative ints, floats of
-      // one magnitude) make buckets too big for the cache, and the LSD engine sorts them without the
-      // wasted histogram read.
-      constexpr int64_t S = 4096;
+    const size_t guess_bytes = (!a.out_idx && !a.out_pay) ? 4 : 8;
+    auto too_big = [&](double biggest, size_t bytes) { return guard && biggest * bytes > MSD_MAX_BUCKET_BYTES; };
+
+    std::vector<uint32_t> hist((size_t)T * RB, 0);
+    std::vector<U> min_t(T, U(~U(0))), max_t(T, U(0));
+    std::vector<char> lossy_t(T, 0);
+    // one read: min and max of the encoded keys, lossy floats, and (count_top) the top byte
+    auto first_read = [&](bool count_top) {
+      pk::parallel_threads(T, [&](int t) {
+        const int64_t b = n * t / T, e = n * (t + 1) / T;
+        uint32_t* h = hist.data() + (size_t)t * RB;
+        const Coder<U, E> c = cd;
+        U ka = U(~U(0)), ko = 0;
+        bool ls = false;
+        if (count_top) {
+          for (int64_t i = b; i < e; ++i) {
+            const U x = in[i];
+            if constexpr (E == Enc::Float) ls |= c.lossy(x);
+            const U k = c.enc(x);
+            ka = std::min(ka, k);
+            ko = std::max(ko, k);
+            ++h[(uint32_t)(k >> (key_bits - MSD_BITS))];
+          }
+        } else {
+          for (int64_t i = b; i < e; ++i) {
+            const U x = in[i];
+            if constexpr (E == Enc::Float) ls |= c.lossy(x);
+            const U k = c.enc(x);
+            ka = std::min(ka, k);
+            ko = std::max(ko, k);
+          }
+        }
+        min_t[t] = ka;
+        max_t[t] = ko;
+        lossy_t[t] = ls;
+      });
+    };
+    std::vector<int64_t> start(RB + 1), pos((size_t)T * RB);
+    auto offsets = [&]() {  // per-thread scatter offsets, digit by digit then thread by thread: stable
+      int64_t run = 0, biggest = 0;
+      for (int d = 0; d < RB; ++d) {
+        start[d] = run;
+        for (int t = 0; t < T; ++t) {
+          pos[(size_t)t * RB + d] = run;
+          run += hist[(size_t)t * RB + d];
+        }
+        biggest = std::max(biggest, run - start[d]);
+      }
+      start[RB] = run;
+      return biggest;
+    };
+
+    // 32-bit keys: a strided sample says whether the top byte spreads them (random keys): then it is
+    // the digit, counted in the first read. Otherwise (and for 64-bit keys) the digit is the top byte of
+    // the varying bits, counted in a second read.
+    constexpr int64_t SAMPLE = 4096;
+    auto sample_most = [&](auto digit) {  // the fullest bucket of a strided sample of the keys
       uint32_t sample[RB] = {};
       uint32_t most = 0;
-      for (int64_t j = 0; j < S; ++j) most = std::max(most, ++sample[cd.enc(in[j * n / S]) >> LB]);
-      const size_t guess_bytes = (!a.out_idx && !a.out_pay) ? 4 : 8;
-      if ((double)most * (double)n / S * guess_bytes > 2.0 * MSD_MAX_BUCKET_BYTES) return false;
-    }
-    std::vector<uint32_t> hist((size_t)T * RB, 0);
-    std::vector<char> lossy_t(T, 0);
-    pk::parallel_threads(T, [&](int t) {
-      const int64_t b = n * t / T, e = n * (t + 1) / T;
-      uint32_t* h = hist.data() + (size_t)t * RB;
-      bool ls = false;
-      for (int64_t i = b; i < e; ++i) {
-        const U x = in[i];
-        if constexpr (E == Enc::Float) ls |= cd.lossy(x);
-        ++h[cd.enc(x) >> LB];
-      }
-      lossy_t[t] = ls;
-    });
+      for (int64_t j = 0; j < SAMPLE; ++j) most = std::max(most, ++sample[digit(cd.enc(in[j * n / SAMPLE]))]);
+      return (double)most;
+    };
+    bool top_digit = false;
+    if constexpr (key_bits == 32)
+      top_digit = !too_big(2.0 * sample_most([](U k) { return (uint32_t)(k >> (32 - MSD_BITS)); }) * (double)n / SAMPLE,
+                           guess_bytes);
+    first_read(top_digit);
+    U kmin = U(~U(0)), kmax = 0;
     bool lossy = false;
-    for (int t = 0; t < T; ++t) lossy |= lossy_t[t] != 0;
-    std::vector<int64_t> start(RB + 1), pos((size_t)T * RB);
-    int64_t run = 0, biggest = 0;
-    for (int d = 0; d < RB; ++d) {
-      start[d] = run;
-      for (int t = 0; t < T; ++t) {
-        pos[(size_t)t * RB + d] = run;
-        run += hist[(size_t)t * RB + d];
-      }
-      biggest = std::max(biggest, run - start[d]);
+    for (int t = 0; t < T; ++t) {
+      kmin = std::min(kmin, min_t[t]);
+      kmax = std::max(kmax, max_t[t]);
+      lossy |= lossy_t[t] != 0;
     }
-    start[RB] = run;
+    if (kmin == kmax) return false;  // every key the same: the LSD engine copies the input through
+    U base_key = 0;  // v = key - base_key
+    int w = 32;      // bits of v
+    int64_t biggest = 0;
+    if (top_digit) {
+      biggest = offsets();
+      if (too_big((double)biggest, guess_bytes)) top_digit = false;
+    }
+    if (!top_digit) {
+      const uint64_t span = (uint64_t)(kmax - kmin);
+      if (span >> 32) return false;  // 64-bit keys spanning 2^32 or more
+      w = 64 - __builtin_clzll(span);
+      base_key = kmin;
+      // the digit exactly as the split computes it: bits [w - 8, w) of v
+      const int lbd = std::max(w - MSD_BITS, 0);
+      const double most = sample_most([&](U k) { return ((uint32_t)(k - base_key) >> lbd) & (RB - 1); });
+      if (too_big(2.0 * most * (double)n / SAMPLE, guess_bytes))
+        return false;  // floats of a few magnitudes, clustered keys: the LSD engine, without this read
+      std::fill(hist.begin(), hist.end(), 0u);
+      pk::parallel_threads(T, [&](int t) {
+        const int64_t b = n * t / T, e = n * (t + 1) / T;
+        uint32_t* h = hist.data() + (size_t)t * RB;
+        const Coder<U, E> c = cd;
+        for (int64_t i = b; i < e; ++i) ++h[((uint32_t)(c.enc(in[i]) - base_key) >> lbd) & (RB - 1)];
+      });
+      biggest = offsets();
+    }
     const bool need_gather = lossy && a.out_keys;
     const bool keys_only = !need_gather && !a.out_pay && !a.out_idx;
     const bool carry_pay = !need_gather && !a.out_idx && a.out_keys && a.out_pay && a.pay_size == 4;
     const size_t rec_bytes = keys_only ? 4 : 8;
-    // skewed keys (one big bucket, e.g. small non-negative ints whose top byte is always 0): the
-    // bucket would not fit the cache, and the LSD engine skips the trivial top pass anyway
-    if (guard && (size_t)biggest * rec_bytes > MSD_MAX_BUCKET_BYTES) return false;
+    // skewed keys (one big bucket): it would not fit the cache; the LSD engine sorts them
+    if (too_big((double)biggest, rec_bytes)) return false;
 
+    const int lb = std::max(w - MSD_BITS, 0);  // bits sorted inside a bucket, below the digit
     st.threads = T;
-    // stats: the bucket with the most non-trivial in-bucket passes (fewest skipped on a tie), packed as
-    // live * 8 + (7 - skipped) for one atomic max
-    std::atomic<int> most_live{0};
-    st.digit_bits = biggest >= BIG_BUCKET ? LB / 2 : LB / 3;
+    {
+      int wid[3] = {0, 0, 0};
+      bucket_plan(biggest, lb, wid);
+      st.digit_bits = wid[0];
+    }
     st.lossy = lossy;
     st.msd = true;
     Scratch& scr = thread_scratch();
     char* base = scr.get((size_t)n * rec_bytes + 64);
     std::atomic<int> next_bucket{0};
+    // stats: the bucket with the most in-bucket passes run (fewest skipped on a tie), packed as
+    // live * 8 + (7 - skipped) for one atomic max
+    std::atomic<int> most_live{0};
+    const Coder<U, E> c0 = cd;
+    auto vbits = [base_key](U k) { return (uint32_t)(k - base_key); };
+    auto key_of = [c0, base_key](uint32_t v) { return c0.dec(U(base_key + v)); };
 
     auto split_and_sort = [&](auto* rec, auto make, auto out) {
       using Rec = std::remove_pointer_t<decltype(rec)>;
@@ -762,8 +867,8 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
         const U* __restrict src = in;
         const Coder<U, E> c = cd;
         for (int64_t i = b; i < e; ++i) {
-          const U k = c.enc(src[i]);
-          r[p[k >> LB]++] = make(k, i);
+          const uint32_t v = vbits(c.enc(src[i]));
+          r[p[(v >> lb) & (RB - 1)]++] = make(v, i);
         }
       });
       pk::parallel_threads(T, [&](int) {
@@ -778,8 +883,11 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
           if (m == 0) continue;
           if ((int64_t)tmp.size() < m) tmp.resize((size_t)m);
           constexpr int KS = sizeof(Rec) == 8 ? 32 : 0;
-          const int live = bucket_lsd<Rec, KS>(rec + b, tmp.data(), m, bh, [out, b](int64_t q, Rec x) { out(b + q, x); });
-          const int packed = live * 8 + (7 - ((m >= BIG_BUCKET ? 2 : 3) - live));
+          int wid[3];
+          const int planned = bucket_plan(m, lb, wid);
+          const int live = bucket_lsd<Rec, KS>(rec + b, tmp.data(), m, lb, bh,
+                                               [out, b](int64_t q, Rec x) { out(b + q, x); });
+          const int packed = live * 8 + (7 - (planned - live));
           int seen = most_live.load(std::memory_order_relaxed);
           while (packed > seen && !most_live.compare_exchange_weak(seen, packed, std::memory_order_relaxed)) {}
         }
@@ -792,8 +900,8 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
 
     if (keys_only) {
       U* ok = static_cast<U*>(a.out_keys);
-      split_and_sort(reinterpret_cast<uint32_t*>(base), [](U k, int64_t) { return (uint32_t)k; },
-                     [ok, cd](int64_t q, uint32_t x) { ok[q] = cd.dec((U)x); });
+      split_and_sort(reinterpret_cast<uint32_t*>(base), [](uint32_t v, int64_t) { return v; },
+                     [ok, key_of](int64_t q, uint32_t x) { ok[q] = key_of(x); });
       return true;
     }
     if (carry_pay) {
@@ -801,9 +909,9 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       const uint32_t* pin = static_cast<const uint32_t*>(a.pay);
       uint32_t* pout = static_cast<uint32_t*>(a.out_pay);
       split_and_sort(reinterpret_cast<uint64_t*>(base),
-                     [pin](U k, int64_t i) { return (uint64_t)k << 32 | pin[i]; },
-                     [ok, pout, cd](int64_t q, uint64_t x) {
-                       ok[q] = cd.dec((U)(x >> 32));
+                     [pin](uint32_t v, int64_t i) { return (uint64_t)v << 32 | pin[i]; },
+                     [ok, pout, key_of](int64_t q, uint64_t x) {
+                       ok[q] = key_of((uint32_t)(x >> 32));
                        pout[q] = (uint32_t)x;
                      });
       return true;
@@ -812,10 +920,10 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     int64_t* idx = a.out_idx;
     if (!idx) idx = reinterpret_cast<int64_t*>(thread_own_outputs().get((size_t)n * 8 + 64));
     U* ok = need_gather ? nullptr : static_cast<U*>(a.out_keys);
-    auto make = [](U k, int64_t i) { return (uint64_t)k << 32 | (uint32_t)i; };
+    auto make = [](uint32_t v, int64_t i) { return (uint64_t)v << 32 | (uint32_t)i; };
     if (ok) {
-      split_and_sort(reinterpret_cast<uint64_t*>(base), make, [ok, idx, cd](int64_t q, uint64_t x) {
-        ok[q] = cd.dec((U)(x >> 32));
+      split_and_sort(reinterpret_cast<uint64_t*>(base), make, [ok, idx, key_of](int64_t q, uint64_t x) {
+        ok[q] = key_of((uint32_t)(x >> 32));
         idx[q] = (int64_t)(uint32_t)x;
       });
     } else {  // argsort, or keys gathered afterwards: only the indices leave
