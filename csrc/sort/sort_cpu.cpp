@@ -738,30 +738,20 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     std::vector<U> min_t(T, U(~U(0))), max_t(T, U(0));
     std::vector<char> lossy_t(T, 0);
     // one read: min and max of the encoded keys, lossy floats, and (count_top) the top byte
-    auto first_read = [&](bool count_top) {
+    auto first_read = [&](auto count_top) {  // count_top: std::true_type / std::false_type
       pk::parallel_threads(T, [&](int t) {
         const int64_t b = n * t / T, e = n * (t + 1) / T;
         uint32_t* h = hist.data() + (size_t)t * RB;
         const Coder<U, E> c = cd;
         U ka = U(~U(0)), ko = 0;
         bool ls = false;
-        if (count_top) {
-          for (int64_t i = b; i < e; ++i) {
-            const U x = in[i];
-            if constexpr (E == Enc::Float) ls |= c.lossy(x);
-            const U k = c.enc(x);
-            ka = std::min(ka, k);
-            ko = std::max(ko, k);
-            ++h[(uint32_t)(k >> (key_bits - MSD_BITS))];
-          }
-        } else {
-          for (int64_t i = b; i < e; ++i) {
-            const U x = in[i];
-            if constexpr (E == Enc::Float) ls |= c.lossy(x);
-            const U k = c.enc(x);
-            ka = std::min(ka, k);
-            ko = std::max(ko, k);
-          }
+        for (int64_t i = b; i < e; ++i) {
+          const U x = in[i];
+          if constexpr (E == Enc::Float) ls |= c.lossy(x);
+          const U k = c.enc(x);
+          ka = std::min(ka, k);
+          ko = std::max(ko, k);
+          if constexpr (decltype(count_top)::value) ++h[(uint32_t)(k >> (key_bits - MSD_BITS))];
         }
         min_t[t] = ka;
         max_t[t] = ko;
@@ -797,7 +787,8 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     if constexpr (key_bits == 32)
       top_digit = !too_big(2.0 * sample_most([](U k) { return (uint32_t)(k >> (32 - MSD_BITS)); }) * (double)n / SAMPLE,
                            guess_bytes);
-    first_read(top_digit);
+    if (top_digit) first_read(std::true_type());
+    else first_read(std::false_type());
     U kmin = U(~U(0)), kmax = 0;
     bool lossy = false;
     for (int t = 0; t < T; ++t) {
