@@ -458,6 +458,24 @@ def test_out_is_written_in_place_or_copied_like_torch():
     tv, ti = torch.sort(m, dim=0, stable=True)
     assert_same(om, tv)
     assert torch.equal(oim, ti)
+    # outs in separate storages over one buffer (numpy views): overlapping bytes, so computed aside
+    a = np.random.default_rng(0).standard_normal(4098).astype(np.float32)
+    a[::7] = -0.0
+    xa, oa = torch.from_numpy(a[1:]), torch.from_numpy(a[:-1])
+    ref = torch.sort(xa.clone(), stable=True)
+    oia = torch.empty(4097, dtype=torch.int64)
+    pykernels.sort(xa, out=(oa, oia))
+    assert_same(oa, ref.values)
+    assert torch.equal(oia, ref.indices)
+    # an out saved for backward: written in place, its version moves, so autograd refuses as with torch
+    w = torch.randn(4097, requires_grad=True)
+    ov4, oi4 = torch.ones(4097), torch.empty(4097, dtype=torch.int64)
+    loss = (ov4 * w).sum()
+    v0 = ov4._version
+    pykernels.sort(x, out=(ov4, oi4))
+    assert ov4._version > v0 and oi4._version > 0
+    with pytest.raises(RuntimeError, match="inplace"):
+        loss.backward()
     # autograd through out= is refused by torch; ours copies without tracking, like the old path
     xg = torch.randn(100, requires_grad=True)
     ov3, oi3 = torch.empty(100), torch.empty(100, dtype=torch.int64)

@@ -732,7 +732,10 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     constexpr int RB = MSD_BUCKETS;
     const U* in = static_cast<const U*>(a.keys);
     const size_t guess_bytes = (!a.out_idx && !a.out_pay) ? 4 : 8;
-    auto too_big = [&](double biggest, size_t bytes) { return guard && biggest * bytes > MSD_MAX_BUCKET_BYTES; };
+    // fits: the digit choice (made the same way with or without the guard, so msd=2 runs both plans);
+    // too_big: the refusal, off when forced
+    auto fits = [&](double biggest, size_t bytes) { return biggest * bytes <= MSD_MAX_BUCKET_BYTES; };
+    auto too_big = [&](double biggest, size_t bytes) { return guard && !fits(biggest, bytes); };
 
     std::vector<uint32_t> hist((size_t)T * RB, 0);
     std::vector<U> min_t(T, U(~U(0))), max_t(T, U(0));
@@ -785,8 +788,8 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     };
     bool top_digit = false;
     if constexpr (key_bits == 32)
-      top_digit = !too_big(2.0 * sample_most([](U k) { return (uint32_t)(k >> (32 - MSD_BITS)); }) * (double)n / SAMPLE,
-                           guess_bytes);
+      top_digit = fits(2.0 * sample_most([](U k) { return (uint32_t)(k >> (32 - MSD_BITS)); }) * (double)n / SAMPLE,
+                       guess_bytes);
     if (top_digit) first_read(std::true_type());
     else first_read(std::false_type());
     U kmin = U(~U(0)), kmax = 0;
@@ -802,7 +805,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     int64_t biggest = 0;
     if (top_digit) {
       biggest = offsets();
-      if (too_big((double)biggest, guess_bytes)) top_digit = false;
+      if (!fits((double)biggest, guess_bytes)) top_digit = false;
     }
     if (!top_digit) {
       const uint64_t span = (uint64_t)(kmax - kmin);

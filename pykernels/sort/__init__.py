@@ -382,6 +382,8 @@ def sort(input, dim: int = -1, descending: bool = False, stable: bool = True, *,
         if out is not None and _writable_in_place(x, ov, oi):
             direct = (ov, oi)
         values, indices = _rows_sort("sort", x, d, descending, backend, True, out=direct)
+        if direct is not None:  # written through their pointers: tell autograd they changed, as copy_ would
+            torch.autograd.graph.increment_version(direct)
     else:
         values, indices = torch.ops.pykernels.sort(x, d, descending, backend)
     if out is not None and values is not ov:
@@ -391,20 +393,29 @@ def sort(input, dim: int = -1, descending: bool = False, stable: bool = True, *,
     return torch.return_types.sort((values, indices))
 
 
+def _bytes_of(t: torch.Tensor) -> tuple:
+    """[first, last + 1) byte addresses a strided tensor can touch."""
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))  # torch strides are >= 0
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
 def _writable_in_place(x: torch.Tensor, ov: torch.Tensor, oi: torch.Tensor) -> bool:
-    """out= tensors a CPU sort may write directly: no autograd, contiguous once shaped like x, and sharing
-    no storage with the input or each other (else the result is computed aside and copied, as before)."""
+    """out= tensors a CPU sort may write directly: no autograd, contiguous once shaped like x, and no byte
+    shared with the input or each other (two storages can still overlap: numpy or DLPack views of one
+    buffer); else the result is computed aside and copied, as before."""
     if x.device.type != "cpu" or x.requires_grad or ov.requires_grad or oi.requires_grad:
         return False
     if x.dim() == 0 or x.numel() == 0:
         return False
+    if (ov.is_inference() or oi.is_inference()) and not torch.is_inference_mode_enabled():
+        return False  # the copy path raises torch's own error for this
     for t in (ov, oi):
         if t.numel() == 0:  # empty outs are resized silently, as torch does
             t.resize_(x.shape)
     if ov.shape != x.shape or oi.shape != x.shape or not (ov.is_contiguous() and oi.is_contiguous()):
         return False  # wrong shapes: the copy path resizes them (with torch's warning)
-    storages = [t.untyped_storage().data_ptr() for t in (x, ov, oi)]
-    return len(set(storages)) == 3
+    spans = sorted(_bytes_of(t) for t in (x, ov, oi))
+    return all(spans[k][1] <= spans[k + 1][0] for k in range(2))
 
 
 def argsort(input, dim: int = -1, descending: bool = False, stable: bool = True, *, backend: str = "auto"):
