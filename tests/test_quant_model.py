@@ -260,3 +260,73 @@ def test_empty_quantlinear_buffers_match_quantize(N, K, bits, group_size, scheme
     empty.load_state_dict(a)
     x = torch.randn(3, K)
     assert torch.equal(empty(x), full(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# Audit findings (session 5)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cast", ["half", "bfloat16", "double", "to_bf16"])
+def test_quantlinear_dtype_casts_keep_the_quantized_format(cast):
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 16)
+    ql = pykernels.QuantLinear.from_linear(lin, 4, 32)
+    x = torch.randn(3, 64)
+    ref = ql(x)
+    q2 = getattr(ql, cast)() if cast != "to_bf16" else ql.to(torch.bfloat16)
+    assert q2.scales.dtype == torch.float32 and q2.offsets.dtype == torch.float32
+    dt = q2.bias.dtype
+    assert q2.qweight.dequantize().dtype == dt
+    y = q2(x.to(dt) if dt != torch.float64 else x)  # qmatmul takes fp32/bf16/fp16 activations
+    tol = 1e-5 if dt == torch.float64 else 5e-2
+    torch.testing.assert_close(y.float(), ref, atol=tol * ref.abs().max().item() + 1e-3, rtol=tol)
+    assert list(q2.state_dict()) == list(ql.state_dict())
+
+
+def test_quantize_model_leaves_multihead_attention_out_proj_and_handles_roots_and_shared_layers():
+    torch.manual_seed(0)
+    enc = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, dropout=0.0).eval()
+    x = torch.randn(2, 5, 64)
+    ref = enc(x)
+    q = pykernels.quantize_model(enc, 8, 32)
+    assert isinstance(q.self_attn.out_proj, nn.Linear) and isinstance(q.linear1, pykernels.QuantLinear)
+    torch.testing.assert_close(q(x), ref, atol=5e-2, rtol=5e-2)
+    # a bare Linear comes back quantized
+    root = pykernels.quantize_model(nn.Linear(64, 16), 4, 32)
+    assert isinstance(root, pykernels.QuantLinear)
+
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(32, 32)
+            self.b = self.a
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    m = pykernels.quantize_model(Shared(), 4, 32)
+    assert isinstance(m.a, pykernels.QuantLinear) and m.b is m.a
+
+
+@pytest.mark.parametrize("scale", [1e-35, 1e-31, 1e25, 1e36])
+@pytest.mark.parametrize("tier", ["default", "PYKERNELS_DISABLE_AVX512", "PYKERNELS_DISABLE_AVX2"])
+def test_qmatmul_rows_of_extreme_magnitude_match_the_reference(scale, tier, monkeypatch):
+    if tier != "default":
+        monkeypatch.setenv(tier, "1")
+    torch.manual_seed(0)
+    qw = pykernels.quantize(torch.randn(8, 64), 3, 32, "asym")
+    x = torch.randn(2, 64) * scale
+    ref = (x.double() @ qw.dequantize().double().T)
+    y = pykernels.qmatmul(x, qw)
+    assert torch.isfinite(y).all() == torch.isfinite(ref.float()).all()
+    torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+def test_quantize_refuses_weights_whose_scales_overflow_float32():
+    w = torch.randn(4, 64, dtype=torch.float64)
+    w[0, 0] = 1e300
+    with pytest.raises(ValueError, match="quantize.*too large"):
+        pykernels.quantize(w, 4, 32, "asym")
+    w2 = torch.randn(4, 64)
+    w2[1, 3] = 3e38
+    with pytest.raises(ValueError, match="quantize.*too large"):
+        pykernels.quantize(w2, 4, 32, "sym")

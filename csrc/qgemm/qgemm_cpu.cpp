@@ -157,6 +157,9 @@ static uint8_t act_row_flag(Bits bits_of, int64_t K, uint32_t* abits) {
   }
   if (amax >= 0x7f800000u) return 2;  // inf or NaN
   if (amax == 0) return 0;
+  // a row max below 2^-96 or above 2^64: the int16 block scale (32767 / max) or the fp32 sums of the
+  // block products could overflow; such rows take the exact fp32 route too
+  if (amax < 0x0F800000u || amax > 0x5F800000u) return 2;
   float am;
   std::memcpy(&am, &amax, 4);
   const float limf = am * (1.f / 256.f);
@@ -1428,7 +1431,8 @@ PYBIND11_MODULE(_cpu_qgemm, m) {
         "y[M,N] = x[M,K] @ dequant(W).T (+ bias): weight-only quantized GEMM on packed tiles");
   m.def("act_range_flags", &act_range_flags, py::arg("x"), py::arg("x_dtype"), py::arg("M"), py::arg("K"),
         py::arg("flags"), py::arg("num_threads"),
-        "per-row flags (uint8[M]): 1 = two scales the int16 activation path would lose, 2 = NaN/inf; "
+        "per-row flags (uint8[M]): 1 = two scales the int16 activation path would lose, 2 = NaN/inf or a "
+        "row max outside [2^-96, 2^64] (exact fp32 route); "
         "returns how many rows are flagged");
   m.def("dequant_tiles", &dequant_tiles, py::arg("w"), py::arg("bits"), py::arg("scales"), py::arg("offsets"),
         py::arg("N"), py::arg("K"), py::arg("group_size"), py::arg("out"), py::arg("out_dtype"),

@@ -160,6 +160,9 @@ def _quantize(w: torch.Tensor, bits: int, group_size: int, scheme: str, with_pla
     """quantize() after its checks; `with_planes` also packs the bit planes only act_bits reads
     (QuantLinear without act_bits skips them: they are half again the packed codes' memory)."""
     codes, scales, offsets = F.quantize_codes(w, bits, group_size, scheme)
+    if not (bool(torch.isfinite(scales).all()) and bool(torch.isfinite(offsets).all())):
+        raise ValueError("pykernels.quantize: 'weight' has values too large for float32 scales and offsets "
+                         f"(max |w| = {float(w.abs().max()):.3g}); scale the weight down first")
     planes = F.pack_planes(codes, bits, group_size) if with_planes else None
     return QuantizedWeight(shape=w.shape, bits=bits, group_size=group_size, scheme=scheme,
                            packed=F.pack_tiles(codes, bits), scales=scales.contiguous(),
@@ -260,6 +263,33 @@ class QuantLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    _QUANT_BUFFERS = ("packed", "scales", "offsets", "code_sums", "planes")
+
+    def _apply(self, fn, recurse=True):
+        """Module.to()/.half()/.cuda() and the like: the quantized format keeps its own dtypes (the kernels
+        read scales and offsets as float32), so only device moves (and in-place ops such as
+        share_memory_) reach those buffers; a floating-point cast changes the bias and what
+        qweight.dequantize() returns."""
+        order = list(self._buffers)
+        quant = {k: self._buffers.pop(k) for k in self._QUANT_BUFFERS if k in self._buffers}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for k, buf in quant.items():
+                if buf is not None:
+                    probe = torch.empty(0, dtype=buf.dtype, device=buf.device)
+                    out = fn(probe)
+                    if out is probe or out.dtype == buf.dtype:
+                        buf = fn(buf)
+                    else:
+                        buf = buf.to(device=out.device)
+                        if k == "scales" and out.dtype.is_floating_point:
+                            self.weight_dtype = out.dtype
+                self._buffers[k] = buf
+            for k in order:  # the original order (state_dict keys)
+                self._buffers[k] = self._buffers.pop(k)
+        return self
+
     def _set_qweight(self, qw: QuantizedWeight):
         self.register_buffer("packed", qw.packed)
         self.register_buffer("scales", qw.scales)
@@ -269,6 +299,13 @@ class QuantLinear(nn.Module):
         # touches (a bipolar weight keeps none either; qweight's qmatmul(act_bits=...) makes them then).
         planes = qw.ensure_planes() if self.act_bits else None
         self.register_buffer("planes", planes)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight [N, K], made on each access: for code that reads `.weight` of its
+        linear layers directly (nn.TransformerEncoderLayer's fast-path checks, dtype/device probes).
+        forward never uses it."""
+        return self.qweight.dequantize()
 
     @property
     def qweight(self) -> QuantizedWeight:
@@ -337,19 +374,33 @@ def _matches(name: str, patterns) -> bool:
 def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, include: Optional[Iterable[str]] = None,
                    exclude: Optional[Iterable[str]] = None, *, scheme: str = "asym",
                    act_bits: Optional[int] = None) -> nn.Module:
-    """Replaces (in place, and returns `model`) every nn.Linear whose qualified name matches `include`
-    (default: all) and not `exclude` by a QuantLinear. Names match exactly, as a prefix of a sub-module
+    """Replaces (in place, and returns `model`; a bare nn.Linear comes back as its QuantLinear) every
+    nn.Linear whose qualified name matches `include` (default: all) and not `exclude` by a QuantLinear
+    (not nn.MultiheadAttention's out_proj, which attention reads as a plain weight). Names match exactly, as a prefix of a sub-module
     path, or as fnmatch patterns ("*.mlp.*"). A layer whose K is not a multiple of group_size keeps
     per-group scales with a shorter last group."""
     _check_format("quantize_model", bits, group_size, scheme)
     include = [include] if isinstance(include, str) else include
     exclude = [exclude] if isinstance(exclude, str) else (exclude or [])
-    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)
+    # Every name of every Linear (a layer shared under two names is replaced under both, by one
+    # QuantLinear). Not quantized: the out_proj of nn.MultiheadAttention (torch marks it
+    # NonDynamicallyQuantizableLinear: attention reads its .weight directly, which QuantLinear has not).
+    parents = {id(m): m for m in model.modules()}
+    skip = {id(m.out_proj) for m in parents.values() if isinstance(m, nn.MultiheadAttention)}
+    targets = [(name, mod) for name, mod in model.named_modules(remove_duplicate=False)
+               if isinstance(mod, nn.Linear) and id(mod) not in skip
+               and not isinstance(mod, nn.modules.linear.NonDynamicallyQuantizableLinear)
                and (include is None or _matches(name, include)) and not _matches(name, exclude)]
+    made = {}
     for name, lin in targets:
+        q = made.get(id(lin))
+        if q is None:
+            q = made[id(lin)] = QuantLinear.from_linear(lin, bits, group_size, scheme, act_bits)
+        if not name:  # the model is itself a Linear: its replacement is the result
+            return q
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, leaf, QuantLinear.from_linear(lin, bits, group_size, scheme, act_bits))
+        setattr(parent, leaf, q)
     return model
 
 

@@ -161,7 +161,7 @@ def cpu_weight_only(x2, packed, scales, offsets, bias, N, K, bits, group_size, c
             acc += b
         y[two_scales] = acc.to(y.dtype)
     non_finite = torch.nonzero(flags == 2).flatten()
-    if non_finite.numel():  # NaN/inf: the exact fp32 route, so inf * w comes out as torch's inf
+    if non_finite.numel():  # NaN/inf (inf * w comes out as torch's inf), or a max int16 scales cannot carry: exact fp32
         y[non_finite] = cpu_weight_only(x2[non_finite], packed, scales, offsets, bias, N, K, bits, group_size,
                                         {**cfg, "impl": "dequant_mm"}).to(y.dtype)
     return y
