@@ -330,3 +330,10 @@ def test_quantize_refuses_weights_whose_scales_overflow_float32():
     w2[1, 3] = 3e38
     with pytest.raises(ValueError, match="quantize.*too large"):
         pykernels.quantize(w2, 4, 32, "sym")
+
+
+def test_quantized_weight_to_refuses_integer_dtypes():
+    qw = pykernels.quantize(torch.randn(8, 64), 4, 32)
+    with pytest.raises(TypeError, match="QuantizedWeight.to.*floating-point"):
+        qw.to(torch.int8)
+    assert qw.to(torch.bfloat16).dequantize().dtype == torch.bfloat16

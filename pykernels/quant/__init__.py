@@ -90,6 +90,9 @@ class QuantizedWeight:
     def to(self, *args, **kwargs) -> "QuantizedWeight":
         """Moves every tensor to a device (dtype arguments only change dequantize()'s default dtype)."""
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is not None and not dtype.is_floating_point:
+            raise TypeError(f"pykernels.QuantizedWeight.to: expected a floating-point dtype (what dequantize() "
+                            f"returns), got {str(dtype).replace('torch.', '')}")
         mv = (lambda t: t if t is None else t.to(device)) if device is not None else (lambda t: t)
         return QuantizedWeight(shape=self.shape, bits=self.bits, group_size=self.group_size, scheme=self.scheme,
                                packed=mv(self.packed), scales=mv(self.scales), offsets=mv(self.offsets),
