@@ -1107,3 +1107,58 @@ def test_shared_methods_live_in_the_base_class_and_answer_per_table_kind():
     for t in (m, s, c):
         assert t.erase(torch.tensor([4, 4, 5])).tolist() == [True, False, False]
         assert t.contains(keys).tolist() == [False, True, True, False]
+
+
+# ---------------------------------------------------------------------------------------------
+# Audit findings (session 5)
+# ---------------------------------------------------------------------------------------------
+def test_full_non_growable_table_reclaims_tombstones_and_inserts_what_fits():
+    t = pykernels.HashMap(1000, growable=False, max_load_factor=0.5)
+    limit = t._limit()
+    k = torch.arange(limit)
+    t.insert(k, k)
+    t.erase(k[: limit // 2])
+    live = limit - limit // 2
+    new = torch.arange(300) + 10**6
+    with pytest.raises(pykernels.TableFullError) as e:
+        t.insert(new, new)
+    assert e.value.not_inserted == live + 300 - limit
+    assert len(t) == limit
+    v, f = t.find(new)
+    assert int(f.sum()) == limit - live and torch.equal(v[f], new[f])
+    v, f = t.find(k)
+    assert torch.equal(f, torch.arange(limit) >= limit // 2) and torch.equal(v[f], k[f])
+
+
+def test_insert_erase_churn_at_full_load_leaves_no_tombstones_or_filter_bits():
+    """At max_load_factor=1.0, inserts reuse tombstones, so without a purge the table keeps no EMPTY slot
+    and every overflow-filter bit set: every miss then walks all windows (rounds grew ~200x slower)."""
+    t = pykernels.HashMap(50000, max_load_factor=1.0)
+    base = 0
+    absent = torch.arange(1000) + (1 << 40)
+    for _ in range(6):
+        k = torch.arange(t.capacity) + base
+        base += t.capacity
+        t.insert(k, k)
+        t.erase(k)
+        assert len(t) == 0 and t._used == 0  # erasing many keys rebuilt the table
+        assert int(t._special[4:].ne(0).sum()) == 0  # the overflow filter starts from zero again
+        assert not bool(t.find(absent)[1].any())
+    t.insert(absent, absent)
+    assert torch.equal(t.find(absent)[0], absent)
+
+
+def test_raw_ops_check_the_arrays_they_hand_to_native_code():
+    t = pykernels.HashMap(100)
+    k = (torch.arange(20) * 10)[::2]  # strided
+    args = (t._nw, t.window, t.seed, t._kb, t._vb, 0, t._used, t._limit(), 0, 8)
+    with pytest.raises(ValueError, match="hash_insert_.*'keys'"):
+        torch.ops.pykernels.hash_insert_(t._slots, t._special, k, torch.arange(10), *args)
+    with pytest.raises(ValueError, match="hash_insert_.*'keys'"):
+        torch.ops.pykernels.hash_insert_(t._slots, t._special, torch.arange(10, dtype=torch.int32),
+                                         torch.arange(10), *args)
+    with pytest.raises(ValueError, match="hash_insert_.*'slots'"):
+        torch.ops.pykernels.hash_insert_(t._slots[:10], t._special, torch.arange(10), torch.arange(10), *args)
+    with pytest.raises(ValueError, match="hash_find.*'keys'"):
+        torch.ops.pykernels.hash_find(t._slots, t._special, k, t._nw, t.window, t.seed, t._kb, t._vb, 0, True, 0, 8)
+    assert len(t) == 0

@@ -58,6 +58,32 @@ def _check_special(op: str, special: torch.Tensor, nw: int):
                          f"{special.numel()} words")
 
 
+def _check_table_args(op: str, slots: torch.Tensor, keys: torch.Tensor, values: Optional[torch.Tensor], nw: int,
+                      window: int, kb: int, vb: int):
+    """The raw ops hand data pointers to native code: the arrays must be what the layout says (contiguous
+    key bits of kb bytes, value bits of vb bytes, a slot array of nw * window slots), else they would be
+    read (or written) out of bounds."""
+    from ._layout import slot_bytes
+
+    if kb not in (4, 8) or vb not in (0, 1, 2, 4, 8):
+        raise ValueError(f"pykernels.{op}: expected key bytes 4 or 8 and value bytes 0/1/2/4/8, got kb={kb}, vb={vb}")
+    if nw < 1 or window < 1:
+        raise ValueError(f"pykernels.{op}: expected nw >= 1 and window >= 1, got nw={nw}, window={window}")
+    need = nw * window * slot_bytes(kb, vb)
+    if not slots.is_contiguous() or slots.numel() * slots.element_size() < need:
+        raise ValueError(f"pykernels.{op}: expected 'slots' a contiguous tensor of at least {need} bytes for "
+                         f"nw={nw}, window={window}, got {slots.numel() * slots.element_size()} bytes")
+    for name, t, size in (("keys", keys, kb), ("values", values, vb)):
+        if t is None or t.numel() == 0:
+            continue
+        if t.dim() != 1 or not t.is_contiguous() or t.element_size() != size:
+            raise ValueError(f"pykernels.{op}: expected '{name}' a contiguous 1-D tensor of {size}-byte elements "
+                             f"(the table's layout), got shape {tuple(t.shape)}, strides {t.stride()}, "
+                             f"{t.element_size()}-byte {str(t.dtype).replace('torch.', '')}")
+    if values is not None and values.numel() != keys.numel():
+        raise ValueError(f"pykernels.{op}: expected as many values as keys, got {values.numel()} and {keys.numel()}")
+
+
 @torch.library.custom_op("pykernels::hash_find", mutates_args=())
 def hash_find(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor, nw: int, window: int, seed: int,
               kb: int, vb: int, default_bits: int, with_values: bool, threads: int,
@@ -71,6 +97,7 @@ def hash_find(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor, nw
     vals = out_buffer(nv, _BITS.get(vb, torch.int64), keys.device)
     if n:
         _check_special("hash_find", special, nw)
+        _check_table_args("hash_find", slots, keys, None, nw, window, kb, vb)
         _mod(slots).find(slots.data_ptr(), special.data_ptr(), nw, window, seed & _M64, kb, vb, keys.data_ptr(), n,
                          vals.data_ptr() if nv else 0, found.data_ptr(), default_bits & _M64, _nthreads(threads),
                          prefetch, *stream_args(slots.device))
@@ -96,6 +123,7 @@ def hash_insert_(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor,
     counts = (0, 0, 0)
     if n:
         _check_special("hash_insert_", special, nw)
+        _check_table_args("hash_insert_", slots, keys, values, nw, window, kb, vb)
         counts = _mod(slots).insert(slots.data_ptr(), special.data_ptr(), nw, window, seed & _M64, kb, vb,
                                     keys.data_ptr(), values.data_ptr() if values is not None else 0, n,
                                     status.data_ptr(), mode, used, limit, _nthreads(threads), prefetch,

@@ -227,11 +227,16 @@ class _OpenTable:
         status, (new, new_empty, pending) = self._native_insert(kbits, vbits, mode, cfg)
         self._size += new
         self._used += new_empty
+        purged = False
         while pending:
             idx = torch.nonzero(status == ST_PENDING).reshape(-1)
             fits_after_purge = self._size + pending <= self._limit()
-            if self._used > self._size - self._n_special() and fits_after_purge:
-                self._rehash(self.capacity)          # reclaim tombstones, same size
+            tombstones = self._used > self._size - self._n_special()
+            # Reclaim tombstones (same size) when that makes room for every pending key; a table that
+            # cannot grow reclaims them in any case, inserts what then fits and reports only the rest.
+            if tombstones and not purged and (fits_after_purge or not self.growable):
+                self._rehash(self.capacity)
+                purged = True
             elif self.growable:
                 need = math.ceil((self._size + pending) / self.max_load_factor) + 1
                 self._rehash(max(2 * self.capacity, need))
@@ -280,6 +285,13 @@ class _OpenTable:
             total = self._mod.erase(*self._geo(), kbits.data_ptr(), n, out.data_ptr(), self._multi, self._counting,
                                     self._threads(cfg), int(cfg.get("prefetch", 32)), *_ops.stream_args(self.device))
             self._size -= total
+            # Many tombstones: rebuild in place. Inserts reuse tombstones, so a table churned by inserts
+            # and erases at a high max_load_factor would otherwise keep no EMPTY slot, every window's
+            # overflow-filter bit set, and every miss would walk all windows. A purge every nw*W/8
+            # erases costs O(1) per erase, amortized.
+            tomb = self._used - (self._size - self._n_special())
+            if tomb > 0 and 8 * tomb >= self._nw * self.window:
+                self._rehash(self.capacity)
         return out
 
     def _items_bits(self):
