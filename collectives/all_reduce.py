@@ -386,7 +386,19 @@ def _topology_for(group, topology) -> Topology:
 # ================================================================================================
 # Running one all-reduce
 # ================================================================================================
-def _execute(tensor: torch.Tensor, op: str, group, topo: Topology, algorithm: str):
+def _execute(tensor: torch.Tensor, op: str, group, topo: Topology, choice: dict):
+    """The all-reduce itself (the choice already resolved). The caller's tensor is reduced through a
+    detached view, as dist.all_reduce does: a leaf that requires grad is fine, and an inference tensor
+    is reduced under inference mode."""
+    if tensor.is_inference() and not torch.is_inference_mode_enabled():
+        with torch.inference_mode():
+            return _execute(tensor, op, group, topo, choice)
+    with torch.no_grad():
+        _execute_detached(tensor.detach(), op, group, topo, choice)
+    return tensor
+
+
+def _execute_detached(tensor: torch.Tensor, op: str, group, topo: Topology, choice: dict):
     p = dist.get_world_size(group)
     wdt = _work_dtype(tensor.dtype, op)
     n = tensor.numel()
@@ -400,7 +412,6 @@ def _execute(tensor: torch.Tensor, op: str, group, topo: Topology, algorithm: st
         x = torch.empty(n, dtype=wdt, device=dev)
         x.copy_(tensor.reshape(-1))
     if p > 1:
-        choice = _resolve(algorithm, group, topo, n * x.element_size())
         _run_choice(choice, x, n, op, group, topo)
     if op == "avg":
         if x.dtype.is_floating_point:
@@ -410,6 +421,25 @@ def _execute(tensor: torch.Tensor, op: str, group, topo: Topology, algorithm: st
     if not inplace or x.data_ptr() != tensor.data_ptr():
         tensor.copy_(x.view(tensor.shape))  # half types: the single rounding
     return tensor
+
+
+def _plan_call(tensor: torch.Tensor, op: str, group, topo: Topology, algorithm: str) -> dict:
+    """Everything that may issue a collective on `group` before the data moves (the topology's
+    sub-groups, the tuned parameters' broadcast): run in the caller's thread, in call order, so that an
+    async call never races the caller's own collectives on the same group."""
+    if dist.get_world_size(group) <= 1:
+        return {"algorithm": "none"}
+    nbytes = tensor.numel() * torch.empty((), dtype=_work_dtype(tensor.dtype, op)).element_size()
+    choice = _resolve(algorithm, group, topo, nbytes)
+    if choice.get("algorithm") == "hierarchical":
+        topo.comms(group)  # the level sub-groups (new_group is a collective), made once and cached
+    return choice
+
+
+def _uses_group_collectives(choice: dict) -> bool:
+    """gloo's/NCCL's own collectives (and the agreement check before them) are matched by issue order,
+    unlike our tagged point-to-point messages: such a call must be issued from the caller's thread."""
+    return choice.get("algorithm") == "native" or choice.get("outer") == "native"
 
 
 def _resolve(algorithm: str, group, topo: Topology, nbytes: int) -> dict:
@@ -615,11 +645,24 @@ def all_reduce(tensor, op="sum", group=None, *, topology=None, algorithm="auto",
     group = _default_group(group)
     needs_topo = algorithm in ("auto", "hierarchical") or topology is not None
     runner = _RUNNERS.get(group)
+    # Topology detection, sub-groups and tuned parameters may issue collectives: here, in call order.
+    topo = _topology_for(group, topology) if needs_topo else Topology([dist.get_world_size(group)])
+    choice = _plan_call(tensor, op, group, topo, algorithm)
 
     def job():
-        topo = _topology_for(group, topology) if needs_topo else Topology([dist.get_world_size(group)])
-        return _execute(tensor, op, group, topo, algorithm)
+        return _execute(tensor, op, group, topo, choice)
 
+    if _uses_group_collectives(choice):
+        # gloo's own all-reduce matches collectives by issue order: run it here, after the async calls
+        # still in flight (our point-to-point algorithms), so every rank issues it at the same point
+        if runner is not None and runner.busy():
+            runner.submit(lambda: None).wait()
+        job()
+        if async_op:
+            done = torch.futures.Future()
+            done.set_result(tensor)
+            return AllReduceWork(done, tensor)
+        return tensor
     if async_op:
         return AllReduceWork(_runner(group).submit(job), tensor)
     if runner is not None and runner.busy():

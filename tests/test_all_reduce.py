@@ -359,6 +359,60 @@ def chk_async(algo):
     assert torch.equal(fut.wait(), torch.full((4,), float(world)))
 
 
+def chk_async_then_callers_own_collectives(algo):
+    """An async call followed at once by the caller's own dist collectives on the same group (as DDP
+    does with find_unused_parameters): every group-level collective (setup, agreement check, gloo's
+    own all-reduce) is issued in call order, so nothing races (audit: hangs, false "disagree" errors)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for n in (5, 300_000):
+        a = torch.full((n,), float(rank))
+        w = collectives.all_reduce(a, algorithm=algo, async_op=True)
+        b = torch.full((7,), float(rank + 1))
+        dist.all_reduce(b)
+        c = torch.tensor([rank], dtype=torch.int64)
+        dist.broadcast(c, src=0)
+        w.wait()
+        base = world * (world - 1) / 2
+        assert torch.all(a == base) and torch.all(b == base + world) and int(c) == 0
+
+
+def chk_grad_and_inference_tensors(algo):
+    """Like dist.all_reduce: a leaf that requires grad and an inference tensor are reduced in place."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    p = torch.full((3,), float(rank), requires_grad=True)
+    collectives.all_reduce(p, algorithm=algo)
+    assert torch.all(p.detach() == world * (world - 1) / 2) and p.requires_grad
+    with torch.inference_mode():
+        q = torch.full((1000,), float(rank))
+    collectives.all_reduce(q, algorithm=algo, op="avg")
+    assert torch.all(q == (world - 1) / 2)
+
+
+def chk_ddp_unused_parameters(algo):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    results = []
+    for use_hook in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 3))
+        unused = torch.nn.Linear(4, 4)
+        holder = torch.nn.ModuleList([model, unused])
+        ddp = DDP(holder, bucket_cap_mb=0.6, find_unused_parameters=True)
+        if use_hook:
+            ddp.register_comm_hook({"algorithm": algo}, collectives.ddp_comm_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        x, y = torch.randn(8, 256, generator=g), torch.randint(0, 3, (8,), generator=g)
+        for _ in range(2):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp.module[0](x), y).backward()
+            opt.step()
+        results.append([p.detach().clone() for p in holder.parameters()])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def chk_errors_in_group():
     """Argument errors are raised before any message is sent, identically on every rank."""
     world = dist.get_world_size()
@@ -521,6 +575,16 @@ def test_world_4_ddp_hook(clusters):
     c = clusters(4)
     c.run("chk_ddp", "auto")
     c.run("chk_ddp", "hierarchical")
+    for algo in ("auto", "native", "ring"):
+        c.run("chk_ddp_unused_parameters", algo, timeout=90)
+
+
+def test_world_4_async_calls_keep_collective_order_and_odd_tensors(clusters):
+    c = clusters(4)
+    for algo in ("auto", "native", "ring", "hierarchical"):
+        c.run("chk_async_then_callers_own_collectives", algo, timeout=90)
+    for algo in ("ring", "recursive_doubling", "halving_doubling", "hierarchical", "native"):
+        c.run("chk_grad_and_inference_tensors", algo, timeout=90)
 
 
 def test_world_4_tune(clusters, tmp_path):
