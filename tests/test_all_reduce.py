@@ -388,31 +388,6 @@ def chk_grad_and_inference_tensors(algo):
     assert torch.all(q == (world - 1) / 2)
 
 
-def chk_ddp_unused_parameters(algo):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    rank = dist.get_rank()
-    results = []
-    for use_hook in (False, True):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 3))
-        unused = torch.nn.Linear(4, 4)
-        holder = torch.nn.ModuleList([model, unused])
-        ddp = DDP(holder, bucket_cap_mb=0.6, find_unused_parameters=True)
-        if use_hook:
-            ddp.register_comm_hook({"algorithm": algo}, collectives.ddp_comm_hook)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        g = torch.Generator().manual_seed(rank)
-        x, y = torch.randn(8, 256, generator=g), torch.randint(0, 3, (8,), generator=g)
-        for _ in range(2):
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(ddp.module[0](x), y).backward()
-            opt.step()
-        results.append([p.detach().clone() for p in holder.parameters()])
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-
-
 def chk_errors_in_group():
     """Argument errors are raised before any message is sent, identically on every rank."""
     world = dist.get_world_size()
@@ -476,28 +451,42 @@ def chk_world_ok():
     assert torch.all(x == dist.get_world_size())
 
 
-def chk_ddp(algo):
-    """One training step with collectives.ddp_comm_hook gives the same parameters as DDP's own."""
+class _WithUnused(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.unused = torch.nn.Linear(4, 4)  # never gets a gradient
+
+    def forward(self, x):
+        return self.model(x)
+
+
+def chk_ddp(algo, unused=False):
+    """One training step with collectives.ddp_comm_hook gives the same parameters as DDP's own. unused:
+    a module without gradients and find_unused_parameters=True (DDP then runs its own collectives next
+    to the hook's), with buckets big enough for gloo's own all-reduce under auto."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     rank = dist.get_rank()
+    width, cap = (256, 0.6) if unused else (16, 0.001)  # several buckets either way
     results = []
     for use_hook in (False, True):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3))
-        ddp = DDP(model, bucket_cap_mb=0.001)  # several buckets
+        model = torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.ReLU(), torch.nn.Linear(2 * width, 3))
+        holder = _WithUnused(model) if unused else model
+        ddp = DDP(holder, bucket_cap_mb=cap, find_unused_parameters=unused)
         if use_hook:
             ddp.register_comm_hook({"algorithm": algo}, collectives.ddp_comm_hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(rank)
-        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 3, (8,), generator=g)
+        x, y = torch.randn(8, width, generator=g), torch.randint(0, 3, (8,), generator=g)
         for _ in range(2):
             opt.zero_grad()
             torch.nn.functional.cross_entropy(ddp(x), y).backward()
             opt.step()
-        results.append([p.detach().clone() for p in model.parameters()])
+        results.append([p.detach().clone() for p in holder.parameters()])
     for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(a, b, rtol=1e-5 if unused else 1e-6, atol=1e-6 if unused else 1e-7)
 
 
 def chk_detect():
@@ -576,7 +565,7 @@ def test_world_4_ddp_hook(clusters):
     c.run("chk_ddp", "auto")
     c.run("chk_ddp", "hierarchical")
     for algo in ("auto", "native", "ring"):
-        c.run("chk_ddp_unused_parameters", algo, timeout=90)
+        c.run("chk_ddp", algo, True, timeout=90)
 
 
 def test_world_4_async_calls_keep_collective_order_and_odd_tensors(clusters):
