@@ -85,7 +85,9 @@ def check_across_ranks(op: str, grp: Group, local_error: Optional[BaseException]
         if local_error is not None:
             raise local_error
         return
-    dev = device if dist.get_backend(grp.pg) == "nccl" else torch.device("cpu")
+    dev = torch.device("cpu")
+    if dist.get_backend(grp.pg) == "nccl":  # NCCL exchanges CUDA tensors only (a rank's bad device too)
+        dev = device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
     everyone = torch.empty(grp.world * mine.numel(), dtype=torch.int64, device=dev)
     all_gather_flat(everyone, mine.to(dev), grp.pg)
     table = everyone.view(grp.world, -1).cpu()

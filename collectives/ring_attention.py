@@ -107,6 +107,8 @@ def _validate(op: str, q, k, v, causal, scale, layout, grp: comm.Group) -> float
                 raise ValueError(f"{op}: expected '{name}' of shape [B, H, S_local, D], got {tuple(t.shape)}")
         if not (q.device == k.device == v.device):
             raise RuntimeError(f"{op}: expected q, k, v on one device, got {q.device}, {k.device}, {v.device}")
+        if q.device.type not in ("cpu", "cuda"):  # meta, xla, ...: gloo/NCCL cannot move them
+            raise ValueError(f"{op}: expected q, k, v on a CPU or CUDA device, got {q.device}")
         if k.shape != v.shape:
             raise ValueError(f"{op}: expected 'k' and 'v' of one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
         b, h, s, d = q.shape

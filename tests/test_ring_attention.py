@@ -234,6 +234,8 @@ def case_bad_shard(rank, world, *, fn, what):
             q, k, v = q.double(), k.double(), v.double()
         elif what == "heads":
             k, v = k[:, :1].repeat(1, 3, 1, 1), v[:, :1].repeat(1, 3, 1, 1)
+        elif what == "meta":  # a device gloo cannot move: a clear error everywhere, not a hang
+            q, k, v = (t.to("meta") for t in (q, k, v))
     try:
         FNS[fn](q, k, v, causal=True)
     except (ValueError, TypeError) as exc:
@@ -369,7 +371,8 @@ def test_matches_float64_oracle(pool, fn, layout, causal):
 def test_wrong_size_shard_on_one_rank_errors_everywhere(pool, fn):
     if pool.world == 1:
         pytest.skip("needs two ranks")
-    for what, exc in (("length", "ValueError"), ("dtype", "ValueError"), ("heads", "ValueError")):
+    for what, exc in (("length", "ValueError"), ("dtype", "ValueError"), ("heads", "ValueError"),
+                      ("meta", "ValueError")):
         res = pool.run("case_bad_shard", fn=fn, what=what)
         kinds = {kind for kind, _ in res}
         # the bad rank sees its own error (dtype: TypeError is not raised locally since float64 is a
