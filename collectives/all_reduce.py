@@ -429,7 +429,7 @@ def _plan_call(tensor: torch.Tensor, op: str, group, topo: Topology, algorithm: 
     async call never races the caller's own collectives on the same group."""
     if dist.get_world_size(group) <= 1:
         return {"algorithm": "none"}
-    nbytes = tensor.numel() * torch.empty((), dtype=_work_dtype(tensor.dtype, op)).element_size()
+    nbytes = tensor.numel() * _work_dtype(tensor.dtype, op).itemsize
     choice = _resolve(algorithm, group, topo, nbytes)
     if choice.get("algorithm") == "hierarchical":
         topo.comms(group)  # the level sub-groups (new_group is a collective), made once and cached

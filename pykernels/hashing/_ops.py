@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from .. import _native
+from ._layout import slot_bytes
 
 _M64 = (1 << 64) - 1
 _BITS = {4: torch.int32, 8: torch.int64}
@@ -63,8 +64,6 @@ def _check_table_args(op: str, slots: torch.Tensor, keys: torch.Tensor, values: 
     """The raw ops hand data pointers to native code: the arrays must be what the layout says (contiguous
     key bits of kb bytes, value bits of vb bytes, a slot array of nw * window slots), else they would be
     read (or written) out of bounds."""
-    from ._layout import slot_bytes
-
     if kb not in (4, 8) or vb not in (0, 1, 2, 4, 8):
         raise ValueError(f"pykernels.{op}: expected key bytes 4 or 8 and value bytes 0/1/2/4/8, got kb={kb}, vb={vb}")
     if nw < 1 or window < 1:

@@ -379,20 +379,17 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, inclu
                    act_bits: Optional[int] = None) -> nn.Module:
     """Replaces (in place, and returns `model`; a bare nn.Linear comes back as its QuantLinear) every
     nn.Linear whose qualified name matches `include` (default: all) and not `exclude` by a QuantLinear
-    (not nn.MultiheadAttention's out_proj, which attention reads as a plain weight). Names match exactly, as a prefix of a sub-module
-    path, or as fnmatch patterns ("*.mlp.*"). A layer whose K is not a multiple of group_size keeps
+    (not nn.MultiheadAttention's out_proj, which attention reads as a plain weight). Names match
+    exactly, as a prefix of a sub-module path, or as fnmatch patterns ("*.mlp.*"). A layer whose K is not a multiple of group_size keeps
     per-group scales with a shorter last group."""
     _check_format("quantize_model", bits, group_size, scheme)
     include = [include] if isinstance(include, str) else include
     exclude = [exclude] if isinstance(exclude, str) else (exclude or [])
     # Every name of every Linear (a layer shared under two names is replaced under both, by one
-    # QuantLinear). Not quantized: the out_proj of nn.MultiheadAttention (torch marks it
-    # NonDynamicallyQuantizableLinear: attention reads its .weight directly, which QuantLinear has not).
-    parents = {id(m): m for m in model.modules()}
-    skip = {id(m.out_proj) for m in parents.values() if isinstance(m, nn.MultiheadAttention)}
+    # QuantLinear). Not quantized: NonDynamicallyQuantizableLinear, torch's mark for nn.MultiheadAttention's
+    # out_proj (attention reads its .weight as a plain tensor).
     targets = [(name, mod) for name, mod in model.named_modules(remove_duplicate=False)
-               if isinstance(mod, nn.Linear) and id(mod) not in skip
-               and not isinstance(mod, nn.modules.linear.NonDynamicallyQuantizableLinear)
+               if isinstance(mod, nn.Linear) and not isinstance(mod, nn.modules.linear.NonDynamicallyQuantizableLinear)
                and (include is None or _matches(name, include)) and not _matches(name, exclude)]
     made = {}
     for name, lin in targets:
