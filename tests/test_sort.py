@@ -266,6 +266,61 @@ def test_msd_split_then_in_cache_lsd_agrees_with_the_oracle(dtype, threads, desc
             assert_same(x, before, "input modified")
 
 
+def _wide_64(dtype, n: int, kind: str, seed: int) -> torch.Tensor:
+    """64-bit keys spanning 2^32 or more (the wide MSD path), in patterns that reach each of its branches:
+    random (parts of ~2 records: insertion sorts), parts of hundreds of records (clustered below the top
+    byte: the LSD fallback inside a part), duplicates of a few hundred wide values (ties: stability),
+    a constant second digit (the whole bucket LSD-sorted), and the generic patterns of make_keys."""
+    rng = np.random.default_rng(seed)
+    if kind == "parts":  # a random top byte, 2 bits just below the top byte, random low 20 bits
+        a = (rng.integers(0, 256, n).astype(np.uint64) << np.uint64(56)) \
+            | (rng.integers(0, 4, n).astype(np.uint64) << np.uint64(50)) | rng.integers(0, 1 << 20, n).astype(np.uint64)
+    elif kind == "dups":
+        a = rng.integers(0, 1 << 63, 300, dtype=np.uint64, endpoint=False)[rng.integers(0, 300, n)] * np.uint64(3)
+    elif kind == "lowbits":  # the top byte and the low 16 bits vary: the second split's digit is constant
+        a = (rng.integers(0, 256, n).astype(np.uint64) << np.uint64(56)) | rng.integers(0, 1 << 16, n).astype(np.uint64)
+    else:
+        x = make_keys(dtype, n, kind, seed)
+        if dtype == torch.float64 and kind in ("random", "sorted", "reversed"):
+            x = x * 1e200  # very wide magnitudes
+        return x
+    if dtype == torch.float64:  # finite doubles of every magnitude and sign (exponent 0x7ff avoided)
+        a = a & np.uint64(0xBFFFFFFFFFFFFFFF)
+    npd = {torch.int64: np.int64, torch.uint64: np.uint64, torch.float64: np.float64}[dtype]
+    return torch.from_numpy(np.ascontiguousarray(a.view(npd)))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint64, torch.float64])
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("descending", [False, True])
+def test_wide_msd_split_agrees_with_the_oracle(dtype, threads, descending):
+    """64-bit keys spanning 2^32 or more through the wide MSD path (forced with msd=2): the split into 256
+    buckets of {key - min, index or payload} records, a second split inside each bucket, insertion sorts
+    of the small parts and LSD on the big ones; every output mode, as for the narrow path."""
+    cfg = {"msd": 2, "threads": threads, "grain": 1024}
+    for n in (65, 1000, 4097, 70001, 300001):
+        for kind in ("random", "parts", "dups", "lowbits", "sorted", "reversed", "special", "top"):
+            if kind == "top" and dtype == torch.float64:
+                continue
+            x = _wide_64(dtype, n, kind, seed=n + len(kind))
+            before = x.clone()
+            ri = ref_argsort_1d(x, descending=descending)
+            rv = take(x, ri)
+            k, i, _, st = _cpu_sort_1d(x, want_idx=True, descending=descending, config=cfg, want_stats=True)
+            assert st["msd"], f"msd=2 not taken {dtype} {n} {kind}"
+            assert_same(i, ri, f"indices {dtype} n={n} {kind}")
+            assert_same(k, rv, f"values {dtype} n={n} {kind}")
+            assert_same(_cpu_sort_1d(x, descending=descending, config=cfg)[0], rv, f"keys only {dtype} n={n} {kind}")
+            i2 = _cpu_sort_1d(x, want_keys=False, want_idx=True, descending=descending, config=cfg)[1]
+            assert_same(i2, ri, f"argsort {dtype} n={n} {kind}")
+            for pay in (torch.randint(-(1 << 31), 1 << 31, (n,), dtype=torch.int64).to(torch.int32),
+                        torch.randn(n, dtype=torch.float64), torch.randint(0, 1 << 15, (n,), dtype=torch.int16)):
+                k3, _, p3, _ = _cpu_sort_1d(x, payload=pay, descending=descending, config=cfg)
+                assert_same(k3, rv, f"pairs keys {dtype} n={n} {kind} {pay.dtype}")
+                assert_same(p3, pay[ri], f"pairs payload {dtype} n={n} {kind} {pay.dtype}")
+            assert_same(x, before, "input modified")
+
+
 def test_msd_split_heuristic_takes_cache_sized_buckets_only():
     x = torch.randint(-(1 << 31), 1 << 31, (1 << 19,), dtype=torch.int64).to(torch.int32)
     k, i, _, st = _cpu_sort_1d(x, want_idx=True, want_stats=True)
@@ -287,8 +342,12 @@ def test_msd_split_heuristic_takes_cache_sized_buckets_only():
     assert _cpu_sort_1d(x[: 1 << 12], config={"msd": 1}, want_stats=True)[3]["msd"]
     # bit ranges and 64-bit keys never take it
     assert not _cpu_sort_1d(x, end_bit=31, config={"msd": 2}, want_stats=True)[3]["msd"]
-    z = x.to(torch.int64) << 1  # 64-bit keys spanning 2^32 or more stay with the LSD engine
-    assert not _cpu_sort_1d(z, config={"msd": 2}, want_stats=True)[3]["msd"]
+    # 64-bit keys spanning 2^32 or more: the wide path (16-byte records), under the heuristic too
+    z = torch.randint(-(1 << 62), 1 << 62, (1 << 19,), dtype=torch.int64)
+    k, i, _, st = _cpu_sort_1d(z, want_idx=True, want_stats=True)
+    assert st["msd"] and torch.equal(i, ref_argsort_1d(z)) and torch.equal(k, z[i])
+    # ... but not when the sample says the keys cluster in one top byte (floats of a few magnitudes)
+    assert not _cpu_sort_1d(torch.randn(1 << 19, dtype=torch.float64), want_stats=True)[3]["msd"]
     # 64-bit keys spanning less than 2^32, of either sign (ids, indices, timestamps)
     for z in (x.to(torch.int64), y.to(torch.int64) - (1 << 45), x.to(torch.int64) + (1 << 40)):
         k, i, _, st = _cpu_sort_1d(z, want_idx=True, want_stats=True)

@@ -174,7 +174,7 @@ struct SortArgs {
   int wc = -1;                   // software write-combining: 1 on, 0 off (plain stores), -1 = heuristic
   int64_t small_n = 64;          // insertion sort at or below this size
   int64_t grain = 32768;         // at least this many keys per thread
-  int msd = -1;                  // 32-bit keys: MSD split + in-cache LSD (1), LSD engine only (0), heuristic (-1)
+  int msd = -1;                  // MSD split + in-cache LSD: heuristic (-1), off (0), guarded at any size (1), forced (2)
 };
 
 struct SortStats {
@@ -587,6 +587,9 @@ struct Engine {
 //   comprehensive study of main-memory partitioning and its application to large-scale comparison- and
 //   radix-sort", SIGMOD 2014. Measured 2x the pure LSD engine at 4M int32 + indices, 3x for int64 keys
 //   below 2^31.
+//   64-bit keys spanning 2^32 or more take the wide form (msd_wide_sort): 16-byte records, and inside
+//   each bucket a second split that leaves random keys in parts of ~2 (insertion-sorted) instead of 5
+//   LSD passes over the 56 bits below the digit: ~2x the LSD engine at 4M random int64 + indices.
 // ---------------------------------------------------------------------------------------------
 static constexpr int64_t MSD_MIN_N = int64_t(1) << 18;       // heuristic: below, the LSD engine
 static constexpr size_t MSD_MAX_BUCKET_BYTES = size_t(768) << 10;  // heuristic: a bucket stays in L2
@@ -595,6 +598,48 @@ static constexpr size_t MSD_MAX_BUCKET_BYTES = size_t(768) << 10;  // heuristic:
 static constexpr int MSD_BITS = 8;
 static constexpr int MSD_BUCKETS = 1 << MSD_BITS;
 static constexpr int64_t BIG_BUCKET = 4096;  // from here two in-cache passes of ~12 bits, else three of ~8
+
+// The in-bucket passes' counters (pass j's at hist + off[j], digits 0..mk[j]) become exclusive prefix
+// sums in place; live[] lists the passes whose digit is not the same for all m records (the others
+// would move nothing). Returns how many are live.
+template <class M>
+static int scan_passes(uint32_t* hist, const int* off, const M* mk, int P, int64_t m, int* live) {
+  int nl = 0;
+  for (int j = 0; j < P; ++j) {
+    uint32_t* h = hist + off[j];
+    bool trivial = false;
+    uint32_t run = 0;
+    for (uint64_t d = 0; d <= (uint64_t)mk[j]; ++d) {
+      const uint32_t c = h[d];
+      trivial |= c == (uint32_t)m;
+      h[d] = run;
+      run += c;
+    }
+    if (!trivial) live[nl++] = j;
+  }
+  return nl;
+}
+
+// The live passes (see scan_passes) as stable scatters between src and tmp, in cache; value(x) is the
+// record's sort value, pass j's digit its bits [sh[j], sh[j] + width) under mask mk[j]. Returns where
+// the sorted records ended up.
+template <class Rec, class M, class Value>
+static const Rec* run_live_passes(Rec* __restrict src, Rec* __restrict tmp, int64_t m, uint32_t* __restrict hist,
+                                  const int* off, const int* sh, const M* mk, const int* live, int nl, Value value) {
+  Rec* s = src;
+  Rec* d = tmp;
+  for (int q = 0; q < nl; ++q) {
+    uint32_t* h = hist + off[live[q]];
+    const int shq = sh[live[q]];
+    const M mask = mk[live[q]];
+    for (int64_t i = 0; i < m; ++i) {
+      const Rec x = s[i];
+      d[h[(value(x) >> shq) & mask]++] = x;
+    }
+    std::swap(s, d);
+  }
+  return s;
+}
 
 // Sorts the m records of one bucket by the low bits of their 32-bit value v = (uint32)(record >> KSHIFT)
 // (stable; NP passes of wid[0..NP) bits from bit 0 up), ping-ponging between src and tmp, and hands
@@ -618,35 +663,14 @@ static int bucket_lsd_n(Rec* __restrict src, Rec* __restrict tmp, int64_t m, uin
     if constexpr (NP > 1) ++hist[off[1] + ((k >> sh[1]) & mk[1])];
     if constexpr (NP > 2) ++hist[off[2] + ((k >> sh[2]) & mk[2])];
   }
-  int live[NP], nl = 0;
-  for (int j = 0; j < NP; ++j) {
-    uint32_t* h = hist + off[j];
-    bool trivial = false;
-    uint32_t run = 0;
-    for (uint32_t d = 0; d <= mk[j]; ++d) {
-      const uint32_t c = h[d];
-      trivial |= c == (uint32_t)m;
-      h[d] = run;
-      run += c;
-    }
-    if (!trivial) live[nl++] = j;
-  }
+  int live[NP];
+  const int nl = scan_passes(hist, off, mk, NP, m, live);
   if (nl == 0) {
     for (int64_t i = 0; i < m; ++i) out(i, src[i]);
     return 0;
   }
-  Rec* s = src;
-  Rec* d = tmp;
-  for (int q = 0; q < nl; ++q) {
-    uint32_t* h = hist + off[live[q]];
-    const int shq = sh[live[q]];
-    const uint32_t mask = mk[live[q]];
-    for (int64_t i = 0; i < m; ++i) {
-      const Rec x = s[i];
-      d[h[((uint32_t)(x >> KSHIFT) >> shq) & mask]++] = x;
-    }
-    std::swap(s, d);
-  }
+  const Rec* s = run_live_passes(src, tmp, m, hist, off, sh, mk, live, nl,
+                                  [](Rec x) { return (uint32_t)(x >> KSHIFT); });
   // the outputs are written in order (a last scatter straight into them measured ~20% slower)
   for (int64_t i = 0; i < m; ++i) out(i, s[i]);
   return nl;
@@ -684,6 +708,179 @@ static int bucket_lsd(Rec* src, Rec* tmp, int64_t m, int lb, uint32_t* hist, Out
   }
 }
 
+// In-bucket LSD for the wide path (64-bit v): like bucket_lsd_n, with up to 7 passes of <= 12 bits
+// (<= 8 for small buckets) over the lb low bits of v. Rec is uint64_t (keys only) or Wide.
+struct Wide {
+  uint64_t v;  // key - min
+  uint64_t p;  // the index (n < 2^32) or a 4- or 8-byte payload
+};
+static constexpr int WIDE_MAX_PASSES = 7;
+static inline uint64_t v_of(uint64_t r) { return r; }
+static inline uint64_t v_of(const Wide& r) { return r.v; }
+
+template <class Rec, class Out>
+static int bucket_lsd_wide(Rec* __restrict src, Rec* __restrict tmp, int64_t m, int lb, uint32_t* __restrict hist,
+                           int* first_width, Out&& out) {
+  if (lb <= 0) {
+    for (int64_t i = 0; i < m; ++i) out(i, src[i]);
+    return 0;
+  }
+  const int maxw = m >= BIG_BUCKET ? 12 : 8;  // 12-bit counters pay off from a few thousand records
+  const int P = (lb + maxw - 1) / maxw;
+  int sh[WIDE_MAX_PASSES], off[WIDE_MAX_PASSES + 1];
+  uint64_t mk[WIDE_MAX_PASSES];
+  off[0] = 0;
+  for (int j = 0, at = 0; j < P; ++j) {
+    const int wj = lb / P + (j < lb % P);
+    sh[j] = at;
+    mk[j] = (uint64_t(1) << wj) - 1;
+    off[j + 1] = off[j] + (1 << wj);
+    at += wj;
+  }
+  *first_width = (int)__builtin_popcountll(mk[0]);
+  std::memset(hist, 0, sizeof(uint32_t) * off[P]);
+  for (int64_t i = 0; i < m; ++i) {
+    const uint64_t v = v_of(src[i]);
+    for (int j = 0; j < P; ++j) ++hist[off[j] + ((v >> sh[j]) & mk[j])];
+  }
+  int live[WIDE_MAX_PASSES];
+  const int nl = scan_passes(hist, off, mk, P, m, live);
+  const Rec* s = run_live_passes(src, tmp, m, hist, off, sh, mk, live, nl, [](const Rec& x) { return v_of(x); });
+  for (int64_t i = 0; i < m; ++i) out(i, s[i]);
+  return nl;
+}
+
+// One wide bucket: a second stable split on the next <= 12 bits of v (into tmp) leaves ~4 records per
+// part for random keys, so most parts need only an insertion sort; a part of more than 32 records
+// (clustered keys) is LSD-sorted on the bits below, with src (already moved out) as its scratch. One
+// in-cache scatter instead of ~5 LSD passes over the 48+ bits below the top byte. Returns the passes
+// that ran (for the stats) and the first digit's width in *w0.
+static constexpr int64_t WIDE_INSERTION = 32;
+static constexpr int WIDE_SUB_BITS = 16;  // the second split's widest digit
+// counters a thread keeps for bucket_wide: positions and starts of the second split, then <= 7 x 4096
+// for an LSD pass plan
+static constexpr size_t WIDE_HIST_WORDS = (size_t(2) << WIDE_SUB_BITS) + 64 + WIDE_MAX_PASSES * 4096;
+
+template <class Rec>
+static inline void insertion_sort_v(Rec* r, int64_t m) {
+  for (int64_t i = 1; i < m; ++i) {
+    const Rec x = r[i];
+    const uint64_t v = v_of(x);
+    int64_t j = i;
+    for (; j > 0 && v_of(r[j - 1]) > v; --j) r[j] = r[j - 1];  // strict: equal keys keep their order
+    r[j] = x;
+  }
+}
+
+template <class Rec, class Out>
+static int bucket_wide(Rec* __restrict src, Rec* __restrict tmp, int64_t m, int lb, uint32_t* __restrict hist,
+                       int* w0, Out&& out) {
+  if (m <= WIDE_INSERTION || lb <= 0) {
+    insertion_sort_v(src, m);
+    for (int64_t i = 0; i < m; ++i) out(i, src[i]);
+    *w0 = 0;
+    return 0;
+  }
+  // about two records per part for random keys (12 bits: ~4, whose insertion sorts mispredicted their
+  // way to half the bucket's time; 1 or 0.5 per part measured the same as 2 within noise)
+  const int d2 = std::min({lb, WIDE_SUB_BITS, std::max(8, 63 - __builtin_clzll((uint64_t)m))});
+  const int sh = lb - d2;
+  const uint32_t R2 = 1u << d2, mask = R2 - 1;
+  uint32_t* pos = hist;                               // R2 running positions
+  uint32_t* starts = hist + (1 << WIDE_SUB_BITS);     // R2 + 1 part starts
+  uint32_t* inner = starts + (1 << WIDE_SUB_BITS) + 64;  // the LSD fallback's counters
+  std::memset(pos, 0, sizeof(uint32_t) * R2);
+  for (int64_t i = 0; i < m; ++i) ++pos[(v_of(src[i]) >> sh) & mask];
+  uint32_t run = 0;
+  for (uint32_t d = 0; d < R2; ++d) {
+    const uint32_t c = pos[d];
+    if (c == (uint32_t)m) return bucket_lsd_wide(src, tmp, m, sh, hist, w0, out);  // the digit is constant
+    starts[d] = pos[d] = run;
+    run += c;
+  }
+  starts[R2] = run;
+  for (int64_t i = 0; i < m; ++i) {
+    const Rec x = src[i];
+    tmp[pos[(v_of(x) >> sh) & mask]++] = x;
+  }
+  *w0 = d2;
+  int most = 1;
+  for (uint32_t d = 0; d < R2; ++d) {
+    const int64_t b = starts[d], c = (int64_t)starts[d + 1] - b;
+    if (c <= 1) continue;
+    if (c <= WIDE_INSERTION) {
+      insertion_sort_v(tmp + b, c);
+      continue;
+    }
+    int w_inner = 0;
+    Rec* part = tmp + b;
+    const int live = bucket_lsd_wide(part, src + b, c, sh, inner, &w_inner,
+                                     [part](int64_t q, const Rec& x) { part[q] = x; });
+    most = std::max(most, 1 + live);
+  }
+  for (int64_t i = 0; i < m; ++i) out(i, tmp[i]);
+  return most;
+}
+
+// The MSD split's per-thread scatter offsets from its per-thread digit counts (hist[t * 256 + d]):
+// digit by digit, then thread by thread, so the split is stable. Fills start[0..256] (bucket bounds) and
+// pos; returns the biggest bucket.
+static int64_t split_offsets(const std::vector<uint32_t>& hist, int T, std::vector<int64_t>& start,
+                             std::vector<int64_t>& pos) {
+  int64_t run = 0, biggest = 0;
+  for (int d = 0; d < MSD_BUCKETS; ++d) {
+    start[d] = run;
+    for (int t = 0; t < T; ++t) {
+      pos[(size_t)t * MSD_BUCKETS + d] = run;
+      run += hist[(size_t)t * MSD_BUCKETS + d];
+    }
+    biggest = std::max(biggest, run - start[d]);
+  }
+  start[MSD_BUCKETS] = run;
+  return biggest;
+}
+
+// The MSD split's scatter: each thread moves its slice of the keys, in order, to its own offsets pos
+// (see split_offsets), so the split is stable. vbits: encoded key -> v; digit: v -> bucket; make(v, i):
+// the record.
+template <class Rec, class U, Enc E, class VBits, class Digit, class Make>
+static void split_scatter(int T, int64_t n, std::vector<int64_t>& pos, Rec* rec, const U* in, const Coder<U, E>& cd,
+                          VBits vbits, Digit digit, Make make) {
+  pk::parallel_threads(T, [&](int t) {
+    const int64_t b = n * t / T, e = n * (t + 1) / T;
+    int64_t* __restrict p = pos.data() + (size_t)t * MSD_BUCKETS;
+    Rec* __restrict r = rec;
+    const U* __restrict src = in;
+    const Coder<U, E> c = cd;
+    for (int64_t i = b; i < e; ++i) {
+      const auto v = vbits(c.enc(src[i]));
+      r[p[digit(v)]++] = make(v, i);
+    }
+  });
+}
+
+// The MSD split's buckets handed to T threads dynamically: sort_bucket(tmp, hist, b, m) for every non-
+// empty bucket [b, b + m), with a per-thread scratch of m records and hist_words counters.
+template <class Rec, class SortBucket>
+static void for_each_bucket(int T, const std::vector<int64_t>& start, size_t hist_words, SortBucket&& sort_bucket) {
+  std::atomic<int> next_bucket{0};
+  pk::parallel_threads(T, [&](int) {
+    static thread_local std::vector<Rec> tmp;
+    static thread_local std::vector<uint32_t> hist;
+    if (hist.size() < hist_words) hist.resize(hist_words);
+    for (;;) {
+      const int d = next_bucket.fetch_add(1, std::memory_order_relaxed);
+      if (d >= MSD_BUCKETS) break;
+      const int64_t b = start[d], m = start[d + 1] - b;
+      if (m == 0) continue;
+      if ((int64_t)tmp.size() < m) tmp.resize((size_t)m);
+      sort_bucket(tmp.data(), hist.data(), b, m);
+    }
+    // kept for the next call only while bucket-sized (a skewed or huge call's buffer is released)
+    if (tmp.size() > MSD_MAX_BUCKET_BYTES / sizeof(Rec)) std::vector<Rec>().swap(tmp);
+  });
+}
+
 // After an index-mode sort: keys gathered from the input when canonicalising changed some (exact bits),
 // and payloads that were not carried gathered through the indices. Shared by both engines.
 template <class U>
@@ -706,6 +903,118 @@ static void gather_by_index(const SortArgs& a, const int64_t* idx, bool need_gat
   }
 }
 
+// The wide MSD path: 64-bit keys spanning 2^32 or more (random int64 keys, hashes, nanosecond
+// timestamps). Records are the full v = key - min (8 bytes, keys only) or {v, index or payload} (16
+// bytes; 8-byte payloads travel too), split by the top byte of v's width into 256 buckets, each then
+// LSD-sorted in cache on the w - 8 bits below: 5 in-cache passes of ~11 bits instead of 6 DRAM passes
+// of 12-byte (key, index) records. DRAM traffic per key with indices: 8 (keys) + 16 (records out) +
+// 16 (records back) + 16 (keys and indices out), against ~150 for the LSD engine.
+// Returns false (having written nothing) where skewed keys would make a bucket outgrow the cache.
+template <class U, Enc E>
+static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, int T, U kmin, U kmax,
+                          bool lossy, bool guard) {
+  static_assert(sizeof(U) == 8, "the wide path is for 64-bit keys");
+  const int64_t n = a.n;
+  constexpr int RB = MSD_BUCKETS;
+  const int w = 64 - __builtin_clzll((uint64_t)(kmax - kmin));
+  const int lb = w - MSD_BITS;  // >= 25: the span is at least 2^32
+  const U* in = static_cast<const U*>(a.keys);
+  const bool need_gather = lossy && a.out_keys;
+  const bool keys_only = !need_gather && !a.out_pay && !a.out_idx;
+  const bool carry_pay = !need_gather && !a.out_idx && a.out_keys && a.out_pay && (a.pay_size == 4 || a.pay_size == 8);
+  if (!keys_only && !carry_pay && !a.out_idx && a.out_pay) return false;  // other payload sizes: LSD engine
+  const size_t rec_bytes = keys_only ? 8 : 16;
+  auto too_big = [&](double biggest) { return guard && biggest * (double)rec_bytes > (double)MSD_MAX_BUCKET_BYTES; };
+  auto digit = [kmin, lb](U k) { return (uint32_t)((uint64_t)(k - kmin) >> lb); };  // < 256: v < 2^w
+  constexpr int64_t SAMPLE = 4096;
+  {
+    uint32_t sample[RB] = {};
+    uint32_t most = 0;
+    for (int64_t j = 0; j < SAMPLE; ++j) most = std::max(most, ++sample[digit(cd.enc(in[j * n / SAMPLE]))]);
+    // clustered keys (floats of a few magnitudes) leave without the counting read; the exact counts
+    // below decide the rest (a 2x margin here refused random keys whose buckets fit)
+    if (too_big(most * (double)n / SAMPLE)) return false;
+  }
+  std::vector<uint32_t> hist((size_t)T * RB, 0);
+  pk::parallel_threads(T, [&](int t) {
+    const int64_t b = n * t / T, e = n * (t + 1) / T;
+    uint32_t* h = hist.data() + (size_t)t * RB;
+    const Coder<U, E> c = cd;
+    for (int64_t i = b; i < e; ++i) ++h[digit(c.enc(in[i]))];
+  });
+  std::vector<int64_t> start(RB + 1), pos((size_t)T * RB);
+  const int64_t biggest = split_offsets(hist, T, start, pos);
+  if (too_big((double)biggest)) return false;
+
+  st.threads = T;
+  st.lossy = lossy;
+  st.msd = true;
+  Scratch& scr = thread_scratch();
+  char* base = scr.get((size_t)n * rec_bytes + 64);
+  std::atomic<int> most_live{0}, width{0};
+  const Coder<U, E> c0 = cd;
+  auto key_of = [c0, kmin](uint64_t v) { return c0.dec(U(kmin + (U)v)); };
+
+  auto split_and_sort = [&](auto* rec, auto make, auto out) {
+    using Rec = std::remove_pointer_t<decltype(rec)>;
+    split_scatter(T, n, pos, rec, in, cd, [kmin](U k) { return (uint64_t)(k - kmin); },
+                  [lb](uint64_t v) { return v >> lb; }, make);
+    for_each_bucket<Rec>(T, start, WIDE_HIST_WORDS, [&](Rec* tmp, uint32_t* bh, int64_t b, int64_t m) {
+      int w0 = 0;
+      const int live = bucket_wide(rec + b, tmp, m, lb, bh, &w0, [out, b](int64_t q, const Rec& x) { out(b + q, x); });
+      if (m == biggest) width.store(w0, std::memory_order_relaxed);
+      int seen = most_live.load(std::memory_order_relaxed);
+      while (live > seen && !most_live.compare_exchange_weak(seen, live, std::memory_order_relaxed)) {}
+    });
+    st.passes = 1 + most_live.load();
+    st.skipped = 0;
+    st.digit_bits = width.load();
+  };
+
+  if (keys_only) {
+    U* ok = static_cast<U*>(a.out_keys);
+    split_and_sort(reinterpret_cast<uint64_t*>(base), [](uint64_t v, int64_t) { return v; },
+                   [ok, key_of](int64_t q, uint64_t x) { ok[q] = key_of(x); });
+    return true;
+  }
+  Wide* rec = reinterpret_cast<Wide*>(base);
+  if (carry_pay) {
+    U* ok = static_cast<U*>(a.out_keys);
+    if (a.pay_size == 4) {
+      const uint32_t* pin = static_cast<const uint32_t*>(a.pay);
+      uint32_t* pout = static_cast<uint32_t*>(a.out_pay);
+      split_and_sort(rec, [pin](uint64_t v, int64_t i) { return Wide{v, pin[i]}; },
+                     [ok, pout, key_of](int64_t q, const Wide& x) {
+                       ok[q] = key_of(x.v);
+                       pout[q] = (uint32_t)x.p;
+                     });
+    } else {
+      const uint64_t* pin = static_cast<const uint64_t*>(a.pay);
+      uint64_t* pout = static_cast<uint64_t*>(a.out_pay);
+      split_and_sort(rec, [pin](uint64_t v, int64_t i) { return Wide{v, pin[i]}; },
+                     [ok, pout, key_of](int64_t q, const Wide& x) {
+                       ok[q] = key_of(x.v);
+                       pout[q] = x.p;
+                     });
+    }
+    return true;
+  }
+  int64_t* idx = a.out_idx;
+  if (!idx) idx = reinterpret_cast<int64_t*>(thread_own_outputs().get((size_t)n * 8 + 64));
+  U* ok = need_gather ? nullptr : static_cast<U*>(a.out_keys);
+  auto make = [](uint64_t v, int64_t i) { return Wide{v, (uint64_t)i}; };
+  if (ok) {
+    split_and_sort(rec, make, [ok, idx, key_of](int64_t q, const Wide& x) {
+      ok[q] = key_of(x.v);
+      idx[q] = (int64_t)x.p;
+    });
+  } else {
+    split_and_sort(rec, make, [idx](int64_t q, const Wide& x) { idx[q] = (int64_t)x.p; });
+  }
+  gather_by_index<U>(a, idx, need_gather);
+  return true;
+}
+
 // Returns false (having written nothing) where the LSD engine should sort instead.
 //   The records hold v = key - min (encoded keys, so order is kept) when max - min < 2^32: all 32-bit
 //   keys, and 64-bit keys spanning less than 2^32 (ids, indices, timestamps, small ranges of either
@@ -726,8 +1035,10 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     if (a.msd == 0 || a.begin_bit != 0 || eb != key_bits) return false;
     if (a.msd < 0 && n < MSD_MIN_N) return false;
     const bool guard = a.msd < 2;
-    // an 8-byte payload travels with its key in the LSD engine; the records here carry 4 bytes
-    if (a.out_pay && a.pay_size == 8 && !a.out_idx) return false;
+    // an 8-byte payload travels with its key in the LSD engine; the narrow records carry 4 bytes (the
+    // wide path's 16-byte records take 8)
+    const bool pay8 = a.out_pay && a.pay_size == 8 && !a.out_idx;
+    if (pay8 && key_bits == 32) return false;
     if (!a.out_keys && !a.out_idx) return false;
     constexpr int RB = MSD_BUCKETS;
     const U* in = static_cast<const U*>(a.keys);
@@ -762,19 +1073,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       });
     };
     std::vector<int64_t> start(RB + 1), pos((size_t)T * RB);
-    auto offsets = [&]() {  // per-thread scatter offsets, digit by digit then thread by thread: stable
-      int64_t run = 0, biggest = 0;
-      for (int d = 0; d < RB; ++d) {
-        start[d] = run;
-        for (int t = 0; t < T; ++t) {
-          pos[(size_t)t * RB + d] = run;
-          run += hist[(size_t)t * RB + d];
-        }
-        biggest = std::max(biggest, run - start[d]);
-      }
-      start[RB] = run;
-      return biggest;
-    };
+    auto offsets = [&]() { return split_offsets(hist, T, start, pos); };
 
     // 32-bit keys: a strided sample says whether the top byte spreads them (random keys): then it is
     // the digit, counted in the first read. Otherwise (and for 64-bit keys) the digit is the top byte of
@@ -809,7 +1108,11 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     }
     if (!top_digit) {
       const uint64_t span = (uint64_t)(kmax - kmin);
-      if (span >> 32) return false;  // 64-bit keys spanning 2^32 or more
+      if (span >> 32) {  // 64-bit keys spanning 2^32 or more: full-width records
+        if constexpr (key_bits == 64) return msd_wide_sort<U, E>(a, cd, st, T, kmin, kmax, lossy, guard);
+        return false;
+      }
+      if (pay8) return false;
       w = 64 - __builtin_clzll(span);
       base_key = kmin;
       // the digit exactly as the split computes it: bits [w - 8, w) of v
@@ -844,7 +1147,6 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     st.msd = true;
     Scratch& scr = thread_scratch();
     char* base = scr.get((size_t)n * rec_bytes + 64);
-    std::atomic<int> next_bucket{0};
     // stats: the bucket with the most in-bucket passes run (fewest skipped on a tie), packed as
     // live * 8 + (7 - skipped) for one atomic max
     std::atomic<int> most_live{0};
@@ -854,39 +1156,15 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
 
     auto split_and_sort = [&](auto* rec, auto make, auto out) {
       using Rec = std::remove_pointer_t<decltype(rec)>;
-      pk::parallel_threads(T, [&](int t) {
-        const int64_t b = n * t / T, e = n * (t + 1) / T;
-        int64_t* __restrict p = pos.data() + (size_t)t * RB;
-        Rec* __restrict r = rec;
-        const U* __restrict src = in;
-        const Coder<U, E> c = cd;
-        for (int64_t i = b; i < e; ++i) {
-          const uint32_t v = vbits(c.enc(src[i]));
-          r[p[(v >> lb) & (RB - 1)]++] = make(v, i);
-        }
-      });
-      pk::parallel_threads(T, [&](int) {
-        static thread_local std::vector<Rec> tmp_tls;
-        static thread_local std::vector<uint32_t> hist_tls(3 * 4096);
-        std::vector<Rec>& tmp = tmp_tls;
-        uint32_t* bh = hist_tls.data();
-        for (;;) {
-          const int d = next_bucket.fetch_add(1, std::memory_order_relaxed);
-          if (d >= RB) break;
-          const int64_t b = start[d], m = start[d + 1] - b;
-          if (m == 0) continue;
-          if ((int64_t)tmp.size() < m) tmp.resize((size_t)m);
-          constexpr int KS = sizeof(Rec) == 8 ? 32 : 0;
-          int wid[3];
-          const int planned = bucket_plan(m, lb, wid);
-          const int live = bucket_lsd<Rec, KS>(rec + b, tmp.data(), m, lb, bh,
-                                               [out, b](int64_t q, Rec x) { out(b + q, x); });
-          const int packed = live * 8 + (7 - (planned - live));
-          int seen = most_live.load(std::memory_order_relaxed);
-          while (packed > seen && !most_live.compare_exchange_weak(seen, packed, std::memory_order_relaxed)) {}
-        }
-        // kept for the next call only while bucket-sized (a skewed or huge call's buffer is released)
-        if (tmp.size() > MSD_MAX_BUCKET_BYTES / sizeof(Rec)) std::vector<Rec>().swap(tmp);
+      split_scatter(T, n, pos, rec, in, cd, vbits, [lb](uint32_t v) { return (v >> lb) & (RB - 1); }, make);
+      for_each_bucket<Rec>(T, start, 3 * 4096, [&](Rec* tmp, uint32_t* bh, int64_t b, int64_t m) {
+        constexpr int KS = sizeof(Rec) == 8 ? 32 : 0;
+        int wid[3];
+        const int planned = bucket_plan(m, lb, wid);
+        const int live = bucket_lsd<Rec, KS>(rec + b, tmp, m, lb, bh, [out, b](int64_t q, Rec x) { out(b + q, x); });
+        const int packed = live * 8 + (7 - (planned - live));
+        int seen = most_live.load(std::memory_order_relaxed);
+        while (packed > seen && !most_live.compare_exchange_weak(seen, packed, std::memory_order_relaxed)) {}
       });
       st.passes = 1 + most_live.load() / 8;
       st.skipped = 7 - most_live.load() % 8;

@@ -10,9 +10,10 @@ CPU config space (csrc/sort/sort_cpu.cpp):
   nt          streaming (non-temporal) stores for full write-combining lines: skips the read-for-ownership
               of the destination; pays off once the arrays exceed the caches.
   grain       the tile: at least this many keys per thread (smaller inputs use fewer threads).
-  msd         32-bit keys, and 64-bit keys spanning less than 2^32 (whole width, no bit range): split by
-              the top byte of the span into 256 buckets, then LSD inside each bucket in cache
-              (digit_bits/wc/nt do not apply there). -1 (default): from 256K keys,
+  msd         32- and 64-bit keys (whole width, no bit range): split by the top byte of the span into 256
+              buckets, then LSD inside each bucket in cache (digit_bits/wc/nt do not apply there); 64-bit
+              keys spanning 2^32 or more take 16-byte records and a second split inside each bucket.
+              -1 (default): from 256K keys,
               where a sample and the top-byte counts say the buckets fit the cache; 1: the same check at
               any size (so a choice tuned on random keys still leaves skewed keys to the LSD engine);
               0: the LSD engine only; 2: always (tests).
