@@ -49,7 +49,7 @@ def _candidates(key: dict) -> list:
     out = []
     for threads in (0, 1):
         for grain in (16384, 1 << 17):
-            # 32-bit keys: MSD split + in-cache LSD wherever it applies (other keys ignore msd=1)
+            # the MSD split + in-cache sort wherever it applies (8- and 16-bit keys ignore msd=1)
             cfg = dict(base, msd=1, threads=threads, grain=grain)
             if cfg not in out and cfg != base:
                 out.append(cfg)
