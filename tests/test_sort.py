@@ -284,7 +284,7 @@ def _wide_64(dtype, n: int, kind: str, seed: int) -> torch.Tensor:
         if dtype == torch.float64 and kind in ("random", "sorted", "reversed"):
             x = x * 1e200  # very wide magnitudes
         return x
-    if dtype == torch.float64:  # finite doubles of every magnitude and sign (exponent 0x7ff avoided)
+    if dtype == torch.float64:  # bit 62 cleared: finite doubles of both signs below 2 in magnitude, down to denormals
         a = a & np.uint64(0xBFFFFFFFFFFFFFFF)
     npd = {torch.int64: np.int64, torch.uint64: np.uint64, torch.float64: np.float64}[dtype]
     return torch.from_numpy(np.ascontiguousarray(a.view(npd)))

@@ -174,7 +174,7 @@ struct SortArgs {
   int wc = -1;                   // software write-combining: 1 on, 0 off (plain stores), -1 = heuristic
   int64_t small_n = 64;          // insertion sort at or below this size
   int64_t grain = 32768;         // at least this many keys per thread
-  int msd = -1;                  // MSD split + in-cache LSD: heuristic (-1), off (0), guarded at any size (1), forced (2)
+  int msd = -1;                  // MSD split: heuristic (-1), off (0), guarded at any size (1), forced (2)
 };
 
 struct SortStats {
