@@ -904,6 +904,17 @@ static void gather_by_index(const SortArgs& a, const int64_t* idx, bool need_gat
   }
 }
 
+// The fullest bucket of a strided sample of 4096 encoded keys under digit(), scaled to n keys: the
+// MSD split's cheap first look at whether its buckets would fit the cache.
+template <class U, Enc E, class Digit>
+static double sampled_biggest(const U* in, int64_t n, const Coder<U, E>& cd, Digit digit) {
+  constexpr int64_t SAMPLE = 4096;
+  uint32_t sample[MSD_BUCKETS] = {};
+  uint32_t most = 0;
+  for (int64_t j = 0; j < SAMPLE; ++j) most = std::max(most, ++sample[digit(cd.enc(in[j * n / SAMPLE]))]);
+  return (double)most * (double)n / SAMPLE;
+}
+
 // The wide MSD path: 64-bit keys spanning 2^32 or more (random int64 keys, hashes, nanosecond
 // timestamps). Records are the full v = key - min (8 bytes, keys only) or {v, index or payload} (16
 // bytes; 8-byte payloads travel too), split by the top byte of v's width into 256 buckets, each then
@@ -928,15 +939,9 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
   const size_t rec_bytes = keys_only ? 8 : 16;
   auto too_big = [&](double biggest) { return guard && biggest * (double)rec_bytes > (double)MSD_MAX_BUCKET_BYTES; };
   auto digit = [kmin, lb](U k) { return (uint32_t)((uint64_t)(k - kmin) >> lb); };  // < 256: v < 2^w
-  constexpr int64_t SAMPLE = 4096;
-  {
-    uint32_t sample[RB] = {};
-    uint32_t most = 0;
-    for (int64_t j = 0; j < SAMPLE; ++j) most = std::max(most, ++sample[digit(cd.enc(in[j * n / SAMPLE]))]);
-    // clustered keys (floats of a few magnitudes) leave without the counting read; the exact counts
-    // below decide the rest (a 2x margin here refused random keys whose buckets fit)
-    if (too_big(most * (double)n / SAMPLE)) return false;
-  }
+  // clustered keys (floats of a few magnitudes) leave without the counting read; the exact counts
+  // below decide the rest (a 2x margin here refused random keys whose buckets fit)
+  if (too_big(sampled_biggest(in, n, cd, digit))) return false;
   std::vector<uint32_t> hist((size_t)T * RB, 0);
   pk::parallel_threads(T, [&](int t) {
     const int64_t b = n * t / T, e = n * (t + 1) / T;
@@ -1080,16 +1085,9 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     // 32-bit keys: a strided sample says whether the top byte spreads them (random keys): then it is
     // the digit, counted in the first read. Otherwise (and for 64-bit keys) the digit is the top byte of
     // the varying bits, counted in a second read.
-    constexpr int64_t SAMPLE = 4096;
-    auto sample_most = [&](auto digit) {  // the fullest bucket of a strided sample of the keys
-      uint32_t sample[RB] = {};
-      uint32_t most = 0;
-      for (int64_t j = 0; j < SAMPLE; ++j) most = std::max(most, ++sample[digit(cd.enc(in[j * n / SAMPLE]))]);
-      return (double)most;
-    };
     bool top_digit = false;
     if constexpr (key_bits == 32)
-      top_digit = fits(2.0 * sample_most([](U k) { return (uint32_t)(k >> (32 - MSD_BITS)); }) * (double)n / SAMPLE,
+      top_digit = fits(2.0 * sampled_biggest(in, n, cd, [](U k) { return (uint32_t)(k >> (32 - MSD_BITS)); }),
                        guess_bytes);
     if (top_digit) first_read(std::true_type());
     else first_read(std::false_type());
@@ -1119,8 +1117,8 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       base_key = kmin;
       // the digit exactly as the split computes it: bits [w - 8, w) of v
       const int lbd = std::max(w - MSD_BITS, 0);
-      const double most = sample_most([&](U k) { return ((uint32_t)(k - base_key) >> lbd) & (RB - 1); });
-      if (too_big(2.0 * most * (double)n / SAMPLE, guess_bytes))
+      const double most = sampled_biggest(in, n, cd, [&](U k) { return ((uint32_t)(k - base_key) >> lbd) & (RB - 1); });
+      if (too_big(2.0 * most, guess_bytes))
         return false;  // floats of a few magnitudes, clustered keys: the LSD engine, without this read
       std::fill(hist.begin(), hist.end(), 0u);
       pk::parallel_threads(T, [&](int t) {
