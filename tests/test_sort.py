@@ -352,8 +352,13 @@ def test_msd_split_heuristic_takes_cache_sized_buckets_only():
     for z in (x.to(torch.int64), y.to(torch.int64) - (1 << 45), x.to(torch.int64) + (1 << 40)):
         k, i, _, st = _cpu_sort_1d(z, want_idx=True, want_stats=True)
         assert st["msd"] and torch.equal(i, ref_argsort_1d(z)) and torch.equal(k, z[i])
-    # randn floats (a few magnitudes: clustered) stay with the LSD engine
-    assert not _cpu_sort_1d(torch.randn(1 << 19), want_stats=True)[3]["msd"]
+    # randn floats (a few magnitudes: 27% of float32 keys in one top byte): a bucket past L2 size holding
+    # more than 1/8 of the keys stays with the LSD engine (with indices: 8-byte records, ~1.1 MiB); keys
+    # only (4-byte records, ~570 KiB) the bucket is L2-sized and the split is taken
+    f = torch.randn(1 << 19)
+    assert not _cpu_sort_1d(f, want_idx=True, want_stats=True)[3]["msd"]
+    k, _, _, st = _cpu_sort_1d(f, want_stats=True)
+    assert st["msd"] and torch.equal(k, torch.sort(f).values)
     # stats: in-bucket passes whose digit is the same for every key are skipped
     t = (torch.randint(0, 256, (1 << 18,)) << 24).to(torch.uint32)  # only the top byte varies
     k, _, _, st = _cpu_sort_1d(t, config={"msd": 2}, want_stats=True)
@@ -361,6 +366,37 @@ def test_msd_split_heuristic_takes_cache_sized_buckets_only():
     big = torch.randint(-(1 << 31), 1 << 31, (1 << 21,), dtype=torch.int64).to(torch.int32)  # ~8K a bucket
     st = _cpu_sort_1d(big, want_stats=True)[3]
     assert st["msd"] and st["passes"] == 3 and st["skipped"] == 0 and st["digit_bits"] == 12
+
+
+def test_msd_split_takes_buckets_past_l2_unless_one_holds_most_keys():
+    """bucket_ok: evenly spread keys take the split with buckets far beyond L2 (read once from DRAM, then
+    sorted from L3: measured 1.3-3.6x the LSD engine), and a bucket past L2 size holding more than 1/8 of
+    the keys does not (the split would move them for nothing)."""
+    g = torch.Generator().manual_seed(7)
+    # 8M int32 + indices: 256 buckets of ~256 KiB (a sample with a 2x margin once refused these)
+    x = torch.randint(-(1 << 31), 1 << 31, (1 << 23,), dtype=torch.int64, generator=g).to(torch.int32)
+    k, i, _, st = _cpu_sort_1d(x, want_idx=True, want_stats=True)
+    ref = torch.sort(x, stable=True)
+    assert st["msd"] and torch.equal(k, ref.values) and torch.equal(i, ref.indices)
+    # 8M random int64 + indices: the wide path, 16-byte records, 512 KiB buckets
+    z = torch.randint(-(1 << 62), 1 << 62, (1 << 23,), dtype=torch.int64, generator=g)
+    k, i, _, st = _cpu_sort_1d(z, want_idx=True, want_stats=True)
+    ref = torch.sort(z, stable=True)
+    assert st["msd"] and torch.equal(k, ref.values) and torch.equal(i, ref.indices)
+    # a quarter of the keys in one bucket: taken while that bucket is L2-sized (300K keys: ~600 KiB) ...
+    small = torch.randint(0, 1 << 30, (300_000,), dtype=torch.int32, generator=g)
+    small[: 75_000] = 5
+    k, i, _, st = _cpu_sort_1d(small, want_idx=True, want_stats=True)
+    assert st["msd"] and torch.equal(i, ref_argsort_1d(small))
+    # ... and refused past it (2M keys: a 4 MiB bucket), also by the autotuner's guarded setting msd=1
+    large = torch.randint(0, 1 << 30, (1 << 21,), dtype=torch.int32, generator=g)
+    large[: 1 << 19] = 5
+    k, i, _, st = _cpu_sort_1d(large, want_idx=True, want_stats=True)
+    assert not st["msd"] and torch.equal(i, ref_argsort_1d(large))
+    assert not _cpu_sort_1d(large, want_idx=True, config={"msd": 1}, want_stats=True)[3]["msd"]
+    # forced (msd=2) it still sorts right
+    k, i, _, st = _cpu_sort_1d(large, want_idx=True, config={"msd": 2}, want_stats=True)
+    assert st["msd"] and torch.equal(i, ref_argsort_1d(large)) and torch.equal(k, large[i])
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident set size from /proc")

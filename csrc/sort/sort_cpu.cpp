@@ -576,8 +576,8 @@ struct Engine {
 //   2. One stable scatter into 256 buckets by the digit, of records {v} (keys only) or {v, what the key
 //      carries: its index or a 4-byte payload} (8 bytes). 256 open destination lines fit L1, so plain
 //      stores are combined by the hardware (see scatter_plain).
-//   3. Each bucket (~n/256 records: ~128 KiB at 4M keys, inside one core's L2) is sorted on v's w - 8
-//      bits below the digit by LSD passes that never leave the cache (2 x ~12 bits, or 3 x ~8 for small
+//   3. Each bucket (~n/256 records: ~128 KiB at 4M keys, inside one core's L2; up to 4 MiB, from L3, see
+//      bucket_ok) is sorted on v's w - 8 bits below the digit by LSD passes that never leave the cache (2 x ~12 bits, or 3 x ~8 for small
 //      buckets, one pass up to 12 bits; trivial passes skipped), then written to the caller's outputs in
 //      order (key = min + v). Buckets go to threads dynamically.
 //   DRAM traffic for int32 values + int64 indices: 4 (count) + 4 + 8 (split) + 8 + 4 + 8 (bucket in,
@@ -592,7 +592,29 @@ struct Engine {
 //   LSD passes over the 56 bits below the digit: ~2x the LSD engine at 4M random int64 + indices.
 // ---------------------------------------------------------------------------------------------
 static constexpr int64_t MSD_MIN_N = int64_t(1) << 18;       // heuristic: below, the LSD engine
-static constexpr size_t MSD_MAX_BUCKET_BYTES = size_t(768) << 10;  // heuristic: a bucket stays in L2
+// When the split is worth it (bucket_ok): a heuristic against skew, not a cache size. Measured on a
+// 2-core EPYC (1 MiB L2 per core, 32 MiB L3), best of 5 interleaved runs against the LSD engine:
+//  - random keys: buckets well past L2 still win, read once from DRAM and then sorted from L3 (narrow
+//    path, int32 + indices: 2.3x at 24M keys, 1.7x at 48M, 2.1x at 128M where buckets are 4 MiB; wide
+//    path, int64 + indices: 1.8x at 48M, 1.9x at 128M with 8 MiB buckets), up to the byte budgets below;
+//  - a bucket holding most of the keys (all equal but 1 in 1024): the split moved them for nothing and
+//    the LSD engine, which skips passes whose digit never varies, wins (0.85x at 512K keys, 0.26x at 8M).
+//    So a bucket past L2 size may hold at most 1/MSD_MIN_FANOUT of the keys. (randn floats, whose
+//    biggest top-byte bucket holds 27% (float32) or 50% (float64), measured within 1.0-1.4x either way.)
+static constexpr size_t MSD_MAX_BUCKET_BYTES = size_t(4) << 20;   // narrow path: 4- or 8-byte records
+static constexpr size_t WIDE_MAX_BUCKET_BYTES = size_t(8) << 20;  // wide path: 8- or 16-byte records
+static constexpr size_t L2_BUCKET_BYTES = size_t(768) << 10;
+static constexpr int MSD_MIN_FANOUT = 8;
+// The strided sample's fullest bucket overstates an even spread about 2x (the largest of 256 counts of
+// ~16), so a sample only refuses (saving the exact count's read) at SAMPLE_SLACK times the limits; the
+// exact counts decide the rest. (With no slack, 8M random int64 keys and 16M int32 keys were refused.)
+static constexpr double SAMPLE_SLACK = 2.0;
+
+// Whether n keys whose biggest bucket holds `biggest` records of `bytes` each take the MSD split.
+static inline bool bucket_ok(double biggest, size_t bytes, int64_t n, size_t budget) {
+  const double b = biggest * (double)bytes;
+  return b <= (double)budget && (b <= (double)L2_BUCKET_BYTES || biggest * MSD_MIN_FANOUT <= (double)n);
+}
 
 // The MSD split's digit: the top MSD_BITS of v's w bits; each bucket is then sorted on the w - 8 below.
 static constexpr int MSD_BITS = 8;
@@ -878,7 +900,7 @@ static void for_each_bucket(int T, const std::vector<int64_t>& start, size_t his
       sort_bucket(tmp.data(), hist.data(), b, m);
     }
     // kept for the next call only while bucket-sized (a skewed or huge call's buffer is released)
-    if (tmp.size() > MSD_MAX_BUCKET_BYTES / sizeof(Rec)) std::vector<Rec>().swap(tmp);
+    if (tmp.size() > L2_BUCKET_BYTES / sizeof(Rec)) std::vector<Rec>().swap(tmp);
   });
 }
 
@@ -905,7 +927,7 @@ static void gather_by_index(const SortArgs& a, const int64_t* idx, bool need_gat
 }
 
 // The fullest bucket of a strided sample of 4096 encoded keys under digit(), scaled to n keys: the
-// MSD split's cheap first look at whether its buckets would fit the cache.
+// MSD split's cheap first look at whether bucket_ok would accept its buckets (see SAMPLE_SLACK).
 template <class U, Enc E, class Digit>
 static double sampled_biggest(const U* in, int64_t n, const Coder<U, E>& cd, Digit digit) {
   constexpr int64_t SAMPLE = 4096;
@@ -922,7 +944,7 @@ static double sampled_biggest(const U* in, int64_t n, const Coder<U, E>& cd, Dig
 // passes of 12-byte (key, index) records. DRAM traffic per key with indices: 8 + 8 + 8 (min/max read,
 // digit count, split read) + 16 (records out) + 16 (records back) + 16 (keys and indices out) = 72,
 // against ~150 for the LSD engine.
-// Returns false (having written nothing) where skewed keys would make a bucket outgrow the cache.
+// Returns false (having written nothing) where bucket_ok refuses the buckets (skewed keys).
 template <class U, Enc E>
 static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, int T, U kmin, U kmax,
                           bool lossy, bool guard) {
@@ -937,11 +959,11 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
   const bool carry_pay = !need_gather && !a.out_idx && a.out_keys && a.out_pay && (a.pay_size == 4 || a.pay_size == 8);
   if (!keys_only && !carry_pay && !a.out_idx && a.out_pay) return false;  // other payload sizes: LSD engine
   const size_t rec_bytes = keys_only ? 8 : 16;
-  auto too_big = [&](double biggest) { return guard && biggest * (double)rec_bytes > (double)MSD_MAX_BUCKET_BYTES; };
+  auto too_big = [&](double biggest) { return guard && !bucket_ok(biggest, rec_bytes, n, WIDE_MAX_BUCKET_BYTES); };
   auto digit = [kmin, lb](U k) { return (uint32_t)((uint64_t)(k - kmin) >> lb); };  // < 256: v < 2^w
   // clustered keys (floats of a few magnitudes) leave without the counting read; the exact counts
-  // below decide the rest (a 2x margin here refused random keys whose buckets fit)
-  if (too_big(sampled_biggest(in, n, cd, digit))) return false;
+  // below decide the rest
+  if (too_big(sampled_biggest(in, n, cd, digit) / SAMPLE_SLACK)) return false;
   std::vector<uint32_t> hist((size_t)T * RB, 0);
   pk::parallel_threads(T, [&](int t) {
     const int64_t b = n * t / T, e = n * (t + 1) / T;
@@ -1036,7 +1058,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     const int64_t n = a.n;
     constexpr int key_bits = 8 * sizeof(U);
     const int eb = a.end_bit < 0 ? key_bits : a.end_bit;
-    // msd: 0 off; -1 heuristic (from MSD_MIN_N keys, buckets that fit the cache); 1 the same skew guard
+    // msd: 0 off; -1 heuristic (from MSD_MIN_N keys, where bucket_ok accepts the buckets); 1 the same skew guard
     // at any size (what the autotuner may pick on random keys: it must not push skewed keys of the same
     // size and dtype into one DRAM-sized bucket); 2 always where the keys allow it (tests)
     if (a.msd == 0 || a.begin_bit != 0 || eb != key_bits) return false;
@@ -1052,7 +1074,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     const size_t guess_bytes = (!a.out_idx && !a.out_pay) ? 4 : 8;
     // fits: the digit choice (made the same way with or without the guard, so msd=2 runs both plans);
     // too_big: the refusal, off when forced
-    auto fits = [&](double biggest, size_t bytes) { return biggest * bytes <= MSD_MAX_BUCKET_BYTES; };
+    auto fits = [&](double biggest, size_t bytes) { return bucket_ok(biggest, bytes, n, MSD_MAX_BUCKET_BYTES); };
     auto too_big = [&](double biggest, size_t bytes) { return guard && !fits(biggest, bytes); };
 
     std::vector<uint32_t> hist((size_t)T * RB, 0);
@@ -1087,7 +1109,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     // the varying bits, counted in a second read.
     bool top_digit = false;
     if constexpr (key_bits == 32)
-      top_digit = fits(2.0 * sampled_biggest(in, n, cd, [](U k) { return (uint32_t)(k >> (32 - MSD_BITS)); }),
+      top_digit = fits(sampled_biggest(in, n, cd, [](U k) { return (uint32_t)(k >> (32 - MSD_BITS)); }) / SAMPLE_SLACK,
                        guess_bytes);
     if (top_digit) first_read(std::true_type());
     else first_read(std::false_type());
@@ -1118,7 +1140,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       // the digit exactly as the split computes it: bits [w - 8, w) of v
       const int lbd = std::max(w - MSD_BITS, 0);
       const double most = sampled_biggest(in, n, cd, [&](U k) { return ((uint32_t)(k - base_key) >> lbd) & (RB - 1); });
-      if (too_big(2.0 * most, guess_bytes))
+      if (too_big(most / SAMPLE_SLACK, guess_bytes))
         return false;  // floats of a few magnitudes, clustered keys: the LSD engine, without this read
       std::fill(hist.begin(), hist.end(), 0u);
       pk::parallel_threads(T, [&](int t) {
@@ -1133,7 +1155,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     const bool keys_only = !need_gather && !a.out_pay && !a.out_idx;
     const bool carry_pay = !need_gather && !a.out_idx && a.out_keys && a.out_pay && a.pay_size == 4;
     const size_t rec_bytes = keys_only ? 4 : 8;
-    // skewed keys (one big bucket): it would not fit the cache; the LSD engine sorts them
+    // skewed keys (one bucket past L2 size holding most keys, or past the budget): the LSD engine sorts them
     if (too_big((double)biggest, rec_bytes)) return false;
 
     const int lb = std::max(w - MSD_BITS, 0);  // bits sorted inside a bucket, below the digit
