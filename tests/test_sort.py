@@ -399,6 +399,36 @@ def test_msd_split_takes_buckets_past_l2_unless_one_holds_most_keys():
     assert st["msd"] and torch.equal(i, ref_argsort_1d(large)) and torch.equal(k, large[i])
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float32, torch.int64])
+def test_msd_records_held_in_the_outputs(dtype):
+    """The split's records live in the output of their size (int64 indices; 32-bit keys only; 64-bit keys
+    only on the wide path) and each bucket is sorted back over them: the public ops, with out= tensors
+    the caller passed, agree with torch and leave the input alone."""
+    g = torch.Generator().manual_seed(11)
+    n = 1 << 19
+    if dtype.is_floating_point:
+        # random bit patterns: every exponent, so the top bytes spread; -0.0 and +0.0 tie (stable order)
+        x = torch.randint(-(1 << 31), 1 << 31, (n,), dtype=torch.int64, generator=g).to(torch.int32).view(dtype)
+        x[~torch.isfinite(x)] = 1.5
+        x[::97] = -0.0
+        x[::89] = 0.0
+    elif dtype == torch.int64:
+        x = torch.randint(-(1 << 62), 1 << 62, (n,), dtype=dtype, generator=g)
+    else:
+        x = torch.randint(-(1 << 31), 1 << 31, (n,), dtype=torch.int64, generator=g).to(dtype)
+    x[1000:3000] = x[5]  # duplicates: stability
+    before = x.clone()
+    ref = torch.sort(x, stable=True)
+    ov, oi = torch.full_like(x, 7), torch.full((n,), -5, dtype=torch.int64)
+    pykernels.sort(x, stable=True, out=(ov, oi))
+    assert torch.equal(oi, ref.indices) and torch.equal(ov.view(-1), ref.values)
+    assert torch.equal(pykernels.argsort(x, stable=True), ref.indices)
+    assert torch.equal(pykernels.sort_keys(x), ref.values)
+    assert torch.equal(x, before)
+    st = _cpu_sort_1d(x, want_idx=True, want_stats=True)[3]
+    assert st["msd"], "the case must take the MSD split"
+
+
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident set size from /proc")
 def test_big_scratch_buffers_are_not_kept_after_the_call():
     """A sort's ping-pong scratch (and the index-mode outputs nobody asked for) are per-thread buffers

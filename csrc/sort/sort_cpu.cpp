@@ -668,8 +668,10 @@ static const Rec* run_live_passes(Rec* __restrict src, Rec* __restrict tmp, int6
 // each record with its final position to out(q, record). Passes whose digit is the same for the whole
 // bucket are skipped. hist: the caller's 3 x 4096 counters (no thread-local lookup in the loops).
 // Returns the passes that ran.
+// src is not __restrict: out() may write the caller's outputs over the records it reads (msd_hybrid_sort
+// keeps its records in an output array of their size).
 template <int NP, class Rec, int KSHIFT, class Out>
-static int bucket_lsd_n(Rec* __restrict src, Rec* __restrict tmp, int64_t m, uint32_t* __restrict hist,
+static int bucket_lsd_n(Rec* src, Rec* __restrict tmp, int64_t m, uint32_t* __restrict hist,
                         const int* wid, Out&& out) {
   int sh[3] = {0, 0, 0}, off[4] = {0, 0, 0, 0};
   uint32_t mk[3] = {0, 0, 0};
@@ -740,8 +742,10 @@ static constexpr int WIDE_MAX_PASSES = 7;
 static inline uint64_t v_of(uint64_t r) { return r; }
 static inline uint64_t v_of(const Wide& r) { return r.v; }
 
+// src is not __restrict: out() may write over the records it reads (bucket_wide's parts, and outputs
+// that hold the records, as in bucket_lsd_n).
 template <class Rec, class Out>
-static int bucket_lsd_wide(Rec* __restrict src, Rec* __restrict tmp, int64_t m, int lb, uint32_t* __restrict hist,
+static int bucket_lsd_wide(Rec* src, Rec* __restrict tmp, int64_t m, int lb, uint32_t* __restrict hist,
                            int* first_width, Out&& out) {
   if (lb <= 0) {
     for (int64_t i = 0; i < m; ++i) out(i, src[i]);
@@ -796,7 +800,7 @@ static inline void insertion_sort_v(Rec* r, int64_t m) {
 }
 
 template <class Rec, class Out>
-static int bucket_wide(Rec* __restrict src, Rec* __restrict tmp, int64_t m, int lb, uint32_t* __restrict hist,
+static int bucket_wide(Rec* src, Rec* __restrict tmp, int64_t m, int lb, uint32_t* __restrict hist,
                        int* w0, Out&& out) {
   if (m <= WIDE_INSERTION || lb <= 0) {
     insertion_sort_v(src, m);
@@ -978,8 +982,8 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
   st.threads = T;
   st.lossy = lossy;
   st.msd = true;
-  Scratch& scr = thread_scratch();
-  char* base = scr.get((size_t)n * rec_bytes + 64);
+  // keys only, the 8-byte records live in the output keys (in place, as in msd_hybrid_sort); else scratch
+  char* base = keys_only ? static_cast<char*>(a.out_keys) : thread_scratch().get((size_t)n * rec_bytes + 64);
   std::atomic<int> most_live{0}, width{0};
   const Coder<U, E> c0 = cd;
   auto key_of = [c0, kmin](uint64_t v) { return c0.dec(U(kmin + (U)v)); };
@@ -1167,8 +1171,13 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     }
     st.lossy = lossy;
     st.msd = true;
-    Scratch& scr = thread_scratch();
-    char* base = scr.get((size_t)n * rec_bytes + 64);
+    // The records live in the output array of their size where there is one: a bucket's records
+    // [b, b + m) become its outputs [b, b + m) in place (read into the cache, sorted there, written back
+    // to the same lines: no scratch pages and no read-for-ownership of the outputs). Else in scratch.
+    auto records = [&](void* same_size_output) -> char* {
+      if (same_size_output) return static_cast<char*>(same_size_output);
+      return thread_scratch().get((size_t)n * rec_bytes + 64);
+    };
     // stats: the bucket with the most in-bucket passes run (fewest skipped on a tie), packed as
     // live * 8 + (7 - skipped) for one atomic max
     std::atomic<int> most_live{0};
@@ -1194,7 +1203,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
 
     if (keys_only) {
       U* ok = static_cast<U*>(a.out_keys);
-      split_and_sort(reinterpret_cast<uint32_t*>(base), [](uint32_t v, int64_t) { return v; },
+      split_and_sort(reinterpret_cast<uint32_t*>(records(sizeof(U) == 4 ? ok : nullptr)), [](uint32_t v, int64_t) { return v; },
                      [ok, key_of](int64_t q, uint32_t x) { ok[q] = key_of(x); });
       return true;
     }
@@ -1202,7 +1211,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       U* ok = static_cast<U*>(a.out_keys);
       const uint32_t* pin = static_cast<const uint32_t*>(a.pay);
       uint32_t* pout = static_cast<uint32_t*>(a.out_pay);
-      split_and_sort(reinterpret_cast<uint64_t*>(base),
+      split_and_sort(reinterpret_cast<uint64_t*>(records(nullptr)),
                      [pin](uint32_t v, int64_t i) { return (uint64_t)v << 32 | pin[i]; },
                      [ok, pout, key_of](int64_t q, uint64_t x) {
                        ok[q] = key_of((uint32_t)(x >> 32));
@@ -1215,14 +1224,14 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     if (!idx) idx = reinterpret_cast<int64_t*>(thread_own_outputs().get((size_t)n * 8 + 64));
     U* ok = need_gather ? nullptr : static_cast<U*>(a.out_keys);
     auto make = [](uint32_t v, int64_t i) { return (uint64_t)v << 32 | (uint32_t)i; };
+    uint64_t* rec = reinterpret_cast<uint64_t*>(records(idx));  // 8-byte records in the int64 indices
     if (ok) {
-      split_and_sort(reinterpret_cast<uint64_t*>(base), make, [ok, idx, key_of](int64_t q, uint64_t x) {
+      split_and_sort(rec, make, [ok, idx, key_of](int64_t q, uint64_t x) {
         ok[q] = key_of((uint32_t)(x >> 32));
         idx[q] = (int64_t)(uint32_t)x;
       });
     } else {  // argsort, or keys gathered afterwards: only the indices leave
-      split_and_sort(reinterpret_cast<uint64_t*>(base), make,
-                     [idx](int64_t q, uint64_t x) { idx[q] = (int64_t)(uint32_t)x; });
+      split_and_sort(rec, make, [idx](int64_t q, uint64_t x) { idx[q] = (int64_t)(uint32_t)x; });
     }
     gather_by_index<U>(a, idx, need_gather);
     return true;
