@@ -346,19 +346,24 @@ def test_msd_split_heuristic_takes_cache_sized_buckets_only():
     z = torch.randint(-(1 << 62), 1 << 62, (1 << 19,), dtype=torch.int64)
     k, i, _, st = _cpu_sort_1d(z, want_idx=True, want_stats=True)
     assert st["msd"] and torch.equal(i, ref_argsort_1d(z)) and torch.equal(k, z[i])
-    # ... but not when the sample says the keys cluster in one top byte (floats of a few magnitudes)
-    assert not _cpu_sort_1d(torch.randn(1 << 19, dtype=torch.float64), want_stats=True)[3]["msd"]
+    # randn float64: half the keys in one top byte, but they differ, so the split is taken (bucket_ok);
+    # at 4M keys that bucket passes the wide byte budget (16 MiB) and the LSD engine sorts them
+    f = torch.randn(1 << 19, dtype=torch.float64)
+    k, i, _, st = _cpu_sort_1d(f, want_idx=True, want_stats=True)
+    assert st["msd"] and torch.equal(i, torch.sort(f, stable=True).indices)
+    assert not _cpu_sort_1d(torch.randn(1 << 22, dtype=torch.float64), want_stats=True)[3]["msd"]
     # 64-bit keys spanning less than 2^32, of either sign (ids, indices, timestamps)
     for z in (x.to(torch.int64), y.to(torch.int64) - (1 << 45), x.to(torch.int64) + (1 << 40)):
         k, i, _, st = _cpu_sort_1d(z, want_idx=True, want_stats=True)
         assert st["msd"] and torch.equal(i, ref_argsort_1d(z)) and torch.equal(k, z[i])
-    # randn floats (a few magnitudes: 27% of float32 keys in one top byte): a bucket past L2 size holding
-    # more than 1/8 of the keys stays with the LSD engine (with indices: 8-byte records, ~1.1 MiB); keys
-    # only (4-byte records, ~570 KiB) the bucket is L2-sized and the split is taken
+    # randn float32 (27% of the keys in one top byte, differing): taken, with indices (a ~1.1 MiB bucket,
+    # past L2) or not; at 4M keys with indices the bucket (~9 MiB) passes the 4 MiB budget
     f = torch.randn(1 << 19)
-    assert not _cpu_sort_1d(f, want_idx=True, want_stats=True)[3]["msd"]
+    k, i, _, st = _cpu_sort_1d(f, want_idx=True, want_stats=True)
+    assert st["msd"] and torch.equal(i, torch.sort(f, stable=True).indices)
     k, _, _, st = _cpu_sort_1d(f, want_stats=True)
     assert st["msd"] and torch.equal(k, torch.sort(f).values)
+    assert not _cpu_sort_1d(torch.randn(1 << 22), want_idx=True, want_stats=True)[3]["msd"]
     # stats: in-bucket passes whose digit is the same for every key are skipped
     t = (torch.randint(0, 256, (1 << 18,)) << 24).to(torch.uint32)  # only the top byte varies
     k, _, _, st = _cpu_sort_1d(t, config={"msd": 2}, want_stats=True)
@@ -371,7 +376,7 @@ def test_msd_split_heuristic_takes_cache_sized_buckets_only():
 def test_msd_split_takes_buckets_past_l2_unless_one_holds_most_keys():
     """bucket_ok: evenly spread keys take the split with buckets far beyond L2 (read once from DRAM, then
     sorted from L3: measured 1.3-3.6x the LSD engine), and a bucket past L2 size holding more than 1/8 of
-    the keys does not (the split would move them for nothing)."""
+    the keys, all one value, does not (the split would move them for nothing)."""
     g = torch.Generator().manual_seed(7)
     # 8M int32 + indices: 256 buckets of ~256 KiB (a sample with a 2x margin once refused these)
     x = torch.randint(-(1 << 31), 1 << 31, (1 << 23,), dtype=torch.int64, generator=g).to(torch.int32)
@@ -383,17 +388,25 @@ def test_msd_split_takes_buckets_past_l2_unless_one_holds_most_keys():
     k, i, _, st = _cpu_sort_1d(z, want_idx=True, want_stats=True)
     ref = torch.sort(z, stable=True)
     assert st["msd"] and torch.equal(k, ref.values) and torch.equal(i, ref.indices)
-    # a quarter of the keys in one bucket: taken while that bucket is L2-sized (300K keys: ~600 KiB) ...
-    small = torch.randint(0, 1 << 30, (300_000,), dtype=torch.int32, generator=g)
+    # a quarter of the keys one value, alone in its bucket: taken while that bucket is L2-sized (300K
+    # keys: ~600 KiB) ...
+    small = torch.randint(1 << 20, 1 << 30, (300_000,), dtype=torch.int32, generator=g)
     small[: 75_000] = 5
     k, i, _, st = _cpu_sort_1d(small, want_idx=True, want_stats=True)
     assert st["msd"] and torch.equal(i, ref_argsort_1d(small))
-    # ... and refused past it (2M keys: a 4 MiB bucket), also by the autotuner's guarded setting msd=1
-    large = torch.randint(0, 1 << 30, (1 << 21,), dtype=torch.int32, generator=g)
-    large[: 1 << 19] = 5
+    # ... and refused past it (1M keys: a 2 MiB bucket of one value), also by the autotuner's guarded
+    # setting msd=1
+    large = torch.randint(1 << 24, 1 << 30, (1 << 20,), dtype=torch.int32, generator=g)  # none share 5's bucket
+    large[: 1 << 18] = 5
     k, i, _, st = _cpu_sort_1d(large, want_idx=True, want_stats=True)
     assert not st["msd"] and torch.equal(i, ref_argsort_1d(large))
     assert not _cpu_sort_1d(large, want_idx=True, config={"msd": 1}, want_stats=True)[3]["msd"]
+    # the same share of keys, differing (a narrow range) inside the bucket: taken (measured 1.5x the LSD
+    # engine at 1M and 4M keys, with 1% of them differing)
+    spread = large.clone()
+    spread[: 1 << 18] = torch.randint(0, 1 << 20, (1 << 18,), dtype=torch.int32, generator=g)
+    k, i, _, st = _cpu_sort_1d(spread, want_idx=True, want_stats=True)
+    assert st["msd"] and torch.equal(i, ref_argsort_1d(spread))
     # forced (msd=2) it still sorts right
     k, i, _, st = _cpu_sort_1d(large, want_idx=True, config={"msd": 2}, want_stats=True)
     assert st["msd"] and torch.equal(i, ref_argsort_1d(large)) and torch.equal(k, large[i])

@@ -576,10 +576,11 @@ struct Engine {
 //   2. One stable scatter into 256 buckets by the digit, of records {v} (keys only) or {v, what the key
 //      carries: its index or a 4-byte payload} (8 bytes). 256 open destination lines fit L1, so plain
 //      stores are combined by the hardware (see scatter_plain).
-//   3. Each bucket (~n/256 records: ~128 KiB at 4M keys, inside one core's L2; up to 4 MiB, from L3, see
-//      bucket_ok) is sorted on v's w - 8 bits below the digit by LSD passes that never leave the cache (2 x ~12 bits, or 3 x ~8 for small
-//      buckets, one pass up to 12 bits; trivial passes skipped), then written to the caller's outputs in
-//      order (key = min + v). Buckets go to threads dynamically.
+//   3. Each bucket (~n/256 records: ~128 KiB at 4M keys, inside one core's L2; up to 4 MiB, from L3:
+//      see bucket_ok) is sorted on v's w - 8 bits below the digit by LSD passes that never leave the
+//      cache (2 x ~12 bits, or 3 x ~8 for small buckets, one pass up to 12 bits; trivial passes
+//      skipped), then written to the caller's outputs in order (key = min + v). Buckets go to threads
+//      dynamically.
 //   DRAM traffic for int32 values + int64 indices: 4 (count) + 4 + 8 (split) + 8 + 4 + 8 (bucket in,
 //   outputs out) = 36 bytes per key, against 48 for three 11-bit LSD passes, and only the split scatters
 //   into DRAM-resident streams; 64-bit keys of a small span travel as 8-byte records instead of 16.
@@ -597,10 +598,13 @@ static constexpr int64_t MSD_MIN_N = int64_t(1) << 18;       // heuristic: below
 //  - random keys: buckets well past L2 still win, read once from DRAM and then sorted from L3 (narrow
 //    path, int32 + indices: 2.3x at 24M keys, 1.7x at 48M, 2.1x at 128M where buckets are 4 MiB; wide
 //    path, int64 + indices: 1.8x at 48M, 1.9x at 128M with 8 MiB buckets), up to the byte budgets below;
-//  - a bucket holding most of the keys (all equal but 1 in 1024): the split moved them for nothing and
-//    the LSD engine, which skips passes whose digit never varies, wins (0.85x at 512K keys, 0.26x at 8M).
-//    So a bucket past L2 size may hold at most 1/MSD_MIN_FANOUT of the keys. (randn floats, whose
-//    biggest top-byte bucket holds 27% (float32) or 50% (float64), measured within 1.0-1.4x either way.)
+//  - a bucket holding most of the keys, all one value (all equal but 1 in 1024): the split moved them for
+//    nothing and the LSD engine, which skips passes whose digit never varies, wins (0.85x at 512K keys,
+//    0.26x at 8M). So a bucket past L2 size may hold more than 1/MSD_MIN_FANOUT of the keys only when
+//    the sampled keys in it differ: randn floats (27% of float32 keys in one top byte, 50% of float64)
+//    sort 1.2-1.8x faster split at 512K keys; a quarter of the keys one value and the rest random but
+//    sharing its bucket, 1.5x at 1M and 4M. Past the byte budgets (randn from ~2-4M keys) the gain
+//    measured 0.95-1.25x, within noise, and the LSD engine keeps them.
 static constexpr size_t MSD_MAX_BUCKET_BYTES = size_t(4) << 20;   // narrow path: 4- or 8-byte records
 static constexpr size_t WIDE_MAX_BUCKET_BYTES = size_t(8) << 20;  // wide path: 8- or 16-byte records
 static constexpr size_t L2_BUCKET_BYTES = size_t(768) << 10;
@@ -610,10 +614,12 @@ static constexpr int MSD_MIN_FANOUT = 8;
 // exact counts decide the rest. (With no slack, 8M random int64 keys and 16M int32 keys were refused.)
 static constexpr double SAMPLE_SLACK = 2.0;
 
-// Whether n keys whose biggest bucket holds `biggest` records of `bytes` each take the MSD split.
-static inline bool bucket_ok(double biggest, size_t bytes, int64_t n, size_t budget) {
+// Whether n keys whose biggest bucket holds `biggest` records of `bytes` each take the MSD split;
+// varied: the sampled keys in that bucket differ (see sample_buckets).
+static inline bool bucket_ok(double biggest, size_t bytes, int64_t n, size_t budget, bool varied) {
   const double b = biggest * (double)bytes;
-  return b <= (double)budget && (b <= (double)L2_BUCKET_BYTES || biggest * MSD_MIN_FANOUT <= (double)n);
+  return b <= (double)budget &&
+         (b <= (double)L2_BUCKET_BYTES || biggest * MSD_MIN_FANOUT <= (double)n || varied);
 }
 
 // The MSD split's digit: the top MSD_BITS of v's w bits; each bucket is then sorted on the w - 8 below.
@@ -930,15 +936,28 @@ static void gather_by_index(const SortArgs& a, const int64_t* idx, bool need_gat
   }
 }
 
-// The fullest bucket of a strided sample of 4096 encoded keys under digit(), scaled to n keys: the
-// MSD split's cheap first look at whether bucket_ok would accept its buckets (see SAMPLE_SLACK).
+// A strided sample of 4096 encoded keys under digit(): the MSD split's cheap first look at whether
+// bucket_ok would accept its buckets. biggest: the fullest bucket's count scaled to n keys (see
+// SAMPLE_SLACK); varied: whether the sampled keys in that bucket differ.
+struct SampleLook {
+  double biggest;
+  bool varied;
+};
 template <class U, Enc E, class Digit>
-static double sampled_biggest(const U* in, int64_t n, const Coder<U, E>& cd, Digit digit) {
+static SampleLook sample_buckets(const U* in, int64_t n, const Coder<U, E>& cd, Digit digit) {
   constexpr int64_t SAMPLE = 4096;
-  uint32_t sample[MSD_BUCKETS] = {};
+  uint32_t count[MSD_BUCKETS] = {};
+  U first[MSD_BUCKETS];
+  bool varied[MSD_BUCKETS] = {};
   uint32_t most = 0;
-  for (int64_t j = 0; j < SAMPLE; ++j) most = std::max(most, ++sample[digit(cd.enc(in[j * n / SAMPLE]))]);
-  return (double)most * (double)n / SAMPLE;
+  for (int64_t j = 0; j < SAMPLE; ++j) {
+    const U k = cd.enc(in[j * n / SAMPLE]);
+    const uint32_t d = digit(k);
+    if (count[d]++ == 0) first[d] = k;
+    else varied[d] |= k != first[d];
+    if (count[d] > count[most]) most = d;
+  }
+  return {(double)count[most] * (double)n / SAMPLE, varied[most]};
 }
 
 // The wide MSD path: 64-bit keys spanning 2^32 or more (random int64 keys, hashes, nanosecond
@@ -963,11 +982,14 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
   const bool carry_pay = !need_gather && !a.out_idx && a.out_keys && a.out_pay && (a.pay_size == 4 || a.pay_size == 8);
   if (!keys_only && !carry_pay && !a.out_idx && a.out_pay) return false;  // other payload sizes: LSD engine
   const size_t rec_bytes = keys_only ? 8 : 16;
-  auto too_big = [&](double biggest) { return guard && !bucket_ok(biggest, rec_bytes, n, WIDE_MAX_BUCKET_BYTES); };
+  auto too_big = [&](double biggest, bool varied) {
+    return guard && !bucket_ok(biggest, rec_bytes, n, WIDE_MAX_BUCKET_BYTES, varied);
+  };
   auto digit = [kmin, lb](U k) { return (uint32_t)((uint64_t)(k - kmin) >> lb); };  // < 256: v < 2^w
   // clustered keys (floats of a few magnitudes) leave without the counting read; the exact counts
   // below decide the rest
-  if (too_big(sampled_biggest(in, n, cd, digit) / SAMPLE_SLACK)) return false;
+  const SampleLook look = sample_buckets(in, n, cd, digit);
+  if (too_big(look.biggest / SAMPLE_SLACK, look.varied)) return false;
   std::vector<uint32_t> hist((size_t)T * RB, 0);
   pk::parallel_threads(T, [&](int t) {
     const int64_t b = n * t / T, e = n * (t + 1) / T;
@@ -977,7 +999,7 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
   });
   std::vector<int64_t> start(RB + 1), pos((size_t)T * RB);
   const int64_t biggest = split_offsets(hist, T, start, pos);
-  if (too_big((double)biggest)) return false;
+  if (too_big((double)biggest, look.varied)) return false;
 
   st.threads = T;
   st.lossy = lossy;
@@ -1078,8 +1100,10 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     const size_t guess_bytes = (!a.out_idx && !a.out_pay) ? 4 : 8;
     // fits: the digit choice (made the same way with or without the guard, so msd=2 runs both plans);
     // too_big: the refusal, off when forced
-    auto fits = [&](double biggest, size_t bytes) { return bucket_ok(biggest, bytes, n, MSD_MAX_BUCKET_BYTES); };
-    auto too_big = [&](double biggest, size_t bytes) { return guard && !fits(biggest, bytes); };
+    auto fits = [&](double biggest, size_t bytes, bool varied) {
+      return bucket_ok(biggest, bytes, n, MSD_MAX_BUCKET_BYTES, varied);
+    };
+    auto too_big = [&](double biggest, size_t bytes, bool varied) { return guard && !fits(biggest, bytes, varied); };
 
     std::vector<uint32_t> hist((size_t)T * RB, 0);
     std::vector<U> min_t(T, U(~U(0))), max_t(T, U(0));
@@ -1112,9 +1136,11 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     // the digit, counted in the first read. Otherwise (and for 64-bit keys) the digit is the top byte of
     // the varying bits, counted in a second read.
     bool top_digit = false;
-    if constexpr (key_bits == 32)
-      top_digit = fits(sampled_biggest(in, n, cd, [](U k) { return (uint32_t)(k >> (32 - MSD_BITS)); }) / SAMPLE_SLACK,
-                       guess_bytes);
+    SampleLook look{0.0, false};  // the sample of the digit in use
+    if constexpr (key_bits == 32) {
+      look = sample_buckets(in, n, cd, [](U k) { return (uint32_t)(k >> (32 - MSD_BITS)); });
+      top_digit = fits(look.biggest / SAMPLE_SLACK, guess_bytes, look.varied);
+    }
     if (top_digit) first_read(std::true_type());
     else first_read(std::false_type());
     U kmin = U(~U(0)), kmax = 0;
@@ -1130,7 +1156,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     int64_t biggest = 0;
     if (top_digit) {
       biggest = offsets();
-      if (!fits((double)biggest, guess_bytes)) top_digit = false;
+      if (!fits((double)biggest, guess_bytes, look.varied)) top_digit = false;
     }
     if (!top_digit) {
       const uint64_t span = (uint64_t)(kmax - kmin);
@@ -1143,8 +1169,8 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       base_key = kmin;
       // the digit exactly as the split computes it: bits [w - 8, w) of v
       const int lbd = std::max(w - MSD_BITS, 0);
-      const double most = sampled_biggest(in, n, cd, [&](U k) { return ((uint32_t)(k - base_key) >> lbd) & (RB - 1); });
-      if (too_big(most / SAMPLE_SLACK, guess_bytes))
+      look = sample_buckets(in, n, cd, [&](U k) { return ((uint32_t)(k - base_key) >> lbd) & (RB - 1); });
+      if (too_big(look.biggest / SAMPLE_SLACK, guess_bytes, look.varied))
         return false;  // floats of a few magnitudes, clustered keys: the LSD engine, without this read
       std::fill(hist.begin(), hist.end(), 0u);
       pk::parallel_threads(T, [&](int t) {
@@ -1160,7 +1186,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     const bool carry_pay = !need_gather && !a.out_idx && a.out_keys && a.out_pay && a.pay_size == 4;
     const size_t rec_bytes = keys_only ? 4 : 8;
     // skewed keys (one bucket past L2 size holding most keys, or past the budget): the LSD engine sorts them
-    if (too_big((double)biggest, rec_bytes)) return false;
+    if (too_big((double)biggest, rec_bytes, look.varied)) return false;
 
     const int lb = std::max(w - MSD_BITS, 0);  // bits sorted inside a bucket, below the digit
     st.threads = T;
@@ -1203,7 +1229,8 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
 
     if (keys_only) {
       U* ok = static_cast<U*>(a.out_keys);
-      split_and_sort(reinterpret_cast<uint32_t*>(records(sizeof(U) == 4 ? ok : nullptr)), [](uint32_t v, int64_t) { return v; },
+      uint32_t* rec = reinterpret_cast<uint32_t*>(records(sizeof(U) == 4 ? ok : nullptr));
+      split_and_sort(rec, [](uint32_t v, int64_t) { return v; },
                      [ok, key_of](int64_t q, uint32_t x) { ok[q] = key_of(x); });
       return true;
     }

@@ -15,7 +15,7 @@ CPU config space (csrc/sort/sort_cpu.cpp):
               keys spanning 2^32 or more take 16-byte records and a second split inside each bucket.
               -1 (default): from 256K keys,
               where a sample and the top-byte counts say the split spreads the keys (no bucket past
-              L2 size with more than 1/8 of them; at most 4 MiB, 8 MiB wide); 1: the same check at
+              L2 size with more than 1/8 of them all one value; at most 4 MiB, 8 MiB wide); 1: the same check at
               any size (so a choice tuned on random keys still leaves skewed keys to the LSD engine);
               0: the LSD engine only; 2: always (tests).
 `python -m pykernels.autotune generate --ops sort [--sizes 65536,1e6]` tunes sort_keys/sort/argsort/
