@@ -21,10 +21,14 @@ send that finds no announcement announces itself and waits), so a late receive c
 a thread wake-up per message (halving-doubling at 4 KiB-1 MiB on 4 ranks: 0.5-0.7x of gloo before,
 0.8-1.0x after).
 
-Tags: every message carries tag = signature(12 bits) | round(10 bits) | piece(9 bits). The signature
-hashes (numel, dtype, op, algorithm), so ranks that disagree about the call never match each other's
-messages: they time out with the process group's timeout (an error on every rank) instead of
-delivering a message of the wrong length, which gloo answers by aborting the whole process.
+Tags: every message carries tag = signature(21 bits) | round(10 bits). The signature hashes (numel,
+dtype, op, algorithm), so ranks that disagree about the call never match each other's messages: they
+time out with the process group's timeout (an error on every rank) instead of delivering a message of
+the wrong length, which gloo answers by aborting the whole process. Two different calls share a tag
+with probability 2^-21. The pieces of one transfer share its round's tag: a round moves at most one
+transfer per ordered pair of members, its pieces are posted in the same order on both sides, and
+messages of one (peer, tag) match in posting order (gloo's tcp transport queues them per slot; NCCL
+ignores tags and matches every peer's messages in order).
 """
 from __future__ import annotations
 
@@ -39,8 +43,9 @@ import os as _os
 # ~1 MiB pieces (FIELD_NOTES: measurably faster on gloo than one big message); COLLECTIVES_PIECE_BYTES
 # overrides it (slow links with deep queues may prefer fewer, larger pieces).
 PIECE_BYTES = int(_os.environ.get("COLLECTIVES_PIECE_BYTES", 1 << 20))
-MAX_PIECES = 512          # 9 bits of the tag
+MAX_PIECES = 512          # pieces per transfer at most (bounds the requests in flight)
 MAX_ROUNDS = 1024         # 10 bits of the tag
+SIGNATURE_BITS = 21       # the rest of a non-negative 32-bit tag
 
 
 class Comm:
@@ -104,7 +109,7 @@ class Tagger:
     """Round numbers advance identically on every rank (ranks that sit out a phase skip its rounds)."""
 
     def __init__(self, signature: str):
-        self.sig = (zlib.crc32(signature.encode()) & 0xFFF) << 19
+        self.sig = (zlib.crc32(signature.encode()) & ((1 << SIGNATURE_BITS) - 1)) << 10
         self.round = 0
 
     def next(self) -> int:
@@ -115,8 +120,8 @@ class Tagger:
     def skip(self, n: int):
         self.round += n
 
-    def tag(self, rnd: int, piece: int) -> int:
-        return self.sig | ((rnd % MAX_ROUNDS) << 9) | (piece % MAX_PIECES)
+    def tag(self, rnd: int) -> int:
+        return self.sig | (rnd % MAX_ROUNDS)
 
 
 def split(lo: int, hi: int, k: int) -> list[int]:
@@ -185,14 +190,14 @@ class Round:
 def _piece_recvs(ctx: Ctx, member: int, buf, lo: int, hi: int, rnd: int, shift: int = 0):
     """Receives of [lo, hi) in pieces into buf[lo + shift: hi + shift]; meta = (a, b) in x's indexing."""
     recvs, meta = [], []
-    for k, (a, b) in enumerate(pieces(lo, hi, ctx.piece)):
-        recvs.append((member, buf[a + shift:b + shift], ctx.tg.tag(rnd, k)))
+    for a, b in pieces(lo, hi, ctx.piece):
+        recvs.append((member, buf[a + shift:b + shift], ctx.tg.tag(rnd)))
         meta.append((a, b))
     return recvs, meta
 
 
 def _piece_sends(ctx: Ctx, member: int, x, lo: int, hi: int, rnd: int):
-    return [(member, x[a:b], ctx.tg.tag(rnd, k)) for k, (a, b) in enumerate(pieces(lo, hi, ctx.piece))]
+    return [(member, x[a:b], ctx.tg.tag(rnd)) for a, b in pieces(lo, hi, ctx.piece)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -204,11 +209,11 @@ def _step(comm: Comm, ctx: Ctx, rnd: int, sends, recvs, reduce_into=None):
     received piece as soon as it arrives. Returns after everything completed."""
     s_list, r_list, r_meta = [], [], []
     for m, t, lo, hi in sends:
-        for k, (a, b) in enumerate(pieces(lo, hi, ctx.piece)):
-            s_list.append((m, t[a:b], ctx.tg.tag(rnd, k)))
+        for a, b in pieces(lo, hi, ctx.piece):
+            s_list.append((m, t[a:b], ctx.tg.tag(rnd)))
     for m, buf, lo, hi in recvs:
-        for k, (a, b) in enumerate(pieces(lo, hi, ctx.piece)):
-            r_list.append((m, buf[a:b], ctx.tg.tag(rnd, k)))
+        for a, b in pieces(lo, hi, ctx.piece):
+            r_list.append((m, buf[a:b], ctx.tg.tag(rnd)))
             r_meta.append((a, b))
     sw, rw = comm.post(s_list, r_list)
     for w, (a, b), (_, buf, _) in zip(rw, r_meta, r_list):
@@ -325,19 +330,19 @@ def ring_reduce_scatter(comm: Comm, x, tmp, off, ctx: Ctx) -> int:
     recvs, meta = [], []
     for s in range(p - 1):
         part = (i - s - 1) % p
-        for k, (a, b) in enumerate(pieces(off[part], off[part + 1], ctx.piece)):
-            recvs.append((prv, tmp[a:b], ctx.tg.tag(rounds[s], k)))
-            meta.append((s, k, a, b))
+        for a, b in pieces(off[part], off[part + 1], ctx.piece):
+            recvs.append((prv, tmp[a:b], ctx.tg.tag(rounds[s])))
+            meta.append((s, a, b))
     part0 = i % p
-    first = [(nxt, x[a:b], ctx.tg.tag(rounds[0], k)) for k, (a, b) in enumerate(pieces(off[part0], off[part0 + 1], ctx.piece))]
+    first = [(nxt, x[a:b], ctx.tg.tag(rounds[0])) for a, b in pieces(off[part0], off[part0 + 1], ctx.piece)]
     sw, rw = comm.post(first, recvs)
     sends = list(sw)
-    for w, (s, k, a, b) in zip(rw, meta):
+    for w, (s, a, b) in zip(rw, meta):
         w.wait()
         if b > a:
             ctx.red(x[a:b], tmp[a:b])
         if s + 1 < p - 1:
-            more, _ = comm.post([(nxt, x[a:b], ctx.tg.tag(rounds[s + 1], k))], [])
+            more, _ = comm.post([(nxt, x[a:b], ctx.tg.tag(rounds[s + 1]))], [])
             sends.extend(more)
     _wait(sends)
     return (i + 1) % p
@@ -354,7 +359,7 @@ def _ring_ag_post(comm: Comm, x, off, own: int, ctx: Ctx):
         part = (i - s + shift) % p
         r, m = _piece_recvs(ctx, prv, x, off[part], off[part + 1], rounds[s])
         recvs += r
-        meta += [(s, k) for k in range(len(m))]
+        meta += [s] * len(m)
     return rounds, Round(comm, recvs, meta)
 
 
@@ -367,9 +372,9 @@ def ring_all_gather(comm: Comm, x, off, own: int, ctx: Ctx, pre=None):
     nxt = (i + 1) % p
     rounds, got = pre if pre is not None else _ring_ag_post(comm, x, off, own, ctx)
     sends = got.send(_piece_sends(ctx, nxt, x, off[own], off[own + 1], rounds[0]))
-    for view, (s, k) in got.arrived():
+    for view, s in got.arrived():
         if s + 1 < p - 1:
-            sends += comm.post([(nxt, view, ctx.tg.tag(rounds[s + 1], k))], [])[0]
+            sends += comm.post([(nxt, view, ctx.tg.tag(rounds[s + 1]))], [])[0]
     _wait(sends)
 
 

@@ -656,6 +656,21 @@ def test_argument_errors():
     assert torch.equal(x, torch.ones(3))
 
 
+def test_tags_keep_21_bits_of_signature():
+    """Ranks that disagree about a call must not match each other's messages (gloo aborts the process on
+    a message of the wrong length): the tag keeps 21 bits of the call's signature (it kept 12, so about
+    1 in 4096 mismatched calls collided) and stays a non-negative 32-bit int; pieces share their round's
+    tag and match in posting order."""
+    from collectives import _allreduce_algos as A
+
+    sigs = [f"{n}|torch.float32|sum|{{}}|[4]" for n in range(4096)]
+    tags = {A.Tagger(s).tag(0) for s in sigs}
+    assert len(tags) >= 4090  # 21 bits: a handful of collisions among 4096 (12 bits: ~1500)
+    t = A.Tagger("x")
+    assert all(0 <= t.tag(r) < 2 ** 31 for r in (0, 1, A.MAX_ROUNDS - 1, A.MAX_ROUNDS, 5000))
+    assert t.tag(3) != t.tag(4) and t.tag(3) == t.tag(3 + A.MAX_ROUNDS)
+
+
 def test_topology_validation_and_placement():
     with pytest.raises(TypeError, match="collectives.Topology"):
         Topology(4)
