@@ -321,14 +321,20 @@ def test_wide_msd_split_agrees_with_the_oracle(dtype, threads, descending):
             assert_same(x, before, "input modified")
 
 
-def test_msd_split_heuristic_takes_cache_sized_buckets_only():
+def test_msd_split_heuristic():
     x = torch.randint(-(1 << 31), 1 << 31, (1 << 19,), dtype=torch.int64).to(torch.int32)
     k, i, _, st = _cpu_sort_1d(x, want_idx=True, want_stats=True)
     assert st["msd"] and torch.equal(i, ref_argsort_1d(x)) and torch.equal(k, x[i])
-    # small ints: the digit is the top byte of the span (here 0..999: bits 2..9), so they spread too
+    # small ints: the digit is the top byte of the span (here 0..999: bits 2..9), so they spread too,
+    # with or without indices (never one bucket of every key, whose own top byte is all the same: the
+    # in-bucket plan would then sort 24 bits, digit_bits 12, on one thread)
     y = torch.randint(0, 1000, (1 << 19,), dtype=torch.int32)
     k, i, _, st = _cpu_sort_1d(y, want_idx=True, want_stats=True)
-    assert st["msd"] and torch.equal(i, ref_argsort_1d(y))
+    assert st["msd"] and st["digit_bits"] < 12 and torch.equal(i, ref_argsort_1d(y))
+    y5 = torch.randint(0, 5000, (1 << 19,), dtype=torch.int32)
+    for want_idx in (False, True):
+        k, i, _, st = _cpu_sort_1d(y5, want_idx=want_idx, want_stats=True)
+        assert st["msd"] and st["digit_bits"] < 12 and torch.equal(k, torch.sort(y5).values)
     # one value in 1024 keys with the rest clustered: the sample sees one huge bucket
     c = torch.zeros(1 << 19, dtype=torch.int32)
     c[::1024] = 1 << 30

@@ -601,7 +601,7 @@ static constexpr int64_t MSD_MIN_N = int64_t(1) << 18;       // heuristic: below
 //  - a bucket holding most of the keys, all one value (all equal but 1 in 1024): the split moved them for
 //    nothing and the LSD engine, which skips passes whose digit never varies, wins (0.85x at 512K keys,
 //    0.26x at 8M). So a bucket past L2 size may hold more than 1/MSD_MIN_FANOUT of the keys only when
-//    the sampled keys in it differ: randn floats (27% of float32 keys in one top byte, 50% of float64)
+//    the sampled keys in it differ (and one thread sorting it leaves the others work): randn floats (27% of float32 keys in one top byte, 50% of float64)
 //    sort 1.2-1.8x faster split at 512K keys; a quarter of the keys one value and the rest random but
 //    sharing its bucket, 1.5x at 1M and 4M. Past the byte budgets (randn from ~2-4M keys) the gain
 //    measured 0.95-1.25x, within noise, and the LSD engine keeps them.
@@ -614,12 +614,15 @@ static constexpr int MSD_MIN_FANOUT = 8;
 // exact counts decide the rest. (With no slack, 8M random int64 keys and 16M int32 keys were refused.)
 static constexpr double SAMPLE_SLACK = 2.0;
 
-// Whether n keys whose biggest bucket holds `biggest` records of `bytes` each take the MSD split;
-// varied: the sampled keys in that bucket differ (see sample_buckets).
-static inline bool bucket_ok(double biggest, size_t bytes, int64_t n, size_t budget, bool varied) {
+// Whether n keys whose biggest bucket holds `biggest` records of `bytes` each take the MSD split on T
+// threads; varied: the sampled keys of the sample's fullest bucket differ (see sample_buckets). A varied
+// big bucket must also leave the threads work: one thread sorts it, so it may hold at most twice a
+// thread's share (any share on 2 threads, half the keys on 4; from 16 threads the 1/8 rule decides).
+static inline bool bucket_ok(double biggest, size_t bytes, int64_t n, size_t budget, bool varied, int T) {
   const double b = biggest * (double)bytes;
-  return b <= (double)budget &&
-         (b <= (double)L2_BUCKET_BYTES || biggest * MSD_MIN_FANOUT <= (double)n || varied);
+  if (b > (double)budget) return false;
+  if (b <= (double)L2_BUCKET_BYTES || biggest * MSD_MIN_FANOUT <= (double)n) return true;
+  return varied && biggest * T <= 2.0 * (double)n;
 }
 
 // The MSD split's digit: the top MSD_BITS of v's w bits; each bucket is then sorted on the w - 8 below.
@@ -909,7 +912,7 @@ static void for_each_bucket(int T, const std::vector<int64_t>& start, size_t his
       if ((int64_t)tmp.size() < m) tmp.resize((size_t)m);
       sort_bucket(tmp.data(), hist.data(), b, m);
     }
-    // kept for the next call only while bucket-sized (a skewed or huge call's buffer is released)
+    // kept for the next call only while L2-sized (a large or skewed call's buffer is released)
     if (tmp.size() > L2_BUCKET_BYTES / sizeof(Rec)) std::vector<Rec>().swap(tmp);
   });
 }
@@ -983,7 +986,7 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
   if (!keys_only && !carry_pay && !a.out_idx && a.out_pay) return false;  // other payload sizes: LSD engine
   const size_t rec_bytes = keys_only ? 8 : 16;
   auto too_big = [&](double biggest, bool varied) {
-    return guard && !bucket_ok(biggest, rec_bytes, n, WIDE_MAX_BUCKET_BYTES, varied);
+    return guard && !bucket_ok(biggest, rec_bytes, n, WIDE_MAX_BUCKET_BYTES, varied, T);
   };
   auto digit = [kmin, lb](U k) { return (uint32_t)((uint64_t)(k - kmin) >> lb); };  // < 256: v < 2^w
   // clustered keys (floats of a few magnitudes) leave without the counting read; the exact counts
@@ -1101,7 +1104,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     // fits: the digit choice (made the same way with or without the guard, so msd=2 runs both plans);
     // too_big: the refusal, off when forced
     auto fits = [&](double biggest, size_t bytes, bool varied) {
-      return bucket_ok(biggest, bytes, n, MSD_MAX_BUCKET_BYTES, varied);
+      return bucket_ok(biggest, bytes, n, MSD_MAX_BUCKET_BYTES, varied, T);
     };
     auto too_big = [&](double biggest, size_t bytes, bool varied) { return guard && !fits(biggest, bytes, varied); };
 
@@ -1134,12 +1137,15 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
 
     // 32-bit keys: a strided sample says whether the top byte spreads them (random keys): then it is
     // the digit, counted in the first read. Otherwise (and for 64-bit keys) the digit is the top byte of
-    // the varying bits, counted in a second read.
+    // the varying bits, counted in a second read. The top byte is chosen only when it spreads the keys
+    // by itself (varied = false below): small ints share one top byte, and a varied bucket of all of
+    // them would pass bucket_ok as one bucket, sorted by one thread, where the span's top byte spreads
+    // them over 256.
     bool top_digit = false;
     SampleLook look{0.0, false};  // the sample of the digit in use
     if constexpr (key_bits == 32) {
       look = sample_buckets(in, n, cd, [](U k) { return (uint32_t)(k >> (32 - MSD_BITS)); });
-      top_digit = fits(look.biggest / SAMPLE_SLACK, guess_bytes, look.varied);
+      top_digit = fits(look.biggest / SAMPLE_SLACK, guess_bytes, false);
     }
     if (top_digit) first_read(std::true_type());
     else first_read(std::false_type());
@@ -1156,7 +1162,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     int64_t biggest = 0;
     if (top_digit) {
       biggest = offsets();
-      if (!fits((double)biggest, guess_bytes, look.varied)) top_digit = false;
+      if (!fits((double)biggest, guess_bytes, false)) top_digit = false;
     }
     if (!top_digit) {
       const uint64_t span = (uint64_t)(kmax - kmin);
@@ -1185,7 +1191,9 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     const bool keys_only = !need_gather && !a.out_pay && !a.out_idx;
     const bool carry_pay = !need_gather && !a.out_idx && a.out_keys && a.out_pay && a.pay_size == 4;
     const size_t rec_bytes = keys_only ? 4 : 8;
-    // skewed keys (one bucket past L2 size holding most keys, or past the budget): the LSD engine sorts them
+    // skewed keys (one bucket past L2 size holding most keys, all one value in the sample, or past the
+    // budget): the LSD engine sorts them. (look.varied describes the sample's fullest bucket, which for
+    // skewed keys is the exact counts' biggest too.)
     if (too_big((double)biggest, rec_bytes, look.varied)) return false;
 
     const int lb = std::max(w - MSD_BITS, 0);  // bits sorted inside a bucket, below the digit
