@@ -601,10 +601,11 @@ static constexpr int64_t MSD_MIN_N = int64_t(1) << 18;       // heuristic: below
 //  - a bucket holding most of the keys, all one value (all equal but 1 in 1024): the split moved them for
 //    nothing and the LSD engine, which skips passes whose digit never varies, wins (0.85x at 512K keys,
 //    0.26x at 8M). So a bucket past L2 size may hold more than 1/MSD_MIN_FANOUT of the keys only when
-//    the sampled keys in it differ (and one thread sorting it leaves the others work): randn floats (27% of float32 keys in one top byte, 50% of float64)
-//    sort 1.2-1.8x faster split at 512K keys; a quarter of the keys one value and the rest random but
-//    sharing its bucket, 1.5x at 1M and 4M. Past the byte budgets (randn from ~2-4M keys) the gain
-//    measured 0.95-1.25x, within noise, and the LSD engine keeps them.
+//    the sampled keys in it differ (and one thread sorting it leaves the others work): randn floats
+//    (27% of float32 keys in one top byte, 50% of float64) sort 1.2-1.8x faster split at 512K keys; a
+//    quarter of the keys one value and the rest random but sharing its bucket, 1.5x at 1M and 4M. Past
+//    the byte budgets (randn from ~2-4M keys) the gain measured 0.95-1.25x, within noise, and the LSD
+//    engine keeps them.
 static constexpr size_t MSD_MAX_BUCKET_BYTES = size_t(4) << 20;   // narrow path: 4- or 8-byte records
 static constexpr size_t WIDE_MAX_BUCKET_BYTES = size_t(8) << 20;  // wide path: 8- or 16-byte records
 static constexpr size_t L2_BUCKET_BYTES = size_t(768) << 10;
@@ -989,8 +990,8 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
     return guard && !bucket_ok(biggest, rec_bytes, n, WIDE_MAX_BUCKET_BYTES, varied, T);
   };
   auto digit = [kmin, lb](U k) { return (uint32_t)((uint64_t)(k - kmin) >> lb); };  // < 256: v < 2^w
-  // clustered keys (floats of a few magnitudes) leave without the counting read; the exact counts
-  // below decide the rest
+  // keys the sample already shows refused (one value filling a bucket past L2, or a bucket past the
+  // budget) leave without the counting read; the exact counts below decide the rest
   const SampleLook look = sample_buckets(in, n, cd, digit);
   if (too_big(look.biggest / SAMPLE_SLACK, look.varied)) return false;
   std::vector<uint32_t> hist((size_t)T * RB, 0);
@@ -1177,7 +1178,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       const int lbd = std::max(w - MSD_BITS, 0);
       look = sample_buckets(in, n, cd, [&](U k) { return ((uint32_t)(k - base_key) >> lbd) & (RB - 1); });
       if (too_big(look.biggest / SAMPLE_SLACK, guess_bytes, look.varied))
-        return false;  // floats of a few magnitudes, clustered keys: the LSD engine, without this read
+        return false;  // skewed keys (see bucket_ok): the LSD engine, without this read
       std::fill(hist.begin(), hist.end(), 0u);
       pk::parallel_threads(T, [&](int t) {
         const int64_t b = n * t / T, e = n * (t + 1) / T;
