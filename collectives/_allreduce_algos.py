@@ -330,11 +330,10 @@ def ring_reduce_scatter(comm: Comm, x, tmp, off, ctx: Ctx) -> int:
     recvs, meta = [], []
     for s in range(p - 1):
         part = (i - s - 1) % p
-        for a, b in pieces(off[part], off[part + 1], ctx.piece):
-            recvs.append((prv, tmp[a:b], ctx.tg.tag(rounds[s])))
-            meta.append((s, a, b))
-    part0 = i % p
-    first = [(nxt, x[a:b], ctx.tg.tag(rounds[0])) for a, b in pieces(off[part0], off[part0 + 1], ctx.piece)]
+        r, m = _piece_recvs(ctx, prv, tmp, off[part], off[part + 1], rounds[s])
+        recvs += r
+        meta += [(s, a, b) for a, b in m]
+    first = _piece_sends(ctx, nxt, x, off[i], off[i + 1], rounds[0])
     sw, rw = comm.post(first, recvs)
     sends = list(sw)
     for w, (s, a, b) in zip(rw, meta):
