@@ -116,7 +116,8 @@ def _cpu_cases(quick):
                     case.bytes_moved = n * (lines * 64 + 17)
                     limit = _random_line_rate(t) / lines
                     case.notes = (f"{lines:.3f} lines (DRAM accesses)/find; random-line limit "
-                                  f"{limit / 1e6:.0f} M finds/s in this run")
+                                  f"{limit / 1e6:.0f} M finds/s in this run; values and found flags reuse "
+                                  f"the dropped outputs (output cache), pandas' are fresh pages")
                     return (lambda: t.find(q, default=-1)), (lambda: idx.get_indexer(qnp))
 
                 c = Case(GROUP, f"find hits={int(hits * 100)}%", label, n, None, "pd.Index.get_indexer", n, "finds",

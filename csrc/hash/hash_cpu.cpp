@@ -14,8 +14,6 @@
 // misses alike; 2.75 for half misses without the filter).
 #include <pybind11/pybind11.h>
 
-#include <sys/mman.h>
-
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -818,21 +816,6 @@ uint64_t random_lines(uintptr_t buf, int64_t nbytes, int64_t n, int D, int nthre
   return t;
 }
 
-// Random probes of a large table miss the TLB on nearly every access with 4 KiB pages; 2 MiB pages
-// make the page walk cheap (its entries stay cached). Python aligns big tables to 2 MiB and calls this
-// before the first touch. Returns false where the kernel refuses (THP "never"), which is harmless.
-bool advise_hugepages(uintptr_t ptr, int64_t nbytes) {
-#ifdef MADV_HUGEPAGE
-  const uintptr_t huge = 2u << 20;
-  uintptr_t b = (ptr + huge - 1) & ~(huge - 1), e = (ptr + (uintptr_t)nbytes) & ~(huge - 1);
-  if (e <= b) return false;
-  return madvise(reinterpret_cast<void*>(b), e - b, MADV_HUGEPAGE) == 0;
-#else
-  (void)ptr; (void)nbytes;
-  return false;
-#endif
-}
-
 }  // namespace
 
 PYBIND11_MODULE(_cpu_hash, m) {
@@ -906,7 +889,6 @@ PYBIND11_MODULE(_cpu_hash, m) {
         py::arg("nthreads"));
   m.def("random_lines", &random_lines, py::arg("buf"), py::arg("nbytes"), py::arg("n"), py::arg("prefetch"),
         py::arg("nthreads"), "Reads n random 64-byte lines of buf (the random-access limit probe)");
-  m.def("advise_hugepages", &advise_hugepages, py::arg("ptr"), py::arg("nbytes"));
   m.def("bloom_add", &bloom_add);
   m.def("bloom_contains", &bloom_contains);
 }

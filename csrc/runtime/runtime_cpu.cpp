@@ -1,6 +1,10 @@
-// pykernels._cpu_runtime: facts about this CPU and the memory-bandwidth probes that benchmarks use to
-// say how close an op runs to the machine's limit (measured in the same run as the op).
+// pykernels._cpu_runtime: facts about this CPU, the memory-bandwidth probes that benchmarks use to
+// say how close an op runs to the machine's limit (measured in the same run as the op), and the
+// huge-page advice for large buffers (pykernels/_memory.py).
 #include <pybind11/pybind11.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include <cstring>
 #include <vector>
@@ -67,6 +71,24 @@ void copy_bytes(uintptr_t dst, uintptr_t src, int64_t nbytes, int num_threads) {
   pk::parallel_ranges(nbytes, num_threads, [&](int, int64_t b, int64_t e) { std::memcpy(d + b, s + b, e - b); });
 }
 
+// Transparent huge pages for [ptr, ptr + nbytes) (its whole 2 MiB pages), called before the first
+// touch. Random probes of a large hash table miss the TLB on nearly every access with 4 KiB pages
+// (2 MiB pages keep the page walk cached), and a fresh output's first touch costs one page fault
+// per 4 KiB instead of one per 2 MiB. Returns false where the kernel refuses (THP "never") or the
+// range holds no whole huge page, which is harmless.
+bool advise_hugepages(uintptr_t ptr, int64_t nbytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  const uintptr_t huge = uintptr_t(2) << 20;
+  const uintptr_t b = (ptr + huge - 1) & ~(huge - 1), e = (ptr + (uintptr_t)nbytes) & ~(huge - 1);
+  if (e <= b) return false;
+  return madvise(reinterpret_cast<void*>(b), e - b, MADV_HUGEPAGE) == 0;
+#else
+  (void)ptr;
+  (void)nbytes;
+  return false;
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu_runtime, m) {
@@ -77,4 +99,6 @@ PYBIND11_MODULE(_cpu_runtime, m) {
         "Sum of the 64-bit words at src (reads every byte once, on num_threads threads)");
   m.def("copy_bytes", &copy_bytes, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("num_threads"),
         "memcpy split over num_threads threads");
+  m.def("advise_hugepages", &advise_hugepages, py::arg("ptr"), py::arg("nbytes"),
+        "madvise(MADV_HUGEPAGE) over the whole 2 MiB pages of [ptr, ptr + nbytes), before the first touch");
 }

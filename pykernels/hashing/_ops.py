@@ -11,12 +11,11 @@ from typing import Optional
 
 import torch
 
-from .. import _native
+from .. import _memory, _native
 from ._layout import slot_bytes
 
 _M64 = (1 << 64) - 1
 _BITS = {4: torch.int32, 8: torch.int64}
-_HUGE = 2 << 20
 
 
 def _mod(t: torch.Tensor):
@@ -36,17 +35,12 @@ def _nthreads(threads: int) -> int:
 
 
 def out_buffer(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An output buffer. Large CPU outputs are 2 MiB-aligned views advised to use huge pages: the
-    first touch of a fresh 4 KiB-paged buffer costs a page fault per 4 KiB, which for a lookup
-    writing 9 bytes per key was ~20% of its time."""
-    nbytes = n * dtype.itemsize
-    if device.type != "cpu" or nbytes < 2 * _HUGE:
+    """An output buffer: large CPU outputs come from the output cache (pykernels/_memory.py: the first
+    touch of fresh pages was ~25% of a 4M-key lookup's time), 2 MiB-aligned and advised to use huge
+    pages."""
+    if device.type != "cpu":
         return torch.empty(n, dtype=dtype, device=device)
-    raw = torch.empty(nbytes + _HUGE, dtype=torch.uint8)
-    off = -raw.data_ptr() % _HUGE
-    out = raw[off: off + nbytes].view(dtype)
-    _native.cpu_module("hash").advise_hugepages(out.data_ptr(), nbytes)
-    return out
+    return _memory.empty_output((n,), dtype)
 
 
 def _check_special(op: str, special: torch.Tensor, nw: int):

@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from .. import _backend, _native, autotune
+from .. import _backend, _memory, _native, autotune
 from ..errors import TableFullError
 from . import _layout as L
 from . import _ops
@@ -27,7 +27,6 @@ M_UPSERT, M_ADD, M_APPEND = 0, 1, 2
 _SUPPORTED = ("cpu", "cuda")
 _TUNED_OPS = ("hash_find", "hash_insert")  # the autotuned ops of a table (_tune.py)
 _GPU_WINDOWS = (1, 2, 4, 8, 16, 32)  # group sizes hash.cu is instantiated for
-_HUGE = 2 << 20
 _HUGE_MIN_BYTES = 8 << 20
 
 
@@ -118,12 +117,7 @@ class _OpenTable:
         words = nw * self.window * self._sb // 4
         if self.device.type != "cpu" or words * 4 < _HUGE_MIN_BYTES:
             return torch.empty(words, dtype=torch.int32, device=self.device)
-        pad = _HUGE // 4
-        raw = torch.empty(words + pad, dtype=torch.int32)
-        off = (-raw.data_ptr() % _HUGE) // 4
-        slots = raw[off: off + words]
-        self._mod.advise_hugepages(slots.data_ptr(), words * 4)
-        return slots
+        return _memory.huge_buffer(words * 4).view(torch.int32)
 
     def _alloc(self, capacity):
         self._nw = L.windows_for(capacity, self.window, self._op)

@@ -26,7 +26,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .. import _native, autotune
+from .. import _memory, _native, autotune
 from .._backend import eager_direct as _eager, dispatch, select_backend
 from ..errors import check_dtype, check_ndim, check_same_device
 
@@ -89,9 +89,9 @@ def _cpu_sort_1d(keys: torch.Tensor, *, want_keys=True, want_idx=False, payload=
     if out is not None:
         out_k, out_i = out
     else:
-        out_k = torch.empty_like(keys, memory_format=torch.contiguous_format) if want_keys else None
-        out_i = torch.empty(n, dtype=torch.int64) if want_idx else None
-    out_p = torch.empty_like(payload, memory_format=torch.contiguous_format) if payload is not None else None
+        out_k = _memory.empty_output(keys.shape, keys.dtype) if want_keys else None
+        out_i = _memory.empty_output((n,), torch.int64) if want_idx else None
+    out_p = _memory.empty_output(payload.shape, payload.dtype) if payload is not None else None
     stats = _cpu().sort(keys.data_ptr() if n else 0, n, _native.dtype_code(keys.dtype), _ptr(out_k), _ptr(out_i),
                         _ptr(payload), _ptr(out_p), payload.element_size() if payload is not None else 0,
                         bool(descending), int(begin_bit), -1 if end_bit is None else int(end_bit),
@@ -104,9 +104,9 @@ def _cpu_sort_1d(keys: torch.Tensor, *, want_keys=True, want_idx=False, payload=
 def _cpu_segmented(keys: torch.Tensor, offsets: Optional[torch.Tensor], nseg: int, row_len: int, *,
                    want_keys=True, want_idx=False, payload=None, descending=False, config=None):
     config = config or {}
-    out_k = torch.empty_like(keys, memory_format=torch.contiguous_format) if want_keys else None
-    out_i = torch.empty(keys.numel(), dtype=torch.int64) if want_idx else None
-    out_p = torch.empty_like(payload, memory_format=torch.contiguous_format) if payload is not None else None
+    out_k = _memory.empty_output(keys.shape, keys.dtype) if want_keys else None
+    out_i = _memory.empty_output((keys.numel(),), torch.int64) if want_idx else None
+    out_p = _memory.empty_output(payload.shape, payload.dtype) if payload is not None else None
     if keys.numel():
         _cpu().segmented(keys.data_ptr(), _native.dtype_code(keys.dtype), _ptr(offsets), nseg, row_len, _ptr(out_k),
                          _ptr(out_i), _ptr(payload), _ptr(out_p),
