@@ -25,6 +25,8 @@ from typing import Any, Callable, Optional
 import torch
 
 BENCH_DIR = Path(__file__).resolve().parent
+_CPU_BATCH_S = 0.02  # a CPU sample: back-to-back calls of about this long (see time_pair)
+_CPU_QUIET_S = 0.015  # and a pause before it, for the other op's spinning threads to sleep
 
 
 @dataclass
@@ -97,21 +99,36 @@ def time_pair(ours: Callable, baseline: Callable, device: str = "cpu", *, min_re
     """Median seconds of ours() and baseline(), measured alternately after one warm-up each."""
     if device == "cuda":
         return _time_pair_cuda(ours, baseline, min_repeats, max_repeats, budget_s)
+    # CPU, as timeit does: the garbage collector paused while timing (a collection before every call
+    # walked every Python object, evicting the caches and letting the thread pools fall asleep: a 0.2 ms
+    # GEMV measured 0.8 ms that way), and a sample of a short call is the mean of a batch of back-to-back
+    # calls of ~20 ms. Each batch starts after a pause: torch's OpenMP workers spin for several ms
+    # after each parallel op (GOMP_SPINCOUNT pause loops; pause is slow on AMD cores) and took a core
+    # from whatever ran next (a 0.2 ms GEMV right after torch's int4 GEMV: 0.35-0.4 ms). The batch is
+    # long so that waking the threads and cores after the pause (0.3-0.6 ms on these VMs) is a small
+    # part of it: each op is timed in its own steady state.
+    batch = []
     for fn in (ours, baseline):
         fn()
-    _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        batch.append(max(1, min(1000, int(_CPU_BATCH_S / max(time.perf_counter() - t0, 1e-7)))))
     t_ours, t_base = [], []
-    start = time.perf_counter()
-    for i in range(max_repeats):
-        for fn, acc in ((ours, t_ours), (baseline, t_base)):
-            gc.collect()
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            acc.append(time.perf_counter() - t0)
-        if i + 1 >= min_repeats and time.perf_counter() - start > budget_s:
-            break
+    gc.collect()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        for i in range(max_repeats):
+            for fn, acc, reps in ((ours, t_ours, batch[0]), (baseline, t_base, batch[1])):
+                time.sleep(_CPU_QUIET_S)
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    fn()
+                acc.append((time.perf_counter() - t0) / reps)
+            if i + 1 >= min_repeats and time.perf_counter() - start > budget_s:
+                break
+    finally:
+        gc.enable()
     return statistics.median(t_ours), statistics.median(t_base), len(t_ours)
 
 

@@ -90,8 +90,7 @@ def _cpu_cases(quick: bool):
 
     # A model's decode step: GEMVs back to back, each on another layer's weights. Rotating through
     # LAYERS copies (76 MiB packed, more than the 32 MiB L3) makes every call stream its weights from
-    # DRAM with the threads already awake, where the single calls above (after gc.collect()) also
-    # measure waking the cores, and where a loop on one weight would find it in the L3.
+    # DRAM, where the back-to-back calls on one weight above find it in the L3.
     def layers_vs(baseline):
         def make():
             from pykernels.quant import QuantizedWeight

@@ -17,6 +17,31 @@ def test_bench(benchmark, case: Case):
     benchmark.pedantic(ours, rounds=3, warmup_rounds=1)
 
 
+def test_cpu_timing_batches_short_calls_with_the_gc_paused():
+    """The CPU branch of time_pair: a short call is timed in batches of ~20 ms (the mean per call), a
+    long one call by call, ours and the baseline alternating, the GC paused while timing."""
+    import gc
+    import time
+
+    calls = {"short": 0, "long": 0}
+    gc_states = []
+
+    def short():
+        calls["short"] += 1
+        gc_states.append(gc.isenabled())
+        time.sleep(0.0001)
+
+    def long():
+        calls["long"] += 1
+        time.sleep(0.03)
+
+    t_short, t_long, reps = time_pair(short, long, "cpu", min_repeats=3, max_repeats=3, budget_s=0.0)
+    assert reps == 3 and calls["long"] == 2 + 3                 # two warm-up calls, then one per sample
+    assert calls["short"] > 2 + 3 * 4                           # batches of several calls per sample
+    assert 0.0001 <= t_short < 0.002 and 0.03 <= t_long < 0.3  # per-call means, not batch totals
+    assert gc.isenabled() and not all(gc_states)
+
+
 def test_gpu_timing_uses_event_batches(monkeypatch):
     """The CUDA branch of time_pair, with the CUDA calls faked on the CPU: batches of back-to-back calls
     between two events, sized to ~20 ms, ours and the baseline alternating, the GC paused meanwhile."""
