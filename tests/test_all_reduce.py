@@ -489,6 +489,31 @@ def chk_ddp(algo, unused=False):
         torch.testing.assert_close(a, b, rtol=1e-5 if unused else 1e-6, atol=1e-6 if unused else 1e-7)
 
 
+def chk_hook_skips_the_agreement_check():
+    """The DDP hook runs gloo's own all-reduce without the agreement check (DDP's buckets are alike on
+    every rank); a plain all_reduce with "native" still makes it."""
+    import sys
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    M = sys.modules["collectives.all_reduce"]  # the module (collectives.all_reduce is the function)
+    checks = []
+    real = M._check_agreement
+    M._check_agreement = lambda *a, **k: (checks.append(a[1]), real(*a, **k))[1]
+    try:
+        torch.manual_seed(0)
+        ddp = DDP(torch.nn.Linear(64, 64), bucket_cap_mb=0.001)
+        ddp.register_comm_hook({"algorithm": "native"}, collectives.ddp_comm_hook)
+        ddp(torch.randn(4, 64)).sum().backward()
+        in_hook = len(checks)
+        x = torch.ones(10)
+        collectives.all_reduce(x, algorithm="native")
+        assert torch.all(x == dist.get_world_size())
+        return in_hook, len(checks) - in_hook
+    finally:
+        M._check_agreement = real
+
+
 def chk_detect():
     t = Topology.detect()
     return repr(t), t.note
@@ -566,6 +591,7 @@ def test_world_4_ddp_hook(clusters):
     c.run("chk_ddp", "hierarchical")
     for algo in ("auto", "native", "ring"):
         c.run("chk_ddp", algo, True, timeout=90)
+    assert c.run("chk_hook_skips_the_agreement_check") == [(0, 1)] * 4
 
 
 def test_world_4_async_calls_keep_collective_order_and_odd_tensors(clusters):
