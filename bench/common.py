@@ -46,11 +46,6 @@ class Case:
     notes: str = ""
 
 
-def _sync(device: str):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def _cuda_batch_seconds(fn: Callable, reps: int) -> float:
     """Mean seconds of one call over `reps` back-to-back calls, between two CUDA events."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -114,6 +109,7 @@ def time_pair(ours: Callable, baseline: Callable, device: str = "cpu", *, min_re
         fn()
         batch.append(max(1, min(1000, int(_CPU_BATCH_S / max(time.perf_counter() - t0, 1e-7)))))
     t_ours, t_base = [], []
+    gc_was_on = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
@@ -128,7 +124,8 @@ def time_pair(ours: Callable, baseline: Callable, device: str = "cpu", *, min_re
             if i + 1 >= min_repeats and time.perf_counter() - start > budget_s:
                 break
     finally:
-        gc.enable()
+        if gc_was_on:
+            gc.enable()
     return statistics.median(t_ours), statistics.median(t_base), len(t_ours)
 
 

@@ -7,20 +7,23 @@ a ~20 ms sort, and a 4M-key hash lookup's 36 MiB of values and flags ~8 ms of ~3
 has dropped is still mapped: handing it out again costs nothing. This is what PyTorch's CUDA caching
 allocator does for GPU memory, here only for the large CPU outputs of pykernels' own ops.
 
-How. Each cached buffer is a uint8 tensor whose storage the cache keeps; an output is a view of it.
-A buffer is handed out again only when nothing but the cache refers to its storage (the storage's
-strong use count and its Python object's reference count are back to what they were when the buffer
-was made): a view, a slice, a numpy array, a saved autograd tensor or the UntypedStorage of a result
-keeps the buffer out of use. Buffers match by size class
-(sizes rounded up by at most 1/16), so a result's storage is never much larger than the result.
+How. The cache keeps the storages of the outputs it made (exactly the output's size: a result saved,
+pickled or shared carries no padding). An output is a plain tensor on such a storage (not a view, so
+autograd lets callers modify it in place, as torch.sort's results). A storage is handed out again only
+when nothing but the cache refers to it: its strong use count and its Python object's reference count
+are back to what they were when the cache made it, so a tensor, view, numpy array, saved autograd
+tensor or UntypedStorage of a result keeps it out of use. A storage that moved (share_memory_(), a
+growing resize_) leaves the cache at once: its tensors own it from then on.
 
 Bounds. PYKERNELS_OUTPUT_CACHE_MB (default 1024; 0 turns the cache off) caps the bytes of all cached
-buffers; past it the least recently used are dropped from the cache (a buffer still in use lives on
-with its tensors and is freed with them). `pykernels.empty_cache()` drops every buffer not in use.
-Where torch lacks the use-count query the cache stays off and outputs are plain allocations.
+storages; past it the least recently used are dropped from the cache (one still in use lives on with
+its tensors and is freed with them). At most MAX_PER_SIZE storages of one size are kept, so a caller
+holding many results does not make each call scan them. `pykernels.empty_cache()` drops every storage
+not in use. Where torch lacks the use-count query the cache stays off and outputs are plain allocations.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -30,11 +33,13 @@ import torch
 from . import _native
 
 HUGE_PAGE = 2 << 20
+MAX_PER_SIZE = 4
 _MIN_CACHED_BYTES = 1 << 20  # smaller outputs come from malloc's heap, whose pages are already mapped
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
-def _advise_huge(t: torch.Tensor, nbytes: int):
+def advise_huge(t: torch.Tensor, nbytes: int):
+    """Huge pages for the whole 2 MiB pages inside t's first nbytes (before anything touches them)."""
     try:
         _native.cpu_module("runtime").advise_hugepages(t.data_ptr(), nbytes)
     except RuntimeError:  # no native runtime: the advice is only a hint
@@ -42,98 +47,116 @@ def _advise_huge(t: torch.Tensor, nbytes: int):
 
 
 def huge_buffer(nbytes: int) -> torch.Tensor:
-    """A fresh uint8 CPU tensor of nbytes. From 4 MiB on it starts on a 2 MiB boundary and is advised to
-    use huge pages before anything touches it (a view of a buffer 2 MiB larger)."""
+    """A fresh uint8 CPU tensor of nbytes. From 4 MiB on it starts on a 2 MiB boundary (a view of a
+    buffer 2 MiB larger) and is advised to use huge pages: for a hash table's slots, which random
+    probes would otherwise spread over more 4 KiB pages than the TLB holds."""
     if nbytes < 2 * HUGE_PAGE:
         return torch.empty(nbytes, dtype=torch.uint8)
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
     off = -raw.data_ptr() % HUGE_PAGE
     out = raw[off: off + nbytes]
-    _advise_huge(out, nbytes)
+    advise_huge(out, nbytes)
     return out
 
 
-def _size_class(nbytes: int) -> int:
-    """nbytes rounded up to a multiple of max(64 KiB, 1/16 of its power of two)."""
-    g = max(64 << 10, 1 << max(0, nbytes.bit_length() - 5))
-    return -(-nbytes // g) * g
+def _fresh_storage(nbytes: int) -> torch.UntypedStorage:
+    """nbytes of new memory; from 4 MiB on its whole huge pages advised (one page fault per 2 MiB on
+    first touch instead of 512)."""
+    raw = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes >= 2 * HUGE_PAGE:
+        advise_huge(raw, nbytes)
+    return raw.untyped_storage()
 
 
-def _storage_refs(t: torch.Tensor) -> tuple:
-    """(strong C++ references to t's storage, Python references to its storage object). Tensors and
-    views count in the first; a Python UntypedStorage object a caller holds only in the second (torch
-    keeps one such object per storage, owned by the storage, so holding it adds no C++ reference)."""
-    s = t.untyped_storage()
-    return _use_count(s._cdata), sys.getrefcount(s)
+def _refs(storage: torch.UntypedStorage) -> tuple:
+    """(strong C++ references to the storage, Python references to its storage object). Tensors and
+    views count in the first; an UntypedStorage object a caller holds only in the second (torch keeps
+    one such object per storage, owned by the storage, so holding it adds no C++ reference)."""
+    return _use_count(storage._cdata), sys.getrefcount(storage)
 
 
-class _Buffer:
-    __slots__ = ("view", "ptr", "idle_refs", "size_class", "tick")
+class _Cached:
+    __slots__ = ("storage", "ptr", "nbytes", "idle_refs", "tick")
 
-    def __init__(self, size_class: int, tick: int):
-        self.size_class = size_class
-        self.view = huge_buffer(size_class)
-        self.ptr = self.view.data_ptr()
-        # the references with only this object referring to the storage (measured the same way later)
-        self.idle_refs = _storage_refs(self.view)
+    def __init__(self, nbytes: int, tick: int):
+        self.storage = _fresh_storage(nbytes)
+        self.ptr = self.storage.data_ptr()
+        self.nbytes = nbytes
+        self.idle_refs = _refs(self.storage)  # with only the cache referring to it
         self.tick = tick
 
+    def moved(self) -> bool:
+        """A caller moved or resized the storage (share_memory_(), resize_): no longer ours to reuse."""
+        return self.storage.data_ptr() != self.ptr or self.storage.nbytes() != self.nbytes
+
     def idle(self) -> bool:
-        """No tensor but ours refers to the storage, and nobody resized or moved it."""
-        return (_storage_refs(self.view) == self.idle_refs and self.view.data_ptr() == self.ptr
-                and self.view.untyped_storage().nbytes() >= self.size_class)
+        return _refs(self.storage) == self.idle_refs
 
 
 class OutputCache:
-    """See the module docstring. Thread-safe: choosing an idle buffer and taking a view of it (which
-    makes it busy) happen under one lock."""
+    """See the module docstring. Thread-safe: choosing an idle storage and wrapping it in the caller's
+    tensor (which makes it busy) happen under one lock."""
 
     def __init__(self, limit_bytes: int):
         self.limit = limit_bytes if _use_count is not None else 0
         self._lock = threading.Lock()
-        self._buffers: list[_Buffer] = []
+        self._by_size: dict[int, list[_Cached]] = {}
         self._tick = 0
         self.hits = 0
         self.misses = 0
+        if hasattr(os, "register_at_fork"):  # a child must not inherit a lock held by a parent's thread
+            os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self):
+        self._lock = threading.Lock()
 
     def cached_bytes(self) -> int:
         with self._lock:
-            return sum(b.size_class for b in self._buffers)
+            return sum(c.nbytes for lst in self._by_size.values() for c in lst)
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A uint8 CPU tensor of nbytes (contents undefined): an idle cached buffer of its size class, a
-        new cached one, or (small, or past the cap) a plain allocation."""
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous CPU tensor (contents undefined) on a cached storage of exactly its size when one
+        is idle, else on a new one (cached while under the cap)."""
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < _MIN_CACHED_BYTES or nbytes > self.limit:
-            return huge_buffer(nbytes)
-        cls = _size_class(nbytes)
+            return torch.empty(0, dtype=dtype).set_(_fresh_storage(nbytes), 0, shape)
         with self._lock:
             self._tick += 1
-            for b in self._buffers:
-                if b.size_class == cls and b.idle():
-                    b.tick = self._tick
+            same = self._by_size.setdefault(nbytes, [])
+            same[:] = [c for c in same if not c.moved()]
+            for c in same:
+                if c.idle():
+                    c.tick = self._tick
                     self.hits += 1
-                    return b.view[:nbytes]
+                    return torch.empty(0, dtype=dtype).set_(c.storage, 0, shape)
             self.misses += 1
-            self._make_room(cls)
-            b = _Buffer(cls, self._tick)
-            self._buffers.append(b)
-            return b.view[:nbytes]
+            c = _Cached(nbytes, self._tick)
+            out = torch.empty(0, dtype=dtype).set_(c.storage, 0, shape)
+            if len(same) >= MAX_PER_SIZE:  # the oldest of this size makes way
+                same.remove(min(same, key=lambda b: b.tick))
+            same.append(c)
+            self._make_room()
+            return out
 
-    def _make_room(self, cls: int):
-        """Drop least recently used buffers, idle ones first, until cls more bytes fit under the cap."""
-        total = sum(b.size_class for b in self._buffers) + cls
+    def _make_room(self):
+        """Drop least recently used storages, idle (or moved) ones first, until all fit under the cap."""
+        entries = [c for lst in self._by_size.values() for c in lst]
+        total = sum(c.nbytes for c in entries)
         if total <= self.limit:
             return
-        for b in sorted(self._buffers, key=lambda b: (not b.idle(), b.tick)):
+        for c in sorted(entries, key=lambda c: (not (c.moved() or c.idle()), c.tick)):
             if total <= self.limit:
                 break
-            self._buffers.remove(b)
-            total -= b.size_class
+            self._by_size[c.nbytes].remove(c)
+            total -= c.nbytes
 
-    def empty(self):
-        """Drop every idle buffer (its memory goes back to the system)."""
+    def release_idle(self):
+        """Drop every idle or moved storage (its memory goes back to the system)."""
         with self._lock:
-            self._buffers = [b for b in self._buffers if not b.idle()]
+            for n, lst in list(self._by_size.items()):
+                lst[:] = [c for c in lst if not (c.moved() or c.idle())]
+                if not lst:
+                    del self._by_size[n]
 
 
 def _limit_from_env() -> int:
@@ -141,27 +164,22 @@ def _limit_from_env() -> int:
     try:
         mb = float(text)
     except ValueError:
-        raise ValueError(f"pykernels: PYKERNELS_OUTPUT_CACHE_MB must be a number of MiB, got {text!r}") from None
-    return max(0, int(mb * (1 << 20)))
+        mb = float("nan")
+    if not math.isfinite(mb) or mb < 0:
+        raise ValueError(f"pykernels: PYKERNELS_OUTPUT_CACHE_MB must be a finite number of MiB >= 0, got {text!r}")
+    return int(mb * (1 << 20))
 
 
 OUTPUTS = OutputCache(_limit_from_env())
 
 
 def empty_output(shape, dtype: torch.dtype) -> torch.Tensor:
-    """A contiguous CPU tensor of `shape` and `dtype` (contents undefined) for an op's result, from the
-    output cache when large."""
-    shape = tuple(shape)
-    n = 1
-    for s in shape:
-        n *= s
-    nbytes = n * dtype.itemsize
-    if nbytes < _MIN_CACHED_BYTES:
-        return torch.empty(shape, dtype=dtype)
-    return OUTPUTS.take(nbytes).view(dtype).view(shape)
+    """A contiguous CPU tensor of `shape` and `dtype` (contents undefined) for an op's result: large ones
+    from the output cache."""
+    return OUTPUTS.empty(tuple(shape), dtype)
 
 
 def empty_cache():
     """Release the cached output buffers of pykernels' CPU ops that no tensor uses (as
     torch.cuda.empty_cache does for GPU memory). Set PYKERNELS_OUTPUT_CACHE_MB=0 to turn the cache off."""
-    OUTPUTS.empty()
+    OUTPUTS.release_idle()

@@ -1,5 +1,8 @@
-"""The output cache (pykernels/_memory.py): a buffer goes back into use only when nothing refers to it,
-results stay correct across reuse, size classes and the cap hold, and threads never share a buffer."""
+"""The output cache (pykernels/_memory.py): a storage goes back into use only when nothing refers to it,
+results stay correct across reuse, are plain tensors of exactly their size, the bounds hold, and threads
+never share a buffer."""
+import io
+import math
 import threading
 
 import numpy as np
@@ -10,22 +13,23 @@ import pykernels
 from pykernels import _memory
 
 MiB = 1 << 20
+U8 = torch.uint8
 pytestmark = pytest.mark.skipif(_memory._use_count is None, reason="this torch has no storage use-count query")
 
 
-def test_a_dropped_buffer_is_handed_out_again():
+def test_a_dropped_storage_is_handed_out_again():
     cache = _memory.OutputCache(64 * MiB)
-    a = cache.take(3 * MiB)
+    a = cache.empty((3 * MiB,), U8)
     ptr = a.data_ptr()
     del a
-    b = cache.take(3 * MiB)
+    b = cache.empty((3 * MiB // 4,), torch.float32)  # same bytes, another dtype: the same storage
     assert b.data_ptr() == ptr and (cache.hits, cache.misses) == (1, 1)
 
 
-@pytest.mark.parametrize("keep", ["tensor", "view", "dtype_view", "numpy", "storage", "view_of_view"])
-def test_a_buffer_still_referred_to_is_never_handed_out(keep):
+@pytest.mark.parametrize("keep", ["tensor", "view", "dtype_view", "numpy", "storage", "view_of_view", "dlpack"])
+def test_a_storage_still_referred_to_is_never_handed_out(keep):
     cache = _memory.OutputCache(64 * MiB)
-    a = cache.take(3 * MiB)
+    a = cache.empty((3 * MiB,), U8)
     a.fill_(7)
     ptr = a.data_ptr()
     holder = {
@@ -35,12 +39,33 @@ def test_a_buffer_still_referred_to_is_never_handed_out(keep):
         "numpy": lambda: a.numpy(),
         "storage": lambda: a.untyped_storage(),
         "view_of_view": lambda: a[1:].view(1, -1)[:, 3:],
+        "dlpack": lambda: torch.utils.dlpack.to_dlpack(a),
     }[keep]()
     del a
-    b = cache.take(3 * MiB)
-    assert b.data_ptr() != ptr, f"a buffer held through a {keep} was handed out again"
-    b.fill_(1)
+    b = cache.empty((3 * MiB,), U8)
+    assert b.data_ptr() != ptr, f"a storage held through a {keep} was handed out again"
     del holder
+
+
+def test_results_are_plain_tensors_of_exactly_their_size():
+    """Not views (autograd allows in-place ops on them, as on torch.sort's), storage offset 0 and no
+    padding (torch.save writes the result's bytes only; opcheck's fake tensors match)."""
+    x = torch.randn(1 << 19, requires_grad=True)  # 2 MiB of values, 4 MiB of indices
+    v, i = pykernels.sort(x)
+    assert v._base is None and i._base is None and v.storage_offset() == 0 and i.storage_offset() == 0
+    assert v.untyped_storage().nbytes() == v.nbytes and i.untyped_storage().nbytes() == i.nbytes
+    w = v * 1
+    w.mul_(2)
+    v2, _ = pykernels.sort(x.detach())
+    v2.mul_(2)  # in place on a result: allowed, as for torch.sort
+    buf = io.BytesIO()
+    torch.save(i, buf)
+    assert len(buf.getvalue()) < i.nbytes + 4096
+    for shape, dim in (((512, 1024), -1), ((4, 1 << 18), 1), ((1024, 512), 0)):  # rows: not views either
+        r, _ = pykernels.sort(torch.randn(*shape, requires_grad=True), dim=dim)
+        r.mul_(2)
+    torch.library.opcheck(torch.ops.pykernels.sort.default,
+                          (torch.randint(0, 1 << 30, (1 << 21,), dtype=torch.int32), -1, False, "auto"))
 
 
 def test_results_stay_correct_while_earlier_ones_are_held_and_after_reuse():
@@ -75,65 +100,67 @@ def test_hash_lookups_through_the_cache_stay_correct():
     assert torch.equal(third, second.flip(0)) and torch.equal(found3, found2.flip(0))
 
 
-def test_size_classes_keep_a_result_close_to_its_storage():
-    cache = _memory.OutputCache(256 * MiB)
-    big = cache.take(40 * MiB)
-    del big
-    small = cache.take(10 * MiB)  # the idle 40 MiB buffer is another size class
-    assert small.untyped_storage().nbytes() <= 10 * MiB + 10 * MiB // 16 + 2 * _memory.HUGE_PAGE
-    assert _memory._size_class(10 * MiB + 1) <= (10 * MiB + 1) * 17 // 16 + (64 << 10)
+@pytest.mark.parametrize("how", ["share_memory", "resize", "storage_resize"])
+def test_a_moved_or_resized_storage_leaves_the_cache(how):
+    cache = _memory.OutputCache(64 * MiB)
+    a = cache.empty((3 * MiB,), U8)
+    {"share_memory": lambda: a.share_memory_(),
+     "resize": lambda: a.resize_(8 * MiB),
+     "storage_resize": lambda: a.untyped_storage().resize_(0)}[how]()
+    del a
+    b = cache.empty((3 * MiB,), U8)  # a new storage
+    assert cache.misses == 2 and cache.hits == 0 and b.numel() == 3 * MiB
+    del b
+    cache.release_idle()
+    assert cache.cached_bytes() == 0, "the moved storage is still referenced by the cache"
 
 
-def test_the_cap_bounds_the_cached_bytes_and_evicts_the_least_recently_used():
+def test_the_cap_and_the_per_size_bound_hold_and_evict_the_least_recently_used():
     cache = _memory.OutputCache(10 * MiB)
-    held = [cache.take(3 * MiB) for _ in range(5)]  # 15 MiB asked for, at most 10 cached
+    held = [cache.empty((3 * MiB,), U8) for _ in range(5)]  # 15 MiB asked for, at most 10 cached
     assert cache.cached_bytes() <= 10 * MiB
     for t in held:
         t.fill_(3)  # evicted or not, every buffer is still the caller's memory
     assert all(bool((t == 3).all()) for t in held)
     del held
-    assert cache.take(64 * MiB).numel() == 64 * MiB  # past the cap: a plain allocation
+    assert cache.empty((64 * MiB,), U8).numel() == 64 * MiB  # past the cap: a plain allocation
     assert cache.cached_bytes() <= 10 * MiB
+    many = _memory.OutputCache(1 << 30)
+    kept = [many.empty((MiB,), U8) for _ in range(3 * _memory.MAX_PER_SIZE)]
+    assert many.cached_bytes() == _memory.MAX_PER_SIZE * MiB
+    del kept
 
 
-def test_empty_cache_drops_idle_buffers_only():
+def test_release_idle_drops_idle_storages_only():
     cache = _memory.OutputCache(64 * MiB)
-    busy, idle = cache.take(2 * MiB), cache.take(2 * MiB)
+    busy, idle = cache.empty((2 * MiB,), U8), cache.empty((2 * MiB,), U8)
     del idle
-    cache.empty()
-    assert cache.cached_bytes() == _memory._size_class(2 * MiB)
+    cache.release_idle()
+    assert cache.cached_bytes() == 2 * MiB
     busy.fill_(1)
     pykernels.empty_cache()  # the process-wide cache: callable any time
 
 
-def test_a_resized_storage_is_not_reused():
-    cache = _memory.OutputCache(64 * MiB)
-    a = cache.take(3 * MiB)
-    a.untyped_storage().resize_(0)  # a caller may do anything with a result's storage
-    del a
-    b = cache.take(3 * MiB)  # a new buffer (malloc may well hand out the freed address again)
-    assert cache.misses == 2 and cache.hits == 0 and b.numel() == 3 * MiB
-    b.fill_(2)
-
-
 def test_off_and_small_requests_are_plain_allocations(monkeypatch):
     off = _memory.OutputCache(0)
-    a = off.take(4 * MiB)
+    a = off.empty((4 * MiB,), U8)
     assert a.numel() == 4 * MiB and off.cached_bytes() == 0
     on = _memory.OutputCache(64 * MiB)
-    assert on.take(1000).numel() == 1000 and on.cached_bytes() == 0
+    assert on.empty((1000,), U8).numel() == 1000 and on.cached_bytes() == 0
     monkeypatch.setenv("PYKERNELS_OUTPUT_CACHE_MB", "0")
     assert _memory._limit_from_env() == 0
-    monkeypatch.setenv("PYKERNELS_OUTPUT_CACHE_MB", "lots")
-    with pytest.raises(ValueError, match="PYKERNELS_OUTPUT_CACHE_MB"):
-        _memory._limit_from_env()
+    for bad in ("lots", "inf", "nan", "-1"):
+        monkeypatch.setenv("PYKERNELS_OUTPUT_CACHE_MB", bad)
+        with pytest.raises(ValueError, match="PYKERNELS_OUTPUT_CACHE_MB"):
+            _memory._limit_from_env()
 
 
 def test_empty_output_shapes_and_dtypes():
     for shape, dtype in [((1 << 18,), torch.int64), ((1 << 17, 3), torch.float32), ((7,), torch.float64),
-                         ((1 << 19,), torch.bool), ((1 << 16, 2), torch.complex128)]:
+                         ((1 << 19,), torch.bool), ((1 << 16, 2), torch.complex128), ((0,), torch.int32)]:
         t = _memory.empty_output(shape, dtype)
-        assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+        assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and t._base is None
+        assert t.untyped_storage().nbytes() == math.prod(shape) * dtype.itemsize
 
 
 def test_threads_never_share_a_buffer():
@@ -144,7 +171,7 @@ def test_threads_never_share_a_buffer():
         try:
             kept = []
             for r in range(20):
-                t = cache.take(2 * MiB)
+                t = cache.empty((2 * MiB,), U8)
                 t.fill_(k)
                 if not bool((t == k).all()):
                     errors.append(f"thread {k} saw another thread's writes at round {r}")

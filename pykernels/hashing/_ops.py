@@ -36,8 +36,7 @@ def _nthreads(threads: int) -> int:
 
 def out_buffer(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An output buffer: large CPU outputs come from the output cache (pykernels/_memory.py: the first
-    touch of fresh pages was ~25% of a 4M-key lookup's time), 2 MiB-aligned and advised to use huge
-    pages."""
+    touch of fresh pages was ~25% of a 4M-key lookup's time)."""
     if device.type != "cpu":
         return torch.empty(n, dtype=dtype, device=device)
     return _memory.empty_output((n,), dtype)

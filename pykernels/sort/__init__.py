@@ -160,7 +160,9 @@ def _rows_sort(op: str, x: torch.Tensor, dim: int, descending: bool, backend: st
 
     def back(t):  # to the caller's layout; skipped when already there (reshapes cost ~5 us a call)
         if t.dim() != len(shape) or t.shape != shape:
-            t = t.reshape(shape)
+            # the same memory in the caller's shape, but not a view of the flat result: autograd lets
+            # callers modify a custom op's outputs in place (as torch.sort's) only when they are not views
+            t = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), shape)
         return t if last else t.movedim(-1, dim).contiguous()
     idx = back(idx)
     vals = back(vals) if want_keys else None
