@@ -23,7 +23,7 @@ import math
 import torch
 
 from . import _layout as L
-from ._ops import stream_args
+from ._ops import out_buffer, stream_args
 from ._tables import M_ADD, M_APPEND, M_UPSERT, ST_NEW, _OpenTable, _device
 from .. import _backend, _native
 from ..errors import TableFullError  # noqa: F401  (re-exported for convenience)
@@ -190,7 +190,7 @@ class MultiValueHashMap(_OpenTable):
             offsets = torch.zeros(n + 1, dtype=torch.int64, device=self.device)
             torch.cumsum(counts, 0, out=offsets[1:])
             total = int(offsets[-1]) if n else 0
-            vals = torch.empty(total, dtype=L._BITS[self._vb], device=self.device)
+            vals = out_buffer(total, L._BITS[self._vb], self.device)
             if total:
                 cfg = self._config("hash_find")
                 self._mod.multi_walk(*self._geo(), kbits.data_ptr(), n, 0, offsets.data_ptr(), vals.data_ptr(),
@@ -282,7 +282,7 @@ class BloomFilter:
 
     def contains(self, keys) -> torch.Tensor:
         keys, bits = self._keys("contains", keys)
-        out = torch.empty(bits.numel(), dtype=torch.uint8, device=self.device)
+        out = out_buffer(bits.numel(), torch.uint8, self.device)
         if bits.numel():
             with self._locked():
                 self._mod.bloom_contains(self._words.data_ptr(), self.num_blocks, self.num_hashes, self.seed,

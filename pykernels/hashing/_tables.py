@@ -290,8 +290,8 @@ class _OpenTable:
 
     def _items_bits(self):
         n_slots_live = self._size - self._n_special()
-        kb = torch.empty(max(n_slots_live, 0), dtype=L._BITS[self._kb], device=self.device)
-        vb = torch.empty(max(n_slots_live, 0), dtype=L._BITS[self._vb], device=self.device) if self._vb else None
+        kb = _ops.out_buffer(max(n_slots_live, 0), L._BITS[self._kb], self.device)
+        vb = _ops.out_buffer(max(n_slots_live, 0), L._BITS[self._vb], self.device) if self._vb else None
         if n_slots_live > 0:
             cfg = self._config("hash_find")
             got = self._mod.items(self._slots.data_ptr(), self._nw, self.window, self._kb, self._vb, kb.data_ptr(),
