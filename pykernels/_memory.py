@@ -13,7 +13,7 @@ autograd lets callers modify it in place, as torch.sort's results). A storage is
 when nothing but the cache refers to it: its strong use count and its Python object's reference count
 are back to what they were when the cache made it, so a tensor, view, numpy array, saved autograd
 tensor or UntypedStorage of a result keeps it out of use. A storage that moved (share_memory_(), a
-growing resize_) leaves the cache at once: its tensors own it from then on.
+growing resize_) or became non-resizable (numpy export) leaves the cache: its tensors own it.
 
 Bounds. PYKERNELS_OUTPUT_CACHE_MB (default 1024; 0 turns the cache off) caps the bytes of all cached
 storages; past it the least recently used are dropped from the cache (one still in use lives on with
@@ -86,8 +86,10 @@ class _Cached:
         self.tick = tick
 
     def moved(self) -> bool:
-        """A caller moved or resized the storage (share_memory_(), resize_): no longer ours to reuse."""
-        return self.storage.data_ptr() != self.ptr or self.storage.nbytes() != self.nbytes
+        """A caller moved or resized the storage (share_memory_(), resize_), or exported it to numpy
+        (which leaves it non-resizable for good, unlike a fresh result): no longer ours to reuse."""
+        s = self.storage
+        return s.data_ptr() != self.ptr or s.nbytes() != self.nbytes or not s.resizable()
 
     def idle(self) -> bool:
         return _refs(self.storage) == self.idle_refs

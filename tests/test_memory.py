@@ -100,14 +100,17 @@ def test_hash_lookups_through_the_cache_stay_correct():
     assert torch.equal(third, second.flip(0)) and torch.equal(found3, found2.flip(0))
 
 
-@pytest.mark.parametrize("how", ["share_memory", "resize", "storage_resize"])
+@pytest.mark.parametrize("how", ["share_memory", "resize", "storage_resize", "numpy"])
 def test_a_moved_or_resized_storage_leaves_the_cache(how):
+    """Including one exported to numpy: torch marks it non-resizable for good, and a result must stay
+    resizable like torch's (out= may grow it)."""
     cache = _memory.OutputCache(64 * MiB)
     a = cache.empty((3 * MiB,), U8)
-    {"share_memory": lambda: a.share_memory_(),
-     "resize": lambda: a.resize_(8 * MiB),
-     "storage_resize": lambda: a.untyped_storage().resize_(0)}[how]()
-    del a
+    held = {"share_memory": lambda: a.share_memory_(),
+            "resize": lambda: a.resize_(8 * MiB),
+            "storage_resize": lambda: a.untyped_storage().resize_(0),
+            "numpy": lambda: a.numpy()}[how]()
+    del a, held
     b = cache.empty((3 * MiB,), U8)  # a new storage
     assert cache.misses == 2 and cache.hits == 0 and b.numel() == 3 * MiB
     del b
