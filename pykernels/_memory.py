@@ -10,8 +10,8 @@ allocator does for GPU memory, here only for the large CPU outputs of pykernels'
 How. The cache keeps the storages of the outputs it made (exactly the output's size: a result saved,
 pickled or shared carries no padding). An output is a plain tensor on such a storage (not a view, so
 autograd lets callers modify it in place, as torch.sort's results). A storage is handed out again only
-when nothing but the cache refers to it: its strong use count and its Python object's reference count
-are back to what they were when the cache made it, so a tensor, view, numpy array, saved autograd
+when nothing but the cache refers to it (its strong use count and its Python object's reference count
+are the cache's own), so a tensor, view, numpy array, saved autograd
 tensor or UntypedStorage of a result keeps it out of use. A storage that moved (share_memory_(), a
 growing resize_) or became non-resizable (numpy export) leaves the cache: its tensors own it.
 
@@ -68,21 +68,13 @@ def _fresh_storage(nbytes: int) -> torch.UntypedStorage:
     return raw.untyped_storage()
 
 
-def _refs(storage: torch.UntypedStorage) -> tuple:
-    """(strong C++ references to the storage, Python references to its storage object). Tensors and
-    views count in the first; an UntypedStorage object a caller holds only in the second (torch keeps
-    one such object per storage, owned by the storage, so holding it adds no C++ reference)."""
-    return _use_count(storage._cdata), sys.getrefcount(storage)
-
-
 class _Cached:
-    __slots__ = ("storage", "ptr", "nbytes", "idle_refs", "tick")
+    __slots__ = ("storage", "ptr", "nbytes", "tick")
 
     def __init__(self, nbytes: int, tick: int):
         self.storage = _fresh_storage(nbytes)
         self.ptr = self.storage.data_ptr()
         self.nbytes = nbytes
-        self.idle_refs = _refs(self.storage)  # with only the cache referring to it
         self.tick = tick
 
     def moved(self) -> bool:
@@ -92,7 +84,26 @@ class _Cached:
         return s.data_ptr() != self.ptr or s.nbytes() != self.nbytes or not s.resizable()
 
     def idle(self) -> bool:
-        return _refs(self.storage) == self.idle_refs
+        """Only the cache refers to the storage: one strong C++ reference (the cache's UntypedStorage
+        object; tensors and views add theirs) and two Python references to that object (the slot and
+        getrefcount's argument; a caller holding the UntypedStorage adds one, since torch keeps one
+        such object per storage, owned by the storage, so holding it adds no C++ reference). Fixed
+        values, not ones measured when the storage was made: a tracer or debugger holding a frame's
+        locals then could have inflated them, and a storage held by a caller would have looked idle."""
+        return _use_count(self.storage._cdata) == 1 and sys.getrefcount(self.storage) == 2
+
+
+def _counts_work() -> bool:
+    """This torch counts references as idle() expects (else the cache stays off)."""
+    if _use_count is None:
+        return False
+    c = _Cached(64, 0)
+    if not c.idle():
+        return False
+    held = torch.empty(0, dtype=torch.uint8).set_(c.storage, 0, (64,))
+    busy = not c.idle()
+    del held
+    return busy and c.idle()
 
 
 class OutputCache:
@@ -100,7 +111,7 @@ class OutputCache:
     tensor (which makes it busy) happen under one lock."""
 
     def __init__(self, limit_bytes: int):
-        self.limit = limit_bytes if _use_count is not None else 0
+        self.limit = limit_bytes if _counts_work() else 0
         self._lock = threading.Lock()
         self._by_size: dict[int, list[_Cached]] = {}
         self._tick = 0

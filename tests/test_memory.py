@@ -202,3 +202,31 @@ def test_numpy_round_trip_of_a_cached_result():
     w, _ = pykernels.sort(-x)  # arr still refers to the first buffer
     assert np.array_equal(arr, np.sort(x.numpy(), kind="stable"))
     assert torch.equal(w, torch.sort(-x, stable=True).values)
+
+
+def test_a_storage_made_under_a_tracer_and_held_as_storage_is_not_reused():
+    """A tracer reading frames' locals (debuggers, coverage, dynamo's frame hook past its recompile
+    limit) holds extra references while a storage is made: idleness must not be judged against counts
+    measured then (a result kept only as its UntypedStorage was overwritten that way)."""
+    import sys
+
+    def tracer(frame, event, arg):
+        frame.f_locals  # noqa: B018 - what debuggers and coverage tools do
+        return tracer
+
+    pykernels.empty_cache()
+    x = torch.randn(1 << 20)
+    sys.settrace(tracer)
+    try:
+        _, i = pykernels.sort(x)
+    finally:
+        sys.settrace(None)
+    s = i.untyped_storage()
+    ref = i.clone()
+    del i
+    _, i2 = pykernels.sort(torch.randn(1 << 20))
+    assert i2.data_ptr() != s.data_ptr()
+    assert torch.equal(torch.empty(0, dtype=torch.int64).set_(s, 0, (1 << 20,)), ref)
+    del s
+    _, i3 = pykernels.sort(x)  # once the storage is dropped, it is reused again
+    assert torch.equal(i3, ref)
