@@ -27,6 +27,7 @@ import math
 import os
 import sys
 import threading
+import weakref
 
 import torch
 
@@ -106,6 +107,11 @@ def _counts_work() -> bool:
     return busy and c.idle()
 
 
+def _new_lock(cache):
+    if cache is not None:
+        cache._lock = threading.Lock()
+
+
 class OutputCache:
     """See the module docstring. Thread-safe: choosing an idle storage and wrapping it in the caller's
     tensor (which makes it busy) happen under one lock."""
@@ -118,10 +124,8 @@ class OutputCache:
         self.hits = 0
         self.misses = 0
         if hasattr(os, "register_at_fork"):  # a child must not inherit a lock held by a parent's thread
-            os.register_at_fork(after_in_child=self._after_fork)
-
-    def _after_fork(self):
-        self._lock = threading.Lock()
+            ref = weakref.ref(self)  # the handler must not keep a dropped cache (and its memory) alive
+            os.register_at_fork(after_in_child=lambda: _new_lock(ref()))
 
     def cached_bytes(self) -> int:
         with self._lock:

@@ -230,3 +230,36 @@ def test_a_storage_made_under_a_tracer_and_held_as_storage_is_not_reused():
     del s
     _, i3 = pykernels.sort(x)  # once the storage is dropped, it is reused again
     assert torch.equal(i3, ref)
+
+
+def test_a_dropped_cache_frees_its_storages_and_a_forked_child_can_use_one():
+    import gc
+    import os
+    import weakref
+
+    cache = _memory.OutputCache(64 * MiB)
+    cache.empty((2 * MiB,), U8)
+    ref = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert ref() is None, "something (the fork handler?) keeps a dropped cache alive"
+    if not hasattr(os, "fork"):
+        return
+    pid = os.fork()
+    if pid == 0:  # the child: the process-wide cache works (its lock was renewed after the fork)
+        ok = _memory.empty_output((2 * MiB,), U8).numel() == 2 * MiB
+        os._exit(0 if ok else 1)
+    import signal
+    import time
+
+    deadline = time.monotonic() + 60
+    while True:  # never hang the suite on a stuck child
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError("the forked child did not finish within 60 s")
+        time.sleep(0.05)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
