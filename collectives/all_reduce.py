@@ -868,8 +868,8 @@ def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool 
         r = max(reps * 5, 15) if nbytes <= (1 << 20) else (max(reps * 3, 9) if nbytes < (16 << 20) else max(reps, 5))
 
         def race(names):
-            """Median time and median ratio to names[0] (per repeat) of each candidate, every rank's
-            slowest time per call; the order rotates every repeat; the first repeat is a warm-up."""
+            """Per-repeat times (every rank's slowest time per call) of each candidate, one row per
+            candidate; the order rotates every repeat; the first repeat is a warm-up."""
             times = {k: [] for k in names}
             for rep in range(r + 1):
                 for k in names[rep % len(names):] + names[:rep % len(names)]:
@@ -880,20 +880,29 @@ def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool 
             mat = torch.tensor([times[k][1:] for k in names], dtype=torch.float64)
             if p > 1:
                 dist.all_reduce(mat, op=dist.ReduceOp.MAX, group=group)
-            return mat.median(dim=1).values.tolist(), (mat / mat[0]).median(dim=1).values.tolist()
+            return mat
 
-        # Ours replaces gloo's own (native: also what an untuned auto falls back to) only if it wins by
-        # MARGIN on the median time AND on the median of its per-repeat ratio to native (load that
-        # drifts during tuning cancels out of each pair), and then again in a second race of the two
-        # alone: a tuned choice must never lose to the default, and one lucky race is not enough.
-        med, rel = race(names)
-        best = min(range(len(names)), key=lambda i: med[i])
+        def wins(mat, i):
+            """Row i beats row 0 (native) by MARGIN on the median time AND on the median of its
+            per-repeat ratio to native (load that drifts during tuning cancels out of each pair)."""
+            med = mat.median(dim=1).values
+            rel = (mat[i] / mat[0]).median().item()
+            return med[i].item() <= (1 - _TUNE_MARGIN) * med[0].item() and rel <= 1 - _TUNE_MARGIN
 
-        def wins(med, rel, i):
-            return med[i] <= (1 - _TUNE_MARGIN) * med[0] and rel[i] <= 1 - _TUNE_MARGIN
-
-        if names[best] != "native" and not (wins(med, rel, best) and wins(*race(["native", names[best]]), 1)):
+        # Ours replaces gloo's own (native: also what an untuned auto falls back to) only if it wins
+        # against native in the race of all candidates and then in a second race of the two alone,
+        # judged on both races' repeats pooled: a tuned choice must never lose to the default, one
+        # lucky race is not enough, and one unlucky one (a neighbour's burst of load) must not undo a
+        # clear win either.
+        first = race(names)
+        best = min(range(len(names)), key=lambda i: first[i].median().item())
+        if names[best] != "native" and wins(first, best):
+            pooled = torch.cat([first[[0, best]], race(["native", names[best]])], dim=1)
+            if not wins(pooled, 1):
+                best = 0
+        elif names[best] != "native":
             best = 0
+        med = first.median(dim=1).values.tolist()
         table.append((nbytes, cands[names[best]][0]))
         if verbose and dist.get_rank(group) == 0:
             print(f"tune all_reduce {_fmt_bytes(nbytes)}: " + ", ".join(f"{k} {m * 1e3:.3f} ms" for k, m in zip(names, med))
