@@ -502,6 +502,66 @@ def test_cpu_overlapping_and_broadcast_q():
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("causal,sq,sk", [(False, 4, 4), (True, 4, 4), (True, 3, 7), (False, 5, 3)])
+def test_cpu_backward_with_strided_head_dim_or_overlapping_rows(causal, sq, sk):
+    """A q whose head dim is not dense (a transposed view) or whose rows overlap, an out/dout with a
+    strided head dim: aten's backward reads them as if dense, so they are laid out first (fuzz finding:
+    dq/dk/dv were off by O(10))."""
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 2, sk, 8, generator=g), torch.randn(1, 2, sk, 8, generator=g)
+    q_t = torch.randn(1, 2, 8, sq, generator=g).mT                       # stride(-1) == sq
+    q_o = torch.randn(2 * sq + 8, generator=g).as_strided((1, 2, sq, 8), (2 * sq, sq, 1, 1))  # rows overlap
+    dout = torch.randn(1, 2, 8, sq, generator=g).mT                      # strided head dim too
+
+    def want(q):
+        qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ro, _ = reference(qr, kr, vr, causal)
+        return torch.autograd.grad(ro, (qr, kr, vr), dout.double())
+
+    for q in (q_t, q_o):
+        qa, ka, va = (t.detach().requires_grad_() for t in (q, k, v))   # detach keeps q's strides
+        o = flash_attention(qa, ka, va, causal=causal, backend="cpu")
+        got = torch.autograd.grad(o, (qa, ka, va), dout)
+        for name, a, b in zip(("dq", "dk", "dv"), got, want(q)):
+            torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5, msg=name)
+    # the public backward entry, handed an out with a strided head dim (same values)
+    out, lse = flash_attention(q_t, k, v, causal=causal, return_lse=True, backend="cpu")
+    dq, dk, dv = pykernels.attention.flash_attention_backward(dout, q_t, k, v, out.mT.contiguous().mT, lse,
+                                                             causal=causal)
+    for name, a, b in zip(("dq", "dk", "dv"), (dq, dk, dv), want(q_t)):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("impl", [None, {"impl": "blocked", "chunk_elems": 64}], ids=["public", "blocked"])
+def test_rows_without_keys_stay_zero_when_v_holds_nan(impl):
+    """Rows that see no key give out 0 and dq 0 even when some v is NaN/inf (0 * NaN would be NaN);
+    rows that do see the NaN are NaN, as in the oracle (fuzz finding)."""
+    q, k, v = make(1, 2, 1, 6, 3, 8, torch.float32)
+    v[0, 0, 2, 0] = float("nan")
+    if impl is None:
+        qa = q.clone().requires_grad_()
+        out, lse = flash_attention(qa, k, v, causal=True, return_lse=True)
+        out.sum().backward()
+        dq = qa.grad
+    else:
+        out, lse = _forward_impl(q, k, v, True, 1 / math.sqrt(8), "cpu", impl)
+        dq, _, _ = _backward_impl(torch.ones_like(out), None, q, k, v, out, lse, True, 1 / math.sqrt(8), "cpu", impl)
+    assert torch.isneginf(lse[:, :, :3]).all()
+    assert torch.equal(out[:, :, :3], torch.zeros_like(out[:, :, :3]))
+    assert torch.equal(dq[:, :, :3], torch.zeros_like(dq[:, :, :3]))
+    assert torch.isnan(out[:, :, 5]).any()
+
+
+def test_sparse_inputs_and_out_of_range_scale_are_clear_errors():
+    q, k, v = make(1, 1, 1, 4, 4, 8, torch.float32)
+    with pytest.raises(ValueError, match=r"flash_attention: expected 'q' to be a dense"):
+        flash_attention(q.to_sparse(), k, v)
+    with pytest.raises(ValueError, match=r"flash_attention: expected 'scale' within float32's range"):
+        flash_attention(q, k, v, scale=1e40)
+    out = flash_attention(q.double(), k.double(), v.double(), scale=1e40)  # float64 computes in float64
+    assert torch.isfinite(out).all()
+
+
 def test_vmap_over_flash_attention():
     """torch.func.vmap goes through the op's batching fallback, never the direct eager path."""
     g = torch.Generator().manual_seed(2)

@@ -73,6 +73,20 @@ def test_interpreter_lse_gradient_and_dead_rows(triton_interpret):
         assert_close(g, w_, torch.float32, name)
 
 
+def test_interpreter_dead_rows_stay_zero_when_v_holds_nan(triton_interpret):
+    """Rows that see no key: out 0 and dq 0 even with a NaN in v (0 * NaN inside tl.dot); rows that see
+    the NaN are NaN (fuzz finding)."""
+    q, k, v = make(1, 2, 1, 6, 3, 8, torch.float32)
+    v[0, 0, 2, 0] = float("nan")
+    qa = q.clone().requires_grad_()
+    out, lse = pykernels.flash_attention(qa, k, v, causal=True, return_lse=True, backend="triton")
+    out.sum().backward()
+    assert torch.isneginf(lse[:, :, :3]).all()
+    assert torch.equal(out[:, :, :3], torch.zeros_like(out[:, :, :3]))
+    assert torch.equal(qa.grad[:, :, :3], torch.zeros_like(qa.grad[:, :, :3]))
+    assert torch.isnan(out[:, :, 5]).any()
+
+
 def test_interpreter_empty_and_strided(triton_interpret):
     for shape in [(0, 2, 2, 4, 4, 16), (1, 2, 1, 3, 0, 16), (1, 2, 2, 0, 5, 16)]:
         q, k, v = make(*shape, torch.float32)

@@ -200,6 +200,9 @@ def _check(q, k, v, scale, backend):
         if t.dtype not in DTYPES:
             raise TypeError(f"pykernels.flash_attention: expected '{name}' of dtype float32, bfloat16, "
                             f"float16 (or float64 on CPU), got {str(t.dtype).replace('torch.', '')}")
+        if t.layout != torch.strided:
+            raise ValueError(f"pykernels.flash_attention: expected '{name}' to be a dense (strided) tensor, got "
+                             f"layout {t.layout}")
         if t.dim() != 4:
             raise ValueError(f"pykernels.flash_attention: expected '{name}' with 4 dimensions [B, H, S, D], "
                              f"got shape {tuple(t.shape)}")
@@ -230,6 +233,9 @@ def _check(q, k, v, scale, backend):
                         f"{type(scale).__name__}")
     if scale is not None and not math.isfinite(scale):
         raise ValueError(f"pykernels.flash_attention: expected 'scale' to be a finite float or None, got {scale!r}")
+    if scale is not None and q.dtype != torch.float64 and abs(float(scale)) > torch.finfo(torch.float32).max:
+        raise ValueError(f"pykernels.flash_attention: expected 'scale' within float32's range for "
+                         f"{str(q.dtype).replace('torch.', '')} inputs (scores are computed in float32), got {scale!r}")
 
 
 def _check_flag(name: str, value) -> bool:

@@ -218,7 +218,9 @@ def flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
         return -dq, dk, dv
     g = 1 if aten_handles_gqa() else H // Hkv
     aten_lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    # aten's kernels take any strides; out and lse usually arrive in the [B, S, H] layout they wrote.
+    # aten's backward reads q, out and dout as if the head dim were dense and rows did not overlap (as its
+    # forward does, see _dense_last); out and lse usually arrive in the [B, S, H] layout they wrote.
+    q, out, dout = _dense_last(q), _dense_last(out), _dense_last(dout)
     lse = lse.to(aten_lse_dtype)
     ke, ve = _expand_kv(k.contiguous(), g), _expand_kv(v.contiguous(), g)
     if not causal or Sq == Sk:
@@ -285,6 +287,8 @@ def blocked_forward(q, k, v, causal: bool, scale: float, chunk_elems: int = 1 <<
         m = torch.logsumexp(s, dim=-1)                       # -inf for rows that see no key
         p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m).unsqueeze(-1))
         o = torch.matmul(p, va[:, :, :n].unsqueeze(2))       # [B, Hkv, g, c, D]
+        # a row that sees no key is 0 even when some v holds NaN/inf (its p is 0, but 0 * NaN is NaN)
+        o = torch.where(torch.isneginf(m).unsqueeze(-1), 0.0, o)
         out[:, :, i0:i1] = o.reshape(B, H, i1 - i0, -1).to(q.dtype)
         lse[:, :, i0:i1] = m.reshape(B, H, i1 - i0)
     return out, lse
@@ -327,7 +331,9 @@ def blocked_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dlse=N
         dv[:, :, :n] += torch.matmul(p.permute(0, 1, 4, 2, 3).reshape(B, Hkv, n, g * c),
                                      doc.reshape(B, Hkv, g * c, -1))
         dp = torch.matmul(doc, vc.transpose(-1, -2).unsqueeze(2))
-        ds = p * (dp - delta[:, :, :, i0:i1].unsqueeze(-1))
+        # p == 0 (a masked key, a row that sees none, an underflow): dS is 0 there even where dP is not
+        # finite (NaN/inf in a v that the row cannot see), as the exact gradient is
+        ds = torch.where(p == 0, 0.0, p * (dp - delta[:, :, :, i0:i1].unsqueeze(-1)))
         dqv[:, :, :, i0:i1] = torch.matmul(ds, kc.unsqueeze(2)) * scale
         dk[:, :, :n] += torch.matmul(ds.permute(0, 1, 4, 2, 3).reshape(B, Hkv, n, g * c),
                                      qc.reshape(B, Hkv, g * c, D)) * scale

@@ -90,7 +90,8 @@ def _attn_fwd(Q, K, V, O, L,
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=DOT_PREC)
         m_i = m_new
     empty = l_i == 0.0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    # a row that sees no key is 0 even when some v holds NaN/inf (its p is 0, but 0 * NaN is NaN)
+    out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, out.to(O.dtype.element_ty),
              mask=m_ok[:, None] & d_ok[None, :])
@@ -149,7 +150,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, L, DELTA, DK, DV,
             dv += tl.dot(pt.to(do.dtype), do, input_precision=DOT_PREC)
             delta = tl.load(DELTA + b * slb + h * slh + offs_m * slm, mask=m_ok, other=0.0)
             dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)                # dP^T [BLOCK_N, BLOCK_M]
-            dst = pt * (dpt - delta[None, :])
+            dst = tl.where(pt == 0.0, 0.0, pt * (dpt - delta[None, :]))   # 0 where p is, even if dP is NaN
             dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=DOT_PREC)
     dk = dk * sm_scale
     tl.store(DK + b * skgb + hk * skgh + offs_n[:, None] * skgn + offs_d[None, :] * skgd,
@@ -205,7 +206,7 @@ def _attn_bwd_dq(Q, K, V, DO, L, DELTA, DQ,
             ok = ok & (offs_n[None, :] <= offs_m[:, None] + diag)
         p = tl.where(ok, p, 0.0)
         dp = tl.dot(do, vt, input_precision=DOT_PREC)
-        ds = p * (dp - delta[:, None])
+        ds = tl.where(p == 0.0, 0.0, p * (dp - delta[:, None]))   # 0 where p is, even if dP is NaN
         dq += tl.dot(ds.to(kt.dtype), tl.trans(kt), input_precision=DOT_PREC)
     dq = dq * sm_scale
     tl.store(DQ + b * sgb + h * sgh + offs_m[:, None] * sgm + offs_d[None, :] * sgd, dq.to(DQ.dtype.element_ty),
