@@ -54,8 +54,11 @@ def module_status(name: str):
 
 
 def as_tensor(x, op: str, arg: str) -> torch.Tensor:
-    """Accepts a torch.Tensor or anything speaking DLPack / the array protocol (numpy, cupy)."""
+    """Accepts a dense torch.Tensor or anything speaking DLPack / the array protocol (numpy, cupy)."""
     if isinstance(x, torch.Tensor):
+        if x.layout != torch.strided or x.is_nested:
+            raise ValueError(f"pykernels.{op}: expected '{arg}' to be a dense (strided) tensor, got "
+                             f"{'a nested tensor' if x.is_nested else f'layout {x.layout}'}")
         return x
     if any(s < 0 for s in getattr(x, "strides", None) or ()):
         # torch.from_dlpack aborts the interpreter on negative strides (torch 2.13): copy those first.
@@ -71,7 +74,10 @@ def as_tensor(x, op: str, arg: str) -> torch.Tensor:
         import numpy as np
 
         if isinstance(x, np.ndarray) or hasattr(x, "__array__"):
-            return torch.as_tensor(np.asarray(x))
+            x = np.asarray(x)
+            if not x.dtype.isnative:  # big-endian data: torch takes native byte order only
+                x = x.astype(x.dtype.newbyteorder("="))
+            return torch.as_tensor(x)
     except ImportError:
         pass
     raise TypeError(f"pykernels.{op}: expected a torch.Tensor (or a DLPack array) for '{arg}', "

@@ -5,6 +5,7 @@ CPU backend here; the same checks run on the CUDA backend in test_hash_gpu.py (m
 import collections
 import random
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -1161,4 +1162,47 @@ def test_raw_ops_check_the_arrays_they_hand_to_native_code():
         torch.ops.pykernels.hash_insert_(t._slots[:10], t._special, torch.arange(10), torch.arange(10), *args)
     with pytest.raises(ValueError, match="hash_find.*'keys'"):
         torch.ops.pykernels.hash_find(t._slots, t._special, k, t._nw, t.window, t.seed, t._kb, t._vb, 0, True, 0, 8)
-    assert len(t) == 0
+    # arrays on another device than the table's (a meta tensor among real ones used to reach the fake
+    # implementation and return garbage: fuzz finding), and an insert mode that does not exist
+    keys, vals = torch.arange(10), torch.arange(10)
+    with pytest.raises(RuntimeError, match="hash_insert_: expected 'special' on the table's device"):
+        torch.ops.pykernels.hash_insert_(t._slots, t._special.to("meta"), keys, vals, *args)
+    with pytest.raises(RuntimeError, match="hash_insert_: expected 'values' on the table's device"):
+        torch.ops.pykernels.hash_insert_(t._slots, t._special, keys, vals.to("meta"), *args)
+    with pytest.raises(RuntimeError, match="hash_find: expected 'keys' on the table's device"):
+        torch.ops.pykernels.hash_find(t._slots, t._special, keys.to("meta"), t._nw, t.window, t.seed, t._kb, t._vb,
+                                      0, True, 0, 8)
+    bad_mode = args[:5] + (7,) + args[6:]
+    with pytest.raises(ValueError, match=r"hash_insert_: expected mode 0 \(upsert\), 1 \(add\) or 2"):
+        torch.ops.pykernels.hash_insert_(t._slots, t._special, keys, vals, *bad_mode)
+    assert len(t) == 0 and not t.contains(keys).any()
+
+
+def test_conj_and_neg_views_sparse_inputs_numpy_sizes_and_big_endian_keys():
+    """Fuzz findings: lazy conj/neg views are valid values; sparse keys/values are a clear error naming
+    the op; numpy integers are sizes; big-endian numpy keys are keys; CountingTable.add names 'counts'."""
+    t = pykernels.HashMap(16, torch.int64, torch.complex64)
+    c = torch.tensor([1 + 2j, 3 + 4j], dtype=torch.complex64)
+    t.insert(torch.tensor([1, 2]), c.conj())
+    assert torch.equal(t.find(torch.tensor([1, 2]))[0], c.conj().resolve_conj())
+    h = pykernels.HashMap(16, torch.int64, torch.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "ComplexHalf support is experimental"
+        neg = torch.tensor([1 + 2j], dtype=torch.complex32).conj().imag  # float16 with the neg bit set
+    h.insert(torch.tensor([1]), neg)
+    assert h.find(torch.tensor([1]))[0].item() == -2.0
+    m = pykernels.MultiValueHashMap(16, torch.int64, torch.complex64)
+    m.insert(torch.tensor([5]), c[:1].conj())
+    with pytest.raises(ValueError, match=r"HashMap.find: expected 'keys' to be a dense \(strided\) tensor"):
+        t.find(torch.tensor([1, 2]).to_sparse())
+    with pytest.raises(ValueError, match=r"HashMap.insert: expected 'values' to be a dense"):
+        t.insert(torch.tensor([1, 2]), c.to_sparse())
+    with pytest.raises(ValueError, match=r"BloomFilter.add: expected 'keys' to be a dense"):
+        pykernels.BloomFilter(1024, 3).add(torch.tensor([1, 2]).to_sparse())
+    with pytest.raises(TypeError, match=r"CountingTable.add: expected 'counts' of dtype int64"):
+        pykernels.CountingTable(16).add(torch.tensor([1]), torch.tensor([1], dtype=torch.int32))
+    assert pykernels.HashMap(np.int64(16)).capacity >= 16
+    assert pykernels.BloomFilter(np.int64(1024), np.int32(3)).num_hashes == 3
+    s = pykernels.HashSet(16)
+    s.insert(np.array([1, 2, 300], dtype=">i8"))
+    assert s.contains(torch.tensor([1, 2, 300, 4])).tolist() == [True, True, True, False]

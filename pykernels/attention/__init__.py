@@ -200,9 +200,6 @@ def _check(q, k, v, scale, backend):
         if t.dtype not in DTYPES:
             raise TypeError(f"pykernels.flash_attention: expected '{name}' of dtype float32, bfloat16, "
                             f"float16 (or float64 on CPU), got {str(t.dtype).replace('torch.', '')}")
-        if t.layout != torch.strided:
-            raise ValueError(f"pykernels.flash_attention: expected '{name}' to be a dense (strided) tensor, got "
-                             f"layout {t.layout}")
         if t.dim() != 4:
             raise ValueError(f"pykernels.flash_attention: expected '{name}' with 4 dimensions [B, H, S, D], "
                              f"got shape {tuple(t.shape)}")

@@ -19,6 +19,7 @@ most `max_load_factor * capacity` keys, then grows (`growable=True`) or raises T
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -93,7 +94,7 @@ class CountingTable(_OpenTable):
         keys = self._keys("add", keys)
         vbits = None
         if counts is not None:
-            counts = L.check_values(f"{self._op}.add", counts, torch.int64, keys)
+            counts = L.check_values(f"{self._op}.add", counts, torch.int64, keys, arg="counts")
             vbits = L.value_bits(counts)
         with self._locked():
             status = self._insert_bits(f"{self._op}.add", L.key_bits(keys), vbits, M_ADD)
@@ -231,8 +232,9 @@ class BloomFilter:
     def __init__(self, num_bits, num_hashes, device="cpu", *, seed=L.DEFAULT_SEED, backend="auto"):
         op = "BloomFilter"
         for name, v in (("num_bits", num_bits), ("num_hashes", num_hashes)):
-            if isinstance(v, bool) or not isinstance(v, int):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):  # numpy ints too
                 raise TypeError(f"pykernels.{op}: expected an int for '{name}', got {type(v).__name__}")
+        num_bits, num_hashes = int(num_bits), int(num_hashes)
         if num_bits < 1:
             raise ValueError(f"pykernels.{op}: expected 'num_bits' >= 1, got {num_bits}")
         if not 1 <= num_hashes <= 64:

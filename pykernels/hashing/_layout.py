@@ -76,7 +76,7 @@ def bits_to_keys(bits: torch.Tensor, key_dtype: torch.dtype) -> torch.Tensor:
 
 def value_bits(v: torch.Tensor) -> torch.Tensor:
     """Values as 4- or 8-byte bit patterns (1-2 byte values widened)."""
-    v = v.reshape(-1)
+    v = v.resolve_conj().resolve_neg().reshape(-1)  # a lazy conj/neg view cannot be reinterpreted as bits
     if not v.is_contiguous():
         v = v.contiguous()
     size = v.element_size()
@@ -240,14 +240,14 @@ def check_keys(op: str, keys, key_dtype: torch.dtype, device: torch.device) -> t
     return keys
 
 
-def check_values(op: str, values, value_dtype: torch.dtype, keys: torch.Tensor) -> torch.Tensor:
+def check_values(op: str, values, value_dtype: torch.dtype, keys: torch.Tensor, arg: str = "values") -> torch.Tensor:
     from .._native import as_tensor
 
-    values = as_tensor(values, op, "values")
-    check_dtype(op, "values", values, (value_dtype,))
+    values = as_tensor(values, op, arg)
+    check_dtype(op, arg, values, (value_dtype,))
     if not same_device(values.device, keys.device):
-        raise RuntimeError(f"pykernels.{op}: expected 'values' on {keys.device} like 'keys', got {values.device}")
+        raise RuntimeError(f"pykernels.{op}: expected '{arg}' on {keys.device} like 'keys', got {values.device}")
     if values.shape != keys.shape:
-        raise ValueError(f"pykernels.{op}: expected 'values' of the shape of 'keys' {tuple(keys.shape)}, "
+        raise ValueError(f"pykernels.{op}: expected '{arg}' of the shape of 'keys' {tuple(keys.shape)}, "
                          f"got {tuple(values.shape)}")
     return values

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import threading
 
 import torch
@@ -64,8 +65,9 @@ class _OpenTable:
     def __init__(self, capacity, key_dtype, value_dtype, device, *, max_load_factor=0.9, growable=True,
                  window=None, seed=L.DEFAULT_SEED, backend="auto"):
         op = self._op
-        if isinstance(capacity, bool) or not isinstance(capacity, int):
+        if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral):  # numpy ints too
             raise TypeError(f"pykernels.{op}: expected an int for 'capacity', got {type(capacity).__name__}")
+        capacity = int(capacity)
         if capacity < 1:
             raise ValueError(f"pykernels.{op}: expected 'capacity' >= 1, got {capacity}")
         key_dtype = L.as_dtype(op, "key_dtype", key_dtype)
