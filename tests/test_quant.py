@@ -209,6 +209,19 @@ def test_quantize_errors():
     bad[1, 3] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         pykernels.quantize(bad, 4, 32)
+    # fuzz findings: a group far longer than K (every layout pads groups to group_size), a meta weight,
+    # an integer dequantize dtype, a CUDA move without CUDA: clear errors naming the op
+    assert pykernels.quantize(w, 4, 128).group_size == 128  # one shorter group: fine
+    with pytest.raises(ValueError, match=r"pykernels.quantize: expected group_size at most"):
+        pykernels.quantize(w, 4, 10 ** 9)
+    with pytest.raises(ValueError, match=r"pykernels.quantize: .*meta device"):
+        pykernels.quantize(torch.empty(4, 64, device="meta"), 4, 32)
+    qw = pykernels.quantize(w, 4, 32)
+    with pytest.raises(TypeError, match=r"QuantizedWeight.dequantize: expected a floating-point dtype"):
+        qw.dequantize(torch.int32)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match=r"QuantizedWeight.to: no CUDA device"):
+            qw.to("cuda")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -407,6 +420,42 @@ def test_qmatmul_two_scale_rows_keep_their_small_values(dtype, M, simd):
     rest = x.clone()
     rest[:, cols] = 0  # the error bound of the ordinary values (the outliers contribute exactly 0)
     check_close(y, rest, qw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scheme", ["asym", "sym"])
+def test_qmatmul_outliers_on_zero_weight_columns_are_exact(dtype, scheme, simd):
+    """Fuzz findings: (1) asym weights and a 1e6-1e8 activation on a channel whose weights are ~0: the
+    kernel's two fp32 terms (s * (u - c) and m + c * s, times x) cancel, leaving errors of the order of y;
+    (2) an outlier 300-3000x the row's values, unseen in y, made its block's int16 steps too coarse for
+    the others (1e-2 of max|y|). Such rows' outliers are now multiplied exactly."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 512, generator=g)
+    w[:, [0, 7]] = 0.0
+    qw = pykernels.quantize(w, 4, 128, scheme)
+    for big in (3e2, 3e3, 1e6, 1e8):
+        x = torch.randn(5, 512, generator=g)
+        x[:, 7] = big
+        x[2, 0] = -big * 3
+        x = x.to(dtype)
+        rest = x.clone()
+        rest[:, [0, 7]] = 0  # the outliers' true contribution is (nearly) 0: the bound is the ordinary values'
+        y = pykernels.qmatmul(x, qw)
+        ref_out = oracle(x, qw) - oracle(rest, qw)  # what the outlier columns contribute exactly
+        check_close(y - ref_out.to(dtype), rest, qw, rel=4e-5 if dtype == torch.float32 else 4e-3)
+
+
+@pytest.mark.parametrize("scheme,bits,gs", [("asym", 4, 32), ("asym", 2, 64), ("asym", 3, -1), ("asym", 8, 128),
+                                            ("sym", 4, 128), ("bipolar", 3, 32), ("bipolar", 6, 64)])
+def test_dequantize_columns_reads_the_tile_layout(scheme, bits, gs):
+    from pykernels.quant import _format as F
+
+    g = torch.Generator().manual_seed(bits)
+    N, K = 13, 200  # N not a multiple of the 4-row tile, K not of the 32-code block
+    qw = pykernels.quantize(torch.randn(N, K, generator=g), bits, gs, scheme)
+    cols = torch.tensor([0, 1, 15, 16, 31, 32, 47, 100, 199])
+    got = F.dequantize_columns(qw.packed, qw.scales, qw.offsets, bits, N, K, qw.group_size, cols)
+    assert torch.equal(got, qw.dequantize(torch.float64)[:, cols])
 
 
 def test_act_range_flags_leave_ordinary_rows_alone():

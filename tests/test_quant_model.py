@@ -305,6 +305,14 @@ def test_quantize_model_leaves_multihead_attention_out_proj_and_handles_roots_an
 
     m = pykernels.quantize_model(Shared(), 4, 32)
     assert isinstance(m.a, pykernels.QuantLinear) and m.b is m.a
+    # excluded (or not included) under one of its names: kept under both, never split (fuzz finding)
+    for kw in ({"exclude": ["b"]}, {"exclude": "a"}, {"include": ["a"]}):
+        m = pykernels.quantize_model(Shared(), 4, 32, **kw)
+        assert type(m.a) is nn.Linear and m.b is m.a, kw
+    with pytest.raises(ValueError, match=r"pykernels.quantize_model: expected act_bits"):
+        pykernels.quantize_model(Shared(), 4, 32, act_bits=9)
+    with pytest.raises(ValueError, match=r"pykernels.QuantLinear.from_linear: expected act_bits"):
+        pykernels.QuantLinear.from_linear(nn.Linear(32, 8), 4, 32, act_bits=9)
 
 
 @pytest.mark.parametrize("scale", [1e-35, 1e-31, 1e25, 1e36])

@@ -138,15 +138,19 @@ void group_sums(const float* xr, const WoShape& s, float* gsum) {
 }
 
 // Rows the int16 activation path would get wrong (qmatmul's split, pykernels/quant/_ops.py).
-// The int16 path scales a block by its max|x|, so an element keeps about log2(32767 |x| / max) bits: a
-// row with two scales (an outlier 1e6 next to values ~1) loses the small values entirely, which matters
-// when the outlier's weights are small. flag 1: the row's nonzero elements below max/2^8 average less
-// than max/2^12 (fewer than 8 int16 steps): two scales. (Gaussian, uniform or ReLU rows average
-// ~max/2^9 there: never flagged.) flag 2: a NaN or an inf (the int16 path would give NaN for the whole
-// row; torch gives inf where the product is inf). Returns the number of flagged rows.
+// The int16 path scales a block by its max|x|, so every element of the block moves by up to 2^-16 of that
+// max: y then differs from the fp32 product by ~2-4e-5 of max|y| on typical rows, and by ~1e-4 with LLM
+// outlier features up to ~1000x (their own products dominate max|y|). What it cannot carry is an outlier
+// whose weights are ~0 (a pruned channel): its block's other elements then lose ~R times their precision,
+// unseen in y (1e-2 of max|y| at R = 3000, K = 512; fuzz finding). flag 1: max|x| above 2^8 times the mean
+// |x| of the row's other nonzero elements (Gaussian, uniform or ReLU rows: 2-6 times; LLM outlier
+// features: 50-200), which qmatmul then splits into the outliers, multiplied exactly (split_outliers;
+// ~0.2 ms for 8 outliers of a 4096 x 4096 layer, so not for every LLM row), and the rest. flag 2: a NaN
+// or an inf (the int16 path would give NaN for the whole row; torch gives inf where the product is inf).
+// Returns the number of flagged rows.
 // One row's flag, on the fp32 bit patterns of |x| (sign cleared): for non-negative floats the bit
-// patterns order like the values (inf above every finite value, NaN above inf), so the max and the
-// band test are integer operations the compiler vectorizes (a float max is not, for NaN's sake).
+// patterns order like the values (inf above every finite value, NaN above inf), so the max is an
+// integer operation the compiler vectorizes (a float max is not, for NaN's sake).
 template <class Bits>
 static uint8_t act_row_flag(Bits bits_of, int64_t K, uint32_t* abits) {
   uint32_t amax = 0;
@@ -162,34 +166,30 @@ static uint8_t act_row_flag(Bits bits_of, int64_t K, uint32_t* abits) {
   if (amax < 0x0F800000u || amax > 0x5F800000u) return 2;
   float am;
   std::memcpy(&am, &amax, 4);
-  const float limf = am * (1.f / 256.f);
-  uint32_t lim;
-  std::memcpy(&lim, &limf, 4);
   float ps[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   int32_t pn[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
     for (int j = 0; j < 8; ++j) {
       const uint32_t a = abits[k + j];
-      const bool small = a - 1u < lim;  // 0 < |x| <= max / 2^8
       float v;
       std::memcpy(&v, &a, 4);
-      ps[j] += small ? v : 0.f;
-      pn[j] += small;
+      ps[j] += v;
+      pn[j] += a != 0;
     }
   }
   for (; k < K; ++k) {
     const uint32_t a = abits[k];
-    const bool small = a - 1u < lim;
     float v;
     std::memcpy(&v, &a, 4);
-    ps[0] += small ? v : 0.f;
-    pn[0] += small;
+    ps[0] += v;
+    pn[0] += a != 0;
   }
   double sum = 0.0;
   int64_t n = 0;
   for (int j = 0; j < 8; ++j) sum += ps[j], n += pn[j];
-  return n > 0 && sum < (double)n * am * (1.0 / 4096.0) ? 1 : 0;
+  sum -= am, n -= 1;  // the others: a lone outlier must not raise its own yardstick
+  return n > 0 && (double)am > 256.0 * sum / (double)n ? 1 : 0;
 }
 
 int64_t act_range_flags(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t flags, int num_threads) {
@@ -224,6 +224,80 @@ int64_t act_range_flags(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_
   int64_t total = 0;
   for (auto c : counts) total += c;
   return total;
+}
+
+// The outliers of flag-1 rows (LLM.int8()'s decomposition, Dettmers et al. 2022): in each row, the
+// elements above `factor` times the mean |x| of its nonzero elements (again on what is left, while any
+// stands out), if there are at most `max_out` of them, are multiplied exactly (double) by their columns
+// of the dequantized weight, read straight from the tile layout, into y_exact[M, N] (+=); rest[M, K]
+// (float32) gets the row without them, for the int16 kernel. A row with more such elements (heavy
+// tails) is copied to rest whole. Returns how many elements were taken out.
+int64_t split_outliers(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int bits, uintptr_t scales,
+                       uintptr_t offsets, int64_t N, int64_t group_size, double factor, int64_t max_out,
+                       uintptr_t rest, uintptr_t y_exact) {
+  const pk::DType dt = float_dtype(x_dtype, "qmatmul", "x");
+  const int64_t gsize = group_size == -1 ? std::max<int64_t>(K, 1) : group_size;
+  const int64_t G = K > 0 ? (K + gsize - 1) / gsize : 0;
+  const int64_t nblocks = (std::max<int64_t>(K, 1) + KB - 1) / KB;
+  const int width = bits <= 4 ? 16 : 32;  // bytes per tile row per 32-code block (nibbles or bytes)
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w);
+  const float* sc = reinterpret_cast<const float*>(scales);
+  const float* of = reinterpret_cast<const float*>(offsets);
+  float* rp = reinterpret_cast<float*>(rest);
+  double* yp = reinterpret_cast<double*>(y_exact);
+  int64_t taken = 0;
+  py::gil_scoped_release release;
+  std::vector<int64_t> out_k;
+  std::vector<double> xv;
+  for (int64_t m = 0; m < M; ++m) {
+    float* r = rp + m * K;
+    for (int64_t k = 0; k < K; ++k) r[k] = load_elem(reinterpret_cast<const void*>(x), dt, m * K + k);
+    // rounds: the outliers of what is left, until nothing stands out (a row of three scales, 1e9, 1e6
+    // and 1e4 next to values ~1, takes three rounds); more than max_out in all: the row stays whole
+    out_k.clear();
+    xv.clear();
+    for (int round = 0; round < 16; ++round) {
+      double sum = 0.0;
+      int64_t nz = 0;
+      for (int64_t k = 0; k < K; ++k) sum += std::fabs(r[k]), nz += r[k] != 0.f;
+      const double lim = factor * sum / (double)std::max<int64_t>(nz, 1);
+      const size_t before = out_k.size();
+      for (int64_t k = 0; k < K && (int64_t)out_k.size() <= max_out; ++k)
+        if (std::fabs((double)r[k]) > lim) out_k.push_back(k), xv.push_back(r[k]), r[k] = 0.f;
+      if (out_k.size() == before || (int64_t)out_k.size() > max_out) break;
+    }
+    if ((int64_t)out_k.size() > max_out) {  // put them back
+      for (size_t i = 0; i < out_k.size(); ++i) r[out_k[i]] = (float)xv[i];
+      continue;
+    }
+    if (out_k.empty()) continue;
+    // n outer, outliers inner: a weight row's scales and offsets (G floats each) are read once per row
+    // for all its outliers (they are the cache misses here: ~3x faster than one pass per outlier)
+    const int mask = width == 16 ? 0xF : 0xFF;
+    const size_t no = out_k.size();
+    std::vector<int64_t> grp(no), at(no);  // per outlier: its group, its byte in a tile row
+    std::vector<int> shift(no);
+    for (size_t i = 0; i < no; ++i) {
+      const int64_t k = out_k[i], j = k % KB;
+      grp[i] = k / gsize;
+      at[i] = (k / KB) * (RT * width) + j % width;
+      shift[i] = width == 16 ? 4 * (int)(j / 16) : 0;
+    }
+    double* y = yp + m * N;
+    for (int64_t n = 0; n < N; ++n) {
+      const uint8_t* tile = wp + (n / RT) * (nblocks * RT * width) + (n % RT) * width;
+      const float* srow = sc + n * G;
+      const float* orow = of + n * G;
+      double acc = 0.0;
+      for (size_t i = 0; i < no; ++i) {
+        const int code = (tile[at[i]] >> shift[i]) & mask;
+        acc += xv[i] * ((double)srow[grp[i]] * code + (double)orow[grp[i]]);
+      }
+      y[n] += acc;
+    }
+    taken += (int64_t)out_k.size();
+  }
+  return taken;
 }
 
 // Activations of one token -> int16 per 32-block (+ block scales) and exact per-group sums.
@@ -1434,6 +1508,11 @@ PYBIND11_MODULE(_cpu_qgemm, m) {
         "per-row flags (uint8[M]): 1 = two scales the int16 activation path would lose, 2 = NaN/inf or a "
         "row max outside [2^-96, 2^64] (exact fp32 route); "
         "returns how many rows are flagged");
+  m.def("split_outliers", &split_outliers, py::arg("x"), py::arg("x_dtype"), py::arg("M"), py::arg("K"),
+        py::arg("w"), py::arg("bits"), py::arg("scales"), py::arg("offsets"), py::arg("N"), py::arg("group_size"),
+        py::arg("factor"), py::arg("max_out"), py::arg("rest"), py::arg("y_exact"),
+        "rows' outliers (> factor x mean |x|, at most max_out per row) multiplied exactly into y_exact[M,N] "
+        "(+=, float64); rest[M,K] float32 = the rows without them; returns how many were taken out");
   m.def("dequant_tiles", &dequant_tiles, py::arg("w"), py::arg("bits"), py::arg("scales"), py::arg("offsets"),
         py::arg("N"), py::arg("K"), py::arg("group_size"), py::arg("out"), py::arg("out_dtype"),
         py::arg("num_threads"), "out[N,K] = dequantized weights of a packed tile layout");

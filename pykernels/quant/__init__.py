@@ -79,6 +79,8 @@ class QuantizedWeight:
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The weight the kernels multiply by: scales * codes + offsets, [N, K]."""
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"pykernels.QuantizedWeight.dequantize: expected a floating-point dtype, got {dtype}")
         return F.dequantize_codes(self.codes(), self.scales, self.offsets, self.group_size,
                                   dtype or self.dtype)
 
@@ -90,6 +92,8 @@ class QuantizedWeight:
     def to(self, *args, **kwargs) -> "QuantizedWeight":
         """Moves every tensor to a device (dtype arguments only change dequantize()'s default dtype)."""
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None and device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("pykernels.QuantizedWeight.to: no CUDA device (this torch sees none)")
         if dtype is not None and not dtype.is_floating_point:
             raise TypeError(f"pykernels.QuantizedWeight.to: expected a floating-point dtype (what dequantize() "
                             f"returns), got {str(dtype).replace('torch.', '')}")
@@ -128,6 +132,9 @@ class QuantizedWeight:
 torch.serialization.add_safe_globals([QuantizedWeight])
 
 
+_MAX_LONE_GROUP = 4096  # a group_size above K is fine up to this (one shorter group per row)
+
+
 def _check_format(op: str, bits, group_size, scheme):
     if scheme not in F.SCHEMES:
         raise ValueError(f"pykernels.{op}: expected scheme 'asym', 'sym' or 'bipolar', got {scheme!r}")
@@ -146,15 +153,22 @@ def quantize(weight, bits: int = 4, group_size: int = 128, scheme: str = "asym")
     the formulas of each scheme. The packed layouts the kernels read are made here, once."""
     w = as_tensor(weight, "quantize", "weight")
     _check_format("quantize", bits, group_size, scheme)
-    _check_weight(w)
+    _check_weight(w, group_size)
     return _quantize(w, bits, group_size, scheme, with_planes=scheme == "bipolar")
 
 
-def _check_weight(w: torch.Tensor) -> None:
+def _check_weight(w: torch.Tensor, group_size: int = -1) -> None:
     if not w.is_floating_point():
         raise TypeError(f"pykernels.quantize: expected a floating-point 'weight', got {str(w.dtype).replace('torch.', '')}")
     if w.dim() != 2:
         raise ValueError(f"pykernels.quantize: expected 'weight' of shape [N, K] (2 dimensions), got {tuple(w.shape)}")
+    if w.device.type == "meta":
+        raise ValueError("pykernels.quantize: expected a 'weight' with data, got a tensor on the meta device "
+                         "(materialize the model first, e.g. with to_empty() and its checkpoint)")
+    if group_size > max(w.shape[1], _MAX_LONE_GROUP):
+        # the layouts pad every group to group_size: one group far longer than K would be mostly padding
+        raise ValueError(f"pykernels.quantize: expected group_size at most the weight's K={w.shape[1]} (or "
+                         f"{_MAX_LONE_GROUP}), got {group_size}; use -1 for one group per row")
     if w.numel() and not bool(torch.isfinite(w).all()):
         raise ValueError("pykernels.quantize: 'weight' contains NaN or infinity")
 
@@ -173,11 +187,11 @@ def _quantize(w: torch.Tensor, bits: int, group_size: int, scheme: str, with_pla
                            planes=planes, dtype=w.dtype if w.dtype in _FLOATS else torch.float32)
 
 
-def _check_act_bits(act_bits):
+def _check_act_bits(act_bits, op: str = "qmatmul"):
     if act_bits is None:
         return 0
     if not isinstance(act_bits, int) or isinstance(act_bits, bool) or not 1 <= act_bits <= 8:
-        raise ValueError(f"pykernels.qmatmul: expected act_bits None or an int in 1..8, got {act_bits!r}")
+        raise ValueError(f"pykernels.{op}: expected act_bits None or an int in 1..8, got {act_bits!r}")
     return act_bits
 
 
@@ -203,11 +217,12 @@ def qmatmul(x, qw: QuantizedWeight, bias=None, *, act_bits: Optional[int] = None
     max|x| / 32767) to run integer dot products: blocks of 32 elements on AVX2 and portable CPUs, of
     one weight group (at most 2048 elements; 1024 with group_size=-1) on AVX-512 VNNI CPUs. Each x_k
     moves by at most 2^-16 of its block's max|x|, so y differs from the fp32 product with the
-    dequantized weight by about 2-4e-5 of max|y| on typical data. Rows where that step would swallow
-    the ordinary values (huge outliers next to them: the row's small elements average under 2^-12 of
-    its max) are computed in magnitude bands, each band with its own int16 scale, and rows holding a
-    NaN or inf take the fp32 route (so an inf gives torch's inf, not NaN); a cheap per-row check (a few
-    microseconds for 4096 elements) decides. The weights themselves are used exactly. For an exact fp32 result
+    dequantized weight by about 2-4e-5 of max|y| on typical data (~1e-4 with LLM outlier features).
+    Rows with an element above 2^8 times the mean |x| of the others (huge outliers, whose int16 step
+    would swallow the ordinary values when the outliers' weights are ~0) have their outliers (above 8
+    times the mean) multiplied exactly in float64 and the rest through the int16 kernel (LLM.int8()'s
+    decomposition), and rows holding a NaN or inf take the fp32 route (so an inf gives torch's inf, not
+    NaN); a cheap per-row check (a few microseconds for 4096 elements) decides. The weights themselves are used exactly. For an exact fp32 result
     use the dequantize route, torch.nn.functional.linear(x, qw.dequantize(torch.float32), bias)
     (what the "dequant_mm" config does chunk by chunk, with the same weights)."""
     x = as_tensor(x, "qmatmul", "x")
@@ -254,7 +269,7 @@ class QuantLinear(nn.Module):
                  device=None, dtype=torch.float32):
         super().__init__()
         _check_format("QuantLinear", bits, group_size, scheme)
-        _check_act_bits(act_bits)
+        _check_act_bits(act_bits, "QuantLinear")
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.bits, self.group_size, self.scheme, self.act_bits = bits, group_size, scheme, act_bits
         self.weight_dtype = dtype
@@ -325,12 +340,12 @@ class QuantLinear(nn.Module):
         w = linear.weight.detach()
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        _check_format("QuantLinear", bits, group_size, scheme)
-        _check_act_bits(act_bits)
+        _check_format("QuantLinear.from_linear", bits, group_size, scheme)
+        _check_act_bits(act_bits, "QuantLinear.from_linear")
         layer.in_features, layer.out_features = linear.in_features, linear.out_features
         layer.bits, layer.group_size, layer.scheme, layer.act_bits = bits, group_size, scheme, act_bits
         layer.weight_dtype = w.dtype if w.dtype in _FLOATS else torch.float32
-        _check_weight(w)
+        _check_weight(w, group_size)
         layer._set_qweight(_quantize(w, bits, group_size, scheme, with_planes=bool(act_bits)))
         if linear.bias is not None:
             layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
@@ -380,17 +395,22 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, inclu
     """Replaces (in place, and returns `model`; a bare nn.Linear comes back as its QuantLinear) every
     nn.Linear whose qualified name matches `include` (default: all) and not `exclude` by a QuantLinear
     (not nn.MultiheadAttention's out_proj, which attention reads as a plain weight). Names match
-    exactly, as a prefix of a sub-module path, or as fnmatch patterns ("*.mlp.*"). A layer whose K is not a multiple of group_size keeps
-    per-group scales with a shorter last group."""
+    exactly, as a prefix of a sub-module path, or as fnmatch patterns ("*.mlp.*"); a layer shared under
+    several names is quantized only if all of them are selected. A layer whose K is not a multiple of
+    group_size keeps per-group scales with a shorter last group."""
     _check_format("quantize_model", bits, group_size, scheme)
+    _check_act_bits(act_bits, "quantize_model")
     include = [include] if isinstance(include, str) else include
     exclude = [exclude] if isinstance(exclude, str) else (exclude or [])
-    # Every name of every Linear (a layer shared under two names is replaced under both, by one
-    # QuantLinear). Not quantized: NonDynamicallyQuantizableLinear, torch's mark for nn.MultiheadAttention's
-    # out_proj (attention reads its .weight as a plain tensor).
-    targets = [(name, mod) for name, mod in model.named_modules(remove_duplicate=False)
-               if isinstance(mod, nn.Linear) and not isinstance(mod, nn.modules.linear.NonDynamicallyQuantizableLinear)
-               and (include is None or _matches(name, include)) and not _matches(name, exclude)]
+    # Every name of every Linear: a layer shared under several names is replaced under all of them, by
+    # one QuantLinear, or kept under all of them when any of its names is excluded (or not included): a
+    # tie is never split. Not quantized: NonDynamicallyQuantizableLinear, torch's mark for
+    # nn.MultiheadAttention's out_proj (attention reads its .weight as a plain tensor).
+    linears = [(name, mod) for name, mod in model.named_modules(remove_duplicate=False)
+               if isinstance(mod, nn.Linear) and not isinstance(mod, nn.modules.linear.NonDynamicallyQuantizableLinear)]
+    kept = {id(mod) for name, mod in linears
+            if not ((include is None or _matches(name, include)) and not _matches(name, exclude))}
+    targets = [(name, mod) for name, mod in linears if id(mod) not in kept]
     made = {}
     for name, lin in targets:
         q = made.get(id(lin))

@@ -98,7 +98,7 @@ def _dequant_cpu(packed, scales, offsets, N, K, bits, group_size, rows=None, thr
     return out
 
 
-_MAX_BANDS = 4  # magnitude bands of a two-scale activation row: 2^(8*4) of dynamic range at >= 7 bits
+_EXACT_COLUMNS = 64  # outliers per row multiplied exactly (at least; K / 64 for long rows)
 
 
 def cpu_weight_only(x2, packed, scales, offsets, bias, N, K, bits, group_size, cfg) -> torch.Tensor:
@@ -143,22 +143,25 @@ def cpu_weight_only(x2, packed, scales, offsets, bias, N, K, bits, group_size, c
         y[ordinary] = native(x2[ordinary], b, x2.dtype)
     two_scales = torch.nonzero(flags == 1).flatten()
     if two_scales.numel():
-        # split by magnitude into bands (LLM.int8()'s outlier decomposition, Dettmers et al. 2022,
-        # with the same kernel for every band): each band is one scale, so its int16 steps are
-        # fine for all its elements; the products add up in fp32
-        rest = x2[two_scales].float()
-        acc = torch.zeros(rest.shape[0], N, dtype=torch.float32)
-        for band in range(_MAX_BANDS):
-            band_flags = torch.empty(rest.shape[0], dtype=torch.uint8)
-            if band == _MAX_BANDS - 1 or not mod.act_range_flags(
-                    rest.data_ptr(), dtype_code(rest.dtype), rest.shape[0], K, band_flags.data_ptr(), threads):
-                acc += native(rest, None, torch.float32)
-                break
-            big = rest.abs() > rest.abs().amax(-1, keepdim=True) / 256  # act_range_flags' split point
-            acc += native(torch.where(big, rest, 0.0), None, torch.float32)
-            rest = torch.where(big, 0.0, rest)
+        # Outliers (LLM.int8()'s decomposition, Dettmers et al. 2022; split_outliers in qgemm_cpu.cpp):
+        # a row's elements above 8 times its mean |x| are multiplied exactly, in float64, by their columns
+        # of the dequantized weight (a few columns cost next to nothing, and no fp32 sum of huge terms can
+        # cancel); the rest goes through the int16 kernel. A row with more of them than that (heavy
+        # tails) goes through the int16 kernel whole.
+        whole = two_scales.numel() == M  # (a single token, say): no gather and scatter of rows
+        xs = x2 if whole else x2[two_scales]
+        R = xs.shape[0]
+        rest = torch.empty(R, K, dtype=torch.float32)
+        exact = torch.zeros(R, N, dtype=torch.float64)
+        mod.split_outliers(xs.data_ptr(), dtype_code(xs.dtype), R, K, packed.data_ptr(), bits, scales.data_ptr(),
+                           offsets.data_ptr(), N, group_size, 8.0, max(_EXACT_COLUMNS, K // 64), rest.data_ptr(),
+                           exact.data_ptr())
+        acc = native(rest, None, torch.float32)
+        acc = exact.add_(acc).to(torch.float32)
         if b is not None:
             acc += b
+        if whole:
+            return acc.to(x2.dtype)
         y[two_scales] = acc.to(y.dtype)
     non_finite = torch.nonzero(flags == 2).flatten()
     if non_finite.numel():  # NaN/inf (inf * w comes out as torch's inf), or a max int16 scales cannot carry: exact fp32

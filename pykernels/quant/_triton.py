@@ -95,7 +95,8 @@ def _bs_kernel(A, Wp, S, O, WS, US, SA, MA, Bias, Y, M, N, K, G, GSIZE, GW2, P, 
     ma = tl.load(MA + rm, mask=mask_m, other=0.0)
     acc = tl.full((BLOCK_M, BLOCK_N), 0, tl.float32)
     for g in range(G):
-        isum = tl.full((BLOCK_M, BLOCK_N), 0, tl.int32)
+        # int64: a group's sum reaches (2^p - 1)(2^q - 1) * GSIZE, past 2^31 at 8 x 8 bits from K = 33k
+        isum = tl.full((BLOCK_M, BLOCK_N), 0, tl.int64)
         for i in range(P):
             for jb in range(Q):
                 cnt = tl.full((BLOCK_M, BLOCK_N), 0, tl.int32)
@@ -109,7 +110,7 @@ def _bs_kernel(A, Wp, S, O, WS, US, SA, MA, Bias, Y, M, N, K, G, GSIZE, GW2, P, 
                     v = (v & 0x33333333) + ((v >> 2) & 0x33333333)
                     v = (v + (v >> 4)) & 0x0F0F0F0F
                     cnt += ((v * 0x01010101) >> 24).to(tl.int32)
-                isum += cnt << (i + jb)
+                isum += cnt.to(tl.int64) << (i + jb)
         length = (tl.minimum(K, (g + 1) * GSIZE) - g * GSIZE).to(tl.float32)
         s = tl.load(S + rn * G + g, mask=mask_n, other=0.0)
         m = tl.load(O + rn * G + g, mask=mask_n, other=0.0)
