@@ -249,8 +249,11 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = N
 
     Returns `out` [B, H, S_q, D] in q's dtype, or `(out, lse)` with `return_lse=True`, lse [B, H, S_q]
     float32 (natural log; float64 for float64 inputs). `causal=True` aligns the mask bottom-right
-    (row i sees keys j <= i + S_k - S_q); rows that see no key give out 0 and lse -inf.
-    Differentiable in q, k, v (and through lse). dtypes float32/bfloat16/float16 (float64 on CPU).
+    (row i sees keys j <= i + S_k - S_q); rows that see no key give out 0 and lse -inf (and zero
+    gradient), even when some v is NaN/inf. As in torch's SDPA, a NaN/inf in a v that a row does not see
+    but that shares a tile with keys it does (the masked probability is 0, and 0 * NaN is NaN) may still
+    reach that row. Differentiable in q, k, v (and through lse). dtypes float32/bfloat16/float16
+    (float64 on CPU).
     """
     q = _native.as_tensor(q, OP, "q")
     k = _native.as_tensor(k, OP, "k")

@@ -224,7 +224,10 @@ def qmatmul(x, qw: QuantizedWeight, bias=None, *, act_bits: Optional[int] = None
     decomposition), and rows holding a NaN or inf take the fp32 route (so an inf gives torch's inf, not
     NaN); a cheap per-row check (a few microseconds for 4096 elements) decides. The weights themselves are used exactly. For an exact fp32 result
     use the dequantize route, torch.nn.functional.linear(x, qw.dequantize(torch.float32), bias)
-    (what the "dequant_mm" config does chunk by chunk, with the same weights)."""
+    (what the "dequant_mm" config does chunk by chunk, with the same weights). On the GPU the Triton
+    kernel multiplies in the activations' dtype as Marlin does: fp16 activations meet fp16-rounded
+    weights (a weight beyond fp16's 65504 would be inf; a weight below its normal range, 6e-5, keeps
+    fewer bits), bf16 ones bf16-rounded weights, fp32 ones fp32 weights; every sum is fp32."""
     x = as_tensor(x, "qmatmul", "x")
     if not isinstance(qw, QuantizedWeight):
         raise TypeError(f"pykernels.qmatmul: expected a pykernels.QuantizedWeight for 'qw' "
