@@ -674,6 +674,27 @@ def test_segmented_many_tiny_and_one_huge():
     assert torch.equal(k, rk) and torch.equal(v, rv)
 
 
+def test_small_contract_points_from_fuzzing():
+    """begin_bit=None, meta offsets: errors naming the op; numpy ints as dim (as torch.sort); a wrong-shaped
+    non-empty out= is resized with torch's warning."""
+    with pytest.raises(TypeError, match=r"pykernels.sort_keys: expected an int for 'begin_bit'"):
+        pykernels.sort_keys(torch.arange(3), begin_bit=None)
+    with pytest.raises(TypeError, match=r"pykernels.sort_pairs: expected an int for 'begin_bit'"):
+        pykernels.sort_pairs(torch.arange(3), torch.arange(3), begin_bit=None)
+    with pytest.raises(RuntimeError, match=r"pykernels.segmented_sort: no backend runs on the meta device"):
+        pykernels.segmented_sort(torch.empty(5, device="meta"), torch.tensor([0, 5], device="meta"))
+    x = torch.randn(4, 5)
+    for d in (np.int64(0), np.int32(-1)):
+        assert torch.equal(pykernels.sort(x, dim=d).values, torch.sort(x, dim=int(d), stable=True).values)
+        assert torch.equal(pykernels.argsort(x, dim=d), torch.argsort(x, dim=int(d), stable=True))
+    with pytest.raises(TypeError, match=r"pykernels.sort: expected an int for 'dim'"):
+        pykernels.sort(x, dim=True)
+    out = (torch.empty(20), torch.empty(20, dtype=torch.int64))
+    with pytest.warns(UserWarning, match="An output with one or more elements was resized"):
+        pykernels.sort(x, dim=0, out=out)
+    assert torch.equal(out[0], torch.sort(x, dim=0, stable=True).values)
+
+
 def test_errors_name_the_op_and_argument():
     x = torch.randn(10)
     with pytest.raises(TypeError, match=r"pykernels.sort: expected 'input' of dtype"):

@@ -22,6 +22,8 @@ torch.sort exactly) and the output keys keep their exact input bits.
 """
 from __future__ import annotations
 
+import operator
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -258,6 +260,9 @@ def _(keys, values, descending, begin_bit, end_bit, backend):
 def _check_offsets(op: str, offsets: torch.Tensor, n: int):
     """Value checks of 'offsets'. They read the tensor's data, so they run inside the custom op (on real
     tensors), never in the traced public function: torch.compile(fullgraph=True) cannot trace them."""
+    if offsets.device.type == "meta":
+        raise RuntimeError(f"pykernels.{op}: no backend runs on the meta device (the offsets' values decide "
+                           f"the result)")
     if offsets.numel() > 1 and bool((offsets[1:] < offsets[:-1]).any()):
         raise ValueError(f"pykernels.{op}: expected non-decreasing 'offsets'")
     lo, hi = int(offsets.min()), int(offsets.max())
@@ -335,8 +340,9 @@ def _check_flag(op: str, arg: str, v) -> bool:
 
 
 def _norm_dim(op: str, x: torch.Tensor, dim) -> int:
-    if not isinstance(dim, int) or isinstance(dim, bool):
+    if isinstance(dim, bool) or not hasattr(type(dim), "__index__"):
         raise TypeError(f"pykernels.{op}: expected an int for 'dim', got {type(dim).__name__}")
+    dim = operator.index(dim)  # numpy integers too, as torch.sort takes them
     nd = max(x.dim(), 1)  # a 0-d tensor takes dim 0 or -1, as in torch
     if not -nd <= dim < nd:
         raise ValueError(f"pykernels.{op}: expected 'dim' in [{-nd}, {nd - 1}] for a tensor of shape "
@@ -347,7 +353,7 @@ def _norm_dim(op: str, x: torch.Tensor, dim) -> int:
 def _check_bits(op: str, keys: torch.Tensor, begin_bit, end_bit) -> Tuple[int, int]:
     bits = _KEY_BITS[keys.dtype]
     for name, v in (("begin_bit", begin_bit), ("end_bit", end_bit)):
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+        if (v is not None or name == "begin_bit") and (not isinstance(v, int) or isinstance(v, bool)):
             raise TypeError(f"pykernels.{op}: expected an int for '{name}', got {type(v).__name__}")
     end = bits if end_bit is None else end_bit
     if not 0 <= begin_bit <= end <= bits:
@@ -391,10 +397,21 @@ def sort(input, dim: int = -1, descending: bool = False, stable: bool = True, *,
     else:
         values, indices = torch.ops.pykernels.sort(x, d, descending, backend)
     if out is not None and values is not ov:
-        ov.resize_(values.shape).copy_(values)
-        oi.resize_(indices.shape).copy_(indices)
+        _resize_output(ov, values.shape).copy_(values)
+        _resize_output(oi, indices.shape).copy_(indices)
         values, indices = ov, oi
     return torch.return_types.sort((values, indices))
+
+
+def _resize_output(t: torch.Tensor, shape) -> torch.Tensor:
+    """t resized to shape as torch's out= ops do: silently when empty, else with torch's warning."""
+    if t.numel() and tuple(t.shape) != tuple(shape):
+        warnings.warn(f"An output with one or more elements was resized since it had shape {list(t.shape)}, which "
+                      f"does not match the required output shape {list(shape)}. This behavior is deprecated, and in "
+                      f"a future PyTorch release outputs will not be resized unless they have zero elements. You "
+                      f"can explicitly reuse an out tensor t by resizing it, inplace, to zero elements with "
+                      f"t.resize_(0).", UserWarning, stacklevel=3)
+    return t.resize_(shape)
 
 
 def _bytes_of(t: torch.Tensor) -> tuple:
