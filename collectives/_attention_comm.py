@@ -2,6 +2,7 @@
 batches cut into pieces, the cross-rank input check, and the second group TokenRing needs."""
 from __future__ import annotations
 
+import hashlib
 import struct
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -69,6 +70,11 @@ def wait(works) -> None:
 
 
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+
+
+def shape_hash(shape) -> int:
+    """A 62-bit hash of a whole shape (any number of dims), as one field for check_across_ranks."""
+    return int.from_bytes(hashlib.blake2b(repr(tuple(shape)).encode(), digest_size=8).digest(), "little") >> 2
 
 
 def check_across_ranks(op: str, grp: Group, local_error: Optional[BaseException], fields: Dict[str, int],

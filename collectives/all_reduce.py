@@ -24,6 +24,7 @@ import queue
 import statistics
 import threading
 import time
+import warnings
 from typing import Optional
 
 import torch
@@ -75,6 +76,8 @@ def _parse_op(op) -> str:
             return {"product": "prod", "mean": "avg"}.get(key, key)
         raise ValueError(f"{OPNAME}: op must be one of 'sum', 'avg', 'max', 'min', 'prod' (or a dist.ReduceOp), "
                          f"got {op!r}")
+    if isinstance(op, (int, float)):  # dist.ReduceOp.MIN == 3 is True: a bare 3 must not pass for it
+        raise ValueError(f"{OPNAME}: op must be a str or a dist.ReduceOp, got {type(op).__name__} {op!r}")
     for name in ("sum", "avg", "max", "min", "prod"):
         try:
             if op == _OPS[name]:
@@ -128,6 +131,11 @@ def _check_tensor(tensor) -> torch.Tensor:
                         f"int64, uint8, got {tensor.dtype}")
     if tensor.is_sparse or tensor.layout != torch.strided:
         raise ValueError(f"{OPNAME}: tensor must be dense (strided), got layout {tensor.layout}")
+    if tensor.device.type == "meta":
+        raise RuntimeError(f"{OPNAME}: tensor is on the meta device (no data to reduce)")
+    if torch._debug_has_internal_overlap(tensor) == 1:  # 1: elements share memory (expand, as_strided)
+        raise ValueError(f"{OPNAME}: tensor has elements that share memory (an expanded or overlapping view), "
+                         f"so it cannot receive an in-place result; pass a tensor that owns its elements")
     return tensor
 
 
@@ -358,9 +366,12 @@ def _load_params(group, topo: Topology) -> Params:
             pass
         text = params.to_json()
     if dist.get_world_size(group) > 1:
-        obj = [text]
+        obj = [(text, list(topo.sizes))]
         dist.broadcast_object_list(obj, group_src=0, group=group)
-        text = obj[0]
+        text, sizes0 = obj[0]
+        if sizes0 != list(topo.sizes):
+            raise ValueError(f"{OPNAME}: the ranks disagree on the topology: rank 0 of the group has level sizes "
+                             f"{sizes0}, this rank {list(topo.sizes)}; every rank must pass the same")
     params = Params.from_json(text)
     with _STATE_LOCK:
         _PARAMS[key] = params
@@ -633,7 +644,10 @@ def all_reduce(tensor, op="sum", group=None, *, topology=None, algorithm="auto",
     itself). topology: a Topology or a list of level sizes (innermost first); default
     Topology.detect(group). Returns the tensor, or an AllReduceWork with .wait() when async_op=True.
     Every rank must call it with the same numel, dtype, op and algorithm; a rank that disagrees makes
-    every rank fail with the process group's timeout (never a hang, never a wrong result).
+    every rank fail with the process group's timeout (never a hang, never a wrong result). A process
+    outside the group leaves its tensor unchanged (with a warning), as dist.all_reduce does. max/min
+    with NaN: our algorithms propagate it (torch.maximum); gloo's own ("native", which auto may run)
+    can drop it.
     """
     return _all_reduce(tensor, op, group, topology, algorithm, async_op, agreed=False)
 
@@ -649,6 +663,15 @@ def _all_reduce(tensor, op, group, topology, algorithm, async_op, agreed: bool):
     if not isinstance(async_op, bool):
         raise TypeError(f"{OPNAME}: async_op must be a bool, got {type(async_op).__name__}")
     group = _default_group(group)
+    if dist.get_rank(group) < 0:
+        # as dist.all_reduce: a process outside the group has nothing to do (its tensor is left as is)
+        warnings.warn(f"{OPNAME}: this process (global rank {dist.get_rank()}) is not a member of the group; "
+                      f"the tensor is left unchanged, as dist.all_reduce does", stacklevel=3)
+        if not async_op:
+            return tensor
+        fut = torch.futures.Future()
+        fut.set_result(tensor)
+        return AllReduceWork(fut, tensor)
     needs_topo = algorithm in ("auto", "hierarchical") or topology is not None
     runner = _RUNNERS.get(group)
     # Topology detection, sub-groups and tuned parameters may issue collectives: here, in call order.
@@ -692,6 +715,9 @@ def plan(numel, dtype=torch.float32, group=None, topology=None, op="sum") -> str
         raise TypeError(f"collectives.plan: dtype must be one of {', '.join(str(d) for d in _DTYPES)}, got {dtype!r}")
     op = _parse_op(op)
     group = _default_group(group)
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"collectives.plan: this process (global rank {dist.get_rank()}) is not a member of the "
+                         f"group")
     p = dist.get_world_size(group)
     topo = _topology_for(group, topology)
     wdt = _work_dtype(dtype, op)

@@ -112,6 +112,8 @@ def _validate(op: str, q, k, v, causal, scale, layout, grp: comm.Group) -> float
         if k.shape != v.shape:
             raise ValueError(f"{op}: expected 'k' and 'v' of one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
         b, h, s, d = q.shape
+        if d < 1:
+            raise ValueError(f"{op}: expected head dim D >= 1, got {d}")
         if k.shape[0] != b or k.shape[2] != s or k.shape[3] != d:
             raise ValueError(f"{op}: expected 'k'/'v' of shape [{b}, Hkv, {s}, {d}] to match 'q' "
                              f"{tuple(q.shape)}, got {tuple(k.shape)}")
@@ -555,6 +557,10 @@ def unshard_sequence(local: torch.Tensor, group=None, layout: str = "zigzag", di
     fields = {"ndim": local.dim() if err is None else 0, "dtype": comm.dtype_code(local.dtype) if err is None else 0}
     for i in range(8):
         fields[f"size{i}"] = local.shape[i] if err is None and i < local.dim() else -1
+    # dims past the 8th: numel and a hash of the whole shape (unequal shards would reach gloo's
+    # all-gather, which aborts the process on a size mismatch; fuzz finding)
+    fields["numel"] = local.numel() if err is None else -1
+    fields["shape_hash"] = comm.shape_hash(local.shape) if err is None else -1
     fields["dim"] = dim if err is None else -1
     fields["layout"] = _LAYOUTS.index(layout) if err is None else -1
     dev = local.device if isinstance(local, torch.Tensor) else torch.device("cpu")

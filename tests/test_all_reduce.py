@@ -401,6 +401,32 @@ def chk_errors_in_group():
     assert torch.all(x == world)
 
 
+def chk_non_member():
+    """A process outside the group: its tensor is left unchanged with a warning (as dist.all_reduce), for
+    every algorithm, sync and async; plan() says so; the members reduce among themselves (fuzz finding:
+    avg negated the tensor, other algorithms raised misleading errors)."""
+    rank = dist.get_rank()
+    g = dist.new_group([0, 1])
+    for algo in ("auto", "ring", "hierarchical", "native"):
+        for op in ("avg", "sum"):
+            x = torch.tensor([2.0, 4.0, 6.0]) * (rank + 1)
+            if rank >= 2:
+                with pytest.warns(UserWarning, match="not a member of the group"):
+                    collectives.all_reduce(x, op, group=g, algorithm=algo)
+                assert torch.equal(x, torch.tensor([2.0, 4.0, 6.0]) * (rank + 1))
+                with pytest.warns(UserWarning, match="not a member"):
+                    w = collectives.all_reduce(x, op, group=g, algorithm=algo, async_op=True)
+                assert w.wait() and torch.equal(w.result(), x)
+            else:
+                collectives.all_reduce(x, op, group=g, algorithm=algo)
+                want = torch.tensor([6.0, 12.0, 18.0]) / (2 if op == "avg" else 1)
+                assert torch.equal(x, want), (algo, op, x)
+    if rank >= 2:
+        with pytest.raises(ValueError, match="collectives.plan: this process .* is not a member"):
+            collectives.plan(10, group=g)
+    dist.barrier()
+
+
 def chk_plan(numel, topo):
     text = collectives.plan(numel, torch.float32, topology=topo)
     assert "runs:" in text and "why:" in text
@@ -574,6 +600,7 @@ def test_world_4_layouts_async_errors(clusters):
         c.run("chk_layouts", algo)
         c.run("chk_async", algo)
     c.run("chk_errors_in_group")
+    c.run("chk_non_member")
     c.run("chk_scratch_sizes", 0)
     c.run("chk_scratch_sizes", 103)
     shapes = c.run("chk_level_comms", [2, 2])
@@ -671,6 +698,14 @@ def test_argument_errors():
         collectives.all_reduce(x, algorithm="tree")
     with pytest.raises(TypeError, match="collectives.all_reduce: async_op"):
         collectives.all_reduce(x, async_op="yes")
+    # fuzz findings: a bare int is not an op (dist.ReduceOp.MIN == 3 holds); meta and self-overlapping
+    # tensors are refused before any message
+    with pytest.raises(ValueError, match="collectives.all_reduce: op must be a str or a dist.ReduceOp"):
+        collectives.all_reduce(x, 3)
+    with pytest.raises(RuntimeError, match="collectives.all_reduce: tensor is on the meta device"):
+        collectives.all_reduce(torch.ones(3, device="meta"))
+    with pytest.raises(ValueError, match="collectives.all_reduce: tensor has elements that share memory"):
+        collectives.all_reduce(torch.ones(1).expand(4))
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="collectives.all_reduce: torch.distributed is not initialized"):
             collectives.all_reduce(x)

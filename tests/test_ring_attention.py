@@ -236,6 +236,8 @@ def case_bad_shard(rank, world, *, fn, what):
             k, v = k[:, :1].repeat(1, 3, 1, 1), v[:, :1].repeat(1, 3, 1, 1)
         elif what == "meta":  # a device gloo cannot move: a clear error everywhere, not a hang
             q, k, v = (t.to("meta") for t in (q, k, v))
+        elif what == "headdim0":  # fuzz finding: ZeroDivisionError on this rank, a timeout on the others
+            q, k, v = (t[..., :0] for t in (q, k, v))
     try:
         FNS[fn](q, k, v, causal=True)
     except (ValueError, TypeError) as exc:
@@ -295,6 +297,12 @@ def case_shard_errors(rank, world):
         unshard_sequence(local, layout="zigzag")
     except ValueError as exc:
         out["unshard_odd"] = str(exc)
+    # shards that differ only past the 8th dim (fuzz finding: gloo aborted the process)
+    local = torch.zeros([1] * 8 + [4 if rank else 6])
+    try:
+        unshard_sequence(local, layout="contiguous", dim=0)
+    except ValueError as exc:
+        out["unshard_9d"] = str(exc)
     return out
 
 
@@ -372,7 +380,7 @@ def test_wrong_size_shard_on_one_rank_errors_everywhere(pool, fn):
     if pool.world == 1:
         pytest.skip("needs two ranks")
     for what, exc in (("length", "ValueError"), ("dtype", "ValueError"), ("heads", "ValueError"),
-                      ("meta", "ValueError")):
+                      ("meta", "ValueError"), ("headdim0", "ValueError")):
         res = pool.run("case_bad_shard", fn=fn, what=what)
         kinds = {kind for kind, _ in res}
         # the bad rank sees its own error (dtype: TypeError is not raised locally since float64 is a
@@ -396,6 +404,7 @@ def test_shard_errors(pool):
         if pool.world > 1:
             assert "multiple of" in out["contiguous"]
             assert "collectives.unshard_sequence" in out["unshard"]
+            assert "collectives.unshard_sequence" in out["unshard_9d"]
         assert "layout" in out["layout"]
         assert "even" in out["unshard_odd"]
 
