@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from .. import _memory, _native
+from ..errors import check_same_device
 from ._layout import slot_bytes
 
 _M64 = (1 << 64) - 1
@@ -40,18 +41,6 @@ def out_buffer(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     if device.type != "cpu":
         return torch.empty(n, dtype=dtype, device=device)
     return _memory.empty_output((n,), dtype)
-
-
-def _check_devices(op: str, slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor,
-                   values: Optional[torch.Tensor] = None):
-    """Every array of a raw call on the table's device (the native code is handed raw pointers; in the
-    fake implementation too, so that a meta tensor among real ones is an error, not garbage)."""
-    from ._layout import same_device
-
-    for name, t in (("special", special), ("keys", keys), ("values", values)):
-        if t is not None and not same_device(t.device, slots.device):
-            raise RuntimeError(f"pykernels.{op}: expected '{name}' on the table's device {slots.device} "
-                               f"(that of 'slots'), got {t.device}")
 
 
 def _check_mode(op: str, mode: int):
@@ -100,7 +89,7 @@ def hash_find(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor, nw
     """(value bits [n] (int32/int64; empty for sets or without `with_values`), found [n] bool) of
     key bits `keys` (1-D). `kb`/`vb`: the table's key and value-slot bytes (its layout); `threads` <= 0:
     torch.get_num_threads()."""
-    _check_devices("hash_find", slots, special, keys)
+    check_same_device("hash_find", slots=slots, special=special, keys=keys)
     n = keys.numel()
     nv = n if (vb and with_values) else 0
     found = out_buffer(n, torch.uint8, keys.device)
@@ -116,7 +105,8 @@ def hash_find(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor, nw
 
 @hash_find.register_fake
 def _(slots, special, keys, nw, window, seed, kb, vb, default_bits, with_values, threads, prefetch):
-    _check_devices("hash_find", slots, special, keys)
+    # checked here too: a meta tensor among real ones dispatches to this fake (it returned garbage)
+    check_same_device("hash_find", slots=slots, special=special, keys=keys)
     n = keys.numel()
     nv = n if (vb and with_values) else 0
     return keys.new_empty(nv, dtype=_BITS.get(vb, torch.int64)), keys.new_empty(n, dtype=torch.bool)
@@ -129,7 +119,7 @@ def hash_insert_(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor,
     """Bulk insert (mode 0 upsert, 1 add, 2 append) in place. Returns (status [n] uint8:
     0 existed, 1 new, 2 left out (table full), 3 skipped; counts int64[3] on the CPU:
     new keys, new keys that took an EMPTY slot, keys left out)."""
-    _check_devices("hash_insert_", slots, special, keys, values)
+    check_same_device("hash_insert_", slots=slots, special=special, keys=keys, values=values)
     _check_mode("hash_insert_", mode)
     n = keys.numel()
     status = out_buffer(n, torch.uint8, keys.device)
@@ -146,6 +136,6 @@ def hash_insert_(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor,
 
 @hash_insert_.register_fake
 def _(slots, special, keys, values, nw, window, seed, kb, vb, mode, used, limit, threads, prefetch):
-    _check_devices("hash_insert_", slots, special, keys, values)
+    check_same_device("hash_insert_", slots=slots, special=special, keys=keys, values=values)
     _check_mode("hash_insert_", mode)
     return keys.new_empty(keys.numel(), dtype=torch.uint8), torch.empty(3, dtype=torch.int64, device="cpu")

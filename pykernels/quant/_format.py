@@ -144,23 +144,6 @@ def unpack_tiles(packed: torch.Tensor, bits: int, N: int, K: int) -> torch.Tenso
     return t.reshape(N4, Kp)[:N, :K].contiguous()
 
 
-def dequantize_columns(packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int, N: int,
-                       K: int, group_size: int, cols: torch.Tensor) -> torch.Tensor:
-    """Columns `cols` (input channels) of the dequantized weight, [N, len(cols)] float64, gathered straight
-    from the tile layout of pack_tiles (what qmatmul multiplies outlier activations by, exactly)."""
-    B = round_up(max(K, 1), K_BLOCK) // K_BLOCK
-    width = 16 if layout_bits(bits) == 4 else 32
-    n = torch.arange(N, device=packed.device)
-    # byte of (n, k): tile n // 4, block k // 32, row n % 4 in the tile, byte (k % 32) % width
-    row = (n // ROW_TILE) * (B * ROW_TILE * width) + (n % ROW_TILE) * width
-    j = cols % K_BLOCK
-    col = (cols // K_BLOCK) * (ROW_TILE * width) + j % width
-    byte = packed[row[:, None] + col[None, :]].to(torch.int32)
-    codes = (byte >> (4 * (j // 16)).to(torch.int32)) & 0xF if width == 16 else byte
-    g = cols // group_geometry(K, group_size)[0]
-    return codes.to(torch.float64) * scales[:, g].to(torch.float64) + offsets[:, g].to(torch.float64)
-
-
 def plane_geometry(K: int, group_size: int):
     """(gsize, G, gw): group length, number of groups, 64-bit words per group in the bit planes."""
     gsize, G = group_geometry(K, group_size)
