@@ -163,6 +163,67 @@ def test_corrupt_or_foreign_cache_is_ignored_with_a_warning(tmp_cache):
     assert json.loads(path.read_text())["entries"]
 
 
+@pytest.mark.parametrize("bad", [{"metadata": None}, {"entry": "x"}, {"entry": {"time_s": 1}},
+                                 {"config": None}, {"config": [1, 2]}, {"config": {"threads": "x"}},
+                                 {"config": {"grain": None}}, {"config": {"digit_bits": 2 ** 31}},
+                                 {"config": {"threads": 2 ** 40}}, {"nested": True}])
+def test_damaged_cache_entries_fall_back_to_the_default(tmp_cache, bad):
+    """Valid JSON with bad contents (fuzz finding: every sort call raised): structurally wrong entries are
+    dropped when the file loads, configs that are not one of the op's own configs when looked up; the op
+    runs its default and is right."""
+    x = torch.randint(-1000, 1000, (3000,), dtype=torch.int32)
+    path = at.cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ek = at._entry_key("sort_keys", "cpu", {"dtype": "int32", "n": at.bucket(x.numel())})
+    entry = bad.get("entry", {"config": bad.get("config", {}), "time_s": 0.001})
+    data = {"metadata": bad["metadata"] if "metadata" in bad else at._metadata(None), "entries": {ek: entry}}
+    path.write_text("[" * 100000 if bad.get("nested") else json.dumps(data))
+    at.clear_memory_cache()
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        assert torch.equal(pykernels.sort_keys(x), torch.sort(x).values)
+    assert any("pykernels.autotune: ignoring" in str(w.message) for w in got), [str(w.message) for w in got]
+
+
+def test_tune_stores_readable_files_through_symlinks_and_reports_unwritable_caches(tmp_cache):
+    _register_sleepy()
+    real = tmp_cache / "real.json"
+    path = at.cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    real.write_text("{}")
+    path.symlink_to(real)
+    at.tune("test_sleepy", torch.zeros(1000), budget_s=0.05)
+    assert path.is_symlink() and json.loads(real.read_text())["entries"]  # the link's target got the entry
+    assert real.stat().st_mode & 0o044 == 0o044 & ~_umask()  # readable by others as the umask allows
+    path.unlink()
+    path.mkdir()  # a directory where the file should be: a clear error, no temp file left behind
+    at.clear_memory_cache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(OSError, match="pykernels.autotune: could not write the cache file"):
+            at.tune("test_sleepy", torch.zeros(1000), budget_s=0.05)
+    assert not list(tmp_cache.glob("*.tmp"))
+
+
+def _umask():
+    m = os.umask(0)
+    os.umask(m)
+    return m
+
+
+def test_a_table_sees_a_retuned_key():
+    """A HashMap caches its configs; storing a new config under an existing key must reach it (fuzz
+    finding: only new keys did)."""
+    t = pykernels.HashMap(1000)
+    k = torch.arange(500)
+    t.insert(k, k)
+    g0 = at.generation()
+    t.find(k)
+    at.clear_memory_cache()
+    assert at.generation() != g0
+    assert t._config_cache["hash_find"][0] != t._tune_state()
+
+
 def test_concurrent_tuning_processes_keep_every_entry(tmp_cache):
     # Two processes store different keys into the same file at once: both entries survive (file lock).
     code = ("import sys, time, torch, pykernels.autotune as at\n"

@@ -172,19 +172,34 @@ def _shipped_file(device=None) -> Path:
     return Path(__file__).parent / "shipped" / f"{device_id(device)}.json"
 
 
+def _valid_entry(entry) -> bool:
+    """The shape every reader relies on: {"config": {...}, "time_s": number, ...}. Whether the config
+    is one the op can run is config_for's check (it knows the op's own configs)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("config"), dict):
+        return False
+    t = entry.get("time_s", 0.0)
+    return not isinstance(t, bool) and isinstance(t, (int, float))
+
+
 def load_cache_file(path: Path, device=None, check_metadata: bool = True) -> dict:
-    """Entries of a cache file; {} (with a warning) when missing, corrupt or made by other versions."""
+    """Entries of a cache file; {} (with a warning) when missing, corrupt or made by other versions.
+    Malformed entries (a hand-edited or damaged file) are dropped with a warning."""
     path = Path(path)
     if not path.exists():
         return {}
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_bytes().decode("utf-8"))
         meta, entries = data["metadata"], data["entries"]
-        if not isinstance(entries, dict):
-            raise ValueError("entries is not an object")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        if not isinstance(meta, dict) or not isinstance(entries, dict):
+            raise ValueError("metadata or entries is not an object")
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:  # UnicodeDecodeError: ValueError
         warnings.warn(f"pykernels.autotune: ignoring corrupt cache file {path}: {exc}", stacklevel=3)
         return {}
+    bad = [k for k, e in entries.items() if not _valid_entry(e)]
+    if bad:
+        warnings.warn(f"pykernels.autotune: ignoring {len(bad)} invalid entr{'y' if len(bad) == 1 else 'ies'} of "
+                      f"cache file {path} (e.g. {bad[0]!r})", stacklevel=3)
+        entries = {k: e for k, e in entries.items() if k not in bad}
     if check_metadata:
         want = _metadata(device)
         diff = {k: (meta.get(k), v) for k, v in want.items() if meta.get(k) != v}
@@ -210,9 +225,11 @@ def _entries(device) -> dict:
 
 def clear_memory_cache():
     """Forget what was loaded (the next lookup re-reads the files)."""
+    global _GENERATION
     with _LOCK:
         _MEMORY.clear()
         _CONFIG_MEMO.clear()
+        _GENERATION += 1
 
 
 def _entry_key(op: str, backend: str, key: dict) -> str:
@@ -238,12 +255,23 @@ def _store(device, ekey: str, entry: dict) -> Path:
         current = load_cache_file(path, device) if path.exists() else {}
         current[ekey] = entry
         payload = {"metadata": _metadata(device), "entries": current}
-        fd, tmp = tempfile.mkstemp(dir=str(path.parent), prefix=path.name, suffix=".tmp")
-        with os.fdopen(fd, "w") as fh:
-            json.dump(payload, fh, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        target = path.resolve()  # a symlinked cache file: write its target, keep the link
+        fd, tmp = tempfile.mkstemp(dir=str(target.parent), prefix=target.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as fh:
+                json.dump(payload, fh, indent=1, sort_keys=True)
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600: a shared or installed cache must be readable
+            os.replace(tmp, target)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise OSError(f"pykernels.autotune: could not write the cache file {path}: {exc}") from exc
         _entries(device)[ekey] = entry
         _CONFIG_MEMO.clear()
+        global _GENERATION
+        _GENERATION += 1
     return path
 
 
@@ -267,6 +295,13 @@ def lookup(op: str, key: dict, device, backend: Optional[str] = None) -> Optiona
 
 
 _CONFIG_MEMO: dict = {}  # (op, backend, frozen key, device id, enabled) -> config; cleared on every store
+_GENERATION = 0  # bumped by every store and every clear_memory_cache()
+
+
+def generation() -> int:
+    """Changes whenever this process stores a tuned entry or forgets the loaded cache files: a config
+    derived from config_for() and kept by a caller is stale once it differs."""
+    return _GENERATION
 
 
 def _freeze(value):
@@ -277,6 +312,13 @@ def _freeze(value):
     return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
 
 
+def _is_own_config(tunable: Tunable, key: dict, config: dict) -> bool:
+    try:
+        return config == dict(tunable.default(key)) or any(config == dict(c) for c in tunable.candidates(key))
+    except Exception:  # noqa: BLE001 - a key the tunable cannot even describe: not its config
+        return False
+
+
 def config_for(op: str, backend: str, key: dict, device) -> dict:
     """The config to run: tuned (cache) when there is one for this key, else the op's heuristic.
     Memoized per (op, backend, key, device): this sits on every op's call path."""
@@ -284,10 +326,15 @@ def config_for(op: str, backend: str, key: dict, device) -> dict:
     config = _CONFIG_MEMO.get(memo_key)
     if config is None:
         entry = lookup(op, key, device, backend)
-        if entry is not None:
-            config = dict(entry["config"])
-        else:
-            tunable = _REGISTRY.get((op, backend))
+        tunable = _REGISTRY.get((op, backend))
+        config = dict(entry["config"]) if entry is not None else None
+        if config is not None and tunable is not None and not _is_own_config(tunable, key, config):
+            # not a config tune() can produce for this key (a hand-edited or damaged cache, or one
+            # from another build): the op might reject it, or worse, so the default runs
+            warnings.warn(f"pykernels.autotune: ignoring cached config {config} of {op}/{backend}: not one "
+                          f"of its configs for {key}", stacklevel=3)
+            config = None
+        if config is None:
             config = dict(tunable.default(key)) if tunable is not None else {}
         with _LOCK:
             _CONFIG_MEMO[memo_key] = config

@@ -25,9 +25,21 @@ def _progress(done: int, total: int, label: str, started: float):
 
 
 def _parse_sizes(text):
+    """--sizes "65536,1e6": positive element counts (argparse reports a bad one)."""
     if not text:
         return None
-    return [int(float(s)) for s in text.split(",") if s.strip()]
+    out = []
+    for s in (s.strip() for s in text.split(",")):
+        if not s:
+            continue
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--sizes: {s!r} is not a number") from None
+        if not (v >= 1 and v == v and v != float("inf")):
+            raise argparse.ArgumentTypeError(f"--sizes: expected sizes >= 1, got {s!r}")
+        out.append(int(v))
+    return out
 
 
 def generate(args) -> int:
@@ -38,7 +50,11 @@ def generate(args) -> int:
     if unknown:
         print(f"unknown --ops {unknown}; choose from {', '.join(GROUPS)}", file=sys.stderr)
         return 2
-    sizes = _parse_sizes(args.sizes)
+    try:
+        sizes = _parse_sizes(args.sizes)
+    except argparse.ArgumentTypeError as exc:
+        print(f"python -m pykernels.autotune generate: {exc}", file=sys.stderr)
+        return 2
     backends = {b.strip() for b in args.backends.split(",") if b.strip()} if args.backends else None
     jobs = []
     for g in groups:
@@ -53,8 +69,8 @@ def generate(args) -> int:
     started = time.perf_counter()
     results = []
     for i, (t, ex_args, ex_kwargs) in enumerate(jobs):
-        _progress(i, len(jobs), f"{t.op}/{t.backend} {t.make_key(*ex_args, **ex_kwargs)}", started)
         try:
+            _progress(i, len(jobs), f"{t.op}/{t.backend} {t.make_key(*ex_args, **ex_kwargs)}", started)
             cfg = at.tune(t.op, *ex_args, backend=t.backend, budget_s=args.budget, **ex_kwargs)
             results.append((t.op, t.backend, cfg))
         except Exception as exc:  # report and go on with the other ops
@@ -70,12 +86,22 @@ def show(args) -> int:
     if not path.exists():
         print(f"no cache at {path}")
         return 1
-    data = json.loads(path.read_text())
-    meta = data.get("metadata", {})
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+        meta = data.get("metadata", {})
+        if not isinstance(meta, dict) or not isinstance(data.get("entries", {}), dict):
+            raise ValueError("metadata or entries is not an object")
+    except (OSError, ValueError, AttributeError, RecursionError) as exc:
+        print(f"corrupt cache {path}: {exc}", file=sys.stderr)
+        return 1
+    # what lookups would use (invalid entries dropped, with the loader's warning)
+    entries = at.load_cache_file(path, check_metadata=False)
     print(f"cache {path}")
     print("  " + ", ".join(f"{k}={v}" for k, v in meta.items()))
     rows = []
-    for ekey, e in sorted(data.get("entries", {}).items()):
+    for ekey, e in sorted(entries.items()):
+        if ekey.count("|") < 2:
+            continue
         op, backend, key = ekey.split("|", 2)
         speedup = e.get("default_time_s", 0) / e["time_s"] if e.get("time_s") else float("nan")
         rows.append((op, backend, key, json.dumps(e["config"], sort_keys=True), e.get("time_s", 0) * 1e3, speedup))

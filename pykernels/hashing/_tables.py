@@ -99,7 +99,6 @@ class _OpenTable:
             raise ValueError(f"pykernels.{op}: expected 'window' (the probing-group size) in {_GPU_WINDOWS} on "
                              f"the GPU, got {self.window}")
         self._lock = threading.RLock()
-        self._tune_device_id = autotune.device_id(self.device)
         self._config_cache = {}  # op -> (_tune_state() when computed, config)
         self._alloc(capacity)
         self._config("hash_find")
@@ -172,11 +171,9 @@ class _OpenTable:
     # -- native calls ----------------------------------------------------------------------------
     def _tune_state(self):
         """What a cached config depends on besides the op: the table's size (its key) and the autotune
-        cache (entries loaded for this device; a clear_memory_cache() drops them, a tune() adds one;
-        PYKERNELS_AUTOTUNE=0 ignores them). The entries dict itself is held, not its id(), so a new
-        dict at the old address cannot pass for it."""
-        entries = autotune._MEMORY.get(self._tune_device_id)
-        return self._nw, autotune._enabled(), entries, -1 if entries is None else len(entries)
+        cache (its generation moves on every tune() store, also of an existing key, and every
+        clear_memory_cache(); PYKERNELS_AUTOTUNE=0 ignores it)."""
+        return self._nw, autotune._enabled(), autotune.generation()
 
     def _config(self, op):
         """The autotuned (or default) config of `op` for this table. Cached on the table: the lookup
@@ -188,10 +185,8 @@ class _OpenTable:
             return self._config_cache[op][1]
         state = self._tune_state()
         hit = self._config_cache.get(op)
-        if hit is not None:
-            (nw, enabled, entries, n), cfg = hit
-            if nw == state[0] and enabled == state[1] and entries is state[2] and n == state[3]:
-                return cfg
+        if hit is not None and hit[0] == state:
+            return hit[1]
         key = {"slot_bytes": self._sb, "table_bytes": autotune.bucket(self.capacity * self._sb)}
         for name in _TUNED_OPS:  # both at once, so a traced call finds either
             _, cfg = _backend.dispatch(name, self.device, self.backend, key, supported=_SUPPORTED,
