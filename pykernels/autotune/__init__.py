@@ -249,6 +249,10 @@ def _file_lock(path: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+_UMASK = os.umask(0)  # read once, at import (setting it to read it races with threads creating files)
+os.umask(_UMASK)
+
+
 def _store(device, ekey: str, entry: dict) -> Path:
     path = cache_file(device)
     with _LOCK, _file_lock(path):
@@ -260,9 +264,7 @@ def _store(device, ekey: str, entry: dict) -> Path:
         try:
             with os.fdopen(fd, "w") as fh:
                 json.dump(payload, fh, indent=1, sort_keys=True)
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600: a shared or installed cache must be readable
+            os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600: a shared or installed cache must be readable
             os.replace(tmp, target)
         except OSError as exc:
             with contextlib.suppress(OSError):
