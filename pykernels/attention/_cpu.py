@@ -218,9 +218,10 @@ def flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
         return -dq, dk, dv
     g = 1 if aten_handles_gqa() else H // Hkv
     aten_lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    # aten's backward reads q, out and dout as if the head dim were dense and rows did not overlap (as its
-    # forward does, see _dense_last); out and lse usually arrive in the [B, S, H] layout they wrote.
-    q, out, dout = _dense_last(q), _dense_last(out), _dense_last(dout)
+    # aten's backward reads q and out as if the head dim were dense and rows did not overlap (as its
+    # forward does q, see _dense_last); dout it takes with any strides (an expanded one from .sum() too,
+    # so no copy of it); out and lse usually arrive in the [B, S, H] layout they wrote.
+    q, out = _dense_last(q), _dense_last(out)
     lse = lse.to(aten_lse_dtype)
     ke, ve = _expand_kv(k.contiguous(), g), _expand_kv(v.contiguous(), g)
     if not causal or Sq == Sk:
@@ -333,7 +334,7 @@ def blocked_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dlse=N
         dp = torch.matmul(doc, vc.transpose(-1, -2).unsqueeze(2))
         # p == 0 (a masked key, a row that sees none, an underflow): dS is 0 there even where dP is not
         # finite (NaN/inf in a v that the row cannot see), as the exact gradient is
-        ds = torch.where(p == 0, 0.0, p * (dp - delta[:, :, :, i0:i1].unsqueeze(-1)))
+        ds = (p * (dp - delta[:, :, :, i0:i1].unsqueeze(-1))).masked_fill_(p == 0, 0.0)
         dqv[:, :, :, i0:i1] = torch.matmul(ds, kc.unsqueeze(2)) * scale
         dk[:, :, :n] += torch.matmul(ds.permute(0, 1, 4, 2, 3).reshape(B, Hkv, n, g * c),
                                      qc.reshape(B, Hkv, g * c, D)) * scale
