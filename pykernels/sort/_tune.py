@@ -11,7 +11,9 @@ CPU config space (csrc/sort/sort_cpu.cpp):
               of the destination; pays off once the arrays exceed the caches.
   grain       the tile: at least this many keys per thread (smaller inputs use fewer threads).
   msd         32- and 64-bit keys (whole width, no bit range): split by the top byte of the span into 256
-              buckets, then LSD inside each bucket in cache (digit_bits/wc/nt do not apply there); 64-bit
+              buckets, then LSD inside each bucket in cache (digit_bits/wc do not apply there; nt: the
+              split's records go through write-combining lines flushed with streaming stores once they
+              pass 8 MiB, else plain stores); 64-bit
               keys spanning 2^32 or more take 16-byte records and a second split inside each bucket.
               -1 (default): from 256K keys,
               where a sample and the top-byte counts say the split spreads the keys (no bucket past
@@ -51,9 +53,10 @@ def _candidates(key: dict) -> list:
     for threads in (0, 1):
         for grain in (16384, 1 << 17):
             # the MSD split + in-cache sort wherever it applies (8- and 16-bit keys ignore msd=1)
-            cfg = dict(base, msd=1, threads=threads, grain=grain)
-            if cfg not in out and cfg != base:
-                out.append(cfg)
+            for nt in (True, False):
+                cfg = dict(base, msd=1, threads=threads, grain=grain, nt=nt)
+                if cfg not in out and cfg != base:
+                    out.append(cfg)
     for bits in (8, 11):
         for wc in (0, 1):
             for nt in ((True, False) if wc else (True,)):  # nt only matters with write-combining
