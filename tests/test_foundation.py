@@ -7,6 +7,7 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -249,3 +250,27 @@ def test_cli_show(tmp_cache):
 def test_tune_unknown_op_is_a_clear_error():
     with pytest.raises(ValueError, match="no tunable op 'nope'"):
         at.tune("nope", torch.zeros(3))
+
+
+def test_tune_examples_are_checked_and_keyed_as_dispatch_keys_them(tmp_cache):
+    from pykernels.sort import _key
+
+    # empty examples, unknown or out-of-range keyword arguments: clear errors naming tune and the op
+    with pytest.raises(ValueError, match="autotune.tune: the example arguments of 'sort' are empty"):
+        at.tune("sort", torch.empty(0, 5))
+    with pytest.raises(TypeError, match="autotune.tune: cannot tune 'sort_keys'.*no argument.*dim"):
+        at.tune("sort_keys", torch.arange(10), dim=0)
+    with pytest.raises(IndexError, match="autotune.tune: cannot tune 'argsort'.*dim 5 out of range"):
+        at.tune("argsort", torch.zeros(4, 5), dim=5)
+    with pytest.raises(AttributeError, match="autotune.tune: cannot tune 'sort_pairs'"):
+        at.tune("sort_pairs", torch.arange(10))  # no values
+    # numpy examples are taken as the ops take them
+    assert isinstance(at.tune("sort_keys", np.arange(1000, dtype=np.int32)[::-1].copy(), budget_s=0.02), dict)
+    # sort along dim 0 is keyed by the rows dispatch sorts (the dim moved last), not the last dim's
+    x = torch.randint(0, 100, (64, 3))
+    make_key = at._REGISTRY[("sort", "cpu")].make_key
+    assert make_key(x, dim=0) == _key("sort", x.movedim(0, -1).contiguous(), rows=at.bucket(3))
+    assert make_key(x, dim=0) != make_key(x)
+    at.tune("sort", x, dim=0, budget_s=0.02)
+    entries = json.loads(at.cache_file().read_text())["entries"]
+    assert at._entry_key("sort", "cpu", make_key(x, dim=0)) in entries, list(entries)

@@ -400,6 +400,10 @@ def _time_config(tunable: Tunable, config: dict, args, kwargs, device, budget_s:
     return measure(call, device, budget_s=budget_s)
 
 
+# what an op's make_key raises on examples it cannot take (wrong types, shapes, keyword arguments)
+_EXAMPLE_ERRORS = (TypeError, ValueError, AttributeError, IndexError, RuntimeError)
+
+
 def tune(op_name: str, *example_args, backend: str = "auto", budget_s: float = 0.5, verbose: bool = False,
          **kwargs) -> dict:
     """Measure every candidate config of `op_name` on these arguments, cache the best, return it.
@@ -407,6 +411,20 @@ def tune(op_name: str, *example_args, backend: str = "auto", budget_s: float = 0
     >>> cfg = pykernels.autotune.tune("sort_keys", torch.randint(0, 2**31, (1 << 22,)))
     """
     _import_ops()
+    # numpy (or any DLPack / array-protocol) examples are taken as the ops themselves take them
+    from pykernels import _native
+
+    def as_example(a, name):
+        if isinstance(a, torch.Tensor) or not (hasattr(a, "__dlpack__") or hasattr(a, "__array_interface__")):
+            return a
+        return _native.as_tensor(a, "autotune.tune", name)
+
+    example_args = tuple(as_example(a, f"argument {i}") for i, a in enumerate(example_args))
+    kwargs = {k: as_example(v, k) for k, v in kwargs.items()}
+    tensors = [a for a in list(example_args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+    if tensors and all(t.numel() == 0 for t in tensors):
+        raise ValueError(f"pykernels.autotune.tune: the example arguments of {op_name!r} are empty; tune on "
+                         f"inputs of the sizes the op will run on")
     device = _device_of(example_args, kwargs)
     if backend == "auto":
         from pykernels._backend import backends
@@ -425,7 +443,12 @@ def tune(op_name: str, *example_args, backend: str = "auto", budget_s: float = 0
     best_entry = None
     for b in choices:
         tunable = _REGISTRY[(op_name, b)]
-        key = tunable.make_key(*example_args, **kwargs)
+        try:
+            key = tunable.make_key(*example_args, **kwargs)
+        except _EXAMPLE_ERRORS as exc:
+            # the base class (a subclass such as UnicodeDecodeError may not take one message)
+            kind = next(t for t in _EXAMPLE_ERRORS if isinstance(exc, t))
+            raise kind(f"pykernels.autotune.tune: cannot tune {op_name!r} on these arguments: {exc}") from exc
         default = dict(tunable.default(key))
         configs = [default] + [dict(c) for c in tunable.candidates(key) if dict(c) != default]
         timed = []

@@ -87,19 +87,44 @@ def _examples(op: str, dtypes):
     return make
 
 
+# keyword arguments of each op that tune() accepts with its examples (the others are an error, not
+# silently dropped): sort/argsort sort along `dim`, which dispatch moves last before keying
+_OP_KWARGS = {"sort_keys": {"descending", "begin_bit", "end_bit"},
+              "sort_pairs": {"descending", "begin_bit", "end_bit"},
+              "sort": {"dim", "descending", "stable"}, "argsort": {"dim", "descending", "stable"}}
+
+
+def _example_keys(op: str, keys, kw: dict):
+    """The example's keys as dispatch sees them: checked kwargs, and for sort/argsort `dim` moved last."""
+    unknown = set(kw) - _OP_KWARGS[op]
+    if unknown:
+        raise TypeError(f"{op} takes no argument(s) {', '.join(sorted(unknown))}")
+    if not isinstance(keys, torch.Tensor):
+        raise TypeError(f"expected a tensor of keys, got {type(keys).__name__}")
+    if op in _OPS_ROWS and keys.dim() > 1:
+        dim = kw.get("dim", -1)
+        if not isinstance(dim, int) or isinstance(dim, bool) or not -keys.dim() <= dim < keys.dim():
+            raise IndexError(f"dim {dim!r} out of range for a {keys.dim()}-d tensor")
+        keys = keys.movedim(dim, -1)
+    return keys
+
+
 def _run(op: str):
     from . import _cpu_sort_1d, _cpu_segmented
 
     def run(config, keys, values=None, **kw):
-        if op == "sort_keys":
-            return _cpu_sort_1d(keys, config=config)
-        if op == "sort_pairs":
-            return _cpu_sort_1d(keys, payload=values, config=config)
+        keys = _example_keys(op, keys, kw)
+        desc = bool(kw.get("descending", False))
+        if op in _OPS_1D:
+            bits = {"begin_bit": kw.get("begin_bit", 0), "end_bit": kw.get("end_bit")}
+            return _cpu_sort_1d(keys.reshape(-1), payload=values if op == "sort_pairs" else None, descending=desc,
+                                config=config, **bits)
         if keys.dim() <= 1:
-            return _cpu_sort_1d(keys.reshape(-1), want_keys=(op == "sort"), want_idx=True, config=config)
+            return _cpu_sort_1d(keys.reshape(-1), want_keys=(op == "sort"), want_idx=True, descending=desc,
+                                config=config)
         n = keys.shape[-1]
         return _cpu_segmented(keys.reshape(-1), None, keys.numel() // n, n, want_keys=(op == "sort"),
-                              want_idx=True, config=config)
+                              want_idx=True, descending=desc, config=config)
     return run
 
 
@@ -107,6 +132,9 @@ def _make_key(op: str):
     from . import _key
 
     def make_key(keys, values=None, **kw):
+        keys = _example_keys(op, keys, kw)
+        if keys.numel() == 0:
+            raise ValueError("the keys are empty")
         if op == "sort_pairs":
             return _key(op, keys, value_bytes=values.element_size())
         if op in _OPS_ROWS:
