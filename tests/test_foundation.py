@@ -262,6 +262,8 @@ def test_tune_examples_are_checked_and_keyed_as_dispatch_keys_them(tmp_cache):
         at.tune("sort_keys", torch.arange(10), dim=0)
     with pytest.raises(IndexError, match="autotune.tune: cannot tune 'argsort'.*dim 5 out of range"):
         at.tune("argsort", torch.zeros(4, 5), dim=5)
+    with pytest.raises(IndexError, match="dim 1 out of range for a 1-d"):
+        at.tune("sort", torch.zeros(5), dim=1)
     with pytest.raises(AttributeError, match="autotune.tune: cannot tune 'sort_pairs'"):
         at.tune("sort_pairs", torch.arange(10))  # no values
     # numpy examples are taken as the ops take them
@@ -270,7 +272,7 @@ def test_tune_examples_are_checked_and_keyed_as_dispatch_keys_them(tmp_cache):
     x = torch.randint(0, 100, (64, 3))
     make_key = at._REGISTRY[("sort", "cpu")].make_key
     assert make_key(x, dim=0) == _key("sort", x.movedim(0, -1).contiguous(), rows=at.bucket(3))
-    assert make_key(x, dim=0) != make_key(x)
+    assert make_key(x, dim=0) != make_key(x) and make_key(x, dim=np.int64(-2)) == make_key(x, dim=0)
     at.tune("sort", x, dim=0, budget_s=0.02)
     entries = json.loads(at.cache_file().read_text())["entries"]
     assert at._entry_key("sort", "cpu", make_key(x, dim=0)) in entries, list(entries)

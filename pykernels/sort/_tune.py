@@ -37,6 +37,8 @@ On a GPU, `generate --ops sort` also tunes these on uint32/uint64/float32 keys (
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from .. import autotune
@@ -101,11 +103,16 @@ def _example_keys(op: str, keys, kw: dict):
         raise TypeError(f"{op} takes no argument(s) {', '.join(sorted(unknown))}")
     if not isinstance(keys, torch.Tensor):
         raise TypeError(f"expected a tensor of keys, got {type(keys).__name__}")
-    if op in _OPS_ROWS and keys.dim() > 1:
-        dim = kw.get("dim", -1)
-        if not isinstance(dim, int) or isinstance(dim, bool) or not -keys.dim() <= dim < keys.dim():
+    if op in _OPS_ROWS:
+        dim, ndim = kw.get("dim", -1), max(keys.dim(), 1)
+        try:
+            ok = not isinstance(dim, bool) and -ndim <= operator.index(dim) < ndim
+        except TypeError:
+            ok = False
+        if not ok:
             raise IndexError(f"dim {dim!r} out of range for a {keys.dim()}-d tensor")
-        keys = keys.movedim(dim, -1)
+        if keys.dim() > 1:
+            keys = keys.movedim(operator.index(dim), -1)
     return keys
 
 
@@ -195,6 +202,7 @@ def _cuda_run(op: str):
             return _cuda.sort_1d(keys, values, False, 0, None, config=config)
         if op == "segmented_sort":
             return _cuda.segmented(keys, offsets, values, False, config=config)
+        keys = _example_keys(op, keys, kw)  # the dim sorted along, moved last as dispatch does
         n = keys.shape[-1] if keys.dim() else 1
         return _cuda.sort_rows(keys.reshape(-1, n), False, op == "sort", config=config)
     return run
