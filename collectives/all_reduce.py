@@ -792,6 +792,30 @@ def _pingpong(comm: A.Comm, nbytes: int, reps: int) -> float:
 _TUNE_MARGIN = 0.05
 
 
+def _beats_native(mat: torch.Tensor, i: int) -> bool:
+    """Row i beats row 0 (native) by the margin on the median time AND on the median of its per-repeat
+    ratio to native (load that drifts during tuning cancels out of each pair)."""
+    med = mat.median(dim=1).values
+    rel = (mat[i] / mat[0]).median().item()
+    return med[i].item() <= (1 - _TUNE_MARGIN) * med[0].item() and rel <= 1 - _TUNE_MARGIN
+
+
+def _pick_tuned(names: list, first: torch.Tensor, race) -> int:
+    """tune()'s choice at one size: the index into names (names[0] is "native"). first: per-repeat
+    times of every candidate (one row each); race(names): a new race of those candidates.
+    Ours replaces gloo's own (native: also what an untuned auto falls back to) only if it is the fastest
+    in the race of all candidates and then beats native by the margin over a second race of the two
+    alone, judged on both races' repeats pooled: a tuned choice must never lose to the default, one
+    lucky race is not enough, and one unlucky one (a neighbour's burst of load) must not decide either
+    way (a first race that alone missed the margin left 1.3x on the table at 1 MiB in two bench runs
+    out of five)."""
+    best = min(range(len(names)), key=lambda i: first[i].median().item())
+    if names[best] == "native":
+        return 0
+    pooled = torch.cat([first[[0, best]], race(["native", names[best]])], dim=1)
+    return best if _beats_native(pooled, 1) else 0
+
+
 def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool = False, store: bool = True) -> Params:
     """Collective: every rank of `group` calls it. Measures alpha/beta of every topology level (all
     pairs exchanging at once), gamma, gloo's own all-reduce, and for each size in `sizes` (bytes of
@@ -909,26 +933,8 @@ def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool 
                 dist.all_reduce(mat, op=dist.ReduceOp.MAX, group=group)
             return mat
 
-        def wins(mat, i):
-            """Row i beats row 0 (native) by MARGIN on the median time AND on the median of its
-            per-repeat ratio to native (load that drifts during tuning cancels out of each pair)."""
-            med = mat.median(dim=1).values
-            rel = (mat[i] / mat[0]).median().item()
-            return med[i].item() <= (1 - _TUNE_MARGIN) * med[0].item() and rel <= 1 - _TUNE_MARGIN
-
-        # Ours replaces gloo's own (native: also what an untuned auto falls back to) only if it wins
-        # against native in the race of all candidates and then in a second race of the two alone,
-        # judged on both races' repeats pooled: a tuned choice must never lose to the default, one
-        # lucky race is not enough, and one unlucky one (a neighbour's burst of load) must not undo a
-        # clear win either.
         first = race(names)
-        best = min(range(len(names)), key=lambda i: first[i].median().item())
-        if names[best] != "native" and wins(first, best):
-            pooled = torch.cat([first[[0, best]], race(["native", names[best]])], dim=1)
-            if not wins(pooled, 1):
-                best = 0
-        elif names[best] != "native":
-            best = 0
+        best = _pick_tuned(names, first, race)
         med = first.median(dim=1).values.tolist()
         table.append((nbytes, cands[names[best]][0]))
         if verbose and dist.get_rank(group) == 0:
