@@ -807,8 +807,8 @@ def _pick_tuned(names: list, first: torch.Tensor, race) -> int:
     in the race of all candidates and then beats native by the margin over a second race of the two
     alone, judged on both races' repeats pooled: a tuned choice must never lose to the default, one
     lucky race is not enough, and one unlucky one (a neighbour's burst of load) must not decide either
-    way (a first race that alone missed the margin left 1.3x on the table at 1 MiB in two bench runs
-    out of five)."""
+    way (a first race that alone missed the margin kept gloo's own at 1 MiB, 0.80x, in both bench runs
+    of 2026-12-01, where the ring measured 1.13-1.28x)."""
     best = min(range(len(names)), key=lambda i: first[i].median().item())
     if names[best] == "native":
         return 0
