@@ -37,8 +37,6 @@ On a GPU, `generate --ops sort` also tunes these on uint32/uint64/float32 keys (
 """
 from __future__ import annotations
 
-import operator
-
 import torch
 
 from .. import autotune
@@ -104,15 +102,11 @@ def _example_keys(op: str, keys, kw: dict):
     if not isinstance(keys, torch.Tensor):
         raise TypeError(f"expected a tensor of keys, got {type(keys).__name__}")
     if op in _OPS_ROWS:
-        dim, ndim = kw.get("dim", -1), max(keys.dim(), 1)
-        try:
-            ok = not isinstance(dim, bool) and -ndim <= operator.index(dim) < ndim
-        except TypeError:
-            ok = False
-        if not ok:
-            raise IndexError(f"dim {dim!r} out of range for a {keys.dim()}-d tensor")
+        from . import _norm_dim  # the op's own check (numpy ints, 0-d tensors), as torch.sort
+
+        dim = _norm_dim(op, keys, kw.get("dim", -1))
         if keys.dim() > 1:
-            keys = keys.movedim(operator.index(dim), -1)
+            keys = keys.movedim(dim, -1)
     return keys
 
 
