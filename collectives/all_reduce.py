@@ -9,7 +9,7 @@
 Algorithms (collectives/_allreduce_algos.py): recursive doubling, recursive halving-doubling
 (Rabenseifner), ring, hierarchical (reduce-scatter per level inside the innermost groups, recurse
 outward, all-reduce the shard at the outermost level, all-gather back down), with the MPICH fold for
-non-powers of two, uneven splits and ~1 MiB pieces. "auto" picks by an alpha-beta-gamma cost model per
+non-powers of two, uneven splits and 1-4 MiB pieces. "auto" picks by an alpha-beta-gamma cost model per
 level (Thakur et al. 2005; ../shared/ALGORITHMS.md), whose alpha/beta/gamma and a measured
 best-per-size table come from `tune()`; gloo's own dist.all_reduce ("native") is one of the candidates,
 so auto never picks something that measured slower than it.
@@ -41,15 +41,32 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
         "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT, "product": dist.ReduceOp.PRODUCT,
         "mean": dist.ReduceOp.AVG}
-# Reductions run in slices below ATen's grain size (32768 elements), so each call stays on the calling
-# thread: a parallel region would wake the OpenMP pool, whose threads then spin and starve gloo's I/O
-# threads on a small machine (measured: 5x slower all-reduce on 4 ranks / 2 cores).
+# The reduction of each received piece runs on the calling thread. On CPU it is pykernels' native loop
+# (pykernels._cpu_runtime.reduce_into: AVX2, GIL released, one call per piece). The torch fallback (no
+# native extension, GPU tensors) runs in slices below ATen's grain size (32768 elements), so each call
+# stays on the calling thread: a parallel region would wake the OpenMP pool, whose threads then spin and
+# starve gloo's I/O threads on a small machine (measured: 5x slower all-reduce on 4 ranks / 2 cores);
+# the slices cost ~8 us of call overhead each (a 1 MiB piece: 1.6x one pass), which the native loop saves.
 _GRAIN = 32768
+_OP_CODES = {"sum": 0, "avg": 0, "prod": 1, "max": 2, "min": 3}
+_NATIVE_KIND = {torch.float32: ("f", 4), torch.float64: ("f", 8), torch.int32: ("i", 4), torch.int64: ("i", 8),
+                torch.uint8: ("u", 1)}
+try:
+    from pykernels._cpu_runtime import reduce_into as _native_reduce_into
+except ImportError:  # the extension is not built: torch's ops in slices
+    _native_reduce_into = None
 
 
-def _serial(fn):
+def _serial(fn, op):
+    code = _OP_CODES[op]
+
     def red(d, s):
         n = d.numel()
+        kind = _NATIVE_KIND.get(d.dtype)
+        if (_native_reduce_into is not None and kind is not None and not d.is_cuda and s.dtype == d.dtype
+                and s.numel() == n and d.is_contiguous() and s.is_contiguous()):
+            _native_reduce_into(d.data_ptr(), s.data_ptr(), n, kind[0], kind[1], code)
+            return
         if n <= _GRAIN or d.is_cuda:
             fn(d, s)
             return
@@ -58,10 +75,10 @@ def _serial(fn):
     return red
 
 
-_REDUCE = {"sum": _serial(lambda d, s: d.add_(s)), "avg": _serial(lambda d, s: d.add_(s)),
-           "prod": _serial(lambda d, s: d.mul_(s)),
-           "max": _serial(lambda d, s: torch.maximum(d, s, out=d)),
-           "min": _serial(lambda d, s: torch.minimum(d, s, out=d))}
+_REDUCE = {"sum": _serial(lambda d, s: d.add_(s), "sum"), "avg": _serial(lambda d, s: d.add_(s), "avg"),
+           "prod": _serial(lambda d, s: d.mul_(s), "prod"),
+           "max": _serial(lambda d, s: torch.maximum(d, s, out=d), "max"),
+           "min": _serial(lambda d, s: torch.minimum(d, s, out=d), "min")}
 _BASE_OP = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
             "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -553,7 +570,7 @@ def _run_p2p(name: str, choice: dict, x: torch.Tensor, n: int, op: str, group, t
     """Our algorithms over point-to-point messages whose tags hash the call's signature: ranks that
     disagree never match each other's messages, so they time out instead of mixing data."""
     sig = f"{n}|{x.dtype}|{op}|{json.dumps(choice, sort_keys=True)}|{topo.sizes}"
-    piece = max(1, A.PIECE_BYTES // x.element_size())
+    piece = A.piece_elems(n * x.element_size(), x.element_size())
     ctx = A.Ctx(_REDUCE[op], piece, A.Tagger(sig))
     tmp = _scratch(group, x, dist.get_world_size(group))
     if name == "hierarchical":
@@ -780,7 +797,7 @@ def _pingpong(comm: A.Comm, nbytes: int, reps: int) -> float:
         return 0.0
     n = max(1, nbytes // 4)
     x, y = torch.ones(n), torch.empty(n)
-    ctx = A.Ctx(_REDUCE["sum"], max(1, A.PIECE_BYTES // 4), A.Tagger(f"tune|{nbytes}"))
+    ctx = A.Ctx(_REDUCE["sum"], A.piece_elems(nbytes, 4), A.Tagger(f"tune|{nbytes}"))
     times = []
     for _ in range(reps + 1):
         t0 = time.perf_counter()

@@ -11,6 +11,7 @@ averages and products are exact in every dtype and any reduction order.
 from __future__ import annotations
 
 import os
+import sys
 import queue as queue_mod
 import tempfile
 import time
@@ -837,3 +838,61 @@ def test_tune_pick_needs_a_pooled_win_over_native():
     seconds.clear()
     native_first = torch.tensor([[3.0] * 9, [4.0] * 9, [5.0] * 9], dtype=torch.float64)
     assert _pick_tuned(names, native_first, race_giving(9.0, 1.0)) == 0 and seconds == []
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-loop", "torch-slices"])
+@pytest.mark.parametrize("op", ["sum", "prod", "max", "min"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8])
+def test_piece_reduction_matches_torch(native, op, dtype, monkeypatch):
+    """The per-piece reduction (pykernels' native loop, or torch's ops in slices without it) equals
+    torch's element-wise op: integers wrap, max/min propagate NaN from either side, sizes around the
+    SIMD width and the 32768-element slice, src left unchanged."""
+    AR = sys.modules["collectives.all_reduce"]  # the module (collectives.all_reduce is the function)
+    if native and AR._native_reduce_into is None:
+        pytest.skip("pykernels._cpu_runtime is not built")
+    if not native:
+        monkeypatch.setattr(AR, "_native_reduce_into", None)
+    g = torch.Generator().manual_seed(7)
+    ref_op = {"sum": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}[op]
+    for n in (0, 1, 7, 8, 9, 33, 32768 + 5, 100_003):
+        if dtype.is_floating_point:
+            a, b = torch.randn(n, generator=g, dtype=dtype), torch.randn(n, generator=g, dtype=dtype)
+            if n >= 8:
+                a[1], b[2], a[3], b[3] = float("nan"), float("nan"), float("inf"), float("-inf")
+                a[4], b[4], a[5], b[6] = -0.0, 0.0, torch.finfo(dtype).max, torch.finfo(dtype).min
+        else:
+            info = torch.iinfo(dtype)
+            a = torch.randint(info.min, info.max, (n,), generator=g, dtype=dtype)
+            b = torch.randint(info.min, info.max, (n,), generator=g, dtype=dtype)
+            if n >= 8:
+                a[:2], b[:2] = info.max, info.max  # wraps under sum and prod
+        want, b0 = ref_op(a, b), b.clone()
+        got = a.clone()
+        AR._REDUCE[op](got, b)
+        assert torch.equal(b.view(torch.uint8), b0.view(torch.uint8))  # bitwise: b holds NaN
+        if dtype.is_floating_point:
+            assert torch.equal(got.isnan(), want.isnan()), (n, op)
+            got, want = got.nan_to_num(0.0, 1.0, -1.0), want.nan_to_num(0.0, 1.0, -1.0)
+        assert torch.equal(got, want), (n, op, dtype)
+
+
+def test_native_reduction_rejects_what_it_cannot_reduce():
+    rt = pytest.importorskip("pykernels._cpu_runtime")
+    a, b = torch.ones(4, dtype=torch.int16), torch.ones(4, dtype=torch.int16)
+    with pytest.raises(ValueError, match="reduce_into: unsupported element type i16"):
+        rt.reduce_into(a.data_ptr(), b.data_ptr(), 4, "i", 2, 0)
+    with pytest.raises(ValueError, match="reduce_into: op must be"):
+        rt.reduce_into(a.data_ptr(), b.data_ptr(), 4, "i", 4, 9)
+    with pytest.raises(ValueError, match="reduce_into: n must be"):
+        rt.reduce_into(a.data_ptr(), b.data_ptr(), -1, "i", 4, 0)
+
+
+def test_piece_sizes_grow_with_the_vector(monkeypatch):
+    from collectives import _allreduce_algos as A
+
+    monkeypatch.setattr(A, "PIECE_BYTES", 0)
+    assert A.piece_elems(4 << 10, 4) == (1 << 20) // 4      # small: one piece of at most 1 MiB
+    assert A.piece_elems(8 << 20, 4) == (2 << 20) // 4      # a quarter of the vector
+    assert A.piece_elems(1 << 30, 8) == (4 << 20) // 8      # at most 4 MiB
+    monkeypatch.setattr(A, "PIECE_BYTES", 4096)             # COLLECTIVES_PIECE_BYTES fixes it
+    assert A.piece_elems(1 << 30, 4) == 1024
