@@ -1208,3 +1208,37 @@ def test_conj_and_neg_views_sparse_inputs_numpy_sizes_and_big_endian_keys():
     s = pykernels.HashSet(16)
     s.insert(np.array([1, 2, 300], dtype=">i8"))
     assert s.contains(torch.tensor([1, 2, 300, 4])).tolist() == [True, True, True, False]
+
+
+@pytest.mark.parametrize("kw", [dict(key_dtype=torch.int64, value_dtype=torch.int64),
+                                dict(key_dtype=torch.int32, value_dtype=torch.int32),
+                                dict(key_dtype=torch.int64, value_dtype=torch.int64, window=2)],
+                         ids=["16B-slots", "8B-slots", "2-slot-windows"])
+@pytest.mark.parametrize("load", [0.5, 0.95, 1.0])
+def test_grouped_lookups_match_dict_for_every_group_size(kw, load):
+    """The lookup pipelines (scalar for prefetch 1; grouped first windows with a FIFO of long probes
+    for one-line windows; AMAC for other windows) give the dict's answers for every group size: group
+    boundaries (n not a multiple of it), hits and misses mixed, probes over many windows (load up to
+    1.0: full windows everywhere, the overflow filter's bits set), and the reserved key patterns
+    (EMPTY/TOMBSTONE, kept out of band) inside groups."""
+    from pykernels.hashing import _tune
+
+    dt = kw["key_dtype"]
+    info = torch.iinfo(dt)
+    cap = 3001
+    t = HashMap(cap, max_load_factor=1.0, growable=False, **kw)
+    g = torch.Generator().manual_seed(int(load * 100))
+    n_in = int(t.capacity * load) - 2
+    present = torch.unique(torch.randint(info.min, info.max, (n_in * 2,), generator=g, dtype=dt))[:n_in]
+    present = torch.cat([present, torch.tensor([-1, -2], dtype=dt)])  # the EMPTY / TOMBSTONE patterns
+    present = torch.unique(present)
+    vals = torch.arange(present.numel(), dtype=kw["value_dtype"]) * 3 + 1
+    t.insert(present, vals)
+    want = dict(zip(present.tolist(), vals.tolist()))
+    absent = torch.randint(info.min, info.max, (present.numel(),), generator=g, dtype=dt)
+    queries = torch.cat([present, absent, torch.tensor([0, info.min, info.max, -1, -2], dtype=dt)])
+    queries = queries[torch.randperm(queries.numel(), generator=g)]
+    expect = torch.tensor([want.get(k, 0) for k in queries.tolist()], dtype=kw["value_dtype"])
+    for prefetch in (1, 2, 3, 7, 16, 32, 64):
+        got = _tune._run_find({"prefetch": prefetch, "threads": 2}, t, queries)
+        assert torch.equal(got, expect), (prefetch, (got != expect).nonzero()[:5].flatten().tolist())

@@ -70,10 +70,17 @@ struct Probe {
 
 // nw < 2^32 (checked in Python), so both fastrange products fit in 64 bits. The window takes the high
 // 32 bits of the hash, the step the high bits of the low half, the filter tag its lowest 3 bits.
+PKH_HD uint64_t window_of_hash(uint64_t h, uint64_t nw) { return ((h >> 32) * nw) >> 32; }
+
+// The first window alone (batched lookups hash many keys in one loop the compiler vectorizes).
+PKH_HD uint64_t probe_first_window(uint64_t key_bits, uint64_t seed, uint64_t nw) {
+  return window_of_hash(fmix64(key_bits ^ seed), nw);
+}
+
 PKH_HD Probe probe_start(uint64_t key_bits, uint64_t seed, uint64_t nw) {
   const uint64_t h = fmix64(key_bits ^ seed);
   Probe p;
-  p.w = ((h >> 32) * nw) >> 32;
+  p.w = window_of_hash(h, nw);
   p.step = (uint32_t)(1 + (((h & 0xffffffffULL) * (nw - 1)) >> 32));
   p.tag = 1u << (unsigned)(h & 7);
   return p;
