@@ -66,6 +66,7 @@ template <int CW, class K, class V, class Emit>
 void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, Emit&& emit) {
   using S = Slot<K, V>;
   constexpr int kMaxGroup = 64, kQueue = 128;  // the FIFO holds at most kMaxGroup + 1
+  constexpr int64_t kKeysAhead = 4096 / sizeof(K);
   const int B = G < kMaxGroup ? G : kMaxGroup;
   // locals: the emitter's byte stores could alias the table's fields and force reloads of them
   const S* const slots = t.slots;
@@ -82,6 +83,12 @@ void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, i
   auto hash_group = [&](int64_t base, int nb, uint64_t* w) {
     for (int j = 0; j < nb; ++j) w[j] = probe_first_window((uint64_t)keys[base + j], seed, nw);
     for (int j = 0; j < nb; ++j) PK_PREFETCH_R(slots + w[j] * CW);
+    // the keys ~4 KiB ahead: with the fill buffers busy on table lines, the hardware prefetcher fell
+    // behind on this sequential stream (17% of the loop's samples sat on loading the keys; 1.10-1.13x
+    // faster lookups at load 0.5 with this prefetch; the AMAC loop measured no gain from it)
+    for (int j = 0; j < nb; j += 64 / (int)sizeof(K)) {
+      if (base + j + kKeysAhead < e) PK_PREFETCH_R(keys + base + j + kKeysAhead);
+    }
   };
   auto push = [&](const Pending& pd) __attribute__((always_inline)) { q[(qhead + qlen++) % kQueue] = pd; };
   // The oldest queued lookup: what it waits for was prefetched about G lookups ago.
