@@ -79,7 +79,15 @@ inline bool cpu_has_avx512() { return false; }
 
 #if defined(__GNUC__)
 #define PK_PREFETCH_R(p) __builtin_prefetch((p), 0, 1)
+#if PK_X86
+// PREFETCHW (the line in exclusive state, ready for a store or CAS). __builtin_prefetch(p, 1, ...)
+// emits it only when compiled with -mprfchw, else a read prefetch, after which the CAS of a hash insert
+// waited for the line's ownership (18% of the insert loop's samples on the lock cmpxchg). Every x86-64
+// CPU runs it: AMD since K8, Intel since Broadwell, and as a NOP on the Intel cores before.
+#define PK_PREFETCH_W(p) __asm__ volatile("prefetchw %0" : : "m"(*reinterpret_cast<const char*>(p)))
+#else
 #define PK_PREFETCH_W(p) __builtin_prefetch((p), 1, 1)
+#endif
 #define PK_LIKELY(x) __builtin_expect(!!(x), 1)
 #define PK_UNLIKELY(x) __builtin_expect(!!(x), 0)
 #else

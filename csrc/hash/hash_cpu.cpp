@@ -204,7 +204,9 @@ struct Table {
   };
 
   void ins_begin(InsState& s, int64_t i, K k, uint64_t v, Probe p0) const {
-    s.i = i; s.k = k; s.v = v; s.p0 = s.p = p0; s.visited = 0; s.free_slot = nullptr; s.mark_w = 0;
+    // p0 and p from the register copy: `s.p0 = s.p = p0` re-read s.p with one 16-byte load right after
+    // its narrower stores, a store-forwarding stall on every insert
+    s.i = i; s.k = k; s.v = v; s.p0 = p0; s.p = p0; s.visited = 0; s.free_slot = nullptr; s.mark_w = 0;
     prefetch_w(s.p.w);
   }
   void prefetch_w(uint64_t w) const {
