@@ -53,7 +53,7 @@ _NATIVE_KIND = {torch.float32: ("f", 4), torch.float64: ("f", 8), torch.int32: (
                 torch.uint8: ("u", 1)}
 try:
     from pykernels._cpu_runtime import reduce_into as _native_reduce_into
-except ImportError:  # the extension is not built: torch's ops in slices
+except Exception:  # noqa: BLE001 - not built, or pykernels fails to import: torch's ops in slices
     _native_reduce_into = None
 
 
@@ -63,7 +63,8 @@ def _serial(fn, op):
     def red(d, s):
         n = d.numel()
         kind = _NATIVE_KIND.get(d.dtype)
-        if (_native_reduce_into is not None and kind is not None and not d.is_cuda and s.dtype == d.dtype
+        if (_native_reduce_into is not None and kind is not None and d.device.type == "cpu"
+                and s.device.type == "cpu" and s.dtype == d.dtype
                 and s.numel() == n and d.is_contiguous() and s.is_contiguous()):
             _native_reduce_into(d.data_ptr(), s.data_ptr(), n, kind[0], kind[1], code)
             return
@@ -797,6 +798,8 @@ def _pingpong(comm: A.Comm, nbytes: int, reps: int) -> float:
         return 0.0
     n = max(1, nbytes // 4)
     x, y = torch.ones(n), torch.empty(n)
+    # pieces as a call of nbytes cuts a whole-vector exchange (recursive doubling's); the ring's transfers
+    # of nbytes / p take fewer: the fitted alpha/beta are a model, and tune()'s races decide in the end
     ctx = A.Ctx(_REDUCE["sum"], A.piece_elems(nbytes, 4), A.Tagger(f"tune|{nbytes}"))
     times = []
     for _ in range(reps + 1):

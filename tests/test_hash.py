@@ -1242,3 +1242,25 @@ def test_grouped_lookups_match_dict_for_every_group_size(kw, load):
     for prefetch in (1, 2, 3, 7, 16, 32, 64):
         got = _tune._run_find({"prefetch": prefetch, "threads": 2}, t, queries)
         assert torch.equal(got, expect), (prefetch, (got != expect).nonzero()[:5].flatten().tolist())
+
+
+@pytest.mark.parametrize("key_dtype", [torch.int32, torch.int64])
+def test_grouped_set_lookups_match_python_set(key_dtype):
+    """HashSet windows (16 or 8 keys per line) through the grouped lookups, at a load where the grouped
+    loop runs the whole range (many groups and FIFO entries, no switch to AMAC): 40k queries."""
+    from pykernels.hashing import _layout as L
+    from pykernels.hashing import _tune
+
+    info = torch.iinfo(key_dtype)
+    t = HashSet(40_000, key_dtype=key_dtype)
+    g = torch.Generator().manual_seed(5)
+    present = torch.unique(torch.randint(info.min, info.max, (20_000,), generator=g, dtype=key_dtype))
+    present = torch.unique(torch.cat([present, torch.tensor([-1, -2, 0], dtype=key_dtype)]))
+    t.insert(present)
+    queries = torch.cat([present, torch.randint(info.min, info.max, (20_000,), generator=g, dtype=key_dtype)])
+    queries = queries[torch.randperm(queries.numel(), generator=g)]
+    members = set(present.tolist())
+    want = torch.tensor([k in members for k in queries.tolist()])
+    for prefetch in (1, 2, 7, 32, 64):
+        _, found = _tune._find_cfg(t, L.key_bits(queries), {"prefetch": prefetch, "threads": 2})
+        assert torch.equal(found.cpu(), want), prefetch

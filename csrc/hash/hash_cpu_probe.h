@@ -1,4 +1,5 @@
-// The lookup loop of hash_cpu.cpp (AMAC over the table's windows), included once per SIMD tier
+// The lookup loops of hash_cpu.cpp (grouped first windows with a FIFO for long probes; AMAC over the
+// table's windows for other window sizes and for very full tables), included once per SIMD tier
 // (namespaces tier_portable / tier_avx2 / tier_avx512, each compiled for its instruction set and
 // defining kSimdLines and line_masks before the include). Not a standalone header.
 // NOLINT(build/header_guard): meant to be included several times.
