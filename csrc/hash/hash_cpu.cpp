@@ -630,16 +630,27 @@ int64_t items_impl(const Geo& g, uintptr_t keys_out_p, uintptr_t vals_out_p, int
   for (int i = 0; i < nt; ++i) cnt[i + 1] += cnt[i];
   if (cnt[nt] > max_out) pk::fail_runtime("hash.items", "table holds more keys than expected (internal error)");
   pk::parallel_ranges(nslots, nt, [&](int tid, int64_t b, int64_t e) {
+    // Branch-free compaction: every slot is written at the next output position, which advances only
+    // for a live key (a live-or-not branch mispredicts on half the slots of a half-full table). The
+    // range's last live key is followed by dead slots whose writes go to a local sink, never past
+    // this range's share of the outputs.
     int64_t o = cnt[tid];
+    const int64_t end = cnt[tid + 1];
+    K ksink;
+    V vsink;
     for (int64_t s = b; s < e; ++s) {
       const K k = t.slots[s].key;
-      if (is_special(k)) continue;
-      ko[o] = k;
+      const bool live = !is_special(k);
+      const bool room = o < end;
+      K* kd = room ? &ko[o] : &ksink;
+      *kd = k;
       if constexpr (Table<K, V>::kHasVal) {
-        if (vo) vo[o] = t.slots[s].val;
+        if (vo) *(room ? &vo[o] : &vsink) = t.slots[s].val;
       }
-      ++o;
+      o += live;
     }
+    (void)ksink;
+    (void)vsink;
   });
   return cnt[nt];
 }
