@@ -8,7 +8,8 @@
 // Speed on the CPU comes from memory-level parallelism (each probe of a large table is a DRAM miss of
 // ~100 ns): keys are processed as a software pipeline -- the window of key i + D is hashed and
 // prefetched while key i is probed -- so about D misses are in flight per thread (the prefetch
-// distance D is autotuned; lookups prefetch the first windows of D keys as a group, hash_cpu_probe.h). A window is one cache line, compared with one AVX-512 instruction per
+// distance D is autotuned; lookups prefetch the first windows of D keys as a group, hash_cpu_probe.h).
+// A window is one cache line, compared with one AVX-512 instruction per
 // mask (hash_cpu_probe.h, per SIMD tier), and the overflow filter (hash_layout.h) lets a miss stop
 // at its first full window: DRAM lines per find ~1.04 (load 0.5) and ~1.3-1.4 (load 0.9, hits or
 // misses alike; 2.75 for half misses without the filter).
@@ -649,8 +650,6 @@ int64_t items_impl(const Geo& g, uintptr_t keys_out_p, uintptr_t vals_out_p, int
       }
       o += live;
     }
-    (void)ksink;
-    (void)vsink;
   });
   return cnt[nt];
 }

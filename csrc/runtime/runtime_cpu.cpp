@@ -7,7 +7,6 @@
 #include <sys/mman.h>
 #endif
 
-#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <string>
