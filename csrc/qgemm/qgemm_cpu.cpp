@@ -834,7 +834,7 @@ PK_TARGET_AVX512 void decode_panel(const GemmArgs16& a, int64_t p, uint8_t* pane
       for (int64_t b = b0; b < b1; ++b) {
         uint8_t* d = panel + b * PANEL_BLOCK + h * 128;
         if constexpr (LB == 4) {  // 128-bit lane r = row r
-          PK_PREFETCH_R(wt + (b + 64) * 64);  // 4 KB ahead, as in the GEMV kernel
+          PK_PREFETCH_R(wt + (b + 64) * 64);  // 4 KB ahead: here each tile is read whole, in order
           const __m512i raw = present ? _mm512_loadu_si512(wt + b * 64) : zero;
           const __m512i lo = _mm512_and_si512(raw, _mm512_set1_epi8(0x0f));
           const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0f));
