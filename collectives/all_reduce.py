@@ -49,10 +49,10 @@ _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp
 # the slices cost ~8 us of call overhead each (a 1 MiB piece: 1.6x one pass), which the native loop saves.
 _GRAIN = 32768
 _OP_CODES = {"sum": 0, "avg": 0, "prod": 1, "max": 2, "min": 3}
-_NATIVE_KIND = {torch.float32: ("f", 4), torch.float64: ("f", 8), torch.int32: ("i", 4), torch.int64: ("i", 8),
-                torch.uint8: ("u", 1)}
+_NATIVE_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8)
 try:
     from pykernels._cpu_runtime import reduce_into as _native_reduce_into
+    from pykernels._native import dtype_code as _dtype_code
 except Exception:  # noqa: BLE001 - not built, or pykernels fails to import: torch's ops in slices
     _native_reduce_into = None
 
@@ -62,11 +62,10 @@ def _serial(fn, op):
 
     def red(d, s):
         n = d.numel()
-        kind = _NATIVE_KIND.get(d.dtype)
-        if (_native_reduce_into is not None and kind is not None and d.device.type == "cpu"
+        if (_native_reduce_into is not None and d.dtype in _NATIVE_DTYPES and d.device.type == "cpu"
                 and s.device.type == "cpu" and s.dtype == d.dtype
                 and s.numel() == n and d.is_contiguous() and s.is_contiguous()):
-            _native_reduce_into(d.data_ptr(), s.data_ptr(), n, kind[0], kind[1], code)
+            _native_reduce_into(d.data_ptr(), s.data_ptr(), n, _dtype_code(d.dtype), code)
             return
         if n <= _GRAIN or d.is_cuda:
             fn(d, s)
@@ -76,10 +75,9 @@ def _serial(fn, op):
     return red
 
 
-_REDUCE = {"sum": _serial(lambda d, s: d.add_(s), "sum"), "avg": _serial(lambda d, s: d.add_(s), "avg"),
-           "prod": _serial(lambda d, s: d.mul_(s), "prod"),
-           "max": _serial(lambda d, s: torch.maximum(d, s, out=d), "max"),
-           "min": _serial(lambda d, s: torch.minimum(d, s, out=d), "min")}
+_TORCH_REDUCE = {"sum": lambda d, s: d.add_(s), "avg": lambda d, s: d.add_(s), "prod": lambda d, s: d.mul_(s),
+                 "max": lambda d, s: torch.maximum(d, s, out=d), "min": lambda d, s: torch.minimum(d, s, out=d)}
+_REDUCE = {op: _serial(fn, op) for op, fn in _TORCH_REDUCE.items()}
 _BASE_OP = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
             "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 

@@ -881,13 +881,15 @@ def test_piece_reduction_matches_torch(native, op, dtype, monkeypatch):
 
 def test_native_reduction_rejects_what_it_cannot_reduce():
     rt = pytest.importorskip("pykernels._cpu_runtime")
+    from pykernels._native import dtype_code
+
     a, b = torch.ones(4, dtype=torch.int16), torch.ones(4, dtype=torch.int16)
-    with pytest.raises(ValueError, match="reduce_into: unsupported element type i16"):
-        rt.reduce_into(a.data_ptr(), b.data_ptr(), 4, "i", 2, 0)
+    with pytest.raises(ValueError, match=f"reduce_into: unsupported dtype code {dtype_code(torch.int16)}"):
+        rt.reduce_into(a.data_ptr(), b.data_ptr(), 4, dtype_code(torch.int16), 0)
     with pytest.raises(ValueError, match="reduce_into: op must be"):
-        rt.reduce_into(a.data_ptr(), b.data_ptr(), 4, "i", 4, 9)
+        rt.reduce_into(a.data_ptr(), b.data_ptr(), 4, dtype_code(torch.int32), 9)
     with pytest.raises(ValueError, match="reduce_into: n must be"):
-        rt.reduce_into(a.data_ptr(), b.data_ptr(), -1, "i", 4, 0)
+        rt.reduce_into(a.data_ptr(), b.data_ptr(), -1, dtype_code(torch.int32), 0)
 
 
 def test_piece_sizes_grow_with_the_vector(monkeypatch):

@@ -92,6 +92,11 @@ void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, i
     }
   };
   auto push = [&](const Pending& pd) __attribute__((always_inline)) { q[(qhead + qlen++) % kQueue] = pd; };
+  // A window that decided: the hit's slot, or (m == 0) the window's last slot: a valid address either
+  // way, so the emitter reads it without a branch.
+  auto decided = [&](int64_t i, K k, const S* win, uint32_t m) __attribute__((always_inline)) {
+    emit(i, k, const_cast<S*>(&win[__builtin_ctz(m | (1u << (CW - 1)))]), m != 0, false);
+  };
   // The oldest queued lookup: what it waits for was prefetched about G lookups ago.
   auto step_queued = [&]() __attribute__((always_inline)) {
     Pending pd = q[qhead];
@@ -116,7 +121,7 @@ void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, i
       push(pd);
       return;
     }
-    emit(pd.i, pd.k, const_cast<S*>(&win[__builtin_ctz(m | (1u << (CW - 1)))]), m != 0, false);
+    decided(pd.i, pd.k, win, m);
   };
   int64_t base = b;
   int nb = (int)(e - b < B ? e - b : B), cur = 0;
@@ -145,8 +150,7 @@ void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, i
         while (qlen > B) step_queued();
         continue;
       }
-      // the hit's slot, or (m == 0) the window's last slot: a valid address either way, no branch
-      emit(i, k, const_cast<S*>(&win[__builtin_ctz(m | (1u << (CW - 1)))]), m != 0, false);
+      decided(i, k, win, m);
     }
     base = next_base;
     nb = next_nb;

@@ -140,45 +140,46 @@ __attribute__((always_inline)) inline void reduce_typed(void* d, const void* s, 
   }
 }
 
-// kind: 'f' float, 'i' signed, 'u' unsigned; itemsize in bytes. Returns false for a pair not handled.
-__attribute__((always_inline)) inline bool reduce_dispatch(void* d, const void* s, int64_t n, char kind,
-                                                           int itemsize, int op) {
-  if (kind == 'f' && itemsize == 4) reduce_typed<float>(d, s, n, op);
-  else if (kind == 'f' && itemsize == 8) reduce_typed<double>(d, s, n, op);
-  else if (kind == 'i' && itemsize == 4) reduce_typed<int32_t>(d, s, n, op);
-  else if (kind == 'i' && itemsize == 8) reduce_typed<int64_t>(d, s, n, op);
-  else if (kind == 'u' && itemsize == 1) reduce_typed<uint8_t>(d, s, n, op);
-  else return false;
-  return true;
+// dtype: pk::DType (pykernels._native.DTYPE_CODES). Returns false for a type not handled.
+__attribute__((always_inline)) inline bool reduce_dispatch(void* d, const void* s, int64_t n, pk::DType dtype,
+                                                           int op) {
+  switch (dtype) {
+    case pk::DType::Float32: reduce_typed<float>(d, s, n, op); return true;
+    case pk::DType::Float64: reduce_typed<double>(d, s, n, op); return true;
+    case pk::DType::Int32: reduce_typed<int32_t>(d, s, n, op); return true;
+    case pk::DType::Int64: reduce_typed<int64_t>(d, s, n, op); return true;
+    case pk::DType::UInt8: reduce_typed<uint8_t>(d, s, n, op); return true;
+    default: return false;
+  }
 }
 
-bool reduce_portable(void* d, const void* s, int64_t n, char kind, int itemsize, int op) {
-  return reduce_dispatch(d, s, n, kind, itemsize, op);
+bool reduce_portable(void* d, const void* s, int64_t n, pk::DType dtype, int op) {
+  return reduce_dispatch(d, s, n, dtype, op);
 }
 
 #if PK_X86
 // The same loops compiled for AVX2 (the compiler vectorizes them: 8 floats per instruction).
-PK_TARGET_AVX2 bool reduce_avx2(void* d, const void* s, int64_t n, char kind, int itemsize, int op) {
-  return reduce_dispatch(d, s, n, kind, itemsize, op);
+PK_TARGET_AVX2 bool reduce_avx2(void* d, const void* s, int64_t n, pk::DType dtype, int op) {
+  return reduce_dispatch(d, s, n, dtype, op);
 }
 #endif
 
-void reduce_into(uintptr_t dst, uintptr_t src, int64_t n, const std::string& kind, int itemsize, int op) {
+void reduce_into(uintptr_t dst, uintptr_t src, int64_t n, int dtype_code, int op) {
   if (n < 0) throw std::invalid_argument("reduce_into: n must be >= 0");
   if (op < kSum || op > kMin) throw std::invalid_argument("reduce_into: op must be 0 (sum), 1 (prod), 2 (max) or 3 (min)");
-  if (kind.size() != 1) throw std::invalid_argument("reduce_into: kind must be 'f', 'i' or 'u'");
+  const pk::DType dtype = static_cast<pk::DType>(dtype_code);
   bool ok;
   {
     py::gil_scoped_release release;
     void* d = reinterpret_cast<void*>(dst);
     const void* s = reinterpret_cast<const void*>(src);
 #if PK_X86
-    ok = pk::cpu_has_avx2() ? reduce_avx2(d, s, n, kind[0], itemsize, op) : reduce_portable(d, s, n, kind[0], itemsize, op);
+    ok = pk::cpu_has_avx2() ? reduce_avx2(d, s, n, dtype, op) : reduce_portable(d, s, n, dtype, op);
 #else
-    ok = reduce_portable(d, s, n, kind[0], itemsize, op);
+    ok = reduce_portable(d, s, n, dtype, op);
 #endif
   }
-  if (!ok) throw std::invalid_argument("reduce_into: unsupported element type " + kind + std::to_string(8 * itemsize));
+  if (!ok) throw std::invalid_argument("reduce_into: unsupported dtype code " + std::to_string(dtype_code));
 }
 
 }  // namespace
@@ -193,8 +194,7 @@ PYBIND11_MODULE(_cpu_runtime, m) {
         "memcpy split over num_threads threads");
   m.def("advise_hugepages", &advise_hugepages, py::arg("ptr"), py::arg("nbytes"),
         "madvise(MADV_HUGEPAGE) over the whole 2 MiB pages of [ptr, ptr + nbytes), before the first touch");
-  m.def("reduce_into", &reduce_into, py::arg("dst"), py::arg("src"), py::arg("n"), py::arg("kind"),
-        py::arg("itemsize"), py::arg("op"),
-        "dst[i] = dst[i] (op) src[i] for i < n on this thread; kind 'f'/'i'/'u' with itemsize 4/8 (f, i) or 1 (u); "
-        "op 0 sum, 1 prod, 2 max, 3 min (NaN propagates; integers wrap)");
+  m.def("reduce_into", &reduce_into, py::arg("dst"), py::arg("src"), py::arg("n"), py::arg("dtype"), py::arg("op"),
+        "dst[i] = dst[i] (op) src[i] for i < n on this thread; dtype a pk::DType code (float32/64, int32/64, "
+        "uint8); op 0 sum, 1 prod, 2 max, 3 min (NaN propagates; integers wrap)");
 }
