@@ -1052,6 +1052,28 @@ def test_hash_ops_pass_opcheck_and_compile_fullgraph():
     assert lookup_plus_one(t._slots, t._special, q).tolist() == [k + 2 for k in keys.tolist()] + [-1, -1]
 
 
+def test_eager_table_calls_skip_the_op_dispatch():
+    """In plain eager code the tables call their kernels directly, not through the registered ops: the
+    first insert of a process imported torch._dynamo through the op's dispatch (~1.1-1.4 s, every new
+    process's first table call). A fresh interpreter must finish inserts, lookups, counts and a
+    MultiValueHashMap without importing it, with the same answers."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, pykernels\n"
+        "m = pykernels.HashMap(100); k = torch.arange(40) * 3; m.insert(k, k + 1)\n"
+        "v, f = m.find(torch.tensor([3, 4, 117]), default=-1)\n"
+        "assert v.tolist() == [4, -1, 118] and f.tolist() == [True, False, True], (v, f)\n"
+        "c = pykernels.CountingTable(100); c.add(torch.tensor([5, 5, 7])); assert c.counts(torch.tensor([5, 7, 9])).tolist() == [2, 1, 0]\n"
+        "s = pykernels.HashSet(100); s.insert(k); assert s.contains(torch.tensor([0, 1])).tolist() == [True, False]\n"
+        "mv = pykernels.MultiValueHashMap(100); mv.insert(torch.tensor([1, 1, 2]), torch.tensor([10, 11, 20]))\n"
+        "assert len(mv) == 3\n"
+        "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_table_lookups_compile_fullgraph_and_follow_growth():
     """t.find / t.contains trace without a graph break (no lock while dynamo traces, the config is the
     table's cached one); a rehash changes the table's size, so the guards recompile and answers stay
