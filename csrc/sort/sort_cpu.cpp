@@ -29,6 +29,9 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <numeric>
 #include <vector>
@@ -578,7 +581,7 @@ struct Engine {
 //      flushed with streaming stores (split_scatter; plain stores while the records fit the caches).
 //   3. Each bucket (~n/256 records: ~128 KiB at 4M keys, inside one core's L2; up to 4 MiB, from L3:
 //      see bucket_ok) is sorted on v's w - 8 bits below the digit by LSD passes that never leave the
-//      cache (2 x ~12 bits, or 3 x ~8 for small buckets, one pass up to 12 bits; trivial passes
+//      cache (passes of at most BUCKET_MAX_DIGIT bits: 3 x 8 for random 32-bit keys; trivial passes
 //      skipped), then written to the caller's outputs in order (key = min + v). Buckets go to threads
 //      dynamically.
 //   DRAM traffic for int32 values + int64 indices: 4 (count) + 4 + 8 (split) + 8 + 4 + 8 (bucket in,
@@ -629,7 +632,13 @@ static inline bool bucket_ok(double biggest, size_t bytes, int64_t n, size_t bud
 // The MSD split's digit: the top MSD_BITS of v's w bits; each bucket is then sorted on the w - 8 below.
 static constexpr int MSD_BITS = 8;
 static constexpr int MSD_BUCKETS = 1 << MSD_BITS;
-static constexpr int64_t BIG_BUCKET = 4096;  // from here two in-cache passes of ~12 bits, else three of ~8
+static constexpr int64_t BIG_BUCKET = 4096;  // from here passes of up to BUCKET_MAX_DIGIT bits, else three of ~8
+// The widest in-bucket digit. A scatter pass over 64K records in L2, ns per record (Xeon, Emerald
+// Rapids VM, one thread): 1.5-1.7 at 6-9 bits, 2.3 at 10, 2.9 at 11, 4.1 at 12 - past ~1K digits the
+// destination lines no longer fit the 48 KiB L1 and every record's store misses it. So 24 bits below
+// the split take three passes of 8 bits, not two of 12: the bucket phase of 16M random uint32 keys
+// 124 -> 103 ms on one thread (paired runs, one process).
+static constexpr int BUCKET_MAX_DIGIT = 10;
 
 // The in-bucket passes' counters (pass j's at hist + off[j], digits 0..mk[j]) become exclusive prefix
 // sums in place; live[] lists the passes whose digit is not the same for all m records (the others
@@ -713,20 +722,15 @@ static int bucket_lsd_n(Rec* src, Rec* __restrict tmp, int64_t m, uint32_t* __re
 // The in-bucket plan for a bucket of m records and lb bits: its pass count (0-3) and widths.
 static inline int bucket_plan(int64_t m, int lb, int wid[3]) {
   if (lb <= 0) return 0;
-  if (lb <= 12) {
+  if (lb <= BUCKET_MAX_DIGIT) {
     wid[0] = lb;
     return 1;
   }
-  // two passes of ~12 bits need 2 x 4096 counters: worth it once a bucket has a few thousand records;
-  // smaller buckets (skewed keys, small inputs) take three passes of ~8 bits
-  if (m >= BIG_BUCKET) {
-    wid[0] = lb / 2;
-    wid[1] = lb - lb / 2;
-    return 2;
-  }
-  wid[0] = wid[1] = lb / 3;
-  wid[2] = lb - 2 * (lb / 3);
-  return 3;
+  // passes of up to BUCKET_MAX_DIGIT bits (lb <= 24: at most three) once a bucket has a few thousand
+  // records to pay for the counters; smaller buckets (skewed keys, small inputs) take three passes
+  const int np = m >= BIG_BUCKET ? (lb + BUCKET_MAX_DIGIT - 1) / BUCKET_MAX_DIGIT : 3;
+  for (int j = 0; j < np; ++j) wid[j] = lb / np + (j < lb % np ? 1 : 0);
+  return np;
 }
 
 template <class Rec, int KSHIFT, class Out>
@@ -900,7 +904,12 @@ static void split_scatter(int T, int64_t n, std::vector<int64_t>& pos, Rec* rec,
   const int64_t phase = (int64_t)(((uintptr_t)rec / sizeof(Rec)) % L);
   pk::parallel_threads(T, [&](int t) {
     const int64_t b = n * t / T, e = n * (t + 1) / T;
-    int64_t* __restrict p = pos.data() + (size_t)t * MSD_BUCKETS;
+    // Each thread's counters live on its own stack while it runs. Side by side in one shared vector
+    // (1-2 KiB per thread) they did not scale: the top-byte count of 16M keys took 26 ms on one thread
+    // and 22 ms on two, 14 ms on two with stack counters (Xeon VM; the threads' neighbouring lines
+    // are likely pulled across cores by the adjacent-line prefetcher). The split is a few % faster so.
+    int64_t p[MSD_BUCKETS];
+    std::memcpy(p, pos.data() + (size_t)t * MSD_BUCKETS, sizeof(p));
     Rec* __restrict r = rec;
     const U* __restrict src = in;
     const Coder<U, E> c = cd;
@@ -1043,9 +1052,10 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
   std::vector<uint32_t> hist((size_t)T * RB, 0);
   pk::parallel_threads(T, [&](int t) {
     const int64_t b = n * t / T, e = n * (t + 1) / T;
-    uint32_t* h = hist.data() + (size_t)t * RB;
+    uint32_t h[RB] = {0};  // on the stack: see split_scatter
     const Coder<U, E> c = cd;
     for (int64_t i = b; i < e; ++i) ++h[digit(c.enc(in[i]))];
+    std::memcpy(hist.data() + (size_t)t * RB, h, sizeof(h));
   });
   std::vector<int64_t> start(RB + 1), pos((size_t)T * RB);
   const int64_t biggest = split_offsets(hist, T, start, pos);
@@ -1162,7 +1172,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     auto first_read = [&](auto count_top) {  // count_top: std::true_type / std::false_type
       pk::parallel_threads(T, [&](int t) {
         const int64_t b = n * t / T, e = n * (t + 1) / T;
-        uint32_t* h = hist.data() + (size_t)t * RB;
+        uint32_t h[RB] = {0};  // on the stack: see split_scatter
         const Coder<U, E> c = cd;
         U ka = U(~U(0)), ko = 0;
         bool ls = false;
@@ -1174,6 +1184,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
           ko = std::max(ko, k);
           if constexpr (decltype(count_top)::value) ++h[(uint32_t)(k >> (key_bits - MSD_BITS))];
         }
+        if constexpr (decltype(count_top)::value) std::memcpy(hist.data() + (size_t)t * RB, h, sizeof(h));
         min_t[t] = ka;
         max_t[t] = ko;
         lossy_t[t] = ls;
@@ -1194,6 +1205,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       look = sample_buckets(in, n, cd, [](U k) { return (uint32_t)(k >> (32 - MSD_BITS)); });
       top_digit = fits(look.biggest / SAMPLE_SLACK, guess_bytes, false);
     }
+    auto T0 = std::chrono::steady_clock::now();
     if (top_digit) first_read(std::true_type());
     else first_read(std::false_type());
     U kmin = U(~U(0)), kmax = 0;
@@ -1228,9 +1240,10 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       std::fill(hist.begin(), hist.end(), 0u);
       pk::parallel_threads(T, [&](int t) {
         const int64_t b = n * t / T, e = n * (t + 1) / T;
-        uint32_t* h = hist.data() + (size_t)t * RB;
+        uint32_t h[RB] = {0};  // on the stack: see split_scatter
         const Coder<U, E> c = cd;
         for (int64_t i = b; i < e; ++i) ++h[((uint32_t)(c.enc(in[i]) - base_key) >> lbd) & (RB - 1)];
+        std::memcpy(hist.data() + (size_t)t * RB, h, sizeof(h));
       });
       biggest = offsets();
     }
@@ -1268,7 +1281,10 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
 
     auto split_and_sort = [&](auto* rec, auto make, auto out) {
       using Rec = std::remove_pointer_t<decltype(rec)>;
+      auto T1 = std::chrono::steady_clock::now();
       split_scatter(T, n, pos, rec, in, cd, a.nt_stores, vbits, [lb](uint32_t v) { return (v >> lb) & (RB - 1); }, make);
+      auto T2 = std::chrono::steady_clock::now();
+      struct Pr { decltype(T0) t0, t1, t2; ~Pr() { if (getenv("PK_TMP_T")) fprintf(stderr, "first %.1f split %.1f bucket %.1f ms\n", std::chrono::duration<double, std::milli>(t1 - t0).count(), std::chrono::duration<double, std::milli>(t2 - t1).count(), std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t2).count()); } } pr{T0, T1, T2};
       for_each_bucket<Rec>(T, start, 3 * 4096, [&](Rec* tmp, uint32_t* bh, int64_t b, int64_t m) {
         constexpr int KS = sizeof(Rec) == 8 ? 32 : 0;
         int wid[3];
