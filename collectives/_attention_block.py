@@ -8,7 +8,8 @@ dS = P * (dP - D)).
 
 Backends, picked per call by `_fwd_impl` / `_bwd_impl` (the one place to switch):
   - CPU: pykernels' own attention op (`torch.ops.pykernels.flash_attention` and
-    `flash_attention_backward`, backend "cpu"), which returns the LSE, takes the global out/lse in the
+    `flash_attention_backward`, backend "cpu", called directly when nothing is traced: `_attention_ops`),
+    which returns the LSE, takes the global out/lse in the
     backward, handles GQA/MQA heads and bottom-right causal masks itself, and turns NaN/inf inputs into
     NaN outputs exactly like `pykernels.flash_attention` (aten's fused CPU kernels alone would zero
     such rows: a silent wrong answer).
@@ -101,10 +102,11 @@ def _math_backward(do, q, k, v, out, lse, scale, causal, chunk: int = 1024, delt
 
 
 def _attention_ops():
-    """pykernels' registered attention ops (importing pykernels.attention registers them)."""
-    import pykernels.attention  # noqa: F401
+    """pykernels' attention entries (forward, backward): the registered ops, or their implementation
+    directly where nothing is traced or differentiated (pykernels.attention.forward_op / backward_op)."""
+    import pykernels.attention as pa
 
-    return torch.ops.pykernels.flash_attention, torch.ops.pykernels.flash_attention_backward
+    return pa.forward_op, pa.backward_op
 
 
 _triton_state: dict = {}  # "fwd"/"bwd" -> False once the op said NotImplementedError

@@ -155,9 +155,10 @@ def eager_direct(*tensors) -> bool:
     torch.library op: the op's dispatch layers cost ~60-100 us a call (6x a 1K-element torch.sort).
     Not while torch.compile traces, nor under a Python dispatch or torch-function mode (fake tensors,
     make_fx, FlopCounter...) or a functorch transform (vmap), nor for tensor subclasses or inputs that
-    need autograd: those go through the op, whose fake and autograd registrations handle them (as
+    need autograd (requires_grad under grad mode): those go through the op, whose fake and autograd registrations handle them (as
     pykernels.qmatmul does)."""
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
             or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active()):
         return False
-    return all(t is None or (type(t) is torch.Tensor and not t.requires_grad) for t in tensors)
+    grad = torch.is_grad_enabled()  # with grad mode off nothing is recorded: requires_grad does not matter
+    return all(t is None or (type(t) is torch.Tensor and not (grad and t.requires_grad)) for t in tensors)

@@ -245,6 +245,35 @@ def test_inputs_unmodified_non_contiguous_and_numpy():
     assert isinstance(out, torch.Tensor) and isinstance(np.asarray(out), np.ndarray)
 
 
+def test_untraced_calls_skip_the_op_dispatch():
+    """Where nothing is traced or differentiated (grad mode off, or no input requiring grad) the forward,
+    the backward and ring attention's block kernels run the implementation directly: through the
+    registered op the first call of a process imported torch._dynamo (~1.2 s; ring attention's first
+    call). A fresh interpreter must get the same results as autograd without importing it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, pykernels\n"
+        "from collectives._attention_block import _fwd_impl\n"
+        "from pykernels.attention import flash_attention_backward\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "q, k, v = (torch.randn(1, 2, 24, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))\n"
+        "with torch.no_grad():\n"
+        "    out, lse = pykernels.flash_attention(q, k, v, causal=True, return_lse=True)\n"
+        "    o2, l2 = _fwd_impl(q, k, v, 8 ** -0.5, True)\n"
+        "    do = torch.randn(out.shape, generator=g, dtype=torch.float64)\n"
+        "    dq, dk, dv = flash_attention_backward(do, q, k, v, out, lse, causal=True)\n"
+        "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'\n"
+        "assert torch.allclose(out, o2, atol=1e-12) and torch.allclose(lse, l2, atol=1e-12)\n"
+        "ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)\n"
+        "ref.backward(do)\n"
+        "for a, b in ((out, ref), (dq, q.grad), (dk, k.grad), (dv, v.grad)):\n"
+        "    assert torch.allclose(a, b, atol=1e-10), (a - b).abs().max()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_errors_name_the_op_and_argument():
     q, k, v = make(1, 4, 2, 3, 5, 8, torch.float32)
     with pytest.raises(TypeError, match="pykernels.flash_attention: expected 'q' of dtype"):

@@ -262,11 +262,24 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = N
     causal, return_lse = _check_flag("causal", causal), _check_flag("return_lse", return_lse)
     check_same_device(OP, q=q, k=k, v=v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if eager_direct(q, k, v):  # nothing to trace or differentiate: skip the op's dispatch layers
-        out, lse = _forward_laid_out(q, k, v, bool(causal), scale, backend)
-    else:
-        out, lse = torch.ops.pykernels.flash_attention(q, k, v, bool(causal), scale, backend)
+    out, lse = forward_op(q, k, v, bool(causal), scale, backend)
     return (out, lse) if return_lse else out
+
+
+# The entries the public functions and collectives' ring attention call: the implementation directly
+# where there is nothing to trace or differentiate (eager_direct), else the registered op. Through the op
+# the first call of a process imported torch._dynamo (~1.2 s) and every call paid its dispatch layers.
+def forward_op(q, k, v, causal: bool, scale: float, backend: str):
+    if eager_direct(q, k, v):
+        return _forward_laid_out(q, k, v, causal, scale, backend)
+    return torch.ops.pykernels.flash_attention(q, k, v, causal, scale, backend)
+
+
+def backward_op(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, backend: str):
+    if eager_direct(dout, dlse, q, k, v, out, lse):
+        dq, dk, dv = _backward_impl(dout, dlse, q, k, v, out, lse, causal, scale, backend)
+        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    return torch.ops.pykernels.flash_attention_backward(dout, dlse, q, k, v, out, lse, causal, scale, backend)
 
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, scale: Optional[float] = None,
@@ -299,7 +312,7 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, s
         raise TypeError(f"pykernels.flash_attention_backward: expected a float32 'lse', got {lse.dtype}")
     check_same_device(OP_BWD, q=q, k=k, v=v, dout=dout, out=out, lse=lse)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    return torch.ops.pykernels.flash_attention_backward(dout, dlse, q, k, v, out, lse, bool(causal), scale, backend)
+    return backward_op(dout, dlse, q, k, v, out, lse, bool(causal), scale, backend)
 
 
 from . import _tuning  # noqa: E402,F401  (registers the Tunables)
