@@ -155,8 +155,8 @@ def eager_direct(*tensors) -> bool:
     torch.library op: the op's dispatch layers cost ~60-100 us a call (6x a 1K-element torch.sort).
     Not while torch.compile traces, nor under a Python dispatch or torch-function mode (fake tensors,
     make_fx, FlopCounter...) or a functorch transform (vmap), nor for tensor subclasses or inputs that
-    need autograd (requires_grad under grad mode): those go through the op, whose fake and autograd registrations handle them (as
-    pykernels.qmatmul does)."""
+    need autograd (requires_grad while grad mode is on): those go through the op, whose fake and autograd
+    registrations handle them."""
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
             or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active()):
         return False

@@ -29,9 +29,6 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <chrono>
-#include <cstdio>
-#include <cstdlib>
 #include <memory>
 #include <numeric>
 #include <vector>
@@ -765,7 +762,9 @@ static int bucket_lsd_wide(Rec* src, Rec* __restrict tmp, int64_t m, int lb, uin
     for (int64_t i = 0; i < m; ++i) out(i, src[i]);
     return 0;
   }
-  const int maxw = m >= BIG_BUCKET ? 12 : 8;  // 12-bit counters pay off from a few thousand records
+  // 12-bit counters pay off from a few thousand records (measured on the EPYC; this LSD is the fallback
+  // of clustered wide keys, not re-measured with BUCKET_MAX_DIGIT's Xeon numbers)
+  const int maxw = m >= BIG_BUCKET ? 12 : 8;
   const int P = (lb + maxw - 1) / maxw;
   int sh[WIDE_MAX_PASSES], off[WIDE_MAX_PASSES + 1];
   uint64_t mk[WIDE_MAX_PASSES];
@@ -904,10 +903,11 @@ static void split_scatter(int T, int64_t n, std::vector<int64_t>& pos, Rec* rec,
   const int64_t phase = (int64_t)(((uintptr_t)rec / sizeof(Rec)) % L);
   pk::parallel_threads(T, [&](int t) {
     const int64_t b = n * t / T, e = n * (t + 1) / T;
-    // Each thread's counters live on its own stack while it runs. Side by side in one shared vector
-    // (1-2 KiB per thread) they did not scale: the top-byte count of 16M keys took 26 ms on one thread
-    // and 22 ms on two, 14 ms on two with stack counters (Xeon VM; the threads' neighbouring lines
-    // are likely pulled across cores by the adjacent-line prefetcher). The split is a few % faster so.
+    // Each thread's counters (here, and in the counting reads before the split) live on its own stack
+    // while it runs. Side by side in one shared vector (1-2 KiB per thread) they did not scale: the
+    // top-byte count of 16M keys took 26 ms on one thread and 22 ms on two, 14 ms on two with stack
+    // counters (Xeon VM; the threads' neighbouring lines are likely pulled across cores by the
+    // adjacent-line prefetcher).
     int64_t p[MSD_BUCKETS];
     std::memcpy(p, pos.data() + (size_t)t * MSD_BUCKETS, sizeof(p));
     Rec* __restrict r = rec;
@@ -1205,7 +1205,6 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       look = sample_buckets(in, n, cd, [](U k) { return (uint32_t)(k >> (32 - MSD_BITS)); });
       top_digit = fits(look.biggest / SAMPLE_SLACK, guess_bytes, false);
     }
-    auto T0 = std::chrono::steady_clock::now();
     if (top_digit) first_read(std::true_type());
     else first_read(std::false_type());
     U kmin = U(~U(0)), kmax = 0;
@@ -1281,10 +1280,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
 
     auto split_and_sort = [&](auto* rec, auto make, auto out) {
       using Rec = std::remove_pointer_t<decltype(rec)>;
-      auto T1 = std::chrono::steady_clock::now();
       split_scatter(T, n, pos, rec, in, cd, a.nt_stores, vbits, [lb](uint32_t v) { return (v >> lb) & (RB - 1); }, make);
-      auto T2 = std::chrono::steady_clock::now();
-      struct Pr { decltype(T0) t0, t1, t2; ~Pr() { if (getenv("PK_TMP_T")) fprintf(stderr, "first %.1f split %.1f bucket %.1f ms\n", std::chrono::duration<double, std::milli>(t1 - t0).count(), std::chrono::duration<double, std::milli>(t2 - t1).count(), std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t2).count()); } } pr{T0, T1, T2};
       for_each_bucket<Rec>(T, start, 3 * 4096, [&](Rec* tmp, uint32_t* bh, int64_t b, int64_t m) {
         constexpr int KS = sizeof(Rec) == 8 ? 32 : 0;
         int wid[3];

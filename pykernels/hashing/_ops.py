@@ -159,7 +159,11 @@ def _hash_insert_op(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tens
 def hash_insert_(slots, special, keys, values, nw, window, seed, kb, vb, mode, used, limit, threads, prefetch):
     """pykernels::hash_insert_: directly in eager code, else through the registered op."""
     args = (slots, special, keys, values, nw, window, seed, kb, vb, mode, used, limit, threads, prefetch)
-    return _insert_impl(*args) if eager_direct(slots, special, keys, values) else _hash_insert_op(*args)
+    if not eager_direct(slots, special, keys, values):
+        return _hash_insert_op(*args)
+    out = _insert_impl(*args)
+    torch.autograd.graph.increment_version((slots, special))  # written in place, as the op would record
+    return out
 
 
 @_hash_insert_op.register_fake

@@ -202,7 +202,8 @@ class _OpenTable:
         return (self._slots.data_ptr(), self._special.data_ptr(), self._nw, self.window, self.seed, self._kb, self._vb)
 
     def _native_insert(self, kbits, vbits, mode, cfg):
-        """One bulk insert through torch.ops.pykernels.hash_insert_: (status, (new, new_empty, pending))."""
+        """One bulk insert (_ops.hash_insert_: the kernel directly in eager code, else the registered op):
+        (status, (new, new_empty, pending))."""
         status, counts = _ops.hash_insert_(self._slots, self._special, kbits, vbits, self._nw, self.window, self.seed,
                                            self._kb, self._vb, mode, self._used, self._limit(),
                                            int(cfg.get("threads", 0) or 0), int(cfg.get("prefetch", 32)))
