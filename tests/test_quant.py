@@ -531,6 +531,65 @@ def test_qmatmul_errors():
         pykernels.qmatmul(x, qw, backend="gpu")
 
 
+def _amx_available():
+    from pykernels.quant._ops import _has_amx
+    return _has_amx()
+
+
+_AMX = {"impl": "amx", "threads": 2}
+
+
+@pytest.mark.skipif(not _amx_available(), reason="needs a CPU with AMX-BF16 (and the OS's permission)")
+@pytest.mark.parametrize("scheme,bits,group_size,M,N,K", [
+    ("asym", 4, 128, 16, 64, 512),     # whole tiles
+    ("asym", 4, 32, 33, 37, 100),      # partial token tile, panel and block; groups of one block
+    ("sym", 3, 64, 70, 130, 300),      # 5 token tiles (4 at once + 1), partial last group
+    ("bipolar", 1, -1, 9, 17, 33),     # one group over the whole (odd) K
+    ("bipolar", 2, 128, 20, 15, 1),    # K = 1: one code, zero-padded block
+    ("asym", 2, -1, 128, 16, 4100),    # a group of 129 blocks
+    ("sym", 4, 32, 1, 1, 32),          # one token, one row
+])
+def test_qmatmul_amx_is_the_rounded_exact_product(scheme, bits, group_size, M, N, K):
+    """The AMX kernel multiplies bf16 activations by the codes exactly (products of bf16 and small
+    integers) and sums in fp32, so y is the exact x @ dequant(W).T (+ bias) up to fp32 sums and the
+    output's bf16 rounding: nearly every element is the correctly rounded value."""
+    g = torch.Generator().manual_seed(M * N + K)
+    qw = pykernels.quantize(torch.randn(N, K, generator=g), bits, group_size, scheme)
+    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    for bias in (None, torch.randn(N, generator=g)):
+        y = _impl(x, qw.packed, qw.scales, qw.offsets, None, None, bias, N, K, bits, group_size, 0, "cpu",
+                  config=_AMX)
+        check_close(y, x, qw, bias, rel=1e-6)
+        exact = oracle(x, qw, bias).to(torch.bfloat16)
+        assert (y == exact).double().mean().item() >= 0.99
+
+
+@pytest.mark.skipif(not _amx_available(), reason="needs a CPU with AMX-BF16 (and the OS's permission)")
+def test_qmatmul_amx_default_nan_inf_and_fallbacks():
+    from pykernels.quant._ops import _default_cpu_config, _key
+
+    # the default for bf16 activations from M = 9 (bucket 16), codes of <= 4 bits; not below, not fp32
+    assert _default_cpu_config(_key(16, 64, 64, 4, 32, 0, torch.bfloat16))["impl"] == "amx"
+    assert _default_cpu_config(_key(9, 64, 64, 4, 32, 0, torch.bfloat16))["impl"] == "amx"
+    assert _default_cpu_config(_key(8, 64, 64, 4, 32, 0, torch.bfloat16))["impl"] != "amx"
+    assert _default_cpu_config(_key(64, 64, 64, 4, 32, 0, torch.float32))["impl"] != "amx"
+    assert _default_cpu_config(_key(64, 64, 64, 8, 32, 0, torch.bfloat16))["impl"] != "amx"
+    g = torch.Generator().manual_seed(5)
+    N, K = 22, 320
+    qw = pykernels.quantize(torch.randn(N, K, generator=g), 4, 64, "asym")
+    x = torch.randn(33, K, generator=g).to(torch.bfloat16)
+    x[5, 7] = float("nan")
+    x[20, 1] = float("inf")
+    y = pykernels.qmatmul(x, qw)  # the default: AMX
+    assert torch.isnan(y[5]).all() and not torch.isfinite(y[20]).any()
+    keep = [i for i in range(33) if i not in (5, 20)]
+    check_close(y[keep], x[keep], qw, rel=1e-6)
+    # a cached "amx" choice on inputs it cannot take (fp32 activations, 8-bit codes) runs the default
+    for xs, q in ((x[keep].float(), qw), (x[keep], pykernels.quantize(torch.randn(N, K, generator=g), 8, 64))):
+        y = _impl(xs, q.packed, q.scales, q.offsets, None, None, None, N, K, q.bits, 64, 0, "cpu", config=_AMX)
+        check_close(y, xs, q)
+
+
 @pytest.mark.parametrize("impl,m_block,n_block", [("native", 1, 1), ("native", 4, 32), ("dequant_mm", 16, 8)])
 def test_qmatmul_configs_agree(impl, m_block, n_block):
     N, K = 70, 300

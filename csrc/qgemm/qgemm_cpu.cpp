@@ -1496,6 +1496,283 @@ void bitserial_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, int act_bits
   });
 }
 
+// ---------------------------------------------------------------------------------------------
+// 3. Weight-only GEMM on AMX (Sapphire Rapids and newer), bf16 activations, codes of <= 4 bits:
+//    `wo_gemm_amx`. Per group, x.w = s * sum(x*u) + m * sum(x) (the affine form above); sum(x*u) is
+//    a TDPBF16PS of the bf16 activations against the centred codes u - 2^(bits-1) converted to bf16
+//    (small integers: exact), so every product is exact and sums run in fp32 (no int16 rounding of x);
+//    centred as in wo_gemm, so that sum(x*u) and m * sum(x) do not cancel. Rows the fp32 sums cannot
+//    carry (act_range_flags: outliers on near-zero weights, NaN/inf) take the VNNI path's exact routes. Roles are swapped
+//    against the usual y = x W^T tiling so that no weight needs a transpose: the A tile is 16 weight
+//    rows x 32 codes (a row's 16 nibble bytes widen to its 32 codes in order, one vpermw through a
+//    code -> bf16 table), the B tile 16 k-pairs x 16 tokens of activations (re-laid once per call), and
+//    C[n][m] accumulates a group; its per-row scale and offset are then one FMA each per row. One
+//    decode of a 16-row x group block of weights serves every 16-token tile. Measured at K=N=4096,
+//    M=128, 2 cores: see pykernels/quant/_ops.py (_default_cpu_config).
+// ---------------------------------------------------------------------------------------------
+#if PK_X86
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// AMX-TILE + AMX-BF16 in CPUID, enabled by the OS (XCR0 bits 17-18), and this process allowed to use
+// the tile data state (Linux asks for it with arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)).
+// PYKERNELS_DISABLE_AMX=1 turns it off; it also needs the AVX-512 tier.
+bool cpu_has_amx_bf16() {
+  static const bool has = [] {
+    if (!pk::cpu_has_avx512()) return false;
+    const char* off = std::getenv("PYKERNELS_DISABLE_AMX");
+    if (off && off[0] == '1') return false;
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 22) & 1) || !((d >> 24) & 1)) return false;  // AMX-BF16, AMX-TILE
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return false;  // OSXSAVE
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if (((lo >> 17) & 3) != 3) return false;  // XTILECFG, XTILEDATA
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return false;
+    return true;
+#else
+    return false;
+#endif
+  }();
+  return has;
+}
+
+#define PK_TARGET_AMX                                                                              \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma," \
+                        "bmi,bmi2,popcnt,f16c")))
+
+template <class T>
+T* align64(T* p) {
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
+}
+
+struct alignas(64) AmxTileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+struct AmxArgs {
+  WoShape s;
+  const uint8_t* w;
+  const float* scales;   // [N, G]
+  const float* offsets;  // [N, G]
+  const float* bias;     // [N] or null
+  const uint32_t* xv;    // [G][MT][kpg][16 k-pairs][16 tokens]: bf16 pairs, the B tiles of a group together
+  int64_t kpg;           // blocks per group
+  const float* xsum;     // [MT][G][16]: per-group sums of each token's activations
+  int64_t MT;
+  uint16_t* y;           // [M, N] bf16
+};
+
+// Rows n0..n0+15 of blocks [kb0, kb1) as A tiles (16 rows x 32 bf16 codes, 1 KiB each) into dst.
+PK_TARGET_AMX void amx_decode_rows(const AmxArgs& a, int64_t n0, int64_t kb0, int64_t kb1, uint16_t* dst) {
+  const WoShape& s = a.s;
+  alignas(64) uint16_t lut[32];
+  for (int c = 0; c < 32; ++c) lut[c] = f32_to_bf16((float)((c & 15) - s.center));  // centred codes: exact
+  const __m512i table = _mm512_load_si512(lut);
+  const __m256i low = _mm256_set1_epi16(0x0f);
+  for (int64_t kb = kb0; kb < kb1; ++kb) {
+    uint16_t* tile = dst + (kb - kb0) * 512;
+    for (int r = 0; r < 16; ++r) {
+      const int64_t n = n0 + r;
+      if (n >= s.N) {
+        _mm512_store_si512(tile + r * 32, _mm512_setzero_si512());
+        continue;
+      }
+      const uint8_t* src = a.w + (n / RT) * s.tile_bytes() + kb * 64 + (n % RT) * 16;
+      const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+      const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_srli_epi16(bytes, 4);  // k 0..15, 16..31
+      const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      _mm512_store_si512(tile + r * 32, _mm512_permutexvar_epi16(codes, table));
+    }
+  }
+}
+
+// One group of one 16-row panel against NM token tiles from mt: C tiles 0..NM-1, A tile 4 (the
+// panel's codes, loaded once per block), B tiles 5/6 (activations, alternating); then every C row is
+// scaled by its row's group scale and gets its offset times the tokens' group sums.
+template <int NM>
+PK_TARGET_AMX inline void amx_group_tiles(const AmxArgs& a, const uint16_t* wbuf, int64_t kb0, int64_t kb1,
+                                          int64_t mt, int64_t g, const float* sc, const float* of, float* cbuf,
+                                          float* accp) {
+  const WoShape& s = a.s;
+  _tile_zero(0);
+  if constexpr (NM > 1) _tile_zero(1);
+  if constexpr (NM > 2) _tile_zero(2);
+  if constexpr (NM > 3) _tile_zero(3);
+  for (int64_t kb = kb0; kb < kb1; ++kb) {
+    _tile_loadd(4, wbuf + (kb - kb0) * 512, 64);
+    const uint32_t* xb = a.xv + ((g * a.MT + mt) * a.kpg + (kb - kb0)) * 256;
+    const int64_t next = a.kpg * 256;  // the same block of the next token tile
+    // the next token tiles' blocks (the following 4 KiB of xv per tile) into L1 while these multiply:
+    // TILELOADD from L2 stalled every TDPBF16PS (~100 cycles each instead of ~16)
+    for (int j = 0; j < NM; ++j) {
+      const char* pf = reinterpret_cast<const char*>(xb + (NM + j) * next);
+      for (int l = 0; l < 1024; l += 64) _mm_prefetch(pf + l, _MM_HINT_T0);
+    }
+    _tile_loadd(5, xb, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (NM > 1) {
+      _tile_loadd(6, xb + next, 64);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (NM > 2) {
+      _tile_loadd(5, xb + 2 * next, 64);
+      _tile_dpbf16ps(2, 4, 5);
+    }
+    if constexpr (NM > 3) {
+      _tile_loadd(6, xb + 3 * next, 64);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+  }
+  _tile_stored(0, cbuf, 64);
+  if constexpr (NM > 1) _tile_stored(1, cbuf + 256, 64);
+  if constexpr (NM > 2) _tile_stored(2, cbuf + 512, 64);
+  if constexpr (NM > 3) _tile_stored(3, cbuf + 768, 64);
+  for (int j = 0; j < NM; ++j) {
+    const __m512 xs = _mm512_loadu_ps(a.xsum + ((mt + j) * s.G + g) * 16);
+    float* ac = accp + (mt + j) * 256;
+    const float* cb = cbuf + j * 256;
+    for (int r = 0; r < 16; ++r) {
+      __m512 v = _mm512_load_ps(ac + r * 16);
+      v = _mm512_fmadd_ps(_mm512_load_ps(cb + r * 16), _mm512_set1_ps(sc[r]), v);
+      v = _mm512_fmadd_ps(xs, _mm512_set1_ps(of[r]), v);
+      _mm512_store_ps(ac + r * 16, v);
+    }
+  }
+}
+
+PK_TARGET_AMX void amx_panels(const AmxArgs& a, int64_t p0, int64_t p1) {
+  const WoShape& s = a.s;
+  const int64_t kpg = a.kpg;
+  AmxTileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette = 1;
+  for (int t = 0; t < 7; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  std::vector<uint16_t> wraw(std::max<int64_t>(kpg, 1) * 512 + 32);
+  std::vector<float> araw(a.MT * 256 + 16);
+  uint16_t* wbuf = align64(wraw.data());
+  float* accp = align64(araw.data());
+  alignas(64) float cbuf[4 * 256];
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t n0 = p * 16;
+    std::fill(accp, accp + a.MT * 256, 0.f);
+    for (int64_t g = 0; g < s.G; ++g) {
+      const int64_t kb0 = g * kpg, kb1 = std::min(s.B, kb0 + kpg);
+      amx_decode_rows(a, n0, kb0, kb1, wbuf);
+      float sc[16], of[16];
+      for (int r = 0; r < 16; ++r) {
+        const int64_t n = std::min(n0 + r, s.N - 1);
+        sc[r] = a.scales[n * s.G + g];
+        // w = s * (u - c) + (m + s * c): the centred offset (0 for "sym")
+        of[r] = (float)((double)a.offsets[n * s.G + g] + (double)sc[r] * s.center);
+      }
+      for (int64_t mt = 0; mt < a.MT; mt += 4) {
+        // up to 4 token tiles at once: independent accumulators, so the TDPBF16PS run at their
+        // throughput (one accumulator chain waited on each one's latency: ~3x slower at M=128)
+        switch (std::min<int64_t>(4, a.MT - mt)) {
+          case 4: amx_group_tiles<4>(a, wbuf, kb0, kb1, mt, g, sc, of, cbuf, accp); break;
+          case 3: amx_group_tiles<3>(a, wbuf, kb0, kb1, mt, g, sc, of, cbuf, accp); break;
+          case 2: amx_group_tiles<2>(a, wbuf, kb0, kb1, mt, g, sc, of, cbuf, accp); break;
+          default: amx_group_tiles<1>(a, wbuf, kb0, kb1, mt, g, sc, of, cbuf, accp); break;
+        }
+      }
+    }
+    // acc[mt][r][t] is y[16 mt + t][n0 + r]
+    const int64_t nr = std::min<int64_t>(16, s.N - n0);
+    for (int64_t mt = 0; mt < a.MT; ++mt) {
+      const float* ac = accp + mt * 256;
+      const int64_t tm = std::min<int64_t>(16, s.M - mt * 16);
+      for (int64_t t = 0; t < tm; ++t) {
+        uint16_t* yr = a.y + (mt * 16 + t) * s.N + n0;
+        for (int64_t r = 0; r < nr; ++r) yr[r] = f32_to_bf16(ac[r * 16 + t] + (a.bias ? a.bias[n0 + r] : 0.f));
+      }
+    }
+  }
+  _tile_release();
+}
+
+void wo_gemm_amx(uintptr_t x, int64_t M, int64_t K, uintptr_t w, int bits, uintptr_t scales, uintptr_t offsets,
+                 int64_t N, int64_t group_size, uintptr_t bias, uintptr_t y, int num_threads) {
+  const char* op = "qmatmul";
+  if (!cpu_has_amx_bf16()) pk::fail_runtime(op, "the AMX kernel needs a CPU with AMX-BF16 (and the OS's leave)");
+  if (bits < 1 || bits > 4) pk::fail_value(op, "the AMX kernel takes codes of 1..4 bits");
+  if (M < 0 || N < 0 || K < 0) pk::fail_value(op, "negative size");
+  if (group_size != -1 && (group_size <= 0 || group_size % KB != 0))
+    pk::fail_value(op, "group_size must be -1 or a multiple of 32");
+  if (M == 0 || N == 0) return;
+  WoShape s{};
+  s.M = M; s.N = N; s.K = K;
+  s.Kp = (std::max<int64_t>(K, 1) + KB - 1) / KB * KB;
+  s.B = s.Kp / KB;
+  s.gsize = group_size == -1 ? std::max<int64_t>(K, 1) : group_size;
+  s.G = K == 0 ? 0 : (K + s.gsize - 1) / s.gsize;
+  s.lbits = 4;
+  s.center = 1 << (bits - 1);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x);
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y);
+  if (K == 0) {  // no products: y = bias
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) yp[m * N + n] = f32_to_bf16(bias ? reinterpret_cast<const float*>(bias)[n] : 0.f);
+    return;
+  }
+  AmxArgs a{};
+  a.s = s;
+  a.w = reinterpret_cast<const uint8_t*>(w);
+  a.scales = reinterpret_cast<const float*>(scales);
+  a.offsets = reinterpret_cast<const float*>(offsets);
+  a.bias = bias ? reinterpret_cast<const float*>(bias) : nullptr;
+  a.MT = (M + 15) / 16;
+  a.y = yp;
+  a.kpg = s.gsize / KB + (s.gsize % KB != 0);  // blocks per group (gsize = K when -1)
+  // a group's B tiles for every token tile side by side (streamed in order for each panel; the layout
+  // [MT][B] measured slower: its tiles of one group lie 128 KiB apart at K = 4096)
+  std::vector<uint32_t> xv(s.G * a.MT * a.kpg * 256, 0u);  // TILELOADD takes any alignment
+  std::vector<float> xsum(a.MT * s.G * 16, 0.f);
+  py::gil_scoped_release release;
+  // activations as B tiles: dword [g][mt][kb - g kpg][i][t] = (x[16 mt + t][32 kb + 2 i], x[..][32 kb + 2 i + 1])
+  pk::parallel_ranges(M, threads_for_work(num_threads, M * K), [&](int, int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const int64_t mt = m / 16, t = m % 16;
+      const uint16_t* xr = xp + m * K;
+      auto put = [&](int64_t k, uint32_t pair) {
+        const int64_t kb = k / KB, g = kb / a.kpg, i = (k % KB) / 2;
+        xv[(((g * a.MT + mt) * a.kpg + kb - g * a.kpg) * 16 + i) * 16 + t] = pair;
+      };
+      for (int64_t k = 0; k + 1 < K; k += 2) put(k, (uint32_t)xr[k] | (uint32_t)xr[k + 1] << 16);
+      if (K & 1) put(K - 1, xr[K - 1]);
+      for (int64_t g = 0; g < s.G; ++g) {
+        double sum = 0;
+        const int64_t k1 = std::min(K, (g + 1) * s.gsize);
+        for (int64_t k = g * s.gsize; k < k1; ++k) sum += bf16_to_f32(xr[k]);
+        xsum[(mt * s.G + g) * 16 + t] = (float)sum;
+      }
+    }
+  });
+  a.xv = xv.data();
+  a.xsum = xsum.data();
+  const int64_t P = (N + 15) / 16;
+  pk::parallel_ranges(P, threads_for_work(num_threads, M * N * K), [&](int, int64_t p0, int64_t p1) {
+    amx_panels(a, p0, p1);
+  });
+}
+#else
+bool cpu_has_amx_bf16() { return false; }
+void wo_gemm_amx(uintptr_t, int64_t, int64_t, uintptr_t, int, uintptr_t, uintptr_t, int64_t, int64_t, uintptr_t,
+                 uintptr_t, int) {
+  pk::fail_runtime("qmatmul", "the AMX kernel needs an x86-64 CPU with AMX-BF16");
+}
+#endif
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu_qgemm, m) {
@@ -1507,6 +1784,11 @@ PYBIND11_MODULE(_cpu_qgemm, m) {
         py::arg("bias"), py::arg("y"), py::arg("y_dtype"), py::arg("num_threads"), py::arg("m_block"),
         py::arg("n_block"), py::arg("isa"), py::arg("gemm_min_m"),
         "y[M,N] = x[M,K] @ dequant(W).T (+ bias): weight-only quantized GEMM on packed tiles");
+  m.def("cpu_has_amx_bf16", &cpu_has_amx_bf16, "AMX-BF16 usable here (CPU, OS and process permission)");
+  m.def("wo_gemm_amx", &wo_gemm_amx, py::arg("x"), py::arg("M"), py::arg("K"), py::arg("w"), py::arg("bits"),
+        py::arg("scales"), py::arg("offsets"), py::arg("N"), py::arg("group_size"), py::arg("bias"), py::arg("y"),
+        py::arg("num_threads"),
+        "y[M,N] (bf16) = x[M,K] (bf16) @ dequant(W).T (+ fp32 bias) on AMX tiles, codes of <= 4 bits");
   m.def("act_range_flags", &act_range_flags, py::arg("x"), py::arg("x_dtype"), py::arg("M"), py::arg("K"),
         py::arg("flags"), py::arg("num_threads"),
         "per-row flags (uint8[M]): 1 = two scales the int16 activation path would lose, 2 = NaN/inf or a "

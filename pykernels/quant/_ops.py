@@ -4,7 +4,7 @@ Backends: "cpu" (csrc/qgemm/qgemm_cpu.cpp), "triton" (pykernels/quant/_triton.py
 (csrc/qgemm/qgemm.cu). On CUDA tensors "auto" prefers Triton (its kernels are the ones also checked
 under TRITON_INTERPRET=1 here), then the native module.
 Config (pykernels._backend.dispatch, tuned by pykernels.autotune):
-  cpu, weight-only: {"impl": "native" | "dequant_mm", "threads": 0 (= torch's), "m_block", "n_block",
+  cpu, weight-only: {"impl": "native" | "dequant_mm" | "amx", "threads": 0 (= torch's), "m_block", "n_block",
                      "isa": 2 AVX-512 VNNI | 1 AVX2 (highest allowed tier, capped by the CPU)}
   cpu, bit-serial:  {"mode": 0 portable | 1 POPCNT | 2 AVX2 vpshufb | 3 AVX-512 VPOPCNTDQ, "threads": 0}
 """
@@ -33,9 +33,30 @@ def _has_avx512() -> bool:
     return os.environ.get("PYKERNELS_DISABLE_AVX512") != "1" and bool(cpu_module("qgemm").cpu_has_avx512())
 
 
+def _has_amx() -> bool:
+    """AMX-BF16 usable in this process (CPU, OS, permission; PYKERNELS_DISABLE_AMX=1 turns it off)."""
+    return (os.environ.get("PYKERNELS_DISABLE_AMX") != "1" and _has_avx512()
+            and bool(cpu_module("qgemm").cpu_has_amx_bf16()))
+
+
+def _amx_fits(key: dict) -> bool:
+    return key.get("dtype") == "bfloat16" and key.get("bits", 8) <= 4 and not key.get("act_bits")
+
+
+# From this M bucket (M >= 9) bf16 activations take the AMX kernel where there is one. Measured on a
+# 2-core Xeon (Emerald Rapids), K=N=4096, group 128, 4 bits, same-run medians: M=16 1.4-2.2 ms vs
+# 2.6-4.0 ms for the VNNI kernels (torch's bf16 matmul of the dense weight: 2.5 ms), M=64 4.9-5.8 vs
+# 10.4 ms (torch 4.8-5.9), M=128 5.6-8.1 vs 13.5-14.8 ms (torch 6.7-7.6); below M=8 the VNNI GEMV
+# kernels stream the weights faster (M=1: 0.52 vs 2.3 ms; AMX's decode and per-group rescaling of
+# each 16-row panel cost ~1.8 ms whatever M).
+AMX_MIN_M_BUCKET = 16
+
+
 def _default_cpu_config(key: dict) -> dict:
     if key.get("act_bits"):
         return {"mode": 3 if _has_avx512() else 2, "threads": 0}
+    if _amx_fits(key) and key.get("M", 0) >= AMX_MIN_M_BUCKET and _has_amx():
+        return {"impl": "amx", "threads": 0}
     if _has_avx512():
         # AVX-512 VNNI (measured on Zen 4, K=N=4096, 1 thread, same-run ratios): the per-token GEMV kernel
         # up to M=11 (M=8: 3.1 ms vs the panel's 8.0 ms), the panel GEMM from M=12 (where its 16 token
@@ -104,6 +125,10 @@ _EXACT_COLUMNS = 64  # outliers per row multiplied exactly (at least; K / 64 for
 def cpu_weight_only(x2, packed, scales, offsets, bias, N, K, bits, group_size, cfg) -> torch.Tensor:
     M = x2.shape[0]
     threads = _threads(cfg)
+    if cfg.get("impl") == "amx":
+        if x2.dtype == torch.bfloat16 and bits <= 4 and _has_amx():
+            return _cpu_amx(x2, packed, scales, offsets, bias, N, K, bits, group_size, cfg, threads)
+        cfg = _default_cpu_config({"M": 1, "dtype": "float32"})  # a cached choice this input cannot take
     if cfg.get("impl") == "dequant_mm" and M > 0:
         # Compute-bound sizes: dequantize a chunk of rows (AVX2) into one reused buffer and hand it to
         # torch's GEMM; bf16 activations multiply bf16 weights (oneDNN's bf16 GEMM is ~3x its fp32 one
@@ -167,6 +192,36 @@ def cpu_weight_only(x2, packed, scales, offsets, bias, N, K, bits, group_size, c
     if non_finite.numel():  # NaN/inf (inf * w comes out as torch's inf), or a max int16 scales cannot carry: exact fp32
         y[non_finite] = cpu_weight_only(x2[non_finite], packed, scales, offsets, bias, N, K, bits, group_size,
                                         {**cfg, "impl": "dequant_mm"}).to(y.dtype)
+    return y
+
+
+def _cpu_amx(x2, packed, scales, offsets, bias, N, K, bits, group_size, cfg, threads) -> torch.Tensor:
+    """bf16 activations on the AMX kernel (wo_gemm_amx in qgemm_cpu.cpp: exact products, fp32 sums).
+    Rows that act_range_flags marks take the routes the VNNI path gives them: huge outliers next to
+    ordinary values (fp32 sums of the centred codes would round the ordinary values away where the
+    outliers' weights are ~0) and NaN/inf (so that inf * w comes out as torch's)."""
+    mod = cpu_module("qgemm")
+    M = x2.shape[0]
+    b = _bias_f32(bias)
+    xc = x2.contiguous()
+
+    def amx(xs):
+        y = torch.empty(xs.shape[0], N, dtype=torch.bfloat16)
+        mod.wo_gemm_amx(xs.data_ptr(), xs.shape[0], K, packed.data_ptr(), bits, scales.data_ptr(), offsets.data_ptr(),
+                        N, group_size, b.data_ptr() if b is not None else 0, y.data_ptr(), threads)
+        return y
+
+    flags = torch.empty(M, dtype=torch.uint8)
+    if not (M and mod.act_range_flags(xc.data_ptr(), dtype_code(xc.dtype), M, K, flags.data_ptr(), threads)):
+        return amx(xc)
+    y = torch.empty(M, N, dtype=torch.bfloat16)
+    ordinary = torch.nonzero(flags == 0).flatten()
+    if ordinary.numel():
+        y[ordinary] = amx(xc[ordinary].contiguous())
+    special = torch.nonzero(flags != 0).flatten()
+    other = _default_cpu_config({"M": autotune.bucket(special.numel()), "bits": bits, "dtype": "float32"})
+    y[special] = cpu_weight_only(xc[special], packed, scales, offsets, bias, N, K, bits, group_size,
+                                 {**other, "threads": cfg.get("threads", 0)})
     return y
 
 
@@ -303,6 +358,8 @@ def register_tunables(quantize):
                     for n_block in (n_blocks if impl == "native" else (8,)):
                         out.append({"impl": impl, "threads": threads, "m_block": m_block, "n_block": n_block,
                                     "isa": 1})
+            if _amx_fits(key) and _has_amx():
+                out.append({"impl": "amx", "threads": threads})
             if avx512:  # the VNNI tier: GEMV kernel or panel GEMM, weights in one or more passes
                 for gemm_min_m in (2, 12, 1 << 30):
                     for m_block in (32, 4096):
