@@ -584,6 +584,18 @@ def test_qmatmul_amx_default_nan_inf_and_fallbacks():
     assert torch.isnan(y[5]).all() and not torch.isfinite(y[20]).any()
     keep = [i for i in range(33) if i not in (5, 20)]
     check_close(y[keep], x[keep], qw, rel=1e-6)
+    # rows with huge outliers on zero weights take the VNNI path's outlier split (an fp32 sum holding
+    # 1e8 * (u - c) would keep ~8 of absolute error); the other rows stay on AMX
+    for k, gs in ((256, 32), (96, -1)):
+        w = torch.randn(N, k, generator=g)
+        w[:, 0] = 0.0
+        q = pykernels.quantize(w, 4, gs, "sym")  # sym: the zero column stays exactly zero
+        xo = torch.randn(16, k, generator=g)
+        xo[3, 0] = 1e8
+        xo = xo.to(torch.bfloat16)
+        rest = xo.clone()
+        rest[:, 0] = 0
+        check_close(pykernels.qmatmul(xo, q), rest, q, rel=1e-6)
     # a cached "amx" choice on inputs it cannot take (fp32 activations, 8-bit codes) runs the default
     for xs, q in ((x[keep].float(), qw), (x[keep], pykernels.quantize(torch.randn(N, K, generator=g), 8, 64))):
         y = _impl(xs, q.packed, q.scales, q.offsets, None, None, None, N, K, q.bits, 64, 0, "cpu", config=_AMX)

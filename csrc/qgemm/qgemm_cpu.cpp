@@ -1501,8 +1501,10 @@ void bitserial_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, int act_bits
 //    `wo_gemm_amx`. Per group, x.w = s * sum(x*u) + m * sum(x) (the affine form above); sum(x*u) is
 //    a TDPBF16PS of the bf16 activations against the centred codes u - 2^(bits-1) converted to bf16
 //    (small integers: exact), so every product is exact and sums run in fp32 (no int16 rounding of x);
-//    centred as in wo_gemm, so that sum(x*u) and m * sum(x) do not cancel. Rows the fp32 sums cannot
-//    carry (act_range_flags: outliers on near-zero weights, NaN/inf) take the VNNI path's exact routes. Roles are swapped
+//    centred as in wo_gemm, so that sum(x*u) and m * sum(x) do not cancel. Rows holding NaN/inf take
+//    the exact fp32 route (pykernels/quant/_ops.py). TDPBF16PS treats subnormal bf16 inputs as zero: a
+//    row whose largest |x| is that small is routed like NaN/inf rows (act_range_flags), elsewhere the
+//    error is below ~1e-38. Roles are swapped
 //    against the usual y = x W^T tiling so that no weight needs a transpose: the A tile is 16 weight
 //    rows x 32 codes (a row's 16 nibble bytes widen to its 32 codes in order, one vpermw through a
 //    code -> bf16 table), the B tile 16 k-pairs x 16 tokens of activations (re-laid once per call), and

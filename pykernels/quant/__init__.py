@@ -213,7 +213,7 @@ def qmatmul(x, qw: QuantizedWeight, bias=None, *, act_bits: Optional[int] = None
     bit-serial product (p x q one-bit GEMMs).
 
     Accuracy of the weight-only CPU path: on CPUs with AMX-BF16 (Sapphire Rapids and newer), bf16
-    activations from M=9 on take the AMX kernel (config impl "amx"): bf16 activations times the integer
+    activations from M=9 on with codes of at most 4 bits take the AMX kernel (config impl "amx"): bf16 activations times the integer
     codes are exact products summed in fp32, so y is the exact product with the dequantized weight up to
     fp32 sums and the bf16 output rounding. Elsewhere the native kernel (config impl "native", the
     default except for bf16 activations from M=64 on without AVX-512) rounds the activations to int16
@@ -225,7 +225,8 @@ def qmatmul(x, qw: QuantizedWeight, bias=None, *, act_bits: Optional[int] = None
     would swallow the ordinary values when the outliers' weights are ~0) have their outliers (above 8
     times the mean) multiplied exactly in float64 and the rest through the int16 kernel (LLM.int8()'s
     decomposition), and rows holding a NaN or inf take the fp32 route (so an inf gives torch's inf, not
-    NaN); a cheap per-row check (a few microseconds for 4096 elements) decides (on the AMX path too). The
+    NaN); a cheap per-row check (a few microseconds for 4096 elements) decides (the AMX path
+    routes such rows the same way). The
     weights themselves are used exactly. For an exact fp32 result
     use the dequantize route, torch.nn.functional.linear(x, qw.dequantize(torch.float32), bias)
     (what the "dequant_mm" config does chunk by chunk, with the same weights). On the GPU the Triton

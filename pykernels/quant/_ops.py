@@ -128,7 +128,8 @@ def cpu_weight_only(x2, packed, scales, offsets, bias, N, K, bits, group_size, c
     if cfg.get("impl") == "amx":
         if x2.dtype == torch.bfloat16 and bits <= 4 and _has_amx():
             return _cpu_amx(x2, packed, scales, offsets, bias, N, K, bits, group_size, cfg, threads)
-        cfg = _default_cpu_config({"M": 1, "dtype": "float32"})  # a cached choice this input cannot take
+        # a cached choice this input cannot take: its default (never "amx" here)
+        cfg = _default_cpu_config(_key(M, N, K, bits, group_size, 0, x2.dtype))
     if cfg.get("impl") == "dequant_mm" and M > 0:
         # Compute-bound sizes: dequantize a chunk of rows (AVX2) into one reused buffer and hand it to
         # torch's GEMM; bf16 activations multiply bf16 weights (oneDNN's bf16 GEMM is ~3x its fp32 one
@@ -198,8 +199,9 @@ def cpu_weight_only(x2, packed, scales, offsets, bias, N, K, bits, group_size, c
 def _cpu_amx(x2, packed, scales, offsets, bias, N, K, bits, group_size, cfg, threads) -> torch.Tensor:
     """bf16 activations on the AMX kernel (wo_gemm_amx in qgemm_cpu.cpp: exact products, fp32 sums).
     Rows that act_range_flags marks take the routes the VNNI path gives them: huge outliers next to
-    ordinary values (fp32 sums of the centred codes would round the ordinary values away where the
-    outliers' weights are ~0) and NaN/inf (so that inf * w comes out as torch's)."""
+    ordinary values (an fp32 sum holding 1e8 * (u - c) keeps ~8 of absolute error, which the outlier
+    split avoids by multiplying the outliers in float64; tested) and NaN/inf (so that inf * w comes
+    out as torch's; the code-sum form would make inf * 0 codes NaN)."""
     mod = cpu_module("qgemm")
     M = x2.shape[0]
     b = _bias_f32(bias)
@@ -219,7 +221,7 @@ def _cpu_amx(x2, packed, scales, offsets, bias, N, K, bits, group_size, cfg, thr
     if ordinary.numel():
         y[ordinary] = amx(xc[ordinary].contiguous())
     special = torch.nonzero(flags != 0).flatten()
-    other = _default_cpu_config({"M": autotune.bucket(special.numel()), "bits": bits, "dtype": "float32"})
+    other = _default_cpu_config(_key(special.numel(), N, K, bits, group_size, 0, torch.float32))
     y[special] = cpu_weight_only(xc[special], packed, scales, offsets, bias, N, K, bits, group_size,
                                  {**other, "threads": cfg.get("threads", 0)})
     return y
