@@ -135,7 +135,9 @@ class OutputCache:
         """A contiguous CPU tensor (contents undefined) on a cached storage of exactly its size when one
         is idle, else on a new one (cached while under the cap)."""
         nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes < _MIN_CACHED_BYTES or nbytes > self.limit:
+        if nbytes < _MIN_CACHED_BYTES:  # small: plain torch.empty (a storage of exactly its size)
+            return torch.empty(shape, dtype=dtype)
+        if nbytes > self.limit:
             return torch.empty(0, dtype=dtype).set_(_fresh_storage(nbytes), 0, shape)
         with self._lock:
             self._tick += 1

@@ -1501,16 +1501,16 @@ void bitserial_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, int act_bits
 //    `wo_gemm_amx`. Per group, x.w = s * sum(x*u) + m * sum(x) (the affine form above); sum(x*u) is
 //    a TDPBF16PS of the bf16 activations against the centred codes u - 2^(bits-1) converted to bf16
 //    (small integers: exact), so every product is exact and sums run in fp32 (no int16 rounding of x);
-//    centred as in wo_gemm, so that sum(x*u) and m * sum(x) do not cancel. Rows holding NaN/inf take
-//    the exact fp32 route (pykernels/quant/_ops.py). TDPBF16PS treats subnormal bf16 inputs as zero: a
-//    row whose largest |x| is that small is routed like NaN/inf rows (act_range_flags), elsewhere the
-//    error is below ~1e-38. Roles are swapped
-//    against the usual y = x W^T tiling so that no weight needs a transpose: the A tile is 16 weight
-//    rows x 32 codes (a row's 16 nibble bytes widen to its 32 codes in order, one vpermw through a
-//    code -> bf16 table), the B tile 16 k-pairs x 16 tokens of activations (re-laid once per call), and
-//    C[n][m] accumulates a group; its per-row scale and offset are then one FMA each per row. One
-//    decode of a 16-row x group block of weights serves every 16-token tile. Measured at K=N=4096,
-//    M=128, 2 cores: see pykernels/quant/_ops.py (_default_cpu_config).
+//    centred as in wo_gemm, so that sum(x*u) and m * sum(x) do not cancel.
+//    Roles are swapped against the usual y = x W^T tiling so that no weight needs a transpose: the A
+//    tile is 16 weight rows x 32 codes (a row's 16 nibble bytes widen to its 32 codes in order, one
+//    vpermw through a code -> bf16 table), the B tile 16 k-pairs x 16 tokens of activations (re-laid
+//    once per call), and C[n][m] accumulates a group; its per-row scale and offset are then one FMA
+//    each per row. One decode of a 16-row x group block of weights serves every 16-token tile.
+//    Rows with huge outliers or NaN/inf take the VNNI path's routes (pykernels/quant/_ops.py,
+//    _cpu_amx). TDPBF16PS reads subnormal bf16 inputs as zero: a row whose largest |x| is that small
+//    is routed like NaN/inf rows (act_range_flags); elsewhere the error is below ~1e-38.
+//    Measured at K=N=4096, 2 cores: see pykernels/quant/_ops.py (AMX_MIN_M_BUCKET).
 // ---------------------------------------------------------------------------------------------
 #if PK_X86
 #include <cpuid.h>
