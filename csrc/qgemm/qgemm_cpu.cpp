@@ -1572,25 +1572,43 @@ struct AmxArgs {
 };
 
 // Rows n0..n0+15 of blocks [kb0, kb1) as A tiles (16 rows x 32 bf16 codes, 1 KiB each) into dst.
-PK_TARGET_AMX void amx_decode_rows(const AmxArgs& a, int64_t n0, int64_t kb0, int64_t kb1, uint16_t* dst) {
-  const WoShape& s = a.s;
+// The bf16 values of the 16 centred codes (u - center), lanes 16-31 repeating them: the vpermw table.
+PK_TARGET_AMX __m512i amx_code_table(const WoShape& s) {
   alignas(64) uint16_t lut[32];
-  for (int c = 0; c < 32; ++c) lut[c] = f32_to_bf16((float)((c & 15) - s.center));  // centred codes: exact
-  const __m512i table = _mm512_load_si512(lut);
-  const __m256i low = _mm256_set1_epi16(0x0f);
+  for (int c = 0; c < 32; ++c) lut[c] = f32_to_bf16((float)((c & 15) - s.center));  // small integers: exact
+  return _mm512_load_si512(lut);
+}
+
+// Rows n0..n0+15 of blocks [kb0, kb1) as A tiles (16 rows x 32 bf16 codes, 1 KiB each) into dst. A
+// block of a 4-row tile is one 64-byte line: two rows at a time are widened to words, split into
+// low (codes 0..15 of the block) and high nibbles (16..31), and vpermt2w puts each row's 32 codes in
+// order before vpermw maps them to bf16.
+PK_TARGET_AMX void amx_decode_rows(const AmxArgs& a, __m512i table, int64_t n0, int64_t kb0, int64_t kb1,
+                                   uint16_t* dst) {
+  const WoShape& s = a.s;
+  const __m512i low = _mm512_set1_epi16(0x0f);
+  // row a: lo words 0-15 then hi words 0-15; row b: lo 16-31 then hi 16-31 (index bit 5: the 2nd source)
+  alignas(64) uint16_t ia[32], ib[32];
+  for (int j = 0; j < 16; ++j) {
+    ia[j] = (uint16_t)j; ia[16 + j] = (uint16_t)(32 + j);
+    ib[j] = (uint16_t)(16 + j); ib[16 + j] = (uint16_t)(48 + j);
+  }
+  const __m512i idx_a = _mm512_load_si512(ia), idx_b = _mm512_load_si512(ib);
+  const int64_t tb = s.tile_bytes();
   for (int64_t kb = kb0; kb < kb1; ++kb) {
     uint16_t* tile = dst + (kb - kb0) * 512;
-    for (int r = 0; r < 16; ++r) {
-      const int64_t n = n0 + r;
-      if (n >= s.N) {
-        _mm512_store_si512(tile + r * 32, _mm512_setzero_si512());
-        continue;
+    for (int r = 0; r < 16; r += 2) {
+      const int64_t n = n0 + r;  // n0 and r even, RT = 4: rows n, n + 1 share a 4-row tile
+      __m512i out_a = _mm512_setzero_si512(), out_b = _mm512_setzero_si512();
+      if (n < s.N) {
+        const uint8_t* src = a.w + (n / RT) * tb + kb * 64 + (n % RT) * 16;
+        const __m512i w16 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+        const __m512i lo = _mm512_and_si512(w16, low), hi = _mm512_and_si512(_mm512_srli_epi16(w16, 4), low);
+        out_a = _mm512_permutexvar_epi16(_mm512_permutex2var_epi16(lo, idx_a, hi), table);
+        if (n + 1 < s.N) out_b = _mm512_permutexvar_epi16(_mm512_permutex2var_epi16(lo, idx_b, hi), table);
       }
-      const uint8_t* src = a.w + (n / RT) * s.tile_bytes() + kb * 64 + (n % RT) * 16;
-      const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-      const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_srli_epi16(bytes, 4);  // k 0..15, 16..31
-      const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-      _mm512_store_si512(tile + r * 32, _mm512_permutexvar_epi16(codes, table));
+      _mm512_store_si512(tile + r * 32, out_a);
+      _mm512_store_si512(tile + (r + 1) * 32, out_b);
     }
   }
 }
@@ -1665,12 +1683,13 @@ PK_TARGET_AMX void amx_panels(const AmxArgs& a, int64_t p0, int64_t p1) {
   uint16_t* wbuf = align64(wraw.data());
   float* accp = align64(araw.data());
   alignas(64) float cbuf[4 * 256];
+  const __m512i table = amx_code_table(s);
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t n0 = p * 16;
     std::fill(accp, accp + a.MT * 256, 0.f);
     for (int64_t g = 0; g < s.G; ++g) {
       const int64_t kb0 = g * kpg, kb1 = std::min(s.B, kb0 + kpg);
-      amx_decode_rows(a, n0, kb0, kb1, wbuf);
+      amx_decode_rows(a, table, n0, kb0, kb1, wbuf);
       float sc[16], of[16];
       for (int r = 0; r < 16; ++r) {
         const int64_t n = std::min(n0 + r, s.N - 1);
