@@ -127,6 +127,25 @@ struct WoShape {
   int64_t tile_bytes() const { return B * RT * (lbits == 4 ? 16 : 32); }
 };
 
+// The shape of one weight-only GEMM (wo_gemm, wo_gemm_amx), its arguments checked.
+WoShape wo_shape(const char* op, int64_t M, int64_t N, int64_t K, int bits, int64_t group_size) {
+  if (bits < 1 || bits > 8) pk::fail_value(op, "bits must be in 1..8");
+  if (M < 0 || N < 0 || K < 0) pk::fail_value(op, "negative size");
+  if (group_size != -1 && (group_size <= 0 || group_size % KB != 0))
+    pk::fail_value(op, "group_size must be -1 or a multiple of 32");
+  WoShape s{};
+  s.M = M; s.N = N; s.K = K;
+  s.Kp = (std::max<int64_t>(K, 1) + KB - 1) / KB * KB;
+  s.B = s.Kp / KB;
+  s.gsize = group_size == -1 ? std::max<int64_t>(K, 1) : group_size;
+  s.G = K == 0 ? 0 : (K + s.gsize - 1) / s.gsize;
+  s.lbits = bits <= 4 ? 4 : 8;
+  // Centred codes: sum(x*u) would cancel against m*sum(x) when the offset is large (sym: m = -s*2^(b-1)),
+  // losing accuracy; sum(x*(u-c)) stays of the size of sum(|x*w|).
+  s.center = 1 << (bits - 1);
+  return s;
+}
+
 // Exact (double) per-group sums of one token's activations: the offset term m * sum(x) of each group.
 void group_sums(const float* xr, const WoShape& s, float* gsum) {
   for (int64_t g = 0; g < s.G; ++g) {
@@ -1014,20 +1033,7 @@ void wo_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int bi
              uintptr_t offsets, int64_t N, int64_t group_size, uintptr_t bias, uintptr_t y, int y_dtype,
              int num_threads, int64_t m_block, int64_t n_block, int isa, int64_t gemm_min_m) {
   const char* op = "qmatmul";
-  if (bits < 1 || bits > 8) pk::fail_value(op, "bits must be in 1..8");
-  if (M < 0 || N < 0 || K < 0) pk::fail_value(op, "negative size");
-  WoShape s{};
-  s.M = M; s.N = N; s.K = K;
-  s.Kp = (std::max<int64_t>(K, 1) + KB - 1) / KB * KB;
-  s.B = s.Kp / KB;
-  s.gsize = group_size == -1 ? std::max<int64_t>(K, 1) : group_size;
-  if (group_size != -1 && (group_size <= 0 || group_size % KB != 0))
-    pk::fail_value(op, "group_size must be -1 or a multiple of 32");
-  s.G = K == 0 ? 0 : (K + s.gsize - 1) / s.gsize;
-  s.lbits = bits <= 4 ? 4 : 8;
-  // Centred codes: sum(x*u) would cancel against m*sum(x) when the offset is large (sym: m = -s*2^(b-1)),
-  // losing the int16 activations' accuracy; sum(x*(u-c)) stays of the size of sum(|x*w|).
-  s.center = 1 << (bits - 1);
+  const WoShape s = wo_shape(op, M, N, K, bits, group_size);
   const pk::DType xdt = float_dtype(x_dtype, op, "x"), ydt = float_dtype(y_dtype, op, "out");
   if (M == 0 || N == 0) return;
   const int64_t T = (N + RT - 1) / RT;
@@ -1571,29 +1577,30 @@ struct AmxArgs {
   uint16_t* y;           // [M, N] bf16
 };
 
-// Rows n0..n0+15 of blocks [kb0, kb1) as A tiles (16 rows x 32 bf16 codes, 1 KiB each) into dst.
-// The bf16 values of the 16 centred codes (u - center), lanes 16-31 repeating them: the vpermw table.
-PK_TARGET_AMX __m512i amx_code_table(const WoShape& s) {
-  alignas(64) uint16_t lut[32];
+// What the decode needs in registers, made once per thread: the bf16 values of the 16 centred codes
+// (u - center; lanes 16-31 repeat them), the vpermw table, and the vpermt2w indices that put two rows'
+// low nibbles (codes 0..15 of a block) and high nibbles (16..31) in code order: row a takes words 0-15
+// of lo then of hi, row b words 16-31 (index bit 5 picks the second source).
+struct AmxDecode {
+  __m512i table, idx_a, idx_b;
+};
+PK_TARGET_AMX AmxDecode amx_decode_consts(const WoShape& s) {
+  alignas(64) uint16_t lut[32], ia[32], ib[32];
   for (int c = 0; c < 32; ++c) lut[c] = f32_to_bf16((float)((c & 15) - s.center));  // small integers: exact
-  return _mm512_load_si512(lut);
-}
-
-// Rows n0..n0+15 of blocks [kb0, kb1) as A tiles (16 rows x 32 bf16 codes, 1 KiB each) into dst. A
-// block of a 4-row tile is one 64-byte line: two rows at a time are widened to words, split into
-// low (codes 0..15 of the block) and high nibbles (16..31), and vpermt2w puts each row's 32 codes in
-// order before vpermw maps them to bf16.
-PK_TARGET_AMX void amx_decode_rows(const AmxArgs& a, __m512i table, int64_t n0, int64_t kb0, int64_t kb1,
-                                   uint16_t* dst) {
-  const WoShape& s = a.s;
-  const __m512i low = _mm512_set1_epi16(0x0f);
-  // row a: lo words 0-15 then hi words 0-15; row b: lo 16-31 then hi 16-31 (index bit 5: the 2nd source)
-  alignas(64) uint16_t ia[32], ib[32];
   for (int j = 0; j < 16; ++j) {
     ia[j] = (uint16_t)j; ia[16 + j] = (uint16_t)(32 + j);
     ib[j] = (uint16_t)(16 + j); ib[16 + j] = (uint16_t)(48 + j);
   }
-  const __m512i idx_a = _mm512_load_si512(ia), idx_b = _mm512_load_si512(ib);
+  return {_mm512_load_si512(lut), _mm512_load_si512(ia), _mm512_load_si512(ib)};
+}
+
+// Rows n0..n0+15 of blocks [kb0, kb1) as A tiles (16 rows x 32 bf16 codes, 1 KiB each) into dst. A
+// block of a 4-row tile is one 64-byte line: two rows at a time are widened to words, split into
+// low and high nibbles, put in code order (vpermt2w) and mapped to bf16 (vpermw).
+PK_TARGET_AMX void amx_decode_rows(const AmxArgs& a, const AmxDecode& d, int64_t n0, int64_t kb0, int64_t kb1,
+                                   uint16_t* dst) {
+  const WoShape& s = a.s;
+  const __m512i low = _mm512_set1_epi16(0x0f);
   const int64_t tb = s.tile_bytes();
   for (int64_t kb = kb0; kb < kb1; ++kb) {
     uint16_t* tile = dst + (kb - kb0) * 512;
@@ -1604,8 +1611,8 @@ PK_TARGET_AMX void amx_decode_rows(const AmxArgs& a, __m512i table, int64_t n0, 
         const uint8_t* src = a.w + (n / RT) * tb + kb * 64 + (n % RT) * 16;
         const __m512i w16 = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
         const __m512i lo = _mm512_and_si512(w16, low), hi = _mm512_and_si512(_mm512_srli_epi16(w16, 4), low);
-        out_a = _mm512_permutexvar_epi16(_mm512_permutex2var_epi16(lo, idx_a, hi), table);
-        if (n + 1 < s.N) out_b = _mm512_permutexvar_epi16(_mm512_permutex2var_epi16(lo, idx_b, hi), table);
+        out_a = _mm512_permutexvar_epi16(_mm512_permutex2var_epi16(lo, d.idx_a, hi), d.table);
+        if (n + 1 < s.N) out_b = _mm512_permutexvar_epi16(_mm512_permutex2var_epi16(lo, d.idx_b, hi), d.table);
       }
       _mm512_store_si512(tile + r * 32, out_a);
       _mm512_store_si512(tile + (r + 1) * 32, out_b);
@@ -1683,13 +1690,13 @@ PK_TARGET_AMX void amx_panels(const AmxArgs& a, int64_t p0, int64_t p1) {
   uint16_t* wbuf = align64(wraw.data());
   float* accp = align64(araw.data());
   alignas(64) float cbuf[4 * 256];
-  const __m512i table = amx_code_table(s);
+  const AmxDecode dec = amx_decode_consts(s);
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t n0 = p * 16;
     std::fill(accp, accp + a.MT * 256, 0.f);
     for (int64_t g = 0; g < s.G; ++g) {
       const int64_t kb0 = g * kpg, kb1 = std::min(s.B, kb0 + kpg);
-      amx_decode_rows(a, table, n0, kb0, kb1, wbuf);
+      amx_decode_rows(a, dec, n0, kb0, kb1, wbuf);
       float sc[16], of[16];
       for (int r = 0; r < 16; ++r) {
         const int64_t n = std::min(n0 + r, s.N - 1);
@@ -1727,18 +1734,8 @@ void wo_gemm_amx(uintptr_t x, int64_t M, int64_t K, uintptr_t w, int bits, uintp
   const char* op = "qmatmul";
   if (!cpu_has_amx_bf16()) pk::fail_runtime(op, "the AMX kernel needs a CPU with AMX-BF16 (and the OS's leave)");
   if (bits < 1 || bits > 4) pk::fail_value(op, "the AMX kernel takes codes of 1..4 bits");
-  if (M < 0 || N < 0 || K < 0) pk::fail_value(op, "negative size");
-  if (group_size != -1 && (group_size <= 0 || group_size % KB != 0))
-    pk::fail_value(op, "group_size must be -1 or a multiple of 32");
+  const WoShape s = wo_shape(op, M, N, K, bits, group_size);
   if (M == 0 || N == 0) return;
-  WoShape s{};
-  s.M = M; s.N = N; s.K = K;
-  s.Kp = (std::max<int64_t>(K, 1) + KB - 1) / KB * KB;
-  s.B = s.Kp / KB;
-  s.gsize = group_size == -1 ? std::max<int64_t>(K, 1) : group_size;
-  s.G = K == 0 ? 0 : (K + s.gsize - 1) / s.gsize;
-  s.lbits = 4;
-  s.center = 1 << (bits - 1);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x);
   uint16_t* yp = reinterpret_cast<uint16_t*>(y);
   if (K == 0) {  // no products: y = bias
@@ -1762,6 +1759,7 @@ void wo_gemm_amx(uintptr_t x, int64_t M, int64_t K, uintptr_t w, int bits, uintp
   py::gil_scoped_release release;
   // activations as B tiles: dword [g][mt][kb - g kpg][i][t] = (x[16 mt + t][32 kb + 2 i], x[..][32 kb + 2 i + 1])
   pk::parallel_ranges(M, threads_for_work(num_threads, M * K), [&](int, int64_t m0, int64_t m1) {
+    std::vector<float> xf(K), gsum(s.G);
     for (int64_t m = m0; m < m1; ++m) {
       const int64_t mt = m / 16, t = m % 16;
       const uint16_t* xr = xp + m * K;
@@ -1771,12 +1769,9 @@ void wo_gemm_amx(uintptr_t x, int64_t M, int64_t K, uintptr_t w, int bits, uintp
       };
       for (int64_t k = 0; k + 1 < K; k += 2) put(k, (uint32_t)xr[k] | (uint32_t)xr[k + 1] << 16);
       if (K & 1) put(K - 1, xr[K - 1]);
-      for (int64_t g = 0; g < s.G; ++g) {
-        double sum = 0;
-        const int64_t k1 = std::min(K, (g + 1) * s.gsize);
-        for (int64_t k = g * s.gsize; k < k1; ++k) sum += bf16_to_f32(xr[k]);
-        xsum[(mt * s.G + g) * 16 + t] = (float)sum;
-      }
+      for (int64_t k = 0; k < K; ++k) xf[k] = bf16_to_f32(xr[k]);
+      group_sums(xf.data(), s, gsum.data());
+      for (int64_t g = 0; g < s.G; ++g) xsum[(mt * s.G + g) * 16 + t] = gsum[g];
     }
   });
   a.xv = xv.data();
