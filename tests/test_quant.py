@@ -504,6 +504,24 @@ def test_qmatmul_empty_and_tiny():
     assert pykernels.qmatmul(x, qw).shape == (5,)
 
 
+def test_qmatmul_direct_path_leaves_transforms_to_the_op():
+    """The eager fast path is pykernels._backend.eager_direct's: under vmap the registered op runs (its
+    batching fallback), with grad mode off a requires_grad input takes the direct path."""
+    import warnings
+
+    qw = pykernels.quantize(torch.randn(32, 64), 4, 32)
+    x = torch.randn(3, 64)
+    ref = pykernels.qmatmul(x, qw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "no batching rule for pykernels::qmatmul"
+        y = torch.vmap(lambda r: pykernels.qmatmul(r, qw))(x.unsqueeze(1))
+    assert torch.equal(y.squeeze(1), ref)
+    xr = x.clone().requires_grad_()
+    with torch.no_grad():
+        assert not pykernels.qmatmul(xr, qw).requires_grad
+    assert pykernels.qmatmul(xr, qw).requires_grad
+
+
 def test_qmatmul_numpy_input():
     qw = pykernels.quantize(torch.randn(5, 64), 4, 32)
     x = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from .. import autotune
-from .._backend import dispatch
+from .._backend import dispatch, eager_direct
 from .._native import cpu_module, cuda_module, cuda_stream_handle, dtype_code
 from . import _format as F
 
@@ -330,10 +330,10 @@ _qmatmul_custom.register_autograd(_backward, setup_context=_setup_context)
 def qmatmul_op(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend):
     if act_bits and planes is None:
         raise ValueError("pykernels.qmatmul: act_bits needs the weight's bit planes")
-    if (type(x) is torch.Tensor and not x.requires_grad and (bias is None or not bias.requires_grad)
-            and not torch.compiler.is_compiling()):
+    if eager_direct(x, packed, scales, offsets, planes, wsum, bias):
         # Eager fast path (same implementation, minus the torch.library dispatch layers: ~10% of a
-        # 4096x4096 GEMV). Tracing, fake tensors and autograd go through the registered op.
+        # 4096x4096 GEMV). Tracing, fake tensors, vmap and autograd go through the registered op: the
+        # one test every op's direct path uses (pykernels._backend.eager_direct).
         return _impl(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend)
     return torch.ops.pykernels.qmatmul(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size,
                                        act_bits, backend)
