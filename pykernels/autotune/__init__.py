@@ -131,6 +131,7 @@ def _safe(raw: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)  # every op's dispatch asks: compute once per device
+@functools.lru_cache(maxsize=None)  # model and core count are read once: a constant per process
 def _cpu_device_id() -> str:
     return _safe(f"cpu-{_cpu_model()}-{_cores()}c")
 
@@ -306,7 +307,12 @@ def generation() -> int:
     return _GENERATION
 
 
+_SCALARS = (int, float, str, bool, type(None))
+
+
 def _freeze(value):
+    if type(value) is dict and all(type(v) in _SCALARS for v in value.values()):
+        return tuple(sorted(value.items()))  # the flat keys every op builds: the common case, fast
     if isinstance(value, dict):
         return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
     if isinstance(value, (list, tuple)):
