@@ -235,7 +235,7 @@ def block_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     Returns (dq [B,H,Sq,D], dk, dv [B,Hkv,Sk,D]) in acc_dtype (the caller accumulates them there)."""
     acc = acc_dtype(q.dtype)
     hkv = k.shape[1]
-    if q.shape[2] == 0 or k.shape[2] == 0:
+    if q.shape[2] == 0 or k.shape[2] == 0 or hkv == 0:
         return (torch.zeros(q.shape, dtype=acc, device=q.device),
                 torch.zeros(k.shape, dtype=acc, device=q.device),
                 torch.zeros(v.shape, dtype=acc, device=q.device))

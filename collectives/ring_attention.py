@@ -24,8 +24,11 @@ Partials are merged in fp32 (fp64 for fp64 inputs) with the stable form
 """
 from __future__ import annotations
 
+import math
+import numbers
 from typing import List, Optional
 
+import numpy as np
 import torch
 
 from . import _attention_block as blk
@@ -86,7 +89,7 @@ def _as_tensor(x, op: str, arg: str):
         return x
 
 
-def _validate(op: str, q, k, v, causal, scale, layout, grp: comm.Group) -> float:
+def _validate(op: str, q, k, v, causal, scale, layout, return_lse, grp: comm.Group) -> float:
     """Local checks, then one small all-gather so that bad input on any rank (or shards of different
     shapes) raises on every rank instead of leaving the others waiting in the ring."""
     err = None
@@ -117,7 +120,7 @@ def _validate(op: str, q, k, v, causal, scale, layout, grp: comm.Group) -> float
         if k.shape[0] != b or k.shape[2] != s or k.shape[3] != d:
             raise ValueError(f"{op}: expected 'k'/'v' of shape [{b}, Hkv, {s}, {d}] to match 'q' "
                              f"{tuple(q.shape)}, got {tuple(k.shape)}")
-        if k.shape[1] == 0 or h % k.shape[1] != 0:
+        if (h % k.shape[1] != 0) if k.shape[1] else h != 0:  # no heads at all: empty, as flash_attention
             raise ValueError(f"{op}: expected the number of q heads ({h}) to be a multiple of the number of "
                              f"k/v heads ({k.shape[1]})")
         if layout not in _LAYOUTS:
@@ -125,8 +128,18 @@ def _validate(op: str, q, k, v, causal, scale, layout, grp: comm.Group) -> float
         if layout == "zigzag" and s % 2 != 0:
             raise ValueError(f"{op}: layout 'zigzag' needs an even local length (two chunks per rank), "
                              f"got S_local={s}; the full length must be a multiple of 2*world_size")
-        if scale is not None and not float(scale) > 0:
-            raise ValueError(f"{op}: expected 'scale' > 0 or None, got {scale}")
+        for name, flag in (("causal", causal), ("return_lse", return_lse)):
+            # as pykernels.flash_attention: bool(flag) would make causal="no" silently causal
+            if not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(f"{op}: expected '{name}' to be a bool, got {type(flag).__name__} {flag!r}")
+        if scale is not None:
+            if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+                raise TypeError(f"{op}: expected 'scale' to be a real number or None, got {type(scale).__name__}")
+            if not (math.isfinite(scale) and float(scale) > 0):
+                raise ValueError(f"{op}: expected 'scale' to be a finite float > 0 or None, got {scale!r}")
+            if q.dtype != torch.float64 and float(scale) > torch.finfo(torch.float32).max:
+                raise ValueError(f"{op}: expected 'scale' within float32's range for {q.dtype} inputs "
+                                 f"(the blocks compute in float32), got {scale!r}")
         fields = dict(B=b, H=h, Hkv=k.shape[1], S_local=s, D=d, dtype=comm.dtype_code(q.dtype),
                       causal=int(bool(causal)), layout=_LAYOUTS.index(layout),
                       scale=comm.float_bits(blk.default_scale(d, scale)))
@@ -258,7 +271,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     op = "collectives.ring_attention"
     q, k, v = (_as_tensor(t, op, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
     grp = comm.Group(op, group)
-    scale = _validate(op, q, k, v, causal, scale, layout, grp)
+    scale = _validate(op, q, k, v, causal, scale, layout, return_lse, grp)
     out, lse = _RingAttention.apply(q, k, v, scale, bool(causal), layout, grp)
     return (out, lse) if return_lse else out
 
@@ -444,7 +457,7 @@ def token_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
         group, pg_back = group
     q, k, v = (_as_tensor(t, op, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
     grp = comm.Group(op, group)
-    scale = _validate(op, q, k, v, causal, scale, layout, grp)
+    scale = _validate(op, q, k, v, causal, scale, layout, return_lse, grp)
     if grp.world > 1 and pg_back is None:
         pg_back = comm.second_group(grp)
     out, lse = _TokenRingAttention.apply(q, k, v, scale, bool(causal), layout, grp, pg_back)

@@ -59,7 +59,10 @@ def as_tensor(x, op: str, arg: str) -> torch.Tensor:
         if x.layout != torch.strided or x.is_nested:
             raise ValueError(f"pykernels.{op}: expected '{arg}' to be a dense (strided) tensor, got "
                              f"{'a nested tensor' if x.is_nested else f'layout {x.layout}'}")
-        return x
+        # A lazy conj/neg view keeps its memory un-negated and only a bit says otherwise: contiguous()
+        # keeps that bit, and the kernels read raw memory through data_ptr(). Resolved here (a no-op
+        # without the bit), so every op sees the values the tensor stands for.
+        return x.resolve_conj().resolve_neg()
     if any(s < 0 for s in getattr(x, "strides", None) or ()):
         # torch.from_dlpack aborts the interpreter on negative strides (torch 2.13): copy those first.
         import numpy as np

@@ -638,6 +638,21 @@ def test_bloom_no_false_negatives_and_fpr_within_1_5x_of_theory(num_hashes, bits
     assert theory / 1.5 <= fpr <= 1.5 * theory, (fpr, theory)
 
 
+def test_lazy_neg_view_keys_are_the_values_they_stand_for():
+    # a neg view's memory holds the un-negated keys: read raw, the filter gave false negatives and the
+    # tables raised torch's own view error
+    keys = torch._neg_view(torch.tensor([3, 4, -9]))
+    f = BloomFilter(4096, 3)
+    f.add(keys)
+    assert f.contains(torch.tensor([-3, -4, 9])).all()
+    s = HashSet(16)
+    s.insert(keys)
+    assert s.contains(torch.tensor([-3, -4, 9])).all() and len(s) == 3
+    m = HashMap(16)
+    m.insert(keys, torch._neg_view(torch.tensor([1, 2, 3])))
+    assert torch.equal(m.find(torch.tensor([-3, -4, 9]))[0], torch.tensor([-1, -2, -3]))
+
+
 def test_bloom_key_dtypes_and_errors():
     f = BloomFilter(4096, 4)
     f.add(torch.tensor([5, -1], dtype=torch.int32))

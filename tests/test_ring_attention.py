@@ -15,10 +15,12 @@ import tempfile
 import traceback
 from datetime import timedelta
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
+import pykernels
 from collectives import ring_attention, shard_sequence, token_ring_attention, unshard_sequence
 
 pytestmark = pytest.mark.distributed
@@ -513,6 +515,29 @@ def test_numpy_and_dlpack_inputs(kind):
         unshard_sequence("abc")
     with pytest.raises(TypeError, match="collectives.ring_attention: expected 'k'"):
         ring_attention(q, object(), v)
+
+
+@pytest.mark.parametrize("name", ["ring", "token"])
+def test_scale_and_flag_errors_as_flash_attention(name):
+    # an infinite or float32-overflowing scale gave all-NaN outputs; causal="no" ran a causal mask
+    fn = FNS[name]
+    q = torch.randn(1, 2, 8, 16)
+    for bad in (float("inf"), float("nan"), 1e39, 0.0, -1.0):
+        with pytest.raises(ValueError, match="'scale'"):
+            fn(q, q, q, scale=bad)
+    with pytest.raises(TypeError, match="'scale'"):
+        fn(q, q, q, scale="0.5")
+    for flag in ("causal", "return_lse"):
+        with pytest.raises(TypeError, match=f"expected '{flag}' to be a bool"):
+            fn(q, q, q, **{flag: "no"})
+    empty = torch.randn(1, 0, 8, 16, requires_grad=True)  # no heads: empty results, as flash_attention
+    o0, l0 = fn(empty, empty, empty, causal=True, return_lse=True)
+    (o0.sum() + l0.sum()).backward()
+    assert o0.shape == (1, 0, 8, 16) and l0.shape == (1, 0, 8) and empty.grad.shape == empty.shape
+    out, lse = fn(q, q, q, causal=np.bool_(True), return_lse=np.bool_(True), scale=np.float32(0.25))
+    ref, ref_lse = pykernels.flash_attention(q, q, q, causal=True, return_lse=True, scale=0.25)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)
 
 
 @pytest.mark.parametrize("fn", ["ring", "token"])

@@ -549,6 +549,31 @@ def test_sort_pairs_any_payload(vdtype):
         assert torch.equal(vals, vb)
 
 
+def test_lazy_conj_and_neg_views_sort_as_the_values_they_stand_for():
+    # a contiguous conj/neg view keeps un-negated memory and a flag: read raw, it sorted the wrong values
+    k = torch.tensor([2, 0, 1, 0])
+    z = torch.tensor([1 + 3j, 2 - 1j, 3 + 2j, 4 + 4j]).conj()
+    ri = torch.argsort(k, stable=True)
+    assert torch.equal(pykernels.sort_pairs(k, z)[1], z.resolve_conj()[ri])
+    assert torch.equal(pykernels.segmented_sort(k, torch.tensor([0, 4]), z)[1], z.resolve_conj()[ri])
+    for base in (torch.tensor([3.0, 1.0, -0.0, 2.0, 1.0]), torch.tensor([3, 1, 0, -7, 1])):
+        x = torch._neg_view(base)
+        want = x.resolve_neg()
+        for desc in (False, True):
+            v, i = pykernels.sort(x, descending=desc)
+            rv, ri = torch.sort(want, stable=True, descending=desc)
+            assert_same(v, rv)
+            assert_same(i, ri)
+            assert_same(pykernels.argsort(x, descending=desc), ri)
+        assert_same(pykernels.sort_keys(x), torch.sort(want, stable=True).values)
+        kk, vv = pykernels.sort_pairs(x, x)
+        assert_same(kk, torch.sort(want, stable=True).values)
+        assert_same(vv, kk)
+        assert torch.equal(pykernels.segmented_sort(x, torch.tensor([0, 2, 5]))[0],
+                           torch.cat([torch.sort(want[:2], stable=True).values,
+                                      torch.sort(want[2:], stable=True).values]))
+
+
 def test_dims_batched_rows_noncontiguous_0d_empty():
     g = torch.Generator().manual_seed(3)
     x = torch.randint(-5, 5, (4, 7, 300), generator=g).to(torch.float32)
