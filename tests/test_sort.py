@@ -681,9 +681,15 @@ def test_out_is_written_in_place_or_copied_like_torch():
     assert ov4._version > v0 and oi4._version > 0
     with pytest.raises(RuntimeError, match="inplace"):
         loss.backward()
-    # autograd through out= is refused by torch; ours copies without tracking, like the old path
+    # autograd through out= is refused, as torch refuses it (it copied silently before); fine without grad
     xg = torch.randn(100, requires_grad=True)
     ov3, oi3 = torch.empty(100), torch.empty(100, dtype=torch.int64)
+    for args in ((xg, (ov3, oi3)), (xg.detach(), (torch.empty(100, requires_grad=True), oi3))):
+        with pytest.raises(RuntimeError, match="pykernels.sort: functions with out="):
+            pykernels.sort(args[0], out=args[1])
+    with torch.no_grad():
+        pykernels.sort(xg, out=(ov3, oi3))
+    assert torch.equal(ov3, torch.sort(xg.detach()).values)
     pykernels.sort(xg.detach(), out=(ov3, oi3))
     assert torch.equal(ov3, torch.sort(xg.detach()).values)
 

@@ -387,6 +387,9 @@ def sort(input, dim: int = -1, descending: bool = False, stable: bool = True, *,
             raise TypeError(f"pykernels.sort: expected 'out' of dtypes ({x.dtype}, torch.int64), "
                             f"got ({ov.dtype}, {oi.dtype})")
         check_same_device("sort", input=x, out_values=ov, out_indices=oi)
+        if torch.is_grad_enabled() and (x.requires_grad or ov.requires_grad or oi.requires_grad):
+            raise RuntimeError("pykernels.sort: functions with out=... arguments don't support automatic "
+                               "differentiation, but one of the arguments requires grad (as torch.sort)")
     if _eager(x):
         direct = None
         if out is not None and _writable_in_place(x, ov, oi):
