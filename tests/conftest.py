@@ -1,8 +1,12 @@
 """Shared test fixtures. GPU tests carry @pytest.mark.gpu and skip, with the reason, without a GPU."""
 import os
 
-import pytest
-import torch
+# Small CPU sorts with backend="auto" are torch.sort itself (pykernels.sort.TORCH_BELOW): the suite
+# checks the native small paths everywhere, and that route in its own test.
+os.environ.setdefault("PYKERNELS_SORT_TORCH_BELOW", "0")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -963,6 +963,44 @@ def test_eager_calls_skip_the_registered_op_and_traced_calls_use_it(monkeypatch)
         assert len(used) > seen
 
 
+def test_small_auto_sorts_are_torch_sort_and_agree_with_the_native_path(monkeypatch):
+    """backend="auto" on CPU runs torch.sort up to TORCH_BELOW elements (the rest of the suite sets it to 0
+    and checks the native paths): same values and indices as the native small paths, bit for bit."""
+    import importlib
+
+    ps = importlib.import_module("pykernels.sort")
+    monkeypatch.setattr(ps, "TORCH_BELOW", 1024)
+    real_sort, real_argsort = torch.sort, torch.argsort
+    calls = []
+    monkeypatch.setattr(torch, "sort", lambda *a, **k: calls.append("sort") or real_sort(*a, **k))
+    monkeypatch.setattr(torch, "argsort", lambda *a, **k: calls.append("argsort") or real_argsort(*a, **k))
+    for dtype in KEY_DTYPES:
+        for n in (0, 1, 17, 1024, 1025):
+            for desc in (False, True):
+                x = make_keys(dtype, n, "special" if n % 2 else "few", seed=n)
+                calls.clear()
+                v, i = pykernels.sort(x, descending=desc)
+                a = pykernels.argsort(x, descending=desc)
+                k = pykernels.sort_keys(x, descending=desc)
+                torch_route = n <= 1024 and dtype not in UNSIGNED_WIDE
+                assert calls == (["sort", "argsort", "sort"] if torch_route else []), (dtype, n, calls)
+                nv, ni = pykernels.sort(x, descending=desc, backend="cpu")
+                assert_same(v, nv, f"{dtype} {n} {desc}")
+                assert_same(i, ni, f"{dtype} {n} {desc}")
+                assert_same(a, ni)
+                assert_same(k, nv)
+    x = torch.randn(30, 7)
+    x[3, 2] = float("nan")
+    for dim in (0, 1, -1):
+        assert_same(pykernels.sort(x, dim=dim).indices, pykernels.sort(x, dim=dim, backend="cpu").indices)
+    out = (torch.empty(0), torch.empty(0, dtype=torch.int64))
+    r = pykernels.sort(x, dim=0, out=out)
+    assert r.values is out[0] and torch.equal(out[1], pykernels.sort(x, dim=0, backend="cpu").indices)
+    calls.clear()
+    pykernels.sort_keys(x[0], begin_bit=3)  # a bit range: the native sort
+    assert calls == []
+
+
 def _short_rows_check():
     """Segments and rows of 0..33 keys (the AVX-512 in-register path takes 2..16 keys of 32 bits) for 32-bit
     and other key dtypes, both directions, payloads of 1, 2, 4, 8 and 16 bytes."""
