@@ -239,6 +239,29 @@ def test_concurrent_tuning_processes_keep_every_entry(tmp_cache):
     assert len([k for k in entries if k.startswith("test_conc|")]) == 40
 
 
+def test_generate_out_file_keeps_each_devices_entries(tmp_cache, monkeypatch):
+    # `generate --out FILE` on a GPU machine tunes CPU and GPU ops: one file (one device's metadata) kept
+    # only the last device's entries; the others now go beside it, named by their device
+    real = at.device_id
+    monkeypatch.setattr(at, "device_id", lambda d=None: real("cpu") if d is None or torch.device(d).type == "cpu"
+                        else "cuda-FAKE-sm90")
+    monkeypatch.setattr(at, "_metadata", lambda d=None: {"device": at.device_id(d)})
+    out = tmp_cache / "out.json"
+    monkeypatch.setattr(at, "_OUT_OVERRIDE", out)
+    monkeypatch.setattr(at, "_OUT_OWNER", None)
+    entry = {"backend": "cpu", "config": {"a": 1}, "time_s": 1.0}
+    at._store("cpu", "op|cpu|{}", entry)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        at._store(torch.device("meta"), "op|cuda|{}", dict(entry, backend="cuda"))
+        at._store("cpu", "op2|cpu|{}", entry)
+    assert sorted(json.loads(out.read_text())["entries"]) == ["op2|cpu|{}", "op|cpu|{}"]
+    gpu = tmp_cache / "out.cuda-FAKE-sm90.json"
+    assert at.cache_file(torch.device("meta")) == gpu
+    assert list(json.loads(gpu.read_text())["entries"]) == ["op|cuda|{}"]
+    at.clear_memory_cache()
+
+
 def test_cli_show(tmp_cache):
     _register_sleepy()
     at.tune("test_sleepy", torch.zeros(1000), budget_s=0.05)

@@ -83,6 +83,10 @@ def test_quantize_model_include_exclude_and_bias(lm):
     q2 = quantize_model(copy.deepcopy(lm), 4, 32, include=["*.mlp.*"])
     kinds = {n: type(m).__name__ for n, m in q2.named_modules() if isinstance(m, (nn.Linear, QuantLinear))}
     assert all((k == "QuantLinear") == (".mlp." in n) for n, k in kinds.items()), kinds
+    # generators and iterators select as lists do (the first layer's match used them up before)
+    two = lambda: nn.Sequential(nn.Linear(64, 8), nn.Linear(8, 8))  # noqa: E731
+    assert [type(m) for m in quantize_model(two(), 4, 32, exclude=(n for n in ["1"]))] == [QuantLinear, nn.Linear]
+    assert [type(m) for m in quantize_model(two(), 4, 32, include=iter(["1", "0"]))] == [QuantLinear, QuantLinear]
 
 
 def test_quantlinear_state_dict_round_trip(lm):
@@ -280,6 +284,20 @@ def test_quantlinear_dtype_casts_keep_the_quantized_format(cast):
     tol = 1e-5 if dt == torch.float64 else 5e-2
     torch.testing.assert_close(y.float(), ref, atol=tol * ref.abs().max().item() + 1e-3, rtol=tol)
     assert list(q2.state_dict()) == list(ql.state_dict())
+
+
+def test_quantlinear_cast_back_to_float32_and_to_the_dtype_it_has():
+    # .float() after a bf16 layer left .weight (and qweight.dequantize()) in bfloat16: the float32 scales
+    # did not change, so the cast went unnoticed; .to(float64) of a float64 probe comes back as itself
+    ql = pykernels.QuantLinear.from_linear(nn.Linear(64, 8).bfloat16(), 4, 32)
+    for cast, dt in ((lambda m: m.float(), torch.float32), (lambda m: m.half(), torch.float16),
+                     (lambda m: m.to(torch.float64), torch.float64), (lambda m: m.cpu(), torch.float64),
+                     (lambda m: m.bfloat16(), torch.bfloat16), (lambda m: m.to(torch.float32), torch.float32)):
+        ql = cast(ql)
+        assert ql.bias.dtype == dt and ql.weight.dtype == dt and ql.qweight.dequantize().dtype == dt
+        assert ql.scales.dtype == torch.float32
+    ql.share_memory()
+    assert ql.scales.is_shared() and ql.weight.dtype == torch.float32
 
 
 def test_quantize_model_leaves_multihead_attention_out_proj_and_handles_roots_and_shared_layers():

@@ -160,12 +160,21 @@ def _user_dir() -> Path:
 
 
 _OUT_OVERRIDE: Optional[Path] = None  # set by `generate --out FILE`
+_OUT_OWNER: Optional[str] = None  # the device whose entries FILE holds (a file holds one device's cache)
 
 
 def cache_file(device=None) -> Path:
-    """Where this device's user cache lives (PYKERNELS_CACHE_DIR moves it)."""
+    """Where this device's user cache lives (PYKERNELS_CACHE_DIR moves it). Under `generate --out FILE`,
+    FILE for the first device tuned and <FILE stem>.<device id><suffix> beside it for any other: one
+    file for all would keep only the last device's entries (each file carries one device's metadata)."""
+    global _OUT_OWNER
     if _OUT_OVERRIDE is not None:
-        return _OUT_OVERRIDE
+        dev = device_id(device)
+        if _OUT_OWNER is None:
+            _OUT_OWNER = dev
+        if dev == _OUT_OWNER:
+            return _OUT_OVERRIDE
+        return _OUT_OVERRIDE.with_name(f"{_OUT_OVERRIDE.stem}.{dev}{_OUT_OVERRIDE.suffix}")
     return _user_dir() / f"{device_id(device)}.json"
 
 

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 import pykernels.autotune as at
 
 GROUPS = ("sort", "hash", "qgemm", "attention", "allreduce")
@@ -77,7 +79,9 @@ def generate(args) -> int:
             print(f"\n{t.op}/{t.backend}: tuning failed: {exc}", file=sys.stderr)
     _progress(len(jobs), len(jobs), "done", started)
     sys.stderr.write("\n")
-    print(f"tuned {len(results)} shape(s); cache: {at.cache_file()}")
+    devices = sorted({"cpu" if b == "cpu" else "cuda" for _, b, _ in results}) or ["cpu"]
+    files = ", ".join(str(at.cache_file(torch.device(d))) for d in devices)
+    print(f"tuned {len(results)} shape(s); cache: {files}")
     return 0 if results or not jobs else 1
 
 

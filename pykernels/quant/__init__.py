@@ -268,6 +268,16 @@ def _empty_qweight(N: int, K: int, bits: int, group_size: int, scheme: str, with
                            planes=planes)
 
 
+def _cast_of(fn, device):
+    """What a Module._apply function does to floating-point tensors: an empty tensor of the target dtype
+    and device when it casts them (.half(), .float(), .to(dtype)...), else None. Two probes of different
+    dtypes: a cast maps both to one dtype, a device move keeps each its own (one float32 probe could not
+    tell .float() from .cpu(), and .to(float64) hands a float64 probe back as it is)."""
+    out64 = fn(torch.empty(0, dtype=torch.float64, device=device))
+    out16 = fn(torch.empty(0, dtype=torch.float16, device=device))
+    return out64 if out64.dtype == out16.dtype else None
+
+
 class QuantLinear(nn.Module):
     """Drop-in for nn.Linear with a quantized weight. Buffers: packed, scales, offsets, code_sums (and
     planes when act_bits is set); bits/group_size/scheme travel in the state dict's extra state."""
@@ -303,14 +313,13 @@ class QuantLinear(nn.Module):
         finally:
             for k, buf in quant.items():
                 if buf is not None:
-                    probe = torch.empty(0, dtype=buf.dtype, device=buf.device)
-                    out = fn(probe)
-                    if out is probe or out.dtype == buf.dtype:
-                        buf = fn(buf)
+                    cast = _cast_of(fn, buf.device)
+                    if cast is None:
+                        buf = fn(buf)  # a device move, an in-place op (share_memory_) or nothing
                     else:
-                        buf = buf.to(device=out.device)
-                        if k == "scales" and out.dtype.is_floating_point:
-                            self.weight_dtype = out.dtype
+                        buf = buf.to(device=cast.device)
+                        if k == "scales" and cast.dtype.is_floating_point:
+                            self.weight_dtype = cast.dtype
                 self._buffers[k] = buf
             for k in order:  # the original order (state_dict keys)
                 self._buffers[k] = self._buffers.pop(k)
@@ -408,8 +417,9 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, inclu
     group_size keeps per-group scales with a shorter last group."""
     _check_format("quantize_model", bits, group_size, scheme)
     _check_act_bits(act_bits, "quantize_model")
-    include = [include] if isinstance(include, str) else include
-    exclude = [exclude] if isinstance(exclude, str) else (exclude or [])
+    # lists: a generator or iterator would be used up by the first layer's match
+    include = [include] if isinstance(include, str) else (None if include is None else list(include))
+    exclude = [exclude] if isinstance(exclude, str) else list(exclude or [])
     # Every name of every Linear: a layer shared under several names is replaced under all of them, by
     # one QuantLinear, or kept under all of them when any of its names is excluded (or not included): a
     # tie is never split. Not quantized: NonDynamicallyQuantizableLinear, torch's mark for
