@@ -130,6 +130,14 @@ def test_autotune_off_uses_heuristics(tmp_cache, monkeypatch):
     at.tune("test_sleepy", torch.zeros(1000), budget_s=0.05)
     monkeypatch.setenv("PYKERNELS_AUTOTUNE", "0")
     assert at.config_for("test_sleepy", "cpu", {"dtype": "torch.float32", "n": 1024}, "cpu") == {"kind": "default"}
+    # tuning itself is off too: nothing measured or written, the heuristic comes back
+    before = at.cache_file().read_bytes()
+    with pytest.warns(UserWarning, match="PYKERNELS_AUTOTUNE=0 turns tuning off"):
+        assert at.tune("test_sleepy", torch.zeros(5000), budget_s=0.05) == {"kind": "default"}
+    assert at.cache_file().read_bytes() == before
+    out = subprocess.run([sys.executable, "-m", "pykernels.autotune", "generate", "--ops", "sort"], cwd=ROOT,
+                         capture_output=True, text=True, env=dict(os.environ, PYKERNELS_AUTOTUNE="0"))
+    assert out.returncode == 2 and "turns tuning off" in out.stderr
 
 
 def test_second_process_reuses_the_cache(tmp_cache):

@@ -465,6 +465,11 @@ def tune(op_name: str, *example_args, backend: str = "auto", budget_s: float = 0
             kind = next(t for t in _EXAMPLE_ERRORS if isinstance(exc, t))
             raise kind(f"pykernels.autotune.tune: cannot tune {op_name!r} on these arguments: {exc}") from exc
         default = dict(tunable.default(key))
+        if not _enabled():
+            # PYKERNELS_AUTOTUNE=0 turns tuning off (API.md): nothing measured or written, the heuristic
+            warnings.warn(f"pykernels.autotune.tune: PYKERNELS_AUTOTUNE=0 turns tuning off; {op_name!r} was not "
+                          f"measured, its heuristic config is returned", stacklevel=2)
+            return default
         configs = [default] + [dict(c) for c in tunable.candidates(key) if dict(c) != default]
         timed = []
         for cfg in configs:

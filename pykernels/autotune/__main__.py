@@ -45,6 +45,10 @@ def _parse_sizes(text):
 
 
 def generate(args) -> int:
+    if not at._enabled():
+        print("python -m pykernels.autotune generate: PYKERNELS_AUTOTUNE=0 turns tuning off; nothing was measured",
+              file=sys.stderr)
+        return 2
     if args.out:
         at._OUT_OVERRIDE = Path(args.out).resolve()
     groups = [g.strip() for g in args.ops.split(",") if g.strip()]
