@@ -730,10 +730,7 @@ def plan(numel, dtype=torch.float32, group=None, topology=None, op="sum") -> str
     if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES:
         raise TypeError(f"collectives.plan: dtype must be one of {', '.join(str(d) for d in _DTYPES)}, got {dtype!r}")
     op = _parse_op(op)
-    group = _default_group(group)
-    if dist.get_rank(group) < 0:
-        raise ValueError(f"collectives.plan: this process (global rank {dist.get_rank()}) is not a member of the "
-                         f"group")
+    group = _default_group(group, "collectives.plan", member=True)
     p = dist.get_world_size(group)
     topo = _topology_for(group, topology)
     wdt = _work_dtype(dtype, op)
@@ -841,7 +838,9 @@ def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool 
     algorithms (ours only when it beats native clearly in two races in a row).
     The max over ranks is kept, so every rank gets the same Params; they go into the autotune cache
     (pykernels.autotune, op "all_reduce") and are used by algorithm="auto" from then on."""
-    group = _default_group(group)
+    group = _default_group(group, "collectives.all_reduce.tune", member=True)
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"collectives.all_reduce.tune: expected 'reps' to be an int >= 1, got {reps!r}")
     p = dist.get_world_size(group)
     topo = _topology_for(group, topology)
     backend = _backend_name(group)

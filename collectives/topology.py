@@ -24,11 +24,21 @@ _DETECTED: dict = {}   # group -> Topology
 _LEVELS: dict = {}     # (group, sizes, ranks) -> [Comm per level]
 
 
-def _default_group(group):
+def _default_group(group, op: str = "collectives.all_reduce", member: bool = False):
+    """`group`, or the default group for None; a clear error naming `op` for anything that is not a
+    process group, and with member=True for a process outside it (all_reduce itself leaves such a
+    process's tensor as it is, as dist.all_reduce does)."""
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("collectives.all_reduce: torch.distributed is not initialized "
-                           "(call dist.init_process_group first)")
-    return group if group is not None else dist.group.WORLD
+        raise RuntimeError(f"{op}: torch.distributed is not initialized (call dist.init_process_group first)")
+    if group is None:
+        return dist.group.WORLD
+    # dist.new_group hands processes outside the new group a sentinel (GroupMember.NON_GROUP_MEMBER)
+    if not isinstance(group, dist.ProcessGroup) and group is not dist.GroupMember.NON_GROUP_MEMBER:
+        raise TypeError(f"{op}: expected 'group' to be a torch.distributed ProcessGroup or None, got "
+                        f"{type(group).__name__} {group!r}")
+    if member and dist.get_rank(group) < 0:
+        raise ValueError(f"{op}: this process (global rank {dist.get_rank()}) is not a member of 'group'")
+    return group
 
 
 def _group_timeout(pg):
@@ -109,7 +119,7 @@ class Topology:
         host, LOCAL_WORLD_SIZE (torchrun) splits consecutive ranks further into nodes. Hosts with
         different numbers of ranks cannot nest evenly: then the topology is flat (one level), with a
         warning and `note` saying why. Cached per group."""
-        group = _default_group(group)
+        group = _default_group(group, "collectives.Topology.detect", member=True)
         with _LOCK:
             if group in _DETECTED:
                 return _DETECTED[group]

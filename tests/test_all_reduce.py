@@ -397,6 +397,18 @@ def chk_errors_in_group():
         collectives.all_reduce(x, topology=Topology([world + 1]))
     with pytest.raises(TypeError, match="collectives.all_reduce.*topology"):
         collectives.all_reduce(x, topology="flat")
+    # anything but a process group: an error naming the function and 'group' (torch's own errors before)
+    for bad in ([0, 1], 0, "x"):
+        with pytest.raises(TypeError, match="collectives.all_reduce: expected 'group'"):
+            collectives.all_reduce(x, group=bad)
+        with pytest.raises(TypeError, match="collectives.plan: expected 'group'"):
+            collectives.plan(10, group=bad)
+    with pytest.raises(TypeError, match="collectives.Topology.detect: expected 'group'"):
+        Topology.detect(1)
+    with pytest.raises(TypeError, match="collectives.all_reduce.tune: expected 'group'"):
+        collectives.all_reduce.tune(group=1)
+    with pytest.raises(ValueError, match="collectives.all_reduce.tune: expected 'reps'"):
+        collectives.all_reduce.tune(reps=0, sizes=[4096], store=False)
     # the group still works afterwards
     collectives.all_reduce(x)
     assert torch.all(x == world)
@@ -425,6 +437,11 @@ def chk_non_member():
     if rank >= 2:
         with pytest.raises(ValueError, match="collectives.plan: this process .* is not a member"):
             collectives.plan(10, group=g)
+        # detect() answered Topology([1]) (and cached it), tune() a misleading size error
+        with pytest.raises(ValueError, match="collectives.Topology.detect: this process .* is not a member"):
+            Topology.detect(g)
+        with pytest.raises(ValueError, match="collectives.all_reduce.tune: this process .* is not a member"):
+            collectives.all_reduce.tune(group=g)
     dist.barrier()
 
 
