@@ -311,3 +311,12 @@ def test_tuning_on_the_gpu_caches_a_candidate(tmp_cache):
     assert cfg in tunable("sort_keys").candidates(key)
     assert at.config_for("sort_keys", "cuda", key, x.device) == cfg
     assert at.lookup("sort_keys", key, x.device, "cuda")["candidates"] == 24
+
+
+def test_position_payloads_widen_from_2_31():
+    # the segment pass of sort_rows/segmented_sort carried int32 positions past 2^31 - 1 (they wrapped
+    # negative: wrong elements, no error); argsort already widened
+    assert _cuda._positions(5, "cpu").dtype == torch.int32
+    assert _cuda._positions((1 << 31) - 1, "meta").dtype == torch.int32
+    assert _cuda._positions(1 << 31, "meta").dtype == torch.int64
+    assert torch.equal(_cuda._positions(4, "cpu"), torch.arange(4, dtype=torch.int32))

@@ -586,10 +586,15 @@ void pk_hash_insert(uintptr_t slots, uintptr_t special, uint64_t nw, int W, uint
   launch(kReserveChunk, false);
   long long h[4];
   c.read(h);
-  if (h[C_PENDING] > 0) {  // refused near the limit: once more, exactly (see SlotBudget)
+  // Refused near the limit: again, exactly (see SlotBudget), while that still places keys. Two copies of
+  // one new key can both be refused in a pass whose last slot a third key or the other copy took; the
+  // copy refused beside its inserted twin is found EXISTED by the next pass, so "left out" counts only
+  // keys that do not fit.
+  for (long long before = h[C_PENDING]; h[C_PENDING] > 0; before = h[C_PENDING]) {
     PK_GPU_CHECK(op, pkMemsetAsync(c.d + C_PENDING, 0, sizeof(long long), s));
     launch(1, true);
     c.read(h);
+    if (h[C_PENDING] >= before) break;
   }
   out[0] = h[C_NEW];
   out[1] = h[C_NEW_EMPTY];

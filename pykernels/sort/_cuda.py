@@ -91,14 +91,17 @@ def _onesweep(keys: torch.Tensor, vals, begin_bit: int, end_bit: int, config=Non
     return out_k, out_v
 
 
+def _positions(n: int, device) -> torch.Tensor:
+    """0..n-1 as a sort payload: int32 (half the traffic) while they fit, int64 from 2^31 (int32 ones
+    would wrap negative: wrong elements, no error)."""
+    return torch.arange(n, dtype=torch.int64 if n >= (1 << 31) else torch.int32, device=device)
+
+
 def _argsort(x: torch.Tensor, descending: bool, begin_bit: int = 0, end_bit=None, config=None,
              op: str = "argsort") -> torch.Tensor:
     enc, bits = encode(x.reshape(-1), descending)
-    if enc.numel() >= (1 << 31):
-        idx = torch.arange(enc.numel(), dtype=torch.int64, device=x.device)
-    else:
-        idx = torch.arange(enc.numel(), dtype=torch.int32, device=x.device)
-    _, perm = _onesweep(enc, idx, begin_bit, bits if end_bit is None else end_bit, config, op)
+    _, perm = _onesweep(enc, _positions(enc.numel(), x.device), begin_bit, bits if end_bit is None else end_bit,
+                        config, op)
     return perm.to(torch.int64)
 
 
@@ -123,8 +126,7 @@ def _by_segment(x: torch.Tensor, seg_id: torch.Tensor, nseg: int, descending: bo
     perm = _argsort(x, descending, config=config, op=op)
     seg_sorted = seg_id[perm].to(torch.int32).contiguous()
     bits = max(1, int(nseg - 1).bit_length())
-    _, p2 = _onesweep(seg_sorted, torch.arange(perm.numel(), dtype=torch.int32, device=x.device), 0, bits,
-                      config, op)
+    _, p2 = _onesweep(seg_sorted, _positions(perm.numel(), x.device), 0, bits, config, op)
     return perm[p2.to(torch.int64)]
 
 
