@@ -94,7 +94,9 @@ __device__ __forceinline__ uint64_t read_val(const void* vals, int64_t i, uint64
 }
 
 // ---- the overflow filter (hash_layout.h): byte w of the words after special's head ------------
-// Every lane of a group reads the same word, so the group decides alike; rank 0 marks.
+// Every lane of a group reads the same word; rank 0 marks. Lookups run apart from inserts, so their
+// lanes read one value; inserts decide by a ballot, because another group's mark may land between two
+// lanes' reads (a split group would then ballot with lanes missing).
 __device__ __forceinline__ bool ovf_has(const unsigned long long* f, uint64_t w, uint32_t tag) {
   return (vload(&f[w >> 3]) >> ((w & 7) * 8)) & tag;
 }
@@ -186,7 +188,7 @@ __device__ __forceinline__ uint8_t group_insert(const Group<G> g, Slot<K, V>* sl
       if (empty) break;  // the key cannot be beyond the first EMPTY
       if (free_slot < 0) {
         if (g.rank == 0) ovf_mark(ovf, p.w, p.tag);  // the key will live beyond this window
-      } else if (!ovf_has(ovf, p.w, p.tag)) {
+      } else if (!g.ballot(ovf_has(ovf, p.w, p.tag))) {
         break;  // nor is it beyond: take the free slot met
       }
       probe_next(p, nw);
