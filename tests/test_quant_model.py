@@ -363,3 +363,21 @@ def test_quantized_weight_to_refuses_integer_dtypes():
     with pytest.raises(TypeError, match="QuantizedWeight.to.*floating-point"):
         qw.to(torch.int8)
     assert qw.to(torch.bfloat16).dequantize().dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("scheme,bits,act_bits", [("asym", 4, None), ("sym", 3, None), ("bipolar", 2, 4)])
+def test_strided_components_give_the_same_products(scheme, bits, act_bits):
+    # a QuantizedWeight built from strided scales/offsets (a state dict of views) gave wrong products on
+    # every backend without an error: the kernels index them as dense arrays
+    torch.manual_seed(0)
+    qw = pykernels.quantize(torch.randn(12, 96), bits, 32, scheme)
+    sd = qw.state_dict()
+    for name in ("scales", "offsets", "code_sums", "planes"):
+        if isinstance(sd.get(name), torch.Tensor) and sd[name].dim() == 2:
+            sd[name] = sd[name].t().contiguous().t()
+    qw2 = pykernels.QuantizedWeight.from_state_dict(sd)
+    x = torch.randn(3, 96)
+    want = pykernels.qmatmul(x, qw, act_bits=act_bits)
+    assert torch.equal(pykernels.qmatmul(x, qw2, act_bits=act_bits), want)
+    if act_bits is None:
+        torch.testing.assert_close(want.double(), x.double() @ qw2.dequantize(torch.float64).T, atol=1e-3, rtol=1e-4)

@@ -46,8 +46,11 @@ class QuantizedWeight:
                  planes: Optional[torch.Tensor] = None, dtype: torch.dtype = torch.float32):
         self.shape = torch.Size(shape)
         self.bits, self.group_size, self.scheme = int(bits), int(group_size), str(scheme)
-        self.packed, self.scales, self.offsets, self.code_sums = packed, scales, offsets, code_sums
-        self.planes = planes
+        # every kernel indexes these as dense row-major arrays: a strided tensor (a hand-built weight, a
+        # state dict of views) gave wrong products without an error; contiguous() is free otherwise
+        self.packed, self.scales, self.offsets, self.code_sums = (
+            t.contiguous() if isinstance(t, torch.Tensor) else t for t in (packed, scales, offsets, code_sums))
+        self.planes = planes.contiguous() if isinstance(planes, torch.Tensor) else planes
         self.dtype = dtype  # the dtype the weight had (dequantize() default)
 
     # -- introspection ---------------------------------------------------------------------------
