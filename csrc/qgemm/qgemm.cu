@@ -15,6 +15,7 @@
 //    mma.m16n8k256 .b1 AND+POPC (weights = the 16-row A operand, tokens = the 8-column B operand),
 //    recombines by shifts 2^(i+j) per group and applies the affine terms of ALGORITHMS.md;
 //    bs_popc_kernel is the portable path (HIP, other archs): 32-bit __popc of AND.
+#include <algorithm>
 #include <cstdint>
 
 #include "pk_gpu.h"
@@ -284,7 +285,9 @@ __global__ void bs_mma_kernel(const uint32_t* __restrict__ ap, const uint32_t* _
   const int64_t mc0 = m0 + 2 * tig, mc1 = mc0 + 1;  // D columns
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   for (int64_t g = 0; g < G; ++g) {
-    int32_t isum[4] = {0, 0, 0, 0};
+    // int64: a group's sum reaches (2^p - 1)(2^q - 1) * gsize, past 2^31 at 8 x 8 bits from gsize 33K
+    // (group_size=-1: gsize = K); each MMA result alone is at most 256 per chunk
+    int64_t isum[4] = {0, 0, 0, 0};
     for (int64_t c = 0; c < (halves + 7) / 8; ++c) {
       const int64_t h0 = 8 * c + tig, h1 = h0 + 4;
       for (int i = 0; i < p; ++i) {
@@ -302,10 +305,10 @@ __global__ void bs_mma_kernel(const uint32_t* __restrict__ ap, const uint32_t* _
               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
               : "+r"(d0), "+r"(d1), "+r"(d2), "+r"(d3)
               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-          isum[0] += d0 << (i + j);
-          isum[1] += d1 << (i + j);
-          isum[2] += d2 << (i + j);
-          isum[3] += d3 << (i + j);
+          isum[0] += (int64_t)d0 << (i + j);
+          isum[1] += (int64_t)d1 << (i + j);
+          isum[2] += (int64_t)d2 << (i + j);
+          isum[3] += (int64_t)d3 << (i + j);
         }
       }
     }
@@ -333,6 +336,9 @@ __global__ void bs_mma_kernel(const uint32_t* __restrict__ ap, const uint32_t* _
 }  // namespace
 
 // Host entry points (no CUDA types in the signatures: the binding file includes no CUDA headers).
+// Grid dimensions y and z hold at most 65535 blocks: tokens (M) go in chunks of at most this many blocks.
+constexpr int64_t kMaxGridYZ = 65535;
+
 void pk_qgemm_wo(uintptr_t x, int xdt, int64_t M, int64_t K, uintptr_t w, int bits, uintptr_t scales,
                  uintptr_t offsets, int64_t N, int64_t group_size, uintptr_t y, uintptr_t stream) {
   const pk::GpuScope gpu_scope("qmatmul", x);
@@ -341,16 +347,22 @@ void pk_qgemm_wo(uintptr_t x, int xdt, int64_t M, int64_t K, uintptr_t w, int bi
   const int64_t gsize = group_size == -1 ? K : group_size;
   const int64_t G = (K + gsize - 1) / gsize;
   const int64_t T = (N + RT - 1) / RT;
-  dim3 grid((unsigned)((T + TILES - 1) / TILES), (unsigned)((NB + SLICE_BLOCKS - 1) / SLICE_BLOCKS),
-            (unsigned)((M + MT - 1) / MT));
+  const int64_t x_bytes = xdt == 11 ? 4 : 2;  // fp32, or bf16/fp16 (load_act)
   auto s = (pk_stream_t)stream;
-  if (bits <= 4)
-    wo_gemm_kernel<4><<<grid, THREADS, 0, s>>>((const void*)x, xdt, M, N, K, (const uint8_t*)w, (const float*)scales,
-                                               (const float*)offsets, G, gsize, NB, (float*)y);
-  else
-    wo_gemm_kernel<8><<<grid, THREADS, 0, s>>>((const void*)x, xdt, M, N, K, (const uint8_t*)w, (const float*)scales,
-                                               (const float*)offsets, G, gsize, NB, (float*)y);
-  PK_GPU_CHECK("qmatmul", pkGetLastError());
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxGridYZ * MT) {
+    const int64_t mc = std::min<int64_t>(M - m0, kMaxGridYZ * MT);
+    const void* xc = (const void*)(x + (uintptr_t)(m0 * K * x_bytes));
+    float* yc = (float*)y + m0 * N;
+    dim3 grid((unsigned)((T + TILES - 1) / TILES), (unsigned)((NB + SLICE_BLOCKS - 1) / SLICE_BLOCKS),
+              (unsigned)((mc + MT - 1) / MT));
+    if (bits <= 4)
+      wo_gemm_kernel<4><<<grid, THREADS, 0, s>>>(xc, xdt, mc, N, K, (const uint8_t*)w, (const float*)scales,
+                                                 (const float*)offsets, G, gsize, NB, yc);
+    else
+      wo_gemm_kernel<8><<<grid, THREADS, 0, s>>>(xc, xdt, mc, N, K, (const uint8_t*)w, (const float*)scales,
+                                                 (const float*)offsets, G, gsize, NB, yc);
+    PK_GPU_CHECK("qmatmul", pkGetLastError());
+  }
 }
 
 // workspace: planes [M*G*p*2gw] u32, usum [M*G] i32 (zeroed by the caller), sa [M], ma [M] f32.
@@ -367,23 +379,32 @@ void pk_qgemm_bitserial(uintptr_t x, int xdt, int64_t M, int64_t K, int act_bits
   act_quant_kernel<<<(unsigned)M, 256, 0, s>>>((const void*)x, xdt, K, act_bits, G, gsize, gw, (uint32_t*)aplanes,
                                                 (int32_t*)usum, (float*)sa, (float*)ma);
   PK_GPU_CHECK("qmatmul", pkGetLastError());
+  // Tokens in chunks (grid y holds at most 65535 blocks); the per-token workspaces move with them.
+  const int64_t plane_words = G * act_bits * 2 * gw;  // aplanes per token
 #if !PK_HIP
   if (use_mma) {
     const int warps = 4;
-    dim3 grid((unsigned)((N + 16 * warps - 1) / (16 * warps)), (unsigned)((M + 7) / 8));
-    bs_mma_kernel<<<grid, 32 * warps, 0, s>>>((const uint32_t*)aplanes, (const uint32_t*)wplanes, (const float*)scales,
-                                              (const float*)offsets, (const int32_t*)wsum, (const int32_t*)usum,
-                                              (const float*)sa, (const float*)ma, M, N, K, G, gsize, gw, act_bits,
-                                              bits, (float*)y);
-    PK_GPU_CHECK("qmatmul", pkGetLastError());
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxGridYZ * 8) {
+      const int64_t mc = std::min<int64_t>(M - m0, kMaxGridYZ * 8);
+      dim3 grid((unsigned)((N + 16 * warps - 1) / (16 * warps)), (unsigned)((mc + 7) / 8));
+      bs_mma_kernel<<<grid, 32 * warps, 0, s>>>((const uint32_t*)aplanes + m0 * plane_words, (const uint32_t*)wplanes,
+                                                (const float*)scales, (const float*)offsets, (const int32_t*)wsum,
+                                                (const int32_t*)usum + m0 * G, (const float*)sa + m0,
+                                                (const float*)ma + m0, mc, N, K, G, gsize, gw, act_bits, bits,
+                                                (float*)y + m0 * N);
+      PK_GPU_CHECK("qmatmul", pkGetLastError());
+    }
     return;
   }
 #endif
   (void)use_mma;
-  dim3 grid((unsigned)((N + 127) / 128), (unsigned)M);
-  bs_popc_kernel<<<grid, 128, 0, s>>>((const uint32_t*)aplanes, (const uint32_t*)wplanes, (const float*)scales,
-                                      (const float*)offsets, (const int32_t*)wsum, (const int32_t*)usum,
-                                      (const float*)sa, (const float*)ma, M, N, K, G, gsize, gw, act_bits, bits,
-                                      (float*)y);
-  PK_GPU_CHECK("qmatmul", pkGetLastError());
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxGridYZ) {
+    const int64_t mc = std::min<int64_t>(M - m0, kMaxGridYZ);
+    dim3 grid((unsigned)((N + 127) / 128), (unsigned)mc);
+    bs_popc_kernel<<<grid, 128, 0, s>>>((const uint32_t*)aplanes + m0 * plane_words, (const uint32_t*)wplanes,
+                                        (const float*)scales, (const float*)offsets, (const int32_t*)wsum,
+                                        (const int32_t*)usum + m0 * G, (const float*)sa + m0, (const float*)ma + m0,
+                                        mc, N, K, G, gsize, gw, act_bits, bits, (float*)y + m0 * N);
+    PK_GPU_CHECK("qmatmul", pkGetLastError());
+  }
 }
