@@ -258,6 +258,8 @@ def cuda_qmatmul(x2, packed, scales, offsets, planes, wsum, bias, N, K, bits, gr
                       offsets.data_ptr(), wsum.data_ptr(), N, group_size, aplanes.data_ptr(), usum.data_ptr(),
                       sa.data_ptr(), ma.data_ptr(), y.data_ptr(), use_mma, stream)
     else:
+        if packed.data_ptr() % 16:  # the kernel streams it with 16-byte cp.async: a view at an odd offset
+            packed = packed.clone()
         mod.wo_gemm(x2.data_ptr(), dtype_code(x2.dtype), M, K, packed.data_ptr(), bits, scales.data_ptr(),
                     offsets.data_ptr(), N, group_size, y.data_ptr(), stream)
     if bias is not None:
