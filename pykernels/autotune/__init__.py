@@ -131,7 +131,6 @@ def _safe(raw: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)  # every op's dispatch asks: compute once per device
-@functools.lru_cache(maxsize=None)  # model and core count are read once: a constant per process
 def _cpu_device_id() -> str:
     return _safe(f"cpu-{_cpu_model()}-{_cores()}c")
 

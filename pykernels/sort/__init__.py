@@ -14,8 +14,8 @@ past L2 size would hold more than 1/8 of the keys, all one value), each then sor
 LSD passes, or for 64-bit keys spanning 2^32 or more a second split and insertion sorts of the small
 parts), "cuda" (csrc/sort/sort.cu: Onesweep proper),
 "triton" (pykernels/sort/_triton.py: the same pipeline in Triton). With backend="auto", CPU sorts of up
-to TORCH_BELOW (1024) elements are torch.sort's own (a call's fixed cost decides there). Every op is a torch.library custom
-op (torch.ops.pykernels.<name>) with a fake implementation, so torch.compile(fullgraph=True) works.
+to TORCH_BELOW (1024) elements are torch.sort's own (a call's fixed cost decides there). Every op is a
+torch.library custom op (torch.ops.pykernels.<name>) with a fake implementation, so torch.compile(fullgraph=True) works.
 
 Key dtypes: bool, uint8, int8, int16, uint16, int32, uint32, int64, uint64, float16, bfloat16, float32,
 float64. Floats sort as torch does: NaN after +inf, -0.0 equal to +0.0 (so stable indices match
