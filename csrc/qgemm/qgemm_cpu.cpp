@@ -1435,7 +1435,7 @@ void bitserial_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, int act_bits
   py::gil_scoped_release release;
   const void* xp = reinterpret_cast<const void*>(x);
   for (int64_t m = 0; m < M; ++m) quantize_act_planes(xp, xdt, m, s, A, act_codes != 0);
-  if (act_codes) std::memcpy(reinterpret_cast<void*>(act_codes), A.codes.data(), M * K);
+  if (act_codes && M * K > 0) std::memcpy(reinterpret_cast<void*>(act_codes), A.codes.data(), M * K);
   const uint64_t* W = reinterpret_cast<const uint64_t*>(wplanes);
   const float* sc = reinterpret_cast<const float*>(scales);
   const float* of = reinterpret_cast<const float*>(offsets);

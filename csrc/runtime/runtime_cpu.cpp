@@ -69,6 +69,7 @@ uint64_t read_sum(uintptr_t src, int64_t nbytes, int num_threads) {
 }
 
 void copy_bytes(uintptr_t dst, uintptr_t src, int64_t nbytes, int num_threads) {
+  if (nbytes <= 0) return;  // empty tensors have null data: memcpy(nullptr, nullptr, 0) is undefined
   py::gil_scoped_release release;
   char* d = reinterpret_cast<char*>(dst);
   const char* s = reinterpret_cast<const char*>(src);
