@@ -184,6 +184,10 @@ class Params:
         self.gamma = float(gamma)
         self.table = [(int(b), dict(c)) for b, c in (table or [])]
         self.source = source
+        # auto's choices by (algorithm, p, sizes, nbytes, native outer): evaluating the model and the
+        # tuned table cost ~80 us a call (Python), paid on every rank of every call; a new Params (tune(),
+        # a reload) starts empty
+        self.choices: dict = {}
 
     def to_json(self) -> str:
         return json.dumps({"levels": self.levels, "flat": self.flat, "native": self.native,
@@ -394,7 +398,29 @@ def _load_params(group, topo: Topology) -> Params:
     return params
 
 
+_TOPOLOGIES: dict = {}  # (group, topology as given) -> its effective Topology, checked against the group
+
+
 def _topology_for(group, topology) -> Topology:
+    """The effective topology of this call (memoized: built and checked ~10-30 us a call otherwise)."""
+    given = tuple(topology) if isinstance(topology, list) else topology
+    try:
+        key = (group, given)
+        hit = _TOPOLOGIES.get(key)
+    except TypeError:  # an unhashable argument: the checks below name it
+        key, hit = None, None
+    if hit is not None:
+        return hit
+    topo = _topology_for_uncached(group, topology)
+    if key is not None:
+        with _STATE_LOCK:
+            if len(_TOPOLOGIES) > 1024:
+                _TOPOLOGIES.clear()
+            _TOPOLOGIES[key] = topo
+    return topo
+
+
+def _topology_for_uncached(group, topology) -> Topology:
     if topology is None:
         return Topology.detect(group).effective()
     if not isinstance(topology, Topology):
@@ -475,6 +501,16 @@ def _resolve(algorithm: str, group, topo: Topology, nbytes: int) -> dict:
     params = _load_params(group, topo)
     p = dist.get_world_size(group)
     native_outer = p == dist.get_world_size() or topo.num_levels == 1
+    key = (algorithm, p, topo.sizes, nbytes, native_outer)
+    choice = params.choices.get(key)
+    if choice is None:
+        if len(params.choices) > 4096:  # many distinct sizes: start over rather than grow without bound
+            params.choices.clear()
+        choice = params.choices[key] = _resolve_with(params, algorithm, p, topo, nbytes, native_outer)
+    return choice
+
+
+def _resolve_with(params: Params, algorithm: str, p: int, topo: Topology, nbytes: int, native_outer: bool) -> dict:
     if algorithm == "hierarchical":
         if topo.num_levels == 1:
             # one level: hierarchical is the outermost all-reduce alone; pick it by the model
