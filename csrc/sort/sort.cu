@@ -403,6 +403,11 @@ void run_sort(const char* op, const SortConfig& cfg, const void* kin, void* kout
     return;
   }
   PK_GPU_CHECK(op, pkMemcpyAsync(goff, g.data(), g.size() * 4, pkMemcpyHostToDevice, stream));
+#if PK_HIP
+  // `g` is pageable and dies with this call: CUDA stages such a copy before returning, and HIP is not
+  // documented to on every ROCm, so wait for it there (a few KB, once per sort)
+  PK_GPU_CHECK(op, pkStreamSynchronize(stream));
+#endif
   const bool wide = n >= (int64_t(1) << 28);
   const int64_t tiles = (n + tile - 1) / tile;
   const void* sk = kin;
