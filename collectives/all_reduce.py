@@ -625,8 +625,10 @@ def _run_p2p(name: str, choice: dict, x: torch.Tensor, n: int, op: str, group, t
 # Async: one worker thread per group keeps every rank's collectives in call order
 # ================================================================================================
 class AllReduceWork:
-    """Handle of an async all_reduce: .wait() (raises what the collective raised), .is_completed(),
-    .get_future() (a torch.futures.Future holding the tensor)."""
+    """Handle of an async all_reduce, as dist.all_reduce's: .wait() (raises what the collective
+    raised), .is_completed(), .get_future() (a torch.futures.Future of [tensor], the list torch's own
+    Work futures hold, so `fut.value()[0]` code written for dist works unchanged), .result() (the
+    tensor)."""
 
     def __init__(self, fut: torch.futures.Future, tensor: torch.Tensor):
         self._fut = fut
@@ -640,7 +642,7 @@ class AllReduceWork:
         return self._fut.done()
 
     def get_future(self) -> torch.futures.Future:
-        return self._fut
+        return self._fut.then(lambda f: [f.value()])
 
     def result(self) -> torch.Tensor:
         return self._fut.wait()
@@ -1027,7 +1029,7 @@ def ddp_comm_hook(state, bucket) -> torch.futures.Future:
     elif state is not None:
         group = state
     work = _all_reduce(bucket.buffer(), "avg", group, topology, algorithm, async_op=True, agreed=True)
-    return work.get_future()
+    return work._fut  # DDP wants a Future of the bucket's tensor itself (not get_future()'s [tensor])
 
 
 # ================================================================================================

@@ -356,8 +356,12 @@ def chk_async(algo):
     for i, t in enumerate(tensors):
         assert torch.all(t == base + world * i), (i, t[:3])
     assert torch.all(s == base)
+    # as dist's Work: the future holds [tensor] (it held the tensor, so dist code's fut.value()[0] read row 0)
     fut = collectives.all_reduce(torch.ones(4), async_op=True, algorithm=algo).get_future()
-    assert torch.equal(fut.wait(), torch.full((4,), float(world)))
+    got = fut.wait()
+    assert isinstance(got, list) and len(got) == 1 and torch.equal(got[0], torch.full((4,), float(world)))
+    ref = dist.all_reduce(torch.ones(4), async_op=True).get_future().wait()
+    assert type(ref) is type(got) and len(ref) == len(got)
 
 
 def chk_async_then_callers_own_collectives(algo):
