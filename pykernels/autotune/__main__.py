@@ -111,11 +111,14 @@ def show(args) -> int:
         if ekey.count("|") < 2:
             continue
         op, backend, key = ekey.split("|", 2)
-        speedup = e.get("default_time_s", 0) / e["time_s"] if e.get("time_s") else float("nan")
-        rows.append((op, backend, key, json.dumps(e["config"], sort_keys=True), e.get("time_s", 0) * 1e3, speedup))
+        # entries without a time (the all-reduce's model parameters, measured by its own tune()): "-"
+        t, td = e.get("time_s") or 0, e.get("default_time_s") or 0
+        ms = f"{t * 1e3:9.3f}" if t else f"{'-':>9}"
+        sp = f"{td / t:9.2f}x" if t and td else f"{'-':>10}"
+        rows.append((op, backend, key, json.dumps(e["config"], sort_keys=True), ms, sp))
     print(f"{'op':<18} {'backend':<7} {'time ms':>9} {'vs default':>10}  key -> config")
     for op, backend, key, cfg, ms, sp in rows:
-        print(f"{op:<18} {backend:<7} {ms:9.3f} {sp:9.2f}x  {key} -> {cfg}")
+        print(f"{op:<18} {backend:<7} {ms} {sp}  {key} -> {cfg}")
     return 0
 
 
