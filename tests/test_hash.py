@@ -638,6 +638,20 @@ def test_bloom_no_false_negatives_and_fpr_within_1_5x_of_theory(num_hashes, bits
     assert theory / 1.5 <= fpr <= 1.5 * theory, (fpr, theory)
 
 
+def test_bloom_every_k_has_no_false_negatives_and_matches_its_pattern():
+    # contains() tests each key's k bits in place (unrolled for k = 3..8, a loop otherwise): every k must
+    # find what add() set, and a key's bits alone must be enough (a filter holding one key)
+    keys = torch.randint(-(1 << 62), 1 << 62, (3000,), generator=torch.Generator().manual_seed(4))
+    for k in range(1, 17):
+        f = BloomFilter(1 << 15, k)
+        f.add(keys)
+        assert bool(f.contains(keys).all()), k
+        one = BloomFilter(1 << 12, k)
+        one.add(keys[:1])
+        hits = one.contains(keys)
+        assert bool(hits[0]) and int(hits.sum()) < 20, (k, int(hits.sum()))
+
+
 def test_lazy_neg_view_keys_are_the_values_they_stand_for():
     # a neg view's memory holds the un-negated keys: read raw, the filter gave false negatives and the
     # tables raised torch's own view error

@@ -745,9 +745,13 @@ void bloom_add(uintptr_t words_p, uint64_t nblocks, int k, uint64_t seed, uintpt
 // Whether every one of the key's k bits is set in its block: the positions of bloom_pattern
 // (hash_layout.h), tested one by one in the block's line instead of building the 8-word mask first
 // (zeroing it, k read-modify-writes of a stack array, 8 compares: ~2.4x the time per lookup here).
-inline bool bloom_test(const uint64_t* blk, uint64_t key_bits, uint64_t seed, int k) {
+// KC > 0: k known at compile time (the loop unrolls; the common k <= 8), KC == 0: k at run time.
+template <int KC>
+inline bool bloom_test(const uint64_t* blk, uint64_t key_bits, uint64_t seed, int k_run) {
+  const int k = KC > 0 ? KC : k_run;
   uint64_t h = fmix64(key_bits ^ seed ^ 0x9e3779b97f4a7c15ULL);
   uint64_t all = 1;
+#pragma GCC unroll 8
   for (int i = 0, used = 0; i < k; ++i, ++used) {
     if (used == 7) {
       h = fmix64(h + 0x9e3779b97f4a7c15ULL);
@@ -766,20 +770,32 @@ void bloom_contains(uintptr_t words_p, uint64_t nblocks, int k, uint64_t seed, u
   uint8_t* out = reinterpret_cast<uint8_t*>(out_p);
   py::gil_scoped_release release;
   dyn_ranges(n, threads_for(n, nthreads), [&](int, int64_t b, int64_t e) {
-    // each key's block is hashed once, D keys ahead, and kept in a ring until its lookup
-    constexpr int D = 16, R = 32;
-    uint64_t ring[R];
-    const int64_t head = std::min<int64_t>(e, b + D);
-    for (int64_t j = b; j < head; ++j) {
-      ring[j & (R - 1)] = bloom_block(keys[j], seed, nblocks);
-      PK_PREFETCH_R(words + ring[j & (R - 1)] * BLOOM_BLOCK_WORDS);
-    }
-    for (int64_t i = b; i < e; ++i) {
-      if (i + D < e) {
-        ring[(i + D) & (R - 1)] = bloom_block(keys[i + D], seed, nblocks);
-        PK_PREFETCH_R(words + ring[(i + D) & (R - 1)] * BLOOM_BLOCK_WORDS);
+    auto run = [&](auto kc) {
+      constexpr int KC = decltype(kc)::value;
+      // each key's block is hashed once, D keys ahead, and kept in a ring until its lookup
+      constexpr int D = 16, R = 32;
+      uint64_t ring[R];
+      const int64_t head = std::min<int64_t>(e, b + D);
+      for (int64_t j = b; j < head; ++j) {
+        ring[j & (R - 1)] = bloom_block(keys[j], seed, nblocks);
+        PK_PREFETCH_R(words + ring[j & (R - 1)] * BLOOM_BLOCK_WORDS);
       }
-      out[i] = bloom_test(words + ring[i & (R - 1)] * BLOOM_BLOCK_WORDS, keys[i], seed, k);
+      for (int64_t i = b; i < e; ++i) {
+        if (i + D < e) {
+          ring[(i + D) & (R - 1)] = bloom_block(keys[i + D], seed, nblocks);
+          PK_PREFETCH_R(words + ring[(i + D) & (R - 1)] * BLOOM_BLOCK_WORDS);
+        }
+        out[i] = bloom_test<KC>(words + ring[i & (R - 1)] * BLOOM_BLOCK_WORDS, keys[i], seed, k);
+      }
+    };
+    switch (k) {
+      case 3: run(std::integral_constant<int, 3>()); break;
+      case 4: run(std::integral_constant<int, 4>()); break;
+      case 5: run(std::integral_constant<int, 5>()); break;
+      case 6: run(std::integral_constant<int, 6>()); break;
+      case 7: run(std::integral_constant<int, 7>()); break;
+      case 8: run(std::integral_constant<int, 8>()); break;
+      default: run(std::integral_constant<int, 0>());
     }
   });
 }
