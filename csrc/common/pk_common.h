@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 namespace pk {
 
@@ -96,5 +98,17 @@ inline bool cpu_has_avx512() { return false; }
 #define PK_LIKELY(x) (x)
 #define PK_UNLIKELY(x) (x)
 #endif
+
+// f(std::integral_constant<int, v>()) when Lo <= v <= Hi, so a loop over v iterations unrolls; else
+// f(std::integral_constant<int, 0>()), which f takes to mean "v at run time".
+template <int Lo, int Hi, class F>
+inline void with_small_int(int v, F&& f) {
+  if constexpr (Lo > Hi) {
+    f(std::integral_constant<int, 0>());
+  } else {
+    if (v == Lo) f(std::integral_constant<int, Lo>());
+    else with_small_int<Lo + 1, Hi>(v, std::forward<F>(f));
+  }
+}
 
 }  // namespace pk

@@ -770,7 +770,7 @@ void bloom_contains(uintptr_t words_p, uint64_t nblocks, int k, uint64_t seed, u
   uint8_t* out = reinterpret_cast<uint8_t*>(out_p);
   py::gil_scoped_release release;
   dyn_ranges(n, threads_for(n, nthreads), [&](int, int64_t b, int64_t e) {
-    auto run = [&](auto kc) {
+    pk::with_small_int<3, 8>(k, [&](auto kc) {
       constexpr int KC = decltype(kc)::value;
       // each key's block is hashed once, D keys ahead, and kept in a ring until its lookup
       constexpr int D = 16, R = 32;
@@ -787,16 +787,7 @@ void bloom_contains(uintptr_t words_p, uint64_t nblocks, int k, uint64_t seed, u
         }
         out[i] = bloom_test<KC>(words + ring[i & (R - 1)] * BLOOM_BLOCK_WORDS, keys[i], seed, k);
       }
-    };
-    switch (k) {
-      case 3: run(std::integral_constant<int, 3>()); break;
-      case 4: run(std::integral_constant<int, 4>()); break;
-      case 5: run(std::integral_constant<int, 5>()); break;
-      case 6: run(std::integral_constant<int, 6>()); break;
-      case 7: run(std::integral_constant<int, 7>()); break;
-      case 8: run(std::integral_constant<int, 8>()); break;
-      default: run(std::integral_constant<int, 0>());
-    }
+    });
   });
 }
 

@@ -433,33 +433,17 @@ struct Engine {
       for (int j = 0; j < np; ++j) { sh[j] = passes[j].shift; mk[j] = (1u << passes[j].bits) - 1; }
       // One loop per pass count (unrolled over the passes): a loop over a runtime pass count was 2-3x
       // slower for 8-bit digits of 32-bit keys (4 counters per key).
-      auto loop = [&](auto np_tag) {
-        constexpr int NP = decltype(np_tag)::value;
+      pk::with_small_int<1, 8>(np, [&](auto np_tag) {
+        constexpr int NP = decltype(np_tag)::value;  // 0: the pass count at run time
+        const int passes_n = NP > 0 ? NP : np;
         for (int64_t i = b; i < e; ++i) {
           U x = in[i];
           if constexpr (E == Enc::Float) ls |= cd.lossy(x);
           U k = cd.enc(x);
 #pragma GCC unroll 8
-          for (int j = 0; j < NP; ++j) ++h[j * R + ((uint32_t)(k >> sh[j]) & mk[j])];
+          for (int j = 0; j < passes_n; ++j) ++h[j * R + ((uint32_t)(k >> sh[j]) & mk[j])];
         }
-      };
-      switch (np) {
-        case 1: loop(std::integral_constant<int, 1>()); break;
-        case 2: loop(std::integral_constant<int, 2>()); break;
-        case 3: loop(std::integral_constant<int, 3>()); break;
-        case 4: loop(std::integral_constant<int, 4>()); break;
-        case 5: loop(std::integral_constant<int, 5>()); break;
-        case 6: loop(std::integral_constant<int, 6>()); break;
-        case 7: loop(std::integral_constant<int, 7>()); break;
-        case 8: loop(std::integral_constant<int, 8>()); break;
-        default:
-          for (int64_t i = b; i < e; ++i) {
-            U x = in[i];
-            if constexpr (E == Enc::Float) ls |= cd.lossy(x);
-            U k = cd.enc(x);
-            for (int j = 0; j < np; ++j) ++h[j * R + ((uint32_t)(k >> sh[j]) & mk[j])];
-          }
-      }
+      });
       lossy_t[t] = ls;
     });
     for (int t = 0; t < T; ++t) lossy |= lossy_t[t] != 0;
