@@ -452,19 +452,7 @@ __global__ void rehash_kernel(const Slot<K, V>* src, uint64_t src_nw, Slot<K, V>
 }
 
 // ---- Bloom filter: one thread per key, one 64-byte block per key ------------------------------
-// Bit positions as in bloom_pattern (hash_layout.h), generated inline so nothing lives in local memory.
-template <class F>
-__device__ __forceinline__ void bloom_positions(uint64_t key_bits, uint64_t seed, int k, F&& f) {
-  uint64_t h = fmix64(key_bits ^ seed ^ 0x9e3779b97f4a7c15ULL);
-  for (int i = 0, used = 0; i < k; ++i, ++used) {
-    if (used == 7) {
-      h = fmix64(h + 0x9e3779b97f4a7c15ULL);
-      used = 0;
-    }
-    f((unsigned)(h >> (9 * used)) & 511u);
-  }
-}
-
+// Bit positions from bloom_positions (hash_layout.h), generated inline so nothing lives in local memory.
 __global__ void bloom_add_kernel(unsigned long long* words, uint64_t nblocks, int k, uint64_t seed,
                                  const uint64_t* keys, int64_t n) {
   for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {

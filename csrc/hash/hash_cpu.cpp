@@ -742,24 +742,13 @@ void bloom_add(uintptr_t words_p, uint64_t nblocks, int k, uint64_t seed, uintpt
   });
 }
 
-// Whether every one of the key's k bits is set in its block: the positions of bloom_pattern
-// (hash_layout.h), tested one by one in the block's line instead of building the 8-word mask first
-// (zeroing it, k read-modify-writes of a stack array, 8 compares: ~2.4x the time per lookup here).
-// KC > 0: k known at compile time (the loop unrolls; the common k <= 8), KC == 0: k at run time.
+// Whether every one of the key's k bits is set in its block, tested one by one in the block's line
+// (building the 8-word mask first -- zeroing it, k read-modify-writes of a stack array, 8 compares --
+// took 1.5x the time per lookup here). KC > 0: k known at compile time.
 template <int KC>
 inline bool bloom_test(const uint64_t* blk, uint64_t key_bits, uint64_t seed, int k_run) {
-  const int k = KC > 0 ? KC : k_run;
-  uint64_t h = fmix64(key_bits ^ seed ^ 0x9e3779b97f4a7c15ULL);
   uint64_t all = 1;
-#pragma GCC unroll 8
-  for (int i = 0, used = 0; i < k; ++i, ++used) {
-    if (used == 7) {
-      h = fmix64(h + 0x9e3779b97f4a7c15ULL);
-      used = 0;
-    }
-    const unsigned pos = (unsigned)(h >> (9 * used)) & 511u;
-    all &= load_relaxed(&blk[pos >> 6]) >> (pos & 63);
-  }
+  bloom_positions<KC>(key_bits, seed, k_run, [&](unsigned pos) { all &= load_relaxed(&blk[pos >> 6]) >> (pos & 63); });
   return all & 1;
 }
 

@@ -34,8 +34,10 @@
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define PKH_HD __host__ __device__ __forceinline__
+#define PKH_UNROLL8 _Pragma("unroll 8")
 #else
 #define PKH_HD inline
+#define PKH_UNROLL8 _Pragma("GCC unroll 8")
 #endif
 
 namespace pkhash {
@@ -106,18 +108,26 @@ PKH_HD uint64_t bloom_block(uint64_t key_bits, uint64_t seed, uint64_t nblocks) 
   return ((h >> 32) * nblocks) >> 32;
 }
 
-// Fills `mask[8]` with the key's bit pattern inside its block.
-PKH_HD void bloom_pattern(uint64_t key_bits, uint64_t seed, int k, uint64_t mask[BLOOM_BLOCK_WORDS]) {
-  for (int i = 0; i < BLOOM_BLOCK_WORDS; ++i) mask[i] = 0;
+// The key's k bit positions inside its block (0..511), in order: f(pos) for each. KC > 0: k known at
+// compile time (the loop unrolls), else k_run. The one definition add and contains use on every device.
+template <int KC = 0, class F>
+PKH_HD void bloom_positions(uint64_t key_bits, uint64_t seed, int k_run, F&& f) {
+  const int k = KC > 0 ? KC : k_run;
   uint64_t h = fmix64(key_bits ^ seed ^ 0x9e3779b97f4a7c15ULL);
+  PKH_UNROLL8
   for (int i = 0, used = 0; i < k; ++i, ++used) {
     if (used == 7) {
       h = fmix64(h + 0x9e3779b97f4a7c15ULL);
       used = 0;
     }
-    const unsigned pos = (unsigned)(h >> (9 * used)) & 511u;
-    mask[pos >> 6] |= 1ULL << (pos & 63);
+    f((unsigned)(h >> (9 * used)) & 511u);
   }
+}
+
+// Fills `mask[8]` with the key's bit pattern inside its block.
+PKH_HD void bloom_pattern(uint64_t key_bits, uint64_t seed, int k, uint64_t mask[BLOOM_BLOCK_WORDS]) {
+  for (int i = 0; i < BLOOM_BLOCK_WORDS; ++i) mask[i] = 0;
+  bloom_positions(key_bits, seed, k, [&](unsigned pos) { mask[pos >> 6] |= 1ULL << (pos & 63); });
 }
 
 // One slot of the table, the same struct for the CPU and GPU kernels: key, then value (none for sets).
