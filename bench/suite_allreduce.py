@@ -11,6 +11,9 @@ median over repeats (>= 30 up to 1 MiB, >= 9 up to 4 MiB, >= 5 above, more while
 lasts); ours and the baseline alternate call by call in the same processes, the order rotating every
 repeat. `speedup` is the ratio of the medians, `paired_speedup` the median of the per-repeat ratios,
 `cpu_ratio` the ratio of the median CPU seconds per call summed over ranks (all threads).
+The goal's row (auto) comes from a second race of auto and gloo alone (twice the repeats and time),
+with `paired_ci95`, the 95% confidence interval of its paired ratio (the first race's figures stay in
+`race_speedup` / `race_paired_speedup`).
 
 Standalone worker (used by the netns script): python -m bench.suite_allreduce worker --rank R --world W
   --init file:///path [--sizes 4194304,...] [--algos auto,hierarchical] [--topology 2,2] [--out FILE]
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -31,6 +35,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ALGOS = ["auto", "recursive_doubling", "halving_doubling", "ring", "hierarchical"]
+# the baseline's key among the timed calls (not "native": algorithm="native" is ours, with its agreement check)
+GLOO = "dist.all_reduce"
 
 
 def _sizes(quick):
@@ -66,59 +72,103 @@ def measure(sizes, algos, topology, reps, tune_first=True, budget_s=3.0):
         def ours(algo):
             return lambda: collectives.all_reduce(x, algorithm=algo, topology=topology)
 
-        fns = {"native": native, **{a: ours(a) for a in algos}}
-        names = list(fns)
-        times = {k: [] for k in fns}
-        cpu = {k: [] for k in fns}
+        fns = {GLOO: native, **{a: ours(a) for a in algos}}
         for _ in range(2):  # warm-up (sub-group creation, scratch pages, gloo's pair buffers)
             for k, fn in fns.items():
                 fn()
         # small calls are cheap and noisy: more repeats; big ones at least 5 (the median needs them)
         min_reps = max(reps, 30 if nbytes <= (1 << 20) else 9 if nbytes <= (4 << 20) else 5)
         max_reps = max(min_reps, 60 if nbytes <= (1 << 20) else 25)
-        start = time.perf_counter()
-        r = 0
-        while True:
-            # the order rotates every repeat, so no candidate always runs right after the same one
-            for k in names[r % len(names):] + names[:r % len(names)]:
-                dist.barrier()
-                c0, t0 = time.process_time(), time.perf_counter()
-                fns[k]()
-                times[k].append(time.perf_counter() - t0)
-                cpu[k].append(time.process_time() - c0)  # every thread of this rank (gloo's included)
-            r += 1
-            spent = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(spent, op=dist.ReduceOp.MAX)  # every rank stops after the same repeat
-            if r >= min_reps and (spent.item() > budget_s or r >= max_reps):
-                break
-        t = torch.tensor([times[k][:r] for k in names], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time of each call
-        med = {k: statistics.median(t[i].tolist()) for i, k in enumerate(names)}
-        # CPU seconds of all ranks together per call: with 4 ranks on 2 cores (and neighbours) the cost
-        # that does not depend on how busy the machine is
-        c = torch.tensor([cpu[k][:r] for k in names], dtype=torch.float64)
-        dist.all_reduce(c)
-        cmed = {k: statistics.median(c[i].tolist()) for i, k in enumerate(names)}
-        # the median over repeats of gloo's time / ours in the same repeat: load that drifts during the
-        # run (this machine is shared) cancels out of each pair
-        paired = {k: statistics.median((t[0] / t[i]).tolist()) for i, k in enumerate(names)}
+        r, med, cmed, paired, t = _race(fns, min_reps, max_reps, budget_s)
+        # The goal's row (auto vs gloo) again, head to head: two candidates alternating get more
+        # repeats in the same time than six, and the confidence interval says whether a ratio below
+        # 1 is a loss or the noise of 4 ranks sharing 2 cores.
+        h2h = None
+        if "auto" in algos:
+            hr, hmed, hcmed, hpaired, ht = _race({GLOO: native, "auto": fns["auto"]}, 2 * min_reps,
+                                                 4 * max_reps, 2 * budget_s)
+            h2h = {"repeats": hr, "med": hmed, "cmed": hcmed, "paired": hpaired["auto"],
+                   "ci": _median_ci((ht[0] / ht[1]).tolist())}
         if rank == 0:
             for algo in algos:
-                algbw = nbytes / med[algo]
+                m, cm, pr, nrep, extra = med, cmed, paired[algo], r, {}
+                if algo == "auto" and h2h is not None:
+                    m, cm, pr, nrep = h2h["med"], h2h["cmed"], h2h["paired"], h2h["repeats"]
+                    extra = {"paired_ci95": h2h["ci"], "race_speedup": med[GLOO] / med[algo],
+                             "race_paired_speedup": paired[algo]}
+                algbw = nbytes / m[algo]
                 busbw = algbw * 2 * (p - 1) / p
-                base_bus = nbytes / med["native"] * 2 * (p - 1) / p
+                base_bus = nbytes / m[GLOO] * 2 * (p - 1) / p
+                lo, hi = extra.get("paired_ci95", (None, None))
+                ci_note = (f"head to head with gloo: {nrep} repeats, paired ratio {pr:.2f}x (95% CI {lo:.2f}-{hi:.2f}); "
+                           if lo is not None else "")
                 rows.append({
                     "group": "allreduce", "op": f"all_reduce[{algo}]", "label": f"{p} ranks {_fmt(nbytes)}",
-                    "size": nbytes, "baseline": "dist.all_reduce (gloo)", "ours_s": med[algo],
-                    "baseline_s": med["native"], "speedup": med["native"] / med[algo],
-                    "ours_rate": algbw, "baseline_rate": nbytes / med["native"], "unit": "B",
-                    "paired_speedup": paired[algo], "ours_cpu_s": cmed[algo], "baseline_cpu_s": cmed["native"],
-                    "cpu_ratio": cmed["native"] / cmed[algo] if cmed[algo] > 0 else float("nan"),
-                    "goal": 1.0 if algo == "auto" else None, "repeats": r, "device": "cpu", "threads": 1,
+                    "size": nbytes, "baseline": "dist.all_reduce (gloo)", "ours_s": m[algo],
+                    "baseline_s": m[GLOO], "speedup": m[GLOO] / m[algo],
+                    "ours_rate": algbw, "baseline_rate": nbytes / m[GLOO], "unit": "B",
+                    "paired_speedup": pr, "ours_cpu_s": cm[algo], "baseline_cpu_s": cm[GLOO],
+                    "cpu_ratio": cm[GLOO] / cm[algo] if cm[algo] > 0 else float("nan"),
+                    "goal": 1.0 if algo == "auto" else None, "repeats": nrep, "device": "cpu", "threads": 1,
                     "algbw_GBps": algbw / 1e9, "busbw_GBps": busbw / 1e9, "baseline_busbw_GBps": base_bus / 1e9,
-                    "topology": str(topology), "notes": (f"auto runs {runs}; " if algo == "auto" else "") + notes,
+                    "topology": str(topology),
+                    "notes": (f"auto runs {runs}; " if algo == "auto" else "") + ci_note + notes, **extra,
                 })
     return rows
+
+
+def _race(fns, min_reps, max_reps, budget_s):
+    """Times every fn of `fns` (the baseline first), alternating call by call, the order rotating every
+    repeat: barrier, every rank times the call, the slowest rank's time counts. Repeats until min_reps
+    and then until the time budget or max_reps. Returns (repeats, median seconds per fn, median CPU
+    seconds per call summed over ranks per fn, median per-repeat ratio baseline/fn per fn, the
+    [fn][repeat] tensor of times)."""
+    import torch
+    import torch.distributed as dist
+
+    names = list(fns)
+    times = {k: [] for k in fns}
+    cpu = {k: [] for k in fns}
+    start = time.perf_counter()
+    r = 0
+    while True:
+        # the order rotates every repeat, so no candidate always runs right after the same one
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            dist.barrier()
+            c0, t0 = time.process_time(), time.perf_counter()
+            fns[k]()
+            times[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.process_time() - c0)  # every thread of this rank (gloo's included)
+        r += 1
+        spent = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(spent, op=dist.ReduceOp.MAX)  # every rank stops after the same repeat
+        if r >= min_reps and (spent.item() > budget_s or r >= max_reps):
+            break
+    t = torch.tensor([times[k][:r] for k in names], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time of each call
+    med = {k: statistics.median(t[i].tolist()) for i, k in enumerate(names)}
+    # CPU seconds of all ranks together per call: with 4 ranks on 2 cores (and neighbours) the cost
+    # that does not depend on how busy the machine is
+    c = torch.tensor([cpu[k][:r] for k in names], dtype=torch.float64)
+    dist.all_reduce(c)
+    cmed = {k: statistics.median(c[i].tolist()) for i, k in enumerate(names)}
+    # the median over repeats of the baseline's time / ours in the same repeat: load that drifts during
+    # the run (this machine is shared) cancels out of each pair
+    paired = {k: statistics.median((t[0] / t[i]).tolist()) for i, k in enumerate(names)}
+    return r, med, cmed, paired, t
+
+
+def _median_ci(xs, z=1.96):
+    """Distribution-free 95% confidence interval of the median of xs: the order statistics at
+    n/2 -+ z*sqrt(n)/2 (the binomial count of samples below the median, normal approximation)."""
+    v = sorted(xs)
+    n = len(v)
+    if n == 0:
+        return (float("nan"), float("nan"))
+    half = z * math.sqrt(n) / 2
+    lo = max(0, int(math.floor(n / 2 - half)))
+    hi = min(n - 1, int(math.ceil(n / 2 + half)) - 1)
+    return (v[lo], v[max(lo, hi)])
 
 
 def _fmt(n):

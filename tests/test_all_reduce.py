@@ -836,29 +836,34 @@ def test_nccl():
 
 
 def test_tune_pick_needs_a_pooled_win_over_native():
-    """tune()'s choice at one size (collectives.all_reduce._pick_tuned): ours only when it is the fastest
-    of the first race AND beats native by the margin over both races pooled; a first race that alone
-    misses the margin does not decide for native, and one lucky race does not decide for ours."""
+    """tune()'s choice at one size (collectives.all_reduce._pick_tuned): every candidate runs a second
+    race; ours only when it is the fastest of ours over both races pooled AND beats native there by the
+    margin; a first race that alone misses the margin does not decide for native, one lucky race does
+    not decide for ours, and the first race's best of ours is not taken on its word (winner's curse)."""
     from collectives.all_reduce import _pick_tuned
 
     names = ["native", "ring", "halving_doubling"]
-    seconds = []
+    calls = []
 
-    def race_giving(native_ms, ours_ms):
-        def race(pair):
-            seconds.append(pair)
-            return torch.tensor([[native_ms] * 27, [ours_ms] * 27], dtype=torch.float64)  # outweighs 9
+    def race_giving(*ms):
+        def race(cands):
+            calls.append(cands)
+            return torch.tensor([[m] * 27 for m in ms], dtype=torch.float64)  # outweighs the first 9
         return race
 
-    noisy = torch.tensor([[6.0] * 9, [5.9] * 9, [7.0] * 9], dtype=torch.float64)  # ring ahead by < 5%
-    assert _pick_tuned(names, noisy, race_giving(7.0, 4.0)) == 1 and seconds == [["native", "ring"]]
-    assert _pick_tuned(names, noisy, race_giving(5.0, 6.0)) == 0
-    lucky = torch.tensor([[6.0] * 9, [7.0] * 9, [3.0] * 9], dtype=torch.float64)  # hd 2x, once
-    assert _pick_tuned(names, lucky, race_giving(4.0, 9.0)) == 0
-    assert _pick_tuned(names, lucky, race_giving(6.0, 3.5)) == 2
-    seconds.clear()
-    native_first = torch.tensor([[3.0] * 9, [4.0] * 9, [5.0] * 9], dtype=torch.float64)
-    assert _pick_tuned(names, native_first, race_giving(9.0, 1.0)) == 0 and seconds == []
+    def first(*ms):
+        return torch.tensor([[m] * 9 for m in ms], dtype=torch.float64)
+
+    noisy = first(6.0, 5.9, 7.0)  # ring ahead by < 5%
+    assert _pick_tuned(names, noisy, race_giving(7.0, 4.0, 8.0)) == 1 and calls == [names]
+    assert _pick_tuned(names, noisy, race_giving(5.0, 6.0, 6.0)) == 0
+    lucky = first(6.0, 7.0, 3.0)  # hd 2x, once
+    assert _pick_tuned(names, lucky, race_giving(4.0, 9.0, 9.0)) == 0
+    assert _pick_tuned(names, lucky, race_giving(6.0, 3.5, 5.0)) == 1  # the ring is the pooled best
+    assert _pick_tuned(names, lucky, race_giving(6.0, 5.0, 3.5)) == 2
+    assert _pick_tuned(names, first(6.0, 5.0, 4.0), race_giving(6.0, 4.0, 7.0)) == 1  # hd was lucky once
+    assert _pick_tuned(names, first(3.0, 4.0, 5.0), race_giving(3.0, 4.0, 5.0)) == 0
+    assert _pick_tuned(["native"], first(3.0), race_giving(3.0)) == 0
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native-loop", "torch-slices"])
