@@ -281,6 +281,12 @@ def test_cli_show(tmp_cache):
 def test_tune_unknown_op_is_a_clear_error():
     with pytest.raises(ValueError, match="no tunable op 'nope'"):
         at.tune("nope", torch.zeros(3))
+    # an op tunable only elsewhere says where, instead of listing itself among the "known ops"
+    import pykernels.sort  # noqa: F401 - registers the sort family's tunables
+
+    if ("segmented_sort", "cpu") not in at._REGISTRY:
+        with pytest.raises(ValueError, match="'segmented_sort' is not tunable with backend 'auto' on cpu"):
+            at.tune("segmented_sort", torch.zeros(3))
 
 
 def test_tune_examples_are_checked_and_keyed_as_dispatch_keys_them(tmp_cache):

@@ -451,9 +451,12 @@ def tune(op_name: str, *example_args, backend: str = "auto", budget_s: float = 0
     else:
         choices = [backend]
     if not choices or any((op_name, b) not in _REGISTRY for b in choices):
+        has = sorted(b for op, b in _REGISTRY if op == op_name)
+        if has:  # the op is tunable, not with this backend or on this device
+            raise ValueError(f"pykernels.autotune.tune: {op_name!r} is not tunable with backend {backend!r} on "
+                             f"{device.type}; it is tunable with backend(s) {', '.join(has)}")
         known = sorted({op for op, _ in _REGISTRY})
-        raise ValueError(f"pykernels.autotune.tune: no tunable op {op_name!r} for backend {backend!r} on "
-                         f"{device.type} (known ops: {', '.join(known)})")
+        raise ValueError(f"pykernels.autotune.tune: no tunable op {op_name!r} (known ops: {', '.join(known)})")
     best_entry = None
     for b in choices:
         tunable = _REGISTRY[(op_name, b)]
