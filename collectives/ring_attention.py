@@ -30,6 +30,7 @@ from typing import List, Optional
 
 import numpy as np
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import _attention_block as blk
 from . import _attention_comm as comm
@@ -244,6 +245,7 @@ class _RingAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # a double backward (create_graph=True) raises instead of giving zeros
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         with torch.no_grad():
@@ -414,6 +416,7 @@ class _TokenRingAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # a double backward (create_graph=True) raises instead of giving zeros
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         with torch.no_grad():

@@ -230,6 +230,23 @@ def test_nan_stays_in_its_row():
     assert torch.isfinite(out[0, 0, rows]).all()
 
 
+@pytest.mark.parametrize("impl", [None, {"impl": "blocked", "chunk_elems": 64}], ids=["public", "blocked"])
+def test_row_with_an_inf_score_is_nan_as_sdpa(impl):
+    """A score of +inf (an inf in q or k) makes the row NaN, as SDPA: an output is a convex combination of
+    v rows, so +-inf is never right (review finding: the blocked path's guard for rows without keys also
+    caught lse = +inf and returned [inf, -inf])."""
+    q = torch.tensor([[[[1.0, 0.5], [float("-inf"), 0.0]]]])
+    k = torch.tensor([[[[0.3, -1.0], [-0.7, 0.2]]]])       # key 1, column 0 negative: score +inf
+    v = torch.tensor([[[[1.0, 2.0], [3.0, -4.0]]]])
+    if impl is None:
+        out = flash_attention(q, k, v)
+    else:
+        out, _ = _forward_impl(q, k, v, False, 1 / math.sqrt(2), "cpu", impl)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    assert torch.isnan(ref[0, 0, 1]).all() and torch.isnan(out[0, 0, 1]).all()
+    torch.testing.assert_close(out[0, 0, 0], ref[0, 0, 0])
+
+
 def test_inputs_unmodified_non_contiguous_and_numpy():
     base = torch.randn(2, 7, 4, 24)          # [B, S, H, D] -> transposed views
     q = base.transpose(1, 2)

@@ -556,6 +556,20 @@ def test_world_of_one_without_process_group(fn):
     assert e.grad.shape == e.shape
 
 
+@pytest.mark.parametrize("fn", ["ring", "token"])
+def test_double_backward_is_an_error_not_zeros(fn):
+    """create_graph=True (a gradient penalty): the backward is not itself differentiable, so a second
+    backward raises, as flash_attention's does (review finding: it returned gradients without a graph,
+    and the second-order term came out as zeros)."""
+    q, k, v, _ = make_inputs(1, 1, 1, 1, 4, 3, torch.float64)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = FNS[fn](q, k, v, causal=True, layout="contiguous")
+    gq, = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+    assert gq.requires_grad  # still part of a graph, which ends in the error below
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gq.pow(2).sum().backward()
+
+
 def test_gpu_block_path_only_falls_back_for_unsupported_blocks(monkeypatch):
     """On CUDA, a block goes to the math path only when it is outside the Triton kernels' documented
     limits (checked up front) or the op is not implemented; any other error (a CUDA OOM, a bug) from

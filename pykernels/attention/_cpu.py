@@ -286,7 +286,7 @@ def blocked_forward(q, k, v, causal: bool, scale: float, chunk_elems: int = 1 <<
             continue
         s = _scores(qa[:, :, :, i0:i1], ka[:, :, :n], i0, Sq, Sk, causal, scale)
         m = torch.logsumexp(s, dim=-1)                       # -inf for rows that see no key
-        p = torch.exp(s - torch.where(torch.isinf(m), 0.0, m).unsqueeze(-1))
+        p = torch.exp(s - torch.where(torch.isneginf(m), 0.0, m).unsqueeze(-1))  # +inf: NaN, as SDPA
         o = torch.matmul(p, va[:, :, :n].unsqueeze(2))       # [B, Hkv, g, c, D]
         # a row that sees no key is 0 even when some v holds NaN/inf (its p is 0, but 0 * NaN is NaN)
         o = torch.where(torch.isneginf(m).unsqueeze(-1), 0.0, o)
@@ -315,7 +315,7 @@ def blocked_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dlse=N
     if dlse is not None:
         delta = delta - dlse.to(acc).view(B, Hkv, g, Sq)
     lse_a = lse.to(acc).view(B, Hkv, g, Sq)
-    lse_a = torch.where(torch.isinf(lse_a), 0.0, lse_a)      # rows with no key: every p is 0 anyway
+    lse_a = torch.where(torch.isneginf(lse_a), 0.0, lse_a)   # rows with no key: every p is 0 anyway
     dqv = dq.view(B, Hkv, g, Sq, D)
     step = _chunk_rows(B, H, Sk, chunk_elems)
     for i0 in range(0, Sq, step):
