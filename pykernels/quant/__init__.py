@@ -230,9 +230,12 @@ def qmatmul(x, qw: QuantizedWeight, bias=None, *, act_bits: Optional[int] = None
     decomposition), and rows holding a NaN or inf take the fp32 route (so an inf gives torch's inf, not
     NaN); a cheap per-row check (a few microseconds for 4096 elements) decides (the AMX path
     routes such rows the same way). The
-    weights themselves are used exactly. For an exact fp32 result
-    use the dequantize route, torch.nn.functional.linear(x, qw.dequantize(torch.float32), bias)
-    (what the "dequant_mm" config does chunk by chunk, with the same weights). On the GPU the Triton
+    weights themselves are used exactly. The "dequant_mm" config dequantizes chunks of rows and hands
+    them to torch's GEMM: in fp32 (the same weights, exactly), except for bf16 activations (its default
+    from M=64 on without AVX-512, where oneDNN's bf16 GEMM is ~2x the integer kernel), where the
+    dequantized weights and the bias are rounded to bf16 as a bf16 nn.Linear holding them would be
+    (sums in fp32; ~2^-9 of sum|x||w| per output). For an exact fp32 result use
+    torch.nn.functional.linear(x.float(), qw.dequantize(torch.float32), bias). On the GPU the Triton
     kernel multiplies in the activations' dtype as Marlin does: fp16 activations meet fp16-rounded
     weights (a weight beyond fp16's 65504 would be inf; a weight below its normal range, 6e-5, keeps
     fewer bits), bf16 ones bf16-rounded weights, fp32 ones fp32 weights; every sum is fp32."""

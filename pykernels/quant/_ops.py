@@ -138,15 +138,16 @@ def cpu_weight_only(x2, packed, scales, offsets, bias, N, K, bits, group_size, c
         xw = x2.to(wdt)
         step = min(N, _ROWS_PER_DEQUANT_CHUNK)
         buf = torch.empty(step, K, dtype=wdt)
+        # the bias goes into the GEMM (addmm): added to the fp32 sums before the one rounding to bf16,
+        # not to the bf16 product afterwards (a second rounding, large where bias and product cancel)
+        bw = bias.to(wdt) if bias is not None else None
         parts = []
         for r0 in range(0, N, step):
             r1 = min(N, r0 + step)
             w = _dequant_cpu(packed, scales, offsets, N, K, bits, group_size, (r0, r1), threads, out=buf)
-            parts.append(torch.mm(xw, w.t()))
+            parts.append(torch.mm(xw, w.t()) if bw is None else torch.addmm(bw[r0:r1], xw, w.t()))
         # torch.cat, not slice assignment: a strided bf16 copy into y[:, r0:r1] takes ~1000x longer
         y = torch.cat(parts, dim=1)
-        if bias is not None:
-            y += bias.to(wdt)
         return y.to(x2.dtype)
     mod = cpu_module("qgemm")
 
