@@ -322,6 +322,27 @@ def test_growth_in_one_big_insert():
     assert bool(f.all()) and torch.equal(v, keys)
 
 
+def test_growth_is_sized_by_distinct_keys_not_occurrences():
+    """A batch of few keys repeated many times grows the table for the keys (review finding: the
+    occurrences sized it, 20 keys repeated 100000 times made a 666K-slot set); a multi-value table
+    still makes room for every occurrence."""
+    keys = torch.arange(20).repeat(100_000)
+    for t in (HashSet(16), HashMap(16), CountingTable(16)):
+        if isinstance(t, HashSet):
+            t.insert(keys)
+        elif isinstance(t, CountingTable):
+            t.add(keys)
+        else:
+            t.insert(keys, keys)
+        assert len(t) == 20 and t.capacity <= 64, (type(t).__name__, t.capacity)
+    c = CountingTable(16)
+    c.add(keys)
+    assert c.counts(torch.arange(20)).tolist() == [100_000] * 20
+    m = MultiValueHashMap(16)
+    m.insert(keys[:2000], keys[:2000])
+    assert len(m) == 2000 and m.capacity >= 2000
+
+
 def test_colliding_keys_all_in_one_window_region():
     t = HashMap(4096, value_dtype=torch.int32, growable=False, max_load_factor=0.99)
     keys = colliding_keys(t, 600)

@@ -222,7 +222,10 @@ class _OpenTable:
         purged = False
         while pending:
             idx = torch.nonzero(status == ST_PENDING).reshape(-1)
-            fits_after_purge = self._size + pending <= self._limit()
+            # the slots the left-out keys need: one per occurrence in a multi-value table, else one per
+            # distinct key (sizing by occurrences grew a set to 666K slots for 20 keys repeated 2M times)
+            room = pending if self._multi else int(torch.unique(kbits[idx]).numel())
+            fits_after_purge = self._size + room <= self._limit()
             tombstones = self._used > self._size - self._n_special()
             # Reclaim tombstones (same size) when that makes room for every pending key; a table that
             # cannot grow reclaims them in any case, inserts what then fits and reports only the rest.
@@ -230,7 +233,7 @@ class _OpenTable:
                 self._rehash(self.capacity)
                 purged = True
             elif self.growable:
-                need = math.ceil((self._size + pending) / self.max_load_factor) + 1
+                need = math.ceil((self._size + room) / self.max_load_factor) + 1
                 self._rehash(max(2 * self.capacity, need))
             else:
                 raise TableFullError(op, pending, self.capacity)
