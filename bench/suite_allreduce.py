@@ -12,7 +12,8 @@ lasts); ours and the baseline alternate call by call in the same processes, the 
 repeat. `speedup` is the ratio of the medians, `paired_speedup` the median of the per-repeat ratios,
 `cpu_ratio` the ratio of the median CPU seconds per call summed over ranks (all threads).
 The goal's row (auto) comes from a second race of auto and gloo alone, in blocks of 4 calls of each
-(the last 3 timed: a call after a call of its own kind, as in steady use), with `paired_ci95`, the 95% confidence interval of its paired ratio (the first race's figures stay in
+(the last 3 timed: a call after a call of its own kind, as in steady use), with `paired_ci95`, the
+95% confidence interval of its paired ratio (the first race's figures stay in
 `race_speedup` / `race_paired_speedup`).
 
 Standalone worker (used by the netns script): python -m bench.suite_allreduce worker --rank R --world W
@@ -100,8 +101,8 @@ def measure(sizes, algos, topology, reps, tune_first=True, budget_s=3.0):
                 busbw = algbw * 2 * (p - 1) / p
                 base_bus = nbytes / m[GLOO] * 2 * (p - 1) / p
                 lo, hi = extra.get("paired_ci95", (None, None))
-                ci_note = (f"head to head with gloo: {nrep} repeats, paired ratio {pr:.2f}x (95% CI {lo:.2f}-{hi:.2f}); "
-                           if lo is not None else "")
+                ci_note = (f"head to head with gloo: {nrep} repeats, paired ratio {pr:.2f}x "
+                           f"(95% CI {lo:.2f}-{hi:.2f}); " if lo is not None else "")
                 rows.append({
                     "group": "allreduce", "op": f"all_reduce[{algo}]", "label": f"{p} ranks {_fmt(nbytes)}",
                     "size": nbytes, "baseline": "dist.all_reduce (gloo)", "ours_s": m[algo],

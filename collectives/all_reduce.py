@@ -862,17 +862,17 @@ def _pick_tuned(names: list, first: torch.Tensor, race) -> int:
     times of every candidate (one row each); race(names): a new race of those candidates.
     Every candidate runs a second race and the choice is made on both races' repeats pooled: ours
     replaces gloo's own (native: also what an untuned auto falls back to) only if it is the fastest of
-    ours on the pooled median and at least as fast as native there (see _TUNE_MARGIN). A tuned choice must never lose to
-    the default; one lucky race is not enough, and one unlucky one (a neighbour's burst of load) must
+    ours on the pooled median and at least as fast as native there (see _TUNE_MARGIN). A tuned choice
+    must never lose to the default; one lucky race is not enough, and one unlucky one (a neighbour's burst of load) must
     not decide either way. Both races hold every candidate because picking the best of ours from one
     race and confirming it against native alone kept the winner's luck: halving-doubling, ~1.0x of
     gloo in the bench's own rows, was picked at 16 and 64 KiB and measured 0.83-0.93x as auto
     (bench run of 2026-12-01 21:54); a first race that alone missed the margin kept gloo's own at
     1 MiB, 0.80x, where the ring measured 1.13-1.28x."""
-    pooled = torch.cat([first, race(list(names))], dim=1)
-    med = pooled.median(dim=1).values
     if len(names) < 2:
         return 0
+    pooled = torch.cat([first, race(list(names))], dim=1)
+    med = pooled.median(dim=1).values
     best = min(range(1, len(names)), key=lambda i: med[i].item())
     return best if _beats_native(pooled, best) else 0
 
