@@ -57,11 +57,12 @@ void amac_find(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G,
 // Group prefetching (Chen, Ailamaki, Gibbons, Mowry, "Improving Hash Join Performance through
 // Prefetching", ICDE 2004) for the first window, which ends ~96% of lookups at load 0.5 (~65% at 0.9):
 // the first windows of the next G keys are hashed in one loop (vectorized: AVX-512 multiplies 8 hashes
-// at once) and prefetched while the current G keys are examined, so G lines are in flight with no
-// per-lookup state to save and restore. A lookup whose window is full without the key (or an EMPTY)
-// waits in a FIFO of about G such lookups, first for its overflow-filter byte, then (if it must go on)
-// for its next window, each prefetched when it joins the FIFO and read once G others went by (the AMAC
-// idea, for the few long probes; a synchronous filter read cost ~12% on lookups with half misses).
+// at once) and prefetched one by one while the current G keys are examined (software pipelining at a
+// distance of G lookups), so G lines are in flight with no per-lookup state to save and restore. A
+// lookup whose window is full without the key (or an EMPTY) waits in a FIFO of about G such lookups,
+// first for its overflow-filter byte, then (if it must go on) for its next window, each prefetched
+// when it joins the FIFO and read once G others went by (the AMAC idea, for the few long probes; a
+// synchronous filter read cost ~12% on lookups with half misses).
 // Why: the AMAC loop alone (amac_find_w) spent ~100 instructions per lookup on its state machine.
 template <int CW, class K, class V, class Emit>
 void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, Emit&& emit) {
@@ -83,7 +84,6 @@ void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, i
   bool sampled = false;
   auto hash_group = [&](int64_t base, int nb, uint64_t* w) {
     for (int j = 0; j < nb; ++j) w[j] = probe_first_window((uint64_t)keys[base + j], seed, nw);
-    for (int j = 0; j < nb; ++j) PK_PREFETCH_R(slots + w[j] * CW);
     // the keys ~4 KiB ahead: with the fill buffers busy on table lines, the hardware prefetcher fell
     // behind on this sequential stream (17% of the loop's samples sat on loading the keys; 1.10-1.13x
     // faster lookups at load 0.5 with this prefetch; the AMAC loop measured no gain from it)
@@ -126,11 +126,17 @@ void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, i
   int64_t base = b;
   int nb = (int)(e - b < B ? e - b : B), cur = 0;
   if (nb > 0) hash_group(base, nb, first[cur]);
+  for (int j = 0; j < nb; ++j) PK_PREFETCH_R(slots + first[cur][j] * CW);
   while (nb > 0) {
     const int64_t next_base = base + nb;
     const int next_nb = (int)(e - next_base < B ? e - next_base : B);
     if (next_nb > 0) hash_group(next_base, next_nb, first[cur ^ 1]);
     for (int j = 0; j < nb; ++j) {
+      // the next group's window j, one prefetch per lookup examined: G lookups ahead, spread out.
+      // Issued as a burst of G after hashing the group, the prefetches stalled on the line-fill
+      // buffers (a third of the loop's samples sat on them) while no lookup went on: 1.2-1.5x slower
+      // finds at load 0.5 (4M keys, 128 MiB table, 1 and 2 threads, same process).
+      if (j < next_nb) PK_PREFETCH_R(slots + first[cur ^ 1][j] * CW);
       const int64_t i = base + j;
       const K k = keys[i];
       if (PK_UNLIKELY(is_special(k))) {
