@@ -1316,6 +1316,31 @@ def test_grouped_lookups_match_dict_for_every_group_size(kw, load):
         assert torch.equal(got, expect), (prefetch, (got != expect).nonzero()[:5].flatten().tolist())
 
 
+@pytest.mark.parametrize("hits", [1.0, 0.9, 0.0])
+def test_full_table_lookups_stay_right_on_either_pipeline(hits):
+    """In a full table the first 1024 lookups of a range choose the pipeline for the rest: the
+    grouped loop with its FIFO when few are misses that walk past their first window (hits end in a
+    window or two), AMAC when many are. Lookups that are (nearly) all hits, and all misses, in a table
+    at load 1.0 (every window full, every filter bit set) give the dict's answers on both."""
+    from pykernels.hashing import _tune
+
+    t = HashMap(20011, max_load_factor=1.0, growable=False)
+    g = torch.Generator().manual_seed(11)
+    present = torch.unique(torch.randint(-(1 << 62), 1 << 62, (3 * t.capacity,), generator=g))[:t.capacity]
+    present = present[torch.randperm(present.numel(), generator=g)]
+    t.insert(present, present * 5)
+    assert len(t) == t.capacity
+    n_hit = int(round(hits * 8000))
+    absent = torch.randint(-(1 << 62), 1 << 62, (8000 - n_hit,), generator=g)
+    absent = absent[~torch.isin(absent, present)]
+    queries = torch.cat([present[:n_hit], absent])
+    queries = queries[torch.randperm(queries.numel(), generator=g)]
+    expect = torch.where(torch.isin(queries, present), queries * 5, torch.zeros_like(queries))
+    for prefetch in (16, 32, 64):
+        got = _tune._run_find({"prefetch": prefetch, "threads": 1}, t, queries)
+        assert torch.equal(got, expect), (prefetch, (got != expect).nonzero()[:5].flatten().tolist())
+
+
 @pytest.mark.parametrize("key_dtype", [torch.int32, torch.int64])
 def test_grouped_set_lookups_match_python_set(key_dtype):
     """HashSet windows (16 or 8 keys per line) through the grouped lookups, at a load where the grouped
