@@ -673,6 +673,42 @@ def test_bloom_every_k_has_no_false_negatives_and_matches_its_pattern():
         assert bool(hits[0]) and int(hits.sum()) < 20, (k, int(hits.sum()))
 
 
+_BLOOM_TIER_SCRIPT = r"""
+import hashlib, torch, pykernels
+torch.set_num_threads(2)
+g = torch.Generator().manual_seed(21)
+h = hashlib.sha256()
+for k in (1, 3, 7, 8, 9, 16):
+    for n in (1, 7, 8, 9, 1000, 40003):  # tails of 0-7 keys after the groups of 8 lookups
+        keys = torch.randint(-(1 << 62), 1 << 62, (n,), generator=g)
+        f = pykernels.BloomFilter(max(512, 10 * n), k)
+        f.add(keys)
+        probes = torch.cat([keys, torch.randint(-(1 << 62), 1 << 62, (3 * n + 5,), generator=g)])
+        got = f.contains(probes)
+        assert bool(got[:n].all()), (k, n)
+        h.update(got.numpy().tobytes())
+print(h.hexdigest())
+"""
+
+
+def test_bloom_contains_agrees_on_every_simd_tier():
+    """contains() tests eight keys at once on AVX-512 (gathers of each bit position's words,
+    hash_cpu.cpp bloom_contains_x8) and one at a time elsewhere: every tier gives the same answers,
+    false positives included, for every k (unrolled 3..8, a loop otherwise), tails of 0-7 keys and
+    ranges split between threads, and no false negatives. Tier flags are read once per process."""
+    import os
+    import subprocess
+    import sys
+
+    digests = []
+    for env in ({}, {"PYKERNELS_DISABLE_AVX512": "1"}, {"PYKERNELS_DISABLE_AVX2": "1"}):
+        r = subprocess.run([sys.executable, "-c", _BLOOM_TIER_SCRIPT], env={**os.environ, **env},
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        digests.append(r.stdout.strip())
+    assert len(set(digests)) == 1, digests
+
+
 def test_lazy_neg_view_keys_are_the_values_they_stand_for():
     # a neg view's memory holds the un-negated keys: read raw, the filter gave false negatives and the
     # tables raised torch's own view error
