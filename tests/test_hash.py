@@ -686,8 +686,41 @@ for k in (1, 3, 7, 8, 9, 16):
         probes = torch.cat([keys, torch.randint(-(1 << 62), 1 << 62, (3 * n + 5,), generator=g)])
         got = f.contains(probes)
         assert bool(got[:n].all()), (k, n)
+        if n <= 1000:  # the blocked layout of hash_layout.h, computed here one key at a time
+            words = f._words.tolist()
+            for key, hit in zip(probes.tolist(), got.tolist()):
+                assert _reference_contains(words, f.num_blocks, k, f.seed, key) == hit, (k, n, key)
         h.update(got.numpy().tobytes())
 print(h.hexdigest())
+"""
+
+_BLOOM_REFERENCE = r"""
+M64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _fmix64(x):
+    x ^= x >> 33
+    x = (x * 0xFF51AFD7ED558CCD) & M64
+    x ^= x >> 33
+    x = (x * 0xC4CEB9FE1A85EC53) & M64
+    return x ^ (x >> 33)
+
+
+def _reference_contains(words, nblocks, k, seed, key):
+    key &= M64
+    block = ((_fmix64(key ^ seed) >> 32) * nblocks) >> 32
+    h = _fmix64(key ^ seed ^ GOLDEN)
+    used = 0
+    for _ in range(k):
+        if used == 7:
+            h = _fmix64((h + GOLDEN) & M64)
+            used = 0
+        pos = (h >> (9 * used)) & 511
+        if not (words[block * 8 + (pos >> 6)] >> (pos & 63)) & 1:
+            return False
+        used += 1
+    return True
 """
 
 
@@ -695,14 +728,15 @@ def test_bloom_contains_agrees_on_every_simd_tier():
     """contains() tests eight keys at once on AVX-512 (gathers of each bit position's words,
     hash_cpu.cpp bloom_contains_x8) and one at a time elsewhere: every tier gives the same answers,
     false positives included, for every k (unrolled 3..8, a loop otherwise), tails of 0-7 keys and
-    ranges split between threads, and no false negatives. Tier flags are read once per process."""
+    ranges split between threads, no false negatives, and (small cases) the answers of a Python
+    reference of the blocked layout. Tier flags are read once per process."""
     import os
     import subprocess
     import sys
 
     digests = []
     for env in ({}, {"PYKERNELS_DISABLE_AVX512": "1"}, {"PYKERNELS_DISABLE_AVX2": "1"}):
-        r = subprocess.run([sys.executable, "-c", _BLOOM_TIER_SCRIPT], env={**os.environ, **env},
+        r = subprocess.run([sys.executable, "-c", _BLOOM_REFERENCE + _BLOOM_TIER_SCRIPT], env={**os.environ, **env},
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr[-3000:]
         digests.append(r.stdout.strip())
@@ -1352,7 +1386,7 @@ def test_grouped_lookups_match_dict_for_every_group_size(kw, load):
         assert torch.equal(got, expect), (prefetch, (got != expect).nonzero()[:5].flatten().tolist())
 
 
-@pytest.mark.parametrize("hits", [1.0, 0.9, 0.0])
+@pytest.mark.parametrize("hits", [1.0, 0.9, 0.5, 0.0])
 def test_full_table_lookups_stay_right_on_either_pipeline(hits):
     """In a full table the first 1024 lookups of a range choose the pipeline for the rest: the
     grouped loop with its FIFO when few are misses that walk past their first window (hits end in a
@@ -1371,9 +1405,12 @@ def test_full_table_lookups_stay_right_on_either_pipeline(hits):
     absent = absent[~torch.isin(absent, present)]
     queries = torch.cat([present[:n_hit], absent])
     queries = queries[torch.randperm(queries.numel(), generator=g)]
-    expect = torch.where(torch.isin(queries, present), queries * 5, torch.zeros_like(queries))
+    member = torch.isin(queries, present)
+    expect = torch.where(member, queries * 5, torch.full_like(queries, -7))
     for prefetch in (16, 32, 64):
-        got = _tune._run_find({"prefetch": prefetch, "threads": 1}, t, queries)
+        got, found = _tune._find_cfg(t, L.key_bits(queries), {"prefetch": prefetch, "threads": 1})
+        got = torch.where(found.bool(), got, torch.full_like(got, -7))  # a lookup never emitted keeps junk
+        assert torch.equal(found.bool(), member), prefetch
         assert torch.equal(got, expect), (prefetch, (got != expect).nonzero()[:5].flatten().tolist())
 
 

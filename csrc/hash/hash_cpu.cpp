@@ -755,7 +755,7 @@ inline bool bloom_test(const uint64_t* blk, uint64_t key_bits, uint64_t seed, in
 #if PK_X86
 // Eight lookups per AVX-512 step: the scalar test above is instruction-bound (~15 ns a lookup even with
 // a 20 KiB filter in L1: two fmix64 and k shift/load/shift/and chains), so the same arithmetic runs on
-// eight keys at once: fmix64 with vpmullq, the block index with vpmuludq, and each of the k bit
+// eight keys at once: fmix64 and the block index with vpmullq, and each of the k bit
 // positions tested through one vpgatherqq of the eight keys' words. Same positions, same answers as
 // bloom_test (hash_layout.h bloom_positions, mirrored here lane-wise). Blocks are hashed kAhead keys
 // ahead and prefetched. Handles [b, b + 8 * floor((e - b) / 8)); returns where it stopped.
