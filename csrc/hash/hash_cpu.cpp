@@ -781,7 +781,7 @@ inline bool bloom_test(const uint64_t* blk, uint64_t key_bits, uint64_t seed, in
 // a 20 KiB filter in L1: two fmix64 and k shift/load/shift/and chains), so the same arithmetic runs on
 // eight keys at once: fmix64 and the block index with vpmullq, and each of the k bit
 // positions tested through one vpgatherqq of the eight keys' words. Same positions, same answers as
-// bloom_test (hash_layout.h bloom_positions, mirrored here lane-wise). Blocks are hashed kAhead keys
+// bloom_test (hash_layout.h bloom_positions, mirrored here lane-wise). Blocks are hashed kAhead groups
 // ahead and prefetched. Handles [b, b + 8 * floor((e - b) / 8)); returns where it stopped.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,bmi,bmi2,popcnt")

@@ -124,12 +124,6 @@ PKH_HD void bloom_positions(uint64_t key_bits, uint64_t seed, int k_run, F&& f) 
   }
 }
 
-// Fills `mask[8]` with the key's bit pattern inside its block.
-PKH_HD void bloom_pattern(uint64_t key_bits, uint64_t seed, int k, uint64_t mask[BLOOM_BLOCK_WORDS]) {
-  for (int i = 0; i < BLOOM_BLOCK_WORDS; ++i) mask[i] = 0;
-  bloom_positions(key_bits, seed, k, [&](unsigned pos) { mask[pos >> 6] |= 1ULL << (pos & 63); });
-}
-
 // One slot of the table, the same struct for the CPU and GPU kernels: key, then value (none for sets).
 struct NoVal {};
 template <class K, class V>
