@@ -1386,6 +1386,46 @@ def test_grouped_lookups_match_dict_for_every_group_size(kw, load):
         assert torch.equal(got, expect), (prefetch, (got != expect).nonzero()[:5].flatten().tolist())
 
 
+@pytest.mark.parametrize("kind,kdt,vdt,window", [("set", torch.int32, None, None), ("set", torch.int64, None, None),
+                                                 ("map", torch.int32, torch.int32, None),
+                                                 ("map", torch.int32, torch.int64, None),
+                                                 ("map", torch.int64, torch.int32, None),
+                                                 ("map", torch.int64, torch.int64, None),
+                                                 ("set", torch.int32, None, 3), ("map", torch.int32, torch.int32, 5)])
+def test_clear_of_a_large_table_leaves_every_slot_empty(kind, kdt, vdt, window):
+    """Tables from 8 MiB up are cleared with streaming stores (16 bytes at a time, the range's
+    unaligned head and tail slot by slot, per thread): every slot must come out EMPTY with a zero
+    value, for 4-, 8- and 16-byte slots, and the table must work as new. Odd windows make slot counts
+    that are not a multiple of 16 bytes (a tail to store slot by slot)."""
+    cap = (9 << 20) // {4: 4, 8: 8}.get(L.key_bytes(kdt) + (L.value_slot_bytes(vdt) if vdt else 0), 16) + 5
+    t = (HashSet(cap, key_dtype=kdt, window=window) if kind == "set"
+         else HashMap(cap, key_dtype=kdt, value_dtype=vdt, window=window))
+    keys = torch.arange(1, 5001, dtype=kdt) * 7919
+    if kind == "set":
+        t.insert(keys)
+    else:
+        t.insert(keys, torch.arange(5000, dtype=vdt) + 1)
+    for threads in (1, 2):
+        t._slots.fill_(0x12345678)  # every slot holds junk: clear() must overwrite each one
+        torch.set_num_threads(threads)
+        try:
+            t.clear()
+        finally:
+            torch.set_num_threads(2)
+        assert len(t) == 0 and t._slots.numel() * 4 >= 8 << 20
+        words = t._slots.view(-1, t._sb // 4)
+        kw = t._kb // 4
+        assert bool((words[:, :kw] == -1).all()) and bool((words[:, kw:] == 0).all())
+    if kind == "set":
+        assert not bool(t.contains(keys).any())
+        t.insert(keys[:10])
+        assert t.contains(keys[:11]).tolist() == [True] * 10 + [False]
+    else:
+        assert not bool(t.find(keys)[1].any())
+        t.insert(keys[:10], torch.arange(10, dtype=vdt))
+        assert t.find(keys[:10])[0].tolist() == list(range(10))
+
+
 @pytest.mark.parametrize("hits", [1.0, 0.9, 0.5, 0.0])
 def test_full_table_lookups_stay_right_on_either_pipeline(hits):
     """In a full table the first 1024 lookups of a range choose the pipeline for the rest: the

@@ -908,6 +908,9 @@ int slot_bytes(int kb, int vb) {
 }
 
 // Fresh/cleared storage: keys EMPTY (all ones), values 0 (counting tables add into a fresh slot).
+// Tables from this size up are cleared with streaming stores (init_slots).
+constexpr int64_t kStreamClearBytes = int64_t(8) << 20;
+
 void init_slots(uintptr_t slots_p, int64_t nslots, int kb, int vb, int nthreads) {
   py::gil_scoped_release release;
   by_layout("hash.clear", kb, vb, [&](auto k, auto v) {
@@ -916,7 +919,25 @@ void init_slots(uintptr_t slots_p, int64_t nslots, int kb, int vb, int nthreads)
     S proto;
     std::memset(&proto, 0, sizeof(S));
     proto.key = Sentinel<decltype(k)>::EMPTY;
+    static_assert(16 % sizeof(S) == 0, "a 16-byte store holds whole slots");
+    const bool stream = nslots * (int64_t)sizeof(S) >= kStreamClearBytes;
     dyn_ranges(nslots, threads_for(nslots, nthreads), [&](int, int64_t b, int64_t e) {
+#if PK_X86
+      if (stream) {
+        // Streaming stores: a table far larger than the caches is written without first reading
+        // every line in (a plain store misses and fetches the line it overwrites).
+        constexpr int64_t per16 = 16 / (int64_t)sizeof(S);
+        int64_t i = b;
+        for (; i < e && (reinterpret_cast<uintptr_t>(slots + i) & 15); ++i) slots[i] = proto;
+        alignas(16) S pat[per16];
+        for (int64_t j = 0; j < per16; ++j) pat[j] = proto;
+        const __m128i v = _mm_load_si128(reinterpret_cast<const __m128i*>(pat));
+        for (; i + per16 <= e; i += per16) _mm_stream_si128(reinterpret_cast<__m128i*>(slots + i), v);
+        for (; i < e; ++i) slots[i] = proto;
+        _mm_sfence();
+        return;
+      }
+#endif
       for (int64_t i = b; i < e; ++i) slots[i] = proto;
     });
     return 0;
