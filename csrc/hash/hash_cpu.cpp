@@ -907,10 +907,11 @@ int slot_bytes(int kb, int vb) {
   return by_layout("hash.slot_bytes", kb, vb, [](auto k, auto v) { return (int)sizeof(Slot<decltype(k), decltype(v)>); });
 }
 
-// Fresh/cleared storage: keys EMPTY (all ones), values 0 (counting tables add into a fresh slot).
-// Tables from this size up are cleared with streaming stores (init_slots).
+// Tables from this size up are cleared with streaming stores (init_slots): larger than the caches,
+// so a plain store would first fetch every line it overwrites.
 constexpr int64_t kStreamClearBytes = int64_t(8) << 20;
 
+// Fresh/cleared storage: keys EMPTY (all ones), values 0 (counting tables add into a fresh slot).
 void init_slots(uintptr_t slots_p, int64_t nslots, int kb, int vb, int nthreads) {
   py::gil_scoped_release release;
   by_layout("hash.clear", kb, vb, [&](auto k, auto v) {
@@ -924,8 +925,7 @@ void init_slots(uintptr_t slots_p, int64_t nslots, int kb, int vb, int nthreads)
     dyn_ranges(nslots, threads_for(nslots, nthreads), [&](int, int64_t b, int64_t e) {
 #if PK_X86
       if (stream) {
-        // Streaming stores: a table far larger than the caches is written without first reading
-        // every line in (a plain store misses and fetches the line it overwrites).
+        // 16 bytes (whole slots) a store; the range's unaligned head and any tail slot by slot
         constexpr int64_t per16 = 16 / (int64_t)sizeof(S);
         int64_t i = b;
         for (; i < e && (reinterpret_cast<uintptr_t>(slots + i) & 15); ++i) slots[i] = proto;
