@@ -454,6 +454,26 @@ def test_qmatmul_outliers_on_zero_weight_columns_are_exact(dtype, scheme, bits, 
             (big, err.max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("neighbours", [1, 3, 7, 8, 20])
+def test_qmatmul_outlier_with_few_nonzero_neighbours_is_split(dtype, neighbours, simd):
+    """Review finding: a flagged row (its max above 2^8 times the mean of the others) whose outlier had at
+    most 7 nonzero neighbours kept it, because the split measured the outlier against a mean that included
+    it; the neighbours then rounded to 0 in the outlier's int16 block (y ~0, error 100%)."""
+    N, K = 8, 64
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(neighbours))
+    w[:, 0] = 0.0  # a pruned input channel: sym codes make it exactly 0
+    qw = pykernels.quantize(w, 8, 32, "sym")
+    for big, M in ((3e2, 2), (1e4, 2), (1e6, 2), (1e6, 12)):  # M=12: the panel GEMM, and AMX for bf16
+        x = torch.zeros(M, K)
+        x[:, 0] = big
+        x[:, 1:1 + neighbours] = torch.linspace(-1.0, 1.5, neighbours)
+        x = x.to(dtype)
+        rest = x.clone()
+        rest[:, 0] = 0
+        check_close(pykernels.qmatmul(x, qw), rest, qw)
+
+
 def test_act_range_flags_leave_ordinary_rows_alone():
     """Only two-scale rows (1) and NaN/inf rows (2) are flagged: Gaussian, uniform, ReLU'd, sparse,
     constant and LLM-like rows with ~50x outlier features take the fast path."""

@@ -275,11 +275,17 @@ int64_t split_outliers(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t
     // and 1e4 next to values ~1, takes three rounds); more than max_out in all: the row stays whole
     out_k.clear();
     xv.clear();
+    // An element is an outlier above `factor` times the mean |x| of the row's OTHER nonzero elements,
+    // the yardstick act_row_flag flags a row by. With the element itself in the mean, an outlier A with
+    // n <= 7 nonzero neighbours a (A > 8 (A + n a) / (n + 1) never holds) stayed in the row, whose
+    // neighbours then rounded to 0 in its int16 block (review finding: error 100% of y).
+    //   |x_k| > factor * (sum - |x_k|) / (nz - 1)  <=>  |x_k| * (nz - 1 + factor) > factor * sum
     for (int round = 0; round < 16; ++round) {
       double sum = 0.0;
       int64_t nz = 0;
       for (int64_t k = 0; k < K; ++k) sum += std::fabs(r[k]), nz += r[k] != 0.f;
-      const double lim = factor * sum / (double)std::max<int64_t>(nz, 1);
+      if (nz < 2) break;  // no other element whose precision an outlier could take
+      const double lim = factor * sum / ((double)(nz - 1) + factor);
       const size_t before = out_k.size();
       for (int64_t k = 0; k < K && (int64_t)out_k.size() <= max_out; ++k)
         if (std::fabs((double)r[k]) > lim) out_k.push_back(k), xv.push_back(r[k]), r[k] = 0.f;
