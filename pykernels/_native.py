@@ -7,7 +7,9 @@ stream handles. This file is the only place that knows the module names and the 
 from __future__ import annotations
 
 import importlib
+import os
 from functools import lru_cache
+from typing import Optional
 
 import torch
 
@@ -17,6 +19,25 @@ DTYPE_CODES = {
     torch.uint32: 6, torch.int64: 7, torch.uint64: 8, torch.float16: 9, torch.bfloat16: 10,
     torch.float32: 11, torch.float64: 12,
 }
+
+
+# Environment switches (PYKERNELS_DISABLE_*, PYKERNELS_AUTOTUNE, TRITON_INTERPRET) are read on every op
+# call, so that flipping one within a process takes effect. os.environ.get of an unset name raises and
+# catches a KeyError inside (~1 us, several times per call); os.environ keeps its variables in a dict of
+# encoded names (kept in step by os.environ[...] = and del, as monkeypatch.setenv uses), read directly.
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ENV_KEYS: dict = {}
+
+
+def getenv(name: str) -> Optional[str]:
+    """os.environ.get(name), without the exception an unset name costs."""
+    if _ENV_DATA is None or not hasattr(os.environ, "encodekey"):
+        return os.environ.get(name)
+    key = _ENV_KEYS.get(name)
+    if key is None:
+        key = _ENV_KEYS[name] = os.environ.encodekey(name)
+    value = _ENV_DATA.get(key)
+    return None if value is None else os.environ.decodevalue(value)
 
 
 def dtype_code(dtype: torch.dtype) -> int:

@@ -640,6 +640,26 @@ def test_qmatmul_amx_default_nan_inf_and_fallbacks():
         check_close(y, xs, q)
 
 
+def test_config_memos_follow_the_tier_switches(tmp_cache, monkeypatch):
+    """Found when an xdist order ran the AMX test after a PYKERNELS_DISABLE_AVX512=1 one: autotune's config
+    memo (and qmatmul's plan memo over it) kept the default made without AVX-512 (bf16 "dequant_mm",
+    bf16-rounded weights) for later calls with AVX-512 and AMX back on. Both follow the switches now."""
+    from pykernels import autotune
+    from pykernels.quant._ops import _default_cpu_config, _key, _plan
+
+    cpu = torch.device("cpu")
+    for M in (1, 64):
+        key = _key(M, 64, 64, 4, 32, 0, torch.bfloat16)
+        for switch in ("PYKERNELS_DISABLE_AVX512", "PYKERNELS_DISABLE_AMX", "PYKERNELS_DISABLE_AVX2", None):
+            for name in ("PYKERNELS_DISABLE_AVX512", "PYKERNELS_DISABLE_AMX", "PYKERNELS_DISABLE_AVX2"):
+                monkeypatch.delenv(name, raising=False)
+            if switch:
+                monkeypatch.setenv(switch, "1")
+            want = _default_cpu_config(key)
+            assert autotune.config_for("qmatmul", "cpu", key, cpu) == want, (M, switch)
+            assert _plan(cpu, "auto", M, 64, 64, 4, 32, 0, torch.bfloat16) == ("cpu", want), (M, switch)
+
+
 @pytest.mark.parametrize("impl,m_block,n_block", [("native", 1, 1), ("native", 4, 32), ("dequant_mm", 16, 8)])
 def test_qmatmul_configs_agree(impl, m_block, n_block):
     N, K = 70, 300

@@ -44,6 +44,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .. import _native
+
 __all__ = ["Tunable", "register", "tune", "cache_file", "config_for", "lookup", "bucket", "registered",
            "device_id", "measure", "load_cache_file"]
 
@@ -287,7 +289,7 @@ def _store(device, ekey: str, entry: dict) -> Path:
 
 
 def _enabled() -> bool:
-    return os.environ.get("PYKERNELS_AUTOTUNE", "") != "0"
+    return _native.getenv("PYKERNELS_AUTOTUNE") != "0"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -305,8 +307,18 @@ def lookup(op: str, key: dict, device, backend: Optional[str] = None) -> Optiona
     return min(found, key=lambda e: e.get("time_s", math.inf)) if found else None
 
 
-_CONFIG_MEMO: dict = {}  # (op, backend, frozen key, device id, enabled) -> config; cleared on every store
+_CONFIG_MEMO: dict = {}  # (op, backend, frozen key, device id, enabled, switches) -> config; cleared on every store
 _GENERATION = 0  # bumped by every store and every clear_memory_cache()
+# The environment switches that ops' default configs read (SIMD tiers, the Triton interpreter). They are
+# part of every memo of a config, so that a default made under one setting is not reused under another
+# (a test that disabled AVX-512 left qmatmul's no-AVX-512 default, bf16 "dequant_mm", to later AMX calls).
+_SWITCHES = ("PYKERNELS_DISABLE_AVX2", "PYKERNELS_DISABLE_AVX512", "PYKERNELS_DISABLE_AMX", "TRITON_INTERPRET")
+
+
+def switches() -> tuple:
+    """The values of the environment switches default configs depend on (see _SWITCHES)."""
+    env = _native.getenv
+    return (env(_SWITCHES[0]), env(_SWITCHES[1]), env(_SWITCHES[2]), env(_SWITCHES[3]))
 
 
 def generation() -> int:
@@ -338,7 +350,7 @@ def _is_own_config(tunable: Tunable, key: dict, config: dict) -> bool:
 def config_for(op: str, backend: str, key: dict, device) -> dict:
     """The config to run: tuned (cache) when there is one for this key, else the op's heuristic.
     Memoized per (op, backend, key, device): this sits on every op's call path."""
-    memo_key = (op, backend, _freeze(key), device_id(device), _enabled())
+    memo_key = (op, backend, _freeze(key), device_id(device), _enabled(), switches())
     config = _CONFIG_MEMO.get(memo_key)
     if config is None:
         entry = lookup(op, key, device, backend)

@@ -11,14 +11,13 @@ Config (pykernels._backend.dispatch, tuned by pykernels.autotune):
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
 
 from .. import autotune
 from .._backend import dispatch, eager_direct
-from .._native import cpu_module, cuda_module, cuda_stream_handle, dtype_code
+from .._native import cpu_module, cuda_module, cuda_stream_handle, dtype_code, getenv
 from . import _format as F
 
 _ROWS_PER_DEQUANT_CHUNK = 1024
@@ -30,12 +29,12 @@ def _key(M: int, N: int, K: int, bits: int, group_size: int, act_bits: int, dtyp
 
 
 def _has_avx512() -> bool:
-    return os.environ.get("PYKERNELS_DISABLE_AVX512") != "1" and bool(cpu_module("qgemm").cpu_has_avx512())
+    return getenv("PYKERNELS_DISABLE_AVX512") != "1" and bool(cpu_module("qgemm").cpu_has_avx512())
 
 
 def _has_amx() -> bool:
     """AMX-BF16 usable in this process (CPU, OS, permission; PYKERNELS_DISABLE_AMX=1 turns it off)."""
-    return (os.environ.get("PYKERNELS_DISABLE_AMX") != "1" and _has_avx512()
+    return (getenv("PYKERNELS_DISABLE_AMX") != "1" and _has_avx512()
             and bool(cpu_module("qgemm").cpu_has_amx_bf16()))
 
 
@@ -81,9 +80,9 @@ def _capped(level: int, avx2_level: int) -> int:
     """A kernel level capped by the PYKERNELS_DISABLE_* flags: 0 (portable) without AVX2, at most
     avx2_level without AVX-512. The native module also caps by the CPU (and by the flags it read at its
     first call); reading them here on every call lets a test switch tiers within one process."""
-    if os.environ.get("PYKERNELS_DISABLE_AVX2") == "1":
+    if getenv("PYKERNELS_DISABLE_AVX2") == "1":
         return 0
-    if os.environ.get("PYKERNELS_DISABLE_AVX512") == "1":
+    if getenv("PYKERNELS_DISABLE_AVX512") == "1":
         return min(level, avx2_level)
     return level
 
@@ -151,20 +150,26 @@ def cpu_weight_only(x2, packed, scales, offsets, bias, N, K, bits, group_size, c
         return y.to(x2.dtype)
     mod = cpu_module("qgemm")
 
-    def native(xs, b, ydt):
+    def native(xs, b, ydt, check_rows=False):
+        """The int16 kernel's y for xs; with check_rows, None instead when some row needs another route
+        (the kernel checks every row first, act_range_flags, and then computes nothing)."""
         y = torch.empty(xs.shape[0], N, dtype=ydt)
-        mod.wo_gemm(xs.data_ptr(), dtype_code(xs.dtype), xs.shape[0], K, packed.data_ptr(), bits, scales.data_ptr(),
-                    offsets.data_ptr(), N, group_size, b.data_ptr() if b is not None else 0, y.data_ptr(),
-                    dtype_code(ydt), threads, int(cfg.get("m_block", 16)), int(cfg.get("n_block", 8)),
-                    _isa(cfg), int(cfg.get("gemm_min_m", 12)))
-        return y
+        flagged = mod.wo_gemm(xs.data_ptr(), dtype_code(xs.dtype), xs.shape[0], K, packed.data_ptr(), bits,
+                              scales.data_ptr(), offsets.data_ptr(), N, group_size, b.data_ptr() if b is not None else 0,
+                              y.data_ptr(), dtype_code(ydt), threads, int(cfg.get("m_block", 16)),
+                              int(cfg.get("n_block", 8)), _isa(cfg), int(cfg.get("gemm_min_m", 12)), check_rows)
+        return None if flagged else y
 
     b = _bias_f32(bias)
-    flags = torch.empty(M, dtype=torch.uint8)
-    if not (M and mod.act_range_flags(x2.data_ptr(), dtype_code(x2.dtype), M, K, flags.data_ptr(), threads)):
-        return native(x2, b, x2.dtype)
-    # Rows the int16 activations cannot carry (see act_range_flags in qgemm_cpu.cpp) take other routes
+    # the common case in one native call (a flags tensor and a second call cost ~15 us of a 0.5 ms GEMV
+    # once the GEMV has pushed the interpreter's data out of the caches)
+    y = native(x2, b, x2.dtype, check_rows=True)
+    if y is not None:
+        return y
     y = torch.empty(M, N, dtype=x2.dtype)
+    # Rows the int16 activations cannot carry (see act_range_flags in qgemm_cpu.cpp) take other routes
+    flags = torch.empty(M, dtype=torch.uint8)
+    mod.act_range_flags(x2.data_ptr(), dtype_code(x2.dtype), M, K, flags.data_ptr(), threads)
     ordinary = torch.nonzero(flags == 0).flatten()
     if ordinary.numel():
         y[ordinary] = native(x2[ordinary], b, x2.dtype)
@@ -268,14 +273,34 @@ def cuda_qmatmul(x2, packed, scales, offsets, planes, wsum, bias, N, K, bits, gr
     return y.to(x2.dtype)
 
 
+# dispatch()'s answer per call signature. dispatch builds and freezes a key dict and resolves the backend
+# on every call: ~10 us, and ~40 us with the caches cold after the 9 MB of a 4096 x 4096 GEMV went
+# through them (5-8% of that GEMV). The memo's key holds everything the answer depends on: the
+# signature, the autotune generation (bumped by every stored config), PYKERNELS_AUTOTUNE and the
+# switches the default configs read. Plans are never modified by their users (cfg is copied first).
+_PLANS: dict = {}
+
+
+def _plan(device, backend: str, M: int, n: int, k: int, bits: int, group_size: int, act_bits: int, dtype):
+    memo_key = (device, backend, M, n, k, bits, group_size, act_bits, dtype, autotune.generation(),
+                autotune._enabled(), autotune.switches())
+    plan = _PLANS.get(memo_key)
+    if plan is None:
+        plan = dispatch("qmatmul", device, backend, _key(M, n, k, bits, group_size, act_bits, dtype),
+                        supported=("cpu", "cuda", "triton"), preference=("triton", "cuda"))
+        if len(_PLANS) >= 4096:  # many distinct shapes (say, a growing M): start over
+            _PLANS.clear()
+        _PLANS[memo_key] = plan
+    return plan
+
+
 def _impl(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend,
           config: Optional[dict] = None):
     lead = x.shape[:-1]
     M = math.prod(lead)
-    x2 = x.reshape(M, k)
-    supported = ("cpu", "cuda", "triton")
-    chosen, cfg = dispatch("qmatmul", x.device, backend, _key(M, n, k, bits, group_size, act_bits, x.dtype),
-                           supported=supported, preference=("triton", "cuda"))
+    flat = x.dim() == 2  # the usual [M, K]: no reshapes (each view op costs several us with cold caches)
+    x2 = x if flat else x.reshape(M, k)
+    chosen, cfg = _plan(x.device, backend, M, n, k, bits, group_size, act_bits, x.dtype)
     if config is not None:
         cfg = dict(config)
     if M == 0 or n == 0 or k == 0:
@@ -283,7 +308,8 @@ def _impl(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size
         if bias is not None:
             y += bias.to(torch.float32)
         return y.to(x.dtype).reshape(*lead, n)
-    x2 = x2.contiguous()
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
     if chosen == "cuda":
         y = cuda_qmatmul(x2, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, cfg)
     elif chosen == "triton":
@@ -294,7 +320,7 @@ def _impl(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size
         y = cpu_bitserial(x2, planes, scales, offsets, wsum, bias, n, k, bits, group_size, act_bits, cfg)
     else:
         y = cpu_weight_only(x2, packed, scales, offsets, bias, n, k, bits, group_size, cfg)
-    return y.reshape(*lead, n)
+    return y if flat else y.reshape(*lead, n)
 
 
 @torch.library.custom_op("pykernels::qmatmul", mutates_args=())
