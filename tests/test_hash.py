@@ -464,6 +464,14 @@ def test_errors_are_clear():
         HashMap(1.5)
     with pytest.raises(ValueError, match="max_load_factor"):
         HashMap(10, max_load_factor=1.5)
+    # review findings: numpy floats are numbers (np.float32(0.5) was "not in (0, 1]"); a bool is not a
+    # load factor; a fractional window was truncated
+    assert HashMap(10, max_load_factor=np.float32(0.5)).max_load_factor == 0.5
+    with pytest.raises(TypeError, match="max_load_factor"):
+        HashMap(10, max_load_factor=True)
+    with pytest.raises(TypeError, match="'window'"):
+        HashMap(10, window=2.5)
+    assert HashMap(10, window=np.int64(4)).window == 4
     with pytest.raises(TypeError, match="expected a torch.Tensor"):
         t.find([1, 2])
     with pytest.raises(TypeError, match="default"):
@@ -1474,3 +1482,55 @@ def test_grouped_set_lookups_match_python_set(key_dtype):
     for prefetch in (1, 2, 7, 32, 64):
         _, found = _tune._find_cfg(t, L.key_bits(queries), {"prefetch": prefetch, "threads": 2})
         assert torch.equal(found.cpu(), want), prefetch
+
+
+# ---------------------------------------------------------------------------------------------
+# Review findings (session 16)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cls", ["map", "multi", "count"])
+def test_inserts_into_a_full_table_at_load_1_are_refused_without_walking_the_table(cls):
+    """A full table at max_load_factor=1.0 (no EMPTY slot may be claimed): every new key walked all the
+    windows looking for a tombstone before it was refused and the table grew, O(keys x capacity) per
+    call (capacity 64K: 3 s for 16K keys; ~3 min at this test's 512K). Now a key the overflow filter puts
+    in no later window (or any key of a multi-value table) is refused at once; tombstones further on are
+    reclaimed by the purge the refusal leads to. Checked for the answers, under a generous timeout."""
+    make = {"map": lambda c, **kw: HashMap(c, max_load_factor=1.0, **kw),
+            "multi": lambda c, **kw: MultiValueHashMap(c, torch.int64, torch.int64, max_load_factor=1.0, **kw),
+            "count": lambda c, **kw: CountingTable(c, max_load_factor=1.0, **kw)}[cls]
+
+    def put(t, k):
+        return t.add(k) if cls == "count" else t.insert(k, k)
+
+    t = make(1 << 19)
+    C = t.capacity
+    old = torch.arange(C, dtype=torch.int64) * 7 + 1
+    put(t, old)
+    assert len(t) == C and t.load_factor == 1.0
+    new = torch.arange(C // 4, dtype=torch.int64) * 7 + 3
+    put(t, new)  # grows
+    assert len(t) == C + C // 4 and t.capacity > C
+    both = torch.cat([old, new])
+    if cls == "multi":
+        assert torch.equal(t.count(both), torch.ones_like(both))
+    elif cls == "count":
+        assert torch.equal(t.counts(both), torch.ones_like(both))
+    else:
+        v, f = t.find(both)
+        assert bool(f.all()) and torch.equal(v, both)
+    # non-growable and full, with tombstones: the refused keys take the tombstones (purge), the rest
+    # is a TableFullError naming how many were left out
+    t = make(1 << 12, growable=False)
+    C = t.capacity
+    old = torch.arange(C, dtype=torch.int64) * 7 + 1
+    put(t, old)
+    if cls != "count":
+        t.erase(old[:100])
+        new = torch.arange(300, dtype=torch.int64) * 7 + 3
+        with pytest.raises(TableFullError) as e:
+            put(t, new)
+        assert e.value.not_inserted == 200 and len(t) == C
+        present = t.count(new) if cls == "multi" else t.find(new)[1].long()
+        assert int(present.sum()) == 100
+        kept = t.count(old) if cls == "multi" else t.find(old)[1].long()
+        assert torch.equal(kept, (torch.arange(C) >= 100).long())

@@ -143,6 +143,8 @@ struct Budget {
     }
   }
   void put_back() { ++local; }  // a reserved slot that was not taken after all
+  // No EMPTY slot may be claimed any more (only tombstones can take a new key).
+  bool exhausted() const { return local == 0 && used->load(std::memory_order_relaxed) >= limit; }
 };
 
 template <class K, class V>
@@ -246,6 +248,15 @@ struct Table {
     }
     if (++s.visited < nw) {
       if (!s.free_slot) {
+        // No free slot so far, and the load limit is reached: if the key is not beyond this window
+        // either (or duplicates are allowed), the only slots left for it are tombstones further on.
+        // Walking on for them read the whole table for every refused key of a full table at
+        // max_load_factor 1.0 (quadratic in the capacity; review finding): refuse it here instead, and
+        // the caller purges the tombstones or grows (pykernels/hashing/_tables.py) and inserts it again.
+        if (used.exhausted() && (Mode == M_APPEND || !overflowed(s.p.w, s.p.tag))) {  // (cheap test first)
+          st = ST_PENDING;
+          return true;
+        }
         // The key will live beyond this window: set its filter bit at the next step, when the byte
         // is in cache (a synchronous miss here stalled every insert in flight).
         if (ovf) {

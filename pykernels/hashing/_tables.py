@@ -79,7 +79,12 @@ class _OpenTable:
             if value_dtype not in L.VALUE_DTYPES:
                 raise TypeError(f"pykernels.{op}: expected 'value_dtype' of 1 to 8 bytes (bool, (u)int8..64, "
                                 f"float8/16/32/64, bfloat16, complex32/64), got {L.dtype_name(value_dtype)}")
-        if not (isinstance(max_load_factor, (int, float)) and 0.0 < max_load_factor <= 1.0):
+        # any real number (numpy floats too: np.float32(0.5) was refused as "not in (0, 1]"), never a bool
+        if isinstance(max_load_factor, bool) or not isinstance(max_load_factor, numbers.Real):
+            raise TypeError(f"pykernels.{op}: expected a number for 'max_load_factor', got "
+                            f"{type(max_load_factor).__name__}")
+        max_load_factor = float(max_load_factor)
+        if not 0.0 < max_load_factor <= 1.0:
             raise ValueError(f"pykernels.{op}: expected 'max_load_factor' in (0, 1], got {max_load_factor!r}")
         self.device = _device(op, device)
         self.backend = _backend.select_backend(op, self.device, backend, supported=_SUPPORTED, preference=("cuda",))
@@ -92,6 +97,8 @@ class _OpenTable:
         self._kb = L.key_bytes(key_dtype)
         self._vb = self._slot_value_bytes()
         self._sb = L.slot_bytes(self._kb, self._vb)
+        if window is not None and (isinstance(window, bool) or not isinstance(window, numbers.Integral)):
+            raise TypeError(f"pykernels.{op}: expected an int for 'window', got {type(window).__name__}")  # 2.5 became 2
         self.window = int(window) if window is not None else default_window(self._sb, self.device)
         if not 1 <= self.window <= 32:
             raise ValueError(f"pykernels.{op}: expected 'window' in 1..32, got {self.window}")
