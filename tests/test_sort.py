@@ -694,6 +694,25 @@ def test_out_is_written_in_place_or_copied_like_torch():
     assert torch.equal(ov3, torch.sort(xg.detach()).values)
 
 
+def test_out_of_the_right_shape_is_never_resized():
+    """Review findings: out= tensors were resize_()d even when their shape was already right, which
+    stopped torch.compile(fullgraph=True) (resize_ of a graph input) and refused, under no_grad, an out
+    that requires grad (a Parameter), both of which torch.sort accepts."""
+    for n in (1000, 3000):
+        x = torch.randn(n)
+        ref = torch.sort(x, stable=True)
+        ov, oi = torch.nn.Parameter(torch.empty(n)), torch.empty(n, dtype=torch.int64)
+        with torch.no_grad():
+            pykernels.sort(x, out=(ov, oi), backend="cpu")
+        assert torch.equal(ov.detach(), ref.values) and torch.equal(oi, ref.indices)
+    f = torch.compile(lambda a, b, c: pykernels.sort(a, out=(b, c)), fullgraph=True)
+    x = torch.randn(5, 7)
+    ov, oi = torch.empty(5, 7), torch.empty(5, 7, dtype=torch.int64)
+    f(x, ov, oi)
+    ref = torch.sort(x, stable=True)
+    assert torch.equal(ov, ref.values) and torch.equal(oi, ref.indices)
+
+
 def ref_segmented(keys, offsets, values, descending):
     k, v = keys.clone(), (values.clone() if values is not None else None)
     for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):

@@ -429,8 +429,12 @@ def sort(input, dim: int = -1, descending: bool = False, stable: bool = True, *,
 
 
 def _resize_output(t: torch.Tensor, shape) -> torch.Tensor:
-    """t resized to shape as torch's out= ops do: silently when empty, else with torch's warning."""
-    if t.numel() and tuple(t.shape) != tuple(shape):
+    """t resized to shape as torch's out= ops do: silently when empty, else with torch's warning; not at
+    all when it has the shape already (a resize_ of a compiled graph's input stopped
+    torch.compile(fullgraph=True), and resize_ refuses a tensor that requires grad: review findings)."""
+    if tuple(t.shape) == tuple(shape):
+        return t
+    if t.numel():
         warnings.warn(f"An output with one or more elements was resized since it had shape {list(t.shape)}, which "
                       f"does not match the required output shape {list(shape)}. This behavior is deprecated, and in "
                       f"a future PyTorch release outputs will not be resized unless they have zero elements. You "
