@@ -154,3 +154,37 @@ def test_gpu_growth_and_purge_from_a_full_table_keep_every_key(window):
     vals, found = m.find(live)
     assert bool(found.all()) and torch.equal(vals, live * 3) and len(m) == live.numel()
     assert sorted(m.items()[0].tolist()) == sorted(live.tolist())
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cls", ["map", "multi"])
+def test_gpu_full_table_at_load_1_refuses_new_keys_without_walking_it(cls):
+    """The CPU review finding on the GPU path (csrc/hash/hash.cu, group_insert): in a full table at
+    max_load_factor=1.0 a refused key walked every window looking for a tombstone. Growth and the purge
+    of tombstones must still place every key."""
+    make = {"map": lambda c, **kw: HashMap(c, device="cuda", max_load_factor=1.0, **kw),
+            "multi": lambda c, **kw: MultiValueHashMap(c, torch.int64, torch.int64, "cuda", max_load_factor=1.0,
+                                                       **kw)}[cls]
+    t = make(1 << 20)
+    C = t.capacity
+    old = (torch.arange(C, dtype=torch.int64) * 7 + 1).cuda()
+    t.insert(old, old)
+    new = (torch.arange(C // 4, dtype=torch.int64) * 7 + 3).cuda()
+    t.insert(new, new)
+    assert len(t) == C + C // 4
+    both = torch.cat([old, new])
+    if cls == "multi":
+        assert bool((t.count(both) == 1).all())
+    else:
+        v, f = t.find(both)
+        assert bool(f.all()) and torch.equal(v, both)
+    t = make(1 << 12, growable=False)
+    C = t.capacity
+    old = (torch.arange(C, dtype=torch.int64) * 7 + 1).cuda()
+    t.insert(old, old)
+    t.erase(old[:100])
+    new = (torch.arange(300, dtype=torch.int64) * 7 + 3).cuda()
+    with pytest.raises(TableFullError) as e:
+        t.insert(new, new)
+    assert e.value.not_inserted == 200 and len(t) == C

@@ -143,6 +143,9 @@ struct SlotBudget {  // lane 0 of a group uses it
     atomicAdd(used, (unsigned long long)-1ll);
     return false;
   }
+  __device__ bool exhausted() const {  // no EMPTY slot may be claimed any more (lane 0)
+    return limit >= 0 && left == 0 && *(volatile long long*)&counters[C_USED] >= limit;
+  }
   __device__ void untake() {  // the CAS lost: the reservation stays with the group (chunk 1: returned)
     if (limit < 0) return;
     if (chunk > 1) ++left;
@@ -187,6 +190,12 @@ __device__ __forceinline__ uint8_t group_insert(const Group<G> g, Slot<K, V>* sl
       }
       if (empty) break;  // the key cannot be beyond the first EMPTY
       if (free_slot < 0) {
+        // No free slot so far and no EMPTY may be claimed: a key in no later window (any key, when
+        // duplicates are allowed) is refused here, as on the CPU (hash_cpu.cpp, ins_step); walking on
+        // for a tombstone read every window for every refused key of a full table at load 1.0. The
+        // host then purges tombstones or grows. Lane 0 decides (its budget), the ballot tells the group.
+        if (g.ballot(g.rank == 0 && budget.exhausted() && (Mode == M_APPEND || !ovf_has(ovf, p.w, p.tag))))
+          return ST_PENDING;
         if (g.rank == 0) ovf_mark(ovf, p.w, p.tag);  // the key will live beyond this window
       } else if (!g.ballot(ovf_has(ovf, p.w, p.tag))) {
         break;  // nor is it beyond: take the free slot met
