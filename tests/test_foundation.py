@@ -313,3 +313,18 @@ def test_tune_examples_are_checked_and_keyed_as_dispatch_keys_them(tmp_cache):
     at.tune("sort", x, dim=0, budget_s=0.02)
     entries = json.loads(at.cache_file().read_text())["entries"]
     assert at._entry_key("sort", "cpu", make_key(x, dim=0)) in entries, list(entries)
+
+
+def test_getenv_follows_os_environ(monkeypatch):
+    """pykernels._native.getenv reads os.environ's own dict (an unset name costs no KeyError): it must
+    see what os.environ.get sees after setenv, a change and delenv (monkeypatch uses os.environ)."""
+    from pykernels._native import getenv
+
+    name = "PYKERNELS_TEST_GETENV_SWITCH"
+    monkeypatch.delenv(name, raising=False)
+    assert getenv(name) is None
+    for value in ("1", "0", "", "caf\u00e9"):
+        monkeypatch.setenv(name, value)
+        assert getenv(name) == os.environ.get(name) == value
+    monkeypatch.delenv(name)
+    assert getenv(name) is None
