@@ -1015,6 +1015,7 @@ def test_small_auto_sorts_are_torch_sort_and_agree_with_the_native_path(monkeypa
     out = (torch.empty(0), torch.empty(0, dtype=torch.int64))
     r = pykernels.sort(x, dim=0, out=out)
     assert r.values is out[0] and torch.equal(out[1], pykernels.sort(x, dim=0, backend="cpu").indices)
+    assert type(r) is torch.return_types.sort  # as from the native route (torch's out= gives sort_out)
     calls.clear()
     pykernels.sort_keys(x[0], begin_bit=3)  # a bit range: the native sort
     assert calls == []

@@ -103,6 +103,8 @@ def scalar_bits(op: str, value, value_dtype: torch.dtype) -> int:
     dtype, or truncate 3.7 to 3, silently. Integer (and bool) dtypes take integral numbers within
     their range; float dtypes take any real number whose magnitude they can hold (rounding to the
     nearest representable value, as storing a float does; inf and NaN are values too)."""
+    if type(value) is int and value == 0:  # find()'s default: +0 and 0.0 are all-zero bits in every dtype
+        return 0
     where = f"pykernels.{op}: expected 'default'"
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:

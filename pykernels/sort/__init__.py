@@ -412,7 +412,8 @@ def sort(input, dim: int = -1, descending: bool = False, stable: bool = True, *,
                                "differentiation, but one of the arguments requires grad (as torch.sort)")
     if _eager(x):
         if _torch_sorts(x, backend):
-            return torch.sort(x, dim=d, descending=descending, stable=True, out=out)
+            # torch.return_types.sort, as from every other route (torch's out= gives its sort_out type)
+            return torch.return_types.sort(torch.sort(x, dim=d, descending=descending, stable=True, out=out))
         direct = None
         if out is not None and _writable_in_place(x, ov, oi):
             direct = (ov, oi)
