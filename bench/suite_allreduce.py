@@ -190,10 +190,17 @@ def _quiet_teardown():
     q()
 
 
+_EMPTY_CACHE = None
+
+
 def _spawn_worker(rank, world, init, sizes, algos, topology, reps, out):
     import torch.distributed as dist
 
-    os.environ.setdefault("PYKERNELS_AUTOTUNE", "0")
+    # auto as measure() tunes it in this run (store=False), never from the user's cache: an empty cache
+    # dir of this process (PYKERNELS_AUTOTUNE=0 would make tune() measure nothing)
+    global _EMPTY_CACHE
+    _EMPTY_CACHE = tempfile.TemporaryDirectory(prefix="pykernels-bench-cache-")
+    os.environ.setdefault("PYKERNELS_CACHE_DIR", _EMPTY_CACHE.name)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
         rows = measure(sizes, algos, topology, reps)

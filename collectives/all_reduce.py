@@ -894,6 +894,14 @@ def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool 
     dev = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
     if p == 1:
         return Params.defaults(backend, topo.num_levels)
+    import pykernels.autotune as at
+
+    if not at._enabled():
+        # PYKERNELS_AUTOTUNE=0 turns tuning off (API.md): nothing measured or stored (it was; review
+        # finding), what auto uses now is returned
+        warnings.warn("collectives.all_reduce.tune: PYKERNELS_AUTOTUNE=0 turns tuning off; nothing was measured",
+                      stacklevel=2)
+        return _load_params(group, topo)
     levels = topo.comms(group)
     small, big = 8, 4 << 20
     meas = []
@@ -1108,8 +1116,14 @@ def _register_tunable():
             _tune_local(int(os.environ.get("COLLECTIVES_TUNE_WORLD", "4")), sizes)
         return []
 
+    def check(*args, **kwargs):
+        # tune("all_reduce", t) measured nothing and cached an empty entry (review finding)
+        raise ValueError("pykernels.autotune.tune: all_reduce is tuned on every rank of a process group at once: "
+                         "call collectives.all_reduce.tune(...) on each rank, or run `python -m pykernels.autotune "
+                         "generate --ops allreduce` (a local gloo group)")
+
     at.register(at.Tunable(
-        op="all_reduce", backend="cpu", group="allreduce",
+        op="all_reduce", backend="cpu", group="allreduce", check=check,
         make_key=lambda *a, **k: {},
         default=lambda key: {"params": None},
         candidates=lambda key: [],

@@ -44,17 +44,26 @@ def _cuda_status() -> BackendStatus:
     return BackendStatus(True, f"{torch.cuda.get_device_name()} ({len(mods)} native GPU modules)")
 
 
-@functools.lru_cache(maxsize=None)
 def _triton_status() -> BackendStatus:
+    # per value of TRITON_INTERPRET: a status computed before a test (or a user) set it stayed "no GPU
+    # for triton (set TRITON_INTERPRET=1 ...)" for the rest of the process (review finding)
+    return _triton_status_for(_native.getenv("TRITON_INTERPRET") == "1")
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_status_for(interpret: bool) -> BackendStatus:
     try:
         import triton  # noqa: F401
     except ImportError as exc:
         return BackendStatus(False, f"triton is not installed ({exc})")
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpret:
         return BackendStatus(True, f"triton {triton.__version__} under TRITON_INTERPRET=1 (CPU tensors)")
     if not torch.cuda.is_available():
         return BackendStatus(False, "no GPU for triton (set TRITON_INTERPRET=1 to run its kernels on CPU)")
     return BackendStatus(True, f"triton {triton.__version__} on {torch.cuda.get_device_name()}")
+
+
+_triton_status.cache_clear = _triton_status_for.cache_clear  # (tests that monkeypatch the environment)
 
 
 @functools.lru_cache(maxsize=None)

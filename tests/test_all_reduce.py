@@ -39,7 +39,9 @@ TIMEOUT_S = 20
 # The shared process groups
 # ================================================================================================
 def _serve(rank, world, init_file, inq, outq, backend="gloo"):
-    os.environ.setdefault("PYKERNELS_AUTOTUNE", "0")  # auto uses the model defaults unless a test tunes
+    # auto uses the model defaults unless a test tunes: an empty cache of the group's own, never the
+    # user's (PYKERNELS_AUTOTUNE=0 would also make tune() measure nothing)
+    os.environ.setdefault("PYKERNELS_CACHE_DIR", os.path.join(os.path.dirname(init_file), "autotune-cache"))
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -467,6 +469,25 @@ def chk_tune_then_auto(sizes):
     return text, params.to_json(), n
 
 
+def chk_tune_off_measures_nothing(cache_dir):
+    """PYKERNELS_AUTOTUNE=0: tune() measures nothing and writes no cache (review finding: it did both)."""
+    import os
+    import warnings
+
+    from collectives.all_reduce import tune
+
+    os.environ["PYKERNELS_AUTOTUNE"] = "0"
+    os.environ["PYKERNELS_CACHE_DIR"] = cache_dir
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            params = tune(sizes=[4 << 10])
+        assert any("PYKERNELS_AUTOTUNE=0" in str(w.message) for w in caught)
+        return params.source, sorted(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else []
+    finally:
+        del os.environ["PYKERNELS_AUTOTUNE"]
+
+
 def chk_same_params():
     """Every rank decides from the same parameters (rank 0's, broadcast)."""
     from collectives.all_reduce import _load_params
@@ -655,6 +676,8 @@ def test_world_4_tune(clusters, tmp_path):
     c = clusters(4)
     out = c.run("chk_tune_then_auto", [4 << 10, 256 << 10])
     assert len({o[1] for o in out}) == 1, "ranks tuned different parameters"
+    for source, files in c.run("chk_tune_off_measures_nothing", str(tmp_path / "off_cache")):
+        assert source != "tuned" and files == [], (source, files)
 
 
 @pytest.mark.parametrize("algo", ["recursive_doubling", "ring", "hierarchical", "native", "auto"])

@@ -328,3 +328,41 @@ def test_getenv_follows_os_environ(monkeypatch):
         assert getenv(name) == os.environ.get(name) == value
     monkeypatch.delenv(name)
     assert getenv(name) is None
+
+
+def test_tune_checks_the_example_as_the_op_does(tmp_cache):
+    """Review findings: tune() ran the kernels on arguments the op rejects (a 4-element payload for 4M
+    keys segfaulted, GQA heads that do not divide crashed with SIGFPE, an x of the wrong K was measured and
+    cached under the real key), and on an expanded (stride 0) example as is. Now the op's own error comes
+    out and nothing is cached; the expanded example is sorted as the op sorts it."""
+    import pykernels
+
+    qw = pykernels.quantize(torch.randn(16, 256), 4, 128)
+    bad = [
+        (ValueError, "sort_pairs: expected 'values' of length", ("sort_pairs", torch.arange(1 << 16), torch.arange(4))),
+        (ValueError, "multiple of the key/value heads", ("flash_attention", torch.randn(1, 2, 16, 8),
+                                                         torch.randn(1, 4, 16, 8), torch.randn(1, 4, 16, 8))),
+        (ValueError, r"qmatmul: expected 'x' of shape \[\.\.\., 256\]", ("qmatmul", torch.randn(1, 512), qw)),
+        (TypeError, "qmatmul: expected 'x' of dtype", ("qmatmul", torch.randn(1, 256).double(), qw)),
+        (ValueError, "sort_keys: expected 'keys' with 1 dimension", ("sort_keys", torch.randn(64, 64))),
+    ]
+    for exc, msg, args in bad:
+        with pytest.raises(exc, match=msg):
+            at.tune(*args, budget_s=0.01)
+    assert not at.cache_file().exists()
+    keys = torch.tensor([5]).expand(1 << 16)
+    cfg = at.tune("sort_keys", keys, budget_s=0.01)
+    assert isinstance(cfg, dict) and torch.equal(pykernels.sort_keys(keys), torch.full((1 << 16,), 5))
+    with pytest.raises(ValueError, match="collectives.all_reduce.tune"):
+        at.tune("all_reduce", torch.zeros(8))
+
+
+def test_backends_follow_triton_interpret(monkeypatch):
+    """Review finding: a status asked for before TRITON_INTERPRET=1 was set stayed "no GPU for triton"."""
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    before = _backend.backends()["triton"]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _backend.backends()["triton"].available
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert _backend.backends()["triton"] == before

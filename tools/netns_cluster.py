@@ -91,7 +91,9 @@ class Cluster:
                 for k in range(self.per):
                     rank = i * self.per + k
                     env = dict(os.environ, GLOO_SOCKET_IFNAME=f"v{i}", LOCAL_WORLD_SIZE=str(self.per),
-                               LOCAL_RANK=str(k), PYTHONPATH=str(ROOT), PYKERNELS_AUTOTUNE="0")
+                               LOCAL_RANK=str(k), PYTHONPATH=str(ROOT),
+                               # auto as --tune measures it in this run, never from the user's cache
+                               PYKERNELS_CACHE_DIR=f"{d}/autotune-cache")
                     cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "bench.suite_allreduce", "worker",
                            "--rank", str(rank), "--world", str(world), "--init", init,
                            "--sizes", ",".join(map(str, sizes)), "--algos", ",".join(algos), "--reps", str(reps),

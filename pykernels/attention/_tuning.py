@@ -62,15 +62,28 @@ def _run_bwd(backend):
     return run
 
 
+def _check_fwd(q, k, v, causal=False, scale=None, backend="auto"):
+    """The public op on the example (tune() runs it first): its argument checks, and one warm-up run."""
+    from . import flash_attention
+
+    flash_attention(q, k, v, causal=causal, scale=scale, backend=backend)
+
+
+def _check_bwd(dout, q, k, v, out, lse, causal=False, scale=None, backend="auto"):
+    from . import flash_attention_backward
+
+    flash_attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend)
+
+
 autotune.register(autotune.Tunable(
-    op=OP, group="attention", backend="cpu", make_key=problem_key,
+    op=OP, group="attention", backend="cpu", make_key=problem_key, check=_check_fwd,
     default=lambda key: dict(_CPU_DEFAULT),
     candidates=lambda key: [dict(c) for c in _CPU_CANDIDATES],
     run=_run_fwd("cpu"),
     examples=lambda sizes: _examples("cpu", sizes, False),
 ))
 autotune.register(autotune.Tunable(
-    op=OP_BWD, group="attention", backend="cpu", make_key=_bwd_key,
+    op=OP_BWD, group="attention", backend="cpu", make_key=_bwd_key, check=_check_bwd,
     default=lambda key: dict(_CPU_DEFAULT),
     candidates=lambda key: [dict(c) for c in _CPU_CANDIDATES],
     run=_run_bwd("cpu"),
@@ -102,12 +115,12 @@ def _register_triton():
         return ex
 
     autotune.register(autotune.Tunable(
-        op=OP, group="attention", backend="triton", make_key=problem_key, default=fwd_default,
+        op=OP, group="attention", backend="triton", make_key=problem_key, default=fwd_default, check=_check_fwd,
         candidates=lambda key: [dict(c) for c in tc.fwd_configs(key["d"], key["dtype"])],
         run=_run_fwd("triton"), examples=device_examples(False),
     ))
     autotune.register(autotune.Tunable(
-        op=OP_BWD, group="attention", backend="triton", make_key=_bwd_key, default=bwd_default,
+        op=OP_BWD, group="attention", backend="triton", make_key=_bwd_key, default=bwd_default, check=_check_bwd,
         candidates=lambda key: [dict(c) for c in tc.bwd_configs(key["d"], key["dtype"])],
         run=_run_bwd("triton"), examples=device_examples(True),
     ))

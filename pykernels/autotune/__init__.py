@@ -47,7 +47,7 @@ import torch
 from .. import _native
 
 __all__ = ["Tunable", "register", "tune", "cache_file", "config_for", "lookup", "bucket", "registered",
-           "device_id", "measure", "load_cache_file"]
+           "device_id", "measure", "load_cache_file", "clear_memory_cache"]
 
 CACHE_FORMAT = 1
 MIN_GAIN = 0.03  # a tuned config must beat the default by 3% head to head to replace it
@@ -68,6 +68,11 @@ class Tunable:
     examples: Callable[[Optional[list]], list] = lambda sizes: []  # sizes -> [(args, kwargs)] for `generate`
     group: str = ""                            # CLI name: sort, hash, qgemm, attention, allreduce
     setup: Optional[Callable[..., tuple]] = None  # (args, kwargs) -> fresh (args, kwargs) per timed run
+    # check(*args, backend=..., **kwargs): the op's own argument checks, run by tune() before anything
+    # is measured (its error, nothing cached). `run` calls the backends directly, past those checks: an
+    # argument the op rejects reached the kernels (review finding: segfaults, SIGFPE, configs cached
+    # under keys of another problem). Usually the public op itself, called once on the example.
+    check: Optional[Callable[..., Any]] = None
 
     def __post_init__(self):
         if not self.group:
@@ -478,6 +483,8 @@ def tune(op_name: str, *example_args, backend: str = "auto", budget_s: float = 0
             # the base class (a subclass such as UnicodeDecodeError may not take one message)
             kind = next(t for t in _EXAMPLE_ERRORS if isinstance(exc, t))
             raise kind(f"pykernels.autotune.tune: cannot tune {op_name!r} on these arguments: {exc}") from exc
+        if tunable.check is not None:
+            tunable.check(*example_args, backend=b, **kwargs)  # the op's own error, as is
         default = dict(tunable.default(key))
         if not _enabled():
             # PYKERNELS_AUTOTUNE=0 turns tuning off (API.md): nothing measured or written, the heuristic

@@ -100,13 +100,26 @@ def _run_insert(config, table, keys):
         scratch._native_insert(kbits, vbits, 0, config)
 
 
+def _check(table, keys=None, backend="auto", **kw):
+    """The table's own checks of the example (tune() runs them first): a table of this library, and keys
+    its lookups and inserts accept (dtype, device), as they would be given to it."""
+    from ._tables import _OpenTable
+
+    if not isinstance(table, _OpenTable):
+        raise TypeError(f"pykernels.autotune.tune: expected a hash table (HashMap, HashSet, CountingTable, "
+                        f"MultiValueHashMap) as the first argument, got {type(table).__name__}")
+    if kw:
+        raise TypeError(f"pykernels.autotune.tune: the hash ops take (table, keys), not {', '.join(sorted(kw))}")
+    table._keys("find", keys)
+
+
 autotune.register(autotune.Tunable(
     op="hash_find", group="hash", backend="cpu", make_key=_key, default=_cpu_default,
-    candidates=_cpu_candidates, run=_run_find, examples=_examples))
+    candidates=_cpu_candidates, run=_run_find, examples=_examples, check=_check))
 
 autotune.register(autotune.Tunable(
     op="hash_insert", group="hash", backend="cpu", make_key=_key, default=_cpu_default,
-    candidates=_cpu_candidates, run=_run_insert, examples=_examples))
+    candidates=_cpu_candidates, run=_run_insert, examples=_examples, check=_check))
 
 
 # ---- GPU: the probing-group size (= window) of a new table ------------------------------------
@@ -145,5 +158,5 @@ def _gpu_examples(sizes):
 
 autotune.register(autotune.Tunable(
     op="hash_table", group="hash", backend="cuda", make_key=_gpu_table_key, default=_gpu_table_default,
-    candidates=_gpu_table_candidates, run=_run_gpu_table,
+    candidates=_gpu_table_candidates, run=_run_gpu_table, check=_check,
     examples=lambda sizes: _gpu_examples(sizes) if torch.cuda.is_available() else []))

@@ -421,9 +421,15 @@ def register_tunables(quantize):
             out.append(((torch.randn(M, K, generator=g), qw), {"act_bits": ab}))
         return out
 
+    def check(x, qw, bias=None, act_bits=None, backend="auto"):
+        """The public op on the example (tune() runs it first): its argument checks, one warm-up run."""
+        from . import qmatmul
+
+        qmatmul(x, qw, bias, act_bits=act_bits, backend=backend)
+
     autotune.register(autotune.Tunable(op="qmatmul", group="qgemm", backend="cpu", make_key=make_key,
                                        default=_default_cpu_config, candidates=candidates, run=run,
-                                       examples=examples))
+                                       examples=examples, check=check))
 
     # GPU: Triton tiles (only those AOT_SPECS compiles for sm_90 without spills) and split-K.
     def triton_default(key):
@@ -461,4 +467,4 @@ def register_tunables(quantize):
 
     autotune.register(autotune.Tunable(op="qmatmul", group="qgemm", backend="triton", make_key=make_key,
                                        default=triton_default, candidates=triton_candidates, run=triton_run,
-                                       examples=triton_examples))
+                                       examples=triton_examples, check=check))

@@ -114,7 +114,9 @@ def _run(op: str):
     from . import _cpu_sort_1d, _cpu_segmented
 
     def run(config, keys, values=None, **kw):
-        keys = _example_keys(op, keys, kw)
+        # contiguous, as the op makes them (_sort_1d_any): an expanded example reached the kernel as is
+        keys = _example_keys(op, keys, kw).contiguous()
+        values = values.contiguous() if values is not None else None
         desc = bool(kw.get("descending", False))
         if op in _OPS_1D:
             bits = {"begin_bit": kw.get("begin_bit", 0), "end_bit": kw.get("end_bit")}
@@ -248,6 +250,20 @@ def _cuda_examples(op: str):
     return make
 
 
+def _check(op: str):
+    """The public op on the example (tune() runs it first): its argument checks, and one warm-up run."""
+    def check(keys, values=None, backend="auto", **kw):
+        import pykernels
+
+        fn = getattr(pykernels, op)
+        if op == "sort_pairs":
+            return fn(keys, values, backend=backend, **kw)
+        if op == "segmented_sort":
+            return fn(keys, kw.pop("offsets", None), values, backend=backend, **kw)
+        return fn(keys, backend=backend, **kw)
+    return check
+
+
 def _register():
     from . import _default_config
 
@@ -256,13 +272,13 @@ def _register():
     for op in _OPS_1D + _OPS_ROWS:
         autotune.register(autotune.Tunable(
             op=op, backend="cpu", group="sort", make_key=_make_key(op), default=_default_config,
-            candidates=_candidates, run=_run(op), examples=_examples(op, dtypes[op])))
+            candidates=_candidates, run=_run(op), examples=_examples(op, dtypes[op]), check=_check(op)))
     # Registered whatever the build (as the hash tables' GPU tunable): tune() and dispatch only use them
     # where the CUDA backend runs, and their examples are empty elsewhere.
     for op in _OPS_CUDA:
         autotune.register(autotune.Tunable(
             op=op, backend="cuda", group="sort", make_key=_cuda_make_key(op), default=_cuda_default,
-            candidates=_cuda_candidates, run=_cuda_run(op), examples=_cuda_examples(op)))
+            candidates=_cuda_candidates, run=_cuda_run(op), examples=_cuda_examples(op), check=_check(op)))
 
 
 _register()
