@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -105,7 +106,10 @@ def check_across_ranks(op: str, grp: Group, local_error: Optional[BaseException]
         raise exc(f"{op}: rank(s) {bad} of the group got invalid input (see the error on that rank)")
     differ = [n for i, n in enumerate(names) if bool((table[:, i + 1] != table[0, i + 1]).any())]
     if differ:
-        per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{n}={int(table[r, names.index(n) + 1])}"
+        def shown(n, v):
+            return dtype_name(v) if n == "dtype" else str(v)
+
+        per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{n}={shown(n, int(table[r, names.index(n) + 1]))}"
                                                          for n in differ) for r in range(grp.world))
         raise ValueError(f"{op}: expected the same shard shape and arguments on every rank, got {per_rank}")
 
@@ -118,7 +122,21 @@ def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, pg) -> None:
 
 
 def dtype_code(dtype: torch.dtype) -> int:
-    return _DTYPE_CODES.get(dtype, 0)
+    """A distinct number per dtype (the floats keep their small codes; every other dtype has its own:
+    int64 vs int32 shards of unshard_sequence all got 0, and gloo aborted the process on the size
+    mismatch that followed; uint8 vs int8 mixed bytes silently; review finding)."""
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:  # the same on every rank (crc32 of the name; Python's str hash is salted per process)
+        code = 16 + zlib.crc32(str(dtype).encode()) % (1 << 20)
+    return code
+
+
+def dtype_name(code: int) -> str:
+    """The dtype a dtype_code stands for (for error messages), or the number if none of torch's."""
+    for dt in (getattr(torch, n) for n in dir(torch)):
+        if isinstance(dt, torch.dtype) and dtype_code(dt) == code:
+            return str(dt).replace("torch.", "")
+    return str(code)
 
 
 def float_bits(x: float) -> int:

@@ -465,7 +465,7 @@ def _execute_detached(tensor: torch.Tensor, op: str, group, topo: Topology, choi
         x = torch.empty(n, dtype=wdt, device=dev)
         x.copy_(tensor.reshape(-1))
     if p > 1:
-        _run_choice(choice, x, n, op, group, topo)
+        _run_choice(choice, x, n, op, group, topo, tensor.dtype)
     if op == "avg":
         if x.dtype.is_floating_point:
             x.div_(p)
@@ -575,36 +575,43 @@ def _check_agreement(group, signature: str, device: torch.device):
                            f"(this rank: {signature}); every rank must pass the same")
 
 
-def _run_choice(choice: dict, x: torch.Tensor, n: int, op: str, group, topo: Topology):
+def _run_choice(choice: dict, x: torch.Tensor, n: int, op: str, group, topo: Topology, dtype=None):
+    """Runs the chosen algorithm on the working buffer x. `dtype`: the caller's dtype (x's when None),
+    which the agreement check and the message tags carry: fp16 vs fp32 (both reduced in fp32) or int32
+    vs uint8 under avg (both summed in int64) have one working dtype, and such ranks were not told apart
+    (review finding: a uint8 rank got 500 wrapped to 244, no error)."""
     name = choice["algorithm"]
     if name == "none":
         return
-    if (name == "native" or choice.get("outer") == "native") and not choice.get("agreed"):
-        # gloo aborts the whole process when a peer's message is longer than expected, so before handing
-        # the vector to gloo's/NCCL's own all-reduce every rank checks (16 bytes, same size everywhere)
-        # that all agree on numel, dtype and op: a mismatch becomes an error on every rank, never a crash.
-        _check_agreement(group, f"{n}|{x.dtype}|{op}", x.device)
-    if name == "native":
-        # gloo's/NCCL's own collective on the working buffer (fp32 for half types: rounded once)
-        dist.all_reduce(x, op=_BASE_OP[op], group=group)
-        return
+    dtype = x.dtype if dtype is None else dtype
     try:
-        _run_p2p(name, choice, x, n, op, group, topo)
+        if (name == "native" or choice.get("outer") == "native") and not choice.get("agreed"):
+            # gloo aborts the whole process when a peer's message is longer than expected, so before
+            # handing the vector to gloo's/NCCL's own all-reduce every rank checks (16 bytes, same size
+            # everywhere) that all agree on numel, dtype and op: a mismatch becomes an error on every
+            # rank, never a crash.
+            _check_agreement(group, f"{n}|{dtype}|{op}", x.device)
+        if name == "native":
+            # gloo's/NCCL's own collective on the working buffer (fp32 for half types: rounded once)
+            dist.all_reduce(x, op=_BASE_OP[op], group=group)
+            return
+        _run_p2p(name, choice, x, n, op, group, topo, dtype)
     except RuntimeError as exc:  # gloo's own errors (DistBackendError is one) do not name our op
         if str(exc).startswith(OPNAME):
             raise
         first = (str(exc).strip().splitlines() or [""])[0][:300]
+        what = "gloo's own all-reduce" if name == "native" else f"a point-to-point transfer of the {name} all-reduce"
         raise RuntimeError(
-            f"{OPNAME}: a point-to-point transfer of the {name} all-reduce failed ({type(exc).__name__}: {first}). "
-            f"Every rank must pass the same numel, dtype and op (this rank: numel={n}, dtype={x.dtype}, op={op}); "
+            f"{OPNAME}: {what} failed ({type(exc).__name__}: {first}). "
+            f"Every rank must pass the same numel, dtype and op (this rank: numel={n}, dtype={dtype}, op={op}); "
             f"a rank that disagrees ends the call this way on every rank, and the group may be unusable "
             f"afterwards") from exc
 
 
-def _run_p2p(name: str, choice: dict, x: torch.Tensor, n: int, op: str, group, topo: Topology):
+def _run_p2p(name: str, choice: dict, x: torch.Tensor, n: int, op: str, group, topo: Topology, dtype):
     """Our algorithms over point-to-point messages whose tags hash the call's signature: ranks that
     disagree never match each other's messages, so they time out instead of mixing data."""
-    sig = f"{n}|{x.dtype}|{op}|{json.dumps(choice, sort_keys=True)}|{topo.sizes}"
+    sig = f"{n}|{dtype}|{op}|{json.dumps(choice, sort_keys=True)}|{topo.sizes}"
     piece = A.piece_elems(n * x.element_size(), x.element_size())
     ctx = A.Ctx(_REDUCE[op], piece, A.Tagger(sig))
     tmp = _scratch(group, x, dist.get_world_size(group))

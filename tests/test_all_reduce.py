@@ -501,10 +501,12 @@ def chk_mismatch(kind, algo, timeout_s):
     world, rank = dist.get_world_size(), dist.get_rank()
     g = dist.new_group(list(range(world)), timeout=timedelta(seconds=timeout_s))
     n = 1000
+    x = torch.ones(n)
     if rank == 1:
-        x = torch.ones(n + 1) if kind == "size" else torch.ones(n, dtype=torch.float64)
-    else:
-        x = torch.ones(n)
+        x = {"size": torch.ones(n + 1), "dtype": torch.ones(n, dtype=torch.float64),
+             # review findings: one working dtype (fp32) for both ranks was not told apart; sizes on
+             # either side of auto's native/point-to-point threshold gave the native rank gloo's raw error
+             "half": torch.ones(n, dtype=torch.float16), "far": torch.ones(1 << 20)}[kind]
     t0 = time.monotonic()
     try:
         collectives.all_reduce(x, group=g, algorithm=algo,
@@ -684,12 +686,16 @@ def test_world_4_tune(clusters, tmp_path):
 def test_size_mismatch_fails_on_every_rank(clusters, algo):
     c = clusters(4)
     t0 = time.monotonic()
-    res = c.run("chk_mismatch", "size" if algo != "ring" else "dtype", algo, 2, timeout=60)
-    assert time.monotonic() - t0 < 30
-    for rank, value in enumerate(res):
-        assert value[0] == "raised", f"rank {rank} did not fail: {value}"
-        assert value[2].startswith("collectives.all_reduce: "), f"rank {rank}: the error must name the op: {value}"
-    c.run("chk_world_ok")  # the default group is unharmed
+    kinds = ["size" if algo != "ring" else "dtype"] + (["half", "far"] if algo in ("auto", "native") else [])
+    for kind in kinds:
+        t0 = time.monotonic()
+        res = c.run("chk_mismatch", kind, algo, 2, timeout=60)
+        assert time.monotonic() - t0 < 30
+        for rank, value in enumerate(res):
+            assert value[0] == "raised", f"{kind}: rank {rank} did not fail: {value}"
+            assert value[2].startswith("collectives.all_reduce: "), \
+                f"{kind}: rank {rank}: the error must name the op: {value}"
+        c.run("chk_world_ok")  # the default group is unharmed
 
 
 FLAT_ALGOS = ["recursive_doubling", "halving_doubling", "ring"]

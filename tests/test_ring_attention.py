@@ -305,6 +305,13 @@ def case_shard_errors(rank, world):
         unshard_sequence(local, layout="contiguous", dim=0)
     except ValueError as exc:
         out["unshard_9d"] = str(exc)
+    # integer shards of different dtypes (review finding: every non-float dtype had one code, so int64 vs
+    # int32 aborted the process in gloo and uint8 vs int8 mixed bytes silently)
+    for key, dtypes in (("unshard_int", (torch.int64, torch.int32)), ("unshard_bytes", (torch.uint8, torch.int8))):
+        try:
+            unshard_sequence(torch.ones(1, 2, 4, 4, dtype=dtypes[rank % 2]), layout="contiguous")
+        except ValueError as exc:
+            out[key] = str(exc)
     return out
 
 
@@ -407,6 +414,8 @@ def test_shard_errors(pool):
             assert "multiple of" in out["contiguous"]
             assert "collectives.unshard_sequence" in out["unshard"]
             assert "collectives.unshard_sequence" in out["unshard_9d"]
+            assert "dtype=int64" in out["unshard_int"] and "dtype=int32" in out["unshard_int"]
+            assert "dtype=uint8" in out["unshard_bytes"] and "dtype=int8" in out["unshard_bytes"]
         assert "layout" in out["layout"]
         assert "even" in out["unshard_odd"]
 
