@@ -366,3 +366,27 @@ def test_backends_follow_triton_interpret(monkeypatch):
     assert _backend.backends()["triton"].available
     monkeypatch.delenv("TRITON_INTERPRET")
     assert _backend.backends()["triton"] == before
+
+
+def test_autotune_cli_rejects_bad_arguments_cleanly(tmp_path):
+    """Review findings: --sizes 1e30 ended in a traceback, --ops "" and --backends bogus tuned nothing
+    and exited 0, a hand-edited non-numeric default_time_s crashed `show`, and an uncreatable cache dir
+    gave a bare NotADirectoryError."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYKERNELS_CACHE_DIR=str(tmp_path / "cache"))
+    for argv, msg in ((["--ops", "sort", "--sizes", "1e30"], "--sizes: expected sizes in"),
+                      (["--ops", ""], "unknown --ops"), (["--ops", "sort", "--backends", "bogus"], "--backends")):
+        r = subprocess.run([sys.executable, "-m", "pykernels.autotune", "generate", *argv], env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, (argv, r.stderr)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"metadata": {"format": 1}, "entries": {
+        'sort_keys|cpu|{"n": 1}': {"config": {"threads": 1}, "time_s": 0.001, "default_time_s": "fast"}}}))
+    r = subprocess.run([sys.executable, "-m", "pykernels.autotune", "show", str(bad)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    (tmp_path / "afile").write_text("")
+    env["PYKERNELS_CACHE_DIR"] = str(tmp_path / "afile" / "sub")
+    r = subprocess.run([sys.executable, "-c", "import torch, pykernels.autotune as at; "
+                        "at.tune('sort_keys', torch.arange(5000, dtype=torch.int32), budget_s=0.01)"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "pykernels.autotune: could not write the cache file" in r.stderr, r.stderr

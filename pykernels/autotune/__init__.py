@@ -256,8 +256,13 @@ def _entry_key(op: str, backend: str, key: dict) -> str:
 def _file_lock(path: Path):
     import fcntl
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(str(path) + ".lock", "w") as fh:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(str(path) + ".lock", "w")
+    except OSError as exc:  # (a bare NotADirectoryError named nothing; review finding)
+        raise OSError(f"pykernels.autotune: could not write the cache file {path}: {exc} "
+                      f"(PYKERNELS_CACHE_DIR moves the cache)") from exc
+    with fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
             yield
