@@ -253,7 +253,7 @@ struct Table {
         // Walking on for them read the whole table for every refused key of a full table at
         // max_load_factor 1.0 (quadratic in the capacity; review finding): refuse it here instead, and
         // the caller purges the tombstones or grows (pykernels/hashing/_tables.py) and inserts it again.
-        if (used.exhausted() && (Mode == M_APPEND || !overflowed(s.p.w, s.p.tag))) {  // (cheap test first)
+        if (PK_UNLIKELY(used.exhausted()) && (Mode == M_APPEND || !overflowed(s.p.w, s.p.tag))) {
           st = ST_PENDING;
           return true;
         }
