@@ -642,6 +642,18 @@ class AllReduceWork:
         self._tensor = tensor
 
     def wait(self, timeout=None) -> bool:
+        """Blocks until the all-reduce is done and raises what it raised. `timeout` (a timedelta or
+        seconds, as dist's Work.wait takes): a RuntimeError when it is not done by then (the all-reduce
+        goes on; wait again). It was ignored (review note)."""
+        if timeout is not None and not self._fut.done():
+            secs = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+            deadline = time.monotonic() + secs
+            while not self._fut.done():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(f"{OPNAME}: wait() timed out after {secs:g} s; the all-reduce is still "
+                                       f"running (every rank must call it)")
+                time.sleep(min(left, 1e-3))
         self._fut.wait()
         return True
 

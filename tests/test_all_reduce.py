@@ -488,6 +488,29 @@ def chk_tune_off_measures_nothing(cache_dir):
         del os.environ["PYKERNELS_AUTOTUNE"]
 
 
+def chk_wait_timeout():
+    """AllReduceWork.wait(timeout): raises while a late rank has not joined, then completes."""
+    from datetime import timedelta as td
+
+    rank = dist.get_rank()
+    collectives.all_reduce(torch.ones(1000))  # first use: topology and parameters (collectives) settled
+    x = torch.ones(1000)
+    if rank == 0:
+        work = collectives.all_reduce(x, async_op=True)
+        try:
+            work.wait(timeout=td(milliseconds=200))
+            timed_out = False
+        except RuntimeError as exc:
+            timed_out = "timed out" in str(exc) and str(exc).startswith("collectives.all_reduce")
+        dist.barrier()  # tells the others to join
+        work.wait(timeout=60)
+    else:
+        dist.barrier()
+        collectives.all_reduce(x)
+        timed_out = True
+    return timed_out, float(x[0])
+
+
 def chk_same_params():
     """Every rank decides from the same parameters (rank 0's, broadcast)."""
     from collectives.all_reduce import _load_params
@@ -976,3 +999,8 @@ def test_bench_median_ci_brackets_the_median():
     lo240, hi240 = _median_ci([i / 240 for i in range(240)])
     assert hi240 - lo240 < hi30 - lo30
     assert _median_ci([3.0, 1.0, 2.0]) == (1.0, 3.0)
+
+
+def test_world_2_async_wait_timeout(clusters):
+    c = clusters(2)
+    assert c.run("chk_wait_timeout") == [(True, 2.0), (True, 2.0)]
