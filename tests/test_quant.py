@@ -790,3 +790,16 @@ def test_bitserial_close_to_float_product(scheme, bits, dtype):
     # fewer activation bits: larger error, but the same estimator (still correlated with the truth)
     y2 = pykernels.qmatmul(x, qw, bias, act_bits=2).double()
     assert torch.corrcoef(torch.stack([y2.flatten(), ref.flatten()]))[0, 1] > 0.5
+
+
+def test_act_bits_rows_holding_nan_or_inf_are_nan_and_leave_the_others():
+    """Documented: per-token activation quantization has no scale for a NaN/inf token: its row is NaN on
+    the bit-serial path; the other tokens are unaffected."""
+    g = torch.Generator().manual_seed(3)
+    qw = pykernels.quantize(torch.randn(8, 64, generator=g), 2, 32, "bipolar")
+    x = torch.randn(4, 64, generator=g)
+    ref = pykernels.qmatmul(x, qw, act_bits=2)
+    x[1, 3], x[2, 9] = float("inf"), float("nan")
+    y = pykernels.qmatmul(x, qw, act_bits=2)
+    assert torch.isnan(y[1]).all() and torch.isnan(y[2]).all()
+    assert torch.equal(y[[0, 3]], ref[[0, 3]])

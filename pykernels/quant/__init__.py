@@ -213,7 +213,8 @@ def _check_x(x: torch.Tensor, N: int, K: int, where: str = "") -> None:
 def qmatmul(x, qw: QuantizedWeight, bias=None, *, act_bits: Optional[int] = None, backend: str = "auto"):
     """y = x @ W.T (+ bias) with W the quantized weight [N, K]; x [..., K] float32/bfloat16/float16,
     y [..., N] of x's dtype. act_bits in 1..8 also quantizes x per token (bipolar-INT) and runs the
-    bit-serial product (p x q one-bit GEMMs).
+    bit-serial product (p x q one-bit GEMMs); a token holding NaN or +-inf has no quantization scale, and
+    its whole output row is NaN on that path (the weight-only path gives what torch's matmul gives).
 
     Accuracy of the weight-only CPU path: on CPUs with AMX-BF16 (Sapphire Rapids and newer), bf16
     activations from M=9 on with codes of at most 4 bits take the AMX kernel (config impl "amx"): bf16 activations times the integer
