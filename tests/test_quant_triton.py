@@ -54,6 +54,14 @@ def test_triton_split_k_configs(triton_interpret, split):
     cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": split}
     y = _impl(x, qw.packed, qw.scales, qw.offsets, None, None, None, 24, 320, 4, 64, 0, "triton", config=cfg)
     assert_close(y, x, qw)
+    # an infinite bias stays +-inf in every split (the later splits added bias * 0 = NaN; review finding)
+    bias = torch.zeros(24)
+    bias[0], bias[5] = float("inf"), float("-inf")
+    yb = _impl(x, qw.packed, qw.scales, qw.offsets, None, None, bias, 24, 320, 4, 64, 0, "triton", config=cfg)
+    assert torch.equal(yb[:, 0], torch.full((4,), float("inf")))
+    assert torch.equal(yb[:, 5], torch.full((4,), float("-inf")))
+    keep = [i for i in range(24) if i not in (0, 5)]
+    torch.testing.assert_close(yb[:, keep], y[:, keep])
 
 
 @pytest.mark.parametrize("p,q,group_size,K", [(1, 1, 32, 100), (2, 2, 64, 256), (3, 4, -1, 150), (8, 8, 128, 200)])

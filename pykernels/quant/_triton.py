@@ -72,7 +72,9 @@ def _wo_kernel(X, W, S, O, Bias, Y, M, N, K, G, GSIZE, NB, stride_xm,
             acc += tl.dot(x, w.to(X.dtype.element_ty))
     if HAS_BIAS:
         b = tl.load(Bias + rn, mask=mask_n, other=0.0)
-        acc += b[None, :] * (pid_k == 0).to(tl.float32)  # added once, by the first K split
+        # added once, by the first K split: a select, not a product with 0 (inf * 0 made an inf bias NaN
+        # in every other split; review finding)
+        acc += tl.where(pid_k == 0, b, 0.0)[None, :]
     ptrs = Y + rm[:, None] * N + rn[None, :]
     omask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
