@@ -101,7 +101,15 @@ def as_tensor(x, op: str, arg: str) -> torch.Tensor:
             x = np.asarray(x)
             if not x.dtype.isnative:  # big-endian data: torch takes native byte order only
                 x = x.astype(x.dtype.newbyteorder("="))
-            return torch.as_tensor(x)
+            if any(s % x.itemsize for s in x.strides):
+                # a field of a structured array: strides torch cannot express, so a copy (torch's own
+                # ValueError did not name the op; review finding)
+                x = np.ascontiguousarray(x)
+            try:
+                return torch.as_tensor(x)
+            except (TypeError, ValueError) as exc:  # a dtype torch has no counterpart for (object, str...)
+                raise TypeError(f"pykernels.{op}: cannot take '{arg}' ({type(x).__name__} of dtype {x.dtype}): "
+                                f"{exc}") from exc
     except ImportError:
         pass
     raise TypeError(f"pykernels.{op}: expected a torch.Tensor (or a DLPack array) for '{arg}', "

@@ -390,3 +390,16 @@ def test_autotune_cli_rejects_bad_arguments_cleanly(tmp_path):
                         "at.tune('sort_keys', torch.arange(5000, dtype=torch.int32), budget_s=0.01)"],
                        env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "pykernels.autotune: could not write the cache file" in r.stderr, r.stderr
+
+
+def test_numpy_field_views_and_unsupported_dtypes():
+    """Review findings: a field of a structured array (strides not a multiple of its item size) was refused
+    with torch's ValueError; a str array gave torch's TypeError without the op's name."""
+    import pykernels
+
+    rec = np.zeros(5, dtype=[("a", np.int8), ("b", np.float32)])
+    rec["b"] = [3.0, -1.0, 2.0, 0.5, -7.0]
+    assert pykernels.sort(rec["b"]).values.tolist() == [-7.0, -1.0, 0.5, 2.0, 3.0]
+    assert rec["b"].tolist() == [3.0, -1.0, 2.0, 0.5, -7.0]
+    with pytest.raises(TypeError, match="pykernels.sort: cannot take 'input'"):
+        pykernels.sort(np.array(["b", "a"]))

@@ -149,11 +149,15 @@ def _insert_impl(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor,
     return status, torch.tensor(list(counts), dtype=torch.int64)
 
 
+# The mode argument is `insert_mode` in the schema: torch.compile wraps this in-place op in
+# auto_functionalize, which passes arguments by keyword next to a `mode` of its own ("got multiple
+# values for argument 'mode'" under aot_eager/inductor; review finding).
 @torch.library.custom_op("pykernels::hash_insert_", mutates_args=("slots", "special"))
 def _hash_insert_op(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor, values: Optional[torch.Tensor],
-                    nw: int, window: int, seed: int, kb: int, vb: int, mode: int, used: int, limit: int, threads: int,
-                    prefetch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _insert_impl(slots, special, keys, values, nw, window, seed, kb, vb, mode, used, limit, threads, prefetch)
+                    nw: int, window: int, seed: int, kb: int, vb: int, insert_mode: int, used: int, limit: int,
+                    threads: int, prefetch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _insert_impl(slots, special, keys, values, nw, window, seed, kb, vb, insert_mode, used, limit, threads,
+                        prefetch)
 
 
 def hash_insert_(slots, special, keys, values, nw, window, seed, kb, vb, mode, used, limit, threads, prefetch):
@@ -167,7 +171,7 @@ def hash_insert_(slots, special, keys, values, nw, window, seed, kb, vb, mode, u
 
 
 @_hash_insert_op.register_fake
-def _(slots, special, keys, values, nw, window, seed, kb, vb, mode, used, limit, threads, prefetch):
+def _(slots, special, keys, values, nw, window, seed, kb, vb, insert_mode, used, limit, threads, prefetch):
     check_same_device("hash_insert_", slots=slots, special=special, keys=keys, values=values)
-    _check_mode("hash_insert_", mode)
+    _check_mode("hash_insert_", insert_mode)
     return keys.new_empty(keys.numel(), dtype=torch.uint8), torch.empty(3, dtype=torch.int64, device="cpu")
