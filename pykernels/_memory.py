@@ -179,7 +179,7 @@ class OutputCache:
 
 
 def _limit_from_env() -> int:
-    text = os.environ.get("PYKERNELS_OUTPUT_CACHE_MB", "1024")
+    text = os.environ.get("PYKERNELS_OUTPUT_CACHE_MB", "").strip() or "1024"  # set but empty: the default
     try:
         mb = float(text)
     except ValueError:

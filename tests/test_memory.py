@@ -152,6 +152,8 @@ def test_off_and_small_requests_are_plain_allocations(monkeypatch):
     assert on.empty((1000,), U8).numel() == 1000 and on.cached_bytes() == 0
     monkeypatch.setenv("PYKERNELS_OUTPUT_CACHE_MB", "0")
     assert _memory._limit_from_env() == 0
+    monkeypatch.setenv("PYKERNELS_OUTPUT_CACHE_MB", "")  # set but empty: the default (import failed; review)
+    assert _memory._limit_from_env() == 1024 * MiB
     for bad in ("lots", "inf", "nan", "-1"):
         monkeypatch.setenv("PYKERNELS_OUTPUT_CACHE_MB", bad)
         with pytest.raises(ValueError, match="PYKERNELS_OUTPUT_CACHE_MB"):
