@@ -803,3 +803,12 @@ def test_act_bits_rows_holding_nan_or_inf_are_nan_and_leave_the_others():
     y = pykernels.qmatmul(x, qw, act_bits=2)
     assert torch.isnan(y[1]).all() and torch.isnan(y[2]).all()
     assert torch.equal(y[[0, 3]], ref[[0, 3]])
+
+
+def test_registered_op_without_planes_for_act_bits_is_a_clear_error():
+    """Review note: torch.ops.pykernels.qmatmul called directly with act_bits and no planes raised an
+    AttributeError deep inside; now the op's ValueError."""
+    qw = pykernels.quantize(torch.randn(8, 64), 2, 32, "bipolar")
+    with pytest.raises(ValueError, match="pykernels.qmatmul: act_bits needs the weight's bit planes"):
+        torch.ops.pykernels.qmatmul(torch.randn(2, 64), qw.packed, qw.scales, qw.offsets, None, None, None,
+                                    8, 64, 2, 32, 2, "auto")

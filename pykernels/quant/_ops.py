@@ -296,6 +296,9 @@ def _plan(device, backend: str, M: int, n: int, k: int, bits: int, group_size: i
 
 def _impl(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend,
           config: Optional[dict] = None):
+    if act_bits and (planes is None or wsum is None):  # (a direct torch.ops call; qmatmul builds them)
+        raise ValueError("pykernels.qmatmul: act_bits needs the weight's bit planes and code sums "
+                         "(QuantizedWeight.ensure_planes(), .code_sums)")
     lead = x.shape[:-1]
     M = math.prod(lead)
     flat = x.dim() == 2  # the usual [M, K]: no reshapes (each view op costs several us with cold caches)
