@@ -6,15 +6,20 @@
   - as root: the multi-node emulation (tools/netns_cluster.py): 2 "nodes" x 2 ranks joined by a
     100 Mbit/s link, hierarchical vs gloo flat (goal 1.4x), and 3 nodes x 2 ranks.
 
-Each measurement: barrier, every rank times the call, the slowest rank's time counts (max over ranks),
+Each measurement, as nccl-tests defines the time of a size: barrier, one untimed call, then `block`
+calls back to back with no barrier between them, timed together; time = their total / block (a call
+after a call of its own kind, as in a training loop), the slowest rank's time counts (max over ranks),
 median over repeats (>= 30 up to 1 MiB, >= 9 up to 4 MiB, >= 5 above, more while the time budget
-lasts); ours and the baseline alternate call by call in the same processes, the order rotating every
-repeat. `speedup` is the ratio of the medians, `paired_speedup` the median of the per-repeat ratios,
-`cpu_ratio` the ratio of the median CPU seconds per call summed over ranks (all threads).
-The goal's row (auto) comes from a second race of auto and gloo alone, in blocks of 4 calls of each
-(the last 3 timed: a call after a call of its own kind, as in steady use), with `paired_ci95`, the
-95% confidence interval of its paired ratio (the first race's figures stay in
-`race_speedup` / `race_paired_speedup`).
+lasts); ours and the baseline alternate block by block in the same processes, the order rotating
+every repeat. `speedup` is the ratio of the medians, `paired_speedup` the median of the per-repeat
+ratios, `cpu_ratio` the ratio of the median CPU seconds per call summed over ranks (all threads).
+Why not a barrier before every timed call: the first collective after a barrier starts with every rank
+in step, and at 4 MiB that alone made gloo's own all-reduce ~1.3x faster than the same call after any
+other collective (4 ranks / 2 cores, 2026-12-02: 6.2 ms right after the barrier, 8.4 ms after a
+1-element all-reduce, 6.9 ms back to back), which measured the barrier, not the all-reduce.
+The goal's row (auto) comes from a second race of auto and gloo alone (more repeats in the same time
+than six candidates get), with `paired_ci95`, the 95% confidence interval of its paired ratio (the
+first race's figures stay in `race_speedup` / `race_paired_speedup`).
 
 Standalone worker (used by the netns script): python -m bench.suite_allreduce worker --rank R --world W
   --init file:///path [--sizes 4194304,...] [--algos auto,hierarchical] [--topology 2,2] [--out FILE]
@@ -81,13 +86,13 @@ def measure(sizes, algos, topology, reps, tune_first=True, budget_s=3.0):
         min_reps = max(reps, 30 if nbytes <= (1 << 20) else 9 if nbytes <= (4 << 20) else 5)
         max_reps = max(min_reps, 60 if nbytes <= (1 << 20) else 25)
         r, med, cmed, paired, t = _race(fns, min_reps, max_reps, budget_s)
-        # The goal's row (auto vs gloo) again, head to head in blocks of 4 calls (see _race): steady
-        # use, and more repeats in the same time than six candidates get; the confidence interval says
-        # whether a ratio below 1 is a loss or the noise of 4 ranks sharing 2 cores.
+        # The goal's row (auto vs gloo) again, head to head: more repeats in the same time than six
+        # candidates get; the confidence interval says whether a ratio below 1 is a loss or the noise
+        # of 4 ranks sharing 2 cores.
         h2h = None
         if "auto" in algos:
             hr, hmed, hcmed, hpaired, ht = _race({GLOO: native, "auto": fns["auto"]}, max(5, min_reps),
-                                                 2 * max_reps, 2 * budget_s, block=4)
+                                                 2 * max_reps, 2 * budget_s)
             h2h = {"repeats": hr, "med": hmed, "cmed": hcmed, "paired": hpaired["auto"],
                    "ci": _median_ci((ht[0] / ht[1]).tolist())}
         if rank == 0:
@@ -118,16 +123,13 @@ def measure(sizes, algos, topology, reps, tune_first=True, budget_s=3.0):
     return rows
 
 
-def _race(fns, min_reps, max_reps, budget_s, block=1):
-    """Times every fn of `fns` (the baseline first), alternating, the order rotating every repeat:
-    barrier, every rank times the call, the slowest rank's time counts. block > 1: each fn runs `block`
-    times in a row per repeat and the calls after the first count (their median), so what is timed
-    is a call after a call of the same kind, as in steady use: with the two alternating call by call,
-    gloo's own all-reduce measured ~10% faster right after ours and ours ~8% slower right after gloo's
-    (4 MiB, 4 ranks / 2 cores: the ring 0.80x of gloo alternating, 0.97x in blocks of 6).
-    Repeats until min_reps and then until the time budget or max_reps. Returns (repeats, median
-    seconds per fn, median CPU seconds per call summed over ranks per fn, median per-repeat ratio
-    baseline/fn per fn, the [fn][repeat] tensor of times)."""
+def _race(fns, min_reps, max_reps, budget_s, block=3):
+    """Times every fn of `fns` (the baseline first), alternating, the order rotating every repeat: per
+    fn and repeat, barrier, one untimed call, then `block` calls back to back timed together (the
+    nccl-tests definition: total / block; see the module notes), every rank timing, the slowest rank's
+    time counting. Repeats until min_reps and then until the time budget or max_reps. Returns
+    (repeats, median seconds per fn, median CPU seconds per call summed over ranks per fn, median
+    per-repeat ratio baseline/fn per fn, the [fn][repeat] tensor of times)."""
     import torch
     import torch.distributed as dist
 
@@ -139,15 +141,14 @@ def _race(fns, min_reps, max_reps, budget_s, block=1):
     while True:
         # the order rotates every repeat, so no candidate always runs right after the same one
         for k in names[r % len(names):] + names[:r % len(names)]:
-            bt, bc = [], []
-            for j in range(block):
-                dist.barrier()
-                c0, t0 = time.process_time(), time.perf_counter()
-                fns[k]()
-                bt.append(time.perf_counter() - t0)
-                bc.append(time.process_time() - c0)  # every thread of this rank (gloo's included)
-            times[k].append(statistics.median(bt[1:] if block > 1 else bt))
-            cpu[k].append(statistics.median(bc[1:] if block > 1 else bc))
+            fn = fns[k]
+            dist.barrier()
+            fn()
+            c0, t0 = time.process_time(), time.perf_counter()
+            for _ in range(block):
+                fn()
+            times[k].append((time.perf_counter() - t0) / block)
+            cpu[k].append((time.process_time() - c0) / block)  # every thread of this rank (gloo's included)
         r += 1
         spent = torch.tensor([time.perf_counter() - start])
         dist.all_reduce(spent, op=dist.ReduceOp.MAX)  # every rank stops after the same repeat
