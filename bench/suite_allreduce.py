@@ -7,7 +7,7 @@
     100 Mbit/s link, hierarchical vs gloo flat (goal 1.4x), and 3 nodes x 2 ranks.
 
 Each measurement, as nccl-tests defines the time of a size: barrier, one untimed call, then `block`
-calls back to back with no barrier between them, timed together; time = their total / block (a call
+(3) calls back to back with no barrier between them, timed together; time = their total / block (a call
 after a call of its own kind, as in a training loop), the slowest rank's time counts (max over ranks),
 median over repeats (>= 30 up to 1 MiB, >= 9 up to 4 MiB, >= 5 above, more while the time budget
 lasts); ours and the baseline alternate block by block in the same processes, the order rotating
@@ -16,7 +16,8 @@ ratios, `cpu_ratio` the ratio of the median CPU seconds per call summed over ran
 Why not a barrier before every timed call: the first collective after a barrier starts with every rank
 in step, and at 4 MiB that alone made gloo's own all-reduce ~1.3x faster than the same call after any
 other collective (4 ranks / 2 cores, 2026-12-02: 6.2 ms right after the barrier, 8.4 ms after a
-1-element all-reduce, 6.9 ms back to back), which measured the barrier, not the all-reduce.
+1-element all-reduce, 6.9 ms back to back), which measured the barrier, not the all-reduce. Calls of
+250 ms and more (the emulated slow link) are timed one by one right after the barrier (block 1).
 The goal's row (auto) comes from a second race of auto and gloo alone (more repeats in the same time
 than six candidates get), with `paired_ci95`, the 95% confidence interval of its paired ratio (the
 first race's figures stay in `race_speedup` / `race_paired_speedup`).
@@ -79,20 +80,26 @@ def measure(sizes, algos, topology, reps, tune_first=True, budget_s=3.0):
             return lambda: collectives.all_reduce(x, algorithm=algo, topology=topology)
 
         fns = {GLOO: native, **{a: ours(a) for a in algos}}
+        t0 = time.perf_counter()
         for _ in range(2):  # warm-up (sub-group creation, scratch pages, gloo's pair buffers)
             for k, fn in fns.items():
                 fn()
+        # calls of 250 ms and more on average (the emulated 100 Mbit link): one call right after the
+        # barrier; the lead a call gains from starting there (~2 ms) is noise at that length, and
+        # blocks of 3 made the two netns layouts take 4 minutes instead of 1.5
+        slow = _sync_max(time.perf_counter() - t0, dist) > 0.25 * 2 * len(fns)
+        block = 1 if slow else 3
         # small calls are cheap and noisy: more repeats; big ones at least 5 (the median needs them)
         min_reps = max(reps, 30 if nbytes <= (1 << 20) else 9 if nbytes <= (4 << 20) else 5)
         max_reps = max(min_reps, 60 if nbytes <= (1 << 20) else 25)
-        r, med, cmed, paired, t = _race(fns, min_reps, max_reps, budget_s)
+        r, med, cmed, paired, t = _race(fns, min_reps, max_reps, budget_s, block)
         # The goal's row (auto vs gloo) again, head to head: more repeats in the same time than six
         # candidates get; the confidence interval says whether a ratio below 1 is a loss or the noise
         # of 4 ranks sharing 2 cores.
         h2h = None
         if "auto" in algos:
             hr, hmed, hcmed, hpaired, ht = _race({GLOO: native, "auto": fns["auto"]}, max(5, min_reps),
-                                                 2 * max_reps, 2 * budget_s)
+                                                 2 * max_reps, 2 * budget_s, block)
             h2h = {"repeats": hr, "med": hmed, "cmed": hcmed, "paired": hpaired["auto"],
                    "ci": _median_ci((ht[0] / ht[1]).tolist())}
         if rank == 0:
@@ -126,7 +133,8 @@ def measure(sizes, algos, topology, reps, tune_first=True, budget_s=3.0):
 def _race(fns, min_reps, max_reps, budget_s, block=3):
     """Times every fn of `fns` (the baseline first), alternating, the order rotating every repeat: per
     fn and repeat, barrier, one untimed call, then `block` calls back to back timed together (the
-    nccl-tests definition: total / block; see the module notes), every rank timing, the slowest rank's
+    nccl-tests definition: total / block; see the module notes; block 1: the call right after the
+    barrier, no untimed one), every rank timing, the slowest rank's
     time counting. Repeats until min_reps and then until the time budget or max_reps. Returns
     (repeats, median seconds per fn, median CPU seconds per call summed over ranks per fn, median
     per-repeat ratio baseline/fn per fn, the [fn][repeat] tensor of times)."""
@@ -143,7 +151,8 @@ def _race(fns, min_reps, max_reps, budget_s, block=3):
         for k in names[r % len(names):] + names[:r % len(names)]:
             fn = fns[k]
             dist.barrier()
-            fn()
+            if block > 1:
+                fn()
             c0, t0 = time.process_time(), time.perf_counter()
             for _ in range(block):
                 fn()
@@ -166,6 +175,15 @@ def _race(fns, min_reps, max_reps, budget_s, block=3):
     # the run (this machine is shared) cancels out of each pair
     paired = {k: statistics.median((t[0] / t[i]).tolist()) for i, k in enumerate(names)}
     return r, med, cmed, paired, t
+
+
+def _sync_max(value, dist):
+    """The largest of every rank's value (so that every rank makes the same choice)."""
+    import torch
+
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 def _median_ci(xs, z=1.96):
