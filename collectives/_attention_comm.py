@@ -21,10 +21,15 @@ class Group:
     group=None: a world of one, so the ops also run in a plain single process)."""
 
     def __init__(self, op: str, group=None):
+        if group is not None and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"{op}: 'group' was given but torch.distributed is not initialized")
         if group is None and not (dist.is_available() and dist.is_initialized()):
             self.pg, self.world, self.rank, self.glob = None, 1, 0, [0]
             self.pieces = False
             return
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"{op}: expected 'group' to be a torch.distributed process group or None, got "
+                            f"{type(group).__name__} {group!r}")
         pg = dist.group.WORLD if group is None else group
         rank = dist.get_rank(pg)
         if rank < 0:
@@ -151,8 +156,14 @@ _SECOND: Dict[object, object] = {}
 def second_group(grp: Group):
     key = grp.pg
     if key not in _SECOND:
+        # with the user's group's timeout: new_group's default (30 min on gloo) held the other ranks for
+        # that long after one rank failed mid-schedule (review finding)
+        from .topology import _group_timeout
+
+        pg = grp.pg if grp.pg is not None else dist.distributed_c10d._get_default_group()
+        timeout = _group_timeout(pg)
         if grp.pg is dist.group.WORLD:
-            _SECOND[key] = dist.new_group(ranks=None)
+            _SECOND[key] = dist.new_group(ranks=None, timeout=timeout)
         else:
-            _SECOND[key] = dist.new_group(ranks=list(grp.glob), use_local_synchronization=True)
+            _SECOND[key] = dist.new_group(ranks=list(grp.glob), timeout=timeout, use_local_synchronization=True)
     return _SECOND[key]

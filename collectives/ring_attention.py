@@ -24,16 +24,17 @@ Partials are merged in fp32 (fp64 for fp64 inputs) with the stable form
 """
 from __future__ import annotations
 
-import math
 import numbers
 from typing import List, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from . import _attention_block as blk
 from . import _attention_comm as comm
+from pykernels import _native
 
 _LAYOUTS = ("zigzag", "contiguous")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -82,8 +83,6 @@ def _as_tensor(x, op: str, arg: str):
     leave the other ranks waiting in the ring)."""
     if isinstance(x, torch.Tensor):
         return x
-    from pykernels import _native
-
     try:
         return _native.as_tensor(x, op, arg)
     except TypeError:
@@ -100,6 +99,9 @@ def _validate(op: str, q, k, v, causal, scale, layout, return_lse, grp: comm.Gro
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{op}: expected '{name}' to be a torch.Tensor (or a numpy/DLPack array), "
                                 f"got {type(t).__name__}")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.layout != torch.strided:  # sparse: failed inside the schedule, the other ranks waiting (review)
+                raise ValueError(f"{op}: expected '{name}' to be a dense (strided) tensor, got {t.layout}")
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.dtype not in _DTYPES:
                 raise TypeError(f"{op}: expected '{name}' of dtype float16, bfloat16, float32 or float64, "
@@ -136,7 +138,7 @@ def _validate(op: str, q, k, v, causal, scale, layout, return_lse, grp: comm.Gro
         if scale is not None:
             if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
                 raise TypeError(f"{op}: expected 'scale' to be a real number or None, got {type(scale).__name__}")
-            if not (math.isfinite(scale) and float(scale) > 0):
+            if not (_native.finite_real(scale) and float(scale) > 0):
                 raise ValueError(f"{op}: expected 'scale' to be a finite float > 0 or None, got {scale!r}")
             if q.dtype != torch.float64 and float(scale) > torch.finfo(torch.float32).max:
                 raise ValueError(f"{op}: expected 'scale' within float32's range for {q.dtype} inputs "
@@ -458,6 +460,9 @@ def token_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
         if len(group) != 2:
             raise ValueError(f"{op}: expected 'group' to be a process group or a pair of them, got {group!r}")
         group, pg_back = group
+        if not isinstance(pg_back, dist.ProcessGroup):
+            raise TypeError(f"{op}: expected the second of the pair 'group' to be a torch.distributed process "
+                            f"group, got {type(pg_back).__name__} {pg_back!r}")
     q, k, v = (_as_tensor(t, op, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
     grp = comm.Group(op, group)
     scale = _validate(op, q, k, v, causal, scale, layout, return_lse, grp)
@@ -521,6 +526,10 @@ class _Shard(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         layout, grp, dim = ctx.args
+        # the forward exchanged nothing, so an x that differed between ranks (against the contract)
+        # shows only here: shard gradients of different shapes or dtypes raise on every rank instead
+        # of aborting a process in gloo's all-gather and corrupting the others' gradients (review)
+        _check_shards_agree("collectives.shard_sequence (backward)", grp, g, dim, layout)
         return _gather_full(g, layout, grp, dim), None, None, None
 
 
@@ -570,15 +579,20 @@ def unshard_sequence(local: torch.Tensor, group=None, layout: str = "zigzag", di
     except (TypeError, ValueError) as exc:
         err = exc
     grp = comm.Group(op, group)
+    _check_shards_agree(op, grp, local, dim, layout, err)
+    return _Unshard.apply(local, layout, grp, dim)
+
+
+def _check_shards_agree(op: str, grp: comm.Group, local, dim, layout: str, err=None):
+    """Every rank's shard has one shape and dtype (else ValueError on every rank): unequal shards would
+    reach gloo's all-gather, which aborts the process on a size mismatch (fuzz finding)."""
     fields = {"ndim": local.dim() if err is None else 0, "dtype": comm.dtype_code(local.dtype) if err is None else 0}
     for i in range(8):
         fields[f"size{i}"] = local.shape[i] if err is None and i < local.dim() else -1
-    # dims past the 8th: numel and a hash of the whole shape (unequal shards would reach gloo's
-    # all-gather, which aborts the process on a size mismatch; fuzz finding)
+    # dims past the 8th: numel and a hash of the whole shape
     fields["numel"] = local.numel() if err is None else -1
     fields["shape_hash"] = comm.shape_hash(local.shape) if err is None else -1
     fields["dim"] = dim if err is None else -1
     fields["layout"] = _LAYOUTS.index(layout) if err is None else -1
     dev = local.device if isinstance(local, torch.Tensor) else torch.device("cpu")
     comm.check_across_ranks(op, grp, err, fields, dev)
-    return _Unshard.apply(local, layout, grp, dim)

@@ -40,6 +40,16 @@ def getenv(name: str) -> Optional[str]:
     return None if value is None else os.environ.decodevalue(value)
 
 
+def finite_real(x) -> bool:
+    """math.isfinite of a real number, False (not an OverflowError) for an int too large for a float."""
+    import math
+
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
+
+
 def dtype_code(dtype: torch.dtype) -> int:
     return DTYPE_CODES[dtype]
 

@@ -240,6 +240,8 @@ def case_bad_shard(rank, world, *, fn, what):
             q, k, v = (t.to("meta") for t in (q, k, v))
         elif what == "headdim0":  # fuzz finding: ZeroDivisionError on this rank, a timeout on the others
             q, k, v = (t[..., :0] for t in (q, k, v))
+        elif what == "sparse":  # review finding: failed in the schedule, the other ranks timing out
+            q = q.to_sparse()
     try:
         FNS[fn](q, k, v, causal=True)
     except (ValueError, TypeError) as exc:
@@ -274,6 +276,45 @@ def case_shard_roundtrip(rank, world, *, layout, dim, length):
     assert torch.equal(xx.grad, g)
     assert torch.equal(x, xx.detach())
     return True
+
+
+def case_group_checks(rank, world):
+    """The second group TokenRing makes has the user's group's timeout (30 s here; new_group's default
+    of 30 min held the other ranks that long after one rank failed mid-schedule), and a 'group' that is
+    no process group is a TypeError naming the op (review findings)."""
+    from collectives import _attention_comm as comm
+    from collectives.topology import _group_timeout
+
+    q = torch.randn(1, 2, 4, 4)
+    token_ring_attention(q, q, q)
+    out = {"user": _group_timeout(dist.group.WORLD).total_seconds(),
+           "second": _group_timeout(comm._SECOND[dist.group.WORLD]).total_seconds()}
+    for name, fn in FNS.items():
+        for bad in ([0, 1], "world"):
+            try:
+                fn(q, q, q, group=bad)
+            except TypeError as exc:
+                out[f"{name} {bad!r}"] = str(exc)
+    return out
+
+
+def case_shard_backward_mismatch(rank, world, *, what):
+    """x differs between ranks (against shard_sequence's contract): the backward raises on every rank
+    instead of aborting one process in gloo's all-gather and corrupting the others' gradients (review)."""
+    length = 2 * world * (2 if (what == "length" and rank == 0) else 1)
+    dtype = torch.float64 if (what == "dtype" and rank == 0) else torch.float32
+    x = torch.randn(1, 2, length, 4, dtype=dtype, requires_grad=True)
+    local = shard_sequence(x, layout="zigzag")
+    try:
+        local.sum().backward()
+    except ValueError as exc:
+        msg = str(exc)
+    else:
+        raise AssertionError("no error raised")
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the group still works
+    assert t.item() == world
+    return msg
 
 
 def case_shard_errors(rank, world):
@@ -389,7 +430,7 @@ def test_wrong_size_shard_on_one_rank_errors_everywhere(pool, fn):
     if pool.world == 1:
         pytest.skip("needs two ranks")
     for what, exc in (("length", "ValueError"), ("dtype", "ValueError"), ("heads", "ValueError"),
-                      ("meta", "ValueError"), ("headdim0", "ValueError")):
+                      ("meta", "ValueError"), ("headdim0", "ValueError"), ("sparse", "ValueError")):
         res = pool.run("case_bad_shard", fn=fn, what=what)
         kinds = {kind for kind, _ in res}
         # the bad rank sees its own error (dtype: TypeError is not raised locally since float64 is a
@@ -404,6 +445,24 @@ def test_shard_unshard_roundtrip_and_gradient(pool, layout):
     n = 2 * pool.world if layout == "zigzag" else pool.world
     for dim, length in ((2, 3 * n), (0, n), (3, 0)):
         pool.run("case_shard_roundtrip", layout=layout, dim=dim, length=length)
+
+
+def test_group_checks_and_second_group_timeout(pool):
+    if pool.world == 1:
+        pytest.skip("needs two ranks")
+    for out in pool.run("case_group_checks"):
+        assert out["second"] == out["user"] == 30.0, out
+        for name in ("ring", "token"):
+            for bad in ([0, 1], "world"):
+                assert f"collectives.{'ring' if name == 'ring' else 'token_ring'}_attention: expected" in out[f"{name} {bad!r}"]
+
+
+def test_shard_backward_with_ranks_that_disagree_raises_everywhere(pool):
+    if pool.world == 1:
+        pytest.skip("needs two ranks")
+    for what in ("length", "dtype"):
+        for msg in pool.run("case_shard_backward_mismatch", what=what):
+            assert "collectives.shard_sequence (backward)" in msg, msg
 
 
 def test_shard_errors(pool):
@@ -531,9 +590,19 @@ def test_scale_and_flag_errors_as_flash_attention(name):
     # an infinite or float32-overflowing scale gave all-NaN outputs; causal="no" ran a causal mask
     fn = FNS[name]
     q = torch.randn(1, 2, 8, 16)
-    for bad in (float("inf"), float("nan"), 1e39, 0.0, -1.0):
+    for bad in (float("inf"), float("nan"), 1e39, 0.0, -1.0, 10 ** 400):  # 10**400: an OverflowError before
         with pytest.raises(ValueError, match="'scale'"):
             fn(q, q, q, scale=bad)
+        if bad not in (0.0, -1.0):  # flash_attention takes any finite scale
+            with pytest.raises(ValueError, match="'scale'"):
+                pykernels.flash_attention(q, q, q, scale=bad)
+    sparse = q.to_sparse()  # failed inside the schedule with an error naming no op (review finding)
+    with pytest.raises(ValueError, match=f"collectives.{'ring' if name == 'ring' else 'token_ring'}_attention: "
+                                         f"expected 'q' to be a dense"):
+        fn(sparse, q, q)
+    # a group given without torch.distributed: a clear error, not "Default process group ..." (review)
+    with pytest.raises(RuntimeError, match="'group' was given but torch.distributed is not initialized"):
+        fn(q, q, q, group=object())
     with pytest.raises(TypeError, match="'scale'"):
         fn(q, q, q, scale="0.5")
     for flag in ("causal", "return_lse"):

@@ -228,7 +228,7 @@ def _check(q, k, v, scale, backend):
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"pykernels.flash_attention: expected 'scale' to be a real number or None, got "
                         f"{type(scale).__name__}")
-    if scale is not None and not math.isfinite(scale):
+    if scale is not None and not _native.finite_real(scale):
         raise ValueError(f"pykernels.flash_attention: expected 'scale' to be a finite float or None, got {scale!r}")
     if scale is not None and q.dtype != torch.float64 and abs(float(scale)) > torch.finfo(torch.float32).max:
         raise ValueError(f"pykernels.flash_attention: expected 'scale' within float32's range for "
