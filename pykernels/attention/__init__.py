@@ -143,6 +143,10 @@ def _forward_laid_out(q, k, v, causal: bool, scale: float, backend: str):
 @torch.library.custom_op("pykernels::flash_attention", mutates_args=())
 def _flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
                         backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    # the public function's checks, for the op called directly (torch.ops.pykernels.flash_attention):
+    # the kernels trust the shapes (review finding: H not a multiple of Hkv was a SIGFPE)
+    _check(q, k, v, scale, backend)
+    check_same_device(OP, q=q, k=k, v=v)
     return _forward_laid_out(q, k, v, causal, scale, backend)
 
 
@@ -164,6 +168,8 @@ def _flash_attention_backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor
                                  k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                                  causal: bool, scale: float,
                                  backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check(q, k, v, scale, backend)  # as the forward op: the kernels trust the shapes (an lse too short was read past its end)
+    _check_backward(dout, dlse, q, k, v, out, lse)
     dq, dk, dv = _backward_impl(dout, dlse, q, k, v, out, lse, causal, scale, backend)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
@@ -235,6 +241,26 @@ def _check(q, k, v, scale, backend):
                          f"{str(q.dtype).replace('torch.', '')} inputs (scores are computed in float32), got {scale!r}")
 
 
+def _check_backward(dout, dlse, q, k, v, out, lse):
+    """The shapes, dtypes and devices of flash_attention_backward's other tensors (q, k, v checked)."""
+    B, H, Sq, D = q.shape
+    for name, t, shape in (("dout", dout, (B, H, Sq, D)), ("out", out, (B, H, Sq, D)), ("lse", lse, (B, H, Sq)),
+                           ("dlse", dlse, (B, H, Sq))):
+        if t is None and name == "dlse":
+            continue
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"pykernels.flash_attention_backward: expected '{name}' of shape {shape}, got {got}")
+    if dout.dtype != q.dtype or out.dtype != q.dtype:
+        raise TypeError(f"pykernels.flash_attention_backward: expected 'dout' and 'out' of dtype {q.dtype}, "
+                        f"got {dout.dtype} and {out.dtype}")
+    if not lse.is_floating_point():
+        raise TypeError(f"pykernels.flash_attention_backward: expected a float32 'lse', got {lse.dtype}")
+    if dlse is not None and not dlse.is_floating_point():
+        raise TypeError(f"pykernels.flash_attention_backward: expected a floating 'dlse', got {dlse.dtype}")
+    check_same_device(OP_BWD, q=q, k=k, v=v, dout=dout, out=out, lse=lse, dlse=dlse)
+
+
 def _check_flag(name: str, value) -> bool:
     # bool(value) would make causal="no" (any non-empty string) silently causal: only real booleans.
     if not isinstance(value, (bool, np.bool_)):
@@ -292,26 +318,14 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, s
     and a partial dq that sums to the full dq. `dlse` is the gradient flowing into lse, if any.
     Same layouts, dtypes and causal alignment as `flash_attention`; lse is float32 [B, H, S_q].
     """
-    q = _native.as_tensor(q, OP_BWD, "q")
-    k = _native.as_tensor(k, OP_BWD, "k")
-    v = _native.as_tensor(v, OP_BWD, "v")
+    q, k, v, dout, out, lse = (_native.as_tensor(t, OP_BWD, name) for t, name in
+                               ((q, "q"), (k, "k"), (v, "v"), (dout, "dout"), (out, "out"), (lse, "lse")))
+    if dlse is not None:
+        dlse = _native.as_tensor(dlse, OP_BWD, "dlse")  # numpy too, as q, k, v (review finding)
     _check(q, k, v, scale, backend)
     causal = _check_flag("causal", causal)
-    B, H, Sq, D = q.shape
-    for name, t, shape in (("dout", dout, (B, H, Sq, D)), ("out", out, (B, H, Sq, D)), ("lse", lse, (B, H, Sq)),
-                           ("dlse", dlse, (B, H, Sq))):
-        if t is None and name == "dlse":
-            continue
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"pykernels.flash_attention_backward: expected '{name}' of shape {shape}, got {got}")
-    if dout.dtype != q.dtype or out.dtype != q.dtype:
-        raise TypeError(f"pykernels.flash_attention_backward: expected 'dout' and 'out' of dtype {q.dtype}, "
-                        f"got {dout.dtype} and {out.dtype}")
-    if not lse.is_floating_point():
-        raise TypeError(f"pykernels.flash_attention_backward: expected a float32 'lse', got {lse.dtype}")
-    check_same_device(OP_BWD, q=q, k=k, v=v, dout=dout, out=out, lse=lse)
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    _check_backward(dout, dlse, q, k, v, out, lse)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return backward_op(dout, dlse, q, k, v, out, lse, bool(causal), scale, backend)
 
 

@@ -330,7 +330,46 @@ def _impl(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size
 def _qmatmul_custom(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
                     planes: Optional[torch.Tensor], wsum: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                     n: int, k: int, bits: int, group_size: int, act_bits: int, backend: str) -> torch.Tensor:
+    _check_op_args(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits)
     return _impl(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend)
+
+
+def _check_op_args(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits):
+    """What qmatmul's QuantizedWeight guarantees, checked for the op called directly
+    (torch.ops.pykernels.qmatmul): the kernels trust n, k, bits, group_size and the buffers' lengths
+    (review finding: a 16-row weight passed with n=100000 read far past its end and returned garbage)."""
+    op = "pykernels.qmatmul"
+    if not 1 <= bits <= 8:
+        raise ValueError(f"{op}: expected bits in 1..8, got {bits}")
+    if group_size not in F.GROUP_SIZES:
+        raise ValueError(f"{op}: expected group_size in {F.GROUP_SIZES}, got {group_size}")
+    if not 0 <= act_bits <= 8:
+        raise ValueError(f"{op}: expected act_bits in 0..8 (0: none), got {act_bits}")
+    if n < 0 or k < 0:
+        raise ValueError(f"{op}: expected n, k >= 0, got n={n}, k={k}")
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"{op}: expected 'x' of shape [..., {k}], got {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"{op}: expected 'x' of dtype float32, float16 or bfloat16, got {x.dtype}")
+    n4, kp = F.round_up(max(n, 1), F.ROW_TILE), F.round_up(max(k, 1), F.K_BLOCK)
+    _, G, gw = F.plane_geometry(k, group_size)
+    want = [("packed", packed, torch.uint8, n4 * kp // (2 if F.layout_bits(bits) == 4 else 1)),
+            ("scales", scales, torch.float32, n * G), ("offsets", offsets, torch.float32, n * G)]
+    if act_bits:
+        want += [("planes", planes, torch.int64, n4 * G * bits * gw), ("wsum", wsum, torch.int32, n * G)]
+    if bias is not None:
+        want.append(("bias", bias, None, n))
+    for name, t, dtype, numel in want:
+        if t is None:
+            raise ValueError(f"{op}: act_bits needs the weight's bit planes and code sums ('{name}' is None)")
+        if (dtype is not None and t.dtype != dtype) or t.numel() != numel or not t.is_contiguous():
+            raise ValueError(f"{op}: expected a contiguous '{name}' of {numel} {dtype or 'floating'} elements for "
+                             f"n={n}, k={k}, bits={bits}, group_size={group_size}, got {t.numel()} {t.dtype}")
+    if bias is not None and not bias.is_floating_point():
+        raise TypeError(f"{op}: expected a floating-point 'bias', got {bias.dtype}")
+    devices = {t.device for t in (x, packed, scales, offsets, planes, wsum, bias) if t is not None}
+    if len(devices) > 1:
+        raise RuntimeError(f"{op}: expected all tensors on one device, got {sorted(map(str, devices))}")
 
 
 @_qmatmul_custom.register_fake

@@ -212,9 +212,34 @@ def _sort_1d_any(op: str, keys: torch.Tensor, values: Optional[torch.Tensor], de
 # ---------------------------------------------------------------------------------------------
 # torch.library registration: pykernels::sort, argsort, sort_keys, sort_pairs, segmented_sort(_pairs)
 # ---------------------------------------------------------------------------------------------
+
+def _op_checks(op: str, keys, values=None, *, one_d=False, bits=None, offsets=None, backend="auto"):
+    """The checks of the public functions, for the registered ops called directly (torch.ops.pykernels.*):
+    they reach the kernels with whatever they are given, and values shorter than the keys were read and
+    written past their end (review finding: a segfault). The public functions check before calling."""
+    check_dtype(op, "keys", keys, KEY_DTYPES)
+    if one_d:
+        check_ndim(op, "keys", keys, 1)
+    if values is not None:
+        check_ndim(op, "values", values, 1)
+        if values.numel() != keys.numel():
+            raise ValueError(f"pykernels.{op}: expected 'values' of length {keys.numel()} (as 'keys'), "
+                             f"got {values.numel()}")
+        check_same_device(op, keys=keys, values=values)
+    if bits is not None:
+        _check_bits(op, keys, bits[0], None if bits[1] < 0 else bits[1])
+    if offsets is not None:
+        check_dtype(op, "offsets", offsets, (torch.int64, torch.int32))
+        check_ndim(op, "offsets", offsets, 1)
+        if offsets.numel() == 0:
+            raise ValueError(f"pykernels.{op}: expected at least one offset (nseg + 1 values), got an empty tensor")
+        check_same_device(op, keys=keys, offsets=offsets)
+    _check_backend(op, backend)
+
 @torch.library.custom_op("pykernels::sort", mutates_args=())
 def _sort_op(x: torch.Tensor, dim: int, descending: bool, backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    return _rows_sort("sort", x, dim, descending, backend, True)
+    _op_checks("sort", x, backend=backend)
+    return _rows_sort("sort", x, _norm_dim("sort", x, dim), descending, backend, True)
 
 
 @_sort_op.register_fake
@@ -247,7 +272,8 @@ _sort_op.register_autograd(_sort_backward, setup_context=_sort_setup_context)
 
 @torch.library.custom_op("pykernels::argsort", mutates_args=())
 def _argsort_op(x: torch.Tensor, dim: int, descending: bool, backend: str) -> torch.Tensor:
-    return _rows_sort("argsort", x, dim, descending, backend, False)[1]
+    _op_checks("argsort", x, backend=backend)
+    return _rows_sort("argsort", x, _norm_dim("argsort", x, dim), descending, backend, False)[1]
 
 
 @_argsort_op.register_fake
@@ -257,6 +283,7 @@ def _(x, dim, descending, backend):
 
 @torch.library.custom_op("pykernels::sort_keys", mutates_args=())
 def _sort_keys_op(keys: torch.Tensor, descending: bool, begin_bit: int, end_bit: int, backend: str) -> torch.Tensor:
+    _op_checks("sort_keys", keys, one_d=True, bits=(begin_bit, end_bit), backend=backend)
     return _sort_1d_any("sort_keys", keys, None, descending, begin_bit, None if end_bit < 0 else end_bit, backend)[0]
 
 
@@ -268,6 +295,7 @@ def _(keys, descending, begin_bit, end_bit, backend):
 @torch.library.custom_op("pykernels::sort_pairs", mutates_args=())
 def _sort_pairs_op(keys: torch.Tensor, values: torch.Tensor, descending: bool, begin_bit: int, end_bit: int,
                    backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    _op_checks("sort_pairs", keys, values, one_d=True, bits=(begin_bit, end_bit), backend=backend)
     return _sort_1d_any("sort_pairs", keys, values, descending, begin_bit, None if end_bit < 0 else end_bit, backend)
 
 
@@ -324,6 +352,7 @@ def _segmented_impl(keys, offsets, values, descending, backend):
 
 @torch.library.custom_op("pykernels::segmented_sort", mutates_args=())
 def _segmented_keys_op(keys: torch.Tensor, offsets: torch.Tensor, descending: bool, backend: str) -> torch.Tensor:
+    _op_checks("segmented_sort", keys, one_d=True, offsets=offsets, backend=backend)
     return _segmented_impl(keys, offsets, None, descending, backend)[0]
 
 
@@ -335,6 +364,7 @@ def _(keys, offsets, descending, backend):
 @torch.library.custom_op("pykernels::segmented_sort_pairs", mutates_args=())
 def _segmented_pairs_op(keys: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor, descending: bool,
                         backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    _op_checks("segmented_sort_pairs", keys, values, one_d=True, offsets=offsets, backend=backend)
     return _segmented_impl(keys, offsets, values, descending, backend)
 
 

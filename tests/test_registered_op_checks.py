@@ -1,0 +1,80 @@
+"""The registered ops (torch.ops.pykernels.*) called directly check their arguments as the public
+functions do (API.md: each op is a torch.library op users may call). Before, they passed whatever they
+were given to the kernels: values shorter than the keys were a segfault or a heap corruption, H not a
+multiple of Hkv a SIGFPE, a wrong n for qmatmul read past the weight (review findings)."""
+import pytest
+import torch
+
+import pykernels  # noqa: F401  (registers the ops)
+from pykernels.attention import flash_attention_backward
+
+ops = torch.ops.pykernels
+
+
+def test_sort_ops_check_their_arguments():
+    k = torch.randn(5000)
+    with pytest.raises(ValueError, match=r"pykernels\.sort_pairs: expected 'values' of length 5000"):
+        ops.sort_pairs(k, torch.randn(10), False, 0, 32, "cpu")
+    off = torch.tensor([0, 2500, 5000])
+    with pytest.raises(ValueError, match=r"pykernels\.segmented_sort_pairs: expected 'values' of length 5000"):
+        ops.segmented_sort_pairs(k, off, torch.randn(10), False, "cpu")
+    with pytest.raises(ValueError, match=r"pykernels\.segmented_sort: expected at least one offset"):
+        ops.segmented_sort(k, torch.empty(0, dtype=torch.int64), False, "cpu")
+    with pytest.raises(ValueError, match=r"pykernels\.sort: expected 'dim'"):
+        ops.sort(k, 5, False, "cpu")
+    with pytest.raises(TypeError, match=r"pykernels\.argsort"):
+        ops.argsort(torch.randn(4, dtype=torch.complex64), 0, False, "cpu")
+    with pytest.raises(ValueError, match=r"pykernels\.sort_keys"):
+        ops.sort_keys(torch.randn(4, 4), False, 0, -1, "cpu")  # sorted the flattened tensor before
+    with pytest.raises(ValueError, match=r"pykernels\.sort_keys: expected 0 <= begin_bit"):
+        ops.sort_keys(k, False, 0, 40, "cpu")
+    # and the ops still work
+    v, i = ops.sort(k, 0, False, "cpu")
+    torch.testing.assert_close(v, torch.sort(k, stable=True).values)
+    kk, vv = ops.sort_pairs(k, torch.arange(5000), False, 0, -1, "cpu")
+    assert torch.equal(kk, torch.sort(k, stable=True).values) and torch.equal(vv, torch.sort(k, stable=True).indices)
+
+
+def test_attention_ops_check_their_arguments():
+    q = torch.randn(1, 2, 8, 4)
+    kv = torch.randn(1, 3, 8, 4)
+    with pytest.raises(ValueError, match=r"pykernels\.flash_attention: expected the query heads H=2"):
+        ops.flash_attention(q, kv, kv, False, 0.5, "cpu")
+    with pytest.raises(ValueError, match="4 dimensions"):
+        ops.flash_attention(q[0], q[0], q[0], False, 0.5, "cpu")
+    out, lse = ops.flash_attention(q, q, q, False, 0.5, "cpu")
+    with pytest.raises(ValueError, match=r"pykernels\.flash_attention_backward: expected 'lse' of shape"):
+        ops.flash_attention_backward(torch.ones_like(out), None, q, q, q, out, lse[:, :, :3], False, 0.5, "cpu")
+    with pytest.raises(ValueError, match=r"expected 'dout' of shape"):
+        ops.flash_attention_backward(out[:, :1], None, q, q, q, out, lse, False, 0.5, "cpu")
+    dq, dk, dv = ops.flash_attention_backward(torch.ones_like(out), None, q, q, q, out, lse, False, 0.5, "cpu")
+    assert dq.shape == q.shape and bool(torch.isfinite(dq).all())
+
+
+def test_flash_attention_backward_takes_numpy_like_q():
+    q = torch.randn(1, 2, 8, 4)
+    out, lse = pykernels.flash_attention(q, q, q, return_lse=True)
+    dq, _, _ = flash_attention_backward(torch.ones_like(out).numpy(), q, q, q, out.numpy(), lse)
+    want, _, _ = flash_attention_backward(torch.ones_like(out), q, q, q, out, lse)
+    torch.testing.assert_close(dq, want)
+
+
+def test_qmatmul_op_checks_its_arguments():
+    w = torch.randn(16, 96)
+    qw = pykernels.quantize(w, bits=4, group_size=32)
+    x = torch.randn(3, 96)
+    args = [x, qw.packed, qw.scales, qw.offsets, None, None, None, 16, 96, 4, 32, 0, "cpu"]
+    y = ops.qmatmul(*args)
+    torch.testing.assert_close(y, pykernels.qmatmul(x, qw))
+    for i, bad, what in ((7, 100000, "packed"), (9, 8, "packed"), (10, 128, "scales"), (8, 64, "'x'"),
+                         (9, 9, "bits"), (10, 48, "group_size"), (11, 3, "planes")):
+        a = list(args)
+        a[i] = bad
+        with pytest.raises(ValueError, match=rf"pykernels\.qmatmul: .*{what}"):
+            ops.qmatmul(*a)
+    a = list(args)
+    a[4] = qw.ensure_planes()[:-4]
+    a[5] = qw.code_sums
+    a[11] = 4
+    with pytest.raises(ValueError, match="planes"):
+        ops.qmatmul(*a)
