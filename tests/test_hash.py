@@ -228,6 +228,17 @@ def test_table_full_error_counts_and_keeps_inserted_keys():
     assert "37 key(s) were not inserted" in str(ei.value) and "HashMap.insert" in str(ei.value)
     v, f = t.find(keys)
     assert int(f.sum()) == cap == len(t)
+    # keys given several times count once (review finding: occurrences were counted)
+    t2 = HashMap(8, growable=False, max_load_factor=1.0)
+    rep = torch.arange(50).repeat(3)
+    with pytest.raises(TableFullError) as ei:
+        t2.insert(rep, rep)
+    missing = int((~t2.contains(torch.arange(50))).sum())
+    assert ei.value.not_inserted == missing == 50 - len(t2)
+    # tune() on something that is no table: the op's TypeError (an AttributeError before; review finding)
+    from pykernels import autotune
+    with pytest.raises(TypeError, match="expected a hash table"):
+        autotune.tune("hash_find", torch.arange(10))
     assert torch.equal(v[f], keys[f])
     # re-inserting present keys in a full table is an update, not an error
     t.insert(keys[f][:10], -keys[f][:10])

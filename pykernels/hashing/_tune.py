@@ -23,7 +23,16 @@ _CPU_CACHE_BYTES = 8 << 20  # tables up to about this size are mostly cache resi
 
 
 def _key(table, keys=None, **kw):
+    _check_table(table)  # tune() makes the key before the op's check runs (an AttributeError before)
     return {"slot_bytes": table._sb, "table_bytes": autotune.bucket(table.capacity * table._sb)}
+
+
+def _check_table(table):
+    from ._tables import _OpenTable
+
+    if not isinstance(table, _OpenTable):
+        raise TypeError(f"pykernels.autotune.tune: expected a hash table (HashMap, HashSet, CountingTable, "
+                        f"MultiValueHashMap) as the first argument, got {type(table).__name__}")
 
 
 def _cpu_default(key):
@@ -103,11 +112,7 @@ def _run_insert(config, table, keys):
 def _check(table, keys=None, backend="auto", **kw):
     """The table's own checks of the example (tune() runs them first): a table of this library, and keys
     its lookups and inserts accept (dtype, device), as they would be given to it."""
-    from ._tables import _OpenTable
-
-    if not isinstance(table, _OpenTable):
-        raise TypeError(f"pykernels.autotune.tune: expected a hash table (HashMap, HashSet, CountingTable, "
-                        f"MultiValueHashMap) as the first argument, got {type(table).__name__}")
+    _check_table(table)
     if kw:
         raise TypeError(f"pykernels.autotune.tune: the hash ops take (table, keys), not {', '.join(sorted(kw))}")
     table._keys("find", keys)
