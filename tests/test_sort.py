@@ -1062,3 +1062,49 @@ def test_short_rows_every_length_on_every_simd_tier(tier):
             "m = _native.cpu_module('sort'); assert not m.cpu_has_avx512()"
             + ("; assert not m.cpu_has_avx2()" if tier.endswith("AVX2") else "") + "; t._short_rows_check()")
     subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, **{tier: "1"}), cwd=ROOT)
+
+
+def test_keys_only_pairs_and_segmented_outputs_are_differentiable():
+    """sort_keys / sort_pairs / segmented_sort outputs that need a gradient are the inputs gathered by the
+    sorting permutation: their gradients are torch.sort's (they required grad and failed in backward
+    before, with no autograd formula; review finding)."""
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(300, generator=g).requires_grad_()
+    w = torch.randn(300, generator=g)
+    for desc in (False, True):
+        k.grad = None
+        out = pykernels.sort_keys(k, descending=desc)
+        (out * w).sum().backward()
+        ref_k = k.detach().clone().requires_grad_()
+        ref = torch.sort(ref_k, descending=desc, stable=True).values
+        (ref * w).sum().backward()
+        assert torch.equal(out.detach(), ref.detach()) and torch.equal(k.grad, ref_k.grad)
+    # pairs: gradients of both the keys and the values
+    keys = torch.randint(0, 20, (300,), generator=g).float().requires_grad_()
+    vals = torch.randn(300, 2, generator=g)[:, 0].requires_grad_()  # non-contiguous values
+    ko, vo = pykernels.sort_pairs(keys, vals)
+    (ko * w + vo * w * 2).sum().backward()
+    perm = torch.sort(keys.detach(), stable=True).indices
+    assert torch.equal(vo.detach(), vals.detach()[perm])
+    want = torch.zeros(300)
+    want[perm] = w
+    assert torch.equal(keys.grad, want) and torch.equal(vals.grad, 2 * want)
+    # a bit range: the permutation of the bits sorted on
+    ints = torch.randint(0, 1 << 12, (300,), generator=g)
+    v2 = torch.randn(300, generator=g, requires_grad=True)
+    _, vo2 = pykernels.sort_pairs(ints, v2, begin_bit=4, end_bit=8)
+    ref_perm = torch.sort((ints >> 4) & 0xF, stable=True).indices
+    assert torch.equal(vo2.detach(), v2.detach()[ref_perm])
+    # segmented, keys outside every segment included
+    off = torch.tensor([10, 100, 100, 250])
+    k.grad = None
+    so, _ = pykernels.segmented_sort(k, off)
+    (so * w).sum().backward()
+    want_out = k.detach().clone()
+    for a, b in ((10, 100), (100, 250)):
+        want_out[a:b] = torch.sort(k.detach()[a:b], stable=True).values
+    assert torch.equal(so.detach(), want_out)
+    assert torch.equal(k.grad.sort().values, w.sort().values)  # a permutation of w
+    assert torch.equal(k.grad[:10], w[:10]) and torch.equal(k.grad[250:], w[250:])
+    with torch.no_grad():  # no grad mode: the kernels directly, no gather
+        assert not pykernels.sort_keys(k).requires_grad

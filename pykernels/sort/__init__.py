@@ -514,6 +514,19 @@ def argsort(input, dim: int = -1, descending: bool = False, stable: bool = True,
     return torch.ops.pykernels.argsort(x, d, descending, backend)
 
 
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _permutation(k: torch.Tensor, descending: bool, b: int, e: int, backend: str) -> torch.Tensor:
+    """The stable sorting permutation of 1-D keys (on bits [b, e)). Outputs that need a gradient are the
+    inputs gathered by it, which autograd differentiates as torch.sort's values: the keys-only and pairs
+    kernels return no permutation for an autograd formula of their own (their outputs required grad and
+    failed in backward; review finding)."""
+    return sort_pairs(k.detach(), torch.arange(k.numel(), device=k.device), descending=descending,
+                      begin_bit=b, end_bit=e, backend=backend)[1]
+
+
 def sort_keys(keys, *, descending: bool = False, begin_bit: int = 0, end_bit: Optional[int] = None,
               backend: str = "auto") -> torch.Tensor:
     """Sorts 1-D keys alone (no indices: the fastest path). ``begin_bit``/``end_bit`` sort on that bit
@@ -523,6 +536,8 @@ def sort_keys(keys, *, descending: bool = False, begin_bit: int = 0, end_bit: Op
     _check_flag("sort_keys", "descending", descending)
     b, e = _check_bits("sort_keys", k, begin_bit, end_bit)
     backend = _check_backend("sort_keys", backend)
+    if _needs_grad(k):
+        return k[_permutation(k, descending, b, e, backend)]
     if _eager(k):
         if b == 0 and e == _KEY_BITS[k.dtype] and _torch_sorts(k, backend):
             return torch.sort(k, descending=descending, stable=True).values
@@ -544,6 +559,9 @@ def sort_pairs(keys, values, *, descending: bool = False, begin_bit: int = 0, en
     _check_flag("sort_pairs", "descending", descending)
     b, e = _check_bits("sort_pairs", k, begin_bit, end_bit)
     backend = _check_backend("sort_pairs", backend)
+    if _needs_grad(k, v):
+        perm = _permutation(k, descending, b, e, backend)
+        return k[perm], v[perm]
     if _eager(k, v):
         return tuple(_sort_1d_any("sort_pairs", k, v, descending, b, e, backend))
     return tuple(torch.ops.pykernels.sort_pairs(k, v, descending, b, e, backend))
@@ -577,6 +595,10 @@ def segmented_sort(keys, offsets, values=None, *, descending: bool = False,
     else:
         off64 = off.to(torch.int64)  # its values are checked inside the custom op (_check_offsets)
     backend = _check_backend(op, backend)
+    if _needs_grad(k, v):  # see _permutation; keys outside every segment keep their place in it
+        _, perm = segmented_sort(k.detach(), off64, torch.arange(k.numel(), device=k.device),
+                                 descending=descending, backend=backend)
+        return k[perm], (v[perm] if v is not None else None)
     if _eager(k, off64, v):
         return _segmented_impl(k, off64, v, descending, backend)
     if v is None:
