@@ -145,11 +145,14 @@ def _validate(op: str, q, k, v, causal, scale, layout, return_lse, grp: comm.Gro
                                  f"(the blocks compute in float32), got {scale!r}")
         fields = dict(B=b, H=h, Hkv=k.shape[1], S_local=s, D=d, dtype=comm.dtype_code(q.dtype),
                       causal=int(bool(causal)), layout=_LAYOUTS.index(layout),
-                      scale=comm.float_bits(blk.default_scale(d, scale)))
+                      scale=comm.float_bits(blk.default_scale(d, scale)),
+                      # every rank must run the backward schedule, or none: a rank whose inputs need no
+                      # gradient left the others waiting in theirs until the timeout (review)
+                      grad=int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))))
     except (TypeError, ValueError, RuntimeError) as exc:
         err = exc
     dev = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
-    names = ("B", "H", "Hkv", "S_local", "D", "dtype", "causal", "layout", "scale")
+    names = ("B", "H", "Hkv", "S_local", "D", "dtype", "causal", "layout", "scale", "grad")
     comm.check_across_ranks(op, grp, err, {n: fields.get(n, 0) for n in names}, dev)
     return blk.default_scale(q.shape[-1], scale)
 

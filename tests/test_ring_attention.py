@@ -242,6 +242,8 @@ def case_bad_shard(rank, world, *, fn, what):
             q, k, v = (t[..., :0] for t in (q, k, v))
         elif what == "sparse":  # review finding: failed in the schedule, the other ranks timing out
             q = q.to_sparse()
+        elif what == "grad":  # one rank would run backward, the others not: a hang in its schedule
+            q = q.requires_grad_()
     try:
         FNS[fn](q, k, v, causal=True)
     except (ValueError, TypeError) as exc:
@@ -430,7 +432,8 @@ def test_wrong_size_shard_on_one_rank_errors_everywhere(pool, fn):
     if pool.world == 1:
         pytest.skip("needs two ranks")
     for what, exc in (("length", "ValueError"), ("dtype", "ValueError"), ("heads", "ValueError"),
-                      ("meta", "ValueError"), ("headdim0", "ValueError"), ("sparse", "ValueError")):
+                      ("meta", "ValueError"), ("headdim0", "ValueError"), ("sparse", "ValueError"),
+                      ("grad", "ValueError")):
         res = pool.run("case_bad_shard", fn=fn, what=what)
         kinds = {kind for kind, _ in res}
         # the bad rank sees its own error (dtype: TypeError is not raised locally since float64 is a
