@@ -1559,3 +1559,12 @@ def test_inserts_into_a_full_table_at_load_1_are_refused_without_walking_the_tab
         assert int(present.sum()) == 100
         kept = t.count(old) if cls == "multi" else t.find(old)[1].long()
         assert torch.equal(kept, (torch.arange(C) >= 100).long())
+
+
+def test_allocation_failures_name_the_op():
+    """A table or filter too large for memory: the error names the op (torch's bare allocator message
+    did not; review finding)."""
+    with pytest.raises(RuntimeError, match=r"pykernels\.HashMap: cannot allocate"):
+        HashMap(2 ** 33)
+    with pytest.raises(RuntimeError, match=r"pykernels\.BloomFilter: cannot allocate"):
+        pykernels.BloomFilter(2 ** 40, 3)

@@ -251,7 +251,11 @@ class BloomFilter:
             raise ValueError(f"pykernels.{op}: 'num_bits' {num_bits} is too large")
         self.num_hashes = num_hashes
         self.seed = int(seed) & L.M64
-        self._words = torch.zeros(self.num_blocks * 8, dtype=torch.int64, device=self.device)
+        try:
+            self._words = torch.zeros(self.num_blocks * 8, dtype=torch.int64, device=self.device)
+        except (RuntimeError, MemoryError) as exc:  # torch's bare allocator message names no op (review)
+            raise type(exc)(f"pykernels.{op}: cannot allocate {self.num_blocks * 64} bytes for {num_bits} bits on "
+                            f"{self.device}: {str(exc)[:200]}") from exc
         import threading
 
         self._lock = threading.RLock()

@@ -123,9 +123,13 @@ class _OpenTable:
         """Uninitialized slot storage. Large CPU tables are aligned to 2 MiB and advised to use huge
         pages before the first touch: random probes then rarely miss the TLB."""
         words = nw * self.window * self._sb // 4
-        if self.device.type != "cpu" or words * 4 < _HUGE_MIN_BYTES:
-            return torch.empty(words, dtype=torch.int32, device=self.device)
-        return _memory.huge_buffer(words * 4).view(torch.int32)
+        try:
+            if self.device.type != "cpu" or words * 4 < _HUGE_MIN_BYTES:
+                return torch.empty(words, dtype=torch.int32, device=self.device)
+            return _memory.huge_buffer(words * 4).view(torch.int32)
+        except (RuntimeError, MemoryError) as exc:  # torch's bare allocator message names no op (review)
+            raise type(exc)(f"pykernels.{self._op}: cannot allocate {words * 4} bytes for {nw * self.window} slots "
+                            f"on {self.device} (capacity / max_load_factor too large?): {str(exc)[:200]}") from exc
 
     def _alloc(self, capacity):
         self._nw = L.windows_for(capacity, self.window, self._op)
