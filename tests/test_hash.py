@@ -1568,3 +1568,45 @@ def test_allocation_failures_name_the_op():
         HashMap(2 ** 33)
     with pytest.raises(RuntimeError, match=r"pykernels\.BloomFilter: cannot allocate"):
         pykernels.BloomFilter(2 ** 40, 3)
+
+
+def test_bloom_filter_and_multi_value_counts_compile_fullgraph():
+    """BloomFilter.add/contains and MultiValueHashMap.count/contains trace without a graph break (they
+    called the native module directly; review finding), reserved key patterns included, and the ops
+    pass opcheck."""
+    from pykernels.hashing import _ops
+
+    torch._dynamo.reset()
+    b = pykernels.BloomFilter(4096, 3, seed=2 ** 64 - 5)  # a seed above int64: passed as its 64 bits
+    k = torch.arange(0, 200, 3)
+    eager = pykernels.BloomFilter(4096, 3, seed=2 ** 64 - 5)
+    eager.add(k)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def add_then_query(x, q):
+        b.add(x)
+        return b.contains(q)
+
+    q = torch.arange(-50, 250)
+    assert torch.equal(add_then_query(k, q), eager.contains(q))
+    assert bool(b.contains(k).all()) and torch.equal(b._words, eager._words)
+
+    m = pykernels.MultiValueHashMap(64)
+    mk = torch.tensor([1, 1, 2, -1, -1, -1, -2])  # -1 / -2: the reserved patterns, kept out of band
+    m.insert(mk, torch.arange(7))
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def counts(x):
+        return m.count(x), m.contains(x)
+
+    qq = torch.tensor([1, 2, 3, -1, -2, 5])
+    c, f = counts(qq)
+    assert c.tolist() == [2, 1, 0, 3, 1, 0] and f.tolist() == [True, True, False, True, True, False]
+    assert m.count(qq).tolist() == c.tolist()
+    torch.library.opcheck(torch.ops.pykernels.bloom_contains.default, (b._words, q, b.num_blocks, 3, b._seed64()))
+    torch.library.opcheck(torch.ops.pykernels.bloom_add_.default, (b._words.clone(), q, b.num_blocks, 3, 7),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.pykernels.hash_multi_count.default,
+                          (m._slots, m._special, qq, m._nw, m.window, m.seed, m._kb, m._vb, 1, 8))
+    with pytest.raises(ValueError, match="pykernels.bloom_contains: expected 'words'"):
+        torch.ops.pykernels.bloom_contains(b._words[:8], q, b.num_blocks, 3, 7)

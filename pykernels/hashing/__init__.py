@@ -27,6 +27,7 @@ import numbers
 import torch
 
 from . import _layout as L
+from . import _ops
 from ._ops import out_buffer, stream_args
 from ._tables import M_ADD, M_APPEND, M_UPSERT, ST_NEW, _OpenTable, _device
 from .. import _backend, _native
@@ -149,13 +150,9 @@ class MultiValueHashMap(_OpenTable):
             self._insert_bits(f"{self._op}.insert", kbits, vbits, M_APPEND)  # reserved patterns: SKIPPED
 
     def _native_counts(self, kbits):
-        n = kbits.numel()
-        counts = torch.zeros(n, dtype=torch.int64, device=self.device)
-        if n:
-            cfg = self._config("hash_find")
-            self._mod.multi_walk(*self._geo(), kbits.data_ptr(), n, counts.data_ptr(), 0, 0, self._threads(cfg),
-                                 int(cfg.get("prefetch", 16)), *stream_args(self.device))
-        return counts
+        cfg = self._config("hash_find")
+        return _ops.hash_multi_count(self._slots, self._special, kbits, self._nw, self.window, self.seed, self._kb,
+                                     self._vb, int(cfg.get("threads", 0) or 0), int(cfg.get("prefetch", 16)))
 
     def _special_values(self, bits):
         lst = self._special_multi.get(bits, [])
@@ -169,10 +166,17 @@ class MultiValueHashMap(_OpenTable):
         kbits = L.key_bits(keys)
         with self._locked():
             counts = self._native_counts(kbits)
-            for bits, m in self._special_masks(kbits):
-                sv = self._special_values(bits)
-                if sv is not None:
-                    counts[m] = sv.numel()
+            if torch.compiler.is_compiling():
+                # no data-dependent branch (fullgraph): every reserved pattern that has values, by mask
+                for bits in (L.EMPTY_BITS, L.TOMB_BITS):
+                    sv = self._special_values(bits)
+                    if sv is not None:
+                        counts = torch.where(kbits == bits, sv.numel(), counts)
+            else:
+                for bits, m in self._special_masks(kbits):
+                    sv = self._special_values(bits)
+                    if sv is not None:
+                        counts[m] = sv.numel()
         return counts.view(keys.shape)
 
     def contains(self, keys) -> torch.Tensor:
@@ -282,22 +286,20 @@ class BloomFilter:
             bits = flat.to(torch.int64)
         return keys, bits
 
+    def _seed64(self) -> int:
+        """The seed as the signed int64 the op schemas take (the native code reads its 64 bits)."""
+        return self.seed - (1 << 64) if self.seed >= (1 << 63) else self.seed
+
     def add(self, keys) -> None:
         keys, bits = self._keys("add", keys)
-        if bits.numel():
-            with self._locked():
-                self._mod.bloom_add(self._words.data_ptr(), self.num_blocks, self.num_hashes, self.seed,
-                                    bits.data_ptr(), bits.numel(), torch.get_num_threads(), *stream_args(self.device))
+        with self._locked():
+            _ops.bloom_add_(self._words, bits, self.num_blocks, self.num_hashes, self._seed64())
 
     def contains(self, keys) -> torch.Tensor:
         keys, bits = self._keys("contains", keys)
-        out = out_buffer(bits.numel(), torch.uint8, self.device)
-        if bits.numel():
-            with self._locked():
-                self._mod.bloom_contains(self._words.data_ptr(), self.num_blocks, self.num_hashes, self.seed,
-                                         bits.data_ptr(), bits.numel(), out.data_ptr(), torch.get_num_threads(),
-                                         *stream_args(self.device))
-        return out.view(torch.bool).view(keys.shape)
+        with self._locked():
+            out = _ops.bloom_contains(self._words, bits, self.num_blocks, self.num_hashes, self._seed64())
+        return out.view(keys.shape)
 
     def clear(self) -> None:
         with self._locked():

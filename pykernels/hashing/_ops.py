@@ -175,3 +175,103 @@ def _(slots, special, keys, values, nw, window, seed, kb, vb, insert_mode, used,
     check_same_device("hash_insert_", slots=slots, special=special, keys=keys, values=values)
     _check_mode("hash_insert_", insert_mode)
     return keys.new_empty(keys.numel(), dtype=torch.uint8), torch.empty(3, dtype=torch.int64, device="cpu")
+
+
+# ---- multi-value count and the Bloom filter: registered ops too, so those methods trace under
+# torch.compile(fullgraph=True) as find does (they called the native module directly: a graph break
+# that fullgraph refuses; review finding) ------------------------------------------------------
+def _multi_count_impl(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor, nw: int, window: int,
+                      seed: int, kb: int, vb: int, threads: int, prefetch: int) -> torch.Tensor:
+    """int64 number of values of each key bits in a multi-value table (the reserved patterns: 0)."""
+    check_same_device("hash_multi_count", slots=slots, special=special, keys=keys)
+    n = keys.numel()
+    counts = torch.zeros(n, dtype=torch.int64, device=keys.device)
+    if n:
+        if vb == 0:
+            raise ValueError("pykernels.hash_multi_count: multi-value tables need values (vb > 0)")
+        _check_special("hash_multi_count", special, nw)
+        _check_table_args("hash_multi_count", slots, keys, None, nw, window, kb, vb)
+        _mod(slots).multi_walk(slots.data_ptr(), special.data_ptr(), nw, window, seed & _M64, kb, vb, keys.data_ptr(),
+                               n, counts.data_ptr(), 0, 0, _nthreads(threads), prefetch, *stream_args(slots.device))
+    return counts
+
+
+@torch.library.custom_op("pykernels::hash_multi_count", mutates_args=())
+def _multi_count_op(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor, nw: int, window: int, seed: int,
+                    kb: int, vb: int, threads: int, prefetch: int) -> torch.Tensor:
+    return _multi_count_impl(slots, special, keys, nw, window, seed, kb, vb, threads, prefetch)
+
+
+@_multi_count_op.register_fake
+def _(slots, special, keys, nw, window, seed, kb, vb, threads, prefetch):
+    check_same_device("hash_multi_count", slots=slots, special=special, keys=keys)
+    return keys.new_empty(keys.numel(), dtype=torch.int64)
+
+
+def hash_multi_count(slots, special, keys, nw, window, seed, kb, vb, threads, prefetch):
+    """pykernels::hash_multi_count: directly in eager code, else through the registered op."""
+    args = (slots, special, keys, nw, window, seed, kb, vb, threads, prefetch)
+    return _multi_count_impl(*args) if eager_direct(slots, special, keys) else _multi_count_op(*args)
+
+
+def _check_bloom(op: str, words: torch.Tensor, keys: torch.Tensor, nblocks: int, k: int):
+    """The native filter reads nblocks 512-bit blocks of `words` and the int64 key values."""
+    check_same_device(op, words=words, keys=keys)
+    if words.dtype != torch.int64 or not words.is_contiguous() or words.numel() < nblocks * 8 or nblocks < 1:
+        raise ValueError(f"pykernels.{op}: expected 'words' a contiguous int64 tensor of at least {nblocks * 8} "
+                         f"words for {nblocks} blocks, got {words.dtype} of {words.numel()} words")
+    if keys.dtype != torch.int64 or keys.dim() != 1 or not keys.is_contiguous():
+        raise ValueError(f"pykernels.{op}: expected 'keys' a contiguous 1-D int64 tensor, got {keys.dtype} of "
+                         f"shape {tuple(keys.shape)}")
+    if not 1 <= k <= 64:
+        raise ValueError(f"pykernels.{op}: expected num_hashes in 1..64, got {k}")
+
+
+def _bloom_contains_impl(words: torch.Tensor, keys: torch.Tensor, nblocks: int, k: int, seed: int) -> torch.Tensor:
+    _check_bloom("bloom_contains", words, keys, nblocks, k)
+    out = out_buffer(keys.numel(), torch.uint8, keys.device)
+    if keys.numel():
+        _mod(words).bloom_contains(words.data_ptr(), nblocks, k, seed & _M64, keys.data_ptr(), keys.numel(),
+                                   out.data_ptr(), torch.get_num_threads(), *stream_args(words.device))
+    return out.view(torch.bool)
+
+
+@torch.library.custom_op("pykernels::bloom_contains", mutates_args=())
+def _bloom_contains_op(words: torch.Tensor, keys: torch.Tensor, nblocks: int, k: int, seed: int) -> torch.Tensor:
+    return _bloom_contains_impl(words, keys, nblocks, k, seed)
+
+
+@_bloom_contains_op.register_fake
+def _(words, keys, nblocks, k, seed):
+    check_same_device("bloom_contains", words=words, keys=keys)
+    return keys.new_empty(keys.numel(), dtype=torch.bool)
+
+
+def bloom_contains(words, keys, nblocks, k, seed):
+    args = (words, keys, nblocks, k, seed)
+    return _bloom_contains_impl(*args) if eager_direct(words, keys) else _bloom_contains_op(*args)
+
+
+def _bloom_add_impl(words: torch.Tensor, keys: torch.Tensor, nblocks: int, k: int, seed: int) -> None:
+    _check_bloom("bloom_add_", words, keys, nblocks, k)
+    if keys.numel():
+        _mod(words).bloom_add(words.data_ptr(), nblocks, k, seed & _M64, keys.data_ptr(), keys.numel(),
+                              torch.get_num_threads(), *stream_args(words.device))
+
+
+@torch.library.custom_op("pykernels::bloom_add_", mutates_args=("words",))
+def _bloom_add_op(words: torch.Tensor, keys: torch.Tensor, nblocks: int, k: int, seed: int) -> None:
+    _bloom_add_impl(words, keys, nblocks, k, seed)
+
+
+@_bloom_add_op.register_fake
+def _(words, keys, nblocks, k, seed):
+    check_same_device("bloom_add_", words=words, keys=keys)
+
+
+def bloom_add_(words, keys, nblocks, k, seed):
+    if eager_direct(words, keys):
+        _bloom_add_impl(words, keys, nblocks, k, seed)
+        torch.autograd.graph.increment_version((words,))  # written in place, as the op would record
+    else:
+        _bloom_add_op(words, keys, nblocks, k, seed)
