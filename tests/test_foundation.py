@@ -403,3 +403,61 @@ def test_numpy_field_views_and_unsupported_dtypes():
     assert rec["b"].tolist() == [3.0, -1.0, 2.0, 0.5, -7.0]
     with pytest.raises(TypeError, match="pykernels.sort: cannot take 'input'"):
         pykernels.sort(np.array(["b", "a"]))
+
+
+def test_ops_run_in_a_forked_child():
+    """A process forked after the native thread pools started (multiprocessing's default start method
+    on Linux) runs the ops: the child starts fresh pools (it has none of the parent's worker threads;
+    every op with 2+ threads waited for them forever; review finding). Sizes keep torch's own ops
+    below its parallel grain and the child compares with numpy: torch's OpenMP regions hang in a child
+    forked after the parent ran one (libgomp is not fork-safe; torch's limitation, not ours)."""
+    import subprocess
+    import sys
+
+    code = r'''
+import os, signal, sys, numpy as np, torch, pykernels
+torch.set_num_threads(2)
+g = torch.Generator().manual_seed(0)
+keys = torch.randint(0, 1 << 40, (1 << 20,), generator=g)
+x = torch.randn(1 << 20, generator=g)
+qw = pykernels.quantize(torch.randn(256, 512, generator=g), bits=4, group_size=128)
+a = torch.randn(64, 512, generator=g)
+few = keys[: 30000].clone()
+def run():
+    t = pykernels.HashMap(1 << 16)
+    t.insert(few, few)
+    return [pykernels.sort_keys(keys).numpy().copy(), pykernels.sort(x)[0].numpy().copy(),
+            t.find(few)[0].numpy().copy(), pykernels.qmatmul(a, qw).numpy().copy()]
+ref = run()
+pid = os.fork()
+if pid == 0:
+    signal.alarm(60)  # a hang ends the child (SIGALRM), which the parent reports
+    out = run()
+    os._exit(0 if all(np.array_equal(o, r) for o, r in zip(out, ref)) else 3)
+_, st = os.waitpid(pid, 0)
+sys.exit(0 if os.WIFEXITED(st) and os.WEXITSTATUS(st) == 0 else (100 + (os.WTERMSIG(st) if os.WIFSIGNALED(st) else os.WEXITSTATUS(st))))
+'''
+    proc = subprocess.run([sys.executable, "-c", code], timeout=240, capture_output=True, text=True)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_config_memo_keeps_no_answer_that_a_store_overtook(monkeypatch):
+    """config_for reads the cache, then memoizes: a tune() store in between (another thread) cleared the
+    memo and bumped the generation, and the older answer written after it was served from then on
+    (review finding). It is now returned once but not memoized."""
+    import pykernels.autotune as at
+
+    real_lookup = at.lookup
+
+    def lookup_overtaken(*args, **kwargs):
+        entry = real_lookup(*args, **kwargs)
+        at.clear_memory_cache()  # what a concurrent store does to the memo and the generation
+        return entry
+
+    at.clear_memory_cache()
+    monkeypatch.setattr(at, "lookup", lookup_overtaken)
+    at.config_for("sort_keys", "cpu", {"probe": 1}, torch.device("cpu"))
+    assert not at._CONFIG_MEMO
+    monkeypatch.setattr(at, "lookup", real_lookup)
+    at.config_for("sort_keys", "cpu", {"probe": 1}, torch.device("cpu"))
+    assert len(at._CONFIG_MEMO) == 1  # undisturbed: memoized

@@ -26,6 +26,9 @@
 #include <mutex>
 #include <thread>
 #include <vector>
+#if defined(__unix__) || defined(__APPLE__)
+#include <pthread.h>
+#endif
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define PK_SPIN_PAUSE() _mm_pause()
@@ -52,8 +55,11 @@ inline bool spin_until(P&& pred, std::chrono::microseconds budget) {
 class ThreadPool {
  public:
   static ThreadPool& instance() {
-    static ThreadPool pool;
-    return pool;
+#if defined(__unix__) || defined(__APPLE__)
+    static std::once_flag at_fork;
+    std::call_once(at_fork, [] { pthread_atfork(nullptr, nullptr, &start_afresh_in_child); });
+#endif
+    return *current().load(std::memory_order_acquire);
   }
 
   // Runs fn(tid) for tid in [0, nthreads) and returns when all are done. tid 0 runs on the caller.
@@ -101,18 +107,21 @@ class ThreadPool {
     if (first_error) std::rethrow_exception(first_error);
   }
 
-  ~ThreadPool() {
-    {
-      std::lock_guard<std::mutex> g(mutex_);
-      stop_ = true;
-      generation_.fetch_add(1);
-    }
-    cv_.notify_all();
-    for (auto& w : workers_) w.join();
-  }
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
 
  private:
   ThreadPool() = default;
+
+  // The pool lives as long as the process (never destroyed: at exit its sleeping workers simply end
+  // with it). A forked child has none of the parent's worker threads, and maybe a lock that a parent
+  // thread held at the fork: it starts a fresh pool and leaves the old one alone (joining threads that
+  // do not exist would hang; a job waited forever for them in every op with 2+ threads; review finding).
+  static std::atomic<ThreadPool*>& current() {
+    static std::atomic<ThreadPool*> pool{new ThreadPool()};
+    return pool;
+  }
+  static void start_afresh_in_child() { current().store(new ThreadPool(), std::memory_order_release); }
 
   void ensure_workers(int n) {
     while ((int)workers_.size() < n) {

@@ -363,6 +363,7 @@ def config_for(op: str, backend: str, key: dict, device) -> dict:
     memo_key = (op, backend, _freeze(key), device_id(device), _enabled(), switches())
     config = _CONFIG_MEMO.get(memo_key)
     if config is None:
+        gen = _GENERATION  # a store between the lookup and the memo write below clears the memo first
         entry = lookup(op, key, device, backend)
         tunable = _REGISTRY.get((op, backend))
         config = dict(entry["config"]) if entry is not None else None
@@ -375,7 +376,10 @@ def config_for(op: str, backend: str, key: dict, device) -> dict:
         if config is None:
             config = dict(tunable.default(key)) if tunable is not None else {}
         with _LOCK:
-            _CONFIG_MEMO[memo_key] = config
+            # memoized only if no store came in since the lookup: else this (older) answer would stay in
+            # the memo the store had just cleared, and every later call would get it (review finding)
+            if _GENERATION == gen:
+                _CONFIG_MEMO[memo_key] = config
     return dict(config)
 
 
