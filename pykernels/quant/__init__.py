@@ -239,7 +239,11 @@ def qmatmul(x, qw: QuantizedWeight, bias=None, *, act_bits: Optional[int] = None
     torch.nn.functional.linear(x.float(), qw.dequantize(torch.float32), bias). On the GPU the Triton
     kernel multiplies in the activations' dtype as Marlin does: fp16 activations meet fp16-rounded
     weights (a weight beyond fp16's 65504 would be inf; a weight below its normal range, 6e-5, keeps
-    fewer bits), bf16 ones bf16-rounded weights, fp32 ones fp32 weights; every sum is fp32."""
+    fewer bits), bf16 ones bf16-rounded weights, fp32 ones fp32 weights; every sum is fp32. The GPU
+    kernels do not split outlier rows as the CPU does: per 32-element block they add s * sum(u * x) and
+    m * sum(x), two terms that cancel for zero weights, so a row with an activation ~1e4x its others
+    loses relative precision (~1e-3 at 3e4, none left at 1e9) and an inf activation gives NaN, not inf
+    (review finding, by reading; a GPU run will measure it)."""
     x = as_tensor(x, "qmatmul", "x")
     if not isinstance(qw, QuantizedWeight):
         raise TypeError(f"pykernels.qmatmul: expected a pykernels.QuantizedWeight for 'qw' "
