@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 from . import _native
 
@@ -165,6 +167,30 @@ def dispatch(op: str, device: torch.device, backend: str = "auto", key: dict | N
     return chosen, config
 
 
+_ENTRY_NAMES = {"forward_op": "flash_attention", "backward_op": "flash_attention_backward", "qmatmul_op": "qmatmul",
+                "hash_find": "HashMap.find", "hash_insert_": "HashMap.insert"}
+
+
+def _refuse_forward_ad(tensors):
+    """The ops register reverse-mode derivatives only; forward mode (torch.func.jvp / jacfwd, forward_ad
+    dual tensors) went through them with its tangents silently dropped: zero derivatives, no error
+    (review finding). It is refused with a clear error, as torch's own CPU flash attention does."""
+    dual = False
+    if _forward_ad._current_level >= 0:
+        dual = any(isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+    if not dual and torch._C._are_functorch_transforms_active():
+        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+        jvp = torch._C._functorch.TransformType.Jvp
+        dual = any(i.key() == jvp for i in retrieve_all_functorch_interpreters())
+    if dual:
+        caller = sys._getframe(2).f_code.co_name  # the op's entry (only read on this error path)
+        caller = _ENTRY_NAMES.get(caller, caller)
+        raise NotImplementedError(f"pykernels.{caller}: forward-mode AD (torch.func.jvp / jacfwd, forward_ad "
+                                  f"dual tensors) is not supported; its tangents would be dropped. Use reverse "
+                                  f"mode (backward, torch.func.grad / vjp / jacrev)")
+
+
 def eager_direct(*tensors) -> bool:
     """True when a public call may run its implementation directly instead of through its registered
     torch.library op: the op's dispatch layers cost ~60-100 us a call (6x a 1K-element torch.sort).
@@ -173,7 +199,9 @@ def eager_direct(*tensors) -> bool:
     need autograd (requires_grad while grad mode is on): those go through the op, whose fake and autograd
     registrations handle them."""
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active()):
+            or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active()
+            or _forward_ad._current_level >= 0):
+        _refuse_forward_ad(tensors)
         return False
     grad = torch.is_grad_enabled()  # with grad mode off nothing is recorded: requires_grad does not matter
     for t in tensors:  # a plain loop: a generator inside all() costs a frame per tensor on every op call

@@ -59,3 +59,54 @@ def test_ops_are_registered_and_pass_opcheck():
     off = torch.tensor([0, 10, 100, 300])
     torch.library.opcheck(torch.ops.pykernels.segmented_sort.default, (k, off, False, "auto"))
     torch.library.opcheck(torch.ops.pykernels.segmented_sort_pairs.default, (k, off, torch.randn(300), False, "auto"))
+
+
+def test_forward_mode_ad_is_refused_not_silently_zero():
+    """The ops register reverse-mode derivatives only. Forward mode (torch.func.jvp / jacfwd, forward_ad
+    dual tensors) went through them with the tangents dropped: zero derivatives, no error (review
+    finding). Now a NotImplementedError naming the op, as torch's CPU flash attention gives."""
+    import pytest
+    from torch.autograd import forward_ad
+
+    import pykernels
+
+    x = torch.randn(3000)
+    t = torch.randn(3000)
+    cases = {"sort": lambda a: pykernels.sort(a)[0], "sort_keys": pykernels.sort_keys,
+             "flash_attention": lambda a: pykernels.flash_attention(a.view(1, 1, 3000, 1)[:, :, :64],
+                                                                    a.view(1, 1, 3000, 1)[:, :, :64],
+                                                                    a.view(1, 1, 3000, 1)[:, :, :64])}
+    qw = pykernels.quantize(torch.randn(8, 3000), bits=4, group_size=-1)
+    cases["qmatmul"] = lambda a: pykernels.qmatmul(a.view(1, 3000), qw)
+    for name, fn in cases.items():
+        with pytest.raises(NotImplementedError, match=rf"pykernels\.{name}: forward-mode AD"):
+            torch.func.jvp(fn, (x,), (t,))
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(x, t)
+        with pytest.raises(NotImplementedError, match=r"pykernels\.sort: forward-mode AD"):
+            pykernels.sort(dual)
+        plain = pykernels.sort(x)[0]  # no dual input: runs
+    assert torch.equal(plain, torch.sort(x).values)
+    # reverse mode still works through the same transforms
+    g = torch.func.grad(lambda a: pykernels.sort_keys(a).pow(2).sum())(x)
+    torch.testing.assert_close(g, 2 * x)
+
+
+def test_flash_attention_scale_argument_compiles_for_every_value():
+    """A scale passed as an argument of a compiled function: the second value broke the fullgraph trace
+    on math.isfinite (review finding); a bad value is still refused when the op runs."""
+    import pytest
+
+    import pykernels
+
+    torch._dynamo.reset()
+    q = torch.randn(1, 2, 16, 8)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def f(q, s):
+        return pykernels.flash_attention(q, q, q, scale=s)
+
+    for s in (0.3, 0.2, 0.7):
+        torch.testing.assert_close(f(q, s), pykernels.flash_attention(q, q, q, scale=s))
+    with pytest.raises(Exception, match="scale"):
+        f(q, float("inf"))

@@ -234,9 +234,14 @@ def _check(q, k, v, scale, backend):
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"pykernels.flash_attention: expected 'scale' to be a real number or None, got "
                         f"{type(scale).__name__}")
-    if scale is not None and not _native.finite_real(scale):
+    if scale is None or torch.compiler.is_compiling():
+        # a scale that is an argument of a compiled function is symbolic: these value checks would make
+        # dynamo specialize on it, and math.isfinite broke the fullgraph trace on its second value
+        # (review finding); the eager call of the same code checks it
+        return
+    if not _native.finite_real(scale):
         raise ValueError(f"pykernels.flash_attention: expected 'scale' to be a finite float or None, got {scale!r}")
-    if scale is not None and q.dtype != torch.float64 and abs(float(scale)) > torch.finfo(torch.float32).max:
+    if q.dtype != torch.float64 and abs(float(scale)) > torch.finfo(torch.float32).max:
         raise ValueError(f"pykernels.flash_attention: expected 'scale' within float32's range for "
                          f"{str(q.dtype).replace('torch.', '')} inputs (scores are computed in float32), got {scale!r}")
 
