@@ -1610,3 +1610,32 @@ def test_bloom_filter_and_multi_value_counts_compile_fullgraph():
                           (m._slots, m._special, qq, m._nw, m.window, m.seed, m._kb, m._vb, 1, 8))
     with pytest.raises(ValueError, match="pykernels.bloom_contains: expected 'words'"):
         torch.ops.pykernels.bloom_contains(b._words[:8], q, b.num_blocks, 3, 7)
+
+
+def test_find_default_as_a_compiled_argument_traces_for_every_value():
+    """A default passed as an argument of a compiled function: its second value broke the fullgraph trace
+    (its bits were taken from a symbolic number; review finding). Ints and floats, every value."""
+    torch._dynamo.reset()
+    t = HashMap(64)
+    tf = HashMap(64, value_dtype=torch.float32)
+    k = torch.tensor([1, 2, 3])
+    t.insert(k, k * 10)
+    tf.insert(k, k.float() / 4)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def look(q, d):
+        return t.find(q, default=d)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def lookf(q, d):
+        return tf.find(q, default=d)
+
+    q = torch.tensor([2, 9, 3, -5])
+    for d in (5, 6, -7):
+        v, f = look(q, d)
+        assert v.tolist() == [20, d, 30, d] and v.dtype == torch.int64 and f.tolist() == [True, False, True, False]
+    for d in (2.5, 3.5, float("nan")):
+        v, _ = lookf(q, d)
+        want, _ = tf.find(q, default=d)
+        torch.testing.assert_close(v, want, equal_nan=True)
+        assert v.dtype == torch.float32

@@ -60,10 +60,29 @@ class HashMap(_OpenTable):
     def find(self, keys, default=0):
         """(values, found): the value of each key, `default` where the key is absent."""
         keys = self._keys("find", keys)
+        if torch.compiler.is_compiling() and not (type(default) is int and default == 0):
+            return self._find_symbolic_default(keys, default)
         dbits = L.scalar_bits(f"{self._op}.find", default, self.value_dtype)
         with self._locked():
             vals, found = self._find_bits(L.key_bits(keys), True, dbits)
         return L.bits_to_values(vals, self.value_dtype).view(keys.shape), found.view(keys.shape)
+
+    def _find_symbolic_default(self, keys, default):
+        """find under torch.compile with a default other than 0: one that is an argument of the compiled
+        function is symbolic and its bits cannot be taken while tracing (a data-dependent guard broke
+        fullgraph on its second value; review finding), so the lookup runs with 0 and the default is
+        filled in where no key was found."""
+        floating = self.value_dtype.is_floating_point
+        if isinstance(default, bool) or not isinstance(default, (int, float, torch.SymInt, torch.SymFloat)):
+            raise TypeError(f"pykernels.{self._op}.find: expected a number for 'default', got {type(default).__name__}")
+        if isinstance(default, (float, torch.SymFloat)) and not floating:
+            raise TypeError(f"pykernels.{self._op}.find: expected an int 'default' for {self.value_dtype} values, "
+                            f"got a float")
+        with self._locked():
+            vals, found = self._find_bits(L.key_bits(keys), True, 0)
+        values = L.bits_to_values(vals, self.value_dtype).view(keys.shape)
+        found = found.view(keys.shape)
+        return torch.where(found, values, torch.full_like(values, default)), found
 
 class HashSet(_OpenTable):
     """A set of keys (slots hold keys only: 4- or 8-byte slots, 16 or 8 per cache line)."""
