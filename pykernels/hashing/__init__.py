@@ -185,17 +185,12 @@ class MultiValueHashMap(_OpenTable):
         kbits = L.key_bits(keys)
         with self._locked():
             counts = self._native_counts(kbits)
-            if torch.compiler.is_compiling():
-                # no data-dependent branch (fullgraph): every reserved pattern that has values, by mask
-                for bits in (L.EMPTY_BITS, L.TOMB_BITS):
-                    sv = self._special_values(bits)
-                    if sv is not None:
-                        counts = torch.where(kbits == bits, sv.numel(), counts)
-            else:
-                for bits, m in self._special_masks(kbits):
-                    sv = self._special_values(bits)
-                    if sv is not None:
-                        counts[m] = sv.numel()
+            # every reserved pattern that has values, by mask: no data-dependent branch, so it also traces
+            # under torch.compile(fullgraph=True)
+            for bits in (L.EMPTY_BITS, L.TOMB_BITS):
+                sv = self._special_values(bits)
+                if sv is not None:
+                    counts = torch.where(kbits == bits, sv.numel(), counts)
         return counts.view(keys.shape)
 
     def contains(self, keys) -> torch.Tensor:
