@@ -41,7 +41,7 @@ from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ALGOS = ["auto", "recursive_doubling", "halving_doubling", "ring", "hierarchical"]
+ALGOS = ["auto", "recursive_doubling", "halving_doubling", "ring", "hierarchical", "shared_memory"]
 # the baseline's key among the timed calls (not "native": algorithm="native" is ours, with its agreement check)
 GLOO = "dist.all_reduce"
 
@@ -52,8 +52,11 @@ def _sizes(quick):
     return [4 << 10 << (2 * k) for k in range(8)]  # 4 KiB .. 64 MiB
 
 
-def measure(sizes, algos, topology, reps, tune_first=True, budget_s=3.0):
-    """Inside an initialized group: rows (on rank 0) comparing each algorithm with dist.all_reduce."""
+def measure(sizes, algos, topology, reps, tune_first=True, budget_s=3.0, detect=False):
+    """Inside an initialized group: rows (on rank 0) comparing each algorithm with dist.all_reduce.
+    detect: only "hierarchical" gets `topology`; auto and the flat algorithms run as a user calls them,
+    with the detected topology (on loopback: one host, so auto may use the shared-memory transport;
+    the emulated nodes pass their topology to every algorithm, since they share one host)."""
     import torch
     import torch.distributed as dist
 
@@ -63,21 +66,24 @@ def measure(sizes, algos, topology, reps, tune_first=True, budget_s=3.0):
     torch.set_num_threads(1)  # 4 ranks share 2 cores: no OpenMP pools spinning against gloo's threads
     p, rank = dist.get_world_size(), dist.get_rank()
     notes = ""
+    def topo_of(algo):
+        return topology if algo == "hierarchical" or not detect else None
+
     if tune_first and "auto" in algos:
         t0 = time.perf_counter()
-        tune(topology=topology, sizes=sizes, store=False)
+        tune(topology=topo_of("auto"), sizes=sizes, store=False)
         notes = f"auto tuned in {time.perf_counter() - t0:.1f} s"
     rows = []
     for nbytes in sizes:
         x = torch.ones(max(1, nbytes // 4))
-        plan_text = collectives.plan(x.numel(), torch.float32, topology=topology)
+        plan_text = collectives.plan(x.numel(), torch.float32, topology=topo_of("auto"))
         runs = "" if rank else plan_text.splitlines()[1].replace("runs: ", "")
 
         def native():
             dist.all_reduce(x)
 
         def ours(algo):
-            return lambda: collectives.all_reduce(x, algorithm=algo, topology=topology)
+            return lambda: collectives.all_reduce(x, algorithm=algo, topology=topo_of(algo))
 
         fns = {GLOO: native, **{a: ours(a) for a in algos}}
         t0 = time.perf_counter()
@@ -124,7 +130,7 @@ def measure(sizes, algos, topology, reps, tune_first=True, budget_s=3.0):
                     "cpu_ratio": cm[GLOO] / cm[algo] if cm[algo] > 0 else float("nan"),
                     "goal": 1.0 if algo == "auto" else None, "repeats": nrep, "device": "cpu", "threads": 1,
                     "algbw_GBps": algbw / 1e9, "busbw_GBps": busbw / 1e9, "baseline_busbw_GBps": base_bus / 1e9,
-                    "topology": str(topology),
+                    "topology": str(topo_of(algo)),
                     "notes": (f"auto runs {runs}; " if algo == "auto" else "") + ci_note + notes, **extra,
                 })
     return rows
@@ -222,7 +228,7 @@ def _spawn_worker(rank, world, init, sizes, algos, topology, reps, out):
     os.environ.setdefault("PYKERNELS_CACHE_DIR", _EMPTY_CACHE.name)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=120))
     try:
-        rows = measure(sizes, algos, topology, reps)
+        rows = measure(sizes, algos, topology, reps, detect=True)
         if rank == 0:
             Path(out).write_text(json.dumps(rows))
     finally:
@@ -235,8 +241,9 @@ def loopback_rows(quick, world=4):
     with tempfile.TemporaryDirectory() as d:
         init = f"file://{d}/init"
         out = f"{d}/rows.json"
-        mp.start_processes(_spawn_worker, args=(world, init, _sizes(quick), ALGOS if not quick else ["auto", "hierarchical", "ring"],
-                                                [2, world // 2], 3, out), nprocs=world, start_method="spawn")
+        algos = ALGOS if not quick else ["auto", "hierarchical", "ring"]
+        mp.start_processes(_spawn_worker, args=(world, init, _sizes(quick), algos, [2, world // 2], 3, out),
+                           nprocs=world, start_method="spawn")
         return json.loads(Path(out).read_text())
 
 

@@ -9,8 +9,10 @@
 Algorithms (collectives/_allreduce_algos.py): recursive doubling, recursive halving-doubling
 (Rabenseifner), ring, hierarchical (reduce-scatter per level inside the innermost groups, recurse
 outward, all-reduce the shard at the outermost level, all-gather back down), with the MPICH fold for
-non-powers of two, uneven splits and 1-4 MiB pieces. "auto" picks by an alpha-beta-gamma cost model per
-level (Thakur et al. 2005; ../shared/ALGORITHMS.md), whose alpha/beta/gamma and a measured
+non-powers of two, uneven splits and 1-4 MiB pieces. "shared_memory" (collectives/_shm.py): ranks that
+all run on one host reduce through one /dev/shm segment instead of TCP over loopback (NCCL's and MPICH's
+intra-node transport); auto uses it for a group of one node. "auto" picks by an alpha-beta-gamma cost
+model per level (Thakur et al. 2005; ../shared/ALGORITHMS.md), whose alpha/beta/gamma and a measured
 best-per-size table come from `tune()`; gloo's own dist.all_reduce ("native") is one of the candidates,
 so auto never picks something that measured slower than it.
 """
@@ -31,12 +33,13 @@ import torch
 import torch.distributed as dist
 
 from . import _allreduce_algos as A
+from . import _shm
 from .topology import Topology, _default_group
 
 __all__ = ["all_reduce", "Topology", "plan", "ddp_comm_hook", "tune", "ALGORITHMS", "AllReduceWork"]
 
 OPNAME = "collectives.all_reduce"
-ALGORITHMS = ("auto", "recursive_doubling", "halving_doubling", "ring", "hierarchical", "native")
+ALGORITHMS = ("auto", "recursive_doubling", "halving_doubling", "ring", "hierarchical", "shared_memory", "native")
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8)
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
         "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT, "product": dist.ReduceOp.PRODUCT,
@@ -161,7 +164,10 @@ def _check_tensor(tensor) -> torch.Tensor:
 _DEFAULTS = {
     # gloo over TCP on one machine (2-core box, measured while idle); replaced by tune().
     "gloo": {"alpha": 150e-6, "beta": 1 / 1.2e9, "gamma": 1 / 4e9, "native_alpha": 400e-6,
-             "native_beta": 1 / 0.6e9},
+             "native_beta": 1 / 0.6e9,
+             # the shared-memory transport (ranks of one host, collectives/_shm.py): two futex barriers
+             # per chunk; per byte of the vector each rank copies it in and out once and reduces 1/p
+             "shm_alpha": 40e-6, "shm_beta": 1 / 2e9},
     # NCCL: our Python-driven rounds cannot beat NCCL's fused kernels; default to native.
     "nccl": {"alpha": 60e-6, "beta": 1 / 40e9, "gamma": 1 / 500e9, "native_alpha": 15e-6,
              "native_beta": 1 / 100e9},
@@ -172,7 +178,8 @@ class Params:
     """alpha/beta per topology level (innermost first), for the whole group (flat), for native,
     gamma, and the measured best algorithm per message size (bytes) when tuned."""
 
-    def __init__(self, levels, flat, native, gamma, table=None, source="defaults", level_native=None):
+    def __init__(self, levels, flat, native, gamma, table=None, source="defaults", level_native=None,
+                 shm=None, shm_raced=False):
         self.levels = [tuple(map(float, ab)) for ab in levels]
         # gloo's own all-reduce on each level's sub-group (alpha, beta per byte of the vector); by
         # default priced like our ring on that level, and preferred on a tie (it is gloo's own code,
@@ -184,6 +191,11 @@ class Params:
         self.gamma = float(gamma)
         self.table = [(int(b), dict(c)) for b, c in (table or [])]
         self.source = source
+        # the shared-memory transport: (alpha per chunk, beta per byte), and whether the tuned table
+        # raced it (a table tuned without it, e.g. an older cache, must not keep auto off it)
+        d = _DEFAULTS["gloo"]
+        self.shm = tuple(map(float, shm)) if shm else (d["shm_alpha"], d["shm_beta"])
+        self.shm_raced = bool(shm_raced)
         # auto's choices by (algorithm, p, sizes, nbytes, native outer): evaluating the model and the
         # tuned table cost ~80 us a call (Python), paid on every rank of every call; a new Params (tune(),
         # a reload) starts empty
@@ -192,13 +204,13 @@ class Params:
     def to_json(self) -> str:
         return json.dumps({"levels": self.levels, "flat": self.flat, "native": self.native,
                            "gamma": self.gamma, "table": self.table, "source": self.source,
-                           "level_native": self.level_native})
+                           "level_native": self.level_native, "shm": self.shm, "shm_raced": self.shm_raced})
 
     @classmethod
     def from_json(cls, text: str) -> "Params":
         d = json.loads(text)
         return cls(d["levels"], d["flat"], d["native"], d["gamma"], d.get("table"), d.get("source", "cache"),
-                   d.get("level_native"))
+                   d.get("level_native"), d.get("shm"), d.get("shm_raced", False))
 
     @classmethod
     def defaults(cls, backend: str, nlevels: int) -> "Params":
@@ -234,6 +246,9 @@ def _flat_cost(name, p, nbytes, a, b, g, native=None):
     if name == "native":
         na, nb = native
         return na + nbytes * nb
+    if name == "shared_memory":
+        sa, sb = native  # the transport's own (alpha per chunk, beta per byte)
+        return 2 * sa * max(1, -(-int(nbytes) // _shm.slot_bytes_for(p))) + nbytes * sb
     raise KeyError(name)
 
 
@@ -274,14 +289,18 @@ def _best_hier(params: Params, sizes, nbytes, native_outer: bool):
     return inner, outer, costs[outer]
 
 
-def _candidates(params: Params, p: int, sizes, nbytes: int, native_outer: bool):
-    """{description: (choice dict, predicted seconds)} for every algorithm auto may run."""
+def _candidates(params: Params, p: int, sizes, nbytes: int, native_outer: bool, shm: bool = False):
+    """{description: (choice dict, predicted seconds)} for every algorithm auto may run (shm: the
+    group has the shared-memory transport)."""
     g = params.gamma
     a, b = params.flat
     out = {}
     for name in ("recursive_doubling", "halving_doubling", "ring"):
         out[name] = ({"algorithm": name}, _flat_cost(name, p, nbytes, a, b, g))
     out["native"] = ({"algorithm": "native"}, _flat_cost("native", p, nbytes, a, b, g, params.native))
+    if shm:
+        out["shared_memory"] = ({"algorithm": "shared_memory"},
+                                _flat_cost("shared_memory", p, nbytes, a, b, g, params.shm))
     if len(sizes) > 1:
         inner, outer, cost = _best_hier(params, sizes, nbytes, native_outer)
         out["hierarchical"] = ({"algorithm": "hierarchical", "inner": inner, "outer": outer}, cost)
@@ -312,12 +331,12 @@ def _hier_cost_with_outer(params, sizes, nbytes, inner, outer):
     return (cost / k + max(on, cost * (k - 1) / k)) if k > 1 else cost + on
 
 
-def _choose(params: Params, p: int, sizes, nbytes: int, native_outer: bool):
+def _choose(params: Params, p: int, sizes, nbytes: int, native_outer: bool, shm: bool = False):
     """(choice, reason) for auto."""
     if p == 1:
         return {"algorithm": "none"}, "a group of one rank: nothing to exchange"
-    cands = _candidates(params, p, sizes, nbytes, native_outer)
-    if params.table:
+    cands = _candidates(params, p, sizes, nbytes, native_outer, shm)
+    if params.table and (params.shm_raced or not shm):
         # The measured best at the nearest tuned size (within a factor of 2) wins over the model.
         lb = math.log2(max(nbytes, 1))
         size, choice = min(params.table, key=lambda t: abs(math.log2(max(t[0], 1)) - lb))
@@ -498,19 +517,34 @@ def _uses_group_collectives(choice: dict) -> bool:
 def _resolve(algorithm: str, group, topo: Topology, nbytes: int) -> dict:
     if algorithm in ("recursive_doubling", "halving_doubling", "ring", "native"):
         return {"algorithm": algorithm}
-    params = _load_params(group, topo)
+    if algorithm == "shared_memory":
+        if _shm.transport(group) is None:
+            raise RuntimeError(f"{OPNAME}: algorithm='shared_memory' needs a gloo group whose ranks all run on "
+                               f"one host with a shared, writable /dev/shm (and the native extension); this "
+                               f"group's do not")
+        return {"algorithm": "shared_memory"}
+    params = _load_params(group, topo)  # also checks that every rank passed the same topology
     p = dist.get_world_size(group)
     native_outer = p == dist.get_world_size() or topo.num_levels == 1
-    key = (algorithm, p, topo.sizes, nbytes, native_outer)
+    shm = _has_shm(group, topo)
+    key = (algorithm, p, topo.sizes, nbytes, native_outer, shm)
     choice = params.choices.get(key)
     if choice is None:
         if len(params.choices) > 4096:  # many distinct sizes: start over rather than grow without bound
             params.choices.clear()
-        choice = params.choices[key] = _resolve_with(params, algorithm, p, topo, nbytes, native_outer)
+        choice = params.choices[key] = _resolve_with(params, algorithm, p, topo, nbytes, native_outer, shm)
     return choice
 
 
-def _resolve_with(params: Params, algorithm: str, p: int, topo: Topology, nbytes: int, native_outer: bool) -> dict:
+def _has_shm(group, topo: Topology) -> bool:
+    """auto may use the shared-memory transport: one node (a topology of one level, as detected for
+    ranks on one host) and every rank on one host with /dev/shm shared (checked by _shm.transport:
+    a collective on the first call per group, after _load_params has checked the topology)."""
+    return topo.num_levels == 1 and _backend_name(group) == "gloo" and _shm.transport(group) is not None
+
+
+def _resolve_with(params: Params, algorithm: str, p: int, topo: Topology, nbytes: int, native_outer: bool,
+                  shm: bool = False) -> dict:
     if algorithm == "hierarchical":
         if topo.num_levels == 1:
             # one level: hierarchical is the outermost all-reduce alone; pick it by the model
@@ -523,7 +557,7 @@ def _resolve_with(params: Params, algorithm: str, p: int, topo: Topology, nbytes
             # ring on 2 x 2 emulated nodes at 100 Mbit/s where p2p outer levels did not
             outer = "native"
         return {"algorithm": "hierarchical", "inner": inner, "outer": outer}
-    choice, _ = _choose(params, p, topo.sizes, nbytes, native_outer)
+    choice, _ = _choose(params, p, topo.sizes, nbytes, native_outer, shm)
     return choice
 
 
@@ -595,6 +629,9 @@ def _run_choice(choice: dict, x: torch.Tensor, n: int, op: str, group, topo: Top
             # gloo's/NCCL's own collective on the working buffer (fp32 for half types: rounded once)
             dist.all_reduce(x, op=_BASE_OP[op], group=group)
             return
+        if name == "shared_memory":
+            _run_shm(group, x, n, op, dtype)
+            return
         _run_p2p(name, choice, x, n, op, group, topo, dtype)
     except RuntimeError as exc:  # gloo's own errors (DistBackendError is one) do not name our op
         if str(exc).startswith(OPNAME):
@@ -606,6 +643,19 @@ def _run_choice(choice: dict, x: torch.Tensor, n: int, op: str, group, topo: Top
             f"Every rank must pass the same numel, dtype and op (this rank: numel={n}, dtype={dtype}, op={op}); "
             f"a rank that disagrees ends the call this way on every rank, and the group may be unusable "
             f"afterwards") from exc
+
+
+def _run_shm(group, x: torch.Tensor, n: int, op: str, dtype):
+    """Through the group's shared segment (made by _resolve in the caller's thread; cached). The
+    segment carries the call's signature, so ranks that disagree fail in step, never mix data."""
+    tr = _shm.transport(group)
+    sig = f"{n}|{dtype}|{op}"
+    if x.dtype in _shm.DTYPES:
+        tr.all_reduce(x, n, op, dtype, sig)
+    else:  # fp16/bf16 under max/min (reduced in their own type): exact through fp32
+        w = x.float()
+        tr.all_reduce(w, n, op, dtype, sig)
+        x.copy_(w)
 
 
 def _run_p2p(name: str, choice: dict, x: torch.Tensor, n: int, op: str, group, topo: Topology, dtype):
@@ -713,7 +763,8 @@ def all_reduce(tensor, op="sum", group=None, *, topology=None, algorithm="auto",
     """Reduce `tensor` across the ranks of `group` in place (like dist.all_reduce).
 
     op: "sum", "avg", "max", "min", "prod" or a dist.ReduceOp. algorithm: "auto",
-    "recursive_doubling", "halving_doubling", "ring", "hierarchical" (and "native": dist.all_reduce
+    "recursive_doubling", "halving_doubling", "ring", "hierarchical", "shared_memory" (gloo groups
+    whose ranks all run on one host: through one /dev/shm segment) and "native" (dist.all_reduce
     itself). topology: a Topology or a list of level sizes (innermost first); default
     Topology.detect(group). Returns the tensor, or an AllReduceWork with .wait() when async_op=True.
     Every rank must call it with the same numel, dtype, op and algorithm; a rank that disagrees makes
@@ -799,7 +850,8 @@ def plan(numel, dtype=torch.float32, group=None, topology=None, op="sum") -> str
         return "\n".join(lines + ["runs: nothing", "why: a group of one rank has nothing to exchange"])
     params = _load_params(group, topo)
     native_outer = p == dist.get_world_size() or topo.num_levels == 1
-    choice, why = _choose(params, p, topo.sizes, nbytes, native_outer)
+    shm = _has_shm(group, topo)
+    choice, why = _choose(params, p, topo.sizes, nbytes, native_outer, shm)
     lines.append(f"runs: {_describe(choice, topo)}")
     lines.append(f"why: {why}")
     lines.append("model (alpha s/round, beta s/byte, gamma s/byte): " + "; ".join(
@@ -811,7 +863,9 @@ def plan(numel, dtype=torch.float32, group=None, topology=None, op="sum") -> str
                   f"{ln[0] * 1e6:.1f}us + n/{1 / ln[1] / 1e9:.2f} GB/s; ")
                   for i, ln in enumerate(params.level_native)) +
         f"1/gamma={1 / params.gamma / 1e9:.2f} GB/s")
-    cands = _candidates(params, p, topo.sizes, nbytes, native_outer)
+    cands = _candidates(params, p, topo.sizes, nbytes, native_outer, shm)
+    lines.append("shared-memory transport: " + ("available (every rank on this host)" if shm else
+                 "not used (ranks on more than one host or node, no shared /dev/shm, or not gloo)"))
     lines.append("predicted: " + ", ".join(f"{_describe(c, topo)} {t * 1e3:.3f} ms"
                                            for _, (c, t) in sorted(cands.items(), key=lambda kv: kv[1][1])))
     if params.table:
@@ -829,6 +883,8 @@ def _describe(choice: dict, topo: Topology) -> str:
         return f"hierarchical[{inner}{'; ' if inner else ''}outer x{topo.sizes[-1]} {choice.get('outer')}{piped}]"
     if name == "native":
         return "native (dist.all_reduce)"
+    if name == "shared_memory":
+        return "shared_memory (one /dev/shm segment: copy in, reduce 1/p each, copy out)"
     return name
 
 
@@ -1008,17 +1064,20 @@ def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool 
     # the model's ranking of the flat algorithms was measured wrong on loaded machines, e.g. the ring
     # 1.3x gloo at 256 KiB left out; two above), head to head at each size
     native_outer = p == dist.get_world_size() or topo.num_levels == 1
+    shm = _has_shm(group, topo)
+    params.shm_raced = shm
     table = []
     for nbytes in sizes:
-        cands = _candidates(params, p, topo.sizes, nbytes, native_outer)
-        ours = sorted((k for k in cands if k not in ("native", "hierarchical_pipelined")),
+        cands = _candidates(params, p, topo.sizes, nbytes, native_outer, shm)
+        ours = sorted((k for k in cands if k not in ("native", "hierarchical_pipelined", "shared_memory")),
                       key=lambda k: cands[k][1])[:4 if nbytes <= (4 << 20) else 2]
         if "ring" not in ours:
             # the bandwidth-optimal flat algorithm always runs: the model ranked it below hierarchical
             # and halving-doubling at 16 MiB on 4 ranks / 2 cores, where it measured 1.00x of gloo to
             # their 0.47x and 0.92x
             ours.append("ring")
-        names = ["native"] + ours + (["hierarchical_pipelined"] if "hierarchical_pipelined" in cands else [])
+        names = (["native"] + ours + (["shared_memory"] if shm else [])
+                 + (["hierarchical_pipelined"] if "hierarchical_pipelined" in cands else []))
         x = torch.ones(max(1, nbytes // 4), device=dev)
         # small sizes are cheap: more repeats there (the machines these run on are noisy)
         r = max(reps * 5, 15) if nbytes <= (1 << 20) else (max(reps * 3, 9) if nbytes < (16 << 20) else max(reps, 5))

@@ -29,7 +29,7 @@ from collectives import Topology
 
 pytestmark = pytest.mark.distributed
 
-ALGOS = ["recursive_doubling", "halving_doubling", "ring", "hierarchical", "auto"]
+ALGOS = ["recursive_doubling", "halving_doubling", "ring", "hierarchical", "shared_memory", "auto"]
 OPS = ["sum", "avg", "max", "min", "prod"]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.uint8]
 TIMEOUT_S = 20
@@ -705,11 +705,12 @@ def test_world_4_tune(clusters, tmp_path):
         assert source != "tuned" and files == [], (source, files)
 
 
-@pytest.mark.parametrize("algo", ["recursive_doubling", "ring", "hierarchical", "native", "auto"])
+@pytest.mark.parametrize("algo", ["recursive_doubling", "ring", "hierarchical", "native", "shared_memory", "auto"])
 def test_size_mismatch_fails_on_every_rank(clusters, algo):
     c = clusters(4)
     t0 = time.monotonic()
-    kinds = ["size" if algo != "ring" else "dtype"] + (["half", "far"] if algo in ("auto", "native") else [])
+    kinds = ["size" if algo != "ring" else "dtype"] + (["half", "far"] if algo in ("auto", "native", "shared_memory")
+                                                      else [])
     for kind in kinds:
         t0 = time.monotonic()
         res = c.run("chk_mismatch", kind, algo, 2, timeout=60)
@@ -721,7 +722,7 @@ def test_size_mismatch_fails_on_every_rank(clusters, algo):
         c.run("chk_world_ok")  # the default group is unharmed
 
 
-FLAT_ALGOS = ["recursive_doubling", "halving_doubling", "ring"]
+FLAT_ALGOS = ["recursive_doubling", "halving_doubling", "ring", "shared_memory"]
 
 
 @pytest.mark.parametrize("world", [3, 5, 6, 7])
@@ -1006,3 +1007,120 @@ def test_bench_median_ci_brackets_the_median():
 def test_world_2_async_wait_timeout(clusters):
     c = clusters(2)
     assert c.run("chk_wait_timeout") == [(True, 2.0), (True, 2.0)]
+
+
+# ================================================================================================
+# The shared-memory transport (ranks on one host)
+# ================================================================================================
+def chk_shm_many_chunks(n, seed=4242):
+    """A group whose slots are the smallest allowed (64 KiB): n elements take many chunks, so both
+    buffer sets alternate (an odd and an even count), every op, and the segment's name is gone from
+    /dev/shm once every rank has mapped it."""
+    import glob
+
+    from collectives import _shm
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    old = _shm.MAX_SLOT_BYTES
+    _shm.MAX_SLOT_BYTES = _shm.MIN_SLOT_BYTES
+    try:
+        g = dist.new_group(list(range(world)))
+        tr = _shm.transport(g)
+        assert tr is not None and tr.slot_bytes == _shm.MIN_SLOT_BYTES
+    finally:
+        _shm.MAX_SLOT_BYTES = old
+    for k, op in enumerate(("sum", "max", "min", "avg", "prod")):
+        for dt in (torch.float64, torch.int32, torch.uint8, torch.bfloat16):
+            m = n + k if op != "prod" else 999
+            ins = _inputs(seed + k, world, (m,), dt, op)
+            x = ins[rank].clone()
+            collectives.all_reduce(x, op, group=g, algorithm="shared_memory")
+            assert _equal(x, _expected(ins, dt, op)), (op, dt, m)
+    dist.barrier()
+    return tr.chunks, tr.barriers, sorted(glob.glob("/dev/shm/pykernels-allreduce-*"))
+
+
+def chk_shm_auto_choice():
+    """auto runs the shared-memory transport for ranks on one host (flat topology), not across the
+    levels of a 2-level topology (they stand for nodes)."""
+    world = dist.get_world_size()
+    flat = collectives.plan(1 << 20, torch.float32)
+    two = collectives.plan(1 << 20, torch.float32, topology=[2, world // 2])
+    return ("runs: shared_memory" in flat, "runs: shared_memory" in two, "available" in flat)
+
+
+def chk_shm_unavailable():
+    """Ranks that are not all on one host (rank 1 reports another): every rank agrees there is no
+    transport; an explicit request fails on every rank naming the op; auto keeps the point-to-point
+    algorithms and stays exact."""
+    from collectives import _shm
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    real = _shm._host_id
+    if rank == 1:
+        _shm._host_id = lambda: ("another-host", "boot", 0)
+    try:
+        g = dist.new_group(list(range(world)))
+        assert _shm.transport(g) is None
+    finally:
+        _shm._host_id = real
+    x = torch.full((100,), float(rank))
+    with pytest.raises(RuntimeError, match="collectives.all_reduce: algorithm='shared_memory' needs"):
+        collectives.all_reduce(x, group=g, algorithm="shared_memory")
+    collectives.all_reduce(x, group=g)
+    assert torch.all(x == world * (world - 1) / 2)
+    assert "runs: shared_memory" not in collectives.plan(100, group=g)
+
+
+def chk_shm_late_rank(timeout_s):
+    """A rank that never calls: the others fail after the group's timeout naming the op, and the
+    group's transport then refuses (its barrier count is out of step), never hangs or mixes data."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = dist.new_group(list(range(world)), timeout=timedelta(seconds=timeout_s))
+    x = torch.ones(1000)
+    collectives.all_reduce(x, group=g, algorithm="shared_memory")  # the segment, made collectively
+    assert torch.all(x == world)
+    out = []
+    if rank != world - 1:
+        for _ in range(2):
+            t0 = time.monotonic()
+            try:
+                collectives.all_reduce(x, group=g, algorithm="shared_memory")
+                out.append(("returned", time.monotonic() - t0))
+            except RuntimeError as exc:
+                out.append((str(exc)[:120], time.monotonic() - t0))
+    dist.barrier()
+    return out
+
+
+def test_world_4_shared_memory(clusters):
+    c = clusters(4)
+    # 2 MiB slots on 4 ranks: 600_000 fp32 (2.4 MB) is two chunks, 1_100_003 float64 five
+    c.run("chk_sweep", ["shared_memory"], [None], [600_000], ["sum", "max"], [torch.float32, torch.float16])
+    c.run("chk_sweep", ["shared_memory"], [None], [1_100_003], ["min"], [torch.float64])
+    for chunks, barriers, names in c.run("chk_shm_many_chunks", 33_333):
+        assert chunks > 20 and barriers == 2 * chunks, (chunks, barriers)
+        assert names == [], names
+    assert c.run("chk_shm_auto_choice") == [(True, False, True)] * 4
+    c.run("chk_vs_native", ["shared_memory"], [None], [0, 5, 300_001])
+    c.run("chk_shm_unavailable")
+    for algo in ("shared_memory",):
+        c.run("chk_layouts", algo)
+        c.run("chk_async", algo)
+        c.run("chk_async_then_callers_own_collectives", algo, timeout=90)
+        c.run("chk_grad_and_inference_tensors", algo)
+
+
+def test_world_3_shared_memory_late_rank(clusters):
+    c = clusters(3)
+    t0 = time.monotonic()
+    res = c.run("chk_shm_late_rank", 2, timeout=60)
+    assert time.monotonic() - t0 < 40
+    for rank in (0, 1):
+        (first, t1), (second, t2) = res[rank]
+        assert first.startswith("collectives.all_reduce: shared-memory all-reduce: a rank did not arrive"), first
+        assert 1.5 < t1 < 20, t1
+        assert second.startswith("collectives.all_reduce: the group's shared-memory transport is unusable"), second
+        assert t2 < 1.0, t2
+    assert res[2] == []
+    c.run("chk_world_ok")

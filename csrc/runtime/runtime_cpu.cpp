@@ -1,12 +1,20 @@
 // pykernels._cpu_runtime: facts about this CPU, the memory-bandwidth probes that benchmarks use to
 // say how close an op runs to the machine's limit (measured in the same run as the op), and the
-// huge-page advice for large buffers (pykernels/_memory.py), and the element-wise reduction that
-// collectives.all_reduce applies to each received piece.
+// huge-page advice for large buffers (pykernels/_memory.py), the element-wise reduction that
+// collectives.all_reduce applies to each received piece, and its shared-memory all-reduce among the
+// processes of one host (collectives/_shm.py).
 #include <pybind11/pybind11.h>
 #if defined(__linux__)
+#include <linux/futex.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
+#include <sched.h>
+
+#include <chrono>
+#include <climits>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -183,6 +191,133 @@ void reduce_into(uintptr_t dst, uintptr_t src, int64_t n, int dtype_code, int op
   if (!ok) throw std::invalid_argument("reduce_into: unsupported dtype code " + std::to_string(dtype_code));
 }
 
+
+// ------------------------------------------------------------------------------------------------
+// Shared-memory all-reduce among the ranks of one host (collectives/_shm.py makes the segment).
+// Ranks on one host that talk through gloo pay for TCP over loopback: every byte is copied into the
+// kernel and out again, with a syscall per message and gloo's I/O threads competing for the cores.
+// Through one shared segment each byte is copied once each way (NCCL's and MPICH's intra-node
+// shared-memory transports do the same). Per chunk of up to slot_bytes:
+//   1. every rank copies its vector, except the part it owns, into its slot       (barrier A)
+//   2. rank r reduces part r of every other slot into its own vector, and publishes the result
+//      in part r of its slot                                                         (barrier B)
+//   3. every rank copies the other ranks' results (part j of slot j) into its vector.
+// Each part is reduced by one rank only, so every rank ends with the same bits. Two buffer sets
+// alternate by chunk: a rank may write set s again (chunk k + 2) only after passing barrier A of
+// chunk k + 1, which every rank reaches after finishing chunk k, so no third barrier is needed.
+//
+// Segment layout (bytes):
+//   [64, 68)             barrier counter (uint32, a futex word): barrier b (counted from 0 since the
+//                        segment was made, the same count on every rank) completes at (b + 1) * p
+//   [128 + 64 r, +8)     rank r's call signature (numel, dtype, op hashed), checked after barrier A
+//                        of a call's first chunk: ranks that disagree all fail there, in step
+//   data_off + (set * p + r) * slot_bytes: rank r's slot in buffer set `set`
+constexpr int64_t kShmCounterOff = 64, kShmSigOff = 128;
+
+// Waits until the counter reaches target (wrapping compare). A short spin first (a peer often
+// arrives within microseconds), then the futex: with more ranks than cores a spinning waiter would
+// take the core the last arriver needs. Returns false at the deadline.
+bool shm_wait(uint32_t* counter, uint32_t target, std::chrono::steady_clock::time_point deadline) {
+  for (int i = 0; i < 256; ++i) {
+    if ((int32_t)(__atomic_load_n(counter, __ATOMIC_ACQUIRE) - target) >= 0) return true;
+#if PK_X86
+    _mm_pause();
+#endif
+  }
+  for (;;) {
+    const uint32_t v = __atomic_load_n(counter, __ATOMIC_ACQUIRE);
+    if ((int32_t)(v - target) >= 0) return true;
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) return false;
+#if defined(__linux__)
+    // not FUTEX_PRIVATE: the word lives in a mapping shared between processes
+    timespec ts{0, 50 * 1000 * 1000};
+    syscall(SYS_futex, counter, FUTEX_WAIT, v, &ts, nullptr, 0);
+#else
+    sched_yield();
+#endif
+  }
+}
+
+bool shm_barrier(uint32_t* counter, uint32_t target, std::chrono::steady_clock::time_point deadline) {
+  const uint32_t v = __atomic_add_fetch(counter, 1u, __ATOMIC_ACQ_REL);
+  if ((int32_t)(v - target) >= 0) {
+#if defined(__linux__)
+    syscall(SYS_futex, counter, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+#endif
+    return true;
+  }
+  return shm_wait(counter, target, deadline);
+}
+
+void reduce_any(void* d, const void* s, int64_t n, pk::DType dtype, int op) {
+#if PK_X86
+  if (pk::cpu_has_avx2()) { reduce_avx2(d, s, n, dtype, op); return; }
+#endif
+  reduce_portable(d, s, n, dtype, op);
+}
+
+// Returns (status, barriers passed, chunks used): status 0 done, 1 the ranks' signatures differ,
+// 2 a barrier timed out (the segment's barrier count is then out of step: the caller retires it).
+py::tuple shm_all_reduce(uintptr_t base, int64_t data_off, int64_t slot_bytes, int p, int rank, uintptr_t x,
+                         int64_t n, int dtype_code, int op, uint64_t sig, int64_t barriers_done,
+                         int64_t chunks_done, double timeout_s) {
+  const pk::DType dtype = static_cast<pk::DType>(dtype_code);
+  const int64_t es = pk::dtype_size(dtype);
+  if (p < 2 || rank < 0 || rank >= p) throw std::invalid_argument("shm_all_reduce: bad p or rank");
+  if (n < 0 || op < kSum || op > kMin || slot_bytes < 64 * es || slot_bytes % 64)
+    throw std::invalid_argument("shm_all_reduce: bad n, op or slot_bytes");
+  switch (dtype) {
+    case pk::DType::Float32: case pk::DType::Float64: case pk::DType::Int32: case pk::DType::Int64:
+    case pk::DType::UInt8: break;
+    default: throw std::invalid_argument("shm_all_reduce: unsupported dtype code " + std::to_string(dtype_code));
+  }
+  char* seg = reinterpret_cast<char*>(base);
+  char* xs = reinterpret_cast<char*>(x);
+  uint32_t* counter = reinterpret_cast<uint32_t*>(seg + kShmCounterOff);
+  const int64_t chunk = slot_bytes / es;
+  const int64_t nchunks = n == 0 ? 1 : (n + chunk - 1) / chunk;  // a call of 0 elements still checks signatures
+  int status = 0;
+  int64_t barriers = 0, k = 0;
+  {
+    py::gil_scoped_release release;
+    const auto deadline = [&] {
+      return std::chrono::steady_clock::now() +
+             std::chrono::microseconds((int64_t)(timeout_s * 1e6));
+    };
+    auto slot = [&](int64_t set, int r) { return seg + data_off + (set * p + r) * slot_bytes; };
+    for (; k < nchunks; ++k) {
+      const int64_t c0 = k * chunk, m = std::min(chunk, n - c0);
+      // part j: [lo(j), lo(j + 1)), whole cache lines where the chunk allows
+      const int64_t align = 64 / es;
+      const int64_t q = ((m + p - 1) / p + align - 1) / align * align;
+      auto lo = [&](int j) { return std::min<int64_t>((int64_t)j * q, m); };
+      const int64_t set = (chunks_done + k) & 1;
+      char* mine = slot(set, rank);
+      char* xc = xs + c0 * es;
+      const int64_t own_lo = lo(rank), own_hi = lo(rank + 1);
+      std::memcpy(mine, xc, own_lo * es);
+      std::memcpy(mine + own_hi * es, xc + own_hi * es, (m - own_hi) * es);
+      if (k == 0) __atomic_store_n(reinterpret_cast<uint64_t*>(seg + kShmSigOff + 64 * rank), sig, __ATOMIC_RELAXED);
+      if (!shm_barrier(counter, (uint32_t)((barriers_done + barriers + 1) * p), deadline())) { status = 2; break; }
+      ++barriers;
+      if (k == 0) {
+        for (int j = 0; j < p; ++j)
+          if (__atomic_load_n(reinterpret_cast<uint64_t*>(seg + kShmSigOff + 64 * j), __ATOMIC_RELAXED) != sig)
+            status = 1;
+        if (status) break;
+      }
+      for (int j = 0; j < p; ++j)
+        if (j != rank) reduce_any(xc + own_lo * es, slot(set, j) + own_lo * es, own_hi - own_lo, dtype, op);
+      std::memcpy(mine + own_lo * es, xc + own_lo * es, (own_hi - own_lo) * es);
+      if (!shm_barrier(counter, (uint32_t)((barriers_done + barriers + 1) * p), deadline())) { status = 2; break; }
+      ++barriers;
+      for (int j = 0; j < p; ++j)
+        if (j != rank) std::memcpy(xc + lo(j) * es, slot(set, j) + lo(j) * es, (lo(j + 1) - lo(j)) * es);
+    }
+  }
+  return py::make_tuple(status, barriers, status == 0 ? nchunks : k + 1);
+}
 }  // namespace
 
 PYBIND11_MODULE(_cpu_runtime, m) {
@@ -198,4 +333,9 @@ PYBIND11_MODULE(_cpu_runtime, m) {
   m.def("reduce_into", &reduce_into, py::arg("dst"), py::arg("src"), py::arg("n"), py::arg("dtype"), py::arg("op"),
         "dst[i] = dst[i] (op) src[i] for i < n on this thread; dtype a pk::DType code (float32/64, int32/64, "
         "uint8); op 0 sum, 1 prod, 2 max, 3 min (NaN propagates; integers wrap)");
+  m.def("shm_all_reduce", &shm_all_reduce, py::arg("base"), py::arg("data_off"), py::arg("slot_bytes"), py::arg("p"),
+        py::arg("rank"), py::arg("x"), py::arg("n"), py::arg("dtype"), py::arg("op"), py::arg("sig"),
+        py::arg("barriers_done"), py::arg("chunks_done"), py::arg("timeout_s"),
+        "All-reduce of x[:n] in place among p processes through the shared segment at base (see "
+        "collectives/_shm.py); returns (status, barriers passed, chunks used)");
 }

@@ -1,0 +1,187 @@
+"""Shared-memory all-reduce among the ranks of one host (collectives.all_reduce, algorithm
+"shared_memory"; the data path is pykernels._cpu_runtime.shm_all_reduce, csrc/runtime/runtime_cpu.cpp).
+
+Ranks on one host that exchange vectors through gloo talk TCP over loopback: each byte is copied into
+the kernel and out again, with a syscall per message and gloo's I/O threads competing for the cores.
+NCCL and MPICH move intra-node traffic through shared memory instead; so does this: one segment in
+/dev/shm per process group, mapped by every rank, holding two sets of one slot per rank, a barrier
+counter (a futex word) and a signature line per rank.
+
+Setting a group up is a collective (transport(), on the first call that may use it, in the caller's
+thread): every rank reports its host (hostname, boot id, /dev/shm's device); if all match, group rank 0
+creates the segment (reserved with posix_fallocate, so a full /dev/shm is an error here and never a
+SIGBUS later), every rank maps it and checks a random token written by rank 0, and rank 0 unlinks it
+once every rank has mapped it (nothing is left behind in /dev/shm even if a process dies later). If
+any step fails on any rank, every rank agrees the transport is unavailable and auto keeps gloo's
+point-to-point algorithms.
+"""
+from __future__ import annotations
+
+import hashlib
+import mmap
+import os
+import secrets
+import socket
+import threading
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+try:
+    from pykernels._cpu_runtime import shm_all_reduce as _shm_all_reduce
+    from pykernels._native import dtype_code as _dtype_code
+except Exception:  # noqa: BLE001 - not built: no shared-memory transport
+    _shm_all_reduce = None
+
+OPNAME = "collectives.all_reduce"
+# Both buffer sets of every rank; a slot is min(4 MiB, this / (2 p)): 2 MiB on 4 ranks, so a 64 MiB
+# all-reduce is 32 chunks (~60 us of barriers each on 4 ranks / 2 cores, against ~1 ms of copying).
+# A segment lives as long as its process group's process; a container's default 64 MiB /dev/shm
+# holds four (a fifth group finds no room and keeps the point-to-point algorithms).
+SEGMENT_BYTES = 16 << 20
+MAX_SLOT_BYTES = 4 << 20
+MIN_SLOT_BYTES = 64 << 10
+_DATA_OFF = 4096  # the header: token, barrier counter, one signature line per rank (p <= 62)
+MAX_RANKS = (_DATA_OFF - 128) // 64
+DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8)
+_OP_CODES = {"sum": 0, "avg": 0, "prod": 1, "max": 2, "min": 3}
+
+_LOCK = threading.Lock()
+_TRANSPORTS: dict = {}  # group -> Transport, or None where unavailable
+
+
+def slot_bytes_for(p: int) -> int:
+    s = min(MAX_SLOT_BYTES, SEGMENT_BYTES // (2 * p))
+    return max(MIN_SLOT_BYTES, s // 4096 * 4096)
+
+
+class Transport:
+    """A mapped segment of one process group. One all-reduce at a time per group (all_reduce's
+    per-group runner keeps calls in order), so the barrier and chunk counts need no lock."""
+
+    def __init__(self, mm: mmap.mmap, p: int, rank: int, slot_bytes: int, timeout_s: float):
+        self.mm = mm
+        self.view = torch.frombuffer(mm, dtype=torch.uint8)  # keeps the mapping's address for C++
+        self.base = self.view.data_ptr()
+        self.p, self.rank, self.slot_bytes, self.timeout_s = p, rank, slot_bytes, timeout_s
+        self.barriers = 0  # barriers passed since the segment was made: the same count on every rank
+        self.chunks = 0    # chunks done: picks the buffer set of the next one
+        self.failed: Optional[str] = None
+
+    def all_reduce(self, x: torch.Tensor, n: int, op: str, dtype, signature: str) -> None:
+        """x[:n] (contiguous, CPU, a dtype of DTYPES) reduced in place across the group."""
+        if self.failed:
+            raise RuntimeError(f"{OPNAME}: the group's shared-memory transport is unusable after an earlier "
+                               f"failure ({self.failed}); make a new process group")
+        sig = int.from_bytes(hashlib.blake2b(signature.encode(), digest_size=8).digest(), "little")
+        status, barriers, chunks = _shm_all_reduce(self.base, _DATA_OFF, self.slot_bytes, self.p, self.rank,
+                                                   x.data_ptr(), n, _dtype_code(x.dtype), _OP_CODES[op], sig,
+                                                   self.barriers, self.chunks, self.timeout_s)
+        self.barriers += barriers
+        self.chunks += chunks
+        if status == 1:
+            raise RuntimeError(f"{OPNAME}: the ranks of the group disagree on numel, dtype or op (this rank: "
+                               f"numel={n}, dtype={dtype}, op={op}); every rank must pass the same")
+        if status == 2:
+            self.failed = f"a rank did not arrive within the group's timeout of {self.timeout_s:.0f} s"
+            raise RuntimeError(f"{OPNAME}: shared-memory all-reduce: {self.failed} (this rank: numel={n}, "
+                               f"dtype={dtype}, op={op}); every rank must call all_reduce with the same "
+                               f"numel, dtype and op")
+
+
+def _host_id():
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        st = os.stat("/dev/shm")
+    except OSError:
+        return None
+    return (socket.gethostname(), boot, st.st_dev)
+
+
+def _timeout_s(group) -> float:
+    from .topology import _group_timeout
+
+    t = _group_timeout(group)
+    if isinstance(t, timedelta):
+        return max(t.total_seconds(), 1.0)
+    return 1800.0
+
+
+def transport(group) -> Optional[Transport]:
+    """The group's shared-memory transport, or None where its ranks are not all on one host (or the
+    segment could not be made). Collective on the first call per group; every rank gets the same
+    answer."""
+    with _LOCK:
+        if group in _TRANSPORTS:
+            return _TRANSPORTS[group]
+    p = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    result = None
+    if 2 <= p <= MAX_RANKS and _shm_all_reduce is not None and dist.get_backend(group) == "gloo":
+        result = _setup(group, p, rank)
+    with _LOCK:
+        _TRANSPORTS[group] = result
+    return result
+
+
+def _agree(group, ok: bool) -> bool:
+    t = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return bool(t.item())
+
+
+def _setup(group, p: int, rank: int) -> Optional[Transport]:
+    hosts = [None] * p
+    dist.all_gather_object(hosts, _host_id(), group=group)
+    if hosts[0] is None or any(h != hosts[0] for h in hosts):
+        return None
+    slot = slot_bytes_for(p)
+    size = _DATA_OFF + 2 * p * slot
+    path, token, fd, mm = "", secrets.token_bytes(16), -1, None
+    if rank == 0:
+        path = f"/dev/shm/pykernels-allreduce-{os.getpid()}-{secrets.token_hex(8)}"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            os.posix_fallocate(fd, 0, size)  # reserve every page now: a full /dev/shm fails here
+            os.pwrite(fd, token, 0)
+        except OSError:
+            if fd >= 0:
+                os.close(fd)
+                fd = -1
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            path = ""
+    obj = [(path, token)]
+    dist.broadcast_object_list(obj, group_src=0, group=group)
+    path, token = obj[0]
+    ok = bool(path)
+    try:
+        if ok:
+            if rank != 0:
+                fd = os.open(path, os.O_RDWR)
+            if os.fstat(fd).st_size != size:
+                ok = False
+            else:
+                mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+                ok = mm[:16] == token
+    except OSError:
+        ok = False
+    finally:
+        if fd >= 0:
+            os.close(fd)  # the mapping stays
+    ok = _agree(group, ok)  # every rank has mapped it (or failed): the name may go
+    if rank == 0 and path:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    if not ok:
+        if mm is not None:
+            mm.close()
+        return None
+    return Transport(mm, p, rank, slot, _timeout_s(group))
