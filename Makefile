@@ -3,6 +3,8 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU-only machines get the pinned CPU build of torch (plain `torch` would pull a multi-GB CUDA build).
+# --no-cache-dir: where that file is missing, pip fetches torch from PyPI, and a cached copy of those
+# wheels would double the disk the install needs (a CI run once ran out of disk there).
 TORCH_SPEC ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo torch; else echo torch==2.13.0; fi)
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
@@ -13,8 +15,8 @@ all: build
 
 $(VENV)/.ready: requirements-dev.txt
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)" -r requirements-dev.txt
+	$(PY) -m pip install -q --no-cache-dir --upgrade pip
+	$(PY) -m pip install -q --no-cache-dir "$(TORCH_SPEC)" -r requirements-dev.txt
 	touch $@
 
 venv: $(VENV)/.ready

@@ -22,6 +22,7 @@ import mmap
 import os
 import secrets
 import socket
+import struct
 import threading
 from datetime import timedelta
 from typing import Optional
@@ -61,11 +62,12 @@ class Transport:
     """A mapped segment of one process group. One all-reduce at a time per group (all_reduce's
     per-group runner keeps calls in order), so the barrier and chunk counts need no lock."""
 
-    def __init__(self, mm: mmap.mmap, p: int, rank: int, slot_bytes: int, timeout_s: float):
+    def __init__(self, mm: mmap.mmap, p: int, rank: int, slot_bytes: int, timeout_s: float, watch_pids: bool):
         self.mm = mm
         self.view = torch.frombuffer(mm, dtype=torch.uint8)  # keeps the mapping's address for C++
         self.base = self.view.data_ptr()
         self.p, self.rank, self.slot_bytes, self.timeout_s = p, rank, slot_bytes, timeout_s
+        self.watch_pids = watch_pids
         self.barriers = 0  # barriers passed since the segment was made: the same count on every rank
         self.chunks = 0    # chunks done: picks the buffer set of the next one
         self.failed: Optional[str] = None
@@ -76,22 +78,33 @@ class Transport:
             raise RuntimeError(f"{OPNAME}: the group's shared-memory transport is unusable after an earlier "
                                f"failure ({self.failed}); make a new process group")
         sig = int.from_bytes(hashlib.blake2b(signature.encode(), digest_size=8).digest(), "little")
-        status, barriers, chunks = _shm_all_reduce(self.base, _DATA_OFF, self.slot_bytes, self.p, self.rank,
-                                                   x.data_ptr(), n, _dtype_code(x.dtype), _OP_CODES[op], sig,
-                                                   self.barriers, self.chunks, self.timeout_s)
+        try:
+            status, barriers, chunks = _shm_all_reduce(self.base, _DATA_OFF, self.slot_bytes, self.p, self.rank,
+                                                       x.data_ptr(), n, _dtype_code(x.dtype), _OP_CODES[op], sig,
+                                                       self.barriers, self.chunks, self.timeout_s, self.watch_pids)
+        except BaseException:  # Ctrl-C while waiting (the segment is poisoned for the other ranks)
+            self.failed = "a call on this rank was interrupted"
+            raise
         self.barriers += barriers
         self.chunks += chunks
         if status == 1:
             raise RuntimeError(f"{OPNAME}: the ranks of the group disagree on numel, dtype or op (this rank: "
                                f"numel={n}, dtype={dtype}, op={op}); every rank must pass the same")
-        if status == 2:
-            self.failed = f"a rank did not arrive within the group's timeout of {self.timeout_s:.0f} s"
+        if status:
+            self.failed = _FAILURES.get(status, f"status {status}").format(t=self.timeout_s)
             raise RuntimeError(f"{OPNAME}: shared-memory all-reduce: {self.failed} (this rank: numel={n}, "
                                f"dtype={dtype}, op={op}); every rank must call all_reduce with the same "
-                               f"numel, dtype and op")
+                               f"numel, dtype and op, and the group is unusable afterwards")
+
+
+_FAILURES = {2: "a rank did not arrive within the group's timeout of {t:.0f} s",
+             3: "a peer rank's process exited",
+             4: "another rank gave up on the group (a timeout, an interrupt or a dead peer)"}
 
 
 def _host_id():
+    if _shm_all_reduce is None:
+        return None
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -120,7 +133,9 @@ def transport(group) -> Optional[Transport]:
     p = dist.get_world_size(group)
     rank = dist.get_rank(group)
     result = None
-    if 2 <= p <= MAX_RANKS and _shm_all_reduce is not None and dist.get_backend(group) == "gloo":
+    # decided by what every rank sees alike (the group); what may differ between ranks (the native
+    # extension, /dev/shm) goes into the host agreement inside _setup, so every rank joins it
+    if 2 <= p <= MAX_RANKS and dist.get_backend(group) == "gloo":
         result = _setup(group, p, rank)
     with _LOCK:
         _TRANSPORTS[group] = result
@@ -140,7 +155,7 @@ def _setup(group, p: int, rank: int) -> Optional[Transport]:
         return None
     slot = slot_bytes_for(p)
     size = _DATA_OFF + 2 * p * slot
-    path, token, fd, mm = "", secrets.token_bytes(16), -1, None
+    path, token, fd, mm, watch = "", secrets.token_bytes(16), -1, None, False
     if rank == 0:
         path = f"/dev/shm/pykernels-allreduce-{os.getpid()}-{secrets.token_hex(8)}"
         try:
@@ -169,12 +184,19 @@ def _setup(group, p: int, rank: int) -> Optional[Transport]:
             else:
                 mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
                 ok = mm[:16] == token
-    except OSError:
+                if ok:  # this rank's pid, for the others' liveness check while they wait on it
+                    mm[_PID_OFF + 64 * rank:_PID_OFF + 64 * rank + 8] = struct.pack("<q", os.getpid())
+    except Exception:  # noqa: BLE001 - any failure on any rank: every rank keeps the other algorithms
         ok = False
     finally:
         if fd >= 0:
             os.close(fd)  # the mapping stays
-    ok = _agree(group, ok)  # every rank has mapped it (or failed): the name may go
+    ok = _agree(group, ok)  # every rank has mapped it and written its pid (or failed): the name may go
+    if ok:
+        # the peers' processes are visible here (one pid namespace) and alive: then a peer that exits
+        # while the others wait on it fails them at once instead of after the group's timeout
+        pids = [struct.unpack("<q", mm[_PID_OFF + 64 * j:_PID_OFF + 64 * j + 8])[0] for j in range(p)]
+        watch = all(j == rank or _visible(pid) for j, pid in enumerate(pids))
     if rank == 0 and path:
         try:
             os.unlink(path)
@@ -184,4 +206,16 @@ def _setup(group, p: int, rank: int) -> Optional[Transport]:
         if mm is not None:
             mm.close()
         return None
-    return Transport(mm, p, rank, slot, _timeout_s(group))
+    return Transport(mm, p, rank, slot, _timeout_s(group), watch)
+
+
+_PID_OFF = 128 + 8  # rank r's pid at _PID_OFF + 64 r (after its signature; csrc/runtime/runtime_cpu.cpp)
+
+
+def _visible(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except (OSError, IndexError):
+        return False

@@ -1081,16 +1081,81 @@ def chk_shm_late_rank(timeout_s):
     collectives.all_reduce(x, group=g, algorithm="shared_memory")  # the segment, made collectively
     assert torch.all(x == world)
     out = []
+
+    def attempt():
+        t0 = time.monotonic()
+        try:
+            collectives.all_reduce(x, group=g, algorithm="shared_memory")
+            out.append(("returned", time.monotonic() - t0))
+        except RuntimeError as exc:
+            out.append((str(exc)[:120], time.monotonic() - t0))
+
     if rank != world - 1:
-        for _ in range(2):
-            t0 = time.monotonic()
-            try:
-                collectives.all_reduce(x, group=g, algorithm="shared_memory")
-                out.append(("returned", time.monotonic() - t0))
-            except RuntimeError as exc:
-                out.append((str(exc)[:120], time.monotonic() - t0))
+        attempt()
+        attempt()
     dist.barrier()
+    if rank == world - 1:  # late: the ones that gave up poisoned the segment, so it fails at once
+        attempt()
     return out
+
+
+def chk_shm_swapped_calls(iters):
+    """The last rank issues two async all-reduces in the other order (a user bug): every call raises
+    on every rank, every time (review finding: a rank that saw the mismatch first went on to its next
+    call and overwrote its signature before a slower rank had read it; the slower one then reduced
+    mismatched data without an error)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = dist.new_group(list(range(world)), timeout=timedelta(seconds=10))
+    collectives.all_reduce(torch.ones(8), group=g, algorithm="shared_memory")
+    outcomes = []
+    for _ in range(iters):
+        a, b = torch.ones(1000), torch.ones(2000)
+        order = [a, b] if rank != world - 1 else [b, a]
+        works = [collectives.all_reduce(t, group=g, algorithm="shared_memory", async_op=True) for t in order]
+        for w in works:
+            try:
+                w.wait()
+                outcomes.append("returned")
+            except RuntimeError as exc:
+                outcomes.append("disagree" if "disagree" in str(exc) else str(exc)[:100])
+    x = torch.ones(3)
+    collectives.all_reduce(x, group=g, algorithm="shared_memory")  # still in step afterwards
+    assert torch.all(x == world)
+    return outcomes
+
+
+def chk_shm_dead_peer():
+    """A peer whose process is gone (its pid in the segment replaced by that of an exited process):
+    the waiting ranks fail within a fraction of the group's timeout, and the segment is poisoned, so
+    the last rank fails at once when it calls."""
+    import subprocess
+
+    from collectives import _shm
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = dist.new_group(list(range(world)), timeout=timedelta(seconds=30))
+    x = torch.ones(100)
+    collectives.all_reduce(x, group=g, algorithm="shared_memory")
+    tr = _shm.transport(g)
+    assert tr.watch_pids
+    if rank == world - 1:
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        off = _shm._PID_OFF + 64 * rank
+        tr.mm[off:off + 8] = gone.pid.to_bytes(8, "little")
+    dist.barrier()
+    t0 = time.monotonic()
+    msg = ""
+    if rank != world - 1:
+        # the first to notice says so; it poisons the segment, so the others may hear that instead
+        with pytest.raises(RuntimeError, match="a peer rank's process exited|another rank gave up") as info:
+            collectives.all_reduce(x, group=g, algorithm="shared_memory")
+        msg = str(info.value)
+    dist.barrier()
+    if rank == world - 1:
+        with pytest.raises(RuntimeError, match="another rank gave up on the group"):
+            collectives.all_reduce(x, group=g, algorithm="shared_memory")
+    return time.monotonic() - t0, "process exited" in msg
 
 
 def test_world_4_shared_memory(clusters):
@@ -1104,6 +1169,10 @@ def test_world_4_shared_memory(clusters):
     assert c.run("chk_shm_auto_choice") == [(True, False, True)] * 4
     c.run("chk_vs_native", ["shared_memory"], [None], [0, 5, 300_001])
     c.run("chk_shm_unavailable")
+    for outcomes in c.run("chk_shm_swapped_calls", 6, timeout=90):
+        assert outcomes == ["disagree"] * 12, outcomes
+    res = c.run("chk_shm_dead_peer", timeout=60)
+    assert max(t for t, _ in res) < 10 and any(seen for _, seen in res), res
     for algo in ("shared_memory",):
         c.run("chk_layouts", algo)
         c.run("chk_async", algo)
@@ -1116,11 +1185,17 @@ def test_world_3_shared_memory_late_rank(clusters):
     t0 = time.monotonic()
     res = c.run("chk_shm_late_rank", 2, timeout=60)
     assert time.monotonic() - t0 < 40
+    assert any(res[r][0][0].startswith("collectives.all_reduce: shared-memory all-reduce: a rank did not arrive")
+               for r in (0, 1)), res
     for rank in (0, 1):
         (first, t1), (second, t2) = res[rank]
-        assert first.startswith("collectives.all_reduce: shared-memory all-reduce: a rank did not arrive"), first
-        assert 1.5 < t1 < 20, t1
+        # the first to time out poisons the segment: the other hears that at once
+        assert first.startswith(("collectives.all_reduce: shared-memory all-reduce: a rank did not arrive",
+                                 "collectives.all_reduce: shared-memory all-reduce: another rank gave up")), first
+        assert 1.5 < t1 < 20 or "gave up" in first, t1
         assert second.startswith("collectives.all_reduce: the group's shared-memory transport is unusable"), second
         assert t2 < 1.0, t2
-    assert res[2] == []
+    (late, t3), = res[2]
+    assert late.startswith("collectives.all_reduce: shared-memory all-reduce: another rank gave up"), late
+    assert t3 < 1.0, t3
     c.run("chk_world_ok")

@@ -15,6 +15,7 @@
 
 #include <chrono>
 #include <climits>
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -209,26 +210,76 @@ void reduce_into(uintptr_t dst, uintptr_t src, int64_t n, int dtype_code, int op
 // Segment layout (bytes):
 //   [64, 68)             barrier counter (uint32, a futex word): barrier b (counted from 0 since the
 //                        segment was made, the same count on every rank) completes at (b + 1) * p
+//   [72, 76)             poison (uint32): set by a rank that gave up (timeout, a dead peer, an
+//                        interrupt), so every other rank fails at once instead of after its timeout
 //   [128 + 64 r, +8)     rank r's call signature (numel, dtype, op hashed), checked after barrier A
-//                        of a call's first chunk: ranks that disagree all fail there, in step
+//                        of a call's first chunk: ranks that disagree all fail, after barrier B (so no
+//                        rank overwrites its signature, starting its next call, before all have read it)
+//   [128 + 64 r + 8, +8) rank r's process id (written by collectives/_shm.py), for the liveness check
 //   data_off + (set * p + r) * slot_bytes: rank r's slot in buffer set `set`
-constexpr int64_t kShmCounterOff = 64, kShmSigOff = 128;
+constexpr int64_t kShmCounterOff = 64, kShmPoisonOff = 72, kShmSigOff = 128;
+enum ShmStatus { kShmOk = 0, kShmMismatch = 1, kShmTimeout = 2, kShmPeerDied = 3, kShmPoisoned = 4,
+                 kShmInterrupted = 5 };
+
+// A peer's process is gone (or a zombie): /proc/<pid>/stat missing or in state Z/X.
+bool shm_pid_dead(int64_t pid) {
+#if defined(__linux__)
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%lld/stat", (long long)pid);
+  FILE* f = std::fopen(path, "r");
+  if (!f) return true;
+  char buf[512];
+  const size_t len = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  buf[len] = 0;
+  const char* paren = std::strrchr(buf, ')');  // the command name may hold spaces and parentheses
+  return paren && paren[1] == ' ' && (paren[2] == 'Z' || paren[2] == 'X');
+#else
+  (void)pid;
+  return false;
+#endif
+}
+
+struct ShmWaitCtx {
+  char* seg;
+  int p, rank;
+  bool watch_pids;  // the peers' pids are visible here (same pid namespace): checked while waiting
+  std::chrono::steady_clock::time_point deadline;
+};
+
+void shm_poison(char* seg) {
+  __atomic_store_n(reinterpret_cast<uint32_t*>(seg + kShmPoisonOff), 1u, __ATOMIC_RELEASE);
+#if defined(__linux__)
+  syscall(SYS_futex, seg + kShmCounterOff, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+#endif
+}
 
 // Waits until the counter reaches target (wrapping compare). A short spin first (a peer often
-// arrives within microseconds), then the futex: with more ranks than cores a spinning waiter would
-// take the core the last arriver needs. Returns false at the deadline.
-bool shm_wait(uint32_t* counter, uint32_t target, std::chrono::steady_clock::time_point deadline) {
+// arrives within microseconds), then the futex in 50 ms slices: with more ranks than cores a
+// spinning waiter would take the core the last arriver needs. Between slices: the poison word, the
+// peers' processes, Ctrl-C (the main thread's signal handlers, under the GIL), the deadline.
+int shm_wait(const ShmWaitCtx& c, uint32_t target) {
+  uint32_t* counter = reinterpret_cast<uint32_t*>(c.seg + kShmCounterOff);
+  const uint32_t* poison = reinterpret_cast<const uint32_t*>(c.seg + kShmPoisonOff);
   for (int i = 0; i < 256; ++i) {
-    if ((int32_t)(__atomic_load_n(counter, __ATOMIC_ACQUIRE) - target) >= 0) return true;
+    if ((int32_t)(__atomic_load_n(counter, __ATOMIC_ACQUIRE) - target) >= 0) return kShmOk;
 #if PK_X86
     _mm_pause();
 #endif
   }
-  for (;;) {
+  for (int slice = 0;; ++slice) {
     const uint32_t v = __atomic_load_n(counter, __ATOMIC_ACQUIRE);
-    if ((int32_t)(v - target) >= 0) return true;
-    const auto now = std::chrono::steady_clock::now();
-    if (now >= deadline) return false;
+    if ((int32_t)(v - target) >= 0) return kShmOk;
+    if (__atomic_load_n(poison, __ATOMIC_ACQUIRE)) return kShmPoisoned;
+    if (slice > 0) {
+      if (std::chrono::steady_clock::now() >= c.deadline) return kShmTimeout;
+      if (c.watch_pids)
+        for (int j = 0; j < c.p; ++j)
+          if (j != c.rank && shm_pid_dead(*reinterpret_cast<const int64_t*>(c.seg + kShmSigOff + 64 * j + 8)))
+            return kShmPeerDied;
+      py::gil_scoped_acquire gil;
+      if (PyErr_CheckSignals() != 0) throw py::error_already_set();  // KeyboardInterrupt and the like
+    }
 #if defined(__linux__)
     // not FUTEX_PRIVATE: the word lives in a mapping shared between processes
     timespec ts{0, 50 * 1000 * 1000};
@@ -239,15 +290,16 @@ bool shm_wait(uint32_t* counter, uint32_t target, std::chrono::steady_clock::tim
   }
 }
 
-bool shm_barrier(uint32_t* counter, uint32_t target, std::chrono::steady_clock::time_point deadline) {
+int shm_barrier(const ShmWaitCtx& c, uint32_t target) {
+  uint32_t* counter = reinterpret_cast<uint32_t*>(c.seg + kShmCounterOff);
   const uint32_t v = __atomic_add_fetch(counter, 1u, __ATOMIC_ACQ_REL);
   if ((int32_t)(v - target) >= 0) {
 #if defined(__linux__)
     syscall(SYS_futex, counter, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 #endif
-    return true;
+    return kShmOk;
   }
-  return shm_wait(counter, target, deadline);
+  return shm_wait(c, target);
 }
 
 void reduce_any(void* d, const void* s, int64_t n, pk::DType dtype, int op) {
@@ -257,11 +309,12 @@ void reduce_any(void* d, const void* s, int64_t n, pk::DType dtype, int op) {
   reduce_portable(d, s, n, dtype, op);
 }
 
-// Returns (status, barriers passed, chunks used): status 0 done, 1 the ranks' signatures differ,
-// 2 a barrier timed out (the segment's barrier count is then out of step: the caller retires it).
+// Returns (status, barriers passed, chunks used): status a ShmStatus. After a mismatch every rank
+// has passed the same barriers; after any other failure the barrier count is out of step, the
+// segment is poisoned (the other ranks fail at once) and the caller retires it.
 py::tuple shm_all_reduce(uintptr_t base, int64_t data_off, int64_t slot_bytes, int p, int rank, uintptr_t x,
                          int64_t n, int dtype_code, int op, uint64_t sig, int64_t barriers_done,
-                         int64_t chunks_done, double timeout_s) {
+                         int64_t chunks_done, double timeout_s, bool watch_pids) {
   const pk::DType dtype = static_cast<pk::DType>(dtype_code);
   const int64_t es = pk::dtype_size(dtype);
   if (p < 2 || rank < 0 || rank >= p) throw std::invalid_argument("shm_all_reduce: bad p or rank");
@@ -274,17 +327,22 @@ py::tuple shm_all_reduce(uintptr_t base, int64_t data_off, int64_t slot_bytes, i
   }
   char* seg = reinterpret_cast<char*>(base);
   char* xs = reinterpret_cast<char*>(x);
-  uint32_t* counter = reinterpret_cast<uint32_t*>(seg + kShmCounterOff);
   const int64_t chunk = slot_bytes / es;
   const int64_t nchunks = n == 0 ? 1 : (n + chunk - 1) / chunk;  // a call of 0 elements still checks signatures
-  int status = 0;
+  int status = kShmOk;
   int64_t barriers = 0, k = 0;
-  {
+  if (__atomic_load_n(reinterpret_cast<uint32_t*>(seg + kShmPoisonOff), __ATOMIC_ACQUIRE))
+    return py::make_tuple((int)kShmPoisoned, 0, 0);
+  ShmWaitCtx ctx{seg, p, rank, watch_pids, {}};
+  const double wait_s = std::min(std::max(timeout_s, 0.0), 1e7);  // no overflow of the deadline
+  auto barrier = [&] {
+    ctx.deadline = std::chrono::steady_clock::now() + std::chrono::microseconds((int64_t)(wait_s * 1e6));
+    const int st = shm_barrier(ctx, (uint32_t)((barriers_done + barriers + 1) * p));
+    if (st == kShmOk) ++barriers;
+    return st;
+  };
+  try {
     py::gil_scoped_release release;
-    const auto deadline = [&] {
-      return std::chrono::steady_clock::now() +
-             std::chrono::microseconds((int64_t)(timeout_s * 1e6));
-    };
     auto slot = [&](int64_t set, int r) { return seg + data_off + (set * p + r) * slot_bytes; };
     for (; k < nchunks; ++k) {
       const int64_t c0 = k * chunk, m = std::min(chunk, n - c0);
@@ -299,24 +357,31 @@ py::tuple shm_all_reduce(uintptr_t base, int64_t data_off, int64_t slot_bytes, i
       std::memcpy(mine, xc, own_lo * es);
       std::memcpy(mine + own_hi * es, xc + own_hi * es, (m - own_hi) * es);
       if (k == 0) __atomic_store_n(reinterpret_cast<uint64_t*>(seg + kShmSigOff + 64 * rank), sig, __ATOMIC_RELAXED);
-      if (!shm_barrier(counter, (uint32_t)((barriers_done + barriers + 1) * p), deadline())) { status = 2; break; }
-      ++barriers;
+      if ((status = barrier()) != kShmOk) break;
       if (k == 0) {
+        bool agree = true;
         for (int j = 0; j < p; ++j)
-          if (__atomic_load_n(reinterpret_cast<uint64_t*>(seg + kShmSigOff + 64 * j), __ATOMIC_RELAXED) != sig)
-            status = 1;
-        if (status) break;
+          agree &= __atomic_load_n(reinterpret_cast<uint64_t*>(seg + kShmSigOff + 64 * j), __ATOMIC_RELAXED) == sig;
+        if (!agree) {
+          // every rank saw the same signatures, so every rank is here: barrier B, then all fail
+          status = barrier();
+          if (status == kShmOk) status = kShmMismatch;
+          break;
+        }
       }
       for (int j = 0; j < p; ++j)
         if (j != rank) reduce_any(xc + own_lo * es, slot(set, j) + own_lo * es, own_hi - own_lo, dtype, op);
       std::memcpy(mine + own_lo * es, xc + own_lo * es, (own_hi - own_lo) * es);
-      if (!shm_barrier(counter, (uint32_t)((barriers_done + barriers + 1) * p), deadline())) { status = 2; break; }
-      ++barriers;
+      if ((status = barrier()) != kShmOk) break;
       for (int j = 0; j < p; ++j)
         if (j != rank) std::memcpy(xc + lo(j) * es, slot(set, j) + lo(j) * es, (lo(j + 1) - lo(j)) * es);
     }
+  } catch (py::error_already_set&) {  // interrupted while waiting: the others must not wait for us
+    shm_poison(seg);
+    throw;
   }
-  return py::make_tuple(status, barriers, status == 0 ? nchunks : k + 1);
+  if (status != kShmOk && status != kShmMismatch) shm_poison(seg);
+  return py::make_tuple(status, barriers, status == kShmOk ? nchunks : k + 1);
 }
 }  // namespace
 
@@ -335,7 +400,7 @@ PYBIND11_MODULE(_cpu_runtime, m) {
         "uint8); op 0 sum, 1 prod, 2 max, 3 min (NaN propagates; integers wrap)");
   m.def("shm_all_reduce", &shm_all_reduce, py::arg("base"), py::arg("data_off"), py::arg("slot_bytes"), py::arg("p"),
         py::arg("rank"), py::arg("x"), py::arg("n"), py::arg("dtype"), py::arg("op"), py::arg("sig"),
-        py::arg("barriers_done"), py::arg("chunks_done"), py::arg("timeout_s"),
+        py::arg("barriers_done"), py::arg("chunks_done"), py::arg("timeout_s"), py::arg("watch_pids"),
         "All-reduce of x[:n] in place among p processes through the shared segment at base (see "
         "collectives/_shm.py); returns (status, barriers passed, chunks used)");
 }
