@@ -38,6 +38,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from . import _shm
+
 import os as _os
 
 # Pieces of a quarter of the vector, between 1 MiB and 4 MiB (`piece_elems`). Pieces let sends,
@@ -163,10 +165,13 @@ def _wait(works):
 class Ctx:
     """What every algorithm needs: the reduction, the piece size and the tagger."""
 
-    def __init__(self, red: Callable, piece: int, tagger: Tagger):
+    def __init__(self, red: Callable, piece: int, tagger: Tagger, op: str = None, dtype=None, sig: str = ""):
         self.red = red          # red(dst, src): dst <- dst (op) src, in place
         self.piece = piece      # elements per piece
         self.tg = tagger
+        # the call's op name, caller's dtype and signature: what the shared-memory inner level needs
+        # (None: that level runs the direct reduce-scatter instead)
+        self.op, self.dtype, self.sig = op, dtype, sig
 
 
 class Round:
@@ -508,8 +513,40 @@ def native(comm: Comm, x, tmp, lo, hi, ctx: Ctx, op=None):
     dist.all_reduce(x[lo:hi], op=op, group=comm.pg)
 
 
+def _node_shm(comm: Comm, x, ctx: Ctx):
+    """The shared-memory transport of this level's sub-group (set up by all_reduce before the call,
+    collectives/_shm.py), or None: then the level runs the direct reduce-scatter. Every member of
+    the sub-group gets the same answer (the transport exists on all of them or on none; x's dtype and
+    the call's op are the same on every rank that agrees on the call)."""
+    if not comm.native_ok or ctx.op is None or x.device.type != "cpu" or x.dtype not in _shm.DTYPES:
+        return None
+    tr = _shm.transport_if_ready(comm.pg)
+    return tr if tr is not None and tr.p == comm.size and tr.rank == comm.me else None
+
+
+def shm_reduce_scatter(comm: Comm, x, tmp, off, ctx: Ctx) -> int:
+    """The innermost level (one node) through its shared segment: each member copies the others' parts
+    in and reduces its own (one copy each way instead of TCP over loopback). Takes the tag round the
+    direct reduce-scatter would, so nodes where it falls back stay in step with the rest."""
+    tr = _node_shm(comm, x, ctx)
+    if tr is None:
+        return direct_reduce_scatter(comm, x, tmp, off, ctx)
+    ctx.tg.skip(1)
+    tr.reduce_scatter(x, off, ctx.op, ctx.dtype, ctx.sig)
+    return comm.me
+
+
+def shm_all_gather(comm: Comm, x, off, own: int, ctx: Ctx):
+    tr = _node_shm(comm, x, ctx)
+    if tr is None or own != comm.me:
+        return direct_all_gather(comm, x, off, own, ctx)
+    ctx.tg.skip(1)
+    tr.all_gather(x, off, ctx.dtype, ctx.sig)
+
+
 FLAT = {"recursive_doubling": recursive_doubling, "halving_doubling": halving_doubling, "ring": ring}
-REDUCE_SCATTER = {"direct": (direct_reduce_scatter, direct_all_gather),
+REDUCE_SCATTER = {"shm": (shm_reduce_scatter, shm_all_gather),
+                  "direct": (direct_reduce_scatter, direct_all_gather),
                   "ring": (ring_reduce_scatter, ring_all_gather),
                   "halving": (halving_reduce_scatter, doubling_all_gather)}
 

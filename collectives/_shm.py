@@ -5,7 +5,9 @@ Ranks on one host that exchange vectors through gloo talk TCP over loopback: eac
 the kernel and out again, with a syscall per message and gloo's I/O threads competing for the cores.
 NCCL and MPICH move intra-node traffic through shared memory instead; so does this: one segment in
 /dev/shm per process group, mapped by every rank, holding two sets of one slot per rank, a barrier
-counter (a futex word) and a signature line per rank.
+counter (a futex word), a poison word and two lines per rank (call signatures, pid). Used for the
+whole all-reduce of a one-node group ("shared_memory"), and for the innermost level (one node) of the
+hierarchical all-reduce: its reduce-scatter and all-gather (_allreduce_algos.shm_reduce_scatter).
 
 Setting a group up is a collective (transport(), on the first call that may use it, in the caller's
 thread): every rank reports its host (hostname, boot id, /dev/shm's device); if all match, group rank 0
@@ -31,10 +33,10 @@ import torch
 import torch.distributed as dist
 
 try:
-    from pykernels._cpu_runtime import shm_all_reduce as _shm_all_reduce
+    from pykernels._cpu_runtime import shm_collective as _shm_collective
     from pykernels._native import dtype_code as _dtype_code
 except Exception:  # noqa: BLE001 - not built: no shared-memory transport
-    _shm_all_reduce = None
+    _shm_collective = None
 
 OPNAME = "collectives.all_reduce"
 # Both buffer sets of every rank; a slot is min(4 MiB, this / (2 p)): 2 MiB on 4 ranks, so a 64 MiB
@@ -44,10 +46,11 @@ OPNAME = "collectives.all_reduce"
 SEGMENT_BYTES = 16 << 20
 MAX_SLOT_BYTES = 4 << 20
 MIN_SLOT_BYTES = 64 << 10
-_DATA_OFF = 4096  # the header: token, barrier counter, one signature line per rank (p <= 62)
-MAX_RANKS = (_DATA_OFF - 128) // 64
+_DATA_OFF = 4096  # the header: token, barrier counter, poison, two lines per rank (signatures, pid)
+MAX_RANKS = (_DATA_OFF - 128) // 128
 DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8)
 _OP_CODES = {"sum": 0, "avg": 0, "prod": 1, "max": 2, "min": 3}
+_ALL_REDUCE, _REDUCE_SCATTER, _ALL_GATHER = 0, 1, 2  # kinds (csrc/runtime/runtime_cpu.cpp, ShmKind)
 
 _LOCK = threading.Lock()
 _TRANSPORTS: dict = {}  # group -> Transport, or None where unavailable
@@ -74,14 +77,30 @@ class Transport:
 
     def all_reduce(self, x: torch.Tensor, n: int, op: str, dtype, signature: str) -> None:
         """x[:n] (contiguous, CPU, a dtype of DTYPES) reduced in place across the group."""
+        align = 64 // x.element_size()  # parts in whole cache lines
+        per_rank = -(-n // self.p)
+        q = -(-per_rank // align) * align
+        off = [min(j * q, n) for j in range(self.p + 1)]
+        self._call(_ALL_REDUCE, x, off, op, dtype, signature, f"numel={n}")
+
+    def reduce_scatter(self, x: torch.Tensor, off: list, op: str, dtype, signature: str) -> None:
+        """Part `rank` of x (elements off[rank]..off[rank + 1]) reduced across the group in place."""
+        self._call(_REDUCE_SCATTER, x, off, op, dtype, signature + "|rs", f"range {off[0]}..{off[-1]}")
+
+    def all_gather(self, x: torch.Tensor, off: list, dtype, signature: str) -> None:
+        """Every rank's part j of x replaced by rank j's."""
+        self._call(_ALL_GATHER, x, off, "sum", dtype, signature + "|ag", f"range {off[0]}..{off[-1]}")
+
+    def _call(self, kind: int, x: torch.Tensor, off: list, op: str, dtype, signature: str, what: str) -> None:
         if self.failed:
             raise RuntimeError(f"{OPNAME}: the group's shared-memory transport is unusable after an earlier "
                                f"failure ({self.failed}); make a new process group")
         sig = int.from_bytes(hashlib.blake2b(signature.encode(), digest_size=8).digest(), "little")
         try:
-            status, barriers, chunks = _shm_all_reduce(self.base, _DATA_OFF, self.slot_bytes, self.p, self.rank,
-                                                       x.data_ptr(), n, _dtype_code(x.dtype), _OP_CODES[op], sig,
-                                                       self.barriers, self.chunks, self.timeout_s, self.watch_pids)
+            status, barriers, chunks = _shm_collective(self.base, _DATA_OFF, self.slot_bytes, self.p, self.rank,
+                                                       x.data_ptr(), off, _dtype_code(x.dtype), _OP_CODES[op], sig,
+                                                       kind, self.barriers, self.chunks, self.timeout_s,
+                                                       self.watch_pids)
         except BaseException:  # Ctrl-C while waiting (the segment is poisoned for the other ranks)
             self.failed = "a call on this rank was interrupted"
             raise
@@ -89,12 +108,19 @@ class Transport:
         self.chunks += chunks
         if status == 1:
             raise RuntimeError(f"{OPNAME}: the ranks of the group disagree on numel, dtype or op (this rank: "
-                               f"numel={n}, dtype={dtype}, op={op}); every rank must pass the same")
+                               f"{what}, dtype={dtype}, op={op}); every rank must pass the same")
         if status:
             self.failed = _FAILURES.get(status, f"status {status}").format(t=self.timeout_s)
-            raise RuntimeError(f"{OPNAME}: shared-memory all-reduce: {self.failed} (this rank: numel={n}, "
+            raise RuntimeError(f"{OPNAME}: shared-memory all-reduce: {self.failed} (this rank: {what}, "
                                f"dtype={dtype}, op={op}); every rank must call all_reduce with the same "
                                f"numel, dtype and op, and the group is unusable afterwards")
+
+
+def transport_if_ready(pg) -> Optional[Transport]:
+    """The transport of `pg` if it was set up (no collective): the hierarchical algorithm's inner
+    level, set up by all_reduce before the call runs."""
+    with _LOCK:
+        return _TRANSPORTS.get(pg)
 
 
 _FAILURES = {2: "a rank did not arrive within the group's timeout of {t:.0f} s",
@@ -103,7 +129,7 @@ _FAILURES = {2: "a rank did not arrive within the group's timeout of {t:.0f} s",
 
 
 def _host_id():
-    if _shm_all_reduce is None:
+    if _shm_collective is None:
         return None
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -185,7 +211,7 @@ def _setup(group, p: int, rank: int) -> Optional[Transport]:
                 mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
                 ok = mm[:16] == token
                 if ok:  # this rank's pid, for the others' liveness check while they wait on it
-                    mm[_PID_OFF + 64 * rank:_PID_OFF + 64 * rank + 8] = struct.pack("<q", os.getpid())
+                    mm[_PID_OFF + 128 * rank:_PID_OFF + 128 * rank + 8] = struct.pack("<q", os.getpid())
     except Exception:  # noqa: BLE001 - any failure on any rank: every rank keeps the other algorithms
         ok = False
     finally:
@@ -195,7 +221,7 @@ def _setup(group, p: int, rank: int) -> Optional[Transport]:
     if ok:
         # the peers' processes are visible here (one pid namespace) and alive: then a peer that exits
         # while the others wait on it fails them at once instead of after the group's timeout
-        pids = [struct.unpack("<q", mm[_PID_OFF + 64 * j:_PID_OFF + 64 * j + 8])[0] for j in range(p)]
+        pids = [struct.unpack("<q", mm[_PID_OFF + 128 * j:_PID_OFF + 128 * j + 8])[0] for j in range(p)]
         watch = all(j == rank or _visible(pid) for j, pid in enumerate(pids))
     if rank == 0 and path:
         try:
@@ -209,7 +235,7 @@ def _setup(group, p: int, rank: int) -> Optional[Transport]:
     return Transport(mm, p, rank, slot, _timeout_s(group), watch)
 
 
-_PID_OFF = 128 + 8  # rank r's pid at _PID_OFF + 64 r (after its signature; csrc/runtime/runtime_cpu.cpp)
+_PID_OFF = 128 + 8  # rank r's pid at _PID_OFF + 128 r (after a signature; csrc/runtime/runtime_cpu.cpp)
 
 
 def _visible(pid: int) -> bool:

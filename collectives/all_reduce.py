@@ -196,6 +196,9 @@ class Params:
         d = _DEFAULTS["gloo"]
         self.shm = tuple(map(float, shm)) if shm else (d["shm_alpha"], d["shm_beta"])
         self.shm_raced = bool(shm_raced)
+        # the hierarchical algorithm may run its innermost level through shared memory (gloo groups:
+        # set by _load_params and tune(), not stored)
+        self.inner_shm = False
         # auto's choices by (algorithm, p, sizes, nbytes, native outer): evaluating the model and the
         # tuned table cost ~80 us a call (Python), paid on every rank of every call; a new Params (tune(),
         # a reload) starts empty
@@ -252,10 +255,14 @@ def _flat_cost(name, p, nbytes, a, b, g, native=None):
     raise KeyError(name)
 
 
-def _rs_cost(how, s, nbytes, a, b, g):
-    """Reduce-scatter plus the matching all-gather of nbytes over s members."""
+def _rs_cost(how, s, nbytes, a, b, g, shm=None):
+    """Reduce-scatter plus the matching all-gather of nbytes over s members (shm: the shared-memory
+    transport's (alpha per chunk, beta per byte), for how == "shm")."""
     if s <= 1:
         return 0.0
+    if how == "shm":
+        sa, sb = shm
+        return 2 * sa * max(1, -(-int(nbytes) // _shm.slot_bytes_for(s))) + nbytes * sb
     frac = (s - 1) / s * nbytes
     rounds = {"direct": 1, "ring": s - 1, "halving": _lg(s)}[how]
     return 2 * rounds * a + 2 * frac * b + frac * g
@@ -267,10 +274,13 @@ def _best_hier(params: Params, sizes, nbytes, native_outer: bool):
     inner, cost, cur = [], 0.0, float(nbytes)
     for lvl, s in enumerate(sizes[:-1]):
         a, b = params.levels[lvl]
-        opts = ["direct", "ring"] + (["halving"] if s & (s - 1) == 0 else [])
-        how = min(opts, key=lambda h: _rs_cost(h, s, cur, a, b, g))
+        # the innermost level is one node: its shared segment where it has one (gloo; a node without
+        # one runs the direct reduce-scatter in its place, _allreduce_algos.shm_reduce_scatter)
+        opts = (["shm"] if lvl == 0 and params.inner_shm else []) + ["direct", "ring"] + \
+            (["halving"] if s & (s - 1) == 0 else [])
+        how = min(opts, key=lambda h: _rs_cost(h, s, cur, a, b, g, params.shm))
         inner.append(how)
-        cost += _rs_cost(how, s, cur, a, b, g)
+        cost += _rs_cost(how, s, cur, a, b, g, params.shm)
         cur /= s
     a, b = params.levels[len(sizes) - 1]
     s = sizes[-1]
@@ -320,7 +330,7 @@ def _hier_cost_with_outer(params, sizes, nbytes, inner, outer):
     g, cost, cur = params.gamma, 0.0, float(nbytes)
     for lvl, (s, how) in enumerate(zip(sizes[:-1], inner)):
         a, b = params.levels[lvl]
-        cost += _rs_cost(how, s, cur, a, b, g)
+        cost += _rs_cost(how, s, cur, a, b, g, params.shm)
         cur /= s
     a, b = params.levels[len(sizes) - 1]
     nat = params.level_native[len(sizes) - 1]
@@ -412,6 +422,7 @@ def _load_params(group, topo: Topology) -> Params:
             raise ValueError(f"{OPNAME}: the ranks disagree on the topology: rank 0 of the group has level sizes "
                              f"{sizes0}, this rank {list(topo.sizes)}; every rank must pass the same")
     params = Params.from_json(text)
+    params.inner_shm = backend == "gloo"
     with _STATE_LOCK:
         _PARAMS[key] = params
     return params
@@ -504,8 +515,18 @@ def _plan_call(tensor: torch.Tensor, op: str, group, topo: Topology, algorithm: 
     nbytes = tensor.numel() * _work_dtype(tensor.dtype, op).itemsize
     choice = _resolve(algorithm, group, topo, nbytes)
     if choice.get("algorithm") == "hierarchical":
-        topo.comms(group)  # the level sub-groups (new_group is a collective), made once and cached
+        levels = topo.comms(group)  # the level sub-groups (new_group is a collective), made once and cached
+        if "shm" in choice.get("inner", []):
+            _node_shm(levels)
     return choice
+
+
+def _node_shm(levels: list) -> None:
+    """Sets up the shared-memory transport of this rank's innermost-level sub-group (a collective
+    among its members, once; every rank sets up its own node's at the same point of the call)."""
+    inner = levels[0]
+    if inner.size > 1 and inner.native_ok and _backend_name(inner.pg) == "gloo":
+        _shm.transport(inner.pg)
 
 
 def _uses_group_collectives(choice: dict) -> bool:
@@ -663,7 +684,7 @@ def _run_p2p(name: str, choice: dict, x: torch.Tensor, n: int, op: str, group, t
     disagree never match each other's messages, so they time out instead of mixing data."""
     sig = f"{n}|{dtype}|{op}|{json.dumps(choice, sort_keys=True)}|{topo.sizes}"
     piece = A.piece_elems(n * x.element_size(), x.element_size())
-    ctx = A.Ctx(_REDUCE[op], piece, A.Tagger(sig))
+    ctx = A.Ctx(_REDUCE[op], piece, A.Tagger(sig), op, dtype, sig)
     tmp = _scratch(group, x, dist.get_world_size(group))
     if name == "hierarchical":
         levels = topo.comms(group)
@@ -1059,6 +1080,9 @@ def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool 
     nb_beta = max((n_big - n_small) / (big - (4 << 10)), 1e-13)
     native = (max(n_small - (4 << 10) * nb_beta, 1e-7), nb_beta)
     params = Params(lv, flat, native, gamma, source=f"tuned {time.strftime('%Y-%m-%d %H:%M')}", level_native=lnat)
+    params.inner_shm = backend == "gloo"
+    if params.inner_shm and len(levels) > 1:
+        _node_shm(levels)
 
     # the measured table: native and the model's best (all of them up to 4 MiB, where a try is cheap:
     # the model's ranking of the flat algorithms was measured wrong on loaded machines, e.g. the ring

@@ -1141,7 +1141,7 @@ def chk_shm_dead_peer():
     if rank == world - 1:
         gone = subprocess.Popen(["true"])
         gone.wait()
-        off = _shm._PID_OFF + 64 * rank
+        off = _shm._PID_OFF + 128 * rank
         tr.mm[off:off + 8] = gone.pid.to_bytes(8, "little")
     dist.barrier()
     t0 = time.monotonic()
@@ -1156,6 +1156,35 @@ def chk_shm_dead_peer():
         with pytest.raises(RuntimeError, match="another rank gave up on the group"):
             collectives.all_reduce(x, group=g, algorithm="shared_memory")
     return time.monotonic() - t0, "process exited" in msg
+
+
+def chk_shm_inner_level(ranks, fake_host_rank):
+    """The hierarchical algorithm's innermost level (one node) through its node's shared segment:
+    chosen by the model, exact, used (its chunk count moves); where a node has no segment (one of its
+    ranks reports another host) that node runs the direct reduce-scatter in its place and the two
+    kinds of node stay in step (the same tag rounds)."""
+    from collectives import _shm
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    topo = Topology([2, world // 2], ranks=ranks)
+    real = _shm._host_id
+    if rank == fake_host_rank:
+        _shm._host_id = lambda: ("another-host", "boot", 0)
+    try:
+        text = collectives.plan(1 << 20, torch.float32, topology=topo)
+        assert "level 0 (x2) shm" in text, text
+        x = torch.ones(10)
+        collectives.all_reduce(x, topology=topo, algorithm="hierarchical")
+    finally:
+        _shm._host_id = real
+    tr = _shm.transport_if_ready(topo.comms()[0].pg)
+    before = tr.chunks if tr is not None else 0
+    # 3M fp32 on a node of 2 (4 MiB slots): 3 chunks per phase, and 8 pipelined segments
+    n = chk_sweep(["hierarchical", "auto"], [topo], [0, 7, 1001, 3_000_017], ["sum", "max"],
+                  [torch.float32, torch.int64], seed=7000)
+    n += chk_sweep(["hierarchical"], [topo], [1001], ["avg", "prod", "min"],
+                   [torch.float64, torch.uint8, torch.bfloat16], seed=7100)
+    return n, tr is not None, (tr.chunks - before) if tr is not None else 0
 
 
 def test_world_4_shared_memory(clusters):
@@ -1173,6 +1202,12 @@ def test_world_4_shared_memory(clusters):
         assert outcomes == ["disagree"] * 12, outcomes
     res = c.run("chk_shm_dead_peer", timeout=60)
     assert max(t for t, _ in res) < 10 and any(seen for _, seen in res), res
+    # nodes {0, 1} and {2, 3}: both through shared memory
+    for n, has, used in c.run("chk_shm_inner_level", [0, 1, 2, 3], -1, timeout=180):
+        assert has and used > 10, (has, used)
+    # nodes {0, 2} and {1, 3}, rank 3 on "another host": node {1, 3} runs the direct reduce-scatter
+    res = c.run("chk_shm_inner_level", [0, 2, 1, 3], 3, timeout=180)
+    assert [has for _, has, _ in res] == [True, False, True, False], res
     for algo in ("shared_memory",):
         c.run("chk_layouts", algo)
         c.run("chk_async", algo)

@@ -4,6 +4,7 @@
 // collectives.all_reduce applies to each received piece, and its shared-memory all-reduce among the
 // processes of one host (collectives/_shm.py).
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 #if defined(__linux__)
 #include <linux/futex.h>
 #include <sys/mman.h>
@@ -13,6 +14,7 @@
 
 #include <sched.h>
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <cstdio>
@@ -212,10 +214,12 @@ void reduce_into(uintptr_t dst, uintptr_t src, int64_t n, int dtype_code, int op
 //                        segment was made, the same count on every rank) completes at (b + 1) * p
 //   [72, 76)             poison (uint32): set by a rank that gave up (timeout, a dead peer, an
 //                        interrupt), so every other rank fails at once instead of after its timeout
-//   [128 + 64 r, +8)     rank r's call signature (numel, dtype, op hashed), checked after barrier A
-//                        of a call's first chunk: ranks that disagree all fail, after barrier B (so no
-//                        rank overwrites its signature, starting its next call, before all have read it)
-//   [128 + 64 r + 8, +8) rank r's process id (written by collectives/_shm.py), for the liveness check
+//   [128 + 128 r + 64 s, +8)  rank r's call signature (numel, dtype, op hashed) for a call whose first
+//                        chunk uses buffer set s, compared after that chunk's first barrier: ranks
+//                        that disagree all fail there. Kept per set like the data: a rank writes set
+//                        s's line only after every rank has read it (the argument below), so a rank
+//                        that runs ahead into its next call cannot overwrite a line still being read
+//   [128 + 128 r + 8, +8) rank r's process id (written by collectives/_shm.py), for the liveness check
 //   data_off + (set * p + r) * slot_bytes: rank r's slot in buffer set `set`
 constexpr int64_t kShmCounterOff = 64, kShmPoisonOff = 72, kShmSigOff = 128;
 enum ShmStatus { kShmOk = 0, kShmMismatch = 1, kShmTimeout = 2, kShmPeerDied = 3, kShmPoisoned = 4,
@@ -275,7 +279,7 @@ int shm_wait(const ShmWaitCtx& c, uint32_t target) {
       if (std::chrono::steady_clock::now() >= c.deadline) return kShmTimeout;
       if (c.watch_pids)
         for (int j = 0; j < c.p; ++j)
-          if (j != c.rank && shm_pid_dead(*reinterpret_cast<const int64_t*>(c.seg + kShmSigOff + 64 * j + 8)))
+          if (j != c.rank && shm_pid_dead(*reinterpret_cast<const int64_t*>(c.seg + kShmSigOff + 128 * j + 8)))
             return kShmPeerDied;
       py::gil_scoped_acquire gil;
       if (PyErr_CheckSignals() != 0) throw py::error_already_set();  // KeyboardInterrupt and the like
@@ -309,26 +313,48 @@ void reduce_any(void* d, const void* s, int64_t n, pk::DType dtype, int op) {
   reduce_portable(d, s, n, dtype, op);
 }
 
+// What one call does (kind): the whole all-reduce; or, for the innermost level of the hierarchical
+// all-reduce, its reduce-scatter (rank r ends with part r reduced) or the matching all-gather.
+enum ShmKind { kShmAllReduce = 0, kShmReduceScatter = 1, kShmAllGather = 2 };
+
+// One call over x split into p parts [off[j], off[j+1]) (elements). Chunk c moves elements
+// [c*cp, (c+1)*cp) of every part (cp = a slot / p, whole cache lines), so a part of any length goes
+// through slots of fixed size and rank r's part stays contiguous in x. Per chunk:
+//   reduce-scatter: copy the other parts' slices into my slot | barrier | reduce my slice of every slot
+//   all-gather:     copy my part's slice into my slot         | barrier | copy the others' slices out
+//   all-reduce:     the two in turn (two barriers per chunk).
+// Every read of a chunk's buffer set happens before the reader arrives at the next chunk's first
+// barrier, and every write after the writer passed the previous chunk's last: so alternating two
+// sets by chunk (across calls and kinds, the count kept by the caller) needs no other barrier.
 // Returns (status, barriers passed, chunks used): status a ShmStatus. After a mismatch every rank
 // has passed the same barriers; after any other failure the barrier count is out of step, the
 // segment is poisoned (the other ranks fail at once) and the caller retires it.
-py::tuple shm_all_reduce(uintptr_t base, int64_t data_off, int64_t slot_bytes, int p, int rank, uintptr_t x,
-                         int64_t n, int dtype_code, int op, uint64_t sig, int64_t barriers_done,
-                         int64_t chunks_done, double timeout_s, bool watch_pids) {
+py::tuple shm_collective(uintptr_t base, int64_t data_off, int64_t slot_bytes, int p, int rank, uintptr_t x,
+                         const std::vector<int64_t>& off, int dtype_code, int op, uint64_t sig, int kind,
+                         int64_t barriers_done, int64_t chunks_done, double timeout_s, bool watch_pids) {
   const pk::DType dtype = static_cast<pk::DType>(dtype_code);
   const int64_t es = pk::dtype_size(dtype);
-  if (p < 2 || rank < 0 || rank >= p) throw std::invalid_argument("shm_all_reduce: bad p or rank");
-  if (n < 0 || op < kSum || op > kMin || slot_bytes < 64 * es || slot_bytes % 64)
-    throw std::invalid_argument("shm_all_reduce: bad n, op or slot_bytes");
+  if (p < 2 || rank < 0 || rank >= p || (int64_t)off.size() != p + 1)
+    throw std::invalid_argument("shm_collective: bad p, rank or offsets");
+  if (op < kSum || op > kMin || slot_bytes % 64 || kind < kShmAllReduce || kind > kShmAllGather)
+    throw std::invalid_argument("shm_collective: bad op, kind or slot_bytes");
+  int64_t longest = 0;
+  for (int j = 0; j < p; ++j) {
+    if (off[j] < 0 || off[j + 1] < off[j]) throw std::invalid_argument("shm_collective: offsets must ascend from 0");
+    longest = std::max(longest, off[j + 1] - off[j]);
+  }
   switch (dtype) {
     case pk::DType::Float32: case pk::DType::Float64: case pk::DType::Int32: case pk::DType::Int64:
     case pk::DType::UInt8: break;
-    default: throw std::invalid_argument("shm_all_reduce: unsupported dtype code " + std::to_string(dtype_code));
+    default: throw std::invalid_argument("shm_collective: unsupported dtype code " + std::to_string(dtype_code));
   }
+  const int64_t align = 64 / es;
+  const int64_t cp = slot_bytes / es / p / align * align;  // elements of each part per chunk
+  if (cp < 1) throw std::invalid_argument("shm_collective: slot_bytes too small for p");
   char* seg = reinterpret_cast<char*>(base);
   char* xs = reinterpret_cast<char*>(x);
-  const int64_t chunk = slot_bytes / es;
-  const int64_t nchunks = n == 0 ? 1 : (n + chunk - 1) / chunk;  // a call of 0 elements still checks signatures
+  // a call of 0 elements still meets the others once (the signatures are compared there)
+  const int64_t nchunks = std::max<int64_t>(1, (longest + cp - 1) / cp);
   int status = kShmOk;
   int64_t barriers = 0, k = 0;
   if (__atomic_load_n(reinterpret_cast<uint32_t*>(seg + kShmPoisonOff), __ATOMIC_ACQUIRE))
@@ -341,40 +367,44 @@ py::tuple shm_all_reduce(uintptr_t base, int64_t data_off, int64_t slot_bytes, i
     if (st == kShmOk) ++barriers;
     return st;
   };
+  // the first barrier of a call: the signatures were stored before it; every rank reads the same
+  // ones after it, so on a mismatch every rank is here and all pass one more barrier (no rank may
+  // start its next call, overwriting its signature, before all have read it), then all fail
+  const int64_t sig_set = chunks_done & 1;  // the first chunk's buffer set
+  auto sig_line = [&](int r) { return reinterpret_cast<uint64_t*>(seg + kShmSigOff + 128 * r + 64 * sig_set); };
+  auto first_barrier = [&] {
+    int st = barrier();
+    if (st != kShmOk) return st;
+    bool agree = true;
+    for (int j = 0; j < p; ++j) agree &= __atomic_load_n(sig_line(j), __ATOMIC_RELAXED) == sig;
+    if (agree) return (int)kShmOk;
+    st = barrier();
+    return st == kShmOk ? (int)kShmMismatch : st;
+  };
   try {
     py::gil_scoped_release release;
-    auto slot = [&](int64_t set, int r) { return seg + data_off + (set * p + r) * slot_bytes; };
+    __atomic_store_n(sig_line(rank), sig, __ATOMIC_RELAXED);
     for (; k < nchunks; ++k) {
-      const int64_t c0 = k * chunk, m = std::min(chunk, n - c0);
-      // part j: [lo(j), lo(j + 1)), whole cache lines where the chunk allows
-      const int64_t align = 64 / es;
-      const int64_t q = ((m + p - 1) / p + align - 1) / align * align;
-      auto lo = [&](int j) { return std::min<int64_t>((int64_t)j * q, m); };
+      const int64_t rel = k * cp;
+      auto len = [&](int j) { return std::clamp<int64_t>(off[j + 1] - off[j] - rel, 0, cp); };
+      auto xpart = [&](int j) { return xs + (off[j] + rel) * es; };
       const int64_t set = (chunks_done + k) & 1;
-      char* mine = slot(set, rank);
-      char* xc = xs + c0 * es;
-      const int64_t own_lo = lo(rank), own_hi = lo(rank + 1);
-      std::memcpy(mine, xc, own_lo * es);
-      std::memcpy(mine + own_hi * es, xc + own_hi * es, (m - own_hi) * es);
-      if (k == 0) __atomic_store_n(reinterpret_cast<uint64_t*>(seg + kShmSigOff + 64 * rank), sig, __ATOMIC_RELAXED);
-      if ((status = barrier()) != kShmOk) break;
-      if (k == 0) {
-        bool agree = true;
+      // slice j of rank r's slot in this chunk's buffer set
+      auto sub = [&](int r, int j) { return seg + data_off + (set * p + r) * slot_bytes + j * cp * es; };
+      auto meet = [&] { return k == 0 ? first_barrier() : barrier(); };
+      if (kind != kShmAllGather) {
         for (int j = 0; j < p; ++j)
-          agree &= __atomic_load_n(reinterpret_cast<uint64_t*>(seg + kShmSigOff + 64 * j), __ATOMIC_RELAXED) == sig;
-        if (!agree) {
-          // every rank saw the same signatures, so every rank is here: barrier B, then all fail
-          status = barrier();
-          if (status == kShmOk) status = kShmMismatch;
-          break;
-        }
+          if (j != rank) std::memcpy(sub(rank, j), xpart(j), len(j) * es);
+        if ((status = meet()) != kShmOk) break;
+        for (int j = 0; j < p; ++j)
+          if (j != rank) reduce_any(xpart(rank), sub(j, rank), len(rank), dtype, op);
       }
-      for (int j = 0; j < p; ++j)
-        if (j != rank) reduce_any(xc + own_lo * es, slot(set, j) + own_lo * es, own_hi - own_lo, dtype, op);
-      std::memcpy(mine + own_lo * es, xc + own_lo * es, (own_hi - own_lo) * es);
-      if ((status = barrier()) != kShmOk) break;
-      for (int j = 0; j < p; ++j)
-        if (j != rank) std::memcpy(xc + lo(j) * es, slot(set, j) + lo(j) * es, (lo(j + 1) - lo(j)) * es);
+      if (kind != kShmReduceScatter) {
+        std::memcpy(sub(rank, rank), xpart(rank), len(rank) * es);
+        if ((status = (kind == kShmAllGather ? meet() : barrier())) != kShmOk) break;
+        for (int j = 0; j < p; ++j)
+          if (j != rank) std::memcpy(xpart(j), sub(j, j), len(j) * es);
+      }
     }
   } catch (py::error_already_set&) {  // interrupted while waiting: the others must not wait for us
     shm_poison(seg);
@@ -398,9 +428,10 @@ PYBIND11_MODULE(_cpu_runtime, m) {
   m.def("reduce_into", &reduce_into, py::arg("dst"), py::arg("src"), py::arg("n"), py::arg("dtype"), py::arg("op"),
         "dst[i] = dst[i] (op) src[i] for i < n on this thread; dtype a pk::DType code (float32/64, int32/64, "
         "uint8); op 0 sum, 1 prod, 2 max, 3 min (NaN propagates; integers wrap)");
-  m.def("shm_all_reduce", &shm_all_reduce, py::arg("base"), py::arg("data_off"), py::arg("slot_bytes"), py::arg("p"),
-        py::arg("rank"), py::arg("x"), py::arg("n"), py::arg("dtype"), py::arg("op"), py::arg("sig"),
-        py::arg("barriers_done"), py::arg("chunks_done"), py::arg("timeout_s"), py::arg("watch_pids"),
-        "All-reduce of x[:n] in place among p processes through the shared segment at base (see "
-        "collectives/_shm.py); returns (status, barriers passed, chunks used)");
+  m.def("shm_collective", &shm_collective, py::arg("base"), py::arg("data_off"), py::arg("slot_bytes"), py::arg("p"),
+        py::arg("rank"), py::arg("x"), py::arg("offsets"), py::arg("dtype"), py::arg("op"), py::arg("sig"),
+        py::arg("kind"), py::arg("barriers_done"), py::arg("chunks_done"), py::arg("timeout_s"), py::arg("watch_pids"),
+        "All-reduce (kind 0), reduce-scatter (1) or all-gather (2) of x, split into parts [offsets[j], "
+        "offsets[j+1]), among p processes through the shared segment at base (see collectives/_shm.py); "
+        "returns (status, barriers passed, chunks used)");
 }
