@@ -265,11 +265,19 @@ void shm_poison(char* seg) {
 int shm_wait(const ShmWaitCtx& c, uint32_t target) {
   uint32_t* counter = reinterpret_cast<uint32_t*>(c.seg + kShmCounterOff);
   const uint32_t* poison = reinterpret_cast<const uint32_t*>(c.seg + kShmPoisonOff);
-  for (int i = 0; i < 256; ++i) {
+  // spin, then yield, then sleep. Yielding hands the core to a peer that is runnable but not running
+  // (4 ranks on 2 cores): a 4 KiB all-reduce took 0.19 ms with spin + futex, 0.09-0.10 ms with 200
+  // yields between them (256 KiB: 0.37-0.53 -> 0.22 ms; 4 ranks / 2 cores, 2026-12-02)
+  constexpr int kSpin = 128, kYield = 200;
+  for (int i = 0; i < kSpin; ++i) {
     if ((int32_t)(__atomic_load_n(counter, __ATOMIC_ACQUIRE) - target) >= 0) return kShmOk;
 #if PK_X86
     _mm_pause();
 #endif
+  }
+  for (int i = 0; i < kYield; ++i) {
+    if ((int32_t)(__atomic_load_n(counter, __ATOMIC_ACQUIRE) - target) >= 0) return kShmOk;
+    sched_yield();
   }
   for (int slice = 0;; ++slice) {
     const uint32_t v = __atomic_load_n(counter, __ATOMIC_ACQUIRE);
@@ -396,8 +404,13 @@ py::tuple shm_collective(uintptr_t base, int64_t data_off, int64_t slot_bytes, i
         for (int j = 0; j < p; ++j)
           if (j != rank) std::memcpy(sub(rank, j), xpart(j), len(j) * es);
         if ((status = meet()) != kShmOk) break;
-        for (int j = 0; j < p; ++j)
-          if (j != rank) reduce_any(xpart(rank), sub(j, rank), len(rank), dtype, op);
+        // my slice of every other slot into x, a few KiB at a time: the block of x stays in L1
+        // across the p - 1 sources (read and written once instead of p - 1 times)
+        const int64_t block = 4096 / es, mine = len(rank);
+        for (int64_t b0 = 0; b0 < mine; b0 += block)
+          for (int j = 0; j < p; ++j)
+            if (j != rank)
+              reduce_any(xpart(rank) + b0 * es, sub(j, rank) + b0 * es, std::min(block, mine - b0), dtype, op);
       }
       if (kind != kShmReduceScatter) {
         std::memcpy(sub(rank, rank), xpart(rank), len(rank) * es);
