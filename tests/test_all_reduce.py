@@ -1187,6 +1187,41 @@ def chk_shm_inner_level(ranks, fake_host_rank):
     return n, tr is not None, (tr.chunks - before) if tr is not None else 0
 
 
+def chk_shm_interrupted_wait():
+    """A signal handler that raises while rank 0 waits for the others (Ctrl-C's path): the exception
+    comes out of the wait within a slice (50 ms) and the segment is poisoned, so the others fail at
+    once when they call."""
+    import signal
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = dist.new_group(list(range(world)), timeout=timedelta(seconds=30))
+    x = torch.ones(100)
+    collectives.all_reduce(x, group=g, algorithm="shared_memory")
+    dist.barrier()
+    t0 = time.monotonic()
+    if rank == 0:
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt("test interrupt")
+
+        old = signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        try:
+            with pytest.raises(KeyboardInterrupt, match="test interrupt"):
+                collectives.all_reduce(x, group=g, algorithm="shared_memory")
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+    took = time.monotonic() - t0
+    dist.barrier()
+    if rank != 0:
+        with pytest.raises(RuntimeError, match="another rank gave up on the group"):
+            collectives.all_reduce(x, group=g, algorithm="shared_memory")
+    else:
+        with pytest.raises(RuntimeError, match="unusable after an earlier failure .*interrupted"):
+            collectives.all_reduce(x, group=g, algorithm="shared_memory")
+    return took
+
+
 def test_world_4_shared_memory(clusters):
     c = clusters(4)
     # 2 MiB slots on 4 ranks: 600_000 fp32 (2.4 MB) is two chunks, 1_100_003 float64 five
@@ -1200,6 +1235,7 @@ def test_world_4_shared_memory(clusters):
     c.run("chk_shm_unavailable")
     for outcomes in c.run("chk_shm_swapped_calls", 6, timeout=90):
         assert outcomes == ["disagree"] * 12, outcomes
+    assert c.run("chk_shm_interrupted_wait", timeout=60)[0] < 5
     res = c.run("chk_shm_dead_peer", timeout=60)
     assert max(t for t, _ in res) < 10 and any(seen for _, seen in res), res
     # nodes {0, 1} and {2, 3}: both through shared memory
