@@ -521,7 +521,17 @@ def _node_shm(comm: Comm, x, ctx: Ctx):
     if not comm.native_ok or ctx.op is None or x.device.type != "cpu" or x.dtype not in _shm.DTYPES:
         return None
     tr = _shm.transport_if_ready(comm.pg)
-    return tr if tr is not None and tr.p == comm.size and tr.rank == comm.me else None
+    return tr if tr is not None and tr.p == comm.size else None
+
+
+def _pg_parts(comm: Comm, off):
+    """The parts of `off` (member i owns [off[i], off[i+1]), i in the topology's order) by the rank
+    in comm.pg that owns each (new_group orders its ranks by global rank, which a Topology's `ranks`
+    may permute): (begin, end) lists indexed by pg rank."""
+    begin, end = [0] * comm.size, [0] * comm.size
+    for i, r in enumerate(comm.ranks):
+        begin[r], end[r] = off[i], off[i + 1]
+    return begin, end
 
 
 def shm_reduce_scatter(comm: Comm, x, tmp, off, ctx: Ctx) -> int:
@@ -532,7 +542,7 @@ def shm_reduce_scatter(comm: Comm, x, tmp, off, ctx: Ctx) -> int:
     if tr is None:
         return direct_reduce_scatter(comm, x, tmp, off, ctx)
     ctx.tg.skip(1)
-    tr.reduce_scatter(x, off, ctx.op, ctx.dtype, ctx.sig)
+    tr.reduce_scatter(x, _pg_parts(comm, off), ctx.op, ctx.dtype, ctx.sig)
     return comm.me
 
 
@@ -541,7 +551,7 @@ def shm_all_gather(comm: Comm, x, off, own: int, ctx: Ctx):
     if tr is None or own != comm.me:
         return direct_all_gather(comm, x, off, own, ctx)
     ctx.tg.skip(1)
-    tr.all_gather(x, off, ctx.dtype, ctx.sig)
+    tr.all_gather(x, _pg_parts(comm, off), ctx.dtype, ctx.sig)
 
 
 FLAT = {"recursive_doubling": recursive_doubling, "halving_doubling": halving_doubling, "ring": ring}

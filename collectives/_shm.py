@@ -46,7 +46,7 @@ OPNAME = "collectives.all_reduce"
 SEGMENT_BYTES = 16 << 20
 MAX_SLOT_BYTES = 4 << 20
 MIN_SLOT_BYTES = 64 << 10
-_DATA_OFF = 4096  # the header: token, barrier counter, poison, two lines per rank (signatures, pid)
+_DATA_OFF = 8192  # the header: token, barrier counter, poison, two lines per rank (signatures, pid)
 MAX_RANKS = (_DATA_OFF - 128) // 128
 DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8)
 _OP_CODES = {"sum": 0, "avg": 0, "prod": 1, "max": 2, "min": 3}
@@ -81,24 +81,26 @@ class Transport:
         per_rank = -(-n // self.p)
         q = -(-per_rank // align) * align
         off = [min(j * q, n) for j in range(self.p + 1)]
-        self._call(_ALL_REDUCE, x, off, op, dtype, signature, f"numel={n}")
+        self._call(_ALL_REDUCE, x, (off[:-1], off[1:]), op, dtype, signature, f"numel={n}")
 
-    def reduce_scatter(self, x: torch.Tensor, off: list, op: str, dtype, signature: str) -> None:
-        """Part `rank` of x (elements off[rank]..off[rank + 1]) reduced across the group in place."""
-        self._call(_REDUCE_SCATTER, x, off, op, dtype, signature + "|rs", f"range {off[0]}..{off[-1]}")
+    def reduce_scatter(self, x: torch.Tensor, parts, op: str, dtype, signature: str) -> None:
+        """parts = (begin, end): this group's rank r owns elements begin[r]..end[r] of x, which end up
+        reduced across the group, in place."""
+        self._call(_REDUCE_SCATTER, x, parts, op, dtype, signature + "|rs", f"part {parts[0][self.rank]}..")
 
-    def all_gather(self, x: torch.Tensor, off: list, dtype, signature: str) -> None:
-        """Every rank's part j of x replaced by rank j's."""
-        self._call(_ALL_GATHER, x, off, "sum", dtype, signature + "|ag", f"range {off[0]}..{off[-1]}")
+    def all_gather(self, x: torch.Tensor, parts, dtype, signature: str) -> None:
+        """Every rank's copy of part r of x replaced by rank r's."""
+        self._call(_ALL_GATHER, x, parts, "sum", dtype, signature + "|ag", f"part {parts[0][self.rank]}..")
 
-    def _call(self, kind: int, x: torch.Tensor, off: list, op: str, dtype, signature: str, what: str) -> None:
+    def _call(self, kind: int, x: torch.Tensor, parts, op: str, dtype, signature: str, what: str) -> None:
         if self.failed:
             raise RuntimeError(f"{OPNAME}: the group's shared-memory transport is unusable after an earlier "
                                f"failure ({self.failed}); make a new process group")
         sig = int.from_bytes(hashlib.blake2b(signature.encode(), digest_size=8).digest(), "little")
         try:
             status, barriers, chunks = _shm_collective(self.base, _DATA_OFF, self.slot_bytes, self.p, self.rank,
-                                                       x.data_ptr(), off, _dtype_code(x.dtype), _OP_CODES[op], sig,
+                                                       x.data_ptr(), parts[0], parts[1], _dtype_code(x.dtype),
+                                                       _OP_CODES[op], sig,
                                                        kind, self.barriers, self.chunks, self.timeout_s,
                                                        self.watch_pids)
         except BaseException:  # Ctrl-C while waiting (the segment is poisoned for the other ranks)

@@ -422,7 +422,9 @@ def _load_params(group, topo: Topology) -> Params:
             raise ValueError(f"{OPNAME}: the ranks disagree on the topology: rank 0 of the group has level sizes "
                              f"{sizes0}, this rank {list(topo.sizes)}; every rank must pass the same")
     params = Params.from_json(text)
-    params.inner_shm = backend == "gloo"
+    # (the levels get sub-groups of their own, which the segments need, only in the whole world:
+    # Topology.comms)
+    params.inner_shm = backend == "gloo" and dist.get_world_size(group) == dist.get_world_size()
     with _STATE_LOCK:
         _PARAMS[key] = params
     return params
@@ -993,6 +995,11 @@ def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool 
     group = _default_group(group, "collectives.all_reduce.tune", member=True)
     if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
         raise ValueError(f"collectives.all_reduce.tune: expected 'reps' to be an int >= 1, got {reps!r}")
+    runner = _RUNNERS.get(group)
+    if runner is not None and runner.busy():
+        # the group's async calls still queued finish first: tune's calls run on this thread, and two
+        # threads must never drive one group's shared segment (or interleave its messages) at once
+        runner.submit(lambda: None).wait()
     p = dist.get_world_size(group)
     topo = _topology_for(group, topology)
     backend = _backend_name(group)
@@ -1080,7 +1087,7 @@ def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool 
     nb_beta = max((n_big - n_small) / (big - (4 << 10)), 1e-13)
     native = (max(n_small - (4 << 10) * nb_beta, 1e-7), nb_beta)
     params = Params(lv, flat, native, gamma, source=f"tuned {time.strftime('%Y-%m-%d %H:%M')}", level_native=lnat)
-    params.inner_shm = backend == "gloo"
+    params.inner_shm = backend == "gloo" and p == dist.get_world_size()
     if params.inner_shm and len(levels) > 1:
         _node_shm(levels)
 

@@ -735,6 +735,12 @@ def test_non_power_of_two(clusters, world):
         # 3 does not divide the sizes: uneven splits at every level
         c.run("chk_sweep", ["hierarchical", "auto"], [[2, 3], [3, 2], [3, 2, 1]], [1, 7, 1001], ["sum", "avg"],
               [torch.float32, torch.int64])
+        # nodes of 3 whose ranks the topology orders otherwise than their sub-groups do (review
+        # finding: part ownership by topology position vs sub-group rank; members disagreed on using
+        # the shared segment and hung)
+        c.run("chk_sweep", ["hierarchical"], [Topology([3, 2], ranks=[0, 2, 1, 3, 5, 4]),
+                                              Topology([2, 3], ranks=[5, 1, 2, 3, 4, 0])],
+              [7, 1001, 300_001], ["sum", "max"], [torch.float32, torch.int64], timeout=120)
         c.run("chk_ddp", "auto")
         c.run("chk_pipelined", [2, 3], 3001, "sum", torch.float32)
         c.run("chk_pipelined", [3, 2], 3001, "prod", torch.float64)

@@ -325,7 +325,8 @@ void reduce_any(void* d, const void* s, int64_t n, pk::DType dtype, int op) {
 // all-reduce, its reduce-scatter (rank r ends with part r reduced) or the matching all-gather.
 enum ShmKind { kShmAllReduce = 0, kShmReduceScatter = 1, kShmAllGather = 2 };
 
-// One call over x split into p parts [off[j], off[j+1]) (elements). Chunk c moves elements
+// One call over x split into p parts [begin[j], end[j]) (elements; rank j's part: any order, no
+// overlap; the hierarchical algorithm's members own parts in its topology's order). Chunk c moves elements
 // [c*cp, (c+1)*cp) of every part (cp = a slot / p, whole cache lines), so a part of any length goes
 // through slots of fixed size and rank r's part stays contiguous in x. Per chunk:
 //   reduce-scatter: copy the other parts' slices into my slot | barrier | reduce my slice of every slot
@@ -338,18 +339,19 @@ enum ShmKind { kShmAllReduce = 0, kShmReduceScatter = 1, kShmAllGather = 2 };
 // has passed the same barriers; after any other failure the barrier count is out of step, the
 // segment is poisoned (the other ranks fail at once) and the caller retires it.
 py::tuple shm_collective(uintptr_t base, int64_t data_off, int64_t slot_bytes, int p, int rank, uintptr_t x,
-                         const std::vector<int64_t>& off, int dtype_code, int op, uint64_t sig, int kind,
+                         const std::vector<int64_t>& begin, const std::vector<int64_t>& end, int dtype_code,
+                         int op, uint64_t sig, int kind,
                          int64_t barriers_done, int64_t chunks_done, double timeout_s, bool watch_pids) {
   const pk::DType dtype = static_cast<pk::DType>(dtype_code);
   const int64_t es = pk::dtype_size(dtype);
-  if (p < 2 || rank < 0 || rank >= p || (int64_t)off.size() != p + 1)
-    throw std::invalid_argument("shm_collective: bad p, rank or offsets");
+  if (p < 2 || rank < 0 || rank >= p || (int64_t)begin.size() != p || (int64_t)end.size() != p)
+    throw std::invalid_argument("shm_collective: bad p, rank or parts");
   if (op < kSum || op > kMin || slot_bytes % 64 || kind < kShmAllReduce || kind > kShmAllGather)
     throw std::invalid_argument("shm_collective: bad op, kind or slot_bytes");
   int64_t longest = 0;
   for (int j = 0; j < p; ++j) {
-    if (off[j] < 0 || off[j + 1] < off[j]) throw std::invalid_argument("shm_collective: offsets must ascend from 0");
-    longest = std::max(longest, off[j + 1] - off[j]);
+    if (begin[j] < 0 || end[j] < begin[j]) throw std::invalid_argument("shm_collective: a part ends before it begins");
+    longest = std::max(longest, end[j] - begin[j]);
   }
   switch (dtype) {
     case pk::DType::Float32: case pk::DType::Float64: case pk::DType::Int32: case pk::DType::Int64:
@@ -394,8 +396,8 @@ py::tuple shm_collective(uintptr_t base, int64_t data_off, int64_t slot_bytes, i
     __atomic_store_n(sig_line(rank), sig, __ATOMIC_RELAXED);
     for (; k < nchunks; ++k) {
       const int64_t rel = k * cp;
-      auto len = [&](int j) { return std::clamp<int64_t>(off[j + 1] - off[j] - rel, 0, cp); };
-      auto xpart = [&](int j) { return xs + (off[j] + rel) * es; };
+      auto len = [&](int j) { return std::clamp<int64_t>(end[j] - begin[j] - rel, 0, cp); };
+      auto xpart = [&](int j) { return xs + (begin[j] + rel) * es; };
       const int64_t set = (chunks_done + k) & 1;
       // slice j of rank r's slot in this chunk's buffer set
       auto sub = [&](int r, int j) { return seg + data_off + (set * p + r) * slot_bytes + j * cp * es; };
@@ -442,9 +444,9 @@ PYBIND11_MODULE(_cpu_runtime, m) {
         "dst[i] = dst[i] (op) src[i] for i < n on this thread; dtype a pk::DType code (float32/64, int32/64, "
         "uint8); op 0 sum, 1 prod, 2 max, 3 min (NaN propagates; integers wrap)");
   m.def("shm_collective", &shm_collective, py::arg("base"), py::arg("data_off"), py::arg("slot_bytes"), py::arg("p"),
-        py::arg("rank"), py::arg("x"), py::arg("offsets"), py::arg("dtype"), py::arg("op"), py::arg("sig"),
+        py::arg("rank"), py::arg("x"), py::arg("begin"), py::arg("end"), py::arg("dtype"), py::arg("op"), py::arg("sig"),
         py::arg("kind"), py::arg("barriers_done"), py::arg("chunks_done"), py::arg("timeout_s"), py::arg("watch_pids"),
-        "All-reduce (kind 0), reduce-scatter (1) or all-gather (2) of x, split into parts [offsets[j], "
-        "offsets[j+1]), among p processes through the shared segment at base (see collectives/_shm.py); "
+        "All-reduce (kind 0), reduce-scatter (1) or all-gather (2) of x, split into parts [begin[j], "
+        "end[j]) (rank j's), among p processes through the shared segment at base (see collectives/_shm.py); "
         "returns (status, barriers passed, chunks used)");
 }
