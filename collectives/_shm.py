@@ -1,5 +1,5 @@
 """Shared-memory all-reduce among the ranks of one host (collectives.all_reduce, algorithm
-"shared_memory"; the data path is pykernels._cpu_runtime.shm_all_reduce, csrc/runtime/runtime_cpu.cpp).
+"shared_memory"; the data path is pykernels._cpu_runtime.shm_collective, csrc/runtime/runtime_cpu.cpp).
 
 Ranks on one host that exchange vectors through gloo talk TCP over loopback: each byte is copied into
 the kernel and out again, with a syscall per message and gloo's I/O threads competing for the cores.
@@ -41,8 +41,9 @@ except Exception:  # noqa: BLE001 - not built: no shared-memory transport
 OPNAME = "collectives.all_reduce"
 # Both buffer sets of every rank; a slot is min(4 MiB, this / (2 p)): 2 MiB on 4 ranks, so a 64 MiB
 # all-reduce is 32 chunks (~60 us of barriers each on 4 ranks / 2 cores, against ~1 ms of copying).
-# A segment lives as long as its process group's process; a container's default 64 MiB /dev/shm
-# holds four (a fifth group finds no room and keeps the point-to-point algorithms).
+# A segment (this + an 8 KiB header) lives as long as its process group's processes; a container's
+# default 64 MiB /dev/shm holds three (a fourth group finds no room and keeps the point-to-point
+# algorithms).
 SEGMENT_BYTES = 16 << 20
 MAX_SLOT_BYTES = 4 << 20
 MIN_SLOT_BYTES = 64 << 10
@@ -71,6 +72,7 @@ class Transport:
         self.base = self.view.data_ptr()
         self.p, self.rank, self.slot_bytes, self.timeout_s = p, rank, slot_bytes, timeout_s
         self.watch_pids = watch_pids
+        self.pid = os.getpid()  # a forked child inherits the mapping, but is not a rank of the group
         self.barriers = 0  # barriers passed since the segment was made: the same count on every rank
         self.chunks = 0    # chunks done: picks the buffer set of the next one
         self.failed: Optional[str] = None
@@ -93,6 +95,10 @@ class Transport:
         self._call(_ALL_GATHER, x, parts, "sum", dtype, signature + "|ag", f"part {parts[0][self.rank]}..")
 
     def _call(self, kind: int, x: torch.Tensor, parts, op: str, dtype, signature: str, what: str) -> None:
+        if os.getpid() != self.pid:
+            raise RuntimeError(f"{OPNAME}: this process was forked from a rank after the group's shared-memory "
+                               f"segment was made; it is not a rank of the group and cannot reduce through it "
+                               f"(its calls would count as the parent's)")
         if self.failed:
             raise RuntimeError(f"{OPNAME}: the group's shared-memory transport is unusable after an earlier "
                                f"failure ({self.failed}); make a new process group")
@@ -212,8 +218,8 @@ def _setup(group, p: int, rank: int) -> Optional[Transport]:
             else:
                 mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
                 ok = mm[:16] == token
-                if ok:  # this rank's pid, for the others' liveness check while they wait on it
-                    mm[_PID_OFF + 128 * rank:_PID_OFF + 128 * rank + 8] = struct.pack("<q", os.getpid())
+                if ok:  # this rank's pid and pid namespace, for the others' liveness check
+                    mm[_PID_OFF + 128 * rank:_PID_OFF + 128 * rank + 16] = struct.pack("<qq", os.getpid(), _pid_ns())
     except Exception:  # noqa: BLE001 - any failure on any rank: every rank keeps the other algorithms
         ok = False
     finally:
@@ -221,10 +227,12 @@ def _setup(group, p: int, rank: int) -> Optional[Transport]:
             os.close(fd)  # the mapping stays
     ok = _agree(group, ok)  # every rank has mapped it and written its pid (or failed): the name may go
     if ok:
-        # the peers' processes are visible here (one pid namespace) and alive: then a peer that exits
-        # while the others wait on it fails them at once instead of after the group's timeout
-        pids = [struct.unpack("<q", mm[_PID_OFF + 128 * j:_PID_OFF + 128 * j + 8])[0] for j in range(p)]
-        watch = all(j == rank or _visible(pid) for j, pid in enumerate(pids))
+        # every rank in this pid namespace (a pid names the same process for all: containers sharing
+        # /dev/shm and the host name may still have their own namespaces, where a peer's pid number
+        # names some other process here) and alive: then a peer that exits while the others wait on it
+        # fails them at once instead of after the group's timeout
+        ids = [struct.unpack("<qq", mm[_PID_OFF + 128 * j:_PID_OFF + 128 * j + 16]) for j in range(p)]
+        watch = all(ns == _pid_ns() != 0 and (j == rank or _visible(pid)) for j, (pid, ns) in enumerate(ids))
     if rank == 0 and path:
         try:
             os.unlink(path)
@@ -238,6 +246,13 @@ def _setup(group, p: int, rank: int) -> Optional[Transport]:
 
 
 _PID_OFF = 128 + 8  # rank r's pid at _PID_OFF + 128 r (after a signature; csrc/runtime/runtime_cpu.cpp)
+
+
+def _pid_ns() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _visible(pid: int) -> bool:

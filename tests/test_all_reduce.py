@@ -1228,6 +1228,33 @@ def chk_shm_interrupted_wait():
     return took
 
 
+def chk_shm_forked_child_refused():
+    """A child forked from a rank after its group's segment was made inherits the mapping but is not a
+    rank: its call is refused with an error (review finding: it counted as the parent, corrupting the
+    peers' results without an error), and the group still works for the ranks."""
+    from collectives import _shm
+
+    world = dist.get_world_size()
+    x = torch.ones(64)
+    collectives.all_reduce(x, algorithm="shared_memory")
+    tr = _shm.transport_if_ready(dist.group.WORLD)
+    child = os.fork()
+    if child == 0:
+        code = 3
+        try:
+            tr.all_reduce(torch.ones(64), 64, "sum", torch.float32, "64|torch.float32|sum")
+        except RuntimeError as exc:
+            code = 0 if "forked from a rank" in str(exc) else 2
+        except BaseException:  # noqa: BLE001
+            code = 4
+        os._exit(code)
+    _, status = os.waitpid(child, 0)
+    y = torch.ones(64)
+    collectives.all_reduce(y, algorithm="shared_memory")
+    assert torch.all(y == world)
+    return os.waitstatus_to_exitcode(status)
+
+
 def test_world_4_shared_memory(clusters):
     c = clusters(4)
     # 2 MiB slots on 4 ranks: 600_000 fp32 (2.4 MB) is two chunks, 1_100_003 float64 five
@@ -1241,6 +1268,7 @@ def test_world_4_shared_memory(clusters):
     c.run("chk_shm_unavailable")
     for outcomes in c.run("chk_shm_swapped_calls", 6, timeout=90):
         assert outcomes == ["disagree"] * 12, outcomes
+    assert c.run("chk_shm_forked_child_refused") == [0] * 4
     assert c.run("chk_shm_interrupted_wait", timeout=60)[0] < 5
     res = c.run("chk_shm_dead_peer", timeout=60)
     assert max(t for t, _ in res) < 10 and any(seen for _, seen in res), res

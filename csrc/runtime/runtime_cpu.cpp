@@ -219,7 +219,8 @@ void reduce_into(uintptr_t dst, uintptr_t src, int64_t n, int dtype_code, int op
 //                        that disagree all fail there. Kept per set like the data: a rank writes set
 //                        s's line only after every rank has read it (the argument below), so a rank
 //                        that runs ahead into its next call cannot overwrite a line still being read
-//   [128 + 128 r + 8, +8) rank r's process id (written by collectives/_shm.py), for the liveness check
+//   [128 + 128 r + 8, +16) rank r's process id and pid namespace (written by collectives/_shm.py), for
+//                        the liveness check (only where every rank shares one pid namespace)
 //   data_off + (set * p + r) * slot_bytes: rank r's slot in buffer set `set`
 constexpr int64_t kShmCounterOff = 64, kShmPoisonOff = 72, kShmSigOff = 128;
 enum ShmStatus { kShmOk = 0, kShmMismatch = 1, kShmTimeout = 2, kShmPeerDied = 3, kShmPoisoned = 4,
