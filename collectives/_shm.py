@@ -41,9 +41,9 @@ except Exception:  # noqa: BLE001 - not built: no shared-memory transport
 OPNAME = "collectives.all_reduce"
 # Both buffer sets of every rank; a slot is min(4 MiB, this / (2 p)): 2 MiB on 4 ranks, so a 64 MiB
 # all-reduce is 32 chunks (~60 us of barriers each on 4 ranks / 2 cores, against ~1 ms of copying).
-# A segment (this + an 8 KiB header) lives as long as its process group's processes; a container's
-# default 64 MiB /dev/shm holds three (a fourth group finds no room and keeps the point-to-point
-# algorithms).
+# A segment (this + an 8 KiB header) lives until its process group is destroyed (unmapped when the
+# next group sets one up) or its processes exit; a container's default 64 MiB /dev/shm holds three
+# live ones (a fourth group finds no room and keeps the point-to-point algorithms).
 SEGMENT_BYTES = 16 << 20
 MAX_SLOT_BYTES = 4 << 20
 MIN_SLOT_BYTES = 64 << 10
@@ -68,14 +68,23 @@ class Transport:
 
     def __init__(self, mm: mmap.mmap, p: int, rank: int, slot_bytes: int, timeout_s: float, watch_pids: bool):
         self.mm = mm
-        self.view = torch.frombuffer(mm, dtype=torch.uint8)  # keeps the mapping's address for C++
-        self.base = self.view.data_ptr()
+        view = torch.frombuffer(mm, dtype=torch.uint8)
+        self.base = view.data_ptr()  # the mapping's address (an mmap never moves; the view is let go so
+        del view                     # that close() may unmap it)
         self.p, self.rank, self.slot_bytes, self.timeout_s = p, rank, slot_bytes, timeout_s
         self.watch_pids = watch_pids
         self.pid = os.getpid()  # a forked child inherits the mapping, but is not a rank of the group
         self.barriers = 0  # barriers passed since the segment was made: the same count on every rank
         self.chunks = 0    # chunks done: picks the buffer set of the next one
         self.failed: Optional[str] = None
+
+    def close(self, why: str) -> None:
+        """Unmaps the segment (its process group was destroyed); later calls raise instead of touching it."""
+        self.failed = why
+        try:
+            self.mm.close()
+        except (BufferError, ValueError):  # still exported somewhere: leave it mapped
+            pass
 
     def all_reduce(self, x: torch.Tensor, n: int, op: str, dtype, signature: str) -> None:
         """x[:n] (contiguous, CPU, a dtype of DTYPES) reduced in place across the group."""
@@ -164,6 +173,7 @@ def transport(group) -> Optional[Transport]:
     with _LOCK:
         if group in _TRANSPORTS:
             return _TRANSPORTS[group]
+    _release_destroyed()
     p = dist.get_world_size(group)
     rank = dist.get_rank(group)
     result = None
@@ -174,6 +184,21 @@ def transport(group) -> Optional[Transport]:
     with _LOCK:
         _TRANSPORTS[group] = result
     return result
+
+
+def _release_destroyed() -> None:
+    """Unmaps the segments of process groups destroyed since (dist.destroy_process_group): a process
+    that forms groups again and again would otherwise keep every segment's pages in /dev/shm."""
+    try:
+        live = dist.distributed_c10d._world.pg_map  # private: if it moves, segments live as long as the process
+    except Exception:  # noqa: BLE001
+        return
+    with _LOCK:
+        gone = [g for g in _TRANSPORTS if g not in live]
+        closing = [_TRANSPORTS.pop(g) for g in gone]
+    for tr in closing:
+        if tr is not None:
+            tr.close("its process group was destroyed")
 
 
 def _agree(group, ok: bool) -> bool:

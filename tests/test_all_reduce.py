@@ -1255,6 +1255,25 @@ def chk_shm_forked_child_refused():
     return os.waitstatus_to_exitcode(status)
 
 
+def chk_shm_destroyed_group_released():
+    """A destroyed group's segment is unmapped when the next group sets one up (a process re-forming
+    groups kept every segment's 16 MiB in /dev/shm)."""
+    from collectives import _shm
+
+    world = dist.get_world_size()
+    g = dist.new_group(list(range(world)))
+    x = torch.ones(10)
+    collectives.all_reduce(x, group=g, algorithm="shared_memory")
+    old = _shm.transport_if_ready(g)
+    dist.destroy_process_group(g)
+    h = dist.new_group(list(range(world)))
+    collectives.all_reduce(x, group=h, algorithm="shared_memory")
+    assert torch.all(x == world * world)
+    with pytest.raises(RuntimeError, match="unusable after an earlier failure .*destroyed"):
+        old.all_reduce(x, 10, "sum", torch.float32, "10|torch.float32|sum")
+    return old.mm.closed
+
+
 def test_world_4_shared_memory(clusters):
     c = clusters(4)
     # 2 MiB slots on 4 ranks: 600_000 fp32 (2.4 MB) is two chunks, 1_100_003 float64 five
@@ -1269,6 +1288,7 @@ def test_world_4_shared_memory(clusters):
     for outcomes in c.run("chk_shm_swapped_calls", 6, timeout=90):
         assert outcomes == ["disagree"] * 12, outcomes
     assert c.run("chk_shm_forked_child_refused") == [0] * 4
+    assert c.run("chk_shm_destroyed_group_released") == [True] * 4
     assert c.run("chk_shm_interrupted_wait", timeout=60)[0] < 5
     res = c.run("chk_shm_dead_peer", timeout=60)
     assert max(t for t, _ in res) < 10 and any(seen for _, seen in res), res
