@@ -49,8 +49,10 @@ MAX_SLOT_BYTES = 4 << 20
 MIN_SLOT_BYTES = 64 << 10
 _DATA_OFF = 8192  # the header: token, barrier counter, poison, two lines per rank (signatures, pid)
 MAX_RANKS = (_DATA_OFF - 128) // 128
+# What pykernels._cpu_runtime's reductions (reduce_into, shm_collective) take: dtypes, and op codes
+# (avg sums; the caller divides)
 DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8)
-_OP_CODES = {"sum": 0, "avg": 0, "prod": 1, "max": 2, "min": 3}
+OP_CODES = {"sum": 0, "avg": 0, "prod": 1, "max": 2, "min": 3}
 _ALL_REDUCE, _REDUCE_SCATTER, _ALL_GATHER = 0, 1, 2  # kinds (csrc/runtime/runtime_cpu.cpp, ShmKind)
 
 _LOCK = threading.Lock()
@@ -115,7 +117,7 @@ class Transport:
         try:
             status, barriers, chunks = _shm_collective(self.base, _DATA_OFF, self.slot_bytes, self.p, self.rank,
                                                        x.data_ptr(), parts[0], parts[1], _dtype_code(x.dtype),
-                                                       _OP_CODES[op], sig,
+                                                       OP_CODES[op], sig,
                                                        kind, self.barriers, self.chunks, self.timeout_s,
                                                        self.watch_pids)
         except BaseException:  # Ctrl-C while waiting (the segment is poisoned for the other ranks)

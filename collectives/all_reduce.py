@@ -51,8 +51,8 @@ _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp
 # starve gloo's I/O threads on a small machine (measured: 5x slower all-reduce on 4 ranks / 2 cores);
 # the slices cost ~8 us of call overhead each (a 1 MiB piece: 1.6x one pass), which the native loop saves.
 _GRAIN = 32768
-_OP_CODES = {"sum": 0, "avg": 0, "prod": 1, "max": 2, "min": 3}
-_NATIVE_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8)
+_OP_CODES = _shm.OP_CODES          # the native reductions' op codes and dtypes (one definition)
+_NATIVE_DTYPES = _shm.DTYPES
 try:
     from pykernels._cpu_runtime import reduce_into as _native_reduce_into
     from pykernels._native import dtype_code as _dtype_code
@@ -234,8 +234,9 @@ def _fold_cost(p, nbytes, a, b, g):
     return 0.0 if p & (p - 1) == 0 else 2 * (a + nbytes * b) + nbytes * g
 
 
-def _flat_cost(name, p, nbytes, a, b, g, native=None):
-    """Seconds predicted for a flat all-reduce of nbytes over p members (ALGORITHMS.md)."""
+def _flat_cost(name, p, nbytes, a, b, g, own=None):
+    """Seconds predicted for a flat all-reduce of nbytes over p members (ALGORITHMS.md). own: the
+    (alpha, beta) that "native" and "shared_memory" are priced by instead of the links' a and b."""
     if p <= 1:
         return 0.0
     q = 1 << _lg(p)
@@ -247,10 +248,10 @@ def _flat_cost(name, p, nbytes, a, b, g, native=None):
     if name == "ring":
         return 2 * (p - 1) * a + 2 * (p - 1) / p * nbytes * b + (p - 1) / p * nbytes * g
     if name == "native":
-        na, nb = native
+        na, nb = own
         return na + nbytes * nb
     if name == "shared_memory":
-        sa, sb = native  # the transport's own (alpha per chunk, beta per byte)
+        sa, sb = own  # alpha per chunk, beta per byte of the vector
         return 2 * sa * max(1, -(-int(nbytes) // _shm.slot_bytes_for(p))) + nbytes * sb
     raise KeyError(name)
 
