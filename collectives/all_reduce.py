@@ -251,9 +251,15 @@ def _flat_cost(name, p, nbytes, a, b, g, own=None):
         na, nb = own
         return na + nbytes * nb
     if name == "shared_memory":
-        sa, sb = own  # alpha per chunk, beta per byte of the vector
-        return 2 * sa * max(1, -(-int(nbytes) // _shm.slot_bytes_for(p))) + nbytes * sb
+        return _shm_cost(p, nbytes, own)
     raise KeyError(name)
+
+
+def _shm_cost(p, nbytes, ab):
+    """The shared segment (whole all-reduce, or one level's reduce-scatter + all-gather): two
+    barriers per chunk (alpha each) and beta per byte of the vector."""
+    sa, sb = ab
+    return 2 * sa * max(1, -(-int(nbytes) // _shm.slot_bytes_for(p))) + nbytes * sb
 
 
 def _rs_cost(how, s, nbytes, a, b, g, shm=None):
@@ -262,8 +268,7 @@ def _rs_cost(how, s, nbytes, a, b, g, shm=None):
     if s <= 1:
         return 0.0
     if how == "shm":
-        sa, sb = shm
-        return 2 * sa * max(1, -(-int(nbytes) // _shm.slot_bytes_for(s))) + nbytes * sb
+        return _shm_cost(s, nbytes, shm)
     frac = (s - 1) / s * nbytes
     rounds = {"direct": 1, "ring": s - 1, "halving": _lg(s)}[how]
     return 2 * rounds * a + 2 * frac * b + frac * g
@@ -423,9 +428,7 @@ def _load_params(group, topo: Topology) -> Params:
             raise ValueError(f"{OPNAME}: the ranks disagree on the topology: rank 0 of the group has level sizes "
                              f"{sizes0}, this rank {list(topo.sizes)}; every rank must pass the same")
     params = Params.from_json(text)
-    # (the levels get sub-groups of their own, which the segments need, only in the whole world:
-    # Topology.comms)
-    params.inner_shm = backend == "gloo" and dist.get_world_size(group) == dist.get_world_size()
+    params.inner_shm = _inner_shm_possible(group)
     with _STATE_LOCK:
         _PARAMS[key] = params
     return params
@@ -562,9 +565,17 @@ def _resolve(algorithm: str, group, topo: Topology, nbytes: int) -> dict:
 
 def _has_shm(group, topo: Topology) -> bool:
     """auto may use the shared-memory transport: one node (a topology of one level, as detected for
-    ranks on one host) and every rank on one host with /dev/shm shared (checked by _shm.transport:
-    a collective on the first call per group, after _load_params has checked the topology)."""
-    return topo.num_levels == 1 and _backend_name(group) == "gloo" and _shm.transport(group) is not None
+    ranks on one host) and every rank on one host with /dev/shm shared (checked by _shm.transport,
+    None for other backends: a collective on the first call per group, after _load_params has
+    checked the topology; a dict lookup after that, on every call)."""
+    return topo.num_levels == 1 and _shm.transport(group) is not None
+
+
+def _inner_shm_possible(group) -> bool:
+    """The hierarchical algorithm may run its innermost level through shared memory: gloo, and the
+    whole world (only there do the levels get sub-groups of their own, which segments need:
+    Topology.comms)."""
+    return _backend_name(group) == "gloo" and dist.get_world_size(group) == dist.get_world_size()
 
 
 def _resolve_with(params: Params, algorithm: str, p: int, topo: Topology, nbytes: int, native_outer: bool,
@@ -771,6 +782,11 @@ class _Runner:
         with self.lock:
             return self.pending > 0
 
+    def drain(self) -> None:
+        """Returns once every call submitted so far has run."""
+        if self.busy():
+            self.submit(lambda: None).wait()
+
 
 _RUNNERS: dict = {}
 
@@ -834,8 +850,8 @@ def _all_reduce(tensor, op, group, topology, algorithm, async_op, agreed: bool):
     if _uses_group_collectives(choice):
         # gloo's own all-reduce matches collectives by issue order: run it here, after the async calls
         # still in flight (our point-to-point algorithms), so every rank issues it at the same point
-        if runner is not None and runner.busy():
-            runner.submit(lambda: None).wait()
+        if runner is not None:
+            runner.drain()
         job()
         if async_op:
             done = torch.futures.Future()
@@ -997,10 +1013,10 @@ def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool 
     if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
         raise ValueError(f"collectives.all_reduce.tune: expected 'reps' to be an int >= 1, got {reps!r}")
     runner = _RUNNERS.get(group)
-    if runner is not None and runner.busy():
+    if runner is not None:
         # the group's async calls still queued finish first: tune's calls run on this thread, and two
         # threads must never drive one group's shared segment (or interleave its messages) at once
-        runner.submit(lambda: None).wait()
+        runner.drain()
     p = dist.get_world_size(group)
     topo = _topology_for(group, topology)
     backend = _backend_name(group)
@@ -1088,7 +1104,7 @@ def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool 
     nb_beta = max((n_big - n_small) / (big - (4 << 10)), 1e-13)
     native = (max(n_small - (4 << 10) * nb_beta, 1e-7), nb_beta)
     params = Params(lv, flat, native, gamma, source=f"tuned {time.strftime('%Y-%m-%d %H:%M')}", level_native=lnat)
-    params.inner_shm = backend == "gloo" and p == dist.get_world_size()
+    params.inner_shm = _inner_shm_possible(group)
     if params.inner_shm and len(levels) > 1:
         _node_shm(levels)
 

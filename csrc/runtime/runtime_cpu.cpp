@@ -176,6 +176,14 @@ PK_TARGET_AVX2 bool reduce_avx2(void* d, const void* s, int64_t n, pk::DType dty
 }
 #endif
 
+// This CPU's best tier; false for a dtype it does not handle.
+bool reduce_any(void* d, const void* s, int64_t n, pk::DType dtype, int op) {
+#if PK_X86
+  if (pk::cpu_has_avx2()) return reduce_avx2(d, s, n, dtype, op);
+#endif
+  return reduce_portable(d, s, n, dtype, op);
+}
+
 void reduce_into(uintptr_t dst, uintptr_t src, int64_t n, int dtype_code, int op) {
   if (n < 0) throw std::invalid_argument("reduce_into: n must be >= 0");
   if (op < kSum || op > kMin) throw std::invalid_argument("reduce_into: op must be 0 (sum), 1 (prod), 2 (max) or 3 (min)");
@@ -183,13 +191,7 @@ void reduce_into(uintptr_t dst, uintptr_t src, int64_t n, int dtype_code, int op
   bool ok;
   {
     py::gil_scoped_release release;
-    void* d = reinterpret_cast<void*>(dst);
-    const void* s = reinterpret_cast<const void*>(src);
-#if PK_X86
-    ok = pk::cpu_has_avx2() ? reduce_avx2(d, s, n, dtype, op) : reduce_portable(d, s, n, dtype, op);
-#else
-    ok = reduce_portable(d, s, n, dtype, op);
-#endif
+    ok = reduce_any(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n, dtype, op);
   }
   if (!ok) throw std::invalid_argument("reduce_into: unsupported dtype code " + std::to_string(dtype_code));
 }
@@ -313,13 +315,6 @@ int shm_barrier(const ShmWaitCtx& c, uint32_t target) {
     return kShmOk;
   }
   return shm_wait(c, target);
-}
-
-void reduce_any(void* d, const void* s, int64_t n, pk::DType dtype, int op) {
-#if PK_X86
-  if (pk::cpu_has_avx2()) { reduce_avx2(d, s, n, dtype, op); return; }
-#endif
-  reduce_portable(d, s, n, dtype, op);
 }
 
 // What one call does (kind): the whole all-reduce; or, for the innermost level of the hierarchical
