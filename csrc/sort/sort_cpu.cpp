@@ -291,6 +291,7 @@ void scatter_plain(const Coder<U, E>& cd, const PassCtx& pc, const void* src_key
     const int ns = pc.nslices;
     const int64_t* bd = pc.bounds;
     for (int64_t i = b; i < e; ++i) {
+      pk::prefetch_stream(sk, i);
       const U k = FIRST ? cd.enc(sk[i]) : sk[i];
       const uint32_t d = (uint32_t)(k >> shift) & mask;
       const int64_t p = pos[d]++;
@@ -355,6 +356,7 @@ void scatter_slice(const Coder<U, E>& cd_ref, const PassCtx& pc, const void* src
   };
 
   for (int64_t i = b; i < e; ++i) {
+    pk::prefetch_stream(sk, i);
     U k = FIRST ? cd.enc(sk[i]) : sk[i];
     const uint32_t d = (uint32_t)(k >> shift) & mask;
     const int64_t p = pos[d]++;
@@ -437,6 +439,7 @@ struct Engine {
         constexpr int NP = decltype(np_tag)::value;  // 0: the pass count at run time
         const int passes_n = NP > 0 ? NP : np;
         for (int64_t i = b; i < e; ++i) {
+          pk::prefetch_stream(in, i);
           U x = in[i];
           if constexpr (E == Enc::Float) ls |= cd.lossy(x);
           U k = cd.enc(x);
@@ -682,6 +685,7 @@ static int bucket_lsd_n(Rec* src, Rec* __restrict tmp, int64_t m, uint32_t* __re
   }
   std::memset(hist, 0, sizeof(uint32_t) * off[NP]);
   for (int64_t i = 0; i < m; ++i) {
+    pk::prefetch_stream(src, i);  // the bucket's first read comes from DRAM
     const uint32_t k = (uint32_t)(src[i] >> KSHIFT);
     ++hist[k & mk[0]];
     if constexpr (NP > 1) ++hist[off[1] + ((k >> sh[1]) & mk[1])];
@@ -814,7 +818,10 @@ static int bucket_wide(Rec* src, Rec* __restrict tmp, int64_t m, int lb, uint32_
   uint32_t* starts = hist + (1 << WIDE_SUB_BITS);     // R2 + 1 part starts
   uint32_t* inner = starts + (1 << WIDE_SUB_BITS) + 64;  // the LSD fallback's counters
   std::memset(pos, 0, sizeof(uint32_t) * R2);
-  for (int64_t i = 0; i < m; ++i) ++pos[(v_of(src[i]) >> sh) & mask];
+  for (int64_t i = 0; i < m; ++i) {
+    pk::prefetch_stream(src, i);  // the bucket's first read comes from DRAM
+    ++pos[(v_of(src[i]) >> sh) & mask];
+  }
   uint32_t run = 0;
   for (uint32_t d = 0; d < R2; ++d) {
     const uint32_t c = pos[d];
@@ -899,6 +906,7 @@ static void split_scatter(int T, int64_t n, std::vector<int64_t>& pos, Rec* rec,
     const Coder<U, E> c = cd;
     if (!stream) {
       for (int64_t i = b; i < e; ++i) {
+        pk::prefetch_stream(src, i);
         const auto v = vbits(c.enc(src[i]));
         r[p[digit(v)]++] = make(v, i);
       }
@@ -910,6 +918,7 @@ static void split_scatter(int T, int64_t n, std::vector<int64_t>& pos, Rec* rec,
     std::memcpy(first, p, sizeof(first));
     Line* __restrict buf = lines.get();
     for (int64_t i = b; i < e; ++i) {
+      pk::prefetch_stream(src, i);
       const auto v = vbits(c.enc(src[i]));
       const uint32_t d = digit(v);
       const int64_t q = p[d]++;
@@ -1038,7 +1047,10 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
     const int64_t b = n * t / T, e = n * (t + 1) / T;
     uint32_t h[RB] = {0};  // on the stack: see split_scatter
     const Coder<U, E> c = cd;
-    for (int64_t i = b; i < e; ++i) ++h[digit(c.enc(in[i]))];
+    for (int64_t i = b; i < e; ++i) {
+      pk::prefetch_stream(in, i);
+      ++h[digit(c.enc(in[i]))];
+    }
     std::memcpy(hist.data() + (size_t)t * RB, h, sizeof(h));
   });
   std::vector<int64_t> start(RB + 1), pos((size_t)T * RB);
@@ -1161,6 +1173,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
         U ka = U(~U(0)), ko = 0;
         bool ls = false;
         for (int64_t i = b; i < e; ++i) {
+          pk::prefetch_stream(in, i);
           const U x = in[i];
           if constexpr (E == Enc::Float) ls |= c.lossy(x);
           const U k = c.enc(x);
@@ -1225,7 +1238,10 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
         const int64_t b = n * t / T, e = n * (t + 1) / T;
         uint32_t h[RB] = {0};  // on the stack: see split_scatter
         const Coder<U, E> c = cd;
-        for (int64_t i = b; i < e; ++i) ++h[((uint32_t)(c.enc(in[i]) - base_key) >> lbd) & (RB - 1)];
+        for (int64_t i = b; i < e; ++i) {
+          pk::prefetch_stream(in, i);
+          ++h[((uint32_t)(c.enc(in[i]) - base_key) >> lbd) & (RB - 1)];
+        }
         std::memcpy(hist.data() + (size_t)t * RB, h, sizeof(h));
       });
       biggest = offsets();
