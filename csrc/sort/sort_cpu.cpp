@@ -647,19 +647,35 @@ static int scan_passes(uint32_t* hist, const int* off, const M* mk, int P, int64
 
 // The live passes (see scan_passes) as stable scatters between src and tmp, in cache; value(x) is the
 // record's sort value, pass j's digit its bits [sh[j], sh[j] + width) under mask mk[j]. Returns where
-// the sorted records ended up.
-template <class Rec, class M, class Value>
+// the sorted records ended up. BYTES: every pass starts at a whole byte of value (shifts 0, 8, 16 or
+// 24), and each pass runs with its shift as a constant: x86-64's shift by a register (`shr %cl`) is 2-3
+// uops against 1 for an immediate, on the few uops per record of an in-cache scatter (4M int32 keys +
+// indices: 22.0 -> 19.7 ms on 2 threads, same process).
+template <bool BYTES, class Rec, class M, class Value>
 static const Rec* run_live_passes(Rec* __restrict src, Rec* __restrict tmp, int64_t m, uint32_t* __restrict hist,
                                   const int* off, const int* sh, const M* mk, const int* live, int nl, Value value) {
   Rec* s = src;
   Rec* d = tmp;
   for (int q = 0; q < nl; ++q) {
-    uint32_t* h = hist + off[live[q]];
+    uint32_t* __restrict h = hist + off[live[q]];
     const int shq = sh[live[q]];
     const M mask = mk[live[q]];
-    for (int64_t i = 0; i < m; ++i) {
-      const Rec x = s[i];
-      d[h[(value(x) >> shq) & mask]++] = x;
+    auto pass = [&](auto shift_tag) __attribute__((always_inline)) {
+      constexpr int SC = decltype(shift_tag)::value;  // -1: the shift at run time
+      for (int64_t i = 0; i < m; ++i) {
+        const Rec x = s[i];
+        d[h[(value(x) >> (SC >= 0 ? SC : shq)) & mask]++] = x;
+      }
+    };
+    if constexpr (BYTES) {
+      switch (shq) {
+        case 0: pass(std::integral_constant<int, 0>()); break;
+        case 8: pass(std::integral_constant<int, 8>()); break;
+        case 16: pass(std::integral_constant<int, 16>()); break;
+        default: pass(std::integral_constant<int, 24>()); break;
+      }
+    } else {
+      pass(std::integral_constant<int, -1>());
     }
     std::swap(s, d);
   }
@@ -673,7 +689,9 @@ static const Rec* run_live_passes(Rec* __restrict src, Rec* __restrict tmp, int6
 // Returns the passes that ran.
 // src is not __restrict: out() may write the caller's outputs over the records it reads (msd_hybrid_sort
 // keeps its records in an output array of their size).
-template <int NP, class Rec, int KSHIFT, class Out>
+// BYTES: every pass but the last is 8 bits wide (random 32-bit keys below the split's byte: 8, 8, 8),
+// so the shifts are constants in the counting loop and the scatters (see run_live_passes).
+template <int NP, bool BYTES, class Rec, int KSHIFT, class Out>
 static int bucket_lsd_n(Rec* src, Rec* __restrict tmp, int64_t m, uint32_t* __restrict hist,
                         const int* wid, Out&& out) {
   int sh[3] = {0, 0, 0}, off[4] = {0, 0, 0, 0};
@@ -688,8 +706,8 @@ static int bucket_lsd_n(Rec* src, Rec* __restrict tmp, int64_t m, uint32_t* __re
     pk::prefetch_stream(src, i);  // the bucket's first read comes from DRAM
     const uint32_t k = (uint32_t)(src[i] >> KSHIFT);
     ++hist[k & mk[0]];
-    if constexpr (NP > 1) ++hist[off[1] + ((k >> sh[1]) & mk[1])];
-    if constexpr (NP > 2) ++hist[off[2] + ((k >> sh[2]) & mk[2])];
+    if constexpr (NP > 1) ++hist[off[1] + ((k >> (BYTES ? 8 : sh[1])) & mk[1])];
+    if constexpr (NP > 2) ++hist[off[2] + ((k >> (BYTES ? 16 : sh[2])) & mk[2])];
   }
   int live[NP];
   const int nl = scan_passes(hist, off, mk, NP, m, live);
@@ -697,8 +715,8 @@ static int bucket_lsd_n(Rec* src, Rec* __restrict tmp, int64_t m, uint32_t* __re
     for (int64_t i = 0; i < m; ++i) out(i, src[i]);
     return 0;
   }
-  const Rec* s = run_live_passes(src, tmp, m, hist, off, sh, mk, live, nl,
-                                  [](Rec x) { return (uint32_t)(x >> KSHIFT); });
+  const Rec* s = run_live_passes<BYTES>(src, tmp, m, hist, off, sh, mk, live, nl,
+                                         [](Rec x) { return (uint32_t)(x >> KSHIFT); });
   // the outputs are written in order (a last scatter straight into them measured ~20% slower)
   for (int64_t i = 0; i < m; ++i) out(i, s[i]);
   return nl;
@@ -725,9 +743,13 @@ static int bucket_lsd(Rec* src, Rec* tmp, int64_t m, int lb, uint32_t* hist, Out
     case 0:
       for (int64_t i = 0; i < m; ++i) out(i, src[i]);
       return 0;
-    case 1: return bucket_lsd_n<1, Rec, KSHIFT>(src, tmp, m, hist, wid, out);
-    case 2: return bucket_lsd_n<2, Rec, KSHIFT>(src, tmp, m, hist, wid, out);
-    default: return bucket_lsd_n<3, Rec, KSHIFT>(src, tmp, m, hist, wid, out);
+    case 1: return bucket_lsd_n<1, false, Rec, KSHIFT>(src, tmp, m, hist, wid, out);
+    case 2:
+      if (wid[0] == 8) return bucket_lsd_n<2, true, Rec, KSHIFT>(src, tmp, m, hist, wid, out);
+      return bucket_lsd_n<2, false, Rec, KSHIFT>(src, tmp, m, hist, wid, out);
+    default:
+      if (wid[0] == 8 && wid[1] == 8) return bucket_lsd_n<3, true, Rec, KSHIFT>(src, tmp, m, hist, wid, out);
+      return bucket_lsd_n<3, false, Rec, KSHIFT>(src, tmp, m, hist, wid, out);
   }
 }
 
@@ -772,7 +794,7 @@ static int bucket_lsd_wide(Rec* src, Rec* __restrict tmp, int64_t m, int lb, uin
   }
   int live[WIDE_MAX_PASSES];
   const int nl = scan_passes(hist, off, mk, P, m, live);
-  const Rec* s = run_live_passes(src, tmp, m, hist, off, sh, mk, live, nl, [](const Rec& x) { return v_of(x); });
+  const Rec* s = run_live_passes<false>(src, tmp, m, hist, off, sh, mk, live, nl, [](const Rec& x) { return v_of(x); });
   for (int64_t i = 0; i < m; ++i) out(i, s[i]);
   return nl;
 }
