@@ -191,6 +191,48 @@ def _refuse_forward_ad(tensors):
                                   f"mode (backward, torch.func.grad / vjp / jacrev)")
 
 
+def functorch_autograd(op, setup_context, backward):
+    """The registered op `op` as the public entries call it outside `eager_direct`, made to work under
+    torch.func's reverse-mode transforms (grad, vjp, jacrev, and vmap over them).
+
+    torch 2.13's `register_autograd` wraps the formulas in an autograd.Function without a
+    `setup_context`, which torch.func refuses ("In order to use an autograd.Function with functorch
+    transforms ... it must override the setup_context staticmethod": pytorch/pytorch#168393, fix not
+    released). So while a functorch transform is active the call goes through an autograd.Function of
+    the same setup_context and backward; its forward is the op (whose batching under vmap is torch's
+    per-sample fallback), and its vmap rule is generated from those. Everywhere else: the op itself
+    (plain autograd, torch.compile, fake tensors). backward=None: an op with no derivative (a backward
+    kernel, called from another op's backward), which torch.func's first-order transforms still run."""
+
+    class _OpFunction(torch.autograd.Function):
+        generate_vmap_rule = True
+
+        @staticmethod
+        def forward(*args):
+            return op(*args)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            if setup_context is not None:
+                setup_context(ctx, inputs, output)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            if backward is None:
+                raise NotImplementedError(f"pykernels.{op.__name__.split('.')[-2]}: not differentiable "
+                                          f"(a derivative of a derivative kernel: double backward)")
+            return backward(ctx, *grads)
+
+    _OpFunction.__name__ = _OpFunction.__qualname__ = f"{op.__name__}_function"
+
+    def call(*args):
+        if torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():
+            return _OpFunction.apply(*args)
+        return op(*args)
+
+    return call
+
+
 def eager_direct(*tensors) -> bool:
     """True when a public call may run its implementation directly instead of through its registered
     torch.library op: the op's dispatch layers cost ~60-100 us a call (6x a 1K-element torch.sort).

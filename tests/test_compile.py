@@ -92,6 +92,54 @@ def test_forward_mode_ad_is_refused_not_silently_zero():
     torch.testing.assert_close(g, 2 * x)
 
 
+def test_reverse_mode_func_transforms_match_autograd():
+    """torch.func.grad / vjp / jacrev and vmap over grad (per-sample gradients) through sort,
+    flash_attention (its backward is a kernel of its own) and qmatmul. torch 2.13's register_autograd
+    wrapper is refused by torch.func (pytorch/pytorch#168393): every one of these raised "must override
+    the setup_context staticmethod" while the forward-mode error told users to use them."""
+    import torch.nn.functional as F
+
+    import pykernels
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 37, dtype=torch.float64, generator=g)
+    # sort: the gradient of a weighted sum of the sorted values goes back to where each value came from
+    w = torch.linspace(-1, 1, 37, dtype=torch.float64)
+    ours = torch.func.grad(lambda a: (pykernels.sort(a, dim=-1).values * w).sum())(x)
+    ref = torch.func.grad(lambda a: (torch.sort(a, dim=-1, stable=True).values * w).sum())(x)
+    torch.testing.assert_close(ours, ref)
+    jac = torch.func.jacrev(lambda a: pykernels.sort(a).values)(x[0])
+    torch.testing.assert_close(jac, torch.func.jacrev(lambda a: torch.sort(a, stable=True).values)(x[0]))
+    per_row = torch.func.vmap(torch.func.grad(lambda a: (pykernels.sort(a).values * w).sum()))(x)
+    torch.testing.assert_close(per_row, ref)
+
+    # flash attention (GQA, causal) against the math of SDPA in float64, gradients in q, k and v
+    q = torch.randn(1, 4, 9, 8, dtype=torch.float64, generator=g)
+    k = torch.randn(1, 2, 11, 8, dtype=torch.float64, generator=g)
+    v = torch.randn(1, 2, 11, 8, dtype=torch.float64, generator=g)
+    dout = torch.randn(1, 4, 9, 8, dtype=torch.float64, generator=g)
+
+    def reference(q, k, v):
+        kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+        mask = torch.ones(9, 11, dtype=torch.bool).tril(diagonal=11 - 9)  # bottom-right aligned
+        return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+
+    out, vjp = torch.func.vjp(lambda q, k, v: pykernels.flash_attention(q, k, v, causal=True), q, k, v)
+    ref_out, ref_vjp = torch.func.vjp(reference, q, k, v)
+    torch.testing.assert_close(out, ref_out)
+    for got, want in zip(vjp(dout), ref_vjp(dout)):
+        torch.testing.assert_close(got, want)
+    dq = torch.func.grad(lambda q: pykernels.flash_attention(q, k, v, causal=True).mul(dout).sum())(q)
+    torch.testing.assert_close(dq, ref_vjp(dout)[0])
+
+    # qmatmul: d/dx of x @ W.T with W the dequantized weight, per sample too
+    qw = pykernels.quantize(torch.randn(24, 64, generator=g), bits=4, group_size=32)
+    W = qw.dequantize().to(torch.float64)
+    xs = torch.randn(5, 64, generator=g)
+    gx = torch.func.vmap(torch.func.grad(lambda a: pykernels.qmatmul(a, qw).sum()))(xs)
+    torch.testing.assert_close(gx, W.sum(0).to(torch.float32).expand(5, 64), rtol=1e-5, atol=1e-5)
+
+
 def test_flash_attention_scale_argument_compiles_for_every_value():
     """A scale passed as an argument of a compiled function: the second value broke the fullgraph trace
     on math.isfinite (review finding); a bad value is still refused when the op runs."""

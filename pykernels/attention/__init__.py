@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from .. import _native, autotune
-from .._backend import dispatch, eager_direct
+from .._backend import dispatch, eager_direct, functorch_autograd
 from ..errors import check_same_device
 from . import _cpu
 
@@ -190,12 +190,15 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
-    dq, dk, dv = _flash_attention_backward_op(dout, dlse, q, k, v, out, lse, ctx.causal, ctx.scale,
-                                              ctx.backend)
+    dq, dk, dv = _flash_attention_backward_call(dout, dlse, q, k, v, out, lse, ctx.causal, ctx.scale,
+                                                ctx.backend)
     return dq, dk, dv, None, None, None
 
 
 _flash_attention_op.register_autograd(_backward, setup_context=_setup_context)
+_flash_attention_call = functorch_autograd(torch.ops.pykernels.flash_attention.default, _setup_context, _backward)
+_flash_attention_backward_call = functorch_autograd(torch.ops.pykernels.flash_attention_backward.default,
+                                                    None, None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -303,14 +306,14 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = N
 def forward_op(q, k, v, causal: bool, scale: float, backend: str):
     if eager_direct(q, k, v):
         return _forward_laid_out(q, k, v, causal, scale, backend)
-    return torch.ops.pykernels.flash_attention(q, k, v, causal, scale, backend)
+    return _flash_attention_call(q, k, v, causal, scale, backend)
 
 
 def backward_op(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, backend: str):
     if eager_direct(dout, dlse, q, k, v, out, lse):
         dq, dk, dv = _backward_impl(dout, dlse, q, k, v, out, lse, causal, scale, backend)
         return dq.contiguous(), dk.contiguous(), dv.contiguous()
-    return torch.ops.pykernels.flash_attention_backward(dout, dlse, q, k, v, out, lse, causal, scale, backend)
+    return _flash_attention_backward_call(dout, dlse, q, k, v, out, lse, causal, scale, backend)
 
 
 def flash_attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, scale: Optional[float] = None,

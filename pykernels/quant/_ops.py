@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from .. import autotune
-from .._backend import dispatch, eager_direct
+from .._backend import dispatch, eager_direct, functorch_autograd
 from .._native import cpu_module, cuda_module, cuda_stream_handle, dtype_code, getenv
 from . import _format as F
 
@@ -396,6 +396,7 @@ def _backward(ctx, grad):
 
 
 _qmatmul_custom.register_autograd(_backward, setup_context=_setup_context)
+_qmatmul_call = functorch_autograd(torch.ops.pykernels.qmatmul.default, _setup_context, _backward)
 
 
 def qmatmul_op(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend):
@@ -406,7 +407,7 @@ def qmatmul_op(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group
         # 4096x4096 GEMV). Tracing, fake tensors, vmap and autograd go through the registered op: the
         # one test every op's direct path uses (pykernels._backend.eager_direct).
         return _impl(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend)
-    return torch.ops.pykernels.qmatmul(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size,
+    return _qmatmul_call(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size,
                                        act_bits, backend)
 
 

@@ -31,7 +31,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _memory, _native, autotune
-from .._backend import eager_direct as _eager, dispatch, select_backend
+from .._backend import eager_direct as _eager, dispatch, functorch_autograd, select_backend
 from ..errors import check_dtype, check_ndim, check_same_device
 
 __all__ = ["sort", "argsort", "sort_keys", "sort_pairs", "segmented_sort", "KEY_DTYPES"]
@@ -268,6 +268,7 @@ def _sort_backward(ctx, grad_values, grad_indices):
 
 
 _sort_op.register_autograd(_sort_backward, setup_context=_sort_setup_context)
+_sort_call = functorch_autograd(torch.ops.pykernels.sort.default, _sort_setup_context, _sort_backward)
 
 
 @torch.library.custom_op("pykernels::argsort", mutates_args=())
@@ -451,7 +452,7 @@ def sort(input, dim: int = -1, descending: bool = False, stable: bool = True, *,
         if direct is not None:  # written through their pointers: tell autograd they changed, as copy_ would
             torch.autograd.graph.increment_version(direct)
     else:
-        values, indices = torch.ops.pykernels.sort(x, d, descending, backend)
+        values, indices = _sort_call(x, d, descending, backend)
     if out is not None and values is not ov:
         _resize_output(ov, values.shape).copy_(values)
         _resize_output(oi, indices.shape).copy_(indices)
