@@ -1757,10 +1757,16 @@ void segmented_sort(const SegArgs& g) {
     auto body = [&](auto enc_tag) {
       constexpr Enc E = decltype(enc_tag)::value;
       Coder<U, E> cd{codec};
+      const char* key_bytes = static_cast<const char*>(g.keys);
+      const char* pay_bytes = static_cast<const char*>(g.pay);
+      const uintptr_t ahead = pk::STREAM_AHEAD_BYTES;
       pk::parallel_threads(T, [&](int t) {
         for (int64_t s = cut[t]; s < cut[t + 1]; ++s) {
           const int64_t len = seg_len(s);
           if (len >= HUGE_SEGMENT) continue;
+          // the segments' keys (and payloads) are one sequential stream per thread (pk::prefetch_stream)
+          PK_PREFETCH_R((const char*)((uintptr_t)(key_bytes + seg_start(s) * (int64_t)sizeof(U)) + ahead));
+          if (pay_bytes) PK_PREFETCH_R((const char*)((uintptr_t)(pay_bytes + seg_start(s) * g.pay_size) + ahead));
 #if PK_X86
           if constexpr (sizeof(U) == 4) {
             if (v512 && len >= 2 && len <= 16) {
