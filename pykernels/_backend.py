@@ -191,8 +191,8 @@ def _refuse_forward_ad(tensors):
                                   f"mode (backward, torch.func.grad / vjp / jacrev)")
 
 
-def functorch_autograd(op, setup_context, backward):
-    """The registered op `op` as the public entries call it outside `eager_direct`, made to work under
+def functorch_autograd(name, setup_context, backward):
+    """The registered op torch.ops.pykernels.<name> as the public entries call it outside `eager_direct`, made to work under
     torch.func's reverse-mode transforms (grad, vjp, jacrev, and vmap over them).
 
     torch 2.13's `register_autograd` wraps the formulas in an autograd.Function without a
@@ -203,6 +203,9 @@ def functorch_autograd(op, setup_context, backward):
     per-sample fallback), and its vmap rule is generated from those. Everywhere else: the op itself
     (plain autograd, torch.compile, fake tensors). backward=None: an op with no derivative (a backward
     kernel, called from another op's backward), which torch.func's first-order transforms still run."""
+
+    def op(*args):  # looked up per call, as the entries did before (tests watch torch.ops)
+        return getattr(torch.ops.pykernels, name)(*args)
 
     class _OpFunction(torch.autograd.Function):
         generate_vmap_rule = True
@@ -219,11 +222,11 @@ def functorch_autograd(op, setup_context, backward):
         @staticmethod
         def backward(ctx, *grads):
             if backward is None:
-                raise NotImplementedError(f"pykernels.{op.__name__.split('.')[-2]}: not differentiable "
+                raise NotImplementedError(f"pykernels.{name}: not differentiable "
                                           f"(a derivative of a derivative kernel: double backward)")
             return backward(ctx, *grads)
 
-    _OpFunction.__name__ = _OpFunction.__qualname__ = f"{op.__name__}_function"
+    _OpFunction.__name__ = _OpFunction.__qualname__ = f"{name}_function"
 
     def call(*args):
         if torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():

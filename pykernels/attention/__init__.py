@@ -196,9 +196,8 @@ def _backward(ctx, dout, dlse):
 
 
 _flash_attention_op.register_autograd(_backward, setup_context=_setup_context)
-_flash_attention_call = functorch_autograd(torch.ops.pykernels.flash_attention.default, _setup_context, _backward)
-_flash_attention_backward_call = functorch_autograd(torch.ops.pykernels.flash_attention_backward.default,
-                                                    None, None)
+_flash_attention_call = functorch_autograd("flash_attention", _setup_context, _backward)
+_flash_attention_backward_call = functorch_autograd("flash_attention_backward", None, None)
 
 
 # ----------------------------------------------------------------------------------------------

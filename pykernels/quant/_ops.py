@@ -396,7 +396,7 @@ def _backward(ctx, grad):
 
 
 _qmatmul_custom.register_autograd(_backward, setup_context=_setup_context)
-_qmatmul_call = functorch_autograd(torch.ops.pykernels.qmatmul.default, _setup_context, _backward)
+_qmatmul_call = functorch_autograd("qmatmul", _setup_context, _backward)
 
 
 def qmatmul_op(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend):

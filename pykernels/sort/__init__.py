@@ -268,7 +268,7 @@ def _sort_backward(ctx, grad_values, grad_indices):
 
 
 _sort_op.register_autograd(_sort_backward, setup_context=_sort_setup_context)
-_sort_call = functorch_autograd(torch.ops.pykernels.sort.default, _sort_setup_context, _sort_backward)
+_sort_call = functorch_autograd("sort", _sort_setup_context, _sort_backward)
 
 
 @torch.library.custom_op("pykernels::argsort", mutates_args=())
