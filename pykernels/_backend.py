@@ -201,8 +201,11 @@ def functorch_autograd(name, setup_context, backward):
     released). So while a functorch transform is active the call goes through an autograd.Function of
     the same setup_context and backward; its forward is the op (whose batching under vmap is torch's
     per-sample fallback), and its vmap rule is generated from those. Everywhere else: the op itself
-    (plain autograd, torch.compile, fake tensors). backward=None: an op with no derivative (a backward
-    kernel, called from another op's backward), which torch.func's first-order transforms still run."""
+    (plain autograd, torch.compile, fake tensors). Not covered: a torch.compile'd function that applies
+    torch.func transforms to these ops (dynamo cannot trace the forward-mode check of eager_direct nor
+    this Function for every op; without fullgraph it graph-breaks and runs). backward=None: an op with no
+    derivative (a backward kernel, called from another op's backward), which torch.func's first-order
+    transforms still run."""
 
     def op(*args):  # looked up per call, as the entries did before (tests watch torch.ops)
         return getattr(torch.ops.pykernels, name)(*args)
@@ -222,8 +225,9 @@ def functorch_autograd(name, setup_context, backward):
         @staticmethod
         def backward(ctx, *grads):
             if backward is None:
-                raise NotImplementedError(f"pykernels.{name}: not differentiable "
-                                          f"(a derivative of a derivative kernel: double backward)")
+                raise NotImplementedError(f"pykernels.{name}: not differentiable (the derivative of a "
+                                          f"backward kernel, i.e. a second derivative of its forward op, "
+                                          f"is not implemented)")
             return backward(ctx, *grads)
 
     _OpFunction.__name__ = _OpFunction.__qualname__ = f"{name}_function"
