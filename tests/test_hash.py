@@ -1265,6 +1265,41 @@ def test_table_lookups_compile_fullgraph_and_follow_growth():
     assert (v.tolist(), f.tolist()) == oracle(set(keys.tolist()) | set(big.tolist()))
 
 
+def test_multi_value_find_compiles_fullgraph_with_its_data_dependent_size():
+    """MultiValueHashMap.find traces under torch.compile(fullgraph=True): one registered op
+    (pykernels::hash_multi_find) whose value count is an unbacked size (it branched on the reserved
+    patterns in Python and called the native walk directly: a data-dependent guard, then a graph break).
+    The reserved key patterns (-1, -2 for int64: stored out of band) and keys without values included."""
+    torch._dynamo.reset()
+    m = MultiValueHashMap(64, value_dtype=torch.int32)
+    keys = torch.tensor([5, -1, 7, 5, -2, -1, 5, 9])
+    m.insert(keys, torch.arange(len(keys), dtype=torch.int32) * 10)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def lookup(q):
+        offsets, vals = m.find(q)
+        return offsets, vals, vals.sum()
+
+    q = torch.tensor([5, 3, -1, -2, 9, 7, 5, 1000])
+    offsets, vals, total = lookup(q)
+    want = {}
+    for k, v in zip(keys.tolist(), (torch.arange(len(keys)) * 10).tolist()):
+        want.setdefault(k, []).append(v)
+    counts = [len(want.get(k, [])) for k in q.tolist()]
+    assert offsets.tolist() == [0] + torch.tensor(counts).cumsum(0).tolist()
+    for i, k in enumerate(q.tolist()):  # the order of one key's values is not part of the contract
+        assert sorted(vals[offsets[i]:offsets[i + 1]].tolist()) == sorted(want.get(k, []))
+    assert vals.dtype == torch.int32 and int(total) == sum(sum(want.get(k, [])) for k in q.tolist())
+    eo, ev = m.find(q)  # eager: the same answer
+    assert torch.equal(eo, offsets) and torch.equal(ev, vals)
+    e, ev2, _ = lookup(torch.tensor([3, 4]))  # no values at all: an empty result
+    assert e.tolist() == [0, 0, 0] and ev2.numel() == 0
+    args = (m._slots, m._special, torch.tensor([5, -1, 2]), m._special_values(-1), torch.empty(0, dtype=torch.int32),
+            m._nw, m.window, m.seed, m._kb, m._vb, 1, 8)
+    torch.library.opcheck(torch.ops.pykernels.hash_multi_find.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 def test_shared_methods_live_in_the_base_class_and_answer_per_table_kind():
     from pykernels.hashing._tables import _OpenTable
 

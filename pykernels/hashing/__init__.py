@@ -28,7 +28,6 @@ import torch
 
 from . import _layout as L
 from . import _ops
-from ._ops import out_buffer, stream_args
 from ._tables import M_ADD, M_APPEND, M_UPSERT, ST_NEW, _OpenTable, _device
 from .. import _backend, _native
 from ..errors import TableFullError  # noqa: F401  (re-exported for convenience)
@@ -200,27 +199,17 @@ class MultiValueHashMap(_OpenTable):
         """(offsets int64 [n + 1], values): CSR over the flattened keys."""
         keys = self._keys("find", keys)
         kbits = L.key_bits(keys)
-        n = kbits.numel()
+        vdt = L._BITS[self._vb]
         with self._locked():
-            counts = self._native_counts(kbits)
-            specials = []
-            for bits, m in self._special_masks(kbits):
+            # the reserved patterns' values (out of band) as tensors, empty when none: the op's inputs
+            reserved = []
+            for bits in (L.EMPTY_BITS, L.TOMB_BITS):
                 sv = self._special_values(bits)
-                if sv is not None:
-                    counts[m] = sv.numel()
-                    specials.append((m, sv))
-            offsets = torch.zeros(n + 1, dtype=torch.int64, device=self.device)
-            torch.cumsum(counts, 0, out=offsets[1:])
-            total = int(offsets[-1]) if n else 0
-            vals = out_buffer(total, L._BITS[self._vb], self.device)
-            if total:
-                cfg = self._config("hash_find")
-                self._mod.multi_walk(*self._geo(), kbits.data_ptr(), n, 0, offsets.data_ptr(), vals.data_ptr(),
-                                     self._threads(cfg), int(cfg.get("prefetch", 16)), *stream_args(self.device))
-            for m, sv in specials:
-                starts = offsets[:-1][m]
-                idx = (starts[:, None] + torch.arange(sv.numel(), device=self.device)[None, :]).reshape(-1)
-                vals[idx] = sv.repeat(starts.numel())
+                reserved.append(sv if sv is not None else torch.empty(0, dtype=vdt, device=self.device))
+            cfg = self._config("hash_find")
+            offsets, vals = _ops.hash_multi_find(self._slots, self._special, kbits, *reserved, self._nw, self.window,
+                                                 self.seed, self._kb, self._vb, int(cfg.get("threads", 0) or 0),
+                                                 int(cfg.get("prefetch", 16)))
         return offsets, L.bits_to_values(vals, self.value_dtype)
 
     def erase(self, keys) -> torch.Tensor:

@@ -214,6 +214,62 @@ def hash_multi_count(slots, special, keys, nw, window, seed, kb, vb, threads, pr
     return _multi_count_impl(*args) if eager_direct(slots, special, keys) else _multi_count_op(*args)
 
 
+def _multi_find_impl(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor, empty_vals: torch.Tensor,
+                     tomb_vals: torch.Tensor, nw: int, window: int, seed: int, kb: int, vb: int, threads: int,
+                     prefetch: int):
+    """Every value of each key bits of a multi-value table as CSR: (offsets int64 [n + 1], value bits).
+    The two reserved key patterns (EMPTY_BITS, TOMB_BITS) live out of band: their values (in insertion
+    order) come in as empty_vals / tomb_vals (empty tensors when they have none)."""
+    from ._layout import EMPTY_BITS, TOMB_BITS
+
+    n = keys.numel()
+    counts = _multi_count_impl(slots, special, keys, nw, window, seed, kb, vb, threads, prefetch)  # reserved: 0
+    specials = []
+    for bits, sv in ((EMPTY_BITS, empty_vals), (TOMB_BITS, tomb_vals)):
+        if sv.numel():
+            m = keys == bits
+            if bool(m.any()):
+                counts[m] = sv.numel()
+                specials.append((m, sv))
+    offsets = torch.zeros(n + 1, dtype=torch.int64, device=keys.device)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    total = int(offsets[-1]) if n else 0
+    vals = out_buffer(total, _BITS[vb], keys.device)
+    if total:
+        _mod(slots).multi_walk(slots.data_ptr(), special.data_ptr(), nw, window, seed & _M64, kb, vb, keys.data_ptr(),
+                               n, 0, offsets.data_ptr(), vals.data_ptr(), _nthreads(threads), prefetch,
+                               *stream_args(slots.device))
+    for m, sv in specials:
+        starts = offsets[:-1][m]
+        idx = (starts[:, None] + torch.arange(sv.numel(), device=keys.device)[None, :]).reshape(-1)
+        vals[idx] = sv.repeat(starts.numel())
+    return offsets, vals
+
+
+@torch.library.custom_op("pykernels::hash_multi_find", mutates_args=())
+def _multi_find_op(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor, empty_vals: torch.Tensor,
+                   tomb_vals: torch.Tensor, nw: int, window: int, seed: int, kb: int, vb: int, threads: int,
+                   prefetch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _multi_find_impl(slots, special, keys, empty_vals, tomb_vals, nw, window, seed, kb, vb, threads, prefetch)
+
+
+@_multi_find_op.register_fake
+def _(slots, special, keys, empty_vals, tomb_vals, nw, window, seed, kb, vb, threads, prefetch):
+    check_same_device("hash_multi_find", slots=slots, special=special, keys=keys)
+    if vb not in _BITS:
+        raise ValueError("pykernels.hash_multi_find: multi-value tables need values (vb = 4 or 8)")
+    total = torch.library.get_ctx().new_dynamic_size()  # how many values the keys have: known once run
+    return keys.new_empty(keys.numel() + 1, dtype=torch.int64), keys.new_empty(total, dtype=_BITS[vb])
+
+
+def hash_multi_find(slots, special, keys, empty_vals, tomb_vals, nw, window, seed, kb, vb, threads, prefetch):
+    """pykernels::hash_multi_find: directly in eager code, else through the registered op (so
+    MultiValueHashMap.find traces under torch.compile(fullgraph=True), its output size unbacked)."""
+    args = (slots, special, keys, empty_vals, tomb_vals, nw, window, seed, kb, vb, threads, prefetch)
+    direct = eager_direct(slots, special, keys, empty_vals, tomb_vals)
+    return _multi_find_impl(*args) if direct else _multi_find_op(*args)
+
+
 def _check_bloom(op: str, words: torch.Tensor, keys: torch.Tensor, nblocks: int, k: int):
     """The native filter reads nblocks 512-bit blocks of `words` and the int64 key values."""
     check_same_device(op, words=words, keys=keys)
