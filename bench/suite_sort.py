@@ -61,8 +61,9 @@ def _cpu_cases(quick: bool):
         # (key, index) records) + 8 + 12 (records in, values + int64 indices out) = 36 bytes per key;
         # random int64 keys the wide split: 8 + 8 + 8 (min/max read, digit count, split read) + 16 + 16
         # ({key - min, index} records out and back) + 16 (values + indices out) = 72 bytes per key;
-        # the floats the LSD plan (randn floats cluster in a few top bytes)
-        moved = {torch.int32: 36, torch.int64: 72}.get(dtype, kb + (2 * kb + 8) * _passes(8 * kb) + 4)
+        # randn float32 the split by the top 11 bits (36 bytes, as int32: randn floats cluster in a few
+        # top bytes), float64 the LSD plan
+        moved = {torch.int32: 36, torch.float32: 36, torch.int64: 72}.get(dtype, kb + (2 * kb + 8) * _passes(8 * kb) + 4)
         yield Case("sort", "sort", f"{name} n={n_mid / M:g}M", n_mid, sort_vs_torch(dtype, n_mid),
                    "torch.sort(stable=True)", n_mid, "keys", bytes_moved=n_mid * moved, goal=goal,
                    notes="values + int64 indices; ours reuse the dropped outputs (output cache), torch's "

@@ -397,13 +397,29 @@ def test_msd_split_heuristic():
         k, i, _, st = _cpu_sort_1d(z, want_idx=True, want_stats=True)
         assert st["msd"] and torch.equal(i, ref_argsort_1d(z)) and torch.equal(k, z[i])
     # randn float32 (27% of the keys in one top byte, differing): taken, with indices (a ~1.1 MiB bucket,
-    # past L2) or not; at 4M keys with indices the bucket (~9 MiB) passes the 4 MiB budget
+    # past L2) or not; at 4M keys with indices that bucket (~9 MiB) passes the 4 MiB budget, and the
+    # split takes 2048 buckets by the top 11 bits instead (the 21 bits below in passes of 7)
     f = torch.randn(1 << 19)
     k, i, _, st = _cpu_sort_1d(f, want_idx=True, want_stats=True)
     assert st["msd"] and torch.equal(i, torch.sort(f, stable=True).indices)
     k, _, _, st = _cpu_sort_1d(f, want_stats=True)
     assert st["msd"] and torch.equal(k, torch.sort(f).values)
-    assert not _cpu_sort_1d(torch.randn(1 << 22), want_idx=True, want_stats=True)[3]["msd"]
+    f4 = torch.randn(1 << 22)
+    k, i, _, st = _cpu_sort_1d(f4, want_idx=True, want_stats=True)
+    ref = torch.sort(f4, stable=True)
+    assert st["msd"] and st["digit_bits"] == 7 and torch.equal(i, ref.indices) and torch.equal(k, ref.values)
+    for want_idx, desc in ((False, False), (False, True), (True, True)):  # keys only, descending, indices
+        k, i, _, st = _cpu_sort_1d(f4, want_idx=want_idx, descending=desc, want_stats=True)
+        ref = torch.sort(f4, descending=desc, stable=True)
+        assert st["msd"] and st["digit_bits"] == 7 and torch.equal(k, ref.values)
+        assert not want_idx or torch.equal(i, ref.indices)
+    pay = torch.arange(f4.numel(), dtype=torch.int32)
+    k, _, p, st = _cpu_sort_1d(f4, payload=pay, want_stats=True)  # a 4-byte payload carried in the records
+    assert st["msd"] and torch.equal(k, torch.sort(f4).values) and torch.equal(p.long(), torch.sort(f4, stable=True).indices)
+    # ... but not keys whose span the top byte of the span spreads (a quarter of the range: 256 buckets)
+    q = torch.randint(0, 1 << 30, (1 << 21,), dtype=torch.int32)
+    k, i, _, st = _cpu_sort_1d(q, want_idx=True, want_stats=True)
+    assert st["msd"] and st["digit_bits"] != 7 and torch.equal(i, ref_argsort_1d(q))
     # stats: in-bucket passes whose digit is the same for every key are skipped
     t = (torch.randint(0, 256, (1 << 18,)) << 24).to(torch.uint32)  # only the top byte varies
     k, _, _, st = _cpu_sort_1d(t, config={"msd": 2}, want_stats=True)

@@ -613,8 +613,14 @@ static inline bool bucket_ok(double biggest, size_t bytes, int64_t n, size_t bud
   return varied && biggest * T <= 2.0 * (double)n;
 }
 
-// The MSD split's digit: the top MSD_BITS of v's w bits; each bucket is then sorted on the w - 8 below.
+// The MSD split's digit: the top MB bits of v's w bits; each bucket is then sorted on the w - MB below.
+// MB = MSD_BITS (256 buckets) first; 32-bit keys that clustered past the budgets in 256 buckets (randn
+// floats: a quarter of them share one top byte) try MSD_BITS_CLUSTERED (2048 buckets: the top byte and
+// three bits more of the mantissa or value) before the LSD engine takes them: 4M randn float32 keys +
+// indices 37 -> 25 ms (2 threads). Uniform keys keep 256 buckets: 2048 write-combining lines cost the
+// split more than smaller buckets save (16M uint32 keys 62 -> 70 ms with 2048 for every key).
 static constexpr int MSD_BITS = 8;
+static constexpr int MSD_BITS_CLUSTERED = 11;
 static constexpr int MSD_BUCKETS = 1 << MSD_BITS;
 static constexpr int64_t BIG_BUCKET = 4096;  // from here passes of up to BUCKET_MAX_DIGIT bits, else three of ~8
 // The widest in-bucket digit. A scatter pass over 64K records in L2, ns per record (Xeon, Emerald
@@ -875,21 +881,23 @@ static int bucket_wide(Rec* src, Rec* __restrict tmp, int64_t m, int lb, uint32_
   return most;
 }
 
-// The MSD split's per-thread scatter offsets from its per-thread digit counts (hist[t * 256 + d]):
-// digit by digit, then thread by thread, so the split is stable. Fills start[0..256] (bucket bounds) and
-// pos; returns the biggest bucket.
+// The MSD split's per-thread scatter offsets from its per-thread digit counts (hist[t * 2^MB + d]):
+// digit by digit, then thread by thread, so the split is stable. Fills start[0..2^MB] (bucket bounds)
+// and pos; returns the biggest bucket.
+template <int MB>
 static int64_t split_offsets(const std::vector<uint32_t>& hist, int T, std::vector<int64_t>& start,
                              std::vector<int64_t>& pos) {
+  constexpr int RB = 1 << MB;
   int64_t run = 0, biggest = 0;
-  for (int d = 0; d < MSD_BUCKETS; ++d) {
+  for (int d = 0; d < RB; ++d) {
     start[d] = run;
     for (int t = 0; t < T; ++t) {
-      pos[(size_t)t * MSD_BUCKETS + d] = run;
-      run += hist[(size_t)t * MSD_BUCKETS + d];
+      pos[(size_t)t * RB + d] = run;
+      run += hist[(size_t)t * RB + d];
     }
     biggest = std::max(biggest, run - start[d]);
   }
-  start[MSD_BUCKETS] = run;
+  start[RB] = run;
   return biggest;
 }
 
@@ -905,7 +913,7 @@ static int64_t split_offsets(const std::vector<uint32_t>& hist, int T, std::vect
 // (records inside the caches) take plain stores: streaming stores would push them out to DRAM.
 static constexpr size_t SPLIT_STREAM_MIN_BYTES = size_t(8) << 20;
 
-template <class Rec, class U, Enc E, class VBits, class Digit, class Make>
+template <int MB, class Rec, class U, Enc E, class VBits, class Digit, class Make>
 static void split_scatter(int T, int64_t n, std::vector<int64_t>& pos, Rec* rec, const U* in, const Coder<U, E>& cd,
                           bool stream_ok, VBits vbits, Digit digit, Make make) {
   constexpr int64_t L = 64 / sizeof(Rec);  // records per line
@@ -921,8 +929,9 @@ static void split_scatter(int T, int64_t n, std::vector<int64_t>& pos, Rec* rec,
     // top-byte count of 16M keys took 26 ms on one thread and 22 ms on two, 14 ms on two with stack
     // counters (Xeon VM; the threads' neighbouring lines are likely pulled across cores by the
     // adjacent-line prefetcher).
-    int64_t p[MSD_BUCKETS];
-    std::memcpy(p, pos.data() + (size_t)t * MSD_BUCKETS, sizeof(p));
+    constexpr int RB = 1 << MB;
+    int64_t p[RB];
+    std::memcpy(p, pos.data() + (size_t)t * RB, sizeof(p));
     Rec* __restrict r = rec;
     const U* __restrict src = in;
     const Coder<U, E> c = cd;
@@ -935,8 +944,8 @@ static void split_scatter(int T, int64_t n, std::vector<int64_t>& pos, Rec* rec,
       return;
     }
     struct alignas(64) Line { Rec slot[L]; };
-    std::unique_ptr<Line[]> lines(new Line[MSD_BUCKETS]);
-    int64_t first[MSD_BUCKETS];  // where this thread's records of each bucket begin
+    std::unique_ptr<Line[]> lines(new Line[RB]);
+    int64_t first[RB];  // where this thread's records of each bucket begin
     std::memcpy(first, p, sizeof(first));
     Line* __restrict buf = lines.get();
     for (int64_t i = b; i < e; ++i) {
@@ -955,7 +964,7 @@ static void split_scatter(int T, int64_t n, std::vector<int64_t>& pos, Rec* rec,
         }
       }
     }
-    for (int d = 0; d < MSD_BUCKETS; ++d) {  // the partial last lines
+    for (int d = 0; d < RB; ++d) {  // the partial last lines
       const int64_t q = p[d];
       const int64_t from = std::max(first[d], q - ((phase + q) & (L - 1)));
       for (int64_t j = from; j < q; ++j) r[j] = buf[d].slot[(phase + j) & (L - 1)];
@@ -968,7 +977,7 @@ static void split_scatter(int T, int64_t n, std::vector<int64_t>& pos, Rec* rec,
 
 // The MSD split's buckets handed to T threads dynamically: sort_bucket(tmp, hist, b, m) for every non-
 // empty bucket [b, b + m), with a per-thread scratch of m records and hist_words counters.
-template <class Rec, class SortBucket>
+template <int MB, class Rec, class SortBucket>
 static void for_each_bucket(int T, const std::vector<int64_t>& start, size_t hist_words, SortBucket&& sort_bucket) {
   std::atomic<int> next_bucket{0};
   pk::parallel_threads(T, [&](int) {
@@ -977,7 +986,7 @@ static void for_each_bucket(int T, const std::vector<int64_t>& start, size_t his
     if (hist.size() < hist_words) hist.resize(hist_words);
     for (;;) {
       const int d = next_bucket.fetch_add(1, std::memory_order_relaxed);
-      if (d >= MSD_BUCKETS) break;
+      if (d >= (1 << MB)) break;
       const int64_t b = start[d], m = start[d + 1] - b;
       if (m == 0) continue;
       if ((int64_t)tmp.size() < m) tmp.resize((size_t)m);
@@ -1017,12 +1026,12 @@ struct SampleLook {
   double biggest;
   bool varied;
 };
-template <class U, Enc E, class Digit>
+template <int MB, class U, Enc E, class Digit>
 static SampleLook sample_buckets(const U* in, int64_t n, const Coder<U, E>& cd, Digit digit) {
   constexpr int64_t SAMPLE = 4096;
-  uint32_t count[MSD_BUCKETS] = {};
-  U first[MSD_BUCKETS];
-  bool varied[MSD_BUCKETS] = {};
+  uint32_t count[1 << MB] = {};
+  U first[1 << MB];
+  bool varied[1 << MB] = {};
   uint32_t most = 0;
   for (int64_t j = 0; j < SAMPLE; ++j) {
     const U k = cd.enc(in[j * n / SAMPLE]);
@@ -1032,6 +1041,19 @@ static SampleLook sample_buckets(const U* in, int64_t n, const Coder<U, E>& cd, 
     if (count[d] > count[most]) most = d;
   }
   return {(double)count[most] * (double)n / SAMPLE, varied[most]};
+}
+
+// The bit width of max - min over the same strided sample of encoded keys (the span the keys likely have).
+template <class U, Enc E>
+static int sample_span_bits(const U* in, int64_t n, const Coder<U, E>& cd) {
+  constexpr int64_t SAMPLE = 4096;
+  U lo = U(~U(0)), hi = 0;
+  for (int64_t j = 0; j < SAMPLE; ++j) {
+    const U k = cd.enc(in[j * n / SAMPLE]);
+    lo = std::min(lo, k);
+    hi = std::max(hi, k);
+  }
+  return hi > lo ? 64 - __builtin_clzll((uint64_t)(hi - lo)) : 0;
 }
 
 // The wide MSD path: 64-bit keys spanning 2^32 or more (random int64 keys, hashes, nanosecond
@@ -1062,7 +1084,7 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
   auto digit = [kmin, lb](U k) { return (uint32_t)((uint64_t)(k - kmin) >> lb); };  // < 256: v < 2^w
   // keys the sample already shows refused (one value filling a bucket past L2, or a bucket past the
   // budget) leave without the counting read; the exact counts below decide the rest
-  const SampleLook look = sample_buckets(in, n, cd, digit);
+  const SampleLook look = sample_buckets<MSD_BITS>(in, n, cd, digit);
   if (too_big(look.biggest / SAMPLE_SLACK, look.varied)) return false;
   std::vector<uint32_t> hist((size_t)T * RB, 0);
   pk::parallel_threads(T, [&](int t) {
@@ -1076,7 +1098,7 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
     std::memcpy(hist.data() + (size_t)t * RB, h, sizeof(h));
   });
   std::vector<int64_t> start(RB + 1), pos((size_t)T * RB);
-  const int64_t biggest = split_offsets(hist, T, start, pos);
+  const int64_t biggest = split_offsets<MSD_BITS>(hist, T, start, pos);
   if (too_big((double)biggest, look.varied)) return false;
 
   st.threads = T;
@@ -1090,9 +1112,9 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
 
   auto split_and_sort = [&](auto* rec, auto make, auto out) {
     using Rec = std::remove_pointer_t<decltype(rec)>;
-    split_scatter(T, n, pos, rec, in, cd, a.nt_stores, [kmin](U k) { return (uint64_t)(k - kmin); },
+    split_scatter<MSD_BITS>(T, n, pos, rec, in, cd, a.nt_stores, [kmin](U k) { return (uint64_t)(k - kmin); },
                   [lb](uint64_t v) { return v >> lb; }, make);
-    for_each_bucket<Rec>(T, start, WIDE_HIST_WORDS, [&](Rec* tmp, uint32_t* bh, int64_t b, int64_t m) {
+    for_each_bucket<MSD_BITS, Rec>(T, start, WIDE_HIST_WORDS, [&](Rec* tmp, uint32_t* bh, int64_t b, int64_t m) {
       int w0 = 0;
       const int live = bucket_wide(rec + b, tmp, m, lb, bh, &w0, [out, b](int64_t q, const Rec& x) { out(b + q, x); });
       if (m == biggest) width.store(w0, std::memory_order_relaxed);
@@ -1154,8 +1176,8 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
 //   sign). The MSD digit is the top byte of v's width, so small ints spread over the buckets too. One
 //   read finds min and max (for 32-bit keys it also counts the top byte, which random keys use as the
 //   digit with min taken as 0), a second counts the digit where that was not it.
-template <class U, Enc E>
-bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, int T) {
+template <class U, Enc E, int MB>
+bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, int T, bool* skewed) {
   if constexpr (sizeof(U) < 4) {
     return false;
   } else {
@@ -1173,7 +1195,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     const bool pay8 = a.out_pay && a.pay_size == 8 && !a.out_idx;
     if (pay8 && key_bits == 32) return false;
     if (!a.out_keys && !a.out_idx) return false;
-    constexpr int RB = MSD_BUCKETS;
+    constexpr int RB = 1 << MB;
     const U* in = static_cast<const U*>(a.keys);
     const size_t guess_bytes = (!a.out_idx && !a.out_pay) ? 4 : 8;
     // fits: the digit choice (made the same way with or without the guard, so msd=2 runs both plans);
@@ -1201,7 +1223,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
           const U k = c.enc(x);
           ka = std::min(ka, k);
           ko = std::max(ko, k);
-          if constexpr (decltype(count_top)::value) ++h[(uint32_t)(k >> (key_bits - MSD_BITS))];
+          if constexpr (decltype(count_top)::value) ++h[(uint32_t)(k >> (key_bits - MB))];
         }
         if constexpr (decltype(count_top)::value) std::memcpy(hist.data() + (size_t)t * RB, h, sizeof(h));
         min_t[t] = ka;
@@ -1210,7 +1232,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       });
     };
     std::vector<int64_t> start(RB + 1), pos((size_t)T * RB);
-    auto offsets = [&]() { return split_offsets(hist, T, start, pos); };
+    auto offsets = [&]() { return split_offsets<MB>(hist, T, start, pos); };
 
     // 32-bit keys: a strided sample says whether the top byte spreads them (random keys): then it is
     // the digit, counted in the first read. Otherwise (and for 64-bit keys) the digit is the top byte of
@@ -1221,8 +1243,19 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     bool top_digit = false;
     SampleLook look{0.0, false};  // the sample of the digit in use
     if constexpr (key_bits == 32) {
-      look = sample_buckets(in, n, cd, [](U k) { return (uint32_t)(k >> (32 - MSD_BITS)); });
+      look = sample_buckets<MB>(in, n, cd, [](U k) { return (uint32_t)(k >> (32 - MB)); });
       top_digit = fits(look.biggest / SAMPLE_SLACK, guess_bytes, false);
+      if constexpr (MB == MSD_BITS) {
+        // Keys spanning the whole range whose top byte clusters them (randn floats) while their top 11
+        // bits spread them: the caller's 2048-bucket split, before this attempt reads anything. (A span
+        // narrower than the range keeps this path: the top byte of the span spreads such keys.)
+        if (!top_digit && sample_span_bits(in, n, cd) == 32 &&
+            fits(sample_buckets<MSD_BITS_CLUSTERED>(in, n, cd, [](U k) { return (uint32_t)(k >> (32 - MSD_BITS_CLUSTERED)); })
+                         .biggest / SAMPLE_SLACK, guess_bytes, false)) {
+          *skewed = true;
+          return false;
+        }
+      }
     }
     if (top_digit) first_read(std::true_type());
     else first_read(std::false_type());
@@ -1244,17 +1277,19 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     if (!top_digit) {
       const uint64_t span = (uint64_t)(kmax - kmin);
       if (span >> 32) {  // 64-bit keys spanning 2^32 or more: full-width records
-        if constexpr (key_bits == 64) return msd_wide_sort<U, E>(a, cd, st, T, kmin, kmax, lossy, guard);
+        if constexpr (key_bits == 64 && MB == MSD_BITS) return msd_wide_sort<U, E>(a, cd, st, T, kmin, kmax, lossy, guard);
         return false;
       }
       if (pay8) return false;
       w = 64 - __builtin_clzll(span);
       base_key = kmin;
       // the digit exactly as the split computes it: bits [w - 8, w) of v
-      const int lbd = std::max(w - MSD_BITS, 0);
-      look = sample_buckets(in, n, cd, [&](U k) { return ((uint32_t)(k - base_key) >> lbd) & (RB - 1); });
-      if (too_big(look.biggest / SAMPLE_SLACK, guess_bytes, look.varied))
-        return false;  // skewed keys (see bucket_ok): the LSD engine, without this read
+      const int lbd = std::max(w - MB, 0);
+      look = sample_buckets<MB>(in, n, cd, [&](U k) { return ((uint32_t)(k - base_key) >> lbd) & (RB - 1); });
+      if (too_big(look.biggest / SAMPLE_SLACK, guess_bytes, look.varied)) {
+        *skewed = true;  // skewed keys (see bucket_ok): more buckets or the LSD engine, without this read
+        return false;
+      }
       std::fill(hist.begin(), hist.end(), 0u);
       pk::parallel_threads(T, [&](int t) {
         const int64_t b = n * t / T, e = n * (t + 1) / T;
@@ -1275,9 +1310,12 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     // skewed keys (one bucket past L2 size holding most keys, all one value in the sample, or past the
     // budget): the LSD engine sorts them. (look.varied describes the sample's fullest bucket, which for
     // skewed keys is the exact counts' biggest too.)
-    if (too_big((double)biggest, rec_bytes, look.varied)) return false;
+    if (too_big((double)biggest, rec_bytes, look.varied)) {
+      *skewed = true;
+      return false;
+    }
 
-    const int lb = std::max(w - MSD_BITS, 0);  // bits sorted inside a bucket, below the digit
+    const int lb = std::max(w - MB, 0);  // bits sorted inside a bucket, below the digit
     st.threads = T;
     {
       int wid[3] = {0, 0, 0};
@@ -1302,8 +1340,8 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
 
     auto split_and_sort = [&](auto* rec, auto make, auto out) {
       using Rec = std::remove_pointer_t<decltype(rec)>;
-      split_scatter(T, n, pos, rec, in, cd, a.nt_stores, vbits, [lb](uint32_t v) { return (v >> lb) & (RB - 1); }, make);
-      for_each_bucket<Rec>(T, start, 3 * 4096, [&](Rec* tmp, uint32_t* bh, int64_t b, int64_t m) {
+      split_scatter<MB>(T, n, pos, rec, in, cd, a.nt_stores, vbits, [lb](uint32_t v) { return (v >> lb) & (RB - 1); }, make);
+      for_each_bucket<MB, Rec>(T, start, 3 * 4096, [&](Rec* tmp, uint32_t* bh, int64_t b, int64_t m) {
         constexpr int KS = sizeof(Rec) == 8 ? 32 : 0;
         int wid[3];
         const int planned = bucket_plan(m, lb, wid);
@@ -1394,7 +1432,11 @@ void radix_sort_typed(const SortArgs& a, const Codec<U>& codec, SortStats& st) {
     if (a.out_idx) advise_huge(a.out_idx, (size_t)n * 8);
     if (a.out_pay) advise_huge(a.out_pay, (size_t)n * a.pay_size);
   }
-  if (msd_hybrid_sort<U, E>(a, cd, st, T)) return;
+  bool skewed = false;
+  if (msd_hybrid_sort<U, E, MSD_BITS>(a, cd, st, T, &skewed)) return;
+  if constexpr (sizeof(U) == 4) {  // clustered 32-bit keys: 2048 buckets before the LSD engine
+    if (skewed && msd_hybrid_sort<U, E, MSD_BITS_CLUSTERED>(a, cd, st, T, &skewed)) return;
+  }
   Engine<U, E> eng(a, cd, st);
   eng.wc = a.wc < 0 ? !(plain_fits && db <= 8) : a.wc > 0;
   for (int s = bb; s < eb; s += db) eng.passes.push_back({s, std::min(db, eb - s)});
