@@ -1025,6 +1025,7 @@ static void gather_by_index(const SortArgs& a, const int64_t* idx, bool need_gat
 struct SampleLook {
   double biggest;
   bool varied;
+  int span_bits;  // the bit width of max - min of the sampled keys (the span the keys likely have)
 };
 template <int MB, class U, Enc E, class Digit>
 static SampleLook sample_buckets(const U* in, int64_t n, const Coder<U, E>& cd, Digit digit) {
@@ -1033,27 +1034,17 @@ static SampleLook sample_buckets(const U* in, int64_t n, const Coder<U, E>& cd, 
   U first[1 << MB];
   bool varied[1 << MB] = {};
   uint32_t most = 0;
-  for (int64_t j = 0; j < SAMPLE; ++j) {
-    const U k = cd.enc(in[j * n / SAMPLE]);
-    const uint32_t d = digit(k);
-    if (count[d]++ == 0) first[d] = k;
-    else varied[d] |= k != first[d];
-    if (count[d] > count[most]) most = d;
-  }
-  return {(double)count[most] * (double)n / SAMPLE, varied[most]};
-}
-
-// The bit width of max - min over the same strided sample of encoded keys (the span the keys likely have).
-template <class U, Enc E>
-static int sample_span_bits(const U* in, int64_t n, const Coder<U, E>& cd) {
-  constexpr int64_t SAMPLE = 4096;
   U lo = U(~U(0)), hi = 0;
   for (int64_t j = 0; j < SAMPLE; ++j) {
     const U k = cd.enc(in[j * n / SAMPLE]);
     lo = std::min(lo, k);
     hi = std::max(hi, k);
+    const uint32_t d = digit(k);
+    if (count[d]++ == 0) first[d] = k;
+    else varied[d] |= k != first[d];
+    if (count[d] > count[most]) most = d;
   }
-  return hi > lo ? 64 - __builtin_clzll((uint64_t)(hi - lo)) : 0;
+  return {(double)count[most] * (double)n / SAMPLE, varied[most], hi > lo ? 64 - __builtin_clzll((uint64_t)(hi - lo)) : 0};
 }
 
 // The wide MSD path: 64-bit keys spanning 2^32 or more (random int64 keys, hashes, nanosecond
@@ -1241,7 +1232,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     // them would pass bucket_ok as one bucket, sorted by one thread, where the span's top byte spreads
     // them over 256.
     bool top_digit = false;
-    SampleLook look{0.0, false};  // the sample of the digit in use
+    SampleLook look{0.0, false, 0};  // the sample of the digit in use
     if constexpr (key_bits == 32) {
       look = sample_buckets<MB>(in, n, cd, [](U k) { return (uint32_t)(k >> (32 - MB)); });
       top_digit = fits(look.biggest / SAMPLE_SLACK, guess_bytes, false);
@@ -1249,7 +1240,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
         // Keys spanning the whole range whose top byte clusters them (randn floats) while their top 11
         // bits spread them: the caller's 2048-bucket split, before this attempt reads anything. (A span
         // narrower than the range keeps this path: the top byte of the span spreads such keys.)
-        if (!top_digit && sample_span_bits(in, n, cd) == 32 &&
+        if (!top_digit && look.span_bits == 32 &&
             fits(sample_buckets<MSD_BITS_CLUSTERED>(in, n, cd, [](U k) { return (uint32_t)(k >> (32 - MSD_BITS_CLUSTERED)); })
                          .biggest / SAMPLE_SLACK, guess_bytes, false)) {
           *skewed = true;
