@@ -192,8 +192,9 @@ def _refuse_forward_ad(tensors):
 
 
 def functorch_autograd(name, setup_context, backward):
-    """The registered op torch.ops.pykernels.<name> as the public entries call it outside `eager_direct`, made to work under
-    torch.func's reverse-mode transforms (grad, vjp, jacrev, and vmap over them).
+    """The registered op torch.ops.pykernels.<name> as the public entries call it outside
+    `eager_direct`, made to work under torch.func's reverse-mode transforms (grad, vjp, jacrev, and vmap
+    over them).
 
     torch 2.13's `register_autograd` wraps the formulas in an autograd.Function without a
     `setup_context`, which torch.func refuses ("In order to use an autograd.Function with functorch

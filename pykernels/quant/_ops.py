@@ -407,8 +407,8 @@ def qmatmul_op(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group
         # 4096x4096 GEMV). Tracing, fake tensors, vmap and autograd go through the registered op: the
         # one test every op's direct path uses (pykernels._backend.eager_direct).
         return _impl(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend)
-    return _qmatmul_call(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size,
-                                       act_bits, backend)
+    return _qmatmul_call(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits,
+                         backend)
 
 
 # ------------------------------------------------------------------------------------------------
