@@ -416,6 +416,16 @@ def test_msd_split_heuristic():
     pay = torch.arange(f4.numel(), dtype=torch.int32)
     k, _, p, st = _cpu_sort_1d(f4, payload=pay, want_stats=True)  # a 4-byte payload carried in the records
     assert st["msd"] and torch.equal(k, torch.sort(f4).values) and torch.equal(p.long(), torch.sort(f4, stable=True).indices)
+    # the 2048-bucket split with NaN (several payloads), +-inf and -0.0 among the keys: exact bits back
+    fn = torch.randn((1 << 22) + 7)
+    fn[::97] = float("nan")
+    fn[1::89] = torch.tensor(float("nan")).view(torch.int32).bitwise_or(5).view(torch.float32)
+    fn[5::101], fn[7::103], fn[9::107] = -0.0, float("inf"), -float("inf")
+    for want_idx, desc in ((False, False), (True, False), (True, True)):
+        k, i, _, st = _cpu_sort_1d(fn, want_idx=want_idx, descending=desc, want_stats=True)
+        ref = torch.sort(fn, descending=desc, stable=True)
+        assert st["msd"] and st["digit_bits"] == 7 and torch.equal(k.view(torch.int32), ref.values.view(torch.int32))
+        assert not want_idx or torch.equal(i, ref.indices)
     # ... but not keys whose span the top byte of the span spreads (a quarter of the range: 256 buckets)
     q = torch.randint(0, 1 << 30, (1 << 21,), dtype=torch.int32)
     k, i, _, st = _cpu_sort_1d(q, want_idx=True, want_stats=True)
