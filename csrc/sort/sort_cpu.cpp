@@ -614,11 +614,13 @@ static inline bool bucket_ok(double biggest, size_t bytes, int64_t n, size_t bud
 }
 
 // The MSD split's digit: the top MB bits of v's w bits; each bucket is then sorted on the w - MB below.
-// MB = MSD_BITS (256 buckets) first; 32-bit keys that clustered past the budgets in 256 buckets (randn
-// floats: a quarter of them share one top byte) try MSD_BITS_CLUSTERED (2048 buckets: the top byte and
-// three bits more of the mantissa or value) before the LSD engine takes them: 4M randn float32 keys +
-// indices 37 -> 25 ms (2 threads). Uniform keys keep 256 buckets: 2048 write-combining lines cost the
-// split more than smaller buckets save (16M uint32 keys 62 -> 70 ms with 2048 for every key).
+// MB = MSD_BITS (256 buckets) first. 32-bit keys spanning the whole range that the top byte clusters past
+// the budgets while their top 11 bits spread them (randn floats: a quarter of them share one top byte),
+// as the 256-bucket attempt's 4096-key sample shows before any read, take MSD_BITS_CLUSTERED (2048
+// buckets: the top byte and three bits more of the mantissa or value) instead of the LSD engine: 4M
+// randn float32 keys + indices 37 -> 27 ms (2 threads). Uniform keys keep 256 buckets: 2048
+// write-combining lines cost the split more than smaller buckets save (16M uint32 keys 62 -> 70 ms
+// with 2048 for every key). Keys refused after the counting read are not retried (a second read).
 static constexpr int MSD_BITS = 8;
 static constexpr int MSD_BITS_CLUSTERED = 11;
 static constexpr int MSD_BUCKETS = 1 << MSD_BITS;
@@ -1168,7 +1170,7 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
 //   read finds min and max (for 32-bit keys it also counts the top byte, which random keys use as the
 //   digit with min taken as 0), a second counts the digit where that was not it.
 template <class U, Enc E, int MB>
-bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, int T, bool* skewed) {
+bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, int T, bool* wider) {
   if constexpr (sizeof(U) < 4) {
     return false;
   } else {
@@ -1243,7 +1245,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
         if (!top_digit && look.span_bits == 32 &&
             fits(sample_buckets<MSD_BITS_CLUSTERED>(in, n, cd, [](U k) { return (uint32_t)(k >> (32 - MSD_BITS_CLUSTERED)); })
                          .biggest / SAMPLE_SLACK, guess_bytes, false)) {
-          *skewed = true;
+          *wider = true;
           return false;
         }
       }
@@ -1277,10 +1279,8 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       // the digit exactly as the split computes it: bits [w - 8, w) of v
       const int lbd = std::max(w - MB, 0);
       look = sample_buckets<MB>(in, n, cd, [&](U k) { return ((uint32_t)(k - base_key) >> lbd) & (RB - 1); });
-      if (too_big(look.biggest / SAMPLE_SLACK, guess_bytes, look.varied)) {
-        *skewed = true;  // skewed keys (see bucket_ok): more buckets or the LSD engine, without this read
-        return false;
-      }
+      if (too_big(look.biggest / SAMPLE_SLACK, guess_bytes, look.varied))
+        return false;  // skewed keys (see bucket_ok): the LSD engine, without this read
       std::fill(hist.begin(), hist.end(), 0u);
       pk::parallel_threads(T, [&](int t) {
         const int64_t b = n * t / T, e = n * (t + 1) / T;
@@ -1301,10 +1301,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     // skewed keys (one bucket past L2 size holding most keys, all one value in the sample, or past the
     // budget): the LSD engine sorts them. (look.varied describes the sample's fullest bucket, which for
     // skewed keys is the exact counts' biggest too.)
-    if (too_big((double)biggest, rec_bytes, look.varied)) {
-      *skewed = true;
-      return false;
-    }
+    if (too_big((double)biggest, rec_bytes, look.varied)) return false;
 
     const int lb = std::max(w - MB, 0);  // bits sorted inside a bucket, below the digit
     st.threads = T;
@@ -1423,10 +1420,10 @@ void radix_sort_typed(const SortArgs& a, const Codec<U>& codec, SortStats& st) {
     if (a.out_idx) advise_huge(a.out_idx, (size_t)n * 8);
     if (a.out_pay) advise_huge(a.out_pay, (size_t)n * a.pay_size);
   }
-  bool skewed = false;
-  if (msd_hybrid_sort<U, E, MSD_BITS>(a, cd, st, T, &skewed)) return;
+  bool wider = false;  // the 256-bucket attempt's sample says 2048 buckets spread the keys (before any read)
+  if (msd_hybrid_sort<U, E, MSD_BITS>(a, cd, st, T, &wider)) return;
   if constexpr (sizeof(U) == 4) {  // clustered 32-bit keys: 2048 buckets before the LSD engine
-    if (skewed && msd_hybrid_sort<U, E, MSD_BITS_CLUSTERED>(a, cd, st, T, &skewed)) return;
+    if (wider && msd_hybrid_sort<U, E, MSD_BITS_CLUSTERED>(a, cd, st, T, &wider)) return;
   }
   Engine<U, E> eng(a, cd, st);
   eng.wc = a.wc < 0 ? !(plain_fits && db <= 8) : a.wc > 0;
