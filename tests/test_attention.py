@@ -615,3 +615,23 @@ def test_vmap_over_flash_attention():
     got = torch.func.vmap(lambda a, b, c: flash_attention(a, b, c, causal=True))(q, k, v)
     want = torch.stack([flash_attention(q[i], k[i], v[i], causal=True) for i in range(3)])
     torch.testing.assert_close(got, want)
+
+
+def test_lse_flags_native_and_numpy_agree():
+    """_cpu.lse_flags (the check after aten's kernel that sends NaN/inf rows to the blocked path): the
+    native scan of a dense LSE ([B, H, S] or aten's [B, S, H] memory order, float32/float64) and the
+    numpy fallback for causal row ranges give the same (nonfinite, zero) flags as a direct test."""
+    from pykernels.attention import _cpu
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        for special in (None, float("nan"), float("inf"), -float("inf"), 0.0, -0.0):
+            for pos in (0, 7, 59):
+                base = torch.randn(2, 5, 6, generator=g, dtype=dtype) + 10  # [B, S, H] memory, no zeros
+                if special is not None:
+                    base.view(-1)[pos] = special
+                for lse in (base.transpose(1, 2), base.transpose(1, 2).contiguous()):
+                    for first in (0, 1, 3):
+                        rows = lse[:, :, first:]
+                        want = (not bool(torch.isfinite(rows).all()), bool((rows == 0).any()))
+                        assert _cpu.lse_flags(lse, first) == want, (dtype, special, pos, first)

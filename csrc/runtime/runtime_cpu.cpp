@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <climits>
 #include <cstdio>
 #include <cstring>
@@ -59,6 +60,24 @@ PK_TARGET_AVX2 uint64_t sum_words_avx2(const uint64_t* p, int64_t n) {
   return s;
 }
 #endif
+
+// Flags of n dense float32 (or float64) values: bit 0 some value is NaN or +-inf, bit 1 some value is
+// exactly zero. flash_attention's CPU path reads its LSE this way after aten's kernel (aten zeroes a
+// row holding NaN with an lse of exactly 0, and an inf gives a NaN lse): one call instead of ~5 numpy
+// calls, which right after the kernel (cache-cold interpreter) cost ~25 us of a ~150 us decode step.
+int float_flags(uintptr_t src, int64_t n, bool f64) {
+  int flags = 0;
+  auto scan = [&](auto* p) {
+    for (int64_t i = 0; i < n; ++i) {
+      const auto x = p[i];
+      flags |= std::isfinite(x) ? 0 : 1;
+      flags |= x == 0 ? 2 : 0;
+    }
+  };
+  if (f64) scan(reinterpret_cast<const double*>(src));
+  else scan(reinterpret_cast<const float*>(src));
+  return flags;
+}
 
 uint64_t read_sum(uintptr_t src, int64_t nbytes, int num_threads) {
   const uint64_t* p = reinterpret_cast<const uint64_t*>(src);
@@ -430,6 +449,8 @@ PYBIND11_MODULE(_cpu_runtime, m) {
   m.doc() = "pykernels CPU runtime: SIMD detection and memory-bandwidth probes";
   m.def("cpu_has_avx2", &pk::cpu_has_avx2, "True when the AVX2 kernels run on this CPU");
   m.def("cpu_has_avx512", &pk::cpu_has_avx512, "True when the AVX-512 (VNNI, BF16, VPOPCNTDQ) kernels run on this CPU");
+  m.def("float_flags", &float_flags, py::arg("src"), py::arg("n"), py::arg("f64"),
+        "bit 0: some of the n dense floats is NaN/inf; bit 1: some is exactly zero");
   m.def("read_sum", &read_sum, py::arg("src"), py::arg("nbytes"), py::arg("num_threads"),
         "Sum of the 64-bit words at src (reads every byte once, on num_threads threads)");
   m.def("copy_bytes", &copy_bytes, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("num_threads"),

@@ -102,10 +102,10 @@ def _forward_impl(q, k, v, causal: bool, scale: float, backend: str, config: Opt
         # pool is still awake: before it, waking the pool cost ~10 ms on a busy machine.)
         if k.shape[2] == 0:
             return out, lse
-        # rows that see keys; numpy: these small checks cost ~3x less than torch ops on every call
-        live = lse.detach().numpy()[:, :, max(0, q.shape[2] - k.shape[2]):] if causal else lse.detach().numpy()
+        # the rows that see keys
+        nonfinite, zero = _cpu.lse_flags(lse, max(0, q.shape[2] - k.shape[2]) if causal else 0)
         zero_lse_flags_nan = _cpu.nan_rows_show_as_zero_lse(q.shape[2], k.shape[2], causal, q.dtype)
-        if np.isfinite(live.sum()) and ((zero_lse_flags_nan and not (live == 0).any()) or _all_finite(q)):
+        if not nonfinite and ((zero_lse_flags_nan and not zero) or _all_finite(q)):
             return out, lse
     return _cpu.blocked_forward(q, k, v, causal, scale, chunk_elems=int(cfg.get("chunk_elems", 1 << 22)))
 

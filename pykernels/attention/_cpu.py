@@ -30,8 +30,11 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from .. import _native
 
 _ATEN_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _ATEN_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -78,9 +81,25 @@ def like_q(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(out.shape, want, dtype=out.dtype, device=out.device).copy_(out)
 
 
+def lse_flags(lse: torch.Tensor, first_row: int) -> tuple:
+    """(some value is NaN/inf, some value is exactly 0) over lse[:, :, first_row:], as flash_forward's
+    callers check it after aten's kernel. One native call where those rows are the whole of a dense lse
+    (aten writes it [B, S, H] in memory: the common case), else numpy; numpy's ~5 calls (and .numpy()),
+    right after the kernel with the interpreter's data out of the caches, cost ~25 us of a ~150 us
+    decode step (q of one token against 128 keys)."""
+    if first_row == 0 and lse.dtype in (torch.float32, torch.float64) and (
+            lse.is_contiguous() or lse.transpose(1, 2).is_contiguous()):
+        flags = _native.cpu_module("runtime").float_flags(lse.data_ptr(), lse.numel(), lse.dtype == torch.float64)
+        return bool(flags & 1), bool(flags & 2)
+    live = lse.detach()[:, :, first_row:].numpy()
+    return not np.isfinite(live.sum()), bool((live == 0).any())
+
+
 def _dense_last(x: torch.Tensor) -> torch.Tensor:
     """aten's kernels take any strides with a unit-stride head dim, as long as rows do not overlap (they
     size out with empty_like(q) but write it as if the head dim were dense): copy only otherwise."""
+    if x.is_contiguous():  # the common case, without the per-dimension walk below (~1.5 us a tensor)
+        return x
     rows_apart = all(x.shape[d] == 1 or x.stride(d) >= x.shape[-1] for d in range(x.dim() - 1))
     return x if x.stride(-1) == 1 and rows_apart else x.contiguous()
 
