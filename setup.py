@@ -12,7 +12,6 @@ Environment:
   PYKERNELS_CUDA_ARCHS=80;90 SM architectures (default 80;90)
   PYKERNELS_BUILD_HIP=1      build the GPU modules with hipcc for AMD (PYKERNELS_HIP_ARCHS=gfx90a)
 """
-import glob
 import os
 import shutil
 import subprocess
@@ -69,9 +68,9 @@ def families():
 class GpuExtension(Pybind11Extension):
     """A pybind11 extension whose .cu sources are compiled by nvcc (or hipcc) first."""
 
-    def __init__(self, name, cpp_sources, gpu_sources, mode):
+    def __init__(self, name, cpp_sources, gpu_sources, mode, headers=()):
         super().__init__(name, cpp_sources, include_dirs=[str(COMMON)], extra_compile_args=CXX_FLAGS,
-                         cxx_std=17)
+                         cxx_std=17, depends=list(headers))
         self.gpu_sources = gpu_sources
         self.mode = mode
 
@@ -106,8 +105,7 @@ class BuildExt(build_ext):
             ext.libraries.append("amdhip64")
         for src in ext.gpu_sources:
             obj = tmp / (Path(src).stem + ".o")
-            if not obj.exists() or obj.stat().st_mtime < max(Path(s).stat().st_mtime for s in
-                                                             [src, *glob.glob(str(COMMON / "*.h"))]):
+            if not obj.exists() or obj.stat().st_mtime < max(Path(s).stat().st_mtime for s in [src, *ext.depends]):
                 cmd = [*base, "-c", "-x", "cu" if ext.mode == "cuda" else "hip", src, "-o", str(obj)]
                 print(" ".join(cmd))
                 env = dict(os.environ, HIP_PLATFORM="amd") if ext.mode == "hip" else None
@@ -122,14 +120,16 @@ def extensions():
     for fam in families():
         folder = CSRC / fam
         cpp = sorted(str(p.relative_to(ROOT)) for p in folder.glob("*.cpp"))
+        # headers: an edit to one rebuilds the family (setuptools only compares the sources otherwise)
+        headers = sorted(str(p.relative_to(ROOT)) for p in [*folder.glob("*.h"), *COMMON.glob("*.h")])
         cpu_sources = [s for s in cpp if not s.endswith("_cuda_bind.cpp")]
         if cpu_sources:
             exts.append(Pybind11Extension(f"pykernels._cpu_{fam}", cpu_sources, include_dirs=[str(COMMON)],
-                                          extra_compile_args=CXX_FLAGS, cxx_std=17))
+                                          extra_compile_args=CXX_FLAGS, cxx_std=17, depends=headers))
         cu = sorted(str(p) for p in folder.glob("*.cu"))
         bind = [s for s in cpp if s.endswith("_cuda_bind.cpp")]
         if mode and cu and bind:
-            exts.append(GpuExtension(f"pykernels._cuda_{fam}", bind, cu, mode))
+            exts.append(GpuExtension(f"pykernels._cuda_{fam}", bind, cu, mode, headers))
     return exts
 
 

@@ -8,7 +8,8 @@
 // Speed on the CPU comes from memory-level parallelism (each probe of a large table is a DRAM miss of
 // ~100 ns): keys are processed as a software pipeline -- the window of key i + D is hashed and
 // prefetched while key i is probed -- so about D misses are in flight per thread (the prefetch
-// distance D is autotuned; lookups prefetch the first windows of D keys as a group, hash_cpu_probe.h).
+// distance D is autotuned; lookups and inserts prefetch the first windows of D keys as a group,
+// hash_cpu_probe.h).
 // A window is one cache line, compared with one AVX-512 instruction per
 // mask (hash_cpu_probe.h, per SIMD tier), and the overflow filter (hash_layout.h) lets a miss stop
 // at its first full window: DRAM lines per find ~1.04 (load 0.5) and ~1.3-1.4 (load 0.9, hits or
@@ -206,11 +207,12 @@ struct Table {
     K k;
   };
 
-  void ins_begin(InsState& s, int64_t i, K k, uint64_t v, Probe p0) const {
+  // prefetch = false: the caller prefetched the first window already (grouped_insert).
+  void ins_begin(InsState& s, int64_t i, K k, uint64_t v, Probe p0, bool prefetch = true) const {
     // p0 and p from the register copy: `s.p0 = s.p = p0` re-read s.p with one 16-byte load right after
     // its narrower stores, a store-forwarding stall on every insert
     s.i = i; s.k = k; s.v = v; s.p0 = p0; s.p = p0; s.visited = 0; s.free_slot = nullptr; s.mark_w = 0;
-    prefetch_w(s.p.w);
+    if (prefetch) prefetch_w(s.p.w);
   }
   void prefetch_w(uint64_t w) const {
     const char* line = reinterpret_cast<const char*>(window(w));
@@ -334,96 +336,7 @@ uint64_t read_val(const void* vals, int64_t i) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// Bulk operations
-// ------------------------------------------------------------------------------------------------
-template <class K, class V>
-py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t n, uintptr_t status_p, int mode,
-                      int64_t used_now, int64_t limit, int nthreads, int D) {
-  Table<K, V> t(g);
-  const K* keys = reinterpret_cast<const K*>(keys_p);
-  const void* vals = reinterpret_cast<const void*>(vals_p);
-  uint8_t* status = reinterpret_cast<uint8_t*>(status_p);
-  std::atomic<int64_t> used(used_now);
-  const int nt = threads_for(n, nthreads);
-  std::vector<int64_t> news(nt, 0), new_empty(nt, 0), pending(nt, 0);
-  {
-    py::gil_scoped_release release;
-    dyn_ranges(n, nt, [&](int tid, int64_t b, int64_t e) {
-      int64_t nn = 0, ne = 0, np = 0;
-      Budget budget(used, limit);
-      auto run = [&](auto mode_tag) {
-        constexpr int Mode = decltype(mode_tag)::value;
-        // AMAC (see amac_find): up to D inserts in flight, one window per step.
-        using St = typename Table<K, V>::InsState;
-        constexpr int kMaxG = 64;
-        St sts[kMaxG];
-        bool live[kMaxG];
-        const int G = std::max(1, std::min(D, kMaxG));
-        int64_t next = b;
-        auto finish = [&](int64_t i, uint8_t st) {
-          status[i] = st;
-          nn += st == ST_NEW;
-          np += st == ST_PENDING;
-        };
-        auto start = [&](St& s) -> bool {
-          while (next < e) {
-            const int64_t i = next++;
-            const K k = keys[i];
-            const uint64_t v = (Mode == M_ADD && !vals) ? 1 : (vals ? read_val<K, V>(vals, i) : 0);
-            if (PK_UNLIKELY(is_special(k))) {
-              finish(i, Mode == M_APPEND ? ST_SKIPPED : t.template insert_special<Mode>(k, v));
-              continue;
-            }
-            t.ins_begin(s, i, k, v, probe_start((uint64_t)k, g.seed, g.nw));
-            return true;
-          }
-          return false;
-        };
-        int active = 0;
-        for (int x = 0; x < G; ++x) active += (live[x] = start(sts[x]));
-        while (active) {
-          for (int x = 0; x < G; ++x) {
-            if (!live[x]) continue;
-            uint8_t st;
-            if (!t.template ins_step<Mode>(sts[x], st, budget, ne)) continue;
-            finish(sts[x].i, st);
-            if (!(live[x] = start(sts[x]))) --active;
-          }
-        }
-      };
-      if (mode == M_UPSERT) run(std::integral_constant<int, M_UPSERT>());
-      else if (mode == M_ADD) run(std::integral_constant<int, M_ADD>());
-      else run(std::integral_constant<int, M_APPEND>());
-      news[tid] += nn; new_empty[tid] += ne; pending[tid] += np;
-    });
-  }
-  int64_t a = 0, b = 0, c = 0;
-  for (int i = 0; i < nt; ++i) { a += news[i]; b += new_empty[i]; c += pending[i]; }
-  if (c && nt > 1) {
-    // A thread may have been refused while another still held reserved slots (given back since):
-    // retry the refused keys alone, so "left out" means what it does single-threaded.
-    py::gil_scoped_release release;
-    Budget budget(used, limit);
-    for (int64_t i = 0; i < n; ++i) {
-      if (status[i] != ST_PENDING) continue;
-      const K k = keys[i];
-      const uint64_t v = (mode == M_ADD && !vals) ? 1 : (vals ? read_val<K, V>(vals, i) : 0);
-      const Probe p = probe_start((uint64_t)k, g.seed, g.nw);
-      uint8_t st;
-      if (mode == M_UPSERT) st = t.template insert_one<M_UPSERT>(k, v, p, budget, b);
-      else if (mode == M_ADD) st = t.template insert_one<M_ADD>(k, v, p, budget, b);
-      else st = t.template insert_one<M_APPEND>(k, v, p, budget, b);
-      if (st == ST_PENDING) continue;  // still no room (a key already present is updated, as alone)
-      status[i] = st;
-      a += st == ST_NEW;
-      --c;
-    }
-  }
-  return py::make_tuple(a, b, c);
-}
-
-// ------------------------------------------------------------------------------------------------
-// Lookups, compiled per SIMD tier (chosen at run time in find_impl). A 64-byte window's "key matches"
+// Lookups and inserts, compiled per SIMD tier (chosen at run time: amac_find_tiered, grouped_insert_tiered). A 64-byte window's "key matches"
 // and "slot EMPTY" masks come from one AVX-512 compare per mask (two AVX2 ones) over the whole cache
 // line, keeping the key lanes (every sizeof(Slot)/sizeof(K)-th element) with a PEXT.
 // ------------------------------------------------------------------------------------------------
@@ -502,6 +415,111 @@ void amac_find_tiered(const Table<K, V>& t, const K* keys, int64_t b, int64_t e,
 #endif
   tier_portable::amac_find(t, keys, b, e, G, emit);
 }
+
+template <int Mode, class K, class V, class ValOf, class Finish>
+bool grouped_insert_tiered(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, Budget& budget,
+                           int64_t& new_empty, ValOf&& val_of, Finish&& finish) {
+#if PK_X86
+  if (pk::cpu_has_avx512())
+    return tier_avx512::grouped_insert<Mode>(t, keys, b, e, G, budget, new_empty, val_of, finish);
+  if (pk::cpu_has_avx2()) return tier_avx2::grouped_insert<Mode>(t, keys, b, e, G, budget, new_empty, val_of, finish);
+#endif
+  return tier_portable::grouped_insert<Mode>(t, keys, b, e, G, budget, new_empty, val_of, finish);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Bulk operations
+// ------------------------------------------------------------------------------------------------
+template <class K, class V>
+py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t n, uintptr_t status_p, int mode,
+                      int64_t used_now, int64_t limit, int nthreads, int D) {
+  Table<K, V> t(g);
+  const K* keys = reinterpret_cast<const K*>(keys_p);
+  const void* vals = reinterpret_cast<const void*>(vals_p);
+  uint8_t* status = reinterpret_cast<uint8_t*>(status_p);
+  std::atomic<int64_t> used(used_now);
+  const int nt = threads_for(n, nthreads);
+  std::vector<int64_t> news(nt, 0), new_empty(nt, 0), pending(nt, 0);
+  {
+    py::gil_scoped_release release;
+    dyn_ranges(n, nt, [&](int tid, int64_t b, int64_t e) {
+      int64_t nn = 0, ne = 0, np = 0;
+      Budget budget(used, limit);
+      auto run = [&](auto mode_tag) {
+        constexpr int Mode = decltype(mode_tag)::value;
+        using St = typename Table<K, V>::InsState;
+        constexpr int kMaxG = 64;
+        St sts[kMaxG];
+        bool live[kMaxG];
+        const int G = std::max(1, std::min(D, kMaxG));
+        int64_t next = b;
+        auto finish = [&](int64_t i, uint8_t st) {
+          status[i] = st;
+          nn += st == ST_NEW;
+          np += st == ST_PENDING;
+        };
+        auto start = [&](St& s) -> bool {
+          while (next < e) {
+            const int64_t i = next++;
+            const K k = keys[i];
+            const uint64_t v = (Mode == M_ADD && !vals) ? 1 : (vals ? read_val<K, V>(vals, i) : 0);
+            if (PK_UNLIKELY(is_special(k))) {
+              finish(i, Mode == M_APPEND ? ST_SKIPPED : t.template insert_special<Mode>(k, v));
+              continue;
+            }
+            t.ins_begin(s, i, k, v, probe_start((uint64_t)k, g.seed, g.nw));
+            return true;
+          }
+          return false;
+        };
+        auto val_of = [&](int64_t i) __attribute__((always_inline)) -> uint64_t {
+          return (Mode == M_ADD && !vals) ? 1 : (vals ? read_val<K, V>(vals, i) : 0);
+        };
+        if (grouped_insert_tiered<Mode>(t, keys, b, e, G, budget, ne, val_of, finish)) return;
+        // other window sizes: AMAC, up to G inserts in flight, one window per step
+        int active = 0;
+        for (int x = 0; x < G; ++x) active += (live[x] = start(sts[x]));
+        while (active) {
+          for (int x = 0; x < G; ++x) {
+            if (!live[x]) continue;
+            uint8_t st;
+            if (!t.template ins_step<Mode>(sts[x], st, budget, ne)) continue;
+            finish(sts[x].i, st);
+            if (!(live[x] = start(sts[x]))) --active;
+          }
+        }
+      };
+      if (mode == M_UPSERT) run(std::integral_constant<int, M_UPSERT>());
+      else if (mode == M_ADD) run(std::integral_constant<int, M_ADD>());
+      else run(std::integral_constant<int, M_APPEND>());
+      news[tid] += nn; new_empty[tid] += ne; pending[tid] += np;
+    });
+  }
+  int64_t a = 0, b = 0, c = 0;
+  for (int i = 0; i < nt; ++i) { a += news[i]; b += new_empty[i]; c += pending[i]; }
+  if (c && nt > 1) {
+    // A thread may have been refused while another still held reserved slots (given back since):
+    // retry the refused keys alone, so "left out" means what it does single-threaded.
+    py::gil_scoped_release release;
+    Budget budget(used, limit);
+    for (int64_t i = 0; i < n; ++i) {
+      if (status[i] != ST_PENDING) continue;
+      const K k = keys[i];
+      const uint64_t v = (mode == M_ADD && !vals) ? 1 : (vals ? read_val<K, V>(vals, i) : 0);
+      const Probe p = probe_start((uint64_t)k, g.seed, g.nw);
+      uint8_t st;
+      if (mode == M_UPSERT) st = t.template insert_one<M_UPSERT>(k, v, p, budget, b);
+      else if (mode == M_ADD) st = t.template insert_one<M_ADD>(k, v, p, budget, b);
+      else st = t.template insert_one<M_APPEND>(k, v, p, budget, b);
+      if (st == ST_PENDING) continue;  // still no room (a key already present is updated, as alone)
+      status[i] = st;
+      a += st == ST_NEW;
+      --c;
+    }
+  }
+  return py::make_tuple(a, b, c);
+}
+
 
 template <class K, class V>
 void find_impl(const Geo& g, uintptr_t keys_p, int64_t n, uintptr_t out_vals_p, uintptr_t found_p, uint64_t dflt,
@@ -695,9 +713,12 @@ int64_t rehash_impl(const Geo& src, const Geo& dst, int nthreads, int D) {
           else vbuf[m] = 0;
           ++m;
         }
+        auto tally = [&](int64_t, uint8_t st) __attribute__((always_inline)) { if (st == ST_NEW) ++mv; else ++ms; };
+        if (grouped_insert_tiered<M_APPEND>(d, kbuf, 0, m, D, budget, ne,
+                                            [&](int64_t i) __attribute__((always_inline)) { return vbuf[i]; }, tally))
+          continue;
         pipelined<K, true>(kbuf, 0, m, D, dst, d.window_bytes, [&](int64_t i, K k, Probe p) {
-          uint8_t st = d.template insert_one<M_APPEND>(k, vbuf[i], p, budget, ne);
-          if (st == ST_NEW) ++mv; else ++ms;
+          tally(i, d.template insert_one<M_APPEND>(k, vbuf[i], p, budget, ne));
         });
       }
       moved[tid] += mv;

@@ -28,7 +28,7 @@ import torch
 
 from . import _layout as L
 from . import _ops
-from ._tables import M_ADD, M_APPEND, M_UPSERT, ST_NEW, _OpenTable, _device
+from ._tables import M_ADD, M_APPEND, M_UPSERT, _OpenTable, _device, new_keys_mask
 from .. import _backend, _native
 from ..errors import TableFullError  # noqa: F401  (re-exported for convenience)
 
@@ -54,7 +54,7 @@ class HashMap(_OpenTable):
         values = self._values("insert", values, keys)
         with self._locked():
             status = self._insert_bits(f"{self._op}.insert", L.key_bits(keys), L.value_bits(values), M_UPSERT)
-        return (status == ST_NEW).view(keys.shape)
+        return new_keys_mask(status).view(keys.shape)
 
     def find(self, keys, default=0):
         """(values, found): the value of each key, `default` where the key is absent."""
@@ -97,7 +97,7 @@ class HashSet(_OpenTable):
         keys = self._keys("insert", keys)
         with self._locked():
             status = self._insert_bits(f"{self._op}.insert", L.key_bits(keys), None, M_UPSERT)
-        return (status == ST_NEW).view(keys.shape)
+        return new_keys_mask(status).view(keys.shape)
 
 
 class CountingTable(_OpenTable):
@@ -120,7 +120,7 @@ class CountingTable(_OpenTable):
             vbits = L.value_bits(counts)
         with self._locked():
             status = self._insert_bits(f"{self._op}.add", L.key_bits(keys), vbits, M_ADD)
-        return (status == ST_NEW).view(keys.shape)
+        return new_keys_mask(status).view(keys.shape)
 
     insert = add
 

@@ -25,6 +25,14 @@ ST_EXISTED, ST_NEW, ST_PENDING, ST_SKIPPED = 0, 1, 2, 3
 # insert modes
 M_UPSERT, M_ADD, M_APPEND = 0, 1, 2
 
+
+def new_keys_mask(status: torch.Tensor) -> torch.Tensor:
+    """An upsert's or add's result, True where the key was new, from the status _insert_bits returns:
+    every byte is then ST_EXISTED (0) or ST_NEW (1) (left-out keys were inserted after growth or
+    raised TableFullError; only append mode skips), so the bytes are the bools themselves. A view, not
+    a compare: 2 ms of a 50 ms insert of 4M keys."""
+    return status.view(torch.bool)
+
 _SUPPORTED = ("cpu", "cuda")
 _TUNED_OPS = ("hash_find", "hash_insert")  # the autotuned ops of a table (_tune.py)
 _GPU_WINDOWS = (1, 2, 4, 8, 16, 32)  # group sizes hash.cu is instantiated for
