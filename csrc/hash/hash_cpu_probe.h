@@ -93,6 +93,15 @@ void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, i
     }
   };
   auto push = [&](const Pending& pd) __attribute__((always_inline)) { q[(qhead + qlen++) % kQueue] = pd; };
+  // A window full without the key: its filter byte and (speculatively) the next window are prefetched
+  // together, so a lookup that must go on waits once per window, not twice (filter, then window).
+  // Measured at load 0.9 (4M int64 keys, 2 threads, same script in turn): all hits 40-42 -> 37.5-39 ms,
+  // half misses unchanged (they mostly run in AMAC, where the same speculation cost 3-5%: not there).
+  auto wait_filter = [&](Probe p) __attribute__((always_inline)) {
+    if (t.ovf) PK_PREFETCH_R(t.ovf + p.w);
+    probe_next(p, nw);
+    PK_PREFETCH_R(slots + p.w * CW);
+  };
   // A window that decided: the hit's slot, or (m == 0) the window's last slot: a valid address either
   // way, so the emitter reads it without a branch.
   auto decided = [&](int64_t i, K k, const S* win, uint32_t m) __attribute__((always_inline)) {
@@ -105,20 +114,20 @@ void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, i
     --qlen;
     const S* win = slots + pd.p.w * CW;
     if (pd.check) {
-      if (t.overflowed(pd.p.w, pd.p.tag) && pd.visited + 1 < nw) {
-        probe_next(pd.p, nw);
-        PK_PREFETCH_R(slots + pd.p.w * CW);
-        push(Pending{pd.i, pd.k, pd.p, pd.visited + 1, false});
-      } else {
+      if (!(t.overflowed(pd.p.w, pd.p.tag) && pd.visited + 1 < nw)) {
         emit(pd.i, pd.k, const_cast<S*>(&win[CW - 1]), false, false);
         ++long_misses;
+        return;
       }
-      return;
+      // the next window was prefetched with the filter byte: examined now, not after another wait
+      probe_next(pd.p, nw);
+      ++pd.visited;
+      win = slots + pd.p.w * CW;
     }
     uint32_t empty;
     const uint32_t m = window_masks<CW>(t, win, pd.k, empty);
     if ((m | empty) == 0) {
-      if (t.ovf) PK_PREFETCH_R(t.ovf + pd.p.w);
+      wait_filter(pd.p);
       pd.check = true;
       push(pd);
       return;
@@ -151,7 +160,7 @@ void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, i
       const uint32_t m = window_masks<CW>(t, win, k, empty);
       if (PK_UNLIKELY((m | empty) == 0)) {
         const Probe p = probe_start((uint64_t)k, seed, nw);
-        if (t.ovf) PK_PREFETCH_R(t.ovf + p.w);
+        wait_filter(p);
         push(Pending{i, k, p, 0, true});
         // one step either finishes a lookup or re-queues it: step until one finished, so the FIFO
         // never holds more than B + 1 (a step per push would let re-queued lookups pile up)
