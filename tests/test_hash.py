@@ -3,6 +3,7 @@
 CPU backend here; the same checks run on the CUDA backend in test_hash_gpu.py (marked gpu).
 """
 import collections
+import math
 import random
 import threading
 import warnings
@@ -1777,3 +1778,54 @@ def test_find_default_as_a_compiled_argument_traces_for_every_value():
         want, _ = tf.find(q, default=d)
         torch.testing.assert_close(v, want, equal_nan=True)
         assert v.dtype == torch.float32
+
+
+@pytest.mark.parametrize("cls", [HashMap, HashSet, CountingTable, MultiValueHashMap])
+def test_bulk_insert_far_larger_than_the_table_grows_ahead_and_keeps_every_key(cls):
+    """A growable table whose room is a small fraction of one insert grows before it (_grow_ahead) and,
+    when repeated keys leave it mostly empty, is rebuilt at the size the distinct keys need, never below
+    its capacity before the call: the same contents as growing on demand, over distinct keys, keys
+    repeated 4x and 10 keys repeated 10K times."""
+    g = torch.Generator().manual_seed(11)
+    distinct = torch.randint(-(1 << 62), 1 << 62, (60000,), generator=g).unique()
+    distinct = distinct[torch.randperm(distinct.numel(), generator=g)]
+    cases = {"distinct": distinct, "x4": distinct[:15000].repeat(4)[torch.randperm(60000, generator=g)],
+             "10keys": distinct[:10].repeat(10000)}
+    for name, keys in cases.items():
+        t = cls(1024) if cls in (HashSet, CountingTable) else cls(1024, value_dtype=torch.int64)
+        vals = torch.arange(keys.numel(), dtype=torch.int64)
+        if cls is HashSet:
+            new = t.insert(keys)
+        elif cls is CountingTable:
+            new = t.add(keys)
+        elif cls is HashMap:
+            new = t.insert(keys, vals)
+        else:
+            t.insert(keys, vals)
+            new = None
+        uniq = keys.unique()
+        if cls is MultiValueHashMap:
+            assert len(t) == keys.numel(), name
+            assert t.count(uniq).sum().item() == keys.numel(), name
+        else:
+            assert len(t) == uniq.numel(), name
+            assert new.sum().item() == uniq.numel(), name
+            if cls is CountingTable:
+                ref = collections.Counter(keys.tolist())
+                assert t.counts(uniq).tolist() == [ref[k] for k in uniq.tolist()], name
+            elif cls is HashMap:
+                got, found = t.find(keys)
+                assert found.all(), name
+                last = {k: v for k, v in zip(keys.tolist(), vals.tolist())} if name == "distinct" else None
+                if last is not None:
+                    assert got.tolist() == [last[k] for k in keys.tolist()], name
+            else:
+                assert t.contains(uniq).all(), name
+        need = max(1024, math.ceil(len(t) / t.max_load_factor) + 1)
+        assert t.capacity < 2 * need + 2 * t.window, (name, t.capacity, need)
+        assert t.capacity >= 1024, name
+    # a table that may not grow is never resized: it inserts what fits and reports the rest
+    t = HashSet(1024, growable=False)
+    with pytest.raises(TableFullError):
+        t.insert(distinct)
+    assert t.capacity < 1100 and t.contains(t.items()).all()

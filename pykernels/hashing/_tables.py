@@ -235,9 +235,13 @@ class _OpenTable:
         if n == 0:
             return torch.empty(0, dtype=torch.uint8, device=self.device)
         cfg = self._config("hash_insert")
+        capacity_before = self.capacity
+        grew_ahead = self._grow_ahead(n)
         status, (new, new_empty, pending) = self._native_insert(kbits, vbits, mode, cfg)
         self._size += new
         self._used += new_empty
+        if grew_ahead:
+            self._shrink_after_growing_ahead(capacity_before)
         purged = False
         while pending:
             idx = torch.nonzero(status == ST_PENDING).reshape(-1)
@@ -265,6 +269,27 @@ class _OpenTable:
             status[idx] = sub_status
             pending = pending2  # after a purge, the next round grows or raises: no endless loop
         return status
+
+    def _grow_ahead(self, n):
+        """A growable table whose free room is a small fraction of a bulk insert grows once, before it, to
+        hold every key (pandas' factorize sizes its table by the input the same way). Inserting into the
+        small table instead fills it, refuses every other key, counts the refused keys' distinct values
+        with a sort and inserts them again after growing: 4M distinct int64 keys into HashMap(1024) took
+        ~440 ms that way, ~90 ms this way (into a table sized beforehand: ~60 ms). Returns whether it grew."""
+        room = self._limit() - self._used
+        if not self.growable or n <= 4 * max(room, 0):
+            return False
+        need = math.ceil((self._size + n) / self.max_load_factor) + 1
+        self._rehash(max(2 * self.capacity, need))
+        return True
+
+    def _shrink_after_growing_ahead(self, capacity_before):
+        """_grow_ahead sized for every key new; keys repeated in the input (or already present) can leave
+        the table mostly empty: it is then rebuilt at the size the keys need (never below its size before
+        the call), so memory follows the distinct keys, as growing on demand would have."""
+        need = max(capacity_before, math.ceil(self._size / self.max_load_factor) + 1)
+        if 2 * need <= self.capacity:
+            self._rehash(need)
 
     def _n_special(self):
         if self._multi:
