@@ -1780,6 +1780,47 @@ def test_find_default_as_a_compiled_argument_traces_for_every_value():
         assert v.dtype == torch.float32
 
 
+_INSERT_RACE_SCRIPT = r"""
+import torch
+from pykernels import HashSet
+torch.set_num_threads(2)
+CH = 1 << 14  # the native insert's work chunk: the two threads take neighbouring chunks
+for trial in range(6):
+    g = torch.Generator().manual_seed(trial)
+    t = HashSet(1 << 21, torch.int64, max_load_factor=1.0, growable=False)
+    base = torch.unique(torch.randint(0, 1 << 60, (int(t.capacity * 0.72),), generator=g))
+    t.insert(base)
+    t.erase(base[torch.randperm(len(base), generator=g)[: int(t.capacity * 0.12)]])  # tombstones
+    new = torch.randint(0, 1 << 60, (8 * CH,), generator=g) | (1 << 61)
+    # every chunk of new keys twice in a row: both threads insert the same keys at the same moment
+    keys = torch.cat([c for c0 in range(0, len(new), CH) for c in (new[c0:c0 + CH], new[c0:c0 + CH])])
+    before = len(t)
+    mask = t.insert(keys)
+    items = t.items()
+    n_new = len(torch.unique(new))
+    assert len(t) == before + n_new and len(torch.unique(items)) == len(items) == len(t), (trial, len(t), before)
+    assert int(mask.sum()) == n_new, (trial, int(mask.sum()), n_new)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("env", [{}, {"PYKERNELS_DISABLE_AVX512": "1"}, {"PYKERNELS_DISABLE_AVX2": "1"}],
+                         ids=["best", "avx2", "portable"])
+def test_two_threads_inserting_one_key_over_tombstones_store_it_once(env):
+    """Review finding: an insert read its first window's key/EMPTY masks and then, separately, its
+    tombstone mask; the other thread's CAS of the same key into a tombstone between the two reads made
+    that slot look like neither, and the key went into a later EMPTY slot too (len, items() and the
+    new-key mask counted it twice; 4 of 4 trials on the AVX2 tier). All masks now come from one read of
+    each slot."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _INSERT_RACE_SCRIPT], env={**os.environ, **env}, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
 @pytest.mark.parametrize("cls", [HashMap, HashSet, CountingTable, MultiValueHashMap])
 def test_bulk_insert_far_larger_than_the_table_grows_ahead_and_keeps_every_key(cls):
     """A growable table whose room is a small fraction of one insert grows before it (_grow_ahead) and,
@@ -1790,6 +1831,7 @@ def test_bulk_insert_far_larger_than_the_table_grows_ahead_and_keeps_every_key(c
     distinct = torch.randint(-(1 << 62), 1 << 62, (60000,), generator=g).unique()
     distinct = distinct[torch.randperm(distinct.numel(), generator=g)]
     cases = {"distinct": distinct, "x4": distinct[:15000].repeat(4)[torch.randperm(60000, generator=g)],
+             "x1.9": torch.cat([distinct[:30000], distinct[:27000]])[torch.randperm(57000, generator=g)],
              "10keys": distinct[:10].repeat(10000)}
     for name, keys in cases.items():
         t = cls(1024) if cls in (HashSet, CountingTable) else cls(1024, value_dtype=torch.int64)
@@ -1821,9 +1863,10 @@ def test_bulk_insert_far_larger_than_the_table_grows_ahead_and_keeps_every_key(c
                     assert got.tolist() == [last[k] for k in keys.tolist()], name
             else:
                 assert t.contains(uniq).all(), name
+        # the capacity growing on demand gives: the distinct keys (every value of a multi-value table) at
+        # max_load_factor, not every occurrence (review finding: keys repeated 1.9x left 1.9x the slots)
         need = max(1024, math.ceil(len(t) / t.max_load_factor) + 1)
-        assert t.capacity < 2 * need + 2 * t.window, (name, t.capacity, need)
-        assert t.capacity >= 1024, name
+        assert t.capacity == L.windows_for(need, t.window) * t.window, (name, t.capacity, need)
     # a table that may not grow is never resized: it inserts what fits and reports the rest
     t = HashSet(1024, growable=False)
     with pytest.raises(TableFullError):

@@ -352,6 +352,8 @@ namespace tier_portable {
 constexpr bool kSimdLines = false;
 template <class K, class V>
 inline void line_masks(const Slot<K, V>*, K, uint32_t&, uint32_t&) {}
+template <class K, class V>
+inline void line_masks3(const Slot<K, V>*, K, uint32_t&, uint32_t&, uint32_t&) {}
 #include "hash_cpu_probe.h"
 }  // namespace tier_portable
 
@@ -381,6 +383,15 @@ inline void line_masks(const Slot<K, V>* win, K k, uint32_t& hit, uint32_t& empt
   hit = _pext_u32(eq_bits(lo, hi, k), lanes);
   empty = _pext_u32(eq_bits(lo, hi, Sentinel<K>::EMPTY), lanes);
 }
+template <class K, class V>
+inline void line_masks3(const Slot<K, V>* win, K k, uint32_t& hit, uint32_t& empty, uint32_t& tomb) {
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(win));
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(win) + 1);
+  constexpr uint32_t lanes = key_lanes<K, V>();
+  hit = _pext_u32(eq_bits(lo, hi, k), lanes);
+  empty = _pext_u32(eq_bits(lo, hi, Sentinel<K>::EMPTY), lanes);
+  tomb = _pext_u32(eq_bits(lo, hi, Sentinel<K>::TOMB), lanes);
+}
 #include "hash_cpu_probe.h"
 }  // namespace tier_avx2
 #pragma GCC pop_options
@@ -400,6 +411,14 @@ inline void line_masks(const Slot<K, V>* win, K k, uint32_t& hit, uint32_t& empt
   constexpr uint32_t lanes = key_lanes<K, V>();
   hit = _pext_u32(eq_bits(line, k), lanes);
   empty = _pext_u32(eq_bits(line, Sentinel<K>::EMPTY), lanes);
+}
+template <class K, class V>
+inline void line_masks3(const Slot<K, V>* win, K k, uint32_t& hit, uint32_t& empty, uint32_t& tomb) {
+  const __m512i line = _mm512_loadu_si512(win);  // one load: the three masks see one state of the line
+  constexpr uint32_t lanes = key_lanes<K, V>();
+  hit = _pext_u32(eq_bits(line, k), lanes);
+  empty = _pext_u32(eq_bits(line, Sentinel<K>::EMPTY), lanes);
+  tomb = _pext_u32(eq_bits(line, Sentinel<K>::TOMB), lanes);
 }
 #include "hash_cpu_probe.h"
 }  // namespace tier_avx512

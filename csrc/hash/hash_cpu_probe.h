@@ -30,6 +30,31 @@ inline uint32_t window_masks(const Table<K, V>& t, const Slot<K, V>* win, K k, u
   return hit;
 }
 
+// The same masks and a third, "slot TOMBSTONE", all from ONE read of each slot (inserts). During an
+// insert a slot changes at most once (free -> some key), so masks from one read per slot are a state
+// the CAS on the chosen slot can confirm; masks from two reads are not (review finding: the key CAS'd
+// by the other thread into a tombstone between the reads looked like neither, and a later EMPTY slot
+// took the key a second time).
+template <int CW, class K, class V>
+inline uint32_t window_masks3(const Table<K, V>& t, const Slot<K, V>* win, K k, uint32_t& empty, uint32_t& tomb) {
+  if constexpr (kSimdLines && CW > 0 && CW * sizeof(Slot<K, V>) == 64) {
+    uint32_t hit;
+    line_masks3(win, k, hit, empty, tomb);
+    return hit;
+  }
+  const int W = CW > 0 ? CW : t.W;
+  uint32_t hit = 0, emp = 0, tmb = 0;
+  for (int j = 0; j < W; ++j) {
+    const K sk = load_relaxed(&win[j].key);
+    hit |= (uint32_t)(sk == k) << j;
+    emp |= (uint32_t)(sk == Table<K, V>::EMPTY) << j;
+    tmb |= (uint32_t)(sk == Table<K, V>::TOMB) << j;
+  }
+  empty = emp;
+  tomb = tmb;
+  return hit;
+}
+
 // emit(i, key, slot, hit, special): `slot` is the key's slot when hit, else some valid slot of the table
 // (or nullptr), so the caller may read it unconditionally and select with `hit`: a hit-or-miss branch
 // costs a misprediction per lookup when hits and misses mix (50% hits: measured ~1.5x slower lookups).
@@ -282,8 +307,8 @@ template <int Mode, int CW, class K, class V, class Finish>
 inline bool insert_first_window(Table<K, V>& t, Slot<K, V>* win, K k, uint64_t v, int64_t i, Budget& budget,
                                 int64_t& new_empty, Finish&& finish) {
   using T = Table<K, V>;
-  uint32_t emp;
-  const uint32_t hit = window_masks<CW>(t, win, k, emp);
+  uint32_t emp, tomb;
+  const uint32_t hit = window_masks3<CW>(t, win, k, emp, tomb);
   uint32_t limit = ~0u;  // the slots a new key may take: all (append), or those before the first EMPTY
   if (Mode != M_APPEND) {
     const uint32_t decide = hit | emp;
@@ -299,11 +324,7 @@ inline bool insert_first_window(Table<K, V>& t, Slot<K, V>* win, K k, uint64_t v
     }
     limit = (first << 1) - 1;  // up to and including the first EMPTY
   }
-  uint32_t freem = emp & limit;
-  if (!(freem & 1)) {  // a tombstone may come first: only then the second compare
-    uint32_t unused;
-    freem |= window_masks<CW>(t, win, T::TOMB, unused) & limit;
-  }
+  const uint32_t freem = (emp | tomb) & limit;
   if (!freem) return false;
   const int j = __builtin_ctz(freem);
   const bool from_empty = (emp >> j) & 1;
