@@ -19,6 +19,8 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -335,6 +337,26 @@ uint64_t read_val(const void* vals, int64_t i) {
   else return (uint64_t)reinterpret_cast<const V*>(vals)[i];
 }
 
+// An emitter for the lookup loops with an `ahead(base, nb)` hook, called as the lookups [base, base + nb)
+// are hashed (about a group before they are emitted): the emitter may prefetch its outputs. Emitters
+// without one (plain lambdas) skip it.
+template <class Emit, class Ahead>
+struct WithAhead {
+  Emit& emit;
+  Ahead& ahead_fn;
+  template <class... A>
+  __attribute__((always_inline)) void operator()(A&&... a) { emit(std::forward<A>(a)...); }
+  __attribute__((always_inline)) void ahead(int64_t base, int nb) { ahead_fn(base, nb); }
+};
+template <class E, class = void>
+struct has_ahead : std::false_type {};
+template <class E>
+struct has_ahead<E, std::void_t<decltype(std::declval<E&>().ahead(int64_t(0), 0))>> : std::true_type {};
+template <class E>
+__attribute__((always_inline)) inline void emit_ahead(E& emit, int64_t base, int nb) {
+  if constexpr (has_ahead<E>::value) emit.ahead(base, nb);
+}
+
 // ------------------------------------------------------------------------------------------------
 // Lookups and inserts, compiled per SIMD tier (chosen at run time: amac_find_tiered, grouped_insert_tiered). A 64-byte window's "key matches"
 // and "slot EMPTY" masks come from one AVX-512 compare per mask (two AVX2 ones) over the whole cache
@@ -494,7 +516,21 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
         auto val_of = [&](int64_t i) __attribute__((always_inline)) -> uint64_t {
           return (Mode == M_ADD && !vals) ? 1 : (vals ? read_val<K, V>(vals, i) : 0);
         };
-        if (grouped_insert_tiered<Mode>(t, keys, b, e, G, budget, ne, val_of, finish)) return;
+        // as lookups do (find_impl): the status bytes about to be written and the values about to be
+        // read, prefetched ~4 KiB ahead of the inserts just hashed
+        auto ahead = [&](int64_t base, int nb) __attribute__((always_inline)) {
+          for (int64_t x = (base + 63) & ~int64_t(63); x < base + nb; x += 64)
+            if (x + 4096 < e) PK_PREFETCH_W(status + x + 4096);
+          if (vals) {
+            constexpr int64_t vb = sizeof(V), per_line = 64 / vb, dist = 4096 / vb;  // (sets pass no vals)
+            const char* vp = reinterpret_cast<const char*>(vals);
+            for (int64_t x = (base + per_line - 1) & ~(per_line - 1); x < base + nb; x += per_line)
+              if (x + dist < e) PK_PREFETCH_R(vp + (x + dist) * vb);
+          }
+        };
+        if (grouped_insert_tiered<Mode>(t, keys, b, e, G, budget, ne, val_of,
+                                        WithAhead<decltype(finish), decltype(ahead)>{finish, ahead}))
+          return;
         // other window sizes: AMAC, up to G inserts in flight, one window per step
         int active = 0;
         for (int x = 0; x < G; ++x) active += (live[x] = start(sts[x]));
@@ -547,11 +583,11 @@ void find_impl(const Geo& g, uintptr_t keys_p, int64_t n, uintptr_t out_vals_p, 
   const K* keys = reinterpret_cast<const K*>(keys_p);
   uint8_t* found = reinterpret_cast<uint8_t*>(found_p);
   py::gil_scoped_release release;
+  V* const out_vals = reinterpret_cast<V*>(out_vals_p);
   dyn_ranges(n, threads_for(n, nthreads), [&](int, int64_t b, int64_t e) {
     // Inlined into the lookup loop, and branch-free on hit/miss: with hits and misses mixed at random a
     // branch mispredicts on every other lookup (measured: 50% hits took ~1.5x the time of 0% or 100%).
-    amac_find_tiered(t, keys, b, e, D, [&](int64_t i, K k, Slot<K, V>* s, bool hit, bool special)
-                                           __attribute__((always_inline)) {
+    auto emit = [&](int64_t i, K k, Slot<K, V>* s, bool hit, bool special) __attribute__((always_inline)) {
       uint64_t v = dflt;
       if (PK_UNLIKELY(special)) {
         const int si = special_index(k);
@@ -564,9 +600,28 @@ void find_impl(const Geo& g, uintptr_t keys_p, int64_t n, uintptr_t out_vals_p, 
       }
       if (found) found[i] = hit;
       if constexpr (Table<K, V>::kHasVal) {
-        if (out_vals_p) reinterpret_cast<V*>(out_vals_p)[i] = (V)v;
+        if (out_vals) out_vals[i] = (V)v;
       }
-    });
+    };
+    // The lines emit() will store to, prefetched for writing ~4 KiB ahead of the lookups [base, base + nb)
+    // just hashed (which run a group later): with the fill buffers busy on table lines, the stores of
+    // values and flags waited on their read-for-ownership. Measured (4M int64 keys, 2 threads, same
+    // script in turn): load 0.5 26.4 -> 21.9 ms all hits, 27.7 -> 24.0 half misses; 0.9 all hits
+    // 37.9 -> 34.6, half misses unchanged (they run in AMAC, where a prefetch per started lookup cost 5%).
+    auto ahead = [&](int64_t base, int nb) __attribute__((always_inline)) {
+      if constexpr (Table<K, V>::kHasVal) {
+        if (out_vals) {
+          constexpr int64_t per_line = 64 / sizeof(V), dist = 4096 / sizeof(V);
+          for (int64_t x = (base + per_line - 1) & ~(per_line - 1); x < base + nb; x += per_line)
+            if (x + dist < e) PK_PREFETCH_W(out_vals + x + dist);
+        }
+      }
+      if (found) {
+        for (int64_t x = (base + 63) & ~int64_t(63); x < base + nb; x += 64)
+          if (x + 4096 < e) PK_PREFETCH_W(found + x + 4096);
+      }
+    };
+    amac_find_tiered(t, keys, b, e, D, WithAhead<decltype(emit), decltype(ahead)>{emit, ahead});
   });
 }
 
