@@ -1,5 +1,5 @@
 // The lookup and bulk-insert loops of hash_cpu.cpp (grouped first windows with a FIFO for long probes;
-// AMAC over the table's windows for other window sizes and for very full tables), included once per SIMD tier
+// AMAC over the table's windows for other window sizes), included once per SIMD tier
 // (namespaces tier_portable / tier_avx2 / tier_avx512, each compiled for its instruction set and
 // defining kSimdLines and line_masks before the include). Not a standalone header.
 // NOLINT(build/header_guard): meant to be included several times.
@@ -89,6 +89,10 @@ void amac_find(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G,
 // when it joins the FIFO and read once G others went by (the AMAC idea, for the few long probes; a
 // synchronous filter read cost ~12% on lookups with half misses).
 // Why: the AMAC loop alone (amac_find_w) spent ~100 instructions per lookup on its state machine.
+// Misses in very full tables (long probes) ran faster in AMAC until the next window was prefetched with
+// the filter byte and the outputs ahead; since, this loop is faster for every mix (4M int64 keys, 2
+// threads, this loop / AMAC): load 0.9 all misses 45 / 51 ms, half 52 / 55-60; 0.95 half 56 / 63;
+// 0.99 half 64 / 73, all misses 60 / 66. So AMAC (amac_find_w) serves only windows other than a line.
 template <int CW, class K, class V, class Emit>
 void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, Emit&& emit) {
   using S = Slot<K, V>;
@@ -103,11 +107,6 @@ void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, i
   struct Pending { int64_t i; K k; Probe p; uint64_t visited; bool check; };
   Pending q[kQueue];
   int qhead = 0, qlen = 0;
-  // the first kSample lookups decide between this loop and AMAC for the rest of the range: AMAC when
-  // more than 1/kAmacAbove of them were misses that their first window did not decide ("long misses")
-  constexpr int64_t kSample = 1024, kAmacAbove = 5;
-  int64_t long_misses = 0;
-  bool sampled = false;
   auto hash_group = [&](int64_t base, int nb, uint64_t* w) {
     for (int j = 0; j < nb; ++j) w[j] = probe_first_window((uint64_t)keys[base + j], seed, nw);
     emit_ahead(emit, base, nb);
@@ -142,7 +141,6 @@ void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, i
     if (pd.check) {
       if (!(t.overflowed(pd.p.w, pd.p.tag) && pd.visited + 1 < nw)) {
         emit(pd.i, pd.k, const_cast<S*>(&win[CW - 1]), false, false);
-        ++long_misses;
         return;
       }
       // the next window was prefetched with the filter byte: examined now, not after another wait
@@ -158,7 +156,6 @@ void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, i
       push(pd);
       return;
     }
-    long_misses += m == 0;
     decided(pd.i, pd.k, win, m);
   };
   int64_t base = b;
@@ -198,19 +195,6 @@ void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, i
     base = next_base;
     nb = next_nb;
     cur ^= 1;
-    if (!sampled && base - b >= kSample) {
-      // Misses in a very full table walk several windows (each behind a filter check) and run faster
-      // in the AMAC loop, whose round-robin suits long probes; hits end within a window or two and
-      // run faster here. Measured (4M keys, 2 threads; this loop's time / AMAC's): load 0.9 all hits
-      // 0.87-0.90, half misses 0.98-1.0; 0.95: 0.86 / 1.07; 0.99: 0.86 / 1.13-1.18; load 0.5 all
-      // ~0.75. Choosing by the first windows that did not decide (a third of the lookups at 0.9) sent
-      // the hit-heavy cases to AMAC.
-      sampled = true;
-      if (long_misses * kAmacAbove > base - b) {
-        while (qlen) step_queued();
-        return amac_find_w<CW>(t, keys, base, e, G, emit);
-      }
-    }
   }
   while (qlen) step_queued();  // a lookup re-queued goes behind the others, its window in flight
 }
