@@ -113,6 +113,20 @@ inline void prefetch_stream(const T* p, int64_t i) {
     PK_PREFETCH_R(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p + i) + STREAM_AHEAD_BYTES));
 }
 
+// The same for the elements [i, i + n) of a loop that takes them a group at a time (the hash tables'
+// grouped loops): one prefetch per cache line they start, STREAM_AHEAD_BYTES ahead. kWrite: for writing,
+// an output stream whose stores otherwise wait on each line's read-for-ownership.
+template <bool kWrite = false, class T>
+inline void prefetch_stream_range(const T* p, int64_t i, int64_t n) {
+  constexpr int64_t per_line = 64 / sizeof(T);
+  static_assert(per_line >= 1 && (per_line & (per_line - 1)) == 0, "a power-of-two number of elements per line");
+  for (int64_t x = (i + per_line - 1) & ~(per_line - 1); x < i + n; x += per_line) {
+    const char* a = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(p + x) + STREAM_AHEAD_BYTES);
+    if (kWrite) PK_PREFETCH_W(a);
+    else PK_PREFETCH_R(a);
+  }
+}
+
 // f(std::integral_constant<int, v>()) when Lo <= v <= Hi, so a loop over v iterations unrolls; else
 // f(std::integral_constant<int, 0>()), which f takes to mean "v at run time".
 template <int Lo, int Hi, class F>

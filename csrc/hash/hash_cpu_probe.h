@@ -97,7 +97,6 @@ template <int CW, class K, class V, class Emit>
 void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, Emit&& emit) {
   using S = Slot<K, V>;
   constexpr int kMaxGroup = 64, kQueue = 128;  // the FIFO holds at most kMaxGroup + 1
-  constexpr int64_t kKeysAhead = 4096 / sizeof(K);
   const int B = G < kMaxGroup ? G : kMaxGroup;
   // locals: the emitter's byte stores could alias the table's fields and force reloads of them
   const S* const slots = t.slots;
@@ -113,9 +112,7 @@ void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, i
     // the keys ~4 KiB ahead: with the fill buffers busy on table lines, the hardware prefetcher fell
     // behind on this sequential stream (17% of the loop's samples sat on loading the keys; 1.10-1.13x
     // faster lookups at load 0.5 with this prefetch; the AMAC loop measured no gain from it)
-    for (int j = 0; j < nb; j += 64 / (int)sizeof(K)) {
-      if (base + j + kKeysAhead < e) PK_PREFETCH_R(keys + base + j + kKeysAhead);
-    }
+    pk::prefetch_stream_range(keys, base, nb);
   };
   auto push = [&](const Pending& pd) __attribute__((always_inline)) { q[(qhead + qlen++) % kQueue] = pd; };
   // A window full without the key: its filter byte and (speculatively) the next window are prefetched
@@ -342,7 +339,6 @@ void grouped_insert_w(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G
   using St = typename Table<K, V>::InsState;
   using S = Slot<K, V>;
   constexpr int kMaxGroup = 64, kQueue = 128;  // the FIFO holds at most kMaxGroup + 1
-  constexpr int64_t kKeysAhead = 4096 / sizeof(K);
   const int B = G < 1 ? 1 : (G < kMaxGroup ? G : kMaxGroup);
   // locals: the status stores (bytes) could alias the table's fields and force reloads of them
   S* const slots = t.slots;
@@ -353,9 +349,7 @@ void grouped_insert_w(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G
   auto hash_group = [&](int64_t base, int nb, Probe* p) {
     for (int j = 0; j < nb; ++j) p[j] = probe_start((uint64_t)keys[base + j], seed, nw);
     emit_ahead(finish, base, nb);
-    for (int j = 0; j < nb; j += 64 / (int)sizeof(K)) {
-      if (base + j + kKeysAhead < e) PK_PREFETCH_R(keys + base + j + kKeysAhead);
-    }
+    pk::prefetch_stream_range(keys, base, nb);  // as grouped_find_w's keys
   };
   // One step of the oldest queued insert: its window was prefetched about G inserts ago.
   auto step_queued = [&]() __attribute__((always_inline)) {
