@@ -358,9 +358,10 @@ __attribute__((always_inline)) inline void emit_ahead(E& emit, int64_t base, int
 }
 
 // ------------------------------------------------------------------------------------------------
-// Lookups and inserts, compiled per SIMD tier (chosen at run time: amac_find_tiered, grouped_insert_tiered). A 64-byte window's "key matches"
-// and "slot EMPTY" masks come from one AVX-512 compare per mask (two AVX2 ones) over the whole cache
-// line, keeping the key lanes (every sizeof(Slot)/sizeof(K)-th element) with a PEXT.
+// Lookups and inserts, compiled per SIMD tier (chosen at run time: amac_find_tiered,
+// grouped_insert_tiered). A 64-byte window's "key matches", "slot EMPTY" (and for inserts "slot
+// TOMBSTONE") masks come from one AVX-512 compare per mask (two AVX2 ones) over the whole cache line,
+// keeping the key lanes (every sizeof(Slot)/sizeof(K)-th element) with a PEXT.
 // ------------------------------------------------------------------------------------------------
 template <class K, class V>
 constexpr uint32_t key_lanes() {

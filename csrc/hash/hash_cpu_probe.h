@@ -84,10 +84,10 @@ void amac_find(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G,
 // the first windows of the next G keys are hashed in one loop (vectorized: AVX-512 multiplies 8 hashes
 // at once) and prefetched one by one while the current G keys are examined (software pipelining at a
 // distance of G lookups), so G lines are in flight with no per-lookup state to save and restore. A
-// lookup whose window is full without the key (or an EMPTY) waits in a FIFO of about G such lookups,
-// first for its overflow-filter byte, then (if it must go on) for its next window, each prefetched
-// when it joins the FIFO and read once G others went by (the AMAC idea, for the few long probes; a
-// synchronous filter read cost ~12% on lookups with half misses).
+// lookup whose window is full without the key (or an EMPTY) waits in a FIFO of about G such lookups
+// for its overflow-filter byte and its next window, both prefetched when it joins the FIFO and read once
+// G others went by (the AMAC idea, for the few long probes; a synchronous filter read cost ~12% on
+// lookups with half misses).
 // Why: the AMAC loop alone (amac_find_w) spent ~100 instructions per lookup on its state machine.
 // Misses in very full tables (long probes) ran faster in AMAC until the next window was prefetched with
 // the filter byte and the outputs ahead; since, this loop is faster for every mix (4M int64 keys, 2
@@ -117,8 +117,8 @@ void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, i
   auto push = [&](const Pending& pd) __attribute__((always_inline)) { q[(qhead + qlen++) % kQueue] = pd; };
   // A window full without the key: its filter byte and (speculatively) the next window are prefetched
   // together, so a lookup that must go on waits once per window, not twice (filter, then window).
-  // Measured at load 0.9 (4M int64 keys, 2 threads, same script in turn): all hits 40-42 -> 37.5-39 ms,
-  // half misses unchanged (they mostly run in AMAC, where the same speculation cost 3-5%: not there).
+  // Measured at load 0.9 (4M int64 keys, 2 threads, same script in turn): all hits 40-42 -> 37.5-39 ms
+  // (misses then ran in AMAC, where the same speculation cost 3-5%; AMAC no longer serves line windows).
   auto wait_filter = [&](Probe p) __attribute__((always_inline)) {
     if (t.ovf) PK_PREFETCH_R(t.ovf + p.w);
     probe_next(p, nw);
