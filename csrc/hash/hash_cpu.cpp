@@ -337,6 +337,12 @@ uint64_t read_val(const void* vals, int64_t i) {
   else return (uint64_t)reinterpret_cast<const V*>(vals)[i];
 }
 
+// The value the insert of key i carries: the caller's (none: 0), or 1 for a counting add without counts.
+template <class K, class V>
+inline uint64_t insert_value(int mode, const void* vals, int64_t i) {
+  return (mode == M_ADD && !vals) ? 1 : (vals ? read_val<K, V>(vals, i) : 0);
+}
+
 // An emitter for the lookup loops with an `ahead(base, nb)` hook, called as the lookups [base, base + nb)
 // are hashed (about a group before they are emitted): the emitter may prefetch its outputs. Emitters
 // without one (plain lambdas) skip it.
@@ -504,7 +510,7 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
           while (next < e) {
             const int64_t i = next++;
             const K k = keys[i];
-            const uint64_t v = (Mode == M_ADD && !vals) ? 1 : (vals ? read_val<K, V>(vals, i) : 0);
+            const uint64_t v = insert_value<K, V>(Mode, vals, i);
             if (PK_UNLIKELY(is_special(k))) {
               finish(i, Mode == M_APPEND ? ST_SKIPPED : t.template insert_special<Mode>(k, v));
               continue;
@@ -515,7 +521,7 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
           return false;
         };
         auto val_of = [&](int64_t i) __attribute__((always_inline)) -> uint64_t {
-          return (Mode == M_ADD && !vals) ? 1 : (vals ? read_val<K, V>(vals, i) : 0);
+          return insert_value<K, V>(Mode, vals, i);
         };
         // as lookups do (find_impl): the status bytes about to be written and the values about to be
         // read, prefetched ~4 KiB ahead of the inserts just hashed
@@ -557,7 +563,7 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
     for (int64_t i = 0; i < n; ++i) {
       if (status[i] != ST_PENDING) continue;
       const K k = keys[i];
-      const uint64_t v = (mode == M_ADD && !vals) ? 1 : (vals ? read_val<K, V>(vals, i) : 0);
+      const uint64_t v = insert_value<K, V>(mode, vals, i);
       const Probe p = probe_start((uint64_t)k, g.seed, g.nw);
       uint8_t st;
       if (mode == M_UPSERT) st = t.template insert_one<M_UPSERT>(k, v, p, budget, b);
