@@ -649,6 +649,51 @@ def test_multivalue_matches_dict_of_lists(key_dtype, value_dtype):
     assert {k: sorted(v) for k, v in got.items()} == {k: sorted(v) for k, v in oracle.items() if v}
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("key_dtype,value_dtype", [(torch.int64, torch.int64), (torch.int32, torch.int32)])
+def test_multivalue_hot_keys_repeated_many_times(window, key_dtype, value_dtype):
+    """A multi-value map's hot keys (a skewed join's build side). Each append of a key repeated r times used to walk
+    past the windows of its earlier copies: O(r^2 / W) window reads, 27 s for 200K copies of one key, so this
+    test's 1.1M copies ran for many minutes (the timeout is what fails there). Each thread now remembers where a
+    key's last copy went (AppendHints, csrc/hash/hash_cpu.cpp), and with hot keys two threads split the keys
+    between them. Values and counts against an oracle, through growth (the rehash appends the copies again),
+    tombstones, and both insert loops (line windows: grouped; window 3: AMAC)."""
+    gen = torch.Generator().manual_seed(29)
+    hot = torch.tensor([5, -3, 1 << 20], dtype=key_dtype)
+    reps = [700_000, 250_000, 150_000]
+    reserved = torch.tensor([-1, -2], dtype=key_dtype).repeat(300)  # the EMPTY / TOMBSTONE bit patterns
+    keys = torch.cat([hot[i].repeat(r) for i, r in enumerate(reps)]
+                     + [rand_keys(50_000, key_dtype, gen, -10**6, 10**6), reserved])
+    keys = keys[torch.randperm(keys.numel(), generator=gen)]
+    vals = torch.arange(keys.numel(), dtype=value_dtype)
+    m = MultiValueHashMap(1024, key_dtype, value_dtype, window=window)
+    half = keys.numel() // 2
+    m.insert(keys[:half], vals[:half])
+    cap = m.capacity
+    m.insert(keys[half:], vals[half:])  # more than the room left: grows, rehashing the first half's copies
+    assert m.capacity > cap
+
+    def check(keys, vals):
+        ks, vs = keys.numpy(), vals.numpy()
+        q = torch.cat([hot, torch.tensor([7, 1 << 21, -1, -2], dtype=key_dtype)])
+        offsets, got = m.find(q)
+        for i, k in enumerate(q.tolist()):
+            want = np.sort(vs[ks == k])
+            assert np.array_equal(np.sort(got[int(offsets[i]):int(offsets[i + 1])].numpy()), want), k
+        assert len(m) == keys.numel()
+
+    check(keys, vals)
+    # erase a hot key (its 250K slots become tombstones), then append it again: copies go into the tombstones
+    assert int(m.erase(hot[1:2])[0]) == reps[1]
+    keep = keys != hot[1]
+    keys, vals = keys[keep], vals[keep]
+    more = hot[1].repeat(100_000)
+    more_vals = torch.arange(100_000, dtype=value_dtype) + 10**7
+    m.insert(more, more_vals)
+    check(torch.cat([keys, more]), torch.cat([vals, more_vals]))
+
+
 def test_multivalue_growth_and_empty():
     m = MultiValueHashMap(2)
     e = torch.empty(0, dtype=torch.int64)

@@ -150,6 +150,71 @@ struct Budget {
   bool exhausted() const { return local == 0 && used->load(std::memory_order_relaxed) >= limit; }
 };
 
+// Appends of a key that repeats (a multi-value map's hot key, a skewed join's build side). Each copy
+// of a key walks the same probe sequence past the windows its earlier copies filled, so r copies cost
+// O(r^2 / W) window reads (measured: 200K copies of one key, 27 s; Zipf(1.3) keys, 2M rows, 25 s).
+// A thread remembers, for keys whose appends walked, where along the probe sequence the last copy went:
+// every window before that one was seen full of live keys (an append takes the first EMPTY or
+// TOMBSTONE it meets, and sets the overflow bit of each window it leaves), and during inserts no slot
+// becomes EMPTY again, so the next copy may start there, skipping what a lookup walks anyway. A stale
+// entry is still such a lower bound (the furthest one known is kept). Losing a key's entry costs its
+// next copy the walk of its whole chain, so the cache is set-associative with least-recently-used
+// replacement: a key in use keeps its entry (direct-mapped, Zipf keys' long chains evicted each other:
+// 0.3 s where this takes ~0.1). Allocated at the first walk (distinct keys rarely walk 2 windows).
+template <class K>
+struct AppendHints {
+  static constexpr int kSetBits = 10, kWays = 4;
+  static constexpr uint64_t kMinWalk = 2;  // windows walked before a key is worth an entry
+  struct Entry {
+    K k;
+    uint64_t w;        // the window of the key's last copy (the step and tag are the key's own)
+    uint32_t visited;  // windows of the probe sequence before w (0: the entry is unused)
+    uint32_t tick;     // when it was last used
+  };
+  std::vector<Entry> e;
+  uint32_t now = 0;
+  Entry* set_of(K k) {
+    return e.data() + kWays * (size_t)(((uint64_t)k * 0x9E3779B97F4A7C15ULL) >> (64 - kSetBits));
+  }
+  // An append about to walk on from its first window: moved to its last copy's window, if known.
+  template <class St>
+  bool resume(St& s) {
+    if (e.empty()) return false;
+    Entry* set = set_of(s.k);
+    for (int w = 0; w < kWays; ++w) {
+      Entry& x = set[w];
+      if (x.visited == 0 || x.k != s.k) continue;
+      if (x.visited <= s.visited) return false;
+      s.p.w = x.w;
+      s.visited = x.visited;
+      x.tick = ++now;
+      return true;
+    }
+    return false;
+  }
+  // An append that took a slot in the state's current window.
+  template <class St>
+  void remember(const St& s) {
+    if (s.visited < kMinWalk || s.visited >= (1ull << 32)) return;
+    if (e.empty()) e.assign((size_t)kWays << kSetBits, Entry{});
+    Entry* set = set_of(s.k);
+    Entry* victim = set;
+    for (int w = 0; w < kWays; ++w) {
+      Entry& x = set[w];
+      if (x.visited && x.k == s.k) {
+        victim = &x;
+        if (x.visited > s.visited) {  // a copy that started before the entry moved on
+          x.tick = ++now;
+          return;
+        }
+        break;
+      }
+      if (x.tick < victim->tick) victim = &x;  // unused entries have tick 0
+    }
+    victim->k = s.k; victim->w = s.p.w; victim->visited = (uint32_t)s.visited; victim->tick = ++now;
+  }
+};
+
 template <class K, class V>
 struct Table {
   using S = Slot<K, V>;
@@ -279,7 +344,8 @@ struct Table {
   }
 
   // CAS the key into the chosen free slot; on a lost race, restart the probe (the winner may have
-  // inserted this very key).
+  // inserted this very key), or for an append read the same window again (restarting sent the two
+  // threads' copies of a hot key back over its whole chain on every lost race).
   template <int Mode>
   bool claim(InsState& s, uint8_t& st, Budget& used, int64_t& new_empty) {
     S* slot = s.free_slot;
@@ -303,18 +369,24 @@ struct Table {
       }
       if (from_empty) used.put_back();
     }
-    s.p = s.p0;
-    s.visited = 0;
+    if (Mode != M_APPEND) {
+      s.p = s.p0;
+      s.visited = 0;
+    }  // append: duplicates are allowed, so the window just read is still a lower bound: look at it again
     s.free_slot = nullptr;
     return false;
   }
 
+  // hints: this thread's AppendHints (append mode; may be null).
   template <int Mode>
-  uint8_t insert_one(K k, uint64_t v, Probe p0, Budget& used, int64_t& new_empty) {
+  uint8_t insert_one(K k, uint64_t v, Probe p0, Budget& used, int64_t& new_empty,
+                     AppendHints<K>* hints = nullptr) {
     InsState s;
     ins_begin(s, 0, k, v, p0);
+    if (Mode == M_APPEND && hints && hints->resume(s)) prefetch_w(s.p.w);
     uint8_t st = ST_PENDING;
     while (!ins_step<Mode>(s, st, used, new_empty)) {}
+    if (Mode == M_APPEND && hints && st == ST_NEW) hints->remember(s);
     return st;
   }
 
@@ -466,18 +538,45 @@ void amac_find_tiered(const Table<K, V>& t, const K* keys, int64_t b, int64_t e,
 
 template <int Mode, class K, class V, class ValOf, class Finish>
 bool grouped_insert_tiered(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, Budget& budget,
-                           int64_t& new_empty, ValOf&& val_of, Finish&& finish) {
+                           int64_t& new_empty, ValOf&& val_of, Finish&& finish, AppendHints<K>* hints) {
 #if PK_X86
   if (pk::cpu_has_avx512())
-    return tier_avx512::grouped_insert<Mode>(t, keys, b, e, G, budget, new_empty, val_of, finish);
-  if (pk::cpu_has_avx2()) return tier_avx2::grouped_insert<Mode>(t, keys, b, e, G, budget, new_empty, val_of, finish);
+    return tier_avx512::grouped_insert<Mode>(t, keys, b, e, G, budget, new_empty, val_of, finish, hints);
+  if (pk::cpu_has_avx2())
+    return tier_avx2::grouped_insert<Mode>(t, keys, b, e, G, budget, new_empty, val_of, finish, hints);
 #endif
-  return tier_portable::grouped_insert<Mode>(t, keys, b, e, G, budget, new_empty, val_of, finish);
+  return tier_portable::grouped_insert<Mode>(t, keys, b, e, G, budget, new_empty, val_of, finish, hints);
 }
 
 // ------------------------------------------------------------------------------------------------
 // Bulk operations
 // ------------------------------------------------------------------------------------------------
+// Whether some key makes up more than ~1% of the n keys key_at(0..n-1): 6 or more equal among 512 evenly
+// spaced samples (the reserved patterns, e.g. a table's EMPTY slots, not counted).
+template <class K, class KeyAt>
+bool has_hot_key(int64_t n, KeyAt&& key_at) {
+  constexpr int kSamples = 512, kHot = 6;
+  if (n < 8 * kSamples) return false;
+  K sample[kSamples];
+  int m = 0;
+  for (int j = 0; j < kSamples; ++j) {
+    const K k = key_at((int64_t)((uint64_t)j * (uint64_t)n / kSamples));
+    if (!is_special(k)) sample[m++] = k;
+  }
+  std::sort(sample, sample + m);
+  for (int j = 1, run = 1; j < m; ++j) {
+    run = sample[j] == sample[j - 1] ? run + 1 : 1;
+    if (run >= kHot) return true;
+  }
+  return false;
+}
+
+// The thread that owns key k when appends are split by key (insert_impl, rehash_impl).
+template <class K>
+inline int owner_of(K k, uint64_t seed, int nt) {
+  return (int)((((fmix64((uint64_t)k ^ seed) >> 16) & 0xffff) * (uint64_t)nt) >> 16);
+}
+
 template <class K, class V>
 py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t n, uintptr_t status_p, int mode,
                       int64_t used_now, int64_t limit, int nthreads, int D) {
@@ -488,51 +587,57 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
   std::atomic<int64_t> used(used_now);
   const int nt = threads_for(n, nthreads);
   std::vector<int64_t> news(nt, 0), new_empty(nt, 0), pending(nt, 0);
-  {
-    py::gil_scoped_release release;
-    dyn_ranges(n, nt, [&](int tid, int64_t b, int64_t e) {
+  std::vector<AppendHints<K>> hints(mode == M_APPEND ? nt : 0);  // per thread, kept across its ranges
+  // Inserts keys ks[b, e) on thread tid; idx (or null: ks is `keys`): the input position of each.
+  auto insert_range = [&](int tid, const K* ks, const int64_t* idx, int64_t b, int64_t e) {
       int64_t nn = 0, ne = 0, np = 0;
       Budget budget(used, limit);
       auto run = [&](auto mode_tag) {
         constexpr int Mode = decltype(mode_tag)::value;
         using St = typename Table<K, V>::InsState;
+        AppendHints<K>* const hint = Mode == M_APPEND ? hints.data() + tid : nullptr;
         constexpr int kMaxG = 64;
         St sts[kMaxG];
         bool live[kMaxG];
         const int G = std::max(1, std::min(D, kMaxG));
         int64_t next = b;
-        auto finish = [&](int64_t i, uint8_t st) {
-          status[i] = st;
+        auto pos = [&](int64_t j) __attribute__((always_inline)) { return idx ? idx[j] : j; };
+        auto finish = [&](int64_t j, uint8_t st) {
+          status[pos(j)] = st;
           nn += st == ST_NEW;
           np += st == ST_PENDING;
         };
         auto start = [&](St& s) -> bool {
           while (next < e) {
-            const int64_t i = next++;
-            const K k = keys[i];
-            const uint64_t v = insert_value<K, V>(Mode, vals, i);
+            const int64_t j = next++;
+            const K k = ks[j];
+            const uint64_t v = insert_value<K, V>(Mode, vals, pos(j));
             if (PK_UNLIKELY(is_special(k))) {
-              finish(i, Mode == M_APPEND ? ST_SKIPPED : t.template insert_special<Mode>(k, v));
+              finish(j, Mode == M_APPEND ? ST_SKIPPED : t.template insert_special<Mode>(k, v));
               continue;
             }
-            t.ins_begin(s, i, k, v, probe_start((uint64_t)k, g.seed, g.nw));
+            t.ins_begin(s, j, k, v, probe_start((uint64_t)k, g.seed, g.nw));
+            if constexpr (Mode == M_APPEND) {
+              if (hint && hint->resume(s)) t.prefetch_w(s.p.w);
+            }
             return true;
           }
           return false;
         };
-        auto val_of = [&](int64_t i) __attribute__((always_inline)) -> uint64_t {
-          return insert_value<K, V>(Mode, vals, i);
+        auto val_of = [&](int64_t j) __attribute__((always_inline)) -> uint64_t {
+          return insert_value<K, V>(Mode, vals, pos(j));
         };
         // as lookups do (find_impl): the status bytes about to be written and the values about to be
-        // read, prefetched ~4 KiB ahead of the inserts just hashed
+        // read, prefetched ~4 KiB ahead of the inserts just hashed (input order only)
         auto ahead = [&](int64_t base, int nb) __attribute__((always_inline)) {
+          if (idx) return;
           pk::prefetch_stream_range<true>(status, base, nb);
           if constexpr (Table<K, V>::kHasVal) {
             if (vals) pk::prefetch_stream_range(reinterpret_cast<const V*>(vals), base, nb);
           }
         };
-        if (grouped_insert_tiered<Mode>(t, keys, b, e, G, budget, ne, val_of,
-                                        WithAhead<decltype(finish), decltype(ahead)>{finish, ahead}))
+        if (grouped_insert_tiered<Mode>(t, ks, b, e, G, budget, ne, val_of,
+                                        WithAhead<decltype(finish), decltype(ahead)>{finish, ahead}, hint))
           return;
         // other window sizes: AMAC, up to G inserts in flight, one window per step
         int active = 0;
@@ -542,6 +647,9 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
             if (!live[x]) continue;
             uint8_t st;
             if (!t.template ins_step<Mode>(sts[x], st, budget, ne)) continue;
+            if constexpr (Mode == M_APPEND) {
+              if (hint && st == ST_NEW) hint->remember(sts[x]);
+            }
             finish(sts[x].i, st);
             if (!(live[x] = start(sts[x]))) --active;
           }
@@ -551,7 +659,33 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
       else if (mode == M_ADD) run(std::integral_constant<int, M_ADD>());
       else run(std::integral_constant<int, M_APPEND>());
       news[tid] += nn; new_empty[tid] += ne; pending[tid] += np;
-    });
+  };
+  {
+    py::gil_scoped_release release;
+    if (mode == M_APPEND && nt > 1 && has_hot_key<K>(n, [&](int64_t i) { return keys[i]; })) {
+      // Appends of skewed keys split by key, not by position: each thread reads the whole input and
+      // inserts the keys whose hash picks it. Two threads appending copies of one hot key met at the tail
+      // of its chain (every CAS a cache-line transfer between the cores: Zipf(1.3) keys, 2M rows, 2
+      // threads 270 ms, one thread 155, split by key 190); each key has one owner. The price, paid only
+      // where a sample shows a hot key: every thread reads and hashes all keys (distinct keys: 1.45x).
+      pk::parallel_threads(nt, [&](int tid) {
+        std::vector<K> kbuf(kChunk);
+        std::vector<int64_t> ibuf(kChunk);
+        for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
+          const int64_t c1 = std::min(n, c0 + kChunk);
+          int64_t m = 0;
+          for (int64_t i = c0; i < c1; ++i) {
+            const K k = keys[i];
+            kbuf[m] = k;
+            ibuf[m] = i;
+            m += owner_of(k, g.seed, nt) == tid;
+          }
+          insert_range(tid, kbuf.data(), ibuf.data(), 0, m);
+        }
+      });
+    } else {
+      dyn_ranges(n, nt, [&](int tid, int64_t b, int64_t e) { insert_range(tid, keys, nullptr, b, e); });
+    }
   }
   int64_t a = 0, b = 0, c = 0;
   for (int i = 0; i < nt; ++i) { a += news[i]; b += new_empty[i]; c += pending[i]; }
@@ -763,10 +897,9 @@ int64_t rehash_impl(const Geo& src, const Geo& dst, int nthreads, int D) {
   std::vector<int64_t> moved(nt, 0), missed(nt, 0);
   std::atomic<int64_t> used(0);
   const int64_t limit = (int64_t)(dst.nw * (uint64_t)dst.W);
-
-  {
-    py::gil_scoped_release release;
-    dyn_ranges(nslots, nt, [&](int tid, int64_t b, int64_t e) {
+  std::vector<AppendHints<K>> hints(nt);  // a multi-value map's repeated keys (unique tables: never hit)
+  // Moves the live slots [b, e) of src on thread tid (by_key: only the keys tid owns, as insert_impl).
+  auto move_range = [&](int tid, int64_t b, int64_t e, bool by_key) {
       // Compact this range's live keys in chunks, then run them through the prefetching pipeline.
       constexpr int64_t CH = 1024;
       K kbuf[CH];
@@ -777,7 +910,7 @@ int64_t rehash_impl(const Geo& src, const Geo& dst, int nthreads, int D) {
         int64_t m = 0;
         for (int64_t x = c0; x < std::min(e, c0 + CH); ++x) {
           const K k = s.slots[x].key;
-          if (is_special(k)) continue;
+          if (is_special(k) || (by_key && owner_of(k, dst.seed, nt) != tid)) continue;
           kbuf[m] = k;
           if constexpr (Table<K, V>::kHasVal) vbuf[m] = (uint64_t)s.slots[x].val;
           else vbuf[m] = 0;
@@ -785,15 +918,23 @@ int64_t rehash_impl(const Geo& src, const Geo& dst, int nthreads, int D) {
         }
         auto tally = [&](int64_t, uint8_t st) __attribute__((always_inline)) { if (st == ST_NEW) ++mv; else ++ms; };
         if (grouped_insert_tiered<M_APPEND>(d, kbuf, 0, m, D, budget, ne,
-                                            [&](int64_t i) __attribute__((always_inline)) { return vbuf[i]; }, tally))
+                                            [&](int64_t i) __attribute__((always_inline)) { return vbuf[i]; }, tally,
+                                            &hints[tid]))
           continue;
         pipelined<K, true>(kbuf, 0, m, D, dst, d.window_bytes, [&](int64_t i, K k, Probe p) {
-          tally(i, d.template insert_one<M_APPEND>(k, vbuf[i], p, budget, ne));
+          tally(i, d.template insert_one<M_APPEND>(k, vbuf[i], p, budget, ne, &hints[tid]));
         });
       }
       moved[tid] += mv;
       missed[tid] += ms;
-    });
+  };
+  {
+    py::gil_scoped_release release;
+    // a multi-value map's hot keys: split by key, as insert_impl (Zipf(1.3) keys, 2M copies, 2 threads:\n    // 294 -> 196 ms, one thread 190)
+    if (nt > 1 && has_hot_key<K>(nslots, [&](int64_t x) { return s.slots[x].key; }))
+      pk::parallel_threads(nt, [&](int tid) { move_range(tid, 0, nslots, true); });
+    else
+      dyn_ranges(nslots, nt, [&](int tid, int64_t b, int64_t e) { move_range(tid, b, e, false); });
   }
   int64_t a = 0, b = 0;
   for (int i = 0; i < nt; ++i) { a += moved[i]; b += missed[i]; }

@@ -285,12 +285,14 @@ void amac_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int 
 // faster inserts (a standalone loop of 4M int64 inserts into 8M slots, 2 threads: 59 ms with four
 // atomic scalar loads per window, 45 with AVX2, 41 with AVX-512): loads waiting on a line still in
 // flight are few.
+// `own` (append mode): set to the slots holding k itself, for a window that gave no free slot.
 template <int Mode, int CW, class K, class V, class Finish>
 inline bool insert_first_window(Table<K, V>& t, Slot<K, V>* win, K k, uint64_t v, int64_t i, Budget& budget,
-                                int64_t& new_empty, Finish&& finish) {
+                                int64_t& new_empty, Finish&& finish, uint32_t& own) {
   using T = Table<K, V>;
   uint32_t emp, tomb;
   const uint32_t hit = window_masks3<CW>(t, win, k, emp, tomb);
+  own = hit;
   uint32_t limit = ~0u;  // the slots a new key may take: all (append), or those before the first EMPTY
   if (Mode != M_APPEND) {
     const uint32_t decide = hit | emp;
@@ -333,9 +335,11 @@ inline bool insert_first_window(Table<K, V>& t, Slot<K, V>* win, K k, uint64_t v
 // queued. Round-robin AMAC over all G inserts (insert_impl, still used for other window sizes) took
 // 1.0-1.1x the time of this loop with the same scalar window scan; the vector compare above made the
 // difference (4M int64 keys, 2 threads: 62 -> 46 ms into 8M slots, ~80 -> 61 ms at load 0.9).
+// `hints` (append mode; may be null): this thread's AppendHints, so copies of a repeated key start where
+// the last copy went.
 template <int Mode, int CW, class K, class V, class ValOf, class Finish>
 void grouped_insert_w(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, Budget& budget,
-                      int64_t& new_empty, ValOf&& val_of, Finish&& finish) {
+                      int64_t& new_empty, ValOf&& val_of, Finish&& finish, AppendHints<K>* hints) {
   using St = typename Table<K, V>::InsState;
   using S = Slot<K, V>;
   constexpr int kMaxGroup = 64, kQueue = 128;  // the FIFO holds at most kMaxGroup + 1
@@ -362,11 +366,26 @@ void grouped_insert_w(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G
         t.mark_overflow(s.mark_w - 1, s.p.tag);
         s.mark_w = 0;
       }
-      if (insert_first_window<Mode, CW>(t, slots + s.p.w * CW, s.k, s.v, s.i, budget, new_empty, finish)) return;
+      uint32_t own;
+      if (insert_first_window<Mode, CW>(t, slots + s.p.w * CW, s.k, s.v, s.i, budget, new_empty, finish, own)) {
+        // append: true means a slot was taken here; remembered where earlier copies are (distinct keys: never)
+        if (Mode == M_APPEND && hints && own) hints->remember(s);
+        return;
+      }
+      if (Mode == M_APPEND && hints && own && hints->resume(s)) {
+        // a repeated key whose first window holds other keys
+        t.prefetch_w(s.p.w);
+        q[(qhead + qlen++) % kQueue] = s;
+        return;
+      }
     }
     uint8_t st;
-    if (t.template ins_step<Mode>(s, st, budget, new_empty)) finish(s.i, st);
-    else q[(qhead + qlen++) % kQueue] = s;  // behind the others (never the slot just left: qlen < kQueue)
+    if (t.template ins_step<Mode>(s, st, budget, new_empty)) {
+      if (Mode == M_APPEND && hints && st == ST_NEW) hints->remember(s);
+      finish(s.i, st);
+    } else {
+      q[(qhead + qlen++) % kQueue] = s;  // behind the others (never the slot just left: qlen < kQueue)
+    }
   };
   int64_t base = b;
   int nb = (int)(e - b < B ? e - b : B), cur = 0;
@@ -386,9 +405,18 @@ void grouped_insert_w(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G
         continue;
       }
       const Probe p = first[cur][j];
-      if (PK_LIKELY((insert_first_window<Mode, CW>(t, slots + p.w * CW, k, v, i, budget, new_empty, finish)))) continue;
+      uint32_t own;
+      if (PK_LIKELY((insert_first_window<Mode, CW>(t, slots + p.w * CW, k, v, i, budget, new_empty, finish, own))))
+        continue;
       St& s = q[(qhead + qlen) % kQueue];  // built in the FIFO's next slot: queued without a copy
       t.ins_begin(s, i, k, v, p, false);    // its window is in cache: this step costs no miss
+      // a full window holding the key itself: a repeated key (distinct keys never look the hints up)
+      if (Mode == M_APPEND && hints && own && hints->resume(s)) {
+        t.prefetch_w(s.p.w);
+        ++qlen;  // s is the FIFO's next slot
+        while (qlen > B) step_queued();
+        continue;
+      }
       uint8_t st;
       if (t.template ins_step<Mode>(s, st, budget, new_empty)) {
         finish(i, st);
@@ -408,9 +436,9 @@ void grouped_insert_w(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G
 // False (nothing done) where the window is not one cache line: the caller runs AMAC then.
 template <int Mode, class K, class V, class ValOf, class Finish>
 bool grouped_insert(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, Budget& budget, int64_t& new_empty,
-                    ValOf&& val_of, Finish&& finish) {
+                    ValOf&& val_of, Finish&& finish, AppendHints<K>* hints) {
   constexpr int kLineSlots = 64 / (int)sizeof(Slot<K, V>);
   if (G <= 1 || t.W != kLineSlots || t.window_bytes != 64) return false;
-  grouped_insert_w<Mode, kLineSlots>(t, keys, b, e, G, budget, new_empty, val_of, finish);
+  grouped_insert_w<Mode, kLineSlots>(t, keys, b, e, G, budget, new_empty, val_of, finish, hints);
   return true;
 }
