@@ -3,7 +3,8 @@
 CPU (default, ~2 min): 4M int64 keys at load 0.5 and 0.9 --
   insert  vs pd.factorize (builds a hash table of the keys) and a Python dict,
   find    (100% and 50% hits) vs pd.Index.get_indexer (engine built beforehand) and dict.get,
-  count   vs pd.Series.value_counts and torch.unique(return_counts=True).
+  count   vs pd.Series.value_counts and torch.unique(return_counts=True),
+  multi-value build + find of Zipf-skewed keys vs pd.Index.get_indexer_non_unique.
   PYKERNELS_BENCH_HASH_LARGE=1 adds the 32M-key cases (about 4 GiB of memory; =only: just those).
   --quick: 1M keys (smoke run).
 GPU (--gpu): 2^26 uint32 and uint64 keys at load 0.5 / 0.9 / 0.95, inserts and finds vs a
@@ -173,6 +174,32 @@ def _cpu_cases(quick):
                           "pd.Series.value_counts", n, "keys", goal=10.0))
         cases.append(Case(GROUP, "count", f"int64 n={tag} distinct=n/4", n,
                           lambda n=n: make_count(n, "unique"), "torch.unique(return_counts)", n, "keys"))
+
+    # A multi-value map built from skewed keys and probed with each distinct key once (a hash join's
+    # build and probe sides): Zipf(1.3) keys, the most frequent a quarter of the rows, vs pandas'
+    # non-unique index lookup, which returns the same positions.
+    def make_multi(n=sizes[0] // 2):
+        import numpy as np
+
+        z = np.random.default_rng(11).zipf(1.3, n).astype(np.int64)
+        knp = z * 2654435761 + 12345
+        keys = torch.from_numpy(knp)
+        q = torch.unique(keys)
+        q = q[torch.randperm(q.numel(), generator=torch.Generator().manual_seed(5))]
+        qnp = q.numpy()
+        rows = torch.arange(n, dtype=torch.int64)
+        m = pykernels.MultiValueHashMap(2 * q.numel())
+
+        def ours():
+            m.clear()
+            m.insert(keys, rows)
+            return m.find(q)
+
+        return ours, lambda: pd.Index(knp).get_indexer_non_unique(qnp)
+
+    cases.append(Case(GROUP, "multi-value build+find", f"int64 n={sizes[0] >> 21}M Zipf(1.3) keys", sizes[0] // 2,
+                      make_multi, "pd.Index.get_indexer_non_unique", sizes[0] // 2, "rows",
+                      notes="top key 25% of rows; each distinct key probed once, all rows returned"))
 
     # Bloom filter contains (built outside the timing) vs exact membership structures also built outside
     # it: the keys sorted once + torch.searchsorted (what a torch user does for repeated queries; a bare

@@ -694,6 +694,27 @@ def test_multivalue_hot_keys_repeated_many_times(window, key_dtype, value_dtype)
     check(torch.cat([keys, more]), torch.cat([vals, more_vals]))
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("max_load_factor", [1.0, 0.9])
+def test_multivalue_hot_key_into_a_full_table_is_refused_with_its_count(max_load_factor):
+    """A non-growable multi-value map at max_load_factor 1.0, half full of distinct keys, given more copies of
+    one key than it has room for: the copies that fit are stored (appended from the key's last window, not by
+    the state machine: csrc/hash/hash_cpu.cpp Table::append_at), the rest refused with their count."""
+    m = MultiValueHashMap(200_000, growable=False, max_load_factor=max_load_factor)
+    cap = m.capacity
+    distinct = torch.arange(cap // 2) * 7919
+    m.insert(distinct, torch.zeros(cap // 2, dtype=torch.int64))  # half full
+    keys = torch.full((cap,), 12345, dtype=torch.int64)
+    with pytest.raises(TableFullError) as err:
+        m.insert(keys, torch.arange(keys.numel()))
+    stored = int(m.count(torch.tensor([12345]))[0])
+    assert len(m) == int(max_load_factor * cap) == cap // 2 + stored
+    assert f": {cap - stored} key(s) were not inserted" in str(err.value)
+    off, vals = m.find(torch.tensor([12345]))
+    assert torch.equal(torch.sort(vals).values, torch.arange(stored))  # the first copies, in input order
+    assert bool(m.contains(distinct).all())
+
+
 def test_multivalue_growth_and_empty():
     m = MultiValueHashMap(2)
     e = torch.empty(0, dtype=torch.int64)

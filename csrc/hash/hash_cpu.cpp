@@ -170,11 +170,24 @@ struct AppendHints {
     uint64_t w;        // the window of the key's last copy (the step and tag are the key's own)
     uint32_t visited;  // windows of the probe sequence before w (0: the entry is unused)
     uint32_t tick;     // when it was last used
+    uint32_t next;     // slots of w before this one are taken (Table::append_at)
   };
   std::vector<Entry> e;
   uint32_t now = 0;
   Entry* set_of(K k) {
     return e.data() + kWays * (size_t)(((uint64_t)k * 0x9E3779B97F4A7C15ULL) >> (64 - kSetBits));
+  }
+  // The key's entry, if it has one.
+  Entry* lookup(K k) {
+    if (e.empty()) return nullptr;
+    Entry* set = set_of(k);
+    for (int w = 0; w < kWays; ++w) {
+      if (set[w].visited && set[w].k == k) {
+        set[w].tick = ++now;
+        return &set[w];
+      }
+    }
+    return nullptr;
   }
   // An append about to walk on from its first window: moved to its last copy's window, if known.
   template <class St>
@@ -211,6 +224,7 @@ struct AppendHints {
       }
       if (x.tick < victim->tick) victim = &x;  // unused entries have tick 0
     }
+    if (victim->w != s.p.w || victim->k != s.k) victim->next = 0;
     victim->k = s.k; victim->w = s.p.w; victim->visited = (uint32_t)s.visited; victim->tick = ++now;
   }
 };
@@ -388,6 +402,45 @@ struct Table {
     while (!ins_step<Mode>(s, st, used, new_empty)) {}
     if (Mode == M_APPEND && hints && st == ST_NEW) hints->remember(s);
     return st;
+  }
+
+  // Appends k (probe p: its step and tag) from its AppendHints entry x at once, without the state
+  // machine: the slots of x.w from x.next on with one scalar load each, then the windows after it,
+  // each prefetched when the one before it was reached (the copies of a hot key arrive every few
+  // inserts: by then the line is in). The same rules as ins_step: the first free slot, the overflow bit
+  // of each window left. False (nothing written) when the load budget refuses or the whole table was
+  // walked: the caller then runs the state machine.
+  template <class Entry>
+  bool append_at(Entry& x, K k, uint64_t v, const Probe& p, Budget& used, int64_t& new_empty) {
+    for (;;) {
+      S* win = window(x.w);
+      for (int j = (int)x.next; j < W; ++j) {
+        const K sk = load_relaxed(&win[j].key);
+        if (sk != EMPTY && sk != TOMB) continue;
+        const bool from_empty = sk == EMPTY;
+        if (from_empty && !used.take()) return false;
+        if (cas(&win[j].key, sk, k)) {
+          if constexpr (kHasVal) store_relaxed(&win[j].val, (V)v);
+          new_empty += from_empty;
+          x.next = (uint32_t)j + 1;
+          return true;
+        }
+        if (from_empty) used.put_back();  // taken by another thread a moment ago: on to the next slot
+      }
+      // no free slot left in x.w: on to the next window, unless the load limit is reached (then only
+      // tombstones could take the key: ins_step refuses it rather than walk the table for them)
+      if ((uint64_t)x.visited + 1 >= nw || x.visited + 1 == 0 || used.exhausted()) return false;
+      mark_overflow(x.w, p.tag);
+      uint64_t w = x.w + p.step;
+      if (w >= nw) w -= nw;
+      x.w = w;
+      ++x.visited;
+      x.next = 0;
+      w += p.step;
+      if (w >= nw) w -= nw;
+      prefetch_w(w);
+      if (ovf) PK_PREFETCH_W(ovf + x.w);
+    }
   }
 
   // Reserved key patterns: a tiny out-of-band store with the same atomic semantics.
@@ -588,8 +641,10 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
   const int nt = threads_for(n, nthreads);
   std::vector<int64_t> news(nt, 0), new_empty(nt, 0), pending(nt, 0);
   std::vector<AppendHints<K>> hints(mode == M_APPEND ? nt : 0);  // per thread, kept across its ranges
-  // Inserts keys ks[b, e) on thread tid; idx (or null: ks is `keys`): the input position of each.
-  auto insert_range = [&](int tid, const K* ks, const int64_t* idx, int64_t b, int64_t e) {
+  // Inserts keys ks[b, e) on thread tid; idx: the input position of each (ByIdx false: ks is `keys`, and
+  // idx unused: a compile-time choice, as a run-time one cost the common path ~5-9%).
+  auto insert_range = [&](int tid, const K* ks, const int64_t* idx, int64_t b, int64_t e, auto by_idx) {
+      constexpr bool ByIdx = decltype(by_idx)::value;
       int64_t nn = 0, ne = 0, np = 0;
       Budget budget(used, limit);
       auto run = [&](auto mode_tag) {
@@ -601,7 +656,7 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
         bool live[kMaxG];
         const int G = std::max(1, std::min(D, kMaxG));
         int64_t next = b;
-        auto pos = [&](int64_t j) __attribute__((always_inline)) { return idx ? idx[j] : j; };
+        auto pos = [&](int64_t j) __attribute__((always_inline)) { return ByIdx ? idx[j] : j; };
         auto finish = [&](int64_t j, uint8_t st) {
           status[pos(j)] = st;
           nn += st == ST_NEW;
@@ -630,7 +685,7 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
         // as lookups do (find_impl): the status bytes about to be written and the values about to be
         // read, prefetched ~4 KiB ahead of the inserts just hashed (input order only)
         auto ahead = [&](int64_t base, int nb) __attribute__((always_inline)) {
-          if (idx) return;
+          if (ByIdx) return;
           pk::prefetch_stream_range<true>(status, base, nb);
           if constexpr (Table<K, V>::kHasVal) {
             if (vals) pk::prefetch_stream_range(reinterpret_cast<const V*>(vals), base, nb);
@@ -680,11 +735,11 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
             ibuf[m] = i;
             m += owner_of(k, g.seed, nt) == tid;
           }
-          insert_range(tid, kbuf.data(), ibuf.data(), 0, m);
+          insert_range(tid, kbuf.data(), ibuf.data(), 0, m, std::true_type());
         }
       });
     } else {
-      dyn_ranges(n, nt, [&](int tid, int64_t b, int64_t e) { insert_range(tid, keys, nullptr, b, e); });
+      dyn_ranges(n, nt, [&](int tid, int64_t b, int64_t e) { insert_range(tid, keys, nullptr, b, e, std::false_type()); });
     }
   }
   int64_t a = 0, b = 0, c = 0;
