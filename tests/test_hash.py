@@ -715,6 +715,29 @@ def test_multivalue_hot_key_into_a_full_table_is_refused_with_its_count(max_load
     assert bool(m.contains(distinct).all())
 
 
+@pytest.mark.timeout(60)
+def test_multivalue_copies_one_per_window_do_not_walk_each_other():
+    """Every window of the table holds W - 1 other keys, so each copy of the hot key takes the one free slot of a
+    window of its own: no window holds an earlier copy when a copy is placed. Such copies were never remembered
+    and each walked past all the earlier ones (quadratic; review finding): 200K copies, ~4 min -> milliseconds."""
+    m = MultiValueHashMap(800_000, growable=False, max_load_factor=1.0)
+    nw, W = m._nw, m.window
+    cand = np.arange(1, 8 * nw * W, dtype=np.uint64) * np.uint64(2654435761)
+    h = fmix64_np(cand ^ np.uint64(m.seed))
+    w = (((h >> np.uint64(32)) * np.uint64(nw)) >> np.uint64(32)).astype(np.int64)
+    order = np.argsort(w, kind="stable")
+    rank = np.arange(w.size) - np.searchsorted(w[order], np.arange(nw))[w[order]]
+    fill = cand[order][rank < W - 1]  # W - 1 keys whose first window is each window
+    assert fill.size == nw * (W - 1)
+    m.insert(torch.from_numpy(fill.view(np.int64)), torch.zeros(fill.size, dtype=torch.int64))
+    hot = 123456789
+    r = 200_000
+    m.insert(torch.full((r,), hot, dtype=torch.int64), torch.arange(r))
+    off, vals = m.find(torch.tensor([hot]))
+    assert int(m.count(torch.tensor([hot]))[0]) == r and torch.equal(torch.sort(vals).values, torch.arange(r))
+    assert len(m) == fill.size + r
+
+
 def test_multivalue_growth_and_empty():
     m = MultiValueHashMap(2)
     e = torch.empty(0, dtype=torch.int64)

@@ -164,7 +164,8 @@ struct Budget {
 template <class K>
 struct AppendHints {
   static constexpr int kSetBits = 10, kWays = 4;
-  static constexpr uint64_t kMinWalk = 2;  // windows walked before a key is worth an entry
+  static constexpr uint64_t kMinWalk = 2;   // windows walked before a key is worth an entry
+  static constexpr uint64_t kLongWalk = 4;  // ... when no earlier copy was met on the way
   struct Entry {
     K k;
     uint64_t w;        // the window of the key's last copy (the step and tag are the key's own)

@@ -368,8 +368,11 @@ void grouped_insert_w(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G
       }
       uint32_t own;
       if (insert_first_window<Mode, CW>(t, slots + s.p.w * CW, s.k, s.v, s.i, budget, new_empty, finish, own)) {
-        // append: true means a slot was taken here; remembered where earlier copies are (distinct keys: never)
-        if (Mode == M_APPEND && hints && own) hints->remember(s);
+        // append: true means a slot was taken here. Remembered where earlier copies are, or after a long
+        // walk: copies of a key spread one per window (each window's other slots held by other keys) never
+        // share a window, and walked ever further (quadratic; review finding). Distinct keys rarely walk
+        // kLongWalk windows, so they seldom touch the cache.
+        if (Mode == M_APPEND && hints && (own || s.visited >= AppendHints<K>::kLongWalk)) hints->remember(s);
         return;
       }
       if (Mode == M_APPEND && hints && own) {
