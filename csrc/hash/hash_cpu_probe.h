@@ -376,15 +376,11 @@ void grouped_insert_w(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G
         return;
       }
       if (Mode == M_APPEND && hints && own) {
-        // a repeated key whose first window holds other keys
+        // a repeated key whose first window holds other keys. (Where append_at refuses -- the load limit,
+        // the whole table walked -- the state machine refuses it too, from here.)
         auto* x = hints->lookup(s.k);
         if (x && x->visited > s.visited && t.append_at(*x, s.k, s.v, s.p, budget, new_empty)) {
           finish(s.i, ST_NEW);
-          return;
-        }
-        if (hints->resume(s)) {
-          t.prefetch_w(s.p.w);
-          q[(qhead + qlen++) % kQueue] = s;
           return;
         }
       }
@@ -427,12 +423,6 @@ void grouped_insert_w(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G
           finish(i, ST_NEW);
           continue;
         }
-      }
-      if (Mode == M_APPEND && hints && own && hints->resume(s)) {
-        t.prefetch_w(s.p.w);
-        ++qlen;  // s is the FIFO's next slot
-        while (qlen > B) step_queued();
-        continue;
       }
       uint8_t st;
       if (t.template ins_step<Mode>(s, st, budget, new_empty)) {
