@@ -150,6 +150,12 @@ struct Budget {
   bool exhausted() const { return local == 0 && used->load(std::memory_order_relaxed) >= limit; }
 };
 
+// Index of key k in a small direct-mapped or set-associative cache of 2^bits sets (Fibonacci hashing).
+template <class K>
+inline size_t small_index(K k, int bits) {
+  return (size_t)(((uint64_t)k * 0x9E3779B97F4A7C15ULL) >> (64 - bits));
+}
+
 // Appends of a key that repeats (a multi-value map's hot key, a skewed join's build side). Each copy
 // of a key walks the same probe sequence past the windows its earlier copies filled, so r copies cost
 // O(r^2 / W) window reads (measured: 200K copies of one key, 27 s; Zipf(1.3) keys, 2M rows, 25 s).
@@ -175,9 +181,7 @@ struct AppendHints {
   };
   std::vector<Entry> e;
   uint32_t now = 0;
-  Entry* set_of(K k) {
-    return e.data() + kWays * (size_t)(((uint64_t)k * 0x9E3779B97F4A7C15ULL) >> (64 - kSetBits));
-  }
+  Entry* set_of(K k) { return e.data() + kWays * small_index(k, kSetBits); }
   // The key's entry, if it has one.
   Entry* lookup(K k) {
     if (e.empty()) return nullptr;
@@ -193,18 +197,11 @@ struct AppendHints {
   // An append about to walk on from its first window: moved to its last copy's window, if known.
   template <class St>
   bool resume(St& s) {
-    if (e.empty()) return false;
-    Entry* set = set_of(s.k);
-    for (int w = 0; w < kWays; ++w) {
-      Entry& x = set[w];
-      if (x.visited == 0 || x.k != s.k) continue;
-      if (x.visited <= s.visited) return false;
-      s.p.w = x.w;
-      s.visited = x.visited;
-      x.tick = ++now;
-      return true;
-    }
-    return false;
+    const Entry* x = lookup(s.k);
+    if (!x || x->visited <= s.visited) return false;
+    s.p.w = x->w;
+    s.visited = x->visited;
+    return true;
   }
   // An append that took a slot in the state's current window.
   template <class St>
@@ -890,7 +887,7 @@ void multi_walk_impl(const Geo& g, uintptr_t keys_p, int64_t n, uintptr_t counts
       int64_t c = 0;
       if (!is_special(k)) {
         int64_t o = vals_out ? offsets[i] : 0;
-        Memo& m = memo[((uint64_t)k * 0x9E3779B97F4A7C15ULL) >> (64 - kMemoBits)];
+        Memo& m = memo[small_index(k, kMemoBits)];
         if (m.i >= 0 && m.k == k) {
           if (vals_out) std::memcpy(vals_out + o, vals_out + offsets[m.i], (size_t)m.c * sizeof(V));
           if (counts) counts[i] = m.c;
