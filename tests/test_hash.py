@@ -1715,10 +1715,11 @@ def test_clear_of_a_large_table_leaves_every_slot_empty(kind, kdt, vdt, window):
 
 @pytest.mark.parametrize("hits", [1.0, 0.9, 0.5, 0.0])
 def test_full_table_lookups_stay_right_on_either_pipeline(hits):
-    """In a full table the first 1024 lookups of a range choose the pipeline for the rest: the
-    grouped loop with its FIFO when few are misses that walk past their first window (hits end in a
-    window or two), AMAC when many are. Lookups that are (nearly) all hits, and all misses, in a table
-    at load 1.0 (every window full, every filter bit set) give the dict's answers on both."""
+    """The first 2048 lookups of a range run in rounds (batched_find_w) and choose the loop for the
+    rest: the grouped loop with its FIFO when under 1 in 16 went past their first window, else the
+    rounds. In a full table at load 1.0 (every window full, every filter bit set) a miss walks every
+    window, so the rounds' carry list fills up and new groups wait for it to drain (one thread, groups
+    of up to 64): (nearly) all hits, mixed, and all misses give the dict's answers."""
     from pykernels.hashing import _tune
 
     t = HashMap(20011, max_load_factor=1.0, growable=False)

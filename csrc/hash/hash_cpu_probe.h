@@ -64,12 +64,26 @@ void amac_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int 
 template <int CW, class K, class V, class Emit>
 void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, Emit&& emit);
 
+template <int CW, class K, class V, class Emit>
+int64_t batched_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, Emit&& emit);
+
+constexpr int64_t kFindSample = 2048;  // lookups that measure how often a probe leaves its first window
+
 template <class K, class V, class Emit>
 void amac_find(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, Emit&& emit) {
   constexpr int kLineSlots = 64 / (int)sizeof(Slot<K, V>);
   if (G > 1 && t.W == kLineSlots && t.window_bytes == 64) {
     // the CPU default window (one cache line of 16-, 8- or 4-byte slots): first windows in groups
-    return grouped_find_w<kLineSlots>(t, keys, b, e, G, emit);
+    // (windows in rounds, or groups with a FIFO): the rounds' loop runs the first lookups and counts
+    // how many went past their first window; the rest of the range takes the FIFO loop when that was
+    // under 1 in 16 (a table under ~half full), where its tighter first-window loop wins, else the
+    // rounds (see batched_find_w for the measurements)
+    const int64_t sample = std::min<int64_t>(e - b, kFindSample);
+    const int64_t spills = batched_find_w<kLineSlots>(t, keys, b, b + sample, G, emit);
+    if (b + sample == e) return;
+    if (spills * 16 < sample) return grouped_find_w<kLineSlots>(t, keys, b + sample, e, G, emit);
+    batched_find_w<kLineSlots>(t, keys, b + sample, e, G, emit);
+    return;
   }
   switch (t.W) {
     case 4: return amac_find_w<4>(t, keys, b, e, G, emit);
@@ -77,6 +91,42 @@ void amac_find(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G,
     case 16: return amac_find_w<16>(t, keys, b, e, G, emit);
     default: return amac_find_w<0>(t, keys, b, e, G, emit);
   }
+}
+
+// The first windows of lookups [base, base + nb) into w (one loop the compiler vectorizes), the outputs'
+// lines prefetched for writing, and the keys ~4 KiB ahead: with the fill buffers busy on table lines,
+// the hardware prefetcher fell behind on this sequential stream (17% of the loop's samples sat on
+// loading the keys; 1.10-1.13x faster lookups at load 0.5 with this prefetch; the AMAC loop measured no
+// gain from it). Shared by the two group loops (grouped_find_w, batched_find_w).
+template <class K, class Emit>
+__attribute__((always_inline)) inline void hash_group_first(const K* keys, int64_t base, int nb, uint64_t seed,
+                                                            uint64_t nw, uint64_t* w, Emit& emit) {
+  for (int j = 0; j < nb; ++j) w[j] = probe_first_window((uint64_t)keys[base + j], seed, nw);
+  emit_ahead(emit, base, nb);
+  pk::prefetch_stream_range(keys, base, nb);
+}
+
+// Lookup j of a group in the group loops: prefetches the next group's window j (one prefetch per lookup
+// examined, G lookups ahead, spread out: issued as a burst of G after hashing the group, the prefetches
+// stalled on the line-fill buffers - a third of the loop's samples sat on them - while no lookup went
+// on: 1.2-1.5x slower finds at load 0.5, 4M keys, 128 MiB table, 1 and 2 threads, same process), then
+// loads key i. A reserved key pattern (kept out of band) is answered here: returns false. Else `win` is
+// its first window and the result its "key matches" mask, `empty` the window's EMPTY slots.
+template <int CW, class K, class V, class Emit>
+__attribute__((always_inline)) inline bool first_window_of(const Table<K, V>& t, const Slot<K, V>* slots,
+                                                           const K* keys, int64_t i, uint64_t w,
+                                                           const uint64_t* next_first, int j, int next_nb,
+                                                           Emit& emit, K& k, const Slot<K, V>*& win,
+                                                           uint32_t& m, uint32_t& empty) {
+  if (j < next_nb) PK_PREFETCH_R(slots + next_first[j] * CW);
+  k = keys[i];
+  if (PK_UNLIKELY(is_special(k))) {
+    emit(i, k, nullptr, false, true);
+    return false;
+  }
+  win = slots + w * CW;
+  m = window_masks<CW>(t, win, k, empty);
+  return true;
 }
 
 // Group prefetching (Chen, Ailamaki, Gibbons, Mowry, "Improving Hash Join Performance through
@@ -106,13 +156,8 @@ void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, i
   struct Pending { int64_t i; K k; Probe p; uint64_t visited; bool check; };
   Pending q[kQueue];
   int qhead = 0, qlen = 0;
-  auto hash_group = [&](int64_t base, int nb, uint64_t* w) {
-    for (int j = 0; j < nb; ++j) w[j] = probe_first_window((uint64_t)keys[base + j], seed, nw);
-    emit_ahead(emit, base, nb);
-    // the keys ~4 KiB ahead: with the fill buffers busy on table lines, the hardware prefetcher fell
-    // behind on this sequential stream (17% of the loop's samples sat on loading the keys; 1.10-1.13x
-    // faster lookups at load 0.5 with this prefetch; the AMAC loop measured no gain from it)
-    pk::prefetch_stream_range(keys, base, nb);
+  auto hash_group = [&](int64_t base, int nb, uint64_t* w) __attribute__((always_inline)) {
+    hash_group_first(keys, base, nb, seed, nw, w, emit);
   };
   auto push = [&](const Pending& pd) __attribute__((always_inline)) { q[(qhead + qlen++) % kQueue] = pd; };
   // A window full without the key: its filter byte and (speculatively) the next window are prefetched
@@ -164,20 +209,12 @@ void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, i
     const int next_nb = (int)(e - next_base < B ? e - next_base : B);
     if (next_nb > 0) hash_group(next_base, next_nb, first[cur ^ 1]);
     for (int j = 0; j < nb; ++j) {
-      // the next group's window j, one prefetch per lookup examined: G lookups ahead, spread out.
-      // Issued as a burst of G after hashing the group, the prefetches stalled on the line-fill
-      // buffers (a third of the loop's samples sat on them) while no lookup went on: 1.2-1.5x slower
-      // finds at load 0.5 (4M keys, 128 MiB table, 1 and 2 threads, same process).
-      if (j < next_nb) PK_PREFETCH_R(slots + first[cur ^ 1][j] * CW);
       const int64_t i = base + j;
-      const K k = keys[i];
-      if (PK_UNLIKELY(is_special(k))) {
-        emit(i, k, nullptr, false, true);
+      K k;
+      const S* win;
+      uint32_t m, empty;
+      if (!first_window_of<CW>(t, slots, keys, i, first[cur][j], first[cur ^ 1], j, next_nb, emit, k, win, m, empty))
         continue;
-      }
-      const S* win = slots + first[cur][j] * CW;
-      uint32_t empty;
-      const uint32_t m = window_masks<CW>(t, win, k, empty);
       if (PK_UNLIKELY((m | empty) == 0)) {
         const Probe p = probe_start((uint64_t)k, seed, nw);
         wait_filter(p);
@@ -194,6 +231,136 @@ void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, i
     cur ^= 1;
   }
   while (qlen) step_queued();  // a lookup re-queued goes behind the others, its window in flight
+}
+
+// Lookups in rounds, without a branch on whether a lookup ends at its window (the batch-at-a-time,
+// branch-free probing of Polychroniou, Raghavan & Ross, "Rethinking SIMD Vectorization for In-Memory
+// Databases", SIGMOD 2015, with the group prefetching of grouped_find_w). Each iteration:
+//   1. examines the first windows of a group of G lookups (prefetched an iteration ago) and emits every
+//      one's answer as if it ended there (a miss when its window holds neither the key nor an EMPTY:
+//      written again if a later window holds the key); the undecided ones are appended to a list by
+//      index arithmetic (list[n] = j; n += undecided), not a branch;
+//   2. prefetches their filter byte and next window;
+//   3. runs one round over the list of the previous iteration (prefetched then): lookups whose filter
+//      bit says a key like theirs went on examine their next window (again emitting, again appending
+//      the undecided ones to the next list); the others are done, their miss already written.
+// Why: with hits and misses mixed, or a table nearly full, whether a lookup ends at its window is a
+// coin flip; in grouped_find_w that branch, the filter test and the FIFO's bookkeeping mispredicted
+// often enough to make the loop compute-bound (a 0.3 MiB table, all in cache, took as long as a 71 MiB
+// one). Measured (4M int64 keys, 2 threads, same process, grouped_find_w -> this loop), table of 4M
+// keys at load 0.9: all hits 33.0 -> 29.1 ms, half 52.2 -> 35.2, all misses 44.1 -> 33.2; at 0.7:
+// 19.9 -> 20.1, 28.7 -> 22.4, 34.1 -> 22.6; at 0.25 the same within 1%. In cache (64K keys) at 0.25
+// the tighter first-window loop of grouped_find_w is ~10% faster, hence amac_find's choice.
+// Returns how many lookups went past their first window.
+template <int CW, class K, class V, class Emit>
+int64_t batched_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, Emit&& emit) {
+  using S = Slot<K, V>;
+  constexpr int kMaxGroup = 64;
+  constexpr int kCarry = 4 * kMaxGroup;  // carry list bound: each round shrinks what came in
+  const int B = G < kMaxGroup ? G : kMaxGroup;
+  const S* const slots = t.slots;
+  const uint8_t* const ovf = t.ovf;
+  const uint64_t nw = t.nw, seed = t.seed;
+  uint64_t first[2][kMaxGroup];
+  struct Pend { int64_t i; K k; uint64_t w; uint32_t step, tag, visited; };
+  Pend lists[2][kCarry + kMaxGroup];
+  int nl[2] = {0, 0};  // the carry list (its lines prefetched a round ago) and the next one
+  int64_t spills = 0;
+  auto hash_group = [&](int64_t base, int nb, uint64_t* w) __attribute__((always_inline)) {
+    hash_group_first(keys, base, nb, seed, nw, w, emit);
+  };
+  auto emit_window = [&](int64_t i, K k, const S* win, uint32_t m) __attribute__((always_inline)) {
+    emit(i, k, const_cast<S*>(&win[__builtin_ctz(m | (1u << (CW - 1)))]), m != 0, false);
+  };
+  // The carry list: each lookup's previous window was full without the key; its filter byte and next
+  // window were prefetched a round ago. Those whose filter bit says "a key like you went on" examine
+  // the next window; undecided ones join `out` with the window after prefetched.
+  Pend go[kCarry + kMaxGroup];
+  auto round = [&](Pend* in, int n, Pend* out, int& no) __attribute__((always_inline)) {
+    int ng = 0;
+    for (int x = 0; x < n; ++x) {
+      const Pend& pd = in[x];
+      const bool on = t.overflowed(pd.w, pd.tag) && pd.visited + 1 < nw;
+      go[ng] = pd;
+      ng += on;
+    }
+    for (int x = 0; x < ng; ++x) {
+      Pend pd = go[x];
+      pd.w += pd.step;
+      if (pd.w >= nw) pd.w -= nw;
+      ++pd.visited;
+      const S* win = slots + pd.w * CW;
+      uint32_t empty;
+      const uint32_t m = window_masks<CW>(t, win, pd.k, empty);
+      emit_window(pd.i, pd.k, win, m);
+      if (ovf) PK_PREFETCH_R(ovf + pd.w);
+      uint64_t nx = pd.w + pd.step;
+      if (nx >= nw) nx -= nw;
+      out[no] = pd;
+      const bool undecided = (m | empty) == 0;
+      if (undecided) PK_PREFETCH_R(slots + nx * CW);
+      no += undecided;
+    }
+  };
+  int64_t base = b;
+  int nb = (int)(e - b < B ? e - b : B), cur = 0, li = 0;
+  if (nb > 0) hash_group(base, nb, first[cur]);
+  for (int j = 0; j < nb; ++j) PK_PREFETCH_R(slots + first[cur][j] * CW);
+  while (nb > 0 || nl[li] > 0) {
+    // a new group only while the carry list has room for its undecided lookups (in a nearly full
+    // table they may stay undecided for many rounds); a round alone never lengthens the list
+    const bool take = nb > 0 && nl[li] <= kCarry;
+    Pend* out = lists[li ^ 1];
+    int no = 0;
+    int64_t next_base = base;
+    int next_nb = nb;
+    if (take) {
+      next_base = base + nb;
+      next_nb = (int)(e - next_base < B ? e - next_base : B);
+      if (next_nb > 0) hash_group(next_base, next_nb, first[cur ^ 1]);
+      uint8_t und[kMaxGroup];
+      int nu = 0;
+      for (int j = 0; j < nb; ++j) {
+        const int64_t i = base + j;
+        K k;
+        const S* win;
+        uint32_t m, empty;
+        if (!first_window_of<CW>(t, slots, keys, i, first[cur][j], first[cur ^ 1], j, next_nb, emit, k, win, m,
+                                 empty))
+          continue;
+        emit_window(i, k, win, m);
+        und[nu] = (uint8_t)j;
+        nu += (m | empty) == 0;
+      }
+      // the group's undecided lookups: their probe, and their filter byte and next window prefetched
+      for (int x = 0; x < nu; ++x) {
+        Pend& pd = out[x];
+        pd.i = base + und[x];
+        pd.k = keys[pd.i];
+        const Probe p = probe_start((uint64_t)pd.k, seed, nw);
+        pd.w = p.w;
+        pd.step = p.step;
+        pd.tag = p.tag;
+        pd.visited = 0;
+        if (ovf) PK_PREFETCH_R(ovf + p.w);
+        uint64_t nx = p.w + p.step;
+        if (nx >= nw) nx -= nw;
+        PK_PREFETCH_R(slots + nx * CW);
+      }
+      no = nu;
+      spills += nu;
+    }
+    round(lists[li], nl[li], out, no);
+    nl[li] = 0;
+    nl[li ^ 1] = no;
+    li ^= 1;
+    if (take) {
+      base = next_base;
+      nb = next_nb;
+      cur ^= 1;
+    }
+  }
+  return spills;
 }
 
 template <int CW, class K, class V, class Emit>
