@@ -1988,3 +1988,37 @@ def test_bulk_insert_far_larger_than_the_table_grows_ahead_and_keeps_every_key(c
     with pytest.raises(TableFullError):
         t.insert(distinct)
     assert t.capacity < 1100 and t.contains(t.items()).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Lookups in rounds (session 22)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cap", [1, 2, 3, 4, 5, 8, 9, 16, 17, 31, 33, 64])
+@pytest.mark.parametrize("kdt,vdt", [(torch.int32, None), (torch.int64, None), (torch.int64, torch.int64),
+                                     (torch.int32, torch.int32)])
+def test_lookups_in_tiny_full_tables_walk_every_window_and_stop(cap, kdt, vdt):
+    """Tables of 1 to a few windows filled to the last slot (every window full, every filter bit set):
+    each miss walks all nw windows in the rounds of batched_find_w, thousands at once, so the carry list
+    stays full and new groups wait; hits, misses and the reserved patterns (-1, -2) still give the
+    right answers, for 16-, 8- and 4-slot lines and group sizes 2 to 64 (review tests)."""
+    from pykernels.hashing import _tune
+
+    g = torch.Generator().manual_seed(cap)
+    t = (HashSet(cap, key_dtype=kdt, max_load_factor=1.0, growable=False) if vdt is None
+         else HashMap(cap, key_dtype=kdt, value_dtype=vdt, max_load_factor=1.0, growable=False))
+    nslots = t._nw * t.window
+    keys = torch.randperm(100000, generator=g)[: nslots + 5000].to(kdt) * 7919 + 3
+    present = keys[:nslots]
+    if vdt is None:
+        t.insert(present)
+    else:
+        t.insert(present, present.to(vdt) + 1)
+    assert len(t) == nslots
+    q = torch.cat([keys, keys, torch.tensor([-1, -2], dtype=kdt)])
+    q = q[torch.randperm(q.numel(), generator=g)]
+    expect = torch.isin(q, present)
+    for prefetch in (2, 3, 64, 200):
+        vals, found = _tune._find_cfg(t, L.key_bits(q), {"prefetch": prefetch, "threads": 1})
+        assert torch.equal(found.bool(), expect), (t._nw, t.window, prefetch)
+        if vdt is not None:
+            assert torch.equal(L.bits_to_values(vals, vdt)[expect], q[expect].to(vdt) + 1)
