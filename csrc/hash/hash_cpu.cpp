@@ -879,7 +879,7 @@ void multi_walk_impl(const Geo& g, uintptr_t keys_p, int64_t n, uintptr_t counts
   // during the call: the Python methods hold the table's lock). Walking again cost 64K queries of a key
   // with 200K values 31 s (review finding). Direct-mapped, per thread range; short walks not kept.
   struct Memo { K k; int64_t i, c; };
-  constexpr int kMemoBits = 8, kLongWalk = 8;
+  constexpr int kMemoBits = 8, kLongWalk = 8, kWalkFrom = 2, kWalkAhead = 16;
   dyn_ranges(n, threads_for(n, nthreads), [&](int, int64_t b, int64_t e) {
     Memo memo[1 << kMemoBits];
     for (Memo& m : memo) m.i = -1;
@@ -893,8 +893,22 @@ void multi_walk_impl(const Geo& g, uintptr_t keys_p, int64_t n, uintptr_t counts
           if (counts) counts[i] = m.c;
           return;
         }
+        // A walk past kWalkFrom windows keeps the next kWalkAhead windows of the probe sequence (and
+        // their filter bytes) in flight: the sequence is known in advance (double hashing), so a key
+        // with many values walks at the memory's bandwidth, not one DRAM latency per window. Short
+        // walks (most keys) prefetch nothing they will not read.
+        Probe ahead_p = p;
+        uint64_t ahead = 0;  // windows prefetched beyond the current one
         uint64_t w = 0;
         for (; w < t.nw; ++w) {
+          if (w >= (uint64_t)kWalkFrom) {
+            if (w == (uint64_t)kWalkFrom) ahead_p = p;
+            for (; ahead < (uint64_t)kWalkAhead && w + ahead + 1 < t.nw; ++ahead) {
+              probe_next(ahead_p, t.nw);
+              PK_PREFETCH_R(t.window(ahead_p.w));
+              if (t.ovf) PK_PREFETCH_R(t.ovf + ahead_p.w);
+            }
+          }
           auto* win = t.window(p.w);
           bool stop = false;
           for (int j = 0; j < t.W; ++j) {
@@ -907,6 +921,7 @@ void multi_walk_impl(const Geo& g, uintptr_t keys_p, int64_t n, uintptr_t counts
           }
           if (stop || !t.overflowed(p.w, p.tag)) break;
           probe_next(p, t.nw);
+          if (ahead) --ahead;
         }
         if (w >= kLongWalk) m = Memo{k, i, c};
       }
