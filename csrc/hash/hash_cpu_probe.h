@@ -1,5 +1,6 @@
-// The lookup and bulk-insert loops of hash_cpu.cpp (grouped first windows with a FIFO for long probes;
-// AMAC over the table's windows for other window sizes), included once per SIMD tier
+// The lookup and bulk-insert loops of hash_cpu.cpp (lookups: grouped first windows with the long probes
+// in rounds, or in a FIFO where few are long; inserts: grouped first windows with a FIFO; AMAC over the
+// table's windows for window sizes other than a cache line), included once per SIMD tier
 // (namespaces tier_portable / tier_avx2 / tier_avx512, each compiled for its instruction set and
 // defining kSimdLines and line_masks before the include). Not a standalone header.
 // NOLINT(build/header_guard): meant to be included several times.
@@ -143,6 +144,7 @@ __attribute__((always_inline)) inline bool first_window_of(const Table<K, V>& t,
 // the filter byte and the outputs ahead; since, this loop is faster for every mix (4M int64 keys, 2
 // threads, this loop / AMAC): load 0.9 all misses 45 / 51 ms, half 52 / 55-60; 0.95 half 56 / 63;
 // 0.99 half 64 / 73, all misses 60 / 66. So AMAC (amac_find_w) serves only windows other than a line.
+// Since, batched_find_w (below) serves the ranges where many probes are long; this loop the others.
 template <int CW, class K, class V, class Emit>
 void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, Emit&& emit) {
   using S = Slot<K, V>;
