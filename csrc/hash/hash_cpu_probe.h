@@ -107,6 +107,24 @@ __attribute__((always_inline)) inline void hash_group_first(const K* keys, int64
   pk::prefetch_stream_range(keys, base, nb);
 }
 
+// A lookup's answer from a window it examined: the hit's slot, or (m == 0) the window's last slot: a
+// valid address either way, so the emitter reads it without a branch.
+template <int CW, class K, class V, class Emit>
+__attribute__((always_inline)) inline void emit_from_window(Emit& emit, int64_t i, K k, const Slot<K, V>* win,
+                                                            uint32_t m) {
+  emit(i, k, const_cast<Slot<K, V>*>(&win[__builtin_ctz(m | (1u << (CW - 1)))]), m != 0, false);
+}
+
+// A lookup whose window w was full without the key: the window's filter byte and the next window it may
+// go on to, prefetched together, so it waits once per window, not twice (filter, then window).
+template <int CW, class K, class V>
+__attribute__((always_inline)) inline void prefetch_filter_and_next(const Table<K, V>& t, const Slot<K, V>* slots,
+                                                                    uint64_t nw, Probe p) {
+  if (t.ovf) PK_PREFETCH_R(t.ovf + p.w);
+  probe_next(p, nw);
+  PK_PREFETCH_R(slots + p.w * CW);
+}
+
 // Lookup j of a group in the group loops: prefetches the next group's window j (one prefetch per lookup
 // examined, G lookups ahead, spread out: issued as a burst of G after hashing the group, the prefetches
 // stalled on the line-fill buffers - a third of the loop's samples sat on them - while no lookup went
@@ -166,16 +184,7 @@ void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, i
   // together, so a lookup that must go on waits once per window, not twice (filter, then window).
   // Measured at load 0.9 (4M int64 keys, 2 threads, same script in turn): all hits 40-42 -> 37.5-39 ms
   // (misses then ran in AMAC, where the same speculation cost 3-5%; AMAC no longer serves line windows).
-  auto wait_filter = [&](Probe p) __attribute__((always_inline)) {
-    if (t.ovf) PK_PREFETCH_R(t.ovf + p.w);
-    probe_next(p, nw);
-    PK_PREFETCH_R(slots + p.w * CW);
-  };
-  // A window that decided: the hit's slot, or (m == 0) the window's last slot: a valid address either
-  // way, so the emitter reads it without a branch.
-  auto decided = [&](int64_t i, K k, const S* win, uint32_t m) __attribute__((always_inline)) {
-    emit(i, k, const_cast<S*>(&win[__builtin_ctz(m | (1u << (CW - 1)))]), m != 0, false);
-  };
+  auto wait_filter = [&](Probe p) __attribute__((always_inline)) { prefetch_filter_and_next<CW>(t, slots, nw, p); };
   // The oldest queued lookup: what it waits for was prefetched about G lookups ago.
   auto step_queued = [&]() __attribute__((always_inline)) {
     Pending pd = q[qhead];
@@ -200,7 +209,7 @@ void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, i
       push(pd);
       return;
     }
-    decided(pd.i, pd.k, win, m);
+    emit_from_window<CW>(emit, pd.i, pd.k, win, m);
   };
   int64_t base = b;
   int nb = (int)(e - b < B ? e - b : B), cur = 0;
@@ -226,7 +235,7 @@ void grouped_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, i
         while (qlen > B) step_queued();
         continue;
       }
-      decided(i, k, win, m);
+      emit_from_window<CW>(emit, i, k, win, m);
     }
     base = next_base;
     nb = next_nb;
@@ -261,18 +270,14 @@ int64_t batched_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e
   constexpr int kCarry = 4 * kMaxGroup;  // carry list bound: each round shrinks what came in
   const int B = G < kMaxGroup ? G : kMaxGroup;
   const S* const slots = t.slots;
-  const uint8_t* const ovf = t.ovf;
   const uint64_t nw = t.nw, seed = t.seed;
   uint64_t first[2][kMaxGroup];
-  struct Pend { int64_t i; K k; uint64_t w; uint32_t step, tag, visited; };
+  struct Pend { int64_t i; K k; Probe p; uint64_t visited; };
   Pend lists[2][kCarry + kMaxGroup];
   int nl[2] = {0, 0};  // the carry list (its lines prefetched a round ago) and the next one
   int64_t spills = 0;
   auto hash_group = [&](int64_t base, int nb, uint64_t* w) __attribute__((always_inline)) {
     hash_group_first(keys, base, nb, seed, nw, w, emit);
-  };
-  auto emit_window = [&](int64_t i, K k, const S* win, uint32_t m) __attribute__((always_inline)) {
-    emit(i, k, const_cast<S*>(&win[__builtin_ctz(m | (1u << (CW - 1)))]), m != 0, false);
   };
   // The carry list: each lookup's previous window was full without the key; its filter byte and next
   // window were prefetched a round ago. Those whose filter bit says "a key like you went on" examine
@@ -282,25 +287,21 @@ int64_t batched_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e
     int ng = 0;
     for (int x = 0; x < n; ++x) {
       const Pend& pd = in[x];
-      const bool on = t.overflowed(pd.w, pd.tag) && pd.visited + 1 < nw;
+      const bool on = t.overflowed(pd.p.w, pd.p.tag) && pd.visited + 1 < nw;
       go[ng] = pd;
       ng += on;
     }
     for (int x = 0; x < ng; ++x) {
       Pend pd = go[x];
-      pd.w += pd.step;
-      if (pd.w >= nw) pd.w -= nw;
+      probe_next(pd.p, nw);
       ++pd.visited;
-      const S* win = slots + pd.w * CW;
+      const S* win = slots + pd.p.w * CW;
       uint32_t empty;
       const uint32_t m = window_masks<CW>(t, win, pd.k, empty);
-      emit_window(pd.i, pd.k, win, m);
-      if (ovf) PK_PREFETCH_R(ovf + pd.w);
-      uint64_t nx = pd.w + pd.step;
-      if (nx >= nw) nx -= nw;
+      emit_from_window<CW>(emit, pd.i, pd.k, win, m);
       out[no] = pd;
       const bool undecided = (m | empty) == 0;
-      if (undecided) PK_PREFETCH_R(slots + nx * CW);
+      if (undecided) prefetch_filter_and_next<CW>(t, slots, nw, pd.p);
       no += undecided;
     }
   };
@@ -330,7 +331,7 @@ int64_t batched_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e
         if (!first_window_of<CW>(t, slots, keys, i, first[cur][j], first[cur ^ 1], j, next_nb, emit, k, win, m,
                                  empty))
           continue;
-        emit_window(i, k, win, m);
+        emit_from_window<CW>(emit, i, k, win, m);
         und[nu] = (uint8_t)j;
         nu += (m | empty) == 0;
       }
@@ -339,15 +340,9 @@ int64_t batched_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e
         Pend& pd = out[x];
         pd.i = base + und[x];
         pd.k = keys[pd.i];
-        const Probe p = probe_start((uint64_t)pd.k, seed, nw);
-        pd.w = p.w;
-        pd.step = p.step;
-        pd.tag = p.tag;
+        pd.p = probe_start((uint64_t)pd.k, seed, nw);
         pd.visited = 0;
-        if (ovf) PK_PREFETCH_R(ovf + p.w);
-        uint64_t nx = p.w + p.step;
-        if (nx >= nw) nx -= nw;
-        PK_PREFETCH_R(slots + nx * CW);
+        prefetch_filter_and_next<CW>(t, slots, nw, pd.p);
       }
       no = nu;
       spills += nu;
