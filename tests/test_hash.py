@@ -764,6 +764,101 @@ def test_multivalue_hot_key_queried_many_times(value_dtype):
             assert got.tolist() == [torch.tensor(k - 1000).to(value_dtype).item()]
 
 
+def _zipf_rows(n, seed):
+    z = np.random.default_rng(seed).zipf(1.3, n).astype(np.int64)
+    return torch.from_numpy(z * 2654435761 + 12345)
+
+
+def _values_by_key(keys, vals):
+    order = np.argsort(keys, kind="stable")
+    sk, sv = keys[order], vals[order]
+    cut = np.flatnonzero(np.diff(sk)) + 1
+    return {int(g[0]): v for g, v in zip(np.split(sk, cut), np.split(sv, cut))}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_multivalue_zipf_build_appends_hot_keys_in_runs(threads):
+    """Inserts of 300K Zipf(1.3) rows (the top key a quarter of them): the keys with ~0.025% of the rows or more
+    are found from a sample and each one's copies appended by one thread as one run along its probe sequence
+    (csrc/hash/hash_cpu.cpp HotKeys, Table::append_run); the others inserted as they come. Into a table that
+    already holds copies of the hot keys and tombstones of erased ones: every key's values against the oracle.
+    Then a non-growable table too small for the rows: TableFullError, and what was stored is exactly
+    findable (each key's values a subset of its own, their number len())."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        keys = _zipf_rows(300_000, 5)
+        vals = torch.arange(keys.numel(), dtype=torch.int64)
+        first = _zipf_rows(60_000, 6)
+        m = MultiValueHashMap(1 << 16)
+        m.insert(first, -1 - torch.arange(first.numel()))
+        uq, cnt = torch.unique(first, return_counts=True)
+        gone = uq[cnt.argsort(descending=True)][1:4]  # three hot keys' copies become tombstones
+        m.erase(gone)
+        keep = ~torch.isin(first, gone)
+        m.insert(keys, vals)
+        all_k = torch.cat([first[keep], keys]).numpy()
+        all_v = torch.cat([(-1 - torch.arange(first.numel()))[keep], vals]).numpy()
+        want = _values_by_key(all_k, all_v)
+        q = torch.tensor(sorted(want) + [7, 1 << 40], dtype=torch.int64)
+        offsets, got = m.find(q)
+        assert len(m) == all_k.size
+        for i, k in enumerate(q.tolist()):
+            seg = np.sort(got[int(offsets[i]):int(offsets[i + 1])].numpy())
+            assert np.array_equal(seg, np.sort(want.get(k, np.empty(0, np.int64)))), k
+
+        small = MultiValueHashMap(200_000, growable=False)
+        with pytest.raises(TableFullError) as err:
+            small.insert(keys, vals)
+        stored = len(small)
+        assert stored == int(0.9 * small.capacity)
+        assert f": {keys.numel() - stored} key(s) were not inserted" in str(err.value)
+        mine = _values_by_key(keys.numpy(), vals.numpy())
+        q = torch.tensor(sorted(mine), dtype=torch.int64)
+        offsets, got = small.find(q)
+        assert int(offsets[-1]) == stored
+        for i, k in enumerate(q.tolist()):
+            seg = got[int(offsets[i]):int(offsets[i + 1])].numpy()
+            assert np.unique(seg).size == seg.size and np.isin(seg, mine[k]).all(), k
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_multivalue_find_of_many_chunks_of_queries_in_one_walk(threads):
+    """find() on the CPU walks each key's chain once, each chunk of 16K queries keeping the values it meets in a
+    buffer of its own, and lays the buffers end to end after the counts are known (csrc/hash/hash_cpu.cpp
+    multi_collect_impl). 70K queries (5 chunks): keys with 0, 1 and many values, a hot key in every chunk
+    (answered from its first walk), against the oracle and against count(); one thread or two."""
+    gen = torch.Generator().manual_seed(41)
+    keys = torch.cat([torch.randint(0, 30_000, (120_000,), generator=gen), torch.full((50_000,), 77_777)])
+    keys = keys[torch.randperm(keys.numel(), generator=gen)]
+    vals = torch.arange(keys.numel(), dtype=torch.int64) * 3
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        m = MultiValueHashMap(1024)
+        m.insert(keys, vals)
+        q = torch.cat([torch.randint(-5_000, 35_000, (70_000,), generator=gen), torch.full((40,), 77_777)])
+        q = q[torch.randperm(q.numel(), generator=gen)]
+        offsets, got = m.find(q)
+        counts = m.count(q)
+    finally:
+        torch.set_num_threads(old)
+    order = np.argsort(keys.numpy(), kind="stable")
+    sk, sv = keys.numpy()[order], vals.numpy()[order]
+    lo, hi = np.searchsorted(sk, q.numpy(), "left"), np.searchsorted(sk, q.numpy(), "right")
+    assert torch.equal(offsets, torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)]))
+    assert np.array_equal(np.diff(offsets.numpy()), hi - lo) and got.numel() == int((hi - lo).sum())
+    g = got.numpy()
+    for i in range(q.numel()):
+        a, b = int(offsets[i]), int(offsets[i + 1])
+        if b - a:
+            assert np.array_equal(np.sort(g[a:b]), np.sort(sv[lo[i]:hi[i]])), int(q[i])
+
+
 def test_multivalue_growth_and_empty():
     m = MultiValueHashMap(2)
     e = torch.empty(0, dtype=torch.int64)

@@ -16,6 +16,7 @@
 // misses alike; 2.75 for half misses without the filter).
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -177,7 +178,6 @@ struct AppendHints {
     uint64_t w;        // the window of the key's last copy (the step and tag are the key's own)
     uint32_t visited;  // windows of the probe sequence before w (0: the entry is unused)
     uint32_t tick;     // when it was last used
-    uint32_t next;     // slots of w before this one are taken (Table::append_at)
   };
   std::vector<Entry> e;
   uint32_t now = 0;
@@ -222,7 +222,6 @@ struct AppendHints {
       }
       if (x.tick < victim->tick) victim = &x;  // unused entries have tick 0
     }
-    if (victim->w != s.p.w || victim->k != s.k) victim->next = 0;
     victim->k = s.k; victim->w = s.p.w; victim->visited = (uint32_t)s.visited; victim->tick = ++now;
   }
 };
@@ -402,42 +401,45 @@ struct Table {
     return st;
   }
 
-  // Appends k (probe p: its step and tag) from its AppendHints entry x at once, without the state
-  // machine: the slots of x.w from x.next on with one scalar load each, then the windows after it,
-  // each prefetched when the one before it was reached (the copies of a hot key arrive every few
-  // inserts: by then the line is in). The same rules as ins_step: the first free slot, the overflow bit
-  // of each window left. False (nothing written) when the load budget refuses or the whole table was
-  // walked: the caller then runs the state machine.
-  template <class Entry>
-  bool append_at(Entry& x, K k, uint64_t v, const Probe& p, Budget& used, int64_t& new_empty) {
-    for (;;) {
-      S* win = window(x.w);
-      for (int j = (int)x.next; j < W; ++j) {
+  // Appends m copies of key k (probe p: the start of its sequence) in one run: val_at(0 .. m - 1) go into
+  // the free slots (EMPTY or TOMBSTONE) met along k's probe sequence, in order, with the rules of
+  // ins_step (the first free slot; the overflow bit of each window left; the load budget). The next
+  // kRunAhead windows of the sequence (and their filter bytes) are kept in flight for writing: a hot
+  // key's copies fill whole windows one after another, so the run moves at the memory's bandwidth, where
+  // copies inserted one by one among other keys paid a hint lookup and a window's latency
+  // every W copies. Returns how many were placed: fewer than m when the budget is spent or the table
+  // walked (the rest are refused, as ins_step refuses them).
+  static constexpr uint64_t kRunAhead = 16;
+  template <class ValAt>
+  int64_t append_run(K k, Probe p, int64_t m, ValAt&& val_at, Budget& used, int64_t& new_empty) {
+    int64_t placed = 0;
+    Probe ahead_p = p;
+    uint64_t ahead = 0;  // windows prefetched beyond the current one
+    for (uint64_t visited = 0;;) {
+      for (; ahead < kRunAhead && visited + ahead + 1 < nw; ++ahead) {
+        probe_next(ahead_p, nw);
+        prefetch_w(ahead_p.w);
+        if (ovf) PK_PREFETCH_W(ovf + ahead_p.w);
+      }
+      S* win = window(p.w);
+      for (int j = 0; j < W; ++j) {
         const K sk = load_relaxed(&win[j].key);
         if (sk != EMPTY && sk != TOMB) continue;
         const bool from_empty = sk == EMPTY;
-        if (from_empty && !used.take()) return false;
+        if (from_empty && !used.take()) return placed;
         if (cas(&win[j].key, sk, k)) {
-          if constexpr (kHasVal) store_relaxed(&win[j].val, (V)v);
+          if constexpr (kHasVal) store_relaxed(&win[j].val, (V)val_at(placed));
           new_empty += from_empty;
-          x.next = (uint32_t)j + 1;
-          return true;
+          if (++placed == m) return placed;
+        } else if (from_empty) {
+          used.put_back();  // taken by another thread a moment ago (it holds a live key now)
         }
-        if (from_empty) used.put_back();  // taken by another thread a moment ago: on to the next slot
       }
-      // no free slot left in x.w: on to the next window, unless the load limit is reached (then only
-      // tombstones could take the key: ins_step refuses it rather than walk the table for them)
-      if ((uint64_t)x.visited + 1 >= nw || x.visited + 1 == 0 || used.exhausted()) return false;
-      mark_overflow(x.w, p.tag);
-      uint64_t w = x.w + p.step;
-      if (w >= nw) w -= nw;
-      x.w = w;
-      ++x.visited;
-      x.next = 0;
-      w += p.step;
-      if (w >= nw) w -= nw;
-      prefetch_w(w);
-      if (ovf) PK_PREFETCH_W(ovf + x.w);
+      if (visited + 1 >= nw || used.exhausted()) return placed;
+      mark_overflow(p.w, p.tag);
+      probe_next(p, nw);
+      ++visited;
+      if (ahead) --ahead;
     }
   }
 
@@ -622,10 +624,134 @@ bool has_hot_key(int64_t n, KeyAt&& key_at) {
   return false;
 }
 
+// The keys that make up about 0.1% or more of an append's n keys (kMin or more equal among kSamples
+// evenly spaced samples; the reserved patterns never), at most kMax: insert_impl appends each one's
+// copies as a run (Table::append_run). A key with 0.1% of 2M rows fills ~500 windows. id(k): its index,
+// or -1, from a small open-addressing table that stays in L1.
+template <class K>
+struct HotKeys {
+  static constexpr int kSamples = 16384, kMin = 4, kMax = 1024, kBits = 12;
+  struct Cell { K k; int32_t id; };  // id -1: empty
+  std::vector<K> keys;
+  std::vector<int64_t> sampled;  // how many of the samples each one is
+  std::vector<Cell> cells;
+  template <class KeyAt>
+  void detect(int64_t n, KeyAt&& key_at) {
+    if (n < 8 * kSamples) return;
+    std::vector<K> sample;
+    sample.reserve(kSamples);
+    for (int j = 0; j < kSamples; ++j) {
+      const K k = key_at((int64_t)((uint64_t)j * (uint64_t)n / kSamples));
+      if (!is_special(k)) sample.push_back(k);
+    }
+    std::sort(sample.begin(), sample.end());
+    for (size_t j = 0; j < sample.size() && keys.size() < (size_t)kMax;) {
+      size_t r = j + 1;
+      while (r < sample.size() && sample[r] == sample[j]) ++r;
+      if (r - j >= (size_t)kMin) {
+        keys.push_back(sample[j]);
+        sampled.push_back((int64_t)(r - j));
+      }
+      j = r;
+    }
+    if (keys.empty()) return;
+    cells.assign((size_t)1 << kBits, Cell{K(), -1});
+    for (size_t h = 0; h < keys.size(); ++h) {
+      size_t x = small_index(keys[h], kBits);
+      while (cells[x].id >= 0) x = (x + 1) & ((1u << kBits) - 1);
+      cells[x] = Cell{keys[h], (int32_t)h};
+    }
+  }
+  bool empty() const { return keys.empty(); }
+  int id(K k) const {
+    for (size_t x = small_index(k, kBits);; x = (x + 1) & ((1u << kBits) - 1)) {
+      const Cell& c = cells[x];
+      if (c.k == k || c.id < 0) return c.id;
+    }
+  }
+};
+
 // The thread that owns key k when appends are split by key (insert_impl, rehash_impl).
 template <class K>
 inline int owner_of(K k, uint64_t seed, int nt) {
   return (int)((((fmix64((uint64_t)k ^ seed) >> 16) & 0xffff) * (uint64_t)nt) >> 16);
+}
+
+// Appends n (key, value) pairs with hot keys (HotKeys; a skewed join's build side, or the rehash of its
+// table: Zipf(1.3) keys, 2M rows, 200 keys hold 83% of them). First each thread takes a contiguous range
+// of the pairs: its other keys go to cold(tid, keys, positions, m) in chunks as they come (split by
+// position: with the hot keys out, no two threads often meet at one key's chain tail), the hot keys'
+// values are listed per key, in order, and hot(i) told. Then each hot key's copies, in input order, are
+// appended by one thread as one run (Table::append_run; the largest keys first, each to the least
+// loaded thread). Returns, per hot key, how many copies a full table refused (the last ones in input
+// order); placed_by and new_empty_by gain, per thread, the copies placed and the EMPTY slots they took.
+template <class K, class V, class KeyAt, class ValAt, class Hot, class Cold>
+std::vector<int64_t> append_with_runs(Table<K, V>& t, const Geo& g, std::atomic<int64_t>& used, int64_t limit,
+                                      int64_t n, int nt, const HotKeys<K>& hot, KeyAt&& key_at, ValAt&& val_at,
+                                      Hot&& hot_seen, Cold&& cold, std::vector<int64_t>& placed_by,
+                                      std::vector<int64_t>& new_empty_by) {
+  const size_t nh = hot.keys.size();
+  // the values per thread and key: phase two reads nothing of the input (a key with 1% of the rows read
+  // one value line per copy there, at DRAM latency: 27 -> 8 ms)
+  std::vector<std::vector<std::vector<uint64_t>>> listed(nt, std::vector<std::vector<uint64_t>>(nh));
+  pk::parallel_threads(nt, [&](int tid) {
+    const int64_t b = n * tid / nt, e = n * (tid + 1) / nt;
+    std::vector<K> kbuf(kChunk);
+    std::vector<int64_t> ibuf(kChunk);
+    auto& mine = listed[tid];
+    for (size_t h = 0; h < nh; ++h)  // room for about what the sample predicts
+      mine[h].reserve((size_t)((e - b) * hot.sampled[h] / HotKeys<K>::kSamples * 5 / 4 + 64));
+    for (int64_t c0 = b; c0 < e; c0 += kChunk) {
+      const int64_t c1 = std::min(e, c0 + kChunk);
+      int64_t m = 0;
+      for (int64_t i = c0; i < c1; ++i) {
+        const K k = key_at(i);
+        const int h = hot.id(k);
+        if (h >= 0) {
+          mine[h].push_back(val_at(i));
+          hot_seen(i);
+          continue;
+        }
+        kbuf[m] = k;
+        ibuf[m] = i;
+        ++m;
+      }
+      if (m) cold(tid, kbuf.data(), ibuf.data(), m);
+    }
+  });
+  std::vector<int64_t> copies(nh, 0), load(nt, 0), refused(nh, 0);
+  std::vector<int> order(nh), owner(nh);
+  for (size_t h = 0; h < nh; ++h) {
+    order[h] = (int)h;
+    for (int x = 0; x < nt; ++x) copies[h] += (int64_t)listed[x][h].size();
+  }
+  std::sort(order.begin(), order.end(), [&](int a, int b) { return copies[a] > copies[b]; });
+  for (int h : order) {
+    const int x = (int)(std::min_element(load.begin(), load.end()) - load.begin());
+    owner[h] = x;
+    load[x] += copies[h];
+  }
+  pk::parallel_threads(nt, [&](int tid) {
+    Budget budget(used, limit);
+    int64_t placed_all = 0, ne = 0;
+    for (int h : order) {
+      if (owner[h] != tid || !copies[h]) continue;
+      const K k = hot.keys[h];
+      // the copies' values: the threads' lists one after another (input order); x only grows
+      int li = 0;
+      int64_t base = 0;
+      auto value = [&](int64_t x) __attribute__((always_inline)) {
+        while (x - base >= (int64_t)listed[li][h].size()) base += (int64_t)listed[li++][h].size();
+        return listed[li][h][(size_t)(x - base)];
+      };
+      const int64_t placed = t.append_run(k, probe_start((uint64_t)k, g.seed, g.nw), copies[h], value, budget, ne);
+      placed_all += placed;
+      refused[h] = copies[h] - placed;
+    }
+    placed_by[tid] += placed_all;
+    new_empty_by[tid] += ne;
+  });
+  return refused;
 }
 
 template <class K, class V>
@@ -715,7 +841,33 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
   };
   {
     py::gil_scoped_release release;
-    if (mode == M_APPEND && nt > 1 && has_hot_key<K>(n, [&](int64_t i) { return keys[i]; })) {
+    HotKeys<K> hot;
+    if (mode == M_APPEND) hot.detect(n, [&](int64_t i) { return keys[i]; });
+    if (!hot.empty()) {
+      const std::vector<int64_t> refused = append_with_runs(t, g, used, limit, n, nt, hot, [&](int64_t i) { return keys[i]; },
+                       [&](int64_t i) { return insert_value<K, V>(M_APPEND, vals, i); },
+                       [&](int64_t i) { status[i] = ST_NEW; },
+                       [&](int tid, const K* ks, const int64_t* idx, int64_t m) {
+                         insert_range(tid, ks, idx, 0, m, std::true_type());
+                       },
+                       news, new_empty);
+      // the copies a full table refused: the last `refused` of each such key, marked in one pass
+      int64_t total = 0;
+      for (int64_t r : refused) total += r;
+      if (total) {
+        std::vector<int64_t> left(refused.size(), 0);  // copies of each key placed before its refused ones
+        for (int64_t i = 0; i < n; ++i) {
+          const int h = hot.id(keys[i]);
+          if (h >= 0) ++left[h];
+        }
+        for (size_t h = 0; h < refused.size(); ++h) left[h] -= refused[h];
+        for (int64_t i = 0; i < n; ++i) {
+          const int h = hot.id(keys[i]);
+          if (h >= 0 && left[h]-- <= 0) status[i] = ST_PENDING;
+        }
+        pending[0] += total;
+      }
+    } else if (mode == M_APPEND && nt > 1 && has_hot_key<K>(n, [&](int64_t i) { return keys[i]; })) {
       // Appends of skewed keys split by key, not by position: each thread reads the whole input and
       // inserts the keys whose hash picks it. Two threads appending copies of one hot key met at the tail
       // of its chain (every CAS a cache-line transfer between the cores: Zipf(1.3) keys, 2M rows, 2
@@ -864,6 +1016,60 @@ int64_t erase_impl(const Geo& g, uintptr_t keys_p, int64_t n, uintptr_t out_p, b
   return s;
 }
 
+// Multi-value walks. Every value of key k (probe p), in probe order, through on_value(v); returns the
+// number of windows walked. A walk past kWalkFrom windows keeps the next kWalkAhead windows of the
+// probe sequence (and their filter bytes) in flight: the sequence is known in advance (double
+// hashing), so a key with many values walks at the memory's bandwidth, not one DRAM latency per
+// window. Short walks (most keys) prefetch nothing they will not read.
+constexpr int kWalkFrom = 2, kWalkAhead = 16;
+template <class K, class V, class OnValue>
+inline uint64_t multi_walk_key(const Table<K, V>& t, K k, Probe p, OnValue&& on_value) {
+  Probe ahead_p = p;
+  uint64_t ahead = 0;  // windows prefetched beyond the current one
+  uint64_t w = 0;
+  for (; w < t.nw; ++w) {
+    if (w >= (uint64_t)kWalkFrom) {
+      if (w == (uint64_t)kWalkFrom) ahead_p = p;
+      for (; ahead < (uint64_t)kWalkAhead && w + ahead + 1 < t.nw; ++ahead) {
+        probe_next(ahead_p, t.nw);
+        PK_PREFETCH_R(t.window(ahead_p.w));
+        if (t.ovf) PK_PREFETCH_R(t.ovf + ahead_p.w);
+      }
+    }
+    const auto* win = t.window(p.w);
+    bool stop = false;
+    for (int j = 0; j < t.W; ++j) {
+      const K sk = load_relaxed(&win[j].key);
+      if (sk == k) on_value(win[j].val);
+      if (sk == Table<K, V>::EMPTY) { stop = true; break; }
+    }
+    if (stop || !t.overflowed(p.w, p.tag)) break;
+    probe_next(p, t.nw);
+    if (ahead) --ahead;
+  }
+  return w + 1;
+}
+
+// A key whose walk was long (many values) and that comes again in the same call is answered from the
+// first answer: its count, and a copy of the values already written for it (the table does not change
+// during the call: the Python methods hold the table's lock). Walking again cost 64K queries of a key
+// with 200K values 31 s (review finding). Direct-mapped, per chunk of keys; short walks not kept.
+template <class K>
+struct WalkMemo {
+  static constexpr int kBits = 8;
+  static constexpr uint64_t kLongWalk = 8;
+  struct Entry { K k; int64_t at, c; };  // at: where its values were written
+  Entry e[1 << kBits];
+  WalkMemo() { for (Entry& x : e) x.at = -1; }
+  Entry* hit(K k) {
+    Entry& x = e[small_index(k, kBits)];
+    return x.at >= 0 && x.k == k ? &x : nullptr;
+  }
+  void keep(K k, int64_t at, int64_t c, uint64_t walked) {
+    if (walked > kLongWalk) e[small_index(k, kBits)] = Entry{k, at, c};
+  }
+};
+
 // Multi-value: count (vals_out == 0) or retrieve into vals_out[offsets[i]...] (CSR).
 template <class K, class V>
 void multi_walk_impl(const Geo& g, uintptr_t keys_p, int64_t n, uintptr_t counts_p, uintptr_t offsets_p,
@@ -874,60 +1080,107 @@ void multi_walk_impl(const Geo& g, uintptr_t keys_p, int64_t n, uintptr_t counts
   const int64_t* offsets = reinterpret_cast<const int64_t*>(offsets_p);
   V* vals_out = reinterpret_cast<V*>(vals_out_p);
   py::gil_scoped_release release;
-  // A key whose walk was long (many values) and that comes again in the same call is answered from the
-  // first answer: its count, and a copy of the values already written for it (the table does not change
-  // during the call: the Python methods hold the table's lock). Walking again cost 64K queries of a key
-  // with 200K values 31 s (review finding). Direct-mapped, per thread range; short walks not kept.
-  struct Memo { K k; int64_t i, c; };
-  constexpr int kMemoBits = 8, kLongWalk = 8, kWalkFrom = 2, kWalkAhead = 16;
   dyn_ranges(n, threads_for(n, nthreads), [&](int, int64_t b, int64_t e) {
-    Memo memo[1 << kMemoBits];
-    for (Memo& m : memo) m.i = -1;
+    WalkMemo<K> memo;
     pipelined<K, false>(keys, b, e, D, g, t.window_bytes, [&](int64_t i, K k, Probe p) {
       int64_t c = 0;
       if (!is_special(k)) {
-        int64_t o = vals_out ? offsets[i] : 0;
-        Memo& m = memo[small_index(k, kMemoBits)];
-        if (m.i >= 0 && m.k == k) {
-          if (vals_out) std::memcpy(vals_out + o, vals_out + offsets[m.i], (size_t)m.c * sizeof(V));
-          if (counts) counts[i] = m.c;
-          return;
+        const int64_t o = vals_out ? offsets[i] : 0;
+        if (auto* m = memo.hit(k)) {
+          if (vals_out) std::memcpy(vals_out + o, vals_out + m->at, (size_t)m->c * sizeof(V));
+          c = m->c;
+        } else {
+          const uint64_t walked = multi_walk_key(t, k, p, [&](V v) __attribute__((always_inline)) {
+            if (vals_out) vals_out[o + c] = v;
+            ++c;
+          });
+          memo.keep(k, o, c, walked);
         }
-        // A walk past kWalkFrom windows keeps the next kWalkAhead windows of the probe sequence (and
-        // their filter bytes) in flight: the sequence is known in advance (double hashing), so a key
-        // with many values walks at the memory's bandwidth, not one DRAM latency per window. Short
-        // walks (most keys) prefetch nothing they will not read.
-        Probe ahead_p = p;
-        uint64_t ahead = 0;  // windows prefetched beyond the current one
-        uint64_t w = 0;
-        for (; w < t.nw; ++w) {
-          if (w >= (uint64_t)kWalkFrom) {
-            if (w == (uint64_t)kWalkFrom) ahead_p = p;
-            for (; ahead < (uint64_t)kWalkAhead && w + ahead + 1 < t.nw; ++ahead) {
-              probe_next(ahead_p, t.nw);
-              PK_PREFETCH_R(t.window(ahead_p.w));
-              if (t.ovf) PK_PREFETCH_R(t.ovf + ahead_p.w);
-            }
-          }
-          auto* win = t.window(p.w);
-          bool stop = false;
-          for (int j = 0; j < t.W; ++j) {
-            const K sk = load_relaxed(&win[j].key);
-            if (sk == k) {
-              if (vals_out) vals_out[o + c] = win[j].val;
-              ++c;
-            }
-            if (sk == Table<K, V>::EMPTY) { stop = true; break; }
-          }
-          if (stop || !t.overflowed(p.w, p.tag)) break;
-          probe_next(p, t.nw);
-          if (ahead) --ahead;
-        }
-        if (w >= kLongWalk) m = Memo{k, i, c};
       }
       if (counts) counts[i] = c;
     });
   });
+}
+
+// A multi-value find in one walk per key (the count-then-retrieve of multi_walk_impl walks every chain
+// twice): each chunk of keys appends its values to a buffer of its own and writes its keys' counts;
+// Python then sizes the output from the counts and copy_to lays the chunks' buffers end to end (a
+// sequential copy of the values, where the second walk re-read every window of every chain).
+struct MultiCollected {
+  std::vector<std::vector<char>> chunks;  // values of the keys [c * kChunk, (c + 1) * kChunk), in key order
+  std::vector<int64_t> bytes;             // bytes used in each
+  int64_t total = 0;                      // values in all
+  int nthreads = 1;
+  void copy_to(uintptr_t out_p) {
+    char* out = reinterpret_cast<char*>(out_p);
+    std::vector<int64_t> at(chunks.size() + 1, 0);
+    for (size_t c = 0; c < chunks.size(); ++c) at[c + 1] = at[c] + bytes[c];
+    py::gil_scoped_release release;
+    auto copy = [&](size_t c) {
+      if (bytes[c]) std::memcpy(out + at[c], chunks[c].data(), (size_t)bytes[c]);
+      std::vector<char>().swap(chunks[c]);
+    };
+    const int nt = chunks.size() > 1 ? threads_for(at.back() / 8, nthreads) : 1;
+    if (nt <= 1) {
+      for (size_t c = 0; c < chunks.size(); ++c) copy(c);
+      return;
+    }
+    std::atomic<size_t> next(0);
+    pk::parallel_threads(nt, [&](int) {
+      for (size_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks.size();) copy(c);
+    });
+  }
+};
+
+template <class K, class V>
+MultiCollected multi_collect_impl(const Geo& g, uintptr_t keys_p, int64_t n, uintptr_t counts_p, int nthreads,
+                                  int D) {
+  Table<K, V> t(g);
+  const K* keys = reinterpret_cast<const K*>(keys_p);
+  int64_t* counts = reinterpret_cast<int64_t*>(counts_p);
+  MultiCollected out;
+  const size_t nchunks = (size_t)std::max<int64_t>(1, (n + kChunk - 1) / kChunk);
+  out.chunks.resize(nchunks);
+  out.bytes.assign(nchunks, 0);
+  out.nthreads = nthreads;
+  py::gil_scoped_release release;
+  const int nt = threads_for(n, nthreads);
+  std::vector<int64_t> totals(nt, 0);
+  dyn_ranges(n, nt, [&](int tid, int64_t b, int64_t e) {
+    std::vector<char>& buf = out.chunks[(size_t)(b / kChunk)];
+    int64_t used = 0, cap = 0;  // values
+    auto room = [&](int64_t more) __attribute__((always_inline)) {
+      if (PK_LIKELY(used + more <= cap)) return;
+      cap = std::max<int64_t>({1024, 2 * cap, used + more});
+      buf.resize((size_t)cap * sizeof(V));
+    };
+    WalkMemo<K> memo;
+    pipelined<K, false>(keys, b, e, D, g, t.window_bytes, [&](int64_t i, K k, Probe p) {
+      int64_t c = 0;
+      if (!is_special(k)) {
+        if (auto* m = memo.hit(k)) {
+          room(m->c);
+          V* vals = reinterpret_cast<V*>(buf.data());
+          std::memcpy(vals + used, vals + m->at, (size_t)m->c * sizeof(V));
+          c = m->c;
+          used += c;
+        } else {
+          const int64_t at = used;
+          const uint64_t walked = multi_walk_key(t, k, p, [&](V v) __attribute__((always_inline)) {
+            room(1);
+            reinterpret_cast<V*>(buf.data())[used++] = v;
+          });
+          c = used - at;
+          memo.keep(k, at, c, walked);
+        }
+      }
+      counts[i] = c;
+    });
+    out.bytes[(size_t)(b / kChunk)] = used * (int64_t)sizeof(V);
+    totals[tid] += used;
+  });
+  for (int64_t x : totals) out.total += x;
+  return out;
 }
 
 // items(): live slots in slot order. Two passes (count per range, then write), parallel.
@@ -982,40 +1235,65 @@ int64_t rehash_impl(const Geo& src, const Geo& dst, int nthreads, int D) {
   std::atomic<int64_t> used(0);
   const int64_t limit = (int64_t)(dst.nw * (uint64_t)dst.W);
   std::vector<AppendHints<K>> hints(nt);  // a multi-value map's repeated keys (unique tables: never hit)
-  // Moves the live slots [b, e) of src on thread tid (by_key: only the keys tid owns, as insert_impl).
-  auto move_range = [&](int tid, int64_t b, int64_t e, bool by_key) {
-      // Compact this range's live keys in chunks, then run them through the prefetching pipeline.
-      constexpr int64_t CH = 1024;
-      K kbuf[CH];
-      uint64_t vbuf[CH];
-      int64_t ne = 0, mv = 0, ms = 0;
-      Budget budget(used, limit);
-      for (int64_t c0 = b; c0 < e; c0 += CH) {
-        int64_t m = 0;
-        for (int64_t x = c0; x < std::min(e, c0 + CH); ++x) {
-          const K k = s.slots[x].key;
-          if (is_special(k) || (by_key && owner_of(k, dst.seed, nt) != tid)) continue;
-          kbuf[m] = k;
-          if constexpr (Table<K, V>::kHasVal) vbuf[m] = (uint64_t)s.slots[x].val;
-          else vbuf[m] = 0;
-          ++m;
-        }
-        auto tally = [&](int64_t, uint8_t st) __attribute__((always_inline)) { if (st == ST_NEW) ++mv; else ++ms; };
-        if (grouped_insert_tiered<M_APPEND>(d, kbuf, 0, m, D, budget, ne,
-                                            [&](int64_t i) __attribute__((always_inline)) { return vbuf[i]; }, tally,
-                                            &hints[tid]))
-          continue;
-        pipelined<K, true>(kbuf, 0, m, D, dst, d.window_bytes, [&](int64_t i, K k, Probe p) {
-          tally(i, d.template insert_one<M_APPEND>(k, vbuf[i], p, budget, ne, &hints[tid]));
-        });
+  // Appends the m compacted live keys kbuf (values vbuf) to dst on thread tid.
+  auto append_live = [&](int tid, const K* kbuf, const uint64_t* vbuf, int64_t m) {
+    int64_t ne = 0, mv = 0, ms = 0;
+    Budget budget(used, limit);
+    auto tally = [&](int64_t, uint8_t st) __attribute__((always_inline)) { if (st == ST_NEW) ++mv; else ++ms; };
+    if (!grouped_insert_tiered<M_APPEND>(d, kbuf, 0, m, D, budget, ne,
+                                         [&](int64_t i) __attribute__((always_inline)) { return vbuf[i]; }, tally,
+                                         &hints[tid])) {
+      pipelined<K, true>(kbuf, 0, m, D, dst, d.window_bytes, [&](int64_t i, K k, Probe p) {
+        tally(i, d.template insert_one<M_APPEND>(k, vbuf[i], p, budget, ne, &hints[tid]));
+      });
+    }
+    moved[tid] += mv;
+    missed[tid] += ms;
+  };
+  // Moves the live slots at(0 .. m - 1) of src on thread tid (by_key: only the keys tid owns, as insert_impl):
+  // compacted in chunks, then run through the prefetching pipeline.
+  auto move_slots = [&](int tid, int64_t m, auto&& at, bool by_key) {
+    constexpr int64_t CH = 1024;
+    K kbuf[CH];
+    uint64_t vbuf[CH];
+    for (int64_t c0 = 0; c0 < m; c0 += CH) {
+      int64_t c = 0;
+      for (int64_t j = c0; j < std::min(m, c0 + CH); ++j) {
+        const int64_t x = at(j);
+        const K k = s.slots[x].key;
+        if (is_special(k) || (by_key && owner_of(k, dst.seed, nt) != tid)) continue;
+        kbuf[c] = k;
+        if constexpr (Table<K, V>::kHasVal) vbuf[c] = (uint64_t)s.slots[x].val;
+        else vbuf[c] = 0;
+        ++c;
       }
-      moved[tid] += mv;
-      missed[tid] += ms;
+      append_live(tid, kbuf, vbuf, c);
+    }
+  };
+  auto move_range = [&](int tid, int64_t b, int64_t e, bool by_key) {
+    move_slots(tid, e - b, [&](int64_t j) { return b + j; }, by_key);
   };
   {
     py::gil_scoped_release release;
-    // a multi-value map's hot keys: split by key, as insert_impl (Zipf(1.3) keys, 2M copies, 2 threads:\n    // 294 -> 196 ms, one thread 190)
-    if (nt > 1 && has_hot_key<K>(nslots, [&](int64_t x) { return s.slots[x].key; }))
+    // a multi-value map's hot keys: their copies appended in runs, as insert_impl (Zipf(1.3) keys, 2M
+    // rows grown into in 8 inserts: the three rehashes 110 + 190 + 350 ms -> ...)
+    HotKeys<K> hot;
+    hot.detect(nslots, [&](int64_t x) { return s.slots[x].key; });
+    if (!hot.empty()) {
+      std::vector<int64_t> placed(nt, 0), taken(nt, 0);
+      const std::vector<int64_t> refused = append_with_runs(d, dst, used, limit, nslots, nt, hot, [&](int64_t x) { return s.slots[x].key; },
+                       [&](int64_t x) -> uint64_t {
+                         if constexpr (Table<K, V>::kHasVal) return (uint64_t)s.slots[x].val;
+                         else return 0;
+                       },
+                       [](int64_t) {},
+                       [&](int tid, const K*, const int64_t* idx, int64_t m) {
+                         move_slots(tid, m, [&](int64_t j) { return idx[j]; }, false);
+                       },
+                       placed, taken);
+      for (int x = 0; x < nt; ++x) moved[x] += placed[x];
+      for (int64_t r : refused) missed[0] += r;
+    } else if (nt > 1 && has_hot_key<K>(nslots, [&](int64_t x) { return s.slots[x].key; }))
       pk::parallel_threads(nt, [&](int tid) { move_range(tid, 0, nslots, true); });
     else
       dyn_ranges(nslots, nt, [&](int tid, int64_t b, int64_t e) { move_range(tid, b, e, false); });
@@ -1339,6 +1617,22 @@ PYBIND11_MODULE(_cpu_hash, m) {
               multi_walk_impl<decltype(k), decltype(v)>(g, keys, n, counts, offsets, vals_out, nthreads, D);
             return 0;
           });
+        });
+  py::class_<MultiCollected>(m, "MultiCollected")
+      .def_readonly("total", &MultiCollected::total)
+      .def("copy_to", &MultiCollected::copy_to, py::arg("out"));
+  m.def("multi_collect",
+        [](uintptr_t slots, uintptr_t special, uint64_t nw, int W, uint64_t seed, int kb, int vb, uintptr_t keys,
+           int64_t n, uintptr_t counts, int nthreads, int D) {
+          Geo g = geo_of(slots, special, nw, W, seed, "hash.multi_collect");
+          if (vb == 0) pk::fail_value("hash.multi_collect", "multi-value tables need values");
+          MultiCollected out;
+          by_layout("hash.multi_collect", kb, vb, [&](auto k, auto v) {
+            if constexpr (!std::is_same<decltype(v), NoVal>::value)
+              out = multi_collect_impl<decltype(k), decltype(v)>(g, keys, n, counts, nthreads, D);
+            return 0;
+          });
+          return out;
         });
   m.def("items",
         [](uintptr_t slots, uint64_t nw, int W, int kb, int vb, uintptr_t keys_out, uintptr_t vals_out,

@@ -539,14 +539,11 @@ void grouped_insert_w(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G
         if (Mode == M_APPEND && hints && (own || s.visited >= AppendHints<K>::kLongWalk)) hints->remember(s);
         return;
       }
-      if (Mode == M_APPEND && hints && own) {
-        // a repeated key whose first window holds other keys. (Where append_at refuses -- the load limit,
-        // the whole table walked -- the state machine refuses it too, from here.)
-        auto* x = hints->lookup(s.k);
-        if (x && x->visited > s.visited && t.append_at(*x, s.k, s.v, s.p, budget, new_empty)) {
-          finish(s.i, ST_NEW);
-          return;
-        }
+      if (Mode == M_APPEND && hints && own && hints->resume(s)) {
+        // a repeated key whose window holds other keys: on from its last copy's window, prefetched
+        t.prefetch_w(s.p.w);
+        q[(qhead + qlen++) % kQueue] = s;
+        return;
       }
     }
     uint8_t st;
@@ -581,12 +578,13 @@ void grouped_insert_w(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G
       St& s = q[(qhead + qlen) % kQueue];  // built in the FIFO's next slot: queued without a copy
       t.ins_begin(s, i, k, v, p, false);    // its window is in cache: this step costs no miss
       // a full window holding the key itself: a repeated key (distinct keys never look the hints up)
-      if (Mode == M_APPEND && hints && own) {
-        auto* x = hints->lookup(k);
-        if (x && t.append_at(*x, k, v, p, budget, new_empty)) {  // (the FIFO slot s stays unused)
-          finish(i, ST_NEW);
-          continue;
-        }
+      // (its last copy's window is prefetched and examined when the FIFO reaches it: a synchronous
+      // append there cost a DRAM latency per copy of a key whose copies are far apart)
+      if (Mode == M_APPEND && hints && own && hints->resume(s)) {
+        t.prefetch_w(s.p.w);
+        ++qlen;
+        while (qlen > B) step_queued();
+        continue;
       }
       uint8_t st;
       if (t.template ins_step<Mode>(s, st, budget, new_empty)) {

@@ -223,14 +223,27 @@ def _multi_find_impl(slots: torch.Tensor, special: torch.Tensor, keys: torch.Ten
     from ._layout import EMPTY_BITS, TOMB_BITS
 
     n = keys.numel()
-    counts = _multi_count_impl(slots, special, keys, nw, window, seed, kb, vb, threads, prefetch)  # reserved: 0
     specials = []
     for bits, sv in ((EMPTY_BITS, empty_vals), (TOMB_BITS, tomb_vals)):
         if sv.numel():
             m = keys == bits
             if bool(m.any()):
-                counts[m] = sv.numel()
                 specials.append((m, sv))
+    if n and keys.device.type == "cpu" and not specials:
+        # one walk per key (the native side keeps the values it met), then one sequential copy
+        _check_special("hash_multi_find", special, nw)
+        _check_table_args("hash_multi_find", slots, keys, None, nw, window, kb, vb)
+        counts = torch.empty(n, dtype=torch.int64)
+        collected = _mod(slots).multi_collect(slots.data_ptr(), special.data_ptr(), nw, window, seed & _M64, kb, vb,
+                                              keys.data_ptr(), n, counts.data_ptr(), _nthreads(threads), prefetch)
+        offsets = torch.zeros(n + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        vals = out_buffer(collected.total, _BITS[vb], keys.device)
+        collected.copy_to(vals.data_ptr())
+        return offsets, vals
+    counts = _multi_count_impl(slots, special, keys, nw, window, seed, kb, vb, threads, prefetch)  # reserved: 0
+    for m, sv in specials:
+        counts[m] = sv.numel()
     offsets = torch.zeros(n + 1, dtype=torch.int64, device=keys.device)
     torch.cumsum(counts, 0, out=offsets[1:])
     total = int(offsets[-1]) if n else 0
