@@ -148,6 +148,10 @@ class MultiValueHashMap(_OpenTable):
 
     def _special_masks(self, kbits):
         out = []
+        if self.device.type == "cpu" and kbits.numel() > 4096:
+            # one native read of the keys; the masks only where those patterns occur
+            if not self._mod.reserved_count(kbits.data_ptr(), kbits.numel(), self._kb, torch.get_num_threads()):
+                return out
         for bits in (L.EMPTY_BITS, L.TOMB_BITS):
             m = kbits == bits
             if bool(m.any()):
