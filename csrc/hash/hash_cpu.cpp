@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -646,14 +647,21 @@ struct HotKeys {
       if (!is_special(k)) sample.push_back(k);
     }
     std::sort(sample.begin(), sample.end());
-    for (size_t j = 0; j < sample.size() && keys.size() < (size_t)kMax;) {
+    std::vector<std::pair<int64_t, K>> found;  // (times sampled, key)
+    for (size_t j = 0; j < sample.size();) {
       size_t r = j + 1;
       while (r < sample.size() && sample[r] == sample[j]) ++r;
-      if (r - j >= (size_t)kMin) {
-        keys.push_back(sample[j]);
-        sampled.push_back((int64_t)(r - j));
-      }
+      if (r - j >= (size_t)kMin) found.emplace_back((int64_t)(r - j), sample[j]);
       j = r;
+    }
+    if (found.size() > (size_t)kMax) {  // the most frequent ones (review finding: the smallest key values were kept)
+      std::nth_element(found.begin(), found.begin() + kMax, found.end(),
+                       [](const auto& a, const auto& b) { return a.first > b.first; });
+      found.resize(kMax);
+    }
+    for (const auto& f : found) {
+      keys.push_back(f.second);
+      sampled.push_back(f.first);
     }
     if (keys.empty()) return;
     cells.assign((size_t)1 << kBits, Cell{K(), -1});
@@ -692,9 +700,10 @@ std::vector<int64_t> append_with_runs(Table<K, V>& t, const Geo& g, std::atomic<
                                       Hot&& hot_seen, Cold&& cold, std::vector<int64_t>& placed_by,
                                       std::vector<int64_t>& new_empty_by) {
   const size_t nh = hot.keys.size();
-  // the values per thread and key: phase two reads nothing of the input (a key with 1% of the rows read
-  // one value line per copy there, at DRAM latency: 27 -> 8 ms)
-  std::vector<std::vector<std::vector<uint64_t>>> listed(nt, std::vector<std::vector<uint64_t>>(nh));
+  // the values per thread and key, in the table's value type: phase two reads nothing of the input (a key
+  // with 1% of the rows read one value line per copy there, at DRAM latency: 27 -> 8 ms)
+  using LV = typename std::conditional<Table<K, V>::kHasVal, V, uint8_t>::type;
+  std::vector<std::vector<std::vector<LV>>> listed(nt, std::vector<std::vector<LV>>(nh));
   pk::parallel_threads(nt, [&](int tid) {
     const int64_t b = n * tid / nt, e = n * (tid + 1) / nt;
     std::vector<K> kbuf(kChunk);
@@ -709,7 +718,7 @@ std::vector<int64_t> append_with_runs(Table<K, V>& t, const Geo& g, std::atomic<
         const K k = key_at(i);
         const int h = hot.id(k);
         if (h >= 0) {
-          mine[h].push_back(val_at(i));
+          mine[h].push_back((LV)val_at(i));
           hot_seen(i);
           continue;
         }
@@ -743,7 +752,7 @@ std::vector<int64_t> append_with_runs(Table<K, V>& t, const Geo& g, std::atomic<
       int64_t base = 0;
       auto value = [&](int64_t x) __attribute__((always_inline)) {
         while (x - base >= (int64_t)listed[li][h].size()) base += (int64_t)listed[li++][h].size();
-        return listed[li][h][(size_t)(x - base)];
+        return (uint64_t)listed[li][h][(size_t)(x - base)];
       };
       const int64_t placed = t.append_run(k, probe_start((uint64_t)k, g.seed, g.nw), copies[h], value, budget, ne);
       placed_all += placed;
@@ -752,6 +761,31 @@ std::vector<int64_t> append_with_runs(Table<K, V>& t, const Geo& g, std::atomic<
     placed_by[tid] += placed_all;
     new_empty_by[tid] += ne;
   });
+  // A thread may have been refused while another still held reserved slots (given back since): the
+  // refused copies again, on one thread, so "refused" means what it does single-threaded.
+  int64_t total_refused = 0;
+  for (int64_t r : refused) total_refused += r;
+  if (total_refused && nt > 1) {
+    Budget budget(used, limit);
+    int64_t placed_all = 0, ne = 0;
+    for (int h : order) {
+      if (!refused[h]) continue;
+      const int64_t skip = copies[h] - refused[h];  // the copies placed: the first ones in input order
+      int li = 0;
+      int64_t base = 0;
+      auto value = [&](int64_t x) __attribute__((always_inline)) {
+        x += skip;
+        while (x - base >= (int64_t)listed[li][h].size()) base += (int64_t)listed[li++][h].size();
+        return (uint64_t)listed[li][h][(size_t)(x - base)];
+      };
+      const K k = hot.keys[h];
+      const int64_t placed = t.append_run(k, probe_start((uint64_t)k, g.seed, g.nw), refused[h], value, budget, ne);
+      placed_all += placed;
+      refused[h] -= placed;
+    }
+    placed_by[0] += placed_all;
+    new_empty_by[0] += ne;
+  }
   return refused;
 }
 
@@ -1104,24 +1138,83 @@ void multi_walk_impl(const Geo& g, uintptr_t keys_p, int64_t n, uintptr_t counts
 }
 
 // A multi-value find in one walk per key (the count-then-retrieve of multi_walk_impl walks every chain
-// twice): each chunk of keys appends its values to a buffer of its own and writes its keys' counts;
-// Python then sizes the output from the counts and copy_to lays the chunks' buffers end to end (a
-// sequential copy of the values, where the second walk re-read every window of every chain).
+// twice): each chunk of keys appends its values to a stream of its own and writes its keys' counts;
+// Python then sizes the output from the counts and copy_to lays the streams end to end (a sequential
+// copy of the values, where the second walk re-read every window of every chain).
+// A stream is a list of blocks (1K values, doubling up to 64K), never reallocated: the values are held
+// about twice at the peak (streams + output; copy_to frees each block once copied), where a doubling
+// vector held up to 3x (review finding: 762 MB of output, 1.8 GB peak).
+struct ValueStream {
+  static constexpr int64_t kFirst = 1 << 10, kMax = 1 << 16;  // values per block
+  std::vector<std::unique_ptr<char[]>> blocks;
+  std::vector<int64_t> starts;  // the first value of each block
+  int64_t size = 0;             // values
+  int64_t room = 0;             // left in the last block
+  char* tail = nullptr;         // where the next value goes
+  int64_t block_values(size_t b) const { return std::min<int64_t>(kMax, kFirst << std::min<size_t>(b, 6)); }
+  template <class V>
+  void grow() {
+    const int64_t nv = block_values(blocks.size());
+    blocks.emplace_back(new char[(size_t)nv * sizeof(V)]);
+    starts.push_back(size);
+    room = nv;
+    tail = blocks.back().get();
+  }
+  template <class V>
+  __attribute__((always_inline)) void push(V v) {
+    if (PK_UNLIKELY(room == 0)) grow<V>();
+    std::memcpy(tail, &v, sizeof(V));
+    tail += sizeof(V);
+    --room;
+    ++size;
+  }
+  // Appends the c values from position at (an earlier key's values: a repeated key).
+  template <class V>
+  void repeat(int64_t at, int64_t c) {
+    while (c > 0) {
+      const size_t b = (size_t)(std::upper_bound(starts.begin(), starts.end(), at) - starts.begin()) - 1;
+      const int64_t off = at - starts[b];
+      int64_t n = std::min(c, block_values(b) - off);
+      if (room == 0) grow<V>();
+      n = std::min(n, room);
+      std::memmove(tail, blocks[b].get() + off * (int64_t)sizeof(V), (size_t)n * sizeof(V));
+      tail += n * (int64_t)sizeof(V);
+      room -= n;
+      size += n;
+      at += n;
+      c -= n;
+    }
+  }
+  // Copies the values to out and frees the blocks.
+  void drain(char* out, int vbytes) {
+    for (size_t b = 0; b < blocks.size(); ++b) {
+      const int64_t n = std::min(block_values(b), size - starts[b]);
+      std::memcpy(out + starts[b] * vbytes, blocks[b].get(), (size_t)(n * vbytes));
+      blocks[b].reset();
+    }
+    blocks.clear();
+  }
+};
+
 struct MultiCollected {
-  std::vector<std::vector<char>> chunks;  // values of the keys [c * kChunk, (c + 1) * kChunk), in key order
-  std::vector<int64_t> bytes;             // bytes used in each
-  int64_t total = 0;                      // values in all
+  std::vector<ValueStream> chunks;  // values of the keys [c * kChunk, (c + 1) * kChunk), in key order
+  int64_t total = 0;                // values in all
+  int vbytes = 8;
   int nthreads = 1;
+  bool drained = false;
+  MultiCollected() = default;
+  MultiCollected(MultiCollected&&) = default;
+  MultiCollected& operator=(MultiCollected&&) = default;
+  MultiCollected(const MultiCollected&) = delete;  // (the blocks are owned: pybind11 moves it out)
   void copy_to(uintptr_t out_p) {
+    if (drained) pk::fail_runtime("hash.multi_collect", "the collected values were copied out already");
+    drained = true;
     char* out = reinterpret_cast<char*>(out_p);
     std::vector<int64_t> at(chunks.size() + 1, 0);
-    for (size_t c = 0; c < chunks.size(); ++c) at[c + 1] = at[c] + bytes[c];
+    for (size_t c = 0; c < chunks.size(); ++c) at[c + 1] = at[c] + chunks[c].size;
     py::gil_scoped_release release;
-    auto copy = [&](size_t c) {
-      if (bytes[c]) std::memcpy(out + at[c], chunks[c].data(), (size_t)bytes[c]);
-      std::vector<char>().swap(chunks[c]);
-    };
-    const int nt = chunks.size() > 1 ? threads_for(at.back() / 8, nthreads) : 1;
+    auto copy = [&](size_t c) { chunks[c].drain(out + at[c] * vbytes, vbytes); };
+    const int nt = chunks.size() > 1 ? threads_for(at.back(), nthreads) : 1;
     if (nt <= 1) {
       for (size_t c = 0; c < chunks.size(); ++c) copy(c);
       return;
@@ -1140,45 +1233,31 @@ MultiCollected multi_collect_impl(const Geo& g, uintptr_t keys_p, int64_t n, uin
   const K* keys = reinterpret_cast<const K*>(keys_p);
   int64_t* counts = reinterpret_cast<int64_t*>(counts_p);
   MultiCollected out;
-  const size_t nchunks = (size_t)std::max<int64_t>(1, (n + kChunk - 1) / kChunk);
-  out.chunks.resize(nchunks);
-  out.bytes.assign(nchunks, 0);
+  out.chunks.resize((size_t)std::max<int64_t>(1, (n + kChunk - 1) / kChunk));
+  out.vbytes = (int)sizeof(V);
   out.nthreads = nthreads;
   py::gil_scoped_release release;
   const int nt = threads_for(n, nthreads);
   std::vector<int64_t> totals(nt, 0);
   dyn_ranges(n, nt, [&](int tid, int64_t b, int64_t e) {
-    std::vector<char>& buf = out.chunks[(size_t)(b / kChunk)];
-    int64_t used = 0, cap = 0;  // values
-    auto room = [&](int64_t more) __attribute__((always_inline)) {
-      if (PK_LIKELY(used + more <= cap)) return;
-      cap = std::max<int64_t>({1024, 2 * cap, used + more});
-      buf.resize((size_t)cap * sizeof(V));
-    };
+    ValueStream& vs = out.chunks[(size_t)(b / kChunk)];
     WalkMemo<K> memo;
     pipelined<K, false>(keys, b, e, D, g, t.window_bytes, [&](int64_t i, K k, Probe p) {
       int64_t c = 0;
       if (!is_special(k)) {
         if (auto* m = memo.hit(k)) {
-          room(m->c);
-          V* vals = reinterpret_cast<V*>(buf.data());
-          std::memcpy(vals + used, vals + m->at, (size_t)m->c * sizeof(V));
+          vs.repeat<V>(m->at, m->c);
           c = m->c;
-          used += c;
         } else {
-          const int64_t at = used;
-          const uint64_t walked = multi_walk_key(t, k, p, [&](V v) __attribute__((always_inline)) {
-            room(1);
-            reinterpret_cast<V*>(buf.data())[used++] = v;
-          });
-          c = used - at;
+          const int64_t at = vs.size;
+          const uint64_t walked = multi_walk_key(t, k, p, [&](V v) __attribute__((always_inline)) { vs.push(v); });
+          c = vs.size - at;
           memo.keep(k, at, c, walked);
         }
       }
       counts[i] = c;
     });
-    out.bytes[(size_t)(b / kChunk)] = used * (int64_t)sizeof(V);
-    totals[tid] += used;
+    totals[tid] += vs.size;
   });
   for (int64_t x : totals) out.total += x;
   return out;

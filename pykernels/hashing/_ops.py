@@ -222,6 +222,8 @@ def _multi_find_impl(slots: torch.Tensor, special: torch.Tensor, keys: torch.Ten
     order) come in as empty_vals / tomb_vals (empty tensors when they have none)."""
     from ._layout import EMPTY_BITS, TOMB_BITS
 
+    check_same_device("hash_multi_find", slots=slots, special=special, keys=keys, empty_vals=empty_vals,
+                      tomb_vals=tomb_vals)
     n = keys.numel()
     specials = []
     for bits, sv in ((EMPTY_BITS, empty_vals), (TOMB_BITS, tomb_vals)):
