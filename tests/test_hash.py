@@ -405,6 +405,55 @@ def test_counting_table_sized_for_its_keys_does_not_grow_for_their_repeats():
         assert int(s.insert(keys).sum()) == uniq.numel() and s.capacity < 4 * uniq.numel()
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("key_dtype", [torch.int64, torch.int32])
+def test_counting_few_categories_sums_hot_keys_privately(threads, key_dtype):
+    """CountingTable.add of 300K keys of a few categories (csrc/hash/hash_cpu.cpp insert_impl: the keys that are
+    ~0.025% of the input or more are summed per thread and added once): counts exact with and without weights;
+    add()'s mask True exactly at each new key's first occurrence; keys already present, the reserved patterns
+    (-1, -2) and rare keys mixed in; a non-growable table too small for the categories."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(17)
+        cats = torch.tensor([0, 1, -1, -2, 7, 1 << 30, -(1 << 30), 12345], dtype=key_dtype)
+        keys = torch.cat([cats[torch.randint(0, 8, (300_000,), generator=g)],
+                          torch.randint(-(1 << 20), 1 << 20, (3000,), generator=g).to(key_dtype)])
+        keys = keys[torch.randperm(keys.numel(), generator=g)]
+        t = CountingTable(1024, key_dtype)
+        t.add(torch.tensor([7, 99], dtype=key_dtype))  # present before: never new in the big add
+        new = t.add(keys)
+        # one True per key new to the table; a category's (summed privately) at its first occurrence (a rare
+        # key's copies on two threads, or a reserved pattern's: whichever claims the slot)
+        first, trues = {}, collections.defaultdict(list)
+        for i, (k, is_new) in enumerate(zip(keys.tolist(), new.tolist())):
+            first.setdefault(k, i)
+            if is_new:
+                trues[k].append(i)
+        assert set(trues) == set(first) - {7, 99} and all(len(v) == 1 for v in trues.values())
+        for k in cats.tolist():
+            assert k in (7, 99, -1, -2) or trues[k] == [first[k]], k
+        want = collections.Counter(keys.tolist()) + collections.Counter([7, 99])
+        uq = torch.tensor(sorted(want), dtype=key_dtype)
+        assert t.counts(uq).tolist() == [want[k] for k in uq.tolist()] and len(t) == len(want)
+        w = torch.randint(-5, 100, (keys.numel(),), generator=g)
+        tw = CountingTable(1 << 14, key_dtype)
+        tw.add(keys, w)
+        ref = collections.defaultdict(int)
+        for k, c in zip(keys.tolist(), w.tolist()):
+            ref[k] += c
+        assert tw.counts(uq).tolist() == [ref.get(k, 0) for k in uq.tolist()]
+        small = CountingTable(4, key_dtype, growable=False)
+        with pytest.raises(TableFullError):
+            small.add(keys)
+        got = small.counts(uq)
+        stored = [k for k, c in zip(uq.tolist(), got.tolist()) if c]
+        assert len(small) == len(stored) > 0 and all(got[i] in (0, want[k] - (k in (7, 99)))
+                                                     for i, k in enumerate(uq.tolist()))
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_colliding_keys_all_in_one_window_region():
     t = HashMap(4096, value_dtype=torch.int32, growable=False, max_load_factor=0.99)
     keys = colliding_keys(t, 600)
