@@ -176,6 +176,23 @@ def _cpu_cases(quick):
         cases.append(Case(GROUP, "count", f"int64 n={tag} distinct=n/4", n,
                           lambda n=n: make_count(n, "unique"), "torch.unique(return_counts)", n, "keys"))
 
+        # counting a column of few categories (each key ~1.6% of the rows: summed per thread, added once)
+        def make_count_few(n=n, distinct=64):
+            g = torch.Generator().manual_seed(4)
+            keys = _keys(distinct, 6)[torch.randint(0, distinct, (n,), generator=g)]
+            t = pykernels.CountingTable(1024)
+            s = pd.Series(keys.numpy())
+
+            def ours():
+                t.clear()
+                t.add(keys)
+                return t.items()
+
+            return ours, lambda: s.value_counts(sort=False)
+
+        cases.append(Case(GROUP, "count", f"int64 n={tag} distinct=64", n, make_count_few, "pd.Series.value_counts",
+                          n, "keys", notes="64 categories: each thread sums the hot keys' adds privately"))
+
     # A multi-value map built from skewed keys and probed with each distinct key once (a hash join's
     # build and probe sides): Zipf(1.3) keys, the most frequent a quarter of the rows, vs pandas'
     # non-unique index lookup, which returns the same positions.

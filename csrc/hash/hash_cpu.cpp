@@ -716,6 +716,7 @@ std::vector<int64_t> append_with_runs(Table<K, V>& t, const Geo& g, std::atomic<
     std::vector<K> kbuf(kChunk);
     std::vector<int64_t> ibuf(kChunk);
     auto& mine = listed[tid];
+    const auto find = hot.finder();
     for (size_t h = 0; h < nh; ++h)  // room for about what the sample predicts
       mine[h].reserve((size_t)((e - b) * hot.sampled[h] / HotKeys<K>::kSamples * 5 / 4 + 64));
     for (int64_t c0 = b; c0 < e; c0 += kChunk) {
@@ -723,7 +724,7 @@ std::vector<int64_t> append_with_runs(Table<K, V>& t, const Geo& g, std::atomic<
       int64_t m = 0;
       for (int64_t i = c0; i < c1; ++i) {
         const K k = key_at(i);
-        const int h = hot.id(k);
+        const int h = find.id(k);
         if (h >= 0) {
           mine[h].push_back((LV)val_at(i));
           hot_seen(i);
