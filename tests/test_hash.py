@@ -454,6 +454,44 @@ def test_counting_few_categories_sums_hot_keys_privately(threads, key_dtype):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_map_and_set_inserts_of_few_categories_keep_the_last_value(threads):
+    """HashMap.insert / HashSet.insert of 300K keys of a few categories: each thread keeps its range's last value of
+    each hot key and the key gets one upsert (csrc/hash/hash_cpu.cpp insert_impl): the value kept is the last one
+    in input order (a dict's), the new mask True once per new key (a category's at its first occurrence), a
+    present key updated, and a non-growable table too small refuses whole categories, keeping every key it took."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(23)
+        cats = torch.tensor([3, 1 << 40, -7, 0, 55, 1 << 20], dtype=torch.int64)
+        keys = torch.cat([cats[torch.randint(0, 6, (300_000,), generator=g)], torch.arange(10**9, 10**9 + 2000)])
+        keys = keys[torch.randperm(keys.numel(), generator=g)]
+        vals = torch.arange(keys.numel(), dtype=torch.int64) * 7
+        m = HashMap(1024)
+        m.insert(torch.tensor([55]), torch.tensor([-1]))
+        new = m.insert(keys, vals)
+        last = dict(zip(keys.tolist(), vals.tolist()))
+        uq = torch.tensor(sorted(last))
+        got, found = m.find(uq)
+        assert bool(found.all()) and got.tolist() == [last[k] for k in uq.tolist()] and len(m) == len(last)
+        first = {}
+        for i, k in enumerate(keys.tolist()):
+            first.setdefault(k, i)
+        assert int(new.sum()) == len(last) - 1 and not bool(new[keys == 55].any())
+        for k in (3, 1 << 40, -7, 0, 1 << 20):
+            assert torch.nonzero(new & (keys == k)).flatten().tolist() == [first[k]], k
+        s = HashSet(1024)
+        assert int(s.insert(keys).sum()) == len(last) and len(s) == len(last) and bool(s.contains(uq).all())
+        small = HashMap(4, growable=False)
+        with pytest.raises(TableFullError):
+            small.insert(keys, vals)
+        ik, iv = small.items()
+        assert 0 < ik.numel() <= small.capacity and all(last[k] == v for k, v in zip(ik.tolist(), iv.tolist()))
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_colliding_keys_all_in_one_window_region():
     t = HashMap(4096, value_dtype=torch.int32, growable=False, max_load_factor=0.99)
     keys = colliding_keys(t, 600)
