@@ -606,19 +606,27 @@ bool grouped_insert_tiered(Table<K, V>& t, const K* keys, int64_t b, int64_t e, 
 // ------------------------------------------------------------------------------------------------
 // Bulk operations
 // ------------------------------------------------------------------------------------------------
+// `count` evenly spaced keys of key_at(0..n-1) into out, the reserved patterns (e.g. a table's EMPTY
+// slots) left out, sorted; returns how many.
+template <class K, class KeyAt>
+int sorted_sample(int64_t n, int count, KeyAt&& key_at, K* out) {
+  int m = 0;
+  for (int j = 0; j < count; ++j) {
+    const K k = key_at((int64_t)((uint64_t)j * (uint64_t)n / count));
+    if (!is_special(k)) out[m++] = k;
+  }
+  std::sort(out, out + m);
+  return m;
+}
+
 // Whether some key makes up more than ~1% of the n keys key_at(0..n-1): 6 or more equal among 512 evenly
-// spaced samples (the reserved patterns, e.g. a table's EMPTY slots, not counted).
+// spaced samples.
 template <class K, class KeyAt>
 bool has_hot_key(int64_t n, KeyAt&& key_at) {
   constexpr int kSamples = 512, kHot = 6;
   if (n < 8 * kSamples) return false;
   K sample[kSamples];
-  int m = 0;
-  for (int j = 0; j < kSamples; ++j) {
-    const K k = key_at((int64_t)((uint64_t)j * (uint64_t)n / kSamples));
-    if (!is_special(k)) sample[m++] = k;
-  }
-  std::sort(sample, sample + m);
+  const int m = sorted_sample(n, kSamples, key_at, sample);
   for (int j = 1, run = 1; j < m; ++j) {
     run = sample[j] == sample[j - 1] ? run + 1 : 1;
     if (run >= kHot) return true;
@@ -626,10 +634,11 @@ bool has_hot_key(int64_t n, KeyAt&& key_at) {
   return false;
 }
 
-// The keys that make up about 0.1% or more of an append's n keys (kMin or more equal among kSamples
-// evenly spaced samples; the reserved patterns never), at most kMax: insert_impl appends each one's
-// copies as a run (Table::append_run). A key with 0.1% of 2M rows fills ~500 windows. id(k): its index,
-// or -1, from a small open-addressing table that stays in L1.
+// The keys that make up about 0.025% or more of a bulk insert's n keys (kMin or more equal among kSamples
+// evenly spaced samples; the reserved patterns never), the kMax most frequent at most: insert_impl
+// appends each one's copies as a run (Table::append_run; 0.025% of 2M rows fill ~125 windows), or sums
+// (keeps the last of) its adds (upserts) per thread. id(k): its index, or -1, from a small
+// open-addressing table (L1/L2).
 template <class K>
 struct HotKeys {
   static constexpr int kSamples = 16384, kMin = 4, kMax = 1024, kBits = 12;
@@ -645,21 +654,11 @@ struct HotKeys {
       // sort (~0.5 ms) undone; a key of 0.1% of the input shows twice there with probability ~0.4.
       constexpr int kPre = 1024;
       K pre[kPre];
-      int m = 0;
-      for (int j = 0; j < kPre; ++j) {
-        const K k = key_at((int64_t)((uint64_t)j * (uint64_t)n / kPre));
-        if (!is_special(k)) pre[m++] = k;
-      }
-      std::sort(pre, pre + m);
+      const int m = sorted_sample(n, kPre, key_at, pre);
       if (std::adjacent_find(pre, pre + m) == pre + m) return;
     }
-    std::vector<K> sample;
-    sample.reserve(kSamples);
-    for (int j = 0; j < kSamples; ++j) {
-      const K k = key_at((int64_t)((uint64_t)j * (uint64_t)n / kSamples));
-      if (!is_special(k)) sample.push_back(k);
-    }
-    std::sort(sample.begin(), sample.end());
+    std::vector<K> sample(kSamples);
+    sample.resize((size_t)sorted_sample(n, kSamples, key_at, sample.data()));
     std::vector<std::pair<int64_t, K>> found;  // (times sampled, key)
     for (size_t j = 0; j < sample.size();) {
       size_t r = j + 1;
