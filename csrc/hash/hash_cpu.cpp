@@ -705,6 +705,39 @@ inline int owner_of(K k, uint64_t seed, int nt) {
   return (int)((((fmix64((uint64_t)k ^ seed) >> 16) & 0xffff) * (uint64_t)nt) >> 16);
 }
 
+// Each of nt threads takes a contiguous range [b, e) of the n keys key_at(i) (the ranges follow each
+// other, and a thread meets its keys in input order): make_on_hot(tid, b, e) gives its handler of the hot
+// keys, on_hot(h, i); the other keys go to cold(tid, keys, positions, m) in chunks of kChunk.
+template <class K, class KeyAt, class MakeOnHot, class Cold>
+void split_hot_cold(int64_t n, int nt, const HotKeys<K>& hot, KeyAt&& key_at, MakeOnHot&& make_on_hot,
+                    Cold&& cold) {
+  pk::parallel_threads(nt, [&](int tid) {
+    const int64_t b = n * tid / nt, e = n * (tid + 1) / nt;
+    auto on_hot = make_on_hot(tid, b, e);
+    std::vector<K> kbuf(kChunk);
+    std::vector<int64_t> ibuf(kChunk);
+    K* const kb = kbuf.data();
+    int64_t* const ib = ibuf.data();
+    const auto find = hot.finder();
+    for (int64_t c0 = b; c0 < e; c0 += kChunk) {
+      const int64_t c1 = std::min(e, c0 + kChunk);
+      int64_t m = 0;
+      for (int64_t i = c0; i < c1; ++i) {
+        const K k = key_at(i);
+        const int h = find.id(k);
+        if (h >= 0) {
+          on_hot(h, i);
+          continue;
+        }
+        kb[m] = k;
+        ib[m] = i;
+        ++m;
+      }
+      if (m) cold(tid, kb, ib, m);
+    }
+  });
+}
+
 // Appends n (key, value) pairs with hot keys (HotKeys; a skewed join's build side, or the rehash of its
 // table: Zipf(1.3) keys, 2M rows, 200 keys hold 83% of them). First each thread takes a contiguous range
 // of the pairs: its other keys go to cold(tid, keys, positions, m) in chunks as they come (split by
@@ -723,32 +756,15 @@ std::vector<int64_t> append_with_runs(Table<K, V>& t, const Geo& g, std::atomic<
   // with 1% of the rows read one value line per copy there, at DRAM latency: 27 -> 8 ms)
   using LV = typename std::conditional<Table<K, V>::kHasVal, V, uint8_t>::type;
   std::vector<std::vector<std::vector<LV>>> listed(nt, std::vector<std::vector<LV>>(nh));
-  pk::parallel_threads(nt, [&](int tid) {
-    const int64_t b = n * tid / nt, e = n * (tid + 1) / nt;
-    std::vector<K> kbuf(kChunk);
-    std::vector<int64_t> ibuf(kChunk);
+  split_hot_cold(n, nt, hot, key_at, [&](int tid, int64_t b, int64_t e) {
     auto& mine = listed[tid];
-    const auto find = hot.finder();
     for (size_t h = 0; h < nh; ++h)  // room for about what the sample predicts
       mine[h].reserve((size_t)((e - b) * hot.sampled[h] / HotKeys<K>::kSamples * 5 / 4 + 64));
-    for (int64_t c0 = b; c0 < e; c0 += kChunk) {
-      const int64_t c1 = std::min(e, c0 + kChunk);
-      int64_t m = 0;
-      for (int64_t i = c0; i < c1; ++i) {
-        const K k = key_at(i);
-        const int h = find.id(k);
-        if (h >= 0) {
-          mine[h].push_back((LV)val_at(i));
-          hot_seen(i);
-          continue;
-        }
-        kbuf[m] = k;
-        ibuf[m] = i;
-        ++m;
-      }
-      if (m) cold(tid, kbuf.data(), ibuf.data(), m);
-    }
-  });
+    return [&mine, &val_at, &hot_seen](int h, int64_t i) __attribute__((always_inline)) {
+      mine[h].push_back((LV)val_at(i));
+      hot_seen(i);
+    };
+  }, cold);
   std::vector<int64_t> copies(nh, 0), load(nt, 0), refused(nh, 0);
   std::vector<int> order(nh), owner(nh);
   for (size_t h = 0; h < nh; ++h) {
@@ -909,37 +925,22 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
       const size_t nh = hot.keys.size();
       std::vector<std::vector<uint64_t>> sums(nt, std::vector<uint64_t>(nh, 0));
       std::vector<std::vector<int64_t>> first(nt, std::vector<int64_t>(nh, -1));
-      pk::parallel_threads(nt, [&](int tid) {
-        const int64_t b = n * tid / nt, e = n * (tid + 1) / nt;
-        std::vector<K> kbuf(kChunk);
-        std::vector<int64_t> ibuf(kChunk);
-        uint64_t* const sum = sums[tid].data();
-        int64_t* const fst = first[tid].data();
-        const auto find = hot.finder();
-        const K* const ks = keys;
-        const void* const vs = vals;  // null: add 1
-        K* const kb = kbuf.data();
-        int64_t* const ib = ibuf.data();
-        std::memset(status + b, ST_EXISTED, (size_t)(e - b));  // the cold keys' inserts overwrite theirs
-        for (int64_t c0 = b; c0 < e; c0 += kChunk) {
-          const int64_t c1 = std::min(e, c0 + kChunk);
-          int64_t m = 0;
-          for (int64_t i = c0; i < c1; ++i) {
-            const K k = ks[i];
-            const int h = find.id(k);
-            if (h >= 0) {
-              if (add) sum[h] += vs ? read_val<K, V>(vs, i) : 1;
-              else sum[h] = vs ? read_val<K, V>(vs, i) : 0;
-              if (fst[h] < 0) fst[h] = i;
-              continue;
-            }
-            kb[m] = k;
-            ib[m] = i;
-            ++m;
-          }
-          if (m) insert_range(tid, kb, ib, 0, m, std::true_type());
-        }
-      });
+      split_hot_cold(n, nt, hot, [&](int64_t i) { return keys[i]; },
+                     [&](int tid, int64_t b, int64_t e) {
+                       // (the cold keys' inserts overwrite their status)
+                       std::memset(status + b, ST_EXISTED, (size_t)(e - b));
+                       uint64_t* const sum = sums[tid].data();
+                       int64_t* const fst = first[tid].data();
+                       const void* const vs = vals;  // null: add 1
+                       return [sum, fst, vs, add](int h, int64_t i) __attribute__((always_inline)) {
+                         if (add) sum[h] += vs ? read_val<K, V>(vs, i) : 1;
+                         else sum[h] = vs ? read_val<K, V>(vs, i) : 0;
+                         if (fst[h] < 0) fst[h] = i;
+                       };
+                     },
+                     [&](int tid, const K* ks, const int64_t* idx, int64_t m) {
+                       insert_range(tid, ks, idx, 0, m, std::true_type());
+                     });
       Budget budget(used, limit);
       int64_t ne = 0;
       for (size_t h = 0; h < nh; ++h) {
@@ -969,7 +970,8 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
       }
       new_empty[0] += ne;
     } else if (!hot.empty()) {
-      const std::vector<int64_t> refused = append_with_runs(t, g, used, limit, n, nt, hot, [&](int64_t i) { return keys[i]; },
+      const std::vector<int64_t> refused = append_with_runs(t, g, used, limit, n, nt, hot,
+                       [&](int64_t i) { return keys[i]; },
                        [&](int64_t i) { return insert_value<K, V>(M_APPEND, vals, i); },
                        [&](int64_t i) { status[i] = ST_NEW; },
                        [&](int tid, const K* ks, const int64_t* idx, int64_t m) {
@@ -1451,7 +1453,8 @@ int64_t rehash_impl(const Geo& src, const Geo& dst, int nthreads, int D) {
     hot.detect(nslots, [&](int64_t x) { return s.slots[x].key; });
     if (!hot.empty()) {
       std::vector<int64_t> placed(nt, 0), taken(nt, 0);
-      const std::vector<int64_t> refused = append_with_runs(d, dst, used, limit, nslots, nt, hot, [&](int64_t x) { return s.slots[x].key; },
+      const std::vector<int64_t> refused = append_with_runs(d, dst, used, limit, nslots, nt, hot,
+                       [&](int64_t x) { return s.slots[x].key; },
                        [&](int64_t x) -> uint64_t {
                          if constexpr (Table<K, V>::kHasVal) return (uint64_t)s.slots[x].val;
                          else return 0;
