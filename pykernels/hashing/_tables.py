@@ -301,8 +301,9 @@ class _OpenTable:
                 return False
         target = self._grown_capacity(self._size + n)
         # Every copy is an entry of a multi-value map: the target is exact (never below the capacity, which
-        # tombstones may fill), and _shrink_after_growing_ahead would rebuild a doubled table at it again (a second rehash of every entry: 2M Zipf rows grown
-        # into in 8 inserts, ~40% of the time). Other tables may meet repeated keys: at least double.
+        # tombstones may fill), and _shrink_after_growing_ahead would rebuild a doubled table at it again (a
+        # second rehash of every entry: 2M Zipf rows grown into in 8 inserts, ~40% of the time). Other
+        # tables may meet repeated keys: at least double.
         self._rehash(max(self.capacity, target) if self._multi else max(2 * self.capacity, target))
         return True
 
