@@ -193,6 +193,21 @@ def _cpu_cases(quick):
         cases.append(Case(GROUP, "count", f"int64 n={tag} distinct=64", n, make_count_few, "pd.Series.value_counts",
                           n, "keys", notes="64 categories: each thread sums the hot keys' adds privately"))
 
+        # counting batch after batch of the same keys: the table already holds them (at load 0.5), so
+        # the batch needs no room (a batch larger than 4x the free room used to grow the table ahead
+        # and rebuild it after, two rehashes a batch)
+        def make_count_again(n=n):
+            g = torch.Generator().manual_seed(3)
+            keys = _keys(n // 4, 5)[torch.randint(0, n // 4, (n,), generator=g)]
+            t = pykernels.CountingTable(int(n / 4 / 0.5))
+            t.add(keys)
+            s = pd.Series(keys.numpy())
+            return (lambda: t.add(keys)), lambda: s.value_counts(sort=False)
+
+        cases.append(Case(GROUP, "count", f"int64 n={tag} distinct=n/4, keys present", n, make_count_again,
+                          "pd.Series.value_counts", n, "keys",
+                          notes="a further batch of the keys the table holds (streaming counts)"))
+
     # A multi-value map built from skewed keys and probed with each distinct key once (a hash join's
     # build and probe sides): Zipf(1.3) keys, the most frequent a quarter of the rows, vs pandas'
     # non-unique index lookup, which returns the same positions.

@@ -405,6 +405,57 @@ def test_counting_table_sized_for_its_keys_does_not_grow_for_their_repeats():
         assert int(s.insert(keys).sum()) == uniq.numel() and s.capacity < 4 * uniq.numel()
 
 
+def _count_rehashes(t):
+    calls = []
+    inner = t._rehash
+    t._rehash = lambda capacity: (calls.append(capacity), inner(capacity))[1]
+    return calls
+
+
+@pytest.mark.parametrize("present", [1.0, 0.999, 0.5, 0.0])
+def test_batches_of_keys_already_present_do_not_grow_the_table(present):
+    """An insert of many more keys than the table has room for, whose distinct keys are mostly in the table
+    already (counting batch after batch of the same keys, updating a map's values), grows only for the keys
+    that are new (_new_keys_estimate: it grew ahead for every distinct key and rebuilt at its size after, two
+    rehashes a call); with half of them new, or all, it still grows once; counts, values and the new-key mask
+    right in every case; the reserved patterns (-1, -2) among the keys."""
+    g = torch.Generator().manual_seed(23)
+    uniq = torch.cat([torch.tensor([-1, -2]), torch.randint(-(1 << 62), 1 << 62, (30_000,), generator=g)]).unique()
+    n_old = int(present * uniq.numel())
+    old, new = uniq[:n_old], uniq[n_old:]
+    keys = uniq[torch.randint(0, uniq.numel(), (8 * uniq.numel(),), generator=g)]
+    keys = torch.cat([uniq, keys])  # every key at least once
+    want = collections.Counter(old.tolist())
+    want.update(keys.tolist())
+
+    counts = CountingTable(int(uniq.numel() / 0.75))  # room for the keys, not for a quarter of the batch
+    counts.add(old)
+    cap, calls = counts.capacity, _count_rehashes(counts)
+    first_new = counts.add(keys)
+    assert counts.counts(uniq).tolist() == [want[k] for k in uniq.tolist()]
+    assert len(counts) == uniq.numel()
+    # True at one occurrence of each new key (which one: up to the threads' order), nowhere else
+    marked = keys[first_new].tolist()
+    assert len(marked) == new.numel() and set(marked) == set(new.tolist())
+    if present >= 0.999:
+        assert calls == [] and counts.capacity == cap, calls
+    else:
+        assert len(calls) <= 2  # grown ahead (and maybe rebuilt smaller), or grown on demand once
+
+    m = HashMap(int(uniq.numel() / 0.75))
+    m.insert(old, torch.zeros_like(old))
+    cap, calls = m.capacity, _count_rehashes(m)
+    vals = torch.arange(keys.numel())
+    m.insert(keys, vals)
+    given = collections.defaultdict(set)  # duplicates in one insert: one of their values is kept (API.md)
+    for k, v in zip(keys.tolist(), vals.tolist()):
+        given[k].add(v)
+    got, found = m.find(uniq, default=-7)
+    assert bool(found.all()) and all(v in given[k] for k, v in zip(uniq.tolist(), got.tolist()))
+    if present >= 0.999:
+        assert calls == [] and m.capacity == cap, calls
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("key_dtype", [torch.int64, torch.int32])
 def test_counting_few_categories_sums_hot_keys_privately(threads, key_dtype):
