@@ -180,7 +180,7 @@ def _cpu_cases(quick):
         def make_count_few(n=n, distinct=64):
             g = torch.Generator().manual_seed(4)
             keys = _keys(distinct, 6)[torch.randint(0, distinct, (n,), generator=g)]
-            t = pykernels.CountingTable(1024)
+            t = pykernels.CountingTable(max(1024, 2 * distinct))
             s = pd.Series(keys.numpy())
 
             def ours():
@@ -192,6 +192,9 @@ def _cpu_cases(quick):
 
         cases.append(Case(GROUP, "count", f"int64 n={tag} distinct=64", n, make_count_few, "pd.Series.value_counts",
                           n, "keys", notes="64 categories: each thread sums the hot keys' adds privately"))
+        cases.append(Case(GROUP, "count", f"int64 n={tag} distinct=64K", n, lambda n=n: make_count_few(n, 1 << 16),
+                          "pd.Series.value_counts", n, "keys",
+                          notes="64 copies of each key: none hot, every row added to the table"))
 
         # counting batch after batch of the same keys: the table already holds them (at load 0.5), so
         # the batch needs no room (a batch larger than 4x the free room used to grow the table ahead

@@ -505,6 +505,40 @@ def test_counting_few_categories_sums_hot_keys_privately(threads, key_dtype):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("categories,share", [(16, 0.3), (16, 0.7), (16, 0.95), (400, 0.7), (400, 0.9)])
+def test_counts_of_categories_mixed_with_rare_keys(categories, share):
+    """Adds and upserts where a few categories make up a share of the rows and the rest are rare keys, on
+    both sides of the share from which the hot keys' path is taken (csrc/hash/hash_cpu.cpp hot_add_share):
+    counts exact, one new-key mark per key, each map value one of those given for its key, on 2 threads."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(categories + int(100 * share))
+        n = 200_000
+        cats = torch.randint(-(1 << 40), 1 << 40, (categories,), generator=g)
+        n_hot = int(share * n)
+        keys = torch.cat([cats[torch.randint(0, categories, (n_hot,), generator=g)],
+                          torch.randint(1 << 50, (1 << 50) + 50_000, (n - n_hot,), generator=g)])
+        keys = keys[torch.randperm(n, generator=g)]
+        want = collections.Counter(keys.tolist())
+        t = CountingTable(1024)
+        new = t.add(keys)
+        uq = torch.tensor(sorted(want))
+        assert t.counts(uq).tolist() == [want[k] for k in uq.tolist()] and len(t) == len(want)
+        marked = keys[new].tolist()
+        assert len(marked) == len(want) and set(marked) == set(want)
+        m = HashMap(1024)
+        vals = torch.arange(n)
+        m.insert(keys, vals)
+        given = collections.defaultdict(set)
+        for k, v in zip(keys.tolist(), vals.tolist()):
+            given[k].add(v)
+        got, found = m.find(uq)
+        assert bool(found.all()) and all(v in given[k] for k, v in zip(uq.tolist(), got.tolist()))
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_map_and_set_inserts_of_few_categories_keep_the_last_value(threads):
     """HashMap.insert / HashSet.insert of 300K keys of a few categories: each thread keeps its range's last value of

@@ -639,12 +639,25 @@ bool has_hot_key(int64_t n, KeyAt&& key_at) {
 // appends each one's copies as a run (Table::append_run; 0.025% of 2M rows fill ~125 windows), or sums
 // (keeps the last of) its adds (upserts) per thread. id(k): its index, or -1, from a small
 // open-addressing table (L1/L2).
+// The share of the rows (estimated from the samples) from which adds and upserts of nh hot keys take the
+// hot keys' path in insert_impl. Measured (4M rows, 2 threads, 64 or 1024 categories mixed with 1M
+// distinct keys, each path in turn): below ~half the rows the path was 1.1-1.6x slower than inserting
+// every row (the split looks up every row among the hot keys; the cold rows then cost as much per row
+// as before); 64 categories: 1.2x faster from 60% (the rows on the few contended lines cost most), 1.7-4x
+// from 80% (and the plain inserts had erratic 90-100 ms runs there: both cores adding to 64 lines);
+// 1024 categories: slower up to 75%, 1.3-1.9x faster from 90%. Uniformly repeated keys (16K-128K
+// distinct, none hot: a few sampled 4 times by chance) took the path for ~1.4x the time before this
+// gate (their share: ~8%).
+inline double hot_add_share(size_t nh) { return nh <= 256 ? 0.6 : 0.8; }
+
 template <class K>
 struct HotKeys {
-  static constexpr int kSamples = 16384, kMin = 4, kMax = 1024, kBits = 12;
+  static constexpr int kSamples = 16384, kMin = 4, kMax = 1024;
+  int bits = 0;  // the cells: 2^bits >= 4x the hot keys (64 keys: 4 KiB, L1; 1024: 64 KiB)
   struct Cell { K k; int32_t id; };  // id -1: empty
   std::vector<K> keys;
   std::vector<int64_t> sampled;  // how many of the samples each one is
+  double share = 0;              // the hot keys' share of the samples (the reserved patterns left out)
   std::vector<Cell> cells;
   template <class KeyAt>
   void detect(int64_t n, KeyAt&& key_at) {
@@ -671,15 +684,21 @@ struct HotKeys {
                        [](const auto& a, const auto& b) { return a.first > b.first; });
       found.resize(kMax);
     }
+    int64_t hot_samples = 0;
     for (const auto& f : found) {
       keys.push_back(f.second);
       sampled.push_back(f.first);
+      hot_samples += f.first;
     }
+    share = sample.empty() ? 0.0 : (double)hot_samples / (double)sample.size();
     if (keys.empty()) return;
-    cells.assign((size_t)1 << kBits, Cell{K(), -1});
+    bits = 6;
+    while (((size_t)1 << bits) < 4 * keys.size()) ++bits;
+    cells.assign((size_t)1 << bits, Cell{K(), -1});
+    const size_t mask = ((size_t)1 << bits) - 1;
     for (size_t h = 0; h < keys.size(); ++h) {
-      size_t x = small_index(keys[h], kBits);
-      while (cells[x].id >= 0) x = (x + 1) & ((1u << kBits) - 1);
+      size_t x = small_index(keys[h], bits);
+      while (cells[x].id >= 0) x = (x + 1) & mask;
       cells[x] = Cell{keys[h], (int32_t)h};
     }
   }
@@ -688,14 +707,16 @@ struct HotKeys {
   // alias anything) then keeps it in a register instead of reloading the vector's fields per key.
   struct Finder {
     const Cell* cells;
+    int bits;
     int id(K k) const {
-      for (size_t x = small_index(k, kBits);; x = (x + 1) & ((1u << kBits) - 1)) {
+      const size_t mask = ((size_t)1 << bits) - 1;
+      for (size_t x = small_index(k, bits);; x = (x + 1) & mask) {
         const Cell& c = cells[x];
         if (c.k == k || c.id < 0) return c.id;
       }
     }
   };
-  Finder finder() const { return Finder{cells.data()}; }
+  Finder finder() const { return Finder{cells.data(), bits}; }
   int id(K k) const { return finder().id(k); }
 };
 
@@ -914,7 +935,9 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
     py::gil_scoped_release release;
     HotKeys<K> hot;
     hot.detect(n, [&](int64_t i) { return keys[i]; });
-    if (!hot.empty() && mode != M_APPEND) {
+    // Adds and upserts take the hot keys' path only where the hot keys are most of the input (see
+    // hot_add_share); else every row is inserted.
+    if (!hot.empty() && mode != M_APPEND && hot.share >= hot_add_share(hot.keys.size())) {
       // Adds and upserts with hot keys (a column of few categories): each thread sums its range's adds of
       // each hot key privately (an upsert: keeps its last value), and each hot key then gets one add of
       // its total (one upsert of the last value in input order). Every add or store on one of a few cache
@@ -969,7 +992,7 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
         }
       }
       new_empty[0] += ne;
-    } else if (!hot.empty()) {
+    } else if (!hot.empty() && mode == M_APPEND) {
       const std::vector<int64_t> refused = append_with_runs(t, g, used, limit, n, nt, hot,
                        [&](int64_t i) { return keys[i]; },
                        [&](int64_t i) { return insert_value<K, V>(M_APPEND, vals, i); },
