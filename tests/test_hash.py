@@ -999,6 +999,35 @@ def _values_by_key(keys, vals):
 
 
 @pytest.mark.timeout(180)
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("distinct", [3000, 20_000])
+def test_multivalue_many_keys_of_many_copies(threads, distinct):
+    """600K rows of uniformly repeated keys (30-200 copies each, none hot): each copy resumes from its key's
+    last copy through the append hints, whose size follows the rows (csrc/hash/hash_cpu.cpp AppendHints:
+    8192 sets here, more keys than the 1024 sets of before); a second insert of more copies into the same
+    table and a rehash by growth: every key's values, as a multiset, against the oracle."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(distinct + threads)
+        uniq = torch.randint(-(1 << 62), 1 << 62, (distinct,), generator=g)
+        keys = uniq[torch.randint(0, distinct, (600_000,), generator=g)]
+        vals = torch.arange(keys.numel())
+        m = MultiValueHashMap(1 << 16)  # grows on the way
+        m.insert(keys[:400_000], vals[:400_000])
+        m.insert(keys[400_000:], vals[400_000:])
+        want = collections.defaultdict(list)
+        for k, v in zip(keys.tolist(), vals.tolist()):
+            want[k].append(v)
+        offsets, got = m.find(uniq)
+        assert len(m) == keys.numel()
+        o, gl = offsets.tolist(), got.tolist()
+        for i, k in enumerate(uniq.tolist()):
+            assert sorted(gl[o[i]:o[i + 1]]) == sorted(want[k]), k
+    finally:
+        torch.set_num_threads(old)
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_multivalue_zipf_build_appends_hot_keys_in_runs(threads):
     """Inserts of 300K Zipf(1.3) rows (the top key a quarter of them): the keys with ~0.025% of the rows or more

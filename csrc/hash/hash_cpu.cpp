@@ -172,7 +172,13 @@ inline size_t small_index(K k, int bits) {
 // 0.3 s where this takes ~0.1). Allocated at the first walk (distinct keys rarely walk 2 windows).
 template <class K>
 struct AppendHints {
-  static constexpr int kSetBits = 10, kWays = 4;
+  static constexpr int kWays = 4;
+  // Sets: 2^set_bits, sized for the appends of one call (for_appends). With 1024 sets (4096 entries) the
+  // keys of 2M rows of 16K distinct keys (128 copies each) evicted each other's entries and walked their
+  // chains again: 460-550 ms; with 8192 sets 130-165 ms (4096 keys: 195 -> 105-118 ms; 64K keys: 211 ->
+  // 135-178; 262K: 80 -> 70-76; MultiValueHashMap.insert, 2 threads, same script in turn). 16K sets
+  // (1.5 MiB a thread, past L2) made the lookups slower than the walks they save for 64K-262K keys.
+  int set_bits = 10;
   static constexpr uint64_t kMinWalk = 2;   // windows walked before a key is worth an entry
   static constexpr uint64_t kLongWalk = 4;  // ... when no earlier copy was met on the way
   struct Entry {
@@ -183,7 +189,13 @@ struct AppendHints {
   };
   std::vector<Entry> e;
   uint32_t now = 0;
-  Entry* set_of(K k) { return e.data() + kWays * small_index(k, kSetBits); }
+  // Sized for n appends: a set per 64 rows (1024 to 8192 sets: 96 to 768 KiB a thread, allocated at
+  // the first walk).
+  void for_appends(int64_t n) {
+    set_bits = 10;
+    while (set_bits < 13 && ((int64_t)64 << set_bits) < n) ++set_bits;
+  }
+  Entry* set_of(K k) { return e.data() + kWays * small_index(k, set_bits); }
   // The key's entry, if it has one.
   Entry* lookup(K k) {
     if (e.empty()) return nullptr;
@@ -209,7 +221,7 @@ struct AppendHints {
   template <class St>
   void remember(const St& s) {
     if (s.visited < kMinWalk || s.visited >= (1ull << 32)) return;
-    if (e.empty()) e.assign((size_t)kWays << kSetBits, Entry{});
+    if (e.empty()) e.assign((size_t)kWays << set_bits, Entry{});
     Entry* set = set_of(s.k);
     Entry* victim = set;
     for (int w = 0; w < kWays; ++w) {
@@ -857,6 +869,7 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
   const int nt = threads_for(n, nthreads);
   std::vector<int64_t> news(nt, 0), new_empty(nt, 0), pending(nt, 0);
   std::vector<AppendHints<K>> hints(mode == M_APPEND ? nt : 0);  // per thread, kept across its ranges
+  for (auto& h : hints) h.for_appends(n);
   // Inserts keys ks[b, e) on thread tid; idx: the input position of each (ByIdx false: ks is `keys`, and
   // idx unused: a compile-time choice, as a run-time one cost the common path ~5-9%).
   auto insert_range = [&](int tid, const K* ks, const int64_t* idx, int64_t b, int64_t e, auto by_idx) {
@@ -1430,6 +1443,7 @@ int64_t rehash_impl(const Geo& src, const Geo& dst, int nthreads, int D) {
   std::atomic<int64_t> used(0);
   const int64_t limit = (int64_t)(dst.nw * (uint64_t)dst.W);
   std::vector<AppendHints<K>> hints(nt);  // a multi-value map's repeated keys (unique tables: never hit)
+  for (auto& h : hints) h.for_appends(nslots);
   // Appends the m compacted live keys kbuf (values vbuf) to dst on thread tid.
   auto append_live = [&](int tid, const K* kbuf, const uint64_t* vbuf, int64_t m) {
     int64_t ne = 0, mv = 0, ms = 0;
