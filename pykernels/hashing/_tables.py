@@ -287,19 +287,26 @@ class _OpenTable:
         ~440 ms that way, ~90 ms this way (into a table sized beforehand: ~60 ms). Keys that may repeat are
         counted first (distinct_estimate, HyperLogLog): a table with room for the input's distinct keys does
         not grow, and one without grows for them, not for every key (4M keys, 4096 distinct, into a
-        CountingTable sized for 4096: 45 -> 35 ms, no 112 MiB table built and dropped), and of those, only the
-        ones not in the table yet need room (_new_keys_estimate). Returns whether it grew."""
+        CountingTable sized for 4096: 45 -> 35 ms, no 112 MiB table built and dropped); an input whose sampled
+        keys are all in the table already does not grow ahead (_sample_all_present), and a small one counts
+        its new keys exactly. Returns whether it grew."""
         room = self._limit() - self._used
         if not self.growable or n <= 4 * max(room, 0):
             return False
         if not self._multi and kbits is not None and self.device.type == "cpu":
-            # keys may repeat: size by how many distinct ones the input holds (HyperLogLog, ~1.6% error; an
-            # underestimate only means one growth after the insert, as without growing ahead)
-            # (no margin: a table grown for n keys has room for 1.5n, _grown_capacity)
-            est = self._mod.distinct_estimate(kbits.data_ptr(), n, self._kb, self._threads(self._config("hash_insert")))
-            n = min(n, int(est) + 1)
-            if n > room and self._size > 0:
-                n = self._new_keys_estimate(kbits, n)
+            if n <= self.EXACT_NEW_KEYS:
+                # a small insert into a table at its limit: its new distinct keys counted exactly (a lookup
+                # of its distinct keys), not estimated on every call
+                n = self._new_keys(torch.unique(kbits))
+            else:
+                # keys may repeat: size by how many distinct ones the input holds (HyperLogLog, ~1.6% error;
+                # an underestimate only means one growth after the insert, as without growing ahead)
+                # (no margin: a table grown for n keys has room for 1.5n, _grown_capacity)
+                est = self._mod.distinct_estimate(kbits.data_ptr(), n, self._kb,
+                                                  self._threads(self._config("hash_insert")))
+                n = min(n, int(est) + 1)
+                if n > room and self._size > 0 and self._sample_all_present(kbits):
+                    return False
             if n <= room:
                 return False
         target = self._grown_capacity(self._size + n)
@@ -310,24 +317,28 @@ class _OpenTable:
         self._rehash(max(self.capacity, target) if self._multi else max(2 * self.capacity, target))
         return True
 
-    NEW_KEYS_SAMPLE = 1024
+    EXACT_NEW_KEYS = 4096
+    PRESENT_SAMPLE = 1024
 
-    def _new_keys_estimate(self, kbits, distinct):
-        """How many of an input's `distinct` keys are not in the table yet: `distinct` times the fraction of
-        absent keys among up to NEW_KEYS_SAMPLE distinct keys taken evenly through the input (one lookup).
-        Why: keys already present need no room. Counting batches of the keys a table already holds grew it
-        ahead for all of them and rebuilt it at its size after (two rehashes: 4M adds of 1M keys present
-        into a CountingTable of 2M slots took 87 ms instead of 25). The sample favours frequent keys; an
-        underestimate only means the insert grows on demand after it, as without growing ahead."""
+    def _new_keys(self, distinct_kbits):
+        """How many of these distinct keys are not in the table (one lookup)."""
+        _, found = self._find_bits(distinct_kbits, False)
+        return int(distinct_kbits.numel() - int(found.sum()))
+
+    def _sample_all_present(self, kbits):
+        """Whether every key of a sample of PRESENT_SAMPLE rows taken evenly through the input is in the table
+        already (one lookup). Then the insert does not grow ahead: counting batch after batch of the keys a
+        table holds grew it ahead for all of them and rebuilt it at its size after (two rehashes: 4M adds of
+        1M keys present into a CountingTable of 2M slots took 87 ms instead of 25). Otherwise the input's
+        distinct keys size the growth as before: the sample is of rows and favours frequent keys, so the
+        share of absent keys in it is no estimate of the share of new distinct keys (scaled by it, 200K rare
+        new keys among 1.8M rows of 1000 known ones were taken for ~25K: the table filled and grew after,
+        10x slower; review finding). New keys too rare to show in the sample make the insert grow after it
+        if they do not fit, as without growing ahead."""
         n = kbits.numel()
-        pick = torch.linspace(0, n - 1, min(n, self.NEW_KEYS_SAMPLE), device=kbits.device).long()
-        sample = torch.unique(kbits[pick])
-        _, found = self._find_bits(sample, False)
-        absent = int(sample.numel() - int(found.sum()))
-        if absent == 0:
-            return 0
-        # rounded up: one absent key in the sample stands for a share of at least 1/sample of the keys
-        return min(distinct, -(-distinct * absent // sample.numel()))
+        m = min(n, self.PRESENT_SAMPLE)
+        pick = torch.arange(m, device=kbits.device) * n // m  # integer positions (float32 ones overran 2^24)
+        return self._new_keys(torch.unique(kbits[pick])) == 0
 
     def _shrink_after_growing_ahead(self, capacity_before):
         """_grow_ahead sized for every key new; keys repeated in the input (or already present) leave the
