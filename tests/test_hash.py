@@ -456,6 +456,35 @@ def test_batches_of_keys_already_present_do_not_grow_the_table(present):
         assert calls == [] and m.capacity == cap, calls
 
 
+@pytest.mark.parametrize("cls", [HashMap, HashSet, CountingTable, MultiValueHashMap])
+def test_insert_somewhat_larger_than_the_room_grows_once_ahead(cls):
+    """An insert of 1.5-3x the table's room (within the 4x from which it used to grow ahead) grows it once,
+    before the insert, on the CPU (_grow_ahead: it filled the table, refused the rest and grew after: 4M
+    keys into HashMap(2M) took 8x as long); with 4 copies of each key but room for the distinct ones, no
+    growth; every key there."""
+    g = torch.Generator().manual_seed(37)
+    keys = torch.randint(-(1 << 62), 1 << 62, (60_000,), generator=g).unique()
+    for room_share, data in ((0.4, keys), (0.6, keys.repeat(4))):
+        t = cls(int(keys.numel() * room_share / 0.9) if data is keys else int(keys.numel() / 0.85))
+        calls = _count_rehashes(t)
+        inserts = []
+        native = t._native_insert
+        t._native_insert = lambda *a: (inserts.append(1), native(*a))[1]
+        vals = torch.arange(data.numel())
+        if cls is HashSet:
+            t.insert(data)
+        elif cls is CountingTable:
+            t.add(data)
+        else:
+            t.insert(data, vals)
+        assert len(inserts) == 1  # nothing refused and inserted again after growing
+        if data is keys:
+            assert len(calls) == 1, calls  # grown once, ahead (then at 2/3 of its max load: no shrink)
+        elif cls is not MultiValueHashMap:
+            assert calls == [], calls  # the 60K distinct keys fit: not grown for 240K occurrences
+        assert bool(t.contains(keys).all()) and len(t) == (data.numel() if cls is MultiValueHashMap else keys.numel())
+
+
 def test_rare_new_keys_among_frequent_present_ones_grow_the_table_ahead():
     """Rare new keys among many rows of a few keys the table holds (review finding: the sample, of rows, saw
     few new keys; scaled by it, 20K new keys were taken for ~2K and the table filled before growing): the
