@@ -646,11 +646,6 @@ bool has_hot_key(int64_t n, KeyAt&& key_at) {
   return false;
 }
 
-// The keys that make up about 0.025% or more of a bulk insert's n keys (kMin or more equal among kSamples
-// evenly spaced samples; the reserved patterns never), the kMax most frequent at most: insert_impl
-// appends each one's copies as a run (Table::append_run; 0.025% of 2M rows fill ~125 windows), or sums
-// (keeps the last of) its adds (upserts) per thread. id(k): its index, or -1, from a small
-// open-addressing table (L1/L2).
 // The share of the rows (estimated from the samples) from which adds and upserts of nh hot keys take the
 // hot keys' path in insert_impl. Measured (4M rows, 2 threads, 64 or 1024 categories mixed with 1M
 // distinct keys, each path in turn): below ~half the rows the path was 1.1-1.6x slower than inserting
@@ -662,6 +657,11 @@ bool has_hot_key(int64_t n, KeyAt&& key_at) {
 // gate (their share: ~8%).
 inline double hot_add_share(size_t nh) { return nh <= 256 ? 0.6 : 0.8; }
 
+// The keys that make up about 0.025% or more of a bulk insert's n keys (kMin or more equal among kSamples
+// evenly spaced samples; the reserved patterns never), the kMax most frequent at most: insert_impl
+// appends each one's copies as a run (Table::append_run; 0.025% of 2M rows fill ~125 windows), or sums
+// (keeps the last of) its adds (upserts) per thread. id(k): its index, or -1, from a small
+// open-addressing table (L1/L2).
 template <class K>
 struct HotKeys {
   static constexpr int kSamples = 16384, kMin = 4, kMax = 1024;

@@ -280,8 +280,8 @@ class _OpenTable:
         return math.ceil(entries / (self.max_load_factor * self.GROWTH_LOAD)) + 1
 
     def _grow_ahead(self, n, kbits=None):
-        """A growable table whose free room is a small fraction of a bulk insert grows once, before it, to
-        hold every key (pandas' factorize sizes its table by the input the same way). Inserting into the
+        """A growable table without room for a bulk insert (on the GPU: room for a quarter of it) grows once,
+        before it, to hold every key (pandas' factorize sizes its table by the input the same way). Inserting into the
         small table instead fills it, refuses every other key, counts the refused keys' distinct values
         with a sort and inserts them again after growing: 4M distinct int64 keys into HashMap(1024) took
         ~440 ms that way, ~90 ms this way (into a table sized beforehand: ~60 ms). Keys that may repeat are
