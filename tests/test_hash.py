@@ -505,6 +505,34 @@ def test_rare_new_keys_among_frequent_present_ones_grow_the_table_ahead():
     assert int(first.sum()) == new.numel() and 1 <= len(calls) <= 2
 
 
+@pytest.mark.parametrize("cls", [HashMap, CountingTable])
+def test_new_keys_unseen_by_the_sample_grow_the_table_after_the_insert(cls):
+    """New keys placed between the rows the presence sample reads (_sample_all_present: all present, so no
+    growth ahead) and too many for the room: the insert fills the table, the 12K keys left out are counted
+    by their HyperLogLog estimate (_distinct_keys; a sort before) for the growth, and inserted after it;
+    every key and count exact, each new key marked once."""
+    g = torch.Generator().manual_seed(41)
+    known = torch.randint(-(1 << 62), 1 << 62, (20_000,), generator=g).unique()
+    t = cls(int(known.numel() / 0.85))
+    t.insert(known, known) if cls is HashMap else t.add(known)
+    n = 400_000
+    keys = known[torch.randint(0, known.numel(), (n,), generator=g)]
+    sampled = torch.zeros(n, dtype=torch.bool)
+    sampled[torch.arange(1024) * n // 1024] = True
+    free = torch.nonzero(~sampled).reshape(-1)
+    new = torch.randint(1 << 62, (1 << 62) + (1 << 40), (15_000,), generator=g).unique()
+    keys[free[torch.randperm(free.numel(), generator=g)[: new.numel()]]] = new
+    calls = _count_rehashes(t)
+    first = t.insert(keys, keys) if cls is HashMap else t.add(keys)
+    assert len(calls) >= 1 and len(t) == known.numel() + new.numel()
+    assert bool(t.contains(new).all()) and int(first.sum()) == new.numel()
+    if cls is CountingTable:
+        want = collections.Counter(known.tolist())
+        want.update(keys.tolist())
+        uq = torch.tensor(sorted(want))
+        assert t.counts(uq).tolist() == [want[k] for k in uq.tolist()]
+
+
 def test_small_inserts_into_a_table_at_its_limit_count_new_keys_exactly():
     """A table filled to its limit, given a few keys it holds again and again, keeps its size (its new keys
     are counted exactly for small inserts; it grew for the keys it held); a few new keys then grow it."""
