@@ -132,7 +132,7 @@ def make_keys(dtype, n, kind="random", seed=0):
     return x
 
 
-SIZES = [0, 1, 2, 3, 17, 63, 64, 65, 129, 1000, 4097, 70001]
+SIZES = [0, 1, 2, 3, 17, 63, 64, 65, 129, 1000, 4097, 20001, 70001]
 KINDS = ["random", "equal", "sorted", "reversed", "few", "special", "top"]
 
 
@@ -374,8 +374,19 @@ def test_msd_split_heuristic():
     c[::1024] = 1 << 30
     k, i, _, st = _cpu_sort_1d(c, want_idx=True, want_stats=True)
     assert not st["msd"] and torch.equal(i, ref_argsort_1d(c))
-    # below 256K keys, and with msd=0, the LSD engine
-    assert not _cpu_sort_1d(x[: 1 << 17], want_stats=True)[3]["msd"]
+    # below 32K keys (16K with indices), and with msd=0, the LSD engine; from there the split (2 threads
+    # from 32K keys, its own grain)
+    assert not _cpu_sort_1d(x[: (1 << 15) - 1], want_stats=True)[3]["msd"]
+    assert not _cpu_sort_1d(x[: (1 << 14) - 1], want_idx=True, want_stats=True)[3]["msd"]
+    st = _cpu_sort_1d(x[: 1 << 15], want_stats=True)[3]
+    assert st["msd"] and st["threads"] == min(2, torch.get_num_threads())
+    k, i, _, st = _cpu_sort_1d(x[: 1 << 14], want_idx=True, want_stats=True)
+    assert st["msd"] and torch.equal(i, ref_argsort_1d(x[: 1 << 14])) and torch.equal(k, x[: 1 << 14][i])
+    # keys inside the caches whose span is at most 16 bits: the LSD engine (two passes at most), told by
+    # the sample for 32-bit keys and by the exact span for 64-bit keys
+    for narrow in (x[: 1 << 17] % 1000, (x[: 1 << 17] % 1000).to(torch.int64) + (1 << 40)):
+        k, i, _, st = _cpu_sort_1d(narrow, want_idx=True, want_stats=True)
+        assert not st["msd"] and torch.equal(i, ref_argsort_1d(narrow)) and torch.equal(k, narrow[i])
     assert not _cpu_sort_1d(x, config={"msd": 0}, want_stats=True)[3]["msd"]
     # msd=1 (what the autotuner may choose on random keys) still refuses skewed keys, at any size
     assert not _cpu_sort_1d(c, config={"msd": 1}, want_stats=True)[3]["msd"]
