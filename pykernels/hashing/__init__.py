@@ -54,7 +54,7 @@ class HashMap(_OpenTable):
         values = self._values("insert", values, keys)
         with self._locked():
             status = self._insert_bits(f"{self._op}.insert", L.key_bits(keys), L.value_bits(values), M_UPSERT)
-        return new_keys_mask(status).view(keys.shape)
+        return L.shaped_like(new_keys_mask(status), keys)
 
     def find(self, keys, default=0):
         """(values, found): the value of each key, `default` where the key is absent."""
@@ -64,7 +64,7 @@ class HashMap(_OpenTable):
         dbits = L.scalar_bits(f"{self._op}.find", default, self.value_dtype)
         with self._locked():
             vals, found = self._find_bits(L.key_bits(keys), True, dbits)
-        return L.bits_to_values(vals, self.value_dtype).view(keys.shape), found.view(keys.shape)
+        return L.shaped_like(L.bits_to_values(vals, self.value_dtype), keys), L.shaped_like(found, keys)
 
     def _find_symbolic_default(self, keys, default):
         """find under torch.compile with a default other than 0: one that is an argument of the compiled
@@ -79,8 +79,8 @@ class HashMap(_OpenTable):
                             f"got a float")
         with self._locked():
             vals, found = self._find_bits(L.key_bits(keys), True, 0)
-        values = L.bits_to_values(vals, self.value_dtype).view(keys.shape)
-        found = found.view(keys.shape)
+        values = L.shaped_like(L.bits_to_values(vals, self.value_dtype), keys)
+        found = L.shaped_like(found, keys)
         return torch.where(found, values, torch.full_like(values, default)), found
 
 class HashSet(_OpenTable):
@@ -97,7 +97,7 @@ class HashSet(_OpenTable):
         keys = self._keys("insert", keys)
         with self._locked():
             status = self._insert_bits(f"{self._op}.insert", L.key_bits(keys), None, M_UPSERT)
-        return new_keys_mask(status).view(keys.shape)
+        return L.shaped_like(new_keys_mask(status), keys)
 
 
 class CountingTable(_OpenTable):
@@ -120,7 +120,7 @@ class CountingTable(_OpenTable):
             vbits = L.value_bits(counts)
         with self._locked():
             status = self._insert_bits(f"{self._op}.add", L.key_bits(keys), vbits, M_ADD)
-        return new_keys_mask(status).view(keys.shape)
+        return L.shaped_like(new_keys_mask(status), keys)
 
     insert = add
 
@@ -129,7 +129,7 @@ class CountingTable(_OpenTable):
         keys = self._keys("counts", keys)
         with self._locked():
             vals, _ = self._find_bits(L.key_bits(keys), True, 0)
-        return vals.view(keys.shape)
+        return L.shaped_like(vals, keys)
 
 
 class MultiValueHashMap(_OpenTable):
@@ -194,7 +194,7 @@ class MultiValueHashMap(_OpenTable):
                 sv = self._special_values(bits)
                 if sv is not None:
                     counts = torch.where(kbits == bits, sv.numel(), counts)
-        return counts.view(keys.shape)
+        return L.shaped_like(counts, keys)
 
     def contains(self, keys) -> torch.Tensor:
         return self.count(keys) > 0
@@ -229,7 +229,7 @@ class MultiValueHashMap(_OpenTable):
                     out[first] = sv.numel()
                     self._size -= sv.numel()
                     del self._special_multi[bits]
-        return out.view(keys.shape)
+        return L.shaped_like(out, keys)
 
 
 class BloomFilter:
@@ -306,7 +306,7 @@ class BloomFilter:
         keys, bits = self._keys("contains", keys)
         with self._locked():
             out = _ops.bloom_contains(self._words, bits, self.num_blocks, self.num_hashes, self._seed64())
-        return out.view(keys.shape)
+        return L.shaped_like(out, keys)
 
     def clear(self) -> None:
         with self._locked():

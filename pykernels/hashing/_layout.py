@@ -64,10 +64,17 @@ def slot_bytes(kb: int, vb: int) -> int:
 def key_bits(t: torch.Tensor) -> torch.Tensor:
     """Contiguous 1-D bit view (int32/int64) of a key tensor (never a copy of the caller's memory
     that we then write to: native code only reads keys)."""
-    t = t.reshape(-1)
+    if t.dim() != 1:  # (a reshape of a 1-D tensor costs ~1.4 us of a ~25 us small lookup)
+        t = t.reshape(-1)
     if not t.is_contiguous():
         t = t.contiguous()
     return t.view(_BITS[t.element_size()])
+
+
+def shaped_like(out: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """A per-key result (1-D, one element per key) in the shape of `keys`: the result itself for 1-D
+    keys (a view to the same shape cost ~2.5 us, two of them a tenth of a small lookup)."""
+    return out if keys.dim() == 1 else out.view(keys.shape)
 
 
 def bits_to_keys(bits: torch.Tensor, key_dtype: torch.dtype) -> torch.Tensor:

@@ -465,14 +465,14 @@ class _OpenTable:
         keys = self._keys("contains", keys)
         with self._locked():
             _, found = self._find_bits(L.key_bits(keys), False)
-        return found.view(keys.shape)
+        return L.shaped_like(found, keys)
 
     def erase(self, keys) -> torch.Tensor:
         """Removes keys; True where a key was removed (once per key among duplicates)."""
         keys = self._keys("erase", keys)
         with self._locked():
             out = self._erase_bits(L.key_bits(keys))
-        return out.view(keys.shape).bool()
+        return L.shaped_like(out, keys).bool()
 
     def items(self):
         """Every entry, in no particular order: the keys (sets), or (keys, values) (maps; a counting
