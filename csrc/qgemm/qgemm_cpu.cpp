@@ -1244,6 +1244,9 @@ struct BsShape {
   int p, q;
 };
 
+// Word pairs per group plane (the AVX-512 kernel takes a group's words two at a time).
+inline int64_t bs_pairs(const BsShape& s) { return (s.gw + 1) / 2; }
+
 struct ActPlanes {
   std::vector<uint64_t> planes;  // [M, G, p, gw]
   std::vector<int32_t> usum;     // [M, G]
@@ -1381,33 +1384,97 @@ PK_TARGET_AVX2 void bs_groups_popcnt(const uint64_t* ap0, const uint64_t* wp0, c
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 // AVX-512 VPOPCNTDQ: one zmm holds 2 words x 4 rows of a weight plane, ANDed with the 2 activation words
-// each broadcast to its 4 lanes, popcounted per 64-bit lane (vpopcntq) and shifted by 2^(i+j): ~5
-// instructions per 512 one-bit products, against ~10 per 256 with the AVX2 nibble table.
-PK_TARGET_AVX512 void bs_groups_avx512(const uint64_t* ap0, const uint64_t* wp0, const BsShape& s, int64_t* out0) {
+// each broadcast to its 4 lanes, popcounted per 64-bit lane (vpopcntq) and shifted by 2^(i+j).
+// The activation side comes spread in advance (bs_spread_avx512: one zmm per group, plane and word pair,
+// built once per token for all N / 4 tiles), so the loop is a load of each weight plane, then per plane
+// pair and, popcount, shift and add. P, Q > 0: the plane counts as constants (the loops unroll and the
+// shifts are immediates); 0: read from s. At group_size 128 (2 words) a group is one zmm per weight
+// plane: building the spread inside the tile loop (a permute and a masked load per activation plane and
+// group) took ~16 cycles per 64 bytes of weight planes, W2A2 slower than the W4 GEMV reading twice the bytes.
+PK_TARGET_AVX512 void bs_spread_avx512(const uint64_t* ap0, const BsShape& s, uint64_t* out) {
   const __m512i spread = _mm512_setr_epi64(0, 0, 0, 0, 1, 1, 1, 1);
-  for (int64_t g = 0; g < s.G; ++g) {
-    const uint64_t* ap = ap0 + g * s.p * s.gw;
-    const uint64_t* wp = wp0 + g * s.q * s.gw * RT;
-    __m512i total = _mm512_setzero_si512();
-    for (int64_t w = 0; w < s.gw; w += 2) {
-      const bool pair = w + 1 < s.gw;  // an odd last word: the upper 4 lanes stay 0
-      for (int i = 0; i < s.p; ++i) {
-        const __m512i a = _mm512_permutexvar_epi64(
-            spread, _mm512_castsi128_si512(_mm_maskz_loadu_epi64(pair ? 3 : 1, ap + i * s.gw + w)));
-        for (int j = 0; j < s.q; ++j) {
-          const __m512i wv = _mm512_maskz_loadu_epi64(pair ? 0xff : 0x0f, wp + (j * s.gw + w) * RT);
-          const __m512i c = _mm512_popcnt_epi64(_mm512_and_si512(a, wv));
-          total = _mm512_add_epi64(total, _mm512_sll_epi64(c, _mm_cvtsi32_si128(i + j)));
-        }
+  const int64_t np = bs_pairs(s);
+  for (int64_t g = 0; g < s.G; ++g)
+    for (int i = 0; i < s.p; ++i) {
+      const uint64_t* a = ap0 + (g * s.p + i) * s.gw;
+      for (int64_t w2 = 0; w2 < np; ++w2) {
+        const bool pair = 2 * w2 + 1 < s.gw;  // an odd last word: the upper 4 lanes stay 0
+        const __m512i v = _mm512_permutexvar_epi64(
+            spread, _mm512_castsi128_si512(_mm_maskz_loadu_epi64(pair ? 3 : 1, a + 2 * w2)));
+        _mm512_storeu_si512(out + ((g * s.p + i) * np + w2) * 8, v);
       }
     }
+}
+
+// One group's popcount total: lanes (word w of the pair, row r), summed over the group's word pairs.
+template <int P, int Q>
+PK_TARGET_AVX512 inline __m512i bs_group_total(const uint64_t* aspread, const uint64_t* wp0, const BsShape& s,
+                                               int64_t g) {
+  constexpr int kMaxQ = 8;
+  const int p = P > 0 ? P : s.p, q = Q > 0 ? Q : s.q;
+  const int64_t np = bs_pairs(s);
+  const uint64_t* wp = wp0 + g * q * s.gw * RT;
+  const uint64_t* ag = aspread + g * p * np * 8;
+  __m512i total = _mm512_setzero_si512();
+  for (int64_t w2 = 0; w2 < np; ++w2) {
+    const __mmask8 wm = 2 * w2 + 1 < s.gw ? 0xff : 0x0f;
+    __m512i wv[kMaxQ];
+#pragma GCC unroll 8
+    for (int j = 0; j < q; ++j) wv[j] = _mm512_maskz_loadu_epi64(wm, wp + (j * s.gw + 2 * w2) * RT);
+#pragma GCC unroll 8
+    for (int i = 0; i < p; ++i) {
+      const __m512i a = _mm512_loadu_si512(ag + (i * np + w2) * 8);
+#pragma GCC unroll 8
+      for (int j = 0; j < q; ++j) {
+        const __m512i c = _mm512_popcnt_epi64(_mm512_and_si512(a, wv[j]));
+        total = _mm512_add_epi64(total, (P > 0 && Q > 0) ? _mm512_slli_epi64(c, i + j)
+                                                         : _mm512_sll_epi64(c, _mm_cvtsi32_si128(i + j)));
+      }
+    }
+  }
+  return total;
+}
+
+// Per-group integer sums of one token and one tile, row-major [RT][G] (not [G][RT] like the other
+// kernels: bs_combine_avx512 then reads each row's groups contiguously). Four groups at a time go
+// through registers: their word halves added and transposed to (row, 4 groups) with two permutes, one
+// 256-bit store per row (a group at a time, a store and four scalar moves per group were as many
+// instructions as the popcounts of W1A1).
+template <int P, int Q>
+PK_TARGET_AVX512 void bs_groups_avx512_pq(const uint64_t* aspread, const uint64_t* wp0, const BsShape& s,
+                                          int64_t* out0) {
+  const __m512i rows01 = _mm512_setr_epi64(0, 4, 8, 12, 1, 5, 9, 13), rows23 = _mm512_setr_epi64(2, 6, 10, 14, 3, 7, 11, 15);
+  int64_t g = 0;
+  for (; g + 4 <= s.G; g += 4) {
+    const __m512i t0 = bs_group_total<P, Q>(aspread, wp0, s, g), t1 = bs_group_total<P, Q>(aspread, wp0, s, g + 1);
+    const __m512i t2 = bs_group_total<P, Q>(aspread, wp0, s, g + 2), t3 = bs_group_total<P, Q>(aspread, wp0, s, g + 3);
+    // (group, row) lanes: the two words of each group added
+    const __m512i s01 = _mm512_add_epi64(_mm512_shuffle_i64x2(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                         _mm512_shuffle_i64x2(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512i s23 = _mm512_add_epi64(_mm512_shuffle_i64x2(t2, t3, _MM_SHUFFLE(1, 0, 1, 0)),
+                                         _mm512_shuffle_i64x2(t2, t3, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512i r01 = _mm512_permutex2var_epi64(s01, rows01, s23), r23 = _mm512_permutex2var_epi64(s01, rows23, s23);
+    _mm256_storeu_si256((__m256i*)(out0 + 0 * s.G + g), _mm512_castsi512_si256(r01));
+    _mm256_storeu_si256((__m256i*)(out0 + 1 * s.G + g), _mm512_extracti64x4_epi64(r01, 1));
+    _mm256_storeu_si256((__m256i*)(out0 + 2 * s.G + g), _mm512_castsi512_si256(r23));
+    _mm256_storeu_si256((__m256i*)(out0 + 3 * s.G + g), _mm512_extracti64x4_epi64(r23, 1));
+  }
+  for (; g < s.G; ++g) {
+    const __m512i total = bs_group_total<P, Q>(aspread, wp0, s, g);
     const __m256i r4 = _mm256_add_epi64(_mm512_castsi512_si256(total), _mm512_extracti64x4_epi64(total, 1));
-    // row-major [RT][G] (not [G][RT] like the other kernels): bs_combine_avx512 then reads each row's
-    // groups contiguously
     alignas(32) int64_t o[RT];
     _mm256_store_si256((__m256i*)o, r4);
     for (int r = 0; r < RT; ++r) out0[r * s.G + g] = o[r];
   }
+}
+
+// The instance for (p, q): the plans in common use get their plane counts as constants.
+inline void (*bs_groups_avx512_for(int p, int q))(const uint64_t*, const uint64_t*, const BsShape&, int64_t*) {
+  if (p == 1 && q == 1) return bs_groups_avx512_pq<1, 1>;
+  if (p == 2 && q == 2) return bs_groups_avx512_pq<2, 2>;
+  if (p == 4 && q == 4) return bs_groups_avx512_pq<4, 4>;
+  if (p <= 8 && q <= 8) return bs_groups_avx512_pq<0, 0>;
+  return nullptr;
 }
 
 // sum_g sw[g] (sa I[g] + ma uw[g]) + mw[g] c1[g] for one row, 8 groups per step in fp64.
@@ -1425,6 +1492,76 @@ PK_TARGET_AVX512 double bs_combine_avx512(const float* sw, const float* mw, cons
     acc = _mm512_fmadd_pd(s8, inner, _mm512_fmadd_pd(m8, _mm512_maskz_loadu_pd(m, c1 + g), acc));
   }
   return _mm512_reduce_add_pd(acc);
+}
+#pragma GCC diagnostic pop
+#endif
+
+#if PK_X86
+#pragma GCC diagnostic push  // see the AVX-512 weight-only section
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+// quantize_act_planes 16 elements at a time (the same arithmetic: the double quotient (x - lo) / sa
+// rounded half to even, so the codes are bit-identical), each plane's 16 bits from one vptestmd. The
+// scalar loop took ~20 us per 4096-element token, on one thread before the tiles' parallel loop: as long
+// as the whole W2A2 4096 x 4096 GEMV's share of one thread. Groups of a multiple of 16 elements (or one
+// group), so that a 16-element chunk never straddles two.
+// 8 codes: round((x - lo) / sa) in double, half to even (nearbyint's default mode), as 32-bit lanes.
+PK_TARGET_AVX512 inline __m256i bs_codes8(__m256 h, __m512d dlo, __m512d dsa) {
+  const __m512d q = _mm512_div_pd(_mm512_sub_pd(_mm512_cvtps_pd(h), dlo), dsa);
+  return _mm512_cvtpd_epi32(_mm512_roundscale_pd(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+PK_TARGET_AVX512 void quantize_act_planes_avx512(const void* x, pk::DType dt, int64_t m, const BsShape& s,
+                                                 ActPlanes& A, bool keep_codes) {
+  const int64_t K = s.K;
+  const int qmax = (1 << s.p) - 1;
+  uint64_t* pl = &A.planes[m * s.G * s.p * s.gw];
+  std::fill(pl, pl + s.G * s.p * s.gw, 0ull);
+  auto lanes = [&](int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+  };
+  __m512 vlo = _mm512_set1_ps(std::numeric_limits<float>::infinity()), vhi = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __mmask16 bad = 0;
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mk = lanes(K - k);
+    const __m512 v = load16_f32(x, dt, m * K + k, mk);
+    bad |= _mm512_mask_fpclass_ps_mask(mk, v, 0x99);  // QNaN | +inf | -inf | SNaN
+    vlo = _mm512_mask_min_ps(vlo, mk, vlo, v);
+    vhi = _mm512_mask_max_ps(vhi, mk, vhi, v);
+  }
+  if (bad || K == 0) {
+    A.bad[m] = bad != 0;
+    A.sa[m] = 1.0;
+    A.ma[m] = 0.0;
+    for (int64_t g = 0; g < s.G; ++g) A.usum[m * s.G + g] = 0;
+    return;
+  }
+  const float lo = _mm512_reduce_min_ps(vlo), hi = _mm512_reduce_max_ps(vhi);
+  double sa = ((double)hi - (double)lo) / qmax;
+  if (!(sa > 0)) sa = 1.0;
+  A.sa[m] = sa;
+  A.ma[m] = lo;
+  const __m512d dlo = _mm512_set1_pd((double)lo), dsa = _mm512_set1_pd(sa);
+  const __m512i vq = _mm512_set1_epi32(qmax), zero = _mm512_setzero_si512();
+  for (int64_t g = 0; g < s.G; ++g) {
+    const int64_t k0 = g * s.gsize, k1 = std::min(K, k0 + s.gsize);
+    __m512i us = zero;
+    for (int64_t k = k0; k < k1; k += 16) {
+      const __mmask16 mk = lanes(k1 - k);
+      const __m512 v = load16_f32(x, dt, m * K + k, mk);
+      __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(bs_codes8(_mm512_castps512_ps256(v), dlo, dsa)),
+                                     bs_codes8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)), dlo, dsa), 1);
+      u = _mm512_maskz_mov_epi32(mk, _mm512_min_epi32(vq, _mm512_max_epi32(zero, u)));  // lanes past k1: 0
+      us = _mm512_add_epi32(us, u);
+      if (keep_codes) _mm_mask_storeu_epi8(&A.codes[m * K + k], mk, _mm512_cvtepi32_epi8(u));
+      const int64_t t = k - k0;
+      for (int i = 0; i < s.p; ++i) {
+        const uint64_t bits = _mm512_test_epi32_mask(u, _mm512_set1_epi32(1 << i));
+        pl[(g * s.p + i) * s.gw + t / 64] |= bits << (t % 64);
+      }
+    }
+    A.usum[m * s.G + g] = _mm512_reduce_add_epi32(us);
+  }
 }
 #pragma GCC diagnostic pop
 #endif
@@ -1454,7 +1591,11 @@ void bitserial_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, int act_bits
   if (act_codes) A.codes.assign(M * K, 0);
   py::gil_scoped_release release;
   const void* xp = reinterpret_cast<const void*>(x);
-  for (int64_t m = 0; m < M; ++m) quantize_act_planes(xp, xdt, m, s, A, act_codes != 0);
+  void (*quantize_fn)(const void*, pk::DType, int64_t, const BsShape&, ActPlanes&, bool) = quantize_act_planes;
+#if PK_X86
+  if (mode == 3 && pk::cpu_has_avx512() && (s.G == 1 || s.gsize % 16 == 0)) quantize_fn = quantize_act_planes_avx512;
+#endif
+  for (int64_t m = 0; m < M; ++m) quantize_fn(xp, xdt, m, s, A, act_codes != 0);
   if (act_codes && M * K > 0) std::memcpy(reinterpret_cast<void*>(act_codes), A.codes.data(), M * K);
   const uint64_t* W = reinterpret_cast<const uint64_t*>(wplanes);
   const float* sc = reinterpret_cast<const float*>(scales);
@@ -1463,11 +1604,17 @@ void bitserial_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, int act_bits
   const float* bs = bias ? reinterpret_cast<const float*>(bias) : nullptr;
   int64_t* iout = reinterpret_cast<int64_t*>(int_out);
   void (*groups_fn)(const uint64_t*, const uint64_t*, const BsShape&, int64_t*) = bs_groups_portable;
+  std::vector<uint64_t> spread;  // AVX-512: the activation planes spread once per token (bs_spread_avx512)
 #if PK_X86
   if (pk::cpu_has_avx2() && mode == 1) groups_fn = bs_groups_popcnt;
   if (pk::cpu_has_avx2() && mode >= 2) groups_fn = bs_groups_avx2;
   const bool avx512 = mode == 3 && pk::cpu_has_avx512();
-  if (avx512) groups_fn = bs_groups_avx512;
+  if (avx512) {
+    groups_fn = bs_groups_avx512_for(s.p, s.q);
+    const int64_t per_token = s.G * s.p * bs_pairs(s) * 8;
+    spread.resize(std::max<int64_t>(1, M * per_token));
+    for (int64_t m = 0; m < M; ++m) bs_spread_avx512(&A.planes[m * s.G * s.p * s.gw], s, &spread[m * per_token]);
+  }
 #else
   const bool avx512 = false;
 #endif
@@ -1487,7 +1634,8 @@ void bitserial_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, int act_bits
       for (int64_t m = 0; m < M; ++m) {
         double acc[RT] = {0, 0, 0, 0};
         const double sa = A.sa[m], ma = A.ma[m];
-        groups_fn(&A.planes[m * s.G * s.p * s.gw], W + t * tile_words, s, Iall.data());
+        const uint64_t* act = avx512 ? &spread[m * s.G * s.p * bs_pairs(s) * 8] : &A.planes[m * s.G * s.p * s.gw];
+        groups_fn(act, W + t * tile_words, s, Iall.data());
         if (iout) {
           for (int r = 0; r < rows; ++r)
             for (int64_t g = 0; g < s.G; ++g)
