@@ -70,7 +70,8 @@ def _cpu_cases(quick: bool):
                          "are fresh pages each call")
 
     # inside the caches (100K keys: 1.2 MB with the indices), where a call's fixed costs and the choice of
-    # plan weigh more than bandwidth: the split there runs on 16K-key threads and its buckets sort in L1
+    # plan weigh more than bandwidth: uniform int32 keys take the LSD engine there (their 256 buckets would
+    # be too small), randn floats the split on 16K-key threads, whose buckets sort in L1
     n_small = 1 << 14 if quick else 100_000
     for dtype in (torch.int32, torch.float32):
         name = str(dtype).replace("torch.", "")

@@ -217,6 +217,14 @@ def test_trivial_passes_are_skipped():
     y = torch.full((100000,), 7, dtype=torch.int64)
     k, i, _, st = _cpu_sort_1d(y, want_idx=True, config={"digit_bits": 11}, want_stats=True)
     assert st["passes"] == 0 and torch.equal(i, torch.arange(100000)) and torch.equal(k, y)
+    # equal keys of differing bits (+0.0 and -0.0): the input order, exact bits, and "lossy" reported
+    # by the split's copy-through (review finding: it was not) as by the LSD engine
+    z = torch.zeros(1 << 16)
+    z[::2] = -0.0
+    for cfg in ({}, {"msd": 0}, {"msd": 2}):
+        k, i, _, st = _cpu_sort_1d(z, want_idx=True, config=cfg, want_stats=True)
+        assert st["passes"] == 0 and st["lossy"], cfg
+        assert torch.equal(i, torch.arange(z.numel())) and torch.equal(k.view(torch.int32), z.view(torch.int32))
 
 
 def _narrow_64(x: torch.Tensor, dtype, kind: str, seed: int) -> torch.Tensor:
@@ -374,14 +382,18 @@ def test_msd_split_heuristic():
     c[::1024] = 1 << 30
     k, i, _, st = _cpu_sort_1d(c, want_idx=True, want_stats=True)
     assert not st["msd"] and torch.equal(i, ref_argsort_1d(c))
-    # below 32K keys (16K with indices), and with msd=0, the LSD engine; from there the split (2 threads
-    # from 32K keys, its own grain)
+    # below 32K keys, and with msd=0, the LSD engine; from there the split on threads of 16K keys (its own
+    # grain), below 256K keys only where that makes two threads
     assert not _cpu_sort_1d(x[: (1 << 15) - 1], want_stats=True)[3]["msd"]
-    assert not _cpu_sort_1d(x[: (1 << 14) - 1], want_idx=True, want_stats=True)[3]["msd"]
-    st = _cpu_sort_1d(x[: 1 << 15], want_stats=True)[3]
-    assert st["msd"] and st["threads"] == min(2, torch.get_num_threads())
-    k, i, _, st = _cpu_sort_1d(x[: 1 << 14], want_idx=True, want_stats=True)
-    assert st["msd"] and torch.equal(i, ref_argsort_1d(x[: 1 << 14])) and torch.equal(k, x[: 1 << 14][i])
+    assert not _cpu_sort_1d(x[: (1 << 15) - 1], want_idx=True, want_stats=True)[3]["msd"]
+    f = torch.randn(1 << 15)
+    for threads in (1, 2):
+        k, i, _, st = _cpu_sort_1d(f, want_idx=True, config={"threads": threads}, want_stats=True)
+        assert st["msd"] == (threads == 2) and torch.equal(i, torch.sort(f, stable=True).indices)
+        assert st["threads"] == threads and torch.equal(k, f[i])
+    # 32-bit keys their top byte spreads evenly (uniform random): 256 buckets too small below 128K keys
+    assert not _cpu_sort_1d(x[: (1 << 17) - 1], want_stats=True)[3]["msd"]
+    assert _cpu_sort_1d(x[: 1 << 17], want_stats=True)[3]["msd"] == (torch.get_num_threads() > 1)
     # keys inside the caches whose span is at most 16 bits: the LSD engine (two passes at most), told by
     # the sample for 32-bit keys and by the exact span for 64-bit keys
     for narrow in (x[: 1 << 17] % 1000, (x[: 1 << 17] % 1000).to(torch.int64) + (1 << 40)):

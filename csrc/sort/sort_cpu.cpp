@@ -579,17 +579,18 @@ struct Engine {
 //   each bucket a second split that leaves random keys in parts of ~2 (insertion-sorted) instead of 5
 //   LSD passes over the 56 bits below the digit: ~2x the LSD engine at 4M random int64 + indices.
 // ---------------------------------------------------------------------------------------------
-// Heuristic (msd = -1) bounds: below MSD_MIN_N keys (MSD_MIN_N_CARRIED when they carry indices or a
-// payload) the LSD engine sorts, and the split runs on every thread once each has MSD_GRAIN keys. The split
-// pays off well inside the caches too: its buckets (~n/256 records) sort in L1 instead of 4 passes over
-// all of them in L2. Measured on a 2-core Zen 4 (ns per key, default LSD engine / split on 2 threads;
-// int32 keys only, float32 + indices, random int64 + indices): 16K keys 8.5/13.5, 12.7/9.0, 18.9/13.1;
-// 32K 10.5/5.9, 9.5/6.3, 14.6/10.0; 128K 6.4/5.4, 18.3/6.9, 24.5/9.4; 200K 6.2/5.2, 12.3/7.5, 18.7/8.9
-// (the LSD engine ran on one thread below 256K keys, the default grain: with a barrier per pass a
-// second thread did not pay; the split's buckets go to threads without one).
+// Heuristic (msd = -1) bounds: from MSD_MIN_N keys the split runs on every thread once each has MSD_GRAIN
+// keys; below MSD_CACHED_N keys only where that is at least two threads (below 256K keys the LSD engine
+// runs on one thread, the default grain: with a barrier per pass a second thread did not pay there; the
+// split's buckets go to threads without one, and inside the caches they sort in L1). Measured on a 2-core
+// Zen 4 (ns per key, LSD engine / split on 2 threads; int32 keys only, float32 + indices, random int64 +
+// indices): 32K 10.5/5.9, 9.5/6.3, 14.6/10.0; 128K 6.4/5.4, 18.3/6.9, 24.5/9.4; 200K 6.2/5.2, 12.3/7.5,
+// 18.7/8.9. On one thread the split lost inside the caches for some keys (review: random int32 keys at
+// 32-40K 1.5-1.6x slower, a 20-bit span at 200K 1.4x), and at 16-32K keys (on one thread, by the grain)
+// with indices 1.4-2x.
 static constexpr int64_t MSD_MIN_N = int64_t(1) << 15;
-static constexpr int64_t MSD_MIN_N_CARRIED = int64_t(1) << 14;
 static constexpr int64_t MSD_GRAIN = int64_t(1) << 14;
+static constexpr int64_t MSD_TOP_MIN_N = int64_t(1) << 17;  // the top byte as the digit: from here
 static constexpr int64_t MSD_CACHED_N = int64_t(1) << 18;  // below: narrow spans take the LSD engine
 // When the split is worth it (bucket_ok): a heuristic against skew, not a cache size. Measured on a
 // 2-core EPYC (1 MiB L2 per core, 32 MiB L3), best of 5 interleaved runs against the LSD engine:
@@ -1209,7 +1210,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     // at any size (what the autotuner may pick on random keys: it must not push skewed keys of the same
     // size and dtype into one DRAM-sized bucket); 2 always where the keys allow it (tests)
     if (a.msd == 0 || a.begin_bit != 0 || eb != key_bits) return false;
-    if (a.msd < 0 && n < ((a.out_idx || a.out_pay) ? MSD_MIN_N_CARRIED : MSD_MIN_N)) return false;
+    if (a.msd < 0 && (n < MSD_MIN_N || (n < MSD_CACHED_N && T < 2))) return false;
     const bool guard = a.msd < 2;
     // an 8-byte payload travels with its key in the LSD engine; the narrow records carry 4 bytes (the
     // wide path's 16-byte records take 8)
@@ -1270,6 +1271,13 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       top_digit = look.span_bits > 32 - MB && fits(look.biggest / SAMPLE_SLACK, guess_bytes, false);
       // narrow keys inside the caches (see below), told by the sample before any read
       if (a.msd < 0 && n < MSD_CACHED_N && look.span_bits > 0 && look.span_bits <= 16) return false;
+      // Keys their top byte spreads evenly (uniform random 32-bit keys) leave buckets of n / 256 records,
+      // whose three in-bucket passes cost more in counters than records below ~512 each: the LSD engine
+      // up to 128K such keys (review: int32 keys 1.3-1.5x slower split at 40K, mixed 0.8-1.2x at 64-100K,
+      // 0.6x at 200K; the keys the top byte does not spread, randn floats and spans, gain from 32K on)
+      // (evenly: the sample's fullest bucket within 4x the mean, where randn floats put a quarter of the
+      // keys in one and split 2x faster from 32K)
+      if (a.msd < 0 && n < MSD_TOP_MIN_N && top_digit && look.biggest * (1 << MB) <= 4.0 * (double)n) return false;
       if constexpr (MB == MSD_BITS) {
         // Keys spanning the whole range whose top byte clusters them (randn floats) while their top 11
         // bits spread them: the caller's 2048-bucket split, before this attempt reads anything. (A span
@@ -1294,6 +1302,8 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     if (kmin == kmax) {  // every key the same: copied through here (the LSD engine would read them again)
       st.passes = 0;
       st.skipped = (key_bits + st.digit_bits - 1) / st.digit_bits;
+      st.lossy = lossy;
+      st.threads = T;
       copy_through<U>(a, a.threads);
       return true;
     }
