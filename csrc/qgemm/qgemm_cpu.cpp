@@ -1408,7 +1408,7 @@ PK_TARGET_AVX512 void bs_spread_avx512(const uint64_t* ap0, const BsShape& s, ui
 
 // One group's popcount total: lanes (word w of the pair, row r), summed over the group's word pairs.
 template <int P, int Q>
-PK_TARGET_AVX512 inline __m512i bs_group_total(const uint64_t* aspread, const uint64_t* wp0, const BsShape& s,
+PK_TARGET_AVX512 __attribute__((always_inline)) inline __m512i bs_group_total(const uint64_t* aspread, const uint64_t* wp0, const BsShape& s,
                                                int64_t g) {
   constexpr int kMaxQ = 8;
   const int p = P > 0 ? P : s.p, q = Q > 0 ? Q : s.q;
