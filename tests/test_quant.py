@@ -779,6 +779,27 @@ def test_bitserial_integer_sums_are_exact(mode, p, q, group_size, K):
     assert ((y.double() - ref).abs() <= 1e-5 * scale + rel * ref.abs()).all()
 
 
+def test_bitserial_avx512_token_chunks_match_the_portable_kernel():
+    """The AVX-512 kernel spreads the activation planes of at most ~8 MiB of tokens at a time (here 128
+    tokens of K=4096, 8 bits, groups of 32, so 300 tokens take three chunks): the same integer sums and
+    outputs as the portable kernel (mode 0)."""
+    N, M, K, gs = 6, 300, 4096, 32
+    g = torch.Generator().manual_seed(3)
+    qw = pykernels.quantize(torch.randn(N, K, generator=g), 2, gs, "bipolar")
+    x = torch.randn(M, K, generator=g)
+    G = K // gs
+    outs = []
+    for mode in (0, 3):
+        I = torch.zeros(M, N, G, dtype=torch.int64)
+        cpu_bitserial(x, qw.ensure_planes(), qw.scales, qw.offsets, qw.code_sums, None, N, K, 2, gs, 8,
+                      {"mode": mode}, int_out=I)
+        y = cpu_bitserial(x, qw.ensure_planes(), qw.scales, qw.offsets, qw.code_sums, None, N, K, 2, gs, 8,
+                          {"mode": mode})
+        outs.append((I, y))
+    assert torch.equal(outs[0][0], outs[1][0])
+    assert torch.allclose(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("scheme,bits", [("asym", 4), ("sym", 3), ("bipolar", 2), ("bipolar", 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_bitserial_close_to_float_product(scheme, bits, dtype):
