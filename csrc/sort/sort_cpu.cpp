@@ -1271,12 +1271,11 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       top_digit = look.span_bits > 32 - MB && fits(look.biggest / SAMPLE_SLACK, guess_bytes, false);
       // narrow keys inside the caches (see below), told by the sample before any read
       if (a.msd < 0 && n < MSD_CACHED_N && look.span_bits > 0 && look.span_bits <= 16) return false;
-      // Keys their top byte spreads evenly (uniform random 32-bit keys) leave buckets of n / 256 records,
-      // whose three in-bucket passes cost more in counters than records below ~512 each: the LSD engine
-      // up to 128K such keys (review: int32 keys 1.3-1.5x slower split at 40K, mixed 0.8-1.2x at 64-100K,
-      // 0.6x at 200K; the keys the top byte does not spread, randn floats and spans, gain from 32K on)
-      // (evenly: the sample's fullest bucket within 4x the mean, where randn floats put a quarter of the
-      // keys in one and split 2x faster from 32K)
+      // Keys their top byte spreads evenly (uniform random 32-bit keys: the sample's fullest bucket within
+      // 4x the mean) leave buckets of n / 256 records, whose three in-bucket passes cost more in counters
+      // than records below ~512 each: the LSD engine up to 128K such keys (review: int32 keys 1.3-1.5x
+      // slower split at 40K, 0.8-1.2x at 64-100K, 0.6x at 200K). Keys the top byte clusters (randn floats:
+      // a quarter in one bucket) and narrower spans split ~2x faster from 32K.
       if (a.msd < 0 && n < MSD_TOP_MIN_N && top_digit && look.biggest * (1 << MB) <= 4.0 * (double)n) return false;
       if constexpr (MB == MSD_BITS) {
         // Keys spanning the whole range whose top byte clusters them (randn floats) while their top 11
