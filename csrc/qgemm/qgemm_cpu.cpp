@@ -1445,7 +1445,8 @@ PK_TARGET_AVX512 __attribute__((always_inline)) inline __m512i bs_group_total(co
 template <int P, int Q>
 PK_TARGET_AVX512 void bs_groups_avx512_pq(const uint64_t* aspread, const uint64_t* wp0, const BsShape& s,
                                           int64_t* out0) {
-  const __m512i rows01 = _mm512_setr_epi64(0, 4, 8, 12, 1, 5, 9, 13), rows23 = _mm512_setr_epi64(2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512i rows01 = _mm512_setr_epi64(0, 4, 8, 12, 1, 5, 9, 13);
+  const __m512i rows23 = _mm512_setr_epi64(2, 6, 10, 14, 3, 7, 11, 15);
   int64_t g = 0;
   for (; g + 4 <= s.G; g += 4) {
     const __m512i t0 = bs_group_total<P, Q>(aspread, wp0, s, g), t1 = bs_group_total<P, Q>(aspread, wp0, s, g + 1);
@@ -1522,7 +1523,8 @@ PK_TARGET_AVX512 void quantize_act_planes_avx512(const void* x, pk::DType dt, in
   auto lanes = [&](int64_t left) {
     return left >= 16 ? (__mmask16)0xffff : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
   };
-  __m512 vlo = _mm512_set1_ps(std::numeric_limits<float>::infinity()), vhi = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const float inf = std::numeric_limits<float>::infinity();
+  __m512 vlo = _mm512_set1_ps(inf), vhi = _mm512_set1_ps(-inf);
   __mmask16 bad = 0;
   for (int64_t k = 0; k < K; k += 16) {
     const __mmask16 mk = lanes(K - k);
@@ -1551,8 +1553,9 @@ PK_TARGET_AVX512 void quantize_act_planes_avx512(const void* x, pk::DType dt, in
     for (int64_t k = k0; k < k1; k += 16) {
       const __mmask16 mk = lanes(k1 - k);
       const __m512 v = load16_f32(x, dt, m * K + k, mk);
+      const __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
       __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(bs_codes8(_mm512_castps512_ps256(v), dlo, dsa)),
-                                     bs_codes8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)), dlo, dsa), 1);
+                                     bs_codes8(upper, dlo, dsa), 1);
       u = _mm512_maskz_mov_epi32(mk, _mm512_min_epi32(vq, _mm512_max_epi32(zero, u)));  // lanes past k1: 0
       us = _mm512_add_epi32(us, u);
       if (keep_codes) _mm_mask_storeu_epi8(&A.codes[m * K + k], mk, _mm512_cvtepi32_epi8(u));
@@ -1633,53 +1636,54 @@ void bitserial_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, int act_bits
       act_terms[m * s.G + g] = A.sa[m] * (double)A.usum[m * s.G + g] +
                                A.ma[m] * (double)(std::min(K, (g + 1) * s.gsize) - g * s.gsize);
   for (int64_t mc0 = 0; mc0 < M; mc0 += chunk) {
-  const int64_t mc1 = std::min(M, mc0 + chunk);
+    const int64_t mc1 = std::min(M, mc0 + chunk);
 #if PK_X86
-  if (avx512)
-    for (int64_t m = mc0; m < mc1; ++m) bs_spread_avx512(&A.planes[m * s.G * s.p * s.gw], s, &spread[(m - mc0) * per_token]);
+    if (avx512)
+      for (int64_t m = mc0; m < mc1; ++m)
+        bs_spread_avx512(&A.planes[m * s.G * s.p * s.gw], s, &spread[(m - mc0) * per_token]);
 #endif
-  pk::parallel_ranges(T, num_threads, [&](int, int64_t t0, int64_t t1) {
-    std::vector<int64_t> Iall(std::max<int64_t>(1, s.G) * RT);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n0 = t * RT;
-      const int rows = (int)std::min<int64_t>(RT, N - n0);
-      for (int64_t m = mc0; m < mc1; ++m) {
-        double acc[RT] = {0, 0, 0, 0};
-        const double sa = A.sa[m], ma = A.ma[m];
-        const uint64_t* act = avx512 ? &spread[(m - mc0) * per_token] : &A.planes[m * s.G * s.p * s.gw];
-        groups_fn(act, W + t * tile_words, s, Iall.data());
-        if (iout) {
-          for (int r = 0; r < rows; ++r)
-            for (int64_t g = 0; g < s.G; ++g)
-              iout[(m * N + n0 + r) * s.G + g] = avx512 ? Iall[r * s.G + g] : Iall[g * RT + r];
-          continue;
-        }
-        // Row by row, groups innermost: the weight-side terms are contiguous in g.
-        const double* c1 = &act_terms[m * s.G];
-        for (int r = 0; r < rows; ++r) {
-          const int64_t n = n0 + r;
-          const float* swr = sc + n * s.G;
-          const float* mwr = of + n * s.G;
-          const int32_t* uwr = ws + n * s.G;
-          double a = 0;
-#if PK_X86
-          if (avx512) {
-            acc[r] = bs_combine_avx512(swr, mwr, uwr, c1, Iall.data() + r * s.G, s.G, sa, ma);
+    pk::parallel_ranges(T, num_threads, [&](int, int64_t t0, int64_t t1) {
+      std::vector<int64_t> Iall(std::max<int64_t>(1, s.G) * RT);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * RT;
+        const int rows = (int)std::min<int64_t>(RT, N - n0);
+        for (int64_t m = mc0; m < mc1; ++m) {
+          double acc[RT] = {0, 0, 0, 0};
+          const double sa = A.sa[m], ma = A.ma[m];
+          const uint64_t* act = avx512 ? &spread[(m - mc0) * per_token] : &A.planes[m * s.G * s.p * s.gw];
+          groups_fn(act, W + t * tile_words, s, Iall.data());
+          if (iout) {
+            for (int r = 0; r < rows; ++r)
+              for (int64_t g = 0; g < s.G; ++g)
+                iout[(m * N + n0 + r) * s.G + g] = avx512 ? Iall[r * s.G + g] : Iall[g * RT + r];
             continue;
           }
+          // Row by row, groups innermost: the weight-side terms are contiguous in g.
+          const double* c1 = &act_terms[m * s.G];
+          for (int r = 0; r < rows; ++r) {
+            const int64_t n = n0 + r;
+            const float* swr = sc + n * s.G;
+            const float* mwr = of + n * s.G;
+            const int32_t* uwr = ws + n * s.G;
+            double a = 0;
+#if PK_X86
+            if (avx512) {
+              acc[r] = bs_combine_avx512(swr, mwr, uwr, c1, Iall.data() + r * s.G, s.G, sa, ma);
+              continue;
+            }
 #endif
-          for (int64_t g = 0; g < s.G; ++g)
-            a += (double)swr[g] * (sa * (double)Iall[g * RT + r] + ma * (double)uwr[g]) + (double)mwr[g] * c1[g];
-          acc[r] = a;
-        }
-        if (iout) continue;
-        for (int r = 0; r < rows; ++r) {
-          double v = A.bad[m] ? std::numeric_limits<double>::quiet_NaN() : acc[r] + (bs ? bs[n0 + r] : 0.f);
-          store_elem(reinterpret_cast<void*>(y), ydt, m * N + n0 + r, (float)v);
+            for (int64_t g = 0; g < s.G; ++g)
+              a += (double)swr[g] * (sa * (double)Iall[g * RT + r] + ma * (double)uwr[g]) + (double)mwr[g] * c1[g];
+            acc[r] = a;
+          }
+          if (iout) continue;
+          for (int r = 0; r < rows; ++r) {
+            double v = A.bad[m] ? std::numeric_limits<double>::quiet_NaN() : acc[r] + (bs ? bs[n0 + r] : 0.f);
+            store_elem(reinterpret_cast<void*>(y), ydt, m * N + n0 + r, (float)v);
+          }
         }
       }
-    }
-  });
+    });
   }
 }
 
