@@ -391,9 +391,11 @@ def test_msd_split_heuristic():
         k, i, _, st = _cpu_sort_1d(f, want_idx=True, config={"threads": threads}, want_stats=True)
         assert st["msd"] == (threads == 2) and torch.equal(i, torch.sort(f, stable=True).indices)
         assert st["threads"] == threads and torch.equal(k, f[i])
-    # 32-bit keys their top byte spreads evenly (uniform random): 256 buckets too small below 128K keys
-    assert not _cpu_sort_1d(x[: (1 << 17) - 1], want_stats=True)[3]["msd"]
-    assert _cpu_sort_1d(x[: 1 << 17], want_stats=True)[3]["msd"] == (torch.get_num_threads() > 1)
+    # uniform random 32-bit keys (the top byte spreads them evenly) split from 32K keys on two threads too
+    for m in ((1 << 15), 100_000, (1 << 17)):
+        k, i, _, st = _cpu_sort_1d(x[:m], want_idx=True, want_stats=True)
+        assert st["msd"] == (torch.get_num_threads() > 1) and torch.equal(i, ref_argsort_1d(x[:m]))
+        assert torch.equal(k, x[:m][i])
     # keys inside the caches whose span is at most 16 bits: the LSD engine (two passes at most), told by
     # the sample for 32-bit keys and by the exact span for 64-bit keys
     for narrow in (x[: 1 << 17] % 1000, (x[: 1 << 17] % 1000).to(torch.int64) + (1 << 40)):

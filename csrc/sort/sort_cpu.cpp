@@ -587,10 +587,12 @@ struct Engine {
 // indices): 32K 10.5/5.9, 9.5/6.3, 14.6/10.0; 128K 6.4/5.4, 18.3/6.9, 24.5/9.4; 200K 6.2/5.2, 12.3/7.5,
 // 18.7/8.9. On one thread the split lost inside the caches for some keys (review: random int32 keys at
 // 32-40K 1.5-1.6x slower, a 20-bit span at 200K 1.4x), and at 16-32K keys (on one thread, by the grain)
-// with indices 1.4-2x.
+// with indices 1.4-2x. Uniform random int32 keys (the top byte the digit, buckets of n / 256) on 2 threads,
+// split / LSD engine time, keys only and with indices: 32K 1.07-1.10 and 0.95-0.98, 48K 0.85-0.89 and
+// 0.83, 64K 0.75 and 0.72, 100K 0.62-0.67 and 0.62-0.66, 128K 0.57 and 0.58 (so they split too; a rule
+// that kept them in the LSD engine below 128K came from timing the split on one thread).
 static constexpr int64_t MSD_MIN_N = int64_t(1) << 15;
 static constexpr int64_t MSD_GRAIN = int64_t(1) << 14;
-static constexpr int64_t MSD_TOP_MIN_N = int64_t(1) << 17;  // the top byte as the digit: from here
 static constexpr int64_t MSD_CACHED_N = int64_t(1) << 18;  // below: narrow spans take the LSD engine
 // When the split is worth it (bucket_ok): a heuristic against skew, not a cache size. Measured on a
 // 2-core EPYC (1 MiB L2 per core, 32 MiB L3), best of 5 interleaved runs against the LSD engine:
@@ -1271,12 +1273,6 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       top_digit = look.span_bits > 32 - MB && fits(look.biggest / SAMPLE_SLACK, guess_bytes, false);
       // narrow keys inside the caches (see below), told by the sample before any read
       if (a.msd < 0 && n < MSD_CACHED_N && look.span_bits > 0 && look.span_bits <= 16) return false;
-      // Keys their top byte spreads evenly (uniform random 32-bit keys: the sample's fullest bucket within
-      // 4x the mean) leave buckets of n / 256 records, whose three in-bucket passes cost more in counters
-      // than records below ~512 each: the LSD engine up to 128K such keys (review: int32 keys 1.3-1.5x
-      // slower split at 40K, 0.8-1.2x at 64-100K, 0.6x at 200K). Keys the top byte clusters (randn floats:
-      // a quarter in one bucket) and narrower spans split ~2x faster from 32K.
-      if (a.msd < 0 && n < MSD_TOP_MIN_N && top_digit && look.biggest * (1 << MB) <= 4.0 * (double)n) return false;
       if constexpr (MB == MSD_BITS) {
         // Keys spanning the whole range whose top byte clusters them (randn floats) while their top 11
         // bits spread them: the caller's 2048-bucket split, before this attempt reads anything. (A span

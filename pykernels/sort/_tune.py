@@ -16,8 +16,7 @@ CPU config space (csrc/sort/sort_cpu.cpp):
               pass 8 MiB, else plain stores); 64-bit
               keys spanning 2^32 or more take 16-byte records and a second split inside each bucket.
               -1 (default): from 32K keys where threads of 16K keys each (whatever the grain) make
-              two or more, else from 256K (below 256K not keys spanning at most 16 bits, nor below
-              128K 32-bit keys their top byte spreads evenly),
+              two or more, else from 256K (below 256K not keys spanning at most 16 bits),
               where a sample and the top-byte counts say the split spreads the keys (no bucket past
               L2 size with more than 1/8 of them all one value; at most 4 MiB, 8 MiB wide); 1: the same check at
               any size (so a choice tuned on random keys still leaves skewed keys to the LSD engine);
