@@ -219,8 +219,9 @@ def qmatmul(x, qw: QuantizedWeight, bias=None, *, act_bits: Optional[int] = None
     Accuracy of the weight-only CPU path: on CPUs with AMX-BF16 (Sapphire Rapids and newer), bf16
     activations from M=9 on with codes of at most 4 bits take the AMX kernel (config impl "amx"): bf16 activations times the integer
     codes are exact products summed in fp32, so y is the exact product with the dequantized weight up to
-    fp32 sums and the bf16 output rounding. Elsewhere the native kernel (config impl "native", the
-    default except for bf16 activations from M=64 on without AVX-512) rounds the activations to int16
+    fp32 sums and the bf16 output rounding. Elsewhere the native kernel (config impl "native"; the
+    default except without AVX-512 from M=65 on, and for bf16 activations from M=33 on where the CPU
+    multiplies bf16 natively: "dequant_mm" there) rounds the activations to int16
     per block (scale = the block's max|x| / 32767) to run integer dot products: blocks of 32 elements on AVX2 and portable CPUs, of
     one weight group (at most 2048 elements; 1024 with group_size=-1) on AVX-512 VNNI CPUs. Each x_k
     moves by at most 2^-16 of its block's max|x|, so y differs from the fp32 product with the
@@ -232,8 +233,8 @@ def qmatmul(x, qw: QuantizedWeight, bias=None, *, act_bits: Optional[int] = None
     NaN); a cheap per-row check (a few microseconds for 4096 elements) decides (the AMX path
     routes such rows the same way). The
     weights themselves are used exactly. The "dequant_mm" config dequantizes chunks of rows and hands
-    them to torch's GEMM: in fp32 (the same weights, exactly), except for bf16 activations (its default
-    from M=64 on without AVX-512, where oneDNN's bf16 GEMM is ~2x the integer kernel), where the
+    them to torch's GEMM: in fp32 (the same weights, exactly), except for bf16 activations on CPUs that
+    multiply bf16 natively (AVX512-BF16, where oneDNN's bf16 GEMM is ~2x the integer kernel), where the
     dequantized weights and the bias are rounded to bf16 as a bf16 nn.Linear holding them would be
     (sums in fp32; ~2^-9 of sum|x||w| per output). For an exact fp32 result use
     torch.nn.functional.linear(x.float(), qw.dequantize(torch.float32), bias). On the GPU the Triton

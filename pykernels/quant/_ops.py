@@ -10,6 +10,7 @@ Config (pykernels._backend.dispatch, tuned by pykernels.autotune):
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -38,6 +39,12 @@ def _has_amx() -> bool:
             and bool(cpu_module("qgemm").cpu_has_amx_bf16()))
 
 
+@functools.lru_cache(maxsize=None)
+def _bf16_gemm_native() -> bool:
+    """Whether torch's bf16 GEMM multiplies bf16 natively here (AVX512-BF16), whatever our tier flags say."""
+    return bool(cpu_module("qgemm").cpu_has_bf16_dot())
+
+
 def _amx_fits(key: dict) -> bool:
     return key.get("dtype") == "bfloat16" and key.get("bits", 8) <= 4 and not key.get("act_bits")
 
@@ -62,12 +69,13 @@ def _default_cpu_config(key: dict) -> dict:
         # lanes fill up), one pass over the weights for all tokens (M=128: 50 ms in one pass vs 67 ms in
         # 8 passes of 16); bf16 too (M=64: 30 ms vs 37 ms for dequantize + torch's bf16 GEMM).
         return {"impl": "native", "threads": 0, "m_block": 4096, "n_block": 8, "isa": 2, "gemm_min_m": 12}
-    # The integer kernel streams the weights once per block of 16 tokens. Measured at K=N=4096 (2 busy
-    # cores): ~7x fp32 torch.matmul at M=1, ~3x at M=16, on par at M=128 where the op turns compute-bound
-    # (the dequantize + torch.mm route, "dequant_mm", stays a tuning candidate for other CPUs).
-    # bf16 activations from M=64 on: dequantize to bf16 + torch's bf16 GEMM beats the integer kernel
-    # (M=128, K=N=4096, 2 busy cores: ~100 ms vs ~225 ms; torch's own bf16 GEMM ~55 ms).
-    if key.get("dtype") == "bfloat16" and key["M"] >= 64:
+    # The integer kernel (AVX2) streams the weights once per block of 16 tokens: ~7x fp32 torch.matmul at
+    # M=1, ~3x at M=16 (K=N=4096, 2 busy cores). Where the op turns compute-bound, the dequantize + torch
+    # GEMM route ("dequant_mm") wins: from the M=128 bucket (Zen 2, AVX2 only, same process: M=128 47 vs
+    # 59 ms for fp32 and bf16 activations, which it multiplies in fp32 there; M=64 31 vs 30 ms), and for
+    # bf16 activations from M=64 where the CPU multiplies bf16 natively (AVX-512 turned off on Zen 4: M=128
+    # ~100 ms vs ~225 ms).
+    if key["M"] >= 128 or (key.get("dtype") == "bfloat16" and key["M"] >= 64 and _bf16_gemm_native()):
         return {"impl": "dequant_mm", "threads": 0, "m_block": 16, "n_block": 8}
     return {"impl": "native", "threads": 0, "m_block": 16, "n_block": 8}
 
@@ -131,9 +139,10 @@ def cpu_weight_only(x2, packed, scales, offsets, bias, N, K, bits, group_size, c
         cfg = _default_cpu_config(_key(M, N, K, bits, group_size, 0, x2.dtype))
     if cfg.get("impl") == "dequant_mm" and M > 0:
         # Compute-bound sizes: dequantize a chunk of rows (AVX2) into one reused buffer and hand it to
-        # torch's GEMM; bf16 activations multiply bf16 weights (oneDNN's bf16 GEMM is ~3x its fp32 one
-        # on AVX2 machines), everything else fp32.
-        wdt = torch.bfloat16 if x2.dtype == torch.bfloat16 else torch.float32
+        # torch's GEMM; bf16 activations multiply bf16 weights where the CPU multiplies bf16 natively
+        # (oneDNN's bf16 GEMM ~2x its fp32 one there), everything else fp32 (without AVX512-BF16 oneDNN's
+        # bf16 GEMM ran 5.7x slower than its fp32 one: Zen 2, M=128, K=N=4096).
+        wdt = torch.bfloat16 if x2.dtype == torch.bfloat16 and _bf16_gemm_native() else torch.float32
         xw = x2.to(wdt)
         step = min(N, _ROWS_PER_DEQUANT_CHUNK)
         buf = torch.empty(step, K, dtype=wdt)
