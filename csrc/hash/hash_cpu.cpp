@@ -506,7 +506,9 @@ __attribute__((always_inline)) inline void emit_ahead(E& emit, int64_t base, int
 // Lookups and inserts, compiled per SIMD tier (chosen at run time: amac_find_tiered,
 // grouped_insert_tiered). A 64-byte window's "key matches", "slot EMPTY" (and for inserts "slot
 // TOMBSTONE") masks come from one AVX-512 compare per mask (two AVX2 ones) over the whole cache line,
-// keeping the key lanes (every sizeof(Slot)/sizeof(K)-th element) with a PEXT.
+// keeping the key lanes (every sizeof(Slot)/sizeof(K)-th element): with a PEXT on the AVX-512 tier,
+// with shifts on the AVX2 one (compress_lanes: Zen 1 and Zen 2 run PEXT in microcode, ~20 cycles per
+// set bit of the mask; it was most of the time of an in-cache lookup there).
 // ------------------------------------------------------------------------------------------------
 template <class K, class V>
 constexpr uint32_t key_lanes() {
@@ -514,6 +516,26 @@ constexpr uint32_t key_lanes() {
   uint32_t m = 0;
   for (int j = 0; j < n; j += stride) m |= 1u << j;
   return m;
+}
+
+// The bits of m at the key lanes (every STRIDE-th bit from bit 0; STRIDE 1, 2 or 4, at most 16 lanes)
+// packed into the low bits, in order, without PEXT: each step halves the number of runs.
+template <int STRIDE>
+inline uint32_t compress_lanes(uint32_t m) {
+  static_assert(STRIDE == 1 || STRIDE == 2 || STRIDE == 4, "slots of 1, 2 or 4 key widths");
+  if constexpr (STRIDE == 1) {
+    return m;
+  } else if constexpr (STRIDE == 2) {  // bits 0, 2, 4, ..., 30 of up to 32
+    m &= 0x55555555u;
+    m = (m | (m >> 1)) & 0x33333333u;
+    m = (m | (m >> 2)) & 0x0F0F0F0Fu;
+    m = (m | (m >> 4)) & 0x00FF00FFu;
+    return (m | (m >> 8)) & 0x0000FFFFu;
+  } else {  // bits 0, 4, 8, 12 of 16
+    m &= 0x1111u;
+    m = (m | (m >> 3)) & 0x0303u;
+    return (m | (m >> 6)) & 0x000Fu;
+  }
 }
 
 namespace tier_portable {
@@ -547,18 +569,18 @@ template <class K, class V>
 inline void line_masks(const Slot<K, V>* win, K k, uint32_t& hit, uint32_t& empty) {
   const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(win));
   const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(win) + 1);
-  constexpr uint32_t lanes = key_lanes<K, V>();
-  hit = _pext_u32(eq_bits(lo, hi, k), lanes);
-  empty = _pext_u32(eq_bits(lo, hi, Sentinel<K>::EMPTY), lanes);
+  constexpr int stride = sizeof(Slot<K, V>) / sizeof(K);
+  hit = compress_lanes<stride>(eq_bits(lo, hi, k));
+  empty = compress_lanes<stride>(eq_bits(lo, hi, Sentinel<K>::EMPTY));
 }
 template <class K, class V>
 inline void line_masks3(const Slot<K, V>* win, K k, uint32_t& hit, uint32_t& empty, uint32_t& tomb) {
   const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(win));
   const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(win) + 1);
-  constexpr uint32_t lanes = key_lanes<K, V>();
-  hit = _pext_u32(eq_bits(lo, hi, k), lanes);
-  empty = _pext_u32(eq_bits(lo, hi, Sentinel<K>::EMPTY), lanes);
-  tomb = _pext_u32(eq_bits(lo, hi, Sentinel<K>::TOMB), lanes);
+  constexpr int stride = sizeof(Slot<K, V>) / sizeof(K);
+  hit = compress_lanes<stride>(eq_bits(lo, hi, k));
+  empty = compress_lanes<stride>(eq_bits(lo, hi, Sentinel<K>::EMPTY));
+  tomb = compress_lanes<stride>(eq_bits(lo, hi, Sentinel<K>::TOMB));
 }
 #include "hash_cpu_probe.h"
 }  // namespace tier_avx2
