@@ -518,19 +518,19 @@ constexpr uint32_t key_lanes() {
   return m;
 }
 
-// The bits of m at the key lanes (every STRIDE-th bit from bit 0; STRIDE 1, 2 or 4, at most 16 lanes)
+// The bits of m at the key lanes (every STRIDE-th of its NB low bits, from bit 0; STRIDE 1, 2 or 4)
 // packed into the low bits, in order, without PEXT: each step halves the number of runs.
-template <int STRIDE>
+template <int STRIDE, int NB>
 inline uint32_t compress_lanes(uint32_t m) {
   static_assert(STRIDE == 1 || STRIDE == 2 || STRIDE == 4, "slots of 1, 2 or 4 key widths");
+  static_assert(NB == 8 || NB == 16, "a 64-byte line of 8- or 4-byte keys");
   if constexpr (STRIDE == 1) {
     return m;
-  } else if constexpr (STRIDE == 2) {  // bits 0, 2, 4, ..., 30 of up to 32
-    m &= 0x55555555u;
-    m = (m | (m >> 1)) & 0x33333333u;
-    m = (m | (m >> 2)) & 0x0F0F0F0Fu;
-    m = (m | (m >> 4)) & 0x00FF00FFu;
-    return (m | (m >> 8)) & 0x0000FFFFu;
+  } else if constexpr (STRIDE == 2) {  // bits 0, 2, 4, ..., NB - 2
+    m &= 0x5555u;
+    m = (m | (m >> 1)) & 0x3333u;
+    m = (m | (m >> 2)) & 0x0F0Fu;
+    return NB == 8 ? m : (m | (m >> 4)) & 0x00FFu;
   } else {  // bits 0, 4, 8, 12 of 16
     m &= 0x1111u;
     m = (m | (m >> 3)) & 0x0303u;
@@ -565,22 +565,51 @@ inline uint32_t eq_bits(__m256i lo, __m256i hi, K x) {
            (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(hi, xx))) << 8;
   }
 }
+// A window's slots of two key widths (an 8-byte key with an 8-byte value, a 4-byte key with a 4-byte
+// value: the map and counting tables' usual layouts) hold 4 or 8 keys; one unpack and one permute put
+// them in slot order in one register, so each mask is then one compare and one movemask. Other layouts
+// compare the whole line and keep the key lanes with compress_lanes.
+template <class K, class V>
+struct Keys {
+  static constexpr int stride = sizeof(Slot<K, V>) / sizeof(K);
+  static constexpr bool packed = stride == 2;
+  __m256i lo, hi, keys;
+  explicit Keys(const Slot<K, V>* win) {
+    // one load of each half: every mask sees one state of the line (see window_masks3)
+    lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(win));
+    hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(win) + 1);
+    if constexpr (packed && sizeof(K) == 8) {  // [k0 k2 | k1 k3] -> [k0 k1 k2 k3]
+      keys = _mm256_permute4x64_epi64(_mm256_unpacklo_epi64(lo, hi), 0xD8);
+    } else if constexpr (packed) {  // [k0 k1 k4 k5 | k2 k3 k6 k7] -> [k0 .. k7]
+      keys = _mm256_permute4x64_epi64(
+          _mm256_castps_si256(_mm256_shuffle_ps(_mm256_castsi256_ps(lo), _mm256_castsi256_ps(hi), 0x88)), 0xD8);
+    }
+  }
+  // bit j: slot j's key equals x
+  uint32_t eq(K x) const {
+    if constexpr (packed && sizeof(K) == 8) {
+      const __m256i xx = _mm256_set1_epi64x((long long)x);
+      return (uint32_t)_mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpeq_epi64(keys, xx)));
+    } else if constexpr (packed) {
+      const __m256i xx = _mm256_set1_epi32((int)x);
+      return (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(keys, xx)));
+    } else {
+      return compress_lanes<stride, 64 / sizeof(K)>(eq_bits(lo, hi, x));
+    }
+  }
+};
 template <class K, class V>
 inline void line_masks(const Slot<K, V>* win, K k, uint32_t& hit, uint32_t& empty) {
-  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(win));
-  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(win) + 1);
-  constexpr int stride = sizeof(Slot<K, V>) / sizeof(K);
-  hit = compress_lanes<stride>(eq_bits(lo, hi, k));
-  empty = compress_lanes<stride>(eq_bits(lo, hi, Sentinel<K>::EMPTY));
+  const Keys<K, V> line(win);
+  hit = line.eq(k);
+  empty = line.eq(Sentinel<K>::EMPTY);
 }
 template <class K, class V>
 inline void line_masks3(const Slot<K, V>* win, K k, uint32_t& hit, uint32_t& empty, uint32_t& tomb) {
-  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(win));
-  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(win) + 1);
-  constexpr int stride = sizeof(Slot<K, V>) / sizeof(K);
-  hit = compress_lanes<stride>(eq_bits(lo, hi, k));
-  empty = compress_lanes<stride>(eq_bits(lo, hi, Sentinel<K>::EMPTY));
-  tomb = compress_lanes<stride>(eq_bits(lo, hi, Sentinel<K>::TOMB));
+  const Keys<K, V> line(win);
+  hit = line.eq(k);
+  empty = line.eq(Sentinel<K>::EMPTY);
+  tomb = line.eq(Sentinel<K>::TOMB);
 }
 #include "hash_cpu_probe.h"
 }  // namespace tier_avx2
