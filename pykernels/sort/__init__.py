@@ -9,8 +9,9 @@ plus CUB-style keys-only, key-value and segmented sorts.
 
 Backends: "cpu" (csrc/sort/sort_cpu.cpp: one histogram read for all digits, then one write-combined
 scatter per 8- or 11-bit digit, trivial passes skipped; from 32K keys on two or more threads (256K on
-one; below 256K not keys spanning at most 16 bits), 32- and 64-bit keys whose top byte spreads them are split by the top byte of their span into 256 buckets first (unless one bucket
-past L2 size would hold more than 1/8 of the keys, all one value), each then sorted inside the cache:
+one; below 256K not keys spanning at most 16 bits), 32- and 64-bit keys whose top byte spreads them
+are split by the top byte of their span into 256 buckets first (unless one bucket past L2 size would
+hold more than 1/8 of the keys, all one value), each then sorted inside the cache:
 LSD passes, or for 64-bit keys spanning 2^32 or more a second split and insertion sorts of the small
 parts), "cuda" (csrc/sort/sort.cu: Onesweep proper),
 "triton" (pykernels/sort/_triton.py: the same pipeline in Triton). With backend="auto", CPU sorts of up
