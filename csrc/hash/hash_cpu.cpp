@@ -505,10 +505,11 @@ __attribute__((always_inline)) inline void emit_ahead(E& emit, int64_t base, int
 // ------------------------------------------------------------------------------------------------
 // Lookups and inserts, compiled per SIMD tier (chosen at run time: amac_find_tiered,
 // grouped_insert_tiered). A 64-byte window's "key matches", "slot EMPTY" (and for inserts "slot
-// TOMBSTONE") masks come from one AVX-512 compare per mask (two AVX2 ones) over the whole cache line,
-// keeping the key lanes (every sizeof(Slot)/sizeof(K)-th element): with a PEXT on the AVX-512 tier,
-// with shifts on the AVX2 one (compress_lanes: Zen 1 and Zen 2 run PEXT in microcode, ~20 cycles per
-// set bit of the mask; it was most of the time of an in-cache lookup there).
+// TOMBSTONE") masks come from one AVX-512 compare per mask over the whole cache line, keeping the key
+// lanes (every sizeof(Slot)/sizeof(K)-th element) with a PEXT; on the AVX2 tier from one compare of
+// the window's keys shuffled into one register (tier_avx2::Keys), or two over the line with the lane
+// bits packed by shifts (compress_lanes): Zen 1 and Zen 2 run PEXT in microcode, ~20 cycles per set
+// bit of the mask, which was most of the time of an in-cache lookup there.
 // ------------------------------------------------------------------------------------------------
 template <class K, class V>
 constexpr uint32_t key_lanes() {
