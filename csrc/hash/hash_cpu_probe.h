@@ -503,7 +503,8 @@ inline bool insert_first_window(Table<K, V>& t, Slot<K, V>* win, K k, uint64_t v
 // the last copy went.
 template <int Mode, int CW, class K, class V, class ValOf, class Finish>
 void grouped_insert_w(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, Budget& budget,
-                      int64_t& new_empty, ValOf&& val_of, Finish&& finish, AppendHints<K>* hints) {
+                      int64_t& new_empty_out, ValOf&& val_of, Finish&& finish, AppendHints<K>* hints) {
+  int64_t new_empty = 0;  // a local: the caller's counter may alias the slots' 64-bit stores (reloaded per insert)
   using St = typename Table<K, V>::InsState;
   using S = Slot<K, V>;
   constexpr int kMaxGroup = 64, kQueue = 128;  // the FIFO holds at most kMaxGroup + 1
@@ -600,6 +601,7 @@ void grouped_insert_w(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G
     cur ^= 1;
   }
   while (qlen) step_queued();
+  new_empty_out += new_empty;
 }
 
 // False (nothing done) where the window is not one cache line: the caller runs AMAC then.
