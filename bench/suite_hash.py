@@ -191,7 +191,7 @@ def _cpu_cases(quick):
             return ours, lambda: s.value_counts(sort=False)
 
         cases.append(Case(GROUP, "count", f"int64 n={tag} distinct=64", n, make_count_few, "pd.Series.value_counts",
-                          n, "keys", notes="64 categories: each thread sums the hot keys' adds privately"))
+                          n, "keys", notes="64 categories: each thread sums the hot keys' adds privately; no distinct-count pass (samples)"))
         cases.append(Case(GROUP, "count", f"int64 n={tag} distinct=64K", n, lambda n=n: make_count_few(n, 1 << 16),
                           "pd.Series.value_counts", n, "keys",
                           notes="64 copies of each key: none hot, every row added to the table"))

@@ -533,6 +533,62 @@ def test_new_keys_unseen_by_the_sample_grow_the_table_after_the_insert(cls):
         assert t.counts(uq).tolist() == [want[k] for k in uq.tolist()]
 
 
+@pytest.mark.parametrize("kb,dtype", [(8, torch.int64), (4, torch.int32)])
+def test_sample_distinct_counts_values_and_singletons(kb, dtype):
+    """sample_distinct (csrc/hash/hash_cpu.cpp): the distinct values and the values met once among `count`
+    evenly spaced keys, the reserved patterns left out, against a Python count of the same positions."""
+    from pykernels import _native
+    from pykernels.hashing import _layout as L
+
+    mod = _native.cpu_module("hash")
+    g = torch.Generator().manual_seed(12)
+    info = torch.iinfo(dtype)
+    cases = [torch.zeros(5000, dtype=dtype), torch.arange(70_001, dtype=dtype),
+             torch.randint(0, 40, (100_000,), generator=g).to(dtype),
+             torch.tensor([info.min, info.max, -1, -2, 0] * 999, dtype=dtype)]
+    for keys, count in [(k, c) for k in cases for c in (1, 7, 1024, 4096)]:
+        bits = L.key_bits(keys)
+        n = bits.numel()
+        picked = bits[torch.arange(count) * n // count].tolist()
+        seen = collections.Counter(v for v in picked if v not in (-1, -2))  # EMPTY / TOMBSTONE bit patterns
+        want = (len(seen), sum(1 for c in seen.values() if c == 1))
+        assert tuple(mod.sample_distinct(bits.data_ptr(), n, kb, count)) == want, (keys[:4], count)
+    with pytest.raises(ValueError, match="sample_distinct"):
+        mod.sample_distinct(0, 10, 2, 4)
+
+
+def test_counting_few_categories_skips_the_distinct_count_but_not_a_rare_tail():
+    """Rows of a few categories (every sampled key met more than once) fit a small table: the add skips
+    the HyperLogLog pass over every key (_few_distinct_fit); a tail of rare keys the samples see (a key
+    met once) is counted by it and grows the table ahead; a tail placed between the sampled rows is not
+    seen, so the table grows after the insert (sized by the keys it left out). Counts exact in every case."""
+    g = torch.Generator().manual_seed(13)
+    n = 1 << 20
+    cats = torch.randint(-(1 << 62), 1 << 62, (64,), generator=g)
+    keys = cats[torch.randint(0, 64, (n,), generator=g)]
+    sampled = torch.zeros(n, dtype=torch.bool)
+    for count in CountingTable.FEW_DISTINCT_SAMPLES:
+        sampled[torch.arange(count) * n // count] = True
+    free = torch.nonzero(~sampled).reshape(-1)
+    tail = torch.arange(5000) * 7919 + (1 << 40)
+    hidden = keys.clone()
+    hidden[free[torch.randperm(free.numel(), generator=g)[: tail.numel()]]] = tail
+    seen = keys.clone()
+    seen[torch.randperm(n, generator=g)[: tail.numel()]] = tail
+    for data, estimated, grows in ((keys, False, False), (seen, True, True), (hidden, False, True)):
+        t = CountingTable(1024)
+        used = []
+        inner = t._distinct_estimate
+        t._distinct_estimate = lambda kbits: (used.append(kbits.numel()), inner(kbits))[1]
+        cap = t.capacity
+        t.add(data)
+        # (the hidden tail's left-out keys are estimated after the insert, to size the growth)
+        assert (n in used) == estimated and (t.capacity > cap) == grows, (used, t.capacity)
+        want = collections.Counter(data.tolist())
+        uq = torch.tensor(sorted(want))
+        assert len(t) == uq.numel() and t.counts(uq).tolist() == [want[k] for k in uq.tolist()]
+
+
 def test_small_inserts_into_a_table_at_its_limit_count_new_keys_exactly():
     """A table filled to its limit, given a few keys it holds again and again, keeps its size (its new keys
     are counted exactly for small inserts; it grew for the keys it held); a few new keys then grow it."""

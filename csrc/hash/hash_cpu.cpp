@@ -1872,6 +1872,35 @@ int64_t reserved_count(uintptr_t keys_p, int64_t n, int kb, int nthreads) {
   return total;
 }
 
+// Among `count` evenly spaced keys of the n (kb bytes each; the reserved patterns left out): how many
+// distinct values, and how many of those were met once. A large sample with no key met once says the
+// keys it missed make up little of the input (Good-Turing: the unseen share of the rows is about
+// singletons / count; with none, under 3 / count at 95%, the rule of three): _grow_ahead then sizes a
+// bulk insert of a few categories by the sample and skips the HyperLogLog pass over every key (4M rows
+// of 64 categories: ~7 of the add's ~14 ms on a Zen 2).
+py::tuple sample_distinct(uintptr_t keys_p, int64_t n, int kb, int count) {
+  int64_t distinct = 0, once = 0;
+  auto run = [&](auto key_type) {
+    using KT = decltype(key_type);
+    const KT* keys = reinterpret_cast<const KT*>(keys_p);
+    std::vector<KT> sample((size_t)count);
+    const int m = sorted_sample(n, count, [&](int64_t i) { return keys[i]; }, sample.data());
+    for (int j = 0; j < m;) {
+      int r = j + 1;
+      while (r < m && sample[r] == sample[j]) ++r;
+      ++distinct;
+      once += r - j == 1;
+      j = r;
+    }
+  };
+  {
+    py::gil_scoped_release release;
+    if (kb == 8) run(uint64_t());
+    else run(uint32_t());
+  }
+  return py::make_tuple(distinct, once);
+}
+
 // How many distinct values the n keys (kb bytes each) hold, estimated with HyperLogLog (Flajolet et al.
 // 2007; 2^12 one-byte registers: ~1.6% standard error, linear counting below 2.5 x 4096). A bulk insert
 // that may overflow the table sizes its growth by this rather than by n (_tables.py _grow_ahead): a
@@ -2043,6 +2072,12 @@ PYBIND11_MODULE(_cpu_hash, m) {
           if (kb != 4 && kb != 8) pk::fail_value("hash.distinct_estimate", "expected 4- or 8-byte keys");
           return distinct_estimate(keys, n, kb, nthreads);
         }, py::arg("keys"), py::arg("n"), py::arg("kb"), py::arg("nthreads"));
+  m.def("sample_distinct", [](uintptr_t keys, int64_t n, int kb, int count) {
+          if (kb != 4 && kb != 8) pk::fail_value("hash.sample_distinct", "expected 4- or 8-byte keys");
+          if (n < 1 || count < 1) pk::fail_value("hash.sample_distinct", "expected n >= 1 and count >= 1");
+          return sample_distinct(keys, n, kb, count);
+        }, py::arg("keys"), py::arg("n"), py::arg("kb"), py::arg("count"),
+        "(distinct values, values met once) among count evenly spaced keys");
   m.def("random_lines", &random_lines, py::arg("buf"), py::arg("nbytes"), py::arg("n"), py::arg("prefetch"),
         py::arg("nthreads"), "Reads n random 64-byte lines of buf (the random-access limit probe)");
   m.def("bloom_add", &bloom_add);
