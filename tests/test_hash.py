@@ -376,6 +376,41 @@ def test_distinct_estimate_is_within_five_percent(kb, dtype):
         assert abs(est - truth) <= 0.05 * truth + 1, (truth, est)
 
 
+_HLL_TIER_SCRIPT = """
+import torch
+from pykernels import _native
+mod = _native.cpu_module("hash")
+g = torch.Generator().manual_seed(5)
+out = []
+for dtype, kb in ((torch.int64, 8), (torch.int32, 4)):
+    info = torch.iinfo(dtype)
+    for n in (0, 3, 4, 7, 8, 9, 1001, 300_001):
+        keys = torch.randint(info.min, info.max, (n,), generator=g, dtype=dtype)
+        out.append(repr(mod.distinct_estimate(keys.data_ptr(), n, kb, 2)))
+    ext = torch.tensor([info.min, info.max, 0, -1] * 257, dtype=dtype)
+    out.append(repr(mod.distinct_estimate(ext.data_ptr(), ext.numel(), kb, 1)))
+print(" ".join(out))
+"""
+
+
+def test_distinct_estimate_agrees_on_every_simd_tier():
+    """distinct_estimate hashes 8 keys a step on AVX-512, 4 on AVX2 (64-bit multiplies built from 32-bit
+    ones, the rank from a float's exponent) and one elsewhere: the same hash and rank (hll_rank) on
+    every tier, so the same estimate, for both key widths, tails of 0-7 keys and ranges split between
+    threads. Tier flags are read once per process."""
+    import os
+    import subprocess
+    import sys
+
+    got = []
+    for env in ({}, {"PYKERNELS_DISABLE_AVX512": "1"}, {"PYKERNELS_DISABLE_AVX2": "1"}):
+        r = subprocess.run([sys.executable, "-c", _HLL_TIER_SCRIPT], env={**os.environ, **env},
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        got.append(r.stdout.strip())
+    assert len(set(got)) == 1, got
+
+
 def test_counting_table_sized_for_its_keys_does_not_grow_for_their_repeats():
     """A CountingTable with room for its distinct keys, given 64x as many occurrences: no growth (the bulk insert
     counts the input's distinct keys before growing ahead); one without room grows about to what the distinct

@@ -1725,15 +1725,15 @@ int64_t bloom_contains_x8(const uint64_t* words, uint64_t nblocks, int k_run, ui
   return b + 8 * groups;
 }
 
-// HyperLogLog (distinct_estimate) on eight keys per step: fmix64 with vpmullq and the ranks with
-// vplzcntq; only the register updates stay scalar (a scalar step was ~8 cycles a key, 9 ms for 4M).
-// KT: the keys' type (4-byte keys are widened). Handles [b, b + 8 * floor((e - b) / 8)); returns where
-// it stopped.
+// HyperLogLog (distinct_estimate) on eight keys per step: fmix64 with vpmullq and the ranks (hll_rank)
+// with vplzcntq of the isolated lowest bit; only the register updates stay scalar (a scalar step was ~8
+// cycles a key, 9 ms for 4M). KT: the keys' type (4-byte keys are widened). Handles
+// [b, b + 8 * floor((e - b) / 8)); returns where it stopped.
 __attribute__((target("avx512cd"))) inline __m512i lzcnt64_x8(__m512i x) { return _mm512_lzcnt_epi64(x); }
 template <class KT, int P>
 int64_t hll_x8(const KT* keys, int64_t b, int64_t e, uint8_t* regs) {
   const __m512i salt = _mm512_set1_epi64((long long)0x9E3779B97F4A7C15ULL);
-  const __m512i low = _mm512_set1_epi64((long long)(1ull << (P - 1)));
+  const __m512i low32 = _mm512_set1_epi64(0xffffffffLL), top = _mm512_set1_epi64(0x80000000LL);
   alignas(64) uint64_t j8[8], r8[8];
   int64_t i = b;
   for (; i + 8 <= e; i += 8) {
@@ -1742,8 +1742,9 @@ int64_t hll_x8(const KT* keys, int64_t b, int64_t e, uint8_t* regs) {
     else kv = _mm512_cvtepu32_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + i)));
     const __m512i h = fmix64_x8(_mm512_add_epi64(kv, salt));
     _mm512_store_si512(j8, shr64(h, 64 - P));
-    const __m512i rest = _mm512_or_si512(_mm512_sllv_epi64(h, _mm512_set1_epi64(P)), low);
-    _mm512_store_si512(r8, _mm512_add_epi64(lzcnt64_x8(rest), _mm512_set1_epi64(1)));
+    const __m512i x = _mm512_or_si512(_mm512_and_si512(h, low32), top);
+    const __m512i lowest = _mm512_and_si512(x, _mm512_sub_epi64(_mm512_setzero_si512(), x));  // 2^ctz
+    _mm512_store_si512(r8, _mm512_sub_epi64(_mm512_set1_epi64(64), lzcnt64_x8(lowest)));
     for (int x = 0; x < 8; ++x) {
       const uint8_t r = (uint8_t)r8[x];
       uint8_t& m = regs[j8[x]];
@@ -1753,6 +1754,52 @@ int64_t hll_x8(const KT* keys, int64_t b, int64_t e, uint8_t* regs) {
   return i;
 }
 #pragma GCC diagnostic pop
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,bmi,bmi2,popcnt")
+// 64-bit lanes times a constant, the low 64 bits (AVX2 has no vpmullq): lo*c_lo + ((hi*c_lo + lo*c_hi) << 32).
+inline __m256i mul64_const_x4(__m256i x, uint64_t c) {
+  const __m256i cl = _mm256_set1_epi64x((long long)(c & 0xffffffffULL)), ch = _mm256_set1_epi64x((long long)(c >> 32));
+  const __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(x, 32), cl), _mm256_mul_epu32(x, ch));
+  return _mm256_add_epi64(_mm256_mul_epu32(x, cl), _mm256_slli_epi64(cross, 32));
+}
+
+// hll_x8 on AVX2, four keys per step: fmix64 with the multiplies built from vpmuludq, the rank (hll_rank)
+// from the exponent of the isolated lowest bit converted to float (a power of two converts exactly;
+// 2^31 reads as -2^31, whose exponent field is the same). Measured (4M int64 keys, 2 threads, Zen 2):
+// 6.8 -> 4.3 ms). Handles [b, b + 4 * floor((e - b) / 4)); returns where it stopped.
+template <class KT, int P>
+int64_t hll_x4_avx2(const KT* keys, int64_t b, int64_t e, uint8_t* regs) {
+  const __m256i salt = _mm256_set1_epi64x((long long)0x9E3779B97F4A7C15ULL);
+  const __m256i top = _mm256_set1_epi64x(0x80000000LL), byte = _mm256_set1_epi64x(0xff);
+  alignas(32) uint64_t j4[4], r4[4];
+  int64_t i = b;
+  for (; i + 4 <= e; i += 4) {
+    __m256i k;
+    if constexpr (sizeof(KT) == 8) k = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + i));
+    else k = _mm256_cvtepu32_epi64(_mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + i)));
+    k = _mm256_add_epi64(k, salt);
+    k = _mm256_xor_si256(k, _mm256_srli_epi64(k, 33));
+    k = mul64_const_x4(k, 0xff51afd7ed558ccdULL);
+    k = _mm256_xor_si256(k, _mm256_srli_epi64(k, 33));
+    k = mul64_const_x4(k, 0xc4ceb9fe1a85ec53ULL);
+    const __m256i h = _mm256_xor_si256(k, _mm256_srli_epi64(k, 33));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(j4), _mm256_srli_epi64(h, 64 - P));
+    // the low dword of each lane: its lowest set bit (bit 31 set: never 0) as a float's exponent field
+    const __m256i x = _mm256_or_si256(h, top);
+    const __m256i lowest = _mm256_and_si256(x, _mm256_sub_epi32(_mm256_setzero_si256(), x));
+    const __m256i expo = _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtepi32_ps(lowest)), 23);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(r4), _mm256_sub_epi64(_mm256_and_si256(expo, byte),
+                                                                        _mm256_set1_epi64x(126)));
+    for (int q = 0; q < 4; ++q) {
+      const uint8_t r = (uint8_t)r4[q];
+      uint8_t& m = regs[j4[q]];
+      m = r > m ? r : m;
+    }
+  }
+  return i;
+}
 #pragma GCC pop_options
 #endif
 
@@ -1907,6 +1954,10 @@ py::tuple sample_distinct(uintptr_t keys_p, int64_t n, int kb, int count) {
 // counting table sized for its distinct keys, given 16x as many keys, grew to hold all of them and
 // shrank back (4M keys, 4096 distinct: 45 ms of which one 112 MiB table). Per-thread registers, merged
 // by max.
+// A key's HyperLogLog rank from its hash h (the register index is h's top kP bits): 1 + the trailing
+// zeros of h's low 32 bits, at most 32 (bit 31 set); counts up to ~2^32 registers' worth are exact
+// enough for sizing a table. The vector tiers compute the same value (the lowest set bit isolated).
+inline uint8_t hll_rank(uint64_t h) { return (uint8_t)(__builtin_ctz((uint32_t)h | 0x80000000u) + 1); }
 #if PK_X86
 inline bool has_avx512cd() {
   static const bool has = [] { __builtin_cpu_init(); return (bool)__builtin_cpu_supports("avx512cd"); }();
@@ -1925,12 +1976,12 @@ double distinct_estimate(uintptr_t keys_p, int64_t n, int kb, int nthreads) {
       uint8_t* r = regs[tid].data();
 #if PK_X86
       if (pk::cpu_has_avx512() && has_avx512cd()) b = hll_x8<KT, kP>(keys, b, e, r);
+      else if (pk::cpu_has_avx2()) b = hll_x4_avx2<KT, kP>(keys, b, e, r);
 #endif
       for (int64_t i = b; i < e; ++i) {
         const uint64_t h = fmix64((uint64_t)keys[i] + 0x9E3779B97F4A7C15ULL);
         const uint32_t j = (uint32_t)(h >> (64 - kP));
-        const uint64_t rest = (h << kP) | (1ull << (kP - 1));  // never 0: rank at most 64 - kP + 1
-        const uint8_t rank = (uint8_t)(__builtin_clzll(rest) + 1);
+        const uint8_t rank = hll_rank(h);
         if (rank > r[j]) r[j] = rank;
       }
     };
