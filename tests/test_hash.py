@@ -568,10 +568,24 @@ def test_new_keys_unseen_by_the_sample_grow_the_table_after_the_insert(cls):
         assert t.counts(uq).tolist() == [want[k] for k in uq.tolist()]
 
 
+def _sample_positions(n, count):
+    """sample_distinct's positions (csrc/hash/hash_cpu.cpp sample_position): one per stride of n / count, at
+    an offset given by fmix64 of the stride's index (the Python fmix64 of _BLOOM_REFERENCE)."""
+    ref = {}
+    exec(_BLOOM_REFERENCE, ref)
+    fmix64 = ref["_fmix64"]
+    out = []
+    for j in range(count):
+        lo, hi = j * n // count, (j + 1) * n // count
+        out.append(lo + fmix64(j ^ 0x5851F42D4C957F2D) % (hi - lo))
+    return torch.tensor(out, dtype=torch.int64)
+
+
 @pytest.mark.parametrize("kb,dtype", [(8, torch.int64), (4, torch.int32)])
 def test_sample_distinct_counts_values_and_singletons(kb, dtype):
     """sample_distinct (csrc/hash/hash_cpu.cpp): the distinct values and the values met once among `count`
-    evenly spaced keys, the reserved patterns left out, against a Python count of the same positions."""
+    keys, one from each of `count` strides, the reserved patterns left out, against a Python count of the
+    same positions; count outside 1..n is refused."""
     from pykernels import _native
     from pykernels.hashing import _layout as L
 
@@ -584,33 +598,38 @@ def test_sample_distinct_counts_values_and_singletons(kb, dtype):
     for keys, count in [(k, c) for k in cases for c in (1, 7, 1024, 4096)]:
         bits = L.key_bits(keys)
         n = bits.numel()
-        picked = bits[torch.arange(count) * n // count].tolist()
+        picked = bits[_sample_positions(n, count)].tolist()
         seen = collections.Counter(v for v in picked if v not in (-1, -2))  # EMPTY / TOMBSTONE bit patterns
         want = (len(seen), sum(1 for c in seen.values() if c == 1))
         assert tuple(mod.sample_distinct(bits.data_ptr(), n, kb, count)) == want, (keys[:4], count)
-    with pytest.raises(ValueError, match="sample_distinct"):
-        mod.sample_distinct(0, 10, 2, 4)
+    for kb_, n_, count_ in ((2, 10, 4), (kb, 10, 11), (kb, 10, 0)):
+        with pytest.raises(ValueError, match="sample_distinct"):
+            mod.sample_distinct(0, n_, kb_, count_)
 
 
 def test_counting_few_categories_skips_the_distinct_count_but_not_a_rare_tail():
     """Rows of a few categories (every sampled key met more than once) fit a small table: the add skips
     the HyperLogLog pass over every key (_few_distinct_fit); a tail of rare keys the samples see (a key
     met once) is counted by it and grows the table ahead; a tail placed between the sampled rows is not
-    seen, so the table grows after the insert (sized by the keys it left out). Counts exact in every case."""
+    seen, so the table grows after the insert (sized by the keys it left out); tiled keys (arange repeated,
+    whose evenly spaced samples were a few values met many times: review finding) are counted and grow
+    the table ahead. Counts exact in every case."""
     g = torch.Generator().manual_seed(13)
     n = 1 << 20
     cats = torch.randint(-(1 << 62), 1 << 62, (64,), generator=g)
     keys = cats[torch.randint(0, 64, (n,), generator=g)]
     sampled = torch.zeros(n, dtype=torch.bool)
     for count in CountingTable.FEW_DISTINCT_SAMPLES:
-        sampled[torch.arange(count) * n // count] = True
+        sampled[_sample_positions(n, count)] = True
     free = torch.nonzero(~sampled).reshape(-1)
     tail = torch.arange(5000) * 7919 + (1 << 40)
     hidden = keys.clone()
     hidden[free[torch.randperm(free.numel(), generator=g)[: tail.numel()]]] = tail
     seen = keys.clone()
     seen[torch.randperm(n, generator=g)[: tail.numel()]] = tail
-    for data, estimated, grows in ((keys, False, False), (seen, True, True), (hidden, False, True)):
+    tiled = torch.arange(1 << 16).repeat(16)
+    for data, estimated, grows in ((keys, False, False), (seen, True, True), (hidden, False, True),
+                                   (tiled, True, True)):
         t = CountingTable(1024)
         used = []
         inner = t._distinct_estimate
@@ -618,7 +637,7 @@ def test_counting_few_categories_skips_the_distinct_count_but_not_a_rare_tail():
         cap = t.capacity
         t.add(data)
         # (the hidden tail's left-out keys are estimated after the insert, to size the growth)
-        assert (n in used) == estimated and (t.capacity > cap) == grows, (used, t.capacity)
+        assert (data.numel() in used) == estimated and (t.capacity > cap) == grows, (used, t.capacity)
         want = collections.Counter(data.tolist())
         uq = torch.tensor(sorted(want))
         assert len(t) == uq.numel() and t.counts(uq).tolist() == [want[k] for k in uq.tolist()]

@@ -1742,8 +1742,8 @@ int64_t hll_x8(const KT* keys, int64_t b, int64_t e, uint8_t* regs) {
     else kv = _mm512_cvtepu32_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + i)));
     const __m512i h = fmix64_x8(_mm512_add_epi64(kv, salt));
     _mm512_store_si512(j8, shr64(h, 64 - P));
-    const __m512i x = _mm512_or_si512(_mm512_and_si512(h, low32), top);
-    const __m512i lowest = _mm512_and_si512(x, _mm512_sub_epi64(_mm512_setzero_si512(), x));  // 2^ctz
+    const __m512i low = _mm512_or_si512(_mm512_and_si512(h, low32), top);
+    const __m512i lowest = _mm512_and_si512(low, _mm512_sub_epi64(_mm512_setzero_si512(), low));  // 2^ctz
     _mm512_store_si512(r8, _mm512_sub_epi64(_mm512_set1_epi64(64), lzcnt64_x8(lowest)));
     for (int x = 0; x < 8; ++x) {
       const uint8_t r = (uint8_t)r8[x];
@@ -1768,7 +1768,7 @@ inline __m256i mul64_const_x4(__m256i x, uint64_t c) {
 // hll_x8 on AVX2, four keys per step: fmix64 with the multiplies built from vpmuludq, the rank (hll_rank)
 // from the exponent of the isolated lowest bit converted to float (a power of two converts exactly;
 // 2^31 reads as -2^31, whose exponent field is the same). Measured (4M int64 keys, 2 threads, Zen 2):
-// 6.8 -> 4.3 ms). Handles [b, b + 4 * floor((e - b) / 4)); returns where it stopped.
+// 6.9 -> 4.3 ms. Handles [b, b + 4 * floor((e - b) / 4)); returns where it stopped.
 template <class KT, int P>
 int64_t hll_x4_avx2(const KT* keys, int64_t b, int64_t e, uint8_t* regs) {
   const __m256i salt = _mm256_set1_epi64x((long long)0x9E3779B97F4A7C15ULL);
@@ -1919,21 +1919,37 @@ int64_t reserved_count(uintptr_t keys_p, int64_t n, int kb, int nthreads) {
   return total;
 }
 
-// Among `count` evenly spaced keys of the n (kb bytes each; the reserved patterns left out): how many
-// distinct values, and how many of those were met once. A large sample with no key met once says the
-// keys it missed make up little of the input (Good-Turing: the unseen share of the rows is about
-// singletons / count; with none, under 3 / count at 95%, the rule of three): _grow_ahead then sizes a
-// bulk insert of a few categories by the sample and skips the HyperLogLog pass over every key (4M rows
-// of 64 categories: ~7 of the add's ~14 ms on a Zen 2).
+// Among `count` keys of the n (kb bytes each; the reserved patterns left out), one from each of `count`
+// equal strides at a pseudo-random offset in it (sample_position): how many distinct values, and how
+// many of those were met once. A large sample with no key met once says the keys it missed make up
+// little of the input (Good-Turing: the unseen share of the rows is about singletons / count; with
+// none, under 3 / count at 95%, the rule of three): _grow_ahead then sizes a bulk insert of a few
+// categories by the sample and skips the HyperLogLog pass over every key (4M rows of 64 categories: ~7
+// of the add's ~14 ms on a Zen 2). The offsets: evenly spaced samples of tiled keys (arange(2^20)
+// repeated 16 times, stride 1024) met 1024 values 16 times each, so 1M distinct keys were taken for a
+// few categories and the small table they filled refused the rest, each refusal a walk (16 s instead
+// of 0.6; review finding).
+inline int64_t sample_position(int64_t j, int64_t n, int64_t count) {
+  const int64_t lo = (int64_t)((uint64_t)j * (uint64_t)n / (uint64_t)count);
+  const int64_t hi = (int64_t)((uint64_t)(j + 1) * (uint64_t)n / (uint64_t)count);
+  return lo + (int64_t)(fmix64((uint64_t)j ^ 0x5851F42D4C957F2DULL) % (uint64_t)(hi - lo));
+}
+
 py::tuple sample_distinct(uintptr_t keys_p, int64_t n, int kb, int count) {
   int64_t distinct = 0, once = 0;
   auto run = [&](auto key_type) {
     using KT = decltype(key_type);
     const KT* keys = reinterpret_cast<const KT*>(keys_p);
-    std::vector<KT> sample((size_t)count);
-    const int m = sorted_sample(n, count, [&](int64_t i) { return keys[i]; }, sample.data());
-    for (int j = 0; j < m;) {
-      int r = j + 1;
+    std::vector<KT> sample;
+    sample.reserve((size_t)count);
+    for (int64_t j = 0; j < count; ++j) {
+      const KT k = keys[sample_position(j, n, count)];
+      if (!is_special(k)) sample.push_back(k);
+    }
+    std::sort(sample.begin(), sample.end());
+    const size_t m = sample.size();
+    for (size_t j = 0; j < m;) {
+      size_t r = j + 1;
       while (r < m && sample[r] == sample[j]) ++r;
       ++distinct;
       once += r - j == 1;
@@ -2125,10 +2141,10 @@ PYBIND11_MODULE(_cpu_hash, m) {
         }, py::arg("keys"), py::arg("n"), py::arg("kb"), py::arg("nthreads"));
   m.def("sample_distinct", [](uintptr_t keys, int64_t n, int kb, int count) {
           if (kb != 4 && kb != 8) pk::fail_value("hash.sample_distinct", "expected 4- or 8-byte keys");
-          if (n < 1 || count < 1) pk::fail_value("hash.sample_distinct", "expected n >= 1 and count >= 1");
+          if (count < 1 || count > n) pk::fail_value("hash.sample_distinct", "expected 1 <= count <= n");
           return sample_distinct(keys, n, kb, count);
         }, py::arg("keys"), py::arg("n"), py::arg("kb"), py::arg("count"),
-        "(distinct values, values met once) among count evenly spaced keys");
+        "(distinct values, values met once) among count keys, one from each of count strides");
   m.def("random_lines", &random_lines, py::arg("buf"), py::arg("nbytes"), py::arg("n"), py::arg("prefetch"),
         py::arg("nthreads"), "Reads n random 64-byte lines of buf (the random-access limit probe)");
   m.def("bloom_add", &bloom_add);

@@ -368,12 +368,14 @@ class _OpenTable:
     FEW_DISTINCT_SAMPLES = (1024, 16384)
 
     def _few_distinct_fit(self, kbits, room):
-        """Whether the input is a few categories that fit the room, judged from evenly spaced samples (CPU,
-        native sample_distinct): 1024 of them with no key met once, then 16384: none met once there either
-        means the keys the sample missed make up under 3/16384 of the rows (the rule of three, at 95%), so
-        the distinct keys are at most those seen plus 3n/16384. Counting 4M rows of 64 categories spent
-        half its time in the HyperLogLog pass this skips. New keys the sample missed that do not fit (rows
-        arranged against the sampling stride) make the insert grow after it, as without growing ahead."""
+        """Whether the input is a few categories that fit the room, judged from samples (CPU, native
+        sample_distinct: one key from each of `count` strides, at a pseudo-random offset in it, so tiled
+        keys are not taken for a few categories): 1024 with no key met once, then 16384 with none met once
+        either means the keys the samples missed make up under 3/16384 of the rows (the rule of three, at
+        95%), so the distinct keys are at most those seen plus 3n/16384. Counting 4M rows of 64 categories
+        spent half its time in the HyperLogLog pass this skips. New keys the samples missed that do not fit
+        make the insert fill the table and grow after it (each refused key walking the full table first:
+        slow, as without growing ahead)."""
         n = kbits.numel()
         for count in self.FEW_DISTINCT_SAMPLES:
             if n < 4 * count:
