@@ -239,12 +239,16 @@ def _narrow_64(x: torch.Tensor, dtype, kind: str, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.uint32, torch.int32, torch.float32, torch.int64, torch.uint64])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("descending", [False, True])
-def test_msd_split_then_in_cache_lsd_agrees_with_the_oracle(dtype, threads, descending):
-    """The MSD split into 256 buckets + LSD inside each bucket (forced with msd=2 at every size and skew;
-    the heuristic only takes it where buckets fit the cache): 32-bit keys, and 64-bit keys spanning less
-    than 2^32; every output mode: keys, keys + indices, argsort, a 4-byte payload carried in the records,
-    an 8-byte one gathered. Inputs whose keys are all equal are left to the LSD engine."""
-    cfg = {"msd": 2, "threads": threads, "grain": 1024}
+@pytest.mark.parametrize("msd_bits", [0, 11])
+def test_msd_split_then_in_cache_lsd_agrees_with_the_oracle(dtype, threads, descending, msd_bits):
+    """The MSD split into 256 buckets (or 2048: msd_bits=11, 32-bit keys) + LSD inside each bucket (forced
+    with msd=2 at every size and skew; the heuristic only takes it where buckets fit the cache): 32-bit
+    keys, and 64-bit keys spanning less than 2^32; every output mode: keys, keys + indices, argsort, a
+    4-byte payload carried in the records, an 8-byte one gathered. Inputs whose keys are all equal are left
+    to the LSD engine."""
+    if msd_bits and dtype.itemsize == 8:
+        pytest.skip("msd_bits applies to 32-bit keys")
+    cfg = {"msd": 2, "threads": threads, "grain": 1024, "msd_bits": msd_bits}
     for n in (65, 1000, 4095, 4096, 4097, 70001, 300001):
         for kind in KINDS:
             if kind == "top" and (dtype.is_floating_point or dtype in (torch.int64, torch.uint64)):
@@ -257,6 +261,8 @@ def test_msd_split_then_in_cache_lsd_agrees_with_the_oracle(dtype, threads, desc
             rv = take(x, ri)
             k, i, _, st = _cpu_sort_1d(x, want_idx=True, descending=descending, config=cfg, want_stats=True)
             assert st["msd"] == (kind != "equal"), f"msd=2 not taken {dtype} {n} {kind}"
+            if msd_bits and st["msd"]:
+                assert st["msd_bits"] == 11
             assert_same(i, ri, f"indices {dtype} n={n} {kind}")
             assert_same(k, rv, f"values {dtype} n={n} {kind}")
             k2 = _cpu_sort_1d(x, descending=descending, config=cfg)[0]
@@ -327,6 +333,42 @@ def test_wide_msd_split_agrees_with_the_oracle(dtype, threads, descending):
                 assert_same(k3, rv, f"pairs keys {dtype} n={n} {kind} {pay.dtype}")
                 assert_same(p3, pay[ri], f"pairs payload {dtype} n={n} {kind} {pay.dtype}")
             assert_same(x, before, "input modified")
+
+
+@pytest.mark.parametrize("dtype", [torch.uint32, torch.int32, torch.float32])
+def test_msd_bucket_plans_agree_with_the_oracle(dtype):
+    """Buckets big enough for the in-bucket plans with constant digit widths: 256 buckets of ~4K records
+    (8, 8, 8) and of ~8K records (12, 12) inside 96 KiB, 2048 buckets of ~2K-4K records (11, 10); with the
+    heuristic, 2048 buckets from 8M keys. Keys only, keys + indices (8-byte records), descending, and keys
+    with duplicates and a narrower span (the split's digit from the span's top bits)."""
+    g = torch.Generator().manual_seed(11)
+    cases = [((1 << 20) + 5, 8, 8), ((1 << 21) + 4097, 8, 12), ((1 << 22) + 11, 11, 11), ((1 << 23) + 3, 0, 11)]
+    for n, msd_bits, first_width in cases:
+        x = torch.randint(0, 1 << 32, (n,), generator=g, dtype=torch.int64)
+        if dtype == torch.float32:  # random bits but the top exponent bit: finite, both signs, denormals
+            x = (x & ~(1 << 30)).to(torch.int32).view(torch.float32)
+        else:
+            x = (x - (1 << 31) if dtype == torch.int32 else x).to(dtype)
+        x[1::2] = x[0 : n - 1 : 2].clone()  # ties (stability), without one bucket holding them all
+        cfg = {"msd_bits": msd_bits}
+        k, _, _, st = _cpu_sort_1d(x, config=cfg, want_stats=True)
+        assert st["msd"] and st["msd_bits"] == (msd_bits or 11), (n, st)
+        if dtype != torch.float32:
+            assert st["digit_bits"] == first_width, (n, st)
+        ref = np.sort(x.numpy(), kind="stable")
+        assert np.array_equal(k.numpy(), ref), f"keys {dtype} n={n}"
+        if n < (1 << 23):  # keys + indices, and descending (torch's stable sort is the slow oracle here)
+            k, i, _, st = _cpu_sort_1d(x, want_idx=True, config=cfg, want_stats=True)
+            ri = torch.from_numpy(np.argsort(x.numpy(), kind="stable"))
+            assert st["msd"] and torch.equal(i, ri) and np.array_equal(k.numpy(), ref), f"indices {dtype} n={n}"
+            k, i, _, _ = _cpu_sort_1d(x, want_idx=True, descending=True, config=cfg)
+            assert torch.equal(i, ref_argsort_1d(x, descending=True)) and torch.equal(k, x[i]), f"desc {dtype} n={n}"
+    # a span of 27 bits (ids): the digit is the top 8 or 11 bits of key - min
+    y = torch.randint(5_000_000, 5_000_000 + (1 << 27), ((1 << 22) + 1,), generator=g, dtype=torch.int64).to(dtype)
+    for msd_bits in (8, 11):
+        k, i, _, st = _cpu_sort_1d(y, want_idx=True, config={"msd_bits": msd_bits}, want_stats=True)
+        assert st["msd"] and st["msd_bits"] == msd_bits
+        assert torch.equal(i, torch.from_numpy(np.argsort(y.numpy(), kind="stable"))) and torch.equal(k, y[i])
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -461,8 +503,12 @@ def test_msd_split_heuristic():
     assert st["msd"] and st["passes"] == 1 and st["skipped"] == 3 and np.array_equal(k.numpy(), np.sort(t.numpy()))
     big = torch.randint(-(1 << 31), 1 << 31, (1 << 21,), dtype=torch.int64).to(torch.int32)  # ~8K a bucket
     st = _cpu_sort_1d(big, want_stats=True)[3]
-    # the split, then 24 bits in three in-cache passes of 8 (BUCKET_MAX_DIGIT)
-    assert st["msd"] and st["passes"] == 4 and st["skipped"] == 0 and st["digit_bits"] == 8
+    # the split, then 24 bits in two in-cache passes of 12 (a bucket inside SMALL_BUCKET_BYTES) ...
+    assert st["msd"] and st["passes"] == 3 and st["skipped"] == 0 and st["digit_bits"] == 12
+    # ... and with indices (8-byte records, 64 KiB a bucket) too; three passes of 8 from 96 KiB
+    assert _cpu_sort_1d(big, want_idx=True, want_stats=True)[3]["digit_bits"] == 12
+    st = _cpu_sort_1d(torch.cat([big, big]), want_idx=True, want_stats=True)[3]
+    assert st["msd"] and st["passes"] == 4 and st["digit_bits"] == 8
 
 
 def test_msd_split_takes_buckets_past_l2_unless_one_holds_most_keys():

@@ -175,10 +175,12 @@ struct SortArgs {
   int64_t small_n = 64;          // insertion sort at or below this size
   int64_t grain = 32768;         // at least this many keys per thread
   int msd = -1;                  // MSD split: heuristic (-1), off (0), guarded at any size (1), forced (2)
+  int msd_bits = 0;              // the split's digit for 32-bit keys: 8 or 11 bits, 0 = heuristic
 };
 
 struct SortStats {
   int passes = 0, skipped = 0, threads = 1, digit_bits = 0;
+  int msd_bits = 0;  // the MSD split's digit width (0: no split)
   bool lossy = false, small = false, wc = false, msd = false;
 };
 
@@ -638,13 +640,32 @@ static inline bool bucket_ok(double biggest, size_t bytes, int64_t n, size_t bud
 static constexpr int MSD_BITS = 8;
 static constexpr int MSD_BITS_CLUSTERED = 11;
 static constexpr int MSD_BUCKETS = 1 << MSD_BITS;
-static constexpr int64_t BIG_BUCKET = 4096;  // from here passes of up to BUCKET_MAX_DIGIT bits, else three of ~8
+// From FINE_SPLIT_MIN_N 32-bit keys the split takes 2048 buckets (4K+ records each) for every key, not
+// only clustered ones: its 2048 write-combining lines cost ~0.3 ns per key more than 256 (they live in
+// L2, not L1), and each bucket then takes two passes of (11, 10) bits inside L1/L2 (see
+// bucket_max_digit) instead of three of 8 over 32K+ records. 256 / 2048 buckets on 2 threads (Zen 2,
+// same process): random uint32 keys only 16M 93.0 / 67.2 ms, 8M 42.4 / 33.4, 4M 17.3 / 21.6; int32 +
+// indices 16M 106.9 / 94.9, 8M 49.0 / 47.1, 4M 23.9 / 27.7; uint32 + 4-byte values 16M 114.7 / 101.0.
+// (An earlier measurement, 16M uint32 keys 62 -> 70 ms with 2048 buckets, had three in-bucket passes of
+// 7 bits.) The autotuner may choose either (config msd_bits).
+static constexpr int64_t FINE_SPLIT_MIN_N = int64_t(1) << 23;
+static constexpr int64_t BIG_BUCKET = 2048;  // from here passes of up to bucket_max_digit bits, else three of ~8
 // The widest in-bucket digit. A scatter pass over 64K records in L2, ns per record (Xeon, Emerald
 // Rapids VM, one thread): 1.5-1.7 at 6-9 bits, 2.3 at 10, 2.9 at 11, 4.1 at 12 - past ~1K digits the
 // destination lines no longer fit the 48 KiB L1 and every record's store misses it. So 24 bits below
-// the split take three passes of 8 bits, not two of 12: the bucket phase of 16M random uint32 keys
-// 124 -> 103 ms on one thread (paired runs, one process).
+// the split take three passes of 8 bits, not two of 12, in such buckets: the bucket phase of 16M random
+// uint32 keys 124 -> 103 ms on one thread (paired runs, one process).
+// A bucket of at most SMALL_BUCKET_BYTES is another matter: its records and their copy stay inside L1
+// and L2 whatever the digit, and fewer passes win. Hist + passes over buckets read from DRAM, ns per
+// 4-byte key (Zen 2 EPYC, one thread): 2K keys (11,10) bits 2.95; 4K (10,10) 2.55 vs (7,7,6) 4.16, and
+// (12,12) 3.73 vs (8,8,8) 3.45 (two 16 KiB counter arrays per 4K keys cost more than the pass saves);
+// 8K (11,10) 2.84 vs (7,7,7) 4.28, (12,12) 3.67 vs (8,8,8) 4.02; 16K (12,12) 3.77 vs (8,8,8) 4.35.
 static constexpr int BUCKET_MAX_DIGIT = 10;
+static constexpr size_t SMALL_BUCKET_BYTES = size_t(96) << 10;
+static inline int bucket_max_digit(int64_t m, size_t rec_bytes) {
+  if ((size_t)m * rec_bytes > SMALL_BUCKET_BYTES) return BUCKET_MAX_DIGIT;
+  return m >= 6144 ? 12 : 11;  // (12, 12) loses at 4K records and wins at 8K: between them
+}
 
 // The in-bucket passes' counters (pass j's at hist + off[j], digits 0..mk[j]) become exclusive prefix
 // sums in place; live[] lists the passes whose digit is not the same for all m records (the others
@@ -667,38 +688,28 @@ static int scan_passes(uint32_t* hist, const int* off, const M* mk, int P, int64
   return nl;
 }
 
+// One stable in-cache scatter of m records from s to d by the digit (value(x) >> SH) & MK, its counters
+// h already exclusive prefix sums. SH < 0: the shift and mask come at run time (sh, mk).
+template <int SH, uint32_t MK, class Rec, class Value>
+static inline void scatter_pass(const Rec* __restrict s, Rec* __restrict d, int64_t m, uint32_t* __restrict h,
+                                int sh, uint32_t mk, Value value) {
+  for (int64_t i = 0; i < m; ++i) {
+    const Rec x = s[i];
+    d[h[(value(x) >> (SH >= 0 ? SH : sh)) & (SH >= 0 ? MK : mk)]++] = x;
+  }
+}
+
 // The live passes (see scan_passes) as stable scatters between src and tmp, in cache; value(x) is the
 // record's sort value, pass j's digit its bits [sh[j], sh[j] + width) under mask mk[j]. Returns where
-// the sorted records ended up. BYTES: every pass starts at a whole byte of value (shifts 0, 8, 16 or
-// 24), and each pass runs with its shift as a constant: x86-64's shift by a register (`shr %cl`) is 2-3
-// uops against 1 for an immediate, on the few uops per record of an in-cache scatter (4M int32 keys +
-// indices: 22.0 -> 19.7 ms on 2 threads, same process).
-template <bool BYTES, class Rec, class M, class Value>
+// the sorted records ended up. (The wide path's plans; the narrow path's have constant widths, see
+// bucket_lsd_n.)
+template <class Rec, class M, class Value>
 static const Rec* run_live_passes(Rec* __restrict src, Rec* __restrict tmp, int64_t m, uint32_t* __restrict hist,
                                   const int* off, const int* sh, const M* mk, const int* live, int nl, Value value) {
   Rec* s = src;
   Rec* d = tmp;
   for (int q = 0; q < nl; ++q) {
-    uint32_t* __restrict h = hist + off[live[q]];
-    const int shq = sh[live[q]];
-    const M mask = mk[live[q]];
-    auto pass = [&](auto shift_tag) __attribute__((always_inline)) {
-      constexpr int SC = decltype(shift_tag)::value;  // -1: the shift at run time
-      for (int64_t i = 0; i < m; ++i) {
-        const Rec x = s[i];
-        d[h[(value(x) >> (SC >= 0 ? SC : shq)) & mask]++] = x;
-      }
-    };
-    if constexpr (BYTES) {
-      switch (shq) {
-        case 0: pass(std::integral_constant<int, 0>()); break;
-        case 8: pass(std::integral_constant<int, 8>()); break;
-        case 16: pass(std::integral_constant<int, 16>()); break;
-        default: pass(std::integral_constant<int, 24>()); break;
-      }
-    } else {
-      pass(std::integral_constant<int, -1>());
-    }
+    scatter_pass<-1, 0>(s, d, m, hist + off[live[q]], sh[live[q]], mk[live[q]], value);
     std::swap(s, d);
   }
   return s;
@@ -711,25 +722,45 @@ static const Rec* run_live_passes(Rec* __restrict src, Rec* __restrict tmp, int6
 // Returns the passes that ran.
 // src is not __restrict: out() may write the caller's outputs over the records it reads (msd_hybrid_sort
 // keeps its records in an output array of their size).
-// BYTES: every pass but the last is 8 bits wide (random 32-bit keys below the split's byte: 8, 8, 8),
-// so the shifts are constants in the counting loop and the scatters (see run_live_passes).
-template <int NP, bool BYTES, class Rec, int KSHIFT, class Out>
+// W0, W1, W2 > 0: the plan's widths as constants (the plans of random keys, see bucket_lsd), so every
+// shift, mask and counter offset in the counting loop and the scatters is an immediate; 0: from wid at
+// run time. x86-64's shift by a register (`shr %cl`) is 2-3 uops on Intel against 1 for an immediate, and
+// constant offsets fold into the addressing, on the few uops per record of an in-cache scatter: constant
+// shifts took 4M int32 keys + indices 22.0 -> 19.7 ms (2 threads); constant widths, a standalone
+// hist + (11, 10) passes over 8K-key buckets 3.91 -> 2.88 ns per key, and the bucket phase of 16M
+// uint32 keys 64 -> 61 ms (one thread, Zen 2).
+template <int NP, int W0, int W1, int W2, class Rec, int KSHIFT, class Out>
 static int bucket_lsd_n(Rec* src, Rec* __restrict tmp, int64_t m, uint32_t* __restrict hist,
-                        const int* wid, Out&& out) {
+                        const int* wid, Out&& out_ref) {
+  // a local copy: through the reference, the closure's captures (output pointers, the key base) were
+  // reloaded after every output store, which may alias them
+  const std::decay_t<Out> out = out_ref;
+  constexpr bool CW = W0 > 0;
+  static_assert(!CW || ((NP < 2 || W1 > 0) && (NP < 3 || W2 > 0)), "a constant width for every pass");
+  constexpr int CSH[3] = {0, W0, W0 + W1};
+  constexpr uint32_t CMK[3] = {(1u << W0) - 1, (1u << W1) - 1, (1u << W2) - 1};
+  constexpr int COFF[4] = {0, 1 << W0, (1 << W0) + (1 << W1), (1 << W0) + (1 << W1) + (1 << W2)};
   int sh[3] = {0, 0, 0}, off[4] = {0, 0, 0, 0};
   uint32_t mk[3] = {0, 0, 0};
   for (int j = 0; j < NP; ++j) {
-    sh[j] = j ? sh[j - 1] + wid[j - 1] : 0;
-    mk[j] = (1u << wid[j]) - 1;
-    off[j + 1] = off[j] + (1 << wid[j]);
+    const int w = CW ? (j == 0 ? W0 : j == 1 ? W1 : W2) : wid[j];
+    sh[j] = j ? sh[j - 1] + (CW ? (j == 1 ? W0 : W1) : wid[j - 1]) : 0;
+    mk[j] = (1u << w) - 1;
+    off[j + 1] = off[j] + (1 << w);
   }
   std::memset(hist, 0, sizeof(uint32_t) * off[NP]);
   for (int64_t i = 0; i < m; ++i) {
     pk::prefetch_stream(src, i);  // the bucket's first read comes from DRAM
     const uint32_t k = (uint32_t)(src[i] >> KSHIFT);
-    ++hist[k & mk[0]];
-    if constexpr (NP > 1) ++hist[off[1] + ((k >> (BYTES ? 8 : sh[1])) & mk[1])];
-    if constexpr (NP > 2) ++hist[off[2] + ((k >> (BYTES ? 16 : sh[2])) & mk[2])];
+    if constexpr (CW) {
+      ++hist[k & CMK[0]];
+      if constexpr (NP > 1) ++hist[COFF[1] + ((k >> CSH[1]) & CMK[1])];
+      if constexpr (NP > 2) ++hist[COFF[2] + ((k >> CSH[2]) & CMK[2])];
+    } else {
+      ++hist[k & mk[0]];
+      if constexpr (NP > 1) ++hist[off[1] + ((k >> sh[1]) & mk[1])];
+      if constexpr (NP > 2) ++hist[off[2] + ((k >> sh[2]) & mk[2])];
+    }
   }
   int live[NP];
   const int nl = scan_passes(hist, off, mk, NP, m, live);
@@ -737,23 +768,38 @@ static int bucket_lsd_n(Rec* src, Rec* __restrict tmp, int64_t m, uint32_t* __re
     for (int64_t i = 0; i < m; ++i) out(i, src[i]);
     return 0;
   }
-  const Rec* s = run_live_passes<BYTES>(src, tmp, m, hist, off, sh, mk, live, nl,
-                                         [](Rec x) { return (uint32_t)(x >> KSHIFT); });
+  bool is_live[3] = {false, false, false};
+  for (int q = 0; q < nl; ++q) is_live[live[q]] = true;
+  Rec* s = src;
+  Rec* d = tmp;
+  auto value = [](Rec x) { return (uint32_t)(x >> KSHIFT); };
+  auto pass = [&](auto j_tag) __attribute__((always_inline)) {
+    constexpr int J = decltype(j_tag)::value;
+    if (!is_live[J]) return;
+    if constexpr (CW) scatter_pass<CSH[J], CMK[J]>(s, d, m, hist + COFF[J], 0, 0, value);
+    else scatter_pass<-1, 0>(s, d, m, hist + off[J], sh[J], mk[J], value);
+    std::swap(s, d);
+  };
+  pass(std::integral_constant<int, 0>());
+  if constexpr (NP > 1) pass(std::integral_constant<int, 1>());
+  if constexpr (NP > 2) pass(std::integral_constant<int, 2>());
   // the outputs are written in order (a last scatter straight into them measured ~20% slower)
   for (int64_t i = 0; i < m; ++i) out(i, s[i]);
   return nl;
 }
 
-// The in-bucket plan for a bucket of m records and lb bits: its pass count (0-3) and widths.
-static inline int bucket_plan(int64_t m, int lb, int wid[3]) {
+// The in-bucket plan for a bucket of m records of rec_bytes each and lb bits: its pass count (0-3) and
+// widths.
+static inline int bucket_plan(int64_t m, size_t rec_bytes, int lb, int wid[3]) {
   if (lb <= 0) return 0;
-  if (lb <= BUCKET_MAX_DIGIT) {
+  const int maxd = bucket_max_digit(m, rec_bytes);
+  if (lb <= maxd) {
     wid[0] = lb;
     return 1;
   }
-  // passes of up to BUCKET_MAX_DIGIT bits (lb <= 24: at most three) once a bucket has a few thousand
-  // records to pay for the counters; smaller buckets (skewed keys, small inputs) take three passes
-  const int np = m >= BIG_BUCKET ? (lb + BUCKET_MAX_DIGIT - 1) / BUCKET_MAX_DIGIT : 3;
+  // passes of up to maxd bits (lb <= 24: at most three) once a bucket has a few thousand records to
+  // pay for the counters; smaller buckets (skewed keys, small inputs) take three passes
+  const int np = m >= BIG_BUCKET ? (lb + maxd - 1) / maxd : 3;
   for (int j = 0; j < np; ++j) wid[j] = lb / np + (j < lb % np ? 1 : 0);
   return np;
 }
@@ -761,17 +807,18 @@ static inline int bucket_plan(int64_t m, int lb, int wid[3]) {
 template <class Rec, int KSHIFT, class Out>
 static int bucket_lsd(Rec* src, Rec* tmp, int64_t m, int lb, uint32_t* hist, Out&& out) {
   int wid[3];
-  switch (bucket_plan(m, lb, wid)) {
+  switch (bucket_plan(m, sizeof(Rec), lb, wid)) {
     case 0:
       for (int64_t i = 0; i < m; ++i) out(i, src[i]);
       return 0;
-    case 1: return bucket_lsd_n<1, false, Rec, KSHIFT>(src, tmp, m, hist, wid, out);
-    case 2:
-      if (wid[0] == 8) return bucket_lsd_n<2, true, Rec, KSHIFT>(src, tmp, m, hist, wid, out);
-      return bucket_lsd_n<2, false, Rec, KSHIFT>(src, tmp, m, hist, wid, out);
+    case 1: return bucket_lsd_n<1, 0, 0, 0, Rec, KSHIFT>(src, tmp, m, hist, wid, out);
+    case 2:  // random 32-bit keys: (11, 10) below an 11-bit split, (12, 12) below an 8-bit one
+      if (wid[0] == 11 && wid[1] == 10) return bucket_lsd_n<2, 11, 10, 0, Rec, KSHIFT>(src, tmp, m, hist, wid, out);
+      if (wid[0] == 12 && wid[1] == 12) return bucket_lsd_n<2, 12, 12, 0, Rec, KSHIFT>(src, tmp, m, hist, wid, out);
+      return bucket_lsd_n<2, 0, 0, 0, Rec, KSHIFT>(src, tmp, m, hist, wid, out);
     default:
-      if (wid[0] == 8 && wid[1] == 8) return bucket_lsd_n<3, true, Rec, KSHIFT>(src, tmp, m, hist, wid, out);
-      return bucket_lsd_n<3, false, Rec, KSHIFT>(src, tmp, m, hist, wid, out);
+      if (wid[0] == 8 && wid[1] == 8 && wid[2] == 8) return bucket_lsd_n<3, 8, 8, 8, Rec, KSHIFT>(src, tmp, m, hist, wid, out);
+      return bucket_lsd_n<3, 0, 0, 0, Rec, KSHIFT>(src, tmp, m, hist, wid, out);
   }
 }
 
@@ -796,7 +843,7 @@ static int bucket_lsd_wide(Rec* src, Rec* __restrict tmp, int64_t m, int lb, uin
   }
   // 12-bit counters pay off from a few thousand records (measured on the EPYC; this LSD is the fallback
   // of clustered wide keys, not re-measured with BUCKET_MAX_DIGIT's Xeon numbers)
-  const int maxw = m >= BIG_BUCKET ? 12 : 8;
+  const int maxw = m >= 4096 ? 12 : 8;
   const int P = (lb + maxw - 1) / maxw;
   int sh[WIDE_MAX_PASSES], off[WIDE_MAX_PASSES + 1];
   uint64_t mk[WIDE_MAX_PASSES];
@@ -816,7 +863,7 @@ static int bucket_lsd_wide(Rec* src, Rec* __restrict tmp, int64_t m, int lb, uin
   }
   int live[WIDE_MAX_PASSES];
   const int nl = scan_passes(hist, off, mk, P, m, live);
-  const Rec* s = run_live_passes<false>(src, tmp, m, hist, off, sh, mk, live, nl, [](const Rec& x) { return v_of(x); });
+  const Rec* s = run_live_passes(src, tmp, m, hist, off, sh, mk, live, nl, [](const Rec& x) { return v_of(x); });
   for (int64_t i = 0; i < m; ++i) out(i, s[i]);
   return nl;
 }
@@ -951,11 +998,16 @@ static void split_scatter(int T, int64_t n, std::vector<int64_t>& pos, Rec* rec,
     Rec* __restrict r = rec;
     const U* __restrict src = in;
     const Coder<U, E> c = cd;
+    // local copies: read through the closure, every capture was reloaded after each record's stores
+    const VBits vbits_l = vbits;
+    const Digit digit_l = digit;
+    const Make make_l = make;
+    const int64_t phase_l = phase;
     if (!stream) {
       for (int64_t i = b; i < e; ++i) {
         pk::prefetch_stream(src, i);
-        const auto v = vbits(c.enc(src[i]));
-        r[p[digit(v)]++] = make(v, i);
+        const auto v = vbits_l(c.enc(src[i]));
+        r[p[digit_l(v)]++] = make_l(v, i);
       }
       return;
     }
@@ -966,24 +1018,24 @@ static void split_scatter(int T, int64_t n, std::vector<int64_t>& pos, Rec* rec,
     Line* __restrict buf = lines.get();
     for (int64_t i = b; i < e; ++i) {
       pk::prefetch_stream(src, i);
-      const auto v = vbits(c.enc(src[i]));
-      const uint32_t d = digit(v);
+      const auto v = vbits_l(c.enc(src[i]));
+      const uint32_t d = digit_l(v);
       const int64_t q = p[d]++;
-      const int64_t s = (phase + q) & (L - 1);
-      buf[d].slot[s] = make(v, i);
+      const int64_t s = (phase_l + q) & (L - 1);
+      buf[d].slot[s] = make_l(v, i);
       if (s == L - 1) {
         const int64_t line0 = q - (L - 1);
         if (line0 >= first[d]) {
           line_store(r + line0, &buf[d], 64, true);
         } else {
-          for (int64_t j = first[d]; j <= q; ++j) r[j] = buf[d].slot[(phase + j) & (L - 1)];
+          for (int64_t j = first[d]; j <= q; ++j) r[j] = buf[d].slot[(phase_l + j) & (L - 1)];
         }
       }
     }
     for (int d = 0; d < RB; ++d) {  // the partial last lines
       const int64_t q = p[d];
-      const int64_t from = std::max(first[d], q - ((phase + q) & (L - 1)));
-      for (int64_t j = from; j < q; ++j) r[j] = buf[d].slot[(phase + j) & (L - 1)];
+      const int64_t from = std::max(first[d], q - ((phase_l + q) & (L - 1)));
+      for (int64_t j = from; j < q; ++j) r[j] = buf[d].slot[(phase_l + j) & (L - 1)];
     }
 #if PK_X86
     _mm_sfence();  // the streaming stores are visible before the buckets are read
@@ -1128,6 +1180,7 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
   st.threads = T;
   st.lossy = lossy;
   st.msd = true;
+  st.msd_bits = MSD_BITS;
   // keys only, the 8-byte records live in the output keys (in place, as in msd_hybrid_sort); else scratch
   char* base = keys_only ? static_cast<char*>(a.out_keys) : thread_scratch().get((size_t)n * rec_bytes + 64);
   std::atomic<int> most_live{0}, width{0};
@@ -1353,11 +1406,12 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     st.threads = T;
     {
       int wid[3] = {0, 0, 0};
-      bucket_plan(biggest, lb, wid);
+      bucket_plan(biggest, rec_bytes, lb, wid);
       st.digit_bits = wid[0];
     }
     st.lossy = lossy;
     st.msd = true;
+    st.msd_bits = MB;
     // The records live in the output array of their size where there is one: a bucket's records
     // [b, b + m) become its outputs [b, b + m) in place (read into the cache, sorted there, written back
     // to the same lines: no scratch pages and no read-for-ownership of the outputs). Else in scratch.
@@ -1378,7 +1432,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       for_each_bucket<MB, Rec>(T, start, 3 * 4096, [&](Rec* tmp, uint32_t* bh, int64_t b, int64_t m) {
         constexpr int KS = sizeof(Rec) == 8 ? 32 : 0;
         int wid[3];
-        const int planned = bucket_plan(m, lb, wid);
+        const int planned = bucket_plan(m, sizeof(Rec), lb, wid);
         const int live = bucket_lsd<Rec, KS>(rec + b, tmp, m, lb, bh, [out, b](int64_t q, Rec x) { out(b + q, x); });
         const int packed = live * 8 + (7 - (planned - live));
         int seen = most_live.load(std::memory_order_relaxed);
@@ -1464,9 +1518,19 @@ void radix_sort_typed(const SortArgs& a, const Codec<U>& codec, SortStats& st) {
   bool wider = false;  // the 256-bucket attempt's sample says 2048 buckets spread the keys (before any read)
   // the heuristic's split takes its own grain (MSD_GRAIN); a chosen msd (0/1/2, a tuned config) the config's
   const int T_msd = a.msd < 0 ? (int)std::max<int64_t>(1, std::min<int64_t>(std::max(1, a.threads), n / MSD_GRAIN)) : T;
-  if (msd_hybrid_sort<U, E, MSD_BITS>(a, cd, st, T_msd, &wider)) return;
-  if constexpr (sizeof(U) == 4) {  // clustered 32-bit keys: 2048 buckets before the LSD engine
+  if constexpr (sizeof(U) == 4) {
+    // many 32-bit keys: 2048 buckets of a few thousand records, each sorted by two passes inside L1/L2
+    // (see FINE_SPLIT_MIN_N). A refusal there (skewed keys) would refuse 256 coarser buckets too.
+    if (a.msd_bits == MSD_BITS_CLUSTERED || (a.msd_bits == 0 && n >= FINE_SPLIT_MIN_N && a.msd != 0)) {
+      if (msd_hybrid_sort<U, E, MSD_BITS_CLUSTERED>(a, cd, st, T_msd, &wider)) return;
+      wider = false;
+    } else if (msd_hybrid_sort<U, E, MSD_BITS>(a, cd, st, T_msd, &wider)) {
+      return;
+    }
+    // clustered 32-bit keys: 2048 buckets before the LSD engine
     if (wider && msd_hybrid_sort<U, E, MSD_BITS_CLUSTERED>(a, cd, st, T_msd, &wider)) return;
+  } else {
+    if (msd_hybrid_sort<U, E, MSD_BITS>(a, cd, st, T_msd, &wider)) return;
   }
   Engine<U, E> eng(a, cd, st);
   eng.wc = a.wc < 0 ? !(plain_fits && db <= 8) : a.wc > 0;
@@ -1871,6 +1935,7 @@ py::dict stats_dict(const pksort::SortStats& st) {
   d["small"] = st.small;
   d["wc"] = st.wc;
   d["msd"] = st.msd;
+  d["msd_bits"] = st.msd_bits;
   return d;
 }
 
@@ -1878,7 +1943,8 @@ py::dict stats_dict(const pksort::SortStats& st) {
 // per call is measurable on small sorts.
 py::object sort_1d(uintptr_t keys, int64_t n, int dtype, uintptr_t out_keys, uintptr_t out_idx, uintptr_t pay,
                  uintptr_t out_pay, int pay_size, bool descending, int begin_bit, int end_bit, int digit_bits,
-                 int threads, bool nt_stores, int64_t small_n, int64_t grain, bool want_stats, int wc, int msd) {
+                 int threads, bool nt_stores, int64_t small_n, int64_t grain, bool want_stats, int wc, int msd,
+                   int msd_bits) {
   pksort::SortArgs a;
   a.keys = reinterpret_cast<const void*>(keys);
   a.n = n;
@@ -1898,6 +1964,7 @@ py::object sort_1d(uintptr_t keys, int64_t n, int dtype, uintptr_t out_keys, uin
   a.grain = grain;
   a.wc = wc;
   a.msd = msd;
+  a.msd_bits = msd_bits;
   const int kb = 8 * pk::dtype_size(a.dtype);
   if (dtype < 0 || dtype > 12) pk::fail_value("sort", "unknown dtype code");
   if (a.end_bit < 0) a.end_bit = kb;
@@ -1957,6 +2024,7 @@ PYBIND11_MODULE(_cpu_sort, m) {
         py::arg("pay"), py::arg("out_pay"), py::arg("pay_size"), py::arg("descending"), py::arg("begin_bit"),
         py::arg("end_bit"), py::arg("digit_bits"), py::arg("threads"), py::arg("nt_stores") = true,
         py::arg("small_n") = 64, py::arg("grain") = 32768, py::arg("stats") = false, py::arg("wc") = -1, py::arg("msd") = -1,
+        py::arg("msd_bits") = 0,
         "Stable LSD radix sort of n keys (pointers as integers; 0 = absent). Returns a stats dict if stats=True, "
         "else None.");
   m.def("segmented", &segmented, py::arg("keys"), py::arg("dtype"), py::arg("offsets"), py::arg("nseg"),

@@ -85,8 +85,9 @@ def _default_config(key: dict) -> dict:
     carry: on one thread while keys + payload fit in 16 MiB, 8-bit digits with plain stores; otherwise
     write-combining lines with 11-bit digits for >= 32-bit keys past 64K keys. Every torch thread, but
     at least 128K keys per thread (waking a pool thread costs more than sorting fewer keys: measured
-    with the autotuner at 64K keys, one thread was 1.2-7x faster than two); streaming stores."""
-    return {"digit_bits": 0, "wc": -1, "threads": 0, "nt": True, "grain": 1 << 17, "msd": -1}
+    with the autotuner at 64K keys, one thread was 1.2-7x faster than two); streaming stores. msd_bits=0
+    leaves the MSD split's digit (8 or 11 bits, 32-bit keys) to the engine too: 11 from 8M keys."""
+    return {"digit_bits": 0, "wc": -1, "threads": 0, "nt": True, "grain": 1 << 17, "msd": -1, "msd_bits": 0}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,7 +121,7 @@ def _cpu_sort_1d(keys: torch.Tensor, *, want_keys=True, want_idx=False, payload=
                         bool(descending), int(begin_bit), -1 if end_bit is None else int(end_bit),
                         int(config.get("digit_bits", 0)), _threads(config), bool(config.get("nt", True)),
                         64, int(config.get("grain", 1 << 17)), bool(want_stats), int(config.get("wc", -1)),
-                        int(config.get("msd", -1)))
+                        int(config.get("msd", -1)), int(config.get("msd_bits", 0)))
     return out_k, out_i, out_p, stats
 
 

@@ -21,6 +21,9 @@ CPU config space (csrc/sort/sort_cpu.cpp):
               L2 size with more than 1/8 of them all one value; at most 4 MiB, 8 MiB wide); 1: the same check at
               any size (so a choice tuned on random keys still leaves skewed keys to the LSD engine);
               0: the LSD engine only; 2: always (tests).
+  msd_bits    the split's digit for 32-bit keys: 8 (256 buckets) or 11 (2048 buckets, each then sorted by
+              two passes of ~11 bits inside L1/L2); 0 (default): 11 from 8M keys, else 8 (2048 where a
+              sample shows the top byte clusters the keys).
 `python -m pykernels.autotune generate --ops sort [--sizes 65536,1e6]` tunes sort_keys/sort/argsort/
 sort_pairs on random uint32/int32/float32/int64 keys of those sizes.
 
@@ -51,13 +54,16 @@ def _candidates(key: dict) -> list:
 
     base = _default_config(key)
     out = []
+    # the split's digit: 8 or 11 bits for 32-bit keys (others ignore msd_bits)
+    split_bits = (8, 11) if key.get("dtype") in ("int32", "uint32", "float32") else (0,)
     for threads in (0, 1):
         for grain in (16384, 1 << 17):
             # the MSD split + in-cache sort wherever it applies (8- and 16-bit keys ignore msd=1)
             for nt in (True, False):
-                cfg = dict(base, msd=1, threads=threads, grain=grain, nt=nt)
-                if cfg not in out and cfg != base:
-                    out.append(cfg)
+                for msd_bits in split_bits:
+                    cfg = dict(base, msd=1, threads=threads, grain=grain, nt=nt, msd_bits=msd_bits)
+                    if cfg not in out and cfg != base:
+                        out.append(cfg)
     for bits in (8, 11):
         for wc in (0, 1):
             for nt in ((True, False) if wc else (True,)):  # nt only matters with write-combining
