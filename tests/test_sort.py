@@ -498,6 +498,13 @@ def test_msd_split_heuristic():
     k, i, _, st = _cpu_sort_1d(q, want_idx=True, want_stats=True)
     assert st["msd"] and st["digit_bits"] != 7 and torch.equal(i, ref_argsort_1d(q))
     # stats: in-bucket passes whose digit is the same for every key are skipped
+    # msd_bits: 8 is kept even where the heuristic would take 11 (clustered keys); other values refused
+    f4c = torch.randn(1 << 21)
+    assert _cpu_sort_1d(f4c, want_idx=True, want_stats=True)[3]["msd_bits"] == 11
+    k, i, _, st = _cpu_sort_1d(f4c, want_idx=True, config={"msd_bits": 8}, want_stats=True)
+    assert st["msd_bits"] != 11 and torch.equal(i, torch.sort(f4c, stable=True).indices)
+    with pytest.raises(ValueError, match="msd_bits"):
+        _cpu_sort_1d(f4c, config={"msd_bits": 10})
     t = (torch.randint(0, 256, (1 << 18,)) << 24).to(torch.uint32)  # only the top byte varies
     k, _, _, st = _cpu_sort_1d(t, config={"msd": 2}, want_stats=True)
     assert st["msd"] and st["passes"] == 1 and st["skipped"] == 3 and np.array_equal(k.numpy(), np.sort(t.numpy()))
@@ -507,8 +514,11 @@ def test_msd_split_heuristic():
     assert st["msd"] and st["passes"] == 3 and st["skipped"] == 0 and st["digit_bits"] == 12
     # ... and with indices (8-byte records, 64 KiB a bucket) too; three passes of 8 from 96 KiB
     assert _cpu_sort_1d(big, want_idx=True, want_stats=True)[3]["digit_bits"] == 12
-    st = _cpu_sort_1d(torch.cat([big, big]), want_idx=True, want_stats=True)[3]
+    big2 = torch.cat([big, big])  # 128 KiB buckets: each thread also prefetches its next bucket
+    k, i, _, st = _cpu_sort_1d(big2, want_idx=True, want_stats=True)
     assert st["msd"] and st["passes"] == 4 and st["digit_bits"] == 8
+    ref = torch.sort(big2, stable=True)
+    assert torch.equal(k, ref.values) and torch.equal(i, ref.indices)
 
 
 def test_msd_split_takes_buckets_past_l2_unless_one_holds_most_keys():
@@ -516,11 +526,12 @@ def test_msd_split_takes_buckets_past_l2_unless_one_holds_most_keys():
     sorted from L3: measured 1.3-3.6x the LSD engine), and a bucket past L2 size holding more than 1/8 of
     the keys, all one value, does not (the split would move them for nothing)."""
     g = torch.Generator().manual_seed(7)
-    # 8M int32 + indices: 256 buckets of ~256 KiB (a sample with a 2x margin once refused these)
+    # 8M int32 + indices: 256 buckets of ~256 KiB (a sample with a 2x margin once refused these; from 8M
+    # keys the heuristic takes 2048 buckets, so 256 are asked for)
     x = torch.randint(-(1 << 31), 1 << 31, (1 << 23,), dtype=torch.int64, generator=g).to(torch.int32)
-    k, i, _, st = _cpu_sort_1d(x, want_idx=True, want_stats=True)
+    k, i, _, st = _cpu_sort_1d(x, want_idx=True, config={"msd_bits": 8}, want_stats=True)
     ref = torch.sort(x, stable=True)
-    assert st["msd"] and torch.equal(k, ref.values) and torch.equal(i, ref.indices)
+    assert st["msd"] and st["msd_bits"] == 8 and torch.equal(k, ref.values) and torch.equal(i, ref.indices)
     # 8M random int64 + indices: the wide path, 16-byte records, 512 KiB buckets
     z = torch.randint(-(1 << 62), 1 << 62, (1 << 23,), dtype=torch.int64, generator=g)
     k, i, _, st = _cpu_sort_1d(z, want_idx=True, want_stats=True)

@@ -562,14 +562,15 @@ struct Engine {
 //      shows spread by their top byte (random keys) it also counts that byte, the digit. Otherwise the
 //      digit is the top byte of v = key - min (v has w = bit width of max - min bits), counted in a
 //      second read: small ints, ids, timestamps spread over the buckets too.
-//   2. One stable scatter into 256 buckets by the digit, of records {v} (keys only) or {v, what the key
-//      carries: its index or a 4-byte payload} (8 bytes), through one write-combining line per bucket
-//      flushed with streaming stores (split_scatter; plain stores while the records fit the caches).
+//   2. One stable scatter into 256 buckets by the digit (2048 from FINE_SPLIT_MIN_N 32-bit keys, or for
+//      clustered ones: an 11-bit digit), of records {v} (keys only) or {v, what the key carries: its
+//      index or a 4-byte payload} (8 bytes), through one write-combining line per bucket flushed with
+//      streaming stores (split_scatter; plain stores while the records fit the caches).
 //   3. Each bucket (~n/256 records: ~128 KiB at 4M keys, inside one core's L2; up to 4 MiB, from L3:
-//      see bucket_ok) is sorted on v's w - 8 bits below the digit by LSD passes that never leave the
-//      cache (passes of at most BUCKET_MAX_DIGIT bits: 3 x 8 for random 32-bit keys; trivial passes
-//      skipped), then written to the caller's outputs in order (key = min + v). Buckets go to threads
-//      dynamically.
+//      see bucket_ok) is sorted on v's w - MB bits below the digit by LSD passes that never leave the
+//      cache (bucket_plan: 3 x 8 or 2 x 12 for random 32-bit keys below 256 buckets, 11 + 10 below 2048;
+//      trivial passes skipped), then written to the caller's outputs in order (key = min + v). Buckets
+//      go to threads dynamically.
 //   DRAM traffic for int32 values + int64 indices: 4 (count) + 4 + 8 (split) + 8 + 4 + 8 (bucket in,
 //   outputs out) = 36 bytes per key, against 48 for three 11-bit LSD passes, and only the split scatters
 //   into DRAM-resident streams; 64-bit keys of a small span travel as 8-byte records instead of 16.
@@ -634,9 +635,8 @@ static inline bool bucket_ok(double biggest, size_t bytes, int64_t n, size_t bud
 // the budgets while their top 11 bits spread them (randn floats: a quarter of them share one top byte),
 // as the 256-bucket attempt's 4096-key sample shows before any read, take MSD_BITS_CLUSTERED (2048
 // buckets: the top byte and three bits more of the mantissa or value) instead of the LSD engine: 4M
-// randn float32 keys + indices 37 -> 27 ms (2 threads). Uniform keys keep 256 buckets: 2048
-// write-combining lines cost the split more than smaller buckets save (16M uint32 keys 62 -> 70 ms
-// with 2048 for every key). Keys refused after the counting read are not retried (a second read).
+// randn float32 keys + indices 37 -> 27 ms (2 threads). Uniform keys keep 256 buckets below
+// FINE_SPLIT_MIN_N (below). Keys refused after the counting read are not retried (a second read).
 static constexpr int MSD_BITS = 8;
 static constexpr int MSD_BITS_CLUSTERED = 11;
 static constexpr int MSD_BUCKETS = 1 << MSD_BITS;
@@ -649,7 +649,9 @@ static constexpr int MSD_BUCKETS = 1 << MSD_BITS;
 // (An earlier measurement, 16M uint32 keys 62 -> 70 ms with 2048 buckets, had three in-bucket passes of
 // 7 bits.) The autotuner may choose either (config msd_bits).
 static constexpr int64_t FINE_SPLIT_MIN_N = int64_t(1) << 23;
-static constexpr int64_t BIG_BUCKET = 2048;  // from here passes of up to bucket_max_digit bits, else three of ~8
+// from here passes of up to bucket_max_digit bits; smaller buckets (skewed keys, small inputs) take three
+// of lb / 3 bits
+static constexpr int64_t BIG_BUCKET = 2048;
 // The widest in-bucket digit. A scatter pass over 64K records in L2, ns per record (Xeon, Emerald
 // Rapids VM, one thread): 1.5-1.7 at 6-9 bits, 2.3 at 10, 2.9 at 11, 4.1 at 12 - past ~1K digits the
 // destination lines no longer fit the 48 KiB L1 and every record's store misses it. So 24 bits below
@@ -696,7 +698,8 @@ struct Ahead {
 };
 
 // One stable in-cache scatter of m records from s to d by the digit (value(x) >> SH) & MK, its counters
-// h already exclusive prefix sums. SH < 0: the shift and mask come at run time (sh, mk). One line of
+// h already exclusive prefix sums. SH < 0: the shift and mask come at run time (sh, mk: at most 12 bits,
+// also for the wide path's 64-bit values). One line of
 // pf's records is prefetched per line of records scattered (up to pf.m of them).
 template <int SH, uint32_t MK, class Rec, class Value>
 static inline void scatter_pass(const Rec* __restrict s, Rec* __restrict d, int64_t m, uint32_t* __restrict h,
@@ -1066,11 +1069,18 @@ static void split_scatter(int T, int64_t n, std::vector<int64_t>& pos, Rec* rec,
 }
 
 // The MSD split's buckets handed to T threads dynamically: sort_bucket(tmp, hist, b, m, nb, nm) for every
-// non-empty bucket [b, b + m), with a per-thread scratch of m records and hist_words counters. Each thread
-// claims its next bucket [nb, nb + nm) (nm = 0: none) before sorting this one, so it can prefetch the
-// next one's records (written by the split's streaming stores: in DRAM) while this one sorts in cache.
+// non-empty bucket [b, b + m), with a per-thread scratch of m records and hist_words counters.
+// ahead: each thread claims its next bucket [nb, nb + nm) before sorting this one, so it can prefetch the
+// next one's records (written by the split's streaming stores: in DRAM) while this one sorts in cache
+// (nm = 0: none). Only while every bucket is small against a thread's share (1/8 of it): two big buckets
+// reserved by one thread would run one after the other while another thread idles (review finding).
 template <int MB, class Rec, class SortBucket>
-static void for_each_bucket(int T, const std::vector<int64_t>& start, size_t hist_words, SortBucket&& sort_bucket) {
+static void for_each_bucket(int T, const std::vector<int64_t>& start, size_t hist_words, bool ahead,
+                            SortBucket&& sort_bucket) {
+  constexpr int RB = 1 << MB;
+  int64_t biggest = 0;
+  for (int d = 0; d < RB; ++d) biggest = std::max(biggest, start[d + 1] - start[d]);
+  ahead = ahead && biggest * 8 * T <= start[RB];
   std::atomic<int> next_bucket{0};
   pk::parallel_threads(T, [&](int) {
     static thread_local std::vector<Rec> tmp;
@@ -1079,16 +1089,16 @@ static void for_each_bucket(int T, const std::vector<int64_t>& start, size_t his
     auto claim = [&]() {  // the next non-empty bucket, or -1
       for (;;) {
         const int d = next_bucket.fetch_add(1, std::memory_order_relaxed);
-        if (d >= (1 << MB)) return -1;
+        if (d >= RB) return -1;
         if (start[d + 1] > start[d]) return d;
       }
     };
     for (int d = claim(); d >= 0;) {
-      const int dn = claim();
+      const int dn = ahead ? claim() : -1;
       const int64_t b = start[d], m = start[d + 1] - b;
       if ((int64_t)tmp.size() < m) tmp.resize((size_t)m);
       sort_bucket(tmp.data(), hist.data(), b, m, dn >= 0 ? start[dn] : 0, dn >= 0 ? start[dn + 1] - start[dn] : 0);
-      d = dn;
+      d = ahead ? dn : claim();
     }
     // kept for the next call only while L2-sized (a large or skewed call's buffer is released)
     if (tmp.size() > L2_BUCKET_BYTES / sizeof(Rec)) std::vector<Rec>().swap(tmp);
@@ -1221,8 +1231,8 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
     using Rec = std::remove_pointer_t<decltype(rec)>;
     split_scatter<MSD_BITS>(T, n, pos, rec, in, cd, a.nt_stores, [kmin](U k) { return (uint64_t)(k - kmin); },
                   [lb](uint64_t v) { return v >> lb; }, make);
-    for_each_bucket<MSD_BITS, Rec>(T, start, WIDE_HIST_WORDS, [&](Rec* tmp, uint32_t* bh, int64_t b, int64_t m,
-                                                                   int64_t, int64_t) {
+    for_each_bucket<MSD_BITS, Rec>(T, start, WIDE_HIST_WORDS, false, [&](Rec* tmp, uint32_t* bh, int64_t b,
+                                                                          int64_t m, int64_t, int64_t) {
       int w0 = 0;
       const int live = bucket_wide(rec + b, tmp, m, lb, bh, &w0, [out, b](int64_t q, const Rec& x) { out(b + q, x); });
       if (m == biggest) width.store(w0, std::memory_order_relaxed);
@@ -1468,8 +1478,8 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
         split_scatter<MB>(T, n, pos, rec, in, cd, a.nt_stores, vbits, [lb](uint32_t v) { return (v >> lb) & (RB - 1); },
                           make);
       }
-      for_each_bucket<MB, Rec>(T, start, 3 * 4096, [&](Rec* tmp, uint32_t* bh, int64_t b, int64_t m, int64_t nb,
-                                                       int64_t nm) {
+      for_each_bucket<MB, Rec>(T, start, 3 * 4096, true, [&](Rec* tmp, uint32_t* bh, int64_t b, int64_t m,
+                                                             int64_t nb, int64_t nm) {
         constexpr int KS = sizeof(Rec) == 8 ? 32 : 0;
         int wid[3];
         const int planned = bucket_plan(m, sizeof(Rec), lb, wid);
@@ -1568,8 +1578,9 @@ void radix_sort_typed(const SortArgs& a, const Codec<U>& codec, SortStats& st) {
     } else if (msd_hybrid_sort<U, E, MSD_BITS>(a, cd, st, T_msd, &wider)) {
       return;
     }
-    // clustered 32-bit keys: 2048 buckets before the LSD engine
-    if (wider && msd_hybrid_sort<U, E, MSD_BITS_CLUSTERED>(a, cd, st, T_msd, &wider)) return;
+    // clustered 32-bit keys: 2048 buckets before the LSD engine (the heuristic's choice: not when 8 bits
+    // were asked for)
+    if (wider && a.msd_bits == 0 && msd_hybrid_sort<U, E, MSD_BITS_CLUSTERED>(a, cd, st, T_msd, &wider)) return;
   } else {
     if (msd_hybrid_sort<U, E, MSD_BITS>(a, cd, st, T_msd, &wider)) return;
   }
@@ -2005,6 +2016,8 @@ py::object sort_1d(uintptr_t keys, int64_t n, int dtype, uintptr_t out_keys, uin
   a.grain = grain;
   a.wc = wc;
   a.msd = msd;
+  if (msd_bits != 0 && msd_bits != 8 && msd_bits != 11)
+    pk::fail_value("sort", "config msd_bits must be 0 (heuristic), 8 or 11, got " + std::to_string(msd_bits));
   a.msd_bits = msd_bits;
   const int kb = 8 * pk::dtype_size(a.dtype);
   if (dtype < 0 || dtype > 12) pk::fail_value("sort", "unknown dtype code");
