@@ -759,13 +759,13 @@ static int bucket_lsd_n(Rec* src, Rec* __restrict tmp, int64_t m, uint32_t* __re
   constexpr int CSH[3] = {0, W0, W0 + W1};
   constexpr uint32_t CMK[3] = {(1u << W0) - 1, (1u << W1) - 1, (1u << W2) - 1};
   constexpr int COFF[4] = {0, 1 << W0, (1 << W0) + (1 << W1), (1 << W0) + (1 << W1) + (1 << W2)};
+  const int w[3] = {CW ? W0 : wid[0], CW ? W1 : NP > 1 ? wid[1] : 0, CW ? W2 : NP > 2 ? wid[2] : 0};
   int sh[3] = {0, 0, 0}, off[4] = {0, 0, 0, 0};
   uint32_t mk[3] = {0, 0, 0};
   for (int j = 0; j < NP; ++j) {
-    const int w = CW ? (j == 0 ? W0 : j == 1 ? W1 : W2) : wid[j];
-    sh[j] = j ? sh[j - 1] + (CW ? (j == 1 ? W0 : W1) : wid[j - 1]) : 0;
-    mk[j] = (1u << w) - 1;
-    off[j + 1] = off[j] + (1 << w);
+    sh[j] = j ? sh[j - 1] + w[j - 1] : 0;
+    mk[j] = (1u << w[j]) - 1;
+    off[j + 1] = off[j] + (1 << w[j]);
   }
   std::memset(hist, 0, sizeof(uint32_t) * off[NP]);
   for (int64_t i = 0; i < m; ++i) {
@@ -1996,7 +1996,7 @@ py::dict stats_dict(const pksort::SortStats& st) {
 py::object sort_1d(uintptr_t keys, int64_t n, int dtype, uintptr_t out_keys, uintptr_t out_idx, uintptr_t pay,
                  uintptr_t out_pay, int pay_size, bool descending, int begin_bit, int end_bit, int digit_bits,
                  int threads, bool nt_stores, int64_t small_n, int64_t grain, bool want_stats, int wc, int msd,
-                   int msd_bits) {
+                 int msd_bits) {
   pksort::SortArgs a;
   a.keys = reinterpret_cast<const void*>(keys);
   a.n = n;
