@@ -371,6 +371,30 @@ def test_msd_bucket_plans_agree_with_the_oracle(dtype):
         assert torch.equal(i, torch.from_numpy(np.argsort(y.numpy(), kind="stable"))) and torch.equal(k, y[i])
 
 
+@pytest.mark.parametrize("dtype", [torch.uint32, torch.int32, torch.float32])
+def test_msd_split_when_the_sample_misleads(dtype):
+    """The strided sample (keys j * n / 4096) sees random keys, so the split counts their top bits in its
+    first read without their min and max; every other key is one value, so the exact counts refuse that
+    digit, and a second read finds the min and max for the span's digit (or the LSD engine). Sorted
+    exactly either way, with the split forced (msd=2) or not, keys only and with indices."""
+    n = 1 << 20
+    g = torch.Generator().manual_seed(5)
+    bits = torch.full((n,), 0x3F000001, dtype=torch.int64)  # 0.5 + an ulp as float32
+    bits[:: n // 4096] = torch.randint(0, 1 << 30, (4096,), generator=g, dtype=torch.int64) * 3
+    x = bits.to(torch.int32).view(torch.float32) if dtype == torch.float32 else bits.to(dtype)
+    before = x.clone()
+
+    def bits_of(t):  # exact bits (the random floats include NaNs)
+        return t.view(torch.int32) if dtype == torch.float32 else t
+
+    for cfg in ({}, {"msd": 2}, {"msd": 2, "msd_bits": 11}):
+        k, i, _, st = _cpu_sort_1d(x, want_idx=True, config=cfg, want_stats=True)
+        assert st["msd"] == ("msd" in cfg), (cfg, st)
+        assert torch.equal(i, ref_argsort_1d(x)) and torch.equal(bits_of(k), bits_of(x[i]))
+        assert torch.equal(bits_of(_cpu_sort_1d(x, config=cfg)[0]), bits_of(k))
+    assert torch.equal(bits_of(x), bits_of(before))
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_msd_split_streaming_lines(threads):
     """The MSD split writes records through write-combining lines flushed with streaming stores once they

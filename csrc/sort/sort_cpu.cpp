@@ -1326,7 +1326,11 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     std::vector<uint32_t> hist((size_t)T * RB, 0);
     std::vector<U> min_t(T, U(~U(0))), max_t(T, U(0));
     std::vector<char> lossy_t(T, 0);
-    // one read: min and max of the encoded keys, lossy floats, and (count_top) the top byte
+    // one read: lossy floats, and either the min and max of the encoded keys or (count_top) the top MB
+    // bits. Counting the top bits, the min and max are not needed: the sample showed keys spanning more
+    // than the bits below the digit (so not all equal), and v = key; should the exact counts then refuse
+    // the digit, a second read finds them. (4M int32 keys + indices 20.7 -> 19.4 ms, 16M uint32 keys
+    // 70.9 -> 69.6, 2 threads.)
     auto first_read = [&](auto count_top) {  // count_top: std::true_type / std::false_type
       pk::parallel_threads(T, [&](int t) {
         const int64_t b = n * t / T, e = n * (t + 1) / T;
@@ -1339,9 +1343,12 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
           const U x = in[i];
           if constexpr (E == Enc::Float) ls |= c.lossy(x);
           const U k = c.enc(x);
-          ka = std::min(ka, k);
-          ko = std::max(ko, k);
-          if constexpr (decltype(count_top)::value) ++h[(uint32_t)(k >> (key_bits - MB))];
+          if constexpr (decltype(count_top)::value) {
+            ++h[(uint32_t)(k >> (key_bits - MB))];
+          } else {
+            ka = std::min(ka, k);
+            ko = std::max(ko, k);
+          }
         }
         if constexpr (decltype(count_top)::value) std::memcpy(hist.data() + (size_t)t * RB, h, sizeof(h));
         min_t[t] = ka;
@@ -1379,8 +1386,13 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
         }
       }
     }
-    if (top_digit) first_read(std::true_type());
-    else first_read(std::false_type());
+    int64_t biggest = 0;
+    if (top_digit) {
+      first_read(std::true_type());
+      biggest = offsets();
+      if (!fits((double)biggest, guess_bytes, false)) top_digit = false;
+    }
+    if (!top_digit) first_read(std::false_type());
     U kmin = U(~U(0)), kmax = 0;
     bool lossy = false;
     for (int t = 0; t < T; ++t) {
@@ -1388,7 +1400,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       kmax = std::max(kmax, max_t[t]);
       lossy |= lossy_t[t] != 0;
     }
-    if (kmin == kmax) {  // every key the same: copied through here (the LSD engine would read them again)
+    if (!top_digit && kmin == kmax) {  // every key the same: copied through here (the LSD engine would read them again)
       st.passes = 0;
       st.skipped = (key_bits + st.digit_bits - 1) / st.digit_bits;
       st.lossy = lossy;
@@ -1398,11 +1410,6 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     }
     U base_key = 0;  // v = key - base_key
     int w = 32;      // bits of v
-    int64_t biggest = 0;
-    if (top_digit) {
-      biggest = offsets();
-      if (!fits((double)biggest, guess_bytes, false)) top_digit = false;
-    }
     if (!top_digit) {
       const uint64_t span = (uint64_t)(kmax - kmin);
       if (span >> 32) {  // 64-bit keys spanning 2^32 or more: full-width records
