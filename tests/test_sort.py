@@ -522,11 +522,12 @@ def test_msd_split_heuristic():
     k, i, _, st = _cpu_sort_1d(q, want_idx=True, want_stats=True)
     assert st["msd"] and st["digit_bits"] != 7 and torch.equal(i, ref_argsort_1d(q))
     # stats: in-bucket passes whose digit is the same for every key are skipped
-    # msd_bits: 8 is kept even where the heuristic would take 11 (clustered keys); other values refused
+    # msd_bits: 8 (what a tuner may pick on uniform keys) still takes 2048 buckets for clustered keys, and
+    # keeps 256 for uniform keys past 8M (see test_msd_split_takes_buckets_past_l2...); other values refused
     f4c = torch.randn(1 << 21)
     assert _cpu_sort_1d(f4c, want_idx=True, want_stats=True)[3]["msd_bits"] == 11
     k, i, _, st = _cpu_sort_1d(f4c, want_idx=True, config={"msd_bits": 8}, want_stats=True)
-    assert st["msd_bits"] != 11 and torch.equal(i, torch.sort(f4c, stable=True).indices)
+    assert st["msd_bits"] == 11 and torch.equal(i, torch.sort(f4c, stable=True).indices)
     with pytest.raises(ValueError, match="msd_bits"):
         _cpu_sort_1d(f4c, config={"msd_bits": 10})
     t = (torch.randint(0, 256, (1 << 18,)) << 24).to(torch.uint32)  # only the top byte varies

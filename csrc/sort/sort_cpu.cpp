@@ -175,7 +175,8 @@ struct SortArgs {
   int64_t small_n = 64;          // insertion sort at or below this size
   int64_t grain = 32768;         // at least this many keys per thread
   int msd = -1;                  // MSD split: heuristic (-1), off (0), guarded at any size (1), forced (2)
-  int msd_bits = 0;              // the split's digit for 32-bit keys: 8 or 11 bits, 0 = heuristic
+  int msd_bits = 0;              // the split's digit for 32-bit keys: 8 (256 buckets, 2048 only where a sample
+                                 // shows the top byte clusters the keys), 11 (2048), 0 = heuristic
 };
 
 struct SortStats {
@@ -1585,9 +1586,9 @@ void radix_sort_typed(const SortArgs& a, const Codec<U>& codec, SortStats& st) {
     } else if (msd_hybrid_sort<U, E, MSD_BITS>(a, cd, st, T_msd, &wider)) {
       return;
     }
-    // clustered 32-bit keys: 2048 buckets before the LSD engine (the heuristic's choice: not when 8 bits
-    // were asked for)
-    if (wider && a.msd_bits == 0 && msd_hybrid_sort<U, E, MSD_BITS_CLUSTERED>(a, cd, st, T_msd, &wider)) return;
+    // clustered 32-bit keys: 2048 buckets before the LSD engine (also with msd_bits = 8, which a tuner
+    // picks on uniform keys: clustered keys of the same dtype and size still spread this way)
+    if (wider && msd_hybrid_sort<U, E, MSD_BITS_CLUSTERED>(a, cd, st, T_msd, &wider)) return;
   } else {
     if (msd_hybrid_sort<U, E, MSD_BITS>(a, cd, st, T_msd, &wider)) return;
   }

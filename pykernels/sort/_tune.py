@@ -21,9 +21,9 @@ CPU config space (csrc/sort/sort_cpu.cpp):
               L2 size with more than 1/8 of them all one value; at most 4 MiB, 8 MiB wide); 1: the same check at
               any size (so a choice tuned on random keys still leaves skewed keys to the LSD engine);
               0: the LSD engine only; 2: always (tests).
-  msd_bits    the split's digit for 32-bit keys: 8 (256 buckets) or 11 (2048 buckets, each then sorted by
-              two passes of ~11 bits inside L1/L2); 0 (default): 11 from 8M keys, else 8 (2048 where a
-              sample shows the top byte clusters the keys).
+  msd_bits    the split's digit for 32-bit keys: 8 (256 buckets; 2048 where a sample shows the top byte
+              clusters the keys) or 11 (2048 buckets, each then sorted by two passes of ~11 bits inside
+              L1/L2); 0 (default): 11 from 8M keys, else 8.
 `python -m pykernels.autotune generate --ops sort [--sizes 65536,1e6]` tunes sort_keys/sort/argsort/
 sort_pairs on random uint32/int32/float32/int64 keys of those sizes.
 
