@@ -1070,17 +1070,16 @@ static void split_scatter(int T, int64_t n, std::vector<int64_t>& pos, Rec* rec,
 }
 
 // The MSD split's buckets handed to T threads dynamically: sort_bucket(tmp, hist, b, m, nb, nm) for every
-// non-empty bucket [b, b + m), with a per-thread scratch of m records and hist_words counters.
+// non-empty bucket [b, b + m), with a per-thread scratch of m records and hist_words counters; biggest: the
+// largest bucket's records (split_offsets).
 // ahead: each thread claims its next bucket [nb, nb + nm) before sorting this one, so it can prefetch the
 // next one's records (written by the split's streaming stores: in DRAM) while this one sorts in cache
 // (nm = 0: none). Only while every bucket is small against a thread's share (1/8 of it): two big buckets
 // reserved by one thread would run one after the other while another thread idles (review finding).
 template <int MB, class Rec, class SortBucket>
-static void for_each_bucket(int T, const std::vector<int64_t>& start, size_t hist_words, bool ahead,
-                            SortBucket&& sort_bucket) {
+static void for_each_bucket(int T, const std::vector<int64_t>& start, int64_t biggest, size_t hist_words,
+                            bool ahead, SortBucket&& sort_bucket) {
   constexpr int RB = 1 << MB;
-  int64_t biggest = 0;
-  for (int d = 0; d < RB; ++d) biggest = std::max(biggest, start[d + 1] - start[d]);
   ahead = ahead && biggest * 8 * T <= start[RB];
   std::atomic<int> next_bucket{0};
   pk::parallel_threads(T, [&](int) {
@@ -1232,7 +1231,7 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
     using Rec = std::remove_pointer_t<decltype(rec)>;
     split_scatter<MSD_BITS>(T, n, pos, rec, in, cd, a.nt_stores, [kmin](U k) { return (uint64_t)(k - kmin); },
                   [lb](uint64_t v) { return v >> lb; }, make);
-    for_each_bucket<MSD_BITS, Rec>(T, start, WIDE_HIST_WORDS, false, [&](Rec* tmp, uint32_t* bh, int64_t b,
+    for_each_bucket<MSD_BITS, Rec>(T, start, biggest, WIDE_HIST_WORDS, false, [&](Rec* tmp, uint32_t* bh, int64_t b,
                                                                           int64_t m, int64_t, int64_t) {
       int w0 = 0;
       const int live = bucket_wide(rec + b, tmp, m, lb, bh, &w0, [out, b](int64_t q, const Rec& x) { out(b + q, x); });
@@ -1486,7 +1485,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
         split_scatter<MB>(T, n, pos, rec, in, cd, a.nt_stores, vbits, [lb](uint32_t v) { return (v >> lb) & (RB - 1); },
                           make);
       }
-      for_each_bucket<MB, Rec>(T, start, 3 * 4096, true, [&](Rec* tmp, uint32_t* bh, int64_t b, int64_t m,
+      for_each_bucket<MB, Rec>(T, start, biggest, 3 * 4096, true, [&](Rec* tmp, uint32_t* bh, int64_t b, int64_t m,
                                                              int64_t nb, int64_t nm) {
         constexpr int KS = sizeof(Rec) == 8 ? 32 : 0;
         int wid[3];
@@ -1580,7 +1579,7 @@ void radix_sort_typed(const SortArgs& a, const Codec<U>& codec, SortStats& st) {
   if constexpr (sizeof(U) == 4) {
     // many 32-bit keys: 2048 buckets of a few thousand records, each sorted by two passes inside L1/L2
     // (see FINE_SPLIT_MIN_N). A refusal there (skewed keys) would refuse 256 coarser buckets too.
-    if (a.msd_bits == MSD_BITS_CLUSTERED || (a.msd_bits == 0 && n >= FINE_SPLIT_MIN_N && a.msd != 0)) {
+    if (a.msd_bits == MSD_BITS_CLUSTERED || (a.msd_bits == 0 && n >= FINE_SPLIT_MIN_N)) {
       if (msd_hybrid_sort<U, E, MSD_BITS_CLUSTERED>(a, cd, st, T_msd, &wider)) return;
       wider = false;
     } else if (msd_hybrid_sort<U, E, MSD_BITS>(a, cd, st, T_msd, &wider)) {
