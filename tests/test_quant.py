@@ -37,17 +37,23 @@ def ref_quantize(w, bits, group_size, scheme):
                 zp = min(max(np.round(-lo / s), 0), qmax)
                 u = np.clip(np.round(seg / s) + zp, 0, qmax)
                 m = -s * zp
+                if hi == lo:  # a zero group: s = 0, w = m = 0 (the codes as computed with s = 1)
+                    s, m = 0.0, 0.0
             elif scheme == "sym":
                 half = 2 ** (bits - 1)
                 a = np.abs(seg).max()
                 s = float(np.float32(a / (half - 1))) if a > 0 else 1.0
                 u = np.clip(np.round(seg / s) + half, 0, qmax)
                 m = -s * half
+                if a == 0:
+                    s, m = 0.0, 0.0
             else:
                 lo, hi = seg.min(), seg.max()
                 s = float(np.float32((hi - lo) / qmax)) if hi > lo else 1.0
                 m = float(np.float32(lo))
                 u = np.clip(np.round((seg - m) / s), 0, qmax)
+                if hi == lo:  # a constant group: s = 0, w = m
+                    s = 0.0
             codes[n, gi * g:gi * g + len(seg)] = u
             S[n, gi], Mo[n, gi] = s, np.float32(m)
     return codes, S, Mo
@@ -103,6 +109,33 @@ def test_constant_and_zero_groups_are_exact():
         w[2] = -7.5
         d = pykernels.quantize(w, bits, 32, scheme).dequantize()
         assert torch.allclose(d, w, atol=1e-6 * 8), (scheme, d)
+
+
+@pytest.mark.parametrize("scheme,bits", [("asym", 8), ("asym", 4), ("sym", 8), ("bipolar", 8), ("bipolar", 1)])
+def test_constant_groups_multiply_exactly(scheme, bits, simd):
+    """A zero row (pruned, padded) gives exactly 0 and a constant group c * sum(x) to float rounding, at
+    every M and on every tier: constant groups store s = 0 (with s = 1 the kernels left 2^(bits-1) times
+    the int16 activations' rounding error: an 8-bit asym zero row gave 0.07-0.5 instead of 0)."""
+    g = torch.Generator().manual_seed(11)
+    N, K = 8, 512
+    w = torch.randn(N, K, generator=g) * 0.02
+    w[3] = 0.0
+    w[5, 128:256] = 0.0                       # one zero group inside a random row
+    if scheme == "bipolar":
+        w[6] = 0.25                           # a constant row
+        w[7, :128] = -3.0                     # one constant group
+    qw = pykernels.quantize(w, bits, 128, scheme)
+    assert (qw.scales[3] == 0).all() and (qw.offsets[3] == 0).all() and qw.scales[5, 1] == 0
+    assert torch.equal(qw.dequantize()[3], w[3])
+    for M in (1, 4, 16, 130):
+        x = torch.randn(M, K, generator=g)
+        y = pykernels.qmatmul(x, qw)
+        assert (y[:, 3] == 0).all(), (M, y[:, 3])
+        check_close(y, x, qw)
+        if scheme == "bipolar":  # the constant row: 0.25 * sum(x) up to float32 sums
+            x64 = x.to(torch.float64)
+            err = (y[:, 6].to(torch.float64) - 0.25 * x64.sum(1)).abs()
+            assert bool((err <= 1e-6 * 0.25 * x64.abs().sum(1)).all()), (M, err.max())
 
 
 def test_bipolar_format_semantics():
@@ -540,6 +573,26 @@ def test_qmatmul_direct_path_leaves_transforms_to_the_op():
     with torch.no_grad():
         assert not pykernels.qmatmul(xr, qw).requires_grad
     assert pykernels.qmatmul(xr, qw).requires_grad
+
+
+@pytest.mark.parametrize("group_size", [96, 256])
+def test_qmatmul_any_group_size_quantize_accepts_runs_through_the_op(group_size):
+    """Every group_size quantize accepts (-1 or a multiple of 32) passes the registered op too: with
+    autograd and through torch.ops (review: 256 worked eagerly and was refused once x required grad)."""
+    qw = pykernels.quantize(torch.randn(8, 512), 4, group_size)
+    x = torch.randn(3, 512)
+    ref = pykernels.qmatmul(x, qw)
+    check_close(ref, x, qw)
+    xr = x.clone().requires_grad_()
+    y = pykernels.qmatmul(xr, qw)
+    assert torch.equal(y.detach(), ref)
+    y.sum().backward()
+    torch.testing.assert_close(xr.grad, qw.dequantize().sum(0).expand(3, 512), rtol=1e-4, atol=1e-4)
+    y2 = torch.ops.pykernels.qmatmul(x, qw.packed, qw.scales, qw.offsets, None, None, None, 8, 512, 4, group_size,
+                                     0, "auto")
+    assert torch.equal(y2, ref)
+    with pytest.raises(ValueError, match="group_size"):
+        torch.ops.pykernels.qmatmul(x, qw.packed, qw.scales, qw.offsets, None, None, None, 8, 512, 4, 100, 0, "auto")
 
 
 def test_qmatmul_numpy_input():

@@ -61,7 +61,9 @@ class QuantizedWeight:
     @property
     def zeros(self) -> Optional[torch.Tensor]:
         if self.scheme == "asym":
-            return torch.round(-self.offsets / self.scales).to(torch.int32)
+            # a constant (all-zero) group has s = 0 and m = 0: zero point 0
+            safe = torch.where(self.scales > 0, self.scales, torch.ones_like(self.scales))
+            return torch.round(-self.offsets / safe).to(torch.int32)
         if self.scheme == "bipolar":
             return self.offsets + self.scales * (((1 << self.bits) - 1) / 2)
         return None
@@ -144,8 +146,7 @@ def _check_format(op: str, bits, group_size, scheme):
     if not isinstance(bits, int) or isinstance(bits, bool) or bits not in F.allowed_bits(scheme):
         raise ValueError(f"pykernels.{op}: expected bits in {F.allowed_bits(scheme)} for scheme {scheme!r}, "
                          f"got {bits!r}")
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or not (
-            group_size == -1 or (group_size > 0 and group_size % F.K_BLOCK == 0)):
+    if not F.valid_group_size(group_size):
         raise ValueError(f"pykernels.{op}: expected group_size -1 or a positive multiple of 32 "
                          f"(32, 64, 128, ...), got {group_size!r}")
 

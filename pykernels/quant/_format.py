@@ -14,8 +14,11 @@ so one kernel serves all three schemes (y = s * sum(x*u) + m * sum(x) per group)
             bit); W = (s/2) W' + z with s = (max - min) / (2^b - 1) and z = (max + min) / 2, which is the
             affine form above with m = min = z - s (2^b - 1) / 2. See ALGORITHMS.md ("Bipolar-INT").
 
-Round to nearest (ties to even, like torch.round). A group whose values are all equal gets s = 1 and
-is reproduced exactly through the offset.
+Round to nearest (ties to even, like torch.round). A group whose values are all equal (a pruned or
+padded row of zeros, a constant) gets s = 0 and is reproduced exactly by its offset alone, in
+dequantize and in every kernel. Not s = 1: the kernels take s * sum(x * (u - 2^(bits-1))) over
+int16-rounded x plus (m + s * 2^(bits-1)) * sum(x), so s = 1 left 2^(bits-1) times the activations'
+rounding error on the row (an all-zero 8-bit asym row gave 0.07-0.5 instead of 0).
 
 Packed layouts (rows padded to a multiple of 4, K padded to a multiple of 32 with code 0):
 - "nib" (bits <= 4): for each tile of 4 rows and each 32-element block, 4 x 16 bytes (one cache line);
@@ -35,7 +38,13 @@ import torch
 SCHEMES = ("asym", "sym", "bipolar")
 ROW_TILE = 4     # rows interleaved per tile (one 64-byte line per 32-element block at 4 bits)
 K_BLOCK = 32     # codes per block in the nib/byte layouts
-GROUP_SIZES = (32, 64, 128, -1)
+
+
+def valid_group_size(group_size) -> bool:
+    """-1 (one group per row) or a positive multiple of K_BLOCK: every kernel finds a code's group per
+    32-code block (32, 64, 128 are the usual choices; 96, 256, 1024 work the same)."""
+    return (isinstance(group_size, int) and not isinstance(group_size, bool)
+            and (group_size == -1 or (group_size > 0 and group_size % K_BLOCK == 0)))
 
 
 def allowed_bits(scheme: str):
@@ -71,7 +80,7 @@ def quantize_codes(w: torch.Tensor, bits: int, group_size: int, scheme: str):
     if Kp != K:  # pad the last group with a copy of its last value: min/max/absmax are unchanged
         w64 = torch.cat([w64, w64[:, -1:].expand(N, Kp - K)], dim=1)
     wg = w64.reshape(N, G, gsize)
-    if scheme == "asym":
+    if scheme == "asym":  # (safe: s with 1 for constant groups, for the divisions; they store s = 0 below)
         lo = wg.amin(-1).clamp(max=0.0)
         hi = wg.amax(-1).clamp(min=0.0)
         s = (hi - lo) / qmax
@@ -96,6 +105,12 @@ def quantize_codes(w: torch.Tensor, bits: int, group_size: int, scheme: str):
     else:  # checked by the caller
         raise ValueError(scheme)
     codes = u.reshape(N, Kp)[:, :K].to(torch.uint8)
+    # constant groups (the fallback s = 1 above kept their codes and offsets finite): w = m, s = 0 (see
+    # the module notes). asym and sym made m = -1 * zp and -1 * 2^(bits-1) there: 0 for a zero group,
+    # their only constant one; bipolar's m is the constant.
+    constant = (wg.amax(-1) == wg.amin(-1)) if scheme == "bipolar" else (wg.abs().amax(-1) == 0)
+    s = torch.where(constant, torch.zeros_like(s), s)
+    m = torch.where(constant, torch.zeros_like(m) if scheme != "bipolar" else m, m)
     return codes, s.to(torch.float32), m.to(torch.float32)
 
 

@@ -350,8 +350,8 @@ def _check_op_args(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, g
     op = "pykernels.qmatmul"
     if not 1 <= bits <= 8:
         raise ValueError(f"{op}: expected bits in 1..8, got {bits}")
-    if group_size not in F.GROUP_SIZES:
-        raise ValueError(f"{op}: expected group_size in {F.GROUP_SIZES}, got {group_size}")
+    if not F.valid_group_size(group_size):  # the rule quantize applies (review: 256 passed it, failed here)
+        raise ValueError(f"{op}: expected group_size -1 or a positive multiple of 32, got {group_size}")
     if not 0 <= act_bits <= 8:
         raise ValueError(f"{op}: expected act_bits in 0..8 (0: none), got {act_bits}")
     if n < 0 or k < 0:
