@@ -28,6 +28,11 @@ def test_sort_ops_check_their_arguments():
         ops.sort_keys(torch.randn(4, 4), False, 0, -1, "cpu")  # sorted the flattened tensor before
     with pytest.raises(ValueError, match=r"pykernels\.sort_keys: expected 0 <= begin_bit"):
         ops.sort_keys(k, False, 0, 40, "cpu")
+    for end_bit in (-5, -2):  # only -1 stands for None (every negative did: review finding)
+        with pytest.raises(ValueError, match=r"pykernels\.sort_keys: expected 0 <= begin_bit"):
+            ops.sort_keys(k, False, 0, end_bit, "cpu")
+        with pytest.raises(ValueError, match=r"pykernels\.sort_pairs: expected 0 <= begin_bit"):
+            ops.sort_pairs(k, torch.arange(5000), False, 0, end_bit, "cpu")
     # and the ops still work
     v, i = ops.sort(k, 0, False, "cpu")
     torch.testing.assert_close(v, torch.sort(k, stable=True).values)

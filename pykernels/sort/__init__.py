@@ -229,7 +229,7 @@ def _op_checks(op: str, keys, values=None, *, one_d=False, bits=None, offsets=No
                              f"got {values.numel()}")
         check_same_device(op, keys=keys, values=values)
     if bits is not None:
-        _check_bits(op, keys, bits[0], None if bits[1] < 0 else bits[1])
+        _check_bits(op, keys, bits[0], None if bits[1] == -1 else bits[1])  # -1: the op's None
     if offsets is not None:
         check_dtype(op, "offsets", offsets, (torch.int64, torch.int32))
         check_ndim(op, "offsets", offsets, 1)
@@ -287,7 +287,7 @@ def _(x, dim, descending, backend):
 @torch.library.custom_op("pykernels::sort_keys", mutates_args=())
 def _sort_keys_op(keys: torch.Tensor, descending: bool, begin_bit: int, end_bit: int, backend: str) -> torch.Tensor:
     _op_checks("sort_keys", keys, one_d=True, bits=(begin_bit, end_bit), backend=backend)
-    return _sort_1d_any("sort_keys", keys, None, descending, begin_bit, None if end_bit < 0 else end_bit, backend)[0]
+    return _sort_1d_any("sort_keys", keys, None, descending, begin_bit, None if end_bit == -1 else end_bit, backend)[0]
 
 
 @_sort_keys_op.register_fake
@@ -299,7 +299,7 @@ def _(keys, descending, begin_bit, end_bit, backend):
 def _sort_pairs_op(keys: torch.Tensor, values: torch.Tensor, descending: bool, begin_bit: int, end_bit: int,
                    backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
     _op_checks("sort_pairs", keys, values, one_d=True, bits=(begin_bit, end_bit), backend=backend)
-    return _sort_1d_any("sort_pairs", keys, values, descending, begin_bit, None if end_bit < 0 else end_bit, backend)
+    return _sort_1d_any("sort_pairs", keys, values, descending, begin_bit, None if end_bit == -1 else end_bit, backend)
 
 
 @_sort_pairs_op.register_fake
