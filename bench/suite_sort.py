@@ -146,6 +146,28 @@ def _cpu_cases(quick: bool):
     yield Case("sort", "sort(rows)", f"float32 {segs // 1024}K rows x 16", segs * 16, rows_vs_torch,
                "torch.sort(dim=-1, stable=True)", segs * 16, "keys", bytes_moved=segs * 16 * (4 + 4 + 8))
 
+    # rows of a few hundred to a thousand keys: each row's own radix sort (from 33/97/193/513 keys by key
+    # bytes; std::sort's mispredicted compares took 1000 x 1000 bool rows to 0.56x torch.sort); and the
+    # shape of top-p sampling, vocabulary-sized bfloat16 logits sorted descending per row
+    def mid_rows_vs_torch(dtype, shape, descending):
+        def make():
+            g = torch.Generator().manual_seed(6)
+            x = (torch.rand(shape, generator=g) < 0.5) if dtype == torch.bool else \
+                (torch.randn(shape, generator=g) * 8).to(dtype)
+            return (lambda: pykernels.sort(x, dim=-1, descending=descending)), \
+                (lambda: torch.sort(x, dim=-1, descending=descending, stable=True))
+        return make
+
+    mid_shapes = [(torch.int16, (1000, 1000), False), (torch.float32, (1000, 1000), False),
+                  (torch.bfloat16, (64, 32000), True)]
+    if quick:
+        mid_shapes = [(d, (s[0] // 8, s[1]), desc) for d, s, desc in mid_shapes]
+    for dtype, shape, desc in mid_shapes:
+        nm = shape[0] * shape[1]
+        yield Case("sort", "sort(rows)", f"{str(dtype).replace('torch.', '')} {shape[0]} rows x {shape[1]}"
+                   + (" desc" if desc else ""), nm, mid_rows_vs_torch(dtype, shape, desc),
+                   "torch.sort(dim=-1, stable=True)", nm, "keys")
+
     def segmented_vs_torch():
         x = torch.randn(segs * 16)
         v = torch.arange(segs * 16, dtype=torch.int32)

@@ -879,6 +879,37 @@ def test_segmented_sort(dtype):
         assert none is None and (torch.equal(k2, rk) or dtype.is_floating_point)
 
 
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int16, torch.float16, torch.bfloat16, torch.int32,
+                                   torch.float32, torch.uint32, torch.int64, torch.float64])
+def test_segments_on_both_sides_of_the_comparison_sort_bounds(dtype):
+    """Segments of every length where the path changes (networks <= 32, the engine's insertion sort 33-64,
+    the comparison sort from 65 to 32/96/192/512 keys by key bytes, the radix engine above): values and
+    indices of each, ascending and descending, special floats and ties, with a payload."""
+    g = torch.Generator().manual_seed(13)
+    lens = [32, 33, 64, 65, 96, 97, 192, 193, 512, 513, 1024, 1025]
+    lens = [L for L in lens for _ in range(3)]
+    lens = [lens[i] for i in torch.randperm(len(lens), generator=g).tolist()]
+    n = sum(lens) + 5
+    for kind in (("special", "few") if dtype.is_floating_point else ("random", "few")):
+        x = make_keys(dtype, n, kind, seed=17)
+        offsets = torch.tensor([3] + [3 + sum(lens[: i + 1]) for i in range(len(lens))])
+        vals = torch.arange(n, dtype=torch.int64) * 5
+        for desc in (False, True):
+            k, v = pykernels.segmented_sort(x, offsets, vals, descending=desc)
+            rk, rv = ref_segmented(x, offsets, vals, desc)
+            assert_same(k, rk, f"{dtype} {kind} {desc}")
+            assert torch.equal(v, rv), (dtype, kind, desc)
+    for L in (33, 65, 97, 193, 513):  # rows: the same paths through sort()
+        rows = make_keys(dtype, 40 * L, "special" if dtype.is_floating_point else "few", seed=L).view(40, L)
+        for desc in (False, True):
+            val, idx = pykernels.sort(rows, descending=desc)
+            ri = torch.stack([ref_argsort_1d(r, desc) for r in rows])
+            assert torch.equal(idx, ri), (dtype, L, desc)
+            # (indexing, not torch.gather: torch 2.13's CPU gather writes a bfloat16 NaN as 0xFFFF)
+            src = rows.view(torch.int32) if dtype == torch.uint32 else rows
+            assert_same(val, src[torch.arange(40)[:, None], idx].view(dtype), f"rows {dtype} {L}")
+
+
 def test_segmented_many_tiny_and_one_huge():
     g = torch.Generator().manual_seed(9)
     x = torch.randint(0, 1000, (16 * 20000,), generator=g).to(torch.int32)

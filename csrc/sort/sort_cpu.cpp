@@ -1890,7 +1890,19 @@ PK_TARGET_AVX512 static void sort_row16_avx512(const SegArgs& g, const Coder<uin
 }
 #endif
 
-static constexpr int64_t SHORT_SEGMENT = 1024;   // comparison sort at or below
+// Which segments the comparison sort (sort_short_segment) takes: up to 32 keys (its sorting networks and
+// insertion sorts), and from 65 keys up to short_segment_max; the others go to radix_sort, whose small
+// inputs (up to 64 keys) take its insertion sort of encoded keys. std::sort's mispredicted compares cost
+// ~10-20 ns per key on rows of 33-1024 (Zen 2), where a one-thread LSD radix sort costs, ns per key for
+// rows of 1M keys in all, by key bytes: 1 byte 96 keys 7.5-7.9, 256 keys 3.8-4.2; 2 bytes 128 keys
+// 10.0-12.5 (std::sort 13.3-13.9), 256 keys 6.2-8.9 (15.1-15.7); 4 bytes 256 keys 12.1-14.0 (14.9-15.4),
+// 128 keys 18-21 (13.2-13.7: its four passes' counters cost more than the keys); 8 bytes 512 keys
+// 17.6-19.6 (18.2-18.3), 1024 keys 14.5-17.6 (20.1-20.6). rows of 33-64 keys: the insertion sort 5.8-9.2
+// ns per key at 33, std::sort 9.6-10.7. (All were std::sort up to 1024 keys: 1000 x 1000 bool rows took
+// 1.8x torch.sort's time.)
+static inline int64_t short_segment_max(int key_bytes) {
+  return key_bytes == 1 ? 32 : key_bytes == 2 ? 96 : key_bytes == 4 ? 192 : 512;
+}
 static constexpr int64_t HUGE_SEGMENT = 1 << 18;  // parallel engine at or above
 
 void segmented_sort(const SegArgs& g) {
@@ -1946,6 +1958,7 @@ void segmented_sort(const SegArgs& g) {
   const bool v512 = pk::cpu_has_avx512();
   with_codec(g.dtype, g.descending, [&](auto codec, auto kind) {
     using U = std::remove_cv_t<decltype(codec.xor_mask)>;
+    const int64_t short_max = short_segment_max(pk::dtype_size(g.dtype));
     auto body = [&](auto enc_tag) {
       constexpr Enc E = decltype(enc_tag)::value;
       Coder<U, E> cd{codec};
@@ -1967,7 +1980,7 @@ void segmented_sort(const SegArgs& g) {
             }
           }
 #endif
-          if (len <= SHORT_SEGMENT) sort_short_segment<U, E>(g, cd, seg_start(s), len);
+          if (len <= 32 || (len > 64 && len <= short_max)) sort_short_segment<U, E>(g, cd, seg_start(s), len);
           else one(s, 1);
         }
       });
