@@ -319,6 +319,7 @@ void scatter_plain(const Coder<U, E>& cd, const PassCtx& pc, const void* src_key
     const int64_t* bd = pc.bounds;
     for (int64_t i = b; i < e; ++i) {
       pk::prefetch_stream(sk, i);
+      if constexpr (PM != 0 && !(PM == 2 && FIRST)) pk::prefetch_stream(sp, i);  // the payload stream too
       const U k = FIRST ? cd.enc(sk[i]) : sk[i];
       const uint32_t d = (uint32_t)(k >> shift) & mask;
       const int64_t p = pos[d]++;
@@ -390,6 +391,8 @@ void scatter_slice(const Coder<U, E>& cd_ref, const PassCtx& pc, const void* src
 
   for (int64_t i = b; i < e; ++i) {
     pk::prefetch_stream(sk, i);
+    // the payload stream too: without, its loads stalled the loop (27% of 4M float64 + indices' samples)
+    if constexpr (HAS_PAY && !(PM == 2 && FIRST)) pk::prefetch_stream(sp, i);
     U k = FIRST ? cd.enc(sk[i]) : sk[i];
     const uint32_t d = (uint32_t)(k >> shift) & mask;
     const int64_t p = pos[d]++;
@@ -463,7 +466,8 @@ struct Engine {
     const int64_t n = a.n;
     pk::parallel_threads(T, [&](int t) {
       const int64_t b = n * t / T, e = n * (t + 1) / T;
-      uint32_t* h = hist.data() + (size_t)t * np * R;
+      const OwnCounters<uint32_t> own(hist.data() + (size_t)t * np * R, (size_t)np * R, false);  // see OwnCounters
+      uint32_t* __restrict h = own.own;
       bool ls = false;
       int sh[64];
       uint32_t mk[64];
@@ -482,6 +486,7 @@ struct Engine {
           for (int j = 0; j < passes_n; ++j) ++h[j * R + ((uint32_t)(k >> sh[j]) & mk[j])];
         }
       });
+      own.publish();
       lossy_t[t] = ls;
     });
     for (int t = 0; t < T; ++t) lossy |= lossy_t[t] != 0;
