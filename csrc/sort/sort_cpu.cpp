@@ -276,7 +276,8 @@ static inline void line_store(void* dst, const void* src, size_t bytes, bool nt)
 // keeps every thread's side by side) into a buffer of this thread's own while it runs, and back after:
 // each is written once per key, and the neighbouring threads' lines in one vector are pulled across the
 // cores (the split's counters had the same fault, see split_scatter). Measured on a 2-core Zen 2, LSD
-// engine: 4M int16 keys + indices on 2 threads took 33 ms, one thread 28.
+// engine: 4M int16 keys + indices on 2 threads took 33 ms, one thread 28. (One buffer per counter type and
+// thread: at most one OwnCounters of each type may be alive on a thread at a time.)
 template <class C>
 struct OwnCounters {
   C* shared;
