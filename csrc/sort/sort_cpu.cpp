@@ -245,6 +245,7 @@ struct PassCtx {
   int64_t n = 0;
   bool nt = false;
   bool drop_keys = false;  // last pass of an argsort: only the indices leave
+  bool shared = false;     // other threads scatter at the same time (their counters beside ours: OwnCounters)
 };
 
 static inline int slice_of(const PassCtx& c, int64_t x) {
@@ -277,13 +278,20 @@ static inline void line_store(void* dst, const void* src, size_t bytes, bool nt)
 // each is written once per key, and the neighbouring threads' lines in one vector are pulled across the
 // cores (the split's counters had the same fault, see split_scatter). Measured on a 2-core Zen 2, LSD
 // engine: 4M int16 keys + indices on 2 threads took 33 ms, one thread 28. (One buffer per counter type and
-// thread: at most one OwnCounters of each type may be alive on a thread at a time.)
+// thread: at most one OwnCounters of each type may be alive on a thread at a time.) Alone on the data
+// (one thread: the segments' sorts) the counters stay where they are: the copies cost 3-10% on rows of
+// 97-1024 keys.
 template <class C>
 struct OwnCounters {
   C* shared;
   size_t m;
   C* own;
-  OwnCounters(C* shared_, size_t m_, bool copy_in) : shared(shared_), m(m_) {
+  OwnCounters(C* shared_, size_t m_, bool copy_in, bool other_threads) : shared(shared_), m(m_) {
+    if (!other_threads) {  // (copy_in false: the callers' shared counters start at zero too)
+      own = shared;
+      m = 0;  // publish() copies nothing
+      return;
+    }
     static thread_local std::vector<C> buf;
     if (buf.size() < m + 16) buf.resize(m + 16);
     own = buf.data() + ((64 - ((uintptr_t)buf.data() & 63)) & 63) / sizeof(C);
@@ -302,8 +310,9 @@ template <class U, Enc E, class PT, int PM, bool FIRST, bool LAST>
 void scatter_plain(const Coder<U, E>& cd, const PassCtx& pc, const void* src_keys, const void* src_pay,
                    U* __restrict dst_keys, void* dst_pay, int64_t b, int64_t e, int64_t* shared_pos,
                    uint32_t* shared_next) {
-  const OwnCounters<int64_t> own_pos(shared_pos, (size_t)pc.mask + 1, true);
-  const OwnCounters<uint32_t> own_next(shared_next, pc.track_next ? (size_t)pc.nslices * pc.stride : 0, false);
+  const OwnCounters<int64_t> own_pos(shared_pos, (size_t)pc.mask + 1, true, pc.shared);
+  const OwnCounters<uint32_t> own_next(shared_next, pc.track_next ? (size_t)pc.nslices * pc.stride : 0, false,
+                                       pc.shared);
   int64_t* __restrict pos = own_pos.own;
   uint32_t* __restrict next_hist = own_next.own;
   using PI = std::conditional_t<PM == 2, uint32_t, PT>;
@@ -350,8 +359,9 @@ void scatter_slice(const Coder<U, E>& cd_ref, const PassCtx& pc, const void* src
                                              const void* src_pay, U* dst_keys, void* dst_pay, int64_t b, int64_t e,
                                              int64_t* shared_pos, const int64_t* lo,
                                              uint32_t* shared_next /* [nslices][R] or null */) {
-  const OwnCounters<int64_t> own_pos(shared_pos, (size_t)pc.mask + 1, true);
-  const OwnCounters<uint32_t> own_next(shared_next, pc.track_next ? (size_t)pc.nslices * pc.stride : 0, false);
+  const OwnCounters<int64_t> own_pos(shared_pos, (size_t)pc.mask + 1, true, pc.shared);
+  const OwnCounters<uint32_t> own_next(shared_next, pc.track_next ? (size_t)pc.nslices * pc.stride : 0, false,
+                                       pc.shared);
   int64_t* __restrict pos = own_pos.own;
   uint32_t* __restrict next_hist = own_next.own;
   // A local copy of the codec and restrict pointers: the line buffers are written through U* and the
@@ -467,7 +477,7 @@ struct Engine {
     const int64_t n = a.n;
     pk::parallel_threads(T, [&](int t) {
       const int64_t b = n * t / T, e = n * (t + 1) / T;
-      const OwnCounters<uint32_t> own(hist.data() + (size_t)t * np * R, (size_t)np * R, false);  // see OwnCounters
+      const OwnCounters<uint32_t> own(hist.data() + (size_t)t * np * R, (size_t)np * R, false, T > 1);
       uint32_t* __restrict h = own.own;
       bool ls = false;
       int sh[64];
@@ -551,6 +561,7 @@ struct Engine {
       pc.nt = a.nt_stores && n >= (int64_t(1) << 18);  // streaming only pays for out-of-cache data
       pc.track_next = !last && T > 1;
       pc.drop_keys = last && drop_keys;
+      pc.shared = T > 1;
       if (!last) {
         const Pass& nx = passes[live[q + 1]];
         pc.next_shift = nx.shift;
