@@ -910,6 +910,41 @@ def test_segments_on_both_sides_of_the_comparison_sort_bounds(dtype):
             assert_same(val, src[torch.arange(40)[:, None], idx].view(dtype), f"rows {dtype} {L}")
 
 
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float16,
+                                   torch.bfloat16])
+def test_sort_keys_of_8_and_16_bit_keys_by_counting(dtype):
+    """sort_keys of 8/16-bit keys from 64K keys is a counting sort (counts, then runs of each value):
+    bit-exact against the oracle either side of the bound, both directions, at 1 and 2 threads; floats with
+    -0.0 beside +0.0 or NaN payloads (whose outputs keep the input's bits in input order) take the LSD
+    engine instead."""
+    for n in (65535, 65536, 300_001):
+        for kind in (("random", "special", "few") if dtype.is_floating_point else ("random", "few", "equal")):
+            x = make_keys(dtype, n, kind, seed=n % 97)
+            if dtype.is_floating_point and kind == "random":
+                x = x.abs()  # no -0.0 and no NaN: the counting sort's case
+            raw = x.view(torch.int16) if dtype == torch.uint16 else x  # (no uint16 indexing on CPU)
+            for desc in (False, True):
+                want = raw[ref_argsort_1d(x, desc)].view(dtype)
+                for threads in (1, 2):
+                    prev = torch.get_num_threads()
+                    torch.set_num_threads(threads)
+                    try:
+                        got = pykernels.sort_keys(x, descending=desc)
+                    finally:
+                        torch.set_num_threads(prev)
+                    assert_same(got, want, f"{dtype} {n} {kind} {desc} {threads}")
+    # the path taken: counts for plain keys, the LSD engine for a lossy float encoding
+    sort_mod = sys.modules["pykernels.sort"]
+    x = make_keys(dtype, 1 << 17, "few", seed=3)
+    *_, st = sort_mod._cpu_sort_1d(x, want_stats=True)
+    assert st["passes"] == 1 and st["digit_bits"] == 8 * x.element_size(), st
+    if dtype.is_floating_point:
+        x[5] = -0.0
+        x[6] = 0.0
+        *_, st = sort_mod._cpu_sort_1d(x, want_stats=True)
+        assert st["digit_bits"] == 8 and st["lossy"], st
+
+
 def test_segmented_many_tiny_and_one_huge():
     g = torch.Generator().manual_seed(9)
     x = torch.randint(0, 1000, (16 * 20000,), generator=g).to(torch.int32)

@@ -1588,6 +1588,64 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
 }
 
 
+// 8- and 16-bit keys alone (no indices, no payload, every bit): a counting sort. One read counts every
+// key value (256 or 65536 counters per thread, inside L2), then each value is written out as a run of its
+// count (std::fill: sequential stores, no scatter). An LSD sort reads and writes the keys twice for 16-bit
+// keys: 1M int16 keys 4.3 -> 1.4 ms, 4M 17.4 -> 3.1, 4M uint8 6.9 -> 2.4 (2 threads, Zen 2). Refused
+// (false) for floats whose encoding is lossy (NaN payloads, -0.0 beside +0.0: their outputs must be the
+// input's bits, in input order), found in the same read: the LSD engine sorts those. From COUNT_FILL_MIN_N
+// keys, below which the 65536 counters' clearing and scan cost more than the passes.
+static constexpr int64_t COUNT_FILL_MIN_N = 1 << 16;
+
+template <class U, Enc E>
+bool counting_fill(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, int T) {
+  static_assert(sizeof(U) <= 2, "8- and 16-bit keys");
+  constexpr size_t R = size_t(1) << (8 * sizeof(U));
+  const int64_t n = a.n;
+  const U* in = static_cast<const U*>(a.keys);
+  U* out = static_cast<U*>(a.out_keys);
+  std::vector<uint32_t> counts((size_t)T * R);
+  std::vector<char> lossy_t(T, 0);
+  pk::parallel_threads(T, [&](int t) {
+    const int64_t b = n * t / T, e = n * (t + 1) / T;
+    std::vector<uint32_t> own(R, 0);  // this thread's own pages (see OwnCounters)
+    uint32_t* __restrict h = own.data();
+    const Coder<U, E> c = cd;
+    bool ls = false;
+    for (int64_t i = b; i < e; ++i) {
+      pk::prefetch_stream(in, i);
+      const U x = in[i];
+      if constexpr (E == Enc::Float) ls |= c.lossy(x);
+      ++h[c.enc(x)];
+    }
+    std::memcpy(counts.data() + (size_t)t * R, h, R * sizeof(uint32_t));
+    lossy_t[t] = ls;
+  });
+  for (int t = 0; t < T; ++t)
+    if (lossy_t[t]) return false;
+  std::vector<int64_t> start(R + 1);
+  int64_t run = 0;
+  for (size_t v = 0; v < R; ++v) {
+    start[v] = run;
+    for (int t = 0; t < T; ++t) run += counts[(size_t)t * R + v];
+  }
+  start[R] = run;
+  // each thread fills an equal share of the output positions
+  pk::parallel_threads(T, [&](int t) {
+    const int64_t p0 = n * t / T, p1 = n * (t + 1) / T;
+    size_t v = (size_t)(std::upper_bound(start.begin(), start.end(), p0) - start.begin()) - 1;
+    for (int64_t p = p0; p < p1; ++v) {
+      const int64_t q = std::min(start[v + 1], p1);
+      if (q > p) std::fill(out + p, out + q, cd.dec(U(v)));
+      p = std::max(p, q);
+    }
+  });
+  st.passes = 1;
+  st.digit_bits = 8 * (int)sizeof(U);
+  st.threads = T;
+  return true;
+}
+
 template <class U, Enc E>
 void radix_sort_typed(const SortArgs& a, const Codec<U>& codec, SortStats& st) {
   Coder<U, E> cd{codec};
@@ -1605,6 +1663,11 @@ void radix_sort_typed(const SortArgs& a, const Codec<U>& codec, SortStats& st) {
   if (n >= (int64_t(1) << 32)) pk::fail_value("sort", "at most 2^32 - 1 keys per CPU sort call");
   int T = std::max(1, a.threads);
   T = (int)std::max<int64_t>(1, std::min<int64_t>(T, n / std::max<int64_t>(1, a.grain)));
+  if constexpr (sizeof(U) <= 2) {
+    if (a.out_keys && !a.out_idx && !a.out_pay && bb == 0 && eb == key_bits && n >= COUNT_FILL_MIN_N &&
+        counting_fill<U, E>(a, cd, st, T))
+      return;
+  }
   // Heuristics for digit_bits = 0 / wc = -1 (the autotuner's default config), measured on a 2-core Zen 4:
   // on one thread, while keys + what they carry fit in 16 MiB, 8-bit digits with plain stores (1.3-2x
   // faster than write-combined 11-bit passes from 2K to 2M keys); otherwise write-combining lines, with
