@@ -146,9 +146,9 @@ def _cpu_cases(quick: bool):
     yield Case("sort", "sort(rows)", f"float32 {segs // 1024}K rows x 16", segs * 16, rows_vs_torch,
                "torch.sort(dim=-1, stable=True)", segs * 16, "keys", bytes_moved=segs * 16 * (4 + 4 + 8))
 
-    # rows of a few hundred to a thousand keys: each row's own radix sort (from 33/97/193/513 keys by key
-    # bytes; std::sort's mispredicted compares took 1000 x 1000 bool rows to 0.56x torch.sort); and the
-    # shape of top-p sampling, vocabulary-sized bfloat16 logits sorted descending per row
+    # rows of up to 1024 keys (512 of 1 byte): NV rows at a time through a sorting network in SIMD lanes
+    # (csrc/sort/sort_rows_simd.h); past that each row's own radix sort; and the shape of top-p sampling,
+    # vocabulary-sized bfloat16 logits sorted descending per row
     def mid_rows_vs_torch(dtype, shape, descending):
         def make():
             g = torch.Generator().manual_seed(6)
@@ -159,7 +159,9 @@ def _cpu_cases(quick: bool):
         return make
 
     mid_shapes = [(torch.int16, (1000, 1000), False), (torch.float32, (1000, 1000), False),
-                  (torch.bfloat16, (64, 32000), True)]
+                  (torch.bfloat16, (64, 32000), True),
+                  # MoE routing: every token's expert scores ranked (16K tokens x 64 experts)
+                  (torch.bfloat16, (16384, 64), True)]
     if quick:
         mid_shapes = [(d, (s[0] // 8, s[1]), desc) for d, s, desc in mid_shapes]
     for dtype, shape, desc in mid_shapes:
@@ -167,6 +169,15 @@ def _cpu_cases(quick: bool):
         yield Case("sort", "sort(rows)", f"{str(dtype).replace('torch.', '')} {shape[0]} rows x {shape[1]}"
                    + (" desc" if desc else ""), nm, mid_rows_vs_torch(dtype, shape, desc),
                    "torch.sort(dim=-1, stable=True)", nm, "keys")
+
+    # a sort along dim 0: the rows are columns, sorted where they lie (no transposing copies)
+    def dim0_vs_torch():
+        g = torch.Generator().manual_seed(8)
+        x = torch.randint(-(1 << 62), 1 << 62, (16, segs // 10), generator=g)
+        return (lambda: pykernels.sort(x, dim=0)), (lambda: torch.sort(x, dim=0))
+
+    yield Case("sort", "sort(dim=0)", f"int64 16 x {segs // 10 // 1000}K", 16 * (segs // 10), dim0_vs_torch,
+               "torch.sort(dim=0)", 16 * (segs // 10), "keys")
 
     def segmented_vs_torch():
         x = torch.randn(segs * 16)

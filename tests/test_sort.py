@@ -857,6 +857,17 @@ def ref_segmented(keys, offsets, values, descending):
     return k, v
 
 
+def check_segments_of(x, lens, start, vals, what):
+    """segmented_sort of x in segments of the lengths `lens` from `start`, with the payload vals, in both
+    directions, against ref_segmented."""
+    offsets = torch.tensor([start] + [start + sum(lens[: i + 1]) for i in range(len(lens))])
+    for desc in (False, True):
+        k, v = pykernels.segmented_sort(x, offsets, vals, descending=desc)
+        rk, rv = ref_segmented(x, offsets, vals, desc)
+        assert_same(k, rk, f"{what} {desc}")
+        assert torch.equal(v, rv), (what, desc)
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.float32, torch.uint64, torch.bfloat16, torch.int8])
 def test_segmented_sort(dtype):
     g = torch.Generator().manual_seed(7)
@@ -892,13 +903,7 @@ def test_segments_on_both_sides_of_the_comparison_sort_bounds(dtype):
     n = sum(lens) + 5
     for kind in (("special", "few") if dtype.is_floating_point else ("random", "few")):
         x = make_keys(dtype, n, kind, seed=17)
-        offsets = torch.tensor([3] + [3 + sum(lens[: i + 1]) for i in range(len(lens))])
-        vals = torch.arange(n, dtype=torch.int64) * 5
-        for desc in (False, True):
-            k, v = pykernels.segmented_sort(x, offsets, vals, descending=desc)
-            rk, rv = ref_segmented(x, offsets, vals, desc)
-            assert_same(k, rk, f"{dtype} {kind} {desc}")
-            assert torch.equal(v, rv), (dtype, kind, desc)
+        check_segments_of(x, lens, 3, torch.arange(n, dtype=torch.int64) * 5, f"{dtype} {kind}")
     for L in (33, 65, 97, 193, 513):  # rows: the same paths through sort()
         rows = make_keys(dtype, 40 * L, "special" if dtype.is_floating_point else "few", seed=L).view(40, L)
         for desc in (False, True):
@@ -908,6 +913,101 @@ def test_segments_on_both_sides_of_the_comparison_sort_bounds(dtype):
             # (indexing, not torch.gather: torch 2.13's CPU gather writes a bfloat16 NaN as 0xFFFF)
             src = rows.view(torch.int32) if dtype == torch.uint32 else rows
             assert_same(val, src[torch.arange(40)[:, None], idx].view(dtype), f"rows {dtype} {L}")
+
+
+LANE_ROW_LENGTHS = [2, 3, 4, 7, 8, 9, 16, 17, 31, 32, 33, 64, 65, 127, 256, 257, 511, 512, 513, 1000, 1024, 1025]
+
+
+def _lane_rows(dtype, L, rows, kind, seed):
+    """rows x L keys of `kind`; for 'few' keys with many ties (stability), 'special' floats and extremes."""
+    return make_keys(dtype, rows * L, kind, seed=seed).view(rows, L)
+
+
+@pytest.mark.parametrize("dtype", KEY_DTYPES, ids=[str(d).replace("torch.", "") for d in KEY_DTYPES])
+def test_rows_sorted_side_by_side_in_lanes(dtype):
+    """Rows of one length up to 1024 (512 for 1-byte keys) are sorted NV at a time by a sorting network in
+    SIMD lanes (csrc/sort/sort_rows_simd.h). Every length around the networks' power-of-two sizes and the
+    bounds, row counts that leave partial lane groups (9, 13: a last group of one row takes the one-row path
+    when contiguous), ties, special floats and extremes, both directions: indices equal the stable oracle's
+    and values are the input's exact bits at those indices."""
+    kinds = ("special", "few") if dtype.is_floating_point else ("special", "few", "top") if dtype != torch.bool \
+        else ("random",)
+    for L in LANE_ROW_LENGTHS:
+        for rows, kind in zip((9, 13, 4), kinds):
+            x = _lane_rows(dtype, L, rows, kind, seed=L * 7 + rows)
+            keep = x.clone()
+            for desc in (False, True):
+                val, idx = pykernels.sort(x, descending=desc)
+                ri = ref_sort(x, descending=desc)[1]
+                assert torch.equal(idx, ri), (dtype, L, rows, kind, desc)
+                src = x.view(torch.int32) if dtype == torch.uint32 else x.view(torch.int64) if dtype == torch.uint64 \
+                    else x.view(torch.int16) if dtype == torch.uint16 else x
+                assert_same(val, src[torch.arange(rows)[:, None], idx].view(dtype), f"{dtype} {L} {kind} {desc}")
+            assert_same(x, keep, "input unchanged")
+
+
+_LANE_TIER_SCRIPT = r"""
+import torch, pykernels
+g = torch.Generator().manual_seed(3)
+for dt in (torch.uint8, torch.int16, torch.bfloat16, torch.float32, torch.int32, torch.int64, torch.float64):
+    for L in (2, 5, 16, 33, 100, 257, 1000):
+        x = (torch.randn(11, L, generator=g) * 4).round().to(dt)  # ties
+        if dt.is_floating_point:
+            x[0, 0], x[1, -1], x[2, 0] = float("nan"), -0.0, float("-inf")
+        for desc in (False, True):
+            r, t = pykernels.sort(x, descending=desc), torch.sort(x, descending=desc, stable=True)
+            assert torch.equal(r.indices, t.indices), (dt, L, desc)
+            c, tc = pykernels.sort(x.t().contiguous(), dim=0, descending=desc), torch.sort(x.t().contiguous(), dim=0, descending=desc, stable=True)
+            assert torch.equal(c.indices, tc.indices), (dt, L, desc, "dim 0")
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("env", [{}, {"PYKERNELS_DISABLE_AVX2": "1"}], ids=["best", "portable"])
+def test_rows_in_lanes_agree_on_every_simd_tier(env):
+    """The lanes' network is compiled per SIMD tier (32-byte vectors with AVX2, 16-byte ones without: 8 or 4
+    rows per group of 16-bit keys, 4 or 2 of wider ones); both tiers sort alike. Tier flags are read once
+    per process."""
+    r = subprocess.run([sys.executable, "-c", _LANE_TIER_SCRIPT], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYKERNELS_SORT_TORCH_BELOW": "0", **env})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int16, torch.uint16, torch.bfloat16, torch.float32,
+                                   torch.uint32, torch.int64, torch.float64])
+def test_sort_along_an_inner_dim_sorts_the_strided_rows_in_place(dtype):
+    """A sort along a dim other than the last, of at most 1024 keys, sorts the rows where they lie (keys
+    `inner` elements apart) with outputs in the input's layout: (L, C) along dim 0 and (A, L, C) along dim 1,
+    column counts that are not a multiple of the lanes, non-contiguous inputs, argsort, and every length
+    class; longer dims take the transposing path."""
+    for shape, dim in [((16, 37), 0), ((2, 9, 5), 1), ((3, 3, 1), 1), ((64, 9), 0), ((1, 2, 3, 4), 2), ((257, 6), 0),
+                       ((1024, 3), 0), ((1025, 3), 0), ((5, 1, 7), 1)]:
+        n = int(torch.tensor(shape).prod())
+        for kind in (("special", "few") if dtype.is_floating_point else ("random", "few")):
+            x = make_keys(dtype, n, kind, seed=n).view(shape)
+            for desc in (False, True):
+                val, idx = pykernels.sort(x, dim=dim, descending=desc)
+                rv, ri = ref_sort(x, dim=dim, descending=desc)
+                assert val.shape == x.shape and idx.shape == x.shape and val.is_contiguous()
+                assert torch.equal(idx, ri), (dtype, shape, dim, kind, desc)
+                assert_same(val, rv, f"{dtype} {shape} {dim} {kind} {desc}")
+                assert torch.equal(pykernels.argsort(x, dim=dim, descending=desc), ri)
+            if x.dim() >= 2 and dtype not in UNSIGNED_WIDE:
+                xt = x.transpose(0, -1)  # non-contiguous
+                d = (dim + 1) % xt.dim() if dim != 0 else xt.dim() - 1
+                d = min(d, xt.dim() - 1)
+                val, idx = pykernels.sort(xt, dim=d)
+                r = torch.sort(xt, dim=d, stable=True)
+                assert torch.equal(idx, r.indices), (dtype, shape, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.float32, torch.int64, torch.float64])
+def test_segmented_runs_of_equal_segments_with_a_payload(dtype):
+    """segmented_sort groups runs of equal-length segments into the lanes' sort (a run broken by another
+    length, a run of one, empty and length-1 segments between them) and carries the payload with them."""
+    lens = [16] * 9 + [17] * 3 + [16] + [5] * 20 + [0, 1, 0] + [64] * 5 + [3] + [200] * 4 + [1024] * 2 + [2] * 33
+    n = sum(lens) + 2
+    check_segments_of(make_keys(dtype, n, "few", seed=5), lens, 2, torch.arange(n, dtype=torch.int32) * 7, str(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float16,

@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <numeric>
 #include <vector>
 
@@ -1814,6 +1815,9 @@ struct SegArgs {
   DType dtype;
   const int64_t* offsets;  // nseg + 1 non-decreasing offsets, or null for rows of row_len
   int64_t nseg, row_len, total;
+  // rows of row_len whose keys are `inner` elements apart (a tensor's dim of size row_len with inner
+  // elements after it): row s starts at (s / inner) * row_len * inner + s % inner. 1: contiguous rows.
+  int64_t inner = 1;
   void* out_keys;
   int64_t* out_idx;  // indices relative to the segment start, or null
   const void* pay;
@@ -2002,6 +2006,87 @@ PK_TARGET_AVX512 static void sort_row16_avx512(const SegArgs& g, const Coder<uin
 }
 #endif
 
+// ---------------------------------------------------------------------------------------------
+// Rows of equal length up to ROW_NET_MAX keys, NV rows at a time in SIMD lanes (sort_rows_simd.h).
+// ---------------------------------------------------------------------------------------------
+static constexpr int ROW_NET_MAX = 1024;
+struct RowNetwork {
+  int n = 0;                      // comparators, in order
+  std::vector<uint16_t> a, b;     // wires a < b: min to a, max to b
+};
+
+// Batcher's odd-even merge sort for the power of two N >= L, without the comparators that touch a wire at
+// or above L: every comparator puts the min on its lower wire, so +inf padding on those wires would never
+// move and the comparators that touch them are no-ops (see sort_rows_simd.h). (A bitonic network with
+// its stages reordered to run block by block in L1 measured no faster at 1000 wires, with 17% more
+// comparators.)
+static void build_row_network(int L, RowNetwork& net) {
+  int N = 1;
+  while (N < L) N <<= 1;
+  for (int p = 1; p < N; p <<= 1)
+    for (int k = p; k >= 1; k >>= 1)
+      for (int j = k % p; j + k < N; j += 2 * k)
+        for (int i = 0; i < k && i + j + k < N; ++i)
+          if ((i + j) / (2 * p) == (i + j + k) / (2 * p) && i + j + k < L) {
+            net.a.push_back((uint16_t)(i + j));
+            net.b.push_back((uint16_t)(i + j + k));
+          }
+}
+
+// The network of each L, built at its first use, then shared.
+static const RowNetwork& row_network(int L) {
+  static std::mutex build;
+  static std::unique_ptr<RowNetwork> nets[ROW_NET_MAX + 1];
+  static std::atomic<const RowNetwork*> ready[ROW_NET_MAX + 1];
+  if (const RowNetwork* p = ready[L].load(std::memory_order_acquire)) return *p;
+  std::lock_guard<std::mutex> lock(build);
+  if (!nets[L]) {
+    auto net = std::make_unique<RowNetwork>();
+    build_row_network(L, *net);
+    net->n = (int)net->a.size();
+    nets[L] = std::move(net);
+    ready[L].store(nets[L].get(), std::memory_order_release);
+  }
+  return *nets[L];
+}
+
+// The outputs of nv rows sorted in lanes: positions(k, p) fills p[v] with the source position of row v's
+// k-th key. The keys are read back from the input by that position (the exact bits of canonicalised floats).
+template <class U, int NV, class Positions>
+__attribute__((always_inline)) inline void emit_row_lanes(const SegArgs& g, const int64_t* b, int nv, int L,
+                                                          int64_t ks, Positions positions) {
+  const U* in = static_cast<const U*>(g.keys);
+  U* ok = static_cast<U*>(g.out_keys);
+  int64_t* oi = g.out_idx;
+  const char* pin = static_cast<const char*>(g.pay);
+  char* pout = static_cast<char*>(g.out_pay);
+  const int ps = g.pay_size;
+  for (int k = 0; k < L; ++k) {
+    int64_t p[NV];
+    positions(k, p);
+    for (int v = 0; v < nv; ++v) {
+      const int64_t at = b[v] + k * ks, from = b[v] + p[v] * ks;
+      if (oi) oi[at] = p[v];
+      if (ok) ok[at] = in[from];
+      if (pout) std::memcpy(pout + at * ps, pin + from * ps, ps);
+    }
+  }
+}
+
+namespace rows_portable {
+static constexpr int kVecBytes = 16;  // SSE2 / NEON width: the baseline every x86-64 has
+#include "sort_rows_simd.h"
+}  // namespace rows_portable
+#if PK_X86
+#pragma GCC push_options
+#pragma GCC target("avx2")
+namespace rows_avx2 {
+static constexpr int kVecBytes = 32;
+#include "sort_rows_simd.h"
+}  // namespace rows_avx2
+#pragma GCC pop_options
+#endif
+
 // Which segments the comparison sort (sort_short_segment) takes: up to 32 keys (its sorting networks and
 // insertion sorts), and from 65 keys up to short_segment_max; the others go to radix_sort, whose small
 // inputs (up to 64 keys) take its insertion sort of encoded keys. std::sort's mispredicted compares cost
@@ -2016,6 +2101,22 @@ static inline int64_t short_segment_max(int key_bytes) {
   return key_bytes == 1 ? 32 : key_bytes == 2 ? 96 : key_bytes == 4 ? 192 : 512;
 }
 static constexpr int64_t HUGE_SEGMENT = 1 << 18;  // parallel engine at or above
+// Segments of 2..row_batch_max keys, NV of one length at a time: the lanes' network (sort_rows_simd.h).
+// Measured against the paths below (rows of 2M keys in all, argsort, 2 threads, Zen 2; ns per key,
+// network / before): 16 keys of every width 1.2-3.2 / 4.7-6.5; 64 keys 1.5-4.5 / 10-12.8; 256 keys 1-byte
+// 1.4-1.7 / 3.9-4.4, 2-byte 1.7 / 6.7, 4-byte 2.6-3.8 / 11.6-13.9, 8-byte 4.4-5.0 / 16.3; 1024 keys 1-byte
+// 2.0-3.6 / 2.2-2.5 (the counting passes of 8-bit digits catch up past 512), 2-byte 2.1-3.5 / 3.9,
+// 4-byte 3.6-4.3 / 7.0-9.2, 8-byte 7.5-7.9 / 14.6-18.5. Strided rows (a dim other than the last) take it
+// up to ROW_BATCH_MAX whatever the key: the other path would be three transposing copies.
+// x86-64 without AVX2 (the SSE2 tier: no 64-bit compare, pcmpgtq is SSE4.2, nor unsigned 32-bit min/max)
+// emulates the compares: 8-byte keys lost to the paths below at every length (rows of 16: 8.9 against 5.4
+// ns per key), 4-byte keys past ~128 (256: 10.4 / 11.7, 1000: 15.4 / 7.1); keys of 1-2 bytes still won
+// (rows of 64: 2.7 / 11.6). On AArch64 the same 16-byte tier has NEON's 64-bit compares.
+static constexpr int64_t ROW_BATCH_MAX = ROW_NET_MAX;
+static inline int64_t row_batch_max(int key_bytes, bool simd_compares) {
+  if (!simd_compares) return key_bytes == 8 ? 0 : key_bytes == 4 ? 128 : 512;
+  return key_bytes == 1 ? 512 : ROW_BATCH_MAX;
+}
 
 void segmented_sort(const SegArgs& g) {
   {
@@ -2026,7 +2127,9 @@ void segmented_sort(const SegArgs& g) {
       if (g.out_pay) advise_huge(g.out_pay, (size_t)n * g.pay_size);
     }
   }
-  auto seg_start = [&](int64_t s) { return g.offsets ? g.offsets[s] : s * g.row_len; };
+  auto seg_start = [&](int64_t s) {
+    return g.offsets ? g.offsets[s] : g.inner > 1 ? (s / g.inner) * g.row_len * g.inner + s % g.inner : s * g.row_len;
+  };
   auto seg_len = [&](int64_t s) { return g.offsets ? g.offsets[s + 1] - g.offsets[s] : g.row_len; };
   auto one = [&](int64_t s, int threads) {
     SortArgs a;
@@ -2077,7 +2180,45 @@ void segmented_sort(const SegArgs& g) {
       const char* key_bytes = static_cast<const char*>(g.keys);
       const char* pay_bytes = static_cast<const char*>(g.pay);
       const uintptr_t ahead = pk::STREAM_AHEAD_BYTES;
+#if PK_X86
+      const bool avx2 = pk::cpu_has_avx2();
+      const int lanes = avx2 ? rows_avx2::RowLanes<U>::NV : rows_portable::RowLanes<U>::NV;
+#else
+      const int lanes = rows_portable::RowLanes<U>::NV;
+#endif
+#if PK_X86
+      const bool simd_compares = avx2;
+#else
+      const bool simd_compares = true;
+#endif
+      // strided rows must all take the lanes (the other paths read contiguous segments)
+      const int64_t batch_max = g.inner > 1 ? ROW_BATCH_MAX : row_batch_max((int)sizeof(U), simd_compares);
       pk::parallel_threads(T, [&](int t) {
+        // one contiguous segment on its own: a sorting network or insertion sort in registers, a comparison
+        // sort, or the one-thread radix engine, by its length (see short_segment_max)
+        auto alone = [&](int64_t s, int64_t len) {
+          if (len <= 32 || (len > 64 && len <= short_max)) sort_short_segment<U, E>(g, cd, seg_start(s), len);
+          else one(s, 1);
+        };
+        // runs of segments of one length in [2, batch_max] go NV at a time to the lanes' sort; a run of one
+        // contiguous segment (segments of varied lengths) is sorted alone: all lanes would cost as much
+        int64_t lane_base[16], lane_seg = 0;
+        int nv = 0, lane_len = 0;
+        auto flush_lanes = [&]() {
+          if (nv == 0) return;
+          if (nv == 1 && g.inner == 1) {
+            alone(lane_seg, lane_len);
+            nv = 0;
+            return;
+          }
+          const RowNetwork& net = row_network(lane_len);
+#if PK_X86
+          if (avx2) rows_avx2::sort_rows_tier<U, E>(g, cd, lane_base, nv, lane_len, g.inner, net);
+          else
+#endif
+            rows_portable::sort_rows_tier<U, E>(g, cd, lane_base, nv, lane_len, g.inner, net);
+          nv = 0;
+        };
         for (int64_t s = cut[t]; s < cut[t + 1]; ++s) {
           const int64_t len = seg_len(s);
           if (len >= HUGE_SEGMENT) continue;
@@ -2086,15 +2227,23 @@ void segmented_sort(const SegArgs& g) {
           if (pay_bytes) PK_PREFETCH_R((const char*)((uintptr_t)(pay_bytes + seg_start(s) * g.pay_size) + ahead));
 #if PK_X86
           if constexpr (sizeof(U) == 4) {
-            if (v512 && len >= 2 && len <= 16) {
+            if (v512 && len >= 2 && len <= 16 && g.inner == 1) {
               sort_row16_avx512<E>(g, cd, seg_start(s), len);
               continue;
             }
           }
 #endif
-          if (len <= 32 || (len > 64 && len <= short_max)) sort_short_segment<U, E>(g, cd, seg_start(s), len);
-          else one(s, 1);
+          if (len >= 2 && len <= batch_max) {
+            if (nv > 0 && len != lane_len) flush_lanes();
+            lane_len = (int)len;
+            if (nv == 0) lane_seg = s;
+            lane_base[nv++] = seg_start(s);
+            if (nv == lanes) flush_lanes();
+            continue;
+          }
+          alone(s, len);
         }
+        flush_lanes();
       });
     };
     if constexpr (decltype(kind)::value == 1) {
@@ -2178,7 +2327,7 @@ py::object sort_1d(uintptr_t keys, int64_t n, int dtype, uintptr_t out_keys, uin
 
 void segmented(uintptr_t keys, int dtype, uintptr_t offsets, int64_t nseg, int64_t row_len, uintptr_t out_keys,
                uintptr_t out_idx, uintptr_t pay, uintptr_t out_pay, int pay_size, bool descending, int threads,
-               int digit_bits, bool nt_stores) {
+               int digit_bits, bool nt_stores, int64_t inner) {
   pksort::SegArgs g;
   g.keys = reinterpret_cast<const void*>(keys);
   g.dtype = static_cast<pk::DType>(dtype);
@@ -2196,6 +2345,11 @@ void segmented(uintptr_t keys, int dtype, uintptr_t offsets, int64_t nseg, int64
   g.digit_bits = digit_bits;
   g.nt_stores = nt_stores;
   if (dtype < 0 || dtype > 12) pk::fail_value("segmented_sort", "unknown dtype code");
+  if (inner < 1) pk::fail_value("segmented_sort", "inner must be at least 1");
+  if (inner > 1 && (offsets || pay || row_len > pksort::ROW_BATCH_MAX || nseg % inner))
+    pk::fail_value("segmented_sort", "strided rows (inner > 1) need equal rows of at most " +
+                                         std::to_string(pksort::ROW_BATCH_MAX) + " keys, no payload, and nseg a multiple of inner");
+  g.inner = inner;
   py::gil_scoped_release release;
   pksort::segmented_sort(g);
 }
@@ -2213,9 +2367,10 @@ PYBIND11_MODULE(_cpu_sort, m) {
         py::arg("msd_bits") = 0,
         "Stable LSD radix sort of n keys (pointers as integers; 0 = absent). Returns a stats dict if stats=True, "
         "else None.");
+  m.attr("ROW_BATCH_MAX") = pksort::ROW_BATCH_MAX;
   m.def("segmented", &segmented, py::arg("keys"), py::arg("dtype"), py::arg("offsets"), py::arg("nseg"),
         py::arg("row_len"), py::arg("out_keys"), py::arg("out_idx"), py::arg("pay"), py::arg("out_pay"),
         py::arg("pay_size"), py::arg("descending"), py::arg("threads"), py::arg("digit_bits") = 0,
-        py::arg("nt_stores") = true,
+        py::arg("nt_stores") = true, py::arg("inner") = 1,
         "Sorts each segment [offsets[i], offsets[i+1]) (or each row of row_len) independently, stably.");
 }
