@@ -227,6 +227,41 @@ def test_trivial_passes_are_skipped():
         assert torch.equal(i, torch.arange(z.numel())) and torch.equal(k.view(torch.int32), z.view(torch.int32))
 
 
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64, torch.uint64])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_lsd_engine_sorts_key_minus_min_of_narrow_spans(dtype, threads):
+    """Integer keys whose span needs fewer passes than their bits vary over (keys around zero differ in every
+    bit) are sorted by the LSD engine as key - min: one pass for a span of up to 11 bits. Spans of 1 to 40
+    bits, at zero, at the dtype's extremes, a sample that misses the one far key, ties, both directions, with
+    indices and keys alone; the passes run are the span's."""
+    info = torch.iinfo(dtype)
+    bits = info.bits
+    rng = np.random.default_rng(bits + threads)
+    npd = np.dtype(str(dtype).replace("torch.", ""))
+    for n in (65, 1000, 5003, 70001):
+        for span_bits in (1, 7, 10, 11, 12, 17, 40):
+            if span_bits >= bits - 1:
+                continue
+            half = 1 << (span_bits - 1)
+            for centre in ((0, info.min + half, info.max - half) if info.min < 0 else (half, info.max - half)):
+                # centre - half + [0, 2 * half), wrapped to the key's width (uint64 arithmetic)
+                u = rng.integers(0, 2 * half, n, dtype=np.uint64) + np.uint64((centre - half) % 2 ** 64)
+                a = u.astype(f"u{bits // 8}").view(npd)
+                if n > 1000 and centre == 0 and info.min < 0:
+                    a[rng.integers(0, n)] = info.max  # one far key between the samples: no narrow span
+                x = torch.from_numpy(a)
+                for desc in (False, True):
+                    k, i, _, st = _cpu_sort_1d(x, want_idx=True, descending=desc, config={"threads": threads},
+                                               want_stats=True)
+                    ri = ref_argsort_1d(x, desc)
+                    assert torch.equal(i, ri), (dtype, n, span_bits, centre, desc)
+                    assert_same(k, take(x, ri), f"{dtype} {n} {span_bits} {centre}")
+                    ko = _cpu_sort_1d(x, descending=desc, config={"threads": threads})[0]
+                    assert_same(ko, k, "keys only")
+                    if n >= 5003 and span_bits <= 11 and not (a == info.max).any() and not st["msd"]:
+                        assert st["passes"] == 1, (dtype, n, span_bits, centre, st)
+
+
 def _narrow_64(x: torch.Tensor, dtype, kind: str, seed: int) -> torch.Tensor:
     """64-bit keys spanning less than 2^32 (the MSD split's records hold key - min in 32 bits): the
     pattern of 16-bit keys, scaled and moved far from zero (negative for int64)."""

@@ -60,6 +60,7 @@ struct Codec {
   static constexpr U SIGN = U(U(1) << (BITS - 1));
   static constexpr U ALL = U(~U(0));
   U xor_mask = 0;  // Xor: signed -> SIGN; plus ALL when descending
+  U base = 0;      // Xor: subtracted after the xor (the LSD engine's narrow spans, see span_base)
   U flip = 0;      // Float: ALL when descending
   U inf_bits = 0;  // Float: bits of +inf (any larger magnitude is a NaN)
   U qnan_bits = 0; // Float: the default quiet NaN, which every NaN becomes
@@ -70,7 +71,7 @@ struct Coder {
   Codec<U> c;
   inline U enc(U x) const {
     if constexpr (E == Enc::Xor) {
-      return U(x ^ c.xor_mask);
+      return U(U(x ^ c.xor_mask) - c.base);
     } else {
       U mag = U(x & U(~Codec<U>::SIGN));
       if (mag > c.inf_bits) x = c.qnan_bits;  // every NaN sorts as one value, after +inf
@@ -81,7 +82,7 @@ struct Coder {
   }
   inline U dec(U k) const {
     if constexpr (E == Enc::Xor) {
-      return U(k ^ c.xor_mask);
+      return U(U(k + c.base) ^ c.xor_mask);
     } else {
       k = U(k ^ c.flip);
       U m = (k & Codec<U>::SIGN) ? Codec<U>::SIGN : Codec<U>::ALL;
@@ -1647,6 +1648,53 @@ bool counting_fill(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, int 
   return true;
 }
 
+// Integer keys whose span (max - min) needs fewer passes than their bits vary over: the LSD engine sorts
+// key - min (Codec::base), so the digits above the span are constant and skipped. Keys around zero are
+// the case: -500..500 as int64 differ in all 64 bits (two's complement), 8 passes of 8 bits, where
+// their span is 10 bits, one pass (100K int64 keys + indices: ~2.5 ms, as long as torch.sort, before).
+// A strided sample of 256 keys decides whether to read them all for their min and max (random keys of
+// the full width spend nothing more); returns false when no pass would be saved. base: the encoded min,
+// span_bits: the bit width of the encoded max - min.
+template <class U, Enc E>
+static bool span_base(const SortArgs& a, const Coder<U, E>& cd, int T, U& base, int& span_bits) {
+  const U* in = static_cast<const U*>(a.keys);
+  const int64_t n = a.n;
+  auto width = [](U v) { return v ? 64 - __builtin_clzll((uint64_t)v) : 0; };
+  // the passes a span of `bits` takes: one of up to 11 bits, else 8-bit digits
+  auto passes = [](int bits) { return bits <= 11 ? 1 : (bits + 7) / 8; };
+  auto digits = [](int bits) { return (bits + 7) / 8; };
+  {
+    constexpr int64_t SAMPLE = 256;
+    const U k0 = cd.enc(in[0]);
+    U lo = k0, hi = k0, diff = 0;
+    for (int64_t j = 1; j < SAMPLE; ++j) {
+      const U k = cd.enc(in[j * n / SAMPLE]);
+      lo = std::min(lo, k);
+      hi = std::max(hi, k);
+      diff = U(diff | (k ^ k0));
+    }
+    if (passes(width(U(hi - lo))) >= digits(width(diff))) return false;
+  }
+  std::vector<U> lo_t(T, U(~U(0))), hi_t(T, U(0));
+  pk::parallel_threads(T, [&](int t) {
+    const int64_t b = n * t / T, e = n * (t + 1) / T;
+    U lo = U(~U(0)), hi = 0;
+    for (int64_t i = b; i < e; ++i) {
+      const U k = cd.enc(in[i]);
+      lo = k < lo ? k : lo;
+      hi = k > hi ? k : hi;
+    }
+    lo_t[t] = lo;
+    hi_t[t] = hi;
+  });
+  const U lo = *std::min_element(lo_t.begin(), lo_t.end()), hi = *std::max_element(hi_t.begin(), hi_t.end());
+  span_bits = width(U(hi - lo));
+  // every key lies in [lo, hi]: their bits above the width of lo ^ hi are all alike (skipped passes)
+  if (passes(span_bits) >= digits(width(U(lo ^ hi)))) return false;
+  base = lo;
+  return true;
+}
+
 template <class U, Enc E>
 void radix_sort_typed(const SortArgs& a, const Codec<U>& codec, SortStats& st) {
   Coder<U, E> cd{codec};
@@ -1704,9 +1752,19 @@ void radix_sort_typed(const SortArgs& a, const Codec<U>& codec, SortStats& st) {
   } else {
     if (msd_hybrid_sort<U, E, MSD_BITS>(a, cd, st, T_msd, &wider)) return;
   }
-  Engine<U, E> eng(a, cd, st);
+  Coder<U, E> lsd_cd = cd;
+  int lsd_eb = eb;
+  if constexpr (E == Enc::Xor && sizeof(U) >= 2) {
+    int span_bits;
+    if (bb == 0 && eb == key_bits && a.digit_bits <= 0 && span_base<U>(a, cd, T, lsd_cd.c.base, span_bits)) {
+      lsd_eb = std::max(span_bits, 1);
+      if (lsd_eb <= 11) db = lsd_eb;  // one pass (write-combined past 8 bits)
+      st.digit_bits = db;
+    }
+  }
+  Engine<U, E> eng(a, lsd_cd, st);
   eng.wc = a.wc < 0 ? !(plain_fits && db <= 8) : a.wc > 0;
-  for (int s = bb; s < eb; s += db) eng.passes.push_back({s, std::min(db, eb - s)});
+  for (int s = bb; s < lsd_eb; s += db) eng.passes.push_back({s, std::min(db, lsd_eb - s)});
   while (T > 1 && (int64_t)T * T * (1 << db) > (1 << 22)) --T;  // bounds the next-pass count tables
   eng.T = T;
   st.threads = T;
