@@ -86,10 +86,15 @@ def _default_config(key: dict) -> dict:
     engine (csrc/sort/sort_cpu.cpp, radix_sort_typed), which knows the thread count and what the keys
     carry: on one thread while keys + payload fit in 16 MiB, 8-bit digits with plain stores; otherwise
     write-combining lines with 11-bit digits for >= 32-bit keys past 64K keys. Every torch thread, but
-    at least 128K keys per thread (waking a pool thread costs more than sorting fewer keys: measured
-    with the autotuner at 64K keys, one thread was 1.2-7x faster than two); streaming stores. msd_bits=0
-    leaves the MSD split's digit (8 or 11 bits, 32-bit keys) to the engine too: 11 from 8M keys."""
-    return {"digit_bits": 0, "wc": -1, "threads": 0, "nt": True, "grain": 1 << 17, "msd": -1, "msd_bits": 0}
+    at least 32K keys per thread (waking a pool thread costs more than sorting fewer keys). Measured on
+    the 2-core Zen 2 (values + indices, the LSD engine's keys: 1-2 byte keys, integers of a narrow span),
+    two threads against one at 64K-200K keys: 1.0-1.05x for uint8 at 64K, 1.3-1.8x for the others and for
+    every key at 100K-200K (the 128K grain before kept 200K keys on one thread; an older measurement of
+    1.2-7x for one thread at 64K keys was on another machine and engine). At 50K keys a second thread
+    gained 1.3x for 2-8 byte keys and lost 2% for 1-byte ones; the autotuner tries 16K and 128K.
+    Streaming stores. msd_bits=0 leaves the MSD split's digit (8 or 11 bits, 32-bit keys) to the engine
+    too: 11 from 8M keys."""
+    return {"digit_bits": 0, "wc": -1, "threads": 0, "nt": True, "grain": 1 << 15, "msd": -1, "msd_bits": 0}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,7 +127,7 @@ def _cpu_sort_1d(keys: torch.Tensor, *, want_keys=True, want_idx=False, payload=
                         _ptr(payload), _ptr(out_p), payload.element_size() if payload is not None else 0,
                         bool(descending), int(begin_bit), -1 if end_bit is None else int(end_bit),
                         int(config.get("digit_bits", 0)), _threads(config), bool(config.get("nt", True)),
-                        64, int(config.get("grain", 1 << 17)), bool(want_stats), int(config.get("wc", -1)),
+                        64, int(config.get("grain", 1 << 15)), bool(want_stats), int(config.get("wc", -1)),
                         int(config.get("msd", -1)), int(config.get("msd_bits", 0)))
     return out_k, out_i, out_p, stats
 

@@ -53,7 +53,7 @@ def _candidates(key: dict) -> list:
     from . import _default_config
 
     base = _default_config(key)
-    out = []
+    out = [dict(base, grain=g) for g in (1 << 14, 1 << 17)]  # the heuristic with more or fewer threads
     # the split's digit: 8 or 11 bits for 32-bit keys (others ignore msd_bits)
     split_bits = (8, 11) if key.get("dtype") in ("int32", "uint32", "float32") else (0,)
     for threads in (0, 1):
