@@ -2069,8 +2069,7 @@ PK_TARGET_AVX512 static void sort_row16_avx512(const SegArgs& g, const Coder<uin
 // ---------------------------------------------------------------------------------------------
 static constexpr int ROW_NET_MAX = 1024;
 struct RowNetwork {
-  int n = 0;                      // comparators, in order
-  std::vector<uint16_t> a, b;     // wires a < b: min to a, max to b
+  std::vector<uint16_t> a, b;  // comparator c: wires a[c] < b[c], min to a, max to b; in order
 };
 
 // Batcher's odd-even merge sort for the power of two N >= L, without the comparators that touch a wire at
@@ -2101,7 +2100,6 @@ static const RowNetwork& row_network(int L) {
   if (!nets[L]) {
     auto net = std::make_unique<RowNetwork>();
     build_row_network(L, *net);
-    net->n = (int)net->a.size();
     nets[L] = std::move(net);
     ready[L].store(nets[L].get(), std::memory_order_release);
   }

@@ -38,13 +38,14 @@ __attribute__((always_inline)) inline void sort_row_lanes(const SegArgs& g, cons
   const U* in = static_cast<const U*>(g.keys);
   const uint16_t* const na = net.a.data();
   const uint16_t* const nb = net.b.data();
+  const int ncmp = (int)net.a.size();
   int64_t b[NV];
   for (int v = 0; v < NV; ++v) b[v] = base[v < nv ? v : 0];
   if constexpr (sizeof(U) <= 2) {
     VU32 w[ROW_NET_MAX];
     for (int k = 0; k < L; ++k)
       for (int v = 0; v < NV; ++v) w[k][v] = (uint32_t)cd.enc(in[b[v] + k * ks]) << 16 | (uint32_t)k;
-    for (int c = 0; c < net.n; ++c) {
+    for (int c = 0; c < ncmp; ++c) {
       const VU32 x = w[na[c]], y = w[nb[c]];
       w[na[c]] = x < y ? x : y;
       w[nb[c]] = x < y ? y : x;
@@ -57,7 +58,7 @@ __attribute__((always_inline)) inline void sort_row_lanes(const SegArgs& g, cons
     for (int k = 0; k < L; ++k)
       for (int v = 0; v < NV; ++v)
         w[k][v] = (int64_t)(((uint64_t)cd.enc(in[b[v] + k * ks]) << 32 | (uint64_t)k) ^ (uint64_t(1) << 63));
-    for (int c = 0; c < net.n; ++c) {
+    for (int c = 0; c < ncmp; ++c) {
       const VI64 x = w[na[c]], y = w[nb[c]];
       const VI64 gt = x > y;
       w[na[c]] = gt ? y : x;
@@ -73,7 +74,7 @@ __attribute__((always_inline)) inline void sort_row_lanes(const SegArgs& g, cons
         key[k][v] = (int64_t)((uint64_t)cd.enc(in[b[v] + k * ks]) ^ (uint64_t(1) << 63));
         pos[k][v] = k;
       }
-    for (int c = 0; c < net.n; ++c) {
+    for (int c = 0; c < ncmp; ++c) {
       const int ia = na[c], ib = nb[c];
       const VI64 xk = key[ia], yk = key[ib], xp = pos[ia], yp = pos[ib];
       const VI64 gt = (xk > yk) | ((xk == yk) & (xp > yp));

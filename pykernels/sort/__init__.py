@@ -133,16 +133,18 @@ def _cpu_sort_1d(keys: torch.Tensor, *, want_keys=True, want_idx=False, payload=
 
 
 def _cpu_segmented(keys: torch.Tensor, offsets: Optional[torch.Tensor], nseg: int, row_len: int, *,
-                   want_keys=True, want_idx=False, payload=None, descending=False, config=None):
+                   want_keys=True, want_idx=False, payload=None, descending=False, config=None, inner=1):
+    """inner > 1: rows of row_len keys `inner` elements apart (a dim other than the last of a contiguous
+    tensor). Outputs come in the keys' shape."""
     config = config or {}
     out_k = _memory.empty_output(keys.shape, keys.dtype) if want_keys else None
-    out_i = _memory.empty_output((keys.numel(),), torch.int64) if want_idx else None
+    out_i = _memory.empty_output(keys.shape, torch.int64) if want_idx else None
     out_p = _memory.empty_output(payload.shape, payload.dtype) if payload is not None else None
     if keys.numel():
         _cpu().segmented(keys.data_ptr(), _native.dtype_code(keys.dtype), _ptr(offsets), nseg, row_len, _ptr(out_k),
                          _ptr(out_i), _ptr(payload), _ptr(out_p),
                          payload.element_size() if payload is not None else 0, bool(descending), _threads(config),
-                         int(config.get("digit_bits", 0)), bool(config.get("nt", True)))
+                         int(config.get("digit_bits", 0)), bool(config.get("nt", True)), inner)
     return out_k, out_i, out_p
 
 
@@ -217,11 +219,8 @@ def _strided_rows_sort(op: str, x: torch.Tensor, dim: int, descending: bool, bac
                               supported=_backends_supported())
     if chosen != "cpu":
         return None
-    vals = _memory.empty_output(xc.shape, xc.dtype) if want_keys else None
-    idx = _memory.empty_output(xc.shape, torch.int64)
-    _cpu().segmented(xc.data_ptr(), _native.dtype_code(xc.dtype), 0, rows, n, _ptr(vals), idx.data_ptr(), 0, 0, 0,
-                     bool(descending), _threads(config), int(config.get("digit_bits", 0)),
-                     bool(config.get("nt", True)), inner)
+    vals, idx, _ = _cpu_segmented(xc, None, rows, n, want_keys=want_keys, want_idx=True, descending=descending,
+                                  config=config, inner=inner)
     return vals, idx
 
 
