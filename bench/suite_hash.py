@@ -150,6 +150,18 @@ def _cpu_cases(quick):
                 ql = q.tolist()
                 return (lambda: t.find(q)), (lambda: list(map(d.get, ql)))
 
+            def make_small_find(n=nd, m=1000):
+                keys = _keys(n, 1)
+                t = pykernels.HashMap(2 * n)
+                t.insert(keys, keys)
+                idx = pd.Index(keys.numpy())
+                idx.get_indexer(keys[:10].numpy())  # the engine built beforehand
+                q = keys[torch.randperm(n)[:m]]
+                qnp = q.numpy()
+                return (lambda: t.find(q, default=-1)), (lambda: idx.get_indexer(qnp))
+
+            cases.append(Case(GROUP, "find hits=100%", "1000 keys into n=1M (a small call)", 1000, make_small_find,
+                              "pd.Index.get_indexer", 1000, "finds", notes="per-call overhead: ~8 us of lookups"))
             cases.append(Case(GROUP, "insert", "int64 n=1M load=0.5", nd, make_dict_insert, "dict(zip(...))", nd,
                               "inserts", notes="keys already Python lists for the dict (conversion not timed)"))
             cases.append(Case(GROUP, "find hits=100%", "int64 n=1M load=0.5", nd, make_dict_find,

@@ -79,6 +79,11 @@ def _cpu_cases(quick: bool):
                    "torch.sort(stable=True)", n_small, "keys",
                    notes="values + int64 indices, inside the caches")
 
+    # a small call, where the Python around the kernel decides (2000 keys: ~30 us in all, ~13 of them the
+    # kernel); below TORCH_BELOW (1024) elements backend="auto" runs torch.sort itself
+    yield Case("sort", "sort", "int32 n=2000 (a small call)", 2000, sort_vs_torch(torch.int32, 2000),
+               "torch.sort(stable=True)", 2000, "keys", notes="values + int64 indices; per-call overhead")
+
     def sort_fresh_vs_torch():
         x = _keys(torch.int32, n_mid, 1)
 

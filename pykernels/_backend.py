@@ -20,6 +20,13 @@ from torch.autograd import forward_ad as _forward_ad
 from . import _native
 
 BACKENDS = ("cpu", "cuda", "triton")
+_BACKEND_NAMES = ("auto", *BACKENDS)
+_CPU = torch.device("cpu")
+
+
+def on_cpu(device: torch.device) -> bool:
+    """device.type == "cpu", with the common case first: reading .type costs ~0.5 us a call."""
+    return device == _CPU or device.type == "cpu"
 
 
 @dataclass(frozen=True)
@@ -112,10 +119,10 @@ def select_backend(op: str, device: torch.device, backend: str = "auto",
                    supported=BACKENDS, preference=("cuda", "triton")) -> str:
     """Resolve `backend` for an op whose tensors live on `device`. Raises RuntimeError when the
     requested backend cannot run here, naming the op and the reason."""
-    if backend not in ("auto", *BACKENDS):
+    if backend not in _BACKEND_NAMES:
         raise ValueError(f"pykernels.{op}: expected backend 'auto', 'cpu', 'cuda' or 'triton', got {backend!r}")
     if backend == "auto":
-        if device.type == "cpu":
+        if on_cpu(device):
             backend = "cpu"
         else:
             for cand in preference:
@@ -129,7 +136,7 @@ def select_backend(op: str, device: torch.device, backend: str = "auto",
         raise RuntimeError(f"pykernels.{op}: backend {backend!r} is not implemented for this op "
                            f"(available: {', '.join(supported)})")
     if backend == "cpu":
-        if device.type != "cpu":
+        if not on_cpu(device):
             raise RuntimeError(f"pykernels.{op}: backend 'cpu' needs CPU tensors, got {device}")
     elif backend == "cuda":
         if device.type != "cuda":
@@ -158,7 +165,7 @@ def dispatch(op: str, device: torch.device, backend: str = "auto", key: dict | N
              supported=BACKENDS, preference=("cuda", "triton")):
     """(backend, config) for one call: the single decision point of every op."""
     autotune = _autotune()
-    if backend == "auto" and device.type == "cuda" and key is not None:
+    if backend == "auto" and key is not None and not on_cpu(device) and device.type == "cuda":
         cached = autotune.lookup(op, key, device)
         if cached is not None and cached.get("backend") in supported:
             backend = cached["backend"]
@@ -241,6 +248,21 @@ def functorch_autograd(name, setup_context, backward):
     return call
 
 
+def _traced_or_transformed() -> bool:
+    """torch.compile tracing, a Python dispatch or torch-function mode, a functorch transform, or forward AD."""
+    return bool(torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+                or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active()
+                or _forward_ad._current_level >= 0)
+
+
+def eager_plain(t) -> bool:
+    """eager_direct(t) for one tensor that never raises: also False where eager_direct would refuse
+    forward-mode AD (a fast path's caller then takes its general path, whose refusal names the op)."""
+    if _traced_or_transformed():
+        return False
+    return type(t) is torch.Tensor and not (t.requires_grad and torch.is_grad_enabled())
+
+
 def eager_direct(*tensors) -> bool:
     """True when a public call may run its implementation directly instead of through its registered
     torch.library op: the op's dispatch layers cost ~60-100 us a call (6x a 1K-element torch.sort).
@@ -248,9 +270,7 @@ def eager_direct(*tensors) -> bool:
     make_fx, FlopCounter...) or a functorch transform (vmap), nor for tensor subclasses or inputs that
     need autograd (requires_grad while grad mode is on): those go through the op, whose fake and autograd
     registrations handle them."""
-    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active()
-            or _forward_ad._current_level >= 0):
+    if _traced_or_transformed():
         _refuse_forward_ad(tensors)
         return False
     grad = torch.is_grad_enabled()  # with grad mode off nothing is recorded: requires_grad does not matter

@@ -40,6 +40,17 @@ def getenv(name: str) -> Optional[str]:
     return None if value is None else os.environ.decodevalue(value)
 
 
+def env_reader(names: tuple):
+    """A function returning the values of `names` at once as os.environ stores them (encoded bytes on
+    POSIX, None when unset): for memo keys, which only compare them (~0.2 us for five, against ~0.2 us
+    each through getenv, which decodes)."""
+    if _ENV_DATA is None or not hasattr(os.environ, "encodekey"):
+        return lambda: tuple(os.environ.get(n) for n in names)
+    keys = tuple(os.environ.encodekey(n) for n in names)
+    get = _ENV_DATA.get
+    return lambda: tuple(map(get, keys))
+
+
 def finite_real(x) -> bool:
     """math.isfinite of a real number, False (not an OverflowError) for an int too large for a float."""
     import math

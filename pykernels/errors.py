@@ -31,8 +31,13 @@ def check_ndim(op: str, arg: str, tensor: torch.Tensor, ndim) -> None:
 
 
 def check_same_device(op: str, **tensors: torch.Tensor) -> torch.device:
-    devices = {name: t.device for name, t in tensors.items() if t is not None}
-    if len(set(devices.values())) > 1:
-        desc = ", ".join(f"'{k}' on {v}" for k, v in devices.items())
-        raise RuntimeError(f"pykernels.{op}: expected all tensors on one device, got {desc}")
-    return next(iter(devices.values()))
+    first = None
+    for t in tensors.values():  # a plain loop: on every op's call path
+        if t is None:
+            continue
+        if first is None:
+            first = t.device
+        elif t.device != first:
+            desc = ", ".join(f"'{k}' on {v.device}" for k, v in tensors.items() if v is not None)
+            raise RuntimeError(f"pykernels.{op}: expected all tensors on one device, got {desc}")
+    return first

@@ -2696,3 +2696,26 @@ def test_lookups_in_tiny_full_tables_walk_every_window_and_stop(cap, kdt, vdt):
         assert torch.equal(found.bool(), expect), (t._nw, t.window, prefetch)
         if vdt is not None:
             assert torch.equal(L.bits_to_values(vals, vdt)[expect], q[expect].to(vdt) + 1)
+
+
+def test_find_defaults_keep_their_exact_bits_call_after_call():
+    """A plain int or float default's bits are worked out once and reused (scalar_bits' memo): -0.0 after
+    0.0 (equal as dict keys) keeps its sign, each dtype its own pattern, and a default out of range is
+    refused every time, not only the first."""
+    m = pykernels.HashMap(64, value_dtype=torch.float32)
+    m.insert(torch.tensor([1]), torch.tensor([2.5]))
+    q = torch.tensor([1, 7])
+    for default in (0.0, -0.0, 0.0, -0.0, 1.5, float("inf"), float("nan")):
+        vals, found = m.find(q, default=default)
+        assert found.tolist() == [True, False]
+        want = torch.tensor([default], dtype=torch.float32)
+        assert vals[1].view(torch.int32) == want.view(torch.int32) or (default != default and vals[1].isnan())
+    for dtype in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.uint32, torch.int64):
+        t = pykernels.HashMap(64, value_dtype=dtype)
+        for default in (-1, 5, -1):
+            if dtype in (torch.uint8, torch.uint32) and default < 0:
+                for _ in range(2):
+                    with pytest.raises(ValueError, match="expected 'default' within the range"):
+                        t.find(q, default=default)
+                continue
+            assert t.find(q, default=default)[0].tolist() == [default, default], (dtype, default)

@@ -6,6 +6,7 @@ order-preserving key transform for bit ranges. Values are compared bit for bit (
 payloads must come back exactly as in the input).
 """
 import json
+import math
 import os
 import subprocess
 import sys
@@ -1353,6 +1354,57 @@ def test_small_auto_sorts_are_torch_sort_and_agree_with_the_native_path(monkeypa
     calls.clear()
     pykernels.sort_keys(x[0], begin_bit=3)  # a bit range: the native sort
     assert calls == []
+
+
+def test_lean_call_path_matches_the_general_path_and_is_taken(monkeypatch):
+    """A plain contiguous CPU tensor sorted along its last dim takes the lean path (_lean_cpu_rows: type tests
+    and the native call); everything else the general one. Both give the same values and indices, and the
+    lean path is not silently skipped for the call it exists for."""
+    import importlib
+
+    ps = importlib.import_module("pykernels.sort")
+    shapes = [(1,), (2,), (97,), (3000,), (1, 50), (5, 33), (40, 2), (3, 4, 9)]
+    for dtype in KEY_DTYPES:
+        for shape in shapes:
+            x = make_keys(dtype, math.prod(shape), "special" if dtype.is_floating_point else "few",
+                          seed=len(shape)).view(shape)
+            for desc in (False, True):
+                lean_v, lean_i = ps._lean_cpu_rows("sort", x, -1, desc, True, "auto", True)
+                lean_a = ps._lean_cpu_rows("argsort", x, x.dim() - 1, desc, None, "cpu", False)
+                assert lean_a[0] is None
+                with monkeypatch.context() as m:
+                    m.setattr(ps, "_lean_cpu_rows", lambda *a: None)
+                    gv, gi = pykernels.sort(x, descending=desc)
+                    ga = pykernels.argsort(x, descending=desc)
+                what = f"{dtype} {shape} {desc}"
+                assert lean_v.shape == x.shape and lean_v.is_contiguous() and lean_i.is_contiguous(), what
+                assert_same(lean_v, gv, what)
+                assert_same(lean_i, gi, what)
+                assert_same(lean_a[1], ga, what)
+    general = []
+    real = ps._rows_sort
+    monkeypatch.setattr(ps, "_rows_sort", lambda *a, **k: general.append(a[0]) or real(*a, **k))
+    x = torch.randn(4, 300)
+    r = pykernels.sort(x)
+    assert type(r) is torch.return_types.sort
+    pykernels.argsort(x, dim=1, descending=True, stable=False)
+    assert general == []
+    # every other call: the general path (its checks and errors)
+    pykernels.sort(x, dim=0)
+    pykernels.sort(x.t())  # not contiguous
+    pykernels.argsort(x.numpy())  # not a tensor
+    pykernels.sort(x, 1)
+    pykernels.sort(torch.randn(5, requires_grad=True))
+    pykernels.sort(x, out=(torch.empty(0), torch.empty(0, dtype=torch.int64)))
+    assert general == ["sort", "sort", "argsort", "sort", "sort"]  # not sort(x, 1): the last dim, lean
+    with pytest.raises(TypeError, match="pykernels.sort: expected a bool for 'descending'"):
+        pykernels.sort(x, descending=1)
+    with pytest.raises(ValueError, match="pykernels.argsort: expected 'dim' in"):
+        pykernels.argsort(x, dim=2)
+    with pytest.raises(TypeError, match="pykernels.sort: expected a torch.Tensor .* for 'input'"):
+        pykernels.sort("abc")
+    with pytest.raises(ValueError, match="pykernels.sort: expected backend"):
+        pykernels.sort(x, backend="gpu")
 
 
 def _short_rows_check():

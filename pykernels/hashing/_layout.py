@@ -14,6 +14,10 @@ import torch
 
 from ..errors import check_dtype
 
+_CPU = torch.device("cpu")
+_BITS_OF = {d: (torch.int32 if d.itemsize == 4 else torch.int64)  # 4- and 8-byte dtypes -> their bit dtype
+            for d in (torch.int32, torch.uint32, torch.float32, torch.int64, torch.uint64, torch.float64)}
+
 KEY_DTYPES = (torch.int32, torch.int64, torch.uint32, torch.uint64)
 VALUE_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float16, torch.bfloat16,
                 torch.int32, torch.uint32, torch.float32, torch.int64, torch.uint64, torch.float64,
@@ -68,7 +72,8 @@ def key_bits(t: torch.Tensor) -> torch.Tensor:
         t = t.reshape(-1)
     if not t.is_contiguous():
         t = t.contiguous()
-    return t.view(_BITS[t.element_size()])
+    bits = _BITS[t.element_size()]
+    return t if t.dtype == bits else t.view(bits)
 
 
 def shaped_like(out: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -83,6 +88,9 @@ def bits_to_keys(bits: torch.Tensor, key_dtype: torch.dtype) -> torch.Tensor:
 
 def value_bits(v: torch.Tensor) -> torch.Tensor:
     """Values as 4- or 8-byte bit patterns (1-2 byte values widened)."""
+    if v.dim() == 1 and v.is_contiguous() and v.dtype in _BITS_OF and _no_lazy_bits(v):
+        bits = _BITS_OF[v.dtype]  # the common call: the values themselves, or a view (~0.5 us, not ~3)
+        return v if v.dtype == bits else v.view(bits)
     v = v.resolve_conj().resolve_neg().reshape(-1)  # a lazy conj/neg view cannot be reinterpreted as bits
     if not v.is_contiguous():
         v = v.contiguous()
@@ -95,6 +103,8 @@ def value_bits(v: torch.Tensor) -> torch.Tensor:
 
 
 def bits_to_values(bits: torch.Tensor, value_dtype: torch.dtype) -> torch.Tensor:
+    if bits.dtype == value_dtype:  # int32/int64 values: the bits are the values
+        return bits
     size = value_dtype.itemsize
     if size in (4, 8):
         return bits.view(value_dtype)
@@ -112,6 +122,27 @@ def scalar_bits(op: str, value, value_dtype: torch.dtype) -> int:
     nearest representable value, as storing a float does; inf and NaN are values too)."""
     if type(value) is int and value == 0:  # find()'s default: +0 and 0.0 are all-zero bits in every dtype
         return 0
+    # a default is a constant of the caller's code: its bits are worked out once (~17 us). Floats are
+    # keyed by their hex form (-0.0 == 0.0 as dict keys, but their bits differ); NaNs are not kept.
+    memo = None
+    if type(value) is int:
+        memo = (value_dtype, value)
+    elif type(value) is float and value == value:
+        memo = (value_dtype, value.hex())
+    if memo is not None:
+        bits = _SCALAR_BITS.get(memo)
+        if bits is not None:
+            return bits
+    bits = _scalar_bits(op, value, value_dtype)
+    if memo is not None and len(_SCALAR_BITS) < 1024:
+        _SCALAR_BITS[memo] = bits
+    return bits
+
+
+_SCALAR_BITS: dict = {}  # (value dtype, int or float.hex()) -> scalar_bits of plain ints and floats
+
+
+def _scalar_bits(op: str, value, value_dtype: torch.dtype) -> int:
     where = f"pykernels.{op}: expected 'default'"
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
@@ -239,7 +270,16 @@ def same_device(a: torch.device, b: torch.device) -> bool:
     return (a.index or 0) == (b.index or 0)
 
 
+def _no_lazy_bits(t: torch.Tensor) -> bool:
+    """Neither a lazy conj nor a lazy neg view (their memory is not their value), in eager code (dynamo
+    cannot trace is_conj: compiled calls take the general path, whose resolve_conj/neg it traces)."""
+    return not (torch.compiler.is_compiling() or t.is_conj() or t.is_neg())
+
+
 def check_keys(op: str, keys, key_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if (type(keys) is torch.Tensor and keys.dtype == key_dtype and keys.is_cpu and device == _CPU
+            and keys.layout == torch.strided and not keys.is_nested and _no_lazy_bits(keys)):
+        return keys  # the common call, as as_tensor and the checks below would pass it (~1 us, not ~6)
     from .._native import as_tensor
 
     keys = as_tensor(keys, op, "keys")
@@ -250,6 +290,10 @@ def check_keys(op: str, keys, key_dtype: torch.dtype, device: torch.device) -> t
 
 
 def check_values(op: str, values, value_dtype: torch.dtype, keys: torch.Tensor, arg: str = "values") -> torch.Tensor:
+    if (type(values) is torch.Tensor and values.dtype == value_dtype and values.is_cpu and keys.is_cpu
+            and values.shape == keys.shape and values.layout == torch.strided
+            and not values.is_nested and _no_lazy_bits(values)):
+        return values  # the common call, as the checks below would pass it
     from .._native import as_tensor
 
     values = as_tensor(values, op, arg)

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from .. import _memory, _native
-from .._backend import eager_direct
+from .._backend import on_cpu, eager_direct
 from ..errors import check_same_device
 from ._layout import slot_bytes
 
@@ -24,12 +24,14 @@ _BITS = {4: torch.int32, 8: torch.int64}
 
 
 def _mod(t: torch.Tensor):
-    return _native.cpu_module("hash") if t.device.type == "cpu" else _native.cuda_module("hash")
+    return _native.cpu_module("hash") if t.is_cpu else _native.cuda_module("hash")
 
 
 def stream_args(device: torch.device) -> tuple:
     """The trailing stream argument of a native CUDA call (torch's current stream on `device`); none on
     the CPU. The one helper every table call into the native modules uses."""
+    if on_cpu(device):  # (device.type costs ~0.5 us: the common case first)
+        return ()
     return (_native.cuda_stream_handle(device),) if device.type == "cuda" else ()
 
 
@@ -42,8 +44,10 @@ def _nthreads(threads: int) -> int:
 def out_buffer(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An output buffer: large CPU outputs come from the output cache (pykernels/_memory.py: the first
     touch of fresh pages was ~25% of a 4M-key lookup's time)."""
-    if device.type != "cpu":
+    if not on_cpu(device):
         return torch.empty(n, dtype=dtype, device=device)
+    if n * dtype.itemsize < _memory.MIN_CACHED_BYTES:  # what the output cache would do, ~1 us sooner
+        return torch.empty(n, dtype=dtype)
     return _memory.empty_output((n,), dtype)
 
 
@@ -130,10 +134,11 @@ def _(slots, special, keys, nw, window, seed, kb, vb, default_bits, with_values,
 
 def _insert_impl(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor, values: Optional[torch.Tensor],
                  nw: int, window: int, seed: int, kb: int, vb: int, mode: int, used: int, limit: int, threads: int,
-                 prefetch: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 prefetch: int, counts_tuple: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Bulk insert (mode 0 upsert, 1 add, 2 append) in place. Returns (status [n] uint8:
     0 existed, 1 new, 2 left out (table full), 3 skipped; counts int64[3] on the CPU:
-    new keys, new keys that took an EMPTY slot, keys left out)."""
+    new keys, new keys that took an EMPTY slot, keys left out). counts_tuple: the counts as a tuple of
+    ints (eager callers, who read them at once: torch.tensor of three ints costs ~6 us)."""
     check_same_device("hash_insert_", slots=slots, special=special, keys=keys, values=values)
     _check_mode("hash_insert_", mode)
     n = keys.numel()
@@ -146,6 +151,8 @@ def _insert_impl(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor,
                                     keys.data_ptr(), values.data_ptr() if values is not None else 0, n,
                                     status.data_ptr(), mode, used, limit, _nthreads(threads), prefetch,
                                     *stream_args(slots.device))
+    if counts_tuple:
+        return status, tuple(counts)
     return status, torch.tensor(list(counts), dtype=torch.int64)
 
 
@@ -161,11 +168,12 @@ def _hash_insert_op(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tens
 
 
 def hash_insert_(slots, special, keys, values, nw, window, seed, kb, vb, mode, used, limit, threads, prefetch):
-    """pykernels::hash_insert_: directly in eager code, else through the registered op."""
+    """pykernels::hash_insert_: directly in eager code (counts: a tuple of 3 ints), else through the
+    registered op (counts: an int64 tensor)."""
     args = (slots, special, keys, values, nw, window, seed, kb, vb, mode, used, limit, threads, prefetch)
     if not eager_direct(slots, special, keys, values):
         return _hash_insert_op(*args)
-    out = _insert_impl(*args)
+    out = _insert_impl(*args, counts_tuple=True)
     torch.autograd.graph.increment_version((slots, special))  # written in place, as the op would record
     return out
 

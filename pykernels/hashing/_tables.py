@@ -226,7 +226,7 @@ class _OpenTable:
         status, counts = _ops.hash_insert_(self._slots, self._special, kbits, vbits, self._nw, self.window, self.seed,
                                            self._kb, self._vb, mode, self._used, self._limit(),
                                            int(cfg.get("threads", 0) or 0), int(cfg.get("prefetch", 32)))
-        return status, tuple(int(c) for c in counts.tolist())
+        return status, counts if type(counts) is tuple else tuple(int(c) for c in counts.tolist())
 
     def _insert_bits(self, op, kbits, vbits, mode):
         """Inserts, making room (tombstone purge / growth) for keys left out by a full table.
