@@ -147,6 +147,18 @@ def test_causal_is_bottom_right_aligned():
         q2[:, :, 5:], k2, v2, is_causal=True))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("Sk", [1, 2, 77])
+def test_decode_step_causal_sees_every_key(Sk, dtype):
+    """One query row (a decode step): bottom-right causal lets it see all S_k keys, so the CPU path runs
+    aten's kernel without a mask; out, lse and gradients as the oracle's, and as the non-causal call."""
+    q, k, v = make(2, 4, 2, 1, Sk, 32, dtype, seed=Sk)
+    check_forward_and_grads(q, k, v, True)
+    out_c, lse_c = flash_attention(q, k, v, causal=True, return_lse=True)
+    out_n, lse_n = flash_attention(q, k, v, causal=False, return_lse=True)
+    assert torch.equal(out_c, out_n) and torch.equal(lse_c, lse_n)
+
+
 def test_rows_without_keys_have_zero_output_and_gradient():
     q, k, v = (t.requires_grad_() for t in make(2, 2, 1, 9, 4, 16, torch.float32))
     out, lse = flash_attention(q, k, v, causal=True, return_lse=True)

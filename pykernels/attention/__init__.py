@@ -48,12 +48,16 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # float6
 SUPPORTED = ("cpu", "triton")
 
 
+_DTYPE_NAMES = {d: str(d).replace("torch.", "") for d in DTYPES}
+
+
 def problem_key(q, k, v=None, causal=False, **_) -> dict:
     """The autotune key: dtypes and static dims, power-of-two buckets of the dynamic ones."""
     B, H, Sq, D = q.shape
-    return {"dtype": str(q.dtype).replace("torch.", ""), "d": int(D), "causal": bool(causal),
-            "gqa": int(H // max(1, k.shape[1])), "bh": autotune.bucket(B * H),
-            "sq": autotune.bucket(Sq), "sk": autotune.bucket(k.shape[2])}
+    bucket = autotune.bucket
+    return {"dtype": _DTYPE_NAMES.get(q.dtype) or str(q.dtype).replace("torch.", ""), "d": int(D),
+            "causal": bool(causal), "gqa": int(H // max(1, k.shape[1])), "bh": bucket(B * H), "sq": bucket(Sq),
+            "sk": bucket(k.shape[2])}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -135,7 +139,7 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, ba
 def _forward_laid_out(q, k, v, causal: bool, scale: float, backend: str):
     """_forward_impl with the layouts the op promises (its fake below reports them)."""
     out, lse = _forward_impl(q, k, v, causal, scale, backend)
-    if q.device.type == "cpu" and backend != "triton":
+    if q.is_cpu and backend != "triton":
         return _cpu.like_q(out, q), _cpu.to_bshd(lse)
     return out.contiguous(), lse.contiguous()
 

@@ -45,6 +45,12 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _acc(lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """lse in the accumulation dtype of `dtype` inputs (no call when it already is: ~2 us a .to())."""
+    acc = acc_dtype(dtype)
+    return lse if lse.dtype == acc else lse.to(acc)
+
+
 def to_bshd(x: torch.Tensor) -> torch.Tensor:
     """x ([B, H, S, D] or [B, H, S]) laid out in memory as [B, S, H, (D)]: the layout in which aten's CPU
     flash kernels write the LSE, so the CPU backend returns it without a copy. No-op when x is already
@@ -175,7 +181,7 @@ def nan_rows_show_as_zero_lse(Sq: int, Sk: int, causal: bool, dtype) -> bool:
     """Whether flash_forward gives a query row holding NaN an lse of exactly 0 (aten zeroes such a row and
     its lse): true for one aten call per row, false for the split + merge of large rectangular causal
     problems (the merge turns 0 and 0 into log 2)."""
-    return not (causal and Sq < Sk and Sq * Sk * torch.finfo(dtype).bits // 8 > MASK_BYTES)
+    return not (causal and 1 < Sq < Sk and Sq * Sk * torch.finfo(dtype).bits // 8 > MASK_BYTES)
 
 
 @functools.lru_cache(maxsize=4)
@@ -197,14 +203,16 @@ def flash_forward(q, k, v, causal: bool, scale: float):
     q = _dense_last(q)
     k = _expand_kv(_dense_last(k), g)
     v = _expand_kv(_dense_last(v), g)
+    if Sq == 1:  # one query row (a decode step): bottom-right causal sees every key
+        causal = False
     if not causal or Sq == Sk:
         out, lse = _ATEN_FWD(q, k, v, 0.0, causal, scale=scale)
-        return out, lse.to(acc_dtype(q.dtype))
+        return out, _acc(lse, q.dtype)
     if Sq < Sk:
         mask = _bottom_right_mask(Sq, Sk, q.dtype)
         if mask is not None:
             out, lse = _ATEN_FWD(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
-            return out, lse.to(acc_dtype(q.dtype))
+            return out, _acc(lse, q.dtype)
         off = Sk - Sq
         out_a, lse_a = _ATEN_FWD(q, k[:, :, :off], v[:, :, :off], 0.0, False, scale=scale)
         out_b, lse_b = _ATEN_FWD(q, k[:, :, off:], v[:, :, off:], 0.0, True, scale=scale)
