@@ -1378,9 +1378,16 @@ def test_lean_call_path_matches_the_general_path_and_is_taken(monkeypatch):
                     ga = pykernels.argsort(x, descending=desc)
                 what = f"{dtype} {shape} {desc}"
                 assert lean_v.shape == x.shape and lean_v.is_contiguous() and lean_i.is_contiguous(), what
+                assert lean_v.stride() == gv.stride() and lean_i.stride() == gi.stride(), what
                 assert_same(lean_v, gv, what)
                 assert_same(lean_i, gi, what)
                 assert_same(lean_a[1], ga, what)
+    # contiguous, with odd strides on its size-1 dims: outputs with the general path's strides
+    x = torch.randn(40).as_strided((1, 5, 1, 8), (3, 8, 99, 1))
+    assert x.is_contiguous()
+    lean_v, lean_i = ps._lean_cpu_rows("sort", x, -1, False, True, "cpu", True)
+    assert lean_v.stride() == lean_i.stride() == torch.empty(1, 5, 1, 8).stride()
+    assert_same(lean_v, torch.sort(x, stable=True).values)
     general = []
     real = ps._rows_sort
     monkeypatch.setattr(ps, "_rows_sort", lambda *a, **k: general.append(a[0]) or real(*a, **k))

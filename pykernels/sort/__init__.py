@@ -244,10 +244,10 @@ def _lean_cpu_rows(op: str, x, dim, descending, stable, backend, want_keys: bool
     _, config = dispatch(op, _CPU, backend, {"dtype": _DTYPE_NAMES[x.dtype], "n": nb,
                                              "rows": 1 << (rows - 1).bit_length()}, supported=_CPU_ONLY)
     if rows == 1:
-        if numel * 8 < _memory.MIN_CACHED_BYTES:  # what the output cache would do, ~1 us sooner each
-            ok = torch.empty_like(x) if want_keys else None
-            oi = torch.empty_like(x, dtype=torch.int64)
-        else:
+        if nd == 1 and numel * 8 < _memory.MIN_CACHED_BYTES:  # what the output cache does, ~1 us sooner each
+            ok = torch.empty(numel, dtype=x.dtype) if want_keys else None
+            oi = torch.empty(numel, dtype=torch.int64)
+        else:  # (contiguous strides, as the general path's: empty_like would copy odd strides of size-1 dims)
             ok = _memory.empty_output(x.shape, x.dtype) if want_keys else None
             oi = _memory.empty_output(x.shape, torch.int64)
         _cpu_sort_1d(x, want_keys=want_keys, want_idx=True, descending=descending, config=config, out=(ok, oi))
