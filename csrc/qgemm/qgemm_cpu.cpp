@@ -452,6 +452,17 @@ PK_TARGET_AVX2 inline __m256 wo_dot_avx2(const uint8_t* wb, int r, __m256i x0, _
   return _mm256_cvtepi32_ps(acc);
 }
 
+// The end of group g for token m of a tile: the rows' weight scales (sc) and the offset term of the
+// affine form, m * sum(x) with the centre folded in, added to off (double).
+inline void wo_group_scales(const WoArgs& a, int64_t n0, int rows, int64_t m, int64_t g, float* sc, double* off) {
+  const WoShape& s = a.s;
+  for (int r = 0; r < rows; ++r) {
+    const int64_t i = (n0 + r) * s.G + g;
+    sc[r] = a.scales[i];
+    off[r] += ((double)a.offsets[i] + (double)a.scales[i] * s.center) * a.xsum[m * s.G + g];
+  }
+}
+
 template <int LB>
 PK_TARGET_AVX2 void wo_tile_avx2(const WoArgs& a, int64_t t) {
   const WoShape& s = a.s;
@@ -481,11 +492,7 @@ PK_TARGET_AVX2 void wo_tile_avx2(const WoArgs& a, int64_t t) {
         f3 = _mm256_fmadd_ps(wo_dot_avx2<LB>(wb, 3, x0, x1, cv), xsb, f3);
       }
       float sc[RT] = {0, 0, 0, 0};
-      for (int r = 0; r < rows; ++r) {
-        const int64_t i = (n0 + r) * s.G + g;
-        sc[r] = a.scales[i];
-        off[r] += ((double)a.offsets[i] + (double)a.scales[i] * s.center) * a.xsum[m * s.G + g];
-      }
+      wo_group_scales(a, n0, rows, m, g, sc, off);
       tot0 = _mm256_fmadd_ps(f0, _mm256_set1_ps(sc[0]), tot0);
       tot1 = _mm256_fmadd_ps(f1, _mm256_set1_ps(sc[1]), tot1);
       tot2 = _mm256_fmadd_ps(f2, _mm256_set1_ps(sc[2]), tot2);
@@ -493,6 +500,111 @@ PK_TARGET_AVX2 void wo_tile_avx2(const WoArgs& a, int64_t t) {
     }
     double out[RT] = {off[0] + hsum256(tot0), off[1] + hsum256(tot1), off[2] + hsum256(tot2),
                       off[3] + hsum256(tot3)};
+    finish_tile(a, m, n0, rows, out);
+  }
+}
+
+// The same tile for a pass of M >= 2 tokens: the tile's codes (4 rows) are decoded once per pass, a chunk
+// of whole groups at a time (centred int16, 64 bytes per row and block, up to PANEL_CHUNK_BLOCKS blocks:
+// 8 KiB, in L1), and every token of the pass is dotted with the chunk, instead of the codes being widened
+// again for each token (the load, widen, mask, shift and two subtractions per row and block of
+// wo_tile_avx2: ~11 vector ops per 32 multiply-adds of a row, ~7 here). Each token's running totals wait
+// in a small per-thread buffer between chunks. Every (token, row) sum sees the same operations in the same
+// order as in wo_tile_avx2, so the results are bit-identical. Measured (K=N=4096 W4 g128, fp32 tokens, 2
+// threads, same process, ms, wo_tile_avx2 -> this): M=2 1.8 -> 1.2, M=16 7.1 -> 6.3, M=64 28.7 -> 23.4,
+// M=128 56.7 -> 46.3. (Decoding the whole tile first, 32 KiB at K=4096, read back from L2: 10% less; a
+// loop over tokens inside each group of 4 blocks: 1.6x slower than wo_tile_avx2.)
+constexpr int64_t PANEL_CHUNK_BLOCKS = 32;  // wo_tile_avx2_panel decodes up to 32 blocks (8 KiB) at a time
+// Row r's 32 decoded codes of a block (wo_tile_avx2_panel's buffer) dotted with 32 int16 activations.
+PK_TARGET_AVX2 inline __m256 wo_dot_decoded_avx2(const int16_t* d, int r, __m256i x0, __m256i x1) {
+  const __m256i lo = _mm256_loadu_si256((const __m256i*)(d + r * KB));
+  const __m256i hi = _mm256_loadu_si256((const __m256i*)(d + r * KB + 16));
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(lo, x0), _mm256_madd_epi16(hi, x1)));
+}
+
+template <int LB>
+PK_TARGET_AVX2 void wo_tile_avx2_panel(const WoArgs& a, int64_t t) {
+  const WoShape& s = a.s;
+  const int64_t n0 = t * RT;
+  const int rows = (int)std::min<int64_t>(RT, s.N - n0);
+  constexpr int bw = LB == 4 ? 16 : 32;
+  const uint8_t* wt = a.w + t * s.tile_bytes();
+  const __m256i cv = _mm256_set1_epi16((int16_t)s.center);
+  static thread_local std::vector<int16_t> dec;  // [block of the chunk][row][32 codes]
+  static thread_local std::vector<float> tot;    // [token][row][8 lanes], between chunks
+  static thread_local std::vector<double> off;   // [token][row]
+  tot.assign((size_t)s.M * RT * 8, 0.f);
+  off.assign((size_t)s.M * RT, 0.0);
+  for (int64_t g0 = 0; g0 < s.G;) {
+    // a chunk of whole groups of up to CHUNK_BLOCKS blocks (at least one group): 8 KiB decoded, in L1
+    int64_t cb0, cb1, g1 = g0;
+    block_range(s, g0, &cb0, &cb1);
+    for (int64_t b0, b1; g1 + 1 < s.G; ++g1) {
+      block_range(s, g1 + 1, &b0, &b1);
+      if (b1 - cb0 > PANEL_CHUNK_BLOCKS) break;
+      cb1 = b1;
+    }
+    ++g1;
+    dec.resize((size_t)(cb1 - cb0) * RT * KB);
+    int16_t* const dp = dec.data();
+    for (int64_t b = cb0; b < cb1; ++b) {
+      const uint8_t* wb = wt + b * RT * bw;
+      PK_PREFETCH_R(wb + 8 * RT * bw);
+      int16_t* d = dp + (b - cb0) * RT * KB;
+      for (int r = 0; r < RT; ++r) {
+        __m256i lo, hi;
+        if constexpr (LB == 4) {
+          const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(wb + r * 16)));
+          lo = _mm256_sub_epi16(_mm256_and_si256(v, _mm256_set1_epi16(0x0f)), cv);
+          hi = _mm256_sub_epi16(_mm256_srli_epi16(v, 4), cv);
+        } else {
+          lo = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(wb + r * 32))), cv);
+          hi = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(wb + r * 32 + 16))), cv);
+        }
+        _mm256_storeu_si256((__m256i*)(d + r * KB), lo);
+        _mm256_storeu_si256((__m256i*)(d + r * KB + 16), hi);
+      }
+    }
+    for (int64_t m = 0; m < s.M; ++m) {
+      const int16_t* xq = a.xq + m * s.Kp;
+      const float* xs = a.xs + m * s.B;
+      float* tm = tot.data() + m * RT * 8;
+      double* om = off.data() + m * RT;
+      __m256 tot0 = _mm256_loadu_ps(tm), tot1 = _mm256_loadu_ps(tm + 8), tot2 = _mm256_loadu_ps(tm + 16),
+             tot3 = _mm256_loadu_ps(tm + 24);
+      for (int64_t g = g0; g < g1; ++g) {
+        int64_t b0, b1;
+        block_range(s, g, &b0, &b1);
+        __m256 f0 = _mm256_setzero_ps(), f1 = f0, f2 = f0, f3 = f0;
+        for (int64_t b = b0; b < b1; ++b) {
+          const int16_t* d = dp + (b - cb0) * RT * KB;
+          const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + b * KB));
+          const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xq + b * KB + 16));
+          const __m256 xsb = _mm256_broadcast_ss(xs + b);
+          f0 = _mm256_fmadd_ps(wo_dot_decoded_avx2(d, 0, x0, x1), xsb, f0);
+          f1 = _mm256_fmadd_ps(wo_dot_decoded_avx2(d, 1, x0, x1), xsb, f1);
+          f2 = _mm256_fmadd_ps(wo_dot_decoded_avx2(d, 2, x0, x1), xsb, f2);
+          f3 = _mm256_fmadd_ps(wo_dot_decoded_avx2(d, 3, x0, x1), xsb, f3);
+        }
+        float sc[RT] = {0, 0, 0, 0};
+        wo_group_scales(a, n0, rows, m, g, sc, om);
+        tot0 = _mm256_fmadd_ps(f0, _mm256_set1_ps(sc[0]), tot0);
+        tot1 = _mm256_fmadd_ps(f1, _mm256_set1_ps(sc[1]), tot1);
+        tot2 = _mm256_fmadd_ps(f2, _mm256_set1_ps(sc[2]), tot2);
+        tot3 = _mm256_fmadd_ps(f3, _mm256_set1_ps(sc[3]), tot3);
+      }
+      _mm256_storeu_ps(tm, tot0);
+      _mm256_storeu_ps(tm + 8, tot1);
+      _mm256_storeu_ps(tm + 16, tot2);
+      _mm256_storeu_ps(tm + 24, tot3);
+    }
+    g0 = g1;
+  }
+  for (int64_t m = 0; m < s.M; ++m) {
+    const float* tm = tot.data() + m * RT * 8;
+    const double* om = off.data() + m * RT;
+    double out[RT] = {om[0] + hsum256(_mm256_loadu_ps(tm)), om[1] + hsum256(_mm256_loadu_ps(tm + 8)),
+                      om[2] + hsum256(_mm256_loadu_ps(tm + 16)), om[3] + hsum256(_mm256_loadu_ps(tm + 24))};
     finish_tile(a, m, n0, rows, out);
   }
 }
@@ -1117,13 +1229,19 @@ int64_t wo_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int
       quantize_act_int16(xp, xdt, m, s, &xq[m * s.Kp], &xs[m * s.B], &xsum[m * s.G]);
   });
   void (*tile_fn)(const WoArgs&, int64_t) = wo_tile_portable;
+  void (*panel_fn)(const WoArgs&, int64_t) = wo_tile_portable;
 #if PK_X86
-  if (isa >= 1 && pk::cpu_has_avx2()) tile_fn = s.lbits == 4 ? wo_tile_avx2<4> : wo_tile_avx2<8>;
+  if (isa >= 1 && pk::cpu_has_avx2()) {
+    tile_fn = s.lbits == 4 ? wo_tile_avx2<4> : wo_tile_avx2<8>;
+    panel_fn = s.lbits == 4 ? wo_tile_avx2_panel<4> : wo_tile_avx2_panel<8>;
+  }
 #endif
   for (int64_t mb = 0; mb < M; mb += m_block) {
     WoArgs a{};
     a.s = s;
     a.s.M = std::min(m_block, M - mb);
+    // from two tokens a pass, the codes decoded once for all of them (wo_tile_avx2_panel)
+    void (*fn)(const WoArgs&, int64_t) = a.s.M >= 2 ? panel_fn : tile_fn;
     a.w = reinterpret_cast<const uint8_t*>(w);
     a.scales = reinterpret_cast<const float*>(scales);
     a.offsets = reinterpret_cast<const float*>(offsets);
@@ -1134,7 +1252,7 @@ int64_t wo_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int
     a.ydt = ydt;
     a.y = reinterpret_cast<char*>(y) + mb * N * esize;
     pk::parallel_chunks(chunks, threads_for_work(num_threads, a.s.M * N * K), 1, [&](int, int64_t c0, int64_t c1) {
-      for (int64_t t = c0 * n_block; t < std::min(T, c1 * n_block); ++t) tile_fn(a, t);
+      for (int64_t t = c0 * n_block; t < std::min(T, c1 * n_block); ++t) fn(a, t);
     });
   }
   return 0;

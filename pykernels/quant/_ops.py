@@ -69,10 +69,11 @@ def _default_cpu_config(key: dict) -> dict:
         # lanes fill up), one pass over the weights for all tokens (M=128: 50 ms in one pass vs 67 ms in
         # 8 passes of 16); bf16 too (M=64: 30 ms vs 37 ms for dequantize + torch's bf16 GEMM).
         return {"impl": "native", "threads": 0, "m_block": 4096, "n_block": 8, "isa": 2, "gemm_min_m": 12}
-    # The integer kernel (AVX2) streams the weights once per block of 16 tokens: ~7x fp32 torch.matmul at
-    # M=1, ~3x at M=16 (K=N=4096, 2 busy cores). Where the op turns compute-bound, the dequantize + torch
-    # GEMM route ("dequant_mm") wins: from the M=128 bucket (Zen 2, AVX2 only, same process: M=128 47 vs
-    # 59 ms for fp32 and bf16 activations, which it multiplies in fp32 there; M=64 31 vs 30 ms), and for
+    # The integer kernel (AVX2) streams the weights once per block of 16 tokens (decoding them once for
+    # the 16: wo_tile_avx2_panel): ~7x fp32 torch.matmul at M=1, ~2.4x at M=16 (K=N=4096, 2 busy cores).
+    # Where the op turns compute-bound, the dequantize + torch GEMM route ("dequant_mm") wins: from the
+    # M=128 bucket (Zen 2, AVX2 only, same process: M=128 41 vs 46 ms for fp32 activations; M=64 28 vs
+    # 23 ms, M=32 22 vs 12: the native kernel below), and for
     # bf16 activations from M=64 where the CPU multiplies bf16 natively (AVX-512 turned off on Zen 4: M=128
     # ~100 ms vs ~225 ms).
     if key["M"] >= 128 or (key.get("dtype") == "bfloat16" and key["M"] >= 64 and _bf16_gemm_native()):
