@@ -35,7 +35,7 @@ from . import _native
 
 HUGE_PAGE = 2 << 20
 MAX_PER_SIZE = 4
-MIN_CACHED_BYTES = 1 << 20  # smaller outputs come from malloc's heap, whose pages are already mapped
+_MIN_CACHED_BYTES = 1 << 20  # smaller outputs come from malloc's heap, whose pages are already mapped
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
@@ -135,7 +135,7 @@ class OutputCache:
         """A contiguous CPU tensor (contents undefined) on a cached storage of exactly its size when one
         is idle, else on a new one (cached while under the cap)."""
         nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes < MIN_CACHED_BYTES:  # small: plain torch.empty (a storage of exactly its size)
+        if nbytes < _MIN_CACHED_BYTES:  # small: plain torch.empty (a storage of exactly its size)
             # sizes as separate arguments: torch parses them in ~2 us, a tuple in ~3, a torch.Size in ~4
             return torch.empty(*shape, dtype=dtype) if shape else torch.empty((), dtype=dtype)
         if nbytes > self.limit:
@@ -196,6 +196,8 @@ OUTPUTS = OutputCache(_limit_from_env())
 def empty_output(shape, dtype: torch.dtype) -> torch.Tensor:
     """A contiguous CPU tensor of `shape` and `dtype` (contents undefined) for an op's result: large ones
     from the output cache."""
+    if len(shape) == 1 and shape[0] * dtype.itemsize < _MIN_CACHED_BYTES:  # a small call's output, ~1 us sooner
+        return torch.empty(shape[0], dtype=dtype)
     return OUTPUTS.empty(tuple(shape), dtype)
 
 

@@ -15,8 +15,6 @@ import torch
 from ..errors import check_dtype
 
 _CPU = torch.device("cpu")
-_BITS_OF = {d: (torch.int32 if d.itemsize == 4 else torch.int64)  # 4- and 8-byte dtypes -> their bit dtype
-            for d in (torch.int32, torch.uint32, torch.float32, torch.int64, torch.uint64, torch.float64)}
 
 KEY_DTYPES = (torch.int32, torch.int64, torch.uint32, torch.uint64)
 VALUE_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float16, torch.bfloat16,
@@ -88,8 +86,9 @@ def bits_to_keys(bits: torch.Tensor, key_dtype: torch.dtype) -> torch.Tensor:
 
 def value_bits(v: torch.Tensor) -> torch.Tensor:
     """Values as 4- or 8-byte bit patterns (1-2 byte values widened)."""
-    if v.dim() == 1 and v.is_contiguous() and v.dtype in _BITS_OF and _no_lazy_bits(v):
-        bits = _BITS_OF[v.dtype]  # the common call: the values themselves, or a view (~0.5 us, not ~3)
+    size = v.dtype.itemsize
+    if v.dim() == 1 and v.is_contiguous() and size in (4, 8) and _no_lazy_bits(v):
+        bits = _BITS[size]  # the common call: the values themselves, or a view (~0.5 us, not ~3)
         return v if v.dtype == bits else v.view(bits)
     v = v.resolve_conj().resolve_neg().reshape(-1)  # a lazy conj/neg view cannot be reinterpreted as bits
     if not v.is_contiguous():

@@ -46,8 +46,6 @@ def out_buffer(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
     touch of fresh pages was ~25% of a 4M-key lookup's time)."""
     if not on_cpu(device):
         return torch.empty(n, dtype=dtype, device=device)
-    if n * dtype.itemsize < _memory.MIN_CACHED_BYTES:  # what the output cache would do, ~1 us sooner
-        return torch.empty(n, dtype=dtype)
     return _memory.empty_output((n,), dtype)
 
 

@@ -43,6 +43,7 @@ KEY_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, to
               torch.int64, torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _KEY_BITS = {d: (8 if d == torch.bool else torch.empty((), dtype=d).element_size() * 8) for d in KEY_DTYPES}
 MAX_CPU_KEYS = (1 << 32) - 1
+_DTYPE_NAMES = {d: str(d).replace("torch.", "") for d in KEY_DTYPES}  # the autotune keys' dtype names
 
 # Up to this many elements, sort/argsort/sort_keys of a CPU tensor with backend="auto" call torch.sort
 # itself (stable; what these ops are defined to equal): there a call's fixed cost decides. Ours, on the
@@ -78,7 +79,7 @@ def _threads(config: dict) -> int:
 
 
 def _key(op: str, keys: torch.Tensor, **extra) -> dict:
-    return {"dtype": str(keys.dtype).replace("torch.", ""), "n": autotune.bucket(keys.numel()), **extra}
+    return {"dtype": _DTYPE_NAMES[keys.dtype], "n": autotune.bucket(keys.numel()), **extra}
 
 
 def _default_config(key: dict) -> dict:
@@ -207,15 +208,14 @@ def _rows_sort(op: str, x: torch.Tensor, dim: int, descending: bool, backend: st
 
 
 _KEY_DTYPE_SET = frozenset(KEY_DTYPES)
-_DTYPE_NAMES = {d: str(d).replace("torch.", "") for d in KEY_DTYPES}
 _CPU = torch.device("cpu")
 _CPU_ONLY = ("cpu",)  # what dispatch may choose for CPU tensors here (the lean path's supported list)
 
 
 def _lean_cpu_rows(op: str, x, dim, descending, stable, backend, want_keys: bool):
-    """sort/argsort of the most common call, checked and run in a few microseconds: a plain contiguous CPU
-    tensor, in eager mode, sorted along its last dim, every argument of the exact type the general path
-    would accept (so the checks reduce to type tests). Returns (values or None, indices), or None for any
+    """sort/argsort of the most common call with the few checks it needs: a plain contiguous CPU tensor,
+    in eager mode, sorted along its last dim, every argument of the exact type the general path would
+    accept (so the checks reduce to type tests). Returns (values or None, indices), or None for any
     other call, which takes the general path (checks with their errors, other dims, layouts, backends,
     autograd, out=). Same results as that path: the same torch.sort route up to TORCH_BELOW, the same
     dispatch (key and config) and native calls above it.
@@ -240,16 +240,10 @@ def _lean_cpu_rows(op: str, x, dim, descending, stable, backend, want_keys: bool
         return None, torch.argsort(x, descending=descending, stable=True)
     n = x.shape[-1]
     rows = numel // n
-    nb = 1 << (numel - 1).bit_length()
-    _, config = dispatch(op, _CPU, backend, {"dtype": _DTYPE_NAMES[x.dtype], "n": nb,
-                                             "rows": 1 << (rows - 1).bit_length()}, supported=_CPU_ONLY)
+    _, config = dispatch(op, _CPU, backend, _key(op, x, rows=autotune.bucket(rows)), supported=_CPU_ONLY)
     if rows == 1:
-        if nd == 1 and numel * 8 < _memory.MIN_CACHED_BYTES:  # what the output cache does, ~1 us sooner each
-            ok = torch.empty(numel, dtype=x.dtype) if want_keys else None
-            oi = torch.empty(numel, dtype=torch.int64)
-        else:  # (contiguous strides, as the general path's: empty_like would copy odd strides of size-1 dims)
-            ok = _memory.empty_output(x.shape, x.dtype) if want_keys else None
-            oi = _memory.empty_output(x.shape, torch.int64)
+        ok = _memory.empty_output(x.shape, x.dtype) if want_keys else None
+        oi = _memory.empty_output(x.shape, torch.int64)
         _cpu_sort_1d(x, want_keys=want_keys, want_idx=True, descending=descending, config=config, out=(ok, oi))
         return ok, oi
     ok, oi, _ = _cpu_segmented(x, None, rows, n, want_keys=want_keys, want_idx=True, descending=descending,
