@@ -83,11 +83,16 @@ def cases(quick: bool, device: str = "cpu"):
                   (1, 8, 2, s, 64, True, torch.float32, None),             # GQA 4:1
                   (1, 8, 8, 2 * s, 128, True, torch.bfloat16, None),
                   (1, 8, 8, s // 4, 64, True, torch.float32, 2 * s)]      # chunked prefill, bottom-right
+    if device == "cpu":
+        # decode steps: one query token against a KV cache (causal then sees every key; SDPA without a
+        # mask), where a call's fixed cost is a large part of its time
+        shapes += [(1, 8, 8, 1, 64, False, torch.float32, 128), (1, 32, 8, 1, 128, False, torch.float32, 1024),
+                   (1, 32, 8, 1, 128, False, torch.bfloat16, 1024)]
     for B, H, Hkv, S, D, causal, dtype, Sk in shapes:
         Sk_ = S if Sk is None else Sk
-        for backward in (False, True):
+        for backward in ((False,) if S == 1 else (False, True)):
             dt = str(dtype).replace("torch.", "")
-            label = (f"{dt} B={B} H={H}" + (f"/{Hkv}" if Hkv != H else "")
+            label = ("decode step " if S == 1 else "") + (f"{dt} B={B} H={H}" + (f"/{Hkv}" if Hkv != H else "")
                      + (f" S={S}" if Sk is None else f" Sq={S} Sk={Sk}") + f" D={D}" + (" causal" if causal else ""))
             yield Case(
                 group=GROUP, op="flash_attention" + (" fwd+bwd" if backward else " fwd"), label=label,

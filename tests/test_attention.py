@@ -647,3 +647,58 @@ def test_lse_flags_native_and_numpy_agree():
                         rows = lse[:, :, first:]
                         want = (not bool(torch.isfinite(rows).all()), bool((rows == 0).any()))
                         assert _cpu.lse_flags(lse, first) == want, (dtype, special, pos, first)
+
+
+def test_lean_call_path_matches_the_general_path_and_is_taken(monkeypatch):
+    """A plain contiguous CPU call that aten runs in one kernel call (a decode step, non-causal, square
+    causal) takes the lean path (_lean_cpu_forward); every other call the general one. Both give the same
+    out and lse, bit for bit and with the same strides, and the lean path is not silently skipped."""
+    import importlib
+
+    pa = importlib.import_module("pykernels.attention")
+    cases = [(1, 8, 8, 1, 128, 64, False), (1, 8, 8, 1, 128, 64, True), (2, 4, 2, 1, 33, 16, True),
+             (1, 2, 2, 17, 17, 8, True), (2, 3, 3, 5, 9, 32, False), (1, 4, 1, 7, 7, 8, True)]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for B, H, Hkv, Sq, Sk, D, causal in cases:
+            q, k, v = make(B, H, Hkv, Sq, Sk, D, dtype, seed=Sq + Sk)
+            for scale in (None, 0.3):
+                what = f"{dtype} {(B, H, Hkv, Sq, Sk, D)} causal={causal} scale={scale}"
+                lean = pa._lean_cpu_forward(q, k, v, causal, scale, "auto")
+                assert lean is not None, what
+                with monkeypatch.context() as m:
+                    m.setattr(pa, "_lean_cpu_forward", lambda *a: None)
+                    want = flash_attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+                for got, ref in zip(lean, want):
+                    assert got.stride() == ref.stride() and got.dtype == ref.dtype, what
+                    assert torch.equal(got, ref), what
+                ref_out, ref_lse = reference(q, k, v, causal, scale)
+                assert_close(lean[0], ref_out, dtype, what)
+    # the public call takes it (the general path's as_tensor never runs)
+    q, k, v = make(1, 8, 8, 1, 64, 32, torch.float32)
+    monkeypatch.setattr(pykernels._native, "as_tensor", lambda *a: pytest.fail("general path taken"))
+    out, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    assert torch.equal(flash_attention(q, k, v, backend="cpu"), out)
+    monkeypatch.undo()
+    # every other call: the general path, with its results and errors
+    for args, kw in [((q, k, v), dict(scale=-0.5)), ((q, k, v), dict(scale=2)), ((q.double(), k.double(), v.double()), {}),
+                     ((q.expand(1, 8, 3, 32), k, v), {}),  # not contiguous
+                     (make(1, 2, 2, 3, 5, 8, torch.float32), dict(causal=True))]:
+        assert pa._lean_cpu_forward(*args, kw.get("causal", False), kw.get("scale"), "auto") is None
+        got, got_lse = flash_attention(*args, return_lse=True, **kw)
+        ref_out, ref_lse = reference(*args, kw.get("causal", False), kw.get("scale"))
+        assert_close(got, ref_out, args[0].dtype, str(kw))
+        assert_close(got_lse, ref_lse, args[0].dtype, str(kw))
+    qn = q.clone()
+    qn[0, 3, 0, 5] = float("nan")
+    assert pa._lean_cpu_forward(qn, k, v, False, None, "auto") is None  # NaN row: recomputed exactly
+    out = flash_attention(qn, k, v)
+    assert torch.isnan(out[0, 3]).all() and torch.isfinite(out[0, :3]).all()
+    with pytest.raises(TypeError, match="return_lse"):
+        flash_attention(q, k, v, return_lse="yes")
+    with pytest.raises(ValueError, match="scale"):
+        flash_attention(q, k, v, scale=float("inf"))
+    with torch.enable_grad():
+        qg = q.clone().requires_grad_()
+        assert pa._lean_cpu_forward(qg, k, v, False, None, "auto") is None
+        flash_attention(qg, k, v).sum().backward()
+        assert qg.grad is not None

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from .. import _native, autotune
-from .._backend import dispatch, eager_direct, functorch_autograd
+from .._backend import _CPU, _traced_or_transformed, dispatch, eager_direct, functorch_autograd
 from ..errors import check_same_device
 from . import _cpu
 
@@ -99,19 +99,24 @@ def _forward_impl(q, k, v, causal: bool, scale: float, backend: str, config: Opt
         return _triton.forward(q, k, v, causal, scale, cfg)
     if cfg.get("impl", "flash") != "blocked":
         out, lse = _cpu.flash_forward(q, k, v, causal, scale)
-        # aten's flash kernels turn a query row holding NaN into zeros with an lse of exactly 0, and
-        # an inf in q or k gives a NaN lse. So q is read (one pass, ~2% of a 1024-token forward) only
-        # when some lse is exactly 0, which finite inputs almost never give; the blocked path then
-        # reproduces NaN/inf exactly as the math does. (Checked after the kernel, while the thread
-        # pool is still awake: before it, waking the pool cost ~10 ms on a busy machine.)
-        if k.shape[2] == 0:
-            return out, lse
-        # the rows that see keys
-        nonfinite, zero = _cpu.lse_flags(lse, max(0, q.shape[2] - k.shape[2]) if causal else 0)
-        zero_lse_flags_nan = _cpu.nan_rows_show_as_zero_lse(q.shape[2], k.shape[2], causal, q.dtype)
-        if not nonfinite and ((zero_lse_flags_nan and not zero) or _all_finite(q)):
+        if _flash_result_stands(q, k, causal, lse):
             return out, lse
     return _cpu.blocked_forward(q, k, v, causal, scale, chunk_elems=int(cfg.get("chunk_elems", 1 << 22)))
+
+
+def _flash_result_stands(q, k, causal: bool, lse) -> bool:
+    """Whether aten's flash result (_cpu.flash_forward) is the attention of these inputs, else the blocked
+    path recomputes it. aten's flash kernels turn a query row holding NaN into zeros with an lse of exactly
+    0, and an inf in q or k gives a NaN lse. So q is read (one pass, ~2% of a 1024-token forward) only when
+    some lse is exactly 0, which finite inputs almost never give; the blocked path then reproduces NaN/inf
+    exactly as the math does. (Checked after the kernel, while the thread pool is still awake: before it,
+    waking the pool cost ~10 ms on a busy machine.)"""
+    if k.shape[2] == 0:
+        return True
+    # the rows that see keys
+    nonfinite, zero = _cpu.lse_flags(lse, max(0, q.shape[2] - k.shape[2]) if causal else 0)
+    zero_lse_flags_nan = _cpu.nan_rows_show_as_zero_lse(q.shape[2], k.shape[2], causal, q.dtype)
+    return not nonfinite and ((zero_lse_flags_nan and not zero) or _all_finite(q))
 
 
 def _backward_impl(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, backend: str,
@@ -292,6 +297,11 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = N
     reach that row. Differentiable in q, k, v (and through lse). dtypes float32/bfloat16/float16
     (float64 on CPU).
     """
+    lean = _lean_cpu_forward(q, k, v, causal, scale, backend)
+    if lean is not None:
+        if type(return_lse) is not bool:
+            _check_flag("return_lse", return_lse)
+        return lean if return_lse else lean[0]
     q = _native.as_tensor(q, OP, "q")
     k = _native.as_tensor(k, OP, "k")
     v = _native.as_tensor(v, OP, "v")
@@ -301,6 +311,57 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = N
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     out, lse = forward_op(q, k, v, bool(causal), scale, backend)
     return (out, lse) if return_lse else out
+
+
+_LEAN_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
+_CPU_ONLY = ("cpu",)  # what the lean path accepts from dispatch (anything else: the general path)
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _lean_cpu_forward(q, k, v, causal, scale, backend):
+    """flash_attention's most common eager CPU call with the few checks it needs: plain contiguous CPU
+    tensors of one float dtype (not float64), well-formed [B, H, S, D] shapes, arguments of the exact
+    types the general path accepts, and a problem aten's flash kernels run in ONE call (not causal, one
+    query row (a decode step) or a square causal mask). Returns (out, lse) as the general path does, or
+    None for any other call, which takes the general path (its checks and errors, autograd, torch.compile,
+    other layouts and backends). Same results: the same dispatch (key and config), the same kernel call
+    (_cpu.flash_forward) and the same check of its result.
+    Why: a decode step (q of one token against 128 cached keys, 8 heads) spent ~20 us of Python around
+    a ~16 us kernel (SDPA: ~17 us in all): generic checks, as_tensor, layout fix-ups that are no-ops here."""
+    if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+            and type(causal) is bool and (scale is None or type(scale) is float)
+            and (backend == "auto" or backend == "cpu")):
+        return None
+    if _traced_or_transformed():  # first: torch.compile must not trace the tests below
+        return None
+    dt = q.dtype
+    if (dt not in _LEAN_DTYPES or k.dtype is not dt or v.dtype is not dt
+            or not (q.is_cpu and k.is_cpu and v.is_cpu)
+            or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+            or q.dim() != 4 or k.dim() != 4 or k.shape != v.shape
+            or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+            or q.is_neg() or k.is_neg() or v.is_neg()):
+        return None
+    B, H, Sq, D = q.shape
+    Bk, Hkv, Sk, Dk = k.shape
+    if (Bk != B or Dk != D or B == 0 or Sq == 0 or Sk == 0 or D == 0 or Hkv == 0 or H % Hkv
+            or (causal and Sq != 1 and Sq != Sk)):
+        return None
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    elif not (0.0 < scale <= _FLOAT32_MAX):  # also NaN; negative and zero scales: the general path
+        return None
+    key = problem_key(q, k, causal=causal)
+    chosen, cfg = dispatch(OP, _CPU, backend, key, supported=_CPU_ONLY)
+    if cfg.get("impl", "flash") == "blocked":
+        return None
+    out, lse = _cpu.flash_forward(q, k, v, causal, scale)
+    # _flash_result_stands for these problems (every row sees keys; one aten call, so a NaN row shows as
+    # an lse of exactly 0), without its general cases
+    nonfinite, zero = _cpu.lse_flags(lse, 0)
+    if nonfinite or (zero and not _all_finite(q)):
+        return None  # NaN/inf in the inputs: the general path recomputes it exactly
+    return _cpu.like_q(out, q), _cpu.to_bshd(lse)
 
 
 # The entries the public functions and collectives' ring attention call: the implementation directly

@@ -55,12 +55,13 @@ def to_bshd(x: torch.Tensor) -> torch.Tensor:
     """x ([B, H, S, D] or [B, H, S]) laid out in memory as [B, S, H, (D)]: the layout in which aten's CPU
     flash kernels write the LSE, so the CPU backend returns it without a copy. No-op when x is already
     laid out so."""
-    perm = (0, 2, 1, 3) if x.dim() == 4 else (0, 2, 1)
-    st, acc = [0] * x.dim(), 1
-    for d in reversed(perm):  # the strides of that layout, without allocating to compare
-        st[d] = acc
-        acc *= x.shape[d]
-    if x.stride() == tuple(st):
+    if x.dim() == 4:  # the strides of that layout, without allocating to compare
+        _, H, S, D = x.shape
+        st = (S * H * D, D, H * D, 1)
+    else:
+        _, H, S = x.shape
+        st = (H * S, 1, H)
+    if x.stride() == st:
         return x
     return torch.empty_strided(x.shape, st, dtype=x.dtype, device=x.device).copy_(x)
 
@@ -70,6 +71,9 @@ def out_strides(q: torch.Tensor, dv: int) -> tuple:
     return (empty_like(q)), so neither a contiguous q nor one laid out as [B, S, H, D] (a model's
     usual q = x.view(B, S, H, D).transpose(1, 2)) costs a copy of out. Also the fake op's strides."""
     B, H, Sq, _ = q.shape
+    s0, s1, s2, _ = q.stride()
+    if s0 >= s1 >= s2:  # q's dims outermost first in their order (a contiguous q): what the sort below gives
+        return (H * Sq * dv, Sq * dv, dv, 1)
     shape = (B, H, Sq, dv)
     order = sorted(range(3), key=lambda d: (-q.stride(d), d)) + [3]  # outermost first, ties by dim
     st, acc = [0] * 4, 1
