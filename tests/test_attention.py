@@ -102,12 +102,13 @@ SHAPES = [
     (1, 2, 1, 70, 33, 130),
     (3, 1, 1, 64, 64, 64),
 ]
-IMPLS = [None, {"impl": "flash"}, {"impl": "blocked", "chunk_elems": 64}, {"impl": "blocked"}]
+IMPLS = [None, {"impl": "flash"}, {"impl": "blocked", "chunk_elems": 64}, {"impl": "blocked"},
+         {"impl": "decode", "grain": 1}]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("impl", IMPLS, ids=["public", "flash", "blocked-small", "blocked"])
+@pytest.mark.parametrize("impl", IMPLS, ids=["public", "flash", "blocked-small", "blocked", "decode"])
 def test_matches_float64_oracle_fp32(shape, causal, impl):
     q, k, v = make(*shape, torch.float32, seed=sum(shape))
     check_forward_and_grads(q, k, v, causal, config=impl)
@@ -117,7 +118,8 @@ def test_matches_float64_oracle_fp32(shape, causal, impl):
 @pytest.mark.parametrize("shape", [(2, 4, 2, 5, 9, 24), (1, 2, 1, 70, 33, 130), (1, 4, 4, 16, 16, 64)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("impl", [None, {"impl": "blocked", "chunk_elems": 64}], ids=["public", "blocked"])
+@pytest.mark.parametrize("impl", [None, {"impl": "blocked", "chunk_elems": 64}, {"impl": "decode", "grain": 1}],
+                         ids=["public", "blocked", "decode"])
 def test_matches_float64_oracle_other_dtypes(dtype, shape, causal, impl):
     q, k, v = make(*shape, dtype, seed=3)
     check_forward_and_grads(q, k, v, causal, config=impl)
@@ -242,7 +244,8 @@ def test_nan_stays_in_its_row():
     assert torch.isfinite(out[0, 0, rows]).all()
 
 
-@pytest.mark.parametrize("impl", [None, {"impl": "blocked", "chunk_elems": 64}], ids=["public", "blocked"])
+@pytest.mark.parametrize("impl", [None, {"impl": "blocked", "chunk_elems": 64}, {"impl": "decode"}],
+                         ids=["public", "blocked", "decode"])
 def test_row_with_an_inf_score_is_nan_as_sdpa(impl):
     """A score of +inf (an inf in q or k) makes the row NaN, as SDPA: an output is a convex combination of
     v rows, so +-inf is never right (review finding: the blocked path's guard for rows without keys also
@@ -398,10 +401,10 @@ def test_torch_compile_fullgraph_forward_and_backward():
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(B=st.integers(1, 2), Hkv=st.integers(1, 3), g=st.integers(1, 3), Sq=st.integers(1, 40),
        Sk=st.integers(1, 40), D=st.integers(1, 48), causal=st.booleans(),
-       impl=st.sampled_from(["flash", "blocked"]), seed=st.integers(0, 1000))
+       impl=st.sampled_from(["flash", "blocked", "decode"]), seed=st.integers(0, 1000))
 def test_hypothesis_shapes(B, Hkv, g, Sq, Sk, D, causal, impl, seed):
     q, k, v = make(B, Hkv * g, Hkv, Sq, Sk, D, torch.float32, seed=seed)
-    check_forward_and_grads(q, k, v, causal, config={"impl": impl, "chunk_elems": 256})
+    check_forward_and_grads(q, k, v, causal, config={"impl": impl, "chunk_elems": 256, "grain": 1 << (seed % 20)})
 
 
 def test_autotune_cpu_picks_a_candidate(tmp_cache):
@@ -410,6 +413,11 @@ def test_autotune_cpu_picks_a_candidate(tmp_cache):
     q, k, v = make(1, 2, 2, 64, 64, 32, torch.float32)
     cfg = at.tune("flash_attention", q, k, v, causal=True, budget_s=0.05)
     assert cfg["impl"] in ("flash", "blocked")
+    # a decode step: the native decode kernel is a candidate (and the default)
+    qd = q[:, :, :1].contiguous()
+    assert at.config_for("flash_attention", "cpu", pykernels.attention.problem_key(qd, k), "cpu")["impl"] == "decode"
+    cfg_d = at.tune("flash_attention", qd, k, v, causal=True, budget_s=0.05)
+    assert cfg_d["impl"] in ("flash", "blocked", "decode")
     assert at.cache_file().exists()
     tunables = [t for t in at.registered("attention") if t.backend == "cpu"]
     assert {t.op for t in tunables} == {"flash_attention", "flash_attention_backward"}
@@ -590,7 +598,8 @@ def test_cpu_backward_with_strided_head_dim_or_overlapping_rows(causal, sq, sk):
         torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("impl", [None, {"impl": "blocked", "chunk_elems": 64}], ids=["public", "blocked"])
+@pytest.mark.parametrize("impl", [None, {"impl": "blocked", "chunk_elems": 64}, {"impl": "decode"}],
+                         ids=["public", "blocked", "decode"])
 def test_rows_without_keys_stay_zero_when_v_holds_nan(impl):
     """Rows that see no key give out 0 and dq 0 even when some v is NaN/inf (0 * NaN would be NaN);
     rows that do see the NaN are NaN, as in the oracle (fuzz finding)."""
@@ -682,7 +691,7 @@ def test_lean_call_path_matches_the_general_path_and_is_taken(monkeypatch):
     # every other call: the general path, with its results and errors
     for args, kw in [((q, k, v), dict(scale=-0.5)), ((q, k, v), dict(scale=2)), ((q.double(), k.double(), v.double()), {}),
                      ((q.expand(1, 8, 3, 32), k, v), {}),  # not contiguous
-                     (make(1, 2, 2, 3, 5, 8, torch.float32), dict(causal=True))]:
+                     (make(1, 2, 2, 40, 50, 8, torch.float32), dict(causal=True))]:  # rectangular: 2 aten calls
         assert pa._lean_cpu_forward(*args, kw.get("causal", False), kw.get("scale"), "auto") is None
         got, got_lse = flash_attention(*args, return_lse=True, **kw)
         ref_out, ref_lse = reference(*args, kw.get("causal", False), kw.get("scale"))
@@ -702,3 +711,108 @@ def test_lean_call_path_matches_the_general_path_and_is_taken(monkeypatch):
         assert pa._lean_cpu_forward(qg, k, v, False, None, "auto") is None
         flash_attention(qg, k, v).sum().backward()
         assert qg.grad is not None
+
+
+DECODE_SHAPES = [  # (B, H, Hkv, S_q, S_k, D): GQA groups, S_k around the 32-key block and the 256-key chunk,
+    (1, 8, 8, 1, 128, 64),  # head dims with tails of 8 and 32 floats, S_q > S_k (causal rows with no key)
+    (2, 8, 2, 3, 1000, 80),
+    (1, 6, 2, 4, 2049, 128),
+    (2, 3, 1, 16, 31, 33),
+    (1, 4, 4, 5, 3, 7),
+    (3, 2, 1, 1, 257, 1),
+    (1, 2, 2, 2, 32, 40),
+]
+
+
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("threads,grain", [(1, 1 << 40), (2, 1), (3, 1)], ids=["one-thread", "split", "split3"])
+def test_decode_kernel_matches_the_oracle(shape, dtype, causal, threads, grain):
+    """The native decode kernel (csrc/attention/attention_cpu.cpp): one pass over K/V per KV head for
+    every query row of its group, split over the keys (split-K, then merged by lse) when there are
+    fewer groups than threads. Same contract as every CPU path: bottom-right causal, rows without keys
+    out 0 / lse -inf, out in q's memory order and lse laid out as aten's."""
+    q, k, v = make(*shape, dtype, seed=sum(shape))
+    for scale in (None, -0.7):
+        sc = 1 / math.sqrt(shape[-1]) if scale is None else scale
+        out, lse = _cpu.decode_forward(q, k, v, causal, sc, threads, grain)
+        ro, rl = reference(q, k, v, causal, sc)
+        assert out.dtype == dtype and lse.dtype == torch.float32
+        assert out.stride() == _cpu.out_strides(q, shape[-1]) and lse.stride() == _cpu.to_bshd(lse).stride()
+        assert_close(out, ro, dtype, "out")
+        assert_close(lse, rl, torch.float32, "lse")
+
+
+def test_decode_kernel_reads_strided_inputs_and_leaves_them_unmodified():
+    """K/V laid out [B, S, H, D] (a KV cache written token by token), q transposed the same way, and a
+    q whose rows overlap: the kernel takes any strides with a dense head dim."""
+    g = torch.Generator().manual_seed(5)
+    B, H, Hkv, Sq, Sk, D = 2, 8, 2, 3, 300, 64
+    q = torch.randn(B, Sq, H, D, generator=g).transpose(1, 2)
+    k = torch.randn(B, Sk, Hkv, D, generator=g).transpose(1, 2)
+    v = torch.randn(B, Sk, Hkv, D, generator=g).transpose(1, 2)
+    before = [t.clone() for t in (q, k, v)]
+    for causal in (False, True):
+        out, lse = _cpu.decode_forward(q, k, v, causal, 0.125, 2, 1)
+        ro, rl = reference(q, k, v, causal, 0.125)
+        assert_close(out, ro, torch.float32, "out")
+        assert_close(lse, rl, torch.float32, "lse")
+        assert out.stride() == _cpu.out_strides(q, D)
+    for a, b in zip((q, k, v), before):
+        assert torch.equal(a, b)
+    qo = torch.randn(B * H * D + 8, generator=g).as_strided((B, H, 4, D), (H * D, D, 2, 1))  # rows overlap
+    out, _ = _forward_impl(qo, k, v, False, 0.125, "cpu", {"impl": "decode"})
+    assert_close(out, reference(qo, k, v, False, 0.125)[0], torch.float32, "overlapping q")
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v", "k-inf"])
+def test_decode_kernel_non_finite_inputs_follow_the_math(where):
+    """NaN/inf in q or k give a row that sees it a non-finite lse: the kernel reports it and the exact
+    path recomputes (NaN rows as the math, SDPA and the other paths give them); NaN in a v reaches only
+    the rows that see it (a causal row never reads a masked key's value, not even as 0 * NaN)."""
+    q, k, v = make(1, 4, 2, 4, 40, 16, torch.float32, seed=9)
+    t = {"q": q, "k": k, "v": v, "k-inf": k}[where.split("-")[0]]
+    t[0, 1, 3 if where == "q" else 38, 5] = float("inf") if where == "k-inf" else float("nan")
+    assert (_cpu.decode_forward(q, k, v, True, 0.25, 2, 1) is None) == (where != "v")
+    out, lse = _forward_impl(q, k, v, True, 0.25, "cpu", {"impl": "decode", "grain": 1})
+    if where == "v":  # key 38 is seen by query rows 2 and 3 (bottom-right: row i sees j <= i + 36) of heads 2, 3
+        assert torch.isnan(out[0, 2:, 2:, 5]).all() and torch.isfinite(out[0, 2:, :2]).all()
+        assert torch.isfinite(out[0, :2]).all() and torch.isfinite(lse).all()
+        clean = v.clone()
+        clean[0, 1, 38, 5] = 0.0  # what the rows that do not see key 38 attend to (the oracle's 0 * NaN is NaN)
+        assert_close(out[0, 2:, :2], reference(q, k, clean, True, 0.25)[0][0, 2:, :2], torch.float32, "other rows")
+    else:  # recomputed on the exact path: its NaN (and +-inf) exactly
+        want, want_lse = _forward_impl(q, k, v, True, 0.25, "cpu", {"impl": "blocked"})
+        assert torch.isnan(out).any()
+        torch.testing.assert_close(out, want, equal_nan=True, rtol=0, atol=0)
+        torch.testing.assert_close(lse, _cpu.to_bshd(want_lse), equal_nan=True, rtol=0, atol=0)
+
+
+def test_decode_kernel_portable_tier_matches_avx2():
+    """The portable loops (PYKERNELS_DISABLE_AVX2=1, read once per process) against the oracle, in a fresh
+    process: the head-dim tails, the GQA pairing of rows and split-K of the AVX2 loops have a scalar twin."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import math, torch\n"
+        "from pykernels.attention import _cpu\n"
+        "from pykernels._native import cpu_module\n"
+        "assert not cpu_module('runtime').cpu_has_avx2()\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "for B, H, Hkv, Sq, Sk, D in [(2, 8, 2, 3, 300, 80), (1, 2, 1, 5, 33, 7)]:\n"
+        "    for dt in (torch.float32, torch.bfloat16, torch.float16):\n"
+        "        q, k, v = (torch.randn(B, h, s, D, generator=g).to(dt) for h, s in ((H, Sq), (Hkv, Sk), (Hkv, Sk)))\n"
+        "        out, lse = _cpu.decode_forward(q, k, v, True, 0.3, 2, 1)\n"
+        "        kk, vv = (t.double().repeat_interleave(H // Hkv, 1) for t in (k, v))\n"
+        "        s = q.double() @ kk.transpose(-1, -2) * 0.3\n"
+        "        s = s.masked_fill(torch.arange(Sk)[None, :] > torch.arange(Sq)[:, None] + Sk - Sq, -math.inf)\n"
+        "        ro, rl = torch.softmax(s, -1) @ vv, torch.logsumexp(s, -1)\n"
+        "        tol = 2e-5 if dt == torch.float32 else 3e-2\n"
+        "        assert (out.double() - ro).abs().max() < tol, (dt, (out.double() - ro).abs().max())\n"
+        "        assert (lse.double() - rl).abs().max() < 1e-4\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
+                   env=dict(os.environ, PYKERNELS_DISABLE_AVX2="1"))

@@ -33,6 +33,8 @@
 #include <vector>
 
 #include "pk_common.h"
+#include "pk_avx2.h"
+#include "pk_float.h"
 #include "pk_threads.h"
 #if PK_X86
 #include <immintrin.h>
@@ -48,50 +50,10 @@ constexpr int KB = 32;  // codes per block (K_BLOCK in _format.py)
 // ---------------------------------------------------------------------------------------------
 // dtype conversions at the boundary (activations in, outputs out)
 // ---------------------------------------------------------------------------------------------
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (uint16_t)(u >> 16);
-}
-inline float f16_to_f32(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-  const uint32_t e = (h >> 10) & 0x1f, man = h & 0x3ff;
-  uint32_t bits;
-  if (e == 0) {
-    float f = std::ldexp((float)man, -24);
-    return sign ? -f : f;
-  } else if (e == 31) {
-    bits = sign | 0x7f800000u | (man << 13);
-  } else {
-    bits = sign | ((e + 112u) << 23) | (man << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-inline uint16_t f32_to_f16(float f) {  // round to nearest even
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
-  if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
-  if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  // rounds past 65504: inf
-  if (ax < 0x38800000u) {                                     // half subnormal (or zero)
-    float a;
-    std::memcpy(&a, &ax, 4);
-    return (uint16_t)(sign | (uint32_t)std::nearbyint(a * 16777216.0f));
-  }
-  uint32_t r = ax + 0xfffu + ((ax >> 13) & 1u);
-  r -= 0x38000000u;
-  return (uint16_t)(sign | (r >> 13));
-}
+using pk::bf16_to_f32;
+using pk::f16_to_f32;
+using pk::f32_to_bf16;
+using pk::f32_to_f16;
 
 inline float load_elem(const void* base, pk::DType dt, int64_t i) {
   switch (dt) {
@@ -428,12 +390,7 @@ void wo_tile_portable(const WoArgs& a, int64_t t) {
 }
 
 #if PK_X86
-PK_TARGET_AVX2 inline float hsum256(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
-}
+using pk::hsum256;
 
 // One row's 32 codes of block `wb` dotted with 32 int16 activations: 8 int32 lanes -> float.
 template <int LB>

@@ -97,11 +97,25 @@ def _forward_impl(q, k, v, causal: bool, scale: float, backend: str, config: Opt
         from . import _triton
 
         return _triton.forward(q, k, v, causal, scale, cfg)
-    if cfg.get("impl", "flash") != "blocked":
+    impl = cfg.get("impl", "flash")
+    if impl == "decode" and q.dtype in _cpu.DECODE_TORCH_DTYPES and not (
+            q.requires_grad or k.requires_grad or v.requires_grad):
+        # Not float64 (aten's kernels then), nor a call a backward may follow: aten's backward recomputes
+        # P = exp(S - lse) with its own S, and with logits in the 1e4 range an lse from another kernel
+        # differs in its last bits (ulp(1e4) ~ 1e-3), so P and the gradients by ~1e-3 relative.
+        result = _decode(q, k, v, causal, scale, cfg)
+        if result is not None:
+            return result
+    elif impl != "blocked":
         out, lse = _cpu.flash_forward(q, k, v, causal, scale)
         if _flash_result_stands(q, k, causal, lse):
             return out, lse
     return _cpu.blocked_forward(q, k, v, causal, scale, chunk_elems=int(cfg.get("chunk_elems", 1 << 22)))
+
+
+def _decode(q, k, v, causal: bool, scale: float, cfg: dict):
+    threads = int(cfg.get("threads", 0) or 0) or torch.get_num_threads()
+    return _cpu.decode_forward(q, k, v, causal, scale, threads, int(cfg.get("grain", 1 << 18)))
 
 
 def _flash_result_stands(q, k, causal: bool, lse) -> bool:
@@ -321,8 +335,9 @@ _FLOAT32_MAX = torch.finfo(torch.float32).max
 def _lean_cpu_forward(q, k, v, causal, scale, backend):
     """flash_attention's most common eager CPU call with the few checks it needs: plain contiguous CPU
     tensors of one float dtype (not float64), well-formed [B, H, S, D] shapes, arguments of the exact
-    types the general path accepts, and a problem aten's flash kernels run in ONE call (not causal, one
-    query row (a decode step) or a square causal mask). Returns (out, lse) as the general path does, or
+    types the general path accepts, and a problem the chosen implementation runs in ONE kernel call (the
+    native decode kernel; or aten's flash kernels when not causal, for one query row or a square causal
+    mask). Returns (out, lse) as the general path does, or
     None for any other call, which takes the general path (its checks and errors, autograd, torch.compile,
     other layouts and backends). Same results: the same dispatch (key and config), the same kernel call
     (_cpu.flash_forward) and the same check of its result.
@@ -344,8 +359,7 @@ def _lean_cpu_forward(q, k, v, causal, scale, backend):
         return None
     B, H, Sq, D = q.shape
     Bk, Hkv, Sk, Dk = k.shape
-    if (Bk != B or Dk != D or B == 0 or Sq == 0 or Sk == 0 or D == 0 or Hkv == 0 or H % Hkv
-            or (causal and Sq != 1 and Sq != Sk)):
+    if Bk != B or Dk != D or B == 0 or Sq == 0 or Sk == 0 or D == 0 or Hkv == 0 or H % Hkv:
         return None
     if scale is None:
         scale = 1.0 / math.sqrt(D)
@@ -353,7 +367,10 @@ def _lean_cpu_forward(q, k, v, causal, scale, backend):
         return None
     key = problem_key(q, k, causal=causal)
     chosen, cfg = dispatch(OP, _CPU, backend, key, supported=_CPU_ONLY)
-    if cfg.get("impl", "flash") == "blocked":
+    impl = cfg.get("impl", "flash")
+    if impl == "decode":
+        return _decode(q, k, v, causal, scale, cfg)  # None (NaN/inf inputs): the general path
+    if impl != "flash" or (causal and Sq != 1 and Sq != Sk):
         return None
     out, lse = _cpu.flash_forward(q, k, v, causal, scale)
     # _flash_result_stands for these problems (every row sees keys; one aten call, so a NaN row shows as

@@ -17,6 +17,11 @@
               * they accept fewer K/V heads without checking; `aten_handles_gqa()` probes once that they
                 group heads as we do (torch 2.13 does, and sums dk/dv per group), else GQA/MQA heads are
                 expanded explicitly and the expanded dk/dv reduced over each group.
+"decode"  - csrc/attention/attention_cpu.cpp: flash-decoding for a few query rows against a long KV cache
+            (decode steps, speculative verification): per (batch, KV head) every query row of the group in
+            one pass over K and V (GQA reads the cache once, not once per query head), split over the keys
+            when there are fewer groups than threads, bfloat16/float16 widened in registers. Forward only
+            (the backward of such calls is aten's or "blocked"); float32, bfloat16, float16.
 "blocked" - FlashAttention's tiling done with BLAS: the query rows are cut into chunks; per chunk the
             scores against the (causally) visible keys are one batched GEMM, a masked softmax in fp32 (or
             fp64), and one GEMM with V. GQA is a reshape (the query heads of a group share one GEMM), the
@@ -297,6 +302,37 @@ def _scores(qc, kc, i0, Sq, Sk, causal, scale):
         cols = torch.arange(n).unsqueeze(0)
         s = s.masked_fill(cols > rows, float("-inf"))
     return s
+
+
+DECODE_MAX_SQ = 16    # query rows per head up to which "decode" is a candidate (its work is GEMV-shaped)
+DECODE_MAX_ROWS = 64  # and rows per KV head's group ((H / Hkv) * S_q): the group's running state stays in L1
+DECODE_DTYPES = ("float32", "bfloat16", "float16")
+DECODE_TORCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def decode_applies(key: dict) -> bool:
+    """Whether "decode" is a candidate for an autotune key (problem_key) of the forward."""
+    return (key["dtype"] in DECODE_DTYPES and key["sq"] <= DECODE_MAX_SQ
+            and key["gqa"] * key["sq"] <= DECODE_MAX_ROWS)
+
+
+def decode_forward(q, k, v, causal: bool, scale: float, threads: int, grain: int):
+    """(out, lse) of the native decode kernel, out in q's memory order and lse laid out as [B, S, H] (the
+    layouts the op returns, so no copy follows), or None when a row that sees keys got a non-finite lse
+    (NaN/inf in q or k): the caller recomputes on the exact path. `grain`: multiply-adds per thread (a
+    small step runs on fewer threads than `threads`)."""
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    if q.numel() == 0 or Sk == 0:
+        return _empty_result(q, v, Sk)
+    q, k, v = _dense_last(q), _dense_last(k), _dense_last(v)
+    out = torch.empty_strided((B, H, Sq, D), out_strides(q, D), dtype=q.dtype)
+    lse = torch.empty_strided((B, H, Sq), (H * Sq, 1, H), dtype=torch.float32)
+    bad = _native.cpu_module("attention").decode_forward(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), B, H, Hkv, Sq, Sk, D,
+        q.stride()[:3], k.stride()[:3], v.stride()[:3], out.stride()[:3], lse.stride(), float(scale), bool(causal),
+        _native.dtype_code(q.dtype), int(threads), int(grain))
+    return None if bad else (out, lse)
 
 
 def blocked_forward(q, k, v, causal: bool, scale: float, chunk_elems: int = 1 << 22):

@@ -1,0 +1,534 @@
+// Attention for a few query rows against a long KV cache on CPU (decode steps, speculative verification,
+// small chunks): flash-decoding (Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context inference",
+// 2023) with the online softmax of FlashAttention (Dao et al. 2022; Milakov & Gimelshein 2018).
+//
+// Why not aten's CPU flash kernel (what flash_attention's "flash" impl wraps): for one query row it
+// parallelizes over query blocks and heads, reads K/V once per *query* head (GQA: H/Hkv times the cache),
+// and converts bf16/fp16 through a generic path: a 32-head (8 KV heads) decode step over 1024 keys took
+// 0.79 ms in fp32 and 4.9 ms in bf16 (2-core Zen 2), where reading the cache once takes ~0.3 / 0.15 ms.
+//
+// The work: per (batch b, KV head hk) a group of R = (H / Hkv) * Sq query rows (every query head that
+// reads this KV head, every query position), so K and V are streamed ONCE per group. Keys are split into
+// chunks when there are fewer groups than threads (flash-decoding's split-K); each (group, chunk) item
+// keeps, per row, the running max m, the running sum l of exp(s - m) and the unnormalized output acc,
+// over blocks of KB keys:
+//   s[r][j] = (scale q_r) . k_j                  (masked keys: bottom-right causal, j <= i + Sk - Sq)
+//   m' = max(m, max_j s[r][j]); p = exp(s - m'); l = l exp(m - m') + sum_j p; acc = acc exp(m - m') + p V
+// Items of one group are merged at the end (M = max m, L = sum l e^(m - M), out = sum acc e^(m - M) / L),
+// lse = M + log L. Everything accumulates in float32; inputs are float32, bfloat16 or float16.
+//
+// Non-finite inputs: a row that sees keys and ends with a non-finite lse (NaN/inf in q or k) is counted
+// and the caller recomputes the problem on its exact path; NaN/inf in v reach the rows that see it, as
+// the math says.
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "pk_avx2.h"
+#include "pk_common.h"
+#include "pk_float.h"
+#include "pk_threads.h"
+
+#if PK_X86
+#include <immintrin.h>
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+constexpr int KB = 32;                 // keys per block: a block's scores (R x KB floats) stay in L1
+constexpr int64_t kMinChunkKeys = 256;  // a split-K chunk streams at least this many keys
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Problem {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  float* lse;
+  int64_t B, H, Hkv, Sq, Sk, D;
+  int64_t qs[3], ks[3], vs[3], os[3], ls[3];  // element strides of dims b, h, s (the head dim is dense)
+  float scale;
+  bool causal;
+  pk::DType dt;
+
+  int64_t group_rows() const { return (H / Hkv) * Sq; }
+  // keys [0, visible) are seen by query position i
+  int64_t visible(int64_t i) const { return causal ? std::min(Sk, std::max<int64_t>(0, i + Sk - Sq + 1)) : Sk; }
+};
+
+inline float load_f32(const void* base, pk::DType dt, int64_t i) {
+  switch (dt) {
+    case pk::DType::BFloat16: return pk::bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
+    case pk::DType::Float16: return pk::f16_to_f32(static_cast<const uint16_t*>(base)[i]);
+    default: return static_cast<const float*>(base)[i];
+  }
+}
+
+inline void store_from_f32(void* base, pk::DType dt, int64_t i, float v) {
+  switch (dt) {
+    case pk::DType::BFloat16: static_cast<uint16_t*>(base)[i] = pk::f32_to_bf16(v); break;
+    case pk::DType::Float16: static_cast<uint16_t*>(base)[i] = pk::f32_to_f16(v); break;
+    default: static_cast<float*>(base)[i] = v; break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The three inner loops, portable and AVX2 (FMA, F16C): scores of a block, exp, and P V.
+// ---------------------------------------------------------------------------------------------
+// s[r * KB + j] = q[r] . rows[j] for r < R, j < nb (q rows and key rows of D floats)
+void scores_portable(const float* q, int R, int D, const float* const* rows, int nb, float* s) {
+  for (int r = 0; r < R; ++r) {
+    const float* qr = q + (int64_t)r * D;
+    for (int j = 0; j < nb; ++j) {
+      const float* kr = rows[j];
+      float acc = 0.f;
+      for (int d = 0; d < D; ++d) acc += qr[d] * kr[d];
+      s[r * KB + j] = acc;
+    }
+  }
+}
+
+// x[j] = exp(x[j] - m) for j < n, returns the sum
+float exp_sum_portable(float* x, int n, float m) {
+  float sum = 0.f;
+  for (int j = 0; j < n; ++j) {
+    x[j] = std::exp(x[j] - m);
+    sum += x[j];
+  }
+  return sum;
+}
+
+// acc[r] += sum_{j < n[r]} p[r * KB + j] * rows[j] for r < R: a row reads only the values of the keys it
+// sees (a NaN in a masked key's value never reaches it, not even as 0 * NaN)
+void pv_portable(const float* p, int R, int D, const float* const* rows, const int* n, float* acc) {
+  for (int r = 0; r < R; ++r) {
+    float* ar = acc + (int64_t)r * D;
+    for (int j = 0; j < n[r]; ++j) {
+      const float pj = p[r * KB + j];
+      const float* vr = rows[j];
+      for (int d = 0; d < D; ++d) ar[d] += pj * vr[d];
+    }
+  }
+}
+
+// the 16-bit rows of a block as float32 (nb rows of D)
+void widen_portable(const void* const* src, pk::DType dt, int nb, int D, float* dst) {
+  for (int j = 0; j < nb; ++j)
+    for (int d = 0; d < D; ++d) dst[(int64_t)j * D + d] = load_f32(src[j], dt, d);
+}
+
+#if PK_X86
+using pk::hsum256;
+
+// The four sums of a0..a3 (lanes 0..3).
+PK_TARGET_AVX2 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+// RB query rows (q, s: rows D and KB apart) x four keys per step: 4 RB independent accumulators (one
+// chain per row and key was bound by the FMA latency), 8 floats of each key loaded once for RB FMAs; the
+// four sums of a row come out of one hadd tree.
+template <int RB>
+PK_TARGET_AVX2 inline void scores_rows_avx2(const float* q, int D, const float* const* rows, int nb, float* s) {
+  const int D8 = D & ~7;
+  int j = 0;
+  for (; j + 4 <= nb; j += 4) {
+    __m256 a[RB][4];
+#pragma GCC unroll 8
+    for (int u = 0; u < RB; ++u)
+      for (int c = 0; c < 4; ++c) a[u][c] = _mm256_setzero_ps();
+    for (int d = 0; d < D8; d += 8) {
+      __m256 kc[4];
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) kc[c] = _mm256_loadu_ps(rows[j + c] + d);
+#pragma GCC unroll 2
+      for (int u = 0; u < RB; ++u) {
+        const __m256 x = _mm256_loadu_ps(q + (int64_t)u * D + d);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) a[u][c] = _mm256_fmadd_ps(x, kc[c], a[u][c]);
+      }
+    }
+    for (int u = 0; u < RB; ++u) {
+      alignas(16) float t[4];
+      _mm_store_ps(t, hsum4(a[u][0], a[u][1], a[u][2], a[u][3]));
+      for (int d = D8; d < D; ++d)
+        for (int c = 0; c < 4; ++c) t[c] += q[(int64_t)u * D + d] * rows[j + c][d];
+      for (int c = 0; c < 4; ++c) s[u * KB + j + c] = t[c];
+    }
+  }
+  for (; j < nb; ++j) {  // the block's last nb % 4 keys
+    __m256 a[RB];
+    for (int u = 0; u < RB; ++u) a[u] = _mm256_setzero_ps();
+    for (int d = 0; d < D8; d += 8) {
+      const __m256 kc = _mm256_loadu_ps(rows[j] + d);
+      for (int u = 0; u < RB; ++u) a[u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (int64_t)u * D + d), kc, a[u]);
+    }
+    for (int u = 0; u < RB; ++u) {
+      alignas(16) float t[4];
+      _mm_store_ps(t, hsum4(a[u], _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()));
+      for (int d = D8; d < D; ++d) t[0] += q[(int64_t)u * D + d] * rows[j][d];
+      s[u * KB + j] = t[0];
+    }
+  }
+}
+
+PK_TARGET_AVX2 void scores_avx2(const float* q, int R, int D, const float* const* rows, int nb, float* s) {
+  int r = 0;
+  for (; r + 2 <= R; r += 2) scores_rows_avx2<2>(q + (int64_t)r * D, D, rows, nb, s + r * KB);
+  if (r < R) scores_rows_avx2<1>(q + (int64_t)r * D, D, rows, nb, s + r * KB);
+}
+
+// exp(x) for 8 floats: x = n ln2 + f, |f| <= ln2 / 2, e^f by a degree-6 polynomial (Cephes expf's
+// coefficients; relative error ~1e-7, as std::exp in float), times 2^n built in the exponent bits.
+// x < -87.3 (e^x below float's normal range) gives 0, and -inf exactly 0; NaN stays NaN.
+PK_TARGET_AVX2 inline __m256 exp256(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
+  const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_min_ps(hi, x);  // min/max(c, x): NaN in x stays (the second operand is returned)
+  x = _mm256_max_ps(lo, x);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 r = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(underflow, r);
+}
+
+PK_TARGET_AVX2 float exp_sum_avx2(float* x, int n, float m) {
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  int j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 p = exp256(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm));
+    _mm256_storeu_ps(x + j, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  if (j < n) {  // the tail through the same polynomial (one rounding behaviour for every lane)
+    alignas(32) float t[8];
+    for (int i = 0; i < 8; ++i) t[i] = j + i < n ? x[j + i] : kNegInf;
+    const __m256 p = exp256(_mm256_sub_ps(_mm256_load_ps(t), vm));
+    _mm256_store_ps(t, p);
+    sum = _mm256_add_ps(sum, p);
+    for (int i = 0; j + i < n; ++i) x[j + i] = t[i];
+  }
+  return hsum256(sum);
+}
+
+// RB rows of acc (D apart) += P V over keys [0, nb) (p: rows KB apart), 32 floats of acc per row held in 4
+// registers across the keys (4 RB independent FMA chains; one chain of 8 floats per row was bound by the
+// FMA latency), each 32 floats of a value row loaded once for RB rows.
+template <int RB>
+PK_TARGET_AVX2 inline void pv_rows_avx2(const float* p, int D, const float* const* rows, int nb, float* acc) {
+  const int D32 = D & ~31, D8 = D & ~7;
+  for (int d = 0; d < D32; d += 32) {
+    __m256 a[RB][4];
+    for (int u = 0; u < RB; ++u)
+      for (int c = 0; c < 4; ++c) a[u][c] = _mm256_loadu_ps(acc + (int64_t)u * D + d + 8 * c);
+    for (int j = 0; j < nb; ++j) {
+      __m256 vc[4];
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) vc[c] = _mm256_loadu_ps(rows[j] + d + 8 * c);
+#pragma GCC unroll 2
+      for (int u = 0; u < RB; ++u) {
+        const __m256 x = _mm256_broadcast_ss(p + u * KB + j);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) a[u][c] = _mm256_fmadd_ps(x, vc[c], a[u][c]);
+      }
+    }
+    for (int u = 0; u < RB; ++u)
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + (int64_t)u * D + d + 8 * c, a[u][c]);
+  }
+  for (int u = 0; u < RB; ++u) {  // the head dim's last D % 32
+    const float* pr = p + u * KB;
+    float* ar = acc + (int64_t)u * D;
+    for (int d = D32; d < D8; d += 8) {
+      __m256 a = _mm256_loadu_ps(ar + d);
+      for (int j = 0; j < nb; ++j) a = _mm256_fmadd_ps(_mm256_broadcast_ss(pr + j), _mm256_loadu_ps(rows[j] + d), a);
+      _mm256_storeu_ps(ar + d, a);
+    }
+    for (int d = D8; d < D; ++d) {
+      float a = ar[d];
+      for (int j = 0; j < nb; ++j) a += pr[j] * rows[j][d];
+      ar[d] = a;
+    }
+  }
+}
+
+// Two rows at a time when they see the same keys (every pair but a causal block's edge), else one.
+PK_TARGET_AVX2 void pv_avx2(const float* p, int R, int D, const float* const* rows, const int* n, float* acc) {
+  for (int r = 0; r < R;) {
+    if (r + 1 < R && n[r + 1] == n[r]) {
+      pv_rows_avx2<2>(p + r * KB, D, rows, n[r], acc + (int64_t)r * D);
+      r += 2;
+    } else {
+      pv_rows_avx2<1>(p + r * KB, D, rows, n[r], acc + (int64_t)r * D);
+      r += 1;
+    }
+  }
+}
+
+PK_TARGET_AVX2 void widen_avx2(const void* const* src, pk::DType dt, int nb, int D, float* dst) {
+  const int D8 = D & ~7;
+  for (int j = 0; j < nb; ++j) {
+    const uint16_t* s = static_cast<const uint16_t*>(src[j]);
+    float* o = dst + (int64_t)j * D;
+    if (dt == pk::DType::BFloat16) {
+      for (int d = 0; d < D8; d += 8) {
+        const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + d)));
+        _mm256_storeu_ps(o + d, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
+      }
+    } else {
+      for (int d = 0; d < D8; d += 8)
+        _mm256_storeu_ps(o + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + d))));
+    }
+    for (int d = D8; d < D; ++d) o[d] = load_f32(s, dt, d);
+  }
+}
+#endif
+
+struct Kernels {
+  void (*scores)(const float*, int, int, const float* const*, int, float*);
+  float (*exp_sum)(float*, int, float);
+  void (*pv)(const float*, int, int, const float* const*, const int*, float*);
+  void (*widen)(const void* const*, pk::DType, int, int, float*);
+};
+
+Kernels pick_kernels() {
+#if PK_X86
+  if (pk::cpu_has_avx2()) return {scores_avx2, exp_sum_avx2, pv_avx2, widen_avx2};
+#endif
+  return {scores_portable, exp_sum_portable, pv_portable, widen_portable};
+}
+
+// One thread's buffers: the group's scaled query rows, a block's scores, widened K/V rows, and the running
+// state of the item in progress.
+struct Scratch {
+  std::vector<float> q, s, kw, vw, acc, m, l;
+  std::vector<int> n;  // per row, the keys of the current block it sees
+  std::vector<const float*> krow, vrow;
+  std::vector<const void*> raw;
+  void size_for(int R, int D) {
+    q.resize((size_t)R * D);
+    s.resize((size_t)R * KB);
+    kw.resize((size_t)KB * D);
+    vw.resize((size_t)KB * D);
+    acc.resize((size_t)R * D);
+    m.resize(R);
+    l.resize(R);
+    n.resize(R);
+    krow.resize(KB);
+    vrow.resize(KB);
+    raw.resize(KB);
+  }
+};
+
+// Rows of key/value block [j0, j0 + nb) of (b, hk) as float32 pointers: straight into a float32 tensor,
+// else widened into buf.
+inline void block_rows(const Problem& P, const Kernels& K, const void* base, const int64_t* st, int64_t b,
+                       int64_t hk, int64_t j0, int nb, Scratch& sc, std::vector<float>& buf,
+                       std::vector<const float*>& rows) {
+  const int64_t off = b * st[0] + hk * st[1];
+  if (P.dt == pk::DType::Float32) {
+    const float* p = static_cast<const float*>(base) + off;
+    for (int j = 0; j < nb; ++j) rows[j] = p + (j0 + j) * st[2];
+    return;
+  }
+  const uint16_t* p = static_cast<const uint16_t*>(base) + off;
+  for (int j = 0; j < nb; ++j) sc.raw[j] = p + (j0 + j) * st[2];
+  K.widen(sc.raw.data(), P.dt, nb, (int)P.D, buf.data());
+  for (int j = 0; j < nb; ++j) rows[j] = buf.data() + (int64_t)j * P.D;
+}
+
+// The running state (sc.m, sc.l, sc.acc) of group (b, hk) over keys [c0, c1).
+void attend_chunk(const Problem& P, const Kernels& K, int64_t b, int64_t hk, int64_t c0, int64_t c1, Scratch& sc) {
+  const int R = (int)P.group_rows(), D = (int)P.D;
+  const int64_t G = P.H / P.Hkv;
+  for (int r = 0; r < R; ++r) {  // q rows, scaled once: s = (scale q) . k
+    const int64_t h = hk * G + r / P.Sq, i = r % P.Sq;
+    const int64_t off = b * P.qs[0] + h * P.qs[1] + i * P.qs[2];
+    for (int d = 0; d < D; ++d) sc.q[(size_t)r * D + d] = load_f32(P.q, P.dt, off + d) * P.scale;
+    sc.m[r] = kNegInf;
+    sc.l[r] = 0.f;
+  }
+  std::fill(sc.acc.begin(), sc.acc.begin() + (size_t)R * D, 0.f);
+  int64_t lim_max = 0;  // the chunk's keys any row sees
+  for (int r = 0; r < R; ++r) lim_max = std::max(lim_max, std::min(c1, P.visible(r % P.Sq)));
+  for (int64_t j0 = c0; j0 < lim_max; j0 += KB) {
+    const int nb = (int)std::min<int64_t>(KB, lim_max - j0);
+    block_rows(P, K, P.k, P.ks, b, hk, j0, nb, sc, sc.kw, sc.krow);
+    K.scores(sc.q.data(), R, D, sc.krow.data(), nb, sc.s.data());
+    bool any = false;
+    for (int r = 0; r < R; ++r) {
+      float* sr = sc.s.data() + r * KB;
+      const int n = (int)std::clamp<int64_t>(P.visible(r % P.Sq) - j0, 0, nb);
+      sc.n[r] = n;
+      if (n == 0) continue;
+      float bm = kNegInf;
+      for (int j = 0; j < n; ++j) bm = sr[j] > bm ? sr[j] : bm;  // NaN never wins: it reaches l below
+      const float m_new = std::max(sc.m[r], bm);
+      if (m_new == kNegInf) {  // every score NaN (or -inf): poison the row, the caller recomputes it
+        sc.l[r] = std::numeric_limits<float>::quiet_NaN();
+        sc.n[r] = 0;
+        continue;
+      }
+      const float alpha = std::exp(sc.m[r] - m_new);  // 0 on the first block (m = -inf)
+      const float sum = K.exp_sum(sr, n, m_new);
+      sc.l[r] = sc.l[r] * alpha + sum;
+      if (alpha != 1.f) {
+        float* ar = sc.acc.data() + (size_t)r * D;
+        for (int d = 0; d < D; ++d) ar[d] *= alpha;
+      }
+      sc.m[r] = m_new;
+      any = true;
+    }
+    if (!any) continue;
+    block_rows(P, K, P.v, P.vs, b, hk, j0, nb, sc, sc.vw, sc.vrow);
+    K.pv(sc.s.data(), R, D, sc.vrow.data(), sc.n.data(), sc.acc.data());
+  }
+}
+
+// Row r of group (b, hk): its output and lse from (m, l, acc); rows that see no key: 0 and -inf.
+// Returns 1 when a row that sees keys got a non-finite lse (the caller recomputes).
+int write_row(const Problem& P, int64_t b, int64_t hk, int r, float m, float l, const float* acc) {
+  const int64_t G = P.H / P.Hkv, h = hk * G + r / P.Sq, i = r % P.Sq;
+  const int64_t off = b * P.os[0] + h * P.os[1] + i * P.os[2];
+  const bool sees = P.visible(i) > 0;
+  const float inv = sees && l > 0.f ? 1.f / l : 0.f;
+  for (int64_t d = 0; d < P.D; ++d) store_from_f32(P.out, P.dt, off + d, sees ? acc[d] * inv : 0.f);
+  const float lse = sees ? m + std::log(l) : kNegInf;
+  P.lse[b * P.ls[0] + h * P.ls[1] + i * P.ls[2]] = lse;
+  return sees && !std::isfinite(lse) ? 1 : 0;
+}
+
+// Returns the number of rows that see keys whose lse came out non-finite (NaN/inf in q or k).
+int64_t decode_forward(const Problem& P, int num_threads, int64_t grain) {
+  const int R = (int)P.group_rows(), D = (int)P.D;
+  const int64_t groups = P.B * P.Hkv;
+  if (groups == 0 || R == 0) return 0;
+  const Kernels K = pick_kernels();
+  // threads: one per `grain` multiply-adds of the whole problem (waking a thread costs more than a
+  // small step); chunks: split-K only when there are fewer groups than threads
+  const double work = (double)groups * R * P.Sk * D;
+  int T = (int)std::max<double>(1, std::min<double>(num_threads, std::ceil(work / (double)std::max<int64_t>(1, grain))));
+  int64_t chunks = 1;
+  if (groups < 2 * T && P.Sk > kMinChunkKeys)
+    chunks = std::min<int64_t>((2 * T + groups - 1) / groups, (P.Sk + kMinChunkKeys - 1) / kMinChunkKeys);
+  const int64_t chunk_keys = (P.Sk + chunks - 1) / chunks;
+  chunks = std::max<int64_t>(1, (P.Sk + chunk_keys - 1) / chunk_keys);
+  const int64_t items = groups * chunks;
+  T = (int)std::min<int64_t>(T, items);
+  std::vector<Scratch> scratch(T);
+  for (auto& sc : scratch) sc.size_for(R, D);
+  // split-K partials: per item and row, m, l and acc[D]
+  std::vector<float> part(chunks > 1 ? (size_t)items * R * (D + 2) : 0);
+  std::atomic<int64_t> bad{0};
+  pk::parallel_chunks(items, T, 1, [&](int t, int64_t it0, int64_t it1) {
+    Scratch& sc = scratch[t];
+    int64_t nbad = 0;
+    for (int64_t it = it0; it < it1; ++it) {
+      const int64_t g = it / chunks, c = it % chunks, b = g / P.Hkv, hk = g % P.Hkv;
+      attend_chunk(P, K, b, hk, c * chunk_keys, std::min(P.Sk, (c + 1) * chunk_keys), sc);
+      if (chunks == 1) {
+        for (int r = 0; r < R; ++r) nbad += write_row(P, b, hk, r, sc.m[r], sc.l[r], sc.acc.data() + (size_t)r * D);
+        continue;
+      }
+      float* dst = part.data() + (size_t)it * R * (D + 2);
+      for (int r = 0; r < R; ++r) {
+        float* pr = dst + (size_t)r * (D + 2);
+        pr[0] = sc.m[r];
+        pr[1] = sc.l[r];
+        std::memcpy(pr + 2, sc.acc.data() + (size_t)r * D, sizeof(float) * D);
+      }
+    }
+    bad += nbad;
+  });
+  if (chunks > 1) {
+    pk::parallel_chunks(groups, T, 1, [&](int t, int64_t g0, int64_t g1) {
+      std::vector<float> acc(D);
+      int64_t nbad = 0;
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t b = g / P.Hkv, hk = g % P.Hkv;
+        for (int r = 0; r < R; ++r) {
+          auto row = [&](int64_t c) { return part.data() + ((size_t)(g * chunks + c) * R + r) * (D + 2); };
+          float M = kNegInf;
+          bool nan = false;
+          for (int64_t c = 0; c < chunks; ++c) {
+            M = std::max(M, row(c)[0]);
+            nan |= std::isnan(row(c)[1]);
+          }
+          std::fill(acc.begin(), acc.end(), 0.f);
+          float L = nan ? std::numeric_limits<float>::quiet_NaN() : 0.f;
+          if (M != kNegInf && !nan) {
+            for (int64_t c = 0; c < chunks; ++c) {
+              const float* pr = row(c);
+              if (pr[0] == kNegInf) continue;  // a chunk this row sees no key of
+              const float w = std::exp(pr[0] - M);
+              L += pr[1] * w;
+              for (int d = 0; d < D; ++d) acc[d] += pr[2 + d] * w;
+            }
+          }
+          nbad += write_row(P, b, hk, r, M, L, acc.data());
+        }
+      }
+      bad += nbad;
+    });
+  }
+  return bad.load();
+}
+
+int64_t decode_forward_py(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse, int64_t B, int64_t H,
+                          int64_t Hkv, int64_t Sq, int64_t Sk, int64_t D, py::tuple qs, py::tuple ks, py::tuple vs,
+                          py::tuple os, py::tuple ls, double scale, bool causal, int dtype, int num_threads,
+                          int64_t grain) {
+  const char* op = "flash_attention";
+  const auto dt = static_cast<pk::DType>(dtype);
+  if (dt != pk::DType::Float32 && dt != pk::DType::BFloat16 && dt != pk::DType::Float16)
+    pk::fail_value(op, "the decode kernel takes float32, bfloat16 or float16 inputs");
+  if (B < 0 || H < 0 || Hkv <= 0 || Sq < 0 || Sk < 0 || D <= 0 || H % Hkv != 0)
+    pk::fail_value(op, "the decode kernel needs H a multiple of Hkv >= 1 and D >= 1");
+  Problem P{reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k), reinterpret_cast<const void*>(v),
+            reinterpret_cast<void*>(out), reinterpret_cast<float*>(lse), B, H, Hkv, Sq, Sk, D, {}, {}, {}, {}, {},
+            (float)scale, causal, dt};
+  auto strides = [&](py::tuple t, int64_t* dst, const char* name) {
+    if (t.size() != 3) pk::fail_value(op, std::string("expected 3 strides of ") + name);
+    for (int i = 0; i < 3; ++i) dst[i] = t[i].cast<int64_t>();
+  };
+  strides(qs, P.qs, "q");
+  strides(ks, P.ks, "k");
+  strides(vs, P.vs, "v");
+  strides(os, P.os, "out");
+  strides(ls, P.ls, "lse");
+  py::gil_scoped_release release;
+  return decode_forward(P, std::max(1, num_threads), grain);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_cpu_attention, m) {
+  m.doc() = "pykernels CPU attention kernels: decode (few query rows against a long KV cache)";
+  m.def("decode_forward", &decode_forward_py, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
+        py::arg("lse"), py::arg("B"), py::arg("H"), py::arg("Hkv"), py::arg("Sq"), py::arg("Sk"), py::arg("D"),
+        py::arg("q_strides"), py::arg("k_strides"), py::arg("v_strides"), py::arg("out_strides"),
+        py::arg("lse_strides"), py::arg("scale"), py::arg("causal"), py::arg("dtype"), py::arg("num_threads"),
+        py::arg("grain"),
+        "Attention of q [B, H, Sq, D] over k, v [B, Hkv, Sk, D] (strides of dims b, h, s in elements, head dim "
+        "dense) into out (q's dtype) and lse (float32); bottom-right causal. Returns how many rows that see "
+        "keys got a non-finite lse (NaN/inf in q or k: recompute those problems on an exact path).");
+}
