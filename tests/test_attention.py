@@ -421,6 +421,10 @@ def test_autotune_cpu_picks_a_candidate(tmp_cache):
     assert at.cache_file().exists()
     tunables = [t for t in at.registered("attention") if t.backend == "cpu"]
     assert {t.op for t in tunables} == {"flash_attention", "flash_attention_backward"}
+    # `generate` tunes a decode step too (the decode kernel's grain)
+    fwd = next(t for t in tunables if t.op == "flash_attention")
+    decode_examples = [e for e in fwd.examples([64]) if e[0][0].shape[2] == 1]
+    assert decode_examples and decode_examples[0][0][1].shape[1] < decode_examples[0][0][0].shape[1]  # GQA
     # the backward tunable runs on its own examples
     bwd = next(t for t in tunables if t.op == "flash_attention_backward")
     (args, kwargs), = [e for e in bwd.examples([32]) if e[1]["causal"]][:1]

@@ -61,6 +61,13 @@ def _examples(device: str, sizes, with_backward: bool):
                     continue
                 o, lse = _forward_impl(q, k, v, causal, scale, "auto")
                 out.append(((torch.randn_like(o), q, k, v, o, lse), {"causal": causal, "scale": scale}))
+        if device == "cpu" and not with_backward:
+            # a decode step of a GQA model (32 query heads, 8 KV heads, D=128) against s cached keys: the
+            # decode kernel's thread grain, or aten's kernels, for this machine
+            g = torch.Generator().manual_seed(s)
+            q = torch.randn(1, 32, 1, 128, generator=g)
+            k, v = (torch.randn(1, 8, int(s), 128, generator=g) for _ in range(2))
+            out.append(((q, k, v), {"causal": True, "scale": 128 ** -0.5}))
     return out
 
 
