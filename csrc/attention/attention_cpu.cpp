@@ -356,6 +356,15 @@ inline void block_rows(const Problem& P, const Kernels& K, const void* base, con
   for (int j = 0; j < nb; ++j) rows[j] = buf.data() + (int64_t)j * P.D;
 }
 
+// Prefetches rows [j0, j1) of (b, hk)'s keys or values (every 64-byte line of each row).
+inline void prefetch_rows(const Problem& P, const void* base, const int64_t* st, int64_t b, int64_t hk, int64_t j0,
+                          int64_t j1) {
+  const int64_t esz = P.dt == pk::DType::Float32 ? 4 : 2, row_bytes = P.D * esz;
+  const char* p = static_cast<const char*>(base) + (b * st[0] + hk * st[1]) * esz;
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t o = 0; o < row_bytes; o += 64) PK_PREFETCH_R(p + j * st[2] * esz + o);
+}
+
 // The running state (sc.m, sc.l, sc.acc) of group (b, hk) over keys [c0, c1).
 void attend_chunk(const Problem& P, const Kernels& K, int64_t b, int64_t hk, int64_t c0, int64_t c1, Scratch& sc) {
   const int R = (int)P.group_rows(), D = (int)P.D;
@@ -372,8 +381,12 @@ void attend_chunk(const Problem& P, const Kernels& K, int64_t b, int64_t hk, int
   for (int r = 0; r < R; ++r) lim_max = std::max(lim_max, std::min(c1, P.visible(r % P.Sq)));
   for (int64_t j0 = c0; j0 < lim_max; j0 += KB) {
     const int nb = (int)std::min<int64_t>(KB, lim_max - j0);
+    // the next block's keys and values, one block (16 KiB of each at D = 128 in float32) ahead
+    const int64_t n0 = j0 + KB, n1 = std::min<int64_t>(lim_max, n0 + KB);
+    prefetch_rows(P, P.k, P.ks, b, hk, n0, n1);
     block_rows(P, K, P.k, P.ks, b, hk, j0, nb, sc, sc.kw, sc.krow);
     K.scores(sc.q.data(), R, D, sc.krow.data(), nb, sc.s.data());
+    prefetch_rows(P, P.v, P.vs, b, hk, n0, n1);
     bool any = false;
     for (int r = 0; r < R; ++r) {
       float* sr = sc.s.data() + r * KB;
