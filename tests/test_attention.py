@@ -63,7 +63,7 @@ def check_forward_and_grads(q, k, v, causal, scale=None, config=None, backend="c
         out, lse = flash_attention(q, k, v, causal=causal, scale=scale, return_lse=True, backend=backend)
     else:
         sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        out, lse = _forward_impl(q, k, v, causal, sc, backend, config)
+        out, lse = _forward_impl(q, k, v, causal, sc, backend, config, inference=True)
     assert out.dtype == dtype and out.shape == ro.shape
     assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert_close(out, ro, dtype, "out", tol)
@@ -256,7 +256,7 @@ def test_row_with_an_inf_score_is_nan_as_sdpa(impl):
     if impl is None:
         out = flash_attention(q, k, v)
     else:
-        out, _ = _forward_impl(q, k, v, False, 1 / math.sqrt(2), "cpu", impl)
+        out, _ = _forward_impl(q, k, v, False, 1 / math.sqrt(2), "cpu", impl, inference=True)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     assert torch.isnan(ref[0, 0, 1]).all() and torch.isnan(out[0, 0, 1]).all()
     torch.testing.assert_close(out[0, 0, 0], ref[0, 0, 0])
@@ -615,7 +615,7 @@ def test_rows_without_keys_stay_zero_when_v_holds_nan(impl):
         out.sum().backward()
         dq = qa.grad
     else:
-        out, lse = _forward_impl(q, k, v, True, 1 / math.sqrt(8), "cpu", impl)
+        out, lse = _forward_impl(q, k, v, True, 1 / math.sqrt(8), "cpu", impl, inference=True)
         dq, _, _ = _backward_impl(torch.ones_like(out), None, q, k, v, out, lse, True, 1 / math.sqrt(8), "cpu", impl)
     assert torch.isneginf(lse[:, :, :3]).all()
     assert torch.equal(out[:, :, :3], torch.zeros_like(out[:, :, :3]))
@@ -703,7 +703,13 @@ def test_lean_call_path_matches_the_general_path_and_is_taken(monkeypatch):
         assert_close(got_lse, ref_lse, args[0].dtype, str(kw))
     qn = q.clone()
     qn[0, 3, 0, 5] = float("nan")
-    assert pa._lean_cpu_forward(qn, k, v, False, None, "auto") is None  # NaN row: recomputed exactly
+    lean = pa._lean_cpu_forward(qn, k, v, False, None, "auto")  # NaN row: recomputed on the exact path
+    with monkeypatch.context() as m:
+        m.setattr(pa, "_lean_cpu_forward", lambda *a: None)
+        want = flash_attention(qn, k, v, return_lse=True)
+    for got, ref in zip(lean, want):
+        torch.testing.assert_close(got, ref, equal_nan=True, rtol=0, atol=0)
+        assert got.stride() == ref.stride()
     out = flash_attention(qn, k, v)
     assert torch.isnan(out[0, 3]).all() and torch.isfinite(out[0, :3]).all()
     with pytest.raises(TypeError, match="return_lse"):
@@ -766,7 +772,7 @@ def test_decode_kernel_reads_strided_inputs_and_leaves_them_unmodified():
     for a, b in zip((q, k, v), before):
         assert torch.equal(a, b)
     qo = torch.randn(B * H * D + 8, generator=g).as_strided((B, H, 4, D), (H * D, D, 2, 1))  # rows overlap
-    out, _ = _forward_impl(qo, k, v, False, 0.125, "cpu", {"impl": "decode"})
+    out, _ = _forward_impl(qo, k, v, False, 0.125, "cpu", {"impl": "decode"}, inference=True)
     assert_close(out, reference(qo, k, v, False, 0.125)[0], torch.float32, "overlapping q")
 
 
@@ -779,7 +785,7 @@ def test_decode_kernel_non_finite_inputs_follow_the_math(where):
     t = {"q": q, "k": k, "v": v, "k-inf": k}[where.split("-")[0]]
     t[0, 1, 3 if where == "q" else 38, 5] = float("inf") if where == "k-inf" else float("nan")
     assert (_cpu.decode_forward(q, k, v, True, 0.25, 2, 1) is None) == (where != "v")
-    out, lse = _forward_impl(q, k, v, True, 0.25, "cpu", {"impl": "decode", "grain": 1})
+    out, lse = _forward_impl(q, k, v, True, 0.25, "cpu", {"impl": "decode", "grain": 1}, inference=True)
     if where == "v":  # key 38 is seen by query rows 2 and 3 (bottom-right: row i sees j <= i + 36) of heads 2, 3
         assert torch.isnan(out[0, 2:, 2:, 5]).all() and torch.isfinite(out[0, 2:, :2]).all()
         assert torch.isfinite(out[0, :2]).all() and torch.isfinite(lse).all()
@@ -820,3 +826,37 @@ def test_decode_kernel_portable_tier_matches_avx2():
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
                    env=dict(os.environ, PYKERNELS_DISABLE_AVX2="1"))
+
+
+def test_decode_kernel_only_where_no_backward_follows(monkeypatch):
+    """The decode kernel's lse differs from aten's in its last bits, and aten's backward recomputes P from
+    the lse: so calls a backward may follow (autograd, torch.func.grad) keep aten's forward, while eager
+    calls that record no graph (no_grad, even with inputs that require grad; plain tensors) take the
+    kernel on the lean and the general path alike (review findings: torch.func.grad ran it, and no_grad
+    with requires_grad inputs took it on one path only)."""
+    import importlib
+
+    pa = importlib.import_module("pykernels.attention")
+    q, k, v = make(1, 8, 2, 2, 300, 64, torch.float32, seed=4)
+    calls = []
+    real = _cpu.decode_forward
+    monkeypatch.setattr(_cpu, "decode_forward", lambda *a: calls.append(1) or real(*a))
+    loss = lambda q_: flash_attention(q_, k, v, causal=True).pow(2).sum()  # noqa: E731
+    g_func = torch.func.grad(loss)(q)
+    qa = q.clone().requires_grad_()
+    loss(qa).backward()
+    assert calls == []
+    torch.testing.assert_close(g_func, qa.grad)
+    with torch.no_grad():
+        lean = flash_attention(qa, k, v, causal=True, return_lse=True)
+        general = flash_attention(qa.transpose(2, 3).contiguous().transpose(2, 3), k, v, causal=True, return_lse=True)
+    assert len(calls) == 2
+    assert torch.equal(lean[0], general[0]) and torch.equal(lean[1], general[1])
+    assert pa._lean_cpu_forward(q, k, v, True, None, "auto") is not None and len(calls) == 3
+    # an empty problem: the layouts of the general path (and of the fake op)
+    q0, k0, v0 = make(1, 0, 1, 3, 5, 16, torch.float32)[0], *make(1, 1, 1, 3, 5, 16, torch.float32)[1:]
+    with monkeypatch.context() as m:
+        m.setattr(pa, "_lean_cpu_forward", lambda *a: None)
+        want = flash_attention(q0, k0, v0, return_lse=True)
+    got = flash_attention(q0, k0, v0, return_lse=True)
+    assert got[0].stride() == want[0].stride() and got[1].stride() == want[1].stride()

@@ -9,7 +9,7 @@
 //
 // The work: per (batch b, KV head hk) a group of R = (H / Hkv) * Sq query rows (every query head that
 // reads this KV head, every query position), so K and V are streamed ONCE per group. Keys are split into
-// chunks when there are fewer groups than threads (flash-decoding's split-K); each (group, chunk) item
+// chunks when there are fewer than two groups per thread (flash-decoding's split-K); each (group, chunk) item
 // keeps, per row, the running max m, the running sum l of exp(s - m) and the unnormalized output acc,
 // over blocks of KB keys:
 //   s[r][j] = (scale q_r) . k_j                  (masked keys: bottom-right causal, j <= i + Sk - Sq)
@@ -44,7 +44,7 @@ namespace py = pybind11;
 namespace {
 
 constexpr int KB = 32;                 // keys per block: a block's scores (R x KB floats) stay in L1
-constexpr int64_t kMinChunkKeys = 256;  // a split-K chunk streams at least this many keys
+constexpr int64_t kMinChunkKeys = 256;  // split-K: at most one chunk per this many keys (chunks > 128 keys)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Problem {
@@ -441,7 +441,7 @@ int64_t decode_forward(const Problem& P, int num_threads, int64_t grain) {
   const double work = (double)groups * R * P.Sk * D;
   int T = (int)std::max<double>(1, std::min<double>(num_threads, std::ceil(work / (double)std::max<int64_t>(1, grain))));
   int64_t chunks = 1;
-  if (groups < 2 * T && P.Sk > kMinChunkKeys)
+  if (T > 1 && groups < 2 * T && P.Sk > kMinChunkKeys)
     chunks = std::min<int64_t>((2 * T + groups - 1) / groups, (P.Sk + kMinChunkKeys - 1) / kMinChunkKeys);
   const int64_t chunk_keys = (P.Sk + chunks - 1) / chunks;
   chunks = std::max<int64_t>(1, (P.Sk + chunk_keys - 1) / chunk_keys);

@@ -88,7 +88,13 @@ def _all_finite(*tensors) -> bool:
     return True
 
 
-def _forward_impl(q, k, v, causal: bool, scale: float, backend: str, config: Optional[dict] = None):
+def _forward_impl(q, k, v, causal: bool, scale: float, backend: str, config: Optional[dict] = None,
+                  inference: bool = False):
+    """(out, lse) by the chosen backend and config. `inference`: no backward can follow this call (an eager
+    call that records no autograd graph), so the CPU decode kernel may run: aten's backward recomputes
+    P = exp(S - lse) with its own S, and with logits in the 1e4 range an lse from another kernel differs in
+    its last bits (ulp(1e4) ~ 1e-3), so P and the gradients by ~1e-3 relative. Through the registered op
+    (autograd, torch.compile, torch.func) the decode impl runs as aten's kernels."""
     key = problem_key(q, k, causal=causal)
     chosen, cfg = dispatch(OP, q.device, backend, key, supported=SUPPORTED, preference=("triton",))
     if config is not None:
@@ -98,11 +104,7 @@ def _forward_impl(q, k, v, causal: bool, scale: float, backend: str, config: Opt
 
         return _triton.forward(q, k, v, causal, scale, cfg)
     impl = cfg.get("impl", "flash")
-    if impl == "decode" and q.dtype in _cpu.DECODE_TORCH_DTYPES and not (
-            q.requires_grad or k.requires_grad or v.requires_grad):
-        # Not float64 (aten's kernels then), nor a call a backward may follow: aten's backward recomputes
-        # P = exp(S - lse) with its own S, and with logits in the 1e4 range an lse from another kernel
-        # differs in its last bits (ulp(1e4) ~ 1e-3), so P and the gradients by ~1e-3 relative.
+    if impl == "decode" and inference and q.dtype in _cpu.DECODE_TORCH_DTYPES:  # float64: aten's kernels
         result = _decode(q, k, v, causal, scale, cfg)
         if result is not None:
             return result
@@ -110,6 +112,11 @@ def _forward_impl(q, k, v, causal: bool, scale: float, backend: str, config: Opt
         out, lse = _cpu.flash_forward(q, k, v, causal, scale)
         if _flash_result_stands(q, k, causal, lse):
             return out, lse
+    return _blocked(q, k, v, causal, scale, cfg)
+
+
+def _blocked(q, k, v, causal: bool, scale: float, cfg: dict):
+    """The exact path: the "blocked" impl, and where another one's result does not stand (NaN/inf inputs)."""
     return _cpu.blocked_forward(q, k, v, causal, scale, chunk_elems=int(cfg.get("chunk_elems", 1 << 22)))
 
 
@@ -155,9 +162,9 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, ba
 # ----------------------------------------------------------------------------------------------
 # torch.library registration: forward, backward, fakes, autograd
 # ----------------------------------------------------------------------------------------------
-def _forward_laid_out(q, k, v, causal: bool, scale: float, backend: str):
+def _forward_laid_out(q, k, v, causal: bool, scale: float, backend: str, inference: bool = False):
     """_forward_impl with the layouts the op promises (its fake below reports them)."""
-    out, lse = _forward_impl(q, k, v, causal, scale, backend)
+    out, lse = _forward_impl(q, k, v, causal, scale, backend, inference=inference)
     if q.is_cpu and backend != "triton":
         return _cpu.like_q(out, q), _cpu.to_bshd(lse)
     return out.contiguous(), lse.contiguous()
@@ -340,7 +347,7 @@ def _lean_cpu_forward(q, k, v, causal, scale, backend):
     mask). Returns (out, lse) as the general path does, or
     None for any other call, which takes the general path (its checks and errors, autograd, torch.compile,
     other layouts and backends). Same results: the same dispatch (key and config), the same kernel call
-    (_cpu.flash_forward) and the same check of its result.
+    (_cpu.decode_forward or _cpu.flash_forward), the same check of its result and the same fallback.
     Why: a decode step (q of one token against 128 cached keys, 8 heads) spent ~20 us of Python around
     a ~16 us kernel (SDPA: ~17 us in all): generic checks, as_tensor, layout fix-ups that are no-ops here."""
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
@@ -368,8 +375,12 @@ def _lean_cpu_forward(q, k, v, causal, scale, backend):
     key = problem_key(q, k, causal=causal)
     chosen, cfg = dispatch(OP, _CPU, backend, key, supported=_CPU_ONLY)
     impl = cfg.get("impl", "flash")
-    if impl == "decode":
-        return _decode(q, k, v, causal, scale, cfg)  # None (NaN/inf inputs): the general path
+    if impl == "decode":  # (the general path's eager call: no backward can follow)
+        result = _decode(q, k, v, causal, scale, cfg)
+        if result is None:  # NaN/inf in q or k: the exact path, as the general path's fallback
+            out, lse = _blocked(q, k, v, causal, scale, cfg)
+            return _cpu.like_q(out, q), _cpu.to_bshd(lse)
+        return result
     if impl != "flash" or (causal and Sq != 1 and Sq != Sk):
         return None
     out, lse = _cpu.flash_forward(q, k, v, causal, scale)
@@ -385,8 +396,8 @@ def _lean_cpu_forward(q, k, v, causal, scale, backend):
 # where there is nothing to trace or differentiate (eager_direct), else the registered op. Through the op
 # the first call of a process imported torch._dynamo (~1.2 s) and every call paid its dispatch layers.
 def forward_op(q, k, v, causal: bool, scale: float, backend: str):
-    if eager_direct(q, k, v):
-        return _forward_laid_out(q, k, v, causal, scale, backend)
+    if eager_direct(q, k, v):  # nothing traced nor differentiated: no backward can follow
+        return _forward_laid_out(q, k, v, causal, scale, backend, inference=True)
     return _flash_attention_call(q, k, v, causal, scale, backend)
 
 
@@ -406,6 +417,9 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, s
     block's exact share of the softmax, so calling this once per key block gives that block's dk/dv
     and a partial dq that sums to the full dq. `dlse` is the gradient flowing into lse, if any.
     Same layouts, dtypes and causal alignment as `flash_attention`; lse is float32 [B, H, S_q].
+    An out/lse from a call that recorded no autograd graph may come from the CPU decode kernel (a few
+    query rows per KV head): its lse differs from aten's in the last bits, which at logits in the 1e4
+    range is ~1e-3 relative in P; compute them with grad enabled where that matters.
     """
     q, k, v, dout, out, lse = (_native.as_tensor(t, OP_BWD, name) for t, name in
                                ((q, "q"), (k, "k"), (v, "v"), (dout, "dout"), (out, "out"), (lse, "lse")))

@@ -20,8 +20,9 @@
 "decode"  - csrc/attention/attention_cpu.cpp: flash-decoding for a few query rows against a long KV cache
             (decode steps, speculative verification): per (batch, KV head) every query row of the group in
             one pass over K and V (GQA reads the cache once, not once per query head), split over the keys
-            when there are fewer groups than threads, bfloat16/float16 widened in registers. Forward only
-            (the backward of such calls is aten's or "blocked"); float32, bfloat16, float16.
+            when there are fewer than two groups per thread, bfloat16/float16 widened block by block into
+            a scratch buffer. Forward only, and only for calls no backward can follow (see
+            _forward_impl's `inference`); float32, bfloat16, float16.
 "blocked" - FlashAttention's tiling done with BLAS: the query rows are cut into chunks; per chunk the
             scores against the (causally) visible keys are one batched GEMM, a masked softmax in fp32 (or
             fp64), and one GEMM with V. GQA is a reshape (the query heads of a group share one GEMM), the
@@ -305,7 +306,7 @@ def _scores(qc, kc, i0, Sq, Sk, causal, scale):
 
 
 DECODE_MAX_SQ = 16    # query rows per head up to which "decode" is a candidate (its work is GEMV-shaped)
-DECODE_MAX_ROWS = 64  # and rows per KV head's group ((H / Hkv) * S_q): the group's running state stays in L1
+DECODE_MAX_ROWS = 64  # and rows per KV head's group ((H / Hkv) * S_q): its running state (64 x D floats) in L1/L2
 DECODE_DTYPES = ("float32", "bfloat16", "float16")
 DECODE_TORCH_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -318,13 +319,14 @@ def decode_applies(key: dict) -> bool:
 
 def decode_forward(q, k, v, causal: bool, scale: float, threads: int, grain: int):
     """(out, lse) of the native decode kernel, out in q's memory order and lse laid out as [B, S, H] (the
-    layouts the op returns, so no copy follows), or None when a row that sees keys got a non-finite lse
+    layouts the op returns, so no copy follows where q's head dim is dense), or None when a row that sees keys got a non-finite lse
     (NaN/inf in q or k): the caller recomputes on the exact path. `grain`: multiply-adds per thread (a
     small step runs on fewer threads than `threads`)."""
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     if q.numel() == 0 or Sk == 0:
-        return _empty_result(q, v, Sk)
+        out, lse = _empty_result(q, v, Sk)
+        return like_q(out, q), to_bshd(lse)
     q, k, v = _dense_last(q), _dense_last(k), _dense_last(v)
     out = torch.empty_strided((B, H, Sq, D), out_strides(q, D), dtype=q.dtype)
     lse = torch.empty_strided((B, H, Sq), (H * Sq, 1, H), dtype=torch.float32)

@@ -77,7 +77,7 @@ def _bwd_key(dout, q, k, v, out, lse, causal=False, **_):
 
 def _run_fwd(backend):
     def run(config, q, k, v, causal=False, scale=None):
-        return _forward_impl(q, k, v, causal, scale or 1.0 / math.sqrt(q.shape[-1]), backend, config)
+        return _forward_impl(q, k, v, causal, scale or 1.0 / math.sqrt(q.shape[-1]), backend, config, inference=True)
     return run
 
 
