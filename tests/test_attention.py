@@ -693,7 +693,8 @@ def test_lean_call_path_matches_the_general_path_and_is_taken(monkeypatch):
     assert torch.equal(flash_attention(q, k, v, backend="cpu"), out)
     monkeypatch.undo()
     # every other call: the general path, with its results and errors
-    for args, kw in [((q, k, v), dict(scale=-0.5)), ((q, k, v), dict(scale=2)), ((q.double(), k.double(), v.double()), {}),
+    for args, kw in [((q, k, v), dict(scale=-0.5)), ((q, k, v), dict(scale=2)),
+                     ((q.double(), k.double(), v.double()), {}),
                      ((q.expand(1, 8, 3, 32), k, v), {}),  # not contiguous
                      (make(1, 2, 2, 40, 50, 8, torch.float32), dict(causal=True))]:  # rectangular: 2 aten calls
         assert pa._lean_cpu_forward(*args, kw.get("causal", False), kw.get("scale"), "auto") is None

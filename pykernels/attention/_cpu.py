@@ -319,9 +319,9 @@ def decode_applies(key: dict) -> bool:
 
 def decode_forward(q, k, v, causal: bool, scale: float, threads: int, grain: int):
     """(out, lse) of the native decode kernel, out in q's memory order and lse laid out as [B, S, H] (the
-    layouts the op returns, so no copy follows where q's head dim is dense), or None when a row that sees keys got a non-finite lse
-    (NaN/inf in q or k): the caller recomputes on the exact path. `grain`: multiply-adds per thread (a
-    small step runs on fewer threads than `threads`)."""
+    layouts the op returns, so no copy follows where q's head dim is dense), or None when a row that sees
+    keys got a non-finite lse (NaN/inf in q or k): the caller recomputes on the exact path. `grain`:
+    multiply-adds per thread (a small step runs on fewer threads than `threads`)."""
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     if q.numel() == 0 or Sk == 0:

@@ -33,10 +33,11 @@ _DECODE_CANDIDATES = [{"impl": "decode", "grain": g} for g in (1 << 16, 1 << 18,
 
 
 def _cpu_fwd_default(key):
-    """"decode" up to 32 query rows per KV head, else aten's kernels. Measured on the 2-core Zen 2 (H=32,
-    D=128, one process, decode kernel / SDPA time): S_q=1 with 8 KV heads over 1K-8K keys 0.31-0.45 (fp32)
-    and 0.06-0.11 (bf16); 32 KV heads 0.62 / 0.18; S_q=4 with 8 KV heads (16 rows) 0.87 / 0.69; S_q=16
-    (64 rows) 0.77 fp32 but 1.10 bf16, so from 33 rows it is only a candidate."""
+    """"decode" up to 32 query rows per KV head, else aten's kernels. Measured on a 2-core EPYC VM (an
+    AVX-512 CPU, the kernel's AVX2 tier; H=32, D=128, one process, decode kernel / SDPA time): S_q=1 with 8
+    KV heads over 1K-8K keys 0.31-0.45 (fp32) and 0.06-0.11 (bf16); 32 KV heads 0.62 / 0.18; S_q=4 with 8
+    KV heads (16 rows) 0.87 / 0.69; S_q=16 (64 rows) 0.77 fp32 but 1.10 bf16, so from 33 rows it is only a
+    candidate."""
     if _cpu.decode_applies(key) and key["gqa"] * key["sq"] <= _DECODE_DEFAULT_ROWS:
         return dict(_DECODE_DEFAULT)
     return dict(_CPU_DEFAULT)
@@ -77,7 +78,8 @@ def _bwd_key(dout, q, k, v, out, lse, causal=False, **_):
 
 def _run_fwd(backend):
     def run(config, q, k, v, causal=False, scale=None):
-        return _forward_impl(q, k, v, causal, scale or 1.0 / math.sqrt(q.shape[-1]), backend, config, inference=True)
+        scale_ = scale or 1.0 / math.sqrt(q.shape[-1])
+        return _forward_impl(q, k, v, causal, scale_, backend, config, inference=True)
     return run
 
 
