@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import threading
 from typing import Optional
 
 import numpy as np
@@ -93,8 +94,8 @@ def _forward_impl(q, k, v, causal: bool, scale: float, backend: str, config: Opt
     """(out, lse) by the chosen backend and config. `inference`: no backward can follow this call (an eager
     call that records no autograd graph), so the CPU decode kernel may run: aten's backward recomputes
     P = exp(S - lse) with its own S, and with logits in the 1e4 range an lse from another kernel differs in
-    its last bits (ulp(1e4) ~ 1e-3), so P and the gradients by ~1e-3 relative. Through the registered op
-    (autograd, torch.compile, torch.func) the decode impl runs as aten's kernels."""
+    its last bits (ulp(1e4) ~ 1e-3), so P and the gradients by ~1e-3 relative. Where a backward may
+    follow (autograd, torch.func; see _flash_attention_op) the decode impl runs as aten's kernels."""
     key = problem_key(q, k, causal=causal)
     chosen, cfg = dispatch(OP, q.device, backend, key, supported=SUPPORTED, preference=("triton",))
     if config is not None:
@@ -177,7 +178,12 @@ def _flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     # the kernels trust the shapes (review finding: H not a multiple of Hkv was a SIGFPE)
     _check(q, k, v, scale, backend)
     check_same_device(OP, q=q, k=k, v=v)
-    return _forward_laid_out(q, k, v, causal, scale, backend)
+    # Inside the op a backward may follow where an input requires grad (autograd) or the call came through
+    # a functorch transform (torch.func.grad: its tensors come in unwrapped, requires_grad off, and the
+    # transform is not visible here: forward_op marks it); else (torch.compile inference) the forward is
+    # the eager call's, decode included, so compiled and eager results are the same bits.
+    inference = not (q.requires_grad or k.requires_grad or v.requires_grad or getattr(_IN_TRANSFORM, "on", False))
+    return _forward_laid_out(q, k, v, causal, scale, backend, inference=inference)
 
 
 @_flash_attention_op.register_fake
@@ -395,9 +401,18 @@ def _lean_cpu_forward(q, k, v, causal, scale, backend):
 # The entries the public functions and collectives' ring attention call: the implementation directly
 # where there is nothing to trace or differentiate (eager_direct), else the registered op. Through the op
 # the first call of a process imported torch._dynamo (~1.2 s) and every call paid its dispatch layers.
+_IN_TRANSFORM = threading.local()  # .on: this thread's op call came through a functorch transform
+
+
 def forward_op(q, k, v, causal: bool, scale: float, backend: str):
     if eager_direct(q, k, v):  # nothing traced nor differentiated: no backward can follow
         return _forward_laid_out(q, k, v, causal, scale, backend, inference=True)
+    if torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():
+        _IN_TRANSFORM.on = True
+        try:
+            return _flash_attention_call(q, k, v, causal, scale, backend)
+        finally:
+            _IN_TRANSFORM.on = False
     return _flash_attention_call(q, k, v, causal, scale, backend)
 
 
