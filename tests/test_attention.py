@@ -726,6 +726,7 @@ def test_lean_call_path_matches_the_general_path_and_is_taken(monkeypatch):
 
 DECODE_SHAPES = [  # (B, H, Hkv, S_q, S_k, D): GQA groups, S_k around the 32-key block and the 256-key chunk,
     (1, 8, 8, 1, 128, 64),  # head dims with tails of 8 and 32 floats, S_q > S_k (causal rows with no key)
+    (1, 4, 2, 2, 70, 130),
     (2, 8, 2, 3, 1000, 80),
     (1, 6, 2, 4, 2049, 128),
     (2, 3, 1, 16, 31, 33),
