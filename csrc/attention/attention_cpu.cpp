@@ -60,6 +60,8 @@ struct Problem {
   pk::DType dt;
 
   int64_t group_rows() const { return (H / Hkv) * Sq; }
+  // row r of KV head hk's group: query head hk * (H / Hkv) + r / Sq, query position r % Sq
+  int64_t head_of(int64_t hk, int r) const { return hk * (H / Hkv) + r / Sq; }
   // keys [0, visible) are seen by query position i
   int64_t visible(int64_t i) const { return causal ? std::min(Sk, std::max<int64_t>(0, i + Sk - Sq + 1)) : Sk; }
 };
@@ -368,9 +370,8 @@ inline void prefetch_rows(const Problem& P, const void* base, const int64_t* st,
 // The running state (sc.m, sc.l, sc.acc) of group (b, hk) over keys [c0, c1).
 void attend_chunk(const Problem& P, const Kernels& K, int64_t b, int64_t hk, int64_t c0, int64_t c1, Scratch& sc) {
   const int R = (int)P.group_rows(), D = (int)P.D;
-  const int64_t G = P.H / P.Hkv;
   for (int r = 0; r < R; ++r) {  // q rows, scaled once: s = (scale q) . k
-    const int64_t h = hk * G + r / P.Sq, i = r % P.Sq;
+    const int64_t h = P.head_of(hk, r), i = r % P.Sq;
     const int64_t off = b * P.qs[0] + h * P.qs[1] + i * P.qs[2];
     for (int d = 0; d < D; ++d) sc.q[(size_t)r * D + d] = load_f32(P.q, P.dt, off + d) * P.scale;
     sc.m[r] = kNegInf;
@@ -420,7 +421,7 @@ void attend_chunk(const Problem& P, const Kernels& K, int64_t b, int64_t hk, int
 // Row r of group (b, hk): its output and lse from (m, l, acc); rows that see no key: 0 and -inf.
 // Returns 1 when a row that sees keys got a non-finite lse (the caller recomputes).
 int write_row(const Problem& P, int64_t b, int64_t hk, int r, float m, float l, const float* acc) {
-  const int64_t G = P.H / P.Hkv, h = hk * G + r / P.Sq, i = r % P.Sq;
+  const int64_t h = P.head_of(hk, r), i = r % P.Sq;
   const int64_t off = b * P.os[0] + h * P.os[1] + i * P.os[2];
   const bool sees = P.visible(i) > 0;
   const float inv = sees && l > 0.f ? 1.f / l : 0.f;

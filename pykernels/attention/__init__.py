@@ -379,7 +379,7 @@ def _lean_cpu_forward(q, k, v, causal, scale, backend):
     elif not (0.0 < scale <= _FLOAT32_MAX):  # also NaN; negative and zero scales: the general path
         return None
     key = problem_key(q, k, causal=causal)
-    chosen, cfg = dispatch(OP, _CPU, backend, key, supported=_CPU_ONLY)
+    _, cfg = dispatch(OP, _CPU, backend, key, supported=_CPU_ONLY)
     impl = cfg.get("impl", "flash")
     if impl == "decode":  # (the general path's eager call: no backward can follow)
         result = _decode(q, k, v, causal, scale, cfg)
