@@ -20,6 +20,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _release_gpu_memory(request):
+    """After each GPU test, its worker hands the cached CUDA memory back: xdist runs a dozen workers on
+    one GPU, and a worker that kept a big test's cache (several tests sort 2^28 keys) left the others
+    out of memory (the 2026-12-04 H200 run: one worker held 65 GiB)."""
+    yield
+    if HAS_CUDA and "gpu" in request.keywords and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def pytest_runtest_logreport(report):
     """PK_FAILURE_LOG=<file>: each failure's traceback is appended as it happens (the one-shot GPU run
     may be cut off by its time limit before pytest prints its summary). Written by the controlling

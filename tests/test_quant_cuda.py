@@ -55,3 +55,73 @@ def test_cuda_bitserial_matches_cpu(mma, p, q, group_size):
     sa = (x.amax(1) - x.amin(1)) / (2 ** p - 1)
     step = sa[:, None] * qw.dequantize().abs().amax(1)[None]
     assert ((yg - yc).abs() <= 1e-5 * scale + 2 * step + 1e-4).all()
+
+
+def _cuda_wo(x, qw, bias, config):
+    from pykernels.quant._ops import _impl
+
+    N, K = qw.shape
+    return _impl(x, qw.packed, qw.scales, qw.offsets, None, None, bias, N, K, qw.bits, qw.group_size, 0, "cuda",
+                 config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kernel,rg", [("mma", 1), ("mma", 2), ("mma", 4), ("simt", None)])
+@pytest.mark.parametrize("N,K,group_size,scheme,bits", [
+    (1030, 1100, 128, "asym", 4),   # N % 16 = 6: the last 16-row group reaches past the packed tiles
+    (64, 1037, -1, "asym", 4),      # K odd: x read element by element, one group per row (gsize = K)
+    (200, 512, 32, "sym", 3),       # 3-bit codes in the nibble layout, a group per block
+    (40, 4096, 64, "bipolar", 2),   # long K: every warp of the CTA gets several groups
+])
+def test_cuda_weight_only_kernels(dtype, kernel, rg, N, K, group_size, scheme, bits):
+    """Both weight-only CUDA kernels (tensor-core 'mma' with 1/2/4 row groups per CTA, 'simt') against the
+    float64 oracle: token counts around the 8/16-token MMA tiles, bias, and an x at an odd offset."""
+    g = torch.Generator().manual_seed(N + K)
+    qw = pykernels.quantize(torch.randn(N, K, generator=g), bits, group_size, scheme).to("cuda")
+    bias = torch.randn(N, generator=g).cuda()
+    cfg = {"kernel": kernel} if rg is None else {"kernel": kernel, "rg": rg}
+    for M in (1, 5, 8, 9, 16, 17, 40):
+        base = torch.randn(M * K + 1, generator=g).cuda().to(dtype)
+        for x in (base[:M * K].view(M, K), base[1:].view(M, K)):  # aligned, and 2 bytes off (no vector loads)
+            for b in (None, bias):
+                y = _cuda_wo(x, qw, b, cfg)
+                ref = (x.double() @ qw.dequantize(torch.float64).T + (0 if b is None else b.double())).cpu()
+                eps = {torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}[dtype]
+                assert y.dtype == dtype and y.shape == (M, N)
+                bad = (y.double().cpu() - ref).abs() > _bound(x, qw, ref, eps)
+                assert not bad.any(), (M, x.data_ptr() % 8, b is None, bad.nonzero()[:5].tolist())
+
+
+@pytest.mark.gpu
+def test_cuda_mma_kernel_config_errors():
+    qw8 = pykernels.quantize(torch.randn(64, 256), 8, 128).to("cuda")
+    qw4 = pykernels.quantize(torch.randn(64, 256), 4, 128).to("cuda")
+    x16 = torch.randn(3, 256, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="kernel='mma' needs"):
+        _cuda_wo(x16, qw8, None, {"kernel": "mma"})
+    with pytest.raises(ValueError, match="kernel='mma' needs"):
+        _cuda_wo(x16.float(), qw4, None, {"kernel": "mma"})
+    with pytest.raises(ValueError, match="'kernel'"):
+        _cuda_wo(x16, qw4, None, {"kernel": "wgmma"})
+    with pytest.raises(ValueError, match="'rg'"):
+        _cuda_wo(x16, qw4, None, {"kernel": "mma", "rg": 3})
+    # the default for fp16 x and 4-bit codes is the tensor-core kernel, and it matches the simt one
+    torch.testing.assert_close(_cuda_wo(x16, qw4, None, {}), _cuda_wo(x16, qw4, None, {"kernel": "simt"}),
+                               rtol=2e-3, atol=2e-3)
+
+
+def test_gpu_backend_order_without_a_tuned_entry(monkeypatch):
+    """The CUDA tensor-core kernel first for weight-only fp16/bf16 x <= 4-bit codes up to 16 tokens
+    (measured faster than Triton there on an H200), Triton otherwise and on ROCm."""
+    from pykernels.quant._ops import _gpu_preference
+
+    monkeypatch.setattr(torch.version, "hip", None)
+    for dtype in (torch.float16, torch.bfloat16):
+        for M, bits in ((1, 4), (16, 4), (3, 2)):
+            assert _gpu_preference(M, bits, 0, dtype) == ("cuda", "triton")
+    for M, bits, act_bits, dtype in ((17, 4, 0, torch.float16), (1, 8, 0, torch.float16),
+                                     (1, 4, 0, torch.float32), (1, 4, 4, torch.float16)):
+        assert _gpu_preference(M, bits, act_bits, dtype) == ("triton", "cuda")
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert _gpu_preference(1, 4, 0, torch.float16) == ("triton", "cuda")

@@ -15,8 +15,12 @@
 //    mma.m16n8k256 .b1 AND+POPC (weights = the 16-row A operand, tokens = the 8-column B operand),
 //    recombines by shifts 2^(i+j) per group and applies the affine terms of ALGORITHMS.md;
 //    bs_popc_kernel is the portable path (HIP, other archs): 32-bit __popc of AND.
+// 3. wo_mma_kernel — weight-only on tensor cores (CUDA sm_80+, fp16/bf16 x, codes of <= 4 bits, up to 16
+//    tokens per grid row): the default of the CUDA backend where it applies (see the kernel).
 #include <algorithm>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 #include "pk_gpu.h"
 #if PK_HIP
@@ -333,6 +337,220 @@ __global__ void bs_mma_kernel(const uint32_t* __restrict__ ap, const uint32_t* _
 }
 #endif
 
+#if !PK_HIP
+// 3. wo_mma_kernel — weight-only codes of 4 bits or fewer x fp16/bf16 activations on tensor cores
+//    (mma.m16n8k16, fp32 accumulate; sm_80+), the memory-bound regime of M <= 16 tokens per grid row.
+//    A = 16 weight rows x 16 k of raw codes u (exact in fp16/bf16), B = 16 k x 8 tokens of x. The MMA's
+//    k order is free as long as A and B agree (Marlin's trick), so each lane reads ONE 32-bit word of
+//    a row's 16-byte line per 32-element block and feeds it as it lies: lane (g = lane/4, c = lane%4)
+//    reads bytes [4c, 4c+4) of rows g and g+8; nibble half h of those bytes is MMA step h, bytes
+//    (0, 2) give the slots 2c, 2c+1 and bytes (1, 3) the slots 2c+8, 2c+9 (PTX ISA, "Matrix fragments
+//    for mma.m16n8k16"); the lane's B fragment is x at the same k. Codes become 16-bit floats without
+//    a conversion instruction: (nibbles | exponent bits) is 1024 + u in fp16 (128 + u in bf16), minus
+//    that bias in one fma.
+//    Per group, the affine form sum_k x (s u + m) = s * sum_k x u + m * sum_k x: a second MMA with an
+//    all-ones A gives sum_k x per token. Each CTA takes 16*RG rows and 8*NT tokens; its 8 warps split
+//    K and meet in shared memory; the CTA writes y in x's dtype (+ bias) directly: no zero fill, no
+//    atomics, no cast afterwards.
+constexpr int MMA_WARPS = 8;
+constexpr int MMA_UNROLL = 4;  // blocks whose weight words are loaded before any is used
+
+template <bool BF16>
+__device__ __forceinline__ uint32_t codes_to_pair(uint32_t word, int shift) {
+  // nibbles at bits [shift, shift + 4) and [16 + shift, 20 + shift) -> (float16/bfloat16 u_lo, u_hi)
+  const uint32_t biased = ((word >> shift) & 0x000F000Fu) | (BF16 ? 0x43004300u : 0x64006400u);
+  uint32_t out;
+  if (BF16)  // 1.0 * (128 + u) - 128
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(out) : "r"(biased), "r"(0x3F803F80u), "r"(0xC300C300u));
+  else       // 1.0 * (1024 + u) - 1024
+    asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(out) : "r"(biased), "r"(0x3C003C00u), "r"(0xE400E400u));
+  return out;
+}
+
+template <bool BF16>
+__device__ __forceinline__ void mma16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  if (BF16)
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// x[k .. k+3] of one token as two 32-bit words (zeros past K or for a missing token).
+__device__ __forceinline__ void load_x4(const uint16_t* row, bool ok, int64_t k, int64_t K, bool vec, uint32_t& lo,
+                                        uint32_t& hi) {
+  if (!ok) { lo = hi = 0u; return; }
+  if (vec && k + 3 < K) {
+    const uint2 v = *reinterpret_cast<const uint2*>(row + k);
+    lo = v.x; hi = v.y;
+    return;
+  }
+  uint32_t e[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) e[i] = k + i < K ? row[k + i] : 0u;
+  lo = e[0] | (e[1] << 16);
+  hi = e[2] | (e[3] << 16);
+}
+
+template <bool BF16, int NT, int RG>
+__global__ void __launch_bounds__(MMA_WARPS * 32, 1) wo_mma_kernel(
+    const uint16_t* __restrict__ x, int64_t M, int64_t N, int64_t K, const uint8_t* __restrict__ w,
+    const float* __restrict__ scales, const float* __restrict__ offsets, int64_t G, int64_t gsize, int64_t NB,
+    const float* __restrict__ bias, uint16_t* __restrict__ y, bool x_vec) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  __shared__ float red[MMA_WARPS][RG * NT * 4][32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int gid = lane / 4, c = lane % 4;
+  const int64_t n0 = (int64_t)blockIdx.x * 16 * RG;
+  const int64_t m0 = (int64_t)blockIdx.y * 8 * NT;
+  const int64_t T = (N + 3) / 4;  // 4-row tiles in the packed layout
+  const uint32_t ONE = BF16 ? 0x3F803F80u : 0x3C003C00u;
+
+  // This warp's share of K, in whole 32-element blocks.
+  const int64_t per = (NB + MMA_WARPS - 1) / MMA_WARPS;
+  const int64_t b_begin = warp * per, b_end = min(NB, b_begin + per);
+
+  // Weight words: rows n0 + 16q + gid (+8), bytes [4c, 4c+4) of each block's 16-byte row line.
+  const uint8_t* wrow[RG][2];
+  bool wok[RG][2];
+  int64_t rows[RG][2];
+#pragma unroll
+  for (int q = 0; q < RG; ++q)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int64_t R = n0 + 16 * q + gid + 8 * hf;
+      rows[q][hf] = R;
+      wok[q][hf] = R / 4 < T;
+      wrow[q][hf] = w + ((R / 4) * NB * RT + R % 4) * 16 + 4 * c;  // + b * 64 for block b
+    }
+  const uint16_t* xrow[NT];
+  bool xok[NT];
+#pragma unroll
+  for (int t = 0; t < NT; ++t) {
+    const int64_t m = m0 + 8 * t + gid;
+    xok[t] = m < M;
+    xrow[t] = x + (xok[t] ? m : 0) * K;
+  }
+
+  float total[RG][NT][4], cg[RG][NT][4], cx[NT][4];
+#pragma unroll
+  for (int q = 0; q < RG; ++q)
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) total[q][t][i] = cg[q][t][i] = 0.f;
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cx[t][i] = 0.f;
+
+  // total += s * sum(x u) + m * sum(x) for the group just finished, then restart its sums.
+  auto flush = [&](int64_t grp) {
+#pragma unroll
+    for (int q = 0; q < RG; ++q) {
+      float sc[2], of[2];
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const bool ok = rows[q][hf] < N;
+        sc[hf] = ok ? scales[rows[q][hf] * G + grp] : 0.f;
+        of[hf] = ok ? offsets[rows[q][hf] * G + grp] : 0.f;
+      }
+#pragma unroll
+      for (int t = 0; t < NT; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          total[q][t][i] = fmaf(sc[i / 2], cg[q][t][i], fmaf(of[i / 2], cx[t][i % 2], total[q][t][i]));
+          cg[q][t][i] = 0.f;
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) cx[t][i] = 0.f;
+  };
+
+  int64_t cur = -1;
+  for (int64_t b0 = b_begin; b0 < b_end; b0 += MMA_UNROLL) {
+    uint32_t wv[MMA_UNROLL][RG][2];
+#pragma unroll
+    for (int u = 0; u < MMA_UNROLL; ++u)
+#pragma unroll
+      for (int q = 0; q < RG; ++q)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+          wv[u][q][hf] = (b0 + u < b_end && wok[q][hf])
+                             ? __ldg(reinterpret_cast<const uint32_t*>(wrow[q][hf] + (b0 + u) * RT * 16))
+                             : 0u;
+#pragma unroll
+    for (int u = 0; u < MMA_UNROLL; ++u) {
+      const int64_t b = b0 + u;
+      if (b >= b_end) break;
+      const int64_t grp = G == 1 ? 0 : min(G - 1, b * KB / gsize);
+      if (grp != cur) {
+        if (cur >= 0) flush(cur);
+        cur = grp;
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        uint32_t bx[NT][2];
+#pragma unroll
+        for (int t = 0; t < NT; ++t) {
+          uint32_t lo, hi;
+          load_x4(xrow[t], xok[t], b * KB + 16 * h + 4 * c, K, x_vec, lo, hi);
+          bx[t][0] = __byte_perm(lo, hi, 0x5410);  // (x[k], x[k+2]): slots 2c, 2c+1
+          bx[t][1] = __byte_perm(lo, hi, 0x7632);  // (x[k+1], x[k+3]): slots 2c+8, 2c+9
+        }
+#pragma unroll
+        for (int q = 0; q < RG; ++q) {
+          const uint32_t a0 = codes_to_pair<BF16>(wv[u][q][0], 4 * h);      // row g, bytes 0/2
+          const uint32_t a1 = codes_to_pair<BF16>(wv[u][q][1], 4 * h);      // row g+8, bytes 0/2
+          const uint32_t a2 = codes_to_pair<BF16>(wv[u][q][0], 8 + 4 * h);  // row g, bytes 1/3
+          const uint32_t a3 = codes_to_pair<BF16>(wv[u][q][1], 8 + 4 * h);  // row g+8, bytes 1/3
+#pragma unroll
+          for (int t = 0; t < NT; ++t) mma16816<BF16>(cg[q][t], a0, a1, a2, a3, bx[t][0], bx[t][1]);
+        }
+#pragma unroll
+        for (int t = 0; t < NT; ++t) mma16816<BF16>(cx[t], ONE, ONE, ONE, ONE, bx[t][0], bx[t][1]);
+      }
+    }
+  }
+  if (cur >= 0) flush(cur);
+
+  // The warps' K shares meet in shared memory; every thread then writes some of the outputs.
+#pragma unroll
+  for (int q = 0; q < RG; ++q)
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) red[warp][(q * NT + t) * 4 + i][lane] = total[q][t][i];
+  __syncthreads();
+  for (int e = threadIdx.x; e < RG * NT * 4 * 32; e += MMA_WARPS * 32) {
+    const int slot = e / 32, ln = e % 32;
+    const int q = slot / (NT * 4), t = (slot / 4) % NT, i = slot % 4;
+    const int64_t n = n0 + 16 * q + ln / 4 + 8 * (i / 2);
+    const int64_t m = m0 + 8 * t + 2 * (ln % 4) + (i % 2);
+    if (n >= N || m >= M) continue;
+    float v = 0.f;
+#pragma unroll
+    for (int wp = 0; wp < MMA_WARPS; ++wp) v += red[wp][slot][ln];
+    if (bias) v += bias[n];
+    uint16_t out;
+    if (BF16)
+      asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(out) : "f"(v));
+    else
+      asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(out) : "f"(v));
+    y[m * N + n] = out;
+  }
+#endif
+}
+#endif
+
 }  // namespace
 
 // Host entry points (no CUDA types in the signatures: the binding file includes no CUDA headers).
@@ -363,6 +581,55 @@ void pk_qgemm_wo(uintptr_t x, int xdt, int64_t M, int64_t K, uintptr_t w, int bi
                                                  (const float*)offsets, G, gsize, NB, yc);
     PK_GPU_CHECK("qmatmul", pkGetLastError());
   }
+}
+
+// The tensor-core path (wo_mma_kernel): x fp16 (xdt 9) or bf16 (xdt 10), codes of at most 4 bits, y in x's
+// dtype written whole (bias: fp32 [N] or 0). rg: 16-row groups per CTA (1, 2 or 4). CUDA sm_80+ only.
+void pk_qgemm_wo_mma(uintptr_t x, int xdt, int64_t M, int64_t K, uintptr_t w, int bits, uintptr_t scales,
+                     uintptr_t offsets, int64_t N, int64_t group_size, uintptr_t bias, uintptr_t y, int rg,
+                     uintptr_t stream) {
+  const pk::GpuScope gpu_scope("qmatmul", x);
+  if (bits > 4) throw std::invalid_argument("pykernels.qmatmul: the 'mma' kernel takes codes of at most 4 bits");
+  if (xdt != 9 && xdt != 10)
+    throw std::invalid_argument("pykernels.qmatmul: the 'mma' kernel takes float16 or bfloat16 activations");
+  if (rg != 1 && rg != 2 && rg != 4)
+    throw std::invalid_argument("pykernels.qmatmul: expected config 'rg' in {1, 2, 4}, got " + std::to_string(rg));
+  if (M <= 0 || N <= 0 || K <= 0) return;
+#if PK_HIP
+  (void)w; (void)scales; (void)offsets; (void)group_size; (void)bias; (void)y; (void)stream;
+  throw std::invalid_argument("pykernels.qmatmul: the 'mma' kernel is CUDA-only (use kernel='simt')");
+#else
+  const int64_t NB = (K + KB - 1) / KB;
+  const int64_t gsize = group_size == -1 ? K : group_size;
+  const int64_t G = (K + gsize - 1) / gsize;
+  const bool bf16 = xdt == 10;
+  const bool x_vec = K % 4 == 0 && x % 8 == 0;
+  const int nt = M <= 8 ? 1 : 2;
+  const int64_t chunk = kMaxGridYZ * 8 * nt;
+  auto s = (pk_stream_t)stream;
+  for (int64_t m0 = 0; m0 < M; m0 += chunk) {
+    const int64_t mc = std::min<int64_t>(M - m0, chunk);
+    const uint16_t* xc = (const uint16_t*)x + m0 * K;
+    uint16_t* yc = (uint16_t*)y + m0 * N;
+    dim3 grid((unsigned)((N + 16 * rg - 1) / (16 * rg)), (unsigned)((mc + 8 * nt - 1) / (8 * nt)));
+#define PK_WO_MMA(B, NT_, RG_)                                                                                    \
+  wo_mma_kernel<B, NT_, RG_><<<grid, MMA_WARPS * 32, 0, s>>>(xc, mc, N, K, (const uint8_t*)w, (const float*)scales, \
+                                                            (const float*)offsets, G, gsize, NB,                  \
+                                                            (const float*)bias, yc, x_vec)
+#define PK_WO_MMA_RG(B, NT_)       \
+  if (rg == 1) PK_WO_MMA(B, NT_, 1); \
+  else if (rg == 2) PK_WO_MMA(B, NT_, 2); \
+  else PK_WO_MMA(B, NT_, 4);
+    if (bf16) {
+      if (nt == 1) { PK_WO_MMA_RG(true, 1) } else { PK_WO_MMA_RG(true, 2) }
+    } else {
+      if (nt == 1) { PK_WO_MMA_RG(false, 1) } else { PK_WO_MMA_RG(false, 2) }
+    }
+#undef PK_WO_MMA_RG
+#undef PK_WO_MMA
+    PK_GPU_CHECK("qmatmul", pkGetLastError());
+  }
+#endif
 }
 
 // workspace: planes [M*G*p*2gw] u32, usum [M*G] i32 (zeroed by the caller), sa [M], ma [M] f32.

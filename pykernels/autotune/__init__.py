@@ -502,6 +502,7 @@ def tune(op_name: str, *example_args, backend: str = "auto", budget_s: float = 0
         known = sorted({op for op, _ in _REGISTRY})
         raise ValueError(f"pykernels.autotune.tune: no tunable op {op_name!r} (known ops: {', '.join(known)})")
     best_entry = None
+    last_error = None
     for b in choices:
         tunable = _REGISTRY[(op_name, b)]
         try:
@@ -524,6 +525,7 @@ def tune(op_name: str, *example_args, backend: str = "auto", budget_s: float = 0
             try:
                 t = _time_config(tunable, cfg, example_args, kwargs, device, budget_s)
             except Exception as exc:  # a config that cannot run here (too much shared memory, ...)
+                last_error = f"{type(exc).__name__}: {exc}"
                 if verbose:
                     print(f"  {op_name}/{b} {cfg}: failed: {exc}", file=sys.stderr)
                 continue
@@ -550,5 +552,6 @@ def tune(op_name: str, *example_args, backend: str = "auto", budget_s: float = 0
         if best_entry is None or t_best < best_entry["time_s"]:
             best_entry = entry
     if best_entry is None:
-        raise RuntimeError(f"pykernels.autotune.tune: every config of {op_name!r} failed on {device}")
+        raise RuntimeError(f"pykernels.autotune.tune: every config of {op_name!r} failed on {device}"
+                           + (f" (the last: {last_error[:500]})" if last_error else ""))
     return dict(best_entry["config"])

@@ -1,8 +1,11 @@
 """torch.ops.pykernels.qmatmul: the op schema (once), its fake implementation, and the backends.
 
 Backends: "cpu" (csrc/qgemm/qgemm_cpu.cpp), "triton" (pykernels/quant/_triton.py), "cuda"
-(csrc/qgemm/qgemm.cu). On CUDA tensors "auto" prefers Triton (its kernels are the ones also checked
-under TRITON_INTERPRET=1 here), then the native module.
+(csrc/qgemm/qgemm.cu). On CUDA tensors "auto" prefers the native tensor-core kernel for weight-only
+fp16/bf16 x codes of <= 4 bits up to 16 tokens (_gpu_preference: measured faster there), Triton
+otherwise, unless a tuned entry says which.
+  cuda, weight-only: {"kernel": "mma" (tensor cores; the default where it applies) | "simt", "rg": 1 | 2 | 4
+                      (16-row groups per CTA of the mma kernel)}; bit-serial: {"mma": bool}
 Config (pykernels._backend.dispatch, tuned by pykernels.autotune):
   cpu, weight-only: {"impl": "native" | "dequant_mm" | "amx", "threads": 0 (= torch's), "m_block", "n_block",
                      "isa": 2 AVX-512 VNNI | 1 AVX2 (highest allowed tier, capped by the CPU)}
@@ -257,10 +260,36 @@ def cpu_bitserial(x2, planes, scales, offsets, wsum, bias, N, K, bits, group_siz
     return y
 
 
+def cuda_wo_kernel(cfg, x_dtype, bits, dev) -> str:
+    """The weight-only CUDA kernel of a call: "mma" (tensor cores, csrc/qgemm/qgemm.cu wo_mma_kernel) for
+    fp16/bf16 activations and codes of at most 4 bits on sm_80+ CUDA, else "simt" (wo_gemm_kernel)."""
+    mma_ok = (x_dtype in (torch.float16, torch.bfloat16) and bits <= 4 and torch.version.hip is None
+              and torch.cuda.get_device_capability(dev) >= (8, 0))
+    kernel = cfg.get("kernel", "mma" if mma_ok else "simt")
+    if kernel not in ("mma", "simt"):
+        raise ValueError(f"pykernels.qmatmul: expected config 'kernel' in ('mma', 'simt'), got {kernel!r}")
+    if kernel == "mma" and not mma_ok:
+        raise ValueError("pykernels.qmatmul: config kernel='mma' needs float16/bfloat16 activations, codes of at "
+                         "most 4 bits and an sm_80+ CUDA device")
+    return kernel
+
+
 def cuda_qmatmul(x2, packed, scales, offsets, planes, wsum, bias, N, K, bits, group_size, act_bits, cfg):
     mod = cuda_module("qgemm")
     M = x2.shape[0]
     dev = x2.device
+    if not act_bits and cuda_wo_kernel(cfg, x2.dtype, bits, dev) == "mma":
+        # y in x's dtype, written whole by the kernel (bias added there): one launch, nothing else
+        if packed.data_ptr() % 4:  # the kernel reads it in 32-bit words: a view at an odd offset
+            packed = packed.clone()
+        y = torch.empty(M, N, dtype=x2.dtype, device=dev)
+        b = bias.to(torch.float32).contiguous() if bias is not None else None
+        # 16-row groups per CTA: 2 reuses each token's x twice once there are enough rows to fill the GPU
+        rg = int(cfg.get("rg", 2 if N >= 4096 else 1))
+        mod.wo_mma(x2.data_ptr(), dtype_code(x2.dtype), M, K, packed.data_ptr(), bits, scales.data_ptr(),
+                   offsets.data_ptr(), N, group_size, b.data_ptr() if b is not None else 0, y.data_ptr(), rg,
+                   cuda_stream_handle(dev))
+        return y
     y = torch.zeros(M, N, dtype=torch.float32, device=dev)
     stream = cuda_stream_handle(dev)
     if act_bits:
@@ -291,13 +320,24 @@ def cuda_qmatmul(x2, packed, scales, offsets, planes, wsum, bias, N, K, bits, gr
 _PLANS: dict = {}
 
 
+def _gpu_preference(M: int, bits: int, act_bits: int, dtype) -> tuple:
+    """Backend order on a GPU without a tuned entry. The CUDA tensor-core kernel (wo_mma_kernel) first for
+    weight-only fp16/bf16 x codes of <= 4 bits up to 16 tokens; Triton otherwise. On an H200, 8192 x 8192
+    W4A16 g128 (bench/gpu_runs/2026-12-04-h200.md): CUDA 37 / 66 / 258 us at M = 1 / 16 / 64, Triton
+    115 / 111 / 163 us."""
+    if (not act_bits and bits <= 4 and M <= 16 and dtype in (torch.float16, torch.bfloat16)
+            and torch.version.hip is None):  # (the MMA kernel is CUDA's alone)
+        return ("cuda", "triton")
+    return ("triton", "cuda")
+
+
 def _plan(device, backend: str, M: int, n: int, k: int, bits: int, group_size: int, act_bits: int, dtype):
     memo_key = (device, backend, M, n, k, bits, group_size, act_bits, dtype, autotune.generation(),
                 autotune._enabled(), autotune.switches())
     plan = _PLANS.get(memo_key)
     if plan is None:
         plan = dispatch("qmatmul", device, backend, _key(M, n, k, bits, group_size, act_bits, dtype),
-                        supported=("cpu", "cuda", "triton"), preference=("triton", "cuda"))
+                        supported=("cpu", "cuda", "triton"), preference=_gpu_preference(M, bits, act_bits, dtype))
         if len(_PLANS) >= 4096:  # many distinct shapes (say, a growing M): start over
             _PLANS.clear()
         _PLANS[memo_key] = plan

@@ -177,10 +177,20 @@ def _cuda_widest_bytes(key: dict) -> int:
     return widest
 
 
-def _cuda_default(key: dict) -> dict:
-    from . import _cuda
+def _cuda_default_for(op: str):
+    """The untuned GPU config of an op: 15 keys per thread (3840-key tiles) for keys alone, 8 (2048-key
+    tiles) where a payload travels with the keys (sort_pairs, and sort/argsort/segmented_sort, which sort
+    (encoded key, index) pairs): on an H200 (bench/gpu_runs/2026-12-04-h200.md), 2^28 uint32 keys +
+    int32 payloads took 15.2 ms with 8 against 17.8 ms with 15 (the pair tile's registers and shared
+    memory cost occupancy), while keys alone took 10.4-10.5 ms with 11 or 15 and 11.4 ms with 8."""
+    def default(key: dict) -> dict:
+        from . import _cuda
 
-    return dict(_cuda.DEFAULT_CONFIG)
+        cfg = dict(_cuda.DEFAULT_CONFIG)
+        if op != "sort_keys":
+            cfg["bin_items"] = 8
+        return cfg
+    return default
 
 
 def _cuda_candidates(key: dict) -> list:
@@ -284,7 +294,7 @@ def _register():
     # where the CUDA backend runs, and their examples are empty elsewhere.
     for op in _OPS_CUDA:
         autotune.register(autotune.Tunable(
-            op=op, backend="cuda", group="sort", make_key=_cuda_make_key(op), default=_cuda_default,
+            op=op, backend="cuda", group="sort", make_key=_cuda_make_key(op), default=_cuda_default_for(op),
             candidates=_cuda_candidates, run=_cuda_run(op), examples=_cuda_examples(op), check=_check(op)))
 
 

@@ -1,0 +1,43 @@
+"""Tunes, on this GPU, the configs the GPU benchmarks' goal cases run, and prints every config's time:
+
+    python -m bench.gpu_tune [sort_keys,sort_pairs,qmatmul]
+
+The cache it writes (pykernels.autotune, per device and shape) is what `python -m bench --gpu` then
+runs in the same machine session: bench/gpu_suite.sh runs it first when TUNE_SCRIPT=1. Goal shapes only
+(2^28 uint32 keys; 8192 x 8192 W4A16 at M = 1/16/64), so it fits a short GPU lease, unlike
+`python -m pykernels.autotune generate`, which tunes every op of a group on all its examples."""
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+import pykernels
+import pykernels.autotune as at
+
+
+def main(which: str = "sort_keys,sort_pairs,qmatmul", budget_s: float = 0.2) -> None:
+    which = which.split(",")
+    n = 1 << 28
+    if "sort_keys" in which or "sort_pairs" in which:
+        keys = torch.randint(0, 2**31 - 1, (n,), device="cuda", dtype=torch.int64).to(torch.uint32)
+        for op in ("sort_keys", "sort_pairs"):
+            if op in which:
+                args = (keys,) if op == "sort_keys" else (keys, torch.arange(n, dtype=torch.int32, device="cuda"))
+                t0 = time.perf_counter()
+                cfg = at.tune(op, *args, backend="cuda", budget_s=budget_s, verbose=True)
+                print(f"{op} n=2^28 uint32: {cfg} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        del keys
+        torch.cuda.empty_cache()
+    if "qmatmul" in which:
+        qw = pykernels.quantize(torch.randn(8192, 8192, device="cuda"), 4, 128, "asym")
+        for M in (1, 16, 64):
+            x = torch.randn(M, 8192, device="cuda", dtype=torch.float16)
+            t0 = time.perf_counter()
+            cfg = at.tune("qmatmul", x, qw, backend="triton", budget_s=budget_s, verbose=True)
+            print(f"qmatmul triton M={M}: {cfg} ({time.perf_counter() - t0:.1f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:2], *[float(a) for a in sys.argv[2:3]])
