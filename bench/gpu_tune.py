@@ -1,10 +1,10 @@
 """Tunes, on this GPU, the configs the GPU benchmarks' goal cases run, and prints every config's time:
 
-    python -m bench.gpu_tune [sort_keys,sort_pairs,qmatmul]
+    python -m bench.gpu_tune [sort_keys,sort_pairs,qmatmul,qmatmul_cuda]
 
 The cache it writes (pykernels.autotune, per device and shape) is what `python -m bench --gpu` then
 runs in the same machine session: bench/gpu_suite.sh runs it first when TUNE_SCRIPT=1. Goal shapes only
-(2^28 uint32 keys; 8192 x 8192 W4A16 at M = 1/16/64), so it fits a short GPU lease, unlike
+(2^28 uint32 keys; 8192 x 8192 W4A16 at M = 1/16/64, Triton or CUDA), so it fits a short GPU lease, unlike
 `python -m pykernels.autotune generate`, which tunes every op of a group on all its examples."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pykernels
 import pykernels.autotune as at
 
 
-def main(which: str = "sort_keys,sort_pairs,qmatmul", budget_s: float = 0.2) -> None:
+def main(which: str = "sort_keys,sort_pairs,qmatmul_cuda,qmatmul", budget_s: float = 0.2) -> None:
     which = which.split(",")
     n = 1 << 28
     if "sort_keys" in which or "sort_pairs" in which:
@@ -30,13 +30,15 @@ def main(which: str = "sort_keys,sort_pairs,qmatmul", budget_s: float = 0.2) -> 
                 print(f"{op} n=2^28 uint32: {cfg} ({time.perf_counter() - t0:.1f} s)", flush=True)
         del keys
         torch.cuda.empty_cache()
-    if "qmatmul" in which:
+    backends = [b for b, name in (("cuda", "qmatmul_cuda"), ("triton", "qmatmul")) if name in which]
+    if backends:
         qw = pykernels.quantize(torch.randn(8192, 8192, device="cuda"), 4, 128, "asym")
-        for M in (1, 16, 64):
-            x = torch.randn(M, 8192, device="cuda", dtype=torch.float16)
-            t0 = time.perf_counter()
-            cfg = at.tune("qmatmul", x, qw, backend="triton", budget_s=budget_s, verbose=True)
-            print(f"qmatmul triton M={M}: {cfg} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        for backend in backends:
+            for M in (1, 16, 64):
+                x = torch.randn(M, 8192, device="cuda", dtype=torch.float16)
+                t0 = time.perf_counter()
+                cfg = at.tune("qmatmul", x, qw, backend=backend, budget_s=budget_s, verbose=True)
+                print(f"qmatmul {backend} M={M}: {cfg} ({time.perf_counter() - t0:.1f} s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -67,20 +67,22 @@ def _cuda_wo(x, qw, bias, config):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("kernel,rg", [("mma", 1), ("mma", 2), ("mma", 4), ("simt", None)])
+@pytest.mark.parametrize("kernel,rg,pipe", [("mma", 1, False), ("mma", 2, False), ("mma", 4, False), ("mma", 1, True),
+                                           ("mma", 2, True), ("mma", 4, True), ("simt", None, None)])
 @pytest.mark.parametrize("N,K,group_size,scheme,bits", [
     (1030, 1100, 128, "asym", 4),   # N % 16 = 6: the last 16-row group reaches past the packed tiles
     (64, 1037, -1, "asym", 4),      # K odd: x read element by element, one group per row (gsize = K)
     (200, 512, 32, "sym", 3),       # 3-bit codes in the nibble layout, a group per block
     (40, 4096, 64, "bipolar", 2),   # long K: every warp of the CTA gets several groups
 ])
-def test_cuda_weight_only_kernels(dtype, kernel, rg, N, K, group_size, scheme, bits):
-    """Both weight-only CUDA kernels (tensor-core 'mma' with 1/2/4 row groups per CTA, 'simt') against the
-    float64 oracle: token counts around the 8/16-token MMA tiles, bias, and an x at an odd offset."""
+def test_cuda_weight_only_kernels(dtype, kernel, rg, pipe, N, K, group_size, scheme, bits):
+    """Both weight-only CUDA kernels (tensor-core 'mma' with 1/2/4 row groups per CTA, loads pipelined or
+    not; 'simt') against the float64 oracle: token counts around the 8/16-token MMA tiles, bias, and an
+    x at an odd offset."""
     g = torch.Generator().manual_seed(N + K)
     qw = pykernels.quantize(torch.randn(N, K, generator=g), bits, group_size, scheme).to("cuda")
     bias = torch.randn(N, generator=g).cuda()
-    cfg = {"kernel": kernel} if rg is None else {"kernel": kernel, "rg": rg}
+    cfg = {"kernel": kernel} if rg is None else {"kernel": kernel, "rg": rg, "pipe": pipe}
     for M in (1, 5, 8, 9, 16, 17, 40):
         base = torch.randn(M * K + 1, generator=g).cuda().to(dtype)
         for x in (base[:M * K].view(M, K), base[1:].view(M, K)):  # aligned, and 2 bytes off (no vector loads)
@@ -125,3 +127,23 @@ def test_gpu_backend_order_without_a_tuned_entry(monkeypatch):
         assert _gpu_preference(M, bits, act_bits, dtype) == ("triton", "cuda")
     monkeypatch.setattr(torch.version, "hip", "6.2")
     assert _gpu_preference(1, 4, 0, torch.float16) == ("triton", "cuda")
+
+
+def test_cuda_tunable_candidates(monkeypatch):
+    """The CUDA qmatmul tunable: {} (the kernel's own choice) is the default and a candidate; the
+    tensor-core configs only where they apply (fp16/bf16, <= 4 bits, CUDA rather than ROCm)."""
+    from pykernels import autotune as at
+    from pykernels.quant._ops import _key
+
+    t = next(t for t in at.registered("qgemm") if t.op == "qmatmul" and t.backend == "cuda")
+    monkeypatch.setattr(torch.version, "hip", None)
+    key = _key(16, 8192, 8192, 4, 128, 0, torch.float16)
+    cands = t.candidates(key)
+    assert t.default(key) == {} and {} in cands and {"kernel": "simt"} in cands
+    assert {"kernel": "mma", "rg": 4, "pipe": True} in cands and len(cands) == 2 + 6
+    assert not [c for c in t.candidates(_key(16, 8192, 8192, 8, 128, 0, torch.float16)) if c.get("kernel") == "mma"]
+    assert not [c for c in t.candidates(_key(1, 64, 64, 4, 32, 0, torch.float32)) if c.get("kernel") == "mma"]
+    assert t.candidates(_key(1, 64, 64, 2, 32, 2, torch.float16)) == [{}, {"mma": False}]
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert not [c for c in t.candidates(key) if c.get("kernel") == "mma"]
+    assert t.examples(None) == [] or torch.cuda.is_available()

@@ -12,7 +12,7 @@ import pykernels.autotune as at
 from pykernels.sort import _cuda
 
 OPS = ("sort_keys", "sort_pairs", "sort", "argsort", "segmented_sort")
-OLD_CONSTANTS = {"bin_items": 15, "hist_threads": 512, "hist_keys_per_block": 1 << 15}  # before tuning
+OLD_CONSTANTS = {"bin_items": 15, "hist_threads": 512, "hist_keys_per_block": 1 << 15, "rank": 0}  # before tuning
 
 
 def tunable(op):
@@ -70,7 +70,8 @@ def test_candidates_are_the_compiled_configs(key, items):
         assert sorted({c["bin_items"] for c in cands}) == list(items)
         shapes = {(c["hist_threads"], c["hist_keys_per_block"]) for c in cands}
         assert shapes == {(t, t * k) for t in (256, 512, 1024) for k in (16, 64)}
-        assert len(cands) == 6 * len(items)
+        assert sorted({c["rank"] for c in cands}) == [0, 1]
+        assert len(cands) == 6 * len(items) * 2
         # valid for the widest Onesweep call of that key (and so for every narrower one)
         wide = 8 if items == (8, 11, 15) else 4
         for c in cands:
@@ -103,6 +104,7 @@ def test_python_and_native_config_tables_agree():
     ({"hist_threads": 384}, r"pykernels\.argsort: expected config 'hist_threads' in \{256, 512, 1024\}, got 384"),
     ({"hist_keys_per_block": 100}, r"'hist_keys_per_block' in \[1024, 1048576\], got 100"),
     ({"bin_item": 15}, r"pykernels\.argsort: unknown CUDA sort config entry 'bin_item'"),
+    ({"rank": 2}, r"pykernels\.argsort: expected config 'rank' in \{0, 1\}, got 2"),
 ])
 def test_bad_configs_are_clear_errors(cfg, match):
     # checked before any allocation or launch, so CPU tensors reach the check on any machine
@@ -127,7 +129,7 @@ def test_bad_config_types_and_op_names():
 def test_native_entry_checks_configs_before_the_gpu():
     m = native()
     for kw, what in ((dict(bin_items=19), "bin_items"), (dict(hist_threads=128), "hist_threads"),
-                     (dict(hist_keys_per_block=1 << 21), "hist_keys_per_block")):
+                     (dict(hist_keys_per_block=1 << 21), "hist_keys_per_block"), (dict(rank=2), "rank")):
         with pytest.raises(ValueError, match=rf"pykernels\.sort_keys: expected config '{what}'"):
             m.onesweep(0, 0, 0, 0, 10, 8, 0, 0, 64, 0, 0, 0, op="sort_keys", **kw)
 

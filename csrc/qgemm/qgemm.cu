@@ -398,7 +398,7 @@ __device__ __forceinline__ void load_x4(const uint16_t* row, bool ok, int64_t k,
   hi = e[2] | (e[3] << 16);
 }
 
-template <bool BF16, int NT, int RG>
+template <bool BF16, int NT, int RG, bool PIPE>
 __global__ void __launch_bounds__(MMA_WARPS * 32, 1) wo_mma_kernel(
     const uint16_t* __restrict__ x, int64_t M, int64_t N, int64_t K, const uint8_t* __restrict__ w,
     const float* __restrict__ scales, const float* __restrict__ offsets, int64_t G, int64_t gsize, int64_t NB,
@@ -450,77 +450,139 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, 1) wo_mma_kernel(
 #pragma unroll
     for (int i = 0; i < 4; ++i) cx[t][i] = 0.f;
 
-  // total += s * sum(x u) + m * sum(x) for the group just finished, then restart its sums.
-  auto flush = [&](int64_t grp) {
+  // A group's scales and offsets for this lane's rows (0 past N).
+  auto load_scales = [&](int64_t grp, float (&sc)[RG][2], float (&of)[RG][2]) {
 #pragma unroll
-    for (int q = 0; q < RG; ++q) {
-      float sc[2], of[2];
+    for (int q = 0; q < RG; ++q)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const bool ok = rows[q][hf] < N;
-        sc[hf] = ok ? scales[rows[q][hf] * G + grp] : 0.f;
-        of[hf] = ok ? offsets[rows[q][hf] * G + grp] : 0.f;
+        sc[q][hf] = ok ? scales[rows[q][hf] * G + grp] : 0.f;
+        of[q][hf] = ok ? offsets[rows[q][hf] * G + grp] : 0.f;
       }
+  };
+  // total += s * sum(x u) + m * sum(x) for the group just finished, then restart its sums.
+  auto apply = [&](const float (&sc)[RG][2], const float (&of)[RG][2]) {
+#pragma unroll
+    for (int q = 0; q < RG; ++q)
 #pragma unroll
       for (int t = 0; t < NT; ++t)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          total[q][t][i] = fmaf(sc[i / 2], cg[q][t][i], fmaf(of[i / 2], cx[t][i % 2], total[q][t][i]));
+          total[q][t][i] = fmaf(sc[q][i / 2], cg[q][t][i], fmaf(of[q][i / 2], cx[t][i % 2], total[q][t][i]));
           cg[q][t][i] = 0.f;
         }
-    }
 #pragma unroll
     for (int t = 0; t < NT; ++t)
 #pragma unroll
       for (int i = 0; i < 4; ++i) cx[t][i] = 0.f;
   };
-
-  int64_t cur = -1;
-  for (int64_t b0 = b_begin; b0 < b_end; b0 += MMA_UNROLL) {
-    uint32_t wv[MMA_UNROLL][RG][2];
+  // Weight words of blocks [base, base + MMA_UNROLL) (zeros past this warp's share or the packed tiles).
+  auto load_w = [&](uint32_t (&wv)[MMA_UNROLL][RG][2], int64_t base) {
 #pragma unroll
     for (int u = 0; u < MMA_UNROLL; ++u)
 #pragma unroll
       for (int q = 0; q < RG; ++q)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf)
-          wv[u][q][hf] = (b0 + u < b_end && wok[q][hf])
-                             ? __ldg(reinterpret_cast<const uint32_t*>(wrow[q][hf] + (b0 + u) * RT * 16))
+          wv[u][q][hf] = (base + u < b_end && wok[q][hf])
+                             ? __ldg(reinterpret_cast<const uint32_t*>(wrow[q][hf] + (base + u) * RT * 16))
                              : 0u;
+  };
+  // This lane's B fragments of block b, nibble half h: (x[k], x[k+2]) for slots 2c, 2c+1 and
+  // (x[k+1], x[k+3]) for slots 2c+8, 2c+9.
+  auto load_b = [&](uint32_t (&bx)[NT][2], int64_t b, int h) {
 #pragma unroll
-    for (int u = 0; u < MMA_UNROLL; ++u) {
-      const int64_t b = b0 + u;
-      if (b >= b_end) break;
-      const int64_t grp = G == 1 ? 0 : min(G - 1, b * KB / gsize);
-      if (grp != cur) {
-        if (cur >= 0) flush(cur);
-        cur = grp;
-      }
+    for (int t = 0; t < NT; ++t) {
+      uint32_t lo, hi;
+      load_x4(xrow[t], xok[t], b * KB + 16 * h + 4 * c, K, x_vec, lo, hi);
+      bx[t][0] = __byte_perm(lo, hi, 0x5410);
+      bx[t][1] = __byte_perm(lo, hi, 0x7632);
+    }
+  };
+  // The two MMA steps of block u of wv (nibble half h) for every row group and token tile, and the
+  // all-ones MMA that sums x.
+  auto mma_block = [&](const uint32_t (&wv)[MMA_UNROLL][RG][2], int u, int h, const uint32_t (&bx)[NT][2]) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        uint32_t bx[NT][2];
+    for (int q = 0; q < RG; ++q) {
+      const uint32_t a0 = codes_to_pair<BF16>(wv[u][q][0], 4 * h);      // row g, bytes 0/2
+      const uint32_t a1 = codes_to_pair<BF16>(wv[u][q][1], 4 * h);      // row g+8, bytes 0/2
+      const uint32_t a2 = codes_to_pair<BF16>(wv[u][q][0], 8 + 4 * h);  // row g, bytes 1/3
+      const uint32_t a3 = codes_to_pair<BF16>(wv[u][q][1], 8 + 4 * h);  // row g+8, bytes 1/3
 #pragma unroll
-        for (int t = 0; t < NT; ++t) {
-          uint32_t lo, hi;
-          load_x4(xrow[t], xok[t], b * KB + 16 * h + 4 * c, K, x_vec, lo, hi);
-          bx[t][0] = __byte_perm(lo, hi, 0x5410);  // (x[k], x[k+2]): slots 2c, 2c+1
-          bx[t][1] = __byte_perm(lo, hi, 0x7632);  // (x[k+1], x[k+3]): slots 2c+8, 2c+9
+      for (int t = 0; t < NT; ++t) mma16816<BF16>(cg[q][t], a0, a1, a2, a3, bx[t][0], bx[t][1]);
+    }
+#pragma unroll
+    for (int t = 0; t < NT; ++t) mma16816<BF16>(cx[t], ONE, ONE, ONE, ONE, bx[t][0], bx[t][1]);
+  };
+
+  int64_t cur = -1;
+  float sc[RG][2], of[RG][2];
+  if constexpr (!PIPE) {
+    // Each iteration loads its blocks' weight words, then per block its x fragments, and per group its
+    // scales when the group ends: simple, but each of those is a dependent round trip.
+    for (int64_t b0 = b_begin; b0 < b_end; b0 += MMA_UNROLL) {
+      uint32_t wv[MMA_UNROLL][RG][2];
+      load_w(wv, b0);
+#pragma unroll
+      for (int u = 0; u < MMA_UNROLL; ++u) {
+        const int64_t b = b0 + u;
+        if (b >= b_end) break;
+        const int64_t grp = G == 1 ? 0 : min(G - 1, b * KB / gsize);
+        if (grp != cur) {
+          if (cur >= 0) {
+            load_scales(cur, sc, of);
+            apply(sc, of);
+          }
+          cur = grp;
         }
 #pragma unroll
-        for (int q = 0; q < RG; ++q) {
-          const uint32_t a0 = codes_to_pair<BF16>(wv[u][q][0], 4 * h);      // row g, bytes 0/2
-          const uint32_t a1 = codes_to_pair<BF16>(wv[u][q][1], 4 * h);      // row g+8, bytes 0/2
-          const uint32_t a2 = codes_to_pair<BF16>(wv[u][q][0], 8 + 4 * h);  // row g, bytes 1/3
-          const uint32_t a3 = codes_to_pair<BF16>(wv[u][q][1], 8 + 4 * h);  // row g+8, bytes 1/3
-#pragma unroll
-          for (int t = 0; t < NT; ++t) mma16816<BF16>(cg[q][t], a0, a1, a2, a3, bx[t][0], bx[t][1]);
+        for (int h = 0; h < 2; ++h) {
+          uint32_t bx[NT][2];
+          load_b(bx, b, h);
+          mma_block(wv, u, h, bx);
         }
-#pragma unroll
-        for (int t = 0; t < NT; ++t) mma16816<BF16>(cx[t], ONE, ONE, ONE, ONE, bx[t][0], bx[t][1]);
       }
     }
+    if (cur >= 0) {
+      load_scales(cur, sc, of);
+      apply(sc, of);
+    }
+  } else {
+    // Loads ahead of use: the next iteration's weight words are in flight while this one's MMAs run,
+    // this iteration's x fragments are all loaded before the first MMA, and a group's scales are
+    // loaded when the group starts (used when it ends).
+    uint32_t wv[MMA_UNROLL][RG][2], wn[MMA_UNROLL][RG][2];
+    load_w(wv, b_begin);
+    for (int64_t b0 = b_begin; b0 < b_end; b0 += MMA_UNROLL) {
+      load_w(wn, b0 + MMA_UNROLL);
+      uint32_t bx[MMA_UNROLL][2][NT][2];
+#pragma unroll
+      for (int u = 0; u < MMA_UNROLL; ++u)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) load_b(bx[u][h], b0 + u < b_end ? b0 + u : b0, h);
+#pragma unroll
+      for (int u = 0; u < MMA_UNROLL; ++u) {
+        const int64_t b = b0 + u;
+        if (b >= b_end) break;
+        const int64_t grp = G == 1 ? 0 : min(G - 1, b * KB / gsize);
+        if (grp != cur) {
+          if (cur >= 0) apply(sc, of);
+          cur = grp;
+          load_scales(cur, sc, of);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) mma_block(wv, u, h, bx[u][h]);
+      }
+#pragma unroll
+      for (int u = 0; u < MMA_UNROLL; ++u)
+#pragma unroll
+        for (int q = 0; q < RG; ++q)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) wv[u][q][hf] = wn[u][q][hf];
+    }
+    if (cur >= 0) apply(sc, of);
   }
-  if (cur >= 0) flush(cur);
 
   // The warps' K shares meet in shared memory; every thread then writes some of the outputs.
 #pragma unroll
@@ -584,10 +646,11 @@ void pk_qgemm_wo(uintptr_t x, int xdt, int64_t M, int64_t K, uintptr_t w, int bi
 }
 
 // The tensor-core path (wo_mma_kernel): x fp16 (xdt 9) or bf16 (xdt 10), codes of at most 4 bits, y in x's
-// dtype written whole (bias: fp32 [N] or 0). rg: 16-row groups per CTA (1, 2 or 4). CUDA sm_80+ only.
+// dtype written whole (bias: fp32 [N] or 0). rg: 16-row groups per CTA (1, 2 or 4); pipe: loads issued
+// an iteration ahead (the PIPE variant). CUDA sm_80+ only.
 void pk_qgemm_wo_mma(uintptr_t x, int xdt, int64_t M, int64_t K, uintptr_t w, int bits, uintptr_t scales,
                      uintptr_t offsets, int64_t N, int64_t group_size, uintptr_t bias, uintptr_t y, int rg,
-                     uintptr_t stream) {
+                     bool pipe, uintptr_t stream) {
   const pk::GpuScope gpu_scope("qmatmul", x);
   if (bits > 4) throw std::invalid_argument("pykernels.qmatmul: the 'mma' kernel takes codes of at most 4 bits");
   if (xdt != 9 && xdt != 10)
@@ -596,7 +659,7 @@ void pk_qgemm_wo_mma(uintptr_t x, int xdt, int64_t M, int64_t K, uintptr_t w, in
     throw std::invalid_argument("pykernels.qmatmul: expected config 'rg' in {1, 2, 4}, got " + std::to_string(rg));
   if (M <= 0 || N <= 0 || K <= 0) return;
 #if PK_HIP
-  (void)w; (void)scales; (void)offsets; (void)group_size; (void)bias; (void)y; (void)stream;
+  (void)w; (void)scales; (void)offsets; (void)group_size; (void)bias; (void)y; (void)pipe; (void)stream;
   throw std::invalid_argument("pykernels.qmatmul: the 'mma' kernel is CUDA-only (use kernel='simt')");
 #else
   const int64_t NB = (K + KB - 1) / KB;
@@ -612,20 +675,23 @@ void pk_qgemm_wo_mma(uintptr_t x, int xdt, int64_t M, int64_t K, uintptr_t w, in
     const uint16_t* xc = (const uint16_t*)x + m0 * K;
     uint16_t* yc = (uint16_t*)y + m0 * N;
     dim3 grid((unsigned)((N + 16 * rg - 1) / (16 * rg)), (unsigned)((mc + 8 * nt - 1) / (8 * nt)));
-#define PK_WO_MMA(B, NT_, RG_)                                                                                    \
-  wo_mma_kernel<B, NT_, RG_><<<grid, MMA_WARPS * 32, 0, s>>>(xc, mc, N, K, (const uint8_t*)w, (const float*)scales, \
-                                                            (const float*)offsets, G, gsize, NB,                  \
-                                                            (const float*)bias, yc, x_vec)
-#define PK_WO_MMA_RG(B, NT_)       \
-  if (rg == 1) PK_WO_MMA(B, NT_, 1); \
-  else if (rg == 2) PK_WO_MMA(B, NT_, 2); \
-  else PK_WO_MMA(B, NT_, 4);
+#define PK_WO_MMA(B, NT_, RG_, P_)                                                                       \
+  wo_mma_kernel<B, NT_, RG_, P_><<<grid, MMA_WARPS * 32, 0, s>>>(xc, mc, N, K, (const uint8_t*)w,                 \
+                                                                (const float*)scales, (const float*)offsets, G,   \
+                                                                gsize, NB, (const float*)bias, yc, x_vec)
+#define PK_WO_MMA_P(B, NT_, RG_) \
+  if (pipe) PK_WO_MMA(B, NT_, RG_, true); else PK_WO_MMA(B, NT_, RG_, false);
+#define PK_WO_MMA_RG(B, NT_)                  \
+  if (rg == 1) { PK_WO_MMA_P(B, NT_, 1) }      \
+  else if (rg == 2) { PK_WO_MMA_P(B, NT_, 2) } \
+  else { PK_WO_MMA_P(B, NT_, 4) }
     if (bf16) {
       if (nt == 1) { PK_WO_MMA_RG(true, 1) } else { PK_WO_MMA_RG(true, 2) }
     } else {
       if (nt == 1) { PK_WO_MMA_RG(false, 1) } else { PK_WO_MMA_RG(false, 2) }
     }
 #undef PK_WO_MMA_RG
+#undef PK_WO_MMA_P
 #undef PK_WO_MMA
     PK_GPU_CHECK("qmatmul", pkGetLastError());
   }

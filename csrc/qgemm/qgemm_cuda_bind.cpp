@@ -11,7 +11,7 @@ void pk_qgemm_wo(uintptr_t x, int xdt, int64_t M, int64_t K, uintptr_t w, int bi
                  uintptr_t offsets, int64_t N, int64_t group_size, uintptr_t y, uintptr_t stream);
 void pk_qgemm_wo_mma(uintptr_t x, int xdt, int64_t M, int64_t K, uintptr_t w, int bits, uintptr_t scales,
                      uintptr_t offsets, int64_t N, int64_t group_size, uintptr_t bias, uintptr_t y, int rg,
-                     uintptr_t stream);
+                     bool pipe, uintptr_t stream);
 void pk_qgemm_bitserial(uintptr_t x, int xdt, int64_t M, int64_t K, int act_bits, uintptr_t wplanes, int bits,
                         uintptr_t scales, uintptr_t offsets, uintptr_t wsum, int64_t N, int64_t group_size,
                         uintptr_t aplanes, uintptr_t usum, uintptr_t sa, uintptr_t ma, uintptr_t y, bool use_mma,
@@ -26,9 +26,9 @@ PYBIND11_MODULE(_cuda_qgemm, m) {
   }, "y32[M,N] += x @ dequant(W).T (y32 zeroed by the caller; split-K partial sums meet with atomics)");
   m.def("wo_mma", [](uintptr_t x, int xdt, int64_t M, int64_t K, uintptr_t w, int bits, uintptr_t scales,
                      uintptr_t offsets, int64_t N, int64_t group_size, uintptr_t bias, uintptr_t y, int rg,
-                     uintptr_t stream) {
+                     bool pipe, uintptr_t stream) {
     py::gil_scoped_release release;
-    pk_qgemm_wo_mma(x, xdt, M, K, w, bits, scales, offsets, N, group_size, bias, y, rg, stream);
+    pk_qgemm_wo_mma(x, xdt, M, K, w, bits, scales, offsets, N, group_size, bias, y, rg, pipe, stream);
   }, "y[M,N] (x's dtype, written whole) = x @ dequant(W).T (+ bias fp32) on tensor cores: fp16/bf16 x, codes <= 4 bits");
   m.def("bitserial", [](uintptr_t x, int xdt, int64_t M, int64_t K, int act_bits, uintptr_t wplanes, int bits,
                         uintptr_t scales, uintptr_t offsets, uintptr_t wsum, int64_t N, int64_t group_size,

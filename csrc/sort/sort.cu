@@ -31,6 +31,11 @@
 //                        parameter, for __launch_bounds__). Default 512.
 //   hist_keys_per_block  keys each histogram block reads, run time, in [2^10, 2^20]: fewer give more
 //                        blocks (small inputs fill the GPU), more give fewer global atomics. Default 2^15.
+//   rank                 how a warp finds the lanes holding the same digit: 0 = 8 ballots per key (one per
+//                        digit bit; the default), 1 = each lane ORs its bit into a per-warp word of its
+//                        digit in shared memory and reads the word back (CUB's "match atomic-or" ranking:
+//                        ~6 instructions per key instead of ~32; a tuning candidate until a GPU run has
+//                        measured it). On AMD (64-lane wavefronts) both run the ballots.
 //   BIN_THREADS stays 256: the look-back and the block scan run one thread per digit (RADIX = 256).
 #include <cstdint>
 #include <cstring>
@@ -54,6 +59,7 @@ struct SortConfig {
   int bin_items = 15;                  // keys per thread: tiles of 3840 keys
   int hist_threads = 512;
   int64_t hist_keys_per_block = 1 << 15;
+  int rank = 0;                        // 0 ballots, 1 shared-memory atomic OR
 };
 constexpr int BIN_ITEMS_CHOICES[] = {8, 11, 15, 19};
 constexpr int BIN_ITEMS_MAX_WIDE = 15;       // with an 8-byte key or payload (shared memory, see above)
@@ -122,8 +128,10 @@ __global__ void __launch_bounds__(THREADS) global_hist_kernel(const K* __restric
 // ---------------------------------------------------------------------------------------------
 // 2. One binning pass (one digit) of Onesweep.
 // ---------------------------------------------------------------------------------------------
-template <class K, class V, class S, bool PAIRS, int ITEMS>
-__global__ void __launch_bounds__(BIN_THREADS) onesweep_bin_kernel(
+// (The RANK_OR variants say "at least one block per SM": left to its heuristic, ptxas gave one of them 64
+// registers and a spill. 0 leaves the ballot variants' allocation as it was when the GPU measured them.)
+template <class K, class V, class S, bool PAIRS, int ITEMS, bool RANK_OR>
+__global__ void __launch_bounds__(BIN_THREADS, RANK_OR ? 1 : 0) onesweep_bin_kernel(
     const K* __restrict__ kin, K* __restrict__ kout, const V* __restrict__ vin, V* __restrict__ vout, int64_t n,
     int shift, uint32_t dmask, const uint32_t* __restrict__ goff, S* status, uint32_t* counter) {
   constexpr int SB = sizeof(K) > sizeof(V) ? sizeof(K) : sizeof(V);
@@ -141,8 +149,16 @@ __global__ void __launch_bounds__(BIN_THREADS) onesweep_bin_kernel(
 
   const int tid = threadIdx.x;
   const int lane = tid % PK_WARP_SIZE, warp = tid / PK_WARP_SIZE;
+  // rank = 1: per-warp match words (lane bits of each digit), in the staging buffer, which is not used
+  // before the ranking ends (TILE * SB >= 256 * 8 * 4 bytes = WARPS * RADIX words)
+  constexpr bool MATCH_OR = RANK_OR && PK_WARP_SIZE == 32;
+  static_assert(!MATCH_OR || TILE * SB >= WARPS * RADIX * 4, "match words do not fit in the staging buffer");
+  uint32_t* s_match = reinterpret_cast<uint32_t*>(s_stage);
   if (tid == 0) s_tile = atomicAdd(counter, 1u);  // start order, not blockIdx
-  for (int i = tid; i < WARPS * RADIX; i += BIN_THREADS) (&s_whist[0][0])[i] = 0;
+  for (int i = tid; i < WARPS * RADIX; i += BIN_THREADS) {
+    (&s_whist[0][0])[i] = 0;
+    if (MATCH_OR) s_match[i] = 0;
+  }
   __syncthreads();
   const int64_t tile = s_tile;
   const int64_t base = tile * TILE;
@@ -158,22 +174,35 @@ __global__ void __launch_bounds__(BIN_THREADS) onesweep_bin_kernel(
     const int64_t idx = wbase + i * PK_WARP_SIZE;
     keys[i] = idx < n ? kin[idx] : ~K(0);  // padding: largest digit, stays last, never written
   }
-  // Warp multisplit: the lanes holding the same digit, from 8 ballots.
+  // Warp multisplit: the lanes holding the same digit, from 8 ballots or (MATCH_OR) from the digit's
+  // match word, which every lane of the digit ORs its bit into; the group's lowest lane then adds the
+  // group's count and clears the word for the next key.
   const pk_lane_mask_t lt = pk_lanemask_lt();
+  uint32_t* const warp_match = s_match + warp * RADIX;
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     const uint32_t d = digit_of(keys[i], shift, dmask);
-    pk_lane_mask_t eq = ~pk_lane_mask_t(0);
+    pk_lane_mask_t eq;
+    if constexpr (MATCH_OR) {
+      atomicOr(warp_match + d, 1u << lane);
+      PK_SYNCWARP();
+      eq = warp_match[d];
+    } else {
+      eq = ~pk_lane_mask_t(0);
 #pragma unroll
-    for (int b = 0; b < DIGIT_BITS; ++b) {
-      const bool bit = (d >> b) & 1u;
-      const pk_lane_mask_t bal = pk_ballot(bit);
-      eq &= bit ? bal : ~bal;
+      for (int b = 0; b < DIGIT_BITS; ++b) {
+        const bool bit = (d >> b) & 1u;
+        const pk_lane_mask_t bal = pk_ballot(bit);
+        eq &= bit ? bal : ~bal;
+      }
     }
     const int before = pk_popc_mask(eq & lt);
     const uint32_t pre = s_whist[warp][d];
     PK_SYNCWARP();
-    if (before == 0) s_whist[warp][d] = pre + pk_popc_mask(eq);  // the group's lowest lane adds for all
+    if (before == 0) {
+      s_whist[warp][d] = pre + pk_popc_mask(eq);  // the group's lowest lane adds for all
+      if (MATCH_OR) warp_match[d] = 0;
+    }
     PK_SYNCWARP();
     rank[i] = pre + before;
   }
@@ -315,6 +344,9 @@ void check_config(const std::string& op, int key_bytes, int val_bytes, const Sor
     throw std::invalid_argument("pykernels." + op + ": expected config 'hist_threads' in {" +
                                 join(HIST_THREADS_CHOICES, sizeof(HIST_THREADS_CHOICES) / sizeof(int)) + "}, got " +
                                 std::to_string(cfg.hist_threads));
+  if (cfg.rank != 0 && cfg.rank != 1)
+    throw std::invalid_argument("pykernels." + op + ": expected config 'rank' in {0, 1}, got " +
+                                std::to_string(cfg.rank));
   if (cfg.hist_keys_per_block < HIST_KEYS_MIN || cfg.hist_keys_per_block > HIST_KEYS_MAX)
     throw std::invalid_argument("pykernels." + op + ": expected config 'hist_keys_per_block' in [" +
                                 std::to_string(HIST_KEYS_MIN) + ", " + std::to_string(HIST_KEYS_MAX) + "], got " +
@@ -340,27 +372,33 @@ void launch_hist_cfg(const SortConfig& cfg, const void* kin, int64_t n, uint32_t
 }
 
 template <class K, class V, class S, bool PAIRS, int ITEMS>
-void launch_bin(const void* kin, void* kout, const void* vin, void* vout, int64_t n, int shift, uint32_t mask,
-                const uint32_t* goff, void* status, uint32_t* counter, pk_stream_t stream) {
+void launch_bin(int rank, const void* kin, void* kout, const void* vin, void* vout, int64_t n, int shift,
+                uint32_t mask, const uint32_t* goff, void* status, uint32_t* counter, pk_stream_t stream) {
   static_assert(bin_smem_bytes<K, V>(ITEMS) <= STATIC_SMEM_LIMIT, "this tile does not fit in shared memory");
   constexpr int TILE = BIN_THREADS * ITEMS;
   const int64_t tiles = (n + TILE - 1) / TILE;
-  onesweep_bin_kernel<K, V, S, PAIRS, ITEMS><<<(unsigned)tiles, BIN_THREADS, 0, stream>>>(
-      (const K*)kin, (K*)kout, (const V*)vin, (V*)vout, n, shift, mask, goff, (S*)status, counter);
+  if (rank == 1)
+    onesweep_bin_kernel<K, V, S, PAIRS, ITEMS, true><<<(unsigned)tiles, BIN_THREADS, 0, stream>>>(
+        (const K*)kin, (K*)kout, (const V*)vin, (V*)vout, n, shift, mask, goff, (S*)status, counter);
+  else
+    onesweep_bin_kernel<K, V, S, PAIRS, ITEMS, false><<<(unsigned)tiles, BIN_THREADS, 0, stream>>>(
+        (const K*)kin, (K*)kout, (const V*)vin, (V*)vout, n, shift, mask, goff, (S*)status, counter);
 }
 
 // One instantiation per bin_items choice; 19 only where its tile fits in shared memory (4-byte keys and
 // payloads). check_config has already refused the others, so the throw is a guard against a mismatch.
 template <class K, class V, class S, bool PAIRS>
-void launch_bin_cfg(int items, const void* kin, void* kout, const void* vin, void* vout, int64_t n, int shift,
-                    uint32_t mask, const uint32_t* goff, void* status, uint32_t* counter, pk_stream_t stream) {
+void launch_bin_cfg(const SortConfig& cfg, const void* kin, void* kout, const void* vin, void* vout, int64_t n,
+                    int shift, uint32_t mask, const uint32_t* goff, void* status, uint32_t* counter,
+                    pk_stream_t stream) {
+  const int items = cfg.bin_items, r = cfg.rank;
   switch (items) {
-    case 8: return launch_bin<K, V, S, PAIRS, 8>(kin, kout, vin, vout, n, shift, mask, goff, status, counter, stream);
-    case 11: return launch_bin<K, V, S, PAIRS, 11>(kin, kout, vin, vout, n, shift, mask, goff, status, counter, stream);
-    case 15: return launch_bin<K, V, S, PAIRS, 15>(kin, kout, vin, vout, n, shift, mask, goff, status, counter, stream);
+    case 8: return launch_bin<K, V, S, PAIRS, 8>(r, kin, kout, vin, vout, n, shift, mask, goff, status, counter, stream);
+    case 11: return launch_bin<K, V, S, PAIRS, 11>(r, kin, kout, vin, vout, n, shift, mask, goff, status, counter, stream);
+    case 15: return launch_bin<K, V, S, PAIRS, 15>(r, kin, kout, vin, vout, n, shift, mask, goff, status, counter, stream);
     case 19:
       if constexpr (bin_smem_bytes<K, V>(19) <= STATIC_SMEM_LIMIT)
-        return launch_bin<K, V, S, PAIRS, 19>(kin, kout, vin, vout, n, shift, mask, goff, status, counter, stream);
+        return launch_bin<K, V, S, PAIRS, 19>(r, kin, kout, vin, vout, n, shift, mask, goff, status, counter, stream);
       break;
   }
   throw std::logic_error("pykernels.sort: bin_items " + std::to_string(items) + " is not compiled for these types");
@@ -421,10 +459,10 @@ void run_sort(const char* op, const SortConfig& cfg, const void* kin, void* kout
     PK_GPU_CHECK(op, pkMemsetAsync(status, 0, (size_t)tiles * RADIX * (wide ? 8 : 4), stream));
     PK_GPU_CHECK(op, pkMemsetAsync(counter, 0, 4, stream));
     if (wide)
-      launch_bin_cfg<K, V, unsigned long long, PAIRS>(cfg.bin_items, sk, dk, sv, dv, n, pt.shift[p], pt.mask[p],
+      launch_bin_cfg<K, V, unsigned long long, PAIRS>(cfg, sk, dk, sv, dv, n, pt.shift[p], pt.mask[p],
                                                       goff + p * RADIX, status, counter, stream);
     else
-      launch_bin_cfg<K, V, uint32_t, PAIRS>(cfg.bin_items, sk, dk, sv, dv, n, pt.shift[p], pt.mask[p],
+      launch_bin_cfg<K, V, uint32_t, PAIRS>(cfg, sk, dk, sv, dv, n, pt.shift[p], pt.mask[p],
                                             goff + p * RADIX, status, counter, stream);
     PK_GPU_CHECK(op, pkGetLastError());
     sk = dk;
@@ -455,13 +493,14 @@ int pk_sort_device_count(std::string* why) { return pk::gpu_device_count(why); }
 void pk_sort_onesweep(uintptr_t keys_in, uintptr_t keys_out, uintptr_t vals_in, uintptr_t vals_out, int64_t n,
                       int key_bytes, int val_bytes, int begin_bit, int end_bit, uintptr_t temp, size_t temp_bytes,
                       uintptr_t stream, int bin_items, int hist_threads, int64_t hist_keys_per_block,
-                      const std::string& op_name) {
+                      int rank, const std::string& op_name) {
   using namespace pksort_gpu;
   const char* op = op_name.c_str();
   SortConfig cfg;
   cfg.bin_items = bin_items;
   cfg.hist_threads = hist_threads;
   cfg.hist_keys_per_block = hist_keys_per_block;
+  cfg.rank = rank;
   if (key_bytes == 4 || key_bytes == 8) check_config(op_name, key_bytes, val_bytes, cfg);  // before the GPU
   const pk::GpuScope gpu_scope(op, keys_in);
   if (n <= 0) return;

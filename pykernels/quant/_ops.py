@@ -5,7 +5,8 @@ Backends: "cpu" (csrc/qgemm/qgemm_cpu.cpp), "triton" (pykernels/quant/_triton.py
 fp16/bf16 x codes of <= 4 bits up to 16 tokens (_gpu_preference: measured faster there), Triton
 otherwise, unless a tuned entry says which.
   cuda, weight-only: {"kernel": "mma" (tensor cores; the default where it applies) | "simt", "rg": 1 | 2 | 4
-                      (16-row groups per CTA of the mma kernel)}; bit-serial: {"mma": bool}
+                      (16-row groups per CTA of the mma kernel), "pipe": bool (its loads an iteration
+                      ahead)}; bit-serial: {"mma": bool}; {} = the kernel's own choice
 Config (pykernels._backend.dispatch, tuned by pykernels.autotune):
   cpu, weight-only: {"impl": "native" | "dequant_mm" | "amx", "threads": 0 (= torch's), "m_block", "n_block",
                      "isa": 2 AVX-512 VNNI | 1 AVX2 (highest allowed tier, capped by the CPU)}
@@ -286,9 +287,11 @@ def cuda_qmatmul(x2, packed, scales, offsets, planes, wsum, bias, N, K, bits, gr
         b = bias.to(torch.float32).contiguous() if bias is not None else None
         # 16-row groups per CTA: 2 reuses each token's x twice once there are enough rows to fill the GPU
         rg = int(cfg.get("rg", 2 if N >= 4096 else 1))
+        # pipe: the variant whose loads run an iteration ahead (a tuning candidate; off by default until
+        # a GPU run has measured it)
         mod.wo_mma(x2.data_ptr(), dtype_code(x2.dtype), M, K, packed.data_ptr(), bits, scales.data_ptr(),
                    offsets.data_ptr(), N, group_size, b.data_ptr() if b is not None else 0, y.data_ptr(), rg,
-                   cuda_stream_handle(dev))
+                   bool(cfg.get("pipe", False)), cuda_stream_handle(dev))
         return y
     y = torch.zeros(M, N, dtype=torch.float32, device=dev)
     stream = cuda_stream_handle(dev)
@@ -548,7 +551,7 @@ def register_tunables(quantize):
         return _impl(x, qw.packed, qw.scales, qw.offsets, planes, qw.code_sums if act_bits else None, bias,
                      N, K, qw.bits, qw.group_size, act_bits or 0, "triton", config=config)
 
-    def triton_examples(sizes):
+    def gpu_examples(sizes):  # (the Triton and CUDA tunables: W4A16 fp16 at M = 1, 16, 64)
         if not torch.cuda.is_available():
             return []
         out = []
@@ -560,4 +563,26 @@ def register_tunables(quantize):
 
     autotune.register(autotune.Tunable(op="qmatmul", group="qgemm", backend="triton", make_key=make_key,
                                        default=triton_default, candidates=triton_candidates, run=triton_run,
-                                       examples=triton_examples, check=check))
+                                       examples=gpu_examples, check=check))
+
+    # GPU: the native CUDA kernels. {} is the kernel's own choice (cuda_qmatmul: the tensor-core kernel
+    # where it applies, 2 row groups per CTA from N = 4096, loads not pipelined; 1-bit MMA for bit-serial
+    # on sm_80+), so the default needs no device to be named.
+    def cuda_candidates(key):
+        cuda_mma = torch.version.hip is None
+        if key.get("act_bits"):
+            return [{}, {"mma": False}] if cuda_mma else [{}]
+        out = [{}, {"kernel": "simt"}]
+        if cuda_mma and key["dtype"] in ("float16", "bfloat16") and key["bits"] <= 4:
+            out += [{"kernel": "mma", "rg": rg, "pipe": pipe} for rg in (1, 2, 4) for pipe in (False, True)]
+        return out
+
+    def cuda_run(config, x, qw, bias=None, act_bits=None):
+        N, K = qw.shape
+        planes = qw.ensure_planes() if act_bits else None
+        return _impl(x, qw.packed, qw.scales, qw.offsets, planes, qw.code_sums if act_bits else None, bias,
+                     N, K, qw.bits, qw.group_size, act_bits or 0, "cuda", config=config)
+
+    autotune.register(autotune.Tunable(op="qmatmul", group="qgemm", backend="cuda", make_key=make_key,
+                                       default=lambda key: {}, candidates=cuda_candidates, run=cuda_run,
+                                       examples=gpu_examples, check=check))

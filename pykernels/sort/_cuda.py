@@ -12,6 +12,8 @@ Every entry point takes `config` (None: the defaults), a dict of the kernels' tu
     bin_items            keys per thread of the binning kernel (its tile is 256 * bin_items keys)
     hist_threads         threads per block of the histogram kernel
     hist_keys_per_block  keys each histogram block reads
+    rank                 how a warp ranks its keys: 0 = 8 ballots per key, 1 = shared-memory atomic OR
+                         (CUB's match-atomic-or; NVIDIA only, AMD runs the ballots either way)
 One config serves every Onesweep call an op makes (the argsort of encoded keys, then the segment-id
 sort of rows and segments).
 """
@@ -29,7 +31,8 @@ BIN_ITEMS = (8, 11, 15, 19)        # 4-byte keys and payloads
 BIN_ITEMS_WIDE = (8, 11, 15)       # an 8-byte key or payload: a 19-item tile needs 55 KB of shared memory
 HIST_THREADS = (256, 512, 1024)
 HIST_KEYS_PER_BLOCK_RANGE = (1 << 10, 1 << 20)
-DEFAULT_CONFIG = {"bin_items": 15, "hist_threads": 512, "hist_keys_per_block": 1 << 15}  # the old constants
+RANKS = (0, 1)
+DEFAULT_CONFIG = {"bin_items": 15, "hist_threads": 512, "hist_keys_per_block": 1 << 15, "rank": 0}  # the old constants
 
 
 def bin_items_choices(key_bytes: int, val_bytes: int) -> tuple:
@@ -64,6 +67,8 @@ def check_config(op: str, config, key_bytes: int, val_bytes: int) -> dict:
     if not lo <= cfg["hist_keys_per_block"] <= hi:
         raise ValueError(f"pykernels.{op}: expected config 'hist_keys_per_block' in [{lo}, {hi}], "
                          f"got {cfg['hist_keys_per_block']}")
+    if cfg["rank"] not in RANKS:
+        raise ValueError(f"pykernels.{op}: expected config 'rank' in {{0, 1}}, got {cfg['rank']}")
     return cfg
 
 
@@ -87,7 +92,7 @@ def _onesweep(keys: torch.Tensor, vals, begin_bit: int, end_bit: int, config=Non
     m.onesweep(keys.data_ptr(), out_k.data_ptr(), vals.data_ptr() if vals is not None else 0,
                out_v.data_ptr() if vals is not None else 0, n, kb, vb, begin_bit, end_bit, tmp.data_ptr(),
                tmp.numel(), _native.cuda_stream_handle(keys.device), cfg["bin_items"], cfg["hist_threads"],
-               cfg["hist_keys_per_block"], op)
+               cfg["hist_keys_per_block"], cfg["rank"], op)
     return out_k, out_v
 
 

@@ -34,7 +34,11 @@ CUDA config space (csrc/sort/sort.cu, "Tuning parameters"; pykernels/sort/_cuda.
                        status words, shorter ones more resident blocks (fewer registers, less shared memory).
   hist_threads,        the histogram kernel's block shape: 256/512/1024 threads reading 16 or 64 keys
   hist_keys_per_block  each; small inputs want more, smaller blocks to fill the GPU.
-The default is the kernels' old constants (15; 512 threads x 64 keys), so untuned behaviour is unchanged.
+  rank                 0: 8 ballots per key find the lanes of a warp with the same digit; 1: each lane ORs
+                       its bit into its digit's word in shared memory (CUB's match-atomic-or, fewer
+                       instructions per key; NVIDIA only). Not yet measured on a GPU: 0 stays the default.
+The default is the kernels' old constants (15; 512 threads x 64 keys; ballots), except 8 keys per thread
+where keys carry a payload (_cuda_default_for, measured on an H200).
 Keys are the ones dispatch builds (dtype, size bucket, payload bytes / rows / segments), shared with the
 CPU tunables; the candidates of a key are the configs valid for every Onesweep call that key can make.
 On a GPU, `generate --ops sort` also tunes these on uint32/uint64/float32 keys (default sizes 2^20, 2^24).
@@ -197,10 +201,14 @@ def _cuda_candidates(key: dict) -> list:
     from . import _cuda
 
     wide = _cuda_widest_bytes(key)
+    # rank 1 (the atomic-OR ranking) is NVIDIA's alone: ROCm builds run the ballots for either value
+    ranks = _cuda.RANKS if torch.version.hip is None else (0,)
     out = []
     for items in _cuda.bin_items_choices(wide, wide):
         for threads, per_thread in _CUDA_HIST_SHAPES:
-            out.append({"bin_items": items, "hist_threads": threads, "hist_keys_per_block": threads * per_thread})
+            for rank in ranks:
+                out.append({"bin_items": items, "hist_threads": threads, "hist_keys_per_block": threads * per_thread,
+                            "rank": rank})
     return out
 
 
