@@ -516,7 +516,8 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, 1) wo_mma_kernel(
     for (int t = 0; t < NT; ++t) mma16816<BF16>(cx[t], ONE, ONE, ONE, ONE, bx[t][0], bx[t][1]);
   };
 
-  int64_t cur = -1;
+  auto group_of = [&](int64_t b) -> int64_t { return G == 1 ? 0 : min(G - 1, b * KB / gsize); };
+  int64_t cur = -1;  // the group whose sums cg/cx hold
   float sc[RG][2], of[RG][2];
   if constexpr (!PIPE) {
     // Each iteration loads its blocks' weight words, then per block its x fragments, and per group its
@@ -528,7 +529,7 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, 1) wo_mma_kernel(
       for (int u = 0; u < MMA_UNROLL; ++u) {
         const int64_t b = b0 + u;
         if (b >= b_end) break;
-        const int64_t grp = G == 1 ? 0 : min(G - 1, b * KB / gsize);
+        const int64_t grp = group_of(b);
         if (grp != cur) {
           if (cur >= 0) {
             load_scales(cur, sc, of);
@@ -565,7 +566,7 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, 1) wo_mma_kernel(
       for (int u = 0; u < MMA_UNROLL; ++u) {
         const int64_t b = b0 + u;
         if (b >= b_end) break;
-        const int64_t grp = G == 1 ? 0 : min(G - 1, b * KB / gsize);
+        const int64_t grp = group_of(b);
         if (grp != cur) {
           if (cur >= 0) apply(sc, of);
           cur = grp;

@@ -393,9 +393,12 @@ void launch_bin_cfg(const SortConfig& cfg, const void* kin, void* kout, const vo
                     pk_stream_t stream) {
   const int items = cfg.bin_items, r = cfg.rank;
   switch (items) {
-    case 8: return launch_bin<K, V, S, PAIRS, 8>(r, kin, kout, vin, vout, n, shift, mask, goff, status, counter, stream);
-    case 11: return launch_bin<K, V, S, PAIRS, 11>(r, kin, kout, vin, vout, n, shift, mask, goff, status, counter, stream);
-    case 15: return launch_bin<K, V, S, PAIRS, 15>(r, kin, kout, vin, vout, n, shift, mask, goff, status, counter, stream);
+    case 8:
+      return launch_bin<K, V, S, PAIRS, 8>(r, kin, kout, vin, vout, n, shift, mask, goff, status, counter, stream);
+    case 11:
+      return launch_bin<K, V, S, PAIRS, 11>(r, kin, kout, vin, vout, n, shift, mask, goff, status, counter, stream);
+    case 15:
+      return launch_bin<K, V, S, PAIRS, 15>(r, kin, kout, vin, vout, n, shift, mask, goff, status, counter, stream);
     case 19:
       if constexpr (bin_smem_bytes<K, V>(19) <= STATIC_SMEM_LIMIT)
         return launch_bin<K, V, S, PAIRS, 19>(r, kin, kout, vin, vout, n, shift, mask, goff, status, counter, stream);

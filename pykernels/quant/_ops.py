@@ -495,11 +495,15 @@ def register_tunables(quantize):
                                         "n_block": n_block, "isa": 2, "gemm_min_m": gemm_min_m})
         return out
 
-    def run(config, x, qw, bias=None, act_bits=None):
-        N, K = qw.shape
-        planes = qw.ensure_planes() if act_bits else None
-        return _impl(x, qw.packed, qw.scales, qw.offsets, planes, qw.code_sums if act_bits else None, bias,
-                     N, K, qw.bits, qw.group_size, act_bits or 0, "cpu", config=config)
+    def runner(backend):
+        """The tunables' run: the op's implementation on that backend with the config given."""
+        def run(config, x, qw, bias=None, act_bits=None):
+            N, K = qw.shape
+            planes = qw.ensure_planes() if act_bits else None
+            return _impl(x, qw.packed, qw.scales, qw.offsets, planes, qw.code_sums if act_bits else None, bias,
+                         N, K, qw.bits, qw.group_size, act_bits or 0, backend, config=config)
+        return run
+
 
     def examples(sizes):
         g = torch.Generator().manual_seed(0)
@@ -524,7 +528,7 @@ def register_tunables(quantize):
         qmatmul(x, qw, bias, act_bits=act_bits, backend=backend)
 
     autotune.register(autotune.Tunable(op="qmatmul", group="qgemm", backend="cpu", make_key=make_key,
-                                       default=_default_cpu_config, candidates=candidates, run=run,
+                                       default=_default_cpu_config, candidates=candidates, run=runner("cpu"),
                                        examples=examples, check=check))
 
     # GPU: Triton tiles (only those AOT_SPECS compiles for sm_90 without spills) and split-K.
@@ -545,12 +549,6 @@ def register_tunables(quantize):
         return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": 4, "num_stages": 3}
                 for bm, bn, bk in tiles for sk in (1, 2, 4, 8)]
 
-    def triton_run(config, x, qw, bias=None, act_bits=None):
-        N, K = qw.shape
-        planes = qw.ensure_planes() if act_bits else None
-        return _impl(x, qw.packed, qw.scales, qw.offsets, planes, qw.code_sums if act_bits else None, bias,
-                     N, K, qw.bits, qw.group_size, act_bits or 0, "triton", config=config)
-
     def gpu_examples(sizes):  # (the Triton and CUDA tunables: W4A16 fp16 at M = 1, 16, 64)
         if not torch.cuda.is_available():
             return []
@@ -562,7 +560,7 @@ def register_tunables(quantize):
         return out
 
     autotune.register(autotune.Tunable(op="qmatmul", group="qgemm", backend="triton", make_key=make_key,
-                                       default=triton_default, candidates=triton_candidates, run=triton_run,
+                                       default=triton_default, candidates=triton_candidates, run=runner("triton"),
                                        examples=gpu_examples, check=check))
 
     # GPU: the native CUDA kernels. {} is the kernel's own choice (cuda_qmatmul: the tensor-core kernel
@@ -577,12 +575,6 @@ def register_tunables(quantize):
             out += [{"kernel": "mma", "rg": rg, "pipe": pipe} for rg in (1, 2, 4) for pipe in (False, True)]
         return out
 
-    def cuda_run(config, x, qw, bias=None, act_bits=None):
-        N, K = qw.shape
-        planes = qw.ensure_planes() if act_bits else None
-        return _impl(x, qw.packed, qw.scales, qw.offsets, planes, qw.code_sums if act_bits else None, bias,
-                     N, K, qw.bits, qw.group_size, act_bits or 0, "cuda", config=config)
-
     autotune.register(autotune.Tunable(op="qmatmul", group="qgemm", backend="cuda", make_key=make_key,
-                                       default=lambda key: {}, candidates=cuda_candidates, run=cuda_run,
+                                       default=lambda key: {}, candidates=cuda_candidates, run=runner("cuda"),
                                        examples=gpu_examples, check=check))
