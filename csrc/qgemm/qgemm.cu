@@ -658,7 +658,10 @@ void pk_qgemm_wo_mma(uintptr_t x, int xdt, int64_t M, int64_t K, uintptr_t w, in
     throw std::invalid_argument("pykernels.qmatmul: the 'mma' kernel takes float16 or bfloat16 activations");
   if (rg != 1 && rg != 2 && rg != 4)
     throw std::invalid_argument("pykernels.qmatmul: expected config 'rg' in {1, 2, 4}, got " + std::to_string(rg));
-  if (M <= 0 || N <= 0 || K <= 0) return;
+  if (M <= 0 || N <= 0) return;
+  // y comes uninitialised and the kernel writes all of it: with K = 0 it would write nothing (the Python
+  // op returns bias or zeros itself before calling)
+  if (K <= 0) throw std::invalid_argument("pykernels.qmatmul: the 'mma' kernel needs K > 0");
 #if PK_HIP
   (void)w; (void)scales; (void)offsets; (void)group_size; (void)bias; (void)y; (void)pipe; (void)stream;
   throw std::invalid_argument("pykernels.qmatmul: the 'mma' kernel is CUDA-only (use kernel='simt')");

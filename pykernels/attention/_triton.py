@@ -263,10 +263,13 @@ def _upcast(dtype) -> bool:
     return _interpreting() and dtype == torch.bfloat16
 
 
-def _launch_opts(cfg):
+def _launch_opts(cfg, kernel: str = ""):
+    """num_warps/num_stages of a launch; the backward's dQ kernel takes "num_warps_dq" where a config
+    names it (its tiles fit other warp counts than the dK/dV kernel's)."""
     if _interpreting():
         return {}
-    return {"num_warps": int(cfg["num_warps"]), "num_stages": int(cfg["num_stages"])}
+    warps = cfg.get("num_warps_dq", cfg["num_warps"]) if kernel == "dq" else cfg["num_warps"]
+    return {"num_warps": int(warps), "num_stages": int(cfg["num_stages"])}
 
 
 def forward(q, k, v, causal: bool, scale: float, cfg: dict):
@@ -307,18 +310,18 @@ def backward(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, cfg: dic
     lse = lse.float().contiguous()
     delta = delta.contiguous()
     common = dict(HEAD_DIM=D, BLOCK_D=cfgs.block_d(D), IS_CAUSAL=bool(causal), DOT_PREC=_dot_prec(q.dtype),
-                  UPCAST=_upcast(q.dtype), **_launch_opts(cfg))
+                  UPCAST=_upcast(q.dtype))
     qk_scale, sm_scale = float(scale) * LOG2E, float(scale)
     bm1, bn1 = int(cfg["BLOCK_M1"]), int(cfg["BLOCK_N1"])
     _kernel(_attn_bwd_dkdv)[(triton.cdiv(SK, bn1), HKV, B)](
         q, k, v, dout, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
         *lse.stride(), *dk.stride(), HKV, H // HKV, SQ, SK, qk_scale, sm_scale,
-        BLOCK_M=bm1, BLOCK_N=bn1, **common)
+        BLOCK_M=bm1, BLOCK_N=bn1, **common, **_launch_opts(cfg, "dkdv"))
     bm2, bn2 = int(cfg["BLOCK_M2"]), int(cfg["BLOCK_N2"])
     _kernel(_attn_bwd_dq)[(triton.cdiv(SQ, bm2), H, B)](
         q, k, v, dout, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
         *lse.stride(), *dq.stride(), H, H // HKV, SQ, SK, qk_scale, sm_scale,
-        BLOCK_M=bm2, BLOCK_N=bn2, **common)
+        BLOCK_M=bm2, BLOCK_N=bn2, **common, **_launch_opts(cfg, "dq"))
     return dq, dk, dv
 
 
@@ -365,8 +368,9 @@ def _bwd_specs(d, dtype, cfg, causal=True):
                  "DOT_PREC": "ieee" if dtype == "float32" else "tf32", "UPCAST": False}
         for n in const:
             sig[n] = "constexpr"
+        warps = cfg.get("num_warps_dq", cfg["num_warps"]) if name == "dq" else cfg["num_warps"]
         out.append(AotSpec(f"attention.bwd_{name}[d={d},{dtype}]", JITFunction(fn), sig, const,
-                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+                           num_warps=warps, num_stages=cfg["num_stages"]))
     return out
 
 

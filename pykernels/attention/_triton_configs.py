@@ -23,8 +23,11 @@ def _f(bm, bn, w, s):
     return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s}
 
 
-def _b(bm1, bn1, bm2, bn2, w, s):
-    return {"BLOCK_M1": bm1, "BLOCK_N1": bn1, "BLOCK_M2": bm2, "BLOCK_N2": bn2, "num_warps": w, "num_stages": s}
+def _b(bm1, bn1, bm2, bn2, w, s, w_dq=None):
+    c = {"BLOCK_M1": bm1, "BLOCK_N1": bn1, "BLOCK_M2": bm2, "BLOCK_N2": bn2, "num_warps": w, "num_stages": s}
+    if w_dq is not None:  # the dQ kernel's own warp count (num_warps is then the dK/dV kernel's)
+        c["num_warps_dq"] = w_dq
+    return c
 
 
 # Keyed by (padded head dim, 16-bit or fp32); head dims 16 and 32 share the 64 list. The first entry is
@@ -41,7 +44,10 @@ _FWD = {
 }
 _BWD = {
     (64, 16): [_b(32, 64, 64, 32, 4, 3), _b(32, 128, 128, 32, 8, 3)],
-    (128, 16): [_b(16, 64, 64, 16, 8, 2), _b(16, 64, 64, 16, 8, 3)],
+    # 32-row / 32-key streamed tiles: 8 warps fit the dK/dV kernel and 4 the dQ kernel without spills
+    # (candidates; the 16-row default was the only shape with one warp count for both)
+    (128, 16): [_b(16, 64, 64, 16, 8, 2), _b(16, 64, 64, 16, 8, 3), _b(32, 64, 64, 32, 8, 2, 4),
+                _b(32, 64, 64, 32, 8, 3, 4)],
     (256, 16): [_b(16, 32, 32, 16, 8, 1)],
     (64, 32): [_b(16, 32, 32, 16, 4, 2)],
     (128, 32): [_b(16, 32, 32, 16, 4, 1), _b(16, 32, 32, 16, 8, 1)],
