@@ -1,10 +1,11 @@
 """Tunes, on this GPU, the configs the GPU benchmarks' goal cases run, and prints every config's time:
 
-    python -m bench.gpu_tune [sort_keys,sort_pairs,qmatmul,qmatmul_cuda]
+    python -m bench.gpu_tune [sort_keys,sort_pairs,qmatmul,qmatmul_cuda,attention_bwd]
 
 The cache it writes (pykernels.autotune, per device and shape) is what `python -m bench --gpu` then
 runs in the same machine session: bench/gpu_suite.sh runs it first when TUNE_SCRIPT=1. Goal shapes only
-(2^28 uint32 keys; 8192 x 8192 W4A16 at M = 1/16/64, Triton or CUDA), so it fits a short GPU lease, unlike
+(2^28 uint32 keys; 8192 x 8192 W4A16 at M = 1/16/64, Triton or CUDA; the attention backward at the
+benchmark's S = 8192, bf16, 16 heads, D = 128, causal and not), so it fits a short GPU lease, unlike
 `python -m pykernels.autotune generate`, which tunes every op of a group on all its examples."""
 from __future__ import annotations
 
@@ -39,6 +40,18 @@ def main(which: str = "sort_keys,sort_pairs,qmatmul_cuda,qmatmul", budget_s: flo
                 t0 = time.perf_counter()
                 cfg = at.tune("qmatmul", x, qw, backend=backend, budget_s=budget_s, verbose=True)
                 print(f"qmatmul {backend} M={M}: {cfg} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    if "attention_bwd" in which:
+        from pykernels.attention import flash_attention
+
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(1, 16, 8192, 128, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+        for causal in (False, True):
+            out, lse = flash_attention(q, k, v, causal=causal, return_lse=True)
+            t0 = time.perf_counter()
+            cfg = at.tune("flash_attention_backward", torch.randn_like(out), q, k, v, out, lse, causal=causal,
+                          scale=128 ** -0.5, backend="triton", budget_s=budget_s, verbose=True)
+            print(f"flash_attention_backward S=8192 causal={causal}: {cfg} ({time.perf_counter() - t0:.1f} s)",
+                  flush=True)
 
 
 if __name__ == "__main__":
