@@ -86,7 +86,8 @@ def cases(quick: bool, device: str = "cpu"):
     if device == "cpu":
         # decode steps: one query token against a KV cache (causal then sees every key; SDPA without a
         # mask), where a call's fixed cost is a large part of its time
-        shapes += [(1, 8, 8, 1, 64, False, torch.float32, 128), (1, 32, 8, 1, 128, False, torch.float32, 1024),
+        shapes += [(1, 8, 8, 1, 64, False, torch.float32, 128), (1, 8, 2, 1, 128, False, torch.float32, 256),
+                   (1, 32, 8, 1, 128, False, torch.float32, 1024),
                    (1, 32, 8, 1, 128, False, torch.bfloat16, 1024)]
     for B, H, Hkv, S, D, causal, dtype, Sk in shapes:
         Sk_ = S if Sk is None else Sk

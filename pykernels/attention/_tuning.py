@@ -26,8 +26,11 @@ from . import _cpu, problem_key, _forward_impl, _backward_impl, OP, OP_BWD
 _CPU_DEFAULT = {"impl": "flash"}
 _CPU_CANDIDATES = [{"impl": "flash"}, {"impl": "blocked", "chunk_elems": 1 << 18},
                    {"impl": "blocked", "chunk_elems": 1 << 22}]
-# the native decode kernel (forward only): multiply-adds per thread before a second thread joins
-_DECODE_DEFAULT = {"impl": "decode", "grain": 1 << 18}
+# the native decode kernel (forward only): multiply-adds per thread before a second thread joins. 2^16:
+# on the 2-core EPYC (2026-12-04), steps of 2^17-2^18 multiply-adds (8 heads x 256-512 keys x D=64; 32/8
+# heads x 64 keys x D=128; one head x 2048 keys x D=128) took 1.1-1.9x less time on two threads than
+# on one (2^18 kept them on one), and 2^16-work steps the same on either
+_DECODE_DEFAULT = {"impl": "decode", "grain": 1 << 16}
 _DECODE_DEFAULT_ROWS = 32
 _DECODE_CANDIDATES = [{"impl": "decode", "grain": g} for g in (1 << 16, 1 << 18, 1 << 20)]
 
