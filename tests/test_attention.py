@@ -862,3 +862,43 @@ def test_decode_kernel_only_where_no_backward_follows(monkeypatch):
         want = flash_attention(q0, k0, v0, return_lse=True)
     got = flash_attention(q0, k0, v0, return_lse=True)
     assert got[0].stride() == want[0].stride() and got[1].stride() == want[1].stride()
+
+
+def test_lean_path_memo_follows_what_dispatch_reads(monkeypatch, tmp_cache):
+    """The lean CPU path remembers dispatch's answer per call signature: a decode loop whose cache grows
+    within a power-of-two bucket asks once, a new bucket asks again, and a config stored by the autotuner
+    (a new generation) or PYKERNELS_AUTOTUNE=0 is followed at once."""
+    import sys
+
+    import pykernels.autotune as at
+
+    A = sys.modules["pykernels.attention"]
+    calls = []
+    real = A.dispatch
+
+    def spy(*args, **kw):
+        calls.append(args[3])
+        return real(*args, **kw)
+    monkeypatch.setattr(A, "dispatch", spy)
+    A._LEAN_PLANS.clear()
+    q = torch.randn(1, 8, 1, 64)
+    for sk in range(129, 257, 16):  # one bucket (256)
+        k, v = torch.randn(1, 8, sk, 64), torch.randn(1, 8, sk, 64)
+        A.flash_attention(q, k, v, causal=True)
+    assert len(calls) == 1 and calls[0]["sk"] == 256
+    k, v = torch.randn(1, 8, 300, 64), torch.randn(1, 8, 300, 64)
+    A.flash_attention(q, k, v, causal=True)
+    assert len(calls) == 2 and calls[1]["sk"] == 512
+    # a stored config: the next call dispatches again and runs it
+    gen = at.generation()
+    at.tune("flash_attention", q, k, v, causal=True, backend="cpu", budget_s=0.01)
+    assert at.generation() != gen
+    n = len(calls)
+    out = A.flash_attention(q, k, v, causal=True)
+    assert len(calls) == n + 1
+    A.flash_attention(q, k, v, causal=True)
+    assert len(calls) == n + 1
+    monkeypatch.setenv("PYKERNELS_AUTOTUNE", "0")
+    out0 = A.flash_attention(q, k, v, causal=True)
+    assert len(calls) == n + 2
+    torch.testing.assert_close(out, out0, rtol=1e-5, atol=1e-6)

@@ -345,6 +345,9 @@ _CPU_ONLY = ("cpu",)  # what the lean path accepts from dispatch (anything else:
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
+_LEAN_PLANS: dict = {}
+
+
 def _lean_cpu_forward(q, k, v, causal, scale, backend):
     """flash_attention's most common eager CPU call with the few checks it needs: plain contiguous CPU
     tensors of one float dtype (not float64), well-formed [B, H, S, D] shapes, arguments of the exact
@@ -378,8 +381,18 @@ def _lean_cpu_forward(q, k, v, causal, scale, backend):
         scale = 1.0 / math.sqrt(D)
     elif not (0.0 < scale <= _FLOAT32_MAX):  # also NaN; negative and zero scales: the general path
         return None
-    key = problem_key(q, k, causal=causal)
-    _, cfg = dispatch(OP, _CPU, backend, key, supported=_CPU_ONLY)
+    # dispatch's answer per call signature (key and dispatch: ~3 us of a ~25 us decode step); the memo's
+    # key holds all it depends on: what problem_key reads (q's shape, the KV heads, S_k's power-of-two
+    # bucket, so a decode loop's growing cache keeps hitting it; B and D are q's), the autotune
+    # generation (bumped by every stored config), PYKERNELS_AUTOTUNE and the switches
+    memo_key = (q.shape, Hkv, (Sk - 1).bit_length(), dt, causal, backend, autotune.generation(),
+                autotune._enabled(), autotune.switches())
+    cfg = _LEAN_PLANS.get(memo_key)
+    if cfg is None:
+        _, cfg = dispatch(OP, _CPU, backend, problem_key(q, k, causal=causal), supported=_CPU_ONLY)
+        if len(_LEAN_PLANS) >= 4096:  # many distinct shapes (a growing KV cache): start over
+            _LEAN_PLANS.clear()
+        _LEAN_PLANS[memo_key] = cfg  # (never modified by its users: _decode and the checks below read it)
     impl = cfg.get("impl", "flash")
     if impl == "decode":  # (the general path's eager call: no backward can follow)
         result = _decode(q, k, v, causal, scale, cfg)
