@@ -261,11 +261,17 @@ def cpu_bitserial(x2, planes, scales, offsets, wsum, bias, N, K, bits, group_siz
     return y
 
 
+@functools.lru_cache(maxsize=None)
+def _sm80_cuda(device_index: int) -> bool:
+    """An NVIDIA device of compute capability 8.0 or more (asked once per device: a GEMV is ~40 us)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index) >= (8, 0)
+
+
 def cuda_wo_kernel(cfg, x_dtype, bits, dev) -> str:
     """The weight-only CUDA kernel of a call: "mma" (tensor cores, csrc/qgemm/qgemm.cu wo_mma_kernel) for
     fp16/bf16 activations and codes of at most 4 bits on sm_80+ CUDA, else "simt" (wo_gemm_kernel)."""
-    mma_ok = (x_dtype in (torch.float16, torch.bfloat16) and bits <= 4 and torch.version.hip is None
-              and torch.cuda.get_device_capability(dev) >= (8, 0))
+    mma_ok = (x_dtype in (torch.float16, torch.bfloat16) and bits <= 4
+              and _sm80_cuda(dev.index if dev.index is not None else torch.cuda.current_device()))
     kernel = cfg.get("kernel", "mma" if mma_ok else "simt")
     if kernel not in ("mma", "simt"):
         raise ValueError(f"pykernels.qmatmul: expected config 'kernel' in ('mma', 'simt'), got {kernel!r}")
