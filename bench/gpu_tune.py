@@ -1,11 +1,12 @@
 """Tunes, on this GPU, the configs the GPU benchmarks' goal cases run, and prints every config's time:
 
-    python -m bench.gpu_tune [sort_keys,sort_pairs,qmatmul,qmatmul_cuda,attention_bwd]
+    python -m bench.gpu_tune [sort_keys,sort_pairs,qmatmul,qmatmul_cuda,attention_bwd,hash_table]
 
 The cache it writes (pykernels.autotune, per device and shape) is what `python -m bench --gpu` then
 runs in the same machine session: bench/gpu_suite.sh runs it first when TUNE_SCRIPT=1. Goal shapes only
 (2^28 uint32 keys; 8192 x 8192 W4A16 at M = 1/16/64, Triton or CUDA; the attention backward at the
-benchmark's S = 8192, bf16, 16 heads, D = 128, causal and not), so it fits a short GPU lease, unlike
+benchmark's S = 8192, bf16, 16 heads, D = 128, causal and not; the hash tables' window at 2^26 keys, where
+the insert goal was missed: uint32 keys at load 0.95, uint64 at 0.9), so it fits a short GPU lease, unlike
 `python -m pykernels.autotune generate`, which tunes every op of a group on all its examples."""
 from __future__ import annotations
 
@@ -52,6 +53,22 @@ def main(which: str = "sort_keys,sort_pairs,qmatmul_cuda,qmatmul", budget_s: flo
                           scale=128 ** -0.5, backend="triton", budget_s=budget_s, verbose=True)
             print(f"flash_attention_backward S=8192 causal={causal}: {cfg} ({time.perf_counter() - t0:.1f} s)",
                   flush=True)
+    if "hash_table" in which:
+        # the window (probing-group size) of a new GPU table, keyed by slot bytes: 8 for uint32 keys with
+        # int32 values, 16 for uint64 with int64; each candidate builds a table of the example's capacity,
+        # inserts the keys and finds them (pykernels/hashing/_tune.py)
+        from bench.suite_hash import _keys
+
+        n = 1 << 26
+        for dtype, vdtype, load in ((torch.uint32, torch.int32, 0.95), (torch.uint64, torch.int64, 0.9)):
+            keys = _keys(n, 1, dtype, "cuda")
+            table = pykernels.HashMap(int(n / load) + 1, key_dtype=dtype, value_dtype=vdtype, device="cuda",
+                                      max_load_factor=1.0, growable=False)
+            t0 = time.perf_counter()
+            cfg = at.tune("hash_table", table, keys, backend="cuda", budget_s=budget_s, verbose=True)
+            print(f"hash_table {dtype} n=2^26 load={load}: {cfg} ({time.perf_counter() - t0:.1f} s)", flush=True)
+            del keys, table
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -1979,6 +1979,38 @@ def test_autotune_hash_find_and_insert(tmp_cache):
     assert {"hash_find", "hash_insert", "hash_table"} <= {tn.op for tn in autotune.registered("hash")}
 
 
+@pytest.mark.parametrize("make", [
+    lambda: HashMap(4000, key_dtype=torch.uint32, value_dtype=torch.int32),
+    lambda: HashSet(4000),
+    lambda: CountingTable(4000, key_dtype=torch.int32),
+    lambda: MultiValueHashMap(4000, value_dtype=torch.int16),
+], ids=["map-u32-i32", "set", "counting", "multi"])
+def test_autotune_hash_ops_on_every_table_class(tmp_cache, make):
+    """Every table class tunes (the scratch tables of the insert tuner and of the GPU window tuner are built
+    and filled through the class's own API: a HashSet or CountingTable given a value dtype made every
+    config fail), and the user's table is left as it was."""
+    from pykernels import autotune
+    from pykernels.hashing import _tune
+
+    t = make()
+    keys = (torch.arange(1500, dtype=torch.int64) * 7919).to(t.key_dtype)
+    t.insert(keys) if isinstance(t, HashSet) else (t.add(keys) if isinstance(t, CountingTable) else
+                                                    t.insert(keys, torch.ones(1500, dtype=t.value_dtype)))
+    def entries():
+        items = t.items()
+        return items if isinstance(items, tuple) else (items,)
+
+    before = entries()
+    for op in ("hash_find", "hash_insert"):
+        assert set(autotune.tune(op, t, keys, budget_s=0.01)) == {"prefetch", "threads"}
+    assert len(t) == 1500 and all(torch.equal(a, b) for a, b in zip(before, entries()))
+    # the GPU window tuner's run is device-agnostic: a 2-slot window on the CPU, every key found
+    got = _tune._run_gpu_table({"window": 2}, t, keys)
+    found = got[1] if isinstance(t, HashMap) else (got[0][1:] - got[0][:-1] > 0 if isinstance(t, MultiValueHashMap)
+                                                      else got)
+    assert bool(found.all())
+
+
 def test_table_caches_its_config_until_rehash_or_autotune_cache_change(tmp_cache, monkeypatch):
     """The per-call config lookup runs once per op; a rehash (new capacity, new key), a cleared or
     updated autotune cache, or PYKERNELS_AUTOTUNE=0 makes the table look again."""

@@ -90,6 +90,24 @@ def _find_cfg(table, kbits, config):
 _SCRATCH = weakref.WeakKeyDictionary()
 
 
+def _empty_like(table, window):
+    """An empty, non-growing table of the same class, capacity, dtypes and device as `table`, with this
+    window. Only the classes with values take a value dtype (HashSet and CountingTable do not: building
+    their scratch tables with one made every config of a tune on them fail; review finding)."""
+    kw = {"key_dtype": table.key_dtype, "device": table.device, "window": window, "max_load_factor": 1.0,
+          "growable": False}
+    if table._vb and not table._counting:
+        kw["value_dtype"] = table.value_dtype
+    return type(table)(table.capacity, **kw)
+
+
+def _insert_mode(table):
+    """The insert kind the table's own insert runs: append (multi-value map), add (counting) or upsert."""
+    from ._tables import M_ADD, M_APPEND, M_UPSERT
+
+    return M_APPEND if table._multi else (M_ADD if table._counting else M_UPSERT)
+
+
 def _run_insert(config, table, keys):
     """Times inserts into an empty scratch table of the example table's layout (the user's table is
     left untouched)."""
@@ -97,16 +115,14 @@ def _run_insert(config, table, keys):
 
     scratch = _SCRATCH.get(table)
     if scratch is None:
-        scratch = _SCRATCH[table] = type(table)(table.capacity, key_dtype=table.key_dtype,
-                                                value_dtype=table.value_dtype, device=table.device,
-                                                window=table.window, max_load_factor=1.0, growable=False)
+        scratch = _SCRATCH[table] = _empty_like(table, table.window)
     kbits = L.key_bits(keys)
     vbits = None
     if scratch._vb:
         vbits = kbits if scratch._vb == scratch._kb else torch.zeros(kbits.numel(), dtype=L._BITS[scratch._vb])
     with scratch._lock:
         scratch.clear()
-        scratch._native_insert(kbits, vbits, 0, config)
+        scratch._native_insert(kbits, vbits, _insert_mode(scratch), config)
 
 
 def _check(table, keys=None, backend="auto", **kw):
@@ -142,11 +158,16 @@ def _gpu_table_candidates(key):
 
 
 def _run_gpu_table(config, table, keys):
-    """Build a table of this layout with the candidate window, insert the keys and find them."""
-    t = type(table)(table.capacity, key_dtype=table.key_dtype, value_dtype=table.value_dtype, device=table.device,
-                    window=config["window"], max_load_factor=1.0, growable=False)
-    t.insert(keys, keys)
-    return t.find(keys)
+    """Build a table of this layout with the candidate window, insert the keys and find them (each
+    class through its own API: values of the table's value dtype, counts for a counting table)."""
+    t = _empty_like(table, config["window"])
+    if table._counting:
+        t.add(keys)
+    elif table._vb:
+        t.insert(keys, torch.zeros(keys.numel(), dtype=table.value_dtype, device=keys.device))
+    else:
+        t.insert(keys)
+    return getattr(t, "find", t.contains)(keys)  # sets and counting tables have no find
 
 
 def _gpu_examples(sizes):
