@@ -432,6 +432,26 @@ def test_autotune_cpu_picks_a_candidate(tmp_cache):
     assert cfg_b["impl"] in ("flash", "blocked")
 
 
+def test_autotune_takes_every_keyword_the_ops_take(tmp_cache):
+    """tune() on the arguments of a call as a user writes it: return_lse for the forward, dlse for the
+    backward (a TypeError from the tunable's check before; review finding); the op's results afterwards
+    are those of the untuned op."""
+    import pykernels.autotune as at
+    from pykernels.attention import flash_attention, flash_attention_backward
+
+    q, k, v = make(1, 4, 2, 24, 40, 16, torch.float32, seed=3)
+    out, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    want_b = flash_attention_backward(dout, q, k, v, out, lse, causal=True, dlse=dlse)
+    assert at.tune("flash_attention", q, k, v, causal=True, return_lse=True, budget_s=0.02)["impl"]
+    assert at.tune("flash_attention_backward", dout, q, k, v, out, lse, causal=True, dlse=dlse, budget_s=0.02)["impl"]
+    got_o, got_l = flash_attention(q, k, v, causal=True, return_lse=True)
+    torch.testing.assert_close(got_o, out)
+    torch.testing.assert_close(got_l, lse)
+    for g, w in zip(flash_attention_backward(dout, q, k, v, out, lse, causal=True, dlse=dlse), want_b):
+        torch.testing.assert_close(g, w)
+
+
 @pytest.mark.parametrize("impl", ["flash", "blocked"])
 def test_backward_per_key_block_with_global_out_and_lse(impl):
     """Ring attention's use: split the keys into blocks, call the backward per block with the global

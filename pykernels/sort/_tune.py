@@ -99,10 +99,11 @@ def _examples(op: str, dtypes):
 
 
 # keyword arguments of each op that tune() accepts with its examples (the others are an error, not
-# silently dropped): sort/argsort sort along `dim`, which dispatch moves last before keying
+# silently dropped): sort/argsort sort along `dim`, which dispatch moves last before keying; sort's `out`
+# is only written (by the check's run of the op), never read
 _OP_KWARGS = {"sort_keys": {"descending", "begin_bit", "end_bit"},
               "sort_pairs": {"descending", "begin_bit", "end_bit"},
-              "sort": {"dim", "descending", "stable"}, "argsort": {"dim", "descending", "stable"}}
+              "sort": {"dim", "descending", "stable", "out"}, "argsort": {"dim", "descending", "stable"}}
 
 
 def _example_keys(op: str, keys, kw: dict):
