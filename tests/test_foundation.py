@@ -194,6 +194,29 @@ def test_damaged_cache_entries_fall_back_to_the_default(tmp_cache, bad):
     assert any("pykernels.autotune: ignoring" in str(w.message) for w in got), [str(w.message) for w in got]
 
 
+@pytest.mark.parametrize("config", [{"threads": 1e30}, {"threads": "x"}, {"digit_bits": 8}])
+def test_cached_config_of_an_op_without_a_tunable_is_ignored(tmp_cache, config):
+    """segmented_sort has no CPU tunable, so no cached CPU config of it can come from tune(): one in the
+    file (hand-edited) is ignored with a warning, and the op runs its default (a float thread count raised
+    a TypeError from the native call before; audit finding)."""
+    keys = torch.randint(0, 2 ** 31 - 1, (70000,), dtype=torch.int32, generator=torch.Generator().manual_seed(2))
+    offsets = torch.tensor([0, 30000, 70000])
+    path = at.cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ek = at._entry_key("segmented_sort", "cpu", {"dtype": "int32", "n": at.bucket(keys.numel()), "segments": 2})
+    path.write_text(json.dumps({"metadata": at._metadata(None),
+                                "entries": {ek: {"backend": "cpu", "config": config, "time_s": 1e-4}}}))
+    at.clear_memory_cache()
+    assert ("segmented_sort", "cpu") not in at._REGISTRY
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        out = pykernels.segmented_sort(keys, offsets, None)
+    got_keys = out[0] if isinstance(out, tuple) else out
+    want = torch.cat([torch.sort(keys[:30000]).values, torch.sort(keys[30000:]).values])
+    assert torch.equal(got_keys, want)
+    assert any("no tunable there" in str(w.message) for w in got), [str(w.message) for w in got]
+
+
 def test_tune_stores_readable_files_through_symlinks_and_reports_unwritable_caches(tmp_cache):
     _register_sleepy()
     real = tmp_cache / "real.json"

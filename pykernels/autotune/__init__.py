@@ -385,11 +385,14 @@ def config_for(op: str, backend: str, key: dict, device) -> dict:
         entry = lookup(op, key, device, backend)
         tunable = _REGISTRY.get((op, backend))
         config = dict(entry["config"]) if entry is not None else None
-        if config is not None and tunable is not None and not _is_own_config(tunable, key, config):
+        if config is not None and (tunable is None or not _is_own_config(tunable, key, config)):
             # not a config tune() can produce for this key (a hand-edited or damaged cache, or one
-            # from another build): the op might reject it, or worse, so the default runs
-            warnings.warn(f"pykernels.autotune: ignoring cached config {config} of {op}/{backend}: not one "
-                          f"of its configs for {key}", stacklevel=3)
+            # from another build): the op might reject it, or worse, so the default runs. An op with no
+            # tunable on this backend (segmented_sort on the CPU) has no config tune() could have stored:
+            # its entry went unchecked into the op before (a float thread count raised; review finding)
+            why = "it has no tunable there" if tunable is None else f"not one of its configs for {key}"
+            warnings.warn(f"pykernels.autotune: ignoring cached config {config} of {op}/{backend}: {why}",
+                          stacklevel=3)
             config = None
         if config is None:
             config = dict(tunable.default(key)) if tunable is not None else {}

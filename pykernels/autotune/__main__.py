@@ -42,7 +42,9 @@ def _parse_sizes(text):
         except ValueError:
             raise argparse.ArgumentTypeError(f"--sizes: {s!r} is not a number") from None
         if not (1 <= v <= MAX_SIZE):  # (NaN fails too) 1e30 reached the example builders (review finding)
-            raise argparse.ArgumentTypeError(f"--sizes: expected sizes in [1, {MAX_SIZE:.0e}], got {s!r}")
+            # MAX_SIZE exactly: "2e+10" read as a bound that 1.8e10 broke (audit finding)
+            raise argparse.ArgumentTypeError(f"--sizes: expected sizes in [1, 2^{MAX_SIZE.bit_length() - 1} = "
+                                             f"{MAX_SIZE}], got {s!r}")
         out.append(int(v))
     return out
 
@@ -81,6 +83,10 @@ def generate(args) -> int:
                 jobs += [(t, ex_args, ex_kwargs) for ex_args, ex_kwargs in t.examples(sizes)]
             except Exception as exc:  # noqa: BLE001
                 print(f"{t.op}/{t.backend}: cannot make examples of sizes {sizes}: {exc}", file=sys.stderr)
+    gpu_asked = sorted((backends or set()) & {"cuda", "triton"})
+    if gpu_asked and not torch.cuda.is_available():  # else "tuned 0 shape(s)" and exit 0 said nothing why
+        print(f"note: no CUDA device here: --backends {','.join(gpu_asked)} has nothing to tune on this machine",
+              file=sys.stderr)
     started = time.perf_counter()
     results = []
     for i, (t, ex_args, ex_kwargs) in enumerate(jobs):
