@@ -176,6 +176,48 @@ def test_code_sums():
     assert torch.equal(cs, ref.to(torch.int32))
 
 
+@pytest.mark.parametrize("edit, err", [
+    (lambda sd: sd.update(shape=[4096, 4096]), "'packed' does not match"),      # segfaulted in qmatmul
+    (lambda sd: sd.update(packed=torch.empty(0, dtype=torch.uint8)), "'packed' does not match"),  # segfaulted
+    (lambda sd: sd.update(bits=8), "'packed' does not match"),                  # byte layout over nibbles
+    (lambda sd: (sd.update(bits=2), sd.pop("planes")), "more than bits=2"),      # same layout, codes too big
+    (lambda sd: sd.update(scales=torch.empty(1)), "'scales' does not match"),    # read past its end
+    (lambda sd: sd.update(scales=sd["scales"].double()), "'scales' does not match"),  # bytes reinterpreted
+    (lambda sd: sd.update(code_sums=sd["code_sums"][:, :1]), "'code_sums' does not match"),
+    (lambda sd: sd.update(planes=torch.zeros(3, dtype=torch.int64)), "'planes' does not match"),
+    (lambda sd: sd.update(group_size=64), "does not match"),
+    (lambda sd: sd.update(scheme="nf4"), "expected scheme"),
+    (lambda sd: sd.pop("offsets"), "lacks offsets"),
+    (lambda sd: sd.update(dtype="int8"), "floating-point 'dtype'"),
+])
+def test_quantized_weight_parts_must_match_its_metadata(edit, err):
+    """A state dict (or a pickled QuantizedWeight) whose buffers do not match its shape/bits/group size is
+    refused with the op named, before any kernel indexes the buffers by the metadata (audit finding: a
+    segfault in qmatmul, or garbage products without an error)."""
+    qw = pykernels.quantize(torch.randn(16, 64, generator=torch.Generator().manual_seed(0)), 4, 32, "asym")
+    qw.ensure_planes()
+    sd = qw.state_dict()
+    edit(sd)
+    with pytest.raises((ValueError, TypeError, KeyError), match=err):
+        pykernels.QuantizedWeight.from_state_dict(sd)
+    # the same parts through pickle (torch.load, weights_only=True): refused when loaded
+    bad = object.__new__(pykernels.QuantizedWeight)
+    bad.__dict__.update(qw.__dict__)
+    bad.__dict__.update({k: v for k, v in sd.items() if k in ("packed", "scales", "offsets", "code_sums")})
+    bad.planes = sd.get("planes")
+    if "shape" in sd:
+        bad.shape = torch.Size(sd["shape"])
+    bad.bits, bad.group_size, bad.scheme = sd.get("bits"), sd.get("group_size"), sd.get("scheme")
+    buf = io.BytesIO()
+    torch.save(bad, buf)
+    buf.seek(0)
+    if "offsets" in sd and sd.get("dtype", "float32") == "float32":
+        with pytest.raises((ValueError, TypeError), match=err):
+            torch.load(buf)
+    with pytest.raises((TypeError, KeyError), match="QuantizedWeight.from_state_dict"):
+        pykernels.QuantizedWeight.from_state_dict(None)
+
+
 def test_quantized_weight_serialization(tmp_path):
     w = torch.randn(10, 96)
     for scheme, bits in [("asym", 4), ("bipolar", 2), ("sym", 8)]:

@@ -300,6 +300,18 @@ def test_quantlinear_cast_back_to_float32_and_to_the_dtype_it_has():
     assert ql.scales.is_shared() and ql.weight.dtype == torch.float32
 
 
+def test_quantize_model_that_fails_leaves_the_model_unchanged():
+    """A layer that cannot be quantized (inf weights) raises before any layer is swapped in: the model is
+    never left half-quantized (audit finding: the layers before it were already QuantLinear)."""
+    m = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
+    with torch.no_grad():
+        m[2].weight[0, 0] = float("inf")
+    before = [type(mod) for mod in m]
+    with pytest.raises(ValueError):
+        pykernels.quantize_model(m, group_size=32)
+    assert [type(mod) for mod in m] == before
+
+
 def test_quantize_model_leaves_multihead_attention_out_proj_and_handles_roots_and_shared_layers():
     torch.manual_seed(0)
     enc = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, dropout=0.0).eval()

@@ -52,6 +52,47 @@ class QuantizedWeight:
             t.contiguous() if isinstance(t, torch.Tensor) else t for t in (packed, scales, offsets, code_sums))
         self.planes = planes.contiguous() if isinstance(planes, torch.Tensor) else planes
         self.dtype = dtype  # the dtype the weight had (dequantize() default)
+        self._check("QuantizedWeight")
+
+    def _check(self, op: str, codes: bool = False) -> None:
+        """The parts agree with the metadata, as every kernel assumes (they index the buffers by shape, bits
+        and group size alone): a state dict whose shape, bits or buffers did not match segfaulted in
+        qmatmul or gave garbage without an error (audit finding). codes=True (an untrusted source: a
+        state dict, an unpickled object) also checks every code fits in `bits`."""
+        _check_format(op, self.bits, self.group_size, self.scheme)
+        if len(self.shape) != 2:
+            raise ValueError(f"pykernels.{op}: expected 'shape' (N, K), got {tuple(self.shape)}")
+        N, K = self.shape
+        _, G = F.group_geometry(K, self.group_size)
+        N4, Kp = F.round_up(max(N, 1), F.ROW_TILE), F.round_up(max(K, 1), F.K_BLOCK)
+        want = {"packed": (torch.uint8, (N4 * Kp // (2 if F.layout_bits(self.bits) == 4 else 1),)),
+                "scales": (torch.float32, (N, G)), "offsets": (torch.float32, (N, G)),
+                "code_sums": (torch.int32, (N, G))}
+        if self.planes is not None:
+            want["planes"] = (torch.int64, (N4 * G * self.bits * F.plane_geometry(K, self.group_size)[2],))
+        for name, (dt, shape) in want.items():
+            t = getattr(self, name)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"pykernels.{op}: expected a tensor '{name}', got {type(t).__name__}")
+            if t.dtype != dt or tuple(t.shape) != shape:
+                raise ValueError(f"pykernels.{op}: '{name}' does not match shape={tuple(self.shape)}, "
+                                 f"bits={self.bits}, group_size={self.group_size}: expected "
+                                 f"{str(dt).replace('torch.', '')} {list(shape)}, got "
+                                 f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}")
+            if t.device != self.packed.device:
+                raise ValueError(f"pykernels.{op}: '{name}' is on {t.device}, 'packed' on {self.packed.device}")
+        if not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
+            raise TypeError(f"pykernels.{op}: expected a floating-point 'dtype', got {self.dtype!r}")
+        if codes and self.packed.numel():
+            top = int(self.packed.max()) if F.layout_bits(self.bits) == 8 else int(
+                torch.maximum(self.packed & 0x0F, self.packed >> 4).max())
+            if top >= 1 << self.bits:
+                raise ValueError(f"pykernels.{op}: 'packed' holds code {top}, more than bits={self.bits} allows")
+
+    def __setstate__(self, state):
+        """torch.load / pickle: the same checks as a state dict (the file may not be what it claims)."""
+        self.__dict__.update(state)
+        self._check("QuantizedWeight (loaded)", codes=True)
 
     # -- introspection ---------------------------------------------------------------------------
     @property
@@ -126,9 +167,21 @@ class QuantizedWeight:
 
     @classmethod
     def from_state_dict(cls, sd: dict) -> "QuantizedWeight":
-        return cls(shape=sd["shape"], bits=sd["bits"], group_size=sd["group_size"], scheme=sd["scheme"],
-                   packed=sd["packed"], scales=sd["scales"], offsets=sd["offsets"], code_sums=sd["code_sums"],
-                   planes=sd.get("planes"), dtype=getattr(torch, sd.get("dtype", "float32")))
+        op = "QuantizedWeight.from_state_dict"
+        if not isinstance(sd, dict):
+            raise TypeError(f"pykernels.{op}: expected a dict (QuantizedWeight.state_dict()), got {type(sd).__name__}")
+        missing = [k for k in ("shape", "bits", "group_size", "scheme", "packed", "scales", "offsets", "code_sums")
+                   if k not in sd]
+        if missing:
+            raise KeyError(f"pykernels.{op}: the state dict lacks {', '.join(missing)}")
+        dtype = getattr(torch, str(sd.get("dtype", "float32")), None)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"pykernels.{op}: expected a floating-point 'dtype' name, got {sd.get('dtype')!r}")
+        qw = cls(shape=sd["shape"], bits=sd["bits"], group_size=sd["group_size"], scheme=sd["scheme"],
+                 packed=sd["packed"], scales=sd["scales"], offsets=sd["offsets"], code_sums=sd["code_sums"],
+                 planes=sd.get("planes"), dtype=dtype)
+        qw._check(op, codes=True)
+        return qw
 
     load_state_dict = from_state_dict
 
@@ -442,11 +495,14 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, inclu
     kept = {id(mod) for name, mod in linears
             if not ((include is None or _matches(name, include)) and not _matches(name, exclude))}
     targets = [(name, mod) for name, mod in linears if id(mod) not in kept]
+    # every layer quantized before any is swapped in: a layer that fails (inf weights) raised with the
+    # layers before it already replaced, a half-quantized model (audit finding)
     made = {}
+    for _, lin in targets:
+        if id(lin) not in made:
+            made[id(lin)] = QuantLinear.from_linear(lin, bits, group_size, scheme, act_bits)
     for name, lin in targets:
-        q = made.get(id(lin))
-        if q is None:
-            q = made[id(lin)] = QuantLinear.from_linear(lin, bits, group_size, scheme, act_bits)
+        q = made[id(lin)]
         if not name:  # the model is itself a Linear: its replacement is the result
             return q
         parent_name, _, leaf = name.rpartition(".")
