@@ -493,7 +493,11 @@ def _check_layout(op, layout, x, dim, arg="x"):
                         f"got {type(x).__name__}")
     if layout not in _LAYOUTS:
         raise ValueError(f"{op}: expected 'layout' in {_LAYOUTS}, got {layout!r}")
-    if x.dim() == 0 or not -x.dim() <= dim < x.dim():
+    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):  # 1.5, None, "2" and True (as 1) went on
+        raise TypeError(f"{op}: expected an int 'dim', got {type(dim).__name__}")
+    if x.dim() == 0:
+        raise ValueError(f"{op}: expected '{arg}' with at least one dimension to shard, got a 0-d tensor")
+    if not -x.dim() <= dim < x.dim():
         raise ValueError(f"{op}: expected 'dim' in [-{x.dim()}, {x.dim()}), got {dim} for shape {tuple(x.shape)}")
     return dim % x.dim()
 

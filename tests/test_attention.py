@@ -352,6 +352,9 @@ def test_flags_and_scale_are_type_checked():
     out, lse = flash_attention(q, k, v, causal=True, return_lse=True)
     with pytest.raises(TypeError, match="^pykernels.flash_attention: expected 'causal' to be a bool"):
         flash_attention_backward(torch.ones_like(out), q, k, v, out, lse, causal="yes")
+    for low in (torch.float16, torch.bfloat16):  # an lse of 3 significant digits was taken as is
+        with pytest.raises(TypeError, match="expected a float32 'lse'"):
+            flash_attention_backward(torch.ones_like(out), q, k, v, out, lse.to(low), causal=True)
     # real numbers of any Python/numpy type and numpy booleans still work
     ref = flash_attention(q, k, v, causal=True, scale=0.5)
     torch.testing.assert_close(flash_attention(q, k, v, causal=np.bool_(True), scale=np.float32(0.5)), ref)

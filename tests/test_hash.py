@@ -913,6 +913,9 @@ def test_errors_are_clear():
         HashMap(0)
     with pytest.raises(TypeError, match="capacity"):
         HashMap(1.5)
+    for bad in ("no", None, 0):  # were taken as bool(growable)
+        with pytest.raises(TypeError, match=r"HashMap: expected a bool for 'growable'"):
+            HashMap(10, growable=bad)
     with pytest.raises(ValueError, match="max_load_factor"):
         HashMap(10, max_load_factor=1.5)
     # review findings: numpy floats are numbers (np.float32(0.5) was "not in (0, 1]"); a bool is not a

@@ -300,6 +300,13 @@ def test_quantlinear_cast_back_to_float32_and_to_the_dtype_it_has():
     assert ql.scales.is_shared() and ql.weight.dtype == torch.float32
 
 
+def test_quantize_model_argument_types():
+    with pytest.raises(TypeError, match="quantize_model: expected an nn.Module 'model', got NoneType"):
+        pykernels.quantize_model(None)
+    with pytest.raises(TypeError, match="quantize_model: expected 'include'"):
+        pykernels.quantize_model(nn.Linear(64, 8), group_size=32, include=5)
+
+
 def test_quantize_model_that_fails_leaves_the_model_unchanged():
     """A layer that cannot be quantized (inf weights) raises before any layer is swapped in: the model is
     never left half-quantized (audit finding: the layers before it were already QuantLinear)."""

@@ -809,3 +809,14 @@ def test_gpu_nccl_several_ranks(fn):
                   configs=[("float32", 1, 8, 2, 64), ("bfloat16", 2, 8, 8, 64)])
     finally:
         p.close()
+
+
+def test_shard_sequence_dim_must_be_an_int():
+    """dim=1.5, None, "2" raised bare Python errors and True was taken as 1 (audit finding)."""
+    x = torch.randn(2, 4, 8)
+    for fn in (shard_sequence, unshard_sequence):
+        for bad in (1.5, None, "2", True):
+            with pytest.raises(TypeError, match="expected an int 'dim'"):
+                fn(x, dim=bad)
+        with pytest.raises(ValueError, match="0-d tensor"):
+            fn(torch.tensor(1.0), dim=0)

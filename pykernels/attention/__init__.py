@@ -297,8 +297,9 @@ def _check_backward(dout, dlse, q, k, v, out, lse):
     if dout.dtype != q.dtype or out.dtype != q.dtype:
         raise TypeError(f"pykernels.flash_attention_backward: expected 'dout' and 'out' of dtype {q.dtype}, "
                         f"got {dout.dtype} and {out.dtype}")
-    if not lse.is_floating_point():
-        raise TypeError(f"pykernels.flash_attention_backward: expected a float32 'lse', got {lse.dtype}")
+    if lse.dtype not in (torch.float32, torch.float64):  # a float16 lse (3 decimal digits) was taken as is
+        raise TypeError(f"pykernels.flash_attention_backward: expected a float32 'lse' (float64 allowed), got "
+                        f"{lse.dtype}")
     if dlse is not None and not dlse.is_floating_point():
         raise TypeError(f"pykernels.flash_attention_backward: expected a floating 'dlse', got {dlse.dtype}")
     check_same_device(OP_BWD, q=q, k=k, v=v, dout=dout, out=out, lse=lse, dlse=dlse)

@@ -100,7 +100,9 @@ class _OpenTable:
         self.key_dtype = key_dtype
         self.value_dtype = value_dtype
         self.max_load_factor = float(max_load_factor)
-        self.growable = bool(growable)
+        if not isinstance(growable, bool):  # "no" and None were taken as True and False (audit finding)
+            raise TypeError(f"pykernels.{op}: expected a bool for 'growable', got {type(growable).__name__}")
+        self.growable = growable
         self.seed = int(seed) & ((1 << 63) - 1)  # an int64 in the op schemas
         self._kb = L.key_bytes(key_dtype)
         self._vb = self._slot_value_bytes()

@@ -481,6 +481,12 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, inclu
     exactly, as a prefix of a sub-module path, or as fnmatch patterns ("*.mlp.*"); a layer shared under
     several names is quantized only if all of them are selected. A layer whose K is not a multiple of
     group_size keeps per-group scales with a shorter last group."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"pykernels.quantize_model: expected an nn.Module 'model', got {type(model).__name__}")
+    for name, names in (("include", include), ("exclude", exclude)):
+        if names is not None and not isinstance(names, str) and not isinstance(names, Iterable):
+            raise TypeError(f"pykernels.quantize_model: expected '{name}' as a name, a pattern or a list of them, "
+                            f"got {type(names).__name__}")
     _check_format("quantize_model", bits, group_size, scheme)
     _check_act_bits(act_bits, "quantize_model")
     # lists: a generator or iterator would be used up by the first layer's match
