@@ -484,3 +484,33 @@ def test_config_memo_keeps_no_answer_that_a_store_overtook(monkeypatch):
     monkeypatch.setattr(at, "lookup", real_lookup)
     at.config_for("sort_keys", "cpu", {"probe": 1}, torch.device("cpu"))
     assert len(at._CONFIG_MEMO) == 1  # undisturbed: memoized
+
+
+def test_a_worker_thread_the_os_refuses_gives_a_clear_error_and_the_pool_stays_usable():
+    """With the address space nearly used up, starting a CPU worker thread fails: the error said only
+    "Resource temporarily unavailable" (audit finding); now it names pykernels and what to do, and once
+    the limit is lifted the same op runs (the workers already started are kept)."""
+    script = r"""
+import os, resource, torch, pykernels
+x = torch.randint(0, 1 << 30, (1 << 20,), dtype=torch.int32)
+pykernels.sort(x)
+vm = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.RLIM_INFINITY))
+torch.set_num_threads(3000)
+try:
+    pykernels.sort(x)
+    print("ran")
+except RuntimeError as exc:
+    print("error:", exc)
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+torch.set_num_threads(2)
+print("after:", torch.equal(pykernels.sort(x).values, torch.sort(x).values))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.strip().splitlines()
+    if lines[0] == "ran":
+        pytest.skip("this machine started 3000 threads within the limit")
+    assert lines[0].startswith("error: pykernels: could not start CPU worker thread"), out.stdout
+    assert lines[-1] == "after: True", out.stdout

@@ -4,7 +4,10 @@ CPU backend here; the same checks run on the CUDA backend in test_hash_gpu.py (m
 """
 import collections
 import math
+import os
 import random
+import subprocess
+import sys
 import threading
 import warnings
 
@@ -2754,3 +2757,51 @@ def test_find_defaults_keep_their_exact_bits_call_after_call():
                         t.find(q, default=default)
                 continue
             assert t.find(q, default=default)[0].tolist() == [default, default], (dtype, default)
+
+
+@pytest.mark.skipif(not hasattr(os, "register_at_fork"), reason="needs os.fork")
+def test_fork_while_another_thread_uses_a_table_does_not_hang_the_child():
+    """A table whose lock another thread held when the process forked: the child's first call on it hung
+    forever (audit finding: fork workers while a parent thread inserts). Now that table raises in the
+    child (it may be half-updated there), an idle table and a Bloom filter work, and autotune's lock is
+    fresh. Run in a subprocess under a timeout, so a regression fails instead of hanging the suite."""
+    script = r"""
+import os, threading, torch, pykernels
+import pykernels.autotune as at
+busy, idle = pykernels.HashMap(1000), pykernels.HashMap(1000)
+bloom = pykernels.BloomFilter(4096, 3)
+keys = torch.arange(100)
+busy.insert(keys, keys); idle.insert(keys, keys); bloom.add(keys)
+held, done = threading.Event(), threading.Event()
+def user():
+    with busy._lock, at._LOCK:   # another thread inside a table op and an autotune store
+        held.set()
+        done.wait()
+th = threading.Thread(target=user)
+th.start()
+held.wait()
+pid = os.fork()
+if pid == 0:
+    code = 0
+    try:
+        busy.find(keys)
+        code = 1                  # answered from a table that may be half-updated
+    except RuntimeError as exc:
+        code = 0 if "forked while another thread was using this table" in str(exc) else 2
+    v, f = idle.find(keys)
+    code = code or (0 if bool(f.all()) and torch.equal(v, keys) else 3)
+    code = code or (0 if bool(bloom.contains(keys).all()) else 4)
+    with at._LOCK:
+        pass
+    os._exit(code)
+done.set()
+th.join()
+_, status = os.waitpid(pid, 0)
+v, f = busy.find(keys)            # the parent's table is untouched
+assert bool(f.all())
+print("child", os.waitstatus_to_exitcode(status))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().endswith("child 0"), out.stdout + out.stderr[-2000:]

@@ -24,6 +24,9 @@
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <stdexcept>
+#include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 #if defined(__unix__) || defined(__APPLE__)
@@ -133,7 +136,15 @@ class ThreadPool {
         std::lock_guard<std::mutex> g(mutex_);
         start_generation = generation_.load();
       }
-      workers_.emplace_back([this, index, start_generation] { worker_loop(index, start_generation); });
+      try {
+        workers_.emplace_back([this, index, start_generation] { worker_loop(index, start_generation); });
+      } catch (const std::system_error& e) {
+        // the OS refused a thread (ulimit, memory): a bare "Resource temporarily unavailable" named
+        // nothing (audit finding). The workers already started stay usable by later calls.
+        throw std::runtime_error(std::string("pykernels: could not start CPU worker thread ") +
+                                 std::to_string(index) + " (" + e.what() +
+                                 "); use fewer threads (torch.set_num_threads)");
+      }
     }
   }
 

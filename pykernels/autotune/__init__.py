@@ -54,6 +54,16 @@ MIN_GAIN = 0.03  # a tuned config must beat the default by 3% head to head to re
 _LOCK = threading.RLock()
 
 
+def _new_lock_after_fork():
+    # a store running in another thread when the process forked left _LOCK held in the child forever
+    global _LOCK
+    _LOCK = threading.RLock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_after_fork)
+
+
 # ----------------------------------------------------------------------------------------------
 # What an op declares
 # ----------------------------------------------------------------------------------------------

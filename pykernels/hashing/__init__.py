@@ -269,7 +269,10 @@ class BloomFilter:
                             f"{self.device}: {str(exc)[:200]}") from exc
         import threading
 
+        from ._tables import _track_lock_across_fork
+
         self._lock = threading.RLock()
+        _track_lock_across_fork(self)
 
     @property
     def num_bits(self) -> int:

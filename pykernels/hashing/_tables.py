@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import os
 import threading
+import weakref
 
 import torch
 
@@ -61,6 +63,46 @@ def default_window(slot_bytes: int, device: torch.device) -> int:
         cfg = autotune.config_for("hash_table", "cuda", {"slot_bytes": slot_bytes}, device)
         return int(cfg.get("window", 8))
     return max(1, 64 // slot_bytes)
+
+
+class _ForkedInUse:
+    """The lock of a table that another thread was using when this process forked: the child has no such
+    thread, so the inherited lock stayed locked and the child's first call on the table hung forever
+    (audit finding: DataLoader / multiprocessing "fork" workers while a parent thread inserts). The table
+    may be half-updated in the child, so its methods raise instead of answering from it."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __enter__(self):
+        raise RuntimeError(f"pykernels.{self.what}: this process was forked while another thread was using this "
+                           f"table, so here it may be half-updated; build it again in this process (or fork "
+                           f"before other threads use it)")
+
+    def __exit__(self, *exc):
+        return False
+
+
+_FORK_TRACKED = weakref.WeakSet()  # the tables and Bloom filters whose lock a forked child must replace
+
+
+def _track_lock_across_fork(obj) -> None:
+    """obj._lock (an RLock) is replaced in a forked child: a fresh one when no thread held it at the fork,
+    else _ForkedInUse."""
+    _FORK_TRACKED.add(obj)
+
+
+def _relock_after_fork() -> None:
+    for obj in list(_FORK_TRACKED):
+        lock = obj._lock
+        free = not isinstance(lock, _ForkedInUse) and lock.acquire(blocking=False)
+        if free:
+            lock.release()
+        obj._lock = threading.RLock() if free else _ForkedInUse(type(obj).__name__)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_relock_after_fork)
 
 
 class _OpenTable:
@@ -116,6 +158,7 @@ class _OpenTable:
             raise ValueError(f"pykernels.{op}: expected 'window' (the probing-group size) in {_GPU_WINDOWS} on "
                              f"the GPU, got {self.window}")
         self._lock = threading.RLock()
+        _track_lock_across_fork(self)
         self._config_cache = {}  # op -> (_tune_state() when computed, config)
         self._alloc(capacity)
         self._config("hash_find")
