@@ -35,6 +35,7 @@ from torch.autograd.function import once_differentiable
 from . import _attention_block as blk
 from . import _attention_comm as comm
 from pykernels import _native
+from pykernels.attention import backward_follows
 
 _LAYOUTS = ("zigzag", "contiguous")
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -242,7 +243,9 @@ def _with_lse_grad(dout, dlse, out):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, causal, layout, grp):
-        with torch.no_grad():
+        # a backward follows where an input needs a gradient: the blocks' forward must then be one whose lse
+        # the backward kernels accept (backward_follows: not the CPU decode kernel; review finding)
+        with torch.no_grad(), backward_follows(any(ctx.needs_input_grad[:3])):
             out, lse = _ring_forward(q, k, v, scale, causal, layout, grp)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (scale, causal, layout, grp)
@@ -413,7 +416,7 @@ def _token_backward(do, q, k, v, out, lse, scale, causal, layout, grp, pg_back, 
 class _TokenRingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, scale, causal, layout, grp, pg_back):
-        with torch.no_grad():
+        with torch.no_grad(), backward_follows(any(ctx.needs_input_grad[:3])):  # as _RingAttention
             out, lse = _token_forward(q, k, v, scale, causal, layout, grp, pg_back)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (scale, causal, layout, grp, pg_back)

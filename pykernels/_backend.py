@@ -124,6 +124,11 @@ def select_backend(op: str, device: torch.device, backend: str = "auto",
     if backend == "auto":
         if on_cpu(device):
             backend = "cpu"
+        elif torch.device(device).type == "meta":
+            # not the GPU backends' reasons (review finding: "set TRITON_INTERPRET=1" was the hint here); the
+            # public ops give meta outputs through their fakes, so this is reached only by ops whose result
+            # depends on the data
+            raise RuntimeError(f"pykernels.{op}: no backend computes on the meta device (no data)")
         else:
             for cand in preference:
                 if cand in supported and backends()[cand]:
@@ -275,6 +280,8 @@ def eager_direct(*tensors) -> bool:
         return False
     grad = torch.is_grad_enabled()  # with grad mode off nothing is recorded: requires_grad does not matter
     for t in tensors:  # a plain loop: a generator inside all() costs a frame per tensor on every op call
-        if t is not None and (type(t) is not torch.Tensor or (grad and t.requires_grad)):
+        # meta tensors too: the op's fake gives their outputs' shapes, as torch's own ops do on meta (a model
+        # traced on the meta device; review finding: they raised, unless some input required grad)
+        if t is not None and (type(t) is not torch.Tensor or (grad and t.requires_grad) or t.is_meta):
             return False
     return True

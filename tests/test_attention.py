@@ -887,6 +887,79 @@ def test_decode_kernel_only_where_no_backward_follows(monkeypatch):
     assert got[0].stride() == want[0].stride() and got[1].stride() == want[1].stride()
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_training_step_keeps_aten_forward_for_its_backward(monkeypatch, backend):
+    """A compiled training step whose q is computed inside the compiled function: at run time the op's
+    inputs carry no requires_grad, yet the compiled backward follows (review finding: the decode kernel
+    ran there, and with logits ~1e3-1e4 dW was off by up to 10% relative where eager was right). The
+    decision is made where torch.compile traces the autograd state: the compiled step runs aten's
+    kernel as eager does, with the same gradients; a compiled call under no_grad keeps the decode kernel."""
+    calls = []
+    real = _cpu.decode_forward
+    monkeypatch.setattr(_cpu, "decode_forward", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(0)
+    x = torch.randn(1, 5, 8)
+    W = torch.randn(8, 8) * 30  # logits in the thousands: a foreign lse shows in the gradients
+    W.requires_grad_()
+    k, v = torch.randn(1, 1, 6, 4) * 30, torch.randn(1, 1, 6, 4)
+
+    def step(x, W, k, v):
+        q = (x @ W).view(1, 5, 2, 4).transpose(1, 2)
+        return flash_attention(q, k, v, causal=True, scale=1.0)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    out = compiled(x, W, k, v)
+    out.pow(2).sum().backward()
+    g_compiled, W.grad = W.grad.clone(), None
+    assert calls == []
+    ref = step(x, W, k, v)
+    ref.pow(2).sum().backward()
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(g_compiled, W.grad)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, W, k, v), ref.detach())
+    assert calls == [1]
+
+
+def test_ring_attention_blocks_keep_aten_forward_for_their_backward(monkeypatch):
+    """Ring and token-ring attention run each block's forward under no_grad inside their own autograd
+    Function and then differentiate it with flash_attention_backward: the blocks must not take the decode
+    kernel there (review finding: dq was 40x less accurate than flash_attention's at logits ~1e4); without
+    a gradient to compute they may. World of 1 (no process group)."""
+    collectives = pytest.importorskip("collectives")
+    calls = []
+    real = _cpu.decode_forward
+    monkeypatch.setattr(_cpu, "decode_forward", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 8, 4, 64) * 0.3, torch.randn(1, 2, 4, 64) * 0.3, torch.randn(1, 2, 4, 64)
+    q[..., 0], k[..., 0] = 100.0, 100.0
+    go = torch.randn(1, 8, 4, 64)
+
+    def grads(fn, dtype=torch.float32):
+        ts = [t.to(dtype).clone().requires_grad_() for t in (q, k, v)]
+        (fn(*ts, causal=True, scale=1.0) * go.to(dtype)).sum().backward()
+        return [t.grad.double() for t in ts]
+
+    exact = grads(lambda *a, **kw: reference(*a, **kw)[0], torch.float64)
+    rel_err = lambda gs: max(float((g - e).norm() / e.norm()) for g, e in zip(gs, exact))  # noqa: E731
+    flash_err = rel_err(grads(flash_attention))
+    assert calls == []
+    for fn in (collectives.ring_attention, collectives.token_ring_attention):
+        calls.clear()
+        err = rel_err(grads(fn))
+        assert calls == [], fn.__name__
+        assert err <= 2 * flash_err, (fn.__name__, err, flash_err)  # the decode kernel's lse: ~40x
+        fn(q, k, v, causal=True, scale=1.0)  # nothing to differentiate: the decode kernel may run
+        assert calls, fn.__name__
+    # the same promise to a user's own autograd.Function, on the public function's lean path too
+    from pykernels.attention import backward_follows
+    calls.clear()
+    with torch.no_grad(), backward_follows():
+        flash_attention(q, k, v, causal=True, scale=1.0, return_lse=True)
+    assert calls == []
+
+
 def test_lean_path_memo_follows_what_dispatch_reads(monkeypatch, tmp_cache):
     """The lean CPU path remembers dispatch's answer per call signature: a decode loop whose cache grows
     within a power-of-two bucket asks once, a new bucket asks again, and a config stored by the autotuner
@@ -925,3 +998,12 @@ def test_lean_path_memo_follows_what_dispatch_reads(monkeypatch, tmp_cache):
     out0 = A.flash_attention(q, k, v, causal=True)
     assert len(calls) == n + 2
     torch.testing.assert_close(out, out0, rtol=1e-5, atol=1e-6)
+
+
+def test_double_backward_says_it_is_not_implemented():
+    """A second derivative through flash_attention raises an error naming the op (torch's default told the
+    user to register an autograd formula for pykernels.flash_attention_backward; review finding)."""
+    q, k, v = (t.requires_grad_() for t in make(1, 2, 2, 5, 7, 16, torch.float32, seed=3))
+    g, = torch.autograd.grad(flash_attention(q, k, v, causal=True).pow(2).sum(), q, create_graph=True)
+    with pytest.raises(NotImplementedError, match="pykernels.flash_attention: a second derivative"):
+        g.sum().backward()

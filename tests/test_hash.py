@@ -2229,6 +2229,47 @@ def test_multi_value_find_compiles_fullgraph_with_its_data_dependent_size():
                           test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_compiled_find_follows_tables_of_other_value_widths(dynamic):
+    """One compiled lookup function used on tables of 8-, 4- and 2-byte values: the width decides the
+    result's dtype, so it cannot be symbolic (review finding: the second width came in as a SymInt -- or
+    every one with dynamic=True -- and the fake op's dict lookup raised "unhashable type: SymInt")."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t, q: t.find(q, default=-1), fullgraph=True, backend="eager", dynamic=dynamic)
+    q = torch.arange(12)
+    for vd in (torch.int64, torch.int32, torch.int16, torch.float64):
+        t = HashMap(64, value_dtype=vd)
+        t.insert(torch.arange(10), (torch.arange(10) * 3).to(vd))
+        vals, found = compiled(t, q)
+        assert vals.dtype == vd and vals.tolist() == [3 * i for i in range(10)] + [-1, -1]
+        assert found.tolist() == [True] * 10 + [False, False]
+    m = MultiValueHashMap(64, value_dtype=torch.int32)
+    m.insert(torch.tensor([1, 1, 2]), torch.tensor([5, 6, 7], dtype=torch.int32))
+    offsets, vals = torch.compile(lambda t, q: t.find(q), fullgraph=True, backend="eager", dynamic=dynamic)(
+        m, torch.tensor([1, 2, 3]))
+    assert offsets.tolist() == [0, 2, 3, 3] and sorted(vals[:2].tolist()) == [5, 6] and vals[2].item() == 7
+
+
+def test_compiled_inserts_graph_break_cleanly_and_say_why_under_fullgraph():
+    """Inserts keep the table's size and growth in Python (a data-dependent loop): under fullgraph=True the
+    error says so (it was a GuardOnDataDependentSymNode from inside the growth loop, naming no table);
+    without fullgraph the call graph-breaks and runs eagerly, growth included."""
+    torch._dynamo.reset()
+    t = HashMap(16)
+
+    def ins(k):
+        return t.insert(k, k * 2)
+
+    with pytest.raises(Exception, match="pykernels hash tables: insert"):
+        torch.compile(ins, fullgraph=True, backend="eager")(torch.arange(5))
+    torch._dynamo.reset()
+    new = torch.compile(ins, backend="eager")(torch.arange(5, 105))
+    assert bool(new.all()) and len(t) == 100 and t.capacity >= 100
+    vals, found = t.find(torch.arange(110))
+    assert found.tolist() == [False] * 5 + [True] * 100 + [False] * 5
+    assert vals[5:105].tolist() == [2 * i for i in range(5, 105)]
+
+
 def test_shared_methods_live_in_the_base_class_and_answer_per_table_kind():
     from pykernels.hashing._tables import _OpenTable
 

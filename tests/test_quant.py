@@ -969,3 +969,67 @@ def test_registered_op_without_planes_for_act_bits_is_a_clear_error():
     with pytest.raises(ValueError, match="pykernels.qmatmul: act_bits needs the weight's bit planes"):
         torch.ops.pykernels.qmatmul(torch.randn(2, 64), qw.packed, qw.scales, qw.offsets, None, None, None,
                                     8, 64, 2, 32, 2, "auto")
+
+
+def test_strided_bias_works_through_the_op_as_in_eager_code():
+    """A bias view (strided, expanded) works wherever the call goes through the registered op (autograd,
+    torch.func.vmap, torch.compile) as it does in plain eager code and in F.linear (review finding: the op
+    refused it with "expected a contiguous 'bias' of 48 floating elements ..., got 48 torch.float32")."""
+    torch.manual_seed(0)
+    qw = pykernels.quantize(torch.randn(48, 256), bits=4, group_size=128)
+    x = torch.randn(3, 256)
+    for bias in (torch.randn(96)[::2], torch.tensor([0.5]).expand(48)):
+        want = pykernels.qmatmul(x, qw, bias.contiguous())
+        assert torch.equal(pykernels.qmatmul(x, qw, bias), want)
+        xg = x.clone().requires_grad_()
+        got = pykernels.qmatmul(xg, qw, bias)
+        torch.testing.assert_close(got, want)
+        got.sum().backward()
+        assert xg.grad.shape == x.shape
+        torch.testing.assert_close(torch.func.vmap(lambda r: pykernels.qmatmul(r, qw, bias))(x), want)
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda r, b: pykernels.qmatmul(r, qw, b), fullgraph=True, backend="eager")
+        torch.testing.assert_close(compiled(x, bias), want)
+    # a strided bias that itself requires grad: its gradient, as F.linear's
+    base = torch.randn(96, requires_grad=True)
+    out = pykernels.qmatmul(x, qw, base[::2])
+    out.sum().backward()
+    assert torch.equal(base.grad[::2], torch.full((48,), 3.0)) and not bool(base.grad[1::2].any())
+
+
+def test_numpy_integers_are_taken_for_bits_group_size_and_act_bits():
+    """NumPy integers work as the library's other integer arguments do (sort's dim, table capacities;
+    review finding: "expected bits in (2, 3, 4, 8) for scheme 'asym', got np.int64(4)"), stored as ints."""
+    w = torch.randn(64, 128)
+    ref = pykernels.quantize(w, bits=4, group_size=128)
+    qw = pykernels.quantize(w, bits=np.int64(4), group_size=np.int32(128))
+    assert type(qw.bits) is int and type(qw.group_size) is int and torch.equal(qw.packed, ref.packed)
+    x = torch.randn(2, 128)
+    assert torch.equal(pykernels.qmatmul(x, qw, act_bits=np.int8(4)), pykernels.qmatmul(x, ref, act_bits=4))
+    lin = torch.nn.Linear(128, 64)
+    layer = pykernels.QuantLinear.from_linear(lin, bits=np.int64(4), group_size=np.int64(128), act_bits=np.int64(8))
+    assert type(layer.bits) is int and type(layer.group_size) is int and type(layer.act_bits) is int
+    for bad in (np.bool_(True), True, 4.0, "4"):
+        with pytest.raises(ValueError, match="pykernels.quantize: expected bits"):
+            pykernels.quantize(w, bits=bad)
+
+
+def test_bitserial_refuses_groups_whose_code_sums_overflow_int32(monkeypatch):
+    """The bit-serial kernels sum a group's codes (weights' and activations', up to 255 each) in 32 bits: a
+    longer group is refused, naming qmatmul and group_size, through the function and the op alike (review
+    finding: K = 9M with group_size=-1 wrapped the sums; the result was wrong with no error). The limit is
+    lowered here (the real one needs 8.4M-input groups); it is the largest that cannot wrap."""
+    assert 255 * F.MAX_BITSERIAL_GROUP < 2 ** 31 <= 255 * (F.MAX_BITSERIAL_GROUP + 1)
+    monkeypatch.setattr(F, "MAX_BITSERIAL_GROUP", 64)
+    w, x = torch.randn(8, 128), torch.randn(2, 128)
+    for group_size in (-1, 128):
+        qw = pykernels.quantize(w, bits=4, group_size=group_size)
+        with pytest.raises(ValueError, match="pykernels.qmatmul: act_bits needs groups of at most 64 inputs"):
+            pykernels.qmatmul(x, qw, act_bits=4)
+        with pytest.raises(ValueError, match="act_bits needs groups of at most 64"):
+            torch.ops.pykernels.qmatmul(x, qw.packed, qw.scales, qw.offsets, qw.ensure_planes(), qw.code_sums,
+                                        None, 8, 128, 4, group_size, 4, "auto")
+        pykernels.qmatmul(x, qw)  # weight-only: no code sums
+    qw = pykernels.quantize(w, bits=4, group_size=64)
+    ref = x.double() @ qw.dequantize(torch.float32).double().T
+    assert (pykernels.qmatmul(x, qw, act_bits=8).double() - ref).abs().max() < 0.05 * ref.abs().max()

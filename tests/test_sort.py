@@ -1095,14 +1095,21 @@ def test_segmented_many_tiny_and_one_huge():
 
 
 def test_small_contract_points_from_fuzzing():
-    """begin_bit=None, meta offsets: errors naming the op; numpy ints as dim (as torch.sort); a wrong-shaped
+    """begin_bit=None: errors naming the op; meta inputs give meta outputs of the right shapes, as torch's
+    ops do (through the op's fake; they raised before); numpy ints as dim (as torch.sort); a wrong-shaped
     non-empty out= is resized with torch's warning."""
     with pytest.raises(TypeError, match=r"pykernels.sort_keys: expected an int for 'begin_bit'"):
         pykernels.sort_keys(torch.arange(3), begin_bit=None)
     with pytest.raises(TypeError, match=r"pykernels.sort_pairs: expected an int for 'begin_bit'"):
         pykernels.sort_pairs(torch.arange(3), torch.arange(3), begin_bit=None)
-    with pytest.raises(RuntimeError, match=r"pykernels.segmented_sort: no backend runs on the meta device"):
-        pykernels.segmented_sort(torch.empty(5, device="meta"), torch.tensor([0, 5], device="meta"))
+    keys, vals = pykernels.segmented_sort(torch.empty(5, device="meta"), torch.tensor([0, 5], device="meta"),
+                                          torch.empty(5, dtype=torch.int16, device="meta"))
+    assert (keys.device.type, keys.shape, keys.dtype) == ("meta", (5,), torch.float32)
+    assert (vals.device.type, vals.shape, vals.dtype) == ("meta", (5,), torch.int16)
+    s = pykernels.sort(torch.empty(3, 7, dtype=torch.float16, device="meta"), dim=0, descending=True)
+    assert s.values.is_meta and s.indices.dtype == torch.int64 and s.values.shape == (3, 7)
+    out, lse = pykernels.flash_attention(*(torch.empty(1, 2, 5, 8, device="meta"),) * 3, causal=True, return_lse=True)
+    assert out.is_meta and out.shape == (1, 2, 5, 8) and lse.shape == (1, 2, 5) and lse.dtype == torch.float32
     x = torch.randn(4, 5)
     for d in (np.int64(0), np.int32(-1)):
         assert torch.equal(pykernels.sort(x, dim=d).values, torch.sort(x, dim=int(d), stable=True).values)
@@ -1517,3 +1524,33 @@ def test_keys_only_pairs_and_segmented_outputs_are_differentiable():
     assert torch.equal(k.grad[:10], w[:10]) and torch.equal(k.grad[250:], w[250:])
     with torch.no_grad():  # no grad mode: the kernels directly, no gather
         assert not pykernels.sort_keys(k).requires_grad
+
+
+def test_segmented_sort_names_a_huge_uint64_offset_as_given():
+    """A uint64 offset of 2**63 or more is refused with its own value (it was printed saturated, as
+    9223372036854775807; review finding)."""
+    off = torch.from_numpy(np.array([0, 2 ** 64 - 1], dtype=np.uint64))
+    with pytest.raises(ValueError, match="expected 'offsets' within \\[0, 10\\], got 18446744073709551615"):
+        pykernels.segmented_sort(torch.arange(10, dtype=torch.int32), off)
+
+
+def test_cpu_length_limit_is_refused_naming_the_op(monkeypatch):
+    """The native sorts count in 32 bits (2^32 - 1 keys per row or segment). Every route refuses a longer
+    one naming its own op before allocating outputs (the native refusal said "pykernels.sort" for argsort,
+    sort_keys and segmented_sort, after the outputs were made; review finding). The limit is lowered here:
+    the real one needs 4 G keys."""
+    import sys as _sys
+
+    S = _sys.modules["pykernels.sort"]
+    monkeypatch.setattr(S, "MAX_CPU_KEYS", 2000)
+    x = torch.randint(0, 100, (3000,), dtype=torch.int32)
+    for op, call in (("sort", lambda: pykernels.sort(x)), ("argsort", lambda: pykernels.argsort(x)),
+                     ("argsort", lambda: pykernels.argsort(x.view(2, 1500).T.contiguous().T.reshape(3, 1000).repeat(1, 3))),
+                     ("sort_keys", lambda: pykernels.sort_keys(x)), ("sort_pairs", lambda: pykernels.sort_pairs(x, x)),
+                     ("segmented_sort", lambda: pykernels.segmented_sort(x, torch.tensor([0, 500, 2900, 3000])))):
+        with pytest.raises(ValueError, match=rf"pykernels.{op}: the CPU backend sorts at most 2\^32 - 1 keys"):
+            call()
+    # segments and rows within the limit still sort, whatever the total
+    k, _ = pykernels.segmented_sort(x, torch.tensor([0, 1500, 3000]))
+    assert torch.equal(k[:1500], torch.sort(x[:1500]).values) and torch.equal(k[1500:], torch.sort(x[1500:]).values)
+    assert torch.equal(pykernels.sort(x.view(2, 1500)).values, torch.sort(x.view(2, 1500)).values)

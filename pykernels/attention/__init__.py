@@ -28,6 +28,7 @@ of ring / context-parallel attention.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import threading
@@ -173,21 +174,24 @@ def _forward_laid_out(q, k, v, causal: bool, scale: float, backend: str, inferen
 
 @torch.library.custom_op("pykernels::flash_attention", mutates_args=())
 def _flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-                        backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                        backend: str, inference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     # the public function's checks, for the op called directly (torch.ops.pykernels.flash_attention):
     # the kernels trust the shapes (review finding: H not a multiple of Hkv was a SIGFPE)
     _check(q, k, v, scale, backend)
     check_same_device(OP, q=q, k=k, v=v)
-    # Inside the op a backward may follow where an input requires grad (autograd) or the call came through
-    # a functorch transform (torch.func.grad: its tensors come in unwrapped, requires_grad off, and the
-    # transform is not visible here: forward_op marks it); else (torch.compile inference) the forward is
-    # the eager call's, decode included, so compiled and eager results are the same bits.
-    inference = not (q.requires_grad or k.requires_grad or v.requires_grad or getattr(_IN_TRANSFORM, "on", False))
+    # `inference`: the caller's word that no backward will use this (out, lse) (forward_op decides it
+    # where the autograd state is visible). The op itself cannot tell: inside a torch.compile'd training
+    # step its inputs come in without requires_grad although the compiled backward follows (review
+    # finding: q computed inside the compiled function took the decode kernel and its gradients were
+    # off by ~1e-3 relative at logits ~1e3). Where an input requires grad or the call came through a
+    # functorch transform (tensors unwrapped; forward_op marks it) a backward may follow regardless.
+    inference = inference and not (q.requires_grad or k.requires_grad or v.requires_grad
+                                   or getattr(_IN_TRANSFORM, "on", False))
     return _forward_laid_out(q, k, v, causal, scale, backend, inference=inference)
 
 
 @_flash_attention_op.register_fake
-def _(q, k, v, causal, scale, backend):
+def _(q, k, v, causal, scale, backend, inference=False):
     # Strides as the real op returns them: on CPU out in q's memory order (as aten's kernels and SDPA
     # give it: a copy of out is ~4% of a 1024-token forward) and lse in [B, S, H] order (the layout
     # aten writes); contiguous from the Triton kernels.
@@ -216,7 +220,7 @@ def _(dout, dlse, q, k, v, out, lse, causal, scale, backend):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, backend = inputs
+    q, k, v, causal, scale, backend = inputs[:6]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
@@ -228,10 +232,17 @@ def _backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     dq, dk, dv = _flash_attention_backward_call(dout, dlse, q, k, v, out, lse, ctx.causal, ctx.scale,
                                                 ctx.backend)
-    return dq, dk, dv, None, None, None
+    return (dq, dk, dv) + (None,) * (len(ctx.needs_input_grad) - 3)  # causal, scale, backend[, inference]
+
+
+def _no_second_derivative(ctx, *grads):
+    raise NotImplementedError("pykernels.flash_attention: a second derivative (a backward through its backward, "
+                              "after torch.autograd.grad(..., create_graph=True)) is not implemented")
 
 
 _flash_attention_op.register_autograd(_backward, setup_context=_setup_context)
+# the backward op's own "derivative": a clear error (torch's default told users to register one)
+_flash_attention_backward_op.register_autograd(_no_second_derivative)
 _flash_attention_call = functorch_autograd("flash_attention", _setup_context, _backward)
 _flash_attention_backward_call = functorch_autograd("flash_attention_backward", None, None)
 
@@ -364,8 +375,8 @@ def _lean_cpu_forward(q, k, v, causal, scale, backend):
             and type(causal) is bool and (scale is None or type(scale) is float)
             and (backend == "auto" or backend == "cpu")):
         return None
-    if _traced_or_transformed():  # first: torch.compile must not trace the tests below
-        return None
+    if _traced_or_transformed() or getattr(_BACKWARD_FOLLOWS, "on", False):  # first: torch.compile must not
+        return None  # trace the tests below; under backward_follows the general path keeps aten's forward
     dt = q.dtype
     if (dt not in _LEAN_DTYPES or k.dtype is not dt or v.dtype is not dt
             or not (q.is_cpu and k.is_cpu and v.is_cpu)
@@ -416,18 +427,38 @@ def _lean_cpu_forward(q, k, v, causal, scale, backend):
 # where there is nothing to trace or differentiate (eager_direct), else the registered op. Through the op
 # the first call of a process imported torch._dynamo (~1.2 s) and every call paid its dispatch layers.
 _IN_TRANSFORM = threading.local()  # .on: this thread's op call came through a functorch transform
+_BACKWARD_FOLLOWS = threading.local()  # .on: a caller's own autograd.Function differentiates this forward
+
+
+@contextlib.contextmanager
+def backward_follows(on: bool = True):
+    """For callers that run the forward under no_grad inside their own autograd.Function and then call
+    flash_attention_backward on its (out, lse) (collectives' ring attention): no autograd state says a
+    backward follows there, so without this the CPU decode kernel could run, whose lse does not match
+    aten's backward (see _forward_impl). Thread-local; nests."""
+    before = getattr(_BACKWARD_FOLLOWS, "on", False)
+    _BACKWARD_FOLLOWS.on = bool(on)
+    try:
+        yield
+    finally:
+        _BACKWARD_FOLLOWS.on = before
 
 
 def forward_op(q, k, v, causal: bool, scale: float, backend: str):
-    if eager_direct(q, k, v):  # nothing traced nor differentiated: no backward can follow
-        return _forward_laid_out(q, k, v, causal, scale, backend, inference=True)
+    # Whether a backward can follow is decided here, where torch.compile traces the autograd state (an
+    # input computed inside a compiled function requires grad at trace time, not inside the op at run
+    # time); the thread-local is read only outside tracing (dynamo does not trace threading.local).
+    follows = not torch.compiler.is_compiling() and getattr(_BACKWARD_FOLLOWS, "on", False)
+    if eager_direct(q, k, v):  # nothing traced nor differentiated: only a caller's own backward can follow
+        return _forward_laid_out(q, k, v, causal, scale, backend, inference=not follows)
+    inference = not (follows or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)))
     if torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():
         _IN_TRANSFORM.on = True
         try:
-            return _flash_attention_call(q, k, v, causal, scale, backend)
+            return _flash_attention_call(q, k, v, causal, scale, backend, inference)
         finally:
             _IN_TRANSFORM.on = False
-    return _flash_attention_call(q, k, v, causal, scale, backend)
+    return _flash_attention_call(q, k, v, causal, scale, backend, inference)
 
 
 def backward_op(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, backend: str):
@@ -448,7 +479,8 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, s
     Same layouts, dtypes and causal alignment as `flash_attention`; lse is float32 [B, H, S_q].
     An out/lse from a call that recorded no autograd graph may come from the CPU decode kernel (a few
     query rows per KV head): its lse differs from aten's in the last bits, which at logits in the 1e4
-    range is ~1e-3 relative in P; compute them with grad enabled where that matters.
+    range is ~1e-3 relative in P; compute them with grad enabled, or under no_grad inside
+    `with pykernels.attention.backward_follows():` (as ring attention does), where that matters.
     """
     q, k, v, dout, out, lse = (_native.as_tensor(t, OP_BWD, name) for t, name in
                                ((q, "q"), (k, "k"), (v, "v"), (dout, "dout"), (out, "out"), (lse, "lse")))

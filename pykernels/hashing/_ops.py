@@ -125,6 +125,10 @@ def hash_find(slots, special, keys, nw, window, seed, kb, vb, default_bits, with
 def _(slots, special, keys, nw, window, seed, kb, vb, default_bits, with_values, threads, prefetch):
     # checked here too: a meta tensor among real ones dispatches to this fake (it returned garbage)
     check_same_device("hash_find", slots=slots, special=special, keys=keys)
+    # vb decides the values' dtype, which cannot be symbolic: under torch.compile a table's value width
+    # that changed between calls came in as a SymInt (automatic dynamic) and the dict lookup raised
+    # "unhashable type: SymInt" (review finding); int() specializes on it (a guard per width)
+    vb = int(vb)
     n = keys.numel()
     nv = n if (vb and with_values) else 0
     return keys.new_empty(nv, dtype=_BITS.get(vb, torch.int64)), keys.new_empty(n, dtype=torch.bool)
@@ -277,6 +281,7 @@ def _multi_find_op(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tenso
 @_multi_find_op.register_fake
 def _(slots, special, keys, empty_vals, tomb_vals, nw, window, seed, kb, vb, threads, prefetch):
     check_same_device("hash_multi_find", slots=slots, special=special, keys=keys)
+    vb = int(vb)  # the values' dtype: specialized, as in hash_find's fake
     if vb not in _BITS:
         raise ValueError("pykernels.hash_multi_find: multi-value tables need values (vb = 4 or 8)")
     total = torch.library.get_ctx().new_dynamic_size()  # how many values the keys have: known once run

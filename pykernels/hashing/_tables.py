@@ -37,6 +37,22 @@ def new_keys_mask(status: torch.Tensor) -> torch.Tensor:
 
 _SUPPORTED = ("cpu", "cuda")
 _TUNED_OPS = ("hash_find", "hash_insert")  # the autotuned ops of a table (_tune.py)
+
+# Inserts, erases and items() keep the table's size and its growth in Python, decided by what the kernels
+# return: dynamo cannot trace that (a data-dependent branch). They graph-break at once, saying why: without
+# fullgraph the call runs eagerly, and with fullgraph=True the error names the reason instead of a
+# GuardOnDataDependentSymNode from deep inside the growth loop (review finding). A check, not
+# torch.compiler.disable: that would import torch._dynamo (~1.2 s) with pykernels.
+_EAGER_ONLY_REASON = ("pykernels hash tables: insert, add, erase and items() keep the table's size and growth in "
+                      "Python and do not trace under torch.compile(fullgraph=True); call them outside the compiled "
+                      "function (lookups -- find, contains, counts -- do trace)")
+
+
+def _eager_only():
+    if torch.compiler.is_compiling():
+        from torch._dynamo import graph_break  # (imported only while dynamo runs)
+
+        graph_break(msg=_EAGER_ONLY_REASON)
 _GPU_WINDOWS = (1, 2, 4, 8, 16, 32)  # group sizes hash.cu is instantiated for
 _HUGE_MIN_BYTES = 8 << 20
 
@@ -276,6 +292,7 @@ class _OpenTable:
     def _insert_bits(self, op, kbits, vbits, mode):
         """Inserts, making room (tombstone purge / growth) for keys left out by a full table.
         Returns the per-key status (uint8)."""
+        _eager_only()
         n = kbits.numel()
         if n == 0:
             return torch.empty(0, dtype=torch.uint8, device=self.device)
@@ -469,6 +486,7 @@ class _OpenTable:
         return (vals if want_values and self._vb else None), found
 
     def _erase_bits(self, kbits):
+        _eager_only()
         n = kbits.numel()
         out = torch.zeros(n, dtype=torch.int64, device=self.device)
         if n:
@@ -486,6 +504,7 @@ class _OpenTable:
         return out
 
     def _items_bits(self):
+        _eager_only()
         n_slots_live = self._size - self._n_special()
         kb = _ops.out_buffer(max(n_slots_live, 0), L._BITS[self._kb], self.device)
         vb = _ops.out_buffer(max(n_slots_live, 0), L._BITS[self._vb], self.device) if self._vb else None

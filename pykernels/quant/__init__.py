@@ -12,8 +12,10 @@ pykernels/quant/_triton.py (Triton). The op is registered as torch.ops.pykernels
 from __future__ import annotations
 
 import fnmatch
+import operator
 from typing import Iterable, Optional
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -193,7 +195,21 @@ torch.serialization.add_safe_globals([QuantizedWeight])
 _MAX_LONE_GROUP = 4096  # a group_size above K is fine up to this (one shorter group per row)
 
 
+def _int_arg(value):
+    """An integer argument as a Python int: NumPy integers too, as the rest of the library takes them (they
+    were refused with "expected bits in (2, 3, 4, 8) ..., got np.int64(4)"; review finding). Anything
+    else (bools included) comes back as it is, for the check that follows to refuse."""
+    if isinstance(value, (bool, np.bool_)):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
+
+
 def _check_format(op: str, bits, group_size, scheme):
+    """Checks bits, group_size and scheme; returns (bits, group_size) as Python ints."""
+    bits, group_size = _int_arg(bits), _int_arg(group_size)
     if scheme not in F.SCHEMES:
         raise ValueError(f"pykernels.{op}: expected scheme 'asym', 'sym' or 'bipolar', got {scheme!r}")
     if not isinstance(bits, int) or isinstance(bits, bool) or bits not in F.allowed_bits(scheme):
@@ -202,6 +218,7 @@ def _check_format(op: str, bits, group_size, scheme):
     if not F.valid_group_size(group_size):
         raise ValueError(f"pykernels.{op}: expected group_size -1 or a positive multiple of 32 "
                          f"(32, 64, 128, ...), got {group_size!r}")
+    return bits, group_size
 
 
 def quantize(weight, bits: int = 4, group_size: int = 128, scheme: str = "asym") -> QuantizedWeight:
@@ -209,7 +226,7 @@ def quantize(weight, bits: int = 4, group_size: int = 128, scheme: str = "asym")
     `group_size` inputs (-1: one group per row; a last partial group is allowed). See _format.py for
     the formulas of each scheme. The packed layouts the kernels read are made here, once."""
     w = as_tensor(weight, "quantize", "weight")
-    _check_format("quantize", bits, group_size, scheme)
+    bits, group_size = _check_format("quantize", bits, group_size, scheme)
     _check_weight(w, group_size)
     return _quantize(w, bits, group_size, scheme, with_planes=scheme == "bipolar")
 
@@ -247,6 +264,7 @@ def _quantize(w: torch.Tensor, bits: int, group_size: int, scheme: str, with_pla
 def _check_act_bits(act_bits, op: str = "qmatmul"):
     if act_bits is None:
         return 0
+    act_bits = _int_arg(act_bits)
     if not isinstance(act_bits, int) or isinstance(act_bits, bool) or not 1 <= act_bits <= 8:
         raise ValueError(f"pykernels.{op}: expected act_bits None or an int in 1..8, got {act_bits!r}")
     return act_bits
@@ -306,6 +324,8 @@ def qmatmul(x, qw: QuantizedWeight, bias=None, *, act_bits: Optional[int] = None
     N, K = qw.shape
     _check_x(x, N, K)
     ab = _check_act_bits(act_bits)
+    if ab:
+        F.check_bitserial_group("pykernels.qmatmul", K, qw.group_size)
     if bias is not None:
         bias = as_tensor(bias, "qmatmul", "bias")
         if bias.shape != (N,):
@@ -352,8 +372,8 @@ class QuantLinear(nn.Module):
                  group_size: int = 128, scheme: str = "asym", act_bits: Optional[int] = None,
                  device=None, dtype=torch.float32):
         super().__init__()
-        _check_format("QuantLinear", bits, group_size, scheme)
-        _check_act_bits(act_bits, "QuantLinear")
+        bits, group_size = _check_format("QuantLinear", bits, group_size, scheme)
+        act_bits = _check_act_bits(act_bits, "QuantLinear") or None
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.bits, self.group_size, self.scheme, self.act_bits = bits, group_size, scheme, act_bits
         self.weight_dtype = dtype
@@ -423,8 +443,8 @@ class QuantLinear(nn.Module):
         w = linear.weight.detach()
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
-        _check_format("QuantLinear.from_linear", bits, group_size, scheme)
-        _check_act_bits(act_bits, "QuantLinear.from_linear")
+        bits, group_size = _check_format("QuantLinear.from_linear", bits, group_size, scheme)
+        act_bits = _check_act_bits(act_bits, "QuantLinear.from_linear") or None
         layer.in_features, layer.out_features = linear.in_features, linear.out_features
         layer.bits, layer.group_size, layer.scheme, layer.act_bits = bits, group_size, scheme, act_bits
         layer.weight_dtype = w.dtype if w.dtype in _FLOATS else torch.float32
@@ -487,8 +507,8 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, inclu
         if names is not None and not isinstance(names, str) and not isinstance(names, Iterable):
             raise TypeError(f"pykernels.quantize_model: expected '{name}' as a name, a pattern or a list of them, "
                             f"got {type(names).__name__}")
-    _check_format("quantize_model", bits, group_size, scheme)
-    _check_act_bits(act_bits, "quantize_model")
+    bits, group_size = _check_format("quantize_model", bits, group_size, scheme)
+    act_bits = _check_act_bits(act_bits, "quantize_model") or None
     # lists: a generator or iterator would be used up by the first layer's match
     include = [include] if isinstance(include, str) else (None if include is None else list(include))
     exclude = [exclude] if isinstance(exclude, str) else list(exclude or [])

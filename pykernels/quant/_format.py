@@ -67,6 +67,20 @@ def group_geometry(K: int, group_size: int):
     return gsize, max(1, math.ceil(K / gsize)) if K > 0 else 0
 
 
+# The bit-serial kernels (act_bits) sum a group's weight codes (code_sums) and activation codes in 32 bits:
+# at most 255 * MAX_BITSERIAL_GROUP < 2^31 for codes of up to 8 bits (review finding: K = 9M with
+# group_size=-1 wrapped them, and the result was wrong with no error).
+MAX_BITSERIAL_GROUP = (2 ** 31 - 1) // 255
+
+
+def check_bitserial_group(op: str, K: int, group_size: int):
+    gsize = min(group_geometry(K, group_size)[0], max(K, 1))
+    if gsize > MAX_BITSERIAL_GROUP:
+        raise ValueError(f"{op}: act_bits needs groups of at most {MAX_BITSERIAL_GROUP} inputs (the bit-serial "
+                         f"kernels sum a group's codes in 32 bits), got group_size={group_size} with K={K}; "
+                         f"quantize with a smaller group_size")
+
+
 def quantize_codes(w: torch.Tensor, bits: int, group_size: int, scheme: str):
     """Round-to-nearest quantization of w [N, K] -> (codes uint8 [N, K], scales f32 [N, G], offsets f32 [N, G])."""
     N, K = w.shape

@@ -372,6 +372,8 @@ def _impl(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size
         return y.to(x.dtype).reshape(*lead, n)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
     if chosen == "cuda":
         y = cuda_qmatmul(x2, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, cfg)
     elif chosen == "triton":
@@ -404,6 +406,8 @@ def _check_op_args(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, g
         raise ValueError(f"{op}: expected group_size -1 or a positive multiple of 32, got {group_size}")
     if not 0 <= act_bits <= 8:
         raise ValueError(f"{op}: expected act_bits in 0..8 (0: none), got {act_bits}")
+    if act_bits:
+        F.check_bitserial_group(op, k, group_size)
     if n < 0 or k < 0:
         raise ValueError(f"{op}: expected n, k >= 0, got n={n}, k={k}")
     if x.dim() < 1 or x.shape[-1] != k:
@@ -416,14 +420,18 @@ def _check_op_args(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, g
             ("scales", scales, torch.float32, n * G), ("offsets", offsets, torch.float32, n * G)]
     if act_bits:
         want += [("planes", planes, torch.int64, n4 * G * bits * gw), ("wsum", wsum, torch.int32, n * G)]
-    if bias is not None:
-        want.append(("bias", bias, None, n))
     for name, t, dtype, numel in want:
         if t is None:
             raise ValueError(f"{op}: act_bits needs the weight's bit planes and code sums ('{name}' is None)")
         if (dtype is not None and t.dtype != dtype) or t.numel() != numel or not t.is_contiguous():
-            raise ValueError(f"{op}: expected a contiguous '{name}' of {numel} {dtype or 'floating'} elements for "
-                             f"n={n}, k={k}, bits={bits}, group_size={group_size}, got {t.numel()} {t.dtype}")
+            raise ValueError(f"{op}: expected a contiguous '{name}' of {numel} {dtype} elements for n={n}, k={k}, "
+                             f"bits={bits}, group_size={group_size}, got {t.numel()} {t.dtype}"
+                             f"{'' if t.is_contiguous() else ', not contiguous'}")
+    # the bias is the user's own tensor, any layout (as F.linear's): _impl makes it contiguous (review
+    # finding: a strided bias worked in eager code but not through the op: autograd, vmap, torch.compile)
+    if bias is not None and (bias.dim() != 1 or bias.numel() != n):
+        raise ValueError(f"{op}: expected a 1-D 'bias' of {n} elements (the weight's output features), got "
+                         f"shape {tuple(bias.shape)}")
     if bias is not None and not bias.is_floating_point():
         raise TypeError(f"{op}: expected a floating-point 'bias', got {bias.dtype}")
     devices = {t.device for t in (x, packed, scales, offsets, planes, wsum, bias) if t is not None}

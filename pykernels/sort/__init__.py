@@ -109,15 +109,23 @@ def _ptr(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None or t.numel() == 0 else t.data_ptr()
 
 
+def _cpu_too_long(op: str, n: int):
+    """The native sorts count in 32 bits: at most MAX_CPU_KEYS keys per row or segment. Refused here, naming
+    the op, before any output is allocated (the native refusal named "sort" for argsort, sort_keys and
+    segmented_sort; review finding)."""
+    if n > MAX_CPU_KEYS:
+        raise ValueError(f"pykernels.{op}: the CPU backend sorts at most 2^32 - 1 keys per call, row or segment, "
+                         f"got {n}")
+
+
 def _cpu_sort_1d(keys: torch.Tensor, *, want_keys=True, want_idx=False, payload=None, descending=False,
-                 begin_bit=0, end_bit=None, config=None, want_stats=False, out=None):
+                 begin_bit=0, end_bit=None, config=None, want_stats=False, out=None, op="sort"):
     """Sorts a contiguous 1-D CPU tensor. Returns (keys or None, int64 indices or None, payload or None,
     stats dict if want_stats else None). out: (keys, indices) contiguous tensors of n elements that
     overlap nothing else, written in place (the caller checked them)."""
     config = config or {}
     n = keys.numel()
-    if n > MAX_CPU_KEYS:
-        raise ValueError(f"pykernels.sort: the CPU backend sorts at most 2^32 - 1 keys per call, got {n}")
+    _cpu_too_long(op, n)
     if out is not None:
         out_k, out_i = out
     else:
@@ -134,10 +142,14 @@ def _cpu_sort_1d(keys: torch.Tensor, *, want_keys=True, want_idx=False, payload=
 
 
 def _cpu_segmented(keys: torch.Tensor, offsets: Optional[torch.Tensor], nseg: int, row_len: int, *,
-                   want_keys=True, want_idx=False, payload=None, descending=False, config=None, inner=1):
+                   want_keys=True, want_idx=False, payload=None, descending=False, config=None, inner=1,
+                   op="sort"):
     """inner > 1: rows of row_len keys `inner` elements apart (a dim other than the last of a contiguous
     tensor). Outputs come in the keys' shape."""
     config = config or {}
+    _cpu_too_long(op, row_len)
+    if offsets is not None and keys.numel() > MAX_CPU_KEYS and offsets.numel() > 1:
+        _cpu_too_long(op, int((offsets[1:] - offsets[:-1]).max()))
     out_k = _memory.empty_output(keys.shape, keys.dtype) if want_keys else None
     out_i = _memory.empty_output(keys.shape, torch.int64) if want_idx else None
     out_p = _memory.empty_output(payload.shape, payload.dtype) if payload is not None else None
@@ -183,12 +195,13 @@ def _rows_sort(op: str, x: torch.Tensor, dim: int, descending: bool, backend: st
         if rows == 1:
             direct = out is not None and last and want_keys
             vals, idx, _, _ = _cpu_sort_1d(flat, want_keys=want_keys, want_idx=True, descending=descending,
-                                           config=config, out=(out[0].view(-1), out[1].view(-1)) if direct else None)
+                                           config=config, out=(out[0].view(-1), out[1].view(-1)) if direct else None,
+                                           op=op)
             if direct:
                 return out
         else:
             vals, idx, _ = _cpu_segmented(flat, None, rows, n, want_keys=want_keys, want_idx=True,
-                                          descending=descending, config=config)
+                                          descending=descending, config=config, op=op)
     elif chosen == "cuda":
         from . import _cuda
         vals, idx = _cuda.sort_rows(flat.view(rows, n), descending, want_keys, config=config)
@@ -242,12 +255,14 @@ def _lean_cpu_rows(op: str, x, dim, descending, stable, backend, want_keys: bool
     rows = numel // n
     _, config = dispatch(op, _CPU, backend, _key(op, x, rows=autotune.bucket(rows)), supported=_CPU_ONLY)
     if rows == 1:
+        _cpu_too_long(op, n)  # before the outputs are made
         ok = _memory.empty_output(x.shape, x.dtype) if want_keys else None
         oi = _memory.empty_output(x.shape, torch.int64)
-        _cpu_sort_1d(x, want_keys=want_keys, want_idx=True, descending=descending, config=config, out=(ok, oi))
+        _cpu_sort_1d(x, want_keys=want_keys, want_idx=True, descending=descending, config=config, out=(ok, oi),
+                     op=op)
         return ok, oi
     ok, oi, _ = _cpu_segmented(x, None, rows, n, want_keys=want_keys, want_idx=True, descending=descending,
-                               config=config)
+                               config=config, op=op)
     return ok, oi
 
 
@@ -265,7 +280,7 @@ def _strided_rows_sort(op: str, x: torch.Tensor, dim: int, descending: bool, bac
     if chosen != "cpu":
         return None
     vals, idx, _ = _cpu_segmented(xc, None, rows, n, want_keys=want_keys, want_idx=True, descending=descending,
-                                  config=config, inner=inner)
+                                  config=config, inner=inner, op=op)
     return vals, idx
 
 
@@ -278,7 +293,7 @@ def _sort_1d_any(op: str, keys: torch.Tensor, values: Optional[torch.Tensor], de
                               supported=_backends_supported())
     if chosen == "cpu":
         k, _, v, _ = _cpu_sort_1d(kc, payload=vc, descending=descending, begin_bit=begin_bit, end_bit=end_bit,
-                                  config=config)
+                                  config=config, op=op)
         return k, v
     if chosen == "cuda":
         from . import _cuda
@@ -409,7 +424,8 @@ def _segmented_impl(keys, offsets, values, descending, backend):
         return kc.clone(), (vc.clone() if vc is not None else None)
     if chosen == "cpu":
         off = offsets.to(device="cpu", dtype=torch.int64).contiguous()
-        k, _, v = _cpu_segmented(kc, off, nseg, 0, payload=vc, descending=descending, config=config)
+        k, _, v = _cpu_segmented(kc, off, nseg, 0, payload=vc, descending=descending, config=config,
+                                 op="segmented_sort")
     elif chosen == "cuda":
         from . import _cuda
         k, v = _cuda.segmented(kc, offsets, vc, descending, config=config)
@@ -677,7 +693,12 @@ def segmented_sort(keys, offsets, values=None, *, descending: bool = False,
         raise ValueError(f"pykernels.{op}: expected at least one offset (nseg + 1 values), got an empty tensor")
     if off.dtype == torch.uint64:  # values >= 2**63 would wrap negative: saturate, so the range check names them
         off64 = off.view(torch.int64)
-        off64 = torch.where(off64 < 0, torch.iinfo(torch.int64).max, off64)
+        huge = off64 < 0
+        if not torch.compiler.is_compiling() and off.device.type != "meta" and bool(huge.any()):
+            # named as given (the saturated value printed as 2**63 - 1; review finding)
+            first = int(off64[huge][0]) + (1 << 64)
+            raise ValueError(f"pykernels.{op}: expected 'offsets' within [0, {k.numel()}], got {first}")
+        off64 = torch.where(huge, torch.iinfo(torch.int64).max, off64)
     else:
         off64 = off.to(torch.int64)  # its values are checked inside the custom op (_check_offsets)
     backend = _check_backend(op, backend)
