@@ -1244,16 +1244,27 @@ def _register_tunable():
     except Exception:  # noqa: BLE001 - collectives works without pykernels' autotuner
         return
 
-    def examples(sizes):
+    def generate(sizes):
         # tune() needs every rank of a process group at once. Inside an initialized group (torchrun)
         # it measures that group; from the single-process CLI it spawns a local gloo group of
-        # COLLECTIVES_TUNE_WORLD ranks (default 4) on loopback and tunes that. Either way the
-        # result is in the cache when this returns (nothing is left for the generic per-config loop).
+        # COLLECTIVES_TUNE_WORLD ranks (default 4) on loopback and tunes that. Either way the result
+        # (one entry: the group's model parameters) is in the cache when this returns; a failure raises
+        # (the CLI said "tuned 0 shape(s)" and exited 0 whether it tuned or failed; review finding).
         if dist.is_available() and dist.is_initialized():
+            if dist.get_world_size() < 2:
+                raise ValueError("a group of one rank has no all-reduce to tune")
             tune(sizes=sizes, verbose=True)
-        else:
-            _tune_local(int(os.environ.get("COLLECTIVES_TUNE_WORLD", "4")), sizes)
-        return []
+            return 1
+        raw = os.environ.get("COLLECTIVES_TUNE_WORLD", "4")
+        try:
+            world = int(raw)
+        except ValueError:
+            world = 0
+        if world < 2:
+            raise ValueError(f"COLLECTIVES_TUNE_WORLD must be an int >= 2 (the ranks of the local gloo group "
+                             f"to tune), got {raw!r}")
+        _tune_local(world, sizes)
+        return 1
 
     def check(*args, **kwargs):
         # tune("all_reduce", t) measured nothing and cached an empty entry (review finding)
@@ -1267,7 +1278,7 @@ def _register_tunable():
         default=lambda key: {"params": None},
         candidates=lambda key: [],
         run=lambda config, *a, **k: None,
-        examples=examples,
+        generate=generate,
     ))
 
 

@@ -5,6 +5,17 @@ import os
 # checks the native small paths everywhere, and that route in its own test.
 os.environ.setdefault("PYKERNELS_SORT_TORCH_BELOW", "0")
 
+# The suite never writes the user's autotune cache (~/.cache/pykernels): tests that tune, and the
+# subprocesses they start, use a private dir unless the run names one (review finding: the README's
+# autotuning example, run by a test, wrote the user's cache file).
+if not os.environ.get("PYKERNELS_CACHE_DIR"):
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["PYKERNELS_CACHE_DIR"] = _SUITE_CACHE = tempfile.mkdtemp(prefix="pykernels-test-cache-")
+    atexit.register(shutil.rmtree, _SUITE_CACHE, True)
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -49,9 +49,10 @@ def _run(code: str, env=None):
                             stderr=subprocess.STDOUT, text=True)
 
 
-def _env(**extra):
+def _env(cache_dir, **extra):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYKERNELS_CACHE_DIR"] = str(cache_dir)  # the autotuning example writes a cache: not the user's
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -61,14 +62,14 @@ def test_readme_has_examples():
 
 
 @pytest.mark.parametrize("i", range(len(LOCAL)))
-def test_readme_example_runs(i):
-    proc = _run(LOCAL[i] + "\nprint('README-OK')\n", env=_env())
+def test_readme_example_runs(i, tmp_path):
+    proc = _run(LOCAL[i] + "\nprint('README-OK')\n", env=_env(tmp_path))
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0 and "README-OK" in out, f"README example {i} failed:\n{out[-4000:]}"
 
 
 @pytest.mark.distributed
-def test_readme_distributed_example_runs_on_two_ranks():
+def test_readme_distributed_example_runs_on_two_ranks(tmp_path):
     lines = DISTRIBUTED[0].splitlines()
     at = next(j for j, line in enumerate(lines) if "init_process_group" in line) + 1
     code = "\n".join(lines[:at]) + "\n" + DIST_PRELUDE + "\n".join(lines[at:]) + "\n" + DIST_EPILOGUE
@@ -76,7 +77,7 @@ def test_readme_distributed_example_runs_on_two_ranks():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [_run(code, env=_env(RANK=r, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in range(2)]
+    procs = [_run(code, env=_env(tmp_path, RANK=r, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for r in range(2)]
     outs = []
     try:
         for p in procs:

@@ -1260,7 +1260,7 @@ def test_autotune_generate_show_and_reuse_in_a_second_process(tmp_path):
     import pykernels.autotune as at
 
     cache_dir = tmp_path / "cache"
-    out = cache_dir / f"{at.device_id('cpu')}.json"
+    out = cache_dir / at.cache_file("cpu").name  # where a process of this environment looks
     env = dict(os.environ, PYKERNELS_CACHE_DIR=str(cache_dir))
     subprocess.run([sys.executable, "-m", "pykernels.autotune", "generate", "--ops", "sort", "--sizes", "65536",
                     "--out", str(out), "--budget", "0.05"], check=True, cwd=ROOT, env=env, capture_output=True,

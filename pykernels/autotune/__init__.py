@@ -13,9 +13,9 @@ How an op takes part (see pykernels/sort for a full example):
 
 and at call time `pykernels._backend.dispatch()` asks `config_for(op, backend, key, device)`.
 
-Cache: one JSON file per device (CPU model and core count, or GPU name and capability) with a metadata
-block (library, torch, triton, CUDA versions) checked on load: a mismatch or a corrupt file is ignored
-with a warning. Lookup order: memory, the user cache (PYKERNELS_CACHE_DIR, default
+Cache: one JSON file per device (CPU model and core count, or GPU name and capability) and versions
+(library, torch, triton, CUDA: in the file's name, and in a metadata block checked on load: a mismatch or
+a corrupt file is ignored with a warning), so environments sharing the directory keep their own files. Lookup order: memory, the user cache (PYKERNELS_CACHE_DIR, default
 ~/.cache/pykernels), then the file shipped in pykernels/autotune/shipped/. Writes are atomic (temp
 file + rename under a file lock), so several processes can tune at once.
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import json
 import math
 import os
@@ -42,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
 from .. import _native
@@ -83,6 +85,9 @@ class Tunable:
     # argument the op rejects reached the kernels (review finding: segfaults, SIGFPE, configs cached
     # under keys of another problem). Usually the public op itself, called once on the example.
     check: Optional[Callable[..., Any]] = None
+    # An op tuned on every rank of a process group at once (all_reduce): `generate` calls this instead of
+    # examples + tune(); sizes -> how many shapes it tuned and stored (raises when it could not).
+    generate: Optional[Callable[[Optional[list]], int]] = None
 
     def __post_init__(self):
         if not self.group:
@@ -196,7 +201,18 @@ def cache_file(device=None) -> Path:
         if dev == _OUT_OWNER:
             return _OUT_OVERRIDE
         return _OUT_OVERRIDE.with_name(f"{_OUT_OVERRIDE.stem}.{dev}{_OUT_OVERRIDE.suffix}")
-    return _user_dir() / f"{device_id(device)}.json"
+    return _user_dir() / f"{device_id(device)}.{_versions_tag(device)}.json"
+
+
+def _versions_tag(device) -> str:
+    """The versions a cache file's entries were measured with (its metadata but the device), in its name:
+    environments that share the cache dir (two virtualenvs, torch upgraded and rolled back) each keep their
+    own file. With one file per device, each one's first store rewrote it without the other's entries
+    (review finding: two environments tuning in turn deleted each other's entries)."""
+    meta = _metadata(device)
+    parts = [f"v{meta['format']}", f"pykernels{meta['pykernels']}", f"torch{meta['torch']}"]
+    parts += [f"{k}{meta[k]}" for k in ("triton", "cuda", "hip") if meta.get(k)]
+    return _safe("-".join(parts))
 
 
 def _shipped_file(device=None) -> Path:
@@ -486,6 +502,8 @@ def tune(op_name: str, *example_args, backend: str = "auto", budget_s: float = 0
     from pykernels import _native
 
     def as_example(a, name):
+        if isinstance(a, np.generic):  # a numpy scalar (act_bits=np.int64(2)) is a number, as the ops take it
+            return a.item()
         if isinstance(a, torch.Tensor) or not (hasattr(a, "__dlpack__") or hasattr(a, "__array_interface__")):
             return a
         return _native.as_tensor(a, "autotune.tune", name)
@@ -518,14 +536,22 @@ def tune(op_name: str, *example_args, backend: str = "auto", budget_s: float = 0
     last_error = None
     for b in choices:
         tunable = _REGISTRY[(op_name, b)]
+        if tunable.check is not None:
+            # first: bad examples get the op's own error, as is (make_key, run before, raised bare ones:
+            # "not enough values to unpack", "'NoneType' object has no attribute ..."; review finding)
+            try:
+                inspect.signature(tunable.check).bind(*example_args, backend=b, **kwargs)
+                tunable.check(*example_args, backend=b, **kwargs)
+            except TypeError as exc:
+                if "unexpected keyword argument" not in str(exc) and "positional argument" not in str(exc):
+                    raise  # the op's own TypeError, as is
+                raise TypeError(f"pykernels.autotune.tune: {op_name!r} does not take these arguments: {exc}") from None
         try:
             key = tunable.make_key(*example_args, **kwargs)
         except _EXAMPLE_ERRORS as exc:
             # the base class (a subclass such as UnicodeDecodeError may not take one message)
             kind = next(t for t in _EXAMPLE_ERRORS if isinstance(exc, t))
             raise kind(f"pykernels.autotune.tune: cannot tune {op_name!r} on these arguments: {exc}") from exc
-        if tunable.check is not None:
-            tunable.check(*example_args, backend=b, **kwargs)  # the op's own error, as is
         default = dict(tunable.default(key))
         if not _enabled():
             # PYKERNELS_AUTOTUNE=0 turns tuning off (API.md): nothing measured or written, the heuristic

@@ -71,13 +71,16 @@ def generate(args) -> int:
         print(f"python -m pykernels.autotune generate: expected --backends from cpu, cuda, triton, got "
               f"{args.backends!r}", file=sys.stderr)
         return 2
-    jobs = []
+    jobs, self_tuning = [], []
     for g in groups:
         tunables = at.registered(g)
         if not tunables:
             print(f"note: no tunable ops registered for {g!r} in this build", file=sys.stderr)
         for t in tunables:
             if backends and t.backend not in backends:
+                continue
+            if t.generate is not None:  # tunes itself (across ranks): counted and reported as the others
+                self_tuning.append(t)
                 continue
             try:  # building one op's examples may fail (sizes too large for it): report, go on
                 jobs += [(t, ex_args, ex_kwargs) for ex_args, ex_kwargs in t.examples(sizes)]
@@ -98,10 +101,15 @@ def generate(args) -> int:
             print(f"\n{t.op}/{t.backend}: tuning failed: {exc}", file=sys.stderr)
     _progress(len(jobs), len(jobs), "done", started)
     sys.stderr.write("\n")
+    for t in self_tuning:
+        try:
+            results += [(t.op, t.backend, None)] * int(t.generate(sizes))
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            print(f"{t.op}/{t.backend}: tuning failed: {exc}", file=sys.stderr)
     devices = sorted({"cpu" if b == "cpu" else "cuda" for _, b, _ in results}) or ["cpu"]
     files = ", ".join(str(at.cache_file(torch.device(d))) for d in devices)
     print(f"tuned {len(results)} shape(s); cache: {files}")
-    return 0 if results or not jobs else 1
+    return 0 if results or not (jobs or self_tuning) else 1
 
 
 def show(args) -> int:

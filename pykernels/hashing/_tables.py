@@ -271,7 +271,11 @@ class _OpenTable:
         for name in _TUNED_OPS:  # both at once, so a traced call finds either
             _, cfg = _backend.dispatch(name, self.device, self.backend, key, supported=_SUPPORTED,
                                        preference=("cuda",))
-            self._config_cache[name] = (self._tune_state(), cfg)  # after dispatch: it loads the entries
+            # memoized under the state read BEFORE dispatch: a config stored while dispatch ran then makes
+            # the next call look again (under the state after it, this table kept the older config until
+            # the next store; review finding). Dispatch's first load of the cache file bumps the state too:
+            # one more lookup on the next call.
+            self._config_cache[name] = (state, cfg)
         return self._config_cache[op][1]
 
     def _threads(self, cfg):

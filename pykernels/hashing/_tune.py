@@ -114,7 +114,9 @@ def _run_insert(config, table, keys):
     from . import _layout as L
 
     scratch = _SCRATCH.get(table)
-    if scratch is None:
+    if scratch is None or scratch.capacity != table.capacity or scratch.window != table.window:
+        # the table's layout now (review finding: a table grown since its last tune kept being timed as
+        # its old, far smaller scratch table, under the new size's key)
         scratch = _SCRATCH[table] = _empty_like(table, table.window)
     kbits = L.key_bits(keys)
     vbits = None
@@ -138,9 +140,22 @@ autotune.register(autotune.Tunable(
     op="hash_find", group="hash", backend="cpu", make_key=_key, default=_cpu_default,
     candidates=_cpu_candidates, run=_run_find, examples=_examples, check=_check))
 
+def _check_insert(table, keys=None, backend="auto", **kw):
+    """_check, and keys an empty table of this capacity can take: the insert is timed into one (keys it
+    would leave out time nothing)."""
+    _check(table, keys, backend, **kw)
+    n = int(keys.numel())
+    if n > table._limit() and not table._multi:  # repeats of a key take one slot (a multi-value map's each one)
+        n = int(torch.unique(keys).numel())
+    if n > table._limit():
+        raise ValueError(f"pykernels.autotune.tune: hash_insert is timed inserting the {n} example keys into an "
+                         f"empty table of this one's capacity ({table.capacity}, at most {table._limit()} keys at "
+                         f"its max_load_factor); tune on a table sized for them")
+
+
 autotune.register(autotune.Tunable(
     op="hash_insert", group="hash", backend="cpu", make_key=_key, default=_cpu_default,
-    candidates=_cpu_candidates, run=_run_insert, examples=_examples, check=_check))
+    candidates=_cpu_candidates, run=_run_insert, examples=_examples, check=_check_insert))
 
 
 # ---- GPU: the probing-group size (= window) of a new table ------------------------------------

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from typing import Optional
 
 import torch
@@ -482,9 +483,12 @@ def qmatmul_op(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group
 # Autotuning (python -m pykernels.autotune generate --ops qgemm)
 # ------------------------------------------------------------------------------------------------
 def register_tunables(quantize):
+    def as_act_bits(act_bits):  # as qmatmul takes it (numpy ints, 0-d integer tensors): keys must match
+        return 0 if act_bits is None else operator.index(act_bits)
+
     def make_key(x, qw, bias=None, act_bits=None, **kw):
         N, K = qw.shape
-        return _key(x.reshape(-1, K).shape[0], N, K, qw.bits, qw.group_size, act_bits or 0, x.dtype)
+        return _key(x.reshape(-1, K).shape[0], N, K, qw.bits, qw.group_size, as_act_bits(act_bits), x.dtype)
 
     def candidates(key):
         if key.get("act_bits"):
@@ -513,9 +517,10 @@ def register_tunables(quantize):
         """The tunables' run: the op's implementation on that backend with the config given."""
         def run(config, x, qw, bias=None, act_bits=None):
             N, K = qw.shape
+            act_bits = as_act_bits(act_bits)
             planes = qw.ensure_planes() if act_bits else None
             return _impl(x, qw.packed, qw.scales, qw.offsets, planes, qw.code_sums if act_bits else None, bias,
-                         N, K, qw.bits, qw.group_size, act_bits or 0, backend, config=config)
+                         N, K, qw.bits, qw.group_size, act_bits, backend, config=config)
         return run
 
 

@@ -144,14 +144,17 @@ def _run(op: str):
 
 
 def _make_key(op: str):
-    from . import _key
+    from . import _bit_range_key, _key
 
     def make_key(keys, values=None, **kw):
         keys = _example_keys(op, keys, kw)
         if keys.numel() == 0:
             raise ValueError("the keys are empty")
-        if op == "sort_pairs":
-            return _key(op, keys, value_bytes=values.element_size())
+        if op in _OPS_1D:  # as the op keys them (_sort_1d_any): a partial bit range is its own key
+            bits = _bit_range_key(keys, kw.get("begin_bit", 0), kw.get("end_bit"))
+            if op == "sort_pairs":
+                return _key(op, keys, value_bytes=values.element_size(), **bits)
+            return _key(op, keys, **bits)
         if op in _OPS_ROWS:
             rows = keys.numel() // max(keys.shape[-1], 1) if keys.dim() else 1
             flat = keys.reshape(-1, keys.shape[-1]) if keys.dim() else keys.reshape(1, 1)
