@@ -310,6 +310,19 @@ def test_each_tile_with_wide_status_words(items):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
+def test_match_ranking_with_wide_status_words():
+    """rank=1 (lanes OR their bit into their digit's word) with the 64-bit status words of 2^28+ keys: the
+    ranking code is shared with the 32-bit instantiation, but this one had no test (review of the untested
+    GPU variants)."""
+    n = (1 << 28) + 1000
+    keys = _random_bits(torch.uint32, n, seed=3)
+    k, _ = _cuda.sort_1d(keys, None, False, 0, None, config=dict(OLD_CONSTANTS, rank=1))
+    img = keys.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    assert torch.equal(k.view(torch.int32).to(torch.int64) & 0xFFFFFFFF, torch.sort(img).values)
+
+
+@pytest.mark.gpu
 def test_tuning_on_the_gpu_caches_a_candidate(tmp_cache):
     x = _random_bits(torch.uint32, 1 << 20, seed=1)
     cfg = at.tune("sort_keys", x, backend="cuda", budget_s=0.01)
