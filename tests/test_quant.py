@@ -1033,3 +1033,50 @@ def test_bitserial_refuses_groups_whose_code_sums_overflow_int32(monkeypatch):
     qw = pykernels.quantize(w, bits=4, group_size=64)
     ref = x.double() @ qw.dequantize(torch.float32).double().T
     assert (pykernels.qmatmul(x, qw, act_bits=8).double() - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_reassigned_weight_buffers_are_checked_on_every_call():
+    """A QuantizedWeight's or QuantLinear's tensors can be replaced after they were checked: every qmatmul
+    call checks them, the eager path as the op does (review findings: a 16-byte `packed` was read out of
+    bounds -- a segfault --, float16 scales gave 1e29 or NaN, and a bias-free QuantLinear loaded with
+    assign=True from a state dict of float16 scales returned inf/NaN, where a biased one raised)."""
+    import copy
+
+    qw = pykernels.quantize(torch.randn(64, 256), 4, 32)
+    x = torch.randn(2, 256)
+    bad = copy.copy(qw)
+    bad.scales = qw.scales.half()
+    with pytest.raises(ValueError, match="pykernels.qmatmul: expected a contiguous 'scales' of 512 torch.float32"):
+        pykernels.qmatmul(x, bad)
+    bad = copy.copy(qw)
+    bad.packed = torch.zeros(16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="pykernels.qmatmul: expected a contiguous 'packed'"):
+        pykernels.qmatmul(x, bad)
+    bad = copy.copy(qw)
+    bad.scales = qw.scales.t().contiguous().t()
+    with pytest.raises(ValueError, match="not contiguous"):
+        pykernels.qmatmul(x, bad)
+    for bias in (True, False):
+        lin = torch.nn.Linear(256, 64, bias=bias)
+        layer = pykernels.QuantLinear.from_linear(lin, bits=4, group_size=32)
+        sd = {k: (v.half() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in layer.state_dict().items()}
+        fresh = pykernels.QuantLinear(256, 64, bias=bias, bits=4, group_size=32)
+        fresh.load_state_dict(sd, assign=True)
+        with pytest.raises(ValueError, match="pykernels.qmatmul: expected a contiguous 'scales'"):
+            fresh(x)
+
+
+def test_meta_quantized_weight_copies_and_saves():
+    """A QuantizedWeight on the meta device deep-copies and round-trips through torch.save (the loader's
+    check of the codes read a meta tensor: "Tensor.item() cannot be called on meta tensors")."""
+    import copy
+    import io
+
+    qm = pykernels.quantize(torch.randn(64, 128), 4, 32).to("meta")
+    for cp in (copy.deepcopy(qm),):
+        assert cp.packed.is_meta and cp.shape == qm.shape
+    buf = io.BytesIO()
+    torch.save(qm, buf)
+    buf.seek(0)
+    back = torch.load(buf)
+    assert back.packed.is_meta and back.bits == 4 and back.scales.shape == qm.scales.shape

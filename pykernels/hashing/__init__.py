@@ -28,7 +28,7 @@ import torch
 
 from . import _layout as L
 from . import _ops
-from ._tables import M_ADD, M_APPEND, M_UPSERT, _OpenTable, _device, new_keys_mask
+from ._tables import M_ADD, M_APPEND, M_UPSERT, _OpenTable, _TableState, _device, new_keys_mask
 from .. import _backend, _native
 from ..errors import TableFullError  # noqa: F401  (re-exported for convenience)
 
@@ -232,7 +232,7 @@ class MultiValueHashMap(_OpenTable):
         return L.shaped_like(out, keys)
 
 
-class BloomFilter:
+class BloomFilter(_TableState):
     """Blocked Bloom filter (Putze, Sanders, Singler 2007): the `num_hashes` bits of a key all lie in one
     512-bit block (a cache line), so add/contains cost one memory access per key. No false negatives;
     false positives at about `false_positive_rate(n)` after n distinct keys.
@@ -343,3 +343,7 @@ def classic_bloom_fpr(m: int, n: int, k: int) -> float:
 
 
 from . import _tune  # noqa: E402,F401  (registers the autotuner's Tunables)
+
+# torch.load(weights_only=True), its default, loads saved tables: their state is tensors, numbers, dtypes,
+# devices and dicts (_TableState), which it allows; the classes themselves must be allowed by name
+torch.serialization.add_safe_globals([HashMap, HashSet, CountingTable, MultiValueHashMap, BloomFilter])

@@ -121,7 +121,54 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_relock_after_fork)
 
 
-class _OpenTable:
+class _TableState:
+    """Copies and pickling of a table or Bloom filter (review finding: none could be pickled, torch.saved,
+    deep-copied or passed to a spawned process -- "cannot pickle 'module' object" -- and copy.copy shared
+    the slots but not the size bookkeeping, so inserting into or clearing the copy corrupted the original).
+
+    The state is the attributes but the native module, the lock and the config memo. A copy (copy.copy
+    too) and a loaded table are independent: the loader clones the tensors it is given. The pickler is
+    handed the live tensors, not clones: a spawned process receives them through shared memory, which a
+    temporary clone would have closed before the child opened it. So pickle a table no other thread is
+    inserting into. Loaded with tensors on another device (torch.load's map_location), the table lives
+    there: the layout is the same on every backend."""
+
+    _TRANSIENT = ("_mod", "_lock", "_config_cache")
+
+    def __getstate__(self):
+        with self._locked():
+            return {k: v for k, v in self.__dict__.items() if k not in self._TRANSIENT}
+
+    def __setstate__(self, state):
+        state = dict(state)
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor):
+                state[k] = v.clone()  # its own memory (not a parent's shared segment, not a huge-page view)
+            elif k == "_special_multi":  # multi-value maps: the values of the reserved key patterns
+                state[k] = {bits: [t.clone() for t in lst] for bits, lst in v.items()}
+        self.__dict__.update(state)
+        storage = state.get("_slots", state.get("_words"))
+        if storage is not None and storage.device != self.device:
+            self.device = storage.device
+            self.backend = _backend.select_backend(type(self).__name__, self.device, "auto",
+                                                   supported=("cpu", "cuda"), preference=("cuda",))
+        self._mod = _native.cpu_module("hash") if self.backend == "cpu" else _native.cuda_module("hash")
+        self._lock = threading.RLock()
+        _track_lock_across_fork(self)
+        if "_nw" in state:  # open tables: configs are looked up again in this process
+            self._config_cache = {}
+
+    def __deepcopy__(self, memo):
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(self.__getstate__())
+        return new
+
+    def __copy__(self):
+        return self.__deepcopy__({})
+
+
+class _OpenTable(_TableState):
     """Open addressing over nw (prime) windows of W slots; see csrc/hash/hash_layout.h."""
 
     _op = "HashMap"

@@ -85,7 +85,7 @@ class QuantizedWeight:
                 raise ValueError(f"pykernels.{op}: '{name}' is on {t.device}, 'packed' on {self.packed.device}")
         if not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
             raise TypeError(f"pykernels.{op}: expected a floating-point 'dtype', got {self.dtype!r}")
-        if codes and self.packed.numel():
+        if codes and self.packed.numel() and not self.packed.is_meta:  # (meta: no codes to read; review finding)
             top = int(self.packed.max()) if F.layout_bits(self.bits) == 8 else int(
                 torch.maximum(self.packed & 0x0F, self.packed >> 4).max())
             if top >= 1 << self.bits:

@@ -473,7 +473,11 @@ def qmatmul_op(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group
     if eager_direct(x, packed, scales, offsets, planes, wsum, bias):
         # Eager fast path (same implementation, minus the torch.library dispatch layers: ~10% of a
         # 4096x4096 GEMV). Tracing, fake tensors, vmap and autograd go through the registered op: the
-        # one test every op's direct path uses (pykernels._backend.eager_direct).
+        # one test every op's direct path uses (pykernels._backend.eager_direct). The op's checks of the
+        # buffers run here too (~4 us): a QuantizedWeight's or QuantLinear's tensors can be reassigned
+        # after they were checked (a 16-byte `packed` segfaulted, float16 scales of a bias-free layer
+        # loaded with assign=True gave inf/NaN; review finding).
+        _check_op_args(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits)
         return _impl(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend)
     return _qmatmul_call(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits,
                          backend)
