@@ -68,9 +68,10 @@ def _cpu_cases(quick: bool):
         x = torch.randn(1, K)
         return (lambda: pykernels.qmatmul(x, qw)), (lambda: torch.matmul(x, w.T))
 
-    # One weight called again and again: its 9 MiB packed stay in L3 between calls (the fp32 baseline's
-    # 64 MiB do not), so these rows carry no goal and no %-of-bandwidth figure (it read 132-141%; review
-    # finding): the goals are judged on the x LAYERS rows below, where every call streams its weights.
+    # One weight called again and again: its 9 MiB packed stay in L3 between calls, as int4pack's do, but
+    # the fp32 baseline's 64 MiB do not. So no row here has a %-of-bandwidth figure (it read 132-141%;
+    # review finding); the fp32 goal is judged on the x LAYERS row below (every call streams its weights),
+    # the int4pack goal here (the issue's ~9 MB weight, both kernels reading it from L3: their compute).
     in_cache = "one weight, called again and again: in L3 for us (9 MiB), from DRAM for fp32; see the x8 layers rows"
     cases.append(Case("qgemm", "qmatmul W4 g128", f"M=1 K=N={n} fp32 act", 1, gemv_vs_fp32, "torch.matmul fp32",
                       flop(1), "FLOP", notes=in_cache))
@@ -89,12 +90,14 @@ def _cpu_cases(quick: bool):
     for act in (torch.float32, torch.bfloat16):
         name = str(act).replace("torch.", "")
         cases.append(Case("qgemm", "qmatmul W4 g128", f"M=1 K=N={n} {name} act", 1, gemv_vs_int4pack(act),
-                          "aten._weight_int4pack_mm_for_cpu bf16", flop(1), "FLOP", notes=in_cache))
+                          "aten._weight_int4pack_mm_for_cpu bf16", flop(1), "FLOP", goal=2.0,
+                          notes="one weight, in L3 for both (9 MiB packed each)"))
 
     # A model's decode step: GEMVs back to back, each on another layer's weights (LAYERS copies, 76 MiB
     # packed): on a machine whose L3 is smaller than that (the 2-core EPYC dev VM: 32 MiB) every call
-    # streams its weights from DRAM, ours and int4pack's alike, and the fp32 baseline's 512 MiB too. The
-    # issue's GEMV goals (3x fp32, 2x int4pack) are judged here.
+    # streams its weights from DRAM, ours and int4pack's alike, and the fp32 baseline's 512 MiB too: the
+    # fp32 goal (3x) is judged here; against int4pack both read the same bytes from DRAM, so the ratio
+    # tends to 1 as both near the bandwidth (the "% of BW" column says how near ours is).
     def layers_vs(baseline):
         def make():
             from pykernels.quant import QuantizedWeight
@@ -119,7 +122,7 @@ def _cpu_cases(quick: bool):
         cases.append(Case("qgemm", f"qmatmul W4 g128 x{LAYERS} layers", f"M=1 K=N={n} fp32 act, " + ("weights in cache (quick)" if quick else f"{LAYERS} weights in turn"),
                           1, layers_vs(baseline), name, LAYERS * flop(1), "FLOP",
                           bytes_moved=LAYERS * (N * K / 2 + 2 * 4 * N * (K // GROUP)),
-                          goal=None if quick else (2.0 if baseline == "int4pack" else 3.0)))
+                          goal=None if quick or baseline == "int4pack" else 3.0))
 
     for M in (16, 128):
         for act in (torch.float32, torch.bfloat16):
