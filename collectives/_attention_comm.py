@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+from ._group_state import note_use, register
 
 # gloo: one large two-way exchange runs at about half speed, ~1 MiB pieces restore it (FIELD_NOTES).
 # NCCL pipelines large messages itself, so pieces are only cut for other backends.
@@ -34,6 +37,7 @@ class Group:
         rank = dist.get_rank(pg)
         if rank < 0:
             raise RuntimeError(f"{op}: this process is not a member of the given process group")
+        note_use(pg)
         self.pg = pg
         self.world = dist.get_world_size(pg)
         self.rank = rank
@@ -150,7 +154,18 @@ def float_bits(x: float) -> int:
 
 # TokenRing sends Q and the returning partials on two process groups so both directions are in flight
 # at once (separate gloo contexts / NCCL communicators). The second group is made once per group.
-_SECOND: Dict[object, object] = {}
+_SECOND_LOCK = threading.Lock()
+_SECOND: Dict[object, object] = register({}, _SECOND_LOCK, lambda second: _destroy_if_live(second))
+
+
+def _destroy_if_live(pg) -> None:
+    """The second group of a destroyed group goes with it (destroying the default group took it
+    already)."""
+    try:
+        if pg in dist.distributed_c10d._world.pg_map:
+            dist.destroy_process_group(pg)
+    except Exception:  # noqa: BLE001 - at worst it lives as long as the process
+        pass
 
 
 def second_group(grp: Group):

@@ -32,6 +32,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ._group_state import register
+
 try:
     from pykernels._cpu_runtime import shm_collective as _shm_collective
     from pykernels._native import dtype_code as _dtype_code
@@ -57,6 +59,9 @@ _ALL_REDUCE, _REDUCE_SCATTER, _ALL_GATHER = 0, 1, 2  # kinds (csrc/runtime/runti
 
 _LOCK = threading.Lock()
 _TRANSPORTS: dict = {}  # group -> Transport, or None where unavailable
+# a destroyed group's segment is unmapped (a process that forms groups again and again would otherwise
+# keep every segment's pages in /dev/shm)
+register(_TRANSPORTS, _LOCK, lambda tr: tr is not None and tr.close("its process group was destroyed"))
 
 
 def slot_bytes_for(p: int) -> int:
@@ -175,7 +180,6 @@ def transport(group) -> Optional[Transport]:
     with _LOCK:
         if group in _TRANSPORTS:
             return _TRANSPORTS[group]
-    _release_destroyed()
     p = dist.get_world_size(group)
     rank = dist.get_rank(group)
     result = None
@@ -186,21 +190,6 @@ def transport(group) -> Optional[Transport]:
     with _LOCK:
         _TRANSPORTS[group] = result
     return result
-
-
-def _release_destroyed() -> None:
-    """Unmaps the segments of process groups destroyed since (dist.destroy_process_group): a process
-    that forms groups again and again would otherwise keep every segment's pages in /dev/shm."""
-    try:
-        live = dist.distributed_c10d._world.pg_map  # private: if it moves, segments live as long as the process
-    except Exception:  # noqa: BLE001
-        return
-    with _LOCK:
-        gone = [g for g in _TRANSPORTS if g not in live]
-        closing = [_TRANSPORTS.pop(g) for g in gone]
-    for tr in closing:
-        if tr is not None:
-            tr.close("its process group was destroyed")
 
 
 def _agree(group, ok: bool) -> bool:

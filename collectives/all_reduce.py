@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from . import _allreduce_algos as A
 from . import _shm
+from ._group_state import register
 from .topology import Topology, _default_group
 
 __all__ = ["all_reduce", "Topology", "plan", "ddp_comm_hook", "tune", "ALGORITHMS", "AllReduceWork"]
@@ -381,7 +382,7 @@ def _fmt_bytes(n):
 # Per-group state: topology, communicators, model parameters (agreed on by every rank)
 # ================================================================================================
 _STATE_LOCK = threading.RLock()
-_PARAMS: dict = {}
+_PARAMS: dict = register({}, _STATE_LOCK)
 
 
 def _backend_name(group) -> str:
@@ -434,7 +435,7 @@ def _load_params(group, topo: Topology) -> Params:
     return params
 
 
-_TOPOLOGIES: dict = {}  # (group, topology as given) -> its effective Topology, checked against the group
+_TOPOLOGIES: dict = register({}, _STATE_LOCK)  # (group, topology as given) -> its effective Topology, checked against the group
 
 
 def _topology_for(group, topology) -> Topology:
@@ -596,7 +597,7 @@ def _resolve_with(params: Params, algorithm: str, p: int, topo: Topology, nbytes
     return choice
 
 
-_SCRATCH: dict = {}
+_SCRATCH: dict = register({}, _STATE_LOCK)
 
 
 def _scratch(group, x: torch.Tensor, p: int) -> torch.Tensor:
@@ -615,7 +616,7 @@ def _scratch(group, x: torch.Tensor, p: int) -> torch.Tensor:
         return buf[:need]
 
 
-_FLAT_COMMS: dict = {}
+_FLAT_COMMS: dict = register({}, _STATE_LOCK)
 
 
 def _flat_comm(group) -> A.Comm:
@@ -762,7 +763,10 @@ class _Runner:
 
     def _loop(self):
         while True:
-            fn, fut = self.q.get()
+            item = self.q.get()
+            if item is None:  # close(): the group was destroyed
+                return
+            fn, fut = item
             try:
                 fut.set_result(fn())
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
@@ -782,13 +786,17 @@ class _Runner:
         with self.lock:
             return self.pending > 0
 
+    def close(self) -> None:
+        """Ends the thread once the calls queued so far have run."""
+        self.q.put(None)
+
     def drain(self) -> None:
         """Returns once every call submitted so far has run."""
         if self.busy():
             self.submit(lambda: None).wait()
 
 
-_RUNNERS: dict = {}
+_RUNNERS: dict = register({}, _STATE_LOCK, lambda runner: runner.close())
 
 
 def _runner(group) -> _Runner:

@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 
 from ._allreduce_algos import Comm
+from ._group_state import note_use, register
 
 _LOCK = threading.RLock()
-_DETECTED: dict = {}   # group -> Topology
-_LEVELS: dict = {}     # (group, sizes, ranks) -> [Comm per level]
+_DETECTED: dict = register({}, _LOCK)  # group -> Topology
+_LEVELS: dict = register({}, _LOCK)    # (group, sizes, ranks) -> [Comm per level]
 
 
 def _default_group(group, op: str = "collectives.all_reduce", member: bool = False):
@@ -31,13 +32,16 @@ def _default_group(group, op: str = "collectives.all_reduce", member: bool = Fal
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(f"{op}: torch.distributed is not initialized (call dist.init_process_group first)")
     if group is None:
-        return dist.group.WORLD
+        group = dist.group.WORLD
+        note_use(group)
+        return group
     # dist.new_group hands processes outside the new group a sentinel (GroupMember.NON_GROUP_MEMBER)
     if not isinstance(group, dist.ProcessGroup) and group is not dist.GroupMember.NON_GROUP_MEMBER:
         raise TypeError(f"{op}: expected 'group' to be a torch.distributed ProcessGroup or None, got "
                         f"{type(group).__name__} {group!r}")
     if member and dist.get_rank(group) < 0:
         raise ValueError(f"{op}: this process (global rank {dist.get_rank()}) is not a member of 'group'")
+    note_use(group)
     return group
 
 

@@ -1274,6 +1274,45 @@ def chk_shm_destroyed_group_released():
     return old.mm.closed
 
 
+def chk_destroyed_group_released_from_every_cache():
+    """A destroyed group is dropped from every per-group cache (topology, level communicators, tuned
+    parameters, scratch, segment, async runner) when the next group is first used, so its gloo workers
+    are joined by its own destructor: held to interpreter exit, they freed a finished Work's tensors
+    while the interpreter finalized and the process aborted ("terminate called without an active
+    exception", the README example in CI)."""
+    import gc
+    import weakref
+
+    ar_mod = sys.modules["collectives.all_reduce"]  # the module (the package's name is the function)
+
+    world = dist.get_world_size()
+    g = dist.new_group(list(range(world)))
+    x = torch.ones(1000)
+    for algo in ("auto", "ring", "shared_memory"):
+        collectives.all_reduce(x, group=g, algorithm=algo)
+    collectives.all_reduce(x, group=g, topology=collectives.Topology([2, world // 2]),
+                           algorithm="hierarchical", async_op=True).wait()
+    collectives.Topology.detect(g)
+    assert torch.all(x == world ** 4)
+    q = torch.randn(1, 2, 8, 4)
+    collectives.token_ring_attention(q, q, q, group=g, causal=True)
+    second = sys.modules["collectives._attention_comm"]._SECOND[g]  # TokenRing's second group of g
+    runner = ar_mod._RUNNERS[g].thread
+    alive = weakref.ref(g)
+    dist.destroy_process_group(g)
+    del g
+    h = dist.new_group(list(range(world)))
+    y = torch.ones(10)
+    collectives.all_reduce(y, group=h, algorithm="ring")  # h's first use releases what g left
+    assert torch.all(y == world)
+    dist.destroy_process_group(h)
+    gc.collect()
+    runner.join(timeout=10)
+    assert not runner.is_alive(), "the destroyed group's runner thread did not end"
+    assert second not in dist.distributed_c10d._world.pg_map, "TokenRing's second group outlived its group"
+    return alive() is None
+
+
 def test_world_4_shared_memory(clusters):
     c = clusters(4)
     # 2 MiB slots on 4 ranks: 600_000 fp32 (2.4 MB) is two chunks, 1_100_003 float64 five
@@ -1289,6 +1328,7 @@ def test_world_4_shared_memory(clusters):
         assert outcomes == ["disagree"] * 12, outcomes
     assert c.run("chk_shm_forked_child_refused") == [0] * 4
     assert c.run("chk_shm_destroyed_group_released") == [True] * 4
+    assert c.run("chk_destroyed_group_released_from_every_cache") == [True] * 4
     assert c.run("chk_shm_interrupted_wait", timeout=60)[0] < 5
     res = c.run("chk_shm_dead_peer", timeout=60)
     assert max(t for t, _ in res) < 10 and any(seen for _, seen in res), res
