@@ -1256,6 +1256,35 @@ def test_autotune_sort_takes_out(tmp_path, monkeypatch):
     assert torch.equal(o[0], ref.values) and torch.equal(o[1], ref.indices)
 
 
+@pytest.mark.parametrize("op", ["sort", "argsort"])
+def test_autotune_times_the_strided_path_the_op_runs_along_an_inner_dim(op, tmp_path, monkeypatch):
+    """tune(op, x, dim=0) of short rows times the kernel the op runs for them: rows sorted where they lie
+    (inner > 1), not the moved-last path with its transposing copies (review note: the stored times were
+    of a path the op never takes); the tuned run's result is the op's."""
+    import pykernels.autotune as at
+    from pykernels.sort import _tune
+
+    S = sys.modules["pykernels.sort"]  # the module (the package's name is the function)
+    monkeypatch.setenv("PYKERNELS_CACHE_DIR", str(tmp_path / "cache"))
+    at.clear_memory_cache()
+    calls = []
+    real = S._cpu_segmented
+
+    def spy(*args, **kw):
+        calls.append(kw.get("inner", 1))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(S, "_cpu_segmented", spy)
+    x = torch.randint(-50, 50, (16, 3000), generator=torch.Generator().manual_seed(2), dtype=torch.int32)
+    vals, idx = _tune._run(op)({}, x, dim=0, descending=True)
+    ref = torch.sort(x, dim=0, descending=True, stable=True)
+    assert torch.equal(idx, ref.indices) and (vals is None if op == "argsort" else torch.equal(vals, ref.values))
+    assert calls == [3000]
+    at.tune(op, x, dim=0, budget_s=0.01)
+    at.clear_memory_cache()
+    assert len(calls) > 1 and set(calls) == {3000}, calls
+
+
 def test_autotune_generate_show_and_reuse_in_a_second_process(tmp_path):
     import pykernels.autotune as at
 

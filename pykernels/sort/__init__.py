@@ -189,7 +189,7 @@ def _rows_sort(op: str, x: torch.Tensor, dim: int, descending: bool, backend: st
         return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
                 torch.empty(x.shape, dtype=torch.int64, device=x.device))
     last = dim == x.dim() - 1
-    if not last and x.device.type == "cpu" and 2 <= x.shape[dim] <= _cpu().ROW_BATCH_MAX:
+    if x.device.type == "cpu" and strided_rows_apply(x, dim):
         strided = _strided_rows_sort(op, x, dim, descending, backend, want_keys)
         if strided is not None:
             return strided
@@ -282,15 +282,25 @@ def _strided_rows_sort(op: str, x: torch.Tensor, dim: int, descending: bool, bac
     outputs in x's layout. The general path moves the dim last and back (three transposing copies, two
     thirds of the time of a (16, 100000) int64 sort along dim 0). None when another backend is chosen."""
     xc = x.contiguous()
-    n = xc.shape[dim]
-    rows = xc.numel() // n
-    inner = xc.numel() // (xc.shape[: dim + 1].numel())
+    rows = xc.numel() // xc.shape[dim]
     chosen, config = dispatch(op, x.device, backend, _key(op, xc, rows=autotune.bucket(rows)),
                               supported=_backends_supported())
     if chosen != "cpu":
         return None
-    vals, idx, _ = _cpu_segmented(xc, None, rows, n, want_keys=want_keys, want_idx=True, descending=descending,
-                                  config=config, inner=inner, op=op)
+    return _cpu_strided_rows(op, xc, dim, descending, want_keys, config)
+
+
+def strided_rows_apply(x: torch.Tensor, dim: int) -> bool:
+    """Whether a CPU sort/argsort of x along `dim` sorts the rows where they lie (_strided_rows_sort)."""
+    return dim != x.dim() - 1 and 2 <= x.shape[dim] <= _cpu().ROW_BATCH_MAX
+
+
+def _cpu_strided_rows(op: str, xc: torch.Tensor, dim: int, descending: bool, want_keys: bool, config: dict):
+    """The CPU kernel call of _strided_rows_sort (and of the autotuner's timed run of the same path)."""
+    n = xc.shape[dim]
+    inner = xc.numel() // (xc.shape[: dim + 1].numel())
+    vals, idx, _ = _cpu_segmented(xc, None, xc.numel() // n, n, want_keys=want_keys, want_idx=True,
+                                  descending=descending, config=config, inner=inner, op=op)
     return vals, idx
 
 
