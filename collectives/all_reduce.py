@@ -766,14 +766,19 @@ class _Runner:
             item = self.q.get()
             if item is None:  # close(): the group was destroyed
                 return
-            fn, fut = item
-            try:
-                fut.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
-                fut.set_exception(exc)
-            finally:
-                with self.lock:
-                    self.pending -= 1
+            self._run(*item)
+            # nothing of the call stays referenced while the thread waits: the last call's closure held its
+            # group, so a destroyed group outlived release_destroyed and the process aborted at exit (audit)
+            del item
+
+    def _run(self, fn, fut):
+        try:
+            fut.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            fut.set_exception(exc)
+        finally:
+            with self.lock:
+                self.pending -= 1
 
     def submit(self, fn) -> torch.futures.Future:
         fut = torch.futures.Future()
@@ -787,8 +792,11 @@ class _Runner:
             return self.pending > 0
 
     def close(self) -> None:
-        """Ends the thread once the calls queued so far have run."""
+        """Ends the thread once the calls queued so far have run, and waits for that (a few seconds at
+        most: the group is destroyed, so what is queued fails fast)."""
         self.q.put(None)
+        if threading.current_thread() is not self.thread:
+            self.thread.join(timeout=5.0)
 
     def drain(self) -> None:
         """Returns once every call submitted so far has run."""

@@ -1364,3 +1364,47 @@ def test_world_3_shared_memory_late_rank(clusters):
     assert late.startswith("collectives.all_reduce: shared-memory all-reduce: another rank gave up"), late
     assert t3 < 1.0, t3
     c.run("chk_world_ok")
+
+
+EXIT_AFTER_DESTROY = """
+import sys, datetime, torch, torch.distributed as dist, collectives
+rank, world, path, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+dist.init_process_group("gloo", init_method="file://" + path, rank=rank, world_size=world,
+                        timeout=datetime.timedelta(seconds=30))
+x = torch.ones(1000)
+if mode == "async":
+    collectives.all_reduce(x, async_op=True).wait()
+elif mode == "ring_attention":
+    q = torch.randn(1, 2, 8, 4)
+    collectives.token_ring_attention(q, q, q, causal=True)
+else:
+    collectives.all_reduce(x, algorithm=mode)
+dist.barrier()
+dist.destroy_process_group()
+print("EXIT-OK", float(x[0]))
+"""
+
+
+@pytest.mark.parametrize("mode", ["async", "shared_memory", "ring_attention"])
+def test_process_exits_cleanly_after_destroy_process_group(mode, tmp_path):
+    """A script that uses collectives and then destroys its group exits with status 0. The async runner's
+    last call held the group past destroy_process_group, gloo's workers still ran at exit, and every
+    rank aborted ("terminate called without an active exception", -6; audit: 12 of 12 processes)."""
+    import subprocess
+    from pathlib import Path
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), PYKERNELS_CACHE_DIR=str(tmp_path))
+    for trial in range(2):
+        path = str(tmp_path / f"init{trial}")
+        procs = [subprocess.Popen([sys.executable, "-c", EXIT_AFTER_DESTROY, str(r), "2", path, mode], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+        try:
+            outs = [p.communicate(timeout=120)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        for r, (p, out) in enumerate(zip(procs, outs)):
+            expected = "EXIT-OK 1.0" if mode == "ring_attention" else "EXIT-OK 2.0"  # x untouched / summed
+            assert p.returncode == 0 and expected in out, \
+                f"rank {r} ({mode}, trial {trial}): exit status {p.returncode}\n{out[-3000:]}"
