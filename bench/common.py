@@ -8,6 +8,11 @@ An op's suite is a module `bench/suite_<group>.py` with
 where each Case builds its inputs lazily (`make()` returns the two callables), so listing cases is
 cheap. Suites that need several processes (collectives) may instead define
 `rows(quick: bool, machine: dict, device: str) -> list[dict]` and measure side by side inside their workers.
+
+A Case's `check(ours_result, baseline_result)` compares one untimed call of each before the timing
+(check_agreement, with assert_equal / assert_close / assert_relative_error below) and raises
+ResultMismatch, naming the case and what differs, when they disagree: a speed-up over a baseline that
+computed something else means nothing, so the case fails instead (an error row; `python -m bench` exits 1).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import numpy
 import torch
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -44,6 +50,117 @@ class Case:
     device: str = "cpu"
     threads: Optional[int] = None   # torch/our thread count during the case
     notes: str = ""
+    # (ours' result, the baseline's result) -> None, raising ResultMismatch saying what differs
+    check: Optional[Callable[[Any, Any], None]] = None
+
+
+class ResultMismatch(AssertionError):
+    """Our op's answer differs from the baseline's in a bench case (raised by a Case's check)."""
+
+
+def check_agreement(case: Case, ours: Callable, baseline: Callable) -> None:
+    """One untimed call of each op, compared by the case's check, before anything is timed. These are
+    calls of their own rather than time_pair's warm-ups: there ours' result would have to outlive the
+    baseline's warm-up and batch-sizing calls, holding our output-cache buffers and a GPU result across
+    them; here both results are dropped before the timing starts."""
+    if case.check is None:
+        return
+    ours_result = ours()
+    baseline_result = baseline()
+    try:
+        case.check(ours_result, baseline_result)
+    except ResultMismatch as exc:
+        raise ResultMismatch(f"{case.group} {case.op} [{case.label}]: ours disagrees with {case.baseline_name}: "
+                             f"{exc}") from exc
+    except Exception as exc:  # a check that cannot compare the results is a broken case as well
+        exc.add_note(f"while checking {case.group} {case.op} [{case.label}] against {case.baseline_name}")
+        raise
+
+
+def as_tensor(x) -> torch.Tensor:
+    """A result as a tensor, for comparing: tensors as they are, lists as new tensors, numpy arrays shared
+    (copied when read-only, as pandas' copy-on-write ones are: torch warns on those)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach()
+    if isinstance(x, (list, tuple)):
+        return torch.tensor(x)
+    a = numpy.asarray(x)
+    if not (a.flags.writeable and a.flags.c_contiguous):
+        a = a.copy()
+    return torch.from_numpy(a)
+
+
+def signed_view(t: torch.Tensor) -> torch.Tensor:
+    """The same bits as a signed integer tensor: exact comparison of floats (NaN, -0.0 and all) and of the
+    unsigned dtypes, whose comparisons torch does not implement everywhere."""
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    if t.dtype.is_floating_point or not t.dtype.is_signed:
+        return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t
+
+
+def _where(flat_index: int, shape) -> str:
+    if len(shape) <= 1:
+        return f"index {flat_index}"
+    return f"index {tuple(int(i) for i in numpy.unravel_index(flat_index, tuple(shape)))}"
+
+
+def assert_equal(what: str, ours, baseline) -> None:
+    """ours == baseline exactly: same shape, and the same bits where the dtypes match (integers of other
+    widths compared as int64). numpy arrays and lists are taken as tensors."""
+    a, b = as_tensor(ours), as_tensor(baseline)
+    if a.shape != b.shape:
+        raise ResultMismatch(f"{what}: shape {tuple(a.shape)}, baseline {tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        if a.dtype.is_floating_point or b.dtype.is_floating_point:
+            raise ResultMismatch(f"{what}: dtype {a.dtype}, baseline {b.dtype}")
+        a, b = signed_view(a).to(torch.int64), signed_view(b).to(torch.int64)
+    differ = (signed_view(a) != signed_view(b)).reshape(-1)
+    if bool(differ.any()):
+        first = int(differ.nonzero()[0])
+        raise ResultMismatch(f"{what}: {int(differ.sum())} of {differ.numel()} elements differ; first at "
+                             f"{_where(first, a.shape)}: ours {a.reshape(-1)[first].item()!r}, baseline "
+                             f"{b.reshape(-1)[first].item()!r}")
+
+
+def assert_close(what: str, ours, baseline, *, rtol: float, atol: float) -> None:
+    """|ours - baseline| <= atol + rtol * |baseline| for every element (in float64; NaN only where both are)."""
+    a, b = as_tensor(ours).to(torch.float64), as_tensor(baseline).to(torch.float64)
+    if a.shape != b.shape:
+        raise ResultMismatch(f"{what}: shape {tuple(a.shape)}, baseline {tuple(b.shape)}")
+    err = (a - b).abs()
+    bad = ~(err <= atol + rtol * b.abs()) & ~(a.isnan() & b.isnan())
+    if bool(bad.any()):
+        worst = int(torch.where(bad, err.nan_to_num(float("inf")), -1.0).reshape(-1).argmax())
+        raise ResultMismatch(f"{what}: {int(bad.sum())} of {bad.numel()} elements beyond atol={atol:g} + "
+                             f"rtol={rtol:g} * |baseline|; worst at {_where(worst, a.shape)}: ours "
+                             f"{a.reshape(-1)[worst].item():.6g}, baseline {b.reshape(-1)[worst].item():.6g}")
+
+
+def assert_relative_error(what: str, ours, baseline, *, tol: float) -> float:
+    """||ours - baseline|| / ||baseline|| <= tol (Frobenius norms, float64): for results that differ by
+    design, e.g. a quantized product against the float one. Returns the error."""
+    a, b = as_tensor(ours).to(torch.float64), as_tensor(baseline).to(torch.float64)
+    if a.shape != b.shape:
+        raise ResultMismatch(f"{what}: shape {tuple(a.shape)}, baseline {tuple(b.shape)}")
+    rel = float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b).clamp_min(1e-30))
+    if not rel <= tol:  # NaN fails too
+        raise ResultMismatch(f"{what}: relative error ||ours - baseline|| / ||baseline|| = {rel:.4g}, "
+                             f"tolerance {tol:g}")
+    return rel
+
+
+def assert_cosine(what: str, ours, baseline, *, at_least: float) -> float:
+    """cos(ours, baseline) >= at_least (flattened, float64): the direction alone, for results whose scale
+    differs by design. Returns the cosine."""
+    a, b = as_tensor(ours).to(torch.float64), as_tensor(baseline).to(torch.float64)
+    if a.shape != b.shape:
+        raise ResultMismatch(f"{what}: shape {tuple(a.shape)}, baseline {tuple(b.shape)}")
+    cos = float((a * b).sum() / (torch.linalg.vector_norm(a) * torch.linalg.vector_norm(b)).clamp_min(1e-300))
+    if not cos >= at_least:  # NaN fails too
+        raise ResultMismatch(f"{what}: cosine similarity to the baseline {cos:.4f}, at least {at_least:g} expected")
+    return cos
 
 
 def _cuda_batch_seconds(fn: Callable, reps: int) -> float:
@@ -208,6 +325,7 @@ def run_case(case: Case, machine: dict, budget_s: float = 3.0) -> dict:
         torch.set_num_threads(case.threads)
     try:
         ours, baseline = case.make()
+        check_agreement(case, ours, baseline)
         t_ours, t_base, reps = time_pair(ours, baseline, case.device, budget_s=budget_s)
     finally:
         torch.set_num_threads(prev_threads)

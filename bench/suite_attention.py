@@ -7,14 +7,35 @@ forward+backward = 3.5x forward. Attention is compute-bound, so there is no %-of
 
 CPU: default sizes S = 1024/2048 (about a minute in all), quick S = 256. GPU (`python -m bench --gpu`):
 S = 4k..32k, bf16, D = 128, against SDPA restricted to its flash backend.
+
+Every case first checks ours against SDPA: the output (and dq, dk, dv for fwd+bwd) elementwise within
+TOLERANCE of its dtype, |ours - sdpa| <= atol * max|sdpa| + rtol * |sdpa| (the absolute part scaled to
+the tensor, as gradients' magnitudes vary with the shape).
 """
 from __future__ import annotations
 
 import torch
 
-from bench.common import Case
+from bench.common import Case, ResultMismatch, assert_close
 
 GROUP = "attention"
+# The checks' (atol as a fraction of the baseline's max |element|, rtol) per dtype. On the CPU ours runs
+# aten's flash kernels: bit-identical to SDPA but in the decode steps, whose worst element needed an atol
+# of 3e-7 (float32, with rtol 1e-4) and 1.2e-3 (bfloat16, with rtol 2e-2). The GPU's bf16 Triton kernels
+# against SDPA's flash backend: a few bf16 roundings apart.
+TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-2, 2e-2), torch.float16: (1e-2, 2e-2)}
+_PARTS = ("out", "dq", "dk", "dv")
+
+
+def _check_close(ours, baseline):
+    if not isinstance(ours, tuple):
+        ours, baseline = (ours,), (baseline,)
+    if len(ours) != len(baseline):
+        raise ResultMismatch(f"{len(ours)} outputs, baseline {len(baseline)}")
+    for name, y, y_base in zip(_PARTS, ours, baseline):
+        atol, rtol = TOLERANCE[y_base.dtype]
+        scale = float(y_base.detach().abs().max())
+        assert_close(name, y, y_base, atol=atol * scale, rtol=rtol)
 
 
 def _flops(B, H, Sq, Sk, D, causal, backward):
@@ -62,7 +83,9 @@ def _make(B, H, Hkv, S, D, causal, dtype, device, backward, Sk=None):
             def run():
                 for t in (qg, kg, vg):
                     t.grad = None
-                fn(qg, kg, vg).backward(dout)
+                out = fn(qg, kg, vg)
+                out.backward(dout)
+                return out, qg.grad, kg.grad, vg.grad  # for the check (no work: the tensors exist)
             return run
 
         return fwd_bwd(ours_fn), fwd_bwd(sdpa)
@@ -103,4 +126,5 @@ def cases(quick: bool, device: str = "cpu"):
                 work=_flops(B, H, S, Sk_, D, causal and Sk is None, backward), unit="FLOP", device=device,
                 notes="CPU path: aten CPU flash kernels wrapped (bottom-right causal, GQA)" if device == "cpu"
                 else "Triton FlashAttention-2 kernels",
+                check=_check_close,
             )

@@ -8,6 +8,12 @@ CPU (K = N = 4096, group 128; quick: 1024):
   - bit-serial W2A2 and W1A1 GEMV vs fp32 torch.matmul and vs our own W4 GEMV.
 GPU (device "cuda", 8192 x 8192): W4A16 vs cuBLAS fp16 at M = 1, 16, 64 (goal 3x at M <= 16);
   bipolar W2A2 / W1A1 vs cuBLAS fp16.
+
+Every case first checks ours against the baseline's output. W4 by relative error (||ours - baseline|| /
+||baseline||, Frobenius, per layer): with the same quantized weights as int4pack's they agree to bf16
+rounding (SAME_WEIGHTS_TOL); against the float weights the quantization error itself is the difference,
+so the tolerance is that error's size with a margin (W4_TOL): loose, but a transposed, scrambled or zero
+product is off by ~1.4, ~1.4 or 1.0. The bit-serial products by direction only (BIT_SERIAL_MIN_COS).
 """
 from __future__ import annotations
 
@@ -15,9 +21,34 @@ import itertools
 
 import torch
 
-from bench.common import Case
+from bench.common import Case, ResultMismatch, assert_cosine, assert_relative_error
 
 GROUP = 128
+# The checks' bounds, measured on these randn weights and activations (K = 1024 and 4096):
+SAME_WEIGHTS_TOL = 0.02  # relative error vs int4pack: 0.0024-0.0029 (its bf16 activations and scales)
+W4_TOL = 0.15            # vs the float weights: 0.098-0.104, the int4 g128 quantization error itself
+# Bit-serial (bipolar weights and activations): a group's 1-bit levels are its midrange +- half its range,
+# ~2.6x the norm of randn weights (activations alike), so W1A1's product is ~9x the float one's by the
+# format's design; cosine similarity to the baseline, float or W4: W2A2 0.75-0.78, W1A1 0.58-0.62
+# (unrelated outputs ~0)
+BIT_SERIAL_MIN_COS = {2: 0.6, 1: 0.45}
+
+
+def _within(tol: float):
+    """A check: ours within relative error `tol` of the baseline, layer by layer for a list of layers."""
+    def check(ours, baseline):
+        if not isinstance(ours, list):
+            ours, baseline = [ours], [baseline]
+        if len(ours) != len(baseline):
+            raise ResultMismatch(f"{len(ours)} outputs, baseline {len(baseline)}")
+        for i, (y, y_base) in enumerate(zip(ours, baseline)):
+            assert_relative_error(f"layer {i}" if len(ours) > 1 else "y", y, y_base, tol=tol)
+    return check
+
+
+def _aligned(min_cos: float):
+    """A check: ours pointing the baseline's way, cosine similarity at least `min_cos`."""
+    return lambda ours, baseline: assert_cosine("y", ours, baseline, at_least=min_cos)
 LAYERS = 8  # weight copies the decode-step GEMV cases rotate through (76 MiB packed)
 
 
@@ -74,7 +105,7 @@ def _cpu_cases(quick: bool):
     # the int4pack goal here (the issue's ~9 MB weight, both kernels reading it from L3: their compute).
     in_cache = "one weight, called again and again: in L3 for us (9 MiB), from DRAM for fp32; see the x8 layers rows"
     cases.append(Case("qgemm", "qmatmul W4 g128", f"M=1 K=N={n} fp32 act", 1, gemv_vs_fp32, "torch.matmul fp32",
-                      flop(1), "FLOP", notes=in_cache))
+                      flop(1), "FLOP", notes=in_cache, check=_within(W4_TOL)))
 
     def gemv_vs_int4pack(act=torch.float32, M=1):
         def make():
@@ -91,7 +122,7 @@ def _cpu_cases(quick: bool):
         name = str(act).replace("torch.", "")
         cases.append(Case("qgemm", "qmatmul W4 g128", f"M=1 K=N={n} {name} act", 1, gemv_vs_int4pack(act),
                           "aten._weight_int4pack_mm_for_cpu bf16", flop(1), "FLOP", goal=2.0,
-                          notes="one weight, in L3 for both (9 MiB packed each)"))
+                          notes="one weight, in L3 for both (9 MiB packed each)", check=_within(SAME_WEIGHTS_TOL)))
 
     # A model's decode step: GEMVs back to back, each on another layer's weights (LAYERS copies, 76 MiB
     # packed): on a machine whose L3 is smaller than that (the 2-core EPYC dev VM: 32 MiB) every call
@@ -122,7 +153,8 @@ def _cpu_cases(quick: bool):
         cases.append(Case("qgemm", f"qmatmul W4 g128 x{LAYERS} layers", f"M=1 K=N={n} fp32 act, " + ("weights in cache (quick)" if quick else f"{LAYERS} weights in turn"),
                           1, layers_vs(baseline), name, LAYERS * flop(1), "FLOP",
                           bytes_moved=LAYERS * (N * K / 2 + 2 * 4 * N * (K // GROUP)),
-                          goal=None if quick or baseline == "int4pack" else 3.0))
+                          goal=None if quick or baseline == "int4pack" else 3.0,
+                          check=_within(SAME_WEIGHTS_TOL if baseline == "int4pack" else W4_TOL)))
 
     for M in (16, 128):
         for act in (torch.float32, torch.bfloat16):
@@ -133,10 +165,10 @@ def _cpu_cases(quick: bool):
                 return (lambda: pykernels.qmatmul(x, qw)), (lambda: torch.matmul(x, wa.T))
             name = str(act).replace("torch.", "")
             cases.append(Case("qgemm", "qmatmul W4 g128", f"M={M} K=N={n} {name}", M, make,
-                              f"torch.matmul {name}", flop(M), "FLOP"))
+                              f"torch.matmul {name}", flop(M), "FLOP", check=_within(W4_TOL)))
         # torch's own int4 CPU kernel on the same weights (bf16 activations, its only fast path)
         cases.append(Case("qgemm", "qmatmul W4 g128", f"M={M} K=N={n} bfloat16 act", M, gemv_vs_int4pack(torch.bfloat16, M),
-                          "aten._weight_int4pack_mm_for_cpu bf16", flop(M), "FLOP"))
+                          "aten._weight_int4pack_mm_for_cpu bf16", flop(M), "FLOP", check=_within(SAME_WEIGHTS_TOL)))
 
     for bits, ab in ((2, 2), (1, 1)):
         def make_fp32(bits=bits, ab=ab):
@@ -153,9 +185,9 @@ def _cpu_cases(quick: bool):
         label = f"M=1 K=N={n} W{bits}A{ab}"
         wbytes = N * K * bits / 8 + 2 * 4 * N * (K // GROUP)
         cases.append(Case("qgemm", "qmatmul bit-serial", label, 1, make_fp32, "torch.matmul fp32", flop(1), "FLOP",
-                          bytes_moved=wbytes))
+                          bytes_moved=wbytes, check=_aligned(BIT_SERIAL_MIN_COS[bits])))
         cases.append(Case("qgemm", "qmatmul bit-serial", label, 1, make_w4, "pykernels W4 GEMV", flop(1), "FLOP",
-                          bytes_moved=wbytes))
+                          bytes_moved=wbytes, check=_aligned(BIT_SERIAL_MIN_COS[bits])))
     return cases
 
 
@@ -193,7 +225,7 @@ def _gpu_cases(quick: bool):
                         _rotating([lambda wh=wh: torch.matmul(x, wh.T) for wh, _ in sets]))
             cases.append(Case("qgemm", f"qmatmul W4A16 g128 ({backend})", f"M={M} K=N={n}", M, make, "cuBLAS fp16",
                               2.0 * M * N * K, "FLOP", bytes_moved=N * K / 2 + 8 * N * (K // GROUP),
-                              goal=3.0 if M <= 16 else None, device="cuda"))
+                              goal=3.0 if M <= 16 else None, device="cuda", check=_within(W4_TOL)))
     for bits in (2, 1):
         for M in (1, 16):
             def make_bs(M=M, bits=bits):
@@ -202,7 +234,8 @@ def _gpu_cases(quick: bool):
                 return (_rotating([lambda qw=qw: pykernels.qmatmul(x, qw, act_bits=bits) for _, qw in sets]),
                         _rotating([lambda wh=wh: torch.matmul(x, wh.T) for wh, _ in sets]))
             cases.append(Case("qgemm", "qmatmul bit-serial", f"M={M} K=N={n} W{bits}A{bits}", M, make_bs,
-                              "cuBLAS fp16", 2.0 * M * N * K, "FLOP", device="cuda"))
+                              "cuBLAS fp16", 2.0 * M * N * K, "FLOP", device="cuda",
+                              check=_aligned(BIT_SERIAL_MIN_COS[bits])))
     return cases
 
 

@@ -6,6 +6,11 @@ histograms, then reads and writes keys (and payloads) once per digit pass (32-bi
 spreads them take the MSD split + in-cache LSD instead: see the int32 case). With 11-bit digits a 32-bit
 key takes 3 passes: 4 + 3 * 8 = 28 bytes per key (Onesweep's 8-bit plan: 36); an int32 key with an
 index (32-bit in between, int64 written by the last pass) about 4 + 3 * 16 + 4 = 56.
+
+Every case first checks that ours and the baseline sorted alike, exactly: the keys bit for bit, and the
+indices / payload in the same order (both sides are stable; the one unstable baseline, torch.sort along
+dim 0, sorts distinct keys). On the GPU, where torch.sort is unstable, payloads of equal keys are
+compared as sets.
 """
 from __future__ import annotations
 
@@ -14,9 +19,60 @@ import torch
 
 import pykernels
 from pykernels import _memory
-from bench.common import Case
+from bench.common import Case, ResultMismatch, assert_equal, signed_view
 
 M = 1 << 20
+
+
+def _parts(result):
+    """A sort's result as named tensors: (values, indices) of a torch.sort result, (keys, payload) of a
+    pair, or the one array (keys or indices)."""
+    if isinstance(result, torch.return_types.sort):
+        return [("values", result.values), ("indices", result.indices)]
+    if isinstance(result, (tuple, list)):
+        return list(zip(("keys", "payload"), result))
+    return [("result", result)]
+
+
+def _check_same_sort(ours, baseline):
+    """Output by output, exactly the baseline's."""
+    ours_parts, base_parts = _parts(ours), _parts(baseline)
+    if len(ours_parts) != len(base_parts):
+        raise ResultMismatch(f"{len(ours_parts)} outputs, baseline {len(base_parts)}")
+    for (name, a), (_, b) in zip(ours_parts, base_parts):
+        assert_equal(name, a, b)
+
+
+def _wrap_point(keys: torch.Tensor, base_keys: torch.Tensor) -> int:
+    """Where our uint32 keys, sorted unsigned, wrap around in the order torch sorts their int32 view (what
+    the GPU baseline sorts where torch has no CUDA uint32 sort: there the keys from 2^31 on come first);
+    0 when the baseline sorted uint32 itself."""
+    if base_keys.dtype == keys.dtype:
+        return 0
+    return int((keys.view(torch.int32) >= 0).sum())
+
+
+def _rotated(t: torch.Tensor, at: int) -> torch.Tensor:
+    return torch.cat([t[at:], t[:at]]) if at else t
+
+
+def _check_gpu_keys(ours, baseline):
+    assert_equal("keys", _rotated(ours, _wrap_point(ours, baseline.values)), baseline.values)
+
+
+def _check_gpu_pairs(ours, baseline):
+    """Keys exactly; the payload (positions 0..n-1) per run of equal keys as a set: torch.sort without
+    stable=True may order equal keys' payloads either way."""
+    (keys, payload), (base_keys, base_payload) = ours, baseline
+    at = _wrap_point(keys, base_keys)
+    keys, payload = _rotated(keys, at), _rotated(payload, at)
+    assert_equal("keys", keys, base_keys)
+    bits = signed_view(base_keys)
+    run = torch.cat([bits.new_zeros(1, dtype=torch.int64), (bits[1:] != bits[:-1]).to(torch.int64).cumsum(0)])
+    n = bits.numel()  # the payloads are < n: (run, payload) packed into one int64, sorted, unpacked
+    assert_equal("payload (sorted within each run of equal keys)",
+                 torch.sort(run * n + payload.to(torch.int64)).values % n,
+                 torch.sort(run * n + base_payload.to(torch.int64)).values % n)
 
 
 def _passes(bits: int, digit: int = 11) -> int:
@@ -46,7 +102,7 @@ def _cpu_cases(quick: bool):
     yield Case("sort", "sort_keys", f"uint32 n={n_keys // M}M" if n_keys >= M else f"uint32 n={n_keys}",
                n_keys, sort_keys_vs_np, "np.sort", n_keys, "keys",
                # MSD split + in-cache LSD, keys only: 4 (count) + 4 + 4 (split) + 4 + 4 (bucket in, out)
-               bytes_moved=n_keys * 20, goal=3.0)
+               bytes_moved=n_keys * 20, goal=3.0, check=_check_same_sort)
 
     def sort_vs_torch(dtype, n):
         def make():
@@ -67,7 +123,7 @@ def _cpu_cases(quick: bool):
         yield Case("sort", "sort", f"{name} n={n_mid / M:g}M", n_mid, sort_vs_torch(dtype, n_mid),
                    "torch.sort(stable=True)", n_mid, "keys", bytes_moved=n_mid * moved, goal=goal,
                    notes="values + int64 indices; ours reuse the dropped outputs (output cache), torch's "
-                         "are fresh pages each call")
+                         "are fresh pages each call", check=_check_same_sort)
 
     # inside the caches (100K keys: 1.2 MB with the indices), where a call's fixed costs and the choice of
     # plan weigh more than bandwidth: uniform int32 keys take the LSD engine there (their 256 buckets would
@@ -77,12 +133,13 @@ def _cpu_cases(quick: bool):
         name = str(dtype).replace("torch.", "")
         yield Case("sort", "sort", f"{name} n={n_small // 1000}K", n_small, sort_vs_torch(dtype, n_small),
                    "torch.sort(stable=True)", n_small, "keys",
-                   notes="values + int64 indices, inside the caches")
+                   notes="values + int64 indices, inside the caches", check=_check_same_sort)
 
     # a small call, where the Python around the kernel decides (2000 keys: ~30 us in all, ~13 of them the
     # kernel); below TORCH_BELOW (1024) elements backend="auto" runs torch.sort itself
     yield Case("sort", "sort", "int32 n=2000 (a small call)", 2000, sort_vs_torch(torch.int32, 2000),
-               "torch.sort(stable=True)", 2000, "keys", notes="values + int64 indices; per-call overhead")
+               "torch.sort(stable=True)", 2000, "keys", notes="values + int64 indices; per-call overhead",
+               check=_check_same_sort)
 
     def sort_fresh_vs_torch():
         x = _keys(torch.int32, n_mid, 1)
@@ -97,13 +154,15 @@ def _cpu_cases(quick: bool):
 
     yield Case("sort", "sort(output cache off)", f"int32 n={n_mid / M:g}M", n_mid, sort_fresh_vs_torch,
                "torch.sort(stable=True)", n_mid, "keys", bytes_moved=n_mid * 36,
-               notes="values + int64 indices in fresh pages each call, as torch's: what the output cache saves")
+               notes="values + int64 indices in fresh pages each call, as torch's: what the output cache saves",
+               check=_check_same_sort)
 
     # a large input: 16M random int64 keys, whose 256 buckets of 16-byte records (~1 MiB each) are sorted
     # from L3 (the split used to be refused past L2-sized buckets: 2.2x torch.sort here, on the LSD engine)
     yield Case("sort", "sort", f"int64 n={n_keys / M:g}M", n_keys, sort_vs_torch(torch.int64, n_keys),
                "torch.sort(stable=True)", n_keys, "keys", bytes_moved=n_keys * 72,
-               notes="values + int64 indices (ours from the output cache); buckets past L2, sorted from L3")
+               notes="values + int64 indices (ours from the output cache); buckets past L2, sorted from L3",
+               check=_check_same_sort)
 
     def sort_ids_vs_torch():
         x = torch.randint(0, 1 << 31, (n_mid,), generator=torch.Generator().manual_seed(4), dtype=torch.int64)
@@ -111,7 +170,8 @@ def _cpu_cases(quick: bool):
 
     yield Case("sort", "sort", f"int64 ids < 2^31 n={n_mid / M:g}M", n_mid, sort_ids_vs_torch,
                "torch.sort(stable=True)", n_mid, "keys", bytes_moved=n_mid * (8 + 8 + 8 + 8 + 8 + 16),
-               notes="values + int64 indices; keys spanning < 2^32 travel as 8-byte (key - min, index) records")
+               notes="values + int64 indices; keys spanning < 2^32 travel as 8-byte (key - min, index) records",
+               check=_check_same_sort)
 
     def sort_out_vs_torch():
         x = _keys(torch.int32, n_mid, 1)
@@ -122,7 +182,7 @@ def _cpu_cases(quick: bool):
     yield Case("sort", "sort(out=)", f"int32 n={n_mid / M:g}M", n_mid, sort_out_vs_torch,
                "torch.sort(stable=True, out=)", n_mid, "keys", bytes_moved=n_mid * 36,
                notes="values + int64 indices into reused out= tensors: no fresh pages to zero (~1/3 of a "
-                     "fresh call here)")
+                     "fresh call here)", check=_check_same_sort)
 
     def argsort_vs_np():
         x = _keys(torch.int32, n_mid, 2)
@@ -130,7 +190,8 @@ def _cpu_cases(quick: bool):
         return (lambda: pykernels.argsort(x)), (lambda: np.argsort(xn, kind="stable"))
 
     yield Case("sort", "argsort", f"int32 n={n_mid / M:g}M", n_mid, argsort_vs_np, "np.argsort(kind='stable')",
-               n_mid, "keys", bytes_moved=n_mid * (4 + 4 + 8 + 8 + 8), goal=10.0)  # split; indices only out
+               n_mid, "keys", bytes_moved=n_mid * (4 + 4 + 8 + 8 + 8), goal=10.0,
+               check=_check_same_sort)  # split; indices only out
 
     def pairs_vs_torch():
         k = _keys(torch.int32, n_mid, 3)
@@ -142,14 +203,16 @@ def _cpu_cases(quick: bool):
         return (lambda: pykernels.sort_pairs(k, v)), base
 
     yield Case("sort", "sort_pairs", f"int32+float32 n={n_mid / M:g}M", n_mid, pairs_vs_torch,
-               "torch.sort + gather", n_mid, "pairs", bytes_moved=n_mid * (4 + 8 + 8 + 8 + 8))  # split, payload carried
+               "torch.sort + gather", n_mid, "pairs", bytes_moved=n_mid * (4 + 8 + 8 + 8 + 8),
+               check=_check_same_sort)  # split, payload carried
 
     def rows_vs_torch():
         x = torch.randn(segs, 16)
         return (lambda: pykernels.sort(x, dim=-1)), (lambda: torch.sort(x, dim=-1, stable=True))
 
     yield Case("sort", "sort(rows)", f"float32 {segs // 1024}K rows x 16", segs * 16, rows_vs_torch,
-               "torch.sort(dim=-1, stable=True)", segs * 16, "keys", bytes_moved=segs * 16 * (4 + 4 + 8))
+               "torch.sort(dim=-1, stable=True)", segs * 16, "keys", bytes_moved=segs * 16 * (4 + 4 + 8),
+               check=_check_same_sort)
 
     # rows of up to 1024 keys (512 of 1 byte): NV rows at a time through a sorting network in SIMD lanes
     # (csrc/sort/sort_rows_simd.h); past that each row's own radix sort; and the shape of top-p sampling,
@@ -173,16 +236,17 @@ def _cpu_cases(quick: bool):
         nm = shape[0] * shape[1]
         yield Case("sort", "sort(rows)", f"{str(dtype).replace('torch.', '')} {shape[0]} rows x {shape[1]}"
                    + (" desc" if desc else ""), nm, mid_rows_vs_torch(dtype, shape, desc),
-                   "torch.sort(dim=-1, stable=True)", nm, "keys")
+                   "torch.sort(dim=-1, stable=True)", nm, "keys", check=_check_same_sort)
 
-    # a sort along dim 0: the rows are columns, sorted where they lie (no transposing copies)
+    # a sort along dim 0: the rows are columns, sorted where they lie (no transposing copies). The baseline
+    # is not stable, but a column's 16 keys drawn from 2^63 values are distinct: its indices are the stable ones
     def dim0_vs_torch():
         g = torch.Generator().manual_seed(8)
         x = torch.randint(-(1 << 62), 1 << 62, (16, segs // 10), generator=g)
         return (lambda: pykernels.sort(x, dim=0)), (lambda: torch.sort(x, dim=0))
 
     yield Case("sort", "sort(dim=0)", f"int64 16 x {segs // 10 // 1000}K", 16 * (segs // 10), dim0_vs_torch,
-               "torch.sort(dim=0)", 16 * (segs // 10), "keys")
+               "torch.sort(dim=0)", 16 * (segs // 10), "keys", check=_check_same_sort)
 
     def segmented_vs_torch():
         x = torch.randn(segs * 16)
@@ -195,7 +259,7 @@ def _cpu_cases(quick: bool):
         return (lambda: pykernels.segmented_sort(x, off, v)), base
 
     yield Case("sort", "segmented_sort", f"float32+int32 {segs // 1024}K segs x 16", segs * 16, segmented_vs_torch,
-               "torch.sort(rows) + gather", segs * 16, "keys", bytes_moved=segs * 16 * 16)
+               "torch.sort(rows) + gather", segs * 16, "keys", bytes_moved=segs * 16 * 16, check=_check_same_sort)
 
 
 def _gpu_cases(quick: bool):
@@ -219,7 +283,8 @@ def _gpu_cases(quick: bool):
 
     yield Case("sort", "sort_keys", f"uint32 n=2^{n.bit_length() - 1}", n, keys_vs_torch, "torch.sort (CUB)", n,
                "keys", bytes_moved=36 * n, goal=1.2, device="cuda",
-               notes="torch.sort also returns int64 indices (CUB sorts key + int64 index pairs): not a keys-only CUB sort")
+               notes="torch.sort also returns int64 indices (CUB sorts key + int64 index pairs): not a keys-only CUB sort",
+               check=_check_gpu_keys)
 
     def pairs_vs_torch():
         k = torch.randint(0, 1 << 32, (n,), dtype=torch.int64, device="cuda").to(torch.uint32)
@@ -234,14 +299,15 @@ def _gpu_cases(quick: bool):
     yield Case("sort", "sort_pairs", f"uint32+int32 n=2^{n.bit_length() - 1}", n, pairs_vs_torch,
                "torch.sort + gather (CUB)", n, "pairs", bytes_moved=68 * n, goal=1.2, device="cuda",
                notes="the baseline carries int64 indices (8-byte payload) and gathers the values after: more "
-                     "work than a CUB pairs sort with the 4-byte payload")
+                     "work than a CUB pairs sort with the 4-byte payload", check=_check_gpu_pairs)
 
     def triton_vs_cuda():
         x = torch.randint(0, 1 << 32, (n // 16,), dtype=torch.int64, device="cuda").to(torch.uint32)
         return (lambda: pykernels.sort_keys(x, backend="triton")), (lambda: pykernels.sort_keys(x, backend="cuda"))
 
     yield Case("sort", "sort_keys[triton]", f"uint32 n=2^{(n // 16).bit_length() - 1}", n // 16, triton_vs_cuda,
-               "pykernels cuda backend", n // 16, "keys", bytes_moved=36 * n // 16, device="cuda")
+               "pykernels cuda backend", n // 16, "keys", bytes_moved=36 * n // 16, device="cuda",
+               check=_check_same_sort)
 
 
 def cases(quick: bool, device: str = "cpu"):
