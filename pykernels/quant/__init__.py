@@ -223,8 +223,9 @@ def _check_format(op: str, bits, group_size, scheme):
 
 def quantize(weight, bits: int = 4, group_size: int = 128, scheme: str = "asym") -> QuantizedWeight:
     """Round-to-nearest quantization of `weight` [N, K] (nn.Linear layout), per output row and group of
-    `group_size` inputs (-1: one group per row; a last partial group is allowed). See _format.py for
-    the formulas of each scheme. The packed layouts the kernels read are made here, once."""
+    `group_size` inputs (-1: one group per row; a last partial group is allowed); "bipolar" fits each
+    group's scale and offset for least squared error first. See _format.py for the formulas of each
+    scheme. The packed layouts the kernels read are made here, once."""
     w = as_tensor(weight, "quantize", "weight")
     bits, group_size = _check_format("quantize", bits, group_size, scheme)
     _check_weight(w, group_size)

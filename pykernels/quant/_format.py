@@ -11,8 +11,10 @@ so one kernel serves all three schemes (y = s * sum(x*u) + m * sum(x) per group)
 - "sym"     (bits 2/3/4/8): s = max|w| / (2^(b-1) - 1), u = clamp(round(w / s) + 2^(b-1)), m = -s * 2^(b-1).
 - "bipolar" (bits 1..8, bipolar-INT of the arbitrary-precision LLM accelerator paper): each bit plane
             reads as -1/+1, the word is W' = sum_i (2 b_i - 1) 2^i = 2u - (2^b - 1) (odd values, no sign
-            bit); W = (s/2) W' + z with s = (max - min) / (2^b - 1) and z = (max + min) / 2, which is the
-            affine form above with m = min = z - s (2^b - 1) / 2. See ALGORITHMS.md ("Bipolar-INT").
+            bit); W = (s/2) W' + z, the affine form above with m = z - s (2^b - 1) / 2. s and m are
+            fitted for least squared error (_bipolar_fit: the better of the range s = (max - min) / (2^b - 1),
+            m = min and a Gaussian start, then Lloyd rounds on the uniform grid): at 1-3 bits the range alone spent the levels
+            on the tails. See ALGORITHMS.md ("Bipolar-INT").
 
 Round to nearest (ties to even, like torch.round). A group whose values are all equal (a pruned or
 padded row of zeros, a constant) gets s = 0 and is reproduced exactly by its offset alone, in
@@ -110,12 +112,8 @@ def quantize_codes(w: torch.Tensor, bits: int, group_size: int, scheme: str):
         u = torch.clamp(torch.round(wg / s[..., None]) + half, 0, qmax)
         m = -s * half
     elif scheme == "bipolar":
-        lo = wg.amin(-1)
-        hi = wg.amax(-1)
-        s = (hi - lo) / qmax
-        s = torch.where(s > 0, s, torch.ones_like(s)).to(torch.float32).to(torch.float64)
-        m = lo.to(torch.float32).to(torch.float64)
-        u = torch.clamp(torch.round((wg - m[..., None]) / s[..., None]), 0, qmax)
+        real = (torch.arange(Kp, device=w.device) < K).to(torch.float64).reshape(1, G, gsize)
+        s, m, u = _bipolar_fit(wg, real, qmax)
     else:  # checked by the caller
         raise ValueError(scheme)
     codes = u.reshape(N, Kp)[:, :K].to(torch.uint8)
@@ -126,6 +124,59 @@ def quantize_codes(w: torch.Tensor, bits: int, group_size: int, scheme: str):
     s = torch.where(constant, torch.zeros_like(s), s)
     m = torch.where(constant, torch.zeros_like(m) if scheme != "bipolar" else m, m)
     return codes, s.to(torch.float32), m.to(torch.float32)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32).to(torch.float64)  # what is stored: the codes are rounded against it
+
+
+# Steps of the least-squares uniform quantizer of a unit Gaussian with 2^b levels (Max, "Quantizing for
+# minimum distortion", IRE Trans. Inf. Theory 1960, Table II), b = 1..8: a start for weights near normal.
+_GAUSS_STEP = (1.596, 0.9957, 0.5860, 0.3352, 0.1881, 0.1041, 0.0569, 0.0308)
+
+
+def _bipolar_fit(wg: torch.Tensor, real: torch.Tensor, qmax: int, rounds: int = 2):
+    """Scale s, offset m (float32 values) and codes u of each group for w ~ s u + m, least squared error.
+
+    Two starts per group, the better one kept: the group's range (s = (max - min) / qmax, m = min: every
+    value within half a step) and the Gaussian optimum for the group's mean and deviation; then rounds of
+    Lloyd's algorithm on the uniform grid (the least-squares line s u + m through the current codes, then
+    each value's nearest code). The range alone wasted the few levels of low bit widths on the tails:
+    1 bit kept {min, max} of each group, a relative error of 2.1 on Gaussian weights (worse than zeros;
+    audit); fitted, 0.60 (2-means). A step is kept per group only where it lowers the error, so the
+    result is never worse than the range's. `real` (1/0) leaves the last group's padding out."""
+    lo, hi = wg.amin(-1), wg.amax(-1)  # (the padding copies a real value: the range is unchanged)
+    count = real.sum(-1).clamp(min=1.0)
+
+    def codes_and_error(s, m):
+        u = torch.clamp(torch.round((wg - m[..., None]) / s[..., None]), 0, qmax)
+        return u, (((u * s[..., None] + m[..., None] - wg) ** 2) * real).sum(-1)
+
+    def keep_better(state, s_new, m_new):
+        s, m, u, err = state
+        u_new, err_new = codes_and_error(s_new, m_new)
+        better = err_new < err
+        return (torch.where(better, s_new, s), torch.where(better, m_new, m),
+                torch.where(better[..., None], u_new, u), torch.where(better, err_new, err))
+
+    s = _f32(torch.where(hi > lo, (hi - lo) / qmax, torch.ones_like(hi)))  # constant groups: s = 1 here
+    m = _f32(lo)
+    state = (s, m, *codes_and_error(s, m))
+    mean_w = (wg * real).sum(-1) / count
+    std = torch.sqrt((((wg - mean_w[..., None]) ** 2) * real).sum(-1) / count)
+    s_gauss = _GAUSS_STEP[qmax.bit_length() - 1] * std
+    fits = s_gauss > 0
+    s_gauss = _f32(torch.where(fits, s_gauss, state[0]))
+    state = keep_better(state, s_gauss, _f32(torch.where(fits, mean_w - s_gauss * (qmax / 2), state[1])))
+    for _ in range(rounds):
+        s, m, u, _ = state
+        mean_u = (u * real).sum(-1) / count
+        du = (u - mean_u[..., None]) * real
+        var_u, cov = (du * du).sum(-1), (du * (wg - mean_w[..., None])).sum(-1)
+        fits = (var_u > 0) & (cov > 0)
+        s_fit = _f32(torch.where(fits, cov / torch.where(fits, var_u, 1.0), s))
+        state = keep_better(state, s_fit, _f32(torch.where(fits, mean_w - s_fit * mean_u, m)))
+    return state[0], state[1], state[2]
 
 
 def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int,
