@@ -2,6 +2,8 @@
 "pykernels.<op>: expected <what> for '<arg>', got <what came>"."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 
@@ -9,11 +11,16 @@ class TableFullError(RuntimeError):
     """A non-growable hash table ran out of room. `not_inserted` says how many keys were left out;
     every key that was inserted stays findable."""
 
-    def __init__(self, op: str, not_inserted: int, capacity: int):
+    def __init__(self, op: str, not_inserted: int, capacity: int, max_load_factor: Optional[float] = None):
         self.not_inserted = int(not_inserted)
         self.capacity = int(capacity)
-        super().__init__(f"pykernels.{op}: table is full (capacity {capacity}, growable=False): "
-                         f"{not_inserted} key(s) were not inserted")
+        # capacity counts slots, of which max_load_factor may fill: say so (a HashMap(1000) holds 900
+        # keys at the default 0.9, which surprised a drop-in user; audit)
+        limit = "" if max_load_factor is None else (
+            f", max_load_factor={max_load_factor:g}: at most {int(max_load_factor * capacity)} keys")
+        super().__init__(f"pykernels.{op}: table is full (capacity {capacity} slots{limit}, growable=False): "
+                         f"{not_inserted} key(s) were not inserted; make the table with capacity >= keys / "
+                         f"max_load_factor, or growable=True")
 
 
 def check_dtype(op: str, arg: str, tensor: torch.Tensor, allowed) -> None:

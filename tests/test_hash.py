@@ -230,6 +230,10 @@ def test_table_full_error_counts_and_keeps_inserted_keys():
         t.insert(keys, keys)
     assert ei.value.not_inserted == 37 and ei.value.capacity == cap
     assert "37 key(s) were not inserted" in str(ei.value) and "HashMap.insert" in str(ei.value)
+    # capacity counts slots, of which max_load_factor may fill: the message says so (audit)
+    assert f"capacity {cap} slots, max_load_factor=1: at most {cap} keys" in str(ei.value), str(ei.value)
+    with pytest.raises(TableFullError, match=r"max_load_factor=0.9: at most 903 keys, growable=False\): 97 key"):
+        HashMap(1000, growable=False).insert(torch.arange(1000), torch.arange(1000))
     v, f = t.find(keys)
     assert int(f.sum()) == cap == len(t)
     # keys given several times count once (review finding: occurrences were counted)
@@ -2268,6 +2272,15 @@ def test_compiled_inserts_graph_break_cleanly_and_say_why_under_fullgraph():
     vals, found = t.find(torch.arange(110))
     assert found.tolist() == [False] * 5 + [True] * 100 + [False] * 5
     assert vals[5:105].tolist() == [2 * i for i in range(5, 105)]
+    # the multi-value map too (its reserved-key masks failed inside dynamo first, naming nothing; audit)
+    torch._dynamo.reset()
+    mv = MultiValueHashMap(16, torch.int64, torch.int64, "cpu")
+    with pytest.raises(Exception, match="pykernels hash tables: insert"):
+        torch.compile(lambda k, v: mv.insert(k, v), fullgraph=True, backend="eager")(torch.tensor([3, 3]),
+                                                                                   torch.tensor([1, 2]))
+    torch._dynamo.reset()
+    torch.compile(lambda k, v: mv.insert(k, v), backend="eager")(torch.tensor([3, 3, -1]), torch.tensor([1, 2, 5]))
+    assert mv.count(torch.tensor([3, -1, 4])).tolist() == [2, 1, 0]
 
 
 def test_shared_methods_live_in_the_base_class_and_answer_per_table_kind():

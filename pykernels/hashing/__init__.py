@@ -28,7 +28,7 @@ import torch
 
 from . import _layout as L
 from . import _ops
-from ._tables import M_ADD, M_APPEND, M_UPSERT, _OpenTable, _TableState, _device, new_keys_mask
+from ._tables import M_ADD, M_APPEND, M_UPSERT, _OpenTable, _TableState, _device, _eager_only, new_keys_mask
 from .. import _backend, _native
 from ..errors import TableFullError  # noqa: F401  (re-exported for convenience)
 
@@ -163,6 +163,7 @@ class MultiValueHashMap(_OpenTable):
         keys = self._keys("insert", keys)
         values = self._values("insert", values, keys)
         kbits, vbits = L.key_bits(keys), L.value_bits(values)
+        _eager_only()  # before the reserved keys' data-dependent masks, as every table's insert (audit)
         with self._locked():
             # The reserved patterns live out of band and never need room: store them first, so a full
             # non-growable table (TableFullError from _insert_bits) still keeps them.

@@ -375,7 +375,7 @@ class _OpenTable(_TableState):
                 # distinct keys (entries of a multi-value table), not occurrences (review finding: 50 keys
                 # given 3 times each were reported as 150 not inserted)
                 raise TableFullError(op, room if self._multi else self._distinct_keys(left_out, exact=True),
-                                     self.capacity)
+                                     self.capacity, self.max_load_factor)
             sub_v = vbits[idx] if vbits is not None else None
             sub_status, (new, new_empty, pending2) = self._native_insert(left_out, sub_v, mode, cfg)
             self._size += new
