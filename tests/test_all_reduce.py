@@ -10,6 +10,7 @@ averages and products are exact in every dtype and any reduction order.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 import queue as queue_mod
@@ -52,11 +53,16 @@ def _serve(rank, world, init_file, inq, outq, backend="gloo"):
         if item is None:
             break
         name, args = item
+        # a check stuck past the tests' timeouts prints every thread's stack (a CI run once saw two ranks
+        # answer nothing for 120 s, with no trace of where they were)
+        faulthandler.dump_traceback_later(110)
         try:
             result = globals()[name](*args)
             outq.put((rank, "ok", result))
         except BaseException as exc:  # noqa: BLE001 - reported to the test
             outq.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        finally:
+            faulthandler.cancel_dump_traceback_later()
     dist.destroy_process_group()
 
 
@@ -1347,6 +1353,7 @@ def test_world_4_shared_memory(clusters):
 
 def test_world_3_shared_memory_late_rank(clusters):
     c = clusters(3)
+    c.run("chk_world_ok")  # the ranks started (a cold start is no part of the time bounded below)
     t0 = time.monotonic()
     res = c.run("chk_shm_late_rank", 2, timeout=60)
     assert time.monotonic() - t0 < 40

@@ -704,7 +704,7 @@ def test_gpu_world_of_one_nccl(fn, tmp_path):
 
 
 # ------------------------------------------------------------------ schedule properties (no ranks)
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import example, given, settings, strategies as st  # noqa: E402
 
 from collectives import _attention_block as blk  # noqa: E402
 import importlib  # noqa: E402
@@ -762,9 +762,11 @@ def test_token_ring_query_rows_only_shrink_along_the_ring(w, layout, causal):
 
 @settings(max_examples=100, deadline=None)
 @given(a=st.floats(-1e4, 1e4), b=st.floats(-1e4, 1e4))
+@example(a=9501.0, b=9499.9997)  # float32(b) = 9500.0: an oracle of the float64 values missed by 1.8e-4
 def test_merge_is_stable_for_far_apart_lse(a, b):
     oa, ob = torch.full((1, 1, 1, 2), 1.0), torch.full((1, 1, 1, 2), -2.0)
     la, lb = torch.tensor([[[a]]]), torch.tensor([[[b]]])
+    a, b = la.item(), lb.item()  # the oracle from the float32 values merged (near 1e4 they move by ~1e-3)
     o, l = blk.merge(oa, la, ob, lb)
     want_l = max(a, b) + math.log1p(math.exp(-abs(a - b)))
     wa = 1.0 / (1.0 + math.exp(min(700.0, b - a)))
