@@ -226,6 +226,8 @@ def test_tune_stores_readable_files_through_symlinks_and_reports_unwritable_cach
     path.symlink_to(real)
     at.tune("test_sleepy", torch.zeros(1000), budget_s=0.05)
     assert path.is_symlink() and json.loads(real.read_text())["entries"]  # the link's target got the entry
+    # the lock is the target's: two names of one file lock each other out (audit)
+    assert Path(str(real) + ".lock").exists() and not Path(str(path) + ".lock").exists()
     assert real.stat().st_mode & 0o044 == 0o044 & ~_umask()  # readable by others as the umask allows
     path.unlink()
     path.mkdir()  # a directory where the file should be: a clear error, no temp file left behind

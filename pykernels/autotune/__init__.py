@@ -289,7 +289,8 @@ def _file_lock(path: Path):
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fh = open(str(path) + ".lock", "w")
+        # beside the file written (a symlinked cache: its target), so every name of one file takes one lock
+        fh = open(str(path.resolve()) + ".lock", "w")
     except OSError as exc:  # (a bare NotADirectoryError named nothing; review finding)
         raise OSError(f"pykernels.autotune: could not write the cache file {path}: {exc} "
                       f"(PYKERNELS_CACHE_DIR moves the cache)") from exc
