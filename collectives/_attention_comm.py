@@ -155,17 +155,11 @@ def float_bits(x: float) -> int:
 # TokenRing sends Q and the returning partials on two process groups so both directions are in flight
 # at once (separate gloo contexts / NCCL communicators). The second group is made once per group.
 _SECOND_LOCK = threading.Lock()
-_SECOND: Dict[object, object] = register({}, _SECOND_LOCK, lambda second: _destroy_if_live(second))
-
-
-def _destroy_if_live(pg) -> None:
-    """The second group of a destroyed group goes with it (destroying the default group took it
-    already)."""
-    try:
-        if pg in dist.distributed_c10d._world.pg_map:
-            dist.destroy_process_group(pg)
-    except Exception:  # noqa: BLE001 - at worst it lives as long as the process
-        pass
+# A destroyed group's entry is dropped (see _group_state), its second group left registered with torch, as
+# before: destroying it let the next second group of the same ranks take its name (new_group with
+# use_local_synchronization names a group by its ranks and the count of groups), read the old group's
+# gloo addresses from the store and fail to connect (review finding).
+_SECOND: Dict[object, object] = register({}, _SECOND_LOCK)
 
 
 def second_group(grp: Group):
@@ -178,7 +172,9 @@ def second_group(grp: Group):
         pg = grp.pg if grp.pg is not None else dist.distributed_c10d._get_default_group()
         timeout = _group_timeout(pg)
         if grp.pg is dist.group.WORLD:
-            _SECOND[key] = dist.new_group(ranks=None, timeout=timeout)
+            second = dist.new_group(ranks=None, timeout=timeout)
         else:
-            _SECOND[key] = dist.new_group(ranks=list(grp.glob), timeout=timeout, use_local_synchronization=True)
+            second = dist.new_group(ranks=list(grp.glob), timeout=timeout, use_local_synchronization=True)
+        with _SECOND_LOCK:  # (release_destroyed iterates the dict under it)
+            _SECOND[key] = second
     return _SECOND[key]

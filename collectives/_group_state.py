@@ -8,7 +8,9 @@ was finalizing needed the GIL for the Work's tensors, was made to exit inside a 
 and the process aborted ("terminate called without an active exception": about one run in four of
 the README's distributed example, after it had printed its results). Released here (whenever a group
 is first used, and at exit), the group's own destructor joins its workers while the interpreter is
-whole. A process that forms groups again and again also stops accumulating them.
+whole. A process that forms groups again and again also stops accumulating our state of them (the
+sub-groups collectives made for one, a hierarchy's levels and TokenRing's second group, stay registered
+with torch until the default group is destroyed, as torch keeps every group it made).
 """
 from __future__ import annotations
 
