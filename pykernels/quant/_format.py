@@ -100,7 +100,7 @@ def quantize_codes(w: torch.Tensor, bits: int, group_size: int, scheme: str):
         lo = wg.amin(-1).clamp(max=0.0)
         hi = wg.amax(-1).clamp(min=0.0)
         s = (hi - lo) / qmax
-        s = torch.where(s > 0, s, torch.ones_like(s)).to(torch.float32).to(torch.float64)
+        s = _f32(torch.where(s > 0, s, torch.ones_like(s)))
         zp = torch.clamp(torch.round(-lo / s), 0, qmax)
         u = torch.clamp(torch.round(wg / s[..., None]) + zp[..., None], 0, qmax)
         m = -s * zp
@@ -108,7 +108,7 @@ def quantize_codes(w: torch.Tensor, bits: int, group_size: int, scheme: str):
         half = 1 << (bits - 1)
         amax = wg.abs().amax(-1)
         s = amax / (half - 1)
-        s = torch.where(s > 0, s, torch.ones_like(s)).to(torch.float32).to(torch.float64)
+        s = _f32(torch.where(s > 0, s, torch.ones_like(s)))
         u = torch.clamp(torch.round(wg / s[..., None]) + half, 0, qmax)
         m = -s * half
     elif scheme == "bipolar":

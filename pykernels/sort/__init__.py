@@ -189,7 +189,7 @@ def _rows_sort(op: str, x: torch.Tensor, dim: int, descending: bool, backend: st
         return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
                 torch.empty(x.shape, dtype=torch.int64, device=x.device))
     last = dim == x.dim() - 1
-    if x.device.type == "cpu" and strided_rows_apply(x, dim):
+    if x.device.type == "cpu" and _strided_rows_apply(x, dim):
         strided = _strided_rows_sort(op, x, dim, descending, backend, want_keys)
         if strided is not None:
             return strided
@@ -290,7 +290,7 @@ def _strided_rows_sort(op: str, x: torch.Tensor, dim: int, descending: bool, bac
     return _cpu_strided_rows(op, xc, dim, descending, want_keys, config)
 
 
-def strided_rows_apply(x: torch.Tensor, dim: int) -> bool:
+def _strided_rows_apply(x: torch.Tensor, dim: int) -> bool:
     """Whether a CPU sort/argsort of x along `dim` sorts the rows where they lie (_strided_rows_sort)."""
     return dim != x.dim() - 1 and 2 <= x.shape[dim] <= _cpu().ROW_BATCH_MAX
 

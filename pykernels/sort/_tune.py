@@ -123,14 +123,14 @@ def _example_keys(op: str, keys, kw: dict):
 
 
 def _run(op: str):
-    from . import _cpu_segmented, _cpu_sort_1d, _cpu_strided_rows, _norm_dim, strided_rows_apply
+    from . import _cpu_segmented, _cpu_sort_1d, _cpu_strided_rows, _norm_dim, _strided_rows_apply
 
     def run(config, keys, values=None, **kw):
         desc = bool(kw.get("descending", False))
         moved = _example_keys(op, keys, kw)
         if op in _OPS_ROWS and keys.dim() > 1:
             dim = _norm_dim(op, keys, kw.get("dim", -1))
-            if strided_rows_apply(keys, dim):  # short rows along an inner dim: sorted where they lie, as the op does
+            if _strided_rows_apply(keys, dim):  # short rows along an inner dim: sorted where they lie, as the op does
                 return _cpu_strided_rows(op, keys.contiguous(), dim, desc, op == "sort", config)
         # contiguous, as the op makes them (_sort_1d_any): an expanded example reached the kernel as is
         keys = moved.contiguous()
