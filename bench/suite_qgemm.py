@@ -27,11 +27,11 @@ GROUP = 128
 # The checks' bounds, measured on these randn weights and activations (K = 1024 and 4096):
 SAME_WEIGHTS_TOL = 0.02  # relative error vs int4pack: 0.0024-0.0029 (its bf16 activations and scales)
 W4_TOL = 0.15            # vs the float weights: 0.098-0.104, the int4 g128 quantization error itself
-# Bit-serial (bipolar weights and activations): a group's 1-bit levels are its midrange +- half its range,
-# ~2.6x the norm of randn weights (activations alike), so W1A1's product is ~9x the float one's by the
-# format's design; cosine similarity to the baseline, float or W4: W2A2 0.75-0.78, W1A1 0.58-0.62
-# (unrelated outputs ~0)
-BIT_SERIAL_MIN_COS = {2: 0.6, 1: 0.45}
+# Bit-serial (bipolar weights and activations, each fitted for least squared error per group / token,
+# a relative error of ~0.60 at 1 bit and ~0.35 at 2 on randn): the product's cosine similarity to the
+# baseline, float or W4, is about the product of the two operands' (1 - err^2)^0.5: W2A2 0.87-0.88,
+# W1A1 0.61-0.64 (unrelated outputs ~0). (With the tokens' range for the activations: 0.78 and 0.64.)
+BIT_SERIAL_MIN_COS = {2: 0.75, 1: 0.5}
 
 
 def _within(tol: float):

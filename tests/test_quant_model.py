@@ -8,6 +8,7 @@ from torch import nn
 
 import pykernels
 from pykernels.quant import QuantLinear, quantize_model
+from pykernels.quant import _format as F
 
 
 class Block(nn.Module):
@@ -227,9 +228,9 @@ def test_qmatmul_hypothesis(N, K, M, fmt, group_size, act_bits, seed):
         centred = W.abs().sum(1) + (qw.scales.double().max(1).values * 2 ** bits * K)
         bound = 4e-5 * x.double().abs().amax(1, keepdim=True) * centred[None] + 1e-5
     else:  # the activations are quantized too: compare with the dequantized activations' product
-        lo, hi = x.double().amin(1, keepdim=True), x.double().amax(1, keepdim=True)
-        sa = torch.where(hi > lo, (hi - lo) / (2 ** act_bits - 1), torch.ones_like(hi))
-        A = torch.clamp(torch.round((x.double() - lo) / sa), 0, 2 ** act_bits - 1) * sa + lo
+        sa, ma = F.act_fit(x.double(), act_bits)  # the per-token fit every kernel follows
+        sa, ma = sa[:, None], ma[:, None]
+        A = torch.round(torch.clamp((x.double() - ma) / sa, 0, 2 ** act_bits - 1)) * sa + ma
         ref = A @ W.T
         bound = 1e-5 * A.abs().amax(1, keepdim=True) * W.abs().sum(1)[None] + 1e-4
     assert bool(((y.double() - ref).abs() <= bound).all())

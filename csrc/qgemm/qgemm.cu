@@ -23,6 +23,7 @@
 #include <string>
 
 #include "pk_gpu.h"
+#include "qgemm_act_fit.h"
 #if PK_HIP
 #include <hip/hip_fp16.h>
 #else
@@ -170,46 +171,93 @@ __global__ void __launch_bounds__(THREADS) wo_gemm_kernel(const void* __restrict
 // ---------------------------------------------------------------------------------------------
 // Bit-serial
 // ---------------------------------------------------------------------------------------------
-// One block per token: min/max, p-bit codes u = round((x - min)/sa), their per-group sums and the bit
-// planes as 32-bit halves [G][p][2*gw] (bit t of half h = element 32h + t of the group).
+// The block's sums of a (kActThreads threads, a power of two), in every thread's a: the same totals in
+// every thread, so each one's copy of the fit (qgemm_act_fit.h) takes the same decisions.
+constexpr int kActThreads = 256;
+__device__ __forceinline__ void block_sum_stats(pkq::ActStats& a, double (*red)[kActThreads]) {
+  const int tid = threadIdx.x;
+  red[0][tid] = a.err;
+  red[1][tid] = a.su;
+  red[2][tid] = a.suu;
+  red[3][tid] = a.sux;
+  red[4][tid] = a.dev;
+  __syncthreads();
+  for (int s = kActThreads / 2; s > 0; s >>= 1) {
+    if (tid < s)
+      for (int j = 0; j < 5; ++j) red[j][tid] += red[j][tid + s];
+    __syncthreads();
+  }
+  a.err = red[0][0];
+  a.su = red[1][0];
+  a.suu = red[2][0];
+  a.sux = red[3][0];
+  a.dev = red[4][0];
+  __syncthreads();  // every thread has read the totals before the next pass writes red
+}
+
+// One block of kActThreads per token: min/max/sum, the fitted scale and offset (qgemm_act_fit.h, in
+// fp64 as on the CPU), p-bit codes u = clamp(round((x - ma)/sa)), their per-group sums and the bit planes
+// as 32-bit halves [G][p][2*gw] (bit t of half h = element 32h + t of the group).
 __global__ void act_quant_kernel(const void* __restrict__ x, int xdt, int64_t K, int p, int64_t G, int64_t gsize,
                                  int64_t gw, uint32_t* __restrict__ planes, int32_t* __restrict__ usum,
                                  float* __restrict__ sa_out, float* __restrict__ ma_out) {
-  __shared__ float lo_s[256], hi_s[256];
+  __shared__ float lo_s[kActThreads], hi_s[kActThreads];
+  __shared__ double red[5][kActThreads];
   __shared__ int bad_s;
   const int64_t m = blockIdx.x;
   const int tid = threadIdx.x;
   float lo = INFINITY, hi = -INFINITY;
+  double sum = 0;
   int bad = 0;
   if (tid == 0) bad_s = 0;
-  for (int64_t k = tid; k < K; k += blockDim.x) {
+  for (int64_t k = tid; k < K; k += kActThreads) {
     const float v = load_act(x, xdt, m * K + k);
     bad |= !isfinite(v);
     lo = fminf(lo, v);
     hi = fmaxf(hi, v);
+    sum += (double)v;
   }
   lo_s[tid] = lo;
   hi_s[tid] = hi;
+  red[0][tid] = sum;
   __syncthreads();
   if (bad) atomicOr(&bad_s, 1);
-  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+  for (int s = kActThreads / 2; s > 0; s >>= 1) {
     if (tid < s) {
       lo_s[tid] = fminf(lo_s[tid], lo_s[tid + s]);
       hi_s[tid] = fmaxf(hi_s[tid], hi_s[tid + s]);
+      red[0][tid] += red[0][tid + s];
     }
     __syncthreads();
   }
   lo = lo_s[0];
   hi = hi_s[0];
+  sum = red[0][0];
+  const bool row_bad = bad_s != 0;
+  __syncthreads();  // red is written again by the fit's first pass
   const int qmax = (1 << p) - 1;
-  float sa = (hi - lo) / (float)qmax;
-  if (!(sa > 0.f)) sa = 1.f;
+  double sa = 1.0, ma = 0.0;
+  if (!row_bad) {  // (uniform across the block)
+    pkq::ActFit f = pkq::act_fit_begin(p, K, lo, hi, sum);
+    for (int stage = 0; stage < pkq::kActFitStages; ++stage) {
+      double s, mm;
+      if (!pkq::candidate(f, stage, s, mm)) continue;  // the same decision in every thread
+      pkq::ActStats a;
+      const double inv = 1.0 / s;
+      for (int64_t k = tid; k < K; k += kActThreads)
+        pkq::accumulate(a, (double)load_act(x, xdt, m * K + k), s, inv, mm, (double)qmax, f.mean);
+      block_sum_stats(a, red);
+      pkq::offer(f, stage, s, mm, a);
+    }
+    sa = f.s;
+    ma = f.m;
+  }
   if (tid == 0) {
-    sa_out[m] = bad_s ? NAN : sa;
-    ma_out[m] = lo;
+    sa_out[m] = row_bad ? NAN : (float)sa;
+    ma_out[m] = (float)ma;
   }
   const int64_t halves = 2 * gw;
-  for (int64_t idx = tid; idx < G * halves; idx += blockDim.x) {
+  for (int64_t idx = tid; idx < G * halves; idx += kActThreads) {
     const int64_t g = idx / halves, h = idx % halves;
     // One plane at a time (codes recomputed per plane): no dynamically indexed local array, which
     // would live in scratch memory on AMD.
@@ -219,8 +267,11 @@ __global__ void act_quant_kernel(const void* __restrict__ x, int xdt, int64_t K,
       for (int t = 0; t < 32; ++t) {
         const int64_t e = h * 32 + t, k = g * gsize + e;
         if (e < gsize && k < K) {
-          int u = (int)rintf((load_act(x, xdt, m * K + k) - lo) / sa);
-          u = min(qmax, max(0, u));
+          // fp64 as on the CPU; clamped before the conversion (a fitted grid clips the tails, so an
+          // outlier's quotient may be far out of int range; NaN of a bad row -> 0)
+          double q = ((double)load_act(x, xdt, m * K + k) - ma) / sa;
+          q = q > 0 ? (q < (double)qmax ? q : (double)qmax) : 0.0;
+          const int u = (int)rint(q);
           if (i == 0) partial += u;
           word |= (uint32_t)((u >> i) & 1) << t;
         }
@@ -713,7 +764,7 @@ void pk_qgemm_bitserial(uintptr_t x, int xdt, int64_t M, int64_t K, int act_bits
   const int64_t G = (K + gsize - 1) / gsize;
   const int64_t gw = (gsize + 63) / 64;
   auto s = (pk_stream_t)stream;
-  act_quant_kernel<<<(unsigned)M, 256, 0, s>>>((const void*)x, xdt, K, act_bits, G, gsize, gw, (uint32_t*)aplanes,
+  act_quant_kernel<<<(unsigned)M, kActThreads, 0, s>>>((const void*)x, xdt, K, act_bits, G, gsize, gw, (uint32_t*)aplanes,
                                                 (int32_t*)usum, (float*)sa, (float*)ma);
   PK_GPU_CHECK("qmatmul", pkGetLastError());
   // Tokens in chunks (grid y holds at most 65535 blocks); the per-token workspaces move with them.

@@ -36,6 +36,7 @@
 #include "pk_avx2.h"
 #include "pk_float.h"
 #include "pk_threads.h"
+#include "qgemm_act_fit.h"
 #if PK_X86
 #include <immintrin.h>
 #endif
@@ -1330,12 +1331,112 @@ struct ActPlanes {
   std::vector<uint8_t> codes;    // [M, K] (only for the integer check)
 };
 
+// One candidate's sums over a token (qgemm_act_fit.h), per instruction set. In four (portable) or
+// eight lanes; the lanes' order of summation differs, so tiers may differ in the last bits of sa.
+using ActEvalFn = pkq::ActStats (*)(const float* xr, int64_t K, double s, double m, double qmax, double mean);
+
+pkq::ActStats act_eval_portable(const float* xr, int64_t K, double s, double m, double qmax, double mean) {
+  pkq::ActStats a[4];
+  const double inv = 1.0 / s;
+  int64_t k = 0;
+  for (; k + 4 <= K; k += 4)
+    for (int j = 0; j < 4; ++j) pkq::accumulate(a[j], xr[k + j], s, inv, m, qmax, mean);
+  for (; k < K; ++k) pkq::accumulate(a[0], xr[k], s, inv, m, qmax, mean);
+  a[0].add(a[1]);
+  a[2].add(a[3]);
+  a[0].add(a[2]);
+  return a[0];
+}
+
+#if PK_X86
+// The lanes' sums of one accumulator set, added into a (lane order: 0..n-1).
+template <int N>
+inline void add_lanes(pkq::ActStats& a, const double (&err)[N], const double (&su)[N], const double (&suu)[N],
+                      const double (&sux)[N], const double (&dev)[N]) {
+  for (int j = 0; j < N; ++j) {
+    a.err += err[j]; a.su += su[j]; a.suu += suu[j]; a.sux += sux[j]; a.dev += dev[j];
+  }
+}
+
+PK_TARGET_AVX2 pkq::ActStats act_eval_avx2(const float* xr, int64_t K, double s, double m, double qmax,
+                                           double mean) {
+  const double inv = 1.0 / s;
+  const __m256d vs = _mm256_set1_pd(s), vinv = _mm256_set1_pd(inv), vm = _mm256_set1_pd(m),
+                vq = _mm256_set1_pd(qmax), vmean = _mm256_set1_pd(mean), zero = _mm256_setzero_pd();
+  __m256d err = zero, su = zero, suu = zero, sux = zero, dev = zero;
+  int64_t k = 0;
+  for (; k + 4 <= K; k += 4) {
+    const __m256d x = _mm256_cvtps_pd(_mm_loadu_ps(xr + k));
+    const __m256d q = _mm256_min_pd(_mm256_max_pd(_mm256_mul_pd(_mm256_sub_pd(x, vm), vinv), zero), vq);
+    const __m256d u = _mm256_round_pd(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256d d = _mm256_sub_pd(_mm256_fmadd_pd(u, vs, vm), x), c = _mm256_sub_pd(x, vmean);
+    err = _mm256_fmadd_pd(d, d, err);
+    su = _mm256_add_pd(su, u);
+    suu = _mm256_fmadd_pd(u, u, suu);
+    sux = _mm256_fmadd_pd(u, c, sux);
+    dev = _mm256_fmadd_pd(c, c, dev);
+  }
+  double e[4], a1[4], a2[4], a3[4], a4[4];
+  _mm256_storeu_pd(e, err); _mm256_storeu_pd(a1, su); _mm256_storeu_pd(a2, suu);
+  _mm256_storeu_pd(a3, sux); _mm256_storeu_pd(a4, dev);
+  pkq::ActStats a;
+  for (; k < K; ++k) pkq::accumulate(a, xr[k], s, inv, m, qmax, mean);
+  add_lanes(a, e, a1, a2, a3, a4);
+  return a;
+}
+
+#pragma GCC diagnostic push  // see the AVX-512 weight-only section
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+PK_TARGET_AVX512 pkq::ActStats act_eval_avx512(const float* xr, int64_t K, double s, double m, double qmax,
+                                               double mean) {
+  const double inv = 1.0 / s;
+  const __m512d vs = _mm512_set1_pd(s), vinv = _mm512_set1_pd(inv), vm = _mm512_set1_pd(m),
+                vq = _mm512_set1_pd(qmax), vmean = _mm512_set1_pd(mean), zero = _mm512_setzero_pd();
+  __m512d err = zero, su = zero, suu = zero, sux = zero, dev = zero;
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m512d x = _mm512_cvtps_pd(_mm256_loadu_ps(xr + k));
+    const __m512d q = _mm512_min_pd(_mm512_max_pd(_mm512_mul_pd(_mm512_sub_pd(x, vm), vinv), zero), vq);
+    const __m512d u = _mm512_roundscale_pd(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512d d = _mm512_sub_pd(_mm512_fmadd_pd(u, vs, vm), x), c = _mm512_sub_pd(x, vmean);
+    err = _mm512_fmadd_pd(d, d, err);
+    su = _mm512_add_pd(su, u);
+    suu = _mm512_fmadd_pd(u, u, suu);
+    sux = _mm512_fmadd_pd(u, c, sux);
+    dev = _mm512_fmadd_pd(c, c, dev);
+  }
+  double e[8], a1[8], a2[8], a3[8], a4[8];
+  _mm512_storeu_pd(e, err); _mm512_storeu_pd(a1, su); _mm512_storeu_pd(a2, suu);
+  _mm512_storeu_pd(a3, sux); _mm512_storeu_pd(a4, dev);
+  pkq::ActStats a;
+  for (; k < K; ++k) pkq::accumulate(a, xr[k], s, inv, m, qmax, mean);
+  add_lanes(a, e, a1, a2, a3, a4);
+  return a;
+}
+#pragma GCC diagnostic pop
+#endif
+
+// The fitted (sa, ma) of a finite token xr[0..K) with min lo, max hi and sum `sum` (qgemm_act_fit.h).
+inline void fit_act(const float* xr, int64_t K, int p, float lo, float hi, double sum, ActEvalFn eval, double& sa,
+                    double& ma) {
+  pkq::ActFit f = pkq::act_fit_begin(p, K, lo, hi, sum);
+  for (int stage = 0; stage < pkq::kActFitStages; ++stage) {
+    double s, m;
+    if (pkq::candidate(f, stage, s, m)) pkq::offer(f, stage, s, m, eval(xr, K, s, m, f.qmax(), f.mean));
+  }
+  sa = f.s;
+  ma = f.m;
+}
+
 // Per-token p-bit quantization of the activations (the bipolar-INT scheme: A = (sa/2) A' + za with
-// A' = 2 u_a - (2^p - 1), i.e. A = sa * u_a + min), then bit-plane packing.
-void quantize_act_planes(const void* x, pk::DType dt, int64_t m, const BsShape& s, ActPlanes& A, bool keep_codes) {
+// A' = 2 u_a - (2^p - 1), i.e. A = sa * u_a + ma; sa and ma fitted, fit_act), then bit-plane packing.
+void quantize_act_planes(const void* x, pk::DType dt, int64_t m, const BsShape& s, ActPlanes& A, bool keep_codes,
+                         ActEvalFn eval) {
   const int64_t K = s.K;
   const int qmax = (1 << s.p) - 1;
   float lo = std::numeric_limits<float>::infinity(), hi = -lo;
+  double sum = 0;
   bool finite = true;
   std::vector<float> xr(K);
   for (int64_t k = 0; k < K; ++k) {
@@ -1343,6 +1444,7 @@ void quantize_act_planes(const void* x, pk::DType dt, int64_t m, const BsShape& 
     finite &= std::isfinite(xr[k]);
     lo = std::min(lo, xr[k]);
     hi = std::max(hi, xr[k]);
+    sum += xr[k];
   }
   uint64_t* pl = &A.planes[m * s.G * s.p * s.gw];
   std::fill(pl, pl + s.G * s.p * s.gw, 0ull);
@@ -1353,16 +1455,19 @@ void quantize_act_planes(const void* x, pk::DType dt, int64_t m, const BsShape& 
     for (int64_t g = 0; g < s.G; ++g) A.usum[m * s.G + g] = 0;
     return;
   }
-  double sa = ((double)hi - (double)lo) / qmax;
-  if (!(sa > 0)) sa = 1.0;
+  double sa, ma;
+  fit_act(xr.data(), K, s.p, lo, hi, sum, eval, sa, ma);
   A.sa[m] = sa;
-  A.ma[m] = lo;
+  A.ma[m] = ma;
   for (int64_t g = 0; g < s.G; ++g) {
     int32_t us = 0;
     const int64_t k0 = g * s.gsize, k1 = std::min(K, k0 + s.gsize);
     for (int64_t k = k0; k < k1; ++k) {
-      int u = (int)std::nearbyint(((double)xr[k] - lo) / sa);
-      u = std::min(qmax, std::max(0, u));
+      // clamped before the conversion: a fitted grid clips the tails, so q of an outlier may be far out
+      // of int range (clamping first gives the same code: the bounds are integers)
+      double q = ((double)xr[k] - ma) / sa;
+      q = q > 0 ? (q < qmax ? q : qmax) : 0.0;
+      const int u = (int)std::nearbyint(q);
       us += u;
       if (keep_codes) A.codes[m * K + k] = (uint8_t)u;
       const int64_t t = k - k0;
@@ -1578,19 +1683,23 @@ PK_TARGET_AVX512 double bs_combine_avx512(const float* sw, const float* mw, cons
 #pragma GCC diagnostic push  // see the AVX-512 weight-only section
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
-// quantize_act_planes 16 elements at a time (the same arithmetic: the double quotient (x - lo) / sa
-// rounded half to even, so the codes are bit-identical), each plane's 16 bits from one vptestmd. The
+// quantize_act_planes 16 elements at a time (the same arithmetic: the double quotient (x - ma) / sa
+// rounded half to even, so the codes of one (sa, ma) are bit-identical), each plane's 16 bits from one
+// vptestmd; the fit's passes in 8 double lanes (act_eval_avx512). The
 // scalar loop took ~20 us per 4096-element token, on one thread before the tiles' parallel loop: as long
 // as the whole W2A2 4096 x 4096 GEMV's share of one thread. Groups of a multiple of 16 elements (or one
 // group), so that a 16-element chunk never straddles two.
-// 8 codes: round((x - lo) / sa) in double, half to even (nearbyint's default mode), as 32-bit lanes.
-PK_TARGET_AVX512 inline __m256i bs_codes8(__m256 h, __m512d dlo, __m512d dsa) {
-  const __m512d q = _mm512_div_pd(_mm512_sub_pd(_mm512_cvtps_pd(h), dlo), dsa);
+// 8 codes: round((x - ma) / sa) in double, clamped to [0, qmax] first (an outlier's quotient may be out
+// of int32 range: the conversion would give INT_MIN), half to even (nearbyint's default mode), as
+// 32-bit lanes.
+PK_TARGET_AVX512 inline __m256i bs_codes8(__m256 h, __m512d dma, __m512d dsa, __m512d dq) {
+  __m512d q = _mm512_div_pd(_mm512_sub_pd(_mm512_cvtps_pd(h), dma), dsa);
+  q = _mm512_min_pd(_mm512_max_pd(q, _mm512_setzero_pd()), dq);
   return _mm512_cvtpd_epi32(_mm512_roundscale_pd(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
 PK_TARGET_AVX512 void quantize_act_planes_avx512(const void* x, pk::DType dt, int64_t m, const BsShape& s,
-                                                 ActPlanes& A, bool keep_codes) {
+                                                 ActPlanes& A, bool keep_codes, ActEvalFn eval) {
   const int64_t K = s.K;
   const int qmax = (1 << s.p) - 1;
   uint64_t* pl = &A.planes[m * s.G * s.p * s.gw];
@@ -1600,13 +1709,18 @@ PK_TARGET_AVX512 void quantize_act_planes_avx512(const void* x, pk::DType dt, in
   };
   const float inf = std::numeric_limits<float>::infinity();
   __m512 vlo = _mm512_set1_ps(inf), vhi = _mm512_set1_ps(-inf);
+  __m512d vsum0 = _mm512_setzero_pd(), vsum1 = _mm512_setzero_pd();
   __mmask16 bad = 0;
+  std::vector<float> xr(K + 16);  // the row in fp32, for the fit's passes
   for (int64_t k = 0; k < K; k += 16) {
     const __mmask16 mk = lanes(K - k);
-    const __m512 v = load16_f32(x, dt, m * K + k, mk);
+    const __m512 v = load16_f32(x, dt, m * K + k, mk);  // zeros past K
+    _mm512_storeu_ps(&xr[k], v);
     bad |= _mm512_mask_fpclass_ps_mask(mk, v, 0x99);  // QNaN | +inf | -inf | SNaN
     vlo = _mm512_mask_min_ps(vlo, mk, vlo, v);
     vhi = _mm512_mask_max_ps(vhi, mk, vhi, v);
+    vsum0 = _mm512_add_pd(vsum0, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+    vsum1 = _mm512_add_pd(vsum1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
   }
   if (bad || K == 0) {
     A.bad[m] = bad != 0;
@@ -1616,22 +1730,22 @@ PK_TARGET_AVX512 void quantize_act_planes_avx512(const void* x, pk::DType dt, in
     return;
   }
   const float lo = _mm512_reduce_min_ps(vlo), hi = _mm512_reduce_max_ps(vhi);
-  double sa = ((double)hi - (double)lo) / qmax;
-  if (!(sa > 0)) sa = 1.0;
+  double sa, ma;
+  fit_act(xr.data(), K, s.p, lo, hi, _mm512_reduce_add_pd(_mm512_add_pd(vsum0, vsum1)), eval, sa, ma);
   A.sa[m] = sa;
-  A.ma[m] = lo;
-  const __m512d dlo = _mm512_set1_pd((double)lo), dsa = _mm512_set1_pd(sa);
-  const __m512i vq = _mm512_set1_epi32(qmax), zero = _mm512_setzero_si512();
+  A.ma[m] = ma;
+  const __m512d dma = _mm512_set1_pd(ma), dsa = _mm512_set1_pd(sa), dq = _mm512_set1_pd((double)qmax);
+  const __m512i zero = _mm512_setzero_si512();
   for (int64_t g = 0; g < s.G; ++g) {
     const int64_t k0 = g * s.gsize, k1 = std::min(K, k0 + s.gsize);
     __m512i us = zero;
     for (int64_t k = k0; k < k1; k += 16) {
       const __mmask16 mk = lanes(k1 - k);
-      const __m512 v = load16_f32(x, dt, m * K + k, mk);
+      const __m512 v = _mm512_maskz_loadu_ps(mk, &xr[k]);
       const __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-      __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(bs_codes8(_mm512_castps512_ps256(v), dlo, dsa)),
-                                     bs_codes8(upper, dlo, dsa), 1);
-      u = _mm512_maskz_mov_epi32(mk, _mm512_min_epi32(vq, _mm512_max_epi32(zero, u)));  // lanes past k1: 0
+      __m512i u = _mm512_inserti64x4(_mm512_castsi256_si512(bs_codes8(_mm512_castps512_ps256(v), dma, dsa, dq)),
+                                     bs_codes8(upper, dma, dsa, dq), 1);
+      u = _mm512_maskz_mov_epi32(mk, u);  // lanes past k1: 0
       us = _mm512_add_epi32(us, u);
       if (keep_codes) _mm_mask_storeu_epi8(&A.codes[m * K + k], mk, _mm512_cvtepi32_epi8(u));
       const int64_t t = k - k0;
@@ -1671,11 +1785,15 @@ void bitserial_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, int act_bits
   if (act_codes) A.codes.assign(M * K, 0);
   py::gil_scoped_release release;
   const void* xp = reinterpret_cast<const void*>(x);
-  void (*quantize_fn)(const void*, pk::DType, int64_t, const BsShape&, ActPlanes&, bool) = quantize_act_planes;
+  void (*quantize_fn)(const void*, pk::DType, int64_t, const BsShape&, ActPlanes&, bool, ActEvalFn) =
+      quantize_act_planes;
+  ActEvalFn eval = act_eval_portable;
 #if PK_X86
   if (mode == 3 && pk::cpu_has_avx512() && (s.G == 1 || s.gsize % 16 == 0)) quantize_fn = quantize_act_planes_avx512;
+  if (mode >= 1 && pk::cpu_has_avx2()) eval = act_eval_avx2;
+  if (mode == 3 && pk::cpu_has_avx512()) eval = act_eval_avx512;
 #endif
-  for (int64_t m = 0; m < M; ++m) quantize_fn(xp, xdt, m, s, A, act_codes != 0);
+  for (int64_t m = 0; m < M; ++m) quantize_fn(xp, xdt, m, s, A, act_codes != 0, eval);
   if (act_codes && M * K > 0) std::memcpy(reinterpret_cast<void*>(act_codes), A.codes.data(), M * K);
   const uint64_t* W = reinterpret_cast<const uint64_t*>(wplanes);
   const float* sc = reinterpret_cast<const float*>(scales);

@@ -285,8 +285,9 @@ def _check_x(x: torch.Tensor, N: int, K: int, where: str = "") -> None:
 
 def qmatmul(x, qw: QuantizedWeight, bias=None, *, act_bits: Optional[int] = None, backend: str = "auto"):
     """y = x @ W.T (+ bias) with W the quantized weight [N, K]; x [..., K] float32/bfloat16/float16,
-    y [..., N] of x's dtype. act_bits in 1..8 also quantizes x per token (bipolar-INT) and runs the
-    bit-serial product (p x q one-bit GEMMs); a token holding NaN or +-inf has no quantization scale, and
+    y [..., N] of x's dtype. act_bits in 1..8 also quantizes x per token (bipolar-INT, the token's scale
+    and offset fitted for least squared error: _format.act_fit) and runs the bit-serial product (p x q
+    one-bit GEMMs); a token holding NaN or +-inf has no quantization scale, and
     its whole output row is NaN on that path (the weight-only path gives what torch's matmul gives).
 
     Accuracy of the weight-only CPU path: on CPUs with AMX-BF16 (Sapphire Rapids and newer), bf16

@@ -179,6 +179,57 @@ def _bipolar_fit(wg: torch.Tensor, real: torch.Tensor, qmax: int, rounds: int = 
     return state[0], state[1], state[2]
 
 
+ACT_FIT_ROUNDS = 2  # Lloyd rounds from each start (kActFitRounds in csrc/qgemm/qgemm_act_fit.h)
+
+
+def act_fit(x: torch.Tensor, bits: int):
+    """Per-token scale and offset of the activations for act_bits (A ~ sa * u + ma, u = clamp(round((x - ma)
+    / sa), 0, 2^bits - 1)), least squared error: the reference the CPU and CUDA kernels follow (the same
+    stages in csrc/qgemm/qgemm_act_fit.h) and what the Triton path runs. x: [M, K] float64, finite rows,
+    K > 0; returns (sa, ma) float64 [M].
+
+    The per-token range alone (sa = (max - min) / (2^bits - 1), ma = min) put 1-bit activations at {min, max}:
+    a relative error of 2.9 on Gaussian tokens, 9.7 on heavy-tailed ones (Student t, 3 dof): worse than
+    zeros (audit). Two chains, each a start and ACT_FIT_ROUNDS rounds of Lloyd's algorithm on the uniform
+    grid (the least-squares line through the codes, then each value's nearest code): from the range, and
+    from the Gaussian optimum for the token's mean and deviation; the lowest squared error of all is kept,
+    so never worse than the range. Gaussian tokens: 1 bit 0.60, 2 bits 0.35 (was 0.71), 4 bits 0.108
+    (0.140), 8 bits unchanged. (The passes scale by the reciprocal of sa, where the codes divide: they
+    only choose between candidates.)"""
+    K = x.shape[1]
+    qmax = (1 << bits) - 1
+    lo, hi = x.amin(1), x.amax(1)
+    mean = x.sum(1) / K
+    dev = x - mean[:, None]
+    ones = torch.ones_like(lo)
+
+    def evaluate(s, m):  # (squared error, sum u, sum u^2, sum u (x - mean)) of the codes of (s, m)
+        u = torch.round(torch.clamp((x - m[:, None]) * (1.0 / s)[:, None], 0, qmax))
+        d = u * s[:, None] + m[:, None] - x
+        return (d * d).sum(1), u.sum(1), (u * u).sum(1), (u * dev).sum(1)
+
+    best = None
+    s_range = torch.where(hi > lo, (hi - lo) / qmax, ones)
+    s_gauss = _GAUSS_STEP[bits - 1] * torch.sqrt((dev * dev).sum(1) / K)
+    for s, m, alive in ((s_range, lo, torch.ones_like(lo, dtype=torch.bool)),
+                        (s_gauss, mean - s_gauss * (qmax * 0.5), s_gauss > 0)):
+        for round_ in range(ACT_FIT_ROUNDS + 1):
+            if round_:  # Lloyd: the least-squares line through the chain's last codes
+                _, su, suu, sux = stats
+                var_u = suu - su * (su / K)
+                alive = alive & (var_u > 0) & (sux > 0)
+                s = sux / torch.where(alive, var_u, ones)
+                m = mean - s * (su / K)
+            s, m = torch.where(alive, s, ones), torch.where(alive, m, lo)
+            stats = evaluate(s, m)
+            if best is None:
+                best = (s, m, stats[0])
+                continue
+            better = alive & (stats[0] < best[2])
+            best = tuple(torch.where(better, new, old) for new, old in zip((s, m, stats[0]), best))
+    return best[0], best[1]
+
+
 def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group_size: int,
                      dtype=torch.float32) -> torch.Tensor:
     N, K = codes.shape

@@ -147,14 +147,14 @@ def default_config(M: int, N: int, K: int, dtype=torch.float16) -> dict:
 
 
 def _act_planes(x2: torch.Tensor, p: int, group_size: int):
-    """Per-token p-bit activation quantization (A = sa * u + ma) and bit planes [M, G, p, 2*gw] int32."""
+    """Per-token p-bit activation quantization (A = sa * u + ma, sa and ma fitted: F.act_fit) and bit planes
+    [M, G, p, 2*gw] int32."""
     M, K = x2.shape
     gsize, G, gw = F.plane_geometry(K, group_size)
     xf = x2.to(torch.float64)
-    lo, hi = xf.amin(1), xf.amax(1)
-    sa = (hi - lo) / ((1 << p) - 1)
-    sa = torch.where(sa > 0, sa, torch.ones_like(sa))
-    u = torch.clamp(torch.round((xf - lo[:, None]) / sa[:, None]), 0, (1 << p) - 1).to(torch.int32)
+    bad = ~torch.isfinite(xf).all(1)
+    sa, ma = F.act_fit(torch.where(bad[:, None], torch.zeros_like(xf), xf), p)  # (the CPU's rows: finite)
+    u = torch.round(torch.clamp((xf - ma[:, None]) / sa[:, None], 0, (1 << p) - 1)).to(torch.int32)
     up = torch.zeros(M, G * gsize, dtype=torch.int32, device=x2.device)
     up[:, :K] = u
     up = up.reshape(M, G, gsize)
@@ -168,9 +168,8 @@ def _act_planes(x2: torch.Tensor, p: int, group_size: int):
         lowbits = (b[..., :31] * weights).sum(-1)
         word = lowbits - (b[..., 31] << 31)  # the top bit is the int32 sign bit
         planes.append(word.to(torch.int32))
-    bad = ~torch.isfinite(xf).all(1)
     sa = torch.where(bad, torch.full_like(sa, float("nan")), sa)
-    return torch.stack(planes, 2).contiguous(), usum.contiguous(), sa.to(torch.float32), lo.to(torch.float32)
+    return torch.stack(planes, 2).contiguous(), usum.contiguous(), sa.to(torch.float32), ma.to(torch.float32)
 
 
 def qmatmul(x2, packed, scales, offsets, planes, wsum, bias, N, K, bits, group_size, act_bits, cfg):
