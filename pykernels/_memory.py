@@ -167,7 +167,10 @@ class OutputCache:
         for c in sorted(entries, key=lambda c: (not (c.moved() or c.idle()), c.tick)):
             if total <= self.limit:
                 break
-            self._by_size[c.nbytes].remove(c)
+            same = self._by_size[c.nbytes]
+            same.remove(c)
+            if not same:  # (a size's emptied list kept, every miss walked one more per size ever seen: audit)
+                del self._by_size[c.nbytes]
             total -= c.nbytes
 
     def release_idle(self):

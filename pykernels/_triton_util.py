@@ -10,9 +10,11 @@ builtins (tl.full, tl.reduce, tl.associative_scan, tl.histogram, ...) with the c
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
+import torch
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
@@ -20,6 +22,22 @@ from triton.runtime.jit import JITFunction
 def interpreting() -> bool:
     """True when Triton kernels run on CPU tensors through the interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def launches_on_input_device(launcher):
+    """Decorator for a function that launches Triton kernels on the tensors of its first argument's device.
+
+    Triton launches on the CURRENT CUDA device and that device's current stream, and accepts pointers to
+    another GPU's memory: with a tensor on cuda:1 while cuda:0 is current, a kernel ran on GPU 0 (an
+    illegal address without peer access; with it, unordered against the producers on cuda:1's stream).
+    The launcher runs with its input's device current (audit; the native modules do the same in
+    pk::GpuScope)."""
+    @functools.wraps(launcher)
+    def run(first, *args, **kwargs):
+        guard = torch.cuda.device(first.device) if first.device.type == "cuda" else contextlib.nullcontext()
+        with guard:
+            return launcher(first, *args, **kwargs)
+    return run
 
 
 @functools.lru_cache(maxsize=None)

@@ -489,6 +489,21 @@ def test_config_memo_keeps_no_answer_that_a_store_overtook(monkeypatch):
     assert len(at._CONFIG_MEMO) == 1  # undisturbed: memoized
 
 
+def test_config_memo_is_bounded(monkeypatch):
+    """Audit: the memo of config_for never shrank (qmatmul keys hold N and K exactly: ~1 KiB per weight
+    shape a process ever saw). At MAX_CONFIG_MEMO entries it starts over; answers stay the same."""
+    import pykernels.autotune as at
+
+    at.clear_memory_cache()
+    monkeypatch.setattr(at, "MAX_CONFIG_MEMO", 16)
+    first = at.config_for("sort_keys", "cpu", {"probe": 0}, torch.device("cpu"))
+    for i in range(100):
+        at.config_for("sort_keys", "cpu", {"probe": i}, torch.device("cpu"))
+        assert len(at._CONFIG_MEMO) <= 16
+    assert at.config_for("sort_keys", "cpu", {"probe": 0}, torch.device("cpu")) == first
+    at.clear_memory_cache()
+
+
 def test_a_worker_thread_the_os_refuses_gives_a_clear_error_and_the_pool_stays_usable():
     """With the address space nearly used up, starting a CPU worker thread fails: the error said only
     "Resource temporarily unavailable" (audit finding); now it names pykernels and what to do, and once
@@ -648,3 +663,34 @@ def test_environments_sharing_the_cache_dir_keep_their_own_entries(tmp_cache, mo
     assert at.lookup("sort_keys", {"dtype": "int32", "n": at.bucket(4096)}, "cpu", "cpu") is not None
     assert list(at.load_cache_file(other, check_metadata=False)) == [
         'sort_keys|cpu|{"dtype": "int32", "n": ' + str(at.bucket(70000)) + "}"]
+
+
+def test_triton_launchers_make_their_inputs_device_current(monkeypatch):
+    """Audit: Triton launches on the current CUDA device (and its stream) and accepts another GPU's
+    pointers, so a tensor on cuda:1 with cuda:0 current ran on GPU 0. Every launcher of the op families'
+    Triton kernels runs with its first tensor's device current; CPU tensors (the interpreter) untouched."""
+    pytest.importorskip("triton")
+    import contextlib
+    import types
+
+    from pykernels import _triton_util as U
+    from pykernels.attention import _triton as attention_triton
+    from pykernels.quant import _triton as quant_triton
+    from pykernels.sort import _triton as sort_triton
+
+    for launcher in (attention_triton.forward, attention_triton.backward, quant_triton.qmatmul,
+                     sort_triton.radix_sort_encoded):
+        assert getattr(launcher, "__wrapped__", None) is not None, launcher.__name__
+    entered = []
+
+    @contextlib.contextmanager
+    def fake_device(dev):
+        entered.append(torch.device(dev))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "device", fake_device)
+    seen = []
+    launch = U.launches_on_input_device(lambda t, *a: seen.append(a) or "done")
+    assert launch(types.SimpleNamespace(device=torch.device("cuda", 1)), 7) == "done"
+    assert entered == [torch.device("cuda", 1)] and seen == [(7,)]
+    assert launch(torch.zeros(1), 8) == "done" and entered == [torch.device("cuda", 1)]

@@ -91,3 +91,57 @@ def test_triton_kernels_compile_for_sm90_without_spills():
         pytest.skip("no Triton kernels declare AOT_SPECS yet")
     _write_report("triton.sm_90.txt", "\n".join(out["lines"]) + "\n")
     assert not out["bad"], "Triton configs that do not fit sm_90:\n" + "\n".join(out["bad"])
+
+
+def test_hip_build_refuses_wave32_targets(tmp_path):
+    """Audit: the HIP kernels assume 64-lane wavefronts; built for RDNA (gfx1030, wave32) they compiled
+    without a word and would rank and probe with half the lanes. pk_gpu.h refuses such a target; gfx90a
+    still builds."""
+    hipcc = _require("hipcc", shutil.which("hipcc"))
+    env = dict(os.environ, HIP_PLATFORM="amd")
+    src = tmp_path / "k.hip"
+    src.write_text('#include "pk_gpu.h"\n__global__ void k(int* p) { p[threadIdx.x] = PK_WARP_SIZE; }\n')
+
+    def build(arch):
+        return subprocess.run([hipcc, f"--offload-arch={arch}", "-DPK_BUILD_HIP", f"-I{CSRC / 'common'}",
+                               "--cuda-device-only", "-S", "-x", "hip", str(src), "-o", str(tmp_path / "k.s")],
+                              capture_output=True, text=True, env=env)
+
+    res = build("gfx1030")
+    assert res.returncode != 0 and "need 64-lane wavefronts" in res.stdout + res.stderr
+    res = build("gfx90a")
+    assert res.returncode == 0, (res.stdout + res.stderr)[-2000:]
+
+
+QMATMUL_BASES_SCRIPT = r"""
+import json, sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pykernels.quant import _triton as T
+out = {}
+for spec in T.AOT_SPECS:
+    if spec.name in ("qgemm.wo[fp16,LB=4]", "qgemm.wo[bf16,LB=8]", "qgemm.bitserial") and spec.name not in out:
+        k = triton.compile(ASTSource(spec.fn, signature=spec.signature, constexprs=spec.constexprs),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+        out[spec.name] = [l.strip() for l in k.asm["ttir"].splitlines() if "tt.addptr" in l and "tensor<" not in l]
+json.dump(out, sys.stdout)
+"""
+
+
+def test_triton_qmatmul_moves_its_base_pointers_in_64_bits():
+    """Audit: Triton types the kernels' row/column indices int32, so row * N + col wrapped past 2^31 (a W4
+    LM head, N = 128256, from 16744 tokens on: rows stored 8 GiB before the output). Each kernel now moves
+    its base pointers (activations, weights, output) by the block's first row/tile as a 64-bit scalar and
+    indexes inside the block in 32 bits (sizes past that are refused): the compiled TTIR shows the scalar
+    i64 pointer moves."""
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", QMATMUL_BASES_SCRIPT], capture_output=True, text=True, env=env,
+                         cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-4000:]
+    moves = json.loads(res.stdout)
+    assert set(moves) == {"qgemm.wo[fp16,LB=4]", "qgemm.wo[bf16,LB=8]", "qgemm.bitserial"}
+    for name, bases in (("qgemm.wo[fp16,LB=4]", "XWY"), ("qgemm.wo[bf16,LB=8]", "XWY"), ("qgemm.bitserial", ("A", "Wp", "Y"))):
+        for base in bases:
+            assert any(re.search(rf"= tt\.addptr %{base}, %\S+ : !tt\.ptr<[^>]+>, i64", line) for line in moves[name]), \
+                (name, base, moves[name])

@@ -2357,6 +2357,19 @@ def test_raw_ops_check_the_arrays_they_hand_to_native_code():
         torch.ops.pykernels.hash_insert_(t._slots[:10], t._special, torch.arange(10), torch.arange(10), *args)
     with pytest.raises(ValueError, match="hash_find.*'keys'"):
         torch.ops.pykernels.hash_find(t._slots, t._special, k, t._nw, t.window, t.seed, t._kb, t._vb, 0, True, 0, 8)
+    # a slot array at a 4-byte offset (8-byte atomics on the GPU fault on it, a sticky error: audit)
+    nbytes = t._slots.numel() * t._slots.element_size()
+    shifted = torch.zeros(nbytes + 8, dtype=torch.uint8)[4:4 + nbytes]
+    assert shifted.is_contiguous() and shifted.data_ptr() % 8 == 4
+    with pytest.raises(ValueError, match="hash_insert_: expected 'slots' aligned to 8 bytes"):
+        torch.ops.pykernels.hash_insert_(shifted, t._special, torch.arange(10), torch.arange(10), *args)
+    with pytest.raises(ValueError, match="hash_find: expected 'slots' aligned to 8 bytes"):
+        torch.ops.pykernels.hash_find(shifted, t._special, torch.arange(10), t._nw, t.window, t.seed, t._kb, t._vb,
+                                      0, True, 0, 8)
+    aligned = torch.zeros(nbytes + 8, dtype=torch.uint8)[8:8 + nbytes]
+    aligned.copy_(t._slots.view(torch.uint8).reshape(-1))
+    torch.ops.pykernels.hash_find(aligned, t._special, torch.arange(10), t._nw, t.window, t.seed, t._kb, t._vb,
+                                  0, True, 0, 8)
     # arrays on another device than the table's (a meta tensor among real ones used to reach the fake
     # implementation and return garbage: fuzz finding), and an insert mode that does not exist
     keys, vals = torch.arange(10), torch.arange(10)

@@ -135,3 +135,11 @@ def test_triton_blocks_past_k_are_masked(triton_interpret, bits, K, group_size):
         y = _impl(x, qw.packed, qw.scales, qw.offsets, None, None, None, N, K, bits, group_size, 0, "triton",
                   config=cfg)
         assert_close(y, x, qw)
+
+
+def test_triton_qmatmul_refuses_sizes_past_its_32_bit_block_offsets():
+    from pykernels.quant._triton import _check_spans
+
+    _check_spans(16744, 128256, 4096, y_block=65 * 128256, scales=128256 * 32)  # the audit's LM head: fine
+    with pytest.raises(ValueError, match="backend 'triton' indexes inside a block in 32 bits.*scales"):
+        _check_spans(1, 2 ** 26, 2 ** 12, scales=2 ** 26 * 2 ** 5)

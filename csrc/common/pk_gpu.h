@@ -9,6 +9,12 @@
 #if defined(__HIP__) || defined(__HIP_PLATFORM_AMD__) || defined(PK_BUILD_HIP)
 #define PK_HIP 1
 #include <hip/hip_runtime.h>
+// The kernels' ballots, lane masks and warp-level ranking take 64 lanes; on a wave32 target (RDNA:
+// gfx10/gfx11, where HIP refuses -mwavefrontsize64) they would compile and give wrong sorts and probes
+// (audit): refused at build time.
+#if defined(__HIP_DEVICE_COMPILE__) && defined(__AMDGCN_WAVEFRONT_SIZE) && __AMDGCN_WAVEFRONT_SIZE != 64
+#error "pykernels: the HIP kernels need 64-lane wavefronts (CDNA: gfx90a, gfx94x); wave32 GPUs (RDNA) are not supported: set PYKERNELS_HIP_ARCHS to CDNA targets"
+#endif
 #define PK_WARP_SIZE 64
 typedef uint64_t pk_lane_mask_t;  // ballots are 64-bit on a 64-lane wavefront
 typedef hipStream_t pk_stream_t;

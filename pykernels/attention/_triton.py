@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from .._triton_util import ADD as _ADD, MAX as _MAX, interpreting as _interpreting, kernel as _kernel
+from .._triton_util import launches_on_input_device
 from ..triton_aot import AotSpec
 from . import _triton_configs as cfgs
 
@@ -272,6 +273,7 @@ def _launch_opts(cfg, kernel: str = ""):
     return {"num_warps": int(warps), "num_stages": int(cfg["num_stages"])}
 
 
+@launches_on_input_device
 def forward(q, k, v, causal: bool, scale: float, cfg: dict):
     _check(q, k)
     B, H, SQ, D = q.shape
@@ -292,6 +294,7 @@ def forward(q, k, v, causal: bool, scale: float, cfg: dict):
     return out, lse
 
 
+@launches_on_input_device
 def backward(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, cfg: dict):
     _check(q, k)
     B, H, SQ, D = q.shape

@@ -350,6 +350,9 @@ def lookup(op: str, key: dict, device, backend: Optional[str] = None) -> Optiona
 
 
 _CONFIG_MEMO: dict = {}  # (op, backend, frozen key, device id, enabled, switches) -> config; cleared on every store
+# and when full (audit: qmatmul's key holds N and K exactly, so a process quantizing ever new weight shapes
+# grew it ~1 KiB per shape without end; the ops' own plan caches have the same bound)
+MAX_CONFIG_MEMO = 4096
 _GENERATION = 0  # bumped by every store and every clear_memory_cache()
 # The environment switches that ops' default configs read (SIMD tiers, the Triton interpreter). They are
 # part of every memo of a config, so that a default made under one setting is not reused under another
@@ -427,6 +430,8 @@ def config_for(op: str, backend: str, key: dict, device) -> dict:
             # memoized only if no store came in since the lookup: else this (older) answer would stay in
             # the memo the store had just cleared, and every later call would get it (review finding)
             if _GENERATION == gen:
+                if len(_CONFIG_MEMO) >= MAX_CONFIG_MEMO:  # a process seeing ever new shapes: start over
+                    _CONFIG_MEMO.clear()
                 _CONFIG_MEMO[memo_key] = config
     return dict(config)
 

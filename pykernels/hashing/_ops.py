@@ -77,6 +77,12 @@ def _check_table_args(op: str, slots: torch.Tensor, keys: torch.Tensor, values: 
     if not slots.is_contiguous() or slots.numel() * slots.element_size() < need:
         raise ValueError(f"pykernels.{op}: expected 'slots' a contiguous tensor of at least {need} bytes for "
                          f"nw={nw}, window={window}, got {slots.numel() * slots.element_size()} bytes")
+    # slots are read and CAS'd as whole aligned words (8-byte atomics on the GPU: a misaligned one is a
+    # sticky error that ends the CUDA context; audit): a view at an odd offset is refused
+    align = min(8, slot_bytes(kb, vb))
+    if slots.numel() and slots.data_ptr() % align:
+        raise ValueError(f"pykernels.{op}: expected 'slots' aligned to {align} bytes (the slot's words), got an "
+                         f"address {slots.data_ptr() % align} bytes past it (a view at an offset?)")
     for name, t, size in (("keys", keys, kb), ("values", values, vb)):
         if t is None or t.numel() == 0:
             continue

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._triton_util import kernel as _kernel
+from .._triton_util import kernel as _kernel, launches_on_input_device
 from ..triton_aot import AotSpec
 from . import _format as F
 
@@ -31,12 +31,22 @@ def _wo_kernel(X, W, S, O, Bias, Y, M, N, K, G, GSIZE, NB, stride_xm,
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # The block's first row/tile moves each base pointer in 64 bits; offsets inside the block stay 32-bit
+    # (_check_sizes bounds them). Triton types these indices int32, so a whole row * N + col wrapped past
+    # 2^31 (audit: a W4 LM head, N = 128256, from 16744 tokens on stored rows 8 GiB before the output);
+    # all-int64 index tensors spilled registers in the larger tiles.
+    m0 = pid_m * BLOCK_M
+    lm = tl.arange(0, BLOCK_M)
+    ln = tl.arange(0, BLOCK_N)
+    rm = m0 + lm
+    rn = pid_n * BLOCK_N + ln
     mask_m = rm < M
     mask_n = rn < N
-    tile = rn // 4
-    row = rn % 4
+    lt = ln // 4  # the row tile within the block's BLOCK_N / 4 tiles
+    row = ln % 4
+    X = X + m0.to(tl.int64) * stride_xm
+    W = W + (pid_n * (BLOCK_N // 4)).to(tl.int64) * NB * (4 * 4 * LB)  # a tile: NB blocks of 4 rows x 4*LB bytes
+    Y = Y + m0.to(tl.int64) * N
     # tl.zeros / tl.cdiv are themselves jit functions, which the interpreter cannot call when triton was
     # imported before TRITON_INTERPRET=1 was set: core builtins (tl.full, //) only.
     acc = tl.full((BLOCK_M, BLOCK_N), 0, tl.float32)
@@ -48,16 +58,16 @@ def _wo_kernel(X, W, S, O, Bias, Y, M, N, K, G, GSIZE, NB, stride_xm,
         k0 = step * BLOCK_K
         rk = k0 + tl.arange(0, BLOCK_K)
         mask_k = rk < K
-        x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        x = tl.load(X + lm[:, None] * stride_xm + rk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         blk = rk // 32
         j = rk % 32
         wmask = mask_k[:, None] & mask_n[None, :]
         if LB == 4:
-            addr = ((tile[None, :] * NB + blk[:, None]) * 4 + row[None, :]) * 16 + (j % 16)[:, None]
+            addr = ((lt[None, :] * NB + blk[:, None]) * 4 + row[None, :]) * 16 + (j % 16)[:, None]
             byte = tl.load(W + addr, mask=wmask, other=0).to(tl.int32)
             u = (byte >> ((j // 16) * 4)[:, None]) & 0xF
         else:
-            addr = ((tile[None, :] * NB + blk[:, None]) * 4 + row[None, :]) * 32 + j[:, None]
+            addr = ((lt[None, :] * NB + blk[:, None]) * 4 + row[None, :]) * 32 + j[:, None]
             u = tl.load(W + addr, mask=wmask, other=0).to(tl.int32)
         g = k0 // GSIZE  # BLOCK_K divides the group size (or there is one group): one scale per step
         s = tl.load(S + rn * G + g, mask=mask_n, other=0.0)
@@ -75,7 +85,7 @@ def _wo_kernel(X, W, S, O, Bias, Y, M, N, K, G, GSIZE, NB, stride_xm,
         # added once, by the first K split: a select, not a product with 0 (inf * 0 made an inf bias NaN
         # in every other split; review finding)
         acc += tl.where(pid_k == 0, b, 0.0)[None, :]
-    ptrs = Y + rm[:, None] * N + rn[None, :]
+    ptrs = Y + lm[:, None] * N + rn[None, :]
     omask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
         tl.store(ptrs, acc, mask=omask)
@@ -87,12 +97,19 @@ def _bs_kernel(A, Wp, S, O, WS, US, SA, MA, Bias, Y, M, N, K, G, GSIZE, GW2, P, 
                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m0 = pid_m * BLOCK_M
+    lm = tl.arange(0, BLOCK_M)
+    ln = tl.arange(0, BLOCK_N)
+    rm = m0 + lm
+    rn = pid_n * BLOCK_N + ln
     mask_m = rm < M
     mask_n = rn < N
-    tile = rn // 4
-    row = rn % 4
+    lt = ln // 4
+    row = ln % 4
+    # 64-bit block bases, 32-bit offsets inside the block (as in _wo_kernel)
+    A = A + m0.to(tl.int64) * G * P * GW2
+    Wp = Wp + (pid_n * (BLOCK_N // 4)).to(tl.int64) * G * Q * GW2 * 4
+    Y = Y + m0.to(tl.int64) * N
     sa = tl.load(SA + rm, mask=mask_m, other=1.0)
     ma = tl.load(MA + rm, mask=mask_m, other=0.0)
     acc = tl.full((BLOCK_M, BLOCK_N), 0, tl.float32)
@@ -103,8 +120,8 @@ def _bs_kernel(A, Wp, S, O, WS, US, SA, MA, Bias, Y, M, N, K, G, GSIZE, GW2, P, 
             for jb in range(Q):
                 cnt = tl.full((BLOCK_M, BLOCK_N), 0, tl.int32)
                 for w in range(GW2):
-                    a = tl.load(A + ((rm * G + g) * P + i) * GW2 + w, mask=mask_m, other=0).to(tl.uint32, bitcast=True)
-                    waddr = ((((tile * G + g) * Q + jb) * (GW2 // 2) + w // 2) * 4 + row) * 2 + w % 2
+                    a = tl.load(A + ((lm * G + g) * P + i) * GW2 + w, mask=mask_m, other=0).to(tl.uint32, bitcast=True)
+                    waddr = ((((lt * G + g) * Q + jb) * (GW2 // 2) + w // 2) * 4 + row) * 2 + w % 2
                     wv = tl.load(Wp + waddr, mask=mask_n, other=0).to(tl.uint32, bitcast=True)
                     v = a[:, None] & wv[None, :]
                     # SWAR popcount of uint32 lanes (Hacker's Delight 5-2)
@@ -123,7 +140,7 @@ def _bs_kernel(A, Wp, S, O, WS, US, SA, MA, Bias, Y, M, N, K, G, GSIZE, GW2, P, 
             + ma[:, None] * (s * uw)[None, :] + (ma[:, None] * m[None, :]) * length
     if HAS_BIAS:
         acc += tl.load(Bias + rn, mask=mask_n, other=0.0)[None, :]
-    tl.store(Y + rm[:, None] * N + rn[None, :], acc, mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(Y + lm[:, None] * N + rn[None, :], acc, mask=mask_m[:, None] & mask_n[None, :])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -172,6 +189,17 @@ def _act_planes(x2: torch.Tensor, p: int, group_size: int):
     return torch.stack(planes, 2).contiguous(), usum.contiguous(), sa.to(torch.float32), ma.to(torch.float32)
 
 
+def _check_spans(M: int, N: int, K: int, **spans: int):
+    """The kernels move each base pointer by the block's first row/tile in 64 bits and index inside a
+    block in 32 bits (and the scales by n * G + g, the token sums by m * G + g): each such span (the
+    largest offset + 1) must fit."""
+    too_big = [name for name, span in spans.items() if span >= 2 ** 31]
+    if too_big:
+        raise ValueError(f"pykernels.qmatmul: backend 'triton' indexes inside a block in 32 bits; M={M}, N={N}, "
+                         f"K={K} exceed it ({', '.join(too_big)}): use backend='cuda' or 'cpu'")
+
+
+@launches_on_input_device
 def qmatmul(x2, packed, scales, offsets, planes, wsum, bias, N, K, bits, group_size, act_bits, cfg):
     M = x2.shape[0]
     gsize, G = F.group_geometry(K, group_size)
@@ -182,6 +210,8 @@ def qmatmul(x2, packed, scales, offsets, planes, wsum, bias, N, K, bits, group_s
         _, _, gw = F.plane_geometry(K, group_size)
         bm, bn = int(cfg.get("BLOCK_M", 16)), int(cfg.get("BLOCK_N", 32))
         grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
+        _check_spans(M, N, K, y_block=(bm + 1) * N, scales=N * G, token_sums=M * G,
+                     act_block=(bm + 1) * a_planes[:1].numel(), weight_tile=(bn // 4 + 1) * G * bits * 8 * gw)
         _kernel(_bs_kernel)[grid](a_planes, planes.view(torch.int32), scales, offsets, wsum, usum, sa, ma, b, y,
                                   M, N, K, G, gsize, 2 * gw, act_bits, bits, HAS_BIAS=bias is not None,
                                   BLOCK_M=bm, BLOCK_N=bn)
@@ -192,6 +222,8 @@ def qmatmul(x2, packed, scales, offsets, planes, wsum, bias, N, K, bits, group_s
     if G > 1 and gsize % bk:
         bk = 32
     NB = F.round_up(max(K, 1), F.K_BLOCK) // F.K_BLOCK
+    _check_spans(M, N, K, y_block=(c["BLOCK_M"] + 1) * N, x_block=(c["BLOCK_M"] + 1) * max(x2.stride(0), K),
+                 scales=N * G, weight_tile=(c["BLOCK_N"] // 4 + 1) * NB * 128)
     grid = (triton.cdiv(M, c["BLOCK_M"]), triton.cdiv(N, c["BLOCK_N"]), c["SPLIT_K"])
     kw = {} if x2.device.type == "cpu" else {"num_warps": c["num_warps"], "num_stages": c["num_stages"]}
     _kernel(_wo_kernel)[grid](x2, packed, scales, offsets, b, y, M, N, K, G, gsize, NB, x2.stride(0),

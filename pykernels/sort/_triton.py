@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from .._triton_util import ADD, MIN, interpreting, kernel
+from .._triton_util import ADD, MIN, interpreting, kernel, launches_on_input_device
 from ..triton_aot import AotSpec
 from ._encode import encode, take as _take
 
@@ -129,6 +129,7 @@ def _check_n(n: int):
                          f"indices), got {n}; use backend='cuda' (chunks larger inputs) or 'cpu'")
 
 
+@launches_on_input_device
 def radix_sort_encoded(enc: torch.Tensor, idx: torch.Tensor, begin_bit: int, end_bit: int, block: int = 0):
     """Stable LSD sort of encoded keys `enc` (int32/int64 bit patterns) carrying int32 `idx`, on bits
     [begin_bit, end_bit). Returns (keys, idx) sorted."""
