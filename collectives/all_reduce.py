@@ -804,7 +804,8 @@ class _Runner:
             self.submit(lambda: None).wait()
 
 
-_RUNNERS: dict = register({}, _STATE_LOCK, lambda runner: runner.close())
+# order -1: a destroyed group's runner ends before the level sub-groups its queued calls use go
+_RUNNERS: dict = register({}, _STATE_LOCK, lambda runner: runner.close(), order=-1)
 
 
 def _runner(group) -> _Runner:

@@ -18,11 +18,17 @@ import torch
 import torch.distributed as dist
 
 from ._allreduce_algos import Comm
-from ._group_state import note_use, register
+from ._group_state import destroy_group, note_use, register
 
 _LOCK = threading.RLock()
 _DETECTED: dict = register({}, _LOCK)  # group -> Topology
 _LEVELS: dict = register({}, _LOCK)    # (group, sizes, ranks) -> [Comm per level]
+# (group, sizes, ranks) -> the level sub-groups comms() made for it (those this rank is in), destroyed
+# with the group (their shared-memory segments are released in the same pass, _group_state). Their
+# names are torch's global count (new_group without use_local_synchronization, which every rank of the
+# world enters): never reused while the default group lives, so the next group's sub-groups cannot
+# find a destroyed one's addresses in the store.
+_SUBGROUPS: dict = register({}, _LOCK, lambda groups: [destroy_group(g) for g in groups], order=1)
 
 
 def _default_group(group, op: str = "collectives.all_reduce", member: bool = False):
@@ -200,7 +206,7 @@ class Topology:
         me = dist.get_rank(group)
         pos = self.ranks.index(me)
         whole = p == dist.get_world_size()
-        out = []
+        out, made = [], []
         for level, s in enumerate(self.sizes):
             members = self.members(pos, level)
             mine = members.index(pos)
@@ -215,12 +221,15 @@ class Topology:
                     g = dist.new_group(ranks, timeout=timeout)
                     if base == members[0]:
                         sub = g
+                        made.append(g)
                 sub_ranks = [dist.get_group_rank(sub, dist.get_global_rank(group, r)) for r in granks]
                 out.append(Comm(sub, sub_ranks, mine, native_ok=True))
             else:
                 out.append(Comm(group, granks, mine, native_ok=(s == 1)))
         with _LOCK:
             _LEVELS[key] = out
+            if made:
+                _SUBGROUPS[key] = made
         return out
 
     def _level_bases(self, level: int) -> list[int]:

@@ -1326,6 +1326,58 @@ def chk_destroyed_group_released_from_every_cache():
     return alive() is None
 
 
+
+def _held():
+    """(process groups torch holds, /dev/shm segments this process maps, open fds)."""
+    with open("/proc/self/maps") as f:
+        segs = sum(1 for line in f if "pykernels-allreduce" in line)
+    return len(dist.distributed_c10d._world.pg_map), segs, len(os.listdir("/proc/self/fd"))
+
+
+def chk_destroyed_groups_sub_groups_destroyed(cycles):
+    """new_group -> hierarchical all-reduce (level sub-groups, a /dev/shm segment for the inner one) ->
+    destroy, again and again: what all_reduce made for a group goes with it. Its level sub-groups had
+    stayed registered with torch with their segment mapped: +2 groups, 11 fds and 16 MiB per rank and
+    cycle (audit). Every other cycle rank 0 releases at once (the first use of a spare group) while the
+    others still hold the destroyed group's sub-groups for a while: the next cycle must still connect."""
+    import gc
+
+    from collectives import _group_state
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    _group_state.release_destroyed()
+    gc.collect()
+    base = _held()
+    spare = dist.new_group(list(range(world)), timeout=timedelta(seconds=10))
+    held = []
+    for i in range(cycles):
+        g = dist.new_group(list(range(world)), timeout=timedelta(seconds=10))
+        x = torch.full((3000,), float(rank + 1))
+        work = collectives.all_reduce(x, group=g, algorithm="hierarchical", topology=[2, world // 2],
+                                      async_op=bool(i % 2))
+        if i % 2:
+            work.wait()
+        assert torch.all(x == world * (world + 1) / 2), (i, x[:4])
+        dist.destroy_process_group(g)
+        if i % 2:
+            if rank == 0:
+                _group_state.note_use(spare)  # spare's first use releases g's sub-groups on rank 0 only
+                _group_state._SEEN.pop(spare)
+            else:
+                time.sleep(0.2)
+        held.append(_held())
+    dist.destroy_process_group(spare)
+    y = torch.ones(10)
+    h = dist.new_group(list(range(world)), timeout=timedelta(seconds=10))
+    collectives.all_reduce(y, group=h, algorithm="ring")  # h's first use releases the last cycle's
+    assert torch.all(y == world)
+    dist.destroy_process_group(h)
+    del g, h, work  # a destroyed group's sockets close when its last reference goes
+    _group_state.release_destroyed()
+    gc.collect()
+    return base, held, _held()
+
+
 def test_world_4_shared_memory(clusters):
     c = clusters(4)
     # 2 MiB slots on 4 ranks: 600_000 fp32 (2.4 MB) is two chunks, 1_100_003 float64 five
@@ -1356,6 +1408,21 @@ def test_world_4_shared_memory(clusters):
         c.run("chk_async", algo)
         c.run("chk_async_then_callers_own_collectives", algo, timeout=90)
         c.run("chk_grad_and_inference_tensors", algo)
+
+
+
+def test_world_4_destroyed_groups_leave_no_sub_groups(clusters):
+    """A destroyed group's level sub-groups and their segment are destroyed too (see the check): the
+    groups, segments and fds a rank holds stay flat over the cycles and come back to where they were."""
+    c = clusters(4)
+    for rank, (base, held, end) in enumerate(c.run("chk_destroyed_groups_sub_groups_destroyed", 6, timeout=90)):
+        # after a cycle the last group's sub-groups and segment are still held until the next group's
+        # first use (and rank 0's every other cycle, already released): no growth from cycle to cycle
+        groups, segs, fds = zip(*held)
+        assert max(groups) <= base[0] + 3, (rank, base, held)  # + spare + the last group's 2 sub-groups
+        assert max(segs) <= base[1] + 1, (rank, base, held)
+        assert fds[-1] <= fds[1] + 2, (rank, held)
+        assert end[:2] == base[:2], (rank, base, held, end)  # (fds: the first cycle opens a few for good)
 
 
 def test_world_3_shared_memory_late_rank(clusters):
