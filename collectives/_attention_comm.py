@@ -3,6 +3,7 @@ batches cut into pieces, the cross-rank input check, and the second group TokenR
 from __future__ import annotations
 
 import hashlib
+import inspect
 import struct
 import threading
 import zlib
@@ -11,7 +12,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ._group_state import note_use, register
+from ._group_state import destroy_group, note_use, register
 
 # gloo: one large two-way exchange runs at about half speed, ~1 MiB pieces restore it (FIELD_NOTES).
 # NCCL pipelines large messages itself, so pieces are only cut for other backends.
@@ -153,13 +154,50 @@ def float_bits(x: float) -> int:
 
 
 # TokenRing sends Q and the returning partials on two process groups so both directions are in flight
-# at once (separate gloo contexts / NCCL communicators). The second group is made once per group.
+# at once (separate gloo contexts / NCCL communicators). The second group is made once per group and
+# destroyed with it (_group_state: a gloo group is left to torch otherwise, 5 fds and 3 threads each;
+# audit). Its name is the user's group's name plus _SECOND_SUFFIX: the same on every rank whatever each
+# has made or released before, and as unique as torch's own names. new_group(use_local_synchronization=
+# True), used before, names a group by its ranks and the number of groups this process holds, which
+# repeats once groups are destroyed (plain torch: the second new/destroy cycle of such a group timed out
+# in all_reduce) and differs between ranks that release at different times: the next second group of
+# the same ranks took a destroyed one's name, read its gloo addresses from the store and failed to
+# connect or hung (4 of 6 runs; review finding).
 _SECOND_LOCK = threading.Lock()
-# A destroyed group's entry is dropped (see _group_state), its second group left registered with torch, as
-# before: destroying it let the next second group of the same ranks take its name (new_group with
-# use_local_synchronization names a group by its ranks and the count of groups), read the old group's
-# gloo addresses from the store and fail to connect (review finding).
-_SECOND: Dict[object, object] = register({}, _SECOND_LOCK)
+_SECOND_SUFFIX = ":pykernels-token-ring-back"
+_SECOND: Dict[object, object] = register({}, _SECOND_LOCK, lambda pg: _release_second(pg), order=1)
+
+
+def _release_second(pg) -> None:
+    # only a group of ours by name: one made by new_group (the fallback below) is left to torch, as its
+    # name may come back
+    if str(getattr(pg, "group_name", "")).endswith(_SECOND_SUFFIX):
+        destroy_group(pg)
+
+
+def _new_named_group(ranks: List[int], name: str, timeout):
+    """What dist.new_group(ranks, timeout, use_local_synchronization=True) does (only the members take
+    part), with the name given; None where this torch's private helper is not the one expected."""
+    c10d = dist.distributed_c10d
+    helper = getattr(c10d, "_new_process_group_helper", None)
+    try:
+        params = inspect.signature(helper).parameters
+        default_pg = c10d._get_default_group()
+        backend, store = c10d._world.pg_map[default_pg]
+        pg_group_ranks = c10d._world.pg_group_ranks
+    except Exception:  # noqa: BLE001
+        return None
+    if not {"group_name", "timeout", "group_desc", "device_id"} <= set(params):
+        return None
+    backend = dist.Backend(backend)
+    if timeout is None:
+        timeout = c10d._get_default_timeout(backend)
+    ranks = sorted(ranks)
+    pg, _ = helper(len(ranks), ranks.index(dist.get_rank()), ranks, backend, store, name, timeout=timeout,
+                   group_desc="pykernels token_ring_attention second group",
+                   device_id=default_pg.bound_device_id)
+    pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
+    return pg
 
 
 def second_group(grp: Group):
@@ -169,11 +207,9 @@ def second_group(grp: Group):
         # that long after one rank failed mid-schedule (review finding)
         from .topology import _group_timeout
 
-        pg = grp.pg if grp.pg is not None else dist.distributed_c10d._get_default_group()
-        timeout = _group_timeout(pg)
-        if grp.pg is dist.group.WORLD:
-            second = dist.new_group(ranks=None, timeout=timeout)
-        else:
+        timeout = _group_timeout(grp.pg)
+        second = _new_named_group(list(grp.glob), f"{grp.pg.group_name}{_SECOND_SUFFIX}", timeout)
+        if second is None:
             second = dist.new_group(ranks=list(grp.glob), timeout=timeout, use_local_synchronization=True)
         with _SECOND_LOCK:  # (release_destroyed iterates the dict under it)
             _SECOND[key] = second

@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import queue
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 
@@ -415,6 +416,44 @@ def case_nan_propagates(rank, world, *, fn, layout, causal):
     return out
 
 
+
+def case_token_ring_groups_destroyed(rank, world, *, cycles):
+    """new_group -> token_ring_attention (forward and backward) -> destroy, again and again, on the
+    whole world and (3+ ranks) on a sub-group: TokenRing's second group goes with its group, so the
+    groups and fds a rank holds stay flat (it had stayed registered with torch: +1 group, 5 fds and 3
+    threads per cycle, out of fds at ulimit 1024 after ~200 cycles; audit). Every next second group of
+    the same ranks must connect: destroying them with torch's name for them (ranks + the count of groups
+    held) let the next one take a destroyed one's name and store keys and fail to connect or hang. Every
+    other cycle rank 0 releases at once while the others still hold theirs a while."""
+    from collectives import _group_state
+
+    _group_state.release_destroyed()
+    base = len(dist.distributed_c10d._world.pg_map)
+    spare = dist.new_group(list(range(world)), timeout=timedelta(seconds=10))
+    groups, fds = [], []
+    q0 = torch.randn(1, 2, 8, 4, generator=torch.Generator().manual_seed(0))
+    for i in range(cycles):
+        members = list(range(world)) if world < 3 or i % 3 else list(range(1, world))
+        g = dist.new_group(members, timeout=timedelta(seconds=10))
+        if rank in members:
+            q = q0.clone().requires_grad_(True)
+            out = token_ring_attention(q, q, q, causal=True, group=g)
+            out.sum().backward()
+            assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
+            dist.destroy_process_group(g)
+        if i % 2:
+            if rank == 0:
+                _group_state.note_use(spare)  # spare's first use releases g's second group on rank 0 only
+                _group_state._SEEN.pop(spare)
+            else:
+                time.sleep(0.2)
+        groups.append(len(dist.distributed_c10d._world.pg_map))
+        fds.append(len(os.listdir("/proc/self/fd")))
+    dist.destroy_process_group(spare)
+    _group_state.release_destroyed()
+    return base, groups, fds, len(dist.distributed_c10d._world.pg_map)
+
+
 # ------------------------------------------------------------------------------------------- tests
 CONFIGS = [("float32", 2, 4, 4, 8), ("float32", 1, 4, 1, 8),   # MHA, MQA
            ("bfloat16", 1, 4, 4, 16), ("bfloat16", 2, 6, 2, 8)]  # MHA, GQA 3:1
@@ -458,6 +497,19 @@ def test_group_checks_and_second_group_timeout(pool):
         for name in ("ring", "token"):
             for bad in ([0, 1], "world"):
                 assert f"collectives.{'ring' if name == 'ring' else 'token_ring'}_attention: expected" in out[f"{name} {bad!r}"]
+
+
+
+def test_token_ring_second_groups_destroyed_with_their_group(pool):
+    if pool.world == 1:
+        pytest.skip("needs two ranks")
+    for rank, (base, groups, fds, end) in enumerate(pool.run("case_token_ring_groups_destroyed", cycles=8,
+                                                              timeout=60)):
+        # a destroyed group's second group is held until the next group's first use (rank 0: at once,
+        # every other cycle; a sub-group's non-member: only the sub-group itself): no growth
+        assert max(groups) <= base + 2, (rank, base, groups)
+        assert fds[-1] <= fds[1] + 2, (rank, fds)
+        assert end == base, (rank, base, end)
 
 
 def test_shard_backward_with_ranks_that_disagree_raises_everywhere(pool):
