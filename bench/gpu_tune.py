@@ -3,7 +3,8 @@
     python -m bench.gpu_tune [sort_keys,sort_pairs,qmatmul,qmatmul_cuda,attention_bwd,hash_table]
 
 The cache it writes (pykernels.autotune, per device and shape) is what `python -m bench --gpu` then
-runs in the same machine session: bench/gpu_suite.sh runs it first when TUNE_SCRIPT=1. Goal shapes only
+runs in the same machine session: bench/gpu_suite.sh runs it first when TUNE_SCRIPT names the ops
+(a comma list, as above). Goal shapes only
 (2^28 uint32 keys; 8192 x 8192 W4A16 at M = 1/16/64, Triton or CUDA; the attention backward at the
 benchmark's S = 8192, bf16, 16 heads, D = 128, causal and not; the hash tables' window at 2^26 keys, where
 the insert goal was missed: uint32 keys at load 0.95, uint64 at 0.9), so it fits a short GPU lease, unlike

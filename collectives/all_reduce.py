@@ -825,7 +825,9 @@ def all_reduce(tensor, op="sum", group=None, *, topology=None, algorithm="auto",
     itself). topology: a Topology or a list of level sizes (innermost first); default
     Topology.detect(group). Returns the tensor, or an AllReduceWork with .wait() when async_op=True.
     Every rank must call it with the same numel, dtype, op and algorithm; a rank that disagrees makes
-    every rank fail with the process group's timeout (never a hang, never a wrong result). A process
+    every rank fail (never a hang, never a wrong result): at once where the call's signature is compared
+    first (shared memory, "native", so "auto" on one host), after the process group's timeout with the
+    point-to-point algorithms. A process
     outside the group leaves its tensor unchanged (with a warning), as dist.all_reduce does. max/min
     with NaN: our algorithms propagate it (torch.maximum); gloo's own ("native", which auto may run)
     can drop it.

@@ -2,8 +2,8 @@
 
 Why a cache. An op's fresh output of n bytes is not free before the op writes a byte of it: the
 kernel maps and zeroes every page on first touch. Measured on the 2-core dev VM (huge pages, so one
-fault per 2 MiB): ~4-5 GB/s, so the 48 MiB of a 4M-key sort's values and int64 indices cost ~10 ms of
-a ~20 ms sort, and a 4M-key hash lookup's 36 MiB of values and flags ~8 ms of ~30 ms. Memory a caller
+fault per 2 MiB): ~4-5 GB/s, so the 48 MiB of a 4M-key sort's values and int64 indices cost ~6 ms of
+a ~27 ms sort (~1/5; measured 27 vs 21 ms with the cache off and on), and a 4M-key hash lookup's 36 MiB of values and flags ~8 ms of ~30 ms. Memory a caller
 has dropped is still mapped: handing it out again costs nothing. This is what PyTorch's CUDA caching
 allocator does for GPU memory, here only for the large CPU outputs of pykernels' own ops.
 

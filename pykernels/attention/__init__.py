@@ -17,7 +17,8 @@ Rows that see no key at all (causal with S_q > S_k: the first S_q - S_k rows; or
 output 0, lse -inf and zero gradient (flash-attn leaves such rows undefined; SDPA gives NaN).
 
 Backends: "cpu" (aten's CPU flash kernels wrapped for bottom-right causal and GQA, or a BLAS-blocked
-implementation; the autotuner picks), "triton" (FlashAttention-2 forward and backward kernels in
+implementation, the autotuner picks; for a few query rows against a KV cache, up to 32 per KV head, the
+native flash-decoding kernel, forward only), "triton" (FlashAttention-2 forward and backward kernels in
 `_triton.py`; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). The op is registered as
 `torch.ops.pykernels.flash_attention` (+ `flash_attention_backward`) with fake implementations and
 autograd, so it works under torch.compile(fullgraph=True).

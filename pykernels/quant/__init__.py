@@ -7,7 +7,7 @@ or AVX2 integer dot products on CPU) and arbitrary-precision bit-serial bipolar-
     model = pykernels.quantize_model(model, bits=4, group_size=128, exclude=["lm_head"])
 
 Formats and layouts: pykernels/quant/_format.py. Kernels: csrc/qgemm/qgemm_cpu.cpp (CPU),
-pykernels/quant/_triton.py (Triton). The op is registered as torch.ops.pykernels.qmatmul.
+csrc/qgemm/qgemm.cu (CUDA/HIP), pykernels/quant/_triton.py (Triton). The op is registered as torch.ops.pykernels.qmatmul.
 """
 from __future__ import annotations
 

@@ -10,14 +10,16 @@ plus CUB-style keys-only, key-value and segmented sorts.
 Backends: "cpu" (csrc/sort/sort_cpu.cpp: one histogram read for all digits, then one write-combined
 scatter per 8- or 11-bit digit, trivial passes skipped; from 32K keys on two or more threads (256K on
 one; below 256K not keys spanning at most 16 bits), 32- and 64-bit keys whose top byte spreads them
-are split by the top byte of their span into 256 buckets first (unless one bucket past L2 size would
-hold more than 1/8 of the keys, all one value), each then sorted inside the cache:
+are split by the top byte of their span into 256 buckets first (by its top 11 bits into 2048 from 8M
+32-bit keys; unless one bucket past L2 size would hold more than 1/8 of the keys, all one value), each
+then sorted inside the cache:
 LSD passes, or for 64-bit keys spanning 2^32 or more a second split and insertion sorts of the small
 parts; rows and runs of equal segments of 2-1024 keys: 4-8 rows at a time, one per SIMD lane, through
 Batcher's sorting network, csrc/sort/sort_rows_simd.h; along an inner dim, the strided rows where they
 lie), "cuda" (csrc/sort/sort.cu: Onesweep proper),
-"triton" (pykernels/sort/_triton.py: the same pipeline in Triton). With backend="auto", CPU sorts of up
-to TORCH_BELOW (1024) elements are torch.sort's own (a call's fixed cost decides there). Every op is a
+"triton" (pykernels/sort/_triton.py: the same pipeline in Triton). With backend="auto", CPU sort/argsort
+and full-width sort_keys of up to TORCH_BELOW (1024) elements are torch.sort's own (a call's fixed cost
+decides there; not unsigned 16/32/64-bit keys). Every op is a
 torch.library custom op (torch.ops.pykernels.<name>) with a fake implementation, so torch.compile(fullgraph=True) works.
 
 Key dtypes: bool, uint8, int8, int16, uint16, int32, uint32, int64, uint64, float16, bfloat16, float32,
