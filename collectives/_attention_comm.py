@@ -200,6 +200,13 @@ def _new_named_group(ranks: List[int], name: str, timeout):
     return pg
 
 
+def _gloo(pg) -> bool:
+    try:
+        return dist.get_backend(pg) == "gloo"
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def second_group(grp: Group):
     key = grp.pg
     if key not in _SECOND:
@@ -208,7 +215,14 @@ def second_group(grp: Group):
         from .topology import _group_timeout
 
         timeout = _group_timeout(grp.pg)
-        second = _new_named_group(list(grp.glob), f"{grp.pg.group_name}{_SECOND_SUFFIX}", timeout)
+        second = None
+        # named (and destroyed with its group) only where destroy_group will destroy it: gloo all through;
+        # an NCCL one stays registered with torch, so a fixed name could be asked for twice (review)
+        if _gloo(grp.pg) and _gloo(dist.distributed_c10d._get_default_group()):
+            try:
+                second = _new_named_group(list(grp.glob), f"{grp.pg.group_name}{_SECOND_SUFFIX}", timeout)
+            except ValueError:  # torch: "The specified group name has already been created"
+                second = None
         if second is None:
             second = dist.new_group(ranks=list(grp.glob), timeout=timeout, use_local_synchronization=True)
         with _SECOND_LOCK:  # (release_destroyed iterates the dict under it)

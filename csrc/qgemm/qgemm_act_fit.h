@@ -13,8 +13,9 @@
 // most tokens (tests/test_quant.py).
 //
 // A caller runs the stages in order: candidate(stage) gives (s, m) or false (skip it), the caller sums
-// accumulate() over the token for it (in any order: a sum's rounding may differ between kernels, so
-// two kernels' codes can differ only where a value lies within ~1e-15 of a rounding tie), then offer().
+// accumulate() over the token for it (in any order: the sums' last bits differ between kernels; ties
+// between candidates resolve to the earlier stage (kActFitTie), and two kernels' codes can still differ
+// where a value lies within rounding of a code boundary, ~1e-15 of it), then offer().
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -103,6 +104,14 @@ PKQ_HD ActFit act_fit_begin(int bits, int64_t K, double lo, double hi, double su
   return f;
 }
 
+// Whether a fitted grid's levels m .. m + qmax s are float32 values (the GPU kernels store sa and ma in
+// fp32; a Lloyd line may reach past the token's own range: a token holding +-3.4e38 gave ma = -4e38, -inf in
+// fp32; review). The range (stage 0) is always kept, as before the fit.
+PKQ_HD bool fp32_grid(double s, double m, double qmax) {
+  const double big = 3.4028234663852886e38;
+  return s <= big && m >= -big && m <= big && m + s * qmax <= big && m + s * qmax >= -big;
+}
+
 // The stage's (s, m), or false: the stage is skipped (and so are the rest of its chain).
 PKQ_HD bool candidate(ActFit& f, int stage, double& s, double& m) {
   const double qmax = f.qmax(), n = (double)f.K;
@@ -114,7 +123,7 @@ PKQ_HD bool candidate(ActFit& f, int stage, double& s, double& m) {
   if (stage == 1 + kActFitRounds) {  // the Gaussian optimum for the token's mean and deviation
     s = gauss_step(f.bits) * sqrt(f.dev / n);
     m = f.mean - s * (qmax * 0.5);
-    return f.chain_alive = s > 0;
+    return f.chain_alive = s > 0 && fp32_grid(s, m, qmax);
   }
   if (!f.chain_alive) return false;
   // a Lloyd round: the least-squares line through the chain's last codes
@@ -123,13 +132,19 @@ PKQ_HD bool candidate(ActFit& f, int stage, double& s, double& m) {
   if (!f.chain_alive) return false;
   s = f.chain.sux / var_u;
   m = f.mean - s * (f.chain.su / n);
-  return true;
+  return f.chain_alive = fp32_grid(s, m, qmax);
 }
+
+// A candidate replaces the best only if clearly better (by more than kActFitTie of it): candidates whose
+// errors tie in exact arithmetic (integer-valued tokens, mirror-image 1-bit grids) differ in the last
+// bits of their sums, which each kernel adds in its own order; a plain `<` let the CPU tiers, CUDA and
+// torch keep different grids for the same token (review: 66 of 20000 rounded tokens at 2 bits).
+constexpr double kActFitTie = 1e-9;
 
 PKQ_HD void offer(ActFit& f, int stage, double s, double m, const ActStats& a) {
   if (stage == 0) f.dev = a.dev;
   f.chain = a;
-  if (stage == 0 || a.err < f.best.err) {
+  if (stage == 0 || a.err < f.best.err * (1.0 - kActFitTie)) {
     f.s = s;
     f.m = m;
     f.best = a;

@@ -180,6 +180,7 @@ def _bipolar_fit(wg: torch.Tensor, real: torch.Tensor, qmax: int, rounds: int = 
 
 
 ACT_FIT_ROUNDS = 2  # Lloyd rounds from each start (kActFitRounds in csrc/qgemm/qgemm_act_fit.h)
+ACT_FIT_TIE = 1e-9  # a candidate replaces the best only if better by more than this (kActFitTie)
 
 
 def act_fit(x: torch.Tensor, bits: int):
@@ -208,11 +209,18 @@ def act_fit(x: torch.Tensor, bits: int):
         d = u * s[:, None] + m[:, None] - x
         return (d * d).sum(1), u.sum(1), (u * u).sum(1), (u * dev).sum(1)
 
+    big = float(torch.finfo(torch.float32).max)
+
+    def fp32_grid(s, m):  # levels m .. m + qmax s in float32 range (fp32_grid in qgemm_act_fit.h)
+        top = m + s * qmax
+        return (s <= big) & (m >= -big) & (m <= big) & (top <= big) & (top >= -big)
+
     best = None
     s_range = torch.where(hi > lo, (hi - lo) / qmax, ones)
     s_gauss = _GAUSS_STEP[bits - 1] * torch.sqrt((dev * dev).sum(1) / K)
+    m_gauss = mean - s_gauss * (qmax * 0.5)
     for s, m, alive in ((s_range, lo, torch.ones_like(lo, dtype=torch.bool)),
-                        (s_gauss, mean - s_gauss * (qmax * 0.5), s_gauss > 0)):
+                        (s_gauss, m_gauss, (s_gauss > 0) & fp32_grid(s_gauss, m_gauss))):
         for round_ in range(ACT_FIT_ROUNDS + 1):
             if round_:  # Lloyd: the least-squares line through the chain's last codes
                 _, su, suu, sux = stats
@@ -220,12 +228,13 @@ def act_fit(x: torch.Tensor, bits: int):
                 alive = alive & (var_u > 0) & (sux > 0)
                 s = sux / torch.where(alive, var_u, ones)
                 m = mean - s * (su / K)
+                alive = alive & fp32_grid(s, m)
             s, m = torch.where(alive, s, ones), torch.where(alive, m, lo)
             stats = evaluate(s, m)
             if best is None:
                 best = (s, m, stats[0])
                 continue
-            better = alive & (stats[0] < best[2])
+            better = alive & (stats[0] < best[2] * (1 - ACT_FIT_TIE))  # clearly better (qgemm_act_fit.h)
             best = tuple(torch.where(better, new, old) for new, old in zip((s, m, stats[0]), best))
     return best[0], best[1]
 

@@ -31,6 +31,7 @@ def _wo_kernel(X, W, S, O, Bias, Y, M, N, K, G, GSIZE, NB, stride_xm,
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
+    tl.static_assert(BLOCK_N % 4 == 0)  # whole row tiles per block: the weight base below counts tiles
     # The block's first row/tile moves each base pointer in 64 bits; offsets inside the block stay 32-bit
     # (_check_sizes bounds them). Triton types these indices int32, so a whole row * N + col wrapped past
     # 2^31 (audit: a W4 LM head, N = 128256, from 16744 tokens on stored rows 8 GiB before the output);
@@ -97,6 +98,7 @@ def _bs_kernel(A, Wp, S, O, WS, US, SA, MA, Bias, Y, M, N, K, G, GSIZE, GW2, P, 
                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    tl.static_assert(BLOCK_N % 4 == 0)  # as in _wo_kernel
     m0 = pid_m * BLOCK_M
     lm = tl.arange(0, BLOCK_M)
     ln = tl.arange(0, BLOCK_N)
