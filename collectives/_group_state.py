@@ -20,6 +20,13 @@ is held only until its timeout, as by any absent rank), so each rank may release
 rank releases its groups on its own next first use of a group, only after the user destroyed the
 group they served, i.e. after this rank's last call on them returned. Other backends' groups (NCCL:
 destroying a communicator was a collective in some NCCL versions) stay registered with torch.
+
+Known limit (review): torch names a group made with new_group(use_local_synchronization=True) by its
+ranks and the number of groups the process holds. Ranks release our groups at their own next first use
+of a group, so between a destroy_process_group() and every rank's next collectives call, ranks may hold
+different numbers of groups, and such a group made then may get different names on different ranks
+(its rendezvous then times out). torch has the same fragility whenever ranks hold different groups;
+make local-synchronization groups before the destroy, or after a collectives call on every rank.
 """
 from __future__ import annotations
 
