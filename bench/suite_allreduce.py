@@ -6,6 +6,10 @@
   - as root: the multi-node emulation (tools/netns_cluster.py): 2 "nodes" x 2 ranks joined by a
     100 Mbit/s link, hierarchical vs gloo flat (goal 1.4x), and 3 nodes x 2 ranks.
 
+Every algorithm's answer is checked first, for each size, against dist.all_reduce on the same
+rank-dependent integer-valued input (exact in any summation order): an algorithm that differs on any
+rank becomes an error row and is not timed.
+
 Each measurement, as nccl-tests defines the time of a size: barrier, one untimed call, then `block`
 (3) calls back to back with no barrier between them, timed together; time = their total / block (a call
 after a call of its own kind, as in a training loop), the slowest rank's time counts (max over ranks),
@@ -85,7 +89,14 @@ def measure(sizes, algos, topology, reps, tune_first=True, budget_s=3.0, detect=
         def ours(algo):
             return lambda: collectives.all_reduce(x, algorithm=algo, topology=topo_of(algo))
 
-        fns = {GLOO: native, **{a: ours(a) for a in algos}}
+        # every algorithm's answer first, against gloo's on the same input (a speed-up of a wrong sum
+        # means nothing): integer-valued floats, so every summation order gives the same exact sum
+        wrong = _check_answers(x.numel(), algos, topo_of, nbytes)
+        if rank == 0:
+            rows.extend({"group": "allreduce", "op": f"all_reduce[{algo}]", "label": f"{p} ranks {_fmt(nbytes)}",
+                         "error": f"ResultMismatch: {why}"} for algo, why in wrong.items())
+        run_algos = [a for a in algos if a not in wrong]
+        fns = {GLOO: native, **{a: ours(a) for a in run_algos}}
         t0 = time.perf_counter()
         for _ in range(2):  # warm-up (sub-group creation, scratch pages, gloo's pair buffers)
             for k, fn in fns.items():
@@ -103,13 +114,13 @@ def measure(sizes, algos, topology, reps, tune_first=True, budget_s=3.0, detect=
         # candidates get; the confidence interval says whether a ratio below 1 is a loss or the noise
         # of 4 ranks sharing 2 cores.
         h2h = None
-        if "auto" in algos:
+        if "auto" in run_algos:
             hr, hmed, hcmed, hpaired, ht = _race({GLOO: native, "auto": fns["auto"]}, max(5, min_reps),
                                                  2 * max_reps, 2 * budget_s, block)
             h2h = {"repeats": hr, "med": hmed, "cmed": hcmed, "paired": hpaired["auto"],
                    "ci": _median_ci((ht[0] / ht[1]).tolist())}
         if rank == 0:
-            for algo in algos:
+            for algo in run_algos:
                 m, cm, pr, nrep, extra = med, cmed, paired[algo], r, {}
                 if algo == "auto" and h2h is not None:
                     m, cm, pr, nrep = h2h["med"], h2h["cmed"], h2h["paired"], h2h["repeats"]
@@ -134,6 +145,43 @@ def measure(sizes, algos, topology, reps, tune_first=True, budget_s=3.0, detect=
                     "notes": (f"auto runs {runs}; " if algo == "auto" else "") + ci_note + notes, **extra,
                 })
     return rows
+
+
+def _check_answers(numel, algos, topo_of, nbytes):
+    """{algorithm: what differs} for the algorithms whose all-reduce of a rank-dependent input differs
+    from dist.all_reduce's anywhere on any rank (every rank gets the same dict: the verdicts are summed
+    over ranks, so no rank goes on timing a candidate another dropped). Integers below 2^24 in float32:
+    exact in any order of summation, so the comparison is exact. The input is gloo's too, copied."""
+    import torch
+    import torch.distributed as dist
+
+    import collectives
+
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(1000 * rank + nbytes % 997)
+    x = torch.randint(-1000, 1001, (numel,), generator=gen).to(torch.float32)
+    ref = x.clone()
+    dist.all_reduce(ref)
+    bad = torch.zeros(len(algos), dtype=torch.float64)
+    for i, algo in enumerate(algos):
+        got = x.clone()
+        try:
+            collectives.all_reduce(got, algorithm=algo, topology=topo_of(algo))
+            bad[i] = float((got != ref).sum())
+        except Exception:  # noqa: BLE001 - a failure on one rank is a mismatch everyone agrees on
+            bad[i] = -1e18
+    verdict = bad.clone()
+    dist.all_reduce(verdict)  # differing elements over all ranks (negative: some rank raised)
+    raised = bad.clone().clamp(max=0)
+    dist.all_reduce(raised, op=dist.ReduceOp.MIN)
+    out = {}
+    for i, algo in enumerate(algos):
+        if raised[i] < 0:
+            out[algo] = "raised on some rank on a rank-dependent input"
+        elif verdict[i] > 0:
+            out[algo] = (f"{int(verdict[i])} of {numel * dist.get_world_size()} elements differ from "
+                         f"dist.all_reduce's sum (summed over ranks)")
+    return out
 
 
 def _race(fns, min_reps, max_reps, budget_s, block=3):

@@ -6,6 +6,8 @@ On CPU the W ranks share this machine's cores: the single process gets min(W, co
 rank one, so the ratio shows the schedule's overhead (communication, merging, per-block kernels) rather
 than a multi-node speed-up. Direction A is the main group (Ring: K/V and dK/dV to rank r+1; TokenRing:
 Q to rank r-1), direction B TokenRing's second group (partials back to their owners).
+Every rank's output (and dq/dk/dv) is checked first against its shard of the one-process answer (float64
+on CPU); a case that differs on any rank becomes an error row and is not timed.
 """
 from __future__ import annotations
 
@@ -59,6 +61,47 @@ def _count_bytes(fn, grp_main):
     return counts
 
 
+# relative error ||ours - reference|| / ||reference|| allowed per input dtype (the reference is float64
+# attention on CPU; on a GPU, SDPA in the input dtype: float64 scores of S=16K would not fit)
+CHECK_TOL = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
+
+
+def _reference(q, k, v, do, causal, gqa, bwd, dev):
+    """The one-process answer: (out, (dq, dk, dv) or None) of the full sequence."""
+    import torch.nn.functional as F
+
+    wide = torch.float64 if dev.type == "cpu" else q.dtype
+    qr, kr, vr = (t.detach().to(wide).requires_grad_(bwd) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(qr, kr, vr, is_causal=causal, enable_gqa=gqa)
+    if not bwd:
+        return out.detach(), None
+    out.backward(do.to(wide))
+    return out.detach(), (qr.grad, kr.grad, vr.grad)
+
+
+def _check(fn, ql, kl, vl, dol, causal, bwd, ref, shard, dtype):
+    """None when this rank's output (and, with bwd, dq/dk/dv) match the reference's shard of the
+    sequence within CHECK_TOL, else what differs."""
+    tol = CHECK_TOL[str(dtype).replace("torch.", "")]
+    qg, kg, vg = (t.detach().requires_grad_(bwd) for t in (ql, kl, vl))
+    try:
+        out = fn(qg, kg, vg, causal=causal)
+        if bwd:
+            out.backward(dol)
+    except Exception as exc:  # noqa: BLE001 - reported as the case's error
+        return f"raised {type(exc).__name__}: {exc}"
+    ref_out, ref_grads = ref
+    pairs = [("out", out.detach(), ref_out)]
+    if bwd:
+        pairs += [(n, g, r) for n, g, r in zip(("dq", "dk", "dv"), (qg.grad, kg.grad, vg.grad), ref_grads)]
+    for what, got, want in pairs:
+        want = shard(want).to(torch.float64)
+        rel = ((got.to(torch.float64) - want).norm() / want.norm().clamp_min(1e-30)).item()
+        if not rel <= tol:
+            return f"{what}: relative error {rel:.3g} to the one-process reference, at most {tol:g} expected"
+    return None
+
+
 def _measure(rank, world, dev, case, budget_s):
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -108,11 +151,23 @@ def _measure(rank, world, dev, case, budget_s):
 
     rows = []
     modes = [False, True] if case["bwd"] else [False]
+    ref = _reference(q, k, v, do, causal, hkv != h, case["bwd"], dev)
     for name, fn in (("ring", ring_attention), ("token_ring", token_ring_attention)):
         from collectives import _attention_comm as comm
 
         grp_main = comm.Group("bench", None).pg
         for bwd in modes:
+            op = f"{name}_{'fwd_bwd' if bwd else 'fwd'}"
+            # this rank's answer against the one-process reference first (a speed-up of a wrong answer
+            # means nothing); every rank learns whether any rank's differed, so all skip the timing
+            why = _check(fn, ql, kl, vl, dol, causal, bwd, ref, shard, dtype)
+            bad = torch.tensor([0.0 if why is None else 1.0])
+            dist.all_reduce(bad)
+            if bad.item() > 0:
+                if rank == 0:
+                    rows.append({"group": GROUP, "op": op, "label": f"W={world} S={s} {case['dtype']}",
+                                 "error": f"ResultMismatch: {why or 'another rank differs from the reference'}"})
+                continue
             ours, base = ours_fn(fn, bwd), base_fn(bwd)
             sent = _count_bytes(ours, grp_main)  # also the warm-up
             t_o = timed(ours, False)
@@ -136,7 +191,7 @@ def _measure(rank, world, dev, case, budget_s):
                 flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0) * (3.5 if bwd else 1.0)
                 kind = "MHA" if hkv == h else f"GQA {h}:{hkv}"
                 rows.append({
-                    "group": GROUP, "op": f"{name}_{'fwd_bwd' if bwd else 'fwd'}",
+                    "group": GROUP, "op": op,
                     "label": (f"W={world} {kind} S={s} {case['dtype']}{' causal' if causal else ''} "
                               f"MiB/step A {per_a / 2**20:.2f} B {per_b / 2**20:.2f} (mean {mean_a / 2**20:.2f}/{mean_b / 2**20:.2f})"),
                     "size": float(s), "baseline": f"SDPA 1 process ({base_threads} thr)" if dev.type == "cpu"

@@ -1016,6 +1016,33 @@ def test_bench_median_ci_brackets_the_median():
     assert _median_ci([3.0, 1.0, 2.0]) == (1.0, 3.0)
 
 
+def chk_bench_answer_check():
+    """The benchmark's answer check (bench/suite_allreduce._check_answers): an algorithm whose sum is
+    wrong on one rank only is named on every rank (so all skip timing it), the others pass."""
+    from bench import suite_allreduce as S
+
+    real = collectives.all_reduce
+    rank = dist.get_rank()
+
+    def off_by_one_on_rank_1(x, algorithm="auto", **kw):
+        out = real(x, algorithm=algorithm, **kw)
+        if algorithm == "ring" and rank == 1:
+            x[5] += 1
+        return out
+
+    collectives.all_reduce = off_by_one_on_rank_1
+    try:
+        wrong = S._check_answers(1000, ["auto", "ring", "recursive_doubling"], lambda a: None, 4096)
+    finally:
+        collectives.all_reduce = real
+    return sorted(wrong), "1 of 2000 elements" in wrong.get("ring", "")
+
+
+def test_world_2_bench_answer_check_names_a_wrong_algorithm_on_every_rank(clusters):
+    c = clusters(2)
+    assert c.run("chk_bench_answer_check") == [(["ring"], True), (["ring"], True)]
+
+
 def test_world_2_async_wait_timeout(clusters):
     c = clusters(2)
     assert c.run("chk_wait_timeout") == [(True, 2.0), (True, 2.0)]

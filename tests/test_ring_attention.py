@@ -152,6 +152,28 @@ def pool3():
 
 
 # ---------------------------------------------------------------------------- cases (on each rank)
+def case_bench_check(rank, world):
+    """The ring benchmark's answer check (bench/suite_ring_attention._check): the real op passes, an
+    output 0.1% off (or a dk 0.1% off) fails naming what differs."""
+    from bench import suite_ring_attention as S
+    from collectives import ring_attention
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(1, 2, 4 * world, 8, generator=gen) for _ in range(4))
+    shard = lambda t: shard_sequence(t, layout="zigzag").contiguous()  # noqa: E731
+    ql, kl, vl, dol = (shard(t) for t in (q, k, v, do))
+    ref = S._reference(q, k, v, do, True, False, True, torch.device("cpu"))
+
+    def scaled_out(*a, **kw):
+        return ring_attention(*a, **kw) * 1.001
+
+    def scaled_dk(qg, kg, vg, **kw):
+        return ring_attention(qg, kg + (kg - kg.detach()) * 0.001, vg, **kw)  # forward unchanged
+
+    return [S._check(fn, ql, kl, vl, dol, True, True, ref, shard, torch.float32)
+            for fn in (ring_attention, scaled_out, scaled_dk)]
+
+
 def case_attention(rank, world, *, fn, layout, causal, configs, chunk=3, seed=0, scale=None,
                    kind="randn", noncontig=False, piece_bytes=None, force_math=False, subgroup=None,
                    device="cpu", lse_grad=False):
@@ -480,6 +502,13 @@ def test_wrong_size_shard_on_one_rank_errors_everywhere(pool, fn):
         assert kinds <= {"ValueError", "TypeError"}, res
         assert all(f"collectives.{'ring' if fn == 'ring' else 'token_ring'}_attention" in m for _, m in res), res
         assert any("every rank" in m or "rank(s)" in m for _, m in res), res
+
+
+def test_bench_answer_check_fails_a_wrong_output_or_gradient(pool):
+    for ok, out_off, grad_off in pool.run("case_bench_check"):
+        assert ok is None
+        assert out_off.startswith("out: relative error")
+        assert grad_off.startswith("dk: relative error"), grad_off
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
