@@ -583,6 +583,55 @@ def test_nan_query_row_is_caught_on_every_cpu_path(sq, sk, causal):
     assert torch.isfinite(out[0, 0, : sq - 1]).all()
 
 
+@pytest.mark.parametrize("sq,sk,causal", [(40, 40, False), (32, 256, True), (4096, 8192, True)])
+def test_rows_of_all_minus_inf_scores_get_lse_minus_inf(sq, sk, causal):
+    """A row whose every score is -inf (-inf in k against a positive q; finite bf16 inputs whose fp32
+    scores overflow) has lse = log(0) = -inf and out 0, as the blocked/decode/Triton paths and the
+    float64 math: aten's kernels gave lse 0 (audit finding), which an LSE merge of key blocks (ring
+    attention) weighs as a block of total weight 1. 4096 x 8192 causal: aten splits and merges, where
+    the bad lse came out as log 2. Other heads stay exact."""
+    g = torch.Generator().manual_seed(sk)
+    q = torch.rand(1, 2, sq, 8, generator=g) + 0.1
+    k, v = torch.randn(1, 2, sk, 8, generator=g), torch.randn(1, 2, sk, 8, generator=g)
+    k[0, 0, :, 0] = float("-inf")                      # head 0: every score is -inf
+    out, lse = flash_attention(q, k, v, causal=causal, return_lse=True, backend="cpu")
+    live = slice(max(0, sq - sk), sq) if causal else slice(0, sq)
+    assert torch.isneginf(lse[0, 0]).all() and torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
+    mask = None if not causal else torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)
+    ref = torch.nn.functional.scaled_dot_product_attention(q[:, 1:].double(), k[:, 1:].double(), v[:, 1:].double(),
+                                                           attn_mask=mask)
+    torch.testing.assert_close(out[:, 1:, live].double(), ref[:, :, live], atol=2e-5, rtol=1e-4)
+    # finite inputs, scores beyond fp32 (bf16 holds 1e20): -inf in fp32 arithmetic, so -inf here too
+    qb = ((torch.rand(1, 1, 40, 8, generator=g) + 0.1) * 1e20).bfloat16()
+    kb = (-(torch.rand(1, 1, 40, 8, generator=g) + 0.1) * 1e20).bfloat16()
+    _, lb = flash_attention(qb, kb, v[:, :1, :40].bfloat16(), return_lse=True, backend="cpu")
+    assert torch.isneginf(lb).all()
+    # one key with a score of exactly 0 (a legitimate lse of 0) is recomputed and stays 0
+    _, l0 = flash_attention(torch.zeros(1, 1, 3, 8), torch.ones(1, 1, 1, 8), torch.ones(1, 1, 1, 8),
+                            return_lse=True, backend="cpu")
+    assert torch.equal(l0, torch.zeros_like(l0))
+
+
+def test_blocked_path_stays_accurate_at_large_logits():
+    """The blocked path (a NaN anywhere in q sends the whole call there) normalizes by the row sum, not
+    exp(s - lse): lse in fp32 carries ~|lse| * 6e-8 of rounding into every weight, at logits of ~1e4 a
+    1.6e-4 error in out (audit finding); now as accurate as SDPA for every other row."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.full((1, 2, 16, 8), 60.0)                # tied logits of 60 * 60 * 8 / sqrt(8) ~ 1e4
+    k = torch.full((1, 2, 16, 8), 60.0)
+    v = torch.randn(1, 2, 16, 8, generator=g)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    qn = q.clone()
+    qn[0, 1, 3, 0] = float("nan")                      # another head's row: the call goes blocked
+    for impl in ({"impl": "blocked", "chunk_elems": 64}, None):
+        if impl is None:
+            out = flash_attention(qn, k, v, backend="cpu")
+        else:
+            out, _ = _forward_impl(q, k, v, False, 1 / math.sqrt(8), "cpu", impl, inference=True)
+        err = (out[0, 0].double() - ref[0, 0]).abs().max().item()
+        assert err < 1e-6, err
+
+
 def test_cpu_overlapping_and_broadcast_q():
     """A q whose rows overlap (as_strided) or are broadcast: aten would write out with the wrong strides,
     so such a q is copied first (the result matches SDPA)."""

@@ -87,6 +87,18 @@ def test_interpreter_dead_rows_stay_zero_when_v_holds_nan(triton_interpret):
     assert torch.isnan(out[:, :, 5]).any()
 
 
+def test_interpreter_row_of_plus_inf_scores_has_lse_plus_inf(triton_interpret):
+    """A +inf score: out NaN as SDPA, and the row's log-sum-exp +inf as on the CPU paths and in the math
+    (the running sum's inf - inf had made it NaN; audit finding)."""
+    q, k, v = make(1, 1, 1, 3, 4, 8, torch.float32)
+    k = k.abs() + 0.1
+    q[0, 0, 1, 0] = float("inf")
+    out, lse = pykernels.flash_attention(q, k, v, return_lse=True, backend="triton")
+    _, lse_cpu = pykernels.flash_attention(q, k, v, return_lse=True, backend="cpu")
+    assert torch.isposinf(lse[0, 0, 1]) and torch.isposinf(lse_cpu[0, 0, 1])
+    assert torch.isnan(out[0, 0, 1]).all() and torch.isfinite(lse[0, 0, [0, 2]]).all()
+
+
 def test_interpreter_empty_and_strided(triton_interpret):
     for shape in [(0, 2, 2, 4, 4, 16), (1, 2, 1, 3, 0, 16), (1, 2, 2, 0, 5, 16)]:
         q, k, v = make(*shape, torch.float32)

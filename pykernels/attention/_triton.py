@@ -94,6 +94,8 @@ def _attn_fwd(Q, K, V, O, L,
     # a row that sees no key is 0 even when some v holds NaN/inf (its p is 0, but 0 * NaN is NaN)
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    # a +inf score makes the row's sum NaN (inf - inf), but its log-sum-exp is +inf, as on the CPU paths
+    lse = tl.where(m_i == float("inf"), float("inf"), lse)
     tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, out.to(O.dtype.element_ty),
              mask=m_ok[:, None] & d_ok[None, :])
     tl.store(L + b * slb + h * slh + offs_m * slm, lse, mask=m_ok)
