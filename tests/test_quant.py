@@ -378,6 +378,22 @@ def simd(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.parametrize("scheme,bits", [("sym", 8), ("asym", 4)])
+def test_qmatmul_tiny_weights_keep_their_precision(scheme, bits, simd):
+    """Weights of ~1e-38 and ~1e-40 (fp32 denormal scales): every tier within 2e-4 relative error of the
+    float64 product, in the GEMV (M=3) and the AVX-512 panel GEMM (M=13, 20). The AVX-512 kernels had
+    multiplied the activation and weight scales first, a product that underflowed (2% error at 1e-38,
+    all of it at 1e-40; audit finding); check_close's absolute floor of 1e-30 could not see it."""
+    g = torch.Generator().manual_seed(bits)
+    for wscale in (1e-38, 1e-40):
+        qw = pykernels.quantize(torch.randn(16, 512, generator=g) * wscale, bits, 128, scheme)
+        for M in (3, 13, 20):
+            x = torch.randn(M, 512, generator=g)
+            ref = x.double() @ qw.dequantize(torch.float64).T
+            rel = ((pykernels.qmatmul(x, qw).double() - ref).norm() / ref.norm()).item()
+            assert rel < 2e-4, (wscale, M, rel)
+
+
 @pytest.mark.parametrize("scheme,bits,group_size,N,K", [
     ("asym", 4, -1, 13, 2100),     # one group over several activation blocks (AVX-512: 1024 codes each)
     ("sym", 8, 256, 6, 800),       # the byte layout's largest AVX-512 group (and a partial last group)
@@ -1089,6 +1105,34 @@ def test_bitserial_avx512_token_chunks_match_the_portable_kernel():
         outs.append((I, y))
     assert torch.equal(outs[0][0], outs[1][0])
     assert torch.allclose(outs[0][1], outs[1][1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", [0, 2, 3])
+def test_bitserial_tokens_quantized_in_parallel_match_one_at_a_time(mode):
+    """Tokens are quantized on several threads in chunks (~16K elements: here 170 tokens of K=96, so
+    700 tokens take five chunks): the activation codes, integer sums and outputs of a batch equal those
+    of each token alone on one thread, bit for bit (rows of NaN and constant rows among them). Modes the
+    CPU lacks fall back to a tier it has (the native module caps them)."""
+    N, M, K, gs, p = 5, 700, 96, 32, 2
+    g = torch.Generator().manual_seed(11)
+    qw = pykernels.quantize(torch.randn(N, K, generator=g), 3, gs, "bipolar")
+    x = torch.randn(M, K, generator=g) * torch.rand(M, 1, generator=g) * 10
+    x[7, 3] = float("nan")
+    x[400] = 2.5
+    args = (qw.ensure_planes(), qw.scales, qw.offsets, qw.code_sums, None, N, K, 3, gs, p)
+
+    def run(rows, threads):
+        I = torch.zeros(rows.shape[0], N, K // gs, dtype=torch.int64)
+        codes = torch.zeros(rows.shape[0], K, dtype=torch.uint8)
+        cpu_bitserial(rows, *args, {"mode": mode, "threads": threads}, int_out=I, act_codes=codes)
+        y = cpu_bitserial(rows, *args, {"mode": mode, "threads": threads})
+        return I, codes, y
+
+    I, codes, y = run(x, 2)
+    for m in range(M):
+        Im, cm, ym = run(x[m:m + 1], 1)
+        assert torch.equal(I[m], Im[0]) and torch.equal(codes[m], cm[0]), m
+        assert torch.equal(y[m], ym[0]) or (y[m].isnan().all() and ym[0].isnan().all()), m
 
 
 @pytest.mark.parametrize("scheme,bits", [("asym", 4), ("sym", 3), ("bipolar", 2), ("bipolar", 1)])
