@@ -318,7 +318,15 @@ def qmatmul(x, qw: QuantizedWeight, bias=None, *, act_bits: Optional[int] = None
     kernels do not split outlier rows as the CPU does: per 32-element block they add s * sum(u * x) and
     m * sum(x), two terms that cancel for zero weights, so a row with an activation ~1e4x its others
     loses relative precision (~1e-3 at 3e4, none left at 1e9) and an inf activation gives NaN, not inf
-    (review finding, by reading; a GPU run will measure it)."""
+    (review finding, by reading; a GPU run will measure it).
+
+    Range: the AVX2/AVX-512 weight-only kernels sum in fp32 a term of the centred codes and an offset
+    term that cancel for the group's middle code; with weights near fp32's top (~1e36 and up, times
+    the sum of |x|) either term alone can overflow to inf/NaN where y itself fits (the portable tier
+    sums in float64; audit finding, left as is: no trained weights come near). The asym offset is
+    stored as m = -s * zero_point in fp32, so the zero-point code dequantizes to ~|m| * 2^-24, not
+    exactly 0 (the Triton kernel's fused u * s + m gives 0 there, so 0 * an inf activation is NaN
+    on the GPU and inf on the CPU)."""
     x = as_tensor(x, "qmatmul", "x")
     if not isinstance(qw, QuantizedWeight):
         raise TypeError(f"pykernels.qmatmul: expected a pykernels.QuantizedWeight for 'qw' "
