@@ -237,8 +237,10 @@ def _cpu_cases(quick):
 
             cases.append(Case(GROUP, "insert", label, n, make_insert, "pd.factorize", n, "inserts",
                               bytes_moved=n * (16 + 2 * 64) + 0, goal=10.0,
-                              notes="a new table each call (allocated, initialized, filled); lines/op: 1 "
-                                    "read-for-ownership + 1 writeback", check=_check_insert_vs_factorize))
+                              notes="a new table each call (allocated, initialized, filled; its slot memory "
+                                    "is the dropped previous table's, from the output cache, as a caching "
+                                    "allocator would give it); lines/op: 1 read-for-ownership + 1 writeback",
+                              check=_check_insert_vs_factorize))
             for hits in (1.0, 0.5):
                 def make_find(case, build=build, hits=hits, n=n):
                     keys, vals, t = build()

@@ -1,4 +1,5 @@
-"""Large CPU buffers: huge-page-advised allocation, and a cache of the ops' output buffers.
+"""Large CPU buffers: huge-page-advised allocation, and a cache of the ops' output buffers (and of large
+hash tables' slot arrays: huge_aligned_output).
 
 Why a cache. An op's fresh output of n bytes is not free before the op writes a byte of it: the
 kernel maps and zeroes every page on first touch. Measured on the 2-core dev VM (huge pages, so one
@@ -45,19 +46,6 @@ def advise_huge(t: torch.Tensor, nbytes: int):
         _native.cpu_module("runtime").advise_hugepages(t.data_ptr(), nbytes)
     except RuntimeError:  # no native runtime: the advice is only a hint
         pass
-
-
-def huge_buffer(nbytes: int) -> torch.Tensor:
-    """A fresh uint8 CPU tensor of nbytes. From 4 MiB on it starts on a 2 MiB boundary (a view of a
-    buffer 2 MiB larger) and is advised to use huge pages: for a hash table's slots, which random
-    probes would otherwise spread over more 4 KiB pages than the TLB holds."""
-    if nbytes < 2 * HUGE_PAGE:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
-    off = -raw.data_ptr() % HUGE_PAGE
-    out = raw[off: off + nbytes]
-    advise_huge(out, nbytes)
-    return out
 
 
 def _fresh_storage(nbytes: int) -> torch.UntypedStorage:
@@ -202,6 +190,15 @@ def empty_output(shape, dtype: torch.dtype) -> torch.Tensor:
     if len(shape) == 1 and shape[0] * dtype.itemsize < _MIN_CACHED_BYTES:  # a small call's output, ~1 us sooner
         return torch.empty(shape[0], dtype=dtype)
     return OUTPUTS.empty(tuple(shape), dtype)
+
+
+def huge_aligned_output(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor of nbytes starting on a 2 MiB boundary, on a storage of the output cache
+    (2 MiB larger; huge pages advised when the storage was made): a hash table's slots, reused once a
+    dropped table's are idle."""
+    raw = OUTPUTS.empty((nbytes + HUGE_PAGE,), torch.uint8)
+    off = -raw.data_ptr() % HUGE_PAGE
+    return raw[off: off + nbytes]
 
 
 def empty_cache():

@@ -100,6 +100,29 @@ def test_hash_lookups_through_the_cache_stay_correct():
     assert torch.equal(third, second.flip(0)) and torch.equal(found3, found2.flip(0))
 
 
+def test_a_dropped_tables_slots_serve_the_next_table_which_starts_empty():
+    """Large CPU tables take their slots from the output cache, 2 MiB-aligned: a dropped table's slots
+    serve the next table of the same size (no page faults), which starts empty; a live table's slots,
+    or a table kept alive by a view of its state, are never handed to another."""
+    keys = torch.arange(1 << 18, dtype=torch.int64) * 7919
+    t = pykernels.HashMap(1 << 20)
+    t.insert(keys, keys)
+    ptr = t._slots.data_ptr()
+    assert ptr % _memory.HUGE_PAGE == 0
+    live = pykernels.HashMap(1 << 20)                       # t alive: other memory
+    assert live._slots.data_ptr() != ptr and len(live) == 0
+    del t
+    t2 = pykernels.HashMap(1 << 20)
+    assert t2._slots.data_ptr() == ptr and len(t2) == 0    # reused, and empty
+    assert not bool(t2.contains(keys).any())
+    t2.insert(keys[:10], keys[:10] + 1)
+    held = t2._slots[:4]                                     # a view of the slots keeps them busy
+    del t2
+    t3 = pykernels.HashMap(1 << 20)
+    assert t3._slots.data_ptr() != ptr and len(t3) == 0
+    del held, t3, live
+
+
 @pytest.mark.parametrize("how", ["share_memory", "resize", "storage_resize", "numpy"])
 def test_a_moved_or_resized_storage_leaves_the_cache(how):
     """Including one exported to numpy: torch marks it non-resizable for good, and a result must stay
