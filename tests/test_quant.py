@@ -1110,10 +1110,10 @@ def test_bitserial_avx512_token_chunks_match_the_portable_kernel():
 @pytest.mark.parametrize("mode", [0, 2, 3])
 def test_bitserial_tokens_quantized_in_parallel_match_one_at_a_time(mode):
     """Tokens are quantized on several threads in chunks (~16K elements: here 170 tokens of K=96, so
-    700 tokens take five chunks): the activation codes, integer sums and outputs of a batch equal those
+    2000 tokens take twelve chunks): the activation codes, integer sums and outputs of a batch equal those
     of each token alone on one thread, bit for bit (rows of NaN and constant rows among them). Modes the
     CPU lacks fall back to a tier it has (the native module caps them)."""
-    N, M, K, gs, p = 5, 700, 96, 32, 2
+    N, M, K, gs, p = 5, 2000, 96, 32, 2
     g = torch.Generator().manual_seed(11)
     qw = pykernels.quantize(torch.randn(N, K, generator=g), 3, gs, "bipolar")
     x = torch.randn(M, K, generator=g) * torch.rand(M, 1, generator=g) * 10
