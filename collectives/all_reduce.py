@@ -462,6 +462,11 @@ def _topology_for_uncached(group, topology) -> Topology:
         return Topology.detect(group).effective()
     if not isinstance(topology, Topology):
         if isinstance(topology, (list, tuple)):
+            sizes_ok = all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in topology)
+            if sizes_ok and math.prod(topology) != dist.get_world_size(group):  # before listing every rank
+                raise ValueError(f"{OPNAME}: topology {list(topology)} has {math.prod(topology)} ranks but the "
+                                 f"group has {dist.get_world_size(group)} (level sizes must multiply to the "
+                                 f"group size)")
             topology = Topology(topology)
         else:
             raise TypeError(f"{OPNAME}: topology must be a collectives.Topology or a list of level sizes, "

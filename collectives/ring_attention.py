@@ -83,7 +83,10 @@ def _as_tensor(x, op: str, arg: str):
     is, so the argument checks raise the TypeError on every rank together (a local raise here would
     leave the other ranks waiting in the ring)."""
     if isinstance(x, torch.Tensor):
-        return x
+        # a lazy neg/conj view (torch._neg_view, .conj()): only a bit says its memory is negated, and the
+        # kernels read raw memory: resolved here (a no-op without the bit; review finding: a contiguous
+        # negated q gave the attention of -q). Other layouts go on to the checks, on every rank alike.
+        return x.resolve_conj().resolve_neg() if x.layout == torch.strided and not x.is_nested else x
     try:
         return _native.as_tensor(x, op, arg)
     except TypeError:
@@ -494,6 +497,9 @@ def _check_layout(op, layout, x, dim, arg="x"):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op}: expected '{arg}' to be a torch.Tensor (or a numpy/DLPack array), "
                         f"got {type(x).__name__}")
+    if x.layout != torch.strided or x.is_nested:  # (as_strided on a sparse tensor raised aten's own error)
+        raise ValueError(f"{op}: expected '{arg}' to be a dense (strided) tensor, got "
+                         f"{'a nested tensor' if x.is_nested else f'layout {x.layout}'}")
     if layout not in _LAYOUTS:
         raise ValueError(f"{op}: expected 'layout' in {_LAYOUTS}, got {layout!r}")
     if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):  # 1.5, None, "2" and True (as 1) went on

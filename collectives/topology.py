@@ -60,6 +60,9 @@ def _group_timeout(pg):
     return None
 
 
+MAX_RANKS = 1 << 24  # a bound on a topology's ranks, far beyond any process group
+
+
 class Topology:
     """Level sizes innermost first, e.g. Topology([2, 4, 8]); optional `ranks`: group rank at each
     mixed-radix position (default: group rank k at position k)."""
@@ -78,6 +81,9 @@ class Topology:
                 raise ValueError(f"collectives.Topology: level sizes must be >= 1, got {sizes}")
         self.sizes = tuple(sizes)
         self.world = math.prod(self.sizes)
+        if self.world > MAX_RANKS:  # (every rank is listed below: 2^40 ranks ate all memory; audit finding)
+            raise ValueError(f"collectives.Topology: level sizes {list(self.sizes)} make {self.world} ranks, "
+                             f"more than any process group holds ({MAX_RANKS})")
         if ranks is None:
             ranks = range(self.world)
         ranks = tuple(int(r) for r in ranks)

@@ -409,6 +409,10 @@ def chk_errors_in_group():
         collectives.all_reduce(x, topology=Topology([world + 1]))
     with pytest.raises(TypeError, match="collectives.all_reduce.*topology"):
         collectives.all_reduce(x, topology="flat")
+    # a level size past any group: refused from the sizes alone (every rank was listed first: 2^40 of
+    # them ate all memory; audit finding)
+    with pytest.raises(ValueError, match=r"collectives.all_reduce: topology \[1099511627776\] has"):
+        collectives.all_reduce(x, topology=[1 << 40])
     # anything but a process group: an error naming the function and 'group' (torch's own errors before)
     for bad in ([0, 1], 0, "x"):
         with pytest.raises(TypeError, match="collectives.all_reduce: expected 'group'"):
@@ -828,6 +832,8 @@ def test_topology_validation_and_placement():
         Topology([2.0, 2])
     with pytest.raises(ValueError, match="permutation"):
         Topology([2, 2], ranks=[0, 1, 2, 2])
+    with pytest.raises(ValueError, match="collectives.Topology: level sizes .* more than any process group"):
+        Topology([1 << 20, 1 << 20])
     t = Topology([2, 4, 8])
     assert t.world == 64 and t.members(0, 0) == [0, 1] and t.members(5, 1) == [1, 3, 5, 7]
     assert t.members(5, 2) == [5 + 8 * j for j in range(8)] and t.coords(13) == [1, 2, 1]

@@ -1593,6 +1593,30 @@ def test_bloom_key_dtypes_and_errors():
     assert blocked_bloom_fpr(1 << 20, 0, 4) == 0.0
 
 
+def test_bloom_false_positive_rate_of_a_saturated_filter_and_bad_n():
+    """The expected FPR stays right past ~745 keys per block (exp(-lam) had underflowed: a saturated
+    filter's rate came out 0.0) and costs the same for any n (n = 1e12 ran for hours, nan/inf forever;
+    audit findings); it matches the plain Poisson sum where that still works, and the measured rate."""
+    f = BloomFilter(1024, 3)
+    assert abs(f.false_positive_rate(1400) - 0.9508) < 1e-3
+    assert f.false_positive_rate(1500) > 0.95 and f.false_positive_rate(10 ** 12) == pytest.approx(1.0)
+    lam, keep = 1e5 * 512 / (1 << 20), 1 - 1 / 512
+    direct = sum(math.exp(i * math.log(lam) - lam - math.lgamma(i + 1)) * (1 - keep ** (i * 7)) ** 7
+                 for i in range(400))
+    assert blocked_bloom_fpr(1 << 20, 100000, 7) == pytest.approx(direct, rel=1e-9)
+    assert blocked_bloom_fpr(1 << 20, 10 ** 9, 7) == pytest.approx(1.0)   # a strided window: still 1
+    f.add(torch.arange(2000))
+    measured = float(f.contains(torch.arange(10 ** 6, 10 ** 6 + 20000)).float().mean())
+    assert abs(measured - f.false_positive_rate(2000)) < 0.03
+    for bad, err in ((float("nan"), ValueError), (float("inf"), ValueError), (-5, ValueError), ("5", TypeError),
+                     (None, TypeError), (True, TypeError)):
+        with pytest.raises(err, match=r"BloomFilter.false_positive_rate: expected .*'n'"):
+            f.false_positive_rate(bad)
+    for bad in ("a", None, 1.5):
+        with pytest.raises(TypeError, match="BloomFilter: expected an int for 'seed'"):
+            BloomFilter(1024, 3, seed=bad)
+
+
 # ---------------------------------------------------------------------------------------------
 # the Python mirror of the probe sequence agrees with the native layout
 # ---------------------------------------------------------------------------------------------

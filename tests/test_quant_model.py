@@ -378,6 +378,37 @@ def test_quantize_refuses_weights_whose_scales_overflow_float32():
         pykernels.quantize(w2, 4, 32, "sym")
 
 
+@pytest.mark.parametrize("scheme", ["asym", "sym", "bipolar"])
+def test_quantize_accepts_groups_of_subnormal_weights(scheme):
+    """A group of finite subnormal weights (1e-44): its scale rounds to 0 in float32, so it was refused as
+    'too large for float32 scales' under asym (audit finding); now it quantizes, to ~0, and the other
+    rows as usual."""
+    w = torch.randn(4, 64, generator=torch.Generator().manual_seed(2))
+    w[1] = 1e-44
+    qw = pykernels.quantize(w, 4, 32, scheme)
+    d = qw.dequantize()
+    assert torch.isfinite(d).all() and float(d[1].abs().max()) < 1e-37
+    ref = pykernels.quantize(w[[0, 2, 3]], 4, 32, scheme).dequantize()
+    assert torch.equal(d[[0, 2, 3]], ref)
+
+
+def test_quant_argument_errors_name_the_op_and_argument():
+    """Audit findings: raw torch errors (or nothing) became errors naming the op and the argument."""
+    with pytest.raises(TypeError, match=r"pykernels.quantize: expected a 'weight' of dtype .* got float8_e4m3fn"):
+        pykernels.quantize(torch.randn(4, 64).to(torch.float8_e4m3fn), 4, 32)
+    for args, kw, err, what in (((64.5, 16), {}, TypeError, "in_features"), ((64, -1), {}, ValueError, "out_features"),
+                                ((-1, 16), {}, ValueError, "in_features"),
+                                ((64, 16), {"dtype": torch.int32}, TypeError, "dtype"),
+                                ((64, 16), {"dtype": "float32"}, TypeError, "dtype")):
+        with pytest.raises(err, match=f"pykernels.QuantLinear: expected .*'{what}'"):
+            pykernels.QuantLinear(*args, group_size=32, **kw)
+    for bad in ([None], ["fc", 3]):
+        with pytest.raises(TypeError, match="pykernels.quantize_model: expected every entry of 'include'"):
+            pykernels.quantize_model(torch.nn.Sequential(torch.nn.Linear(64, 64)), include=bad)
+    with pytest.raises(TypeError, match="pykernels.quantize_model: expected every entry of 'exclude'"):
+        pykernels.quantize_model(torch.nn.Sequential(torch.nn.Linear(64, 64)), exclude=(b"0",))
+
+
 def test_quantized_weight_to_refuses_integer_dtypes():
     qw = pykernels.quantize(torch.randn(8, 64), 4, 32)
     with pytest.raises(TypeError, match="QuantizedWeight.to.*floating-point"):

@@ -378,7 +378,27 @@ def case_shard_errors(rank, world):
             unshard_sequence(torch.ones(1, 2, 4, 4, dtype=dtypes[rank % 2]), layout="contiguous")
         except ValueError as exc:
             out[key] = str(exc)
+    # a sparse tensor on every rank (audit finding: aten's own as_strided error, naming neither)
+    for key, f in (("shard_sparse", shard_sequence), ("unshard_sparse", unshard_sequence)):
+        try:
+            f(torch.randn(1, 2, 4 * world, 4).to_sparse(), layout="contiguous")
+        except ValueError as exc:
+            out[key] = str(exc)
     return out
+
+
+def case_negated_views(rank, world):
+    """q, k, v given as lazily negated views (only a bit says their memory is negated; the kernels read
+    raw memory): the attention of the values they stand for (review finding: that of -q)."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (shard_sequence(torch.randn(1, 2, 4 * world, 8, generator=g), layout="zigzag").contiguous()
+               for _ in range(3))
+    worst = 0.0
+    for fn in (ring_attention, token_ring_attention):
+        want = fn(-q, -k, -v, causal=True)
+        got = fn(torch._neg_view(q), torch._neg_view(k), torch._neg_view(v), causal=True)
+        worst = max(worst, float((got - want).abs().max()))
+    return worst
 
 
 def case_attention_errors(rank, world, *, fn):
@@ -561,6 +581,13 @@ def test_shard_errors(pool):
             assert "dtype=uint8" in out["unshard_bytes"] and "dtype=int8" in out["unshard_bytes"]
         assert "layout" in out["layout"]
         assert "even" in out["unshard_odd"]
+        for key, op in (("shard_sparse", "shard_sequence"), ("unshard_sparse", "unshard_sequence")):
+            assert f"collectives.{op}: expected 'x' to be a dense" in out[key] or \
+                f"collectives.{op}: expected 'local' to be a dense" in out[key], out[key]
+
+
+def test_negated_views_give_the_attention_of_their_values(pool):
+    assert pool.run("case_negated_views") == [0.0] * pool.world
 
 
 @pytest.mark.parametrize("fn", ["ring", "token"])

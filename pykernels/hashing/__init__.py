@@ -262,6 +262,8 @@ class BloomFilter(_TableState):
         if self.num_blocks >= 1 << 32:
             raise ValueError(f"pykernels.{op}: 'num_bits' {num_bits} is too large")
         self.num_hashes = num_hashes
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise TypeError(f"pykernels.{op}: expected an int for 'seed', got {type(seed).__name__}")
         self.seed = int(seed) & L.M64
         try:
             self._words = torch.zeros(self.num_blocks * 8, dtype=torch.int64, device=self.device)
@@ -319,6 +321,11 @@ class BloomFilter(_TableState):
     def false_positive_rate(self, n: int) -> float:
         """Expected FPR after n distinct keys for this blocked layout (Putze et al. 2007, eq. 3):
         the number of keys in a block is Poisson(n * B / m); within a block, the classic formula."""
+        op = "BloomFilter.false_positive_rate"
+        if isinstance(n, bool) or not isinstance(n, numbers.Real):
+            raise TypeError(f"pykernels.{op}: expected a number of keys for 'n', got {type(n).__name__}")
+        if not (math.isfinite(n) and n >= 0):
+            raise ValueError(f"pykernels.{op}: expected a finite 'n' >= 0, got {n}")
         return blocked_bloom_fpr(self.num_bits, n, self.num_hashes, self.BLOCK_BITS)
 
     def __repr__(self):
@@ -326,17 +333,28 @@ class BloomFilter(_TableState):
                 f"device={self.device})")
 
 
+BLOOM_FPR_POINTS = 4096  # Poisson terms evaluated at most (a stride over the window beyond that)
+
+
 def blocked_bloom_fpr(m: int, n: int, k: int, block_bits: int = 512) -> float:
+    """sum_i Poisson(i; lam = n B / m) * (1 - (1 - 1/B)^(i k))^k over the keys i in a block: the terms
+    within 12 standard deviations of the mean (the rest weigh < 1e-30), each Poisson weight from its
+    logarithm (exp(-lam) alone underflows past lam ~ 745: a saturated filter came out as 0; audit
+    finding), at most BLOOM_FPR_POINTS of them (a stride, the weights renormalized, where the window is
+    wider: the summand is smooth there), so the cost does not grow with n."""
     lam = n * block_bits / m
-    total, term = 0.0, math.exp(-lam)  # Poisson(0)
-    i = 0
-    while True:
-        total += term * (1.0 - (1.0 - 1.0 / block_bits) ** (i * k)) ** k
-        i += 1
-        term *= lam / i
-        if i > lam + 20 * math.sqrt(lam + 1) + 20:
-            break
-    return total
+    if lam == 0:
+        return 0.0
+    half = 12.0 * math.sqrt(lam) + 30
+    lo, hi = max(0, math.floor(lam - half)), math.ceil(lam + half)
+    step = max(1, -(-(hi - lo + 1) // BLOOM_FPR_POINTS))
+    total = weight = 0.0
+    log_lam, keep = math.log(lam), 1.0 - 1.0 / block_bits
+    for i in range(lo, hi + 1, step):
+        p = math.exp(i * log_lam - lam - math.lgamma(i + 1))
+        total += p * (1.0 - keep ** (i * k)) ** k
+        weight += p
+    return total / weight if step > 1 else total
 
 
 def classic_bloom_fpr(m: int, n: int, k: int) -> float:

@@ -208,6 +208,8 @@ class _OpenTable(_TableState):
         if not isinstance(growable, bool):  # "no" and None were taken as True and False (audit finding)
             raise TypeError(f"pykernels.{op}: expected a bool for 'growable', got {type(growable).__name__}")
         self.growable = growable
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):  # numpy ints too
+            raise TypeError(f"pykernels.{op}: expected an int for 'seed', got {type(seed).__name__}")
         self.seed = int(seed) & ((1 << 63) - 1)  # an int64 in the op schemas
         self._kb = L.key_bytes(key_dtype)
         self._vb = self._slot_value_bytes()

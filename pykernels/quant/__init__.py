@@ -12,6 +12,7 @@ csrc/qgemm/qgemm.cu (CUDA/HIP), pykernels/quant/_triton.py (Triton). The op is r
 from __future__ import annotations
 
 import fnmatch
+import numbers
 import operator
 from typing import Iterable, Optional
 
@@ -232,9 +233,13 @@ def quantize(weight, bits: int = 4, group_size: int = 128, scheme: str = "asym")
     return _quantize(w, bits, group_size, scheme, with_planes=scheme == "bipolar")
 
 
+_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
 def _check_weight(w: torch.Tensor, group_size: int = -1) -> None:
-    if not w.is_floating_point():
-        raise TypeError(f"pykernels.quantize: expected a floating-point 'weight', got {str(w.dtype).replace('torch.', '')}")
+    if w.dtype not in _WEIGHT_DTYPES:  # (float8 reached torch.isfinite's NotImplementedError; audit finding)
+        raise TypeError(f"pykernels.quantize: expected a 'weight' of dtype float32, float16, bfloat16 or "
+                        f"float64, got {str(w.dtype).replace('torch.', '')}")
     if w.dim() != 2:
         raise ValueError(f"pykernels.quantize: expected 'weight' of shape [N, K] (2 dimensions), got {tuple(w.shape)}")
     if w.device.type == "meta":
@@ -380,6 +385,15 @@ class QuantLinear(nn.Module):
                  group_size: int = 128, scheme: str = "asym", act_bits: Optional[int] = None,
                  device=None, dtype=torch.float32):
         super().__init__()
+        for name, v in (("in_features", in_features), ("out_features", out_features)):
+            # (64.5 and -1 reached torch.zeros' own errors, or were taken; audit finding)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise TypeError(f"pykernels.QuantLinear: expected an int for '{name}', got {type(v).__name__}")
+            if v < 0:
+                raise ValueError(f"pykernels.QuantLinear: expected '{name}' >= 0, got {v}")
+        if not isinstance(dtype, torch.dtype) or dtype not in _FLOATS:  # (an int32 bias failed in forward with a message about 'bias')
+            raise TypeError(f"pykernels.QuantLinear: expected a floating-point 'dtype' (float32, float16, "
+                            f"bfloat16), got {dtype!r}")
         bits, group_size = _check_format("QuantLinear", bits, group_size, scheme)
         act_bits = _check_act_bits(act_bits, "QuantLinear") or None
         self.in_features, self.out_features = int(in_features), int(out_features)
@@ -515,11 +529,16 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, inclu
         if names is not None and not isinstance(names, str) and not isinstance(names, Iterable):
             raise TypeError(f"pykernels.quantize_model: expected '{name}' as a name, a pattern or a list of them, "
                             f"got {type(names).__name__}")
-    bits, group_size = _check_format("quantize_model", bits, group_size, scheme)
-    act_bits = _check_act_bits(act_bits, "quantize_model") or None
     # lists: a generator or iterator would be used up by the first layer's match
     include = [include] if isinstance(include, str) else (None if include is None else list(include))
     exclude = [exclude] if isinstance(exclude, str) else list(exclude or [])
+    for name, names in (("include", include or []), ("exclude", exclude)):
+        for item in names:  # (None reached len() inside the matcher; audit finding)
+            if not isinstance(item, str):
+                raise TypeError(f"pykernels.quantize_model: expected every entry of '{name}' to be a name or a "
+                                f"pattern (str), got {type(item).__name__}")
+    bits, group_size = _check_format("quantize_model", bits, group_size, scheme)
+    act_bits = _check_act_bits(act_bits, "quantize_model") or None
     # Every name of every Linear: a layer shared under several names is replaced under all of them, by
     # one QuantLinear, or kept under all of them when any of its names is excluded (or not included): a
     # tie is never split. Not quantized: NonDynamicallyQuantizableLinear, torch's mark for

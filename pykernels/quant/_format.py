@@ -99,16 +99,16 @@ def quantize_codes(w: torch.Tensor, bits: int, group_size: int, scheme: str):
     if scheme == "asym":  # (safe: s with 1 for constant groups, for the divisions; they store s = 0 below)
         lo = wg.amin(-1).clamp(max=0.0)
         hi = wg.amax(-1).clamp(min=0.0)
-        s = (hi - lo) / qmax
-        s = _f32(torch.where(s > 0, s, torch.ones_like(s)))
+        s = _f32((hi - lo) / qmax)  # tested after the rounding to float32: a subnormal group's scale
+        s = torch.where(s > 0, s, torch.ones_like(s))  # rounded to 0 there (audit finding)
         zp = torch.clamp(torch.round(-lo / s), 0, qmax)
         u = torch.clamp(torch.round(wg / s[..., None]) + zp[..., None], 0, qmax)
         m = -s * zp
     elif scheme == "sym":
         half = 1 << (bits - 1)
         amax = wg.abs().amax(-1)
-        s = amax / (half - 1)
-        s = _f32(torch.where(s > 0, s, torch.ones_like(s)))
+        s = _f32(amax / (half - 1))
+        s = torch.where(s > 0, s, torch.ones_like(s))
         u = torch.clamp(torch.round(wg / s[..., None]) + half, 0, qmax)
         m = -s * half
     elif scheme == "bipolar":
