@@ -161,6 +161,17 @@ class OutputCache:
                 del self._by_size[c.nbytes]
             total -= c.nbytes
 
+    def forget(self, t: torch.Tensor):
+        """Drop t's storage from the cache (its tensors keep it; it is freed with them): for memory that
+        will not be asked for again, e.g. a grown hash table's old slots, whose size no later table is
+        likely to have (kept, each growth step's old slots stayed resident; review finding)."""
+        ptr = t.untyped_storage().data_ptr()
+        with self._lock:
+            for n, lst in list(self._by_size.items()):
+                lst[:] = [c for c in lst if c.ptr != ptr]
+                if not lst:
+                    del self._by_size[n]
+
     def release_idle(self):
         """Drop every idle or moved storage (its memory goes back to the system)."""
         with self._lock:

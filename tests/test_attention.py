@@ -612,6 +612,49 @@ def test_rows_of_all_minus_inf_scores_get_lse_minus_inf(sq, sk, causal):
     assert torch.equal(l0, torch.zeros_like(l0))
 
 
+def test_rows_with_an_lse_of_exactly_zero_are_recomputed_alone(monkeypatch):
+    """A zero key at position 0 of a causal problem gives row 0 an lse of exactly 0 (a zero-padded
+    position: ordinary input): only those rows are recomputed (one query row each), not the whole call
+    on the blocked path (8x slower; review finding), and they come out exact."""
+    calls = []
+    real = _cpu.blocked_forward
+
+    def counting(q, *a, **kw):
+        calls.append(q.shape[2])
+        return real(q, *a, **kw)
+
+    monkeypatch.setattr(_cpu, "blocked_forward", counting)
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 3, 64, 16, generator=g) for _ in range(3))
+    k[:, :, 0] = 0.0
+    out, lse = flash_attention(q, k, v, causal=True, return_lse=True, backend="cpu")
+    assert calls == [1] * 6, calls
+    assert torch.equal(lse[:, :, 0], torch.zeros(2, 3)) and torch.equal(out[:, :, 0], v[:, :, 0])
+    ro, rl = reference(q.double(), k.double(), v.double(), True)
+    torch.testing.assert_close(out.double(), ro, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse.double(), rl, atol=2e-5, rtol=1e-5)
+
+
+def test_split_regime_rows_whose_prefix_scores_overflow():
+    """A large rectangular causal problem, which aten computes as a prefix part and a causal part merged:
+    finite bf16 inputs whose prefix scores overflow fp32 (-inf) gave that part lse 0 and out 0, which the
+    merge weighed as 1 (out off by O(1), no zero or NaN left to see; review finding). Such rows are
+    marked before the merge and recomputed: the prefix contributes nothing, as in fp32 arithmetic."""
+    g = torch.Generator().manual_seed(6)
+    sq, sk, d = 2048, 8192, 8                        # bf16 2048 x 8192: over MASK_BYTES, the split regime
+    assert sq * sk * 2 > _cpu.MASK_BYTES
+    q = torch.randn(1, 1, sq, d, generator=g)
+    k, v = torch.randn(1, 1, sk, d, generator=g), torch.randn(1, 1, sk, d, generator=g)
+    q[..., 0] = 1e20
+    k[:, :, : sk - sq, 0] = -1e20                    # the prefix every row sees: scores -1e40 -> -inf
+    k[:, :, sk - sq:, 0] = 0.0                       # the causal part: ordinary scores (an lse of a few)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    out, lse = flash_attention(q, k, v, causal=True, return_lse=True, backend="cpu")
+    ob, lb = flash_attention(q, k[:, :, sk - sq:], v[:, :, sk - sq:], causal=True, return_lse=True, backend="cpu")
+    torch.testing.assert_close(out.float(), ob.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse, lb, atol=1e-3, rtol=1e-5)
+
+
 def test_blocked_path_stays_accurate_at_large_logits():
     """The blocked path (a NaN anywhere in q sends the whole call there) normalizes by the row sum, not
     exp(s - lse): lse in fp32 carries ~|lse| * 6e-8 of rounding into every weight, at logits of ~1e4 a

@@ -1605,6 +1605,9 @@ def test_bloom_false_positive_rate_of_a_saturated_filter_and_bad_n():
                  for i in range(400))
     assert blocked_bloom_fpr(1 << 20, 100000, 7) == pytest.approx(direct, rel=1e-9)
     assert blocked_bloom_fpr(1 << 20, 10 ** 9, 7) == pytest.approx(1.0)   # a strided window: still 1
+    for n in (10 ** 18, 1e308, 10 ** 400):   # log weights of ~1e19 overflowed exp(), inf made NaN (review)
+        assert f.false_positive_rate(n) == 1.0
+    assert 0.99 < blocked_bloom_fpr(1 << 20, 2 * 10 ** 5 * 2048, 3) <= 1.0   # lam 2e5: strided, not yet 1
     f.add(torch.arange(2000))
     measured = float(f.contains(torch.arange(10 ** 6, 10 ** 6 + 20000)).float().mean())
     assert abs(measured - f.false_positive_rate(2000)) < 0.03

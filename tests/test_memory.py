@@ -123,6 +123,20 @@ def test_a_dropped_tables_slots_serve_the_next_table_which_starts_empty():
     del held, t3, live
 
 
+def test_a_grown_tables_old_slots_leave_the_cache():
+    """Growing rehashes into larger slots: the old ones (a size the table has left) are freed, not kept
+    idle in the cache (each growth step's stayed resident, up to the cache's cap; review finding)."""
+    before = _memory.OUTPUTS.cached_bytes()
+    t = pykernels.HashMap(1 << 19)                       # 8 MiB of slots and up: from the cache
+    first = t._slots.untyped_storage().nbytes()
+    t.insert(torch.arange(1 << 21, dtype=torch.int64) * 7, torch.arange(1 << 21))  # grows twice or more
+    assert len(t) == 1 << 21
+    held = t._slots.untyped_storage().nbytes()
+    # (other buffers of the insert, ~2 MiB, are cached too: less than the first slots alone)
+    assert held > first and _memory.OUTPUTS.cached_bytes() - before < held + first
+    del t
+
+
 @pytest.mark.parametrize("how", ["share_memory", "resize", "storage_resize", "numpy"])
 def test_a_moved_or_resized_storage_leaves_the_cache(how):
     """Including one exported to numpy: torch marks it non-resizable for good, and a result must stay

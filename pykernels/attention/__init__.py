@@ -113,7 +113,7 @@ def _forward_impl(q, k, v, causal: bool, scale: float, backend: str, config: Opt
             return result
     elif impl != "blocked":
         out, lse = _cpu.flash_forward(q, k, v, causal, scale)
-        if _flash_result_stands(q, k, causal, lse):
+        if _flash_result_stands(q, k, v, causal, scale, out, lse):
             return out, lse
     return _blocked(q, k, v, causal, scale, cfg)
 
@@ -128,23 +128,21 @@ def _decode(q, k, v, causal: bool, scale: float, cfg: dict):
     return _cpu.decode_forward(q, k, v, causal, scale, threads, int(cfg.get("grain", 1 << 16)))
 
 
-def _flash_result_stands(q, k, causal: bool, lse) -> bool:
-    """Whether aten's flash result (_cpu.flash_forward) is the attention of these inputs, else the blocked
-    path recomputes it. aten's flash kernels give a row whose scores are all -inf (NaN in q; -inf in k;
-    fp32 scores that overflow) zeros and an lse of exactly 0 where the math says -inf (an lse of 0 would
-    weigh that row into any LSE merge: ring attention, split-K decoding), and an inf in q or k a NaN lse.
-    So any lse of exactly 0 (finite inputs almost never give one) or non-finite lse sends the call to the
-    blocked path, which reproduces NaN/inf exactly as the math does; where aten splits a large
-    rectangular causal problem and merges the parts (which turns two zeros into log 2), q and k are read
-    (one pass, ~2% of a 1024-token forward). (Checked after the kernel, while the thread pool is still
-    awake: before it, waking the pool cost ~10 ms on a busy machine.)"""
+def _flash_result_stands(q, k, v, causal: bool, scale: float, out, lse) -> bool:
+    """Whether aten's flash result (_cpu.flash_forward) is, after patching, the attention of these inputs;
+    else the blocked path recomputes the call. aten's kernels give a row whose scores are all -inf (NaN
+    in q; -inf in k; fp32 scores that overflow) zeros and an lse of exactly 0 where the math says -inf
+    or NaN (an lse of 0 would weigh that row into any LSE merge: ring attention, split-K decoding), and
+    an inf score a NaN lse; flash_forward marks the rows of its split + merge regime the same way. So
+    the rows whose lse is exactly 0 (finite inputs rarely give one) or not finite are recomputed exactly
+    (_cpu.patch_rows); only where there are many does the whole call go to the blocked path. (Checked
+    after the kernel, while the thread pool is still awake: before it, waking the pool cost ~10 ms on a
+    busy machine.)"""
     if k.shape[2] == 0:
         return True
     # the rows that see keys
     nonfinite, zero = _cpu.lse_flags(lse, max(0, q.shape[2] - k.shape[2]) if causal else 0)
-    if nonfinite or zero:
-        return False
-    return _cpu.nan_rows_show_as_zero_lse(q.shape[2], k.shape[2], causal, q.dtype) or _all_finite(q, k)
+    return not (nonfinite or zero) or _cpu.patch_rows(q, k, v, causal, scale, out, lse)
 
 
 def _backward_impl(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, backend: str,
@@ -423,8 +421,8 @@ def _lean_cpu_forward(q, k, v, causal, scale, backend):
     # _flash_result_stands for these problems (every row sees keys; one aten call, so a row of -inf or NaN
     # scores shows as an lse of exactly 0), without its general cases
     nonfinite, zero = _cpu.lse_flags(lse, 0)
-    if nonfinite or zero:
-        return None  # NaN/inf in the inputs or the scores: the general path recomputes it exactly
+    if (nonfinite or zero) and not _cpu.patch_rows(q, k, v, causal, scale, out, lse):
+        return None  # many such rows: the general path recomputes the call exactly
     return _cpu.like_q(out, q), _cpu.to_bshd(lse)
 
 

@@ -187,11 +187,33 @@ def _bottom_right_mask(Sq: int, Sk: int, dtype):
     return _mask_cached(Sq, Sk, dtype)
 
 
-def nan_rows_show_as_zero_lse(Sq: int, Sk: int, causal: bool, dtype) -> bool:
-    """Whether flash_forward gives a query row holding NaN an lse of exactly 0 (aten zeroes such a row and
-    its lse): true for one aten call per row, false for the split + merge of large rectangular causal
-    problems (the merge turns 0 and 0 into log 2)."""
-    return not (causal and 1 < Sq < Sk and Sq * Sk * torch.finfo(dtype).bits // 8 > MASK_BYTES)
+PATCH_MAX_ROWS = 256  # rows patch_rows recomputes one by one; more: the caller recomputes the whole call
+
+
+def patch_rows(q, k, v, causal: bool, scale: float, out, lse):
+    """Recomputes exactly (blocked_forward, one query row at a time against the keys it sees) the rows of
+    flash_forward's (out, lse) whose lse is exactly 0 or not finite, in place; returns False (nothing
+    changed) when there are more than PATCH_MAX_ROWS of them. aten gives a row of -inf or NaN scores
+    (NaN in q, -inf in k, fp32 scores that overflow) out 0 and lse 0 where the math gives lse -inf or
+    NaN, and an inf score a NaN lse; an lse of exactly 0 is otherwise rare (a zero q or k row at a
+    causal row 0), so recomputing just those rows keeps an ordinary call fast (recomputing the whole
+    call on the blocked path took 8x as long; review finding)."""
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    first = max(0, Sq - Sk) if causal else 0
+    live = lse[:, :, first:]
+    rows = torch.nonzero((live == 0) | ~torch.isfinite(live))
+    if rows.shape[0] > PATCH_MAX_ROWS:
+        return False
+    g = H // Hkv
+    for b, h, i in rows.tolist():
+        i += first
+        n = min(Sk, i + (Sk - Sq) + 1) if causal else Sk
+        o, l_ = blocked_forward(q[b:b + 1, h:h + 1, i:i + 1], k[b:b + 1, h // g:h // g + 1, :n],
+                                v[b:b + 1, h // g:h // g + 1, :n], False, scale)
+        out[b, h, i] = o[0, 0, 0]
+        lse[b, h, i] = l_[0, 0, 0]
+    return True
 
 
 @functools.lru_cache(maxsize=4)
@@ -226,7 +248,12 @@ def flash_forward(q, k, v, causal: bool, scale: float):
         off = Sk - Sq
         out_a, lse_a = _ATEN_FWD(q, k[:, :, :off], v[:, :, :off], 0.0, False, scale=scale)
         out_b, lse_b = _ATEN_FWD(q, k[:, :, off:], v[:, :, off:], 0.0, True, scale=scale)
-        return _merge(out_a, lse_a.to(acc_dtype(q.dtype)), out_b, lse_b.to(acc_dtype(q.dtype)), q.dtype)
+        out, lse = _merge(out_a, lse_a.to(acc_dtype(q.dtype)), out_b, lse_b.to(acc_dtype(q.dtype)), q.dtype)
+        # a part's lse of exactly 0 may be aten's answer for a row of -inf or NaN scores (out 0, lse 0),
+        # which the merge would hide (two zeros merge to log 2): such rows are marked with an lse of
+        # exactly 0, so the caller recomputes them exactly (patch_rows)
+        suspect = (lse_a == 0) | (lse_b == 0)
+        return out, lse.masked_fill_(suspect.to(lse.device), 0.0) if bool(suspect.any()) else lse
     # Sq > Sk: rows [0, Sq - Sk) see nothing; the last Sk rows form a square causal block.
     dead = Sq - Sk
     out, lse = _empty_result(q, v, Sk)

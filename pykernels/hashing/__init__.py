@@ -324,7 +324,11 @@ class BloomFilter(_TableState):
         op = "BloomFilter.false_positive_rate"
         if isinstance(n, bool) or not isinstance(n, numbers.Real):
             raise TypeError(f"pykernels.{op}: expected a number of keys for 'n', got {type(n).__name__}")
-        if not (math.isfinite(n) and n >= 0):
+        if isinstance(n, numbers.Integral):  # any Python int: past float's range the rate is 1
+            if n < 0:
+                raise ValueError(f"pykernels.{op}: expected a finite 'n' >= 0, got {n}")
+            n = float(n) if n < 10 ** 300 else math.inf
+        elif not (math.isfinite(n) and n >= 0):
             raise ValueError(f"pykernels.{op}: expected a finite 'n' >= 0, got {n}")
         return blocked_bloom_fpr(self.num_bits, n, self.num_hashes, self.BLOCK_BITS)
 
@@ -345,11 +349,19 @@ def blocked_bloom_fpr(m: int, n: int, k: int, block_bits: int = 512) -> float:
     lam = n * block_bits / m
     if lam == 0:
         return 0.0
+    keep = 1.0 - 1.0 / block_bits
+    if not math.isfinite(lam):
+        return 1.0
     half = 12.0 * math.sqrt(lam) + 30
+    if keep ** (max(0.0, lam - half) * k) == 0.0:
+        # every block in the window holds so many keys that all its bits are set (in double precision):
+        # the rate is exactly 1, and the log weights below would lose all precision (i log lam ~ 1e19
+        # at n = 1e18: review finding)
+        return 1.0
     lo, hi = max(0, math.floor(lam - half)), math.ceil(lam + half)
     step = max(1, -(-(hi - lo + 1) // BLOOM_FPR_POINTS))
     total = weight = 0.0
-    log_lam, keep = math.log(lam), 1.0 - 1.0 / block_bits
+    log_lam = math.log(lam)
     for i in range(lo, hi + 1, step):
         p = math.exp(i * log_lam - lam - math.lgamma(i + 1))
         total += p * (1.0 - keep ** (i * k)) ** k

@@ -532,6 +532,8 @@ class _OpenTable(_TableState):
                                  int(cfg.get("prefetch", 32)), *_ops.stream_args(self.device))
         self._slots, self._nw, self._special = new_slots, new_nw, new_special
         self._used = moved
+        if old_slots.device.type == "cpu":
+            _memory.OUTPUTS.forget(old_slots)  # a size the table has left: freed now, not kept in the cache
 
     def _find_bits(self, kbits, want_values, default_bits=0):
         cfg = self._config("hash_find") if kbits.numel() else {}

@@ -100,7 +100,8 @@ def quantize_codes(w: torch.Tensor, bits: int, group_size: int, scheme: str):
         lo = wg.amin(-1).clamp(max=0.0)
         hi = wg.amax(-1).clamp(min=0.0)
         s = _f32((hi - lo) / qmax)  # tested after the rounding to float32: a subnormal group's scale
-        s = torch.where(s > 0, s, torch.ones_like(s))  # rounded to 0 there (audit finding)
+        underflow = s == 0           # rounds to 0 there (audit finding): stored as a zero group below
+        s = torch.where(s > 0, s, torch.ones_like(s))
         zp = torch.clamp(torch.round(-lo / s), 0, qmax)
         u = torch.clamp(torch.round(wg / s[..., None]) + zp[..., None], 0, qmax)
         m = -s * zp
@@ -108,6 +109,7 @@ def quantize_codes(w: torch.Tensor, bits: int, group_size: int, scheme: str):
         half = 1 << (bits - 1)
         amax = wg.abs().amax(-1)
         s = _f32(amax / (half - 1))
+        underflow = s == 0
         s = torch.where(s > 0, s, torch.ones_like(s))
         u = torch.clamp(torch.round(wg / s[..., None]) + half, 0, qmax)
         m = -s * half
@@ -120,7 +122,10 @@ def quantize_codes(w: torch.Tensor, bits: int, group_size: int, scheme: str):
     # constant groups (the fallback s = 1 above kept their codes and offsets finite): w = m, s = 0 (see
     # the module notes). asym and sym made m = -1 * zp and -1 * 2^(bits-1) there: 0 for a zero group,
     # their only constant one; bipolar's m is the constant.
-    constant = (wg.amax(-1) == wg.amin(-1)) if scheme == "bipolar" else (wg.abs().amax(-1) == 0)
+    # A group whose scale underflows float32 (|w| ~ 1e-44) is stored as zeros too: with the fallback
+    # s = 1 its codes dequantized to 0, but the kernels' two cancelling terms s * sum((u - c) x) and the
+    # offset term then cost the row ~1e-3 relative error (review finding)
+    constant = (wg.amax(-1) == wg.amin(-1)) if scheme == "bipolar" else (wg.abs().amax(-1) == 0) | underflow
     s = torch.where(constant, torch.zeros_like(s), s)
     m = torch.where(constant, torch.zeros_like(m) if scheme != "bipolar" else m, m)
     return codes, s.to(torch.float32), m.to(torch.float32)
