@@ -614,8 +614,8 @@ def test_rows_of_all_minus_inf_scores_get_lse_minus_inf(sq, sk, causal):
 
 def test_rows_with_an_lse_of_exactly_zero_are_recomputed_alone(monkeypatch):
     """A zero key at position 0 of a causal problem gives row 0 an lse of exactly 0 (a zero-padded
-    position: ordinary input): only those rows are recomputed (one query row each), not the whole call
-    on the blocked path (8x slower; review finding), and they come out exact."""
+    position: ordinary input): only those rows are recomputed (_cpu.patch_rows), not the whole call on
+    the blocked path (8x slower; review finding), and they come out exact."""
     calls = []
     real = _cpu.blocked_forward
 
@@ -628,11 +628,28 @@ def test_rows_with_an_lse_of_exactly_zero_are_recomputed_alone(monkeypatch):
     q, k, v = (torch.randn(2, 3, 64, 16, generator=g) for _ in range(3))
     k[:, :, 0] = 0.0
     out, lse = flash_attention(q, k, v, causal=True, return_lse=True, backend="cpu")
-    assert calls == [1] * 6, calls
+    assert calls == [], calls                          # the blocked path never ran
     assert torch.equal(lse[:, :, 0], torch.zeros(2, 3)) and torch.equal(out[:, :, 0], v[:, :, 0])
     ro, rl = reference(q.double(), k.double(), v.double(), True)
     torch.testing.assert_close(out.double(), ro, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(lse.double(), rl, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_patched_rows_match_the_blocked_path_with_gqa(causal):
+    """Rows patched after aten (NaN in q; a KV head whose keys are all -inf for a positive q column) in a
+    batched GQA problem: the same out and lse as the blocked path computing the whole call."""
+    g = torch.Generator().manual_seed(12)
+    q = torch.rand(2, 4, 32, 16, generator=g) + 0.05
+    k, v = torch.randn(2, 2, 32, 16, generator=g), torch.randn(2, 2, 32, 16, generator=g)
+    q[0, 1, 5, 2] = float("nan")
+    q[1, 3, 7, 0] = float("nan")
+    k[1, 0, :, 0] = float("-inf")                      # batch 1, query heads 0 and 1: every score -inf
+    out, lse = flash_attention(q, k, v, causal=causal, return_lse=True, backend="cpu")
+    ro, rl = _forward_impl(q, k, v, causal, 0.25, "cpu", {"impl": "blocked"}, inference=True)
+    torch.testing.assert_close(out, ro, atol=1e-6, rtol=1e-5, equal_nan=True)
+    torch.testing.assert_close(lse, rl, atol=1e-6, rtol=1e-6, equal_nan=True)
+    assert torch.isneginf(lse[1, :2]).all() and torch.isnan(lse[0, 1, 5]) and torch.isnan(out[1, 3, 7]).all()
 
 
 def test_split_regime_rows_whose_prefix_scores_overflow():

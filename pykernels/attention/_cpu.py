@@ -191,13 +191,14 @@ PATCH_MAX_ROWS = 256  # rows patch_rows recomputes one by one; more: the caller 
 
 
 def patch_rows(q, k, v, causal: bool, scale: float, out, lse):
-    """Recomputes exactly (blocked_forward, one query row at a time against the keys it sees) the rows of
-    flash_forward's (out, lse) whose lse is exactly 0 or not finite, in place; returns False (nothing
-    changed) when there are more than PATCH_MAX_ROWS of them. aten gives a row of -inf or NaN scores
-    (NaN in q, -inf in k, fp32 scores that overflow) out 0 and lse 0 where the math gives lse -inf or
-    NaN, and an inf score a NaN lse; an lse of exactly 0 is otherwise rare (a zero q or k row at a
-    causal row 0), so recomputing just those rows keeps an ordinary call fast (recomputing the whole
-    call on the blocked path took 8x as long; review finding)."""
+    """Recomputes exactly the rows of flash_forward's (out, lse) whose lse is exactly 0 or not finite, in
+    place (the blocked path's arithmetic: scores in the accumulation dtype, masked after the product,
+    softmax as exp(s - rowmax) / rowsum); returns False (nothing changed) when there are more than
+    PATCH_MAX_ROWS of them. aten gives a row of -inf or NaN scores (NaN in q, -inf in k, fp32 scores that
+    overflow) out 0 and lse 0 where the math gives lse -inf or NaN, and an inf score a NaN lse; an lse
+    of exactly 0 is otherwise rare (a zero q or k row at a causal row 0), so recomputing just those rows
+    keeps an ordinary call fast (recomputing the whole call on the blocked path took 8x as long; review
+    finding). One product per (batch, KV head) holding such rows: [rows, D] x [D, S_k]."""
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     first = max(0, Sq - Sk) if causal else 0
@@ -205,14 +206,24 @@ def patch_rows(q, k, v, causal: bool, scale: float, out, lse):
     rows = torch.nonzero((live == 0) | ~torch.isfinite(live))
     if rows.shape[0] > PATCH_MAX_ROWS:
         return False
+    if rows.shape[0] == 0:
+        return True
     g = H // Hkv
-    for b, h, i in rows.tolist():
-        i += first
-        n = min(Sk, i + (Sk - Sq) + 1) if causal else Sk
-        o, l_ = blocked_forward(q[b:b + 1, h:h + 1, i:i + 1], k[b:b + 1, h // g:h // g + 1, :n],
-                                v[b:b + 1, h // g:h // g + 1, :n], False, scale)
-        out[b, h, i] = o[0, 0, 0]
-        lse[b, h, i] = l_[0, 0, 0]
+    acc = acc_dtype(q.dtype)
+    rows[:, 2] += first
+    for b, hk in torch.unique(torch.stack([rows[:, 0], rows[:, 1] // g], 1), dim=0).tolist():
+        sel = rows[(rows[:, 0] == b) & (rows[:, 1] // g == hk)]
+        hs, ii = sel[:, 1], sel[:, 2]
+        s = torch.matmul(q[b, hs, ii].to(acc), k[b, hk].to(acc).T) * scale        # [r, Sk]
+        if causal:
+            s = s.masked_fill(torch.arange(Sk).unsqueeze(0) > (ii + (Sk - Sq)).unsqueeze(1), float("-inf"))
+        m = torch.logsumexp(s, dim=-1)
+        mx = torch.amax(s, dim=-1, keepdim=True)
+        p = torch.exp(s - torch.where(torch.isneginf(mx), 0.0, mx))
+        o = torch.matmul(p, v[b, hk].to(acc)) / p.sum(dim=-1, keepdim=True)
+        o = torch.where(torch.isneginf(m).unsqueeze(-1), 0.0, o)  # no key: 0, even where v holds NaN
+        out[b, hs, ii] = o.to(out.dtype)
+        lse[b, hs, ii] = m.to(lse.dtype)
     return True
 
 
