@@ -105,6 +105,10 @@ def as_tensor(x, op: str, arg: str) -> torch.Tensor:
         # keeps that bit, and the kernels read raw memory through data_ptr(). Resolved here (a no-op
         # without the bit), so every op sees the values the tensor stands for.
         return x.resolve_conj().resolve_neg()
+    if torch.compiler.is_compiling():
+        # dynamo traces a numpy array as a tensor and skips torch.from_dlpack (every op failed under
+        # fullgraph with a numpy input; audit finding): torch.as_tensor it traces
+        return torch.as_tensor(x)
     if any(s < 0 for s in getattr(x, "strides", None) or ()):
         # torch.from_dlpack aborts the interpreter on negative strides (torch 2.13): copy those first.
         import numpy as np

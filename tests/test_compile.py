@@ -158,3 +158,75 @@ def test_flash_attention_scale_argument_compiles_for_every_value():
         torch.testing.assert_close(f(q, s), pykernels.flash_attention(q, q, q, scale=s))
     with pytest.raises(Exception, match="scale"):
         f(q, float("inf"))
+
+
+def test_backward_follows_holds_inside_torch_compile():
+    """A no_grad forward under pykernels.attention.backward_follows(), then flash_attention_backward on
+    its (out, lse): compiled, the forward must take aten's kernels as eager does (the thread-local flag
+    was invisible to dynamo: the decode kernel's lse gave gradients off by ~1e-1 at logits ~1e4; audit
+    finding). The compiled (out, lse) equal the eager ones bit for bit, and so do the gradients."""
+    from pykernels.attention import backward_follows, flash_attention_backward
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(64, generator=g)
+    q = base * 12 + torch.randn(1, 8, 1, 64, generator=g) * 0.1     # decode-shaped: "decode" is the default
+    k = base * 12 + torch.randn(1, 2, 64, 64, generator=g) * 0.1
+    v, dout = torch.randn(1, 2, 64, 64, generator=g), torch.randn(1, 8, 1, 64, generator=g)
+
+    def fwd(a, b, c):
+        return pykernels.flash_attention(a, b, c, scale=1.0, return_lse=True)
+
+    compiled = torch.compile(fwd, backend="eager", fullgraph=True)
+    results = []
+    for f in (fwd, compiled):
+        with torch.no_grad(), backward_follows():
+            out, lse = f(q, k, v)
+        results.append((out, lse, flash_attention_backward(dout, q, k, v, out, lse, scale=1.0)))
+    (o1, l1, g1), (o2, l2, g2) = results
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+def test_find_default_under_compile_is_checked_like_eager():
+    """A constant find() default is checked under torch.compile as in eager (it had been filled in
+    unchecked: -1 became 255 in a uint8 table, 7 True in a bool table, -1 2^64-1 in a uint64 one; audit
+    finding); the defaults eager accepts (True, 5.0) give eager's answer under fullgraph, and a default
+    passed into a dynamic compiled function fills in as eager's does."""
+    import pytest
+
+    q = torch.tensor([1, 3])
+    for value_dtype, vals, bad in ((torch.uint8, [10, 20], -1), (torch.bool, [False, True], 7),
+                                   (torch.uint64, [5, 6], -1)):
+        torch._dynamo.reset()
+        t = pykernels.HashMap(16, value_dtype=value_dtype)
+        t.insert(torch.tensor([1, 2]), torch.tensor(vals, dtype=value_dtype))
+        with pytest.raises(ValueError, match=r"pykernels.HashMap.find: expected 'default' within the range"):
+            torch.compile(lambda a, t=t, bad=bad: t.find(a, default=bad), backend="eager")(q)
+    t = pykernels.HashMap(16, value_dtype=torch.uint8)
+    t.insert(torch.tensor([1, 2]), torch.tensor([10, 20], dtype=torch.uint8))
+    for d in (True, 5.0, 255):
+        torch._dynamo.reset()
+        got = torch.compile(lambda a, d=d: t.find(a, default=d), backend="eager", fullgraph=True)(q)
+        want = t.find(q, default=d)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), d
+    torch._dynamo.reset()
+    f = torch.compile(lambda a, d: t.find(a, default=d), backend="eager", fullgraph=True, dynamic=True)
+    assert f(q, 7)[0].tolist() == [10, 7] and f(q, 9)[0].tolist() == [10, 9]
+
+
+def test_numpy_inputs_compile_fullgraph():
+    """numpy inputs, accepted wherever a tensor is (API.md), also under torch.compile(fullgraph=True):
+    dynamo skips torch.from_dlpack, which the eager conversion uses (every op failed; audit finding)."""
+    import numpy as np
+
+    a = np.array([3, 1, 2, 5, 4], dtype=np.int64)
+    x = np.ones((1, 1, 2, 4), np.float32)
+    t = pykernels.HashMap(16)
+    t.insert(torch.tensor([1, 2]), torch.tensor([10, 20]))
+    for fn, arg, want in ((pykernels.sort_keys, a, pykernels.sort_keys(a)),
+                          (lambda y: pykernels.flash_attention(y, y, y), x, pykernels.flash_attention(x, x, x)),
+                          (lambda y: t.find(y)[0], a, t.find(a)[0])):
+        torch._dynamo.reset()
+        got = torch.compile(fn, backend="eager", fullgraph=True)(arg)
+        assert torch.equal(got, want)

@@ -431,6 +431,13 @@ def _lean_cpu_forward(q, k, v, causal, scale, backend):
 # the first call of a process imported torch._dynamo (~1.2 s) and every call paid its dispatch layers.
 _IN_TRANSFORM = threading.local()  # .on: this thread's op call came through a functorch transform
 _BACKWARD_FOLLOWS = threading.local()  # .on: a caller's own autograd.Function differentiates this forward
+# How many backward_follows(True) blocks are open in any thread: what a call being traced by torch.compile
+# reads instead (dynamo does not trace threading.local; it reads a module global as a constant and
+# guards on it, so a change recompiles). Process-wide, so another thread's block also makes a traced
+# call take aten's kernels: only slower, never wrong (review finding: inside torch.compile the flag was
+# ignored and the decode kernel's lse gave gradients off by ~1e-1 at logits ~1e4).
+_FOLLOWS_ANYWHERE = 0
+_FOLLOWS_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -439,19 +446,30 @@ def backward_follows(on: bool = True):
     flash_attention_backward on its (out, lse) (collectives' ring attention): no autograd state says a
     backward follows there, so without this the CPU decode kernel could run, whose lse does not match
     aten's backward (see _forward_impl). Thread-local; nests."""
+    global _FOLLOWS_ANYWHERE
     before = getattr(_BACKWARD_FOLLOWS, "on", False)
     _BACKWARD_FOLLOWS.on = bool(on)
+    if on:
+        with _FOLLOWS_LOCK:
+            _FOLLOWS_ANYWHERE += 1
     try:
         yield
     finally:
         _BACKWARD_FOLLOWS.on = before
+        if on:
+            with _FOLLOWS_LOCK:
+                _FOLLOWS_ANYWHERE -= 1
 
 
 def forward_op(q, k, v, causal: bool, scale: float, backend: str):
     # Whether a backward can follow is decided here, where torch.compile traces the autograd state (an
     # input computed inside a compiled function requires grad at trace time, not inside the op at run
-    # time); the thread-local is read only outside tracing (dynamo does not trace threading.local).
-    follows = not torch.compiler.is_compiling() and getattr(_BACKWARD_FOLLOWS, "on", False)
+    # time); the thread-local is read only outside tracing (dynamo does not trace threading.local), the
+    # process-wide count of backward_follows blocks while tracing.
+    if torch.compiler.is_compiling():
+        follows = _FOLLOWS_ANYWHERE > 0
+    else:
+        follows = getattr(_BACKWARD_FOLLOWS, "on", False)
     if eager_direct(q, k, v):  # nothing traced nor differentiated: only a caller's own backward can follow
         return _forward_laid_out(q, k, v, causal, scale, backend, inference=not follows)
     inference = not (follows or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)))

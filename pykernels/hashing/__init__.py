@@ -72,11 +72,16 @@ class HashMap(_OpenTable):
         fullgraph on its second value; review finding), so the lookup runs with 0 and the default is
         filled in where no key was found."""
         floating = self.value_dtype.is_floating_point
-        if isinstance(default, bool) or not isinstance(default, (int, float, torch.SymInt, torch.SymFloat)):
-            raise TypeError(f"pykernels.{self._op}.find: expected a number for 'default', got {type(default).__name__}")
-        if isinstance(default, (float, torch.SymFloat)) and not floating:
+        if isinstance(default, torch.SymFloat) and not floating:
             raise TypeError(f"pykernels.{self._op}.find: expected an int 'default' for {self.value_dtype} values, "
                             f"got a float")
+        if isinstance(default, torch.SymInt):
+            if self.value_dtype in L._INT_RANGE:  # a runtime check in the compiled code, not a wrap
+                lo, hi = L._INT_RANGE[self.value_dtype]
+                torch._check(default >= lo, lambda: "pykernels.find: 'default' below the value dtype's range")
+                torch._check(default <= hi, lambda: "pykernels.find: 'default' above the value dtype's range")
+        elif not isinstance(default, torch.SymFloat):
+            default = L.check_constant_default(f"{self._op}.find", default, self.value_dtype)
         with self._locked():
             vals, found = self._find_bits(L.key_bits(keys), True, 0)
         values = L.shaped_like(L.bits_to_values(vals, self.value_dtype), keys)

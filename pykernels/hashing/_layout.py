@@ -140,6 +140,40 @@ def scalar_bits(op: str, value, value_dtype: torch.dtype) -> int:
 
 _SCALAR_BITS: dict = {}  # (value dtype, int or float.hex()) -> scalar_bits of plain ints and floats
 
+# Each integer value dtype's range as Python numbers, worked out once here (eagerly): what find() checks a
+# default against while torch.compile traces it, where scalar_bits' tensor round trip cannot run.
+_INT_RANGE = {d: ((0, 1) if d == torch.bool else (torch.iinfo(d).min, torch.iinfo(d).max))
+              for d in VALUE_DTYPES if not (d.is_floating_point or d.is_complex)}
+
+
+def check_constant_default(op: str, value, value_dtype: torch.dtype):
+    """A constant find() default under torch.compile (a Python number) checked as scalar_bits checks it, in plain
+    Python (traceable): an integer within an integer dtype's range (integral floats too); any real
+    number for a float dtype. Returns it as a Python number. (Under torch.compile the default had been
+    filled in unchecked: -1 became 255 in a uint8 table, 7 True in a bool one; audit finding.)"""
+    where = f"pykernels.{op}: expected 'default'"
+    if isinstance(value, (bool, np.bool_, np.integer)):
+        value = int(value)
+    elif isinstance(value, np.floating):
+        value = float(value)
+    if not isinstance(value, (int, float)):
+        raise TypeError(f"{where} to be a real number, under torch.compile a Python int or float (dynamo "
+                        f"traces numpy scalars and tensors as tensors, whose value cannot be checked), got "
+                        f"{type(value).__name__}")
+    if value_dtype in _INT_RANGE:
+        if isinstance(value, float):  # (comparisons only: dynamo traces no math.isfinite on a float input)
+            if value != value or value in (math.inf, -math.inf) or value != int(value):
+                raise ValueError(f"{where} to be an integer for the {dtype_name(value_dtype)} values of this "
+                                 f"table, got {value!r} (it would be truncated)")
+            value = int(value)
+        lo, hi = _INT_RANGE[value_dtype]
+        if not lo <= value <= hi:
+            raise ValueError(f"{where} within the range of {dtype_name(value_dtype)} [{lo}, {hi}], got {value!r}")
+        return value
+    # (a float default beyond a float dtype's range: inf, as storing it would give; eager refuses it, but
+    # a float argument of a compiled function is traced as a tensor, whose value cannot be compared here)
+    return value
+
 
 def _scalar_bits(op: str, value, value_dtype: torch.dtype) -> int:
     where = f"pykernels.{op}: expected 'default'"
