@@ -7,7 +7,7 @@ Ops (each takes backend="auto" | "cpu" | "cuda" | "triton"; see `pykernels.backe
   quantize, qmatmul, QuantLinear, quantize_model            quantized GEMMs (bipolar-INT, W4 Marlin-style)
   flash_attention                                           attention returning the log-sum-exp
   autotune                                                  tuning and its per-device cache
-  empty_cache                                               release cached CPU output buffers (_memory.py)
+  empty_cache                                               release cached CPU buffers: outputs, dropped tables' slots
 """
 __version__ = "0.1.0"
 

@@ -213,6 +213,7 @@ def huge_aligned_output(nbytes: int) -> torch.Tensor:
 
 
 def empty_cache():
-    """Release the cached output buffers of pykernels' CPU ops that no tensor uses (as
-    torch.cuda.empty_cache does for GPU memory). Set PYKERNELS_OUTPUT_CACHE_MB=0 to turn the cache off."""
+    """Release the cached output buffers of pykernels' CPU ops (and the slot arrays of dropped hash
+    tables) that no tensor uses (as torch.cuda.empty_cache does for GPU memory). Set
+    PYKERNELS_OUTPUT_CACHE_MB=0 to turn the cache off."""
     OUTPUTS.release_idle()
