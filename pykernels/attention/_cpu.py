@@ -217,11 +217,7 @@ def patch_rows(q, k, v, causal: bool, scale: float, out, lse):
         s = torch.matmul(q[b, hs, ii].to(acc), k[b, hk].to(acc).T) * scale        # [r, Sk]
         if causal:
             s = s.masked_fill(torch.arange(Sk).unsqueeze(0) > (ii + (Sk - Sq)).unsqueeze(1), float("-inf"))
-        m = torch.logsumexp(s, dim=-1)
-        mx = torch.amax(s, dim=-1, keepdim=True)
-        p = torch.exp(s - torch.where(torch.isneginf(mx), 0.0, mx))
-        o = torch.matmul(p, v[b, hk].to(acc)) / p.sum(dim=-1, keepdim=True)
-        o = torch.where(torch.isneginf(m).unsqueeze(-1), 0.0, o)  # no key: 0, even where v holds NaN
+        o, m = _attend(s, v[b, hk].to(acc))
         out[b, hs, ii] = o.to(out.dtype)
         lse[b, hs, ii] = m.to(lse.dtype)
     return True
@@ -375,6 +371,19 @@ def decode_forward(q, k, v, causal: bool, scale: float, threads: int, grain: int
     return None if bad else (out, lse)
 
 
+def _attend(s, v):
+    """(out, lse) of masked scores s [..., n] (in the accumulation dtype) against v [..., n, D]: softmax as
+    (exp(s - rowmax) @ v) / rowsum, not exp(s - lse) @ v (lse rounded to fp32 carries ~|lse| * 6e-8 into
+    every weight: at logits of 1e4, 1.6e-4 relative error in out where SDPA has 4e-8; audit finding). A
+    row that sees no key has lse -inf and out 0 even where v holds NaN/inf (its p is 0, but 0 * NaN is
+    NaN); +inf scores give NaN, as SDPA."""
+    m = torch.logsumexp(s, dim=-1)
+    mx = torch.amax(s, dim=-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isneginf(mx), 0.0, mx))
+    o = torch.matmul(p, v) / p.sum(dim=-1, keepdim=True)
+    return torch.where(torch.isneginf(m).unsqueeze(-1), 0.0, o), m
+
+
 def blocked_forward(q, k, v, causal: bool, scale: float, chunk_elems: int = 1 << 22):
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -392,15 +401,7 @@ def blocked_forward(q, k, v, causal: bool, scale: float, chunk_elems: int = 1 <<
         if n == 0:
             continue
         s = _scores(qa[:, :, :, i0:i1], ka[:, :, :n], i0, Sq, Sk, causal, scale)
-        m = torch.logsumexp(s, dim=-1)                       # -inf for rows that see no key
-        # softmax as (exp(s - rowmax) @ v) / rowsum, not exp(s - lse) @ v: lse rounded to fp32 carries an
-        # absolute error of ~|lse| * 6e-8 into every weight (at logits of 1e4, 1.6e-4 relative error in
-        # out where SDPA has 4e-8; audit finding)
-        mx = torch.amax(s, dim=-1, keepdim=True)
-        p = torch.exp(s - torch.where(torch.isneginf(mx), 0.0, mx))  # +inf scores: NaN, as SDPA
-        o = torch.matmul(p, va[:, :, :n].unsqueeze(2)) / p.sum(dim=-1, keepdim=True)  # [B, Hkv, g, c, D]
-        # a row that sees no key is 0 even when some v holds NaN/inf (its p is 0, but 0 * NaN is NaN)
-        o = torch.where(torch.isneginf(m).unsqueeze(-1), 0.0, o)
+        o, m = _attend(s, va[:, :, :n].unsqueeze(2))        # [B, Hkv, g, c, D]
         out[:, :, i0:i1] = o.reshape(B, H, i1 - i0, -1).to(q.dtype)
         lse[:, :, i0:i1] = m.reshape(B, H, i1 - i0)
     return out, lse
