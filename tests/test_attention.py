@@ -910,6 +910,24 @@ def test_decode_kernel_reads_strided_inputs_and_leaves_them_unmodified():
     assert_close(out, reference(qo, k, v, False, 0.125)[0], torch.float32, "overlapping q")
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_kernel_without_keys_gives_zero_rows(threads):
+    """The native kernel itself with S_k = 0 (its Python wrapper answers that case without calling it):
+    every row sees no key, so out 0 and lse -inf; it divided by a chunk length of 0 (SIGFPE) before."""
+    from pykernels import _native
+    B, H, Hkv, Sq, D = 2, 4, 2, 3, 16
+    q = torch.randn(B, H, Sq, D)
+    k = v = torch.empty(B, Hkv, 0, D)
+    out = torch.full((B, H, Sq, D), 7.0)
+    lse = torch.full((B, H, Sq), 7.0)
+    bad = _native.cpu_module("attention").decode_forward(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), B, H, Hkv, Sq, 0, D,
+        q.stride()[:3], k.stride()[:3], v.stride()[:3], out.stride()[:3], lse.stride(), 0.25, False,
+        _native.dtype_code(q.dtype), threads, 1)
+    assert bad == 0
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(lse, torch.full_like(lse, -math.inf))
+
+
 @pytest.mark.parametrize("where", ["q", "k", "v", "k-inf"])
 def test_decode_kernel_non_finite_inputs_follow_the_math(where):
     """NaN/inf in q or k give a row that sees it a non-finite lse: the kernel reports it and the exact

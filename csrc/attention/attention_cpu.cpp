@@ -444,7 +444,7 @@ int64_t decode_forward(const Problem& P, int num_threads, int64_t grain) {
   int64_t chunks = 1;
   if (T > 1 && groups < 2 * T && P.Sk > kMinChunkKeys)
     chunks = std::min<int64_t>((2 * T + groups - 1) / groups, (P.Sk + kMinChunkKeys - 1) / kMinChunkKeys);
-  const int64_t chunk_keys = (P.Sk + chunks - 1) / chunks;
+  const int64_t chunk_keys = std::max<int64_t>(1, (P.Sk + chunks - 1) / chunks);  // S_k = 0: rows see no key
   chunks = std::max<int64_t>(1, (P.Sk + chunk_keys - 1) / chunk_keys);
   const int64_t items = groups * chunks;
   T = (int)std::min<int64_t>(T, items);
