@@ -433,7 +433,7 @@ def test_numpy_field_views_and_unsupported_dtypes():
 
 def test_ops_run_in_a_forked_child():
     """A process forked after the native thread pools started (multiprocessing's default start method
-    on Linux) runs the ops: the child starts fresh pools (it has none of the parent's worker threads;
+    on Linux) runs the native ops (sort, hash tables, qmatmul, the attention decode kernel): the child starts fresh pools (it has none of the parent's worker threads;
     every op with 2+ threads waited for them forever; review finding). Sizes keep torch's own ops
     below its parallel grain and the child compares with numpy: torch's OpenMP regions hang in a child
     forked after the parent ran one (libgomp is not fork-safe; torch's limitation, not ours)."""
@@ -449,11 +449,15 @@ x = torch.randn(1 << 20, generator=g)
 qw = pykernels.quantize(torch.randn(256, 512, generator=g), bits=4, group_size=128)
 a = torch.randn(64, 512, generator=g)
 few = keys[: 30000].clone()
+from pykernels.attention import _cpu
+qd = torch.randn(1, 8, 1, 64, generator=g)
+kd, vd = torch.randn(2, 1, 2, 2048, 64, generator=g).unbind(0)
 def run():
     t = pykernels.HashMap(1 << 16)
     t.insert(few, few)
     return [pykernels.sort_keys(keys).numpy().copy(), pykernels.sort(x)[0].numpy().copy(),
-            t.find(few)[0].numpy().copy(), pykernels.qmatmul(a, qw).numpy().copy()]
+            t.find(few)[0].numpy().copy(), pykernels.qmatmul(a, qw).numpy().copy(),
+            _cpu.decode_forward(qd, kd, vd, False, 0.125, 2, 1)[0].numpy().copy()]  # split over 2 threads
 ref = run()
 pid = os.fork()
 if pid == 0:
