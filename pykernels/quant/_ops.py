@@ -160,7 +160,7 @@ def cpu_weight_only(x2, packed, scales, offsets, bias, N, K, bits, group_size, c
             r1 = min(N, r0 + step)
             w = _dequant_cpu(packed, scales, offsets, N, K, bits, group_size, (r0, r1), threads, out=buf)
             parts.append(torch.mm(xw, w.t()) if bw is None else torch.addmm(bw[r0:r1], xw, w.t()))
-        # torch.cat, not slice assignment: a strided bf16 copy into y[:, r0:r1] takes ~1000x longer ; one
+        # torch.cat, not slice assignment: a strided bf16 copy into y[:, r0:r1] takes ~1000x longer; one
         # chunk (N <= 1024) is y itself (the cat holds two outputs at once: 8.4 GiB for a 4.3 GiB y)
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return y.to(x2.dtype)
