@@ -348,6 +348,23 @@ def _hier_cost_with_outer(params, sizes, nbytes, inner, outer):
     return (cost / k + max(on, cost * (k - 1) / k)) if k > 1 else cost + on
 
 
+def _tuned_choice(choice: dict, cands: dict, params: Params, sizes, native_outer: bool) -> dict:
+    """The tuned table's choice (an algorithm auto may run here) rebuilt from the fields it may set, each
+    checked: the table is read from a cache file, and its dict went to the run as it was (audit: a cached
+    "agreed": true skipped the agreement check before gloo's own all-reduce, so ranks that disagreed on
+    the size aborted instead of raising). A hierarchical choice that does not fit this topology or group
+    becomes the model's."""
+    name = choice["algorithm"]
+    if name != "hierarchical":
+        return cands[name][0]
+    inner, outer = choice.get("inner"), choice.get("outer")
+    outers = ["recursive_doubling", "halving_doubling", "ring"] + (["native"] if native_outer else [])
+    fits = (isinstance(inner, (list, tuple)) and len(inner) == len(sizes) - 1 and outer in outers
+            and all(how in (("shm",) if lvl == 0 and params.inner_shm else ()) + ("direct", "ring")
+                    + (("halving",) if s & (s - 1) == 0 else ()) for lvl, (how, s) in enumerate(zip(inner, sizes))))
+    return {"algorithm": "hierarchical", "inner": list(inner), "outer": outer} if fits else cands["hierarchical"][0]
+
+
 def _choose(params: Params, p: int, sizes, nbytes: int, native_outer: bool, shm: bool = False):
     """(choice, reason) for auto."""
     if p == 1:
@@ -358,11 +375,10 @@ def _choose(params: Params, p: int, sizes, nbytes: int, native_outer: bool, shm:
         lb = math.log2(max(nbytes, 1))
         size, choice = min(params.table, key=lambda t: abs(math.log2(max(t[0], 1)) - lb))
         if abs(math.log2(max(size, 1)) - lb) <= 1.0:
-            name = choice["algorithm"]
-            if name == "hierarchical" and len(choice.get("inner", [])) != len(sizes) - 1:
-                choice = cands["hierarchical"][0] if "hierarchical" in cands else cands["native"][0]
+            name = choice.get("algorithm")
             if name in cands:
-                return choice, f"measured fastest by tune() at {_fmt_bytes(size)} ({params.source})"
+                return (_tuned_choice(choice, cands, params, sizes, native_outer),
+                        f"measured fastest by tune() at {_fmt_bytes(size)} ({params.source})")
     best = min(cands, key=lambda k: cands[k][1])
     # Prefer gloo's own unless ours is predicted clearly (15%) faster: the model is only a model.
     if best != "native" and cands[best][1] > 0.85 * cands["native"][1]:

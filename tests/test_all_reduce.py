@@ -880,6 +880,30 @@ def test_cost_model_choices():
     assert _choose(p, 4, (2, 2), 64 << 20, True)[0]["algorithm"] == "hierarchical"
 
 
+def test_tuned_table_choices_are_rebuilt_from_checked_fields():
+    """The tuned table comes from a cache file: its choice is rebuilt from the fields a choice may set, each
+    checked (audit: a cached "agreed": true skipped the agreement check before gloo's own all-reduce, so
+    ranks passing different sizes aborted instead of raising); a hierarchical choice that does not fit
+    the topology becomes the model's."""
+    from collectives.all_reduce import Params, _candidates, _choose
+
+    p = Params([(5e-6, 1 / 10e9), (50e-6, 1 / 0.0125e9)], (50e-6, 1 / 0.0125e9), (200e-6, 1 / 0.01e9), 1 / 5e9)
+    n = 1 << 20
+    p.table = [(n, {"algorithm": "native", "agreed": True, "junk": 1})]
+    assert _choose(p, 4, (2, 2), n, True)[0] == {"algorithm": "native"}
+    good = {"algorithm": "hierarchical", "inner": ["halving"], "outer": "native"}
+    p.table = [(n, dict(good, agreed=True))]
+    assert _choose(p, 4, (2, 2), n, True)[0] == good
+    model = _candidates(p, 4, (2, 2), n, True)["hierarchical"][0]
+    for bad in ({"inner": ["bogus"], "outer": "ring"}, {"inner": ["ring"], "outer": "bogus"},
+                {"inner": "ring", "outer": "ring"}, {"inner": ["ring", "ring"], "outer": "ring"},
+                {"inner": ["shm"], "outer": "ring"}, {"outer": "ring"}):
+        p.table = [(n, dict(bad, algorithm="hierarchical", agreed=True))]
+        assert _choose(p, 4, (2, 2), n, True)[0] == model, bad
+    p.table = [(n, {"algorithm": "hierarchical", "inner": ["ring"], "outer": "native"})]
+    assert _choose(p, 4, (2, 2), n, False)[0] == _candidates(p, 4, (2, 2), n, False)["hierarchical"][0]
+
+
 # ================================================================================================
 # GPU (skipped without CUDA): NCCL with one GPU per rank, and gloo staging CUDA tensors on one GPU
 # ================================================================================================

@@ -194,6 +194,51 @@ def test_damaged_cache_entries_fall_back_to_the_default(tmp_cache, bad):
     assert any("pykernels.autotune: ignoring" in str(w.message) for w in got), [str(w.message) for w in got]
 
 
+def test_a_config_tuned_with_a_simd_switch_set_stays_with_that_switch(tmp_cache, monkeypatch):
+    """A config measured with a SIMD tier switched off is stored under a key naming the switch, so it is
+    not reused once the tier is back (audit: a qmatmul config tuned under PYKERNELS_DISABLE_AVX512=1 ran
+    1.7x slower than the default with AVX-512 on, silently); the device id names the CPU's instruction
+    sets (one model name, "AMD EPYC", covers CPUs with and without AVX-512)."""
+    from pykernels import _native
+
+    rt = _native.cpu_module("runtime")
+    tier = "avx512" if rt.cpu_has_avx512() else "avx2" if rt.cpu_has_avx2() else "portable"
+    assert at.device_id().split("-")[-1] in (tier, "amx") and tier in at.device_id()
+    key = {"dtype": "int32", "n": at.bucket(3000)}
+    tunable = at._REGISTRY[("sort_keys", "cpu")]
+    default = dict(tunable.default(key))
+    other = next(dict(c) for c in tunable.candidates(key) if dict(c) != default)
+    plain = at._entry_key("sort_keys", "cpu", key)
+    monkeypatch.setenv("PYKERNELS_DISABLE_AVX512", "1")
+    switched = at._entry_key("sort_keys", "cpu", key)
+    assert switched != plain and "PYKERNELS_DISABLE_AVX512=1" in switched
+    at._store(None, switched, {"backend": "cpu", "config": other, "time_s": 1e-6})
+    assert at.config_for("sort_keys", "cpu", key, None) == other
+    monkeypatch.delenv("PYKERNELS_DISABLE_AVX512")
+    assert at._entry_key("sort_keys", "cpu", key) == plain
+    assert at.config_for("sort_keys", "cpu", key, None) == default
+
+
+def test_tune_keeps_its_result_in_memory_when_the_cache_cannot_be_written(tmp_path, monkeypatch):
+    """An unwritable cache (PYKERNELS_CACHE_DIR a file here) made tune() raise and throw away what it had
+    measured (audit finding): it still raises, and the config holds for this process."""
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("x")
+    monkeypatch.setenv("PYKERNELS_CACHE_DIR", str(blocker))
+    at.clear_memory_cache()
+    try:
+        x = torch.randint(-1000, 1000, (3000,), dtype=torch.int32)
+        with pytest.raises(OSError, match="could not write the cache file.*holds in memory for this process only"):
+            at.tune("sort_keys", x, budget_s=0.01)
+        key = at._REGISTRY[("sort_keys", "cpu")].make_key(x)
+        assert at.lookup("sort_keys", key, None, "cpu")["config"] in (
+            [dict(at._REGISTRY[("sort_keys", "cpu")].default(key))]
+            + [dict(c) for c in at._REGISTRY[("sort_keys", "cpu")].candidates(key)])
+        assert torch.equal(pykernels.sort_keys(x), torch.sort(x).values)
+    finally:
+        at.clear_memory_cache()
+
+
 @pytest.mark.parametrize("config", [{"threads": 1e30}, {"threads": "x"}, {"digit_bits": 8}])
 def test_cached_config_of_an_op_without_a_tunable_is_ignored(tmp_cache, config):
     """segmented_sort has no CPU tunable, so no cached CPU config of it can come from tune(): one in the

@@ -159,7 +159,23 @@ def _safe(raw: str) -> str:
 
 @functools.lru_cache(maxsize=None)  # every op's dispatch asks: compute once per device
 def _cpu_device_id() -> str:
-    return _safe(f"cpu-{_cpu_model()}-{_cores()}c")
+    return _safe(f"cpu-{_cpu_model()}-{_cores()}c-{_cpu_features()}")
+
+
+def _cpu_features() -> str:
+    """The instruction sets the CPU kernels run here (as the native modules found them at load, switches
+    included): one model name and core count can hide different CPUs (a VM's generic "AMD EPYC" is Zen 2,
+    3 or 4), and a config measured with one set can be invalid or slower with another (audit: a qmatmul
+    config tuned without AVX-512 ran 1.7x slower than the default where AVX-512 runs)."""
+    try:
+        runtime = _native.cpu_module("runtime")
+    except RuntimeError:  # no native build: nothing it could have measured either
+        return "nonative"
+    tier = "avx512" if runtime.cpu_has_avx512() else "avx2" if runtime.cpu_has_avx2() else "portable"
+    with contextlib.suppress(RuntimeError, AttributeError):
+        if _native.cpu_module("qgemm").cpu_has_amx_bf16():
+            tier += "-amx"
+    return tier
 
 
 @functools.lru_cache(maxsize=None)
@@ -280,7 +296,13 @@ def clear_memory_cache():
 
 
 def _entry_key(op: str, backend: str, key: dict) -> str:
-    return f"{op}|{backend}|{json.dumps(key, sort_keys=True, default=str)}"
+    """The stored key of (op, backend, key), with the environment switches set now (see _SWITCHES): a config
+    measured with a SIMD tier switched off belongs to that setting, not to the default one (audit: one
+    tuned under PYKERNELS_DISABLE_AVX512=1 was reused, silently, with AVX-512 back on)."""
+    ekey = f"{op}|{backend}|{json.dumps(key, sort_keys=True, default=str)}"
+    if any(switches()):
+        ekey += "|" + ",".join(f"{n}={os.environ.get(n, '')}" for n in _SWITCHES if os.environ.get(n))
+    return ekey
 
 
 @contextlib.contextmanager
@@ -323,11 +345,17 @@ def _store(device, ekey: str, entry: dict) -> Path:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise OSError(f"pykernels.autotune: could not write the cache file {path}: {exc}") from exc
+        _remember(device, ekey, entry)
+    return path
+
+
+def _remember(device, ekey: str, entry: dict):
+    """entry in this process's entries of the device (every memoized config re-derived)."""
+    global _GENERATION
+    with _LOCK:
         _entries(device)[ekey] = entry
         _CONFIG_MEMO.clear()
-        global _GENERATION
         _GENERATION += 1
-    return path
 
 
 def _enabled() -> bool:
@@ -540,6 +568,7 @@ def tune(op_name: str, *example_args, backend: str = "auto", budget_s: float = 0
         raise ValueError(f"pykernels.autotune.tune: no tunable op {op_name!r} (known ops: {', '.join(known)})")
     best_entry = None
     last_error = None
+    store_error = None
     for b in choices:
         tunable = _REGISTRY[(op_name, b)]
         if tunable.check is not None:
@@ -584,19 +613,32 @@ def tune(op_name: str, *example_args, backend: str = "auto", budget_s: float = 0
         if best != default and math.isfinite(t_default):
             # Confirm head to head, interleaved, so noise cannot make the tuned config slower.
             tb, td = [], []
-            for _ in range(3):
-                tb.append(_time_config(tunable, best, example_args, kwargs, device, budget_s / 2))
-                td.append(_time_config(tunable, default, example_args, kwargs, device, budget_s / 2))
-            t_best, t_default = statistics.median(tb), statistics.median(td)
+            try:
+                for _ in range(3):
+                    tb.append(_time_config(tunable, best, example_args, kwargs, device, budget_s / 2))
+                    td.append(_time_config(tunable, default, example_args, kwargs, device, budget_s / 2))
+                t_best, t_default = statistics.median(tb), statistics.median(td)
+            except Exception as exc:  # noqa: BLE001 - ran once, failed now (flaky): not confirmed
+                last_error = f"{type(exc).__name__}: {exc}"
+                t_best = math.inf
             if t_best > t_default * (1 - MIN_GAIN):
                 best, t_best = default, t_default
         entry = {"backend": b, "config": best, "time_s": t_best, "default_time_s": t_default,
                  "default_config": default, "candidates": len(configs),
                  "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        _store(device, _entry_key(op_name, b, key), entry)
+        ekey = _entry_key(op_name, b, key)
+        try:
+            _store(device, ekey, entry)
+        except OSError as exc:
+            # an unwritable cache: what was measured holds for this process (it was thrown away with the
+            # error; audit finding), and the error still comes, once every backend is tuned
+            _remember(device, ekey, entry)
+            store_error = exc
         if best_entry is None or t_best < best_entry["time_s"]:
             best_entry = entry
     if best_entry is None:
         raise RuntimeError(f"pykernels.autotune.tune: every config of {op_name!r} failed on {device}"
                            + (f" (the last: {last_error[:500]})" if last_error else ""))
+    if store_error is not None:
+        raise OSError(f"{store_error}; the tuned config holds in memory for this process only") from store_error
     return dict(best_entry["config"])
