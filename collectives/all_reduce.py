@@ -275,23 +275,32 @@ def _rs_cost(how, s, nbytes, a, b, g, shm=None):
     return 2 * rounds * a + 2 * frac * b + frac * g
 
 
+def _inner_options(params: Params, lvl: int, s: int) -> list:
+    """The reduce-scatters an inner level of s ranks may run. The innermost level is one node: its shared
+    segment where it has one (gloo; a node without one runs the direct reduce-scatter in its place,
+    _allreduce_algos.shm_reduce_scatter)."""
+    return (["shm"] if lvl == 0 and params.inner_shm else []) + ["direct", "ring"] + \
+        (["halving"] if s & (s - 1) == 0 else [])
+
+
+def _outer_options(native_outer: bool) -> list:
+    """The all-reduces the outer level may run (native: gloo's/NCCL's own, on the outer sub-group)."""
+    return ["recursive_doubling", "halving_doubling", "ring"] + (["native"] if native_outer else [])
+
+
 def _best_hier(params: Params, sizes, nbytes, native_outer: bool):
     """The cheapest (inner choices, outer choice) for the hierarchical algorithm, and its cost."""
     g = params.gamma
     inner, cost, cur = [], 0.0, float(nbytes)
     for lvl, s in enumerate(sizes[:-1]):
         a, b = params.levels[lvl]
-        # the innermost level is one node: its shared segment where it has one (gloo; a node without
-        # one runs the direct reduce-scatter in its place, _allreduce_algos.shm_reduce_scatter)
-        opts = (["shm"] if lvl == 0 and params.inner_shm else []) + ["direct", "ring"] + \
-            (["halving"] if s & (s - 1) == 0 else [])
-        how = min(opts, key=lambda h: _rs_cost(h, s, cur, a, b, g, params.shm))
+        how = min(_inner_options(params, lvl, s), key=lambda h: _rs_cost(h, s, cur, a, b, g, params.shm))
         inner.append(how)
         cost += _rs_cost(how, s, cur, a, b, g, params.shm)
         cur /= s
     a, b = params.levels[len(sizes) - 1]
     s = sizes[-1]
-    outs = ["recursive_doubling", "halving_doubling", "ring"] + (["native"] if native_outer else [])
+    outs = _outer_options(native_outer)
     # native on the outer sub-group: gloo's own all-reduce, as measured on that level
     nat = params.level_native[len(sizes) - 1]
     costs = {o: cost + _flat_cost(o, s, cur, a, b, g, nat) for o in outs if o != "native"}
@@ -358,10 +367,8 @@ def _tuned_choice(choice: dict, cands: dict, params: Params, sizes, native_outer
     if name != "hierarchical":
         return cands[name][0]
     inner, outer = choice.get("inner"), choice.get("outer")
-    outers = ["recursive_doubling", "halving_doubling", "ring"] + (["native"] if native_outer else [])
-    fits = (isinstance(inner, (list, tuple)) and len(inner) == len(sizes) - 1 and outer in outers
-            and all(how in (("shm",) if lvl == 0 and params.inner_shm else ()) + ("direct", "ring")
-                    + (("halving",) if s & (s - 1) == 0 else ()) for lvl, (how, s) in enumerate(zip(inner, sizes))))
+    fits = (isinstance(inner, (list, tuple)) and len(inner) == len(sizes) - 1 and outer in _outer_options(native_outer)
+            and all(how in _inner_options(params, lvl, s) for lvl, (how, s) in enumerate(zip(inner, sizes))))
     return {"algorithm": "hierarchical", "inner": list(inner), "outer": outer} if fits else cands["hierarchical"][0]
 
 
