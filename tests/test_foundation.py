@@ -239,6 +239,19 @@ def test_tune_keeps_its_result_in_memory_when_the_cache_cannot_be_written(tmp_pa
         at.clear_memory_cache()
 
 
+@pytest.mark.parametrize("time_s", [float("nan"), -1.0, float("inf")])
+def test_cache_entries_whose_time_does_not_order_are_dropped(tmp_cache, time_s):
+    """lookup() picks the backend whose entry has the least time_s: a NaN compares as neither less nor
+    more, so such an entry made the choice depend on the order of the backends (audit)."""
+    path = at.cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ek = at._entry_key("sort_keys", "cpu", {"dtype": "int32", "n": 4096})
+    path.write_text(json.dumps({"metadata": at._metadata(None),
+                                "entries": {ek: {"backend": "cpu", "config": {"threads": 1}, "time_s": time_s}}}))
+    with pytest.warns(UserWarning, match="ignoring 1 invalid entry"):
+        assert at.load_cache_file(path) == {}
+
+
 @pytest.mark.parametrize("config", [{"threads": 1e30}, {"threads": "x"}, {"digit_bits": 8}])
 def test_cached_config_of_an_op_without_a_tunable_is_ignored(tmp_cache, config):
     """segmented_sort has no CPU tunable, so no cached CPU config of it can come from tune(): one in the

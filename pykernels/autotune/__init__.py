@@ -241,7 +241,8 @@ def _valid_entry(entry) -> bool:
     if not isinstance(entry, dict) or not isinstance(entry.get("config"), dict):
         return False
     t = entry.get("time_s", 0.0)
-    return not isinstance(t, bool) and isinstance(t, (int, float))
+    # a time that orders: lookup() picks the backend with the least (NaN compared as neither; audit)
+    return not isinstance(t, bool) and isinstance(t, (int, float)) and 0 <= t < math.inf
 
 
 def load_cache_file(path: Path, device=None, check_metadata: bool = True) -> dict:
