@@ -765,13 +765,45 @@ def test_sparse_inputs_and_out_of_range_scale_are_clear_errors():
     assert torch.isfinite(out).all()
 
 
-def test_vmap_over_flash_attention():
-    """torch.func.vmap goes through the op's batching fallback, never the direct eager path."""
+def test_vmap_over_flash_attention(monkeypatch):
+    """torch.func.vmap (and vmap of grad: per-sample gradients) folds the vmapped dim into the batch: one
+    call of the forward and one of the backward kernels for the whole vmapped batch (torch's fallback
+    called them once per sample, and refused a vmapped batch of 0), the same results as a loop; k/v not
+    vmapped (in_dims None) serve every sample; GQA and causal as everywhere."""
+    import pykernels.attention as A
+
+    calls = {"fwd": 0, "bwd": 0}
+    real_fwd, real_bwd = A._forward_impl, A._backward_impl
+
+    def count(name, real):
+        def wrapped(*a, **kw):
+            calls[name] += 1
+            return real(*a, **kw)
+        return wrapped
+
+    monkeypatch.setattr(A, "_forward_impl", count("fwd", real_fwd))
+    monkeypatch.setattr(A, "_backward_impl", count("bwd", real_bwd))
     g = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(3, 1, 2, 8, 8, generator=g) for _ in range(3))
-    got = torch.func.vmap(lambda a, b, c: flash_attention(a, b, c, causal=True))(q, k, v)
-    want = torch.stack([flash_attention(q[i], k[i], v[i], causal=True) for i in range(3)])
-    torch.testing.assert_close(got, want)
+    N, B, H, Hkv, S, D = 3, 2, 4, 2, 9, 8
+    q = torch.randn(N, B, H, S, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(N, B, Hkv, S, D, generator=g, dtype=torch.float64) for _ in range(2))
+    f = lambda a, b, c: flash_attention(a, b, c, causal=True)  # noqa: E731
+    got = torch.func.vmap(f)(q, k, v)
+    assert calls["fwd"] == 1
+    want = torch.stack([f(q[i], k[i], v[i]) for i in range(N)])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    got = torch.func.vmap(f, in_dims=(1, None, 0))(q.transpose(0, 1), k[0], v)
+    torch.testing.assert_close(got, torch.stack([f(q[i], k[0], v[i]) for i in range(N)]), rtol=0, atol=1e-12)
+    calls.update(fwd=0, bwd=0)
+    loss = lambda a, b, c: flash_attention(a, b, c, causal=True).square().sum()  # noqa: E731
+    grads = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    assert calls == {"fwd": 1, "bwd": 1}, calls
+    for i in range(N):
+        qi, ki, vi = (t[i].clone().requires_grad_() for t in (q, k, v))
+        loss(qi, ki, vi).backward()
+        for got_g, want_g in zip(grads, (qi.grad, ki.grad, vi.grad)):
+            torch.testing.assert_close(got_g[i], want_g, rtol=0, atol=1e-12)
+    assert torch.func.vmap(f)(q[:0], k[:0], v[:0]).shape == (0, B, H, S, D)
 
 
 def test_lse_flags_native_and_numpy_agree():

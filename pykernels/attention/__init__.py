@@ -243,6 +243,40 @@ def _no_second_derivative(ctx, *grads):
                               "after torch.autograd.grad(..., create_graph=True)) is not implemented")
 
 
+def _fold_vmapped(t, dim, n: int):
+    """A vmapped tensor as one batch: its vmapped dim (or, not vmapped, n expanded copies) folded into its
+    batch dim, [n * B, ...]; None stays None."""
+    if t is None:
+        return None
+    t = t.unsqueeze(0).expand(n, *t.shape) if dim is None else t.movedim(dim, 0)
+    return t.flatten(0, 1)
+
+
+def _sample_batch(t, dim) -> int:
+    """B, the batch dim of one sample of t (vmapped along dim)."""
+    return t.shape[0] if dim is None else t.movedim(dim, 0).shape[1]
+
+
+# Batching rules (torch.vmap, also of grad: per-sample gradients): the vmapped dim folds into the batch
+# dim, so the batch is one call of the kernels, not torch's per-sample fallback (one call per sample, and
+# refused for a batch of 0). Every sample is an independent attention problem, as every batch row is.
+@_flash_attention_op.register_vmap
+def _(info, in_dims, q, k, v, causal, scale, backend, inference=False):
+    n, b = info.batch_size, _sample_batch(q, in_dims[0])
+    q, k, v = (_fold_vmapped(t, d, n) for t, d in zip((q, k, v), in_dims[:3]))
+    out, lse = _flash_attention_op(q, k, v, causal, scale, backend, inference)
+    return (out.unflatten(0, (n, b)), lse.unflatten(0, (n, b))), (0, 0)
+
+
+@_flash_attention_backward_op.register_vmap
+def _(info, in_dims, dout, dlse, q, k, v, out, lse, causal, scale, backend):
+    n, b = info.batch_size, _sample_batch(q, in_dims[2])
+    dout, dlse, q, k, v, out, lse = (_fold_vmapped(t, d, n) for t, d in
+                                     zip((dout, dlse, q, k, v, out, lse), in_dims[:7]))
+    grads = _flash_attention_backward_op(dout, dlse, q, k, v, out, lse, causal, scale, backend)
+    return tuple(g.unflatten(0, (n, b)) for g in grads), (0, 0, 0)
+
+
 _flash_attention_op.register_autograd(_backward, setup_context=_setup_context)
 # the backward op's own "derivative": a clear error (torch's default told users to register one)
 _flash_attention_backward_op.register_autograd(_no_second_derivative)
