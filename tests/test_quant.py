@@ -653,7 +653,7 @@ def test_qmatmul_empty_and_tiny():
 
 def test_qmatmul_direct_path_leaves_transforms_to_the_op():
     """The eager fast path is pykernels._backend.eager_direct's: under vmap the registered op runs (its
-    batching fallback), with grad mode off a requires_grad input takes the direct path."""
+    batching rule), with grad mode off a requires_grad input takes the direct path."""
     import warnings
 
     qw = pykernels.quantize(torch.randn(32, 64), 4, 32)
@@ -667,6 +667,38 @@ def test_qmatmul_direct_path_leaves_transforms_to_the_op():
     with torch.no_grad():
         assert not pykernels.qmatmul(xr, qw).requires_grad
     assert pykernels.qmatmul(xr, qw).requires_grad
+
+
+def test_vmap_over_qmatmul_is_one_call_per_batch(monkeypatch):
+    """vmap over the activations (one weight for every sample) runs the kernels once, the vmapped dim as
+    one more leading dim of x, where torch's fallback ran them per sample (and refused a batch of 0);
+    a vmapped bias runs per sample, each exactly as the plain call. Per-sample gradients agree."""
+    from pykernels.quant import _ops
+
+    calls = []
+    real = _ops._impl
+    monkeypatch.setattr(_ops, "_impl", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    g = torch.Generator().manual_seed(4)
+    qw = pykernels.quantize(torch.randn(48, 64, generator=g), 4, 32)
+    bias = torch.randn(48, generator=g)
+    x = torch.randn(5, 3, 64, generator=g)
+    f = lambda a: pykernels.qmatmul(a, qw, bias)  # noqa: E731
+    for dim in (0, 1):
+        calls.clear()
+        got = torch.vmap(f, in_dims=dim)(x)
+        assert len(calls) == 1
+        want = torch.stack([f(x.select(dim, i)) for i in range(x.shape[dim])])
+        # M differs, so another kernel (GEMV or panel GEMM: activation scales per 32-block or per group)
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-4 * float(want.abs().max()))
+    grads = torch.func.vmap(torch.func.grad(lambda a: f(a).square().sum()))(x)
+    for i in range(5):
+        xi = x[i].clone().requires_grad_()
+        f(xi).square().sum().backward()
+        torch.testing.assert_close(grads[i], xi.grad, rtol=0, atol=2e-4 * float(xi.grad.abs().max()))
+    biases = torch.randn(5, 48, generator=g)
+    got = torch.vmap(lambda a, b: pykernels.qmatmul(a, qw, b))(x, biases)
+    assert torch.equal(got, torch.stack([pykernels.qmatmul(x[i], qw, biases[i]) for i in range(5)]))
+    assert torch.vmap(f)(x[:0]).shape == (0, 3, 48)
 
 
 @pytest.mark.parametrize("group_size", [96, 256])
