@@ -1583,3 +1583,37 @@ def test_cpu_length_limit_is_refused_naming_the_op(monkeypatch):
     k, _ = pykernels.segmented_sort(x, torch.tensor([0, 1500, 3000]))
     assert torch.equal(k[:1500], torch.sort(x[:1500]).values) and torch.equal(k[1500:], torch.sort(x[1500:]).values)
     assert torch.equal(pykernels.sort(x.view(2, 1500)).values, torch.sort(x.view(2, 1500)).values)
+
+
+def test_vmap_over_sort_and_argsort_is_one_call(monkeypatch):
+    """torch.vmap of sort/argsort: the vmapped dim becomes one more batch dim of the rows, one call for all
+    samples (torch's fallback called the op per sample and refused a batch of 0), each sample sorted
+    along its own dim exactly as a loop does; a sample's dim is checked as the op checks it; 0-d
+    samples are their own sorted rows; per-sample gradients as torch.sort's."""
+    S = sys.modules["pykernels.sort"]  # (the package attribute `pykernels.sort` is the function)
+    calls = []
+    real = S._rows_sort
+    monkeypatch.setattr(S, "_rows_sort", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    x = torch.randn(4, 5, 7, generator=torch.Generator().manual_seed(3))
+    x[0, 0, :3] = x[0, 0, 3]  # ties: the stable order must match too
+    for dim in (0, 1, -1, -2):
+        for d_in in (0, 1, 2):
+            calls.clear()
+            got = torch.vmap(lambda a: pykernels.sort(a, dim=dim), in_dims=d_in)(x)
+            assert len(calls) == 1
+            want = [pykernels.sort(x.select(d_in, i), dim=dim) for i in range(x.shape[d_in])]
+            assert torch.equal(got[0], torch.stack([w[0] for w in want]))
+            assert torch.equal(got[1], torch.stack([w[1] for w in want]))
+            got = torch.vmap(lambda a: pykernels.argsort(a, dim=dim, descending=True), in_dims=d_in)(x)
+            assert torch.equal(got, torch.stack([pykernels.argsort(x.select(d_in, i), dim=dim, descending=True)
+                                                 for i in range(x.shape[d_in])]))
+    with pytest.raises(ValueError, match=r"pykernels.sort: expected 'dim' in \[-2, 1\]"):
+        torch.vmap(lambda a: pykernels.sort(a, dim=2))(x)
+    scalars = torch.randn(5)
+    values, indices = torch.vmap(pykernels.sort)(scalars)
+    assert torch.equal(values, scalars) and torch.equal(indices, torch.zeros(5, dtype=torch.int64))
+    assert torch.vmap(pykernels.sort)(x[:0])[0].shape == (0, 5, 7)
+    w = torch.arange(7.0)
+    grads = torch.func.vmap(torch.func.grad(lambda a: (pykernels.sort(a).values * w).sum()))(x[0])
+    want = torch.func.vmap(torch.func.grad(lambda a: (torch.sort(a, stable=True).values * w).sum()))(x[0])
+    assert torch.equal(grads, want)

@@ -398,6 +398,34 @@ def _(x, dim, descending, backend):
     return torch.empty(x.shape, dtype=torch.int64, device=x.device)
 
 
+def _vmapped_rows(op: str, x: torch.Tensor, in_dim: int, dim):
+    """x with its vmapped dim first, and the dim to sort along in it: one sample's dim (checked on a
+    sample-shaped meta tensor, as the op checks it) shifted past the vmapped dim. None for samples of one
+    element per sample (0-d): nothing to sort."""
+    x = x.movedim(in_dim, 0)
+    d = _norm_dim(op, torch.empty(x.shape[1:], device="meta"), dim)
+    return x, (None if x.dim() == 1 else d + 1)
+
+
+# Batching rules (torch.vmap, and vmap of grad): the vmapped dim becomes one more batch dim of the rows
+# sorted, so the batch is one call, not torch's per-sample fallback (one call per sample, and refused for a
+# batch of 0). Each sample's rows are sorted along its own dim, as a loop would.
+@_sort_op.register_vmap
+def _(info, in_dims, x, dim, descending, backend):
+    x, d = _vmapped_rows("sort", x, in_dims[0], dim)
+    if d is None:  # 0-d samples: each is its own sorted row
+        return (x.clone(), torch.zeros(x.shape, dtype=torch.int64, device=x.device)), (0, 0)
+    return _sort_op(x, d, descending, backend), (0, 0)
+
+
+@_argsort_op.register_vmap
+def _(info, in_dims, x, dim, descending, backend):
+    x, d = _vmapped_rows("argsort", x, in_dims[0], dim)
+    if d is None:
+        return torch.zeros(x.shape, dtype=torch.int64, device=x.device), 0
+    return _argsort_op(x, d, descending, backend), 0
+
+
 @torch.library.custom_op("pykernels::sort_keys", mutates_args=())
 def _sort_keys_op(keys: torch.Tensor, descending: bool, begin_bit: int, end_bit: int, backend: str) -> torch.Tensor:
     _op_checks("sort_keys", keys, one_d=True, bits=(begin_bit, end_bit), backend=backend)
