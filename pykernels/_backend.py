@@ -260,6 +260,14 @@ def _traced_or_transformed() -> bool:
                 or _forward_ad._current_level >= 0)
 
 
+def vmapped_first(t, dim, n: int):
+    """For a batching rule (torch.library register_vmap): t with its vmapped dim first, or, not vmapped
+    (dim None), n expanded copies of it stacked first (no copy); None stays None."""
+    if t is None:
+        return None
+    return t.unsqueeze(0).expand(n, *t.shape) if dim is None else t.movedim(dim, 0)
+
+
 def eager_plain(t) -> bool:
     """eager_direct(t) for one tensor that never raises: also False where eager_direct would refuse
     forward-mode AD (a fast path's caller then takes its general path, whose refusal names the op)."""

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from .. import _native, autotune
-from .._backend import _CPU, _traced_or_transformed, dispatch, eager_direct, functorch_autograd
+from .._backend import _CPU, _traced_or_transformed, dispatch, eager_direct, functorch_autograd, vmapped_first
 from ..errors import check_same_device
 from . import _cpu
 
@@ -244,17 +244,8 @@ def _no_second_derivative(ctx, *grads):
 
 
 def _fold_vmapped(t, dim, n: int):
-    """A vmapped tensor as one batch: its vmapped dim (or, not vmapped, n expanded copies) folded into its
-    batch dim, [n * B, ...]; None stays None."""
-    if t is None:
-        return None
-    t = t.unsqueeze(0).expand(n, *t.shape) if dim is None else t.movedim(dim, 0)
-    return t.flatten(0, 1)
-
-
-def _sample_batch(t, dim) -> int:
-    """B, the batch dim of one sample of t (vmapped along dim)."""
-    return t.shape[0] if dim is None else t.movedim(dim, 0).shape[1]
+    """A vmapped tensor as one batch, [n * B, ...]: its vmapped dim folded into its batch dim."""
+    return None if t is None else vmapped_first(t, dim, n).flatten(0, 1)
 
 
 # Batching rules (torch.vmap, also of grad: per-sample gradients): the vmapped dim folds into the batch
@@ -262,7 +253,7 @@ def _sample_batch(t, dim) -> int:
 # refused for a batch of 0). Every sample is an independent attention problem, as every batch row is.
 @_flash_attention_op.register_vmap
 def _(info, in_dims, q, k, v, causal, scale, backend, inference=False):
-    n, b = info.batch_size, _sample_batch(q, in_dims[0])
+    n, b = info.batch_size, vmapped_first(q, in_dims[0], info.batch_size).shape[1]
     q, k, v = (_fold_vmapped(t, d, n) for t, d in zip((q, k, v), in_dims[:3]))
     out, lse = _flash_attention_op(q, k, v, causal, scale, backend, inference)
     return (out.unflatten(0, (n, b)), lse.unflatten(0, (n, b))), (0, 0)
@@ -270,7 +261,7 @@ def _(info, in_dims, q, k, v, causal, scale, backend, inference=False):
 
 @_flash_attention_backward_op.register_vmap
 def _(info, in_dims, dout, dlse, q, k, v, out, lse, causal, scale, backend):
-    n, b = info.batch_size, _sample_batch(q, in_dims[2])
+    n, b = info.batch_size, vmapped_first(q, in_dims[2], info.batch_size).shape[1]
     dout, dlse, q, k, v, out, lse = (_fold_vmapped(t, d, n) for t, d in
                                      zip((dout, dlse, q, k, v, out, lse), in_dims[:7]))
     grads = _flash_attention_backward_op(dout, dlse, q, k, v, out, lse, causal, scale, backend)

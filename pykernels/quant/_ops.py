@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from .. import autotune
-from .._backend import dispatch, eager_direct, functorch_autograd
+from .._backend import dispatch, eager_direct, functorch_autograd, vmapped_first
 from .._native import cpu_module, cuda_module, cuda_stream_handle, dtype_code, getenv
 from . import _format as F
 
@@ -453,15 +453,15 @@ def _(info, in_dims, x, packed, scales, offsets, planes, wsum, bias, n, k, bits,
     weight or bias: one call per sample here, each exact as the unvmapped op."""
     rest = (n, k, bits, group_size, act_bits, backend)
     if all(d is None for d in in_dims[1:7]):
-        x = x.unsqueeze(0).expand(info.batch_size, *x.shape) if in_dims[0] is None else x.movedim(in_dims[0], 0)
-        return _qmatmul_custom(x, packed, scales, offsets, planes, wsum, bias, *rest), 0
+        return _qmatmul_custom(vmapped_first(x, in_dims[0], info.batch_size), packed, scales, offsets, planes, wsum,
+                               bias, *rest), 0
     tensors = (x, packed, scales, offsets, planes, wsum, bias)
     per_sample = [[t if t is None or d is None else t.select(d, i) for t, d in zip(tensors, in_dims[:7])]
                   for i in range(info.batch_size)]
     outs = [_qmatmul_custom(*ts, *rest) for ts in per_sample]
     if outs:
         return torch.stack(outs), 0
-    return x.new_empty(0, *(x.shape if in_dims[0] is None else x.movedim(in_dims[0], 0).shape[1:])[:-1], n), 0
+    return x.new_empty(vmapped_first(x, in_dims[0], 0).shape[:-1] + (n,)), 0
 
 
 def _setup_context(ctx, inputs, output):

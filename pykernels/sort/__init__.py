@@ -36,7 +36,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _memory, _native, autotune
-from .._backend import eager_direct as _eager, eager_plain, dispatch, functorch_autograd, select_backend
+from .._backend import eager_direct as _eager, eager_plain, dispatch, functorch_autograd, select_backend, vmapped_first
 from ..errors import check_dtype, check_ndim, check_same_device
 
 __all__ = ["sort", "argsort", "sort_keys", "sort_pairs", "segmented_sort", "KEY_DTYPES"]
@@ -398,11 +398,11 @@ def _(x, dim, descending, backend):
     return torch.empty(x.shape, dtype=torch.int64, device=x.device)
 
 
-def _vmapped_rows(op: str, x: torch.Tensor, in_dim: int, dim):
+def _vmapped_rows(op: str, x: torch.Tensor, in_dim: int, dim, n: int):
     """x with its vmapped dim first, and the dim to sort along in it: one sample's dim (checked on a
     sample-shaped meta tensor, as the op checks it) shifted past the vmapped dim. None for samples of one
     element per sample (0-d): nothing to sort."""
-    x = x.movedim(in_dim, 0)
+    x = vmapped_first(x, in_dim, n)
     d = _norm_dim(op, torch.empty(x.shape[1:], device="meta"), dim)
     return x, (None if x.dim() == 1 else d + 1)
 
@@ -412,7 +412,7 @@ def _vmapped_rows(op: str, x: torch.Tensor, in_dim: int, dim):
 # batch of 0). Each sample's rows are sorted along its own dim, as a loop would.
 @_sort_op.register_vmap
 def _(info, in_dims, x, dim, descending, backend):
-    x, d = _vmapped_rows("sort", x, in_dims[0], dim)
+    x, d = _vmapped_rows("sort", x, in_dims[0], dim, info.batch_size)
     if d is None:  # 0-d samples: each is its own sorted row
         return (x.clone(), torch.zeros(x.shape, dtype=torch.int64, device=x.device)), (0, 0)
     return _sort_op(x, d, descending, backend), (0, 0)
@@ -420,7 +420,7 @@ def _(info, in_dims, x, dim, descending, backend):
 
 @_argsort_op.register_vmap
 def _(info, in_dims, x, dim, descending, backend):
-    x, d = _vmapped_rows("argsort", x, in_dims[0], dim)
+    x, d = _vmapped_rows("argsort", x, in_dims[0], dim, info.batch_size)
     if d is None:
         return torch.zeros(x.shape, dtype=torch.int64, device=x.device), 0
     return _argsort_op(x, d, descending, backend), 0
