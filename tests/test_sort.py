@@ -1617,3 +1617,78 @@ def test_vmap_over_sort_and_argsort_is_one_call(monkeypatch):
     grads = torch.func.vmap(torch.func.grad(lambda a: (pykernels.sort(a).values * w).sum()))(x[0])
     want = torch.func.vmap(torch.func.grad(lambda a: (torch.sort(a, stable=True).values * w).sum()))(x[0])
     assert torch.equal(grads, want)
+
+
+def test_vmap_over_1d_sorts_is_one_segmented_sort(monkeypatch):
+    """torch.vmap of sort_keys, sort_pairs and segmented_sort: the samples are the segments of one
+    segmented sort (one call; torch's fallback called the op per sample and refused a batch of 0), the
+    same keys and values as a loop over the samples, ties (-0.0 / 0.0, NaNs) in the same stable order.
+    A bit range, and segments that leave keys out, run per sample, still exactly as the loop."""
+    S = sys.modules["pykernels.sort"]
+    calls = []
+    real = S._segmented_impl
+    monkeypatch.setattr(S, "_segmented_impl", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(-3, 4, (6, 50), generator=g).float()
+    x[0, :10] = -0.0
+    x[1, ::7] = float("nan")
+    x[2, 5:9] = float("-inf")
+    vals = torch.randn(6, 50, generator=g)
+
+    def loop(f, *args):
+        outs = [f(*(a[i] for a in args)) for i in range(args[0].shape[0])]
+        return torch.stack(outs) if isinstance(outs[0], torch.Tensor) else tuple(torch.stack(o) for o in zip(*outs))
+
+    def same(got, want):
+        got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+    for descending in (False, True):
+        f = lambda k: pykernels.sort_keys(k, descending=descending)
+        calls.clear()
+        same(torch.vmap(f)(x), loop(f, x))
+        assert len(calls) == 1
+        same(torch.vmap(f, in_dims=1)(x.t()), loop(f, x))
+        f = lambda k, v: pykernels.sort_pairs(k, v, descending=descending)
+        calls.clear()
+        same(torch.vmap(f)(x, vals), loop(f, x, vals))
+        same(torch.vmap(f, in_dims=(None, 0))(x[3], vals), loop(f, x[3].expand(6, 50), vals))
+        same(torch.vmap(f, in_dims=(0, None))(x, vals[0]), loop(f, x, vals[0].expand(6, 50)))
+        assert len(calls) == 3
+    # a bit range: per sample (the segmented sort sorts whole keys)
+    u = torch.randint(0, 1 << 16, (4, 40), generator=g, dtype=torch.int32)
+    f = lambda k: pykernels.sort_keys(k, begin_bit=4, end_bit=12)
+    same(torch.vmap(f)(u), loop(f, u))
+    f = lambda k, v: pykernels.sort_pairs(k, v, begin_bit=4, end_bit=12)
+    same(torch.vmap(f)(u, vals[:4, :40]), loop(f, u, vals[:4, :40]))
+    # segmented_sort: shared offsets, per-sample offsets, offsets that leave keys out (per sample)
+    shared = torch.tensor([0, 3, 3, 20, 49, 50])
+    own = torch.stack([torch.tensor([0, i + 1, 30, 50]) for i in range(6)])
+    for descending in (False, True):
+        for offsets, odim in ((shared, None), (own, 0)):
+            f = lambda k, o: pykernels.segmented_sort(k, o, descending=descending)[0]
+            calls.clear()
+            got = torch.vmap(f, in_dims=(0, odim))(x, offsets)
+            assert len(calls) == 1
+            same(got, loop(f, x, offsets if odim == 0 else shared.expand(6, 6)))
+            f = lambda k, o, v: pykernels.segmented_sort(k, o, v, descending=descending)
+            same(torch.vmap(f, in_dims=(0, odim, 0))(x, offsets, vals),
+                 loop(f, x, offsets if odim == 0 else shared.expand(6, 6), vals))
+    inner = torch.tensor([2, 10, 40])  # keys 0-1 and 40-49 of every sample stay where they are
+    f = lambda k, o: pykernels.segmented_sort(k, o)[0]
+    same(torch.vmap(f, in_dims=(0, None))(x, inner), loop(f, x, inner.expand(6, 3)))
+    # a batch of 0 (torch's fallback refused it), and samples of 0 keys
+    assert torch.vmap(pykernels.sort_keys)(x[:0]).shape == (0, 50)
+    assert [t.shape for t in torch.vmap(pykernels.sort_pairs)(x[:0], vals[:0])] == [(0, 50), (0, 50)]
+    assert torch.vmap(lambda k: pykernels.sort_keys(k, end_bit=8))(u[:0]).shape == (0, 40)
+    assert torch.vmap(lambda k: pykernels.segmented_sort(k, shared)[0])(x[:0]).shape == (0, 50)
+    assert torch.vmap(pykernels.sort_keys)(x[:, :0]).shape == (6, 0)
+    # a sample's shape is checked as the op checks it (the registered op called directly: the public
+    # function checks before)
+    with pytest.raises(ValueError, match=r"pykernels.sort_keys: expected 'keys' with 1 dimension\(s\), got shape \(5, 10\)"):
+        torch.vmap(lambda k: torch.ops.pykernels.sort_keys(k, False, 0, -1, "auto"))(x.view(6, 5, 10))
+    with pytest.raises(ValueError, match=r"pykernels.sort_pairs: expected 'values' of length 50"):
+        torch.vmap(lambda k, v: torch.ops.pykernels.sort_pairs(k, v, False, 0, -1, "auto"))(x, vals[:, :7])
+    with pytest.raises(ValueError, match="pykernels.segmented_sort: expected non-decreasing 'offsets'"):
+        torch.vmap(lambda k, o: pykernels.segmented_sort(k, o)[0])(x, own.flip(1))

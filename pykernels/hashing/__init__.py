@@ -117,7 +117,8 @@ class CountingTable(_OpenTable):
                          growable=growable, window=window, backend=backend)
 
     def add(self, keys, counts=None) -> torch.Tensor:
-        """Adds 1 (or `counts[i]`, int64) to each key's count; returns True where a key was new."""
+        """Adds 1 (or `counts[i]`, int64, negative allowed) to each key's count; returns True where a key
+        was new. Counts add as torch's int64 tensors do: a total past 2**63 - 1 wraps (two's complement)."""
         keys = self._keys("add", keys)
         vbits = None
         if counts is not None:

@@ -520,6 +520,90 @@ def _(keys, offsets, values, descending, backend):
         torch.empty_like(values, memory_format=torch.contiguous_format)
 
 
+# Batching rules of the 1-D sorts (torch.vmap): the samples, each of n keys, are the segments of one
+# segmented sort of all of them (one call; torch's fallback called the op per sample and refused a batch
+# of 0). A sort of some bits only (segmented_sort sorts whole keys) and segments that leave keys out
+# (those would fall between two samples' segments and be sorted) run per sample, as a loop would.
+def _vmapped_1d(op: str, n: int, in_dims, keys, values=None, offsets=None, bits=None, backend="auto"):
+    """keys, values and offsets (in_dims: their vmapped dims, in that order; more are ignored) with the
+    vmapped dim first, after the op's checks on one sample's shapes."""
+    batched = [vmapped_first(t, d, n) for t, d in zip((keys, values, offsets), in_dims)]
+    sample = [None if t is None else torch.empty(t.shape[1:], dtype=t.dtype, device="meta") for t in batched]
+    _op_checks(op, sample[0], sample[1], one_d=True, bits=bits, offsets=sample[2], backend=backend)
+    return batched
+
+
+def _per_sample(op, *batched):
+    """op over the samples of the batched tensors (dim 0), stacked; a batch of 0 gives op's outputs for a
+    sample shape with 0 stacked first (the empty sample's outputs, expanded: no call needed)."""
+    outs = [op(*(t[i] for t in batched)) for i in range(batched[0].shape[0])]
+    if not outs:
+        one = op(*(torch.zeros(t.shape[1:], dtype=t.dtype, device=t.device) for t in batched))
+        return tuple(o.new_empty((0, *o.shape)) for o in one) if isinstance(one, tuple) else one.new_empty((0, *one.shape))
+    return tuple(torch.stack(o) for o in zip(*outs)) if isinstance(outs[0], tuple) else torch.stack(outs)
+
+
+def _sample_offsets(keys: torch.Tensor, offsets: Optional[torch.Tensor] = None):
+    """The offsets of one segmented sort of every sample of keys [N, n]: each sample's own offsets [N, m + 1]
+    (default: one segment, the whole sample) moved to its place; None when a sample's segments leave keys
+    out (then the samples must be sorted one by one)."""
+    nb, n = keys.shape
+    shift = torch.arange(nb, device=keys.device, dtype=torch.int64).unsqueeze(1) * n
+    if offsets is None:
+        offsets = torch.tensor([[0, n]], device=keys.device).expand(nb, 2)
+    elif offsets.shape[0] and bool((offsets[:, 0] != 0).any() or (offsets[:, -1] != n).any()):
+        return None
+    return torch.cat(((offsets[:, :-1].to(torch.int64) + shift).reshape(-1),
+                      torch.tensor([nb * n], device=keys.device)))
+
+
+def _full_width(keys: torch.Tensor, begin_bit: int, end_bit: int) -> bool:
+    return begin_bit == 0 and end_bit in (-1, _KEY_BITS[keys.dtype])
+
+
+@_sort_keys_op.register_vmap
+def _(info, in_dims, keys, descending, begin_bit, end_bit, backend):
+    x, _, _ = _vmapped_1d("sort_keys", info.batch_size, in_dims, keys, bits=(begin_bit, end_bit), backend=backend)
+    if not _full_width(x, begin_bit, end_bit):
+        return _per_sample(lambda k: _sort_keys_op(k, descending, begin_bit, end_bit, backend), x), 0
+    return _segmented_keys_op(x.reshape(-1), _sample_offsets(x), descending, backend).view(x.shape), 0
+
+
+@_sort_pairs_op.register_vmap
+def _(info, in_dims, keys, values, descending, begin_bit, end_bit, backend):
+    x, v, _ = _vmapped_1d("sort_pairs", info.batch_size, in_dims, keys, values, bits=(begin_bit, end_bit),
+                          backend=backend)
+    if not _full_width(x, begin_bit, end_bit):
+        return _per_sample(lambda k, p: _sort_pairs_op(k, p, descending, begin_bit, end_bit, backend), x, v), (0, 0)
+    k, p = _segmented_pairs_op(x.reshape(-1), _sample_offsets(x), v.reshape(-1), descending, backend)
+    return (k.view(x.shape), p.view(v.shape)), (0, 0)
+
+
+def _vmapped_segments(op: str, info, in_dims, keys, offsets, values, backend):
+    """keys, offsets, values with the vmapped dim first, and one segmented sort's offsets for all samples
+    (None: see _sample_offsets), after the op's checks on one sample."""
+    dims = (in_dims[0], in_dims[2] if values is not None else None, in_dims[1])
+    x, v, off = _vmapped_1d(op, info.batch_size, dims, keys, values, offsets, backend=backend)
+    return x, off, v, _sample_offsets(x, off)
+
+
+@_segmented_keys_op.register_vmap
+def _(info, in_dims, keys, offsets, descending, backend):
+    x, off, _, flat = _vmapped_segments("segmented_sort", info, in_dims, keys, offsets, None, backend)
+    if flat is None:
+        return _per_sample(lambda k, o: _segmented_keys_op(k, o, descending, backend), x, off), 0
+    return _segmented_keys_op(x.reshape(-1), flat, descending, backend).view(x.shape), 0
+
+
+@_segmented_pairs_op.register_vmap
+def _(info, in_dims, keys, offsets, values, descending, backend):
+    x, off, v, flat = _vmapped_segments("segmented_sort_pairs", info, in_dims, keys, offsets, values, backend)
+    if flat is None:
+        return _per_sample(lambda k, o, p: _segmented_pairs_op(k, o, p, descending, backend), x, off, v), (0, 0)
+    k, p = _segmented_pairs_op(x.reshape(-1), flat, v.reshape(-1), descending, backend)
+    return (k.view(x.shape), p.view(v.shape)), (0, 0)
+
+
 # ---------------------------------------------------------------------------------------------
 # Public API (checks here, work in the custom ops)
 # ---------------------------------------------------------------------------------------------
