@@ -489,6 +489,39 @@ def test_numpy_field_views_and_unsupported_dtypes():
         pykernels.sort(np.array(["b", "a"]))
 
 
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs 2 CPUs (more threads than CPUs take the pool)")
+def test_native_ops_run_on_torchs_openmp_threads():
+    """Our parallel jobs run on the OpenMP threads torch already has (its workers spin-wait after each torch
+    op; a pool of our own shared the cores with them and took ~2x as long after any torch op): sorting,
+    a hash insert and find, and a qmatmul after a torch op start no thread of their own. With
+    PYKERNELS_CPU_THREADS=pool they do (each module's pool starts its worker), which shows the count sees
+    them; both give the same results."""
+    code = r"""
+import os, torch, pykernels
+torch.set_num_threads(2)
+a = torch.randn(1 << 22); a.add_(1.0)  # torch's OpenMP team exists from here
+before = len(os.listdir("/proc/self/task"))
+x = torch.randint(0, 1 << 30, (1 << 20,), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+v = pykernels.sort(x).values
+k = x[:100000].long()
+t = pykernels.HashMap(1 << 18); t.insert(k, k); f = t.find(k)[0]
+qw = pykernels.quantize(torch.randn(256, 512, generator=torch.Generator().manual_seed(1)), bits=4, group_size=128)
+y = pykernels.qmatmul(torch.ones(64, 512), qw)
+ok = torch.equal(v, torch.sort(x).values) and torch.equal(f, k)
+print(len(os.listdir("/proc/self/task")) - before, ok, float(y.double().sum()))
+"""
+    runs = {}
+    for mode in ("omp", "pool"):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYKERNELS_CPU_THREADS=mode)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+        assert out.returncode == 0, out.stderr[-2000:]
+        new_threads, ok, ysum = out.stdout.split()
+        assert ok == "True", mode
+        runs[mode] = (int(new_threads), float(ysum))
+    assert runs["omp"][0] == 0 and runs["pool"][0] > 0, runs
+    assert runs["omp"][1] == runs["pool"][1], runs  # every tid's share ran, whoever ran it
+
+
 def test_ops_run_in_a_forked_child():
     """A process forked after the native thread pools started (multiprocessing's default start method
     on Linux) runs the native ops (sort, hash tables, qmatmul, the attention decode kernel): the child starts fresh pools (it has none of the parent's worker threads;

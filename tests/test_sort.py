@@ -222,8 +222,8 @@ def test_trivial_passes_are_skipped():
     # by the split's copy-through (review finding: it was not) as by the LSD engine
     z = torch.zeros(1 << 16)
     z[::2] = -0.0
-    for cfg in ({}, {"msd": 0}, {"msd": 2}):
-        k, i, _, st = _cpu_sort_1d(z, want_idx=True, config=cfg, want_stats=True)
+    for cfg in ({}, {"msd": 0}, {"msd": 2}):  # (in_order: False, as these equal keys are in order)
+        k, i, _, st = _cpu_sort_1d(z, want_idx=True, config={**cfg, "in_order": False}, want_stats=True)
         assert st["passes"] == 0 and st["lossy"], cfg
         assert torch.equal(i, torch.arange(z.numel())) and torch.equal(k.view(torch.int32), z.view(torch.int32))
 
@@ -284,7 +284,7 @@ def test_msd_split_then_in_cache_lsd_agrees_with_the_oracle(dtype, threads, desc
     to the LSD engine."""
     if msd_bits and dtype.itemsize == 8:
         pytest.skip("msd_bits applies to 32-bit keys")
-    cfg = {"msd": 2, "threads": threads, "grain": 1024, "msd_bits": msd_bits}
+    cfg = {"msd": 2, "threads": threads, "grain": 1024, "msd_bits": msd_bits, "in_order": False}
     for n in (65, 1000, 4095, 4096, 4097, 70001, 300001):
         for kind in KINDS:
             if kind == "top" and (dtype.is_floating_point or dtype in (torch.int64, torch.uint64)):
@@ -347,7 +347,7 @@ def test_wide_msd_split_agrees_with_the_oracle(dtype, threads, descending):
     """64-bit keys spanning 2^32 or more through the wide MSD path (forced with msd=2): the split into 256
     buckets of {key - min, index or payload} records, a second split inside each bucket, insertion sorts
     of the small parts and LSD on the big ones; every output mode, as for the narrow path."""
-    cfg = {"msd": 2, "threads": threads, "grain": 1024}
+    cfg = {"msd": 2, "threads": threads, "grain": 1024, "in_order": False}
     for n in (65, 1000, 4097, 70001, 300001):
         for kind in ("random", "parts", "dups", "lowbits", "sorted", "reversed", "special", "top"):
             if kind == "top" and dtype == torch.float64:
@@ -1692,3 +1692,84 @@ def test_vmap_over_1d_sorts_is_one_segmented_sort(monkeypatch):
         torch.vmap(lambda k, v: torch.ops.pykernels.sort_pairs(k, v, False, 0, -1, "auto"))(x, vals[:, :7])
     with pytest.raises(ValueError, match="pykernels.segmented_sort: expected non-decreasing 'offsets'"):
         torch.vmap(lambda k, o: pykernels.segmented_sort(k, o)[0])(x, own.flip(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint32, torch.uint64,
+                                   torch.float32, torch.float64, torch.bfloat16])
+def test_input_already_in_order_is_copied_or_reversed(dtype):
+    """Input already in the sort's order skips the radix passes (stats: no pass; a copy for non-decreasing
+    keys, the reverse for strictly decreasing ones), with exactly the stable sort's keys, indices and
+    payload: ties kept in input order (so keys that decrease with ties are sorted, not reversed), -0.0 and
+    +0.0 equal, NaNs last, descending and bit ranges deciding the order. Also: in order but for one key."""
+    n = 5000  # past the insertion sort (64) and the lean torch.sort route of the public op
+    g = torch.Generator().manual_seed(1)
+    base = torch.randint(-100, 100, (n,), generator=g).sort().values
+    if dtype.is_floating_point:
+        base = base.to(dtype) / 4
+        zeros = (base == 0).nonzero().flatten()
+        base[zeros[::2]] = -0.0  # a run of -0.0 / 0.0 ties, equal keys in the sort's order
+        base[-7:] = float("nan")
+    elif dtype in (torch.uint32, torch.uint64):
+        base = (base + 100).to(dtype)
+    else:
+        base = base.to(dtype)
+    strictly = torch.arange(n, 0, -1).to(dtype) if dtype not in (torch.int8, torch.bfloat16) else None
+    cases = [("sorted", base), ("all equal", torch.full((n,), 3).to(dtype)), ("ties, descending", torch.from_numpy(base.view(torch.int16 if dtype == torch.bfloat16 else dtype).numpy()[::-1].copy()).view(dtype))]
+    if strictly is not None:
+        cases.append(("strictly decreasing", strictly))
+    one_off = base.clone()
+    one_off[n // 2], one_off[n // 2 + 1] = base[-10], base[0]  # in order but for one pair
+    cases.append(("one pair out of order", one_off))
+    pay = torch.randn(n, generator=g)
+    for what, x in cases:
+        for desc in (False, True):
+            ri = ref_argsort_1d(x, desc)
+            for cfg in ({}, {"in_order": False}):
+                k, i, p, st = _cpu_sort_1d(x, want_idx=True, payload=pay, descending=desc, config=cfg,
+                                           want_stats=True)
+                assert torch.equal(i, ri), (what, desc, cfg)
+                assert_same(k, take(x, ri), f"{what} {desc} {cfg}")
+                assert torch.equal(p, pay[ri]), (what, desc, cfg)
+            shortcut = what in ("sorted", "all equal") and not desc or \
+                what in ("ties, descending", "all equal") and desc or what == "strictly decreasing" and not desc
+            if shortcut and what != "all equal":
+                assert st["passes"] + st["skipped"] > 0  # (cfg in_order False: the engine ran)
+                st = _cpu_sort_1d(x, want_idx=True, descending=desc, want_stats=True)[3]
+                assert st["passes"] == 0 and st["skipped"] == 0 and not st["msd"], (what, desc, st)
+            assert_same(pykernels.sort_keys(x, descending=desc), take(x, ri), f"sort_keys {what} {desc}")
+    # bit ranges: in order on bits [4, 12) though not as whole keys
+    if not dtype.is_floating_point and dtype != torch.int8:
+        low = torch.sort(torch.arange(n) * 16 % 4096).values  # bits 4..11 in order, bits 12.. below not
+        x = (((torch.arange(n) % 3) << 12) | low).to(dtype)
+        for b, e in ((4, 12), (0, 12)):
+            want = ref_argsort_1d(((x.to(torch.int64) >> b) & ((1 << (e - b)) - 1)))
+            k, _, p, _ = _cpu_sort_1d(x, payload=pay, begin_bit=b, end_bit=e)
+            assert_same(k, take(x, want), f"bits {b}-{e}")
+            assert torch.equal(p, pay[want])
+
+
+def test_rows_and_segments_of_one_key():
+    """Sorting along a dim of size 1 (every row its own sorted row) and segments of length 1: the input and
+    zero indices, without the native row sort (it cost ~30 ns a row), for every route: the lean path, dims
+    other than the last, non-contiguous inputs, out=, argsort; segmented_sort with segments of 0 and 1."""
+    g = torch.Generator().manual_seed(2)
+    for x in (torch.randn(5000, 1, generator=g), torch.randint(-9, 9, (3, 1, 4), generator=g, dtype=torch.int32),
+              torch.randn(1, 5000, generator=g).t(), torch.randn(40, 1, generator=g).to(torch.bfloat16)):
+        for dim in [d for d in range(-x.dim(), 0) if x.shape[d] == 1]:
+            for desc in (False, True):
+                v, i = pykernels.sort(x, dim=dim, descending=desc)
+                want = torch.sort(x, dim=dim, descending=desc, stable=True)
+                assert torch.equal(v, want.values) and torch.equal(i, want.indices) and v.is_contiguous()
+                assert torch.equal(pykernels.argsort(x, dim=dim, descending=desc), want.indices)
+                ov, oi = torch.empty(0, dtype=x.dtype), torch.empty(0, dtype=torch.int64)
+                pykernels.sort(x, dim=dim, descending=desc, out=(ov, oi))
+                assert torch.equal(ov, want.values) and torch.equal(oi, want.indices)
+    keys = torch.randint(-50, 50, (3001,), generator=g, dtype=torch.int32)
+    vals = torch.randn(3001, generator=g)
+    for offsets in (torch.arange(0, 3002), torch.tensor([0, 0, 1, 1, 2, 500, 501, 3000, 3001])):
+        k, v = pykernels.segmented_sort(keys, offsets, vals)
+        wk, wv = keys.clone(), vals.clone()
+        for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
+            s = torch.sort(keys[a:b], stable=True)
+            wk[a:b], wv[a:b] = s.values, vals[a:b][s.indices]
+        assert torch.equal(k, wk) and torch.equal(v, wv)

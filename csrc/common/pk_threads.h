@@ -12,9 +12,17 @@
 // skips the job, so its wake-up is not waited for. Spinning yields the core every 64 polls: on an
 // oversubscribed machine (4 processes on 2 cores) a pause-only spin kept the woken worker off the core.
 //
-// Why not OpenMP: torch ships its own OpenMP runtime (libgomp/libiomp) and two OpenMP runtimes in one
-// process fight over cores. Python passes `num_threads` (default torch.get_num_threads()), so our
-// kernels never use more threads than torch was told to, and the caller releases the GIL around us.
+// Whose threads: torch's own, where the process has them. torch runs its CPU ops on an OpenMP runtime
+// (libgomp in the pip wheels) whose workers spin-wait ~5-10 ms after each parallel region (GOMP_SPINCOUNT)
+// before they sleep. A pool of our own then shared the second core with a spinning torch worker after
+// every torch op and took ~2x as long (qmatmul fp32 M=64 4096^2: 5.9 ms alone, 13.4 ms right after a
+// torch add or F.linear; OMP_WAIT_POLICY=PASSIVE made the gap vanish). So a job runs on the OpenMP
+// runtime torch loaded (found among the loaded libraries, GOMP_parallel called through its C ABI; we
+// link no OpenMP ourselves: two OpenMP runtimes in one process fight over cores), whose workers are
+// the very threads spinning for work. The pool below runs jobs where there is no such runtime, in a
+// child forked from a process (libgomp's threads do not survive a fork, and its state hangs the child),
+// and with PYKERNELS_CPU_THREADS=pool. Python passes `num_threads` (default torch.get_num_threads()),
+// so our kernels never use more threads than torch was told to, and the caller releases the GIL.
 #pragma once
 #include <algorithm>
 #include <atomic>
@@ -31,6 +39,12 @@
 #include <vector>
 #if defined(__unix__) || defined(__APPLE__)
 #include <pthread.h>
+#endif
+#if defined(__linux__)
+#include <dlfcn.h>
+#include <link.h>
+#include <cstdlib>
+#include <cstring>
 #endif
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -55,6 +69,54 @@ inline bool spin_until(P&& pred, std::chrono::microseconds budget) {
   }
 }
 
+// Set in a child forked after this module was loaded (registered at load, so a fork before our first
+// job counts too): the parent's OpenMP team is not there, and libgomp's inherited state hangs the child.
+inline std::atomic<bool> forked_since_load{false};
+#if defined(__unix__) || defined(__APPLE__)
+inline const bool fork_watch = [] {
+  return pthread_atfork(nullptr, nullptr, [] { forked_since_load.store(true, std::memory_order_relaxed); }) == 0;
+}();
+#endif
+
+// The OpenMP runtime already loaded in this process (torch's), through its C ABI: GOMP_parallel runs
+// fn(data) on a team of num_threads threads, the caller as thread 0, and returns when all are done
+// (libgomp; LLVM's libomp and Intel's libiomp5 export the same entry points). get(): null where the
+// process has none loaded (torch built without OpenMP, not Linux) or PYKERNELS_CPU_THREADS=pool.
+struct HostOpenMP {
+  void (*parallel)(void (*)(void*), void*, unsigned, unsigned) = nullptr;
+  int (*thread_num)() = nullptr;
+  int (*num_threads)() = nullptr;
+
+  static const HostOpenMP* get() {
+    static const HostOpenMP found = find();
+    return found.parallel ? &found : nullptr;
+  }
+
+ private:
+  static HostOpenMP find() {
+    HostOpenMP r;
+#if defined(__linux__)
+    const char* mode = std::getenv("PYKERNELS_CPU_THREADS");
+    if (mode && std::strcmp(mode, "pool") == 0) return r;
+    dl_iterate_phdr([](dl_phdr_info* info, size_t, void* out) -> int {
+      const char* name = info->dlpi_name;
+      if (!name || !(std::strstr(name, "libgomp") || std::strstr(name, "libiomp5") || std::strstr(name, "libomp.")))
+        return 0;
+      void* h = dlopen(name, RTLD_LAZY | RTLD_NOLOAD);  // a reference to the loaded copy; never loads one
+      if (!h) return 0;
+      auto* r = static_cast<HostOpenMP*>(out);
+      r->parallel = reinterpret_cast<decltype(r->parallel)>(dlsym(h, "GOMP_parallel"));
+      r->thread_num = reinterpret_cast<int (*)()>(dlsym(h, "omp_get_thread_num"));
+      r->num_threads = reinterpret_cast<int (*)()>(dlsym(h, "omp_get_num_threads"));
+      if (r->parallel && r->thread_num && r->num_threads) return 1;
+      *r = HostOpenMP();
+      return 0;
+    }, &r);
+#endif
+    return r;
+  }
+};
+
 class ThreadPool {
  public:
   static ThreadPool& instance() {
@@ -76,6 +138,15 @@ class ThreadPool {
       return;
     }
     std::lock_guard<std::mutex> job_lock(job_mutex_);
+    // (more threads than CPUs: the pool, whose failure to start a thread is an error we can report;
+    // libgomp's ends the process)
+    static const int cpus = (int)std::max(1u, std::thread::hardware_concurrency());
+    const HostOpenMP* omp = nthreads <= cpus && !forked_since_load.load(std::memory_order_relaxed)
+                                ? HostOpenMP::get() : nullptr;
+    if (omp) {
+      run_on_openmp(*omp, nthreads, fn);
+      return;
+    }
     ensure_workers(nthreads - 1);
     std::exception_ptr first_error;
     std::mutex error_mutex;
@@ -125,6 +196,36 @@ class ThreadPool {
     return pool;
   }
   static void start_afresh_in_child() { current().store(new ThreadPool(), std::memory_order_release); }
+
+  struct OpenMPJob {
+    const HostOpenMP* omp;
+    const std::function<void(int)>* fn;
+    int nthreads;
+    std::mutex error_mutex;
+    std::exception_ptr first_error;
+  };
+
+  // One OpenMP thread's part: tids thread_num, thread_num + team, ... (a team smaller than asked for,
+  // under an OpenMP thread limit, still runs every tid). Exceptions stay on this side of the C runtime.
+  static void openmp_thread(void* p) {
+    auto* job = static_cast<OpenMPJob*>(p);
+    const bool was_worker = in_worker_;
+    in_worker_ = true;  // a nested run() on this thread runs inline
+    const int team = std::max(1, job->omp->num_threads());
+    for (int t = job->omp->thread_num(); t < job->nthreads; t += team) {
+      try { (*job->fn)(t); } catch (...) {
+        std::lock_guard<std::mutex> g(job->error_mutex);
+        if (!job->first_error) job->first_error = std::current_exception();
+      }
+    }
+    in_worker_ = was_worker;
+  }
+
+  static void run_on_openmp(const HostOpenMP& omp, int nthreads, const std::function<void(int)>& fn) {
+    OpenMPJob job{&omp, &fn, nthreads, {}, nullptr};
+    omp.parallel(&ThreadPool::openmp_thread, &job, (unsigned)nthreads, 0);
+    if (job.first_error) std::rethrow_exception(job.first_error);
+  }
 
   void ensure_workers(int n) {
     while ((int)workers_.size() < n) {

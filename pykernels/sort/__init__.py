@@ -149,7 +149,7 @@ def _cpu_sort_1d(keys: torch.Tensor, *, want_keys=True, want_idx=False, payload=
                         bool(descending), int(begin_bit), -1 if end_bit is None else int(end_bit),
                         int(config.get("digit_bits", 0)), _threads(config), bool(config.get("nt", True)),
                         64, int(config.get("grain", 1 << 15)), bool(want_stats), int(config.get("wc", -1)),
-                        int(config.get("msd", -1)), int(config.get("msd_bits", 0)))
+                        int(config.get("msd", -1)), int(config.get("msd_bits", 0)), bool(config.get("in_order", True)))
     return out_k, out_i, out_p, stats
 
 
@@ -181,7 +181,7 @@ def _rows_sort(op: str, x: torch.Tensor, dim: int, descending: bool, backend: st
     is a segmented sort with equal segments), and the result is moved back. out: the caller's (values,
     indices), already shaped like x, contiguous and overlapping nothing: the CPU sort of a single row
     writes them directly (no fresh pages to fault in, no copy); other paths ignore it."""
-    if x.dim() == 0 or x.numel() == 0:
+    if x.dim() == 0 or x.numel() == 0 or x.shape[dim] == 1:
         # Nothing to sort, but the backend is still validated and resolved as for any other shape, so
         # backend="nvidia" or an unavailable backend is the same error whatever the input's shape.
         select_backend(op, x.device, backend, supported=_backends_supported())
@@ -190,6 +190,10 @@ def _rows_sort(op: str, x: torch.Tensor, dim: int, descending: bool, backend: st
     if x.numel() == 0:
         return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
                 torch.empty(x.shape, dtype=torch.int64, device=x.device))
+    if x.shape[dim] == 1:  # rows of one element, each its own sorted row: (1M, 1) along dim 1 took 30 ms as
+        # 1M one-key segments of the native row sort, torch.sort 11 ms
+        return (x.clone(memory_format=torch.contiguous_format),
+                torch.zeros(x.shape, dtype=torch.int64, device=x.device))
     last = dim == x.dim() - 1
     if x.device.type == "cpu" and _strided_rows_apply(x, dim):
         strided = _strided_rows_sort(op, x, dim, descending, backend, want_keys)
@@ -264,6 +268,8 @@ def _lean_cpu_rows(op: str, x, dim, descending, stable, backend, want_keys: bool
             return torch.sort(x, descending=descending, stable=True)
         return None, torch.argsort(x, descending=descending, stable=True)
     n = x.shape[-1]
+    if n == 1:  # rows of one key (see _rows_sort)
+        return (x.clone() if want_keys else None), torch.zeros(x.shape, dtype=torch.int64)
     rows = numel // n
     _, config = dispatch(op, _CPU, backend, _key(op, x, rows=autotune.bucket(rows)), supported=_CPU_ONLY)
     if rows == 1:
