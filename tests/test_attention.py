@@ -1166,3 +1166,27 @@ def test_double_backward_says_it_is_not_implemented():
     g, = torch.autograd.grad(flash_attention(q, k, v, causal=True).pow(2).sum(), q, create_graph=True)
     with pytest.raises(NotImplementedError, match="pykernels.flash_attention: a second derivative"):
         g.sum().backward()
+
+
+def test_all_finite_sees_every_nan_and_inf():
+    """The backward's check whether aten's kernel may take the call (_all_finite): every layout it scans
+    natively (dense float32/float64, one value expanded as out.sum() gives dout) or with numpy (other
+    strides, bf16/fp16, past the native scan's size) finds a NaN or inf anywhere; finite tensors pass."""
+    from pykernels.attention import _NATIVE_FINITE_MAX, _all_finite
+
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        for n in (1, 37, 4096, _NATIVE_FINITE_MAX + 3):
+            x = torch.randn(n).to(dtype)
+            views = {"dense": x, "strided": x[::2] if n > 1 else x, "expanded": x[:1].expand(64),
+                     "permuted": x[: (n // 4) * 4].view(-1, 4).t() if n >= 4 else x}
+            for name, t in views.items():
+                assert _all_finite(t), (dtype, n, name)
+            for bad in (float("nan"), float("inf"), float("-inf")):
+                for where in (0, n // 2, n - 1):
+                    y = x.clone()
+                    y[where] = bad
+                    views = {"dense": y, "expanded": y[where:where + 1].expand(64)}
+                    if where % 2 == 0:
+                        views["strided"] = y[::2]
+                    for name, t in views.items():
+                        assert not _all_finite(torch.ones(3), t), (dtype, n, name, bad, where)
