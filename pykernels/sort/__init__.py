@@ -540,8 +540,8 @@ def _vmapped_1d(op: str, n: int, in_dims, keys, values=None, offsets=None, bits=
 
 
 def _per_sample(op, *batched):
-    """op over the samples of the batched tensors (dim 0), stacked; a batch of 0 gives op's outputs for a
-    sample shape with 0 stacked first (the empty sample's outputs, expanded: no call needed)."""
+    """op over the samples of the batched tensors (dim 0), stacked; a batch of 0: the shapes and dtypes of
+    op's outputs for one sample (of zeros, so valid offsets) with a dim of 0 first."""
     outs = [op(*(t[i] for t in batched)) for i in range(batched[0].shape[0])]
     if not outs:
         one = op(*(torch.zeros(t.shape[1:], dtype=t.dtype, device=t.device) for t in batched))
