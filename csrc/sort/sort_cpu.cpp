@@ -1707,16 +1707,22 @@ static int input_order(const SortArgs& a, const Coder<U, E>& cd, U kmask) {
   const U* in = static_cast<const U*>(a.keys);
   constexpr int64_t B = 256;
   bool ascending = true, descending = true;
+  // one OR-reduction a loop (pairs (in[i - 1], in[i]) for i in [b, e)), so each vectorizes; once one
+  // order is ruled out only the other is checked (two reductions in one loop ran scalar: a sorted input
+  // disordered at its end cost +27-41% over the sort without the check)
+  auto broken = [&](int64_t b, int64_t e, bool up) {
+    unsigned r = 0;
+    if (up) {
+      for (int64_t i = b; i < e; ++i) r |= unsigned(U(cd.enc(in[i - 1]) & kmask) > U(cd.enc(in[i]) & kmask));
+    } else {
+      for (int64_t i = b; i < e; ++i) r |= unsigned(U(cd.enc(in[i - 1]) & kmask) <= U(cd.enc(in[i]) & kmask));
+    }
+    return r != 0;
+  };
   for (int64_t b = 1; b < a.n && (ascending || descending); b += B) {
     const int64_t e = std::min(a.n, b + B);
-    bool up_broken = false, down_broken = false;  // pairs (in[i - 1], in[i]) for i in [b, e)
-    for (int64_t i = b; i < e; ++i) {
-      const U x = U(cd.enc(in[i - 1]) & kmask), y = U(cd.enc(in[i]) & kmask);
-      up_broken |= x > y;
-      down_broken |= x <= y;
-    }
-    ascending = ascending && !up_broken;
-    descending = descending && !down_broken;
+    if (ascending) ascending = !broken(b, e, true);
+    if (descending) descending = !broken(b, e, false);
   }
   return ascending ? 1 : descending ? -1 : 0;
 }
