@@ -125,6 +125,16 @@ def _cpu_cases(quick: bool):
                    notes="values + int64 indices; ours reuse the dropped outputs (output cache), torch's "
                          "are fresh pages each call", check=_check_same_sort)
 
+    # 8- and 16-bit keys, where torch.sort runs its own radix sort (64K-1M keys): ours count (uint8: 1 byte
+    # read to count, 1 + 8 written) or split by the top byte (int16: 2 + 2 read to count and split, 4 + 4
+    # records out and back, 2 + 8 written)
+    n_narrow = M // 4 if quick else M
+    for dtype, moved in ((torch.int16, 22), (torch.uint8, 11)):
+        name = str(dtype).replace("torch.", "")
+        yield Case("sort", "sort", f"{name} n={n_narrow / M:g}M", n_narrow, sort_vs_torch(dtype, n_narrow),
+                   "torch.sort(stable=True)", n_narrow, "keys", bytes_moved=n_narrow * moved,
+                   notes="values + int64 indices; torch sorts these by radix too", check=_check_same_sort)
+
     # inside the caches (100K keys: 1.2 MB with the indices), where a call's fixed costs and the choice of
     # plan weigh more than bandwidth: uniform int32 keys take the LSD engine there (their 256 buckets would
     # be too small), randn floats the split on 16K-key threads, whose buckets sort in L1

@@ -1081,6 +1081,55 @@ def test_sort_keys_of_8_and_16_bit_keys_by_counting(dtype):
         assert st["digit_bits"] == 8 and st["lossy"], st
 
 
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float16,
+                                   torch.bfloat16])
+def test_8_and_16_bit_keys_with_indices_by_counting_and_split(dtype):
+    """Values + indices (and indices alone) of 8/16-bit keys from 32K keys: 8-bit keys by one counting
+    scatter, 16-bit keys by a split on the top byte and a counting sort of each bucket (narrow_index_sort
+    in sort_cpu.cpp). Against the oracle either side of the bounds, on 1-3 threads, both directions, the
+    dtype's extremes, ties, floats with NaN payloads and -0.0 (keys come back with the input's bits);
+    a span narrower than the top byte leaves the LSD engine to sort key - min, and msd 0 is the engine."""
+    sort_mod = sys.modules["pykernels.sort"]
+    wide = dtype.itemsize == 2
+    kinds = ("random", "special", "few") if dtype.is_floating_point else ("random", "special", "few", "equal")
+    for n in (32767, 32768, 65537, 300_001):
+        for kind in kinds:
+            if dtype == torch.bool and kind == "special":
+                continue
+            x = make_keys(dtype, n, kind, seed=n % 89)
+            before = bits_of(x).clone()
+            for desc in (False, True):
+                ri = ref_argsort_1d(x, desc)
+                want = take(x, ri)
+                for threads in (1, 2, 3):
+                    cfg = {"threads": threads, "grain": 1 << 14, "in_order": False}
+                    k, i, _, st = sort_mod._cpu_sort_1d(x, want_idx=True, descending=desc, config=cfg,
+                                                        want_stats=True)
+                    what = f"{dtype} {n} {kind} {desc} {threads}"
+                    assert torch.equal(i, ri), what
+                    assert_same(k, want, what)
+                    _, io, _, _ = sort_mod._cpu_sort_1d(x, want_keys=False, want_idx=True, descending=desc,
+                                                        config=cfg)
+                    assert torch.equal(io, ri), what + " argsort"
+                    taken = st["msd"] if wide else (st["passes"] == 1 and not st["wc"])
+                    if n >= 32768 and kind in ("random", "special") and dtype != torch.bool:
+                        assert taken, (what, st)
+            assert torch.equal(bits_of(x), before), "input modified"
+    # a narrow span (keys -300..300: 3 top bytes) is the LSD engine's one pass over key - min
+    if wide and not dtype.is_floating_point:
+        x = torch.from_numpy(np.random.default_rng(1).integers(0, 600, 100_000).astype(
+            "u2" if dtype == torch.uint16 else "i2") - (0 if dtype == torch.uint16 else 300))
+        x = x.view(torch.int16).view(dtype) if dtype == torch.uint16 else x
+        k, i, _, st = sort_mod._cpu_sort_1d(x, want_idx=True, config={"in_order": False}, want_stats=True)
+        assert not st["msd"] and st["passes"] == 1, st
+        assert torch.equal(i, ref_argsort_1d(x))
+    # msd 0: the engine's passes, the same results
+    x = make_keys(dtype, 70_001, "random", seed=4)
+    k, i, _, st = sort_mod._cpu_sort_1d(x, want_idx=True, config={"msd": 0, "in_order": False}, want_stats=True)
+    assert not st["msd"] and (dtype == torch.bool or st["wc"] or st["passes"] == (2 if wide else 1)), st
+    assert torch.equal(i, ref_argsort_1d(x)) and torch.equal(bits_of(k), bits_of(take(x, i)))
+
+
 def test_segmented_many_tiny_and_one_huge():
     g = torch.Generator().manual_seed(9)
     x = torch.randint(0, 1000, (16 * 20000,), generator=g).to(torch.int32)

@@ -21,6 +21,10 @@ CPU config space (csrc/sort/sort_cpu.cpp):
               L2 size with more than 1/8 of them all one value; at most 4 MiB, 8 MiB wide); 1: the same check at
               any size (so a choice tuned on random keys still leaves skewed keys to the LSD engine);
               0: the LSD engine only; 2: always (tests).
+              8- and 16-bit keys with indices (no payload, whole width, 32K to 4M/16M keys) take their
+              own path unless msd is 0 or digit_bits is set: a counting scatter (8-bit), a split by the
+              top byte then a counting sort of each bucket (16-bit; integers within 9 top bytes take the
+              LSD engine's one pass over key - min).
   msd_bits    the split's digit for 32-bit keys: 8 (256 buckets; 2048 where a sample shows the top byte
               clusters the keys) or 11 (2048 buckets, each then sorted by two passes of ~11 bits inside
               L1/L2); 0 (default): 11 from 8M keys, else 8.
@@ -62,7 +66,7 @@ def _candidates(key: dict) -> list:
     split_bits = (8, 11) if key.get("dtype") in ("int32", "uint32", "float32") else (0,)
     for threads in (0, 1):
         for grain in (16384, 1 << 17):
-            # the MSD split + in-cache sort wherever it applies (8- and 16-bit keys ignore msd=1)
+            # the MSD split + in-cache sort wherever it applies (8/16-bit keys with indices: their own path)
             for nt in (True, False):
                 for msd_bits in split_bits:
                     cfg = dict(base, msd=1, threads=threads, grain=grain, nt=nt, msd_bits=msd_bits)
