@@ -1083,12 +1083,13 @@ def test_sort_keys_of_8_and_16_bit_keys_by_counting(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float16,
                                    torch.bfloat16])
-def test_8_and_16_bit_keys_with_indices_by_counting_and_split(dtype):
-    """Values + indices (and indices alone) of 8/16-bit keys from 32K keys: 8-bit keys by one counting
-    scatter, 16-bit keys by a split on the top byte and a counting sort of each bucket (narrow_index_sort
-    in sort_cpu.cpp). Against the oracle either side of the bounds, on 1-3 threads, both directions, the
-    dtype's extremes, ties, floats with NaN payloads and -0.0 (keys come back with the input's bits);
-    a span narrower than the top byte leaves the LSD engine to sort key - min, and msd 0 is the engine."""
+def test_8_and_16_bit_keys_with_indices_or_payload_by_counting_and_split(dtype):
+    """Values + indices (and indices alone, or a payload) of 8/16-bit keys from 32K keys: 8-bit keys by one
+    counting scatter, 16-bit keys by a split on the top byte and a counting sort of each bucket
+    (narrow_index_sort in sort_cpu.cpp). Against the oracle either side of the bounds, on 1-3 threads, both
+    directions, the dtype's extremes, ties, floats with NaN payloads and -0.0 (keys come back with the
+    input's bits); payloads of 4/8 bytes (others, and 16-bit keys' payloads past 4 MiB, take the engine); a
+    span narrower than the top byte leaves the LSD engine to sort key - min, and msd 0 is the engine."""
     sort_mod = sys.modules["pykernels.sort"]
     wide = dtype.itemsize == 2
     kinds = ("random", "special", "few") if dtype.is_floating_point else ("random", "special", "few", "equal")
@@ -1111,10 +1112,26 @@ def test_8_and_16_bit_keys_with_indices_by_counting_and_split(dtype):
                     _, io, _, _ = sort_mod._cpu_sort_1d(x, want_keys=False, want_idx=True, descending=desc,
                                                         config=cfg)
                     assert torch.equal(io, ri), what + " argsort"
-                    taken = st["msd"] if wide else (st["passes"] == 1 and not st["wc"])
                     if n >= 32768 and kind in ("random", "special") and dtype != torch.bool:
-                        assert taken, (what, st)
+                        assert st["msd"], (what, st)
             assert torch.equal(bits_of(x), before), "input modified"
+    # sort_pairs: a 4- or 8-byte payload instead of the indices (16-bit keys while it is at most 4 MiB);
+    # other payload sizes and larger payloads take the engine
+    for n, vdtype in ((40_000, torch.int32), (300_001, torch.float64), (300_001, torch.int16),
+                      ((1 << 20) + 1, torch.int32)):
+        x = make_keys(dtype, n, "random", seed=7)
+        vals = torch.arange(n, dtype=torch.int64).mul_(2654435761).to(vdtype)
+        for desc in (False, True):
+            ri = ref_argsort_1d(x, desc)
+            for threads in (1, 2):
+                cfg = {"threads": threads, "grain": 1 << 14, "in_order": False}
+                k, _, v, st = sort_mod._cpu_sort_1d(x, payload=vals, descending=desc, config=cfg, want_stats=True)
+                what = f"pairs {dtype} {n} {vdtype} {desc} {threads}"
+                assert_same(k, take(x, ri), what)
+                assert torch.equal(bits_of(v), bits_of(vals[ri])), what
+                fits = vdtype.itemsize in (4, 8) and (not wide or n * vdtype.itemsize <= 4 << 20)
+                if dtype != torch.bool:
+                    assert st["msd"] == fits, (what, st)
     # a narrow span (keys -300..300: 3 top bytes) is the LSD engine's one pass over key - min
     if wide and not dtype.is_floating_point:
         x = torch.from_numpy(np.random.default_rng(1).integers(0, 600, 100_000).astype(
@@ -1126,7 +1143,7 @@ def test_8_and_16_bit_keys_with_indices_by_counting_and_split(dtype):
     # msd 0: the engine's passes, the same results
     x = make_keys(dtype, 70_001, "random", seed=4)
     k, i, _, st = sort_mod._cpu_sort_1d(x, want_idx=True, config={"msd": 0, "in_order": False}, want_stats=True)
-    assert not st["msd"] and (dtype == torch.bool or st["wc"] or st["passes"] == (2 if wide else 1)), st
+    assert not st["msd"] and st["passes"] == (2 if wide else 1), st
     assert torch.equal(i, ref_argsort_1d(x)) and torch.equal(bits_of(k), bits_of(take(x, i)))
 
 

@@ -1650,7 +1650,7 @@ bool counting_fill(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, int 
 }
 
 // 8- and 16-bit keys with indices (sort/argsort of int8/uint8/bool/int16/uint16/float16/bfloat16 tensors,
-// every bit, no payload): the LSD engine's passes stalled on their stores here (~9 cycles a key) and ran
+// every bit) or a 4/8-byte payload instead (sort_pairs): the LSD engine's passes stalled on their stores here (~9 cycles a key) and ran
 // below torch.sort's own radix sort from 64K to 1M keys (int16 1M: 3.9 vs 2.8 ms). Instead:
 //   8-bit keys: one counting scatter. One read counts each thread's keys (4 interleaved tables, so repeated
 //     values do not serialize on one counter); each thread writes its keys' indices to its share of their
@@ -1673,14 +1673,22 @@ bool counting_fill(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, int 
 static constexpr int64_t NARROW_IDX_MIN_N = 1 << 15;
 static constexpr int64_t NARROW_IDX_MAX_N = int64_t(1) << 24;   // 16-bit keys (24-bit record indices)
 static constexpr int64_t NARROW8_IDX_MAX_N = int64_t(1) << 22;  // 8-bit keys
+// sort_pairs of 16-bit keys with 4/8-byte payloads, measured the same way (LSD engine -> this): int16 keys,
+// int32 payload 64K 0.42 -> 0.23 ms, 256K 1.10 -> 0.82, 1M 4.2 -> 3.5, but 2M 8.4 -> 8.6; int64 payload
+// 1M 4.5 -> 4.4 (1-byte keys: 2x at every size, they read the payload in order)
+static constexpr size_t NARROW_PAY_MAX_BYTES = size_t(4) << 20;  // 16-bit keys' payloads
 
-template <class U, Enc E>
+// P: what the keys carry: int64_t = their indices (out_idx), uint32_t/uint64_t = a 4- or 8-byte payload
+// (out_pay, read from a.pay through the index).
+template <class U, Enc E, class P>
 bool narrow_index_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, int T) {
   static_assert(sizeof(U) <= 2, "8- and 16-bit keys");
+  constexpr bool IDX = std::is_same_v<P, int64_t>;
   const int64_t n = a.n;
   const U* in = static_cast<const U*>(a.keys);
   U* ok = static_cast<U*>(a.out_keys);
-  int64_t* oi = a.out_idx;
+  P* oi = IDX ? reinterpret_cast<P*>(a.out_idx) : static_cast<P*>(a.out_pay);
+  const P* pay = static_cast<const P*>(a.pay);
   constexpr int RB = 256;
   constexpr int HI = 8 * (int)sizeof(U) - 8;  // the split digit's shift (0 for 8-bit keys: the whole key)
   std::vector<uint32_t> counts((size_t)T * RB);
@@ -1737,13 +1745,18 @@ bool narrow_index_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, 
     const Coder<U, E> c = cd;
     // (local restrict copies: the captured pointers were reloaded after every store)
     const U* __restrict src = in;
-    int64_t* __restrict di = oi;
+    P* __restrict di = oi;
+    const P* __restrict sp = pay;
     uint32_t* __restrict rec = recs;
     for (int64_t i = b; i < e; ++i) {
       pk::prefetch_stream(src, i);
       const U k = c.enc(src[i]);
-      if constexpr (sizeof(U) == 1) di[pos[k]++] = i;
-      else rec[pos[k >> HI]++] = (uint32_t)i << 8 | (uint8_t)k;
+      if constexpr (sizeof(U) == 1) {
+        if constexpr (IDX) di[pos[k]++] = i;
+        else di[pos[k]++] = sp[i];
+      } else {
+        rec[pos[k >> HI]++] = (uint32_t)i << 8 | (uint8_t)k;
+      }
     }
     if constexpr (sizeof(U) == 1)
       if (ok)
@@ -1752,6 +1765,8 @@ bool narrow_index_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, 
           if (pos[d] > p0) std::memset(ok + p0, (int)c.dec(U(d)), (size_t)(pos[d] - p0));
         }
   });
+  st.msd = true;  // (stats: the keys went to buckets by their top byte; for 8-bit keys that was all)
+  st.msd_bits = 8;
   if constexpr (sizeof(U) == 1) {
     st.passes = 1;
     st.digit_bits = 8;
@@ -1770,7 +1785,8 @@ bool narrow_index_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, 
       const uint32_t* __restrict rec = recs;
       const U* __restrict src = in;
       U* __restrict dk = ok;
-      int64_t* __restrict di = oi;
+      P* __restrict di = oi;
+      const P* __restrict sp = pay;
       for (int d = first[t]; d < first[t + 1]; ++d) {
         const int64_t s = bucket[d], e = bucket[d + 1];
         if (e == s) continue;
@@ -1793,11 +1809,14 @@ bool narrow_index_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, 
             if constexpr (KEYS != 0)
               if (((j - s) & (64 / sizeof(U) - 1)) == 0) PK_PREFETCH_W(dk + ahead);
           }
+          if constexpr (!IDX)  // the payload of a later record: its index ascends through the input
+            if (j + 16 < e) PK_PREFETCH_R(sp + (rec[j + 16] >> 8));
           const uint32_t l = rec[j] & 255, x = rec[j] >> 8;
           const int64_t p = pos[l]++;
           if constexpr (KEYS == 1) dk[p] = c.dec(U(hi | l));
           if constexpr (KEYS == 2) dk[p] = src[x];
-          di[p] = x;
+          if constexpr (IDX) di[p] = x;
+          else di[p] = sp[x];
         }
       }
     };
@@ -1808,8 +1827,6 @@ bool narrow_index_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, 
     });
     st.passes = 2;
     st.digit_bits = 8;
-    st.msd = true;
-    st.msd_bits = 8;
   }
   st.threads = T;
   st.lossy = lossy;
@@ -1934,10 +1951,17 @@ void radix_sort_typed(const SortArgs& a, const Codec<U>& codec, SortStats& st) {
     if (a.out_keys && !a.out_idx && !a.out_pay && bb == 0 && eb == key_bits && n >= COUNT_FILL_MIN_N &&
         counting_fill<U, E>(a, cd, st, T))
       return;
-    if (a.out_idx && !a.out_pay && bb == 0 && eb == key_bits && a.msd != 0 && a.digit_bits <= 0 &&
-        n >= NARROW_IDX_MIN_N && n <= (sizeof(U) == 1 ? NARROW8_IDX_MAX_N : NARROW_IDX_MAX_N) &&
-        narrow_index_sort<U, E>(a, cd, st, T))
-      return;
+    if (bb == 0 && eb == key_bits && a.msd != 0 && a.digit_bits <= 0 && n >= NARROW_IDX_MIN_N &&
+        n <= (sizeof(U) == 1 ? NARROW8_IDX_MAX_N : NARROW_IDX_MAX_N)) {
+      if (a.out_idx && !a.out_pay && narrow_index_sort<U, E, int64_t>(a, cd, st, T)) return;
+      // a payload instead of the indices, while it fits the caches (16-bit keys read it in index order
+      // but bucket by bucket: a line per record where it lies in DRAM)
+      const bool pay_fits = sizeof(U) == 1 || (size_t)n * a.pay_size <= NARROW_PAY_MAX_BYTES;
+      if (!a.out_idx && a.out_pay && a.out_keys && pay_fits) {
+        if (a.pay_size == 4 && narrow_index_sort<U, E, uint32_t>(a, cd, st, T)) return;
+        if (a.pay_size == 8 && narrow_index_sort<U, E, uint64_t>(a, cd, st, T)) return;
+      }
+    }
   }
   // Heuristics for digit_bits = 0 / wc = -1 (the autotuner's default config), measured on a 2-core Zen 4:
   // on one thread, while keys + what they carry fit in 16 MiB, 8-bit digits with plain stores (1.3-2x
