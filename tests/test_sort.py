@@ -1084,7 +1084,7 @@ def test_sort_keys_of_8_and_16_bit_keys_by_counting(dtype):
 @pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float16,
                                    torch.bfloat16])
 def test_8_and_16_bit_keys_with_indices_or_payload_by_counting_and_split(dtype):
-    """Values + indices (and indices alone, or a payload) of 8/16-bit keys from 32K keys: 8-bit keys by one
+    """Values + indices (and indices alone, or a payload) of 8/16-bit keys (from 24K/2K keys): 8-bit keys by one
     counting scatter, 16-bit keys by a split on the top byte and a counting sort of each bucket
     (narrow_index_sort in sort_cpu.cpp). Against the oracle either side of the bounds, on 1-3 threads, both
     directions, the dtype's extremes, ties, floats with NaN payloads and -0.0 (keys come back with the
@@ -1093,7 +1093,8 @@ def test_8_and_16_bit_keys_with_indices_or_payload_by_counting_and_split(dtype):
     sort_mod = sys.modules["pykernels.sort"]
     wide = dtype.itemsize == 2
     kinds = ("random", "special", "few") if dtype.is_floating_point else ("random", "special", "few", "equal")
-    for n in (32767, 32768, 65537, 300_001):
+    least = 24576 if wide else 2048  # (NARROW_IDX_MIN_N, NARROW8_IDX_MIN_N)
+    for n in (least - 1, least, 32768, 65537, 300_001):
         for kind in kinds:
             if dtype == torch.bool and kind == "special":
                 continue
@@ -1112,8 +1113,8 @@ def test_8_and_16_bit_keys_with_indices_or_payload_by_counting_and_split(dtype):
                     _, io, _, _ = sort_mod._cpu_sort_1d(x, want_keys=False, want_idx=True, descending=desc,
                                                         config=cfg)
                     assert torch.equal(io, ri), what + " argsort"
-                    if n >= 32768 and kind in ("random", "special") and dtype != torch.bool:
-                        assert st["msd"], (what, st)
+                    if kind in ("random", "special") and dtype != torch.bool:
+                        assert st["msd"] == (n >= least), (what, st)
             assert torch.equal(bits_of(x), before), "input modified"
     # sort_pairs: a 4- or 8-byte payload instead of the indices (16-bit keys while it is at most 4 MiB);
     # other payload sizes and larger payloads take the engine

@@ -1670,7 +1670,9 @@ bool counting_fill(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, int 
 // 0.25 -> 0.13 ms, 256K 0.98 -> 0.44, 1M 3.9 -> 1.7, 4M 15.8 -> 7.8, 16M 69 -> 49 (torch.sort 0.19, 0.65,
 // 2.8, 59, 300); uint8 64K 0.11 -> 0.06, 1M 1.6 -> 0.74, 4M 6.4 -> 4.2, but 8M 13 -> 18: past ~4M keys
 // (36 MiB of outputs) plain stores of 1-byte keys' indices lose to the engine's streaming lines.
-static constexpr int64_t NARROW_IDX_MIN_N = 1 << 15;
+static constexpr int64_t NARROW_IDX_MIN_N = 24576;  // 16-bit keys (below, 256 buckets of a few keys each cost
+                                                   // more than they save: int16 2K 14 -> 36 us, 16K 67 -> 80)
+static constexpr int64_t NARROW8_IDX_MIN_N = 2048;  // 8-bit keys (2K 10.0 -> 8.7 us, 16K 38 -> 26, 1 thread)
 static constexpr int64_t NARROW_IDX_MAX_N = int64_t(1) << 24;   // 16-bit keys (24-bit record indices)
 static constexpr int64_t NARROW8_IDX_MAX_N = int64_t(1) << 22;  // 8-bit keys
 // sort_pairs of 16-bit keys with 4/8-byte payloads, measured the same way (LSD engine -> this): int16 keys,
@@ -1951,7 +1953,8 @@ void radix_sort_typed(const SortArgs& a, const Codec<U>& codec, SortStats& st) {
     if (a.out_keys && !a.out_idx && !a.out_pay && bb == 0 && eb == key_bits && n >= COUNT_FILL_MIN_N &&
         counting_fill<U, E>(a, cd, st, T))
       return;
-    if (bb == 0 && eb == key_bits && a.msd != 0 && a.digit_bits <= 0 && n >= NARROW_IDX_MIN_N &&
+    if (bb == 0 && eb == key_bits && a.msd != 0 && a.digit_bits <= 0 &&
+        n >= (sizeof(U) == 1 ? NARROW8_IDX_MIN_N : NARROW_IDX_MIN_N) &&
         n <= (sizeof(U) == 1 ? NARROW8_IDX_MAX_N : NARROW_IDX_MAX_N)) {
       if (a.out_idx && !a.out_pay && narrow_index_sort<U, E, int64_t>(a, cd, st, T)) return;
       // a payload instead of the indices, while it fits the caches (16-bit keys read it in index order
