@@ -347,12 +347,7 @@ def test_growth_is_sized_by_distinct_keys_not_occurrences():
     still makes room for every occurrence."""
     keys = torch.arange(20).repeat(100_000)
     for t in (HashSet(16), HashMap(16), CountingTable(16)):
-        if isinstance(t, HashSet):
-            t.insert(keys)
-        elif isinstance(t, CountingTable):
-            t.add(keys)
-        else:
-            t.insert(keys, keys)
+        _put(t, keys, keys)
         assert len(t) == 20 and t.capacity <= 64, (type(t).__name__, t.capacity)
     c = CountingTable(16)
     c.add(keys)
@@ -454,6 +449,16 @@ def _count_rehashes(t):
     return calls
 
 
+def _put(t, keys, vals):
+    """The bulk insert of t's class: insert(keys[, vals]) or add(keys)."""
+    if isinstance(t, HashSet):
+        t.insert(keys)
+    elif isinstance(t, CountingTable):
+        t.add(keys)
+    else:
+        t.insert(keys, vals)
+
+
 @pytest.mark.parametrize("present", [1.0, 0.999, 0.5, 0.0])
 def test_batches_of_keys_already_present_do_not_grow_the_table(present):
     """An insert of many more keys than the table has room for, whose distinct keys are all in the table
@@ -512,13 +517,7 @@ def test_insert_somewhat_larger_than_the_room_grows_once_ahead(cls):
         inserts = []
         native = t._native_insert
         t._native_insert = lambda *a: (inserts.append(1), native(*a))[1]
-        vals = torch.arange(data.numel())
-        if cls is HashSet:
-            t.insert(data)
-        elif cls is CountingTable:
-            t.add(data)
-        else:
-            t.insert(data, vals)
+        _put(t, data, torch.arange(data.numel()))
         assert len(inserts) == 1  # nothing refused and inserted again after growing
         if data is keys:
             assert len(calls) == 1, calls  # grown once, ahead (then at 2/3 of its max load: no shrink)
@@ -538,12 +537,7 @@ def test_insert_just_past_the_room_rehashes_once(cls):
         keys = torch.randint(-(1 << 62), 1 << 62, (2 * n,), generator=g).unique()[:n]
         t = cls(n)
         calls = _count_rehashes(t)
-        if cls is HashSet:
-            t.insert(keys)
-        elif cls is CountingTable:
-            t.add(keys)
-        else:
-            t.insert(keys, keys)
+        _put(t, keys, keys)
         assert len(calls) == 1, calls
         assert 0.55 <= t.load_factor <= 0.62, t.load_factor  # 2/3 of 0.9, up to the HyperLogLog's error
         assert len(t) == n and bool(t.contains(keys).all())
