@@ -1141,6 +1141,15 @@ def test_8_and_16_bit_keys_with_indices_or_payload_by_counting_and_split(dtype):
         k, i, _, st = sort_mod._cpu_sort_1d(x, want_idx=True, config={"in_order": False}, want_stats=True)
         assert not st["msd"] and st["passes"] == 1, st
         assert torch.equal(i, ref_argsort_1d(x))
+        # 9 top bytes: a span of 2048 keys is the engine's one pass, of 2300 (12 bits: its two) the split's
+        for lo, span, split in ((255, 2048, False), (0, 2300, True)):
+            u = np.random.default_rng(span).integers(0, span, 100_000) + lo
+            x = torch.from_numpy(u.astype("i2"))
+            if dtype == torch.uint16:
+                x = torch.from_numpy((u + 32768).astype("u2"))
+            k, i, _, st = sort_mod._cpu_sort_1d(x, want_idx=True, config={"in_order": False}, want_stats=True)
+            assert st["msd"] == split and st["passes"] == (2 if split else 1), (lo, span, st)
+            assert torch.equal(i, ref_argsort_1d(x)) and torch.equal(bits_of(k), bits_of(take(x, i)))
     # msd 0: the engine's passes, the same results
     x = make_keys(dtype, 70_001, "random", seed=4)
     k, i, _, st = sort_mod._cpu_sort_1d(x, want_idx=True, config={"msd": 0, "in_order": False}, want_stats=True)

@@ -1662,8 +1662,8 @@ bool counting_fill(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, int 
 //     about n / T keys, and each writes its keys (from the two bytes, or from the input through the index
 //     where the float encoding is lossy: exact bits) and int64 indices straight to their final places,
 //     with the next bucket's output lines prefetched for writing (1M keys on one thread: 6.2 -> 3.5 ms).
-//     Refused (false, after one counting read) for integers within 9 top bytes (a span of up to 11 bits
-//     is the LSD engine's one pass over key - min). Skewed keys (a bucket holding most of them: the
+//     Refused (false, after one counting read) for integers of a span of up to 11 bits (the LSD engine's
+//     one pass over key - min). Skewed keys (a bucket holding most of them: the
 //     exponents of bfloat16 randn, half the keys one value) stay here: measured faster than the engine's
 //     two passes all the same.
 // Measured on the 2-core Zen 4 (2 threads, values + indices, random keys; LSD engine -> this): int16 64K
@@ -1734,7 +1734,18 @@ bool narrow_index_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, 
     int dmin = 0, dmax = RB - 1;
     while (bucket[dmin + 1] == 0) ++dmin;
     while (bucket[dmax] == n) --dmax;
-    if (dmax - dmin <= 8) return false;  // (a span of up to 11 bits meets at most 9 top bytes)
+    // a span of up to 11 bits (max - min < 2048, span_base's one pass) meets at most 9 top bytes; at 9
+    // the keys' min and max decide (one more read): 2048-2303 values would take the engine's 2 passes
+    if (dmax - dmin <= 7) return false;
+    if (dmax - dmin == 8) {
+      U lo = U(~U(0)), hi = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const U k = cd.enc(in[i]);
+        lo = std::min(lo, k);
+        hi = std::max(hi, k);
+      }
+      if (hi - lo < 2048) return false;
+    }
   }
   static_assert(NARROW_IDX_MAX_N <= (int64_t(1) << 24), "records hold 24-bit indices");
   // 16-bit keys: the split's records (index << 8 | low byte)

@@ -21,11 +21,11 @@ CPU config space (csrc/sort/sort_cpu.cpp):
               L2 size with more than 1/8 of them all one value; at most 4 MiB, 8 MiB wide); 1: the same check at
               any size (so a choice tuned on random keys still leaves skewed keys to the LSD engine);
               0: the LSD engine only; 2: always (tests).
-              8- and 16-bit keys with indices or a 4/8-byte payload (whole width, 2K-4M 8-bit / 24K-16M 16-bit keys;
-              16-bit keys' payloads up to 4 MiB) take their
-              own path unless msd is 0 or digit_bits is set: a counting scatter (8-bit), a split by the
-              top byte then a counting sort of each bucket (16-bit; integers within 9 top bytes take the
-              LSD engine's one pass over key - min).
+              8- and 16-bit keys with indices or a 4/8-byte payload (whole width, 2K-4M 8-bit / 24K-16M
+              16-bit keys; 16-bit keys' payloads up to 4 MiB) take their own path unless msd is 0 or
+              digit_bits is set: a counting scatter (8-bit), a split by the top byte then a counting sort
+              of each bucket (16-bit; integers of a span of up to 11 bits take the LSD engine's one pass
+              over key - min).
   msd_bits    the split's digit for 32-bit keys: 8 (256 buckets; 2048 where a sample shows the top byte
               clusters the keys) or 11 (2048 buckets, each then sorted by two passes of ~11 bits inside
               L1/L2); 0 (default): 11 from 8M keys, else 8.
