@@ -717,9 +717,11 @@ def test_sampled_presence_check_over_more_than_2_24_rows():
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("key_dtype", [torch.int64, torch.int32])
-def test_counting_few_categories_sums_hot_keys_privately(threads, key_dtype):
-    """CountingTable.add of 300K keys of a few categories (csrc/hash/hash_cpu.cpp insert_impl: the keys that are
-    ~0.025% of the input or more are summed per thread and added once): counts exact with and without weights;
+@pytest.mark.parametrize("rows", [300_000, 40_000])
+def test_counting_few_categories_sums_hot_keys_privately(threads, key_dtype, rows):
+    """CountingTable.add of 300K (or 40K: sampled 1024 times) keys of a few categories (csrc/hash/hash_cpu.cpp
+    insert_impl: the keys that are ~0.025% of the input or more are summed per thread and added once): counts
+    exact with and without weights;
     add()'s mask True exactly at each new key's first occurrence; keys already present, the reserved patterns
     (-1, -2) and rare keys mixed in; a non-growable table too small for the categories."""
     old = torch.get_num_threads()
@@ -727,8 +729,8 @@ def test_counting_few_categories_sums_hot_keys_privately(threads, key_dtype):
     try:
         g = torch.Generator().manual_seed(17)
         cats = torch.tensor([0, 1, -1, -2, 7, 1 << 30, -(1 << 30), 12345], dtype=key_dtype)
-        keys = torch.cat([cats[torch.randint(0, 8, (300_000,), generator=g)],
-                          torch.randint(-(1 << 20), 1 << 20, (3000,), generator=g).to(key_dtype)])
+        keys = torch.cat([cats[torch.randint(0, 8, (rows,), generator=g)],
+                          torch.randint(-(1 << 20), 1 << 20, (rows // 100,), generator=g).to(key_dtype)])
         keys = keys[torch.randperm(keys.numel(), generator=g)]
         t = CountingTable(1024, key_dtype)
         t.add(torch.tensor([7, 99], dtype=key_dtype))  # present before: never new in the big add
@@ -764,8 +766,10 @@ def test_counting_few_categories_sums_hot_keys_privately(threads, key_dtype):
         torch.set_num_threads(old)
 
 
-@pytest.mark.parametrize("categories,share", [(16, 0.3), (16, 0.7), (16, 0.95), (400, 0.7), (400, 0.9)])
-def test_counts_of_categories_mixed_with_rare_keys(categories, share):
+@pytest.mark.parametrize("categories,share,n", [(16, 0.3, 200_000), (16, 0.7, 200_000), (16, 0.95, 200_000),
+                                                (400, 0.7, 200_000), (400, 0.9, 200_000), (16, 0.7, 50_000),
+                                                (100, 0.95, 50_000)])
+def test_counts_of_categories_mixed_with_rare_keys(categories, share, n):
     """Adds and upserts where a few categories make up a share of the rows and the rest are rare keys, on
     both sides of the share from which the hot keys' path is taken (csrc/hash/hash_cpu.cpp hot_add_share):
     counts exact, one new-key mark per key, each map value one of those given for its key, on 2 threads."""
@@ -773,7 +777,6 @@ def test_counts_of_categories_mixed_with_rare_keys(categories, share):
     torch.set_num_threads(2)
     try:
         g = torch.Generator().manual_seed(categories + int(100 * share))
-        n = 200_000
         cats = torch.randint(-(1 << 40), 1 << 40, (categories,), generator=g)
         n_hot = int(share * n)
         keys = torch.cat([cats[torch.randint(0, categories, (n_hot,), generator=g)],
@@ -799,8 +802,9 @@ def test_counts_of_categories_mixed_with_rare_keys(categories, share):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_map_and_set_inserts_of_few_categories_keep_the_last_value(threads):
-    """HashMap.insert / HashSet.insert of 300K keys of a few categories: each thread keeps its range's last value of
+@pytest.mark.parametrize("rows", [300_000, 30_000])
+def test_map_and_set_inserts_of_few_categories_keep_the_last_value(threads, rows):
+    """HashMap.insert / HashSet.insert of 300K (or 30K) keys of a few categories: each thread keeps its range's last value of
     each hot key and the key gets one upsert (csrc/hash/hash_cpu.cpp insert_impl): the value kept is the last one
     in input order (a dict's), the new mask True once per new key (a category's at its first occurrence), a
     present key updated, and a non-growable table too small refuses whole categories, keeping every key it took."""
@@ -809,7 +813,7 @@ def test_map_and_set_inserts_of_few_categories_keep_the_last_value(threads):
     try:
         g = torch.Generator().manual_seed(23)
         cats = torch.tensor([3, 1 << 40, -7, 0, 55, 1 << 20], dtype=torch.int64)
-        keys = torch.cat([cats[torch.randint(0, 6, (300_000,), generator=g)], torch.arange(10**9, 10**9 + 2000)])
+        keys = torch.cat([cats[torch.randint(0, 6, (rows,), generator=g)], torch.arange(10**9, 10**9 + rows // 150)])
         keys = keys[torch.randperm(keys.numel(), generator=g)]
         vals = torch.arange(keys.numel(), dtype=torch.int64) * 7
         m = HashMap(1024)
