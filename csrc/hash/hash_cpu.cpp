@@ -1964,20 +1964,24 @@ py::tuple sample_distinct(uintptr_t keys_p, int64_t n, int kb, int count) {
   auto run = [&](auto key_type) {
     using KT = decltype(key_type);
     const KT* keys = reinterpret_cast<const KT*>(keys_p);
-    std::vector<KT> sample;
-    sample.reserve((size_t)count);
+    // counted in a small open-addressing table (at most half full), not sorted: sorting the 16384 samples
+    // of a 130K-row count took ~0.4 ms of its 0.65
+    int bits = 6;
+    while (((int64_t)1 << bits) < 2 * (int64_t)count) ++bits;
+    const size_t mask = ((size_t)1 << bits) - 1;
+    std::vector<KT> seen(mask + 1);
+    std::vector<uint32_t> times(mask + 1, 0);
     for (int64_t j = 0; j < count; ++j) {
       const KT k = keys[sample_position(j, n, count)];
-      if (!is_special(k)) sample.push_back(k);
+      if (is_special(k)) continue;
+      size_t x = small_index(k, bits);
+      while (times[x] && seen[x] != k) x = (x + 1) & mask;
+      seen[x] = k;
+      ++times[x];
     }
-    std::sort(sample.begin(), sample.end());
-    const size_t m = sample.size();
-    for (size_t j = 0; j < m;) {
-      size_t r = j + 1;
-      while (r < m && sample[r] == sample[j]) ++r;
-      ++distinct;
-      once += r - j == 1;
-      j = r;
+    for (const uint32_t c : times) {
+      distinct += c != 0;
+      once += c == 1;
     }
   };
   {
