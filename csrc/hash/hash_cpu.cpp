@@ -675,6 +675,34 @@ bool grouped_insert_tiered(Table<K, V>& t, const K* keys, int64_t b, int64_t e, 
 // ------------------------------------------------------------------------------------------------
 // Bulk operations
 // ------------------------------------------------------------------------------------------------
+// How many times each of up to `count` sampled keys was met: an open-addressing table at most half full
+// (L1/L2), not a sort of the samples (sorting 16384 of them took ~0.4-0.5 ms: most of a 130K-row count,
+// ~10% of a 4M-row one).
+template <class K>
+struct SampleCounter {
+  int bits = 6;
+  size_t mask = 0;
+  std::vector<K> seen;
+  std::vector<uint32_t> times;
+  explicit SampleCounter(int64_t count) {
+    while (((int64_t)1 << bits) < 2 * count) ++bits;
+    mask = ((size_t)1 << bits) - 1;
+    seen.resize(mask + 1);
+    times.assign(mask + 1, 0);
+  }
+  uint32_t add(K k) {  // the times k has been met, this one included
+    size_t x = small_index(k, bits);
+    while (times[x] && seen[x] != k) x = (x + 1) & mask;
+    seen[x] = k;
+    return ++times[x];
+  }
+  template <class F>
+  void each(F&& f) const {  // f(key, times) for every key met
+    for (size_t x = 0; x <= mask; ++x)
+      if (times[x]) f(seen[x], times[x]);
+  }
+};
+
 // `count` evenly spaced keys of key_at(0..n-1) into out, the reserved patterns (e.g. a table's EMPTY
 // slots) left out, sorted; returns how many.
 template <class K, class KeyAt>
@@ -736,29 +764,40 @@ struct HotKeys {
   template <class KeyAt>
   void detect(int64_t n, KeyAt&& key_at) {
     if (n < kMinRows) return;
-    // 1024 of the samples first: no two equal (distinct keys, the common case) leaves the full sample's
-    // sort (~0.5 ms) undone; a key of 0.1% of the input shows twice there with probability ~0.4. An input
-    // under 8 * kSamples rows is judged by those 1024 alone (a sort of n / 32 samples cost 130K rows of
-    // 1000 values 25% more time), so its hot keys are those of 0.4% of its rows or more.
+    // 1024 of the samples first: no two equal (distinct keys, the common case) leaves the full sample
+    // uncounted; a key of 0.1% of the input shows twice there with probability ~0.4. An input under
+    // 8 * kSamples rows is judged by those 1024 alone (counting n / 32 samples cost 130K rows of 1000
+    // values 25% more time), so its hot keys are those of 0.4% of its rows or more.
     constexpr int kPre = 1024;
     samples = n >= 8 * kSamples ? kSamples : kPre;
-    std::vector<K> sample(samples);
-    {
-      const int m = sorted_sample(n, kPre, key_at, sample.data());
-      if (std::adjacent_find(sample.data(), sample.data() + m) == sample.data() + m) return;
-      sample.resize((size_t)m);
+    auto count_samples = [&](int count, SampleCounter<K>& c, bool stop_at_a_repeat) {
+      int m = 0;
+      for (int j = 0; j < count; ++j) {
+        const K k = key_at((int64_t)((uint64_t)j * (uint64_t)n / count));
+        if (is_special(k)) continue;
+        ++m;
+        if (c.add(k) > 1 && stop_at_a_repeat) return -1;
+      }
+      return m;
+    };
+    SampleCounter<K> pre(kPre);
+    int sampled_keys = count_samples(kPre, pre, samples > kPre);
+    if (sampled_keys >= 0 && samples == kPre) {
+      bool repeat = false;
+      pre.each([&](K, uint32_t t) { repeat |= t > 1; });
+      if (!repeat) return;
+    } else if (sampled_keys >= 0) {
+      return;  // (the large regime stopped at the first repeat; none)
     }
-    if (samples > kPre) {
-      sample.resize((size_t)samples);
-      sample.resize((size_t)sorted_sample(n, samples, key_at, sample.data()));
-    }
+    SampleCounter<K> full(samples > kPre ? samples : 1);
+    if (samples > kPre) sampled_keys = count_samples(samples, full, false);
     std::vector<std::pair<int64_t, K>> found;  // (times sampled, key)
-    for (size_t j = 0; j < sample.size();) {
-      size_t r = j + 1;
-      while (r < sample.size() && sample[r] == sample[j]) ++r;
-      if (r - j >= (size_t)kMin) found.emplace_back((int64_t)(r - j), sample[j]);
-      j = r;
-    }
+    (samples > kPre ? full : pre).each([&](K k, uint32_t t) {
+      if (t >= (uint32_t)kMin) found.emplace_back((int64_t)t, k);
+    });
+    // in key order, as the sorted sample gave them (the hot keys' ids, hence where a multi-value map's
+    // runs go, stay as they were)
+    std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.second < b.second; });
     if (found.size() > (size_t)kMax) {  // the most frequent ones (review finding: the smallest key values were kept)
       std::nth_element(found.begin(), found.begin() + kMax, found.end(),
                        [](const auto& a, const auto& b) { return a.first > b.first; });
@@ -770,7 +809,7 @@ struct HotKeys {
       sampled.push_back(f.first);
       hot_samples += f.first;
     }
-    share = sample.empty() ? 0.0 : (double)hot_samples / (double)sample.size();
+    share = sampled_keys <= 0 ? 0.0 : (double)hot_samples / (double)sampled_keys;
     if (keys.empty()) return;
     bits = 6;
     while (((size_t)1 << bits) < 4 * keys.size()) ++bits;
@@ -1964,25 +2003,15 @@ py::tuple sample_distinct(uintptr_t keys_p, int64_t n, int kb, int count) {
   auto run = [&](auto key_type) {
     using KT = decltype(key_type);
     const KT* keys = reinterpret_cast<const KT*>(keys_p);
-    // counted in a small open-addressing table (at most half full), not sorted: sorting the 16384 samples
-    // of a 130K-row count took ~0.4 ms of its 0.65
-    int bits = 6;
-    while (((int64_t)1 << bits) < 2 * (int64_t)count) ++bits;
-    const size_t mask = ((size_t)1 << bits) - 1;
-    std::vector<KT> seen(mask + 1);
-    std::vector<uint32_t> times(mask + 1, 0);
+    SampleCounter<KT> c(count);
     for (int64_t j = 0; j < count; ++j) {
       const KT k = keys[sample_position(j, n, count)];
-      if (is_special(k)) continue;
-      size_t x = small_index(k, bits);
-      while (times[x] && seen[x] != k) x = (x + 1) & mask;
-      seen[x] = k;
-      ++times[x];
+      if (!is_special(k)) c.add(k);
     }
-    for (const uint32_t c : times) {
-      distinct += c != 0;
-      once += c == 1;
-    }
+    c.each([&](KT, uint32_t t) {
+      ++distinct;
+      once += t == 1;
+    });
   };
   {
     py::gil_scoped_release release;
