@@ -743,8 +743,8 @@ bool has_hot_key(int64_t n, KeyAt&& key_at) {
 inline double hot_add_share(size_t nh) { return nh <= 256 ? 0.6 : 0.8; }
 
 // The keys that make up about 0.025% or more of a bulk insert's n keys (kMin or more equal among kSamples
-// evenly spaced samples, fewer in inputs under 8 * kSamples rows: 0.4% of 16K rows; the reserved patterns never), the kMax most frequent at most: insert_impl
-// appends each one's copies as a run (Table::append_run; 0.025% of 2M rows fill ~125 windows), or sums
+// evenly spaced samples, 1024 in inputs under 8 * kSamples rows: 0.4% of their rows; the reserved patterns
+// never), the kMax most frequent at most: insert_impl appends each one's copies as a run (Table::append_run; 0.025% of 2M rows fill ~125 windows), or sums
 // (keeps the last of) its adds (upserts) per thread. id(k): its index, or -1, from a small
 // open-addressing table (L1/L2).
 // Inputs from kMinRows rows on are sampled (1024 samples below 8 * kSamples rows): counting 50K rows of
@@ -770,25 +770,23 @@ struct HotKeys {
     // values 25% more time), so its hot keys are those of 0.4% of its rows or more.
     constexpr int kPre = 1024;
     samples = n >= 8 * kSamples ? kSamples : kPre;
+    bool repeat = false;
     auto count_samples = [&](int count, SampleCounter<K>& c, bool stop_at_a_repeat) {
       int m = 0;
       for (int j = 0; j < count; ++j) {
         const K k = key_at((int64_t)((uint64_t)j * (uint64_t)n / count));
         if (is_special(k)) continue;
         ++m;
-        if (c.add(k) > 1 && stop_at_a_repeat) return -1;
+        if (c.add(k) > 1) {
+          repeat = true;
+          if (stop_at_a_repeat) break;
+        }
       }
       return m;
     };
     SampleCounter<K> pre(kPre);
     int sampled_keys = count_samples(kPre, pre, samples > kPre);
-    if (sampled_keys >= 0 && samples == kPre) {
-      bool repeat = false;
-      pre.each([&](K, uint32_t t) { repeat |= t > 1; });
-      if (!repeat) return;
-    } else if (sampled_keys >= 0) {
-      return;  // (the large regime stopped at the first repeat; none)
-    }
+    if (!repeat) return;
     SampleCounter<K> full(samples > kPre ? samples : 1);
     if (samples > kPre) sampled_keys = count_samples(samples, full, false);
     std::vector<std::pair<int64_t, K>> found;  // (times sampled, key)

@@ -449,10 +449,9 @@ class _OpenTable(_TableState):
                 if self._few_distinct_fit(kbits, room):
                     return False
                 # keys may repeat: size by how many distinct ones the input holds (HyperLogLog, ~1.6% error;
-                # an underestimate only means one growth after the insert, as without growing ahead)
-                # (no margin: a table grown for n keys has room for 1.5n, _grown_capacity)
-                # (+5%: an estimate just under the room while the keys are not would fill the table, refuse
-                # the rest, and double it after; review finding)
+                # an underestimate only means one growth after the insert, as without growing ahead), +5%:
+                # an estimate just under the room while the keys are not would fill the table, refuse the
+                # rest and double it after (review finding); a table grown for n keys has room for 1.5n
                 n = min(n, int(self._distinct_estimate(kbits) * 1.05) + 1)
             if n <= room:
                 return False
