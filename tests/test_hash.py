@@ -917,6 +917,65 @@ def test_clear_and_properties():
     assert "HashMap" in repr(t)
 
 
+@pytest.mark.parametrize("cls", [HashMap, HashSet, CountingTable, MultiValueHashMap, BloomFilter])
+def test_a_table_made_in_inference_mode_is_used_and_cleared_outside_it(cls, tmp_path):
+    """A table built (or loaded) under torch.inference_mode() takes inserts, clear() and items() outside
+    it, and the other way round (audit finding: its state was made of inference tensors, which torch
+    refuses to update in place outside inference mode; clear() wiped the slots and then raised, leaving
+    len 4, no key findable and items() failing)."""
+    keys = torch.tensor([1, 2, 3, -1, -2])
+    nkeys = keys.numel()
+
+    def make():
+        return cls(1000, 3) if cls is BloomFilter else cls(1000)
+
+    def fill(t):
+        if cls is BloomFilter:
+            t.add(keys)
+        elif cls in (HashMap, MultiValueHashMap):
+            t.insert(keys, keys * 10)
+        else:
+            t.insert(keys)
+
+    def check_filled(t):
+        assert bool(t.contains(keys).all())
+        if cls is not BloomFilter:
+            assert len(t) == nkeys
+            got = t.items()
+            got = got[0] if isinstance(got, tuple) else got
+            assert sorted(got.tolist()) == sorted(keys.tolist())
+
+    def check_cleared(t):
+        assert not bool(t.contains(keys).any())
+        if cls is not BloomFilter:
+            assert len(t) == 0
+            got = t.items()
+            assert (got[0] if isinstance(got, tuple) else got).numel() == 0
+
+    with torch.inference_mode():
+        t = make()
+    fill(t)
+    check_filled(t)
+    t.clear()
+    check_cleared(t)
+    fill(t)
+    path = tmp_path / "t.pt"
+    torch.save(t, path)
+    with torch.inference_mode():
+        loaded = torch.load(path, weights_only=False)
+        check_filled(loaded)
+    loaded.clear()
+    check_cleared(loaded)
+    # made outside, cleared and filled inside
+    t = make()
+    fill(t)
+    with torch.inference_mode():
+        t.clear()
+        check_cleared(t)
+        fill(t)
+    check_filled(t)
+
+
 @pytest.mark.parametrize("device", ["cpu:0", torch.device("cpu"), torch.device("cpu", 0), "cpu"])
 @pytest.mark.parametrize("cls", [HashMap, HashSet, CountingTable, MultiValueHashMap, BloomFilter])
 def test_every_spelling_of_the_cpu_is_the_same_device(cls, device):

@@ -28,7 +28,8 @@ import torch
 
 from . import _layout as L
 from . import _ops
-from ._tables import M_ADD, M_APPEND, M_UPSERT, _OpenTable, _TableState, _device, _eager_only, new_keys_mask
+from ._tables import (M_ADD, M_APPEND, M_UPSERT, _OpenTable, _TableState, _device, _eager_only, new_keys_mask,
+                      normal_tensors)
 from .. import _backend, _native
 from ..errors import TableFullError  # noqa: F401  (re-exported for convenience)
 
@@ -272,7 +273,8 @@ class BloomFilter(_TableState):
             raise TypeError(f"pykernels.{op}: expected an int for 'seed', got {type(seed).__name__}")
         self.seed = int(seed) & L.M64
         try:
-            self._words = torch.zeros(self.num_blocks * 8, dtype=torch.int64, device=self.device)
+            with normal_tensors():  # updated in place by add and clear, in or out of inference mode
+                self._words = torch.zeros(self.num_blocks * 8, dtype=torch.int64, device=self.device)
         except (RuntimeError, MemoryError) as exc:  # torch's bare allocator message names no op (review)
             raise type(exc)(f"pykernels.{op}: cannot allocate {self.num_blocks * 64} bytes for {num_bits} bits on "
                             f"{self.device}: {str(exc)[:200]}") from exc

@@ -48,6 +48,14 @@ _EAGER_ONLY_REASON = ("pykernels hash tables: insert, add, erase and items() kee
                       "function (lookups -- find, contains, counts -- do trace)")
 
 
+def normal_tensors():
+    """The context a table's state (slots, `special`, a Bloom filter's words) is made in: never inference
+    tensors. A table built under torch.inference_mode() is updated in place afterwards, outside it too
+    (clear, inserts through the registered ops), which torch refuses for inference tensors; its refusal
+    came after clear() had wiped the slots, leaving a table whose length said 4 and whose items() failed
+    (audit finding). Tensors made here are ordinary ones in or out of inference mode."""
+    return torch.inference_mode(False)
+
 def _eager_only():
     if torch.compiler.is_compiling():
         from torch._dynamo import graph_break  # (imported only while dynamo runs)
@@ -141,11 +149,12 @@ class _TableState:
 
     def __setstate__(self, state):
         state = dict(state)
-        for k, v in state.items():
-            if isinstance(v, torch.Tensor):
-                state[k] = v.clone()  # its own memory (not a parent's shared segment, not a huge-page view)
-            elif k == "_special_multi":  # multi-value maps: the values of the reserved key patterns
-                state[k] = {bits: [t.clone() for t in lst] for bits, lst in v.items()}
+        with normal_tensors():  # (loaded under inference_mode: still a table that clear() can update)
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor):
+                    state[k] = v.clone()  # its own memory (not a parent's shared segment, not a huge-page view)
+                elif k == "_special_multi":  # multi-value maps: the values of the reserved key patterns
+                    state[k] = {bits: [t.clone() for t in lst] for bits, lst in v.items()}
         self.__dict__.update(state)
         storage = state.get("_slots", state.get("_words"))
         if storage is not None and storage.device != self.device:
@@ -245,9 +254,10 @@ class _OpenTable(_TableState):
         every page (~11% of building a 4M-key table at load 0.9; the slots are initialized anyway)."""
         words = nw * self.window * self._sb // 4
         try:
-            if self.device.type != "cpu" or words * 4 < _HUGE_MIN_BYTES:
-                return torch.empty(words, dtype=torch.int32, device=self.device)
-            return _memory.huge_aligned_output(words * 4).view(torch.int32)
+            with normal_tensors():
+                if self.device.type != "cpu" or words * 4 < _HUGE_MIN_BYTES:
+                    return torch.empty(words, dtype=torch.int32, device=self.device)
+                return _memory.huge_aligned_output(words * 4).view(torch.int32)
         except (RuntimeError, MemoryError) as exc:  # torch's bare allocator message names no op (review)
             raise type(exc)(f"pykernels.{self._op}: cannot allocate {words * 4} bytes for {nw * self.window} slots "
                             f"on {self.device} (capacity / max_load_factor too large?): {str(exc)[:200]}") from exc
@@ -264,7 +274,8 @@ class _OpenTable(_TableState):
     def _new_special(self, nw):
         """Zeroed `special`: 4 words for the reserved key patterns (flags and values), then the overflow
         filter, one byte per window (csrc/hash/hash_layout.h)."""
-        return torch.zeros(L.special_words(nw), dtype=torch.int64, device=self.device)
+        with normal_tensors():
+            return torch.zeros(L.special_words(nw), dtype=torch.int64, device=self.device)
 
     def _init_slots(self, slots):
         """Keys EMPTY (all ones), values zero: counting tables add into a fresh slot's value."""

@@ -60,6 +60,8 @@ import numpy as np
 import torch
 from numba import cuda
 
+from ._tables import normal_tensors
+
 __all__ = ["map_insert", "map_find", "counting_add", "set_insert", "set_contains", "packed_insert",
            "packed_find", "set32_insert", "set32_contains", "map_k8v4_insert", "map_k8v4_find",
            "map_k4v8_insert", "map_k4v8_find", "counting_k4v8_add", "multi_insert", "multi_count",
@@ -745,7 +747,8 @@ class DeviceView:
                 f"{table._kb}-byte keys and {table._vb}-byte value slots (layout {self.layout})")
         self.table = table
         self._bound = (table._slots.data_ptr(), table._special.data_ptr(), table._nw)
-        self._counters = torch.zeros(3, dtype=torch.int64, device=table.device)
+        with normal_tensors():  # copied into in place (refused for an inference tensor outside inference mode)
+            self._counters = torch.zeros(3, dtype=torch.int64, device=table.device)
         self._snapshot()
         slots = _as_u32_array(table._slots) if self.layout == "set32" else _as_u64_array(table._slots)
         special = _as_u64_array(table._special)
