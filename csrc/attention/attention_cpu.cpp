@@ -108,6 +108,13 @@ float exp_sum_portable(float* x, int n, float m) {
   return sum;
 }
 
+// max of x[0..n) (-inf for n = 0); a NaN never wins (it reaches the row's sum through exp instead)
+float row_max_portable(const float* x, int n) {
+  float m = kNegInf;
+  for (int j = 0; j < n; ++j) m = x[j] > m ? x[j] : m;
+  return m;
+}
+
 // acc[r] += sum_{j < n[r]} p[r * KB + j] * rows[j] for r < R: a row reads only the values of the keys it
 // sees (a NaN in a masked key's value never reaches it, not even as 0 * NaN)
 void pv_portable(const float* p, int R, int D, const float* const* rows, const int* n, float* acc) {
@@ -213,6 +220,20 @@ PK_TARGET_AVX2 inline __m256 exp256(__m256 x) {
   return _mm256_andnot_ps(underflow, r);
 }
 
+// row_max_portable's result, 8 lanes at a time: max_ps(x, m) returns m where x is NaN, so a NaN never wins
+// (one dependent scalar maxss per key was ~15% of a decode step's time)
+PK_TARGET_AVX2 float row_max_avx2(const float* x, int n) {
+  __m256 m = _mm256_set1_ps(kNegInf);
+  int j = 0;
+  for (; j + 8 <= n; j += 8) m = _mm256_max_ps(_mm256_loadu_ps(x + j), m);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  float r = _mm_cvtss_f32(h);
+  for (; j < n; ++j) r = x[j] > r ? x[j] : r;
+  return r;
+}
+
 PK_TARGET_AVX2 float exp_sum_avx2(float* x, int n, float m) {
   const __m256 vm = _mm256_set1_ps(m);
   __m256 sum = _mm256_setzero_ps();
@@ -308,15 +329,16 @@ PK_TARGET_AVX2 void widen_avx2(const void* const* src, pk::DType dt, int nb, int
 struct Kernels {
   void (*scores)(const float*, int, int, const float* const*, int, float*);
   float (*exp_sum)(float*, int, float);
+  float (*row_max)(const float*, int);
   void (*pv)(const float*, int, int, const float* const*, const int*, float*);
   void (*widen)(const void* const*, pk::DType, int, int, float*);
 };
 
 Kernels pick_kernels() {
 #if PK_X86
-  if (pk::cpu_has_avx2()) return {scores_avx2, exp_sum_avx2, pv_avx2, widen_avx2};
+  if (pk::cpu_has_avx2()) return {scores_avx2, exp_sum_avx2, row_max_avx2, pv_avx2, widen_avx2};
 #endif
-  return {scores_portable, exp_sum_portable, pv_portable, widen_portable};
+  return {scores_portable, exp_sum_portable, row_max_portable, pv_portable, widen_portable};
 }
 
 // One thread's buffers: the group's scaled query rows, a block's scores, widened K/V rows, and the running
@@ -394,9 +416,7 @@ void attend_chunk(const Problem& P, const Kernels& K, int64_t b, int64_t hk, int
       const int n = (int)std::clamp<int64_t>(P.visible(r % P.Sq) - j0, 0, nb);
       sc.n[r] = n;
       if (n == 0) continue;
-      float bm = kNegInf;
-      for (int j = 0; j < n; ++j) bm = sr[j] > bm ? sr[j] : bm;  // NaN never wins: it reaches l below
-      const float m_new = std::max(sc.m[r], bm);
+      const float m_new = std::max(sc.m[r], K.row_max(sr, n));  // NaN never wins: it reaches l below
       if (m_new == kNegInf) {  // every score NaN (or -inf): poison the row, the caller recomputes it
         sc.l[r] = std::numeric_limits<float>::quiet_NaN();
         sc.n[r] = 0;
