@@ -26,13 +26,16 @@ from . import _cpu, problem_key, _forward_impl, _backward_impl, OP, OP_BWD
 _CPU_DEFAULT = {"impl": "flash"}
 _CPU_CANDIDATES = [{"impl": "flash"}, {"impl": "blocked", "chunk_elems": 1 << 18},
                    {"impl": "blocked", "chunk_elems": 1 << 22}]
-# the native decode kernel (forward only): multiply-adds per thread before a second thread joins. 2^16:
+# the native decode kernel (forward only): multiply-adds per thread before a second thread joins. 2^15:
 # on the 2-core EPYC (2026-12-04), steps of 2^17-2^18 multiply-adds (8 heads x 256-512 keys x D=64; 32/8
 # heads x 64 keys x D=128; one head x 2048 keys x D=128) took 1.1-1.9x less time on two threads than
-# on one (2^18 kept them on one), and 2^16-work steps the same on either
-_DECODE_DEFAULT = {"impl": "decode", "grain": 1 << 16}
+# on one (2^18 kept them on one); 2026-12-05, steps of 2^15-2^16 (8 heads x 96-128 keys x D=64, 32/8
+# heads x 16 keys x D=128, fp32 and bf16) 1.13-1.37x less, in cache (the same tensors again) and out of
+# it (160 caches in turn), than on one (2^16 kept them there); 2^15-work steps stay on one thread, where
+# the second's wake-up cost more in cache (13.0 vs 15.9 us for 4 heads x 128 keys x D=64)
+_DECODE_DEFAULT = {"impl": "decode", "grain": 1 << 15}
 _DECODE_DEFAULT_ROWS = 32
-_DECODE_CANDIDATES = [{"impl": "decode", "grain": g} for g in (1 << 16, 1 << 18, 1 << 20)]
+_DECODE_CANDIDATES = [{"impl": "decode", "grain": g} for g in (1 << 15, 1 << 16, 1 << 18, 1 << 20)]
 
 
 def _cpu_fwd_default(key):
