@@ -136,7 +136,7 @@ def _blocked(q, k, v, causal: bool, scale: float, cfg: dict):
 
 def _decode(q, k, v, causal: bool, scale: float, cfg: dict):
     threads = int(cfg.get("threads", 0) or 0) or torch.get_num_threads()
-    return _cpu.decode_forward(q, k, v, causal, scale, threads, int(cfg.get("grain", 1 << 15)))
+    return _cpu.decode_forward(q, k, v, causal, scale, threads, int(cfg.get("grain", _cpu.DECODE_GRAIN)))
 
 
 def _flash_result_stands(q, k, v, causal: bool, scale: float, out, lse) -> bool:

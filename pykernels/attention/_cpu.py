@@ -339,6 +339,9 @@ def _scores(qc, kc, i0, Sq, Sk, causal, scale):
     return s
 
 
+# multiply-adds per thread before the decode kernel takes a second thread: the default "grain" (measured
+# in attention/_tuning.py, where the tuner's candidates are)
+DECODE_GRAIN = 1 << 15
 DECODE_MAX_SQ = 16    # query rows per head up to which "decode" is a candidate (its work is GEMV-shaped)
 DECODE_MAX_ROWS = 64  # and rows per KV head's group ((H / Hkv) * S_q): its running state (64 x D floats) in L1/L2
 DECODE_DTYPES = ("float32", "bfloat16", "float16")

@@ -33,9 +33,9 @@ _CPU_CANDIDATES = [{"impl": "flash"}, {"impl": "blocked", "chunk_elems": 1 << 18
 # heads x 16 keys x D=128, fp32 and bf16) 1.13-1.37x less, in cache (the same tensors again) and out of
 # it (160 caches in turn), than on one (2^16 kept them there); 2^15-work steps stay on one thread, where
 # the second's wake-up cost more in cache (13.0 vs 15.9 us for 4 heads x 128 keys x D=64)
-_DECODE_DEFAULT = {"impl": "decode", "grain": 1 << 15}
+_DECODE_DEFAULT = {"impl": "decode", "grain": _cpu.DECODE_GRAIN}
 _DECODE_DEFAULT_ROWS = 32
-_DECODE_CANDIDATES = [{"impl": "decode", "grain": g} for g in (1 << 15, 1 << 16, 1 << 18, 1 << 20)]
+_DECODE_CANDIDATES = [{"impl": "decode", "grain": g} for g in (_cpu.DECODE_GRAIN, 1 << 16, 1 << 18, 1 << 20)]
 
 
 def _cpu_fwd_default(key):

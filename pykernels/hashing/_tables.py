@@ -56,6 +56,7 @@ def normal_tensors():
     (audit finding). Tensors made here are ordinary ones in or out of inference mode."""
     return torch.inference_mode(False)
 
+
 def _eager_only():
     if torch.compiler.is_compiling():
         from torch._dynamo import graph_break  # (imported only while dynamo runs)
