@@ -118,8 +118,8 @@ def test_matches_float64_oracle_fp32(shape, causal, impl):
 @pytest.mark.parametrize("shape", [(2, 4, 2, 5, 9, 24), (1, 2, 1, 70, 33, 130), (1, 4, 4, 16, 16, 64)],
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("impl", [None, {"impl": "blocked", "chunk_elems": 64}, {"impl": "decode", "grain": 1}],
-                         ids=["public", "blocked", "decode"])
+@pytest.mark.parametrize("impl", [None, {"impl": "blocked", "chunk_elems": 64}, {"impl": "decode", "grain": 1},
+                                  {"impl": "bf16dot"}], ids=["public", "blocked", "decode", "bf16dot"])
 def test_matches_float64_oracle_other_dtypes(dtype, shape, causal, impl):
     q, k, v = make(*shape, dtype, seed=3)
     check_forward_and_grads(q, k, v, causal, config=impl)
@@ -404,7 +404,7 @@ def test_torch_compile_fullgraph_forward_and_backward():
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(B=st.integers(1, 2), Hkv=st.integers(1, 3), g=st.integers(1, 3), Sq=st.integers(1, 40),
        Sk=st.integers(1, 40), D=st.integers(1, 48), causal=st.booleans(),
-       impl=st.sampled_from(["flash", "blocked", "decode"]), seed=st.integers(0, 1000))
+       impl=st.sampled_from(["flash", "blocked", "decode", "bf16dot"]), seed=st.integers(0, 1000))
 def test_hypothesis_shapes(B, Hkv, g, Sq, Sk, D, causal, impl, seed):
     q, k, v = make(B, Hkv * g, Hkv, Sq, Sk, D, torch.float32, seed=seed)
     check_forward_and_grads(q, k, v, causal, config={"impl": impl, "chunk_elems": 256, "grain": 1 << (seed % 20)})
@@ -1190,3 +1190,191 @@ def test_all_finite_sees_every_nan_and_inf():
                         views["strided"] = y[::2]
                     for name, t in views.items():
                         assert not _all_finite(torch.ones(3), t), (dtype, n, name, bad, where)
+
+
+# ---------------------------------------------------------------------------------------------
+# "bf16dot": the native bfloat16 kernel with AVX-512 BF16 dot products (csrc/attention/attention_cpu.cpp)
+# ---------------------------------------------------------------------------------------------
+needs_bf16dot = pytest.mark.skipif(not _cpu.bf16dot_available(),
+                                   reason="this CPU lacks AVX-512 BF16 (the bf16dot kernel's instructions)")
+
+BF16DOT_SHAPES = [  # (B, H, Hkv, S_q, S_k, D): key counts around the 16-key groups and 64-key blocks, query
+    (1, 2, 2, 5, 7, 64),        # rows around the 64-row items and 6-row register tiles, GQA, S_q != S_k
+    (2, 4, 2, 65, 63, 64),
+    (1, 3, 1, 64, 129, 128),
+    (1, 2, 2, 130, 65, 192),
+    (1, 1, 1, 7, 200, 256),
+    (2, 8, 2, 1, 300, 128),
+    (1, 2, 1, 200, 3, 64),
+    (1, 6, 6, 13, 13, 512),
+]
+
+
+@needs_bf16dot
+@pytest.mark.parametrize("shape", BF16DOT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_bf16dot_kernel_matches_the_oracle(shape, causal, threads):
+    """Same contract as every CPU path: bottom-right causal, rows without keys out 0 / lse -inf, out in q's
+    memory order and lse laid out as aten's; bf16 accuracy (P rounded to bf16 for P V, as aten's kernel)."""
+    q, k, v = make(*shape, torch.bfloat16, seed=sum(shape))
+    for scale in (None, -0.7):
+        sc = 1 / math.sqrt(shape[-1]) if scale is None else scale
+        out, lse = _cpu.bf16dot_forward(q, k, v, causal, sc, threads)
+        ro, rl = reference(q, k, v, causal, sc)
+        assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+        assert out.stride() == _cpu.out_strides(q, shape[-1]) and lse.stride() == _cpu.to_bshd(lse).stride()
+        assert_close(out, ro, torch.bfloat16, "out")
+        assert_close(lse, rl, torch.float32, "lse")
+
+
+@needs_bf16dot
+def test_bf16dot_kernel_as_accurate_as_sdpa():
+    """Large logits and long rows: the error of out against the float64 oracle stays within 1.5x of SDPA's
+    (the same precision choices: fp32 scores and softmax, bf16 probabilities, fp32 accumulation)."""
+    q, k, v = make(1, 4, 2, 300, 1000, 128, torch.bfloat16, seed=7, scale=3.0)
+    for causal in (False, True):
+        out, lse = _cpu.bf16dot_forward(q, k, v, causal, 128 ** -0.5, 2)
+        ro, rl = reference(q, k, v, causal)
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        if causal:  # SDPA aligns the causal mask top-left: its rows i see keys j <= i
+            ro = reference(q, k[:, :, :300], v[:, :, :300], True)[0]
+            out = _cpu.bf16dot_forward(q, k[:, :, :300], v[:, :, :300], True, 128 ** -0.5, 2)[0]
+        err = (out.double() - ro).abs().max().item()
+        err_sdpa = (sdpa.double() - ro).abs().max().item()
+        assert err <= 1.5 * err_sdpa + 1e-3, (causal, err, err_sdpa)
+        if not causal:
+            assert (lse.double() - rl).abs().max().item() < 1e-3
+
+
+@needs_bf16dot
+def test_bf16dot_kernel_reads_strided_inputs_and_leaves_them_unmodified():
+    """K/V laid out [B, S, H, D] (a KV cache), q transposed the same way, an odd row stride (the K packing's
+    gather reads 4-byte words at any byte offset), and inputs left as they were."""
+    g = torch.Generator().manual_seed(5)
+    B, H, Hkv, Sq, Sk, D = 2, 8, 2, 70, 100, 64
+    q = torch.randn(B, Sq, H, D, generator=g).to(torch.bfloat16).transpose(1, 2)
+    k = torch.randn(B, Sk, Hkv, D, generator=g).to(torch.bfloat16).transpose(1, 2)
+    v = torch.randn(B, Sk, Hkv, D, generator=g).to(torch.bfloat16).transpose(1, 2)
+    odd = torch.randn(B * Hkv * Sk * (D + 1), generator=g).to(torch.bfloat16)
+    k_odd = odd.as_strided((B, Hkv, Sk, D), (Hkv * Sk * (D + 1), Sk * (D + 1), D + 1, 1))
+    for kk in (k, k_odd):
+        before = [t.clone() for t in (q, kk, v)]
+        for causal in (False, True):
+            out, lse = _cpu.bf16dot_forward(q, kk, v, causal, 0.125, 2)
+            ro, rl = reference(q, kk, v, causal, 0.125)
+            assert_close(out, ro, torch.bfloat16, "out")
+            assert_close(lse, rl, torch.float32, "lse")
+            assert out.stride() == _cpu.out_strides(q, D)
+        for a, b in zip((q, kk, v), before):
+            assert torch.equal(a, b)
+
+
+@needs_bf16dot
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16dot_kernel_without_keys_gives_zero_rows(threads):
+    """The native kernel itself with S_k = 0 (the wrapper answers that case without calling it)."""
+    from pykernels import _native
+    B, H, Hkv, Sq, D = 2, 4, 2, 3, 64
+    q = torch.randn(B, H, Sq, D).to(torch.bfloat16)
+    k = v = torch.empty(B, Hkv, 0, D, dtype=torch.bfloat16)
+    out = torch.full((B, H, Sq, D), 7.0, dtype=torch.bfloat16)
+    lse = torch.full((B, H, Sq), 7.0)
+    bad = _native.cpu_module("attention").prefill_forward(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), B, H, Hkv, Sq, 0, D,
+        q.stride()[:3], k.stride()[:3], v.stride()[:3], out.stride()[:3], lse.stride(), 0.25, False,
+        _native.dtype_code(q.dtype), threads)
+    assert bad == 0
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(lse, torch.full_like(lse, -math.inf))
+    # and where it does not apply (another dtype, a head dim not a multiple of 64): -1, nothing written
+    for dt, d in ((torch.float32, 64), (torch.bfloat16, 96)):
+        q2, k2 = torch.zeros(1, 1, 2, d, dtype=dt), torch.zeros(1, 1, 2, d, dtype=dt)
+        o2, l2 = torch.full_like(q2, 7.0), torch.full((1, 1, 2), 7.0)
+        assert _native.cpu_module("attention").prefill_forward(
+            q2.data_ptr(), k2.data_ptr(), k2.data_ptr(), o2.data_ptr(), l2.data_ptr(), 1, 1, 1, 2, 2, d,
+            q2.stride()[:3], k2.stride()[:3], k2.stride()[:3], o2.stride()[:3], l2.stride(), 0.25, False,
+            _native.dtype_code(dt), 1) == -1
+        assert (o2 == 7).all() and (l2 == 7).all()
+
+
+@needs_bf16dot
+@pytest.mark.parametrize("where", ["q", "k", "v", "k-inf", "k-all-inf"])
+def test_bf16dot_kernel_non_finite_inputs_follow_the_math(where):
+    """NaN/inf in q or k give a row that sees it a non-finite lse: the kernel reports it and the exact path
+    recomputes; NaN in a v reaches the rows that see it, and no row of another 6-row tile (as the contract
+    says, a masked key's value may reach rows that share its tile: p = 0, but 0 * NaN is NaN)."""
+    q, k, v = make(1, 4, 2, 70, 100, 64, torch.bfloat16, seed=9)
+    t = {"q": q, "k": k, "v": v}[where.split("-")[0]]
+    if where == "k-all-inf":  # every score of the rows of KV head 1 that see key 0 only is -inf
+        k[0, 1, 0] = float("inf")
+        q[0, 2:, 0] = -1.0
+    else:
+        t[0, 1, 3 if where == "q" else 98, 5] = float("inf") if where == "k-inf" else float("nan")
+    assert (_cpu.bf16dot_forward(q, k, v, True, 0.25, 2) is None) == (where != "v")
+    out, lse = _forward_impl(q, k, v, True, 0.25, "cpu", {"impl": "bf16dot"}, inference=True)
+    if where == "v":  # key 98 is seen by query rows 68 and 69 (row i sees j <= i + 30) of heads 2, 3; rows
+        # 64..69 are one register tile
+        assert torch.isnan(out[0, 2:, 68:, 5]).all() and torch.isfinite(out[0, 2:, :64]).all()
+        assert torch.isfinite(out[0, :2]).all() and torch.isfinite(lse).all()
+    else:  # recomputed on the exact path: its NaN (and +-inf) exactly
+        want, want_lse = _forward_impl(q, k, v, True, 0.25, "cpu", {"impl": "blocked"})
+        torch.testing.assert_close(out, want, equal_nan=True, rtol=0, atol=0)
+        torch.testing.assert_close(lse, _cpu.to_bshd(want_lse), equal_nan=True, rtol=0, atol=0)
+
+
+@needs_bf16dot
+def test_bf16dot_is_the_default_only_where_no_backward_follows(monkeypatch):
+    """A bfloat16 prefill call with no graph recorded takes the kernel (lean and general path alike); a call
+    a backward follows keeps aten's forward, whose lse aten's backward recomputes P from; float32 and a head
+    dim not a multiple of 64 never take it."""
+    import importlib
+
+    pa = importlib.import_module("pykernels.attention")
+    monkeypatch.setenv("PYKERNELS_AUTOTUNE", "0")
+    q, k, v = make(1, 8, 2, 128, 128, 64, torch.bfloat16, seed=4)
+    calls = []
+    real = _cpu.bf16dot_forward
+    monkeypatch.setattr(_cpu, "bf16dot_forward", lambda *a: calls.append(1) or real(*a))
+    qa = q.clone().requires_grad_()
+    out = flash_attention(qa, k, v, causal=True)
+    out.float().pow(2).sum().backward()
+    assert calls == [] and qa.grad is not None
+    with torch.no_grad():
+        lean = flash_attention(qa, k, v, causal=True, return_lse=True)
+        general = flash_attention(qa.transpose(2, 3).contiguous().transpose(2, 3), k, v, causal=True,
+                                  return_lse=True)
+    assert len(calls) == 2
+    assert torch.equal(lean[0], general[0]) and torch.equal(lean[1], general[1])
+    assert_close(lean[0], reference(q, k, v, True)[0], torch.bfloat16, "out")
+    flash_attention(q.float(), k.float(), v.float(), causal=True)
+    flash_attention(*make(1, 8, 2, 128, 128, 96, torch.bfloat16), causal=True)
+    assert len(calls) == 2
+    # torch.compile under no_grad: the same kernel as eager
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(lambda a, b, c: flash_attention(a, b, c, causal=True), backend="aot_eager",
+                                 fullgraph=True)(q, k, v)
+    assert torch.equal(compiled, lean[0])
+
+
+def test_bf16dot_off_without_avx512():
+    """PYKERNELS_DISABLE_AVX512=1 (or a CPU without AVX-512 BF16): not available, not a candidate, not the
+    default; bfloat16 calls take aten's kernels and stay correct."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, pykernels\n"
+        "from pykernels.attention import _cpu, _tuning, problem_key\n"
+        "assert not _cpu.bf16dot_available()\n"
+        "q = torch.randn(1, 4, 128, 64).to(torch.bfloat16)\n"
+        "key = problem_key(q, q, causal=True)\n"
+        "assert _tuning._cpu_fwd_default(key)['impl'] == 'flash'\n"
+        "assert all(c['impl'] != 'bf16dot' for c in _tuning._cpu_fwd_candidates(key))\n"
+        "out = pykernels.flash_attention(q, q, q, causal=True)\n"
+        "ref = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)\n"
+        "torch.testing.assert_close(out, ref)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
+                   env=dict(os.environ, PYKERNELS_DISABLE_AVX512="1", PYKERNELS_AUTOTUNE="0"))

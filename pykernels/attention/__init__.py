@@ -18,7 +18,8 @@ output 0, lse -inf and zero gradient (flash-attn leaves such rows undefined; SDP
 
 Backends: "cpu" (aten's CPU flash kernels wrapped for bottom-right causal and GQA, or a BLAS-blocked
 implementation, the autotuner picks; for a few query rows against a KV cache, up to 32 per KV head, the
-native flash-decoding kernel, forward only), "triton" (FlashAttention-2 forward and backward kernels in
+native flash-decoding kernel, and for other bfloat16 calls on CPUs with AVX-512 BF16 a native kernel with
+bf16 dot products, both forward only, where no backward follows), "triton" (FlashAttention-2 forward and backward kernels in
 `_triton.py`; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). The op is registered as
 `torch.ops.pykernels.flash_attention` (+ `flash_attention_backward`) with fake implementations and
 autograd, so it works under torch.compile(fullgraph=True).
@@ -122,6 +123,10 @@ def _forward_impl(q, k, v, causal: bool, scale: float, backend: str, config: Opt
         result = _decode(q, k, v, causal, scale, cfg)
         if result is not None:
             return result
+    elif impl == "bf16dot" and inference and _cpu.bf16dot_takes(q):  # else (a backward follows): aten's
+        result = _bf16dot(q, k, v, causal, scale, cfg)
+        if result is not None:
+            return result
     elif impl != "blocked":
         out, lse = _cpu.flash_forward(q, k, v, causal, scale)
         if _flash_result_stands(q, k, v, causal, scale, out, lse):
@@ -137,6 +142,11 @@ def _blocked(q, k, v, causal: bool, scale: float, cfg: dict):
 def _decode(q, k, v, causal: bool, scale: float, cfg: dict):
     threads = int(cfg.get("threads", 0) or 0) or torch.get_num_threads()
     return _cpu.decode_forward(q, k, v, causal, scale, threads, int(cfg.get("grain", _cpu.DECODE_GRAIN)))
+
+
+def _bf16dot(q, k, v, causal: bool, scale: float, cfg: dict):
+    threads = int(cfg.get("threads", 0) or 0) or torch.get_num_threads()
+    return _cpu.bf16dot_forward(q, k, v, causal, scale, threads)
 
 
 def _flash_result_stands(q, k, v, causal: bool, scale: float, out, lse) -> bool:
@@ -405,7 +415,7 @@ def _lean_cpu_forward(q, k, v, causal, scale, backend):
     tensors of one float dtype (not float64), well-formed [B, H, S, D] shapes, arguments of the exact
     types the general path accepts, and a problem the chosen implementation runs in ONE kernel call (the
     native decode kernel; or aten's flash kernels when not causal, for one query row or a square causal
-    mask). Returns (out, lse) as the general path does, or
+    mask; or the native bf16dot kernel). Returns (out, lse) as the general path does, or
     None for any other call, which takes the general path (its checks and errors, autograd, torch.compile,
     other layouts and backends). Same results: the same dispatch (key and config), the same kernel call
     (_cpu.decode_forward or _cpu.flash_forward), the same check of its result and the same fallback.
@@ -446,8 +456,9 @@ def _lean_cpu_forward(q, k, v, causal, scale, backend):
             _LEAN_PLANS.clear()
         _LEAN_PLANS[memo_key] = cfg  # (never modified by its users: _decode and the checks below read it)
     impl = cfg.get("impl", "flash")
-    if impl == "decode":  # (the general path's eager call: no backward can follow)
-        result = _decode(q, k, v, causal, scale, cfg)
+    native = impl == "decode" or (impl == "bf16dot" and _cpu.bf16dot_takes(q))
+    if native:  # (the general path's eager call: no backward can follow)
+        result = (_decode if impl == "decode" else _bf16dot)(q, k, v, causal, scale, cfg)
         if result is None:  # NaN/inf in q or k: the exact path, as the general path's fallback
             out, lse = _blocked(q, k, v, causal, scale, cfg)
             return _cpu.like_q(out, q), _cpu.to_bshd(lse)

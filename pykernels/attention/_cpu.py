@@ -23,6 +23,12 @@
             when there are fewer than two groups per thread, bfloat16/float16 widened block by block into
             a scratch buffer. Forward only, and only for calls no backward can follow (see
             _forward_impl's `inference`); float32, bfloat16, float16.
+"bf16dot" - csrc/attention/attention_cpu.cpp: FlashAttention-2's forward for bfloat16 inputs with AVX-512 BF16 dot
+            products (vdpbf16ps, twice the fp32 FMA rate; aten's kernel computes bf16 at the fp32 rate), with
+            aten's precision choices for reduced types (scores and softmax in fp32, P rounded to bf16 for
+            P V, fp32 accumulation); K and V packed once per call into the instruction's operand order.
+            Forward only, for calls no backward can follow (as "decode"); head dims that are multiples
+            of 64, on CPUs with AVX-512 BF16 (elsewhere the call takes aten's kernels).
 "blocked" - FlashAttention's tiling done with BLAS: the query rows are cut into chunks; per chunk the
             scores against the (causally) visible keys are one batched GEMM, a masked softmax in fp32 (or
             fp64), and one GEMM with V. GQA is a reshape (the query heads of a group share one GEMM), the
@@ -354,23 +360,62 @@ def decode_applies(key: dict) -> bool:
             and key["gqa"] * key["sq"] <= DECODE_MAX_ROWS)
 
 
-def decode_forward(q, k, v, causal: bool, scale: float, threads: int, grain: int):
-    """(out, lse) of the native decode kernel, out in q's memory order and lse laid out as [B, S, H] (the
-    layouts the op returns, so no copy follows where q's head dim is dense), or None when a row that sees
-    keys got a non-finite lse (NaN/inf in q or k): the caller recomputes on the exact path. `grain`:
-    multiply-adds per thread (a small step runs on fewer threads than `threads`)."""
+def _native_forward(kernel: str, q, k, v, causal: bool, scale: float, *tail):
+    """(out, lse, rows with a non-finite lse) of a native kernel of csrc/attention/attention_cpu.cpp; out in
+    q's memory order and lse laid out as [B, S, H] (the layouts the op returns, so no copy follows where
+    q's head dim is dense). `tail`: the kernel's own last arguments."""
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     if q.numel() == 0 or Sk == 0:
         out, lse = _empty_result(q, v, Sk)
-        return like_q(out, q), to_bshd(lse)
+        return like_q(out, q), to_bshd(lse), 0
     q, k, v = _dense_last(q), _dense_last(k), _dense_last(v)
     out = torch.empty_strided((B, H, Sq, D), out_strides(q, D), dtype=q.dtype)
     lse = torch.empty_strided((B, H, Sq), (H * Sq, 1, H), dtype=torch.float32)
-    bad = _native.cpu_module("attention").decode_forward(
+    bad = getattr(_native.cpu_module("attention"), kernel)(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), B, H, Hkv, Sq, Sk, D,
         q.stride()[:3], k.stride()[:3], v.stride()[:3], out.stride()[:3], lse.stride(), float(scale), bool(causal),
-        _native.dtype_code(q.dtype), int(threads), int(grain))
+        _native.dtype_code(q.dtype), *tail)
+    return out, lse, bad
+
+
+def decode_forward(q, k, v, causal: bool, scale: float, threads: int, grain: int):
+    """(out, lse) of the native decode kernel (layouts: _native_forward), or None when a row that sees
+    keys got a non-finite lse (NaN/inf in q or k): the caller recomputes on the exact path. `grain`:
+    multiply-adds per thread (a small step runs on fewer threads than `threads`)."""
+    out, lse, bad = _native_forward("decode_forward", q, k, v, causal, scale, int(threads), int(grain))
+    return None if bad else (out, lse)
+
+
+# "bf16dot": head dims the kernel takes (its P V tile is 64 columns wide)
+BF16DOT_MAX_D = 512
+
+
+@functools.lru_cache(maxsize=None)
+def bf16dot_available() -> bool:
+    """Whether this CPU runs the bf16dot kernel (AVX-512 BF16; PYKERNELS_DISABLE_AVX512=1 turns it off)."""
+    return bool(_native.cpu_module("attention").prefill_available())
+
+
+def bf16dot_applies(key: dict) -> bool:
+    """Whether "bf16dot" is a candidate for an autotune key (problem_key) of the forward."""
+    d = key["d"]
+    return key["dtype"] == "bfloat16" and d % 64 == 0 and d <= BF16DOT_MAX_D and bf16dot_available()
+
+
+def bf16dot_takes(q: torch.Tensor) -> bool:
+    """bf16dot_applies for the tensors of a call."""
+    d = q.shape[-1]
+    return q.dtype == torch.bfloat16 and d % 64 == 0 and d <= BF16DOT_MAX_D and bf16dot_available()
+
+
+def bf16dot_forward(q, k, v, causal: bool, scale: float, threads: int):
+    """(out, lse) of the native bf16dot kernel (layouts: _native_forward), or None when a row that sees
+    keys got a non-finite lse (NaN/inf in q or k): the caller recomputes on the exact path. The caller
+    checks bf16dot_takes(q) first."""
+    out, lse, bad = _native_forward("prefill_forward", q, k, v, causal, scale, int(threads))
+    if bad < 0:  # (bf16dot_takes said yes: only a CPU or build without the kernel gets here)
+        raise RuntimeError("pykernels.flash_attention: internal error: the bf16dot kernel does not take this call")
     return None if bad else (out, lse)
 
 

@@ -5,7 +5,9 @@ for "blocked", how many score elements one row chunk holds. Measured on a 2-core
 S = 256..2048, D = 64/128), aten's kernels won the forward by 1.9-3x and the backward by 1.2-2.6x, so
 "flash" is the default; "blocked" stays a candidate (and is the backward whenever the LSE output has a
 gradient, which aten's backward cannot take, and whenever an input holds NaN/inf, which aten's kernels
-turn into zeros for a query row).
+turn into zeros for a query row). Forward only, where no backward follows: "decode" (native, a few query
+rows against a KV cache) and "bf16dot" (native, bfloat16 on CPUs with AVX-512 BF16) are candidates and
+the defaults of their problems (see _cpu_fwd_default).
 
 Triton: BLOCK_M x BLOCK_N tiles, warps and pipeline stages per head-dim bucket; the candidate lists are
 `_triton_configs.fwd_configs(d, dtype)` / `bwd_configs(d, dtype)`, every one of which is compiled for sm_90 by
@@ -38,6 +40,14 @@ _DECODE_DEFAULT_ROWS = 32
 _DECODE_CANDIDATES = [{"impl": "decode", "grain": g} for g in (_cpu.DECODE_GRAIN, 1 << 16, 1 << 18, 1 << 20)]
 
 
+# bfloat16 on a CPU with AVX-512 BF16 (csrc/attention/attention_cpu.cpp's prefill kernel)
+_BF16DOT = {"impl": "bf16dot"}
+# ... the default from this much work (buckets of B*H, S_q, S_k times D): 2-core EPYC (Zen 4), 2026-12-05, 8
+# heads x D=64, causal, kernel / SDPA time: S=16 1.37, 32 1.21, 48 0.80, 64 0.77, 128 0.60 (S=33..64 are the
+# bucket 64: 8 * 64 * 64 * 64 = 2^21)
+_BF16DOT_DEFAULT_WORK = 1 << 21
+
+
 def _cpu_fwd_default(key):
     """"decode" up to 32 query rows per KV head, else aten's kernels. Measured on a 2-core EPYC VM (an
     AVX-512 CPU, the kernel's AVX2 tier; H=32, D=128, one process, decode kernel / SDPA time): S_q=1 with 8
@@ -46,11 +56,14 @@ def _cpu_fwd_default(key):
     candidate."""
     if _cpu.decode_applies(key) and key["gqa"] * key["sq"] <= _DECODE_DEFAULT_ROWS:
         return dict(_DECODE_DEFAULT)
+    if _cpu.bf16dot_applies(key) and key["bh"] * key["sq"] * key["sk"] * key["d"] >= _BF16DOT_DEFAULT_WORK:
+        return dict(_BF16DOT)
     return dict(_CPU_DEFAULT)
 
 
 def _cpu_fwd_candidates(key):
     extra = _DECODE_CANDIDATES if _cpu.decode_applies(key) else []
+    extra = extra + ([_BF16DOT] if _cpu.bf16dot_applies(key) else [])
     return [dict(c) for c in _CPU_CANDIDATES + extra]
 
 
