@@ -656,6 +656,55 @@ PK_TARGET_AVX512BF16 inline void pf_pv(const uint32_t* p32, const uint32_t* vp, 
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + r * D + 16 * c, acc[r][c]);
 }
 
+// exp256's polynomial 16 lanes at a time (same range reduction and coefficients, same NaN and underflow
+// behaviour).
+PK_TARGET_AVX512BF16 inline __m512 exp512(__m512 x) {
+  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365478515625f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_min_ps(hi, x);  // min/max(c, x): NaN in x stays (the second operand is returned)
+  x = _mm512_max_ps(lo, x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps((__mmask16)~underflow, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
+}
+
+// The lanes of 16 scores from j that lie before n.
+inline __mmask16 pf_live(int j, int n) {
+  return j >= n ? 0 : n - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - j)) - 1);
+}
+
+// max of s[0, n) (n <= PF_BN); a NaN never wins (max_ps(x, m) returns m where x is NaN), -inf for n = 0
+PK_TARGET_AVX512BF16 inline float pf_row_max(const float* s, int n) {
+  __m512 m = _mm512_set1_ps(kNegInf);
+  for (int j = 0; j < PF_BN; j += 16)
+    m = _mm512_max_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), pf_live(j, n), s + j), m);
+  return _mm512_reduce_max_ps(m);
+}
+
+// p[0, PF_BN) = bf16(exp(s[j] - m)) for j < n, 0 beyond (keys the row does not see, and the padding);
+// returns the sum of the fp32 exponentials (the softmax's denominator is not rounded to bf16).
+PK_TARGET_AVX512BF16 inline float pf_exp_row(const float* s, int n, float m, uint16_t* p) {
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (int j = 0; j < PF_BN; j += 16) {
+    const __mmask16 live = pf_live(j, n);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), vm)));
+    sum = _mm512_add_ps(sum, e);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh(e));
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
 // Rows [0, rows) in register tiles of PF_RQ (a shorter last tile).
 template <class F>
 inline void pf_row_tiles(int rows, F&& f) {
@@ -709,31 +758,25 @@ PK_TARGET_AVX512BF16 int64_t prefill_item(const Problem& P, const uint32_t* kp, 
                                     sc.s.data() + (size_t)r0 * PF_BN);
     });
     for (int r = 0; r < rows; ++r) {
-      float* sr = sc.s.data() + (size_t)r * PF_BN;
+      const float* sr = sc.s.data() + (size_t)r * PF_BN;
       uint16_t* pr = sc.p.data() + (size_t)r * PF_BN;
       const int n = (int)std::clamp<int64_t>(P.visible(i0 + r) - j0, 0, nb);
-      int filled = 0;
-      if (n > 0 && !std::isnan(sc.l[r])) {
-        const float m_new = std::max(sc.m[r], row_max_avx2(sr, n));  // NaN never wins: it reaches l below
-        if (m_new == kNegInf) {  // every score so far -inf (or NaN): poison the row, the caller recomputes it
-          sc.l[r] = std::numeric_limits<float>::quiet_NaN();
-        } else {
-          const float alpha = std::exp(sc.m[r] - m_new);  // 0 on the first block (m = -inf)
-          const float sum = exp_sum_avx2(sr, n, m_new);
-          sc.l[r] = sc.l[r] * alpha + sum;
-          if (alpha != 1.f) {
-            float* orow = sc.o.data() + (size_t)r * D;
-            const __m512 va = _mm512_set1_ps(alpha);
-            for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(orow + d, _mm512_mul_ps(_mm512_loadu_ps(orow + d), va));
-          }
-          sc.m[r] = m_new;
-          for (; filled + 16 <= n; filled += 16)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + filled),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sr + filled)));
-          for (; filled < n; ++filled) pr[filled] = pk::f32_to_bf16(sr[filled]);
-        }
+      const float m_new = n > 0 ? std::max(sc.m[r], pf_row_max(sr, n)) : sc.m[r];  // NaN never wins: it reaches l
+      if (n == 0 || std::isnan(sc.l[r]) || m_new == kNegInf) {
+        // no key of this block (or a poisoned row): p = 0; every score so far -inf (or NaN): poison the
+        // row, the caller recomputes it
+        if (n > 0 && m_new == kNegInf) sc.l[r] = std::numeric_limits<float>::quiet_NaN();
+        std::memset(pr, 0, sizeof(uint16_t) * PF_BN);
+        continue;
       }
-      for (int j = filled; j < PF_BN; ++j) pr[j] = 0;  // keys the row does not see (and the padding): p = 0
+      const float alpha = std::exp(sc.m[r] - m_new);  // 0 on the first block (m = -inf)
+      sc.l[r] = sc.l[r] * alpha + pf_exp_row(sr, n, m_new, pr);
+      if (alpha != 1.f) {
+        float* orow = sc.o.data() + (size_t)r * D;
+        const __m512 va = _mm512_set1_ps(alpha);
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(orow + d, _mm512_mul_ps(_mm512_loadu_ps(orow + d), va));
+      }
+      sc.m[r] = m_new;
     }
     const uint32_t* vblk = vp + (j0 / 2) * D;
     pf_row_tiles(rows, [&](int r0, auto R) {
@@ -746,12 +789,23 @@ PK_TARGET_AVX512BF16 int64_t prefill_item(const Problem& P, const uint32_t* kp, 
                                   nu, sc.o.data() + (size_t)r0 * D + d0);
     });
   }
-  const int64_t hk = h / (P.H / P.Hkv);
+  // out = o / l in bf16 (round to nearest even), lse = m + log(l); rows that see no key: 0 and -inf
   int64_t bad = 0;
+  uint16_t* ob = static_cast<uint16_t*>(P.out) + b * P.os[0] + h * P.os[1];
   for (int r = 0; r < rows; ++r) {
-    // write_row addresses row r of KV head hk's group as head hk * G + r / Sq, position r % Sq
-    const int64_t gr = (h - hk * (P.H / P.Hkv)) * P.Sq + (i0 + r);
-    bad += write_row(P, b, hk, (int)gr, sc.m[r], sc.l[r], sc.o.data() + (size_t)r * D);
+    const int64_t i = i0 + r;
+    const bool sees = P.visible(i) > 0;
+    const float l = sc.l[r], inv = sees && l > 0.f ? 1.f / l : 0.f;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const float* orow = sc.o.data() + (size_t)r * D;
+    uint16_t* dst = ob + i * P.os[2];
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 x = sees ? _mm512_mul_ps(_mm512_loadu_ps(orow + d), vinv) : _mm512_setzero_ps();
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d), (__m256i)_mm512_cvtneps_pbh(x));
+    }
+    const float lse = sees ? sc.m[r] + std::log(l) : kNegInf;
+    P.lse[b * P.ls[0] + h * P.ls[1] + i * P.ls[2]] = lse;
+    bad += sees && !std::isfinite(lse) ? 1 : 0;
   }
   return bad;
 }
