@@ -21,9 +21,9 @@ from bench.common import Case, ResultMismatch, assert_close
 GROUP = "attention"
 # The checks' (atol as a fraction of the baseline's max |element|, rtol) per dtype. On the CPU ours runs
 # aten's flash kernels (bit-identical to SDPA) but in the decode steps, whose worst element needed an atol
-# of 3e-7 (float32, with rtol 1e-4) and 1.2e-3 (bfloat16, with rtol 2e-2), and in bfloat16 forwards (the
+# of 3e-7 (float32, with rtol 1e-4) and 1.2e-3 (bfloat16, with rtol 2e-2), in bfloat16 forwards (the
 # bf16dot kernel: the same precision choices as aten's, its own order of summation, so a few bf16
-# roundings apart). The GPU's bf16 Triton kernels against SDPA's flash backend: a few bf16 roundings apart.
+# roundings apart) and in float16 (computed in float32: ours is the more accurate, a few fp16 roundings). The GPU's bf16 Triton kernels against SDPA's flash backend: a few bf16 roundings apart.
 TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-2, 2e-2), torch.float16: (1e-2, 2e-2)}
 _PARTS = ("out", "dq", "dk", "dv")
 
@@ -107,6 +107,7 @@ def cases(quick: bool, device: str = "cpu"):
                   (1, 8, 2, s, 64, True, torch.float32, None),             # GQA 4:1
                   (1, 8, 8, 2 * s, 128, True, torch.bfloat16, None),
                   (1, 8, 8, s, 64, False, torch.bfloat16, None), (1, 32, 8, s, 128, True, torch.bfloat16, None),
+                  (1, 8, 8, s, 64, True, torch.float16, None),
                   (1, 8, 8, s // 4, 64, True, torch.float32, 2 * s)]      # chunked prefill, bottom-right
     if device == "cpu":
         # decode steps: one query token against a KV cache (causal then sees every key; SDPA without a
@@ -128,7 +129,9 @@ def cases(quick: bool, device: str = "cpu"):
                 work=_flops(B, H, S, Sk_, D, causal and Sk is None, backward), unit="FLOP", device=device,
                 notes=("CPU path: " + ("the bf16dot kernel (AVX-512 BF16) where the CPU has it, else " if
                                        dtype == torch.bfloat16 and not backward and S > 1 else "")
-                       + "aten CPU flash kernels wrapped (bottom-right causal, GQA)") if device == "cpu"
+                       + "aten CPU flash kernels wrapped (bottom-right causal, GQA"
+                       + ("; float16 through their float32 kernels" if dtype == torch.float16 else "") + ")")
+                if device == "cpu"
                 else "Triton FlashAttention-2 kernels",
                 check=_check_close,
             )
