@@ -128,7 +128,7 @@ def cases(quick: bool, device: str = "cpu"):
                 + (" + bottom-right mask" if Sk is not None and causal else ""),
                 work=_flops(B, H, S, Sk_, D, causal and Sk is None, backward), unit="FLOP", device=device,
                 notes=("CPU path: " + ("the bf16dot kernel (AVX-512 BF16) where the CPU has it, else " if
-                                       dtype == torch.bfloat16 and not backward and S > 1 else "")
+                                       dtype == torch.bfloat16 and S > 1 else "")
                        + "aten CPU flash kernels wrapped (bottom-right causal, GQA"
                        + ("; float16 through their float32 kernels" if dtype == torch.float16 else "") + ")")
                 if device == "cpu"

@@ -18,8 +18,8 @@ output 0, lse -inf and zero gradient (flash-attn leaves such rows undefined; SDP
 
 Backends: "cpu" (aten's CPU flash kernels wrapped for bottom-right causal and GQA, or a BLAS-blocked
 implementation, the autotuner picks; for a few query rows against a KV cache, up to 32 per KV head, the
-native flash-decoding kernel, and for other bfloat16 calls on CPUs with AVX-512 BF16 a native kernel with
-bf16 dot products, both forward only, where no backward follows), "triton" (FlashAttention-2 forward and backward kernels in
+native flash-decoding kernel (forward only, where no backward follows), and for other bfloat16 forwards
+on CPUs with AVX-512 BF16 a native kernel with bf16 dot products), "triton" (FlashAttention-2 forward and backward kernels in
 `_triton.py`; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). The op is registered as
 `torch.ops.pykernels.flash_attention` (+ `flash_attention_backward`) with fake implementations and
 autograd, so it works under torch.compile(fullgraph=True).
@@ -123,7 +123,7 @@ def _forward_impl(q, k, v, causal: bool, scale: float, backend: str, config: Opt
         result = _decode(q, k, v, causal, scale, cfg)
         if result is not None:
             return result
-    elif impl == "bf16dot" and inference and _cpu.bf16dot_takes(q):  # else (a backward follows): aten's
+    elif impl == "bf16dot" and _cpu.bf16dot_takes(q):  # (where a backward follows too: see _cpu.py)
         result = _bf16dot(q, k, v, causal, scale, cfg)
         if result is not None:
             return result

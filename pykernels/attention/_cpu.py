@@ -27,8 +27,11 @@
             products (vdpbf16ps, twice the fp32 FMA rate; aten's kernel computes bf16 at the fp32 rate), with
             aten's precision choices for reduced types (scores and softmax in fp32, P rounded to bf16 for
             P V, fp32 accumulation); K and V packed once per call into the instruction's operand order.
-            Forward only, for calls no backward can follow (as "decode"); head dims that are multiples
-            of 64, on CPUs with AVX-512 BF16 (elsewhere the call takes aten's kernels).
+            Forward only; head dims that are multiples of 64, on CPUs with AVX-512 BF16 (elsewhere the
+            call takes aten's kernels). Unlike "decode" it also runs where a backward follows: aten's
+            backward recomputes P from its own scores and our lse, which differ from aten's forward's in
+            fp32's last bits, below what bfloat16 gradients resolve (measured against a float64 oracle
+            at logits up to ~1e4: the same dq/dk/dv errors with either forward's lse).
 "blocked" - FlashAttention's tiling done with BLAS: the query rows are cut into chunks; per chunk the
             scores against the (causally) visible keys are one batched GEMM, a masked softmax in fp32 (or
             fp64), and one GEMM with V. GQA is a reshape (the query heads of a group share one GEMM), the

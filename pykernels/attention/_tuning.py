@@ -5,8 +5,8 @@ for "blocked", how many score elements one row chunk holds. Measured on a 2-core
 S = 256..2048, D = 64/128), aten's kernels won the forward by 1.9-3x and the backward by 1.2-2.6x, so
 "flash" is the default; "blocked" stays a candidate (and is the backward whenever the LSE output has a
 gradient, which aten's backward cannot take, and whenever an input holds NaN/inf, which aten's kernels
-turn into zeros for a query row). Forward only, where no backward follows: "decode" (native, a few query
-rows against a KV cache) and "bf16dot" (native, bfloat16 on CPUs with AVX-512 BF16) are candidates and
+turn into zeros for a query row). Forward only: "decode" (native, a few query rows against a KV cache,
+where no backward follows) and "bf16dot" (native, bfloat16 on CPUs with AVX-512 BF16) are candidates and
 the defaults of their problems (see _cpu_fwd_default).
 
 Triton: BLOCK_M x BLOCK_N tiles, warps and pipeline stages per head-dim bucket; the candidate lists are
