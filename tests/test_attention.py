@@ -1376,6 +1376,74 @@ def test_bf16dot_forward_with_aten_backward_is_as_accurate_as_aten_forward(logit
         assert max(errs["bf16dot"]) < TOL[torch.bfloat16], errs
 
 
+@needs_bf16dot
+@pytest.mark.parametrize("shape", BF16DOT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_bf16dot_backward_matches_the_oracle(shape, causal, threads):
+    """The native backward against the float64 oracle's gradients, with and without a gradient flowing into
+    the lse (ring-attention merges), and for a negative scale; dq/dk/dv of rows and keys no one sees are 0."""
+    q, k, v = make(*shape, torch.bfloat16, seed=sum(shape) + 1)
+    g = torch.Generator().manual_seed(3)
+    dout = torch.randn(q.shape, generator=g).to(torch.bfloat16)
+    dlse = torch.randn(q.shape[:3], generator=g)
+    for scale, with_dlse in ((None, False), (-0.7, True)):
+        sc = 1 / math.sqrt(shape[-1]) if scale is None else scale
+        out, lse = _forward_impl(q, k, v, causal, sc, "cpu", {"impl": "flash"})
+        qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+        o_ref, l_ref = reference(qr, kr, vr, causal, sc)
+        loss = (o_ref * dout.double()).sum()
+        if with_dlse:
+            loss = loss + (torch.where(torch.isinf(l_ref), 0.0, l_ref) * dlse.double()).sum()
+        want = torch.autograd.grad(loss, (qr, kr, vr))
+        got = _cpu.bf16dot_backward(dout, q, k, v, out, lse, causal, sc, dlse if with_dlse else None, threads)
+        for name, a, w in zip(("dq", "dk", "dv"), got, want):
+            assert a.dtype == torch.bfloat16 and a.is_contiguous()
+            assert_close(a, w, torch.bfloat16, name)
+
+
+@needs_bf16dot
+def test_bf16dot_backward_reads_strided_inputs():
+    """q/k/v laid out [B, S, H, D], an odd K row stride, and the expanded dout of out.sum()."""
+    g = torch.Generator().manual_seed(6)
+    B, H, Hkv, Sq, Sk, D = 2, 4, 2, 70, 100, 64
+    q = torch.randn(B, Sq, H, D, generator=g).to(torch.bfloat16).transpose(1, 2)
+    v = torch.randn(B, Sk, Hkv, D, generator=g).to(torch.bfloat16).transpose(1, 2)
+    odd = torch.randn(B * Hkv * Sk * (D + 1), generator=g).to(torch.bfloat16)
+    k = odd.as_strided((B, Hkv, Sk, D), (Hkv * Sk * (D + 1), Sk * (D + 1), D + 1, 1))
+    dout = torch.ones((), dtype=torch.bfloat16).expand(B, H, Sq, D)
+    before = [t.clone() for t in (q, k, v)]
+    out, lse = _forward_impl(q, k, v, True, 0.125, "cpu", {"impl": "flash"})
+    got = _cpu.bf16dot_backward(dout, q, k, v, out, lse, True, 0.125, None, 2)
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = torch.autograd.grad(reference(qr, kr, vr, True, 0.125)[0].sum(), (qr, kr, vr))
+    for name, a, w in zip(("dq", "dk", "dv"), got, want):
+        assert_close(a, w, torch.bfloat16, name)
+    for a, b in zip((q, k, v), before):
+        assert torch.equal(a, b)
+
+
+@needs_bf16dot
+def test_bf16dot_backward_is_the_default_and_non_finite_takes_the_exact_path(monkeypatch):
+    """Autograd through the public op runs the native backward for bfloat16 (and its gradients match the
+    oracle); a NaN in dout sends the call to the exact blocked path, as for the other impls."""
+    monkeypatch.setenv("PYKERNELS_AUTOTUNE", "0")
+    calls = []
+    real = _cpu.bf16dot_backward
+    monkeypatch.setattr(_cpu, "bf16dot_backward", lambda *a: calls.append(1) or real(*a))
+    q, k, v = make(1, 8, 2, 96, 160, 128, torch.bfloat16, seed=8)
+    check_forward_and_grads(q, k, v, True)
+    assert len(calls) == 1
+    out, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    dout = torch.randn(out.shape).to(torch.bfloat16)
+    dout[0, 1, 5, 7] = float("nan")
+    got = _backward_impl(dout, None, q, k, v, out, lse, True, 128 ** -0.5, "cpu", {"impl": "bf16dot"})
+    want = _backward_impl(dout, None, q, k, v, out, lse, True, 128 ** -0.5, "cpu", {"impl": "blocked"})
+    assert len(calls) == 1
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
+
+
 def test_bf16dot_off_without_avx512():
     """PYKERNELS_DISABLE_AVX512=1 (or a CPU without AVX-512 BF16): not available, not a candidate, not the
     default; bfloat16 calls take aten's kernels and stay correct."""
@@ -1391,6 +1459,8 @@ def test_bf16dot_off_without_avx512():
         "key = problem_key(q, q, causal=True)\n"
         "assert _tuning._cpu_fwd_default(key)['impl'] == 'flash'\n"
         "assert all(c['impl'] != 'bf16dot' for c in _tuning._cpu_fwd_candidates(key))\n"
+        "assert _tuning._cpu_bwd_default(key)['impl'] == 'flash'\n"
+        "assert all(c['impl'] != 'bf16dot' for c in _tuning._cpu_bwd_candidates(key))\n"
         "out = pykernels.flash_attention(q, q, q, causal=True)\n"
         "ref = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)\n"
         "torch.testing.assert_close(out, ref)\n"

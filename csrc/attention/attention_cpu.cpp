@@ -563,46 +563,59 @@ inline bool prefill_head_dim_ok(int64_t D) { return D > 0 && D % 64 == 0 && D <=
 #define PK_TARGET_AVX512BF16 \
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,bmi,bmi2,popcnt,f16c")))
 
-// Kp and Vp of (b, hk) (layout above). K: a 16-key group's words t are one gather of 16 rows (byte offsets in
-// 32 bits; the scalar loop where they do not fit or the group is partial); V: two rows widened to 32-bit
-// lanes and merged, 16 columns at a time.
-PK_TARGET_AVX512BF16 void pack_kv(const Problem& P, int64_t b, int64_t hk, int64_t Skp, uint32_t* kp, uint32_t* vp) {
-  const int64_t D = P.D, D2 = D / 2;
-  const uint16_t* kb = static_cast<const uint16_t*>(P.k) + b * P.ks[0] + hk * P.ks[1];
-  const uint16_t* vb = static_cast<const uint16_t*>(P.v) + b * P.vs[0] + hk * P.vs[1];
-  const bool gather = P.ks[2] >= 0 && P.ks[2] * 2 * 15 < (int64_t(1) << 31);
+// Rows [0, n) of a bf16 matrix (row stride `stride` elements, D columns) in the "lane per row" layout of
+// Kp: groups of 16 rows, [npad / 16][D / 2][16] 32-bit words, word (g, t, l) = (x[16g + l][2t],
+// x[16g + l][2t + 1]); rows n..npad are zero. A full group's words t are one gather of 16 rows (byte
+// offsets in 32 bits; the scalar loop where they do not fit or the group is partial).
+PK_TARGET_AVX512BF16 void pack_lanes(const uint16_t* x, int64_t stride, int64_t n, int64_t npad, int64_t D,
+                                     uint32_t* dst) {
+  const int64_t D2 = D / 2;
+  const bool gather = stride >= 0 && stride * 2 * 15 < (int64_t(1) << 31);
   const __m512i rows16 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32((int)(gather ? P.ks[2] * 2 : 0)));
-  for (int64_t g = 0; g < Skp / 16; ++g) {
-    uint32_t* dst = kp + g * D2 * 16;
-    if (gather && g * 16 + 16 <= P.Sk) {
-      const char* base = reinterpret_cast<const char*>(kb + g * 16 * P.ks[2]);
+                                            _mm512_set1_epi32((int)(gather ? stride * 2 : 0)));
+  for (int64_t g = 0; g < npad / 16; ++g) {
+    uint32_t* out = dst + g * D2 * 16;
+    if (gather && g * 16 + 16 <= n) {
+      const char* base = reinterpret_cast<const char*>(x + g * 16 * stride);
       for (int64_t t = 0; t < D2; ++t)
-        _mm512_storeu_si512(dst + t * 16, _mm512_i32gather_epi32(rows16, base + 4 * t, 1));
+        _mm512_storeu_si512(out + t * 16, _mm512_i32gather_epi32(rows16, base + 4 * t, 1));
       continue;
     }
     for (int l = 0; l < 16; ++l) {
       const int64_t j = g * 16 + l;
-      if (j < P.Sk) {
-        const uint16_t* row = kb + j * P.ks[2];
-        for (int64_t t = 0; t < D2; ++t) std::memcpy(dst + t * 16 + l, row + 2 * t, 4);
+      if (j < n) {
+        const uint16_t* row = x + j * stride;
+        for (int64_t t = 0; t < D2; ++t) std::memcpy(out + t * 16 + l, row + 2 * t, 4);
       } else {
-        for (int64_t t = 0; t < D2; ++t) dst[t * 16 + l] = 0;
+        for (int64_t t = 0; t < D2; ++t) out[t * 16 + l] = 0;
       }
     }
   }
-  for (int64_t u = 0; u < Skp / 2; ++u) {
-    uint32_t* dst = vp + u * D;
-    const uint16_t* r0 = 2 * u < P.Sk ? vb + 2 * u * P.vs[2] : nullptr;
-    const uint16_t* r1 = 2 * u + 1 < P.Sk ? vb + (2 * u + 1) * P.vs[2] : nullptr;
-    for (int64_t d = 0; d < D; d += 16) {  // (D is a multiple of 64)
+}
+
+// Rows [0, n) of a bf16 matrix in the "row pairs" layout of Vp: [npad / 2][D] words, word (u, d) =
+// (x[2u][d], x[2u + 1][d]); rows n..npad are zero. Two rows widened to 32-bit lanes and merged, 16 columns
+// at a time (D a multiple of 16).
+PK_TARGET_AVX512BF16 void pack_pairs(const uint16_t* x, int64_t stride, int64_t n, int64_t npad, int64_t D,
+                                     uint32_t* dst) {
+  for (int64_t u = 0; u < npad / 2; ++u) {
+    uint32_t* out = dst + u * D;
+    const uint16_t* r0 = 2 * u < n ? x + 2 * u * stride : nullptr;
+    const uint16_t* r1 = 2 * u + 1 < n ? x + (2 * u + 1) * stride : nullptr;
+    for (int64_t d = 0; d < D; d += 16) {
       const __m512i lo = r0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + d)))
                             : _mm512_setzero_si512();
       const __m512i hi = r1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + d)))
                             : _mm512_setzero_si512();
-      _mm512_storeu_si512(dst + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      _mm512_storeu_si512(out + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
   }
+}
+
+// Kp and Vp of (b, hk) (layout above).
+PK_TARGET_AVX512BF16 void pack_kv(const Problem& P, int64_t b, int64_t hk, int64_t Skp, uint32_t* kp, uint32_t* vp) {
+  pack_lanes(static_cast<const uint16_t*>(P.k) + b * P.ks[0] + hk * P.ks[1], P.ks[2], P.Sk, Skp, P.D, kp);
+  pack_pairs(static_cast<const uint16_t*>(P.v) + b * P.vs[0] + hk * P.vs[1], P.vs[2], P.Sk, Skp, P.D, vp);
 }
 
 // R rows of scores s[r][0..64) = scale * q_r . k_j for the 64 keys of a block: q32 rows of D/2 words
@@ -631,10 +644,13 @@ PK_TARGET_AVX512BF16 inline void pf_scores(const uint32_t* q32, int D2, const ui
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * PF_BN + 16 * c, _mm512_mul_ps(acc[r][c], vs));
 }
 
-// R rows of o[r][d0..d0+64) += sum over key pairs u < nu of p[r] pair u . v pair u (p32: rows PF_BN/2 words
-// apart; vp: the block's first pair, pairs D words apart; o: rows D floats apart).
+// R rows of o[r][d0..d0+64) += sum over pairs u < nu of word p32[r * rs + u * us] . v pair u (vp: the block's
+// first pair, pairs D words apart; o: rows D floats apart). The forward's P V (rs = PF_BN / 2, us = 1: a
+// row's probabilities of key pairs); the backward's P^T dO and dS^T Q (rs = 1, us = PF_BN: pairs of query
+// rows of a key's column) and dS K.
 template <int R>
-PK_TARGET_AVX512BF16 inline void pf_pv(const uint32_t* p32, const uint32_t* vp, int64_t D, int nu, float* o) {
+PK_TARGET_AVX512BF16 inline void pf_pv(const uint32_t* p32, int64_t rs, int64_t us, const uint32_t* vp, int64_t D,
+                                       int nu, float* o) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_loadu_ps(o + r * D + 16 * c);
@@ -645,7 +661,7 @@ PK_TARGET_AVX512BF16 inline void pf_pv(const uint32_t* p32, const uint32_t* vp, 
     const __m512bh v2 = (__m512bh)_mm512_loadu_si512(vu + 32);
     const __m512bh v3 = (__m512bh)_mm512_loadu_si512(vu + 48);
     for (int r = 0; r < R; ++r) {
-      const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)p32[r * (PF_BN / 2) + u]);
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)p32[r * rs + u * us]);
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], pb, v0);
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], pb, v1);
       acc[r][2] = _mm512_dpbf16_ps(acc[r][2], pb, v2);
@@ -785,8 +801,8 @@ PK_TARGET_AVX512BF16 int64_t prefill_item(const Problem& P, const uint32_t* kp, 
       const int nu = (int)(std::clamp<int64_t>(P.visible(i0 + r0 + decltype(R)::value - 1) - j0, 0, nb) + 1) / 2;
       if (nu == 0) return;
       for (int64_t d0 = 0; d0 < D; d0 += 64)
-        pf_pv<decltype(R)::value>(reinterpret_cast<const uint32_t*>(sc.p.data() + (size_t)r0 * PF_BN), vblk + d0, D,
-                                  nu, sc.o.data() + (size_t)r0 * D + d0);
+        pf_pv<decltype(R)::value>(reinterpret_cast<const uint32_t*>(sc.p.data() + (size_t)r0 * PF_BN), PF_BN / 2, 1,
+                                  vblk + d0, D, nu, sc.o.data() + (size_t)r0 * D + d0);
     });
   }
   // out = o / l in bf16 (round to nearest even), lse = m + log(l); rows that see no key: 0 and -inf
@@ -865,6 +881,205 @@ int64_t prefill_forward(const Problem& P, int num_threads) {
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// bf16dot backward: FlashAttention-2's backward (Dao 2023, Algorithm 2) on the same dot products. Given the
+// forward's lse and D_i = rowsum(dO_i * O_i) - dlse_i (computed by the caller), per key block of PF_BN keys
+// and query block of PF_BM rows that sees it:
+//   S = scale Q K^T, P = exp(S - lse), dP = dO V^T, dS = P * (dP - D)       (fp32; dS = 0 where P is)
+//   dV += P^T dO, dK += scale dS^T Q, dQ += scale dS K                       (P, dS rounded to bf16)
+// Work items are whole (batch, KV head) groups, so dK/dV (of the group's keys) and dQ (of its G query
+// heads) stay in one thread's fp32 accumulators: no atomics, no reduction pass. Operands packed once per
+// group: K and V in the lane-per-key layout (S, dP), K in row pairs (dQ), Q and dO of each head in row
+// pairs (dK, dV); P^T and dS^T are written as pairs of query rows per key (16 keys a vector).
+// ---------------------------------------------------------------------------------------------------------
+struct BwdProblem {
+  Problem P;  // q, k, v, sizes, scale, causal, dtype (P.out and P.lse unused)
+  const void* dout;
+  const float* lse;
+  const float* delta;
+  void* dq;
+  void* dk;
+  void* dv;
+  int64_t dos[3], lss[3], dls[3], dqs[3], dks[3], dvs[3];  // element strides of dims b, h, s
+};
+
+#if PK_X86
+struct BwdScratch {
+  std::vector<uint32_t> kl, vl, k2, q2, do2, q32, do32, pt, dst;
+  std::vector<float> s, dp, dq, dk, dv;
+  std::vector<uint16_t> ds2;
+  void size_for(int64_t G, int64_t Sqp, int64_t Skp, int64_t D) {
+    kl.resize((size_t)(Skp * D / 2));
+    vl.resize((size_t)(Skp * D / 2));
+    k2.resize((size_t)(Skp * D / 2));
+    q2.resize((size_t)(G * Sqp * D / 2));
+    do2.resize((size_t)(G * Sqp * D / 2));
+    q32.resize((size_t)PF_BM * D / 2);
+    do32.resize((size_t)PF_BM * D / 2);
+    pt.resize((size_t)PF_BM / 2 * PF_BN);
+    dst.resize((size_t)PF_BM / 2 * PF_BN);
+    s.resize((size_t)PF_BM * PF_BN);
+    dp.resize((size_t)PF_BM * PF_BN);
+    ds2.resize((size_t)PF_BM * PF_BN);
+    dq.resize((size_t)(G * Sqp * D));
+    dk.resize((size_t)PF_BN * D);
+    dv.resize((size_t)PF_BN * D);
+  }
+};
+
+// rows of fp32 x (D apart) times `mul` into bf16 rows (stride apart)
+PK_TARGET_AVX512BF16 inline void pf_store_rows(const float* x, int rows, int64_t D, float mul, uint16_t* dst,
+                                               int64_t stride) {
+  const __m512 vm = _mm512_set1_ps(mul);
+  for (int r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < D; d += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + r * stride + d),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(x + (size_t)r * D + d), vm)));
+}
+
+// words (bf16(a[j]), bf16(b[j])) for 16 values of two fp32 rows
+PK_TARGET_AVX512BF16 inline __m512i pf_pair_words(__m512 a, __m512 b) {
+  const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a));
+  const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b));
+  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+PK_TARGET_AVX512BF16 void bwd_group(const BwdProblem& BP, int64_t b, int64_t hk, BwdScratch& sc) {
+  const Problem& P = BP.P;
+  const int64_t D = P.D, D2 = D / 2, G = P.H / P.Hkv, Sq = P.Sq, Sk = P.Sk;
+  const int64_t Sqp = (Sq + PF_BM - 1) / PF_BM * PF_BM, Skp = (Sk + PF_BN - 1) / PF_BN * PF_BN;
+  const int64_t gstride = D2 * 16;
+  const uint16_t* kb = static_cast<const uint16_t*>(P.k) + b * P.ks[0] + hk * P.ks[1];
+  const uint16_t* vb = static_cast<const uint16_t*>(P.v) + b * P.vs[0] + hk * P.vs[1];
+  pack_lanes(kb, P.ks[2], Sk, Skp, D, sc.kl.data());
+  pack_lanes(vb, P.vs[2], Sk, Skp, D, sc.vl.data());
+  pack_pairs(kb, P.ks[2], Sk, Skp, D, sc.k2.data());
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t h = hk * G + g;
+    pack_pairs(static_cast<const uint16_t*>(P.q) + b * P.qs[0] + h * P.qs[1], P.qs[2], Sq, Sqp, D,
+               sc.q2.data() + g * Sqp * D2);
+    pack_pairs(static_cast<const uint16_t*>(BP.dout) + b * BP.dos[0] + h * BP.dos[1], BP.dos[2], Sq, Sqp, D,
+               sc.do2.data() + g * Sqp * D2);
+  }
+  std::fill(sc.dq.begin(), sc.dq.begin() + (size_t)(G * Sqp * D), 0.f);
+  const int64_t off = Sk - Sq;  // bottom-right causal: row i sees keys j <= i + off
+  for (int64_t j0 = 0; j0 < Sk; j0 += PF_BN) {
+    const int nb = (int)std::min<int64_t>(PF_BN, Sk - j0);
+    std::fill(sc.dk.begin(), sc.dk.end(), 0.f);
+    std::fill(sc.dv.begin(), sc.dv.end(), 0.f);
+    const int64_t i_first = P.causal ? std::max<int64_t>(0, j0 - off) : 0;  // the first row that sees key j0
+    for (int64_t g = 0; g < G && i_first < Sq; ++g) {
+      const int64_t h = hk * G + g;
+      const uint16_t* qh = static_cast<const uint16_t*>(P.q) + b * P.qs[0] + h * P.qs[1];
+      const uint16_t* doh = static_cast<const uint16_t*>(BP.dout) + b * BP.dos[0] + h * BP.dos[1];
+      const float* lseh = BP.lse + b * BP.lss[0] + h * BP.lss[1];
+      const float* deltah = BP.delta + b * BP.dls[0] + h * BP.dls[1];
+      for (int64_t i0 = i_first / PF_BM * PF_BM; i0 < Sq; i0 += PF_BM) {
+        const int rows = (int)std::min<int64_t>(PF_BM, Sq - i0);
+        for (int r = 0; r < rows; ++r) {
+          std::memcpy(sc.q32.data() + (size_t)r * D2, qh + (i0 + r) * P.qs[2], D * 2);
+          std::memcpy(sc.do32.data() + (size_t)r * D2, doh + (i0 + r) * BP.dos[2], D * 2);
+        }
+        pf_row_tiles(rows, [&](int r0, auto R) {
+          pf_scores<decltype(R)::value>(sc.q32.data() + (size_t)r0 * D2, (int)D2, sc.kl.data() + (j0 / 16) * gstride,
+                                        gstride, P.scale, sc.s.data() + (size_t)r0 * PF_BN);
+          pf_scores<decltype(R)::value>(sc.do32.data() + (size_t)r0 * D2, (int)D2, sc.vl.data() + (j0 / 16) * gstride,
+                                        gstride, 1.f, sc.dp.data() + (size_t)r0 * PF_BN);
+        });
+        // P = exp(S - lse) and dS = P (dP - D) in place of S and dP (0 beyond the keys a row sees), dS in bf16
+        // row pairs of keys for dQ
+        for (int r = 0; r < rows; ++r) {
+          const int64_t i = i0 + r;
+          const int n = (int)std::clamp<int64_t>(P.visible(i) - j0, 0, nb);
+          const __m512 vl = _mm512_set1_ps(lseh[i * BP.lss[2]]), vd = _mm512_set1_ps(deltah[i * BP.dls[2]]);
+          float* sr = sc.s.data() + (size_t)r * PF_BN;
+          float* dpr = sc.dp.data() + (size_t)r * PF_BN;
+          for (int j = 0; j < PF_BN; j += 16) {
+            const __mmask16 live = pf_live(j, n);
+            const __m512 pv = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + j), vl)));
+            const __mmask16 nz = _mm512_cmp_ps_mask(pv, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+            const __m512 ds = _mm512_maskz_mul_ps(nz, pv, _mm512_sub_ps(_mm512_loadu_ps(dpr + j), vd));
+            _mm512_storeu_ps(sr + j, pv);
+            _mm512_storeu_ps(dpr + j, ds);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc.ds2.data() + (size_t)r * PF_BN + j),
+                                (__m256i)_mm512_cvtneps_pbh(ds));
+          }
+        }
+        // P^T and dS^T as pairs of query rows per key: word (u, j) = (x[2u][j], x[2u + 1][j])
+        const int pairs = (rows + 1) / 2;
+        for (int u = 0; u < pairs; ++u) {
+          const float* a = sc.s.data() + (size_t)(2 * u) * PF_BN;
+          const float* da = sc.dp.data() + (size_t)(2 * u) * PF_BN;
+          const bool odd = 2 * u + 1 >= rows;
+          for (int j = 0; j < PF_BN; j += 16) {
+            const __m512 b1 = odd ? _mm512_setzero_ps() : _mm512_loadu_ps(a + PF_BN + j);
+            const __m512 db1 = odd ? _mm512_setzero_ps() : _mm512_loadu_ps(da + PF_BN + j);
+            _mm512_storeu_si512(sc.pt.data() + (size_t)u * PF_BN + j, pf_pair_words(_mm512_loadu_ps(a + j), b1));
+            _mm512_storeu_si512(sc.dst.data() + (size_t)u * PF_BN + j, pf_pair_words(_mm512_loadu_ps(da + j), db1));
+          }
+        }
+        const uint32_t* q2 = sc.q2.data() + g * Sqp * D2 + (i0 / 2) * D;
+        const uint32_t* do2 = sc.do2.data() + g * Sqp * D2 + (i0 / 2) * D;
+        pf_row_tiles(nb, [&](int r0, auto R) {  // dV and dK rows: the block's keys
+          for (int64_t d0 = 0; d0 < D; d0 += 64) {
+            pf_pv<decltype(R)::value>(sc.pt.data() + r0, 1, PF_BN, do2 + d0, D, pairs, sc.dv.data() + (size_t)r0 * D + d0);
+            pf_pv<decltype(R)::value>(sc.dst.data() + r0, 1, PF_BN, q2 + d0, D, pairs, sc.dk.data() + (size_t)r0 * D + d0);
+          }
+        });
+        const uint32_t* k2 = sc.k2.data() + (j0 / 2) * D;
+        float* dqb = sc.dq.data() + (size_t)((g * Sqp + i0) * D);
+        pf_row_tiles(rows, [&](int r0, auto R) {  // dQ rows: the block's query rows, over its key pairs
+          for (int64_t d0 = 0; d0 < D; d0 += 64)
+            pf_pv<decltype(R)::value>(reinterpret_cast<const uint32_t*>(sc.ds2.data() + (size_t)r0 * PF_BN), PF_BN / 2, 1,
+                                      k2 + d0, D, (nb + 1) / 2, dqb + (size_t)r0 * D + d0);
+        });
+      }
+    }
+    pf_store_rows(sc.dk.data(), nb, D, P.scale,
+                  static_cast<uint16_t*>(BP.dk) + b * BP.dks[0] + hk * BP.dks[1] + j0 * BP.dks[2], BP.dks[2]);
+    pf_store_rows(sc.dv.data(), nb, D, 1.f,
+                  static_cast<uint16_t*>(BP.dv) + b * BP.dvs[0] + hk * BP.dvs[1] + j0 * BP.dvs[2], BP.dvs[2]);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t h = hk * G + g;
+    uint16_t* dqh = static_cast<uint16_t*>(BP.dq) + b * BP.dqs[0] + h * BP.dqs[1];
+    for (int64_t i0 = 0; i0 < Sq; i0 += PF_BM)
+      pf_store_rows(sc.dq.data() + (size_t)((g * Sqp + i0) * D), (int)std::min<int64_t>(PF_BM, Sq - i0), D, P.scale,
+                    dqh + i0 * BP.dqs[2], BP.dqs[2]);
+  }
+}
+#endif
+
+// dq, dk, dv of a bfloat16 problem (the caller checked its inputs are finite); -1 where the kernel does not
+// apply (as prefill_forward), else 0.
+int64_t prefill_backward(const BwdProblem& BP, int num_threads) {
+#if PK_X86
+  const Problem& P = BP.P;
+  if (!pk::cpu_has_avx512() || P.dt != pk::DType::BFloat16 || !prefill_head_dim_ok(P.D)) return -1;
+  const int64_t groups = P.B * P.Hkv;
+  if (groups == 0 || P.Sq == 0 || P.Sk == 0) return 0;  // (the caller returns zeros)
+  const int64_t G = P.H / P.Hkv;
+  const int64_t Sqp = (P.Sq + PF_BM - 1) / PF_BM * PF_BM, Skp = (P.Sk + PF_BN - 1) / PF_BN * PF_BN;
+  std::vector<BwdScratch> scratch(std::min<int64_t>(std::max(1, num_threads), groups));
+  pk::parallel_chunks(groups, (int)scratch.size(), 1, [&](int t, int64_t g0, int64_t g1) {
+    BwdScratch& sc = scratch[t];
+    sc.size_for(G, Sqp, Skp, P.D);
+    for (int64_t g = g0; g < g1; ++g) bwd_group(BP, g / P.Hkv, g % P.Hkv, sc);
+  });
+  return 0;
+#else
+  (void)BP;
+  (void)num_threads;
+  return -1;
+#endif
+}
+
+// A Python tuple of 3 strides (dims b, h, s) into dst.
+void read_strides(py::tuple t, int64_t* dst, const char* name) {
+  if (t.size() != 3) pk::fail_value("flash_attention", std::string("expected 3 strides of ") + name);
+  for (int i = 0; i < 3; ++i) dst[i] = t[i].cast<int64_t>();
+}
+
 // The Problem of a Python call's pointers, sizes and strides, checked.
 Problem problem_of(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse, int64_t B, int64_t H,
                    int64_t Hkv, int64_t Sq, int64_t Sk, int64_t D, py::tuple qs, py::tuple ks, py::tuple vs,
@@ -878,15 +1093,11 @@ Problem problem_of(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr
   Problem P{reinterpret_cast<const void*>(q), reinterpret_cast<const void*>(k), reinterpret_cast<const void*>(v),
             reinterpret_cast<void*>(out), reinterpret_cast<float*>(lse), B, H, Hkv, Sq, Sk, D, {}, {}, {}, {}, {},
             (float)scale, causal, dt};
-  auto strides = [&](py::tuple t, int64_t* dst, const char* name) {
-    if (t.size() != 3) pk::fail_value(op, std::string("expected 3 strides of ") + name);
-    for (int i = 0; i < 3; ++i) dst[i] = t[i].cast<int64_t>();
-  };
-  strides(qs, P.qs, "q");
-  strides(ks, P.ks, "k");
-  strides(vs, P.vs, "v");
-  strides(os, P.os, "out");
-  strides(ls, P.ls, "lse");
+  read_strides(qs, P.qs, "q");
+  read_strides(ks, P.ks, "k");
+  read_strides(vs, P.vs, "v");
+  read_strides(os, P.os, "out");
+  read_strides(ls, P.ls, "lse");
   return P;
 }
 
@@ -908,6 +1119,25 @@ int64_t prefill_forward_py(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out,
                                "bf16dot");
   py::gil_scoped_release release;
   return prefill_forward(P, std::max(1, num_threads));
+}
+
+int64_t prefill_backward_py(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t dout, uintptr_t lse, uintptr_t delta,
+                            uintptr_t dq, uintptr_t dk, uintptr_t dv, int64_t B, int64_t H, int64_t Hkv, int64_t Sq,
+                            int64_t Sk, int64_t D, py::tuple qs, py::tuple ks, py::tuple vs, py::tuple dos,
+                            py::tuple ls, py::tuple dls, py::tuple dqs, py::tuple dks, py::tuple dvs, double scale,
+                            bool causal, int dtype, int num_threads) {
+  BwdProblem BP{problem_of(q, k, v, 0, 0, B, H, Hkv, Sq, Sk, D, qs, ks, vs, dqs, ls, scale, causal, dtype, "bf16dot"),
+                reinterpret_cast<const void*>(dout), reinterpret_cast<const float*>(lse),
+                reinterpret_cast<const float*>(delta), reinterpret_cast<void*>(dq), reinterpret_cast<void*>(dk),
+                reinterpret_cast<void*>(dv), {}, {}, {}, {}, {}, {}};
+  read_strides(dos, BP.dos, "dout");
+  read_strides(ls, BP.lss, "lse");
+  read_strides(dls, BP.dls, "delta");
+  read_strides(dqs, BP.dqs, "dq");
+  read_strides(dks, BP.dks, "dk");
+  read_strides(dvs, BP.dvs, "dv");
+  py::gil_scoped_release release;
+  return prefill_backward(BP, std::max(1, num_threads));
 }
 
 bool prefill_available() {
@@ -938,5 +1168,14 @@ PYBIND11_MODULE(_cpu_attention, m) {
         "bfloat16 attention of q [B, H, Sq, D] over k, v [B, Hkv, Sk, D] with AVX-512 BF16 dot products (strides "
         "as decode_forward; D a multiple of 64, D <= 512); bottom-right causal. Returns how many rows that see "
         "keys got a non-finite lse, or -1 where the kernel does not apply (no AVX-512 BF16, another dtype or D).");
+  m.def("prefill_backward", &prefill_backward_py, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("dout"),
+        py::arg("lse"), py::arg("delta"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("B"), py::arg("H"),
+        py::arg("Hkv"), py::arg("Sq"), py::arg("Sk"), py::arg("D"), py::arg("q_strides"), py::arg("k_strides"),
+        py::arg("v_strides"), py::arg("dout_strides"), py::arg("lse_strides"), py::arg("delta_strides"),
+        py::arg("dq_strides"), py::arg("dk_strides"), py::arg("dv_strides"), py::arg("scale"), py::arg("causal"),
+        py::arg("dtype"), py::arg("num_threads"),
+        "bfloat16 flash-attention backward with AVX-512 BF16 dot products: dq, dk, dv (bf16, written whole) from "
+        "q, k, v, dout, the forward's lse and delta = rowsum(dout * out) - dlse (float32); finite inputs. Returns "
+        "-1 where the kernel does not apply (as prefill_forward), else 0.");
   m.def("prefill_available", &prefill_available, "True when this CPU runs the bf16dot kernel (AVX-512 BF16)");
 }

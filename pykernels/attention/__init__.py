@@ -18,8 +18,8 @@ output 0, lse -inf and zero gradient (flash-attn leaves such rows undefined; SDP
 
 Backends: "cpu" (aten's CPU flash kernels wrapped for bottom-right causal and GQA, or a BLAS-blocked
 implementation, the autotuner picks; for a few query rows against a KV cache, up to 32 per KV head, the
-native flash-decoding kernel (forward only, where no backward follows), and for other bfloat16 forwards
-on CPUs with AVX-512 BF16 a native kernel with bf16 dot products), "triton" (FlashAttention-2 forward and backward kernels in
+native flash-decoding kernel (forward only, where no backward follows), and for bfloat16 on CPUs with
+AVX-512 BF16 native forward and backward kernels on bf16 dot products), "triton" (FlashAttention-2 forward and backward kernels in
 `_triton.py`; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). The op is registered as
 `torch.ops.pykernels.flash_attention` (+ `flash_attention_backward`) with fake implementations and
 autograd, so it works under torch.compile(fullgraph=True).
@@ -178,7 +178,12 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, ba
         from . import _triton
 
         return _triton.backward(dout, dlse, q, k, v, out, lse, causal, scale, cfg)
-    if dlse is not None or cfg.get("impl", "flash") == "blocked" or not _all_finite(dout, out, lse):
+    impl = cfg.get("impl", "flash")
+    finite = _all_finite(dout, out, lse)
+    if impl == "bf16dot" and finite and _cpu.bf16dot_takes(q):  # (takes an LSE gradient too)
+        threads = int(cfg.get("threads", 0) or 0) or torch.get_num_threads()
+        return _cpu.bf16dot_backward(dout, q, k, v, out, lse, causal, scale, dlse, threads)
+    if dlse is not None or impl == "blocked" or not finite:
         # aten's backward derives D = rowsum(dO * O) itself, so it cannot take an LSE gradient.
         return _cpu.blocked_backward(dout, q, k, v, out, lse, causal, scale, dlse=dlse,
                                      chunk_elems=int(cfg.get("chunk_elems", 1 << 22)))

@@ -27,11 +27,13 @@
             products (vdpbf16ps, twice the fp32 FMA rate; aten's kernel computes bf16 at the fp32 rate), with
             aten's precision choices for reduced types (scores and softmax in fp32, P rounded to bf16 for
             P V, fp32 accumulation); K and V packed once per call into the instruction's operand order.
-            Forward only; head dims that are multiples of 64, on CPUs with AVX-512 BF16 (elsewhere the
-            call takes aten's kernels). Unlike "decode" it also runs where a backward follows: aten's
-            backward recomputes P from its own scores and our lse, which differ from aten's forward's in
-            fp32's last bits, below what bfloat16 gradients resolve (measured against a float64 oracle
-            at logits up to ~1e4: the same dq/dk/dv errors with either forward's lse).
+            Its backward (FlashAttention-2's, same dot products, P and dS rounded to bf16, one thread per
+            (batch, KV head) group so dK/dV/dQ need no atomics) takes an LSE gradient too. Head dims that
+            are multiples of 64, on CPUs with AVX-512 BF16 (elsewhere aten's kernels). Forward and
+            backward are tuned apart, so either may meet aten's other half: the two compute scores in
+            fp32 in different orders, which differ in fp32's last bits, below what bfloat16 gradients
+            resolve (against a float64 oracle at logits up to ~1e4: the same dq/dk/dv errors with either
+            forward's lse).
 "blocked" - FlashAttention's tiling done with BLAS: the query rows are cut into chunks; per chunk the
             scores against the (causally) visible keys are one batched GEMM, a masked softmax in fp32 (or
             fp64), and one GEMM with V. GQA is a reshape (the query heads of a group share one GEMM), the
@@ -430,6 +432,36 @@ def bf16dot_forward(q, k, v, causal: bool, scale: float, threads: int):
     if bad < 0:  # (bf16dot_takes said yes: only a CPU or build without the kernel gets here)
         raise RuntimeError("pykernels.flash_attention: internal error: the bf16dot kernel does not take this call")
     return None if bad else (out, lse)
+
+
+def zero_grads(q, k, v):
+    """Contiguous zero dq, dk, dv (the native and Triton backwards write them; rows no query sees stay 0)."""
+    return tuple(torch.zeros_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def bf16dot_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dlse, threads: int):
+    """dq, dk, dv of the native bf16dot backward (FlashAttention-2's, with bf16 dot products) from the global
+    out and lse; dlse (optional) enters as D = rowsum(dO * O) - dlse. The caller checks bf16dot_takes(q) and
+    that dout, out and lse are finite."""
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    dq, dk, dv = zero_grads(q, k, v)
+    if q.numel() == 0 or k.numel() == 0:
+        return dq, dk, dv
+    q, k, v = _dense_last(q), _dense_last(k), _dense_last(v)
+    dout = dout if dout.stride(-1) == 1 and dout.is_contiguous() else dout.contiguous()
+    delta = (dout.float() * out.float()).sum(-1)
+    if dlse is not None:
+        delta = delta - dlse.float()
+    lse = lse.float()
+    bad = _native.cpu_module("attention").prefill_backward(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse.data_ptr(), delta.data_ptr(), dq.data_ptr(),
+        dk.data_ptr(), dv.data_ptr(), B, H, Hkv, Sq, Sk, D, q.stride()[:3], k.stride()[:3], v.stride()[:3],
+        dout.stride()[:3], lse.stride(), delta.stride(), dq.stride()[:3], dk.stride()[:3], dv.stride()[:3],
+        float(scale), bool(causal), _native.dtype_code(q.dtype), int(threads))
+    if bad < 0:  # (bf16dot_takes said yes: only a CPU or build without the kernel gets here)
+        raise RuntimeError("pykernels.flash_attention: internal error: the bf16dot kernel does not take this call")
+    return dq, dk, dv
 
 
 def _attend(s, v):

@@ -28,7 +28,7 @@ import triton.language as tl
 from .._triton_util import ADD as _ADD, MAX as _MAX, interpreting as _interpreting, kernel as _kernel
 from .._triton_util import launches_on_input_device
 from ..triton_aot import AotSpec
-from . import _triton_configs as cfgs
+from . import _cpu, _triton_configs as cfgs
 
 LOG2E = 1.4426950408889634
 
@@ -301,9 +301,7 @@ def backward(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, cfg: dic
     _check(q, k)
     B, H, SQ, D = q.shape
     HKV, SK = k.shape[1], k.shape[2]
-    dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
-    dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
-    dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
+    dq, dk, dv = _cpu.zero_grads(q, k, v)
     if q.numel() == 0 or k.numel() == 0:
         return dq, dk, dv
     q, k, v, dout = _i32_offsets(q), _i32_offsets(k), _i32_offsets(v), _i32_offsets(dout)
