@@ -1424,24 +1424,77 @@ def test_bf16dot_backward_reads_strided_inputs():
 
 
 @needs_bf16dot
-def test_bf16dot_backward_is_the_default_and_non_finite_takes_the_exact_path(monkeypatch):
+@pytest.mark.parametrize("shape", [(1, 8, 2, 96, 160, 128), (1, 4, 2, 150, 70, 64)], ids=["sq<sk", "sq>sk"])
+def test_bf16dot_backward_is_the_default_and_non_finite_takes_the_exact_path(monkeypatch, shape):
     """Autograd through the public op runs the native backward for bfloat16 (and its gradients match the
-    oracle); a NaN in dout sends the call to the exact blocked path, as for the other impls."""
+    oracle), also with S_q > S_k causal, whose first rows have lse -inf by contract (the finiteness check
+    looks at the rows that see keys; audit finding: they sent every such call to the slow exact path); a
+    NaN in dout sends the call to the exact blocked path, as for the other impls."""
     monkeypatch.setenv("PYKERNELS_AUTOTUNE", "0")
     calls = []
     real = _cpu.bf16dot_backward
     monkeypatch.setattr(_cpu, "bf16dot_backward", lambda *a: calls.append(1) or real(*a))
-    q, k, v = make(1, 8, 2, 96, 160, 128, torch.bfloat16, seed=8)
+    q, k, v = make(*shape, torch.bfloat16, seed=8)
     check_forward_and_grads(q, k, v, True)
     assert len(calls) == 1
     out, lse = flash_attention(q, k, v, causal=True, return_lse=True)
     dout = torch.randn(out.shape).to(torch.bfloat16)
     dout[0, 1, 5, 7] = float("nan")
-    got = _backward_impl(dout, None, q, k, v, out, lse, True, 128 ** -0.5, "cpu", {"impl": "bf16dot"})
-    want = _backward_impl(dout, None, q, k, v, out, lse, True, 128 ** -0.5, "cpu", {"impl": "blocked"})
+    sc = shape[-1] ** -0.5
+    got = _backward_impl(dout, None, q, k, v, out, lse, True, sc, "cpu", {"impl": "bf16dot"})
+    want = _backward_impl(dout, None, q, k, v, out, lse, True, sc, "cpu", {"impl": "blocked"})
     assert len(calls) == 1
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
+
+
+@needs_bf16dot
+def test_bf16dot_subnormal_inputs_take_an_exact_path():
+    """vdpbf16ps reads subnormal bf16 inputs as 0: a subnormal q component times keys near 1e38 is an
+    ordinary score, so such calls (q, k, v or dout holding a subnormal) go to the exact paths (audit finding:
+    every score of the repro read as 0, lse off by 0.36, dv off by 1.0)."""
+    q = torch.zeros(1, 8, 64, 64)
+    q[..., 0] = 5e-39
+    k = torch.zeros(1, 8, 64, 64)
+    k[..., 0] = torch.linspace(-3, 3, 64) * 1e38
+    v = torch.randn(1, 8, 64, 64, generator=torch.Generator().manual_seed(0))
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    assert _cpu.bf16dot_forward(q, k, v, False, 1.0, 2) is None
+    # (dq and dk are ~1e38 here, past bfloat16's range in places: the forward and dv are compared)
+    check_forward_and_grads(q, k, v, False, scale=1.0, config={"impl": "bf16dot"}, check_grads=False)
+    check_forward_and_grads(q, k, v, False, scale=1.0, check_grads=False)
+    out, lse = _forward_impl(q, k, v, False, 1.0, "cpu", {"impl": "flash"})
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    assert _cpu.bf16dot_backward(dout, q, k, v, out, lse, False, 1.0, None, 2) is None
+    vr = v.double().requires_grad_()
+    want_dv, = torch.autograd.grad(reference(q, k, vr, False, 1.0)[0], (vr,), dout.double())
+    _, _, dv = _backward_impl(dout, None, q, k, v, out, lse, False, 1.0, "cpu", {"impl": "bf16dot"})
+    assert_close(dv, want_dv, torch.bfloat16, "dv")
+    q2, k2, v2 = make(1, 2, 2, 70, 70, 64, torch.bfloat16, seed=2)
+    for t in (q2, k2, v2):  # one subnormal anywhere in an input: the exact path, and the oracle's answer
+        t2 = t.clone()
+        t2[0, 1, 69, 63] = 1e-39
+        args = [t2 if x is t else x for x in (q2, k2, v2)]
+        assert _cpu.bf16dot_forward(*args, True, 0.125, 2) is None
+        check_forward_and_grads(*args, True, config={"impl": "bf16dot"})
+    out2, lse2 = _forward_impl(q2, k2, v2, True, 0.125, "cpu", {"impl": "flash"})
+    dout2 = torch.randn(out2.shape, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    assert _cpu.bf16dot_backward(dout2, q2, k2, v2, out2, lse2, True, 0.125, None, 2) is not None
+    dout2[0, 0, 3, 5] = -1e-39
+    assert _cpu.bf16dot_backward(dout2, q2, k2, v2, out2, lse2, True, 0.125, None, 2) is None
+
+
+@needs_bf16dot
+def test_bf16dot_nan_in_v_stays_in_its_tiles():
+    """A key no row of a 6-row tile sees is read as 0 even when it shares a pair of keys with one they do
+    (audit finding: key 65's NaN reached rows 60-63, which see keys up to 64, through the pair (64, 65))."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 8, s, 64, generator=g).to(torch.bfloat16) for s in (128, 129, 129))
+    v[0, 0, 65, 3] = float("nan")  # causal, S_k - S_q = 1: row i sees keys j <= i + 1, so rows >= 64 see 65
+    out, _ = _cpu.bf16dot_forward(q, k, v, True, 0.125, 2)
+    nan_rows = torch.nonzero(torch.isnan(out[0, 0, :, 3])).flatten().tolist()
+    assert nan_rows == list(range(64, 128))
+    assert torch.isfinite(out[0, 1:]).all() and torch.isfinite(out[0, 0, :, :3]).all()
 
 
 def test_bf16dot_off_without_avx512():

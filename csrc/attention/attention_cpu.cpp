@@ -555,6 +555,7 @@ int64_t decode_forward(const Problem& P, int num_threads, int64_t grain) {
 constexpr int PF_BM = 64;  // query rows per work item
 constexpr int PF_BN = 64;  // keys per block: 4 groups of 16 lanes
 constexpr int PF_RQ = 6;   // query rows per register tile (6 x 4 accumulators of 16 lanes)
+constexpr int64_t kSubnormalInput = -2;  // prefill_forward / prefill_backward: an input holds a subnormal
 
 // D values the kernel takes: the P V tile holds 64 output columns (4 registers) per row
 inline bool prefill_head_dim_ok(int64_t D) { return D > 0 && D % 64 == 0 && D <= 512; }
@@ -563,13 +564,31 @@ inline bool prefill_head_dim_ok(int64_t D) { return D > 0 && D % 64 == 0 && D <=
 #define PK_TARGET_AVX512BF16 \
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,bmi,bmi2,popcnt,f16c")))
 
+// Whether bf16 x[0, n) (n a multiple of 32) holds a subnormal (|x| < 2^-126, not 0): vdpbf16ps reads those
+// as 0 whatever MXCSR says, so a call with one takes an exact path (a subnormal q component times a key
+// component near 1e38 is an ordinary score).
+PK_TARGET_AVX512BF16 inline __mmask32 subnormal_lanes(__m512i x) {  // 32 bf16 values
+  const __m512i a = _mm512_and_si512(x, _mm512_set1_epi16(0x7FFF));
+  return _mm512_mask_cmplt_epu16_mask(_mm512_test_epi16_mask(a, a), a, _mm512_set1_epi16(0x0080));
+}
+PK_TARGET_AVX512BF16 inline __mmask16 subnormal_lanes(__m256i x) {  // 16 bf16 values
+  const __m256i a = _mm256_and_si256(x, _mm256_set1_epi16(0x7FFF));
+  return _mm256_mask_cmplt_epu16_mask(_mm256_test_epi16_mask(a, a), a, _mm256_set1_epi16(0x0080));
+}
+PK_TARGET_AVX512BF16 inline bool subnormal_bf16(const uint16_t* x, int64_t n) {
+  __mmask32 any = 0;
+  for (int64_t i = 0; i < n; i += 32) any |= subnormal_lanes(_mm512_loadu_si512(x + i));
+  return any != 0;
+}
+
 // Rows [0, n) of a bf16 matrix (row stride `stride` elements, D columns) in the "lane per row" layout of
 // Kp: groups of 16 rows, [npad / 16][D / 2][16] 32-bit words, word (g, t, l) = (x[16g + l][2t],
 // x[16g + l][2t + 1]); rows n..npad are zero. A full group's words t are one gather of 16 rows (byte
 // offsets in 32 bits; the scalar loop where they do not fit or the group is partial).
-PK_TARGET_AVX512BF16 void pack_lanes(const uint16_t* x, int64_t stride, int64_t n, int64_t npad, int64_t D,
+PK_TARGET_AVX512BF16 bool pack_lanes(const uint16_t* x, int64_t stride, int64_t n, int64_t npad, int64_t D,
                                      uint32_t* dst) {
   const int64_t D2 = D / 2;
+  __mmask32 subnormal = 0;  // (returned: some row holds a subnormal)
   const bool gather = stride >= 0 && stride * 2 * 15 < (int64_t(1) << 31);
   const __m512i rows16 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32((int)(gather ? stride * 2 : 0)));
@@ -577,45 +596,53 @@ PK_TARGET_AVX512BF16 void pack_lanes(const uint16_t* x, int64_t stride, int64_t 
     uint32_t* out = dst + g * D2 * 16;
     if (gather && g * 16 + 16 <= n) {
       const char* base = reinterpret_cast<const char*>(x + g * 16 * stride);
-      for (int64_t t = 0; t < D2; ++t)
-        _mm512_storeu_si512(out + t * 16, _mm512_i32gather_epi32(rows16, base + 4 * t, 1));
+      for (int64_t t = 0; t < D2; ++t) {
+        const __m512i words = _mm512_i32gather_epi32(rows16, base + 4 * t, 1);
+        subnormal |= subnormal_lanes(words);
+        _mm512_storeu_si512(out + t * 16, words);
+      }
       continue;
     }
     for (int l = 0; l < 16; ++l) {
       const int64_t j = g * 16 + l;
       if (j < n) {
         const uint16_t* row = x + j * stride;
+        subnormal |= subnormal_bf16(row, D) ? 1 : 0;
         for (int64_t t = 0; t < D2; ++t) std::memcpy(out + t * 16 + l, row + 2 * t, 4);
       } else {
         for (int64_t t = 0; t < D2; ++t) out[t * 16 + l] = 0;
       }
     }
   }
+  return subnormal != 0;
 }
 
 // Rows [0, n) of a bf16 matrix in the "row pairs" layout of Vp: [npad / 2][D] words, word (u, d) =
 // (x[2u][d], x[2u + 1][d]); rows n..npad are zero. Two rows widened to 32-bit lanes and merged, 16 columns
 // at a time (D a multiple of 16).
-PK_TARGET_AVX512BF16 void pack_pairs(const uint16_t* x, int64_t stride, int64_t n, int64_t npad, int64_t D,
+PK_TARGET_AVX512BF16 bool pack_pairs(const uint16_t* x, int64_t stride, int64_t n, int64_t npad, int64_t D,
                                      uint32_t* dst) {
+  __mmask16 subnormal = 0;  // (returned: some row holds a subnormal)
   for (int64_t u = 0; u < npad / 2; ++u) {
     uint32_t* out = dst + u * D;
     const uint16_t* r0 = 2 * u < n ? x + 2 * u * stride : nullptr;
     const uint16_t* r1 = 2 * u + 1 < n ? x + (2 * u + 1) * stride : nullptr;
     for (int64_t d = 0; d < D; d += 16) {
-      const __m512i lo = r0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + d)))
-                            : _mm512_setzero_si512();
-      const __m512i hi = r1 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + d)))
-                            : _mm512_setzero_si512();
-      _mm512_storeu_si512(out + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      const __m256i a = r0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + d)) : _mm256_setzero_si256();
+      const __m256i b = r1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + d)) : _mm256_setzero_si256();
+      subnormal |= subnormal_lanes(a) | subnormal_lanes(b);
+      _mm512_storeu_si512(out + d, _mm512_or_si512(_mm512_cvtepu16_epi32(a),
+                                                   _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
     }
   }
+  return subnormal != 0;
 }
 
-// Kp and Vp of (b, hk) (layout above).
-PK_TARGET_AVX512BF16 void pack_kv(const Problem& P, int64_t b, int64_t hk, int64_t Skp, uint32_t* kp, uint32_t* vp) {
-  pack_lanes(static_cast<const uint16_t*>(P.k) + b * P.ks[0] + hk * P.ks[1], P.ks[2], P.Sk, Skp, P.D, kp);
-  pack_pairs(static_cast<const uint16_t*>(P.v) + b * P.vs[0] + hk * P.vs[1], P.vs[2], P.Sk, Skp, P.D, vp);
+// Kp and Vp of (b, hk) (layout above); true where K or V holds a subnormal.
+PK_TARGET_AVX512BF16 bool pack_kv(const Problem& P, int64_t b, int64_t hk, int64_t Skp, uint32_t* kp, uint32_t* vp) {
+  const bool sk = pack_lanes(static_cast<const uint16_t*>(P.k) + b * P.ks[0] + hk * P.ks[1], P.ks[2], P.Sk, Skp,
+                             P.D, kp);
+  return pack_pairs(static_cast<const uint16_t*>(P.v) + b * P.vs[0] + hk * P.vs[1], P.vs[2], P.Sk, Skp, P.D, vp) || sk;
 }
 
 // R rows of scores s[r][0..64) = scale * q_r . k_j for the 64 keys of a block: q32 rows of D/2 words
@@ -648,26 +675,34 @@ PK_TARGET_AVX512BF16 inline void pf_scores(const uint32_t* q32, int D2, const ui
 // first pair, pairs D words apart; o: rows D floats apart). The forward's P V (rs = PF_BN / 2, us = 1: a
 // row's probabilities of key pairs); the backward's P^T dO and dS^T Q (rs = 1, us = PF_BN: pairs of query
 // rows of a key's column) and dS K.
+// acc[r][0..4) += word p32[r * rs] . (v pair vu, 64 columns, ANDed with `keep`) for R rows
+template <int R>
+PK_TARGET_AVX512BF16 inline void pf_pv_pair(__m512 (&acc)[R][4], const uint32_t* p32, int64_t rs, const uint32_t* vu,
+                                            __m512i keep) {
+  const __m512bh v0 = (__m512bh)_mm512_and_si512(_mm512_loadu_si512(vu), keep);  // (ones: the AND folds away)
+  const __m512bh v1 = (__m512bh)_mm512_and_si512(_mm512_loadu_si512(vu + 16), keep);
+  const __m512bh v2 = (__m512bh)_mm512_and_si512(_mm512_loadu_si512(vu + 32), keep);
+  const __m512bh v3 = (__m512bh)_mm512_and_si512(_mm512_loadu_si512(vu + 48), keep);
+  for (int r = 0; r < R; ++r) {
+    const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)p32[r * rs]);
+    acc[r][0] = _mm512_dpbf16_ps(acc[r][0], pb, v0);
+    acc[r][1] = _mm512_dpbf16_ps(acc[r][1], pb, v1);
+    acc[r][2] = _mm512_dpbf16_ps(acc[r][2], pb, v2);
+    acc[r][3] = _mm512_dpbf16_ps(acc[r][3], pb, v3);
+  }
+}
+
+// `first_of_last`: the last pair's second row is read as 0 (a key no row of the tile sees: its p is 0, and
+// 0 * NaN would be NaN).
 template <int R>
 PK_TARGET_AVX512BF16 inline void pf_pv(const uint32_t* p32, int64_t rs, int64_t us, const uint32_t* vp, int64_t D,
-                                       int nu, float* o) {
+                                       int nu, float* o, bool first_of_last = false) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_loadu_ps(o + r * D + 16 * c);
-  for (int u = 0; u < nu; ++u) {
-    const uint32_t* vu = vp + u * D;
-    const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vu);
-    const __m512bh v1 = (__m512bh)_mm512_loadu_si512(vu + 16);
-    const __m512bh v2 = (__m512bh)_mm512_loadu_si512(vu + 32);
-    const __m512bh v3 = (__m512bh)_mm512_loadu_si512(vu + 48);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)p32[r * rs + u * us]);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], pb, v0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], pb, v1);
-      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], pb, v2);
-      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], pb, v3);
-    }
-  }
+  const int full = first_of_last ? nu - 1 : nu;
+  for (int u = 0; u < full; ++u) pf_pv_pair<R>(acc, p32 + u * us, rs, vp + u * D, _mm512_set1_epi32(-1));
+  if (full < nu) pf_pv_pair<R>(acc, p32 + full * us, rs, vp + full * D, _mm512_set1_epi32(0xFFFF));
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + r * D + 16 * c, acc[r][c]);
 }
@@ -741,6 +776,7 @@ struct PrefillScratch {
   std::vector<float> s, o, m, l;
   std::vector<uint16_t> p;    // probabilities in bf16 [PF_BM][PF_BN]
   std::vector<int> n;
+  bool subnormal = false;  // a query row of this thread's items held a subnormal
   void size_for(int64_t D) {
     q32.resize((size_t)PF_BM * D / 2);
     s.resize((size_t)PF_BM * PF_BN);
@@ -759,6 +795,7 @@ PK_TARGET_AVX512BF16 int64_t prefill_item(const Problem& P, const uint32_t* kp, 
   const int64_t D = P.D, D2 = D / 2;
   const uint16_t* qb = static_cast<const uint16_t*>(P.q) + b * P.qs[0] + h * P.qs[1];
   for (int r = 0; r < rows; ++r) std::memcpy(sc.q32.data() + (size_t)r * D2, qb + (i0 + r) * P.qs[2], D * 2);
+  sc.subnormal = sc.subnormal || subnormal_bf16(reinterpret_cast<const uint16_t*>(sc.q32.data()), rows * D);
   std::fill(sc.o.begin(), sc.o.begin() + (size_t)rows * D, 0.f);
   for (int r = 0; r < rows; ++r) {
     sc.m[r] = kNegInf;
@@ -798,11 +835,11 @@ PK_TARGET_AVX512BF16 int64_t prefill_item(const Problem& P, const uint32_t* kp, 
     pf_row_tiles(rows, [&](int r0, auto R) {
       // the key pairs the tile's rows see (its last row sees the most): a causal diagonal block's first
       // tiles skip the rest, and so never multiply a value they do not see by p = 0
-      const int nu = (int)(std::clamp<int64_t>(P.visible(i0 + r0 + decltype(R)::value - 1) - j0, 0, nb) + 1) / 2;
-      if (nu == 0) return;
+      const int n = (int)std::clamp<int64_t>(P.visible(i0 + r0 + decltype(R)::value - 1) - j0, 0, nb);
+      if (n == 0) return;
       for (int64_t d0 = 0; d0 < D; d0 += 64)
         pf_pv<decltype(R)::value>(reinterpret_cast<const uint32_t*>(sc.p.data() + (size_t)r0 * PF_BN), PF_BN / 2, 1,
-                                  vblk + d0, D, nu, sc.o.data() + (size_t)r0 * D + d0);
+                                  vblk + d0, D, (n + 1) / 2, sc.o.data() + (size_t)r0 * D + d0, n % 2 == 1);
     });
   }
   // out = o / l in bf16 (round to nearest even), lse = m + log(l); rows that see no key: 0 and -inf
@@ -828,7 +865,8 @@ PK_TARGET_AVX512BF16 int64_t prefill_item(const Problem& P, const uint32_t* kp, 
 #endif
 
 // Returns the number of rows that see keys whose lse came out non-finite; -1 when this CPU lacks the
-// instructions or D is not a multiple of 64 (the caller takes another impl).
+// instructions or D is not a multiple of 64 (the caller takes another impl); kSubnormalInput when q, k or v
+// holds a subnormal (nothing computed: the caller takes an exact path).
 int64_t prefill_forward(const Problem& P, int num_threads) {
 #if PK_X86
   if (!pk::cpu_has_avx512() || P.dt != pk::DType::BFloat16 || !prefill_head_dim_ok(P.D)) return -1;
@@ -855,10 +893,14 @@ int64_t prefill_forward(const Problem& P, int num_threads) {
   uint32_t* const kp = packed.data();
   uint32_t* const vp = packed.data() + groups * kv_words;
   const int T = std::max(1, num_threads);
+  std::atomic<bool> subnormal{false};
   pk::parallel_chunks(groups, std::min<int64_t>(T, groups), 1, [&](int, int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      pack_kv(P, g / P.Hkv, g % P.Hkv, Skp, kp + g * kv_words, vp + g * kv_words);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t b = g / P.Hkv, hk = g % P.Hkv;
+      if (pack_kv(P, b, hk, Skp, kp + g * kv_words, vp + g * kv_words)) subnormal = true;
+    }
   });
+  if (subnormal) return kSubnormalInput;
   const int64_t qblocks = (P.Sq + PF_BM - 1) / PF_BM, items = P.B * P.H * qblocks;
   std::vector<PrefillScratch> scratch(std::min<int64_t>(T, items));
   for (auto& sc : scratch) sc.size_for(D);
@@ -873,6 +915,8 @@ int64_t prefill_forward(const Problem& P, int num_threads) {
     }
     bad += nbad;
   });
+  for (const auto& sc : scratch)
+    if (sc.subnormal) return kSubnormalInput;
   return bad.load();
 #else
   (void)P;
@@ -944,23 +988,25 @@ PK_TARGET_AVX512BF16 inline __m512i pf_pair_words(__m512 a, __m512 b) {
   return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
 }
 
-PK_TARGET_AVX512BF16 void bwd_group(const BwdProblem& BP, int64_t b, int64_t hk, BwdScratch& sc) {
+// false (nothing computed) where an input of the group holds a subnormal
+PK_TARGET_AVX512BF16 bool bwd_group(const BwdProblem& BP, int64_t b, int64_t hk, BwdScratch& sc) {
   const Problem& P = BP.P;
   const int64_t D = P.D, D2 = D / 2, G = P.H / P.Hkv, Sq = P.Sq, Sk = P.Sk;
   const int64_t Sqp = (Sq + PF_BM - 1) / PF_BM * PF_BM, Skp = (Sk + PF_BN - 1) / PF_BN * PF_BN;
   const int64_t gstride = D2 * 16;
   const uint16_t* kb = static_cast<const uint16_t*>(P.k) + b * P.ks[0] + hk * P.ks[1];
   const uint16_t* vb = static_cast<const uint16_t*>(P.v) + b * P.vs[0] + hk * P.vs[1];
-  pack_lanes(kb, P.ks[2], Sk, Skp, D, sc.kl.data());
-  pack_lanes(vb, P.vs[2], Sk, Skp, D, sc.vl.data());
+  bool sub = pack_lanes(kb, P.ks[2], Sk, Skp, D, sc.kl.data());
+  sub = pack_lanes(vb, P.vs[2], Sk, Skp, D, sc.vl.data()) || sub;
   pack_pairs(kb, P.ks[2], Sk, Skp, D, sc.k2.data());
   for (int64_t g = 0; g < G; ++g) {
     const int64_t h = hk * G + g;
-    pack_pairs(static_cast<const uint16_t*>(P.q) + b * P.qs[0] + h * P.qs[1], P.qs[2], Sq, Sqp, D,
-               sc.q2.data() + g * Sqp * D2);
-    pack_pairs(static_cast<const uint16_t*>(BP.dout) + b * BP.dos[0] + h * BP.dos[1], BP.dos[2], Sq, Sqp, D,
-               sc.do2.data() + g * Sqp * D2);
+    sub = pack_pairs(static_cast<const uint16_t*>(P.q) + b * P.qs[0] + h * P.qs[1], P.qs[2], Sq, Sqp, D,
+                     sc.q2.data() + g * Sqp * D2) || sub;
+    sub = pack_pairs(static_cast<const uint16_t*>(BP.dout) + b * BP.dos[0] + h * BP.dos[1], BP.dos[2], Sq, Sqp, D,
+                     sc.do2.data() + g * Sqp * D2) || sub;
   }
+  if (sub) return false;
   std::fill(sc.dq.begin(), sc.dq.begin() + (size_t)(G * Sqp * D), 0.f);
   const int64_t off = Sk - Sq;  // bottom-right causal: row i sees keys j <= i + off
   for (int64_t j0 = 0; j0 < Sk; j0 += PF_BN) {
@@ -1047,11 +1093,13 @@ PK_TARGET_AVX512BF16 void bwd_group(const BwdProblem& BP, int64_t b, int64_t hk,
       pf_store_rows(sc.dq.data() + (size_t)((g * Sqp + i0) * D), (int)std::min<int64_t>(PF_BM, Sq - i0), D, P.scale,
                     dqh + i0 * BP.dqs[2], BP.dqs[2]);
   }
+  return true;
 }
 #endif
 
 // dq, dk, dv of a bfloat16 problem (the caller checked its inputs are finite); -1 where the kernel does not
-// apply (as prefill_forward), else 0.
+// apply (as prefill_forward), kSubnormalInput where q, k, v or dout holds a subnormal (dq, dk, dv then
+// partly written: the caller takes an exact path), else 0.
 int64_t prefill_backward(const BwdProblem& BP, int num_threads) {
 #if PK_X86
   const Problem& P = BP.P;
@@ -1061,12 +1109,14 @@ int64_t prefill_backward(const BwdProblem& BP, int num_threads) {
   const int64_t G = P.H / P.Hkv;
   const int64_t Sqp = (P.Sq + PF_BM - 1) / PF_BM * PF_BM, Skp = (P.Sk + PF_BN - 1) / PF_BN * PF_BN;
   std::vector<BwdScratch> scratch(std::min<int64_t>(std::max(1, num_threads), groups));
+  std::atomic<bool> subnormal{false};
   pk::parallel_chunks(groups, (int)scratch.size(), 1, [&](int t, int64_t g0, int64_t g1) {
     BwdScratch& sc = scratch[t];
     sc.size_for(G, Sqp, Skp, P.D);
-    for (int64_t g = g0; g < g1; ++g) bwd_group(BP, g / P.Hkv, g % P.Hkv, sc);
+    for (int64_t g = g0; g < g1 && !subnormal; ++g)
+      if (!bwd_group(BP, g / P.Hkv, g % P.Hkv, sc)) subnormal = true;
   });
-  return 0;
+  return subnormal ? kSubnormalInput : 0;
 #else
   (void)BP;
   (void)num_threads;
@@ -1167,7 +1217,8 @@ PYBIND11_MODULE(_cpu_attention, m) {
         py::arg("lse_strides"), py::arg("scale"), py::arg("causal"), py::arg("dtype"), py::arg("num_threads"),
         "bfloat16 attention of q [B, H, Sq, D] over k, v [B, Hkv, Sk, D] with AVX-512 BF16 dot products (strides "
         "as decode_forward; D a multiple of 64, D <= 512); bottom-right causal. Returns how many rows that see "
-        "keys got a non-finite lse, or -1 where the kernel does not apply (no AVX-512 BF16, another dtype or D).");
+        "keys got a non-finite lse, -1 where the kernel does not apply (no AVX-512 BF16, another dtype or D), or -2 "
+        "where an input holds a subnormal (which the dot products read as 0; nothing computed).");
   m.def("prefill_backward", &prefill_backward_py, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("dout"),
         py::arg("lse"), py::arg("delta"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("B"), py::arg("H"),
         py::arg("Hkv"), py::arg("Sq"), py::arg("Sk"), py::arg("D"), py::arg("q_strides"), py::arg("k_strides"),
@@ -1176,6 +1227,7 @@ PYBIND11_MODULE(_cpu_attention, m) {
         py::arg("dtype"), py::arg("num_threads"),
         "bfloat16 flash-attention backward with AVX-512 BF16 dot products: dq, dk, dv (bf16, written whole) from "
         "q, k, v, dout, the forward's lse and delta = rowsum(dout * out) - dlse (float32); finite inputs. Returns "
-        "-1 where the kernel does not apply (as prefill_forward), else 0.");
+        "-1 where the kernel does not apply (as prefill_forward), -2 where an input holds a subnormal (outputs "
+        "partly written), else 0.");
   m.def("prefill_available", &prefill_available, "True when this CPU runs the bf16dot kernel (AVX-512 BF16)");
 }

@@ -179,10 +179,14 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, ba
 
         return _triton.backward(dout, dlse, q, k, v, out, lse, causal, scale, cfg)
     impl = cfg.get("impl", "flash")
-    finite = _all_finite(dout, out, lse)
+    # rows that see no key (causal, S_q > S_k) have lse -inf by contract: only the others must be finite
+    live = lse[:, :, q.shape[2] - k.shape[2]:] if causal and q.shape[2] > k.shape[2] else lse
+    finite = _all_finite(dout, out, live)
     if impl == "bf16dot" and finite and _cpu.bf16dot_takes(q):  # (takes an LSE gradient too)
         threads = int(cfg.get("threads", 0) or 0) or torch.get_num_threads()
-        return _cpu.bf16dot_backward(dout, q, k, v, out, lse, causal, scale, dlse, threads)
+        grads = _cpu.bf16dot_backward(dout, q, k, v, out, lse, causal, scale, dlse, threads)
+        if grads is not None:  # (None: a subnormal input, which the exact paths below take)
+            return grads
     if dlse is not None or impl == "blocked" or not finite:
         # aten's backward derives D = rowsum(dO * O) itself, so it cannot take an LSE gradient.
         return _cpu.blocked_backward(dout, q, k, v, out, lse, causal, scale, dlse=dlse,

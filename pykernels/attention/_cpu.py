@@ -404,6 +404,7 @@ def decode_forward(q, k, v, causal: bool, scale: float, threads: int, grain: int
 
 # "bf16dot": head dims the kernel takes (its P V tile is 64 columns wide)
 BF16DOT_MAX_D = 512
+_NOT_APPLICABLE, _SUBNORMAL_INPUT = -1, -2  # the native bf16dot kernels' answers besides a count of bad rows
 
 
 @functools.lru_cache(maxsize=None)
@@ -426,12 +427,12 @@ def bf16dot_takes(q: torch.Tensor) -> bool:
 
 def bf16dot_forward(q, k, v, causal: bool, scale: float, threads: int):
     """(out, lse) of the native bf16dot kernel (layouts: _native_forward), or None when a row that sees
-    keys got a non-finite lse (NaN/inf in q or k): the caller recomputes on the exact path. The caller
-    checks bf16dot_takes(q) first."""
+    keys got a non-finite lse (NaN/inf in q or k) or an input holds a subnormal (vdpbf16ps reads those as
+    0): the caller recomputes on the exact path. The caller checks bf16dot_takes(q) first."""
     out, lse, bad = _native_forward("prefill_forward", q, k, v, causal, scale, int(threads))
-    if bad < 0:  # (bf16dot_takes said yes: only a CPU or build without the kernel gets here)
+    if bad == _NOT_APPLICABLE:  # (bf16dot_takes said yes: only a CPU or build without the kernel gets here)
         raise RuntimeError("pykernels.flash_attention: internal error: the bf16dot kernel does not take this call")
-    return None if bad else (out, lse)
+    return None if bad else (out, lse)  # (a subnormal input, which the dot products read as 0, counts as bad)
 
 
 def zero_grads(q, k, v):
@@ -441,8 +442,9 @@ def zero_grads(q, k, v):
 
 def bf16dot_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dlse, threads: int):
     """dq, dk, dv of the native bf16dot backward (FlashAttention-2's, with bf16 dot products) from the global
-    out and lse; dlse (optional) enters as D = rowsum(dO * O) - dlse. The caller checks bf16dot_takes(q) and
-    that dout, out and lse are finite."""
+    out and lse; dlse (optional) enters as D = rowsum(dO * O) - dlse. None where an input holds a subnormal
+    (vdpbf16ps reads those as 0): the caller takes an exact path. The caller checks bf16dot_takes(q) and
+    that dout, out and the lse of rows that see keys are finite."""
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     dq, dk, dv = zero_grads(q, k, v)
@@ -459,9 +461,9 @@ def bf16dot_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dlse, 
         dk.data_ptr(), dv.data_ptr(), B, H, Hkv, Sq, Sk, D, q.stride()[:3], k.stride()[:3], v.stride()[:3],
         dout.stride()[:3], lse.stride(), delta.stride(), dq.stride()[:3], dk.stride()[:3], dv.stride()[:3],
         float(scale), bool(causal), _native.dtype_code(q.dtype), int(threads))
-    if bad < 0:  # (bf16dot_takes said yes: only a CPU or build without the kernel gets here)
+    if bad == _NOT_APPLICABLE:  # (bf16dot_takes said yes: only a CPU or build without the kernel gets here)
         raise RuntimeError("pykernels.flash_attention: internal error: the bf16dot kernel does not take this call")
-    return dq, dk, dv
+    return None if bad == _SUBNORMAL_INPUT else (dq, dk, dv)
 
 
 def _attend(s, v):
