@@ -23,7 +23,8 @@ GROUP = "attention"
 # aten's flash kernels (bit-identical to SDPA) but in the decode steps, whose worst element needed an atol
 # of 3e-7 (float32, with rtol 1e-4) and 1.2e-3 (bfloat16, with rtol 2e-2), in bfloat16 forwards (the
 # bf16dot kernel: the same precision choices as aten's, its own order of summation, so a few bf16
-# roundings apart) and in float16 (computed in float32: ours is the more accurate, a few fp16 roundings). The GPU's bf16 Triton kernels against SDPA's flash backend: a few bf16 roundings apart.
+# roundings apart) and in float16 (computed in float32: ours is the more accurate, a few fp16 roundings).
+# The GPU's bf16 Triton kernels against SDPA's flash backend: a few bf16 roundings apart.
 TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-2, 2e-2), torch.float16: (1e-2, 2e-2)}
 _PARTS = ("out", "dq", "dk", "dv")
 
@@ -94,6 +95,15 @@ def _make(B, H, Hkv, S, D, causal, dtype, device, backward, Sk=None):
     return make
 
 
+def _cpu_notes(S: int, dtype) -> str:
+    if S == 1:
+        return "CPU path: the native flash-decoding kernel (one pass over K/V per KV head)"
+    return ("CPU path: " + ("the bf16dot kernels (AVX-512 BF16) where the CPU has them, else " if
+                            dtype == torch.bfloat16 else "")
+            + "aten CPU flash kernels wrapped (bottom-right causal, GQA"
+            + ("; float16 through their float32 kernels" if dtype == torch.float16 else "") + ")")
+
+
 def cases(quick: bool, device: str = "cpu"):
     if device == "cuda":
         if not torch.cuda.is_available():
@@ -127,11 +137,7 @@ def cases(quick: bool, device: str = "cpu"):
                 baseline_name="F.scaled_dot_product_attention" + (" (flash)" if device == "cuda" else "")
                 + (" + bottom-right mask" if Sk is not None and causal else ""),
                 work=_flops(B, H, S, Sk_, D, causal and Sk is None, backward), unit="FLOP", device=device,
-                notes=("CPU path: " + ("the bf16dot kernel (AVX-512 BF16) where the CPU has it, else " if
-                                       dtype == torch.bfloat16 and S > 1 else "")
-                       + "aten CPU flash kernels wrapped (bottom-right causal, GQA"
-                       + ("; float16 through their float32 kernels" if dtype == torch.float16 else "") + ")")
-                if device == "cpu"
+                notes=_cpu_notes(S, dtype) if device == "cpu"
                 else "Triton FlashAttention-2 kernels",
                 check=_check_close,
             )

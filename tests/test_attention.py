@@ -1497,6 +1497,24 @@ def test_bf16dot_nan_in_v_stays_in_its_tiles():
     assert torch.isfinite(out[0, 1:]).all() and torch.isfinite(out[0, 0, :, :3]).all()
 
 
+@needs_bf16dot
+def test_bf16dot_backward_ignores_rows_that_see_no_key():
+    """Causal with S_q > S_k: a NaN in the q (or dout) of a row that sees no key has no effect: zero dq for
+    that row and dk/dv as without it (review finding: such rows shared the first live 64-row block, where
+    dK += dS^T Q met 0 * NaN)."""
+    q, k, v = make(1, 4, 2, 150, 70, 64, torch.bfloat16, seed=13)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    out, lse = _forward_impl(q, k, v, True, 0.125, "cpu", {"impl": "flash"})
+    want = _cpu.bf16dot_backward(dout, q, k, v, out, lse, True, 0.125, None, 2)
+    q_nan, dout_nan = q.clone(), dout.clone()
+    q_nan[0, 1, 75, 3] = float("nan")  # rows 0..79 see no key
+    dout_nan[0, 2, 79, 0] = float("inf")
+    got = _cpu.bf16dot_backward(dout_nan, q_nan, k, v, out, lse, True, 0.125, None, 2)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert torch.equal(got[0][:, :, :80], torch.zeros_like(got[0][:, :, :80]))
+
+
 def test_bf16dot_off_without_avx512():
     """PYKERNELS_DISABLE_AVX512=1 (or a CPU without AVX-512 BF16): not available, not a candidate, not the
     default; bfloat16 calls take aten's kernels and stay correct."""

@@ -21,8 +21,8 @@
 // and the caller recomputes the problem on its exact path; NaN/inf in v reach the rows that see it, as
 // the math says.
 //
-// Also here, below: the bf16dot kernel, a FlashAttention-2 forward for bfloat16 with AVX-512 BF16 dot
-// products (prefill and other many-row problems).
+// Also here, below: the bf16dot kernels, FlashAttention-2's forward and backward for bfloat16 with AVX-512
+// BF16 dot products (prefill, training and other many-row problems).
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -549,6 +549,9 @@ int64_t decode_forward(const Problem& P, int num_threads, int64_t grain) {
 //   Vp: key pairs: [Skp / 2][D] words, word (u, d) = (v[2u][d], v[2u + 1][d]): out[i][d] += sum_u
 //       dot2(p[i] pair u, word (u, d)) -- a lane per output column;
 // padded with zero keys up to Skp (a multiple of PF_BN; their scores are masked, their p is 0).
+// vdpbf16ps reads subnormal bf16 inputs as 0 (whatever MXCSR says): calls whose q, k, v (or dout) hold one
+// take an exact path instead. Probabilities below 2^-126 (scores ~87 below their row's maximum) are 0 here,
+// as in aten's kernels: only a value near float32's range could make such a term count.
 // Work items: (batch, query head, block of PF_BM query rows), heaviest (last, under a causal mask) first;
 // each streams the key blocks its rows see (bottom-right causal: row i sees keys j <= i + Sk - Sq).
 // ---------------------------------------------------------------------------------------------------------
@@ -742,16 +745,16 @@ PK_TARGET_AVX512BF16 inline float pf_row_max(const float* s, int n) {
   return _mm512_reduce_max_ps(m);
 }
 
-// p[0, PF_BN) = bf16(exp(s[j] - m)) for j < n, 0 beyond (keys the row does not see, and the padding);
-// returns the sum of the fp32 exponentials (the softmax's denominator is not rounded to bf16).
-PK_TARGET_AVX512BF16 inline float pf_exp_row(const float* s, int n, float m, uint16_t* p) {
+// p[0, PF_BN) = bf16(exp(s[j] - m)) for j < n, 0 beyond (keys the row does not see, and the padding), two
+// keys a word; returns the sum of the fp32 exponentials (the softmax's denominator is not rounded to bf16).
+PK_TARGET_AVX512BF16 inline float pf_exp_row(const float* s, int n, float m, uint32_t* p) {
   const __m512 vm = _mm512_set1_ps(m);
   __m512 sum = _mm512_setzero_ps();
   for (int j = 0; j < PF_BN; j += 16) {
     const __mmask16 live = pf_live(j, n);
     const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), vm)));
     sum = _mm512_add_ps(sum, e);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j), (__m256i)_mm512_cvtneps_pbh(e));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + j / 2), (__m256i)_mm512_cvtneps_pbh(e));
   }
   return _mm512_reduce_add_ps(sum);
 }
@@ -774,8 +777,7 @@ inline void pf_row_tiles(int rows, F&& f) {
 struct PrefillScratch {
   std::vector<uint32_t> q32;  // the item's query rows, bf16 pairs [PF_BM][D/2]
   std::vector<float> s, o, m, l;
-  std::vector<uint16_t> p;    // probabilities in bf16 [PF_BM][PF_BN]
-  std::vector<int> n;
+  std::vector<uint32_t> p;    // probabilities in bf16 [PF_BM][PF_BN] (pairs of keys per word)
   bool subnormal = false;  // a query row of this thread's items held a subnormal
   void size_for(int64_t D) {
     q32.resize((size_t)PF_BM * D / 2);
@@ -783,8 +785,7 @@ struct PrefillScratch {
     o.resize((size_t)PF_BM * D);
     m.resize(PF_BM);
     l.resize(PF_BM);
-    p.resize((size_t)PF_BM * PF_BN);
-    n.resize(PF_BM);
+    p.resize((size_t)PF_BM * PF_BN / 2);
   }
 };
 
@@ -812,14 +813,14 @@ PK_TARGET_AVX512BF16 int64_t prefill_item(const Problem& P, const uint32_t* kp, 
     });
     for (int r = 0; r < rows; ++r) {
       const float* sr = sc.s.data() + (size_t)r * PF_BN;
-      uint16_t* pr = sc.p.data() + (size_t)r * PF_BN;
+      uint32_t* pr = sc.p.data() + (size_t)r * (PF_BN / 2);
       const int n = (int)std::clamp<int64_t>(P.visible(i0 + r) - j0, 0, nb);
       const float m_new = n > 0 ? std::max(sc.m[r], pf_row_max(sr, n)) : sc.m[r];  // NaN never wins: it reaches l
       if (n == 0 || std::isnan(sc.l[r]) || m_new == kNegInf) {
         // no key of this block (or a poisoned row): p = 0; every score so far -inf (or NaN): poison the
         // row, the caller recomputes it
         if (n > 0 && m_new == kNegInf) sc.l[r] = std::numeric_limits<float>::quiet_NaN();
-        std::memset(pr, 0, sizeof(uint16_t) * PF_BN);
+        std::memset(pr, 0, sizeof(uint32_t) * (PF_BN / 2));
         continue;
       }
       const float alpha = std::exp(sc.m[r] - m_new);  // 0 on the first block (m = -inf)
@@ -838,7 +839,7 @@ PK_TARGET_AVX512BF16 int64_t prefill_item(const Problem& P, const uint32_t* kp, 
       const int n = (int)std::clamp<int64_t>(P.visible(i0 + r0 + decltype(R)::value - 1) - j0, 0, nb);
       if (n == 0) return;
       for (int64_t d0 = 0; d0 < D; d0 += 64)
-        pf_pv<decltype(R)::value>(reinterpret_cast<const uint32_t*>(sc.p.data() + (size_t)r0 * PF_BN), PF_BN / 2, 1,
+        pf_pv<decltype(R)::value>(sc.p.data() + (size_t)r0 * (PF_BN / 2), PF_BN / 2, 1,
                                   vblk + d0, D, (n + 1) / 2, sc.o.data() + (size_t)r0 * D + d0, n % 2 == 1);
     });
   }
@@ -869,29 +870,37 @@ PK_TARGET_AVX512BF16 int64_t prefill_item(const Problem& P, const uint32_t* kp, 
 // holds a subnormal (nothing computed: the caller takes an exact path).
 int64_t prefill_forward(const Problem& P, int num_threads) {
 #if PK_X86
-  if (!pk::cpu_has_avx512() || P.dt != pk::DType::BFloat16 || !prefill_head_dim_ok(P.D)) return -1;
+  if (!pk::cpu_has_avx512bf16() || P.dt != pk::DType::BFloat16 || !prefill_head_dim_ok(P.D)) return -1;
   const int64_t D = P.D;
   if (P.B * P.H == 0 || P.Sq == 0) return 0;
   const int64_t Skp = std::max<int64_t>(PF_BN, (P.Sk + PF_BN - 1) / PF_BN * PF_BN);
   const int64_t kv_words = Skp * D / 2;  // per (b, hk), each of Kp and Vp
   const int64_t groups = P.B * P.Hkv;
-  // The packed copies live in a buffer of the calling thread kept between calls up to 64 MiB: a fresh one
-  // per call cost its page faults every time (32/8 heads x 1024 keys x D = 128: 4 MiB, ~1 ms of a ~3 ms call)
-  thread_local std::vector<uint32_t> packed;
+  // The packed copies live in a buffer of the calling thread kept between calls up to 16 MiB: a fresh one
+  // per call cost its page faults every time (32/8 heads x 1024 keys x D = 128: 4 MiB, ~1 ms of a ~3 ms
+  // call); a larger call's compute dwarfs them (and a thread that made one keeps nothing of it)
+  struct Packed {
+    std::unique_ptr<uint32_t[]> words;  // (not value-initialized: the packing writes every word it reads)
+    size_t size = 0;
+  };
+  thread_local Packed packed;
   const size_t words = (size_t)(2 * groups * kv_words);
-  if (packed.size() < words) {
-    packed.clear();
-    packed.shrink_to_fit();
-    packed.resize(words);
+  if (packed.size < words) {
+    packed.words.reset();
+    packed.words.reset(new uint32_t[words]);
+    packed.size = words;
   }
-  struct Release {  // a buffer over 64 MiB is not kept
-    std::vector<uint32_t>& buf;
+  struct Release {
+    Packed& buf;
     ~Release() {
-      if (buf.size() * sizeof(uint32_t) > (size_t(64) << 20)) std::vector<uint32_t>().swap(buf);
+      if (buf.size * sizeof(uint32_t) > (size_t(16) << 20)) {
+        buf.words.reset();
+        buf.size = 0;
+      }
     }
   } release{packed};
-  uint32_t* const kp = packed.data();
-  uint32_t* const vp = packed.data() + groups * kv_words;
+  uint32_t* const kp = packed.words.get();
+  uint32_t* const vp = kp + groups * kv_words;
   const int T = std::max(1, num_threads);
   std::atomic<bool> subnormal{false};
   pk::parallel_chunks(groups, std::min<int64_t>(T, groups), 1, [&](int, int64_t g0, int64_t g1) {
@@ -949,9 +958,11 @@ struct BwdProblem {
 
 #if PK_X86
 struct BwdScratch {
-  std::vector<uint32_t> kl, vl, k2, q2, do2, q32, do32, pt, dst;
+  // kl, vl: K and V lane-per-key; k2, q2, do2: K, Q, dO in row pairs; pt, dst: P^T and dS^T as query-row
+  // pairs per key
+  std::vector<uint32_t> kl, vl, k2, q2, do2, q32, do32, pt, dst_pairs;
   std::vector<float> s, dp, dq, dk, dv;
-  std::vector<uint16_t> ds2;
+  std::vector<uint32_t> ds2;  // dS in bf16, [PF_BM][PF_BN] (pairs of keys per word)
   void size_for(int64_t G, int64_t Sqp, int64_t Skp, int64_t D) {
     kl.resize((size_t)(Skp * D / 2));
     vl.resize((size_t)(Skp * D / 2));
@@ -961,10 +972,10 @@ struct BwdScratch {
     q32.resize((size_t)PF_BM * D / 2);
     do32.resize((size_t)PF_BM * D / 2);
     pt.resize((size_t)PF_BM / 2 * PF_BN);
-    dst.resize((size_t)PF_BM / 2 * PF_BN);
+    dst_pairs.resize((size_t)PF_BM / 2 * PF_BN);
     s.resize((size_t)PF_BM * PF_BN);
     dp.resize((size_t)PF_BM * PF_BN);
-    ds2.resize((size_t)PF_BM * PF_BN);
+    ds2.resize((size_t)PF_BM * PF_BN / 2);
     dq.resize((size_t)(G * Sqp * D));
     dk.resize((size_t)PF_BN * D);
     dv.resize((size_t)PF_BN * D);
@@ -1037,17 +1048,18 @@ PK_TARGET_AVX512BF16 bool bwd_group(const BwdProblem& BP, int64_t b, int64_t hk,
         for (int r = 0; r < rows; ++r) {
           const int64_t i = i0 + r;
           const int n = (int)std::clamp<int64_t>(P.visible(i) - j0, 0, nb);
-          const __m512 vl = _mm512_set1_ps(lseh[i * BP.lss[2]]), vd = _mm512_set1_ps(deltah[i * BP.dls[2]]);
+          const __m512 vlse = _mm512_set1_ps(lseh[i * BP.lss[2]]), vd = _mm512_set1_ps(deltah[i * BP.dls[2]]);
           float* sr = sc.s.data() + (size_t)r * PF_BN;
           float* dpr = sc.dp.data() + (size_t)r * PF_BN;
           for (int j = 0; j < PF_BN; j += 16) {
             const __mmask16 live = pf_live(j, n);
-            const __m512 pv = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + j), vl)));
-            const __mmask16 nz = _mm512_cmp_ps_mask(pv, _mm512_setzero_ps(), _CMP_NEQ_UQ);
-            const __m512 ds = _mm512_maskz_mul_ps(nz, pv, _mm512_sub_ps(_mm512_loadu_ps(dpr + j), vd));
-            _mm512_storeu_ps(sr + j, pv);
+            const __m512 s_minus_lse = _mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + j), vlse);
+            const __m512 p = _mm512_maskz_mov_ps(live, exp512(s_minus_lse));
+            const __mmask16 nz = _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+            const __m512 ds = _mm512_maskz_mul_ps(nz, p, _mm512_sub_ps(_mm512_loadu_ps(dpr + j), vd));
+            _mm512_storeu_ps(sr + j, p);
             _mm512_storeu_ps(dpr + j, ds);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc.ds2.data() + (size_t)r * PF_BN + j),
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(sc.ds2.data() + (size_t)r * (PF_BN / 2) + j / 2),
                                 (__m256i)_mm512_cvtneps_pbh(ds));
           }
         }
@@ -1061,22 +1073,25 @@ PK_TARGET_AVX512BF16 bool bwd_group(const BwdProblem& BP, int64_t b, int64_t hk,
             const __m512 b1 = odd ? _mm512_setzero_ps() : _mm512_loadu_ps(a + PF_BN + j);
             const __m512 db1 = odd ? _mm512_setzero_ps() : _mm512_loadu_ps(da + PF_BN + j);
             _mm512_storeu_si512(sc.pt.data() + (size_t)u * PF_BN + j, pf_pair_words(_mm512_loadu_ps(a + j), b1));
-            _mm512_storeu_si512(sc.dst.data() + (size_t)u * PF_BN + j, pf_pair_words(_mm512_loadu_ps(da + j), db1));
+            _mm512_storeu_si512(sc.dst_pairs.data() + (size_t)u * PF_BN + j,
+                                pf_pair_words(_mm512_loadu_ps(da + j), db1));
           }
         }
         const uint32_t* q2 = sc.q2.data() + g * Sqp * D2 + (i0 / 2) * D;
         const uint32_t* do2 = sc.do2.data() + g * Sqp * D2 + (i0 / 2) * D;
         pf_row_tiles(nb, [&](int r0, auto R) {  // dV and dK rows: the block's keys
           for (int64_t d0 = 0; d0 < D; d0 += 64) {
-            pf_pv<decltype(R)::value>(sc.pt.data() + r0, 1, PF_BN, do2 + d0, D, pairs, sc.dv.data() + (size_t)r0 * D + d0);
-            pf_pv<decltype(R)::value>(sc.dst.data() + r0, 1, PF_BN, q2 + d0, D, pairs, sc.dk.data() + (size_t)r0 * D + d0);
+            pf_pv<decltype(R)::value>(sc.pt.data() + r0, 1, PF_BN, do2 + d0, D, pairs,
+                                      sc.dv.data() + (size_t)r0 * D + d0);
+            pf_pv<decltype(R)::value>(sc.dst_pairs.data() + r0, 1, PF_BN, q2 + d0, D, pairs,
+                                      sc.dk.data() + (size_t)r0 * D + d0);
           }
         });
         const uint32_t* k2 = sc.k2.data() + (j0 / 2) * D;
         float* dqb = sc.dq.data() + (size_t)((g * Sqp + i0) * D);
         pf_row_tiles(rows, [&](int r0, auto R) {  // dQ rows: the block's query rows, over its key pairs
           for (int64_t d0 = 0; d0 < D; d0 += 64)
-            pf_pv<decltype(R)::value>(reinterpret_cast<const uint32_t*>(sc.ds2.data() + (size_t)r0 * PF_BN), PF_BN / 2, 1,
+            pf_pv<decltype(R)::value>(sc.ds2.data() + (size_t)r0 * (PF_BN / 2), PF_BN / 2, 1,
                                       k2 + d0, D, (nb + 1) / 2, dqb + (size_t)r0 * D + d0);
         });
       }
@@ -1097,13 +1112,14 @@ PK_TARGET_AVX512BF16 bool bwd_group(const BwdProblem& BP, int64_t b, int64_t hk,
 }
 #endif
 
-// dq, dk, dv of a bfloat16 problem (the caller checked its inputs are finite); -1 where the kernel does not
+// dq, dk, dv of a bfloat16 problem (the caller checked that dout, out and the lse of rows that see keys are
+// finite, and passes no rows that see no key); -1 where the kernel does not
 // apply (as prefill_forward), kSubnormalInput where q, k, v or dout holds a subnormal (dq, dk, dv then
 // partly written: the caller takes an exact path), else 0.
 int64_t prefill_backward(const BwdProblem& BP, int num_threads) {
 #if PK_X86
   const Problem& P = BP.P;
-  if (!pk::cpu_has_avx512() || P.dt != pk::DType::BFloat16 || !prefill_head_dim_ok(P.D)) return -1;
+  if (!pk::cpu_has_avx512bf16() || P.dt != pk::DType::BFloat16 || !prefill_head_dim_ok(P.D)) return -1;
   const int64_t groups = P.B * P.Hkv;
   if (groups == 0 || P.Sq == 0 || P.Sk == 0) return 0;  // (the caller returns zeros)
   const int64_t G = P.H / P.Hkv;
@@ -1192,7 +1208,7 @@ int64_t prefill_backward_py(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t dou
 
 bool prefill_available() {
 #if PK_X86
-  return pk::cpu_has_avx512();
+  return pk::cpu_has_avx512bf16();
 #else
   return false;
 #endif
@@ -1225,7 +1241,8 @@ PYBIND11_MODULE(_cpu_attention, m) {
         py::arg("v_strides"), py::arg("dout_strides"), py::arg("lse_strides"), py::arg("delta_strides"),
         py::arg("dq_strides"), py::arg("dk_strides"), py::arg("dv_strides"), py::arg("scale"), py::arg("causal"),
         py::arg("dtype"), py::arg("num_threads"),
-        "bfloat16 flash-attention backward with AVX-512 BF16 dot products: dq, dk, dv (bf16, written whole) from "
+        "bfloat16 flash-attention backward with AVX-512 BF16 dot products: dq, dk, dv (bf16, every element written "
+        "where S_q, S_k > 0) from "
         "q, k, v, dout, the forward's lse and delta = rowsum(dout * out) - dlse (float32); finite inputs. Returns "
         "-1 where the kernel does not apply (as prefill_forward), -2 where an input holds a subnormal (outputs "
         "partly written), else 0.");

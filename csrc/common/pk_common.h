@@ -58,17 +58,24 @@ inline bool cpu_has_avx2() {
 #define PK_TARGET_AVX512 \
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512bf16,avx512vpopcntdq," \
                         "avx2,fma,bmi,bmi2,popcnt,f16c")))
+// AVX2, AVX-512 F/BW/DQ/VL, and PYKERNELS_DISABLE_AVX512 unset: what every AVX-512 tier needs.
+inline bool avx512_base() {
+  if (!cpu_has_avx2()) return false;
+  const char* off = std::getenv("PYKERNELS_DISABLE_AVX512");
+  if (off && off[0] == '1') return false;
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+}
 inline bool cpu_has_avx512() {
-  static const bool has = [] {
-    if (!cpu_has_avx2()) return false;
-    const char* off = std::getenv("PYKERNELS_DISABLE_AVX512");
-    if (off && off[0] == '1') return false;
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bf16") &&
-           __builtin_cpu_supports("avx512vpopcntdq");
-  }();
+  static const bool has = avx512_base() && __builtin_cpu_supports("avx512vnni") &&
+                          __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vpopcntdq");
+  return has;
+}
+// The base and BF16 only (flash attention's bf16 dot-product kernels): also Cooper Lake, which has
+// AVX-512 BF16 but not VPOPCNTDQ.
+inline bool cpu_has_avx512bf16() {
+  static const bool has = avx512_base() && __builtin_cpu_supports("avx512bf16");
   return has;
 }
 #else
@@ -77,6 +84,7 @@ inline bool cpu_has_avx512() {
 #define PK_TARGET_AVX512
 inline bool cpu_has_avx2() { return false; }
 inline bool cpu_has_avx512() { return false; }
+inline bool cpu_has_avx512bf16() { return false; }
 #endif
 
 #if defined(__GNUC__)

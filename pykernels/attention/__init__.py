@@ -19,10 +19,10 @@ output 0, lse -inf and zero gradient (flash-attn leaves such rows undefined; SDP
 Backends: "cpu" (aten's CPU flash kernels wrapped for bottom-right causal and GQA, or a BLAS-blocked
 implementation, the autotuner picks; for a few query rows against a KV cache, up to 32 per KV head, the
 native flash-decoding kernel (forward only, where no backward follows), and for bfloat16 on CPUs with
-AVX-512 BF16 native forward and backward kernels on bf16 dot products), "triton" (FlashAttention-2 forward and backward kernels in
-`_triton.py`; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). The op is registered as
-`torch.ops.pykernels.flash_attention` (+ `flash_attention_backward`) with fake implementations and
-autograd, so it works under torch.compile(fullgraph=True).
+AVX-512 BF16 native forward and backward kernels on bf16 dot products), "triton" (FlashAttention-2
+forward and backward kernels in `_triton.py`; CUDA tensors, or CPU tensors under TRITON_INTERPRET=1). The
+op is registered as `torch.ops.pykernels.flash_attention` (+ `flash_attention_backward`) with fake
+implementations and autograd, so it works under torch.compile(fullgraph=True).
 
 `flash_attention_backward(dout, q, k, v, out, lse, ...)` (this module) is the backward on its own: given
 the global out/lse of the queries it returns one key block's dk/dv and partial dq, the building block
@@ -139,14 +139,17 @@ def _blocked(q, k, v, causal: bool, scale: float, cfg: dict):
     return _cpu.blocked_forward(q, k, v, causal, scale, chunk_elems=int(cfg.get("chunk_elems", 1 << 22)))
 
 
+def _threads(cfg: dict) -> int:
+    """A native CPU kernel's thread count: the config's, else torch's."""
+    return int(cfg.get("threads", 0) or 0) or torch.get_num_threads()
+
+
 def _decode(q, k, v, causal: bool, scale: float, cfg: dict):
-    threads = int(cfg.get("threads", 0) or 0) or torch.get_num_threads()
-    return _cpu.decode_forward(q, k, v, causal, scale, threads, int(cfg.get("grain", _cpu.DECODE_GRAIN)))
+    return _cpu.decode_forward(q, k, v, causal, scale, _threads(cfg), int(cfg.get("grain", _cpu.DECODE_GRAIN)))
 
 
 def _bf16dot(q, k, v, causal: bool, scale: float, cfg: dict):
-    threads = int(cfg.get("threads", 0) or 0) or torch.get_num_threads()
-    return _cpu.bf16dot_forward(q, k, v, causal, scale, threads)
+    return _cpu.bf16dot_forward(q, k, v, causal, scale, _threads(cfg))
 
 
 def _flash_result_stands(q, k, v, causal: bool, scale: float, out, lse) -> bool:
@@ -181,13 +184,12 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, ba
     impl = cfg.get("impl", "flash")
     # rows that see no key (causal, S_q > S_k) have lse -inf by contract: only the others must be finite
     live = lse[:, :, q.shape[2] - k.shape[2]:] if causal and q.shape[2] > k.shape[2] else lse
-    finite = _all_finite(dout, out, live)
-    if impl == "bf16dot" and finite and _cpu.bf16dot_takes(q):  # (takes an LSE gradient too)
-        threads = int(cfg.get("threads", 0) or 0) or torch.get_num_threads()
-        grads = _cpu.bf16dot_backward(dout, q, k, v, out, lse, causal, scale, dlse, threads)
-        if grads is not None:  # (None: a subnormal input, which the exact paths below take)
+    if impl == "bf16dot" and _cpu.bf16dot_takes(q) and _all_finite(dout, out, live):  # (takes an LSE gradient)
+        grads = _cpu.bf16dot_backward(dout, q, k, v, out, lse, causal, scale, dlse, _threads(cfg))
+        if grads is not None:  # (None: a subnormal input, which aten's exact arithmetic takes below)
             return grads
-    if dlse is not None or impl == "blocked" or not finite:
+        impl = "flash"
+    if dlse is not None or impl == "blocked" or not _all_finite(dout, out, live):
         # aten's backward derives D = rowsum(dO * O) itself, so it cannot take an LSE gradient.
         return _cpu.blocked_backward(dout, q, k, v, out, lse, causal, scale, dlse=dlse,
                                      chunk_elems=int(cfg.get("chunk_elems", 1 << 22)))
@@ -427,7 +429,8 @@ def _lean_cpu_forward(q, k, v, causal, scale, backend):
     mask; or the native bf16dot kernel). Returns (out, lse) as the general path does, or
     None for any other call, which takes the general path (its checks and errors, autograd, torch.compile,
     other layouts and backends). Same results: the same dispatch (key and config), the same kernel call
-    (_cpu.decode_forward or _cpu.flash_forward), the same check of its result and the same fallback.
+    (_cpu.decode_forward, _cpu.bf16dot_forward or _cpu.flash_forward), the same check of its result and the
+    same fallback.
     Why: a decode step (q of one token against 128 cached keys, 8 heads) spent ~20 us of Python around
     a ~16 us kernel (SDPA: ~17 us in all): generic checks, as_tensor, layout fix-ups that are no-ops here."""
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
@@ -468,7 +471,7 @@ def _lean_cpu_forward(q, k, v, causal, scale, backend):
     native = impl == "decode" or (impl == "bf16dot" and _cpu.bf16dot_takes(q))
     if native:  # (the general path's eager call: no backward can follow)
         result = (_decode if impl == "decode" else _bf16dot)(q, k, v, causal, scale, cfg)
-        if result is None:  # NaN/inf in q or k: the exact path, as the general path's fallback
+        if result is None:  # NaN/inf in q or k, or a subnormal input: the exact path (the general path's too)
             out, lse = _blocked(q, k, v, causal, scale, cfg)
             return _cpu.like_q(out, q), _cpu.to_bshd(lse)
         return result

@@ -1,4 +1,4 @@
-"""CPU backend of flash_attention: two interchangeable implementations, chosen by the autotuner.
+"""CPU backend of flash_attention: four interchangeable implementations, chosen by the autotuner.
 
 "flash"   - aten's CPU flash-attention kernels (`_scaled_dot_product_flash_attention_for_cpu` and its
             `_backward`), which return the LSE and accept the global (out, lse) in the backward. Two of
@@ -413,16 +413,19 @@ def bf16dot_available() -> bool:
     return bool(_native.cpu_module("attention").prefill_available())
 
 
+def _bf16dot_ok(bf16: bool, d: int) -> bool:
+    # (csrc/attention/attention_cpu.cpp's prefill_head_dim_ok: the kernels' P V tile is 64 columns wide)
+    return bf16 and d % 64 == 0 and d <= BF16DOT_MAX_D and bf16dot_available()
+
+
 def bf16dot_applies(key: dict) -> bool:
-    """Whether "bf16dot" is a candidate for an autotune key (problem_key) of the forward."""
-    d = key["d"]
-    return key["dtype"] == "bfloat16" and d % 64 == 0 and d <= BF16DOT_MAX_D and bf16dot_available()
+    """Whether "bf16dot" is a candidate for an autotune key (problem_key), forward or backward."""
+    return _bf16dot_ok(key["dtype"] == "bfloat16", key["d"])
 
 
 def bf16dot_takes(q: torch.Tensor) -> bool:
     """bf16dot_applies for the tensors of a call."""
-    d = q.shape[-1]
-    return q.dtype == torch.bfloat16 and d % 64 == 0 and d <= BF16DOT_MAX_D and bf16dot_available()
+    return _bf16dot_ok(q.dtype == torch.bfloat16, q.shape[-1])
 
 
 def bf16dot_forward(q, k, v, causal: bool, scale: float, threads: int):
@@ -445,13 +448,31 @@ def bf16dot_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dlse, 
     out and lse; dlse (optional) enters as D = rowsum(dO * O) - dlse. None where an input holds a subnormal
     (vdpbf16ps reads those as 0): the caller takes an exact path. The caller checks bf16dot_takes(q) and
     that dout, out and the lse of rows that see keys are finite."""
+    Sq, Sk = q.shape[2], k.shape[2]
+    if q.numel() == 0 or k.numel() == 0:
+        return zero_grads(q, k, v)
+    if causal and Sq > Sk:
+        # the first Sq - Sk rows see no key: no gradient, and they never reach the kernel (a NaN in such a
+        # row's q would meet p = 0 in dK += dS^T Q: review finding)
+        dead = Sq - Sk
+        grads = _bf16dot_backward_kernel(dout[:, :, dead:], q[:, :, dead:], k, v, out[:, :, dead:],
+                                         lse[:, :, dead:], True, scale,
+                                         None if dlse is None else dlse[:, :, dead:], threads)
+        if grads is None:
+            return None
+        dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
+        dq[:, :, dead:] = grads[0]
+        return dq, grads[1], grads[2]
+    return _bf16dot_backward_kernel(dout, q, k, v, out, lse, causal, scale, dlse, threads)
+
+
+def _bf16dot_backward_kernel(dout, q, k, v, out, lse, causal: bool, scale: float, dlse, threads: int):
+    """bf16dot_backward for problems whose every query row sees keys."""
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    dq, dk, dv = zero_grads(q, k, v)
-    if q.numel() == 0 or k.numel() == 0:
-        return dq, dk, dv
-    q, k, v = _dense_last(q), _dense_last(k), _dense_last(v)
-    dout = dout if dout.stride(-1) == 1 and dout.is_contiguous() else dout.contiguous()
+    q, k, v, dout = _dense_last(q), _dense_last(k), _dense_last(v), _dense_last(dout)
+    # (every element written by the kernel)
+    dq, dk, dv = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
     delta = (dout.float() * out.float()).sum(-1)
     if dlse is not None:
         delta = delta - dlse.float()

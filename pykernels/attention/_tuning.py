@@ -3,9 +3,9 @@
 CPU: which implementation ("flash" = aten's CPU flash kernels, wrapped; "blocked" = BLAS-tiled) and,
 for "blocked", how many score elements one row chunk holds. Measured on a 2-core Zen 3 (fp32/bf16,
 S = 256..2048, D = 64/128), aten's kernels won the forward by 1.9-3x and the backward by 1.2-2.6x, so
-"flash" is the default; "blocked" stays a candidate (and is the backward whenever the LSE output has a
-gradient, which aten's backward cannot take, and whenever an input holds NaN/inf, which aten's kernels
-turn into zeros for a query row). Native: "decode" (forward only, a few query rows against a KV cache,
+"flash" is the default; "blocked" stays a candidate (and is the backward whenever an input holds NaN/inf,
+which aten's kernels turn into zeros for a query row, and, but for "bf16dot", whenever the LSE output has
+a gradient, which aten's backward cannot take). Native: "decode" (forward only, a few query rows against a KV cache,
 where no backward follows) and "bf16dot" (forward and backward, bfloat16 on CPUs with AVX-512 BF16) are
 candidates and the defaults of their problems (see _cpu_fwd_default, _cpu_bwd_default).
 
@@ -68,10 +68,14 @@ def _cpu_fwd_candidates(key):
 
 
 def _cpu_bwd_default(key):
-    """"bf16dot" wherever it applies: its backward took 0.2-0.85x aten's time on a 2-core EPYC (Zen 4),
-    2026-12-05, over 8-32 heads x S = 16..2048 x D = 64/128, causal or not, GQA and MQA (MQA with B = 1 runs
-    its one (batch, KV head) group on one thread: 0.76-0.84x); else aten's kernels."""
-    return dict(_BF16DOT) if _cpu.bf16dot_applies(key) else dict(_CPU_DEFAULT)
+    """"bf16dot" where it applies and has a (batch, KV head) group for every thread (it runs one group per
+    thread): its backward took 0.2-0.7x aten's time on a 2-core EPYC (Zen 4), 2026-12-05, over 8-32 heads
+    x S = 16..2048 x D = 64/128, causal or not, GQA (MQA with B = 1, its one group on one thread of two:
+    0.76-0.84x; with many more threads than groups aten's kernels would win); else aten's kernels."""
+    groups = max(1, key["bh"] // max(1, key["gqa"]))  # (B * H bucketed, so at least B * Hkv)
+    if _cpu.bf16dot_applies(key) and groups >= torch.get_num_threads():
+        return dict(_BF16DOT)
+    return dict(_CPU_DEFAULT)
 
 
 def _cpu_bwd_candidates(key):
@@ -116,7 +120,7 @@ def _run_fwd(backend):
 
 def _run_bwd(backend):
     def run(config, dout, q, k, v, out, lse, causal=False, scale=None, dlse=None):
-        # dlse as given: a nonzero one sends the CPU backward down its blocked path, so it is timed so
+        # dlse as given: a nonzero one sends the CPU backward but bf16dot's down its blocked path, timed so
         return _backward_impl(dout, dlse, q, k, v, out, lse, causal, scale or 1.0 / math.sqrt(q.shape[-1]),
                               backend, config)
     return run
