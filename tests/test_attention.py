@@ -433,6 +433,12 @@ def test_autotune_cpu_picks_a_candidate(tmp_cache):
     (args, kwargs), = [e for e in bwd.examples([32]) if e[1]["causal"]][:1]
     cfg_b = at.tune("flash_attention_backward", *args, budget_s=0.05, **kwargs)
     assert cfg_b["impl"] in ("flash", "blocked")
+    # and bfloat16 examples, forward and backward, whose candidates include the bf16dot kernels
+    native = ("bf16dot",) if _cpu.bf16dot_available() else ()
+    for tunable in (fwd, bwd):
+        (args, kwargs), = [e for e in tunable.examples([64]) if e[0][1].dtype == torch.bfloat16][:1]
+        cfg_bf = at.tune(tunable.op, *args, budget_s=0.05, **kwargs)
+        assert cfg_bf["impl"] in ("flash", "blocked") + native
 
 
 def test_autotune_takes_every_keyword_the_ops_take(tmp_cache):

@@ -83,19 +83,22 @@ def _cpu_bwd_candidates(key):
 
 
 def _examples(device: str, sizes, with_backward: bool):
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    # CPU: float32 and bfloat16 (whose candidates include the bf16dot kernels where the CPU has them)
+    dtypes = (torch.float32, torch.bfloat16) if device == "cpu" else (torch.bfloat16,)
     out = []
     for s in sizes or ([1024] if device == "cpu" else [4096, 16384]):
-        for d in (64, 128):
-            for causal in (False, True):
-                g = torch.Generator().manual_seed(s + d)
-                q, k, v = (torch.randn(1, 8, int(s), d, generator=g).to(device=device, dtype=dtype) for _ in range(3))
-                scale = 1.0 / math.sqrt(d)
-                if not with_backward:
-                    out.append(((q, k, v), {"causal": causal, "scale": scale}))
-                    continue
-                o, lse = _forward_impl(q, k, v, causal, scale, "auto")
-                out.append(((torch.randn_like(o), q, k, v, o, lse), {"causal": causal, "scale": scale}))
+        for dtype in dtypes:
+            for d in (64, 128):
+                for causal in (False, True):
+                    g = torch.Generator().manual_seed(s + d)
+                    q, k, v = (torch.randn(1, 8, int(s), d, generator=g).to(device=device, dtype=dtype)
+                               for _ in range(3))
+                    scale = 1.0 / math.sqrt(d)
+                    if not with_backward:
+                        out.append(((q, k, v), {"causal": causal, "scale": scale}))
+                        continue
+                    o, lse = _forward_impl(q, k, v, causal, scale, "auto")
+                    out.append(((torch.randn_like(o), q, k, v, o, lse), {"causal": causal, "scale": scale}))
         if device == "cpu" and not with_backward:
             # a decode step of a GQA model (32 query heads, 8 KV heads, D=128) against s cached keys: the
             # decode kernel's thread grain, or aten's kernels, for this machine
