@@ -201,24 +201,28 @@ PK_TARGET_AVX2 void scores_avx2(const float* q, int R, int D, const float* const
   if (r < R) scores_rows_avx2<1>(q + (int64_t)r * D, D, rows, nb, s + r * KB);
 }
 
-// exp(x) for 8 floats: x = n ln2 + f, |f| <= ln2 / 2, e^f by a degree-6 polynomial (Cephes expf's
-// coefficients; relative error ~1e-7, as std::exp in float), times 2^n built in the exponent bits.
-// x < -87.3 (e^x below float's normal range) gives 0, and -inf exactly 0; NaN stays NaN.
-PK_TARGET_AVX2 inline __m256 exp256(__m256 x) {
-  const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365478515625f);
+// exp(x): x = n ln2 + f, |f| <= ln2 / 2, e^f by a degree-6 polynomial (Cephes expf's coefficients;
+// relative error ~1e-7, as std::exp in float), times 2^n built in the exponent bits. x < -87.3 (e^x below
+// float's normal range) gives 0, and -inf exactly 0; NaN stays NaN. The constants of exp256 and exp512:
+namespace expf_c {
+constexpr float kHi = 88.3762626647949f, kLo = -87.3365478515625f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;  // ln 2 in two parts (exact n * kLn2Hi)
+constexpr float kP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                         4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+}  // namespace expf_c
+
+PK_TARGET_AVX2 inline __m256 exp256(__m256 x) {  // 8 floats
+  using namespace expf_c;
+  const __m256 hi = _mm256_set1_ps(kHi), lo = _mm256_set1_ps(kLo);
   const __m256 underflow = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
   x = _mm256_min_ps(hi, x);  // min/max(c, x): NaN in x stays (the second operand is returned)
   x = _mm256_max_ps(lo, x);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), f);
+  __m256 y = _mm256_set1_ps(kP[0]);
+  for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(kP[i]));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   const __m256 r = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
@@ -710,23 +714,19 @@ PK_TARGET_AVX512BF16 inline void pf_pv(const uint32_t* p32, int64_t rs, int64_t 
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + r * D + 16 * c, acc[r][c]);
 }
 
-// exp256's polynomial 16 lanes at a time (same range reduction and coefficients, same NaN and underflow
-// behaviour).
+// exp256 16 lanes at a time (the same range reduction and polynomial, NaN and underflow behaviour).
 PK_TARGET_AVX512BF16 inline __m512 exp512(__m512 x) {
-  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365478515625f);
+  using namespace expf_c;
+  const __m512 hi = _mm512_set1_ps(kHi), lo = _mm512_set1_ps(kLo);
   const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
   x = _mm512_min_ps(hi, x);  // min/max(c, x): NaN in x stays (the second operand is returned)
   x = _mm512_max_ps(lo, x);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), f);
+  __m512 y = _mm512_set1_ps(kP[0]);
+  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(kP[i]));
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.f)));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_maskz_mov_ps((__mmask16)~underflow, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
