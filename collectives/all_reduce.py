@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from . import _allreduce_algos as A
-from . import _shm
+from . import _shm, _traced
 from ._group_state import register
 from .topology import Topology, _default_group
 
@@ -751,7 +751,9 @@ class AllReduceWork:
     Work futures hold, so `fut.value()[0]` code written for dist works unchanged), .result() (the
     tensor)."""
 
-    def __init__(self, fut: torch.futures.Future, tensor: torch.Tensor):
+    def __init__(self, fut: Optional[torch.futures.Future], tensor: torch.Tensor):
+        # fut None: already done (a call under torch.compile runs synchronously: a Future cannot be
+        # made in a traced graph)
         self._fut = fut
         self._tensor = tensor
 
@@ -759,6 +761,8 @@ class AllReduceWork:
         """Blocks until the all-reduce is done and raises what it raised. `timeout` (a timedelta or
         seconds, as dist's Work.wait takes): a RuntimeError when it is not done by then (the all-reduce
         goes on; wait again). It was ignored (review note)."""
+        if self._fut is None:
+            return True
         if timeout is not None and not self._fut.done():
             secs = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
             deadline = time.monotonic() + secs
@@ -772,13 +776,17 @@ class AllReduceWork:
         return True
 
     def is_completed(self) -> bool:
-        return self._fut.done()
+        return self._fut is None or self._fut.done()
 
     def get_future(self) -> torch.futures.Future:
+        if self._fut is None:
+            done = torch.futures.Future()
+            done.set_result([self._tensor])
+            return done
         return self._fut.then(lambda f: [f.value()])
 
     def result(self) -> torch.Tensor:
-        return self._fut.wait()
+        return self._tensor if self._fut is None else self._fut.wait()
 
 
 class _Runner:
@@ -860,19 +868,27 @@ def all_reduce(tensor, op="sum", group=None, *, topology=None, algorithm="auto",
     with NaN: our algorithms propagate it (torch.maximum); gloo's own ("native", which auto may run)
     can drop it.
     """
+    if torch.compiler.is_compiling():
+        return _traced_all_reduce(tensor, op, group, topology, algorithm, async_op)
     return _all_reduce(tensor, op, group, topology, algorithm, async_op, agreed=False)
 
 
-def _all_reduce(tensor, op, group, topology, algorithm, async_op, agreed: bool):
-    """all_reduce; agreed=True: the caller guarantees that every rank passes the same numel, dtype and
-    op (DDP's buckets), so gloo's/NCCL's own all-reduce runs without the agreement check before it."""
-    tensor = _check_tensor(tensor)
+def _check_call(op, algorithm, async_op) -> str:
+    """The checks of all_reduce's op, algorithm and async_op; returns the op's name."""
     op = _parse_op(op)
     if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
         raise ValueError(f"{OPNAME}: algorithm must be one of {', '.join(repr(a) for a in ALGORITHMS)}, "
                          f"got {algorithm!r}")
     if not isinstance(async_op, bool):
         raise TypeError(f"{OPNAME}: async_op must be a bool, got {type(async_op).__name__}")
+    return op
+
+
+def _all_reduce(tensor, op, group, topology, algorithm, async_op, agreed: bool):
+    """all_reduce; agreed=True: the caller guarantees that every rank passes the same numel, dtype and
+    op (DDP's buckets), so gloo's/NCCL's own all-reduce runs without the agreement check before it."""
+    tensor = _check_tensor(tensor)
+    op = _check_call(op, algorithm, async_op)
     group = _default_group(group)
     if dist.get_rank(group) < 0:
         # as dist.all_reduce: a process outside the group has nothing to do (its tensor is left as is)
@@ -911,6 +927,53 @@ def _all_reduce(tensor, op, group, topology, algorithm, async_op, agreed: bool):
         # earlier async calls are still running: keep the order every rank issued them in
         return runner.submit(job).wait()
     return job()
+
+
+# ================================================================================================
+# Under torch.compile: torch.ops.pykernels.all_reduce_ (see collectives/_traced.py)
+# ================================================================================================
+@torch.library.custom_op("pykernels::all_reduce_", mutates_args=("tensor",))
+def _all_reduce_op(tensor: torch.Tensor, op: str, group: str, algorithm: str, topology: list[int],
+                   topology_ranks: list[int]) -> None:
+    """collectives.all_reduce as a registered op (in place, synchronous): `group` is the process group's
+    name, `topology` its level sizes ([] for none given) and `topology_ranks` their ranks ([]: in order)."""
+    topo = Topology(topology, topology_ranks or None) if topology else None
+    _all_reduce(tensor, op, _traced.group_of(group), topo, algorithm, False, agreed=False)
+
+
+@_all_reduce_op.register_fake
+def _(tensor, op, group, algorithm, topology, topology_ranks):
+    return None
+
+
+def _traced_all_reduce(tensor, op, group, topology, algorithm, async_op):
+    """all_reduce while dynamo traces: the argument checks that need no data (here, so they raise where
+    eager raises them), then the registered op. async_op=True runs synchronously there and returns a
+    completed AllReduceWork."""
+    if not isinstance(tensor, torch.Tensor):  # (dynamo hands numpy arrays in as tensors)
+        raise TypeError(f"{OPNAME}: tensor must be a torch.Tensor (or a DLPack array), got {type(tensor).__name__}")
+    op = _check_call(op, algorithm, async_op)
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # a process outside the group: nothing to do, as eager
+        return AllReduceWork(None, tensor) if async_op else tensor
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"{OPNAME}: torch.distributed is not initialized (call dist.init_process_group first)")
+    name = _traced.group_name(OPNAME, group)
+    if topology is None:
+        sizes, ranks = [], []
+    elif isinstance(topology, Topology):
+        sizes, ranks = list(topology.sizes), list(topology.ranks)
+    elif isinstance(topology, (list, tuple)):
+        if not topology:  # ([] is the op's "none given")
+            raise ValueError("collectives.Topology: sizes must not be empty")
+        for s in topology:  # the op takes ints; sizes and their product are checked where it runs
+            if isinstance(s, bool) or not isinstance(s, int):
+                raise TypeError(f"collectives.Topology: every level size must be an int, got {s!r}")
+        sizes, ranks = list(topology), []
+    else:
+        raise TypeError(f"{OPNAME}: topology must be a collectives.Topology or a list of level sizes, "
+                        f"got {type(topology).__name__}")
+    torch.ops.pykernels.all_reduce_(tensor, op, name, algorithm, sizes, ranks)
+    return AllReduceWork(None, tensor) if async_op else tensor
 
 
 # ================================================================================================

@@ -34,6 +34,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _attention_block as blk
 from . import _attention_comm as comm
+from . import _traced
 from pykernels import _native
 from pykernels.attention import backward_follows
 
@@ -93,9 +94,12 @@ def _as_tensor(x, op: str, arg: str):
         return x
 
 
-def _validate(op: str, q, k, v, causal, scale, layout, return_lse, grp: comm.Group) -> float:
+def _validate(op: str, q, k, v, causal, scale, layout, return_lse, grp: comm.Group,
+              needs_grad: Optional[bool] = None, more_checks=None) -> float:
     """Local checks, then one small all-gather so that bad input on any rank (or shards of different
-    shapes) raises on every rank instead of leaving the others waiting in the ring."""
+    shapes) raises on every rank instead of leaving the others waiting in the ring. needs_grad: whether a
+    backward follows (None: from autograd's state, as an eager call sees it); more_checks(): further
+    local checks, run after these (the backward op's)."""
     err = None
     fields = {}
     try:
@@ -152,13 +156,19 @@ def _validate(op: str, q, k, v, causal, scale, layout, return_lse, grp: comm.Gro
                       scale=comm.float_bits(blk.default_scale(d, scale)),
                       # every rank must run the backward schedule, or none: a rank whose inputs need no
                       # gradient left the others waiting in theirs until the timeout (review)
-                      grad=int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))))
+                      grad=int(_needs_grad(q, k, v) if needs_grad is None else needs_grad))
+        if more_checks is not None:
+            more_checks()
     except (TypeError, ValueError, RuntimeError) as exc:
         err = exc
     dev = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
     names = ("B", "H", "Hkv", "S_local", "D", "dtype", "causal", "layout", "scale", "grad")
     comm.check_across_ranks(op, grp, err, {n: fields.get(n, 0) for n in names}, dev)
     return blk.default_scale(q.shape[-1], scale)
+
+
+def _needs_grad(q, k, v) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
 
 
 # ------------------------------------------------------------------------------------------- ring
@@ -282,6 +292,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     flight; backward circulates dK/dV with their K/V (fp32) and uses the global out/lse. Inputs that
     are bad on any rank raise on every rank. Works over gloo (CPU tensors) and NCCL (CUDA tensors)."""
     op = "collectives.ring_attention"
+    if torch.compiler.is_compiling():
+        return _traced_attention(op, False, q, k, v, causal, scale, group, None, layout, return_lse)
     q, k, v = (_as_tensor(t, op, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
     grp = comm.Group(op, group)
     scale = _validate(op, q, k, v, causal, scale, layout, return_lse, grp)
@@ -472,6 +484,8 @@ def token_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
         if not isinstance(pg_back, dist.ProcessGroup):
             raise TypeError(f"{op}: expected the second of the pair 'group' to be a torch.distributed process "
                             f"group, got {type(pg_back).__name__} {pg_back!r}")
+    if torch.compiler.is_compiling():
+        return _traced_attention(op, True, q, k, v, causal, scale, group, pg_back, layout, return_lse)
     q, k, v = (_as_tensor(t, op, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
     grp = comm.Group(op, group)
     scale = _validate(op, q, k, v, causal, scale, layout, return_lse, grp)
@@ -568,15 +582,26 @@ def shard_sequence(x: torch.Tensor, group=None, layout: str = "zigzag", dim: int
     gradients, so x's gradient is complete on every rank). Raises ValueError when the length along
     `dim` is not a multiple of world_size ("contiguous") or 2*world_size ("zigzag")."""
     op = "collectives.shard_sequence"
+    if torch.compiler.is_compiling():
+        name, world = _traced_group(op, group)
+        dim = _check_shard(op, x, layout, dim, world)
+        return torch.ops.pykernels.shard_sequence(x, name, layout, dim, world)
     x = _as_tensor(x, op, "x")
     dim = _check_layout(op, layout, x, dim)
     grp = comm.Group(op, group)
-    n = grp.world if layout == "contiguous" else 2 * grp.world
+    dim = _check_shard(op, x, layout, dim, grp.world)
+    return _Shard.apply(x, layout, grp, dim)
+
+
+def _check_shard(op: str, x, layout: str, dim, world: int) -> int:
+    """The checks of shard_sequence's arguments; returns dim in [0, x.dim())."""
+    dim = _check_layout(op, layout, x, dim)
+    n = world if layout == "contiguous" else 2 * world
     if x.shape[dim] % n:
         raise ValueError(f"{op}: expected the length along dim {dim} ({x.shape[dim]}) to be a multiple of "
                          f"{n} ({'' if layout == 'contiguous' else '2*'}world_size, layout {layout!r}); "
                          f"pad the sequence (and mask the padding) or pick another length")
-    return _Shard.apply(x, layout, grp, dim)
+    return dim
 
 
 def unshard_sequence(local: torch.Tensor, group=None, layout: str = "zigzag", dim: int = 2) -> torch.Tensor:
@@ -585,18 +610,29 @@ def unshard_sequence(local: torch.Tensor, group=None, layout: str = "zigzag", di
     the full tensor, which is treated as replicated). Shards of different shapes on different ranks
     raise ValueError on every rank."""
     op = "collectives.unshard_sequence"
+    if torch.compiler.is_compiling():
+        # the local checks here too (where eager raises them); every check again where the op runs
+        name, world = _traced_group(op, group)
+        dim = _check_unshard(op, local, layout, dim)
+        return torch.ops.pykernels.unshard_sequence(local, name, layout, dim, world)
     local = _as_tensor(local, op, "local")
     err = None
     try:
-        dim = _check_layout(op, layout, local, dim, "local")
-        if layout == "zigzag" and local.shape[dim] % 2:
-            raise ValueError(f"{op}: layout 'zigzag' needs an even local length along dim {dim} (two "
-                             f"chunks per rank), got {local.shape[dim]}")
+        dim = _check_unshard(op, local, layout, dim)
     except (TypeError, ValueError) as exc:
         err = exc
     grp = comm.Group(op, group)
     _check_shards_agree(op, grp, local, dim, layout, err)
     return _Unshard.apply(local, layout, grp, dim)
+
+
+def _check_unshard(op: str, local, layout: str, dim) -> int:
+    """The local checks of unshard_sequence's arguments; returns dim in [0, local.dim())."""
+    dim = _check_layout(op, layout, local, dim, "local")
+    if layout == "zigzag" and local.shape[dim] % 2:
+        raise ValueError(f"{op}: layout 'zigzag' needs an even local length along dim {dim} (two "
+                         f"chunks per rank), got {local.shape[dim]}")
+    return dim
 
 
 def _check_shards_agree(op: str, grp: comm.Group, local, dim, layout: str, err=None):
@@ -612,3 +648,186 @@ def _check_shards_agree(op: str, grp: comm.Group, local, dim, layout: str, err=N
     fields["layout"] = _LAYOUTS.index(layout) if err is None else -1
     dev = local.device if isinstance(local, torch.Tensor) else torch.device("cpu")
     comm.check_across_ranks(op, grp, err, fields, dev)
+
+
+# --------------------------------------------------------------------------- under torch.compile
+# The public functions call these registered ops while dynamo traces (see collectives/_traced.py):
+# torch.ops.pykernels.ring_attention (Ring and TokenRing), its backward, shard_sequence and
+# unshard_sequence. They run the schedules above; groups travel as their names.
+def _traced_attention(op: str, token_ring: bool, q, k, v, causal, scale, group, pg_back, layout, return_lse):
+    """ring_attention / token_ring_attention while dynamo traces: the checks that need no data and no
+    peer (so they raise where eager raises them), then the op, whose implementation runs the cross-rank
+    check and the schedule on every rank."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):  # (dynamo hands numpy arrays in as tensors)
+            raise TypeError(f"{op}: expected '{name}' to be a torch.Tensor (or a numpy/DLPack array), "
+                            f"got {type(t).__name__}")
+    for name, flag in (("causal", causal), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{op}: expected '{name}' to be a bool, got {type(flag).__name__} {flag!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"{op}: expected 'scale' to be a real number or None, got {type(scale).__name__}")
+    if not isinstance(layout, str) or layout not in _LAYOUTS:
+        raise ValueError(f"{op}: expected 'layout' in {_LAYOUTS}, got {layout!r}")
+    back = _traced.NO_GROUP if pg_back is None else _traced.group_name(op, pg_back)
+    out, lse = torch.ops.pykernels.ring_attention(
+        q, k, v, None if scale is None else float(scale), causal, layout, _traced.group_name(op, group), back,
+        token_ring, _needs_grad(q, k, v))
+    return (out, lse) if return_lse else out
+
+
+def _traced_group(op: str, group):
+    """(name, size) of `group` for a registered op's arguments, read while dynamo traces."""
+    name = _traced.group_name(op, group)
+    return name, 1 if name == _traced.NO_GROUP else dist.get_world_size(group)
+
+
+def _groups(op: str, group: str, back_group: str, token_ring: bool):
+    grp = comm.Group(op, _traced.group_of(group))
+    pg_back = _traced.group_of(back_group)
+    if token_ring and grp.world > 1 and pg_back is None:
+        pg_back = comm.second_group(grp)  # created once per group: the forward and backward share it
+    return grp, pg_back
+
+
+@torch.library.custom_op("pykernels::ring_attention", mutates_args=())
+def _ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float], causal: bool,
+                       layout: str, group: str, back_group: str, token_ring: bool,
+                       needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of ring_attention (token_ring False) or token_ring_attention over the group named
+    `group` (TokenRing's partials return on `back_group`; "": its own second group). needs_grad: every
+    rank's answer to "does a backward follow" (checked to agree across ranks)."""
+    op = "collectives.token_ring_attention" if token_ring else "collectives.ring_attention"
+    grp, pg_back = _groups(op, group, back_group, token_ring)
+    scale = _validate(op, q, k, v, causal, scale, layout, True, grp, needs_grad=needs_grad)
+    with torch.no_grad(), backward_follows(needs_grad):
+        if token_ring:
+            out, lse = _token_forward(q, k, v, scale, causal, layout, grp, pg_back)
+        else:
+            out, lse = _ring_forward(q, k, v, scale, causal, layout, grp)
+    return out.contiguous(), lse.contiguous()
+
+
+@_ring_attention_op.register_fake
+def _(q, k, v, scale, causal, layout, group, back_group, token_ring, needs_grad):
+    op = "collectives.token_ring_attention" if token_ring else "collectives.ring_attention"
+    if q.dim() != 4 or q.dtype not in _DTYPES:  # the rest is checked on every rank where the op runs
+        raise ValueError(f"{op}: expected 'q' of shape [B, H, S_local, D] and a float dtype, got "
+                         f"{tuple(q.shape)} {q.dtype}")
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=blk.acc_dtype(q.dtype))
+
+
+@torch.library.custom_op("pykernels::ring_attention_backward", mutates_args=())
+def _ring_attention_backward_op(dout: Optional[torch.Tensor], dlse: Optional[torch.Tensor], q: torch.Tensor,
+                                k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                                scale: float, causal: bool, layout: str, group: str, back_group: str,
+                                token_ring: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of torch.ops.pykernels.ring_attention, from the gradients of its out and lse (either
+    may be None) and what its forward saved; `scale` the one the forward used."""
+    op = "collectives.token_ring_attention" if token_ring else "collectives.ring_attention"
+    grp, pg_back = _groups(op, group, back_group, token_ring)
+
+    def saved_and_grads_fit():  # what the forward would have made, and gradients of its shapes
+        lse_shape = tuple(q.shape[:3])
+        for name, t, shape, dtype in (("out", out, tuple(q.shape), q.dtype), ("dout", dout, tuple(q.shape), q.dtype),
+                                      ("lse", lse, lse_shape, blk.acc_dtype(q.dtype)),
+                                      ("dlse", dlse, lse_shape, blk.acc_dtype(q.dtype))):
+            if t is not None and (tuple(t.shape) != shape or t.dtype != dtype or t.device != q.device):
+                raise ValueError(f"{op} (backward): expected '{name}' of shape {list(shape)} and dtype "
+                                 f"{str(dtype).replace('torch.', '')} on {q.device}, got {list(t.shape)} "
+                                 f"{str(t.dtype).replace('torch.', '')} on {t.device}")
+
+    # every check on every rank (one small all-gather, as the forward's): a rank whose arguments are bad
+    # raises, and so does every other rank, instead of waiting in the ring for it
+    _validate(op, q, k, v, causal, scale, layout, True, grp, needs_grad=True, more_checks=saved_and_grads_fit)
+    with torch.no_grad():
+        dout, delta = _with_lse_grad(dout, dlse, out)
+        if token_ring:
+            dq, dk, dv = _token_backward(dout, q, k, v, out, lse, scale, causal, layout, grp, pg_back, delta=delta)
+        else:
+            dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, scale, causal, layout, grp, delta=delta)
+    return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous())
+
+
+@_ring_attention_backward_op.register_fake
+def _(dout, dlse, q, k, v, out, lse, scale, causal, layout, group, back_group, token_ring):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _ring_setup_context(ctx, inputs, output):
+    q, k, v, scale, causal, layout, group, back_group, token_ring, _ = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.args = (blk.default_scale(q.shape[-1], scale), causal, layout, group, back_group, token_ring)
+    ctx.set_materialize_grads(False)  # an unused LSE gives dlse None, not zeros to subtract
+
+
+def _ring_backward_formula(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.pykernels.ring_attention_backward(dout, dlse, q, k, v, out, lse, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_ring_attention_op.register_autograd(_ring_backward_formula, setup_context=_ring_setup_context)
+
+
+# `world` is an argument (the group's size, read while tracing) although the group knows it: the output
+# shape depends on it, and a compiled graph (inductor's cache, shared by processes) is keyed by its
+# arguments, not by what a group name means in the process that made it (as torch's functional
+# all_gather_into_tensor takes group_size; a 1-rank graph was reused by 2 ranks without it).
+def _group_of_size(op: str, group: str, world: int) -> comm.Group:
+    grp = comm.Group(op, _traced.group_of(group))
+    if grp.world != world:
+        raise RuntimeError(f"{op}: the process group {group!r} has {grp.world} ranks, not the {world} this "
+                           f"compiled call was traced with")
+    return grp
+
+
+@torch.library.custom_op("pykernels::shard_sequence", mutates_args=())
+def _shard_op(x: torch.Tensor, group: str, layout: str, dim: int, world: int) -> torch.Tensor:
+    """shard_sequence over the group named `group`, of `world` ranks."""
+    op = "collectives.shard_sequence"
+    dim = _check_shard(op, x, layout, dim, world)
+    grp = _group_of_size(op, group, world)
+    return _local_of(x, layout, grp.world, grp.rank, dim)
+
+
+@_shard_op.register_fake
+def _(x, group, layout, dim, world):
+    dim = _check_shard("collectives.shard_sequence", x, layout, dim, world)
+    shape = list(x.shape)
+    shape[dim] //= world
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("pykernels::unshard_sequence", mutates_args=())
+def _unshard_op(local: torch.Tensor, group: str, layout: str, dim: int, world: int) -> torch.Tensor:
+    """unshard_sequence over the group named `group`, of `world` ranks (a bad argument on any rank, or
+    shards of different shapes or dtypes, raise on every rank)."""
+    op = "collectives.unshard_sequence"
+    err = None
+    try:
+        dim = _check_unshard(op, local, layout, dim)
+    except (TypeError, ValueError) as exc:
+        err = exc
+    grp = _group_of_size(op, group, world)
+    _check_shards_agree(op, grp, local, dim, layout, err)
+    return _gather_full(local, layout, grp, dim)
+
+
+@_unshard_op.register_fake
+def _(local, group, layout, dim, world):
+    shape = list(local.shape)
+    shape[dim if -local.dim() <= dim < local.dim() else 0] *= world  # (checked where the op runs)
+    return local.new_empty(shape)
+
+
+def _shard_setup_context(ctx, inputs, output):
+    ctx.args = inputs[1:]
+
+
+# as _Shard and _Unshard: each one's backward is the other
+_shard_op.register_autograd(lambda ctx, g: (torch.ops.pykernels.unshard_sequence(g, *ctx.args),) + (None,) * 4,
+                            setup_context=_shard_setup_context)
+_unshard_op.register_autograd(lambda ctx, g: (torch.ops.pykernels.shard_sequence(g, *ctx.args),) + (None,) * 4,
+                              setup_context=_shard_setup_context)

@@ -372,6 +372,47 @@ def chk_async(algo):
     assert type(ref) is type(got) and len(ref) == len(got)
 
 
+def chk_compiled(backend):
+    """torch.compile(fullgraph=True) of calls to all_reduce (API.md: every op compiles without a graph
+    break): dynamo traces them into torch.ops.pykernels.all_reduce_, in place on an input, on an
+    intermediate (functionalized by aot_autograd and inductor), with a dist.ReduceOp, a Topology, a
+    sub-group passed in, and async_op=True (synchronous there; a completed handle). Same answers as eager."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch._dynamo.reset()
+    sub = dist.new_group(list(range(world)))
+
+    def in_place(t, g):
+        collectives.all_reduce(t, dist.ReduceOp.MAX, group=g, algorithm="ring")
+        return t
+
+    def on_intermediate(t):
+        u = t * 2
+        collectives.all_reduce(u, "avg", topology=Topology([world]), algorithm="auto")
+        return u + 1
+
+    def asynchronous(t):
+        return collectives.all_reduce(t, "sum", algorithm="recursive_doubling", async_op=True)
+
+    for op, dtype, fn, args in (("max", torch.int32, in_place, (None,)), ("max", torch.int32, in_place, (sub,)),
+                                ("avg", torch.float32, on_intermediate, ()),
+                                ("sum", torch.bfloat16, asynchronous, ())):
+        inputs = _inputs(31, world, (37,), dtype, op)
+        x = inputs[rank].clone()
+        got = torch.compile(fn, fullgraph=True, backend=backend)(x, *args)
+        if fn is asynchronous:
+            assert got.wait() is True and got.is_completed(), backend
+            assert got.result() is x and got.get_future().wait()[0] is x
+            got = x
+        want = _expected(inputs, dtype, op)
+        if fn is on_intermediate:
+            want = _expected([2 * t for t in inputs], dtype, op) + 1
+            assert torch.equal(x, inputs[rank]), "the input of an all-reduce of an intermediate changed"
+        else:
+            assert got is x or torch.equal(got, x)  # in place
+        assert _equal(got, want), (backend, fn.__name__, got[:4], want[:4])
+    return True
+
+
 def chk_async_then_callers_own_collectives(algo):
     """An async call followed at once by the caller's own dist collectives on the same group (as DDP
     does with find_unused_parameters): every group-level collective (setup, agreement check, gloo's
@@ -688,6 +729,13 @@ def test_world_4_layouts_async_errors(clusters):
     texts = c.run("chk_plan", 1 << 20, [2, 2])
     assert len(set(texts)) == 1, "ranks disagree on the plan"
     assert len(set(c.run("chk_same_params"))) == 1
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_compiled_fullgraph(clusters, world):
+    c = clusters(world)
+    for backend in ("eager", "aot_eager", "inductor"):
+        c.run("chk_compiled", backend, timeout=240)
 
 
 def test_world_4_ddp_hook(clusters):

@@ -607,7 +607,11 @@ def test_quantize_and_qmatmul_do_not_modify_the_weight():
 REGISTERED = ["sort", "argsort", "sort_keys", "sort_pairs", "segmented_sort", "qmatmul", "flash_attention"]
 
 
-@pytest.mark.parametrize("name", REGISTERED + ["hash_find", "hash_insert_"])
+COLLECTIVES_REGISTERED = ["all_reduce_", "ring_attention", "ring_attention_backward", "shard_sequence",
+                          "unshard_sequence"]
+
+
+@pytest.mark.parametrize("name", REGISTERED + ["hash_find", "hash_insert_"] + COLLECTIVES_REGISTERED)
 def test_registered_as_torch_ops_pykernels(name):
     assert hasattr(torch.ops.pykernels, name), f"torch.ops.pykernels.{name} is not registered"
 
@@ -634,12 +638,21 @@ def _compile_cases():
         "flash_attention": (lambda a, c, d: pykernels.flash_attention(a, c, d, causal=True, return_lse=True),
                             (q, kk, v)),
         "HashMap.contains": (lambda t: table.contains(t), (k,)),
+        # without torch.distributed: a world of one (the multi-rank cases: test_ring_attention.py and
+        # test_all_reduce.py)
+        "collectives.ring_attention": (lambda a, c, d: collectives.ring_attention(
+            a, c, d, causal=True, layout="contiguous", return_lse=True), (q, q, q)),
+        "collectives.token_ring_attention": (lambda a, c, d: collectives.token_ring_attention(
+            a, c, d, layout="contiguous", return_lse=True), (q, q, q)),
+        "collectives.shard_sequence": (lambda t: collectives.unshard_sequence(collectives.shard_sequence(t, dim=0),
+                                                                              dim=0), (x,)),
     }
 
 
 @pytest.mark.parametrize("name", [
     pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=COMPILE_DEVIATIONS[n])) if n in COMPILE_DEVIATIONS
-    else n for n in REGISTERED + ["HashMap.contains"]])
+    else n for n in REGISTERED + ["HashMap.contains", "collectives.ring_attention",
+                                  "collectives.token_ring_attention", "collectives.shard_sequence"]])
 def test_runs_under_torch_compile_fullgraph(name):
     """torch.compile(fullgraph=True) with the eager backend: dynamo must trace the public call without a
     graph break (the custom op and its fake do the work); inductor itself is tested in test_compile.py."""

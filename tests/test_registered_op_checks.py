@@ -5,7 +5,7 @@ multiple of Hkv a SIGFPE, a wrong n for qmatmul read past the weight (review fin
 import pytest
 import torch
 
-import pykernels  # noqa: F401  (registers the ops)
+import pykernels
 from pykernels.attention import flash_attention_backward
 
 ops = torch.ops.pykernels
@@ -83,3 +83,48 @@ def test_qmatmul_op_checks_its_arguments():
     a[11] = 4
     with pytest.raises(ValueError, match="planes"):
         ops.qmatmul(*a)
+
+
+def test_collectives_ops_check_their_arguments():
+    """The collectives' registered ops (what they trace into under torch.compile), called directly in a
+    world of one (no torch.distributed): the public functions' errors, naming the op."""
+    import collectives  # noqa: F401  (registers the ops)
+
+    q = torch.randn(1, 4, 6, 8)
+    k = torch.randn(1, 2, 6, 8)
+    out, lse = ops.ring_attention(q, k, k, None, True, "zigzag", "", "", False, True)
+    torch.testing.assert_close(out, pykernels.flash_attention(q, k, k, causal=True))
+    with pytest.raises(ValueError, match=r"collectives\.ring_attention: expected the number of q heads"):
+        ops.ring_attention(q, torch.randn(1, 3, 6, 8), torch.randn(1, 3, 6, 8), None, False, "zigzag", "", "",
+                           False, False)
+    with pytest.raises(ValueError, match=r"collectives\.token_ring_attention: expected 'layout'"):
+        ops.ring_attention(q, k, k, None, False, "diagonal", "", "", True, False)
+    with pytest.raises(ValueError, match=r"collectives\.ring_attention: expected 'scale'"):
+        ops.ring_attention(q, k, k, -1.0, False, "zigzag", "", "", False, False)
+    g = torch.randn_like(out)
+    for bad in ({"lse": lse[:, :, :3]}, {"out": out.double()}, {"dout": g[:, :2]}, {"dlse": lse[..., None]}):
+        args = dict(dout=g, dlse=None, q=q, k=k, v=k, out=out, lse=lse)
+        args.update(bad)
+        name = next(iter(bad))
+        with pytest.raises(ValueError, match=rf"collectives\.ring_attention \(backward\): expected '{name}'"):
+            ops.ring_attention_backward(*args.values(), 0.3, True, "zigzag", "", "", False)
+    dq, dk, dv = ops.ring_attention_backward(g, None, q, k, k, out, lse, 8 ** -0.5, True, "zigzag", "", "", False)
+    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
+
+    x = torch.randn(3, 8)
+    assert torch.equal(ops.shard_sequence(x, "", "zigzag", 1, 1), x)
+    with pytest.raises(ValueError, match=r"collectives\.shard_sequence: expected 'layout'"):
+        ops.shard_sequence(x, "", "striped", 1, 1)
+    with pytest.raises(ValueError, match=r"collectives\.shard_sequence: expected 'dim'"):
+        ops.shard_sequence(x, "", "zigzag", 2, 1)
+    with pytest.raises(ValueError, match=r"collectives\.shard_sequence: expected the length along dim 0"):
+        ops.shard_sequence(x, "", "zigzag", 0, 1)
+    with pytest.raises(RuntimeError, match=r"collectives\.shard_sequence: the process group '' has 1 ranks, not "
+                                           r"the 2"):
+        ops.shard_sequence(x, "", "zigzag", 1, 2)
+    with pytest.raises(ValueError, match=r"collectives\.unshard_sequence: layout 'zigzag' needs an even"):
+        ops.unshard_sequence(x, "", "zigzag", 0, 1)
+    assert torch.equal(ops.unshard_sequence(x, "", "contiguous", 0, 1), x)
+
+    with pytest.raises(RuntimeError, match=r"collectives\.all_reduce: torch\.distributed is not initialized"):
+        ops.all_reduce_(x, "sum", "", "auto", [], [])

@@ -176,10 +176,11 @@ def case_bench_check(rank, world):
 
 def case_attention(rank, world, *, fn, layout, causal, configs, chunk=3, seed=0, scale=None,
                    kind="randn", noncontig=False, piece_bytes=None, force_math=False, subgroup=None,
-                   device="cpu", lse_grad=False):
+                   device="cpu", lse_grad=False, compile_backend=None):
     """Every config: forward out + LSE and dq/dk/dv of this rank's shard vs the float64 oracle.
     subgroup: run on a process group of these global ranks only (the others just take part in
-    creating it), which checks that group ranks and global ranks are never confused."""
+    creating it), which checks that group ranks and global ranks are never confused. compile_backend:
+    the op (and the shard/unshard around it) through torch.compile(fullgraph=True) with that backend."""
     from collectives import _attention_block as block
     from collectives import _attention_comm as comm
 
@@ -215,14 +216,18 @@ def case_attention(rank, world, *, fn, layout, causal, configs, chunk=3, seed=0,
             else:
                 ref.backward(do.double())
             shard = lambda t: shard_sequence(t, group=group, layout=layout).detach()  # noqa: E731
+            call = FNS[fn]
+            if compile_backend is not None:
+                torch._dynamo.reset()
+                call = torch.compile(call, fullgraph=True, backend=compile_backend)
+                shard = torch.compile(shard, fullgraph=True, backend=compile_backend)
             ql, kl, vl = (shard(t).to(device) for t in (q, k, v))
             if noncontig:  # [B, S, H, D] storage seen as [B, H, S, D]
                 ql, kl, vl = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (ql, kl, vl))
                 assert not ql.is_contiguous()
             keep = [t.clone() for t in (ql, kl, vl)]
             ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
-            out, lse = FNS[fn](ql, kl, vl, causal=causal, scale=scale, layout=layout, return_lse=True,
-                               group=group)
+            out, lse = call(ql, kl, vl, causal=causal, scale=scale, layout=layout, return_lse=True, group=group)
             if lse_grad:
                 torch.autograd.backward([out, lse], [shard(do).to(device), shard(dl).to(device=device, dtype=lse.dtype)])
             else:
@@ -281,20 +286,27 @@ def case_bad_shard(rank, world, *, fn, what):
     return kind, msg
 
 
-def case_shard_roundtrip(rank, world, *, layout, dim, length):
+def case_shard_roundtrip(rank, world, *, layout, dim, length, compile_backend=None):
+    if compile_backend is not None:
+        torch._dynamo.reset()
+        compiled = {f: torch.compile(f, fullgraph=True, backend=compile_backend)
+                    for f in (shard_sequence, unshard_sequence)}
+        shard_sequence_, unshard_sequence_ = compiled[shard_sequence], compiled[unshard_sequence]
+    else:
+        shard_sequence_, unshard_sequence_ = shard_sequence, unshard_sequence
     gen = torch.Generator().manual_seed(5)
     shape = [2, 3, 4, 5]
     shape[dim] = length
     x = torch.randn(*shape, generator=gen, dtype=torch.float64)
     g = torch.randn(*shape, generator=gen, dtype=torch.float64)
     xx = x.clone().requires_grad_()
-    local = shard_sequence(xx, layout=layout, dim=dim)
+    local = shard_sequence_(xx, layout=layout, dim=dim)
     n = 2 * world if layout == "zigzag" else world
     c = length // n
     chunks = [rank] if layout == "contiguous" else [rank, 2 * world - 1 - rank]
     want = torch.cat([x.narrow(dim, i * c, c) for i in chunks], dim=dim)
     assert torch.equal(local.detach(), want)
-    full = unshard_sequence(local, layout=layout, dim=dim - x.dim())  # negative dim accepted
+    full = unshard_sequence_(local, layout=layout, dim=dim - x.dim())  # negative dim accepted
     assert torch.equal(full.detach(), x)
     (full * g).sum().backward()
     # unshard(shard(x)) is the identity, so is its gradient (x is treated as replicated)
@@ -536,6 +548,24 @@ def test_shard_unshard_roundtrip_and_gradient(pool, layout):
     n = 2 * pool.world if layout == "zigzag" else pool.world
     for dim, length in ((2, 3 * n), (0, n), (3, 0)):
         pool.run("case_shard_roundtrip", layout=layout, dim=dim, length=length)
+
+
+@pytest.mark.parametrize("fn", ["ring", "token"])
+def test_compiled_fullgraph_matches_float64_oracle(pool, fn):
+    """torch.compile(fullgraph=True) of the public calls (API.md): dynamo traces them into
+    torch.ops.pykernels.ring_attention / shard_sequence (a graph break fails fullgraph), aot_autograd
+    takes the registered backward, and the answers and gradients are the eager ones'."""
+    for causal, backend, lse_grad in ((True, "aot_eager", True), (False, "eager", False)):
+        pool.run("case_attention", fn=fn, layout="zigzag", causal=causal, configs=CONFIGS[1:3],
+                 compile_backend=backend, lse_grad=lse_grad)
+    pool.run("case_attention", fn=fn, layout="contiguous", causal=True, configs=CONFIGS[3:],
+             compile_backend="inductor")
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_compiled_shard_unshard_roundtrip_and_gradient(pool, layout):
+    n = 2 * pool.world if layout == "zigzag" else pool.world
+    pool.run("case_shard_roundtrip", layout=layout, dim=2, length=3 * n, compile_backend="aot_eager")
 
 
 def test_group_checks_and_second_group_timeout(pool):
