@@ -117,6 +117,7 @@ def cases(quick: bool, device: str = "cpu"):
                   (1, 8, 2, s, 64, True, torch.float32, None),             # GQA 4:1
                   (1, 8, 8, 2 * s, 128, True, torch.bfloat16, None),
                   (1, 8, 8, s, 64, False, torch.bfloat16, None), (1, 32, 8, s, 128, True, torch.bfloat16, None),
+                  (1, 16, 1, s, 128, True, torch.bfloat16, None),          # MQA: one KV head, fewer than threads
                   (1, 8, 8, s, 64, True, torch.float16, None),
                   (1, 8, 8, s // 4, 64, True, torch.float32, 2 * s)]      # chunked prefill, bottom-right
     if device == "cpu":

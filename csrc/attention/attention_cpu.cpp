@@ -999,8 +999,21 @@ PK_TARGET_AVX512BF16 inline __m512i pf_pair_words(__m512 a, __m512 b) {
   return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
 }
 
+// A group's share of the backward when there are fewer groups than threads: `parts` threads share it,
+// part p taking the (head, 64-row query block) pairs numbered p, p + parts, ... (round robin: with a
+// causal mask later query blocks see more keys). dQ rows stay exclusive; dK/dV become per-part fp32 sums
+// over all keys (dk, dv: [Skp][D], zeroed), added up by the caller. parts == 1: the whole group, dK/dV
+// stored here per key block (dk, dv null).
+struct BwdPart {
+  int part = 0, parts = 1;
+  float* dk = nullptr;
+  float* dv = nullptr;
+  bool owns(int64_t g, int64_t i0, int64_t qblocks) const { return (g * qblocks + i0 / PF_BM) % parts == part; }
+};
+
 // false (nothing computed) where an input of the group holds a subnormal
-PK_TARGET_AVX512BF16 bool bwd_group(const BwdProblem& BP, int64_t b, int64_t hk, BwdScratch& sc) {
+PK_TARGET_AVX512BF16 bool bwd_group(const BwdProblem& BP, int64_t b, int64_t hk, BwdScratch& sc,
+                                    const BwdPart& part = BwdPart()) {
   const Problem& P = BP.P;
   const int64_t D = P.D, D2 = D / 2, G = P.H / P.Hkv, Sq = P.Sq, Sk = P.Sk;
   const int64_t Sqp = (Sq + PF_BM - 1) / PF_BM * PF_BM, Skp = (Sk + PF_BN - 1) / PF_BN * PF_BN;
@@ -1020,10 +1033,16 @@ PK_TARGET_AVX512BF16 bool bwd_group(const BwdProblem& BP, int64_t b, int64_t hk,
   if (sub) return false;
   std::fill(sc.dq.begin(), sc.dq.begin() + (size_t)(G * Sqp * D), 0.f);
   const int64_t off = Sk - Sq;  // bottom-right causal: row i sees keys j <= i + off
+  const int64_t qblocks = Sqp / PF_BM;
+  const bool shared = part.parts > 1;
   for (int64_t j0 = 0; j0 < Sk; j0 += PF_BN) {
     const int nb = (int)std::min<int64_t>(PF_BN, Sk - j0);
-    std::fill(sc.dk.begin(), sc.dk.end(), 0.f);
-    std::fill(sc.dv.begin(), sc.dv.end(), 0.f);
+    float* const dk_acc = shared ? part.dk + j0 * D : sc.dk.data();
+    float* const dv_acc = shared ? part.dv + j0 * D : sc.dv.data();
+    if (!shared) {
+      std::fill(sc.dk.begin(), sc.dk.end(), 0.f);
+      std::fill(sc.dv.begin(), sc.dv.end(), 0.f);
+    }
     const int64_t i_first = P.causal ? std::max<int64_t>(0, j0 - off) : 0;  // the first row that sees key j0
     for (int64_t g = 0; g < G && i_first < Sq; ++g) {
       const int64_t h = hk * G + g;
@@ -1032,6 +1051,7 @@ PK_TARGET_AVX512BF16 bool bwd_group(const BwdProblem& BP, int64_t b, int64_t hk,
       const float* lseh = BP.lse + b * BP.lss[0] + h * BP.lss[1];
       const float* deltah = BP.delta + b * BP.dls[0] + h * BP.dls[1];
       for (int64_t i0 = i_first / PF_BM * PF_BM; i0 < Sq; i0 += PF_BM) {
+        if (shared && !part.owns(g, i0, qblocks)) continue;
         const int rows = (int)std::min<int64_t>(PF_BM, Sq - i0);
         for (int r = 0; r < rows; ++r) {
           std::memcpy(sc.q32.data() + (size_t)r * D2, qh + (i0 + r) * P.qs[2], D * 2);
@@ -1081,10 +1101,9 @@ PK_TARGET_AVX512BF16 bool bwd_group(const BwdProblem& BP, int64_t b, int64_t hk,
         const uint32_t* do2 = sc.do2.data() + g * Sqp * D2 + (i0 / 2) * D;
         pf_row_tiles(nb, [&](int r0, auto R) {  // dV and dK rows: the block's keys
           for (int64_t d0 = 0; d0 < D; d0 += 64) {
-            pf_pv<decltype(R)::value>(sc.pt.data() + r0, 1, PF_BN, do2 + d0, D, pairs,
-                                      sc.dv.data() + (size_t)r0 * D + d0);
+            pf_pv<decltype(R)::value>(sc.pt.data() + r0, 1, PF_BN, do2 + d0, D, pairs, dv_acc + (size_t)r0 * D + d0);
             pf_pv<decltype(R)::value>(sc.dst_pairs.data() + r0, 1, PF_BN, q2 + d0, D, pairs,
-                                      sc.dk.data() + (size_t)r0 * D + d0);
+                                      dk_acc + (size_t)r0 * D + d0);
           }
         });
         const uint32_t* k2 = sc.k2.data() + (j0 / 2) * D;
@@ -1096,6 +1115,7 @@ PK_TARGET_AVX512BF16 bool bwd_group(const BwdProblem& BP, int64_t b, int64_t hk,
         });
       }
     }
+    if (shared) continue;  // (the caller adds up the parts)
     pf_store_rows(sc.dk.data(), nb, D, P.scale,
                   static_cast<uint16_t*>(BP.dk) + b * BP.dks[0] + hk * BP.dks[1] + j0 * BP.dks[2], BP.dks[2]);
     pf_store_rows(sc.dv.data(), nb, D, 1.f,
@@ -1105,8 +1125,9 @@ PK_TARGET_AVX512BF16 bool bwd_group(const BwdProblem& BP, int64_t b, int64_t hk,
     const int64_t h = hk * G + g;
     uint16_t* dqh = static_cast<uint16_t*>(BP.dq) + b * BP.dqs[0] + h * BP.dqs[1];
     for (int64_t i0 = 0; i0 < Sq; i0 += PF_BM)
-      pf_store_rows(sc.dq.data() + (size_t)((g * Sqp + i0) * D), (int)std::min<int64_t>(PF_BM, Sq - i0), D, P.scale,
-                    dqh + i0 * BP.dqs[2], BP.dqs[2]);
+      if (!shared || part.owns(g, i0, qblocks))  // (a shared group's other rows are another part's)
+        pf_store_rows(sc.dq.data() + (size_t)((g * Sqp + i0) * D), (int)std::min<int64_t>(PF_BM, Sq - i0), D,
+                      P.scale, dqh + i0 * BP.dqs[2], BP.dqs[2]);
   }
   return true;
 }
@@ -1124,15 +1145,63 @@ int64_t prefill_backward(const BwdProblem& BP, int num_threads) {
   if (groups == 0 || P.Sq == 0 || P.Sk == 0) return 0;  // (the caller returns zeros)
   const int64_t G = P.H / P.Hkv;
   const int64_t Sqp = (P.Sq + PF_BM - 1) / PF_BM * PF_BM, Skp = (P.Sk + PF_BN - 1) / PF_BN * PF_BN;
-  std::vector<BwdScratch> scratch(std::min<int64_t>(std::max(1, num_threads), groups));
+  const int threads = std::max(1, num_threads);
   std::atomic<bool> subnormal{false};
-  pk::parallel_chunks(groups, (int)scratch.size(), 1, [&](int t, int64_t g0, int64_t g1) {
-    BwdScratch& sc = scratch[t];
-    sc.size_for(G, Sqp, Skp, P.D);
-    for (int64_t g = g0; g < g1 && !subnormal; ++g)
-      if (!bwd_group(BP, g / P.Hkv, g % P.Hkv, sc)) subnormal = true;
+  const int parts = (int)std::max<int64_t>(1, threads / groups);
+  if (parts == 1) {  // a whole group per work item: dK/dV of its keys in one thread, no reduction
+    std::vector<BwdScratch> scratch(std::min<int64_t>(threads, groups));
+    pk::parallel_chunks(groups, (int)scratch.size(), 1, [&](int t, int64_t g0, int64_t g1) {
+      BwdScratch& sc = scratch[t];
+      sc.size_for(G, Sqp, Skp, P.D);
+      for (int64_t g = g0; g < g1 && !subnormal; ++g)
+        if (!bwd_group(BP, g / P.Hkv, g % P.Hkv, sc)) subnormal = true;
+    });
+    return subnormal ? kSubnormalInput : 0;
+  }
+  // Fewer groups than threads (MQA, a batch of one): each group shared by `parts` threads (BwdPart), which
+  // split its query blocks; their fp32 dK/dV sums are then added up and stored, in parallel over key rows.
+  // (FlashAttention-2 splits the keys instead, with dQ added atomically; here dK/dV are the smaller sums
+  // where a KV head serves several query heads.)
+  const int64_t items = groups * parts, part_elems = Skp * P.D;
+  std::vector<float> dkv((size_t)(2 * items * part_elems), 0.f);  // [item][dk, dv][Skp][D]
+  std::vector<BwdScratch> scratch((size_t)items);
+  pk::parallel_chunks(items, (int)items, 1, [&](int, int64_t it0, int64_t it1) {
+    for (int64_t it = it0; it < it1 && !subnormal; ++it) {
+      BwdScratch& sc = scratch[(size_t)it];
+      sc.size_for(G, Sqp, Skp, P.D);
+      const int64_t g = it / parts;
+      BwdPart part;
+      part.part = (int)(it % parts);
+      part.parts = parts;
+      part.dk = dkv.data() + (size_t)(2 * it * part_elems);
+      part.dv = part.dk + part_elems;
+      if (!bwd_group(BP, g / P.Hkv, g % P.Hkv, sc, part)) subnormal = true;
+    }
   });
-  return subnormal ? kSubnormalInput : 0;
+  if (subnormal) return kSubnormalInput;
+  const int64_t row_blocks = (P.Sk + PF_BN - 1) / PF_BN;
+  pk::parallel_chunks(groups * row_blocks, threads, 1, [&](int, int64_t w0, int64_t w1) {
+    std::vector<float> sum((size_t)(2 * PF_BN * P.D));
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t g = w / row_blocks, b = g / P.Hkv, hk = g % P.Hkv, j0 = (w % row_blocks) * PF_BN;
+      const int nb = (int)std::min<int64_t>(PF_BN, P.Sk - j0);
+      const size_t n = (size_t)(nb * P.D);
+      for (int which = 0; which < 2; ++which) {  // dk, dv
+        float* acc = sum.data() + which * PF_BN * P.D;
+        const float* first = dkv.data() + (size_t)((2 * g * parts + which) * part_elems + j0 * P.D);
+        std::copy(first, first + n, acc);
+        for (int p = 1; p < parts; ++p) {
+          const float* src = dkv.data() + (size_t)((2 * (g * parts + p) + which) * part_elems + j0 * P.D);
+          for (size_t e = 0; e < n; ++e) acc[e] += src[e];
+        }
+      }
+      pf_store_rows(sum.data(), nb, P.D, P.scale,
+                    static_cast<uint16_t*>(BP.dk) + b * BP.dks[0] + hk * BP.dks[1] + j0 * BP.dks[2], BP.dks[2]);
+      pf_store_rows(sum.data() + PF_BN * P.D, nb, P.D, 1.f,
+                    static_cast<uint16_t*>(BP.dv) + b * BP.dvs[0] + hk * BP.dvs[1] + j0 * BP.dvs[2], BP.dvs[2]);
+    }
+  });
+  return 0;
 #else
   (void)BP;
   (void)num_threads;

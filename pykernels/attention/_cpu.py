@@ -28,7 +28,8 @@
             aten's precision choices for reduced types (scores and softmax in fp32, P rounded to bf16 for
             P V, fp32 accumulation); K and V packed once per call into the instruction's operand order.
             Its backward (FlashAttention-2's, same dot products, P and dS rounded to bf16, one thread per
-            (batch, KV head) group so dK/dV/dQ need no atomics) takes an LSE gradient too. Head dims that
+            (batch, KV head) group so dK/dV/dQ need no atomics; with fewer groups than threads, threads
+            share a group's query blocks and their dK/dV are added up) takes an LSE gradient too. Head dims that
             are multiples of 64, on CPUs with AVX-512 BF16 (elsewhere aten's kernels). Forward and
             backward are tuned apart, so either may meet aten's other half: the two compute scores in
             fp32 in different orders, which differ in fp32's last bits, below what bfloat16 gradients
