@@ -95,14 +95,17 @@ def _as_tensor(x, op: str, arg: str):
 
 
 def _validate(op: str, q, k, v, causal, scale, layout, return_lse, grp: comm.Group,
-              needs_grad: Optional[bool] = None, more_checks=None) -> float:
+              needs_grad: Optional[bool] = None, more_checks=None, prior_error=None) -> float:
     """Local checks, then one small all-gather so that bad input on any rank (or shards of different
     shapes) raises on every rank instead of leaving the others waiting in the ring. needs_grad: whether a
     backward follows (None: from autograd's state, as an eager call sees it); more_checks(): further
-    local checks, run after these (the backward op's)."""
+    local checks, run after these (the backward op's); prior_error: this rank's error found before (while
+    tracing), raised on every rank."""
     err = None
     fields = {}
     try:
+        if prior_error is not None:
+            raise prior_error
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{op}: expected '{name}' to be a torch.Tensor (or a numpy/DLPack array), "
@@ -516,7 +519,8 @@ def _check_layout(op, layout, x, dim, arg="x"):
                          f"{'a nested tensor' if x.is_nested else f'layout {x.layout}'}")
     if layout not in _LAYOUTS:
         raise ValueError(f"{op}: expected 'layout' in {_LAYOUTS}, got {layout!r}")
-    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral):  # 1.5, None, "2" and True (as 1) went on
+    # (a SymInt: an int passed into a compiled function becomes one once its value changed; review finding)
+    if isinstance(dim, bool) or not isinstance(dim, (numbers.Integral, torch.SymInt)):  # 1.5, None, "2", True
         raise TypeError(f"{op}: expected an int 'dim', got {type(dim).__name__}")
     if x.dim() == 0:
         raise ValueError(f"{op}: expected '{arg}' with at least one dimension to shard, got a 0-d tensor")
@@ -611,10 +615,13 @@ def unshard_sequence(local: torch.Tensor, group=None, layout: str = "zigzag", di
     raise ValueError on every rank."""
     op = "collectives.unshard_sequence"
     if torch.compiler.is_compiling():
-        # the local checks here too (where eager raises them); every check again where the op runs
+        # a local error travels to the op, which raises it on every rank (as eager's check does; raised here,
+        # it left the other ranks waiting in the op's; review finding)
         name, world = _traced_group(op, group)
-        dim = _check_unshard(op, local, layout, dim)
-        return torch.ops.pykernels.unshard_sequence(local, name, layout, dim, world)
+        arg_error = _traced_unshard_error(op, local, layout, dim)
+        if arg_error:
+            layout, dim = "contiguous", 0
+        return torch.ops.pykernels.unshard_sequence(local, name, layout, dim, world, arg_error)
     local = _as_tensor(local, op, "local")
     err = None
     try:
@@ -624,6 +631,25 @@ def unshard_sequence(local: torch.Tensor, group=None, layout: str = "zigzag", di
     grp = comm.Group(op, group)
     _check_shards_agree(op, grp, local, dim, layout, err)
     return _Unshard.apply(local, layout, grp, dim)
+
+
+def _traced_unshard_error(op: str, local, layout, dim) -> str:
+    """"" or "<exception class>:<message>" (see _traced_arg_error) for unshard_sequence's local checks."""
+    if not isinstance(local, torch.Tensor):
+        return f"TypeError:{op}: expected 'local' to be a torch.Tensor (or a numpy/DLPack array), got " \
+               f"{type(local).__name__}"
+    if local.dim() == 0 or not isinstance(layout, str) or layout not in _LAYOUTS:
+        return f"ValueError:{op}: expected 'layout' in {_LAYOUTS} and 'local' with at least one dimension, " \
+               f"got {layout!r} and {local.dim()} dimensions"
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        return f"TypeError:{op}: expected an int 'dim', got {type(dim).__name__}"
+    if not -local.dim() <= dim < local.dim():
+        return f"ValueError:{op}: expected 'dim' in [-{local.dim()}, {local.dim()}), got {dim} for shape " \
+               f"{tuple(local.shape)}"
+    if layout == "zigzag" and local.shape[dim] % 2:
+        return f"ValueError:{op}: layout 'zigzag' needs an even local length along dim {dim % local.dim()} " \
+               f"(two chunks per rank), got {local.shape[dim]}"
+    return ""
 
 
 def _check_unshard(op: str, local, layout: str, dim) -> int:
@@ -655,25 +681,43 @@ def _check_shards_agree(op: str, grp: comm.Group, local, dim, layout: str, err=N
 # torch.ops.pykernels.ring_attention (Ring and TokenRing), its backward, shard_sequence and
 # unshard_sequence. They run the schedules above; groups travel as their names.
 def _traced_attention(op: str, token_ring: bool, q, k, v, causal, scale, group, pg_back, layout, return_lse):
-    """ring_attention / token_ring_attention while dynamo traces: the checks that need no data and no
-    peer (so they raise where eager raises them), then the op, whose implementation runs the cross-rank
-    check and the schedule on every rank."""
+    """ring_attention / token_ring_attention while dynamo traces: the op, whose implementation runs every
+    check (across ranks) and the schedule on every rank. A flag, scale or layout this rank cannot even pass
+    to the op travels to it as `arg_error` instead (raised here, it left the other ranks waiting in the op's
+    cross-rank check; review finding), with stand-in values."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):  # (dynamo hands numpy arrays in as tensors)
             raise TypeError(f"{op}: expected '{name}' to be a torch.Tensor (or a numpy/DLPack array), "
                             f"got {type(t).__name__}")
-    for name, flag in (("causal", causal), ("return_lse", return_lse)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{op}: expected '{name}' to be a bool, got {type(flag).__name__} {flag!r}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"{op}: expected 'scale' to be a real number or None, got {type(scale).__name__}")
-    if not isinstance(layout, str) or layout not in _LAYOUTS:
-        raise ValueError(f"{op}: expected 'layout' in {_LAYOUTS}, got {layout!r}")
+    arg_error = _traced_arg_error(op, causal, scale, layout, return_lse)
+    if arg_error:
+        causal, scale, layout = False, None, "contiguous"
     back = _traced.NO_GROUP if pg_back is None else _traced.group_name(op, pg_back)
     out, lse = torch.ops.pykernels.ring_attention(
         q, k, v, None if scale is None else float(scale), causal, layout, _traced.group_name(op, group), back,
-        token_ring, _needs_grad(q, k, v))
-    return (out, lse) if return_lse else out
+        token_ring, _needs_grad(q, k, v), arg_error)
+    return (out, lse) if return_lse is True else out
+
+
+def _traced_arg_error(op: str, causal, scale, layout, return_lse) -> str:
+    """"" or "<exception class>:<message>" for the arguments of ring_attention that the registered op's
+    schema cannot carry as given (its value checks run where it runs)."""
+    for name, flag in (("causal", causal), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            return f"TypeError:{op}: expected '{name}' to be a bool, got {type(flag).__name__} {flag!r}"
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        return f"TypeError:{op}: expected 'scale' to be a real number or None, got {type(scale).__name__}"
+    if not isinstance(layout, str) or layout not in _LAYOUTS:
+        return f"ValueError:{op}: expected 'layout' in {_LAYOUTS}, got {layout!r}"
+    return ""
+
+
+def _exception_of(arg_error: str) -> Optional[BaseException]:
+    """The exception an `arg_error` string ("<class>:<message>", see _traced_arg_error) stands for."""
+    if not arg_error:
+        return None
+    kind, _, message = arg_error.partition(":")
+    return {"TypeError": TypeError, "ValueError": ValueError}.get(kind, RuntimeError)(message)
 
 
 def _traced_group(op: str, group):
@@ -692,14 +736,16 @@ def _groups(op: str, group: str, back_group: str, token_ring: bool):
 
 @torch.library.custom_op("pykernels::ring_attention", mutates_args=())
 def _ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float], causal: bool,
-                       layout: str, group: str, back_group: str, token_ring: bool,
-                       needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                       layout: str, group: str, back_group: str, token_ring: bool, needs_grad: bool,
+                       arg_error: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of ring_attention (token_ring False) or token_ring_attention over the group named
     `group` (TokenRing's partials return on `back_group`; "": its own second group). needs_grad: every
-    rank's answer to "does a backward follow" (checked to agree across ranks)."""
+    rank's answer to "does a backward follow" (checked to agree across ranks). arg_error: an argument error
+    found while tracing ("<class>:<message>"), raised here on every rank."""
     op = "collectives.token_ring_attention" if token_ring else "collectives.ring_attention"
     grp, pg_back = _groups(op, group, back_group, token_ring)
-    scale = _validate(op, q, k, v, causal, scale, layout, True, grp, needs_grad=needs_grad)
+    scale = _validate(op, q, k, v, causal, scale, layout, True, grp, needs_grad=needs_grad,
+                      prior_error=_exception_of(arg_error))
     with torch.no_grad(), backward_follows(needs_grad):
         if token_ring:
             out, lse = _token_forward(q, k, v, scale, causal, layout, grp, pg_back)
@@ -709,12 +755,11 @@ def _ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 
 
 @_ring_attention_op.register_fake
-def _(q, k, v, scale, causal, layout, group, back_group, token_ring, needs_grad):
-    op = "collectives.token_ring_attention" if token_ring else "collectives.ring_attention"
-    if q.dim() != 4 or q.dtype not in _DTYPES:  # the rest is checked on every rank where the op runs
-        raise ValueError(f"{op}: expected 'q' of shape [B, H, S_local, D] and a float dtype, got "
-                         f"{tuple(q.shape)} {q.dtype}")
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=blk.acc_dtype(q.dtype))
+def _(q, k, v, scale, causal, layout, group, back_group, token_ring, needs_grad, arg_error=""):
+    # never raises: bad input raises where the op runs, on every rank (raised while one rank traced, it left
+    # the others waiting in the op); the shapes of such a call are placeholders
+    acc = blk.acc_dtype(q.dtype) if q.dtype in _DTYPES else torch.float32
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3] if q.dim() >= 3 else q.shape[:-1], dtype=acc)
 
 
 @torch.library.custom_op("pykernels::ring_attention_backward", mutates_args=())
@@ -755,7 +800,7 @@ def _(dout, dlse, q, k, v, out, lse, scale, causal, layout, group, back_group, t
 
 
 def _ring_setup_context(ctx, inputs, output):
-    q, k, v, scale, causal, layout, group, back_group, token_ring, _ = inputs
+    q, k, v, scale, causal, layout, group, back_group, token_ring = inputs[:9]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.args = (blk.default_scale(q.shape[-1], scale), causal, layout, group, back_group, token_ring)
@@ -765,7 +810,7 @@ def _ring_setup_context(ctx, inputs, output):
 def _ring_backward_formula(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.pykernels.ring_attention_backward(dout, dlse, q, k, v, out, lse, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * 8
 
 
 _ring_attention_op.register_autograd(_ring_backward_formula, setup_context=_ring_setup_context)
@@ -779,7 +824,8 @@ def _group_of_size(op: str, group: str, world: int) -> comm.Group:
     grp = comm.Group(op, _traced.group_of(group))
     if grp.world != world:
         raise RuntimeError(f"{op}: the process group {group!r} has {grp.world} ranks, not the {world} this "
-                           f"compiled call was traced with")
+                           f"compiled call was traced with (a function compiled before "
+                           f"dist.init_process_group: torch._dynamo.reset() after it)")
     return grp
 
 
@@ -789,7 +835,8 @@ def _shard_op(x: torch.Tensor, group: str, layout: str, dim: int, world: int) ->
     op = "collectives.shard_sequence"
     dim = _check_shard(op, x, layout, dim, world)
     grp = _group_of_size(op, group, world)
-    return _local_of(x, layout, grp.world, grp.rank, dim)
+    return _local_of(x, layout, grp.world, grp.rank, dim).contiguous()  # (the fake's strides: cat keeps
+    # a channels_last input's; review finding)
 
 
 @_shard_op.register_fake
@@ -801,33 +848,36 @@ def _(x, group, layout, dim, world):
 
 
 @torch.library.custom_op("pykernels::unshard_sequence", mutates_args=())
-def _unshard_op(local: torch.Tensor, group: str, layout: str, dim: int, world: int) -> torch.Tensor:
-    """unshard_sequence over the group named `group`, of `world` ranks (a bad argument on any rank, or
-    shards of different shapes or dtypes, raise on every rank)."""
+def _unshard_op(local: torch.Tensor, group: str, layout: str, dim: int, world: int,
+                arg_error: str = "") -> torch.Tensor:
+    """unshard_sequence over the group named `group`, of `world` ranks (a bad argument on any rank, one
+    found while tracing (arg_error, see _traced_arg_error) included, or shards of different shapes or
+    dtypes, raise on every rank)."""
     op = "collectives.unshard_sequence"
-    err = None
-    try:
-        dim = _check_unshard(op, local, layout, dim)
-    except (TypeError, ValueError) as exc:
-        err = exc
+    err = _exception_of(arg_error)
+    if err is None:
+        try:
+            dim = _check_unshard(op, local, layout, dim)
+        except (TypeError, ValueError) as exc:
+            err = exc
     grp = _group_of_size(op, group, world)
     _check_shards_agree(op, grp, local, dim, layout, err)
-    return _gather_full(local, layout, grp, dim)
+    return _gather_full(local, layout, grp, dim).contiguous()  # (a world of one: a clone, its input's strides)
 
 
 @_unshard_op.register_fake
-def _(local, group, layout, dim, world):
+def _(local, group, layout, dim, world, arg_error=""):
     shape = list(local.shape)
     shape[dim if -local.dim() <= dim < local.dim() else 0] *= world  # (checked where the op runs)
     return local.new_empty(shape)
 
 
 def _shard_setup_context(ctx, inputs, output):
-    ctx.args = inputs[1:]
+    ctx.args = inputs[1:5]  # group, layout, dim, world
 
 
 # as _Shard and _Unshard: each one's backward is the other
 _shard_op.register_autograd(lambda ctx, g: (torch.ops.pykernels.unshard_sequence(g, *ctx.args),) + (None,) * 4,
                             setup_context=_shard_setup_context)
-_unshard_op.register_autograd(lambda ctx, g: (torch.ops.pykernels.shard_sequence(g, *ctx.args),) + (None,) * 4,
+_unshard_op.register_autograd(lambda ctx, g: (torch.ops.pykernels.shard_sequence(g, *ctx.args),) + (None,) * 5,
                               setup_context=_shard_setup_context)

@@ -315,6 +315,29 @@ def case_shard_roundtrip(rank, world, *, layout, dim, length, compile_backend=No
     return True
 
 
+def case_compiled_bad_input_on_one_rank(rank, world, *, what):
+    """Under torch.compile(fullgraph=True) the last rank passes a bad argument: every rank raises (the bad
+    one its own error, the others the cross-rank one), none waits for the group's timeout (review finding:
+    raised while that rank traced, the others waited in the op's cross-rank check)."""
+    bad = rank == world - 1
+    q = torch.randn(1, 2, 4, 8)
+    torch._dynamo.reset()
+    if what == "unshard":
+        f = torch.compile(lambda x: unshard_sequence(x, layout="zigzag", dim=0), fullgraph=True, backend="eager")
+        args, kw = (torch.randn(3 if bad else 4, 3),), {}
+    else:
+        f = torch.compile(lambda a, **kw: ring_attention(a, a, a, layout="contiguous", **kw), fullgraph=True,
+                          backend="eager")
+        args, kw = {"shape": ((q[0] if bad else q,), {}), "causal": ((q,), {"causal": 1 if bad else True}),
+                    "dtype": ((q.long() if bad else q,), {}), "scale": ((q,), {"scale": "x" if bad else 0.5})}[what]
+    t0 = time.monotonic()
+    try:
+        f(*args, **kw)
+    except Exception as exc:  # noqa: BLE001 - reported
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return None, "", time.monotonic() - t0
+
+
 def case_group_checks(rank, world):
     """The second group TokenRing makes has the user's group's timeout (30 s here; new_group's default
     of 30 min held the other ranks that long after one rank failed mid-schedule), and a 'group' that is
@@ -566,6 +589,18 @@ def test_compiled_fullgraph_matches_float64_oracle(pool, fn):
 def test_compiled_shard_unshard_roundtrip_and_gradient(pool, layout):
     n = 2 * pool.world if layout == "zigzag" else pool.world
     pool.run("case_shard_roundtrip", layout=layout, dim=2, length=3 * n, compile_backend="aot_eager")
+
+
+@pytest.mark.parametrize("what", ["shape", "causal", "dtype", "scale", "unshard"])
+def test_compiled_bad_input_on_one_rank_raises_on_every_rank(pool, what):
+    if pool.world == 1:
+        pytest.skip("needs two ranks")
+    res = pool.run("case_compiled_bad_input_on_one_rank", what=what)
+    for rank, (kind, msg, secs) in enumerate(res):
+        assert kind in ("TypeError", "ValueError"), (rank, kind, msg)
+        assert "collectives." in msg and secs < 20, (rank, msg, secs)
+        if rank < pool.world - 1:
+            assert "of the group got invalid input" in msg, (rank, msg)
 
 
 def test_group_checks_and_second_group_timeout(pool):
