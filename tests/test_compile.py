@@ -253,3 +253,26 @@ def test_collectives_shard_ops_compile_with_changing_dims_and_strided_inputs():
     torch._dynamo.reset()
     g = torch.compile(lambda t: collectives.unshard_sequence(t, dim=2) + 1, fullgraph=True, backend="inductor")
     assert torch.equal(g(o), o + 1)
+
+
+def test_collectives_ops_pass_opcheck():
+    """The collectives' registered ops in a world of one (no torch.distributed): schema, fake tensors
+    (shapes, dtypes, strides: a transposed and a channels_last input), autograd registration and
+    aot_dispatch (review finding: the shard fakes' strides differed from the real outputs')."""
+    import collectives  # noqa: F401  (registers the ops)
+
+    ops = torch.ops.pykernels
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 6, 8, generator=g, requires_grad=True)
+    k = torch.randn(1, 2, 6, 8, generator=g, requires_grad=True)
+    for token in (False, True):
+        torch.library.opcheck(ops.ring_attention.default, (q, k, k, None, True, "zigzag", "", "", token, True, ""))
+    out, lse = ops.ring_attention(q.detach(), k.detach(), k.detach(), None, True, "zigzag", "", "", False, True)
+    torch.library.opcheck(ops.ring_attention_backward.default,
+                          (torch.randn_like(out), None, q.detach(), k.detach(), k.detach(), out, lse, 0.35, True,
+                           "zigzag", "", "", False))
+    x = torch.randn(2, 8, 3, 4, generator=g).transpose(1, 2).requires_grad_()
+    xc = torch.randn(2, 3, 8, 4, generator=g).to(memory_format=torch.channels_last).requires_grad_()
+    for t in (x, xc):
+        torch.library.opcheck(ops.shard_sequence.default, (t, "", "zigzag", 2, 1))
+        torch.library.opcheck(ops.unshard_sequence.default, (t, "", "contiguous", 2, 1, ""))
