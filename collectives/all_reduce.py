@@ -140,6 +140,11 @@ def _shared_view(arr) -> torch.Tensor:
                          f"({exc}), and all_reduce works in place; pass a torch.Tensor") from exc
 
 
+_DTYPE_ERROR = OPNAME + ": tensor dtype must be one of float32, float64, float16, bfloat16, int32, int64, uint8, got {}"
+_OVERLAP_ERROR = (f"{OPNAME}: tensor has elements that share memory (an expanded or overlapping view), so it "
+                  f"cannot receive an in-place result; pass a tensor that owns its elements")
+
+
 def _check_tensor(tensor) -> torch.Tensor:
     if not isinstance(tensor, torch.Tensor):
         if hasattr(tensor, "__dlpack__"):
@@ -147,15 +152,13 @@ def _check_tensor(tensor) -> torch.Tensor:
         else:
             raise TypeError(f"{OPNAME}: tensor must be a torch.Tensor (or a DLPack array), got {type(tensor).__name__}")
     if tensor.dtype not in _DTYPES:
-        raise TypeError(f"{OPNAME}: tensor dtype must be one of float32, float64, float16, bfloat16, int32, "
-                        f"int64, uint8, got {tensor.dtype}")
+        raise TypeError(_DTYPE_ERROR.format(tensor.dtype))
     if tensor.is_sparse or tensor.layout != torch.strided:
         raise ValueError(f"{OPNAME}: tensor must be dense (strided), got layout {tensor.layout}")
     if tensor.device.type == "meta":
         raise RuntimeError(f"{OPNAME}: tensor is on the meta device (no data to reduce)")
     if torch._debug_has_internal_overlap(tensor) == 1:  # 1: elements share memory (expand, as_strided)
-        raise ValueError(f"{OPNAME}: tensor has elements that share memory (an expanded or overlapping view), "
-                         f"so it cannot receive an in-place result; pass a tensor that owns its elements")
+        raise ValueError(_OVERLAP_ERROR)
     return tensor
 
 
@@ -952,6 +955,12 @@ def _traced_all_reduce(tensor, op, group, topology, algorithm, async_op):
     completed AllReduceWork."""
     if not isinstance(tensor, torch.Tensor):  # (dynamo hands numpy arrays in as tensors)
         raise TypeError(f"{OPNAME}: tensor must be a torch.Tensor (or a DLPack array), got {type(tensor).__name__}")
+    if tensor.dtype not in _DTYPES:
+        raise TypeError(_DTYPE_ERROR.format(tensor.dtype))
+    if any(st == 0 and sz > 1 for sz, st in zip(tensor.shape, tensor.stride())):
+        # an expanded view: eager refuses it (_check_tensor); traced, functionalization failed on the
+        # in-place op without naming it (the fake tensor's strides say as much as eager's overlap check)
+        raise ValueError(_OVERLAP_ERROR)
     op = _check_call(op, algorithm, async_op)
     if group is dist.GroupMember.NON_GROUP_MEMBER:  # a process outside the group: nothing to do, as eager
         return AllReduceWork(None, tensor) if async_op else tensor
