@@ -963,12 +963,14 @@ struct BwdScratch {
   std::vector<uint32_t> kl, vl, k2, q2, do2, q32, do32, pt, dst_pairs;
   std::vector<float> s, dp, dq, dk, dv;
   std::vector<uint32_t> ds2;  // dS in bf16, [PF_BM][PF_BN] (pairs of keys per word)
-  void size_for(int64_t G, int64_t Sqp, int64_t Skp, int64_t D) {
+  // group_rows = false: q2, do2 and dq are the group's shared buffers (BwdPart), not this scratch's
+  void size_for(int64_t G, int64_t Sqp, int64_t Skp, int64_t D, bool group_rows = true) {
+    const int64_t rows = group_rows ? G * Sqp : 0;
     kl.resize((size_t)(Skp * D / 2));
     vl.resize((size_t)(Skp * D / 2));
     k2.resize((size_t)(Skp * D / 2));
-    q2.resize((size_t)(G * Sqp * D / 2));
-    do2.resize((size_t)(G * Sqp * D / 2));
+    q2.resize((size_t)(rows * D / 2));
+    do2.resize((size_t)(rows * D / 2));
     q32.resize((size_t)PF_BM * D / 2);
     do32.resize((size_t)PF_BM * D / 2);
     pt.resize((size_t)PF_BM / 2 * PF_BN);
@@ -976,7 +978,7 @@ struct BwdScratch {
     s.resize((size_t)PF_BM * PF_BN);
     dp.resize((size_t)PF_BM * PF_BN);
     ds2.resize((size_t)PF_BM * PF_BN / 2);
-    dq.resize((size_t)(G * Sqp * D));
+    dq.resize((size_t)(rows * D));
     dk.resize((size_t)PF_BN * D);
     dv.resize((size_t)PF_BN * D);
   }
@@ -1001,13 +1003,19 @@ PK_TARGET_AVX512BF16 inline __m512i pf_pair_words(__m512 a, __m512 b) {
 
 // A group's share of the backward when there are fewer groups than threads: `parts` threads share it,
 // part p taking the (head, 64-row query block) pairs numbered p, p + parts, ... (round robin: with a
-// causal mask later query blocks see more keys). dQ rows stay exclusive; dK/dV become per-part fp32 sums
-// over all keys (dk, dv: [Skp][D], zeroed), added up by the caller. parts == 1: the whole group, dK/dV
-// stored here per key block (dk, dv null).
+// causal mask later query blocks see more keys). Q and dO in row pairs and the fp32 dQ are the group's
+// buffers (q2, do2: [G][Sqp / 2][D] words; dq: [G][Sqp][D]), shared by its parts, each packing, zeroing and
+// reading only the blocks it owns (so no part waits for another, and the group's rows are packed once:
+// a scratch per part held G heads of them, threads x 4 x the size of q in all). dK/dV become per-part fp32
+// sums over all keys (dk, dv: [Skp][D], zeroed), added up by the caller. parts == 1: the whole group in
+// the scratch's buffers, dK/dV stored here per key block (all pointers null).
 struct BwdPart {
   int part = 0, parts = 1;
   float* dk = nullptr;
   float* dv = nullptr;
+  uint32_t* q2 = nullptr;
+  uint32_t* do2 = nullptr;
+  float* dq = nullptr;
   bool owns(int64_t g, int64_t i0, int64_t qblocks) const { return (g * qblocks + i0 / PF_BM) % parts == part; }
 };
 
@@ -1023,18 +1031,25 @@ PK_TARGET_AVX512BF16 bool bwd_group(const BwdProblem& BP, int64_t b, int64_t hk,
   bool sub = pack_lanes(kb, P.ks[2], Sk, Skp, D, sc.kl.data());
   sub = pack_lanes(vb, P.vs[2], Sk, Skp, D, sc.vl.data()) || sub;
   pack_pairs(kb, P.ks[2], Sk, Skp, D, sc.k2.data());
-  for (int64_t g = 0; g < G; ++g) {
-    const int64_t h = hk * G + g;
-    sub = pack_pairs(static_cast<const uint16_t*>(P.q) + b * P.qs[0] + h * P.qs[1], P.qs[2], Sq, Sqp, D,
-                     sc.q2.data() + g * Sqp * D2) || sub;
-    sub = pack_pairs(static_cast<const uint16_t*>(BP.dout) + b * BP.dos[0] + h * BP.dos[1], BP.dos[2], Sq, Sqp, D,
-                     sc.do2.data() + g * Sqp * D2) || sub;
-  }
-  if (sub) return false;
-  std::fill(sc.dq.begin(), sc.dq.begin() + (size_t)(G * Sqp * D), 0.f);
-  const int64_t off = Sk - Sq;  // bottom-right causal: row i sees keys j <= i + off
   const int64_t qblocks = Sqp / PF_BM;
   const bool shared = part.parts > 1;
+  uint32_t* const q2s = shared ? part.q2 : sc.q2.data();
+  uint32_t* const do2s = shared ? part.do2 : sc.do2.data();
+  float* const dqs = shared ? part.dq : sc.dq.data();
+  for (int64_t g = 0; g < G; ++g) {  // the Q and dO blocks (every one is some part's: all rows checked)
+    const int64_t h = hk * G + g;
+    const uint16_t* qh = static_cast<const uint16_t*>(P.q) + b * P.qs[0] + h * P.qs[1];
+    const uint16_t* doh = static_cast<const uint16_t*>(BP.dout) + b * BP.dos[0] + h * BP.dos[1];
+    for (int64_t i0 = 0; i0 < Sq; i0 += PF_BM) {
+      if (shared && !part.owns(g, i0, qblocks)) continue;
+      const int64_t rows = std::min<int64_t>(PF_BM, Sq - i0), at = g * Sqp * D2 + (i0 / 2) * D;
+      sub = pack_pairs(qh + i0 * P.qs[2], P.qs[2], rows, PF_BM, D, q2s + at) || sub;
+      sub = pack_pairs(doh + i0 * BP.dos[2], BP.dos[2], rows, PF_BM, D, do2s + at) || sub;
+      std::fill(dqs + (g * Sqp + i0) * D, dqs + (g * Sqp + i0 + PF_BM) * D, 0.f);
+    }
+  }
+  if (sub) return false;
+  const int64_t off = Sk - Sq;  // bottom-right causal: row i sees keys j <= i + off
   for (int64_t j0 = 0; j0 < Sk; j0 += PF_BN) {
     const int nb = (int)std::min<int64_t>(PF_BN, Sk - j0);
     float* const dk_acc = shared ? part.dk + j0 * D : sc.dk.data();
@@ -1097,8 +1112,8 @@ PK_TARGET_AVX512BF16 bool bwd_group(const BwdProblem& BP, int64_t b, int64_t hk,
                                 pf_pair_words(_mm512_loadu_ps(da + j), db1));
           }
         }
-        const uint32_t* q2 = sc.q2.data() + g * Sqp * D2 + (i0 / 2) * D;
-        const uint32_t* do2 = sc.do2.data() + g * Sqp * D2 + (i0 / 2) * D;
+        const uint32_t* q2 = q2s + g * Sqp * D2 + (i0 / 2) * D;
+        const uint32_t* do2 = do2s + g * Sqp * D2 + (i0 / 2) * D;
         pf_row_tiles(nb, [&](int r0, auto R) {  // dV and dK rows: the block's keys
           for (int64_t d0 = 0; d0 < D; d0 += 64) {
             pf_pv<decltype(R)::value>(sc.pt.data() + r0, 1, PF_BN, do2 + d0, D, pairs, dv_acc + (size_t)r0 * D + d0);
@@ -1107,7 +1122,7 @@ PK_TARGET_AVX512BF16 bool bwd_group(const BwdProblem& BP, int64_t b, int64_t hk,
           }
         });
         const uint32_t* k2 = sc.k2.data() + (j0 / 2) * D;
-        float* dqb = sc.dq.data() + (size_t)((g * Sqp + i0) * D);
+        float* dqb = dqs + (g * Sqp + i0) * D;
         pf_row_tiles(rows, [&](int r0, auto R) {  // dQ rows: the block's query rows, over its key pairs
           for (int64_t d0 = 0; d0 < D; d0 += 64)
             pf_pv<decltype(R)::value>(sc.ds2.data() + (size_t)r0 * (PF_BN / 2), PF_BN / 2, 1,
@@ -1126,7 +1141,7 @@ PK_TARGET_AVX512BF16 bool bwd_group(const BwdProblem& BP, int64_t b, int64_t hk,
     uint16_t* dqh = static_cast<uint16_t*>(BP.dq) + b * BP.dqs[0] + h * BP.dqs[1];
     for (int64_t i0 = 0; i0 < Sq; i0 += PF_BM)
       if (!shared || part.owns(g, i0, qblocks))  // (a shared group's other rows are another part's)
-        pf_store_rows(sc.dq.data() + (size_t)((g * Sqp + i0) * D), (int)std::min<int64_t>(PF_BM, Sq - i0), D,
+        pf_store_rows(dqs + (g * Sqp + i0) * D, (int)std::min<int64_t>(PF_BM, Sq - i0), D,
                       P.scale, dqh + i0 * BP.dqs[2], BP.dqs[2]);
   }
   return true;
@@ -1147,7 +1162,8 @@ int64_t prefill_backward(const BwdProblem& BP, int num_threads) {
   const int64_t Sqp = (P.Sq + PF_BM - 1) / PF_BM * PF_BM, Skp = (P.Sk + PF_BN - 1) / PF_BN * PF_BN;
   const int threads = std::max(1, num_threads);
   std::atomic<bool> subnormal{false};
-  const int parts = (int)std::max<int64_t>(1, threads / groups);
+  // (no more parts than the group's (head, query block) pairs: a part without one would only pack K/V)
+  const int parts = (int)std::clamp<int64_t>(threads / groups, 1, G * (Sqp / PF_BM));
   if (parts == 1) {  // a whole group per work item: dK/dV of its keys in one thread, no reduction
     std::vector<BwdScratch> scratch(std::min<int64_t>(threads, groups));
     pk::parallel_chunks(groups, (int)scratch.size(), 1, [&](int t, int64_t g0, int64_t g1) {
@@ -1162,19 +1178,25 @@ int64_t prefill_backward(const BwdProblem& BP, int num_threads) {
   // split its query blocks; their fp32 dK/dV sums are then added up and stored, in parallel over key rows.
   // (FlashAttention-2 splits the keys instead, with dQ added atomically; here dK/dV are the smaller sums
   // where a KV head serves several query heads.)
-  const int64_t items = groups * parts, part_elems = Skp * P.D;
+  const int64_t items = groups * parts, part_elems = Skp * P.D, group_rows = G * Sqp * P.D;
   std::vector<float> dkv((size_t)(2 * items * part_elems), 0.f);  // [item][dk, dv][Skp][D]
+  // each group's Q, dO (row pairs) and fp32 dQ, written block by block by the parts that own the blocks
+  std::vector<uint32_t> q2((size_t)(groups * group_rows / 2)), do2((size_t)(groups * group_rows / 2));
+  std::vector<float> dq((size_t)(groups * group_rows));
   std::vector<BwdScratch> scratch((size_t)items);
   pk::parallel_chunks(items, (int)items, 1, [&](int, int64_t it0, int64_t it1) {
     for (int64_t it = it0; it < it1 && !subnormal; ++it) {
       BwdScratch& sc = scratch[(size_t)it];
-      sc.size_for(G, Sqp, Skp, P.D);
+      sc.size_for(G, Sqp, Skp, P.D, false);
       const int64_t g = it / parts;
       BwdPart part;
       part.part = (int)(it % parts);
       part.parts = parts;
       part.dk = dkv.data() + (size_t)(2 * it * part_elems);
       part.dv = part.dk + part_elems;
+      part.q2 = q2.data() + (size_t)(g * group_rows / 2);
+      part.do2 = do2.data() + (size_t)(g * group_rows / 2);
+      part.dq = dq.data() + (size_t)(g * group_rows);
       if (!bwd_group(BP, g / P.Hkv, g % P.Hkv, sc, part)) subnormal = true;
     }
   });
