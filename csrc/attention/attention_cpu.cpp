@@ -42,6 +42,9 @@
 
 #if PK_X86
 #include <immintrin.h>
+#ifdef PK_EMULATE_AVX512
+#include "avx512_emu.h"  // (see PK_TARGET_AVX512BF16)
+#endif
 #endif
 
 namespace py = pybind11;
@@ -568,8 +571,17 @@ constexpr int64_t kSubnormalInput = -2;  // prefill_forward / prefill_backward: 
 inline bool prefill_head_dim_ok(int64_t D) { return D > 0 && D % 64 == 0 && D <= 512; }
 
 #if PK_X86
+#ifdef PK_EMULATE_AVX512
+// A test build (tests/test_attention_avx512_emulated.py): the AVX-512 intrinsics below become the scalar
+// versions of tests/avx512_emulation/avx512_emu.h, so the bf16dot kernels' logic runs and is tested on
+// CPUs without AVX-512 BF16 (CI's machines may lack it); never a build users get.
+#define PK_TARGET_AVX512BF16
+inline bool bf16dot_cpu() { return true; }
+#else
 #define PK_TARGET_AVX512BF16 \
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,bmi,bmi2,popcnt,f16c")))
+inline bool bf16dot_cpu() { return pk::cpu_has_avx512bf16(); }
+#endif
 
 // Whether bf16 x[0, n) (n a multiple of 32) holds a subnormal (|x| < 2^-126, not 0): vdpbf16ps reads those
 // as 0 whatever MXCSR says, so a call with one takes an exact path (a subnormal q component times a key
@@ -870,7 +882,7 @@ PK_TARGET_AVX512BF16 int64_t prefill_item(const Problem& P, const uint32_t* kp, 
 // holds a subnormal (nothing computed: the caller takes an exact path).
 int64_t prefill_forward(const Problem& P, int num_threads) {
 #if PK_X86
-  if (!pk::cpu_has_avx512bf16() || P.dt != pk::DType::BFloat16 || !prefill_head_dim_ok(P.D)) return -1;
+  if (!bf16dot_cpu() || P.dt != pk::DType::BFloat16 || !prefill_head_dim_ok(P.D)) return -1;
   const int64_t D = P.D;
   if (P.B * P.H == 0 || P.Sq == 0) return 0;
   const int64_t Skp = std::max<int64_t>(PF_BN, (P.Sk + PF_BN - 1) / PF_BN * PF_BN);
@@ -1155,7 +1167,7 @@ PK_TARGET_AVX512BF16 bool bwd_group(const BwdProblem& BP, int64_t b, int64_t hk,
 int64_t prefill_backward(const BwdProblem& BP, int num_threads) {
 #if PK_X86
   const Problem& P = BP.P;
-  if (!pk::cpu_has_avx512bf16() || P.dt != pk::DType::BFloat16 || !prefill_head_dim_ok(P.D)) return -1;
+  if (!bf16dot_cpu() || P.dt != pk::DType::BFloat16 || !prefill_head_dim_ok(P.D)) return -1;
   const int64_t groups = P.B * P.Hkv;
   if (groups == 0 || P.Sq == 0 || P.Sk == 0) return 0;  // (the caller returns zeros)
   const int64_t G = P.H / P.Hkv;
@@ -1299,7 +1311,7 @@ int64_t prefill_backward_py(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t dou
 
 bool prefill_available() {
 #if PK_X86
-  return pk::cpu_has_avx512bf16();
+  return bf16dot_cpu();
 #else
   return false;
 #endif
