@@ -82,6 +82,15 @@ def cpu_module(family: str):
     return mod
 
 
+@lru_cache(maxsize=None)
+def torch_bf16_gemm_native() -> bool:
+    """Whether torch's (oneDNN's) bf16 GEMMs multiply bf16 natively on this CPU (AVX512-BF16; every AMX CPU
+    has it), whatever our own tier flags say. Without it they convert to fp32 on the way and run far below
+    fp32 (Zen 2, AVX2: a bf16 matmul 5.7x, aten's bf16 flash-attention backward 6-13x slower than fp32),
+    so qmatmul's dequantize route and flash attention's backward multiply in fp32 there."""
+    return bool(cpu_module("qgemm").cpu_has_bf16_dot())
+
+
 def cuda_module(family: str):
     """The CUDA/HIP module of an op family, or raise RuntimeError saying why not."""
     mod, why = _load(f"_cuda_{family}")

@@ -910,7 +910,7 @@ def test_dequant_mm_bf16_multiplies_as_the_cpu_can(bf16_native, monkeypatch):
     each rounded to bf16 once."""
     from pykernels.quant import _ops
 
-    monkeypatch.setattr(_ops, "_bf16_gemm_native", lambda: bf16_native)
+    monkeypatch.setattr(_ops, "torch_bf16_gemm_native", lambda: bf16_native)
     N, K = 70, 200
     qw = pykernels.quantize(torch.randn(N, K), 4, 64, "asym")
     x = torch.randn(33, K).bfloat16()
@@ -932,7 +932,7 @@ def test_default_config_without_avx512(monkeypatch):
 
     monkeypatch.setenv("PYKERNELS_DISABLE_AVX512", "1")
     for native in (False, True):
-        monkeypatch.setattr(_ops, "_bf16_gemm_native", lambda native=native: native)
+        monkeypatch.setattr(_ops, "torch_bf16_gemm_native", lambda native=native: native)
         for dtype in (torch.float32, torch.bfloat16):
             for M, want in ((16, "native"), (64, "dequant_mm" if native and dtype == torch.bfloat16 else "native"),
                             (65, "dequant_mm"), (128, "dequant_mm")):

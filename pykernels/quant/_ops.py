@@ -23,7 +23,7 @@ import torch
 
 from .. import autotune
 from .._backend import dispatch, eager_direct, functorch_autograd, vmapped_first
-from .._native import cpu_module, cuda_module, cuda_stream_handle, dtype_code, getenv
+from .._native import cpu_module, cuda_module, cuda_stream_handle, dtype_code, getenv, torch_bf16_gemm_native
 from . import _format as F
 
 _ROWS_PER_DEQUANT_CHUNK = 1024
@@ -42,12 +42,6 @@ def _has_amx() -> bool:
     """AMX-BF16 usable in this process (CPU, OS, permission; PYKERNELS_DISABLE_AMX=1 turns it off)."""
     return (getenv("PYKERNELS_DISABLE_AMX") != "1" and _has_avx512()
             and bool(cpu_module("qgemm").cpu_has_amx_bf16()))
-
-
-@functools.lru_cache(maxsize=None)
-def _bf16_gemm_native() -> bool:
-    """Whether torch's bf16 GEMM multiplies bf16 natively here (AVX512-BF16), whatever our tier flags say."""
-    return bool(cpu_module("qgemm").cpu_has_bf16_dot())
 
 
 def _amx_fits(key: dict) -> bool:
@@ -81,7 +75,7 @@ def _default_cpu_config(key: dict) -> dict:
     # 23 ms, M=32 22 vs 12: the native kernel below), and for
     # bf16 activations from M=64 where the CPU multiplies bf16 natively (AVX-512 turned off on Zen 4: M=128
     # ~100 ms vs ~225 ms).
-    if key["M"] >= 128 or (key.get("dtype") == "bfloat16" and key["M"] >= 64 and _bf16_gemm_native()):
+    if key["M"] >= 128 or (key.get("dtype") == "bfloat16" and key["M"] >= 64 and torch_bf16_gemm_native()):
         return {"impl": "dequant_mm", "threads": 0, "m_block": 16, "n_block": 8}
     return {"impl": "native", "threads": 0, "m_block": 16, "n_block": 8}
 
@@ -148,7 +142,7 @@ def cpu_weight_only(x2, packed, scales, offsets, bias, N, K, bits, group_size, c
         # torch's GEMM; bf16 activations multiply bf16 weights where the CPU multiplies bf16 natively
         # (oneDNN's bf16 GEMM ~2x its fp32 one there), everything else fp32 (without AVX512-BF16 oneDNN's
         # bf16 GEMM ran 5.7x slower than its fp32 one: Zen 2, M=128, K=N=4096).
-        wdt = torch.bfloat16 if x2.dtype == torch.bfloat16 and _bf16_gemm_native() else torch.float32
+        wdt = torch.bfloat16 if x2.dtype == torch.bfloat16 and torch_bf16_gemm_native() else torch.float32
         xw = x2.to(wdt)
         step = min(N, _ROWS_PER_DEQUANT_CHUNK)
         buf = torch.empty(step, K, dtype=wdt)
