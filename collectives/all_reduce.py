@@ -957,9 +957,10 @@ def _traced_all_reduce(tensor, op, group, topology, algorithm, async_op):
         raise TypeError(f"{OPNAME}: tensor must be a torch.Tensor (or a DLPack array), got {type(tensor).__name__}")
     if tensor.dtype not in _DTYPES:
         raise TypeError(_DTYPE_ERROR.format(tensor.dtype))
-    if any(st == 0 and sz > 1 for sz, st in zip(tensor.shape, tensor.stride())):
+    if tensor.numel() > 0 and any(st == 0 and sz > 1 for sz, st in zip(tensor.shape, tensor.stride())):
         # an expanded view: eager refuses it (_check_tensor); traced, functionalization failed on the
-        # in-place op without naming it (the fake tensor's strides say as much as eager's overlap check)
+        # in-place op without naming it (the fake tensor's strides say as much as eager's overlap check,
+        # which takes an empty tensor as not overlapping)
         raise ValueError(_OVERLAP_ERROR)
     op = _check_call(op, algorithm, async_op)
     if group is dist.GroupMember.NON_GROUP_MEMBER:  # a process outside the group: nothing to do, as eager

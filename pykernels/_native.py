@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import platform
 from functools import lru_cache
 from typing import Optional
 
@@ -82,12 +83,15 @@ def cpu_module(family: str):
     return mod
 
 
+IS_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
+
+
 @lru_cache(maxsize=None)
 def torch_bf16_gemm_native() -> bool:
     """Whether torch's (oneDNN's) bf16 GEMMs multiply bf16 natively on this CPU (AVX512-BF16; every AMX CPU
     has it), whatever our own tier flags say. Without it they convert to fp32 on the way and run far below
     fp32 (Zen 2, AVX2: a bf16 matmul 5.7x, aten's bf16 flash-attention backward 6-13x slower than fp32),
-    so qmatmul's dequantize route and flash attention's backward multiply in fp32 there."""
+    so qmatmul's dequantize route and flash attention's backward multiply in fp32 there. (False off x86.)"""
     return bool(cpu_module("qgemm").cpu_has_bf16_dot())
 
 

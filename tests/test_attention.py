@@ -1437,10 +1437,13 @@ def test_bf16dot_backward_matches_the_oracle(shape, causal, threads):
 
 
 @needs_bf16dot
-def test_bf16dot_backward_reads_strided_inputs():
-    """q/k/v laid out [B, S, H, D], an odd K row stride, and the expanded dout of out.sum()."""
+@pytest.mark.parametrize("B, H, Hkv, threads", [(2, 4, 2, 2), (1, 4, 1, 2), (1, 4, 1, 3)],
+                         ids=["group-per-thread", "shared-2", "shared-3"])
+def test_bf16dot_backward_reads_strided_inputs(B, H, Hkv, threads):
+    """q/k/v laid out [B, S, H, D], an odd K row stride, and the expanded dout of out.sum(); also where
+    threads share a group (one KV head: each packs its own blocks of Q and dO)."""
     g = torch.Generator().manual_seed(6)
-    B, H, Hkv, Sq, Sk, D = 2, 4, 2, 70, 100, 64
+    Sq, Sk, D = 70, 100, 64
     q = torch.randn(B, Sq, H, D, generator=g).to(torch.bfloat16).transpose(1, 2)
     v = torch.randn(B, Sk, Hkv, D, generator=g).to(torch.bfloat16).transpose(1, 2)
     odd = torch.randn(B * Hkv * Sk * (D + 1), generator=g).to(torch.bfloat16)
@@ -1448,7 +1451,7 @@ def test_bf16dot_backward_reads_strided_inputs():
     dout = torch.ones((), dtype=torch.bfloat16).expand(B, H, Sq, D)
     before = [t.clone() for t in (q, k, v)]
     out, lse = _forward_impl(q, k, v, True, 0.125, "cpu", {"impl": "flash"})
-    got = _cpu.bf16dot_backward(dout, q, k, v, out, lse, True, 0.125, None, 2)
+    got = _cpu.bf16dot_backward(dout, q, k, v, out, lse, True, 0.125, None, threads)
     qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
     want = torch.autograd.grad(reference(qr, kr, vr, True, 0.125)[0].sum(), (qr, kr, vr))
     for name, a, w in zip(("dq", "dk", "dv"), got, want):
@@ -1516,6 +1519,24 @@ def test_bf16dot_subnormal_inputs_take_an_exact_path():
     assert _cpu.bf16dot_backward(dout2, q2, k2, v2, out2, lse2, True, 0.125, None, 2) is not None
     dout2[0, 0, 3, 5] = -1e-39
     assert _cpu.bf16dot_backward(dout2, q2, k2, v2, out2, lse2, True, 0.125, None, 2) is None
+
+
+@needs_bf16dot
+@pytest.mark.parametrize("where", ["q", "dout"])
+@pytest.mark.parametrize("block", [0, 4, 11])  # owned by parts 0, 1, 2
+def test_bf16dot_backward_subnormal_in_any_parts_block(where, block):
+    """Where threads share a group, each part checks only the query blocks it packs: a subnormal in any
+    (head, 64-row block) of q or dout, whichever of 3 parts owns it, still sends the call to an exact path."""
+    q, k, v = make(1, 4, 1, 130, 70, 64, torch.bfloat16, seed=7)
+    out, lse = _forward_impl(q, k, v, False, 0.125, "cpu", {"impl": "flash"})
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    assert _cpu.bf16dot_backward(dout, q, k, v, out, lse, False, 0.125, None, 3) is not None
+    head, row = divmod(block, 3)  # blocks of (head, 64 rows) numbered head * 3 + row block
+    t = (q if where == "q" else dout).clone()
+    t[0, head, min(129, row * 64 + 63), 17] = -3e-39
+    args = {"q": q, "dout": dout}
+    args[where] = t
+    assert _cpu.bf16dot_backward(args["dout"], args["q"], k, v, out, lse, False, 0.125, None, 3) is None
 
 
 @needs_bf16dot

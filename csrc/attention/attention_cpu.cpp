@@ -1028,6 +1028,9 @@ struct BwdPart {
   uint32_t* q2 = nullptr;
   uint32_t* do2 = nullptr;
   float* dq = nullptr;
+  // set when any item of the call met a subnormal (the whole call then takes an exact path): read per key
+  // block, so the other items stop early (a part checks only its own blocks of Q and dO)
+  const std::atomic<bool>* stop = nullptr;
   bool owns(int64_t g, int64_t i0, int64_t qblocks) const { return (g * qblocks + i0 / PF_BM) % parts == part; }
 };
 
@@ -1063,6 +1066,7 @@ PK_TARGET_AVX512BF16 bool bwd_group(const BwdProblem& BP, int64_t b, int64_t hk,
   if (sub) return false;
   const int64_t off = Sk - Sq;  // bottom-right causal: row i sees keys j <= i + off
   for (int64_t j0 = 0; j0 < Sk; j0 += PF_BN) {
+    if (part.stop && part.stop->load(std::memory_order_relaxed)) return false;
     const int nb = (int)std::min<int64_t>(PF_BN, Sk - j0);
     float* const dk_acc = shared ? part.dk + j0 * D : sc.dk.data();
     float* const dv_acc = shared ? part.dv + j0 * D : sc.dv.data();
@@ -1181,8 +1185,10 @@ int64_t prefill_backward(const BwdProblem& BP, int num_threads) {
     pk::parallel_chunks(groups, (int)scratch.size(), 1, [&](int t, int64_t g0, int64_t g1) {
       BwdScratch& sc = scratch[t];
       sc.size_for(G, Sqp, Skp, P.D);
+      BwdPart whole;
+      whole.stop = &subnormal;
       for (int64_t g = g0; g < g1 && !subnormal; ++g)
-        if (!bwd_group(BP, g / P.Hkv, g % P.Hkv, sc)) subnormal = true;
+        if (!bwd_group(BP, g / P.Hkv, g % P.Hkv, sc, whole)) subnormal = true;
     });
     return subnormal ? kSubnormalInput : 0;
   }
@@ -1209,6 +1215,7 @@ int64_t prefill_backward(const BwdProblem& BP, int num_threads) {
       part.q2 = q2.data() + (size_t)(g * group_rows / 2);
       part.do2 = do2.data() + (size_t)(g * group_rows / 2);
       part.dq = dq.data() + (size_t)(g * group_rows);
+      part.stop = &subnormal;
       if (!bwd_group(BP, g / P.Hkv, g % P.Hkv, sc, part)) subnormal = true;
     }
   });

@@ -2179,8 +2179,9 @@ void wo_gemm_amx(uintptr_t, int64_t, int64_t, uintptr_t, int, uintptr_t, uintptr
 
 // Whether the CPU multiplies bf16 natively (AVX512-BF16's VDPBF16PS; AMX CPUs have it too), whatever the
 // PYKERNELS_DISABLE_* flags say about our own kernels: it answers for torch's bf16 GEMM (oneDNN), which the
-// "dequant_mm" route calls. Without it oneDNN's bf16 GEMM converts to fp32 on the way and ran 5.7x slower
-// than its fp32 GEMM (Zen 2, AVX2: M=128, K=N=4096, 270 vs 47 ms), so that route multiplies in fp32 there.
+// "dequant_mm" route and aten's flash-attention backward call (pykernels._native.torch_bf16_gemm_native).
+// Without it oneDNN's bf16 GEMM converts to fp32 on the way and ran 5.7x slower than its fp32 GEMM (Zen 2,
+// AVX2: M=128, K=N=4096, 270 vs 47 ms), so both multiply in fp32 there.
 bool cpu_has_bf16_dot() {
 #if PK_X86 && defined(__GNUC__)
   __builtin_cpu_init();

@@ -291,12 +291,14 @@ def flash_forward(q, k, v, causal: bool, scale: float):
 
 def flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     """dq, dk, dv with aten's CPU flash backward (no LSE gradient: see `blocked_backward`)."""
-    if q.dtype == torch.float16 or (q.dtype == torch.bfloat16 and not _native.torch_bf16_gemm_native()):
+    if q.dtype == torch.float16 or (q.dtype == torch.bfloat16 and _native.IS_X86
+                                    and not _native.torch_bf16_gemm_native()):
         # through float32, as flash_forward does float16. bfloat16 too where the CPU has no bf16 dot product
         # (AVX512-BF16): aten's bf16 backward ran 6-13x slower than this there (2-core Zen 2 EPYC, AVX2:
         # 8 heads x S=2048 x D=128 causal 1548 -> 202 ms, 16 heads over 1 KV head x S=1024 1718 -> 129 ms),
         # while its bf16 forward runs at the fp32 rate (kept). Products of the same bf16 values, fp32 P and
-        # dS where aten rounds them to bf16: closer to the exact gradient.
+        # dS where aten rounds them to bf16: closer to the exact gradient. (x86 only: unmeasured elsewhere. An
+        # expanded dout becomes a dense fp32 copy here.)
         dtype = q.dtype
         grads = flash_backward(dout.float(), q.float(), k.float(), v.float(), out.float(), lse, causal, scale)
         return tuple(g.to(dtype) for g in grads)
@@ -318,8 +320,9 @@ def flash_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     g = 1 if aten_handles_gqa() else H // Hkv
     aten_lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     # aten's backward reads q and out as if the head dim were dense and rows did not overlap (as its
-    # forward does q, see _dense_last); dout it takes with any strides (an expanded one from .sum() too,
-    # so no copy of it); out and lse usually arrive in the [B, S, H] layout they wrote.
+    # forward does q, see _dense_last); dout it takes with any strides (an expanded one from .sum() too, so
+    # no copy of it in a call that arrives in its own dtype); out and lse usually arrive in the [B, S, H]
+    # layout they wrote.
     q, out = _dense_last(q), _dense_last(out)
     lse = lse.to(aten_lse_dtype)
     ke, ve = _expand_kv(k.contiguous(), g), _expand_kv(v.contiguous(), g)

@@ -89,8 +89,9 @@ inline emu_m512 emu_dpbf16_ps(emu_m512 src, emu_m512bh a, emu_m512bh b) {
   auto S = emu::f(src); auto A = emu::bc<emu::H>(a), B = emu::bc<emu::H>(b); emu::F r;
   for (int j = 0; j < 16; ++j) {
     float acc = emu::ftz(S.v[j]);
-    acc = emu::ftz(acc + emu::bf2f(A.v[2 * j + 1]) * emu::bf2f(B.v[2 * j + 1]));
-    acc = emu::ftz(acc + emu::bf2f(A.v[2 * j]) * emu::bf2f(B.v[2 * j]));
+    // each step one fp32 FMA (the SDM), not left to the compiler's contraction of acc + a * b
+    acc = emu::ftz(std::fma(emu::bf2f(A.v[2 * j + 1]), emu::bf2f(B.v[2 * j + 1]), acc));
+    acc = emu::ftz(std::fma(emu::bf2f(A.v[2 * j]), emu::bf2f(B.v[2 * j]), acc));
     r.v[j] = acc;
   }
   return emu::f(r);
