@@ -17,3 +17,27 @@ CHECKED = [c for c in CASES if c.group in CHECKED_GROUPS]
 def test_bench_case_agrees_with_its_baseline(case):
     ours, baseline = case.make()
     check_agreement(case, ours, baseline)
+
+
+def test_attention_check_weighs_a_16_bit_disagreement_against_float64():
+    """Where ours and SDPA disagree in bf16 beyond the tolerance, the one closer to the float64 answer is
+    right: ours passes when it is at least as close as SDPA (aten's bf16 backward was the one off), and
+    fails, saying so, when it is further (or when the case drew no inputs)."""
+    import torch
+    import torch.nn.functional as F
+
+    from bench.common import ResultMismatch
+    from bench.suite_attention import _check_close
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=g).bfloat16() for _ in range(3))
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double())
+    off = exact.clone()
+    off[0, 1, 3, 5] += 0.5
+    close, far = exact.bfloat16(), off.bfloat16()
+    inputs = dict(q=q, k=k, v=v, dout=None, mask=None, causal=False)
+    _check_close(close, far, inputs)
+    with pytest.raises(ResultMismatch, match="further from the float64 answer"):
+        _check_close(far, close, inputs)
+    with pytest.raises(ResultMismatch, match="beyond atol"):
+        _check_close(close, far)
