@@ -634,7 +634,9 @@ def unshard_sequence(local: torch.Tensor, group=None, layout: str = "zigzag", di
 
 
 def _traced_unshard_error(op: str, local, layout, dim) -> str:
-    """"" or "<exception class>:<message>" (see _traced_arg_error) for unshard_sequence's local checks."""
+    """"" or "<exception class>:<message>" (see _traced_arg_error) for unshard_sequence's local checks.
+    They are _check_unshard's, written out: calling it inside try/except and keeping str(exc) made the bad
+    rank fail while dynamo traced, and the other ranks waited in the op until gloo's timeout (measured)."""
     if not isinstance(local, torch.Tensor):
         return f"TypeError:{op}: expected 'local' to be a torch.Tensor (or a numpy/DLPack array), got " \
                f"{type(local).__name__}"

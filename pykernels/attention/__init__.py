@@ -184,12 +184,13 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, ba
     impl = cfg.get("impl", "flash")
     # rows that see no key (causal, S_q > S_k) have lse -inf by contract: only the others must be finite
     live = lse[:, :, q.shape[2] - k.shape[2]:] if causal and q.shape[2] > k.shape[2] else lse
-    if impl == "bf16dot" and _cpu.bf16dot_takes(q) and _all_finite(dout, out, live):  # (takes an LSE gradient)
+    finite = _all_finite(dout, out, live)  # (one read of them, whichever path follows)
+    if impl == "bf16dot" and finite and _cpu.bf16dot_takes(q):  # (takes an LSE gradient)
         grads = _cpu.bf16dot_backward(dout, q, k, v, out, lse, causal, scale, dlse, _threads(cfg))
         if grads is not None:  # (None: a subnormal input, which aten's exact arithmetic takes below)
             return grads
         impl = "flash"
-    if dlse is not None or impl == "blocked" or not _all_finite(dout, out, live):
+    if dlse is not None or impl == "blocked" or not finite:
         # aten's backward derives D = rowsum(dO * O) itself, so it cannot take an LSE gradient.
         return _cpu.blocked_backward(dout, q, k, v, out, lse, causal, scale, dlse=dlse,
                                      chunk_elems=int(cfg.get("chunk_elems", 1 << 22)))
