@@ -30,10 +30,11 @@ def write_markdown(rows, machine, vers, path: Path):
         f"Machine: {machine.get('cpu')} ({machine.get('cores')} cores, AVX2={machine.get('avx2')}), "
         f"{machine.get('gpu', 'no GPU')}; memory bandwidth measured in this run: copy "
         f"{machine['copy_GBps']:.1f} GB/s (read+write), read {machine['read_GBps']:.1f} GB/s, "
-        f"{machine['threads']} threads.", "",
+        f"{machine['threads']} threads; fp32 FMA peak (AVX2 FMA chains on every thread) "
+        f"{machine.get('fma_peak_GFLOPs', 0):.0f} GFLOP/s.", "",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in vers.items()), "",
         "speed-up = baseline time / our time (same process, interleaved runs).", "",
-        "| group | op | case | ours (ms) | baseline | baseline (ms) | speed-up | goal | ours rate | % of BW limit |",
+        "| group | op | case | ours (ms) | baseline | baseline (ms) | speed-up | goal | ours rate | % of limit |",
         "|---|---|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -41,11 +42,14 @@ def write_markdown(rows, machine, vers, path: Path):
             lines.append(f"| {r['group']} | {r.get('op', '')} | {r.get('label', '')} | error | | | | | | {r['error'][:80]} |")
             continue
         pct = r.get("pct_of_bw")
+        limit = f"{pct:.0f}% BW" if pct is not None else ""
+        if r.get("pct_of_fma_peak") is not None:
+            limit += f" {r['pct_of_fma_peak']:.0f}% FMA peak"
         goal = f"{r['goal']:.1f}x" if r.get("goal") else ""
         lines.append(
             f"| {r['group']} | {r['op']} | {r['label']} | {r['ours_s'] * 1e3:.3f} | {r['baseline']} | "
             f"{r['baseline_s'] * 1e3:.3f} | {r['speedup']:.2f}x | {goal} | "
-            f"{_fmt_rate(r['ours_rate'])} {r['unit']}/s | {f'{pct:.0f}%' if pct is not None else ''} |")
+            f"{_fmt_rate(r['ours_rate'])} {r['unit']}/s | {limit.strip()} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -116,7 +120,7 @@ def main(argv=None) -> int:
     machine = measure_machine()
     vers = versions()
     print(f"memory bandwidth: copy {machine['copy_GBps']:.1f} GB/s, read {machine['read_GBps']:.1f} GB/s "
-          f"({machine['threads']} threads)", flush=True)
+          f"({machine['threads']} threads); fp32 FMA peak {machine.get('fma_peak_GFLOPs', 0):.0f} GFLOP/s", flush=True)
     device = "cuda" if args.gpu else "cpu"
     if args.gpu:
         machine["gpu_GBps"] = _gpu_bandwidth()
@@ -138,6 +142,8 @@ def main(argv=None) -> int:
                 rows.append(r)
                 if "error" not in r:
                     pct = f" {r['pct_of_bw']:.0f}% of BW" if r.get("pct_of_bw") is not None else ""
+                    if r.get("pct_of_fma_peak") is not None:
+                        pct += f" {r['pct_of_fma_peak']:.0f}% of FMA peak"
                     print(f"{group:10s} {r['op']:22s} {r['label']:28s} ours {r['ours_s'] * 1e3:9.3f} ms  "
                           f"{r['baseline']:>24s} {r['baseline_s'] * 1e3:9.3f} ms  {r['speedup']:6.2f}x{pct}", flush=True)
         except Exception as exc:

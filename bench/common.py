@@ -46,6 +46,7 @@ class Case:
     work: float                     # items per call, for throughput
     unit: str = "items"             # unit of `work` ("keys", "lookups", "FLOP", ...)
     bytes_moved: Optional[float] = None  # DRAM bytes our op must move at least: % of bandwidth limit
+    fma_bound: bool = False         # work is FLOP of fp32 FMAs, the limit the CPU's FMA rate: % of FMA peak
     goal: Optional[float] = None    # the speed-up goal vs the baseline (ratio)
     device: str = "cpu"
     threads: Optional[int] = None   # torch/our thread count during the case
@@ -275,6 +276,8 @@ def measure_machine(nbytes: int = 256 << 20, threads: Optional[int] = None) -> d
         "cpu": _cpu_name(),
         "cores": len(os.sched_getaffinity(0)),
         "avx2": bool(rt.cpu_has_avx2()),
+        # fp32 FMA chains on every thread (0 without AVX2): the limit of compute-bound rows (fma_bound)
+        "fma_peak_GFLOPs": float(rt.fma_peak_gflops(threads)),
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
@@ -343,4 +346,7 @@ def run_case(case: Case, machine: dict, budget_s: float = 3.0) -> dict:
         limit = machine.get("copy_GBps") if case.device == "cpu" else machine.get("gpu_GBps")
         row["ours_GBps"] = case.bytes_moved / t_ours / 1e9
         row["pct_of_bw"] = 100.0 * row["ours_GBps"] / limit if limit else None
+    peak = machine.get("fma_peak_GFLOPs")
+    if case.fma_bound and case.device == "cpu" and peak and t_ours > 0:
+        row["pct_of_fma_peak"] = 100.0 * case.work / t_ours / 1e9 / peak
     return row

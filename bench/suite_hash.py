@@ -14,7 +14,7 @@ GPU (--gpu): 2^26 uint32 and uint64 keys at load 0.5 / 0.9 / 0.95, inserts and f
 DRAM accesses: a find visits `lines/op` windows (each one 64-byte line on the CPU: measured on a
 sample with the overflow filter, which lets a miss stop at its first full window; in the notes); an
 insert additionally writes its line back. `bytes_moved` counts those lines
-plus the streamed key/value/result arrays, so "% of BW limit" says how far the random accesses are from
+plus the streamed key/value/result arrays, so "% of limit" (BW) says how far the random accesses are from
 the copy bandwidth measured in the same run (latency-bound random access rarely gets near it).
 
 Every case first checks ours against the baseline's answer (the checks below): exact for finds (found

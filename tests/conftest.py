@@ -22,6 +22,29 @@ import torch  # noqa: E402
 HAS_CUDA = torch.cuda.is_available()
 
 
+def _latch_cpu_tiers() -> None:
+    """The native modules read the PYKERNELS_DISABLE_* switches once, at their first SIMD check, and the
+    autotune device id (cache file names) is computed once from them; tests switch the flags at run time
+    (the `simd` fixtures, which Python re-reads on every call). Latched here, before any test runs, they
+    hold the process's own flags: a worker whose first check ran inside a test's PYKERNELS_DISABLE_AVX2=1
+    had kept "portable" for its later tests (found when a cache test's subprocess, on "avx2", looked for
+    another file)."""
+    from pykernels import _native, autotune
+
+    for family in ("runtime", "qgemm", "sort", "hash", "attention"):
+        try:
+            mod = _native.cpu_module(family)
+        except RuntimeError:  # no native build: those tests say so themselves
+            continue
+        for name in ("cpu_has_avx2", "cpu_has_avx512"):
+            if hasattr(mod, name):
+                getattr(mod, name)()
+    autotune.device_id()
+
+
+_latch_cpu_tiers()
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return

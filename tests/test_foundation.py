@@ -40,9 +40,22 @@ def test_cpu_module_reads_and_copies_on_several_threads():
             assert torch.equal(x, y)
 
 
+def test_fma_peak_is_a_rate_of_this_machine():
+    """The bench's compute limit: positive with AVX2 (one core of any AVX2 CPU does a few GFLOP/s at least;
+    more threads never measure less than half of one: the best of 3 trials each), 0 without."""
+    from pykernels import _cpu_runtime as rt
+
+    if not rt.cpu_has_avx2():
+        assert rt.fma_peak_gflops(1) == 0.0
+        return
+    one, two = rt.fma_peak_gflops(1), rt.fma_peak_gflops(2)
+    assert 1.0 < one < 1e4 and two > 0.5 * one
+
+
 def test_portable_path_without_avx2_in_a_fresh_process():
     code = ("from pykernels import _cpu_runtime as rt; import torch; x = torch.arange(12345, dtype=torch.int64);"
-            "assert not rt.cpu_has_avx2(); assert rt.read_sum(x.data_ptr(), x.numel() * 8, 2) == int(x.sum())")
+            "assert not rt.cpu_has_avx2(); assert rt.read_sum(x.data_ptr(), x.numel() * 8, 2) == int(x.sum());"
+            "assert rt.fma_peak_gflops(2) == 0.0")
     env = dict(os.environ, PYKERNELS_DISABLE_AVX2="1")
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=ROOT)
 

@@ -839,7 +839,8 @@ def test_config_memos_follow_the_tier_switches(tmp_cache, monkeypatch):
             assert _plan(cpu, "auto", M, 64, 64, 4, 32, 0, torch.bfloat16) == ("cpu", want), (M, switch)
 
 
-@pytest.mark.parametrize("impl,m_block,n_block", [("native", 1, 1), ("native", 4, 32), ("dequant_mm", 16, 8)])
+@pytest.mark.parametrize("impl,m_block,n_block", [("native", 1, 1), ("native", 4, 32), ("dequant_mm", 16, 8),
+                                                   ("sgemm", 16, 8)])
 def test_qmatmul_configs_agree(impl, m_block, n_block):
     N, K = 70, 300
     qw = pykernels.quantize(torch.randn(N, K), 3, 32, "sym")
@@ -873,7 +874,7 @@ def test_qmatmul_documented_accuracy_and_exact_route():
 
 
 @pytest.mark.parametrize("M,N,K", [(1, 64, 64), (1, 256, 256), (3, 260, 96), (2, 1030, 64)])
-@pytest.mark.parametrize("impl", ["native", "dequant_mm"])
+@pytest.mark.parametrize("impl", ["native", "dequant_mm", "sgemm"])
 def test_qmatmul_thread_counts_agree(M, N, K, impl):
     """Around the work thresholds that cap the threads (one per ~2^16 multiply-adds, so a 64x64 GEMV
     runs on one): 1, 2 and 7 requested threads give the same bits (every tile is computed alone)."""
@@ -885,14 +886,16 @@ def test_qmatmul_thread_counts_agree(M, N, K, impl):
     check_close(ys[0], x, qw, rel=4e-5 if impl == "native" else 1e-6)
 
 
+@pytest.mark.parametrize("impl", ["dequant_mm", "sgemm"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_qmatmul_dequant_mm_path(dtype, simd):
-    """The compute-bound route (dequantize chunks + torch GEMM; the default without AVX-512 from M=65)."""
+def test_qmatmul_dequant_mm_path(dtype, simd, impl):
+    """The compute-bound routes: dequantize chunks + torch GEMM, and our fp32 GEMM that dequantizes into
+    its panels (the default without AVX-512 from M=9; dequant_mm on the portable tier)."""
     N, K = 1030, 200  # more rows than one dequantization chunk, N and K odd sizes
     qw = pykernels.quantize(torch.randn(N, K), 4, 64, "asym")
     x = torch.randn(40, K).to(dtype)
     bias = torch.randn(N)
-    cfg = {"impl": "dequant_mm", "threads": 0}
+    cfg = {"impl": impl, "threads": 0}
     y = _impl(x, qw.packed, qw.scales, qw.offsets, None, None, bias, N, K, 4, 64, 0, "cpu", config=cfg)
     ref = oracle(x, qw, bias)
     W = qw.dequantize(torch.float64)
@@ -925,18 +928,112 @@ def test_dequant_mm_bf16_multiplies_as_the_cpu_can(bf16_native, monkeypatch):
     assert y.dtype == torch.bfloat16 and torch.equal(y, want)
 
 
-def test_default_config_without_avx512(monkeypatch):
-    """Without AVX-512 the dequantize route from the M=128 bucket (compute-bound: 47 vs 59 ms at M=128 on
-    Zen 2), and for bf16 activations from M=64 where the CPU multiplies bf16 natively."""
+@pytest.mark.parametrize("avx2", [True, False])
+def test_default_config_without_avx512(monkeypatch, avx2):
+    """Without AVX-512: our fp32 GEMM from the M=16 bucket (M >= 9) where AVX2 is there, the dequantize
+    route for bf16 activations from M=64 where the CPU multiplies bf16 natively, and without AVX2 the
+    int16 kernel (portable) up to M=64, the dequantize route from the M=128 bucket."""
     from pykernels.quant import _ops
 
     monkeypatch.setenv("PYKERNELS_DISABLE_AVX512", "1")
+    if not avx2:
+        monkeypatch.setenv("PYKERNELS_DISABLE_AVX2", "1")
+    elif not _ops._has_avx2():
+        pytest.skip("this CPU has no AVX2")
     for native in (False, True):
         monkeypatch.setattr(_ops, "torch_bf16_gemm_native", lambda native=native: native)
         for dtype in (torch.float32, torch.bfloat16):
-            for M, want in ((16, "native"), (64, "dequant_mm" if native and dtype == torch.bfloat16 else "native"),
-                            (65, "dequant_mm"), (128, "dequant_mm")):
-                assert _ops._default_cpu_config(_ops._key(M, 4096, 4096, 4, 128, 0, dtype))["impl"] == want
+            bf16_gemm = native and dtype == torch.bfloat16
+            fp32_gemm = "sgemm" if avx2 else "dequant_mm"
+            for M, want in ((8, "native"), (9, "sgemm" if avx2 else "native"), (16, "sgemm" if avx2 else "native"),
+                            (64, "dequant_mm" if bf16_gemm else "sgemm" if avx2 else "native"),
+                            (65, "dequant_mm" if bf16_gemm else fp32_gemm), (128, "dequant_mm" if bf16_gemm else fp32_gemm)):
+                assert _ops._default_cpu_config(_ops._key(M, 4096, 4096, 4, 128, 0, dtype))["impl"] == want, (M, dtype)
+
+
+_SGEMM_BLOCKINGS = [(32, 6, 16), (64, 12, 32), (256, 144, 256)]  # (kc, mc, nc): many blocks, some, one
+
+
+def _sgemm(x, qw, bias=None, kc=256, mc=144, nc=256, threads=2):
+    N, K = qw.shape
+    return _impl(x, qw.packed, qw.scales, qw.offsets, None, None, bias, N, K, qw.bits, qw.group_size, 0, "cpu",
+                 config={"impl": "sgemm", "threads": threads, "kc": kc, "mc": mc, "nc": nc})
+
+
+@pytest.mark.parametrize("kc,mc,nc", _SGEMM_BLOCKINGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_sgemm_blocking_edges(kc, mc, nc, dtype):
+    """The fp32 GEMM that dequantizes into its panels, against float64 and against the dequantize route
+    (the same fp32 weights, only the order of the sums differs): M not a multiple of the 6-row sliver or
+    of mc, N not a multiple of the 16-column sliver, of nc or of 4 (the tile rows), K not a multiple of
+    32 or of kc, every layout's bits, one and many groups, with and without bias, more rows than one
+    packed chunk of x (768)."""
+    g = torch.Generator().manual_seed(kc + mc + nc)
+    for M, N, K, bits, gs in ((1, 1, 1, 4, -1), (5, 3, 31, 2, -1), (7, 17, 33, 4, 32), (13, 35, 100, 8, -1),
+                              (50, 290, 520, 3, 64), (145, 47, 257, 4, 128), (800, 20, 70, 8, 32)):
+        qw = pykernels.quantize(torch.randn(N, K, generator=g), bits, gs, "asym")
+        x = torch.randn(M, K, generator=g).to(dtype)
+        x_before = x.clone()
+        for bias in (None, torch.randn(N, generator=g)):
+            y = _sgemm(x, qw, bias, kc, mc, nc)
+            ref = oracle(x, qw, bias)
+            W = qw.dequantize(torch.float64)
+            eps = {torch.float32: 2 ** -23, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]
+            bound = 2 ** -20 * (x.double().abs() @ W.abs().T) + 2 * eps * ref.abs() + 1e-30
+            assert y.dtype == dtype and y.shape == (M, N)
+            assert bool(((y.double() - ref).abs() <= bound).all()), (M, N, K, bits, gs)
+            dq = _impl(x, qw.packed, qw.scales, qw.offsets, None, None, bias, N, K, bits, gs, 0, "cpu",
+                       config={"impl": "dequant_mm", "threads": 1})
+            assert torch.allclose(y.float(), dq.float(), rtol=2 * eps, atol=1e-5 * float(ref.abs().max()) + 1e-30)
+        assert torch.equal(x, x_before)
+
+
+def test_sgemm_special_values_as_torch():
+    """inf and NaN activations, zero rows, huge and tiny values: the fp32 product's own answer (as torch's
+    GEMM of the dequantized weight gives it: inf where a product is inf, NaN where inf meets a zero
+    weight or +inf meets -inf), not the int16 path's special routes."""
+    g = torch.Generator().manual_seed(1)
+    N, K = 40, 96
+    w = torch.randn(N, K, generator=g)
+    w[3] = 0.0  # a zero row: inf * 0 = NaN
+    qw = pykernels.quantize(w, 4, 32, "sym")
+    x = torch.randn(9, K, generator=g)
+    x[0, 5] = float("inf")
+    x[1, 7] = float("nan")
+    x[2] = 0.0
+    x[3, 0], x[3, 1] = float("inf"), float("-inf")
+    x[4] *= 1e30
+    x[5] *= 1e-30
+    y = _sgemm(x, qw)
+    want = x @ qw.dequantize(torch.float32).T
+    assert torch.equal(torch.isnan(y), torch.isnan(want)) and torch.equal(torch.isinf(y), torch.isinf(want))
+    fin = torch.isfinite(want)
+    assert torch.allclose(y[fin], want[fin], rtol=1e-5, atol=1e-5 * float(want[fin].abs().max()))
+
+
+def test_sgemm_empty_and_k0():
+    qw = pykernels.quantize(torch.randn(5, 64), 4, 32)
+    assert _sgemm(torch.randn(0, 64), qw).shape == (0, 5)
+    q0 = pykernels.quantize(torch.randn(5, 0), 4, -1)
+    b = torch.randn(5)
+    assert torch.equal(_sgemm(torch.randn(3, 0), q0, b), b.expand(3, 5))
+    assert torch.equal(_sgemm(torch.randn(3, 0), q0), torch.zeros(3, 5))
+
+
+def test_sgemm_bad_blocking_is_a_clear_error():
+    qw = pykernels.quantize(torch.randn(8, 64), 4, 32)
+    x = torch.randn(12, 64)
+    for kc, mc, nc, name in ((48, 144, 256, "kc"), (256, 10, 256, "mc"), (256, 144, 100, "nc"), (0, 144, 256, "kc")):
+        if not _has_avx2_here():
+            pytest.skip("the sgemm kernel runs only with AVX2 (others take the dequantize route)")
+        with pytest.raises(ValueError, match=f"qmatmul.*sgemm {name}"):
+            _sgemm(x, qw, kc=kc, mc=mc, nc=nc)
+
+
+def _has_avx2_here():
+    from pykernels.quant._ops import _has_avx2
+
+    return _has_avx2()
 
 
 def test_dequantize_native_matches_python():

@@ -199,7 +199,7 @@ def test_autotune_qmatmul_caches_a_config(tmp_cache):
     qw = pykernels.quantize(torch.randn(64, 256), 4, 128)
     x = torch.randn(3, 256)
     cfg = autotune.tune("qmatmul", x, qw, backend="cpu", budget_s=0.02)
-    assert cfg.get("impl") in ("native", "dequant_mm")
+    assert cfg.get("impl") in ("native", "dequant_mm", "sgemm")
     entries = autotune.load_cache_file(autotune.cache_file())
     assert any(k.startswith("qmatmul|cpu|") for k in entries)
     ref = x.double() @ qw.dequantize(torch.float64).T

@@ -28,7 +28,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 #include <limits>
 #include <vector>
 
@@ -1222,28 +1224,31 @@ int64_t wo_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int
 
 // Codes of a packed tile layout -> float weights [N, K] (dequantize on the CPU without torch ops).
 #if PK_X86
+// One row's 32 codes of a block (bw bytes: nibbles or bytes) -> o[0..32) = s * u + m (one fp32 FMA each).
+PK_TARGET_AVX2 inline void dequant_block_avx2(const uint8_t* wb, int bw, float scale, float offset, float* o) {
+  const __m256 s = _mm256_set1_ps(scale), m = _mm256_set1_ps(offset);
+  __m128i c0, c1;  // 32 codes as bytes, in k order
+  if (bw == 16) {
+    const __m128i low = _mm_set1_epi8(0x0f);
+    const __m128i v = _mm_loadu_si128((const __m128i*)wb);
+    c0 = _mm_and_si128(v, low);
+    c1 = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+  } else {
+    c0 = _mm_loadu_si128((const __m128i*)wb);
+    c1 = _mm_loadu_si128((const __m128i*)(wb + 16));
+  }
+  _mm256_storeu_ps(o + 0, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c0)), s, m));
+  _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c0, 8))), s, m));
+  _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c1)), s, m));
+  _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c1, 8))), s, m));
+}
+
 // One row of a tile layout -> fp32 (vectorized widening + FMA), then optionally fp32 -> bf16 (RNE).
 PK_TARGET_AVX2 void dequant_row_avx2(const uint8_t* wt, int64_t r, int64_t B, int bw, const float* sc,
                                      const float* of, int64_t G, int64_t gsize, float* row) {
-  const __m128i low = _mm_set1_epi8(0x0f);
   for (int64_t b = 0; b < B; ++b) {
-    const uint8_t* wb = wt + (b * RT + r) * bw;
     const int64_t g = std::min<int64_t>(G - 1, b * KB / gsize);
-    const __m256 s = _mm256_set1_ps(sc[g]), m = _mm256_set1_ps(of[g]);
-    __m128i c0, c1;  // 32 codes as bytes, in k order
-    if (bw == 16) {
-      const __m128i v = _mm_loadu_si128((const __m128i*)wb);
-      c0 = _mm_and_si128(v, low);
-      c1 = _mm_and_si128(_mm_srli_epi16(v, 4), low);
-    } else {
-      c0 = _mm_loadu_si128((const __m128i*)wb);
-      c1 = _mm_loadu_si128((const __m128i*)(wb + 16));
-    }
-    float* o = row + b * KB;
-    _mm256_storeu_ps(o + 0, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c0)), s, m));
-    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c0, 8))), s, m));
-    _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c1)), s, m));
-    _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(c1, 8))), s, m));
+    dequant_block_avx2(wt + (b * RT + r) * bw, bw, sc[g], of[g], row + b * KB);
   }
 }
 
@@ -1314,6 +1319,246 @@ void dequant_tiles(uintptr_t w, int bits, uintptr_t scales, uintptr_t offsets, i
       }
     }
   });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Weight-only GEMM through fp32 FMAs for compute-bound M (impl "sgemm"): y[M,N] = x @ dequant(W)^T.
+// A blocked GEMM after Goto & van de Geijn ("Anatomy of high-performance matrix multiplication", TOMS
+// 2008) and BLIS (Van Zee & van de Geijn, TOMS 2015):
+//   - x is packed once per chunk of rows into slivers of SG_MR rows (k-major: MR floats per k,
+//     converted to fp32, zero-padded past M and K), each KC block of a sliver contiguous;
+//   - the weights are dequantized straight into the packed B panel (KC x NC: NR floats per k), the copy a
+//     GEMM makes anyway, so dequantization costs no pass over memory of its own (the "dequant_mm" route
+//     writes the fp32 weights out and torch's GEMM reads them back);
+//   - a 6x16 micro-kernel keeps its C tile in 12 ymm accumulators: per k 2 loads of B, 6 broadcasts of
+//     x and 12 FMAs (the shape of BLIS's Haswell/Zen sgemm kernel), the B sliver (KC x 16) in L1 and the
+//     x block (MC x KC) in L2.
+// Each weight is the same fp32 FMA of dequant_row_avx2 (s * u + m), so only the order of the fp32 sums
+// differs from dequant_mm. Threads split N by slivers of 16 columns, never K (no reduction).
+// Why: torch's fp32 GEMM (MKL) ran at ~100 GFLOP/s of the 200 two Zen 2 cores can do (measured with an
+// FMA loop), so at M=128 dequantize + torch lost to torch's dense matmul (0.92x).
+// ---------------------------------------------------------------------------------------------
+constexpr int SG_MR = 6, SG_NR = 16;
+constexpr int64_t SG_M_CHUNK = 768;  // rows of x packed at a time (12 MiB at K=4096), a multiple of SG_MR
+
+// A float buffer on 64-byte boundaries (the micro-kernel's aligned loads of B; whole cache lines).
+struct AlignedFloats {
+  float* p;
+  explicit AlignedFloats(size_t n) : p(static_cast<float*>(std::aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64))) {
+    if (!p) throw std::bad_alloc();
+  }
+  AlignedFloats(const AlignedFloats&) = delete;
+  AlignedFloats& operator=(const AlignedFloats&) = delete;
+  ~AlignedFloats() { std::free(p); }
+  float* data() { return p; }
+};
+
+#if PK_X86
+// The 8 x 8 transpose of r[0..7] (rows) into r[0..7] (columns), the usual unpack / shuffle / permute
+// network (24 shuffles).
+PK_TARGET_AVX2 static inline void transpose8x8(__m256* r) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// Rows [n0, n0 + 16) of W (rows >= N read as zeros), k in [k0, k0 + kc) (whole 32-blocks), dequantized
+// into dst[kc][16]: each row's block is decoded as dequant_row_avx2 does into rows[16][32] (L1), then
+// two 8 x 8 transposes per 8 k's.
+PK_TARGET_AVX2 static void sg_pack_b_sliver(const WoShape& s, const uint8_t* w, const float* sc, const float* of,
+                                            int64_t n0, int64_t k0, int64_t kc, float* __restrict dst) {
+  alignas(32) float rows[SG_NR][KB];
+  const int bw = s.lbits == 4 ? 16 : 32;
+  const int64_t valid = std::min<int64_t>(SG_NR, s.N - n0);
+  for (int64_t b = k0 / KB; b < (k0 + kc) / KB; ++b) {
+    const int64_t g = std::min<int64_t>(s.G - 1, b * KB / s.gsize);
+    for (int i = 0; i < SG_NR; ++i) {
+      if (i >= valid) {
+        for (int j = 0; j < KB; j += 8) _mm256_store_ps(rows[i] + j, _mm256_setzero_ps());
+        continue;
+      }
+      const int64_t n = n0 + i, t = n / RT, r = n % RT;
+      dequant_block_avx2(w + t * s.tile_bytes() + (b * RT + r) * bw, bw, sc[n * s.G + g], of[n * s.G + g], rows[i]);
+    }
+    float* d = dst + (b * KB - k0) * SG_NR;
+    for (int q = 0; q < KB / 8; ++q) {
+      for (int h = 0; h < 2; ++h) {
+        __m256 r8[8];
+        for (int i = 0; i < 8; ++i) r8[i] = _mm256_load_ps(rows[8 * h + i] + 8 * q);
+        transpose8x8(r8);
+        for (int kk = 0; kk < 8; ++kk) _mm256_store_ps(d + (8 * q + kk) * SG_NR + 8 * h, r8[kk]);
+      }
+    }
+  }
+}
+
+// C[rows x cols] (+)= A sliver (kc x 6) * B sliver (kc x 16) (+ bias on the last K block). first: C is
+// written, not added to.
+PK_TARGET_AVX2 static void sg_kernel_6x16(int64_t kc, const float* __restrict a, const float* __restrict b,
+                                          float* c, int64_t ldc, bool first, const float* bias, int rows, int cols) {
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+  for (int64_t k = 0; k < kc; ++k) {
+    const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+    __m256 av = _mm256_broadcast_ss(a + 0);
+    c00 = _mm256_fmadd_ps(av, b0, c00); c01 = _mm256_fmadd_ps(av, b1, c01);
+    av = _mm256_broadcast_ss(a + 1);
+    c10 = _mm256_fmadd_ps(av, b0, c10); c11 = _mm256_fmadd_ps(av, b1, c11);
+    av = _mm256_broadcast_ss(a + 2);
+    c20 = _mm256_fmadd_ps(av, b0, c20); c21 = _mm256_fmadd_ps(av, b1, c21);
+    av = _mm256_broadcast_ss(a + 3);
+    c30 = _mm256_fmadd_ps(av, b0, c30); c31 = _mm256_fmadd_ps(av, b1, c31);
+    av = _mm256_broadcast_ss(a + 4);
+    c40 = _mm256_fmadd_ps(av, b0, c40); c41 = _mm256_fmadd_ps(av, b1, c41);
+    av = _mm256_broadcast_ss(a + 5);
+    c50 = _mm256_fmadd_ps(av, b0, c50); c51 = _mm256_fmadd_ps(av, b1, c51);
+    a += SG_MR;
+    b += SG_NR;
+  }
+  alignas(32) float tile[SG_MR][SG_NR];
+  const __m256 acc[SG_MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+  if (rows == SG_MR && cols == SG_NR) {
+    const __m256 bias0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+    const __m256 bias1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+    for (int i = 0; i < SG_MR; ++i) {
+      float* ci = c + i * ldc;
+      __m256 v0 = acc[i][0], v1 = acc[i][1];
+      if (!first) {
+        v0 = _mm256_add_ps(_mm256_loadu_ps(ci), v0);
+        v1 = _mm256_add_ps(_mm256_loadu_ps(ci + 8), v1);
+      }
+      if (bias) {
+        v0 = _mm256_add_ps(v0, bias0);
+        v1 = _mm256_add_ps(v1, bias1);
+      }
+      _mm256_storeu_ps(ci, v0);
+      _mm256_storeu_ps(ci + 8, v1);
+    }
+    return;
+  }
+  for (int i = 0; i < SG_MR; ++i) {
+    _mm256_store_ps(tile[i], acc[i][0]);
+    _mm256_store_ps(tile[i] + 8, acc[i][1]);
+  }
+  for (int i = 0; i < rows; ++i)
+    for (int j = 0; j < cols; ++j) {
+      float v = first ? tile[i][j] : c[i * ldc + j] + tile[i][j];
+      if (bias) v += bias[j];
+      c[i * ldc + j] = v;
+    }
+}
+
+// Rows [m0, m0 + mp) of x (mp a multiple of SG_MR; rows >= M and k >= K zero) into ap: for each KC block
+// pc of [0, Kp), its slivers of 6 rows one after another, each [kc][6].
+template <class T, class Cvt>
+static void sg_pack_a(const T* x, int64_t M, int64_t K, int64_t Kp, int64_t m0, int64_t mp, int64_t KC, Cvt cvt,
+                      float* __restrict ap, int threads) {
+  const int64_t slivers = mp / SG_MR, blocks = (Kp + KC - 1) / KC;
+  pk::parallel_ranges(slivers * blocks, threads, [&](int, int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t pc = (j / slivers) * KC, sl = j % slivers, kc = std::min(KC, Kp - pc);
+      float* d = ap + pc * mp + sl * kc * SG_MR;
+      for (int i = 0; i < SG_MR; ++i) {
+        const int64_t m = m0 + sl * SG_MR + i;
+        const int64_t kend = m < M ? std::min(kc, K - pc) : 0;  // k < kend are x's, the rest zeros
+        const T* xr = x + m * K + pc;
+        int64_t k = 0;
+        for (; k < kend; ++k) d[k * SG_MR + i] = cvt(xr[k]);
+        for (; k < kc; ++k) d[k * SG_MR + i] = 0.f;
+      }
+    }
+  });
+}
+#endif
+
+// y[M,N] (fp32) = x[M,K] @ dequant(W).T (+ bias): see above. kc: the K block (a multiple of 32), mc: the
+// rows of x per L2 block (a multiple of 6), nc: the columns per packed B panel (a multiple of 16).
+void wo_sgemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int bits, uintptr_t scales,
+              uintptr_t offsets, int64_t N, int64_t group_size, uintptr_t bias, uintptr_t y, int num_threads,
+              int64_t kc_cfg, int64_t mc_cfg, int64_t nc_cfg) {
+  const WoShape s = wo_shape("qmatmul", M, N, K, bits, group_size);
+  const pk::DType xdt = float_dtype(x_dtype, "qmatmul", "x");
+  if (kc_cfg <= 0 || kc_cfg % KB != 0) pk::fail_value("qmatmul", "sgemm kc must be a positive multiple of 32");
+  if (mc_cfg <= 0 || mc_cfg % SG_MR != 0) pk::fail_value("qmatmul", "sgemm mc must be a positive multiple of 6");
+  if (nc_cfg <= 0 || nc_cfg % SG_NR != 0) pk::fail_value("qmatmul", "sgemm nc must be a positive multiple of 16");
+#if PK_X86
+  if (!pk::cpu_has_avx2()) pk::fail_runtime("qmatmul", "the sgemm kernel needs AVX2 and FMA");
+  float* yp = reinterpret_cast<float*>(y);
+  const float* bp = reinterpret_cast<const float*>(bias);
+  py::gil_scoped_release release;
+  if (M == 0 || N == 0) return;
+  if (K == 0) {  // no groups, no scales: y = bias (or zeros)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) yp[m * N + n] = bp ? bp[n] : 0.f;
+    return;
+  }
+  const uint8_t* wp = reinterpret_cast<const uint8_t*>(w);
+  const float* sc = reinterpret_cast<const float*>(scales);
+  const float* of = reinterpret_cast<const float*>(offsets);
+  const int threads = threads_for_work(num_threads, M * N * K);
+  const int64_t KC = kc_cfg, Kp = s.Kp;
+  const int64_t chunk_rows = std::min<int64_t>(SG_M_CHUNK, (M + SG_MR - 1) / SG_MR * SG_MR);
+  AlignedFloats ap((size_t)(chunk_rows * Kp));
+  const int64_t slivers_n = (N + SG_NR - 1) / SG_NR;
+  for (int64_t m0 = 0; m0 < M; m0 += chunk_rows) {
+    const int64_t mp = std::min(chunk_rows, (M - m0 + SG_MR - 1) / SG_MR * SG_MR);
+    switch (xdt) {
+      case pk::DType::Float32:
+        sg_pack_a(reinterpret_cast<const float*>(x), M, K, Kp, m0, mp, KC, [](float v) { return v; }, ap.data(), threads);
+        break;
+      case pk::DType::BFloat16:
+        sg_pack_a(reinterpret_cast<const uint16_t*>(x), M, K, Kp, m0, mp, KC, [](uint16_t v) { return bf16_to_f32(v); },
+                  ap.data(), threads);
+        break;
+      default:
+        sg_pack_a(reinterpret_cast<const uint16_t*>(x), M, K, Kp, m0, mp, KC, [](uint16_t v) { return f16_to_f32(v); },
+                  ap.data(), threads);
+        break;
+    }
+    const int64_t mrows = std::min(mp, M - m0);
+    pk::parallel_ranges(slivers_n, threads, [&](int, int64_t s0, int64_t s1) {
+      AlignedFloats panel((size_t)(KC * nc_cfg));
+      for (int64_t jc = s0 * SG_NR; jc < std::min(N, s1 * SG_NR); jc += nc_cfg) {
+        const int64_t nc = std::min(nc_cfg, s1 * SG_NR - jc);
+        for (int64_t pc = 0; pc < Kp; pc += KC) {
+          const int64_t kc = std::min(KC, Kp - pc);
+          const bool first = pc == 0, last = pc + kc == Kp;
+          for (int64_t jr = 0; jr < nc && jc + jr < N; jr += SG_NR)
+            sg_pack_b_sliver(s, wp, sc, of, jc + jr, pc, kc, panel.data() + jr * kc);
+          for (int64_t ic = 0; ic < mp; ic += mc_cfg) {
+            const int64_t ie = std::min(mp, ic + mc_cfg);
+            for (int64_t jr = 0; jr < nc && jc + jr < N; jr += SG_NR) {
+              const int cols = (int)std::min<int64_t>(SG_NR, N - jc - jr);
+              const float* bsl = panel.data() + jr * kc;
+              const float* bias_j = last && bp ? bp + jc + jr : nullptr;
+              for (int64_t ir = ic; ir < ie && ir < mrows; ir += SG_MR) {
+                const int rows = (int)std::min<int64_t>(SG_MR, mrows - ir);
+                sg_kernel_6x16(kc, ap.data() + pc * mp + ir * kc, bsl, yp + (m0 + ir) * N + jc + jr, N, first,
+                               bias_j, rows, cols);
+              }
+            }
+          }
+        }
+      }
+    });
+  }
+#else
+  (void)s; (void)xdt; (void)x; (void)w; (void)scales; (void)offsets; (void)bias; (void)y; (void)num_threads;
+  pk::fail_runtime("qmatmul", "the sgemm kernel needs an x86-64 CPU with AVX2");
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2220,6 +2465,11 @@ PYBIND11_MODULE(_cpu_qgemm, m) {
         py::arg("factor"), py::arg("max_out"), py::arg("rest"), py::arg("y_exact"),
         "rows' outliers (> factor x mean |x|, at most max_out per row) multiplied exactly into y_exact[M,N] "
         "(+=, float64); rest[M,K] float32 = the rows without them; returns how many were taken out");
+  m.def("wo_sgemm", &wo_sgemm, py::arg("x"), py::arg("x_dtype"), py::arg("M"), py::arg("K"), py::arg("w"),
+        py::arg("bits"), py::arg("scales"), py::arg("offsets"), py::arg("N"), py::arg("group_size"),
+        py::arg("bias"), py::arg("y"), py::arg("num_threads"), py::arg("kc"), py::arg("mc"), py::arg("nc"),
+        "y[M,N] (float32) = x[M,K] @ dequant(W).T (+ fp32 bias): a blocked fp32 GEMM that dequantizes the "
+        "weights into its packed panels (AVX2 + FMA)");
   m.def("dequant_tiles", &dequant_tiles, py::arg("w"), py::arg("bits"), py::arg("scales"), py::arg("offsets"),
         py::arg("N"), py::arg("K"), py::arg("group_size"), py::arg("out"), py::arg("out_dtype"),
         py::arg("num_threads"), "out[N,K] = dequantized weights of a packed tile layout");

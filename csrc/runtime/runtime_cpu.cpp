@@ -98,6 +98,48 @@ uint64_t read_sum(uintptr_t src, int64_t nbytes, int num_threads) {
   return s;
 }
 
+// The fp32 multiply-add rate this machine reaches on num_threads threads of our pool (GFLOP/s, an FMA
+// counted as 2): 12 independent chains of 8-lane FMAs per thread (enough to cover the FMA latency of
+// two pipes, as a GEMM micro-kernel's 12 accumulators do), ~reps x 12 x 8 x 2 FLOP each. The bench's "% of
+// FMA peak" for compute-bound rows divides by it. Without AVX2: 0 (no peak claimed).
+#if PK_X86
+PK_TARGET_AVX2 static float fma_chains_avx2(int64_t reps) {
+  __m256 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_ps(0.001f * (float)i);
+  const __m256 mul = _mm256_set1_ps(0.999999f), add = _mm256_set1_ps(1e-7f);
+  for (int64_t r = 0; r < reps; ++r) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) acc[i] = _mm256_fmadd_ps(acc[i], mul, add);
+  }
+  __m256 s = acc[0];
+  for (int i = 1; i < 12; ++i) s = _mm256_add_ps(s, acc[i]);
+  return _mm256_cvtss_f32(s);
+}
+#endif
+
+double fma_peak_gflops(int num_threads) {
+#if PK_X86
+  if (!pk::cpu_has_avx2()) return 0.0;
+  const int T = std::max(1, num_threads);
+  const int64_t reps = int64_t(1) << 22;  // ~400 MFLOP per thread: ~4 ms at 100 GFLOP/s
+  py::gil_scoped_release release;
+  double best = 0.0;
+  for (int trial = 0; trial < 3; ++trial) {  // the best of 3: a descheduled thread only lowers a trial
+    std::vector<float> sink(T);
+    const auto t0 = std::chrono::steady_clock::now();
+    pk::parallel_threads(T, [&](int t) { sink[t] = fma_chains_avx2(reps); });
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    volatile float keep = sink[0];
+    (void)keep;
+    best = std::max(best, (double)T * reps * 12 * 8 * 2 / s / 1e9);
+  }
+  return best;
+#else
+  (void)num_threads;
+  return 0.0;
+#endif
+}
+
 void copy_bytes(uintptr_t dst, uintptr_t src, int64_t nbytes, int num_threads) {
   if (nbytes <= 0) return;  // empty tensors have null data: memcpy(nullptr, nullptr, 0) is undefined
   py::gil_scoped_release release;
@@ -453,6 +495,8 @@ PYBIND11_MODULE(_cpu_runtime, m) {
         "bit 0: some of the n dense floats is NaN/inf; bit 1: some is exactly zero");
   m.def("read_sum", &read_sum, py::arg("src"), py::arg("nbytes"), py::arg("num_threads"),
         "Sum of the 64-bit words at src (reads every byte once, on num_threads threads)");
+  m.def("fma_peak_gflops", &fma_peak_gflops, py::arg("num_threads"),
+        "fp32 FMA rate (GFLOP/s) of 12 independent AVX2 FMA chains per thread on num_threads threads; 0 without AVX2");
   m.def("copy_bytes", &copy_bytes, py::arg("dst"), py::arg("src"), py::arg("nbytes"), py::arg("num_threads"),
         "memcpy split over num_threads threads");
   m.def("advise_hugepages", &advise_hugepages, py::arg("ptr"), py::arg("nbytes"),

@@ -298,9 +298,12 @@ def qmatmul(x, qw: QuantizedWeight, bias=None, *, act_bits: Optional[int] = None
     Accuracy of the weight-only CPU path: on CPUs with AMX-BF16 (Sapphire Rapids and newer), bf16
     activations from M=9 on with codes of at most 4 bits take the AMX kernel (config impl "amx"): bf16 activations times the integer
     codes are exact products summed in fp32, so y is the exact product with the dequantized weight up to
-    fp32 sums and the bf16 output rounding. Elsewhere the native kernel (config impl "native"; the
-    default except without AVX-512 from M=65 on, and for bf16 activations from M=33 on where the CPU
-    multiplies bf16 natively: "dequant_mm" there) rounds the activations to int16
+    fp32 sums and the bf16 output rounding. On CPUs with AVX2 but not AVX-512, from M=9 on (config impl
+    "sgemm"; bf16 activations from M=33 on where the CPU multiplies bf16 natively take "dequant_mm",
+    below), y is the fp32 product with the dequantized weights (the same fp32 weights exactly, summed in
+    fp32 by a blocked GEMM that dequantizes them into its packed panels; then one rounding to x's dtype).
+    Elsewhere the native kernel (config impl "native"; without AVX2 "dequant_mm" from M=65 on) rounds the
+    activations to int16
     per block (scale = the block's max|x| / 32767) to run integer dot products: blocks of 32 elements on AVX2 and portable CPUs, of
     one weight group (at most 2048 elements; 1024 with group_size=-1) on AVX-512 VNNI CPUs. Each x_k
     moves by at most 2^-16 of its block's max|x|, so y differs from the fp32 product with the

@@ -10,6 +10,7 @@ otherwise, unless a tuned entry says which.
 Config (pykernels._backend.dispatch, tuned by pykernels.autotune):
   cpu, weight-only: {"impl": "native" | "dequant_mm" | "amx", "threads": 0 (= torch's), "m_block", "n_block",
                      "isa": 2 AVX-512 VNNI | 1 AVX2 (highest allowed tier, capped by the CPU)}
+                    | {"impl": "sgemm" (AVX2), "threads", "kc", "mc", "nc" (its blocking)}
   cpu, bit-serial:  {"mode": 0 portable | 1 POPCNT | 2 AVX2 vpshufb | 3 AVX-512 VPOPCNTDQ, "threads": 0}
 """
 from __future__ import annotations
@@ -36,6 +37,11 @@ def _key(M: int, N: int, K: int, bits: int, group_size: int, act_bits: int, dtyp
 
 def _has_avx512() -> bool:
     return getenv("PYKERNELS_DISABLE_AVX512") != "1" and bool(cpu_module("qgemm").cpu_has_avx512())
+
+
+def _has_avx2() -> bool:
+    """AVX2 + FMA usable by our kernels (PYKERNELS_DISABLE_AVX2=1, read on every call, turns it off)."""
+    return getenv("PYKERNELS_DISABLE_AVX2") != "1" and bool(cpu_module("qgemm").cpu_has_avx2())
 
 
 def _has_amx() -> bool:
@@ -70,14 +76,35 @@ def _default_cpu_config(key: dict) -> dict:
         return {"impl": "native", "threads": 0, "m_block": 4096, "n_block": 8, "isa": 2, "gemm_min_m": 12}
     # The integer kernel (AVX2) streams the weights once per block of 16 tokens (decoding them once for
     # the 16: wo_tile_avx2_panel): ~7x fp32 torch.matmul at M=1, ~2.4x at M=16 (K=N=4096, 2 busy cores).
-    # Where the op turns compute-bound, the dequantize + torch GEMM route ("dequant_mm") wins: from the
-    # M=128 bucket (Zen 2, AVX2 only, same process: M=128 41 vs 46 ms for fp32 activations; M=64 28 vs
-    # 23 ms, M=32 22 vs 12: the native kernel below), and for
-    # bf16 activations from M=64 where the CPU multiplies bf16 natively (AVX-512 turned off on Zen 4: M=128
-    # ~100 ms vs ~225 ms).
-    if key["M"] >= 128 or (key.get("dtype") == "bfloat16" and key["M"] >= 64 and torch_bf16_gemm_native()):
+    # Where the op turns compute-bound, an fp32 GEMM wins: our own ("sgemm", below) from the M=16 bucket;
+    # the dequantize + torch GEMM route ("dequant_mm") for bf16 activations from M=64 where the CPU
+    # multiplies bf16 natively (AVX-512 turned off on Zen 4: M=128 ~100 ms vs ~225 ms for the int16
+    # kernel), and from M=128 where our kernels may not use AVX2 (PYKERNELS_DISABLE_AVX2=1).
+    if key.get("dtype") == "bfloat16" and key["M"] >= 64 and torch_bf16_gemm_native():
+        return {"impl": "dequant_mm", "threads": 0, "m_block": 16, "n_block": 8}
+    if key["M"] >= SGEMM_MIN_M_BUCKET and _has_avx2():
+        return _sgemm_config()
+    if key["M"] >= 128:
         return {"impl": "dequant_mm", "threads": 0, "m_block": 16, "n_block": 8}
     return {"impl": "native", "threads": 0, "m_block": 16, "n_block": 8}
+
+
+# From this M bucket (M >= 9) AVX2 CPUs take the fp32 GEMM that dequantizes into its packed panels
+# ("sgemm", wo_sgemm in qgemm_cpu.cpp). Measured on a 2-core Zen 2, K=N=4096 W4 g128 fp32 activations,
+# best of 7 interleaved runs in one process, ms (int16 kernel / sgemm / torch's fp32 matmul of the dense
+# weight): M=8 4.5 / 6.0 / 10.2, M=9 5.0 / 6.1, M=12 5.5 / 4.7, M=16 8.7 / 7.3 / 14.8, M=32 16.0 / 11.9 /
+# 21.2, M=64 27.0 / 15.5 / 30.1, M=128 62.0 / 36.0 / 42.4 (dequantize + torch's GEMM 45.1), M=256 123 /
+# 59.5 / 66.7 (70.3). A quieter run: M=128 26.5 ms, 166 GFLOP/s of the 200 an FMA loop reaches on the two
+# cores (torch's GEMM ~100).
+SGEMM_MIN_M_BUCKET = 16
+
+
+def _sgemm_config() -> dict:
+    """The sgemm kernel's blocking: a K block of 256 (its B sliver, 256 x 16 fp32, fills half of L1), x in
+    blocks of 144 rows (144 KiB of L2), B panels of 256 columns (256 KiB: each sliver is used again by
+    every x block before it leaves L2). Panels of 1024 measured the same from M=256 and up to 1.3x slower
+    below."""
+    return {"impl": "sgemm", "threads": 0, "kc": 256, "mc": 144, "nc": 256}
 
 
 def _threads(cfg: dict) -> int:
@@ -137,6 +164,16 @@ def cpu_weight_only(x2, packed, scales, offsets, bias, N, K, bits, group_size, c
             return _cpu_amx(x2, packed, scales, offsets, bias, N, K, bits, group_size, cfg, threads)
         # a cached choice this input cannot take: its default (never "amx" here)
         cfg = _default_cpu_config(_key(M, N, K, bits, group_size, 0, x2.dtype))
+    if cfg.get("impl") == "sgemm" and M > 0:
+        if _has_avx2():
+            y = torch.empty(M, N, dtype=torch.float32)
+            b = _bias_f32(bias)
+            cpu_module("qgemm").wo_sgemm(
+                x2.data_ptr(), dtype_code(x2.dtype), M, K, packed.data_ptr(), bits, scales.data_ptr(),
+                offsets.data_ptr(), N, group_size, b.data_ptr() if b is not None else 0, y.data_ptr(), threads,
+                int(cfg.get("kc", 256)), int(cfg.get("mc", 144)), int(cfg.get("nc", 256)))
+            return y.to(x2.dtype)  # one rounding of the fp32 sums (+ bias), as the dequantize route
+        cfg = {**cfg, "impl": "dequant_mm"}  # a cached choice this CPU (or PYKERNELS_DISABLE_AVX2) cannot take
     if cfg.get("impl") == "dequant_mm" and M > 0:
         # Compute-bound sizes: dequantize a chunk of rows (AVX2) into one reused buffer and hand it to
         # torch's GEMM; bf16 activations multiply bf16 weights where the CPU multiplies bf16 natively
@@ -520,6 +557,10 @@ def register_tunables(quantize):
                     for n_block in (n_blocks if impl == "native" else (8,)):
                         out.append({"impl": impl, "threads": threads, "m_block": m_block, "n_block": n_block,
                                     "isa": 1})
+            if _has_avx2():
+                for kc in (256, 512):
+                    for nc in (256, 1024):
+                        out.append({"impl": "sgemm", "threads": threads, "kc": kc, "mc": 144, "nc": nc})
             if _amx_fits(key) and _has_amx():
                 out.append({"impl": "amx", "threads": threads})
             if avx512:  # the VNNI tier: GEMV kernel or panel GEMM, weights in one or more passes
