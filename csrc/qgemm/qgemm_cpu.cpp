@@ -1530,9 +1530,11 @@ void wo_sgemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int b
     }
     const int64_t mrows = std::min(mp, M - m0);
     pk::parallel_ranges(slivers_n, threads, [&](int, int64_t s0, int64_t s1) {
-      AlignedFloats panel((size_t)(KC * nc_cfg));
-      for (int64_t jc = s0 * SG_NR; jc < std::min(N, s1 * SG_NR); jc += nc_cfg) {
-        const int64_t nc = std::min(nc_cfg, s1 * SG_NR - jc);
+      // (as large as this thread's columns and K need: a config's kc and nc may be far bigger)
+      const int64_t panel_cols = std::min(nc_cfg, (s1 - s0) * SG_NR);
+      AlignedFloats panel((size_t)(std::min(KC, Kp) * panel_cols));
+      for (int64_t jc = s0 * SG_NR; jc < std::min(N, s1 * SG_NR); jc += panel_cols) {
+        const int64_t nc = std::min(panel_cols, s1 * SG_NR - jc);
         for (int64_t pc = 0; pc < Kp; pc += KC) {
           const int64_t kc = std::min(KC, Kp - pc);
           const bool first = pc == 0, last = pc + kc == Kp;

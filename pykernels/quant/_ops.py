@@ -89,13 +89,14 @@ def _default_cpu_config(key: dict) -> dict:
     return {"impl": "native", "threads": 0, "m_block": 16, "n_block": 8}
 
 
-# From this M bucket (M >= 9) AVX2 CPUs take the fp32 GEMM that dequantizes into its packed panels
+# From this M bucket (M = 9..16 and up) AVX2 CPUs take the fp32 GEMM that dequantizes into its packed panels
 # ("sgemm", wo_sgemm in qgemm_cpu.cpp). Measured on a 2-core Zen 2, K=N=4096 W4 g128 fp32 activations,
 # best of 7 interleaved runs in one process, ms (int16 kernel / sgemm / torch's fp32 matmul of the dense
 # weight): M=8 4.5 / 6.0 / 10.2, M=9 5.0 / 6.1, M=12 5.5 / 4.7, M=16 8.7 / 7.3 / 14.8, M=32 16.0 / 11.9 /
 # 21.2, M=64 27.0 / 15.5 / 30.1, M=128 62.0 / 36.0 / 42.4 (dequantize + torch's GEMM 45.1), M=256 123 /
 # 59.5 / 66.7 (70.3). A quieter run: M=128 26.5 ms, 166 GFLOP/s of the 200 an FMA loop reaches on the two
-# cores (torch's GEMM ~100).
+# cores (torch's GEMM ~100). The bucket of M = 9..16 is mixed: up to M=11 the int16 kernel can be faster
+# (M=9 by 1.2x in the run above), from M=12 sgemm is; tuning (per bucket) decides on the machine.
 SGEMM_MIN_M_BUCKET = 16
 
 
