@@ -103,12 +103,12 @@ SHAPES = [
     (3, 1, 1, 64, 64, 64),
 ]
 IMPLS = [None, {"impl": "flash"}, {"impl": "blocked", "chunk_elems": 64}, {"impl": "blocked"},
-         {"impl": "decode", "grain": 1}]
+         {"impl": "decode", "grain": 1}, {"impl": "fma", "threads": 3}]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("impl", IMPLS, ids=["public", "flash", "blocked-small", "blocked", "decode"])
+@pytest.mark.parametrize("impl", IMPLS, ids=["public", "flash", "blocked-small", "blocked", "decode", "fma"])
 def test_matches_float64_oracle_fp32(shape, causal, impl):
     q, k, v = make(*shape, torch.float32, seed=sum(shape))
     check_forward_and_grads(q, k, v, causal, config=impl)
@@ -119,7 +119,8 @@ def test_matches_float64_oracle_fp32(shape, causal, impl):
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("impl", [None, {"impl": "blocked", "chunk_elems": 64}, {"impl": "decode", "grain": 1},
-                                  {"impl": "bf16dot"}], ids=["public", "blocked", "decode", "bf16dot"])
+                                  {"impl": "bf16dot"}, {"impl": "fma"}], ids=["public", "blocked", "decode", "bf16dot",
+                                                                              "fma"])
 def test_matches_float64_oracle_other_dtypes(dtype, shape, causal, impl):
     q, k, v = make(*shape, dtype, seed=3)
     check_forward_and_grads(q, k, v, causal, config=impl)
@@ -404,7 +405,7 @@ def test_torch_compile_fullgraph_forward_and_backward():
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(B=st.integers(1, 2), Hkv=st.integers(1, 3), g=st.integers(1, 3), Sq=st.integers(1, 40),
        Sk=st.integers(1, 40), D=st.integers(1, 48), causal=st.booleans(),
-       impl=st.sampled_from(["flash", "blocked", "decode", "bf16dot"]), seed=st.integers(0, 1000))
+       impl=st.sampled_from(["flash", "blocked", "decode", "bf16dot", "fma"]), seed=st.integers(0, 1000))
 def test_hypothesis_shapes(B, Hkv, g, Sq, Sk, D, causal, impl, seed):
     q, k, v = make(B, Hkv * g, Hkv, Sq, Sk, D, torch.float32, seed=seed)
     check_forward_and_grads(q, k, v, causal, config={"impl": impl, "chunk_elems": 256, "grain": 1 << (seed % 20)})
@@ -415,12 +416,13 @@ def test_autotune_cpu_picks_a_candidate(tmp_cache):
 
     q, k, v = make(1, 2, 2, 64, 64, 32, torch.float32)
     cfg = at.tune("flash_attention", q, k, v, causal=True, budget_s=0.05)
-    assert cfg["impl"] in ("flash", "blocked")
+    fma = ("fma",) if _cpu.fma_available() else ()
+    assert cfg["impl"] in ("flash", "blocked") + fma
     # a decode step: the native decode kernel is a candidate (and the default)
     qd = q[:, :, :1].contiguous()
     assert at.config_for("flash_attention", "cpu", pykernels.attention.problem_key(qd, k), "cpu")["impl"] == "decode"
     cfg_d = at.tune("flash_attention", qd, k, v, causal=True, budget_s=0.05)
-    assert cfg_d["impl"] in ("flash", "blocked", "decode")
+    assert cfg_d["impl"] in ("flash", "blocked", "decode") + fma
     assert at.cache_file().exists()
     tunables = [t for t in at.registered("attention") if t.backend == "cpu"]
     assert {t.op for t in tunables} == {"flash_attention", "flash_attention_backward"}
@@ -433,12 +435,13 @@ def test_autotune_cpu_picks_a_candidate(tmp_cache):
     (args, kwargs), = [e for e in bwd.examples([32]) if e[1]["causal"]][:1]
     cfg_b = at.tune("flash_attention_backward", *args, budget_s=0.05, **kwargs)
     assert cfg_b["impl"] in ("flash", "blocked")
-    # and bfloat16 examples, forward and backward, whose candidates include the bf16dot kernels
+    # and bfloat16 examples, forward and backward, whose candidates include the bf16dot kernels (and the
+    # forward's the fma kernel)
     native = ("bf16dot",) if _cpu.bf16dot_available() else ()
     for tunable in (fwd, bwd):
         (args, kwargs), = [e for e in tunable.examples([64]) if e[0][1].dtype == torch.bfloat16][:1]
         cfg_bf = at.tune(tunable.op, *args, budget_s=0.05, **kwargs)
-        assert cfg_bf["impl"] in ("flash", "blocked") + native
+        assert cfg_bf["impl"] in ("flash", "blocked") + native + (fma if tunable is fwd else ())
 
 
 def test_autotune_takes_every_keyword_the_ops_take(tmp_cache):
@@ -1331,21 +1334,24 @@ def test_bf16dot_kernel_without_keys_gives_zero_rows(threads):
         assert (o2 == 7).all() and (l2 == 7).all()
 
 
-@needs_bf16dot
+@pytest.mark.parametrize("kernel", ["bf16dot", "fma"])
 @pytest.mark.parametrize("where", ["q", "k", "v", "k-inf", "k-all-inf"])
-def test_bf16dot_kernel_non_finite_inputs_follow_the_math(where):
+def test_native_prefill_non_finite_inputs_follow_the_math(where, kernel):
     """NaN/inf in q or k give a row that sees it a non-finite lse: the kernel reports it and the exact path
     recomputes; NaN in a v reaches the rows that see it, and no row of another 6-row tile (as the contract
     says, a masked key's value may reach rows that share its tile: p = 0, but 0 * NaN is NaN)."""
-    q, k, v = make(1, 4, 2, 70, 100, 64, torch.bfloat16, seed=9)
+    if not (_cpu.bf16dot_available() if kernel == "bf16dot" else _cpu.fma_available()):
+        pytest.skip(f"this CPU lacks the {kernel} kernel's instructions")
+    forward = _cpu.bf16dot_forward if kernel == "bf16dot" else _cpu.fma_forward
+    q, k, v = make(1, 4, 2, 70, 100, 64, torch.bfloat16 if kernel == "bf16dot" else torch.float32, seed=9)
     t = {"q": q, "k": k, "v": v}[where.split("-")[0]]
     if where == "k-all-inf":  # every score of the rows of KV head 1 that see key 0 only is -inf
         k[0, 1, 0] = float("inf")
         q[0, 2:, 0] = -1.0
     else:
         t[0, 1, 3 if where == "q" else 98, 5] = float("inf") if where == "k-inf" else float("nan")
-    assert (_cpu.bf16dot_forward(q, k, v, True, 0.25, 2) is None) == (where != "v")
-    out, lse = _forward_impl(q, k, v, True, 0.25, "cpu", {"impl": "bf16dot"}, inference=True)
+    assert (forward(q, k, v, True, 0.25, 2) is None) == (where != "v")
+    out, lse = _forward_impl(q, k, v, True, 0.25, "cpu", {"impl": kernel}, inference=True)
     if where == "v":  # key 98 is seen by query rows 68 and 69 (row i sees j <= i + 30) of heads 2, 3; rows
         # 64..69 are one register tile
         assert torch.isnan(out[0, 2:, 68:, 5]).all() and torch.isfinite(out[0, 2:, :64]).all()
@@ -1583,13 +1589,156 @@ def test_bf16dot_off_without_avx512():
         "assert not _cpu.bf16dot_available()\n"
         "q = torch.randn(1, 4, 128, 64).to(torch.bfloat16)\n"
         "key = problem_key(q, q, causal=True)\n"
-        "assert _tuning._cpu_fwd_default(key)['impl'] == 'flash'\n"
+        "assert _tuning._cpu_fwd_default(key)['impl'] == ('fma' if _cpu.fma_available() else 'flash')\n"
         "assert all(c['impl'] != 'bf16dot' for c in _tuning._cpu_fwd_candidates(key))\n"
         "assert _tuning._cpu_bwd_default(key)['impl'] == 'flash'\n"
         "assert all(c['impl'] != 'bf16dot' for c in _tuning._cpu_bwd_candidates(key))\n"
         "out = pykernels.flash_attention(q, q, q, causal=True)\n"
-        "ref = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)\n"
-        "torch.testing.assert_close(out, ref)\n"
+        "qd = q.double()\n"  # (the float64 answer: the fma forward keeps P in fp32, aten rounds it to bf16)
+        "ref = torch.nn.functional.scaled_dot_product_attention(qd, qd, qd, is_causal=True)\n"
+        "assert (out.double() - ref).abs().max() <= 2 ** -7 * ref.abs().max()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
                    env=dict(os.environ, PYKERNELS_DISABLE_AVX512="1", PYKERNELS_AUTOTUNE="0"))
+
+
+# ---------------------------------------------------------------------------------------------
+# "fma": the native fp32 forward with AVX2 FMAs (csrc/attention/attention_cpu.cpp)
+# ---------------------------------------------------------------------------------------------
+needs_fma = pytest.mark.skipif(not _cpu.fma_available(), reason="this CPU lacks AVX2 + FMA (the fma kernel's)")
+
+FMA_SHAPES = [  # (B, H, Hkv, S_q, S_k, D): key counts around the 8-key groups, 16-key chunks and 64-key
+    (1, 2, 2, 5, 7, 16),        # blocks, query rows around the 64-row items and 6-row register tiles, GQA,
+    (2, 4, 2, 65, 63, 32),      # S_q != S_k both ways, head dims from 16 to 512
+    (1, 3, 1, 64, 129, 48),
+    (1, 2, 2, 130, 65, 128),
+    (1, 1, 1, 7, 200, 256),
+    (2, 8, 2, 1, 300, 64),
+    (1, 2, 1, 200, 3, 80),
+    (1, 6, 6, 13, 13, 512),
+]
+
+
+@needs_fma
+@pytest.mark.parametrize("shape", FMA_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fma_kernel_matches_the_oracle(shape, causal, dtype):
+    """Same contract as every CPU path: bottom-right causal, rows without keys out 0 / lse -inf, out in q's
+    memory order and lse laid out as aten's; fp32 accuracy whatever the input dtype (out rounded once)."""
+    q, k, v = make(*shape, dtype, seed=sum(shape))
+    for scale, threads in ((None, 1), (-0.7, 2), (0.3, 3)):
+        sc = 1 / math.sqrt(shape[-1]) if scale is None else scale
+        out, lse = _cpu.fma_forward(q, k, v, causal, sc, threads)
+        ro, rl = reference(q, k, v, causal, sc)
+        assert out.dtype == dtype and lse.dtype == torch.float32
+        assert out.stride() == _cpu.out_strides(q, shape[-1]) and lse.stride() == _cpu.to_bshd(lse).stride()
+        assert_close(out, ro, dtype, "out")
+        assert_close(lse, rl, torch.float32, "lse")
+        if threads > 1:  # every item is computed alone: the same bits on any thread count
+            again, again_lse = _cpu.fma_forward(q, k, v, causal, sc, 1)
+            assert torch.equal(out, again) and torch.equal(lse, again_lse)
+
+
+@needs_fma
+def test_fma_kernel_as_accurate_as_sdpa():
+    """Large logits and long rows in fp32: the error of out against the float64 oracle within 1.5x of SDPA's
+    (fp32 throughout, as aten's kernel), and lse within 1e-5 relative."""
+    q, k, v = make(1, 4, 2, 300, 1000, 128, torch.float32, seed=7, scale=3.0)
+    out, lse = _cpu.fma_forward(q, k, v, False, 128 ** -0.5, 2)
+    ro, rl = reference(q, k, v, False)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    err, err_sdpa = (out.double() - ro).abs().max().item(), (sdpa.double() - ro).abs().max().item()
+    assert err <= 1.5 * err_sdpa + 1e-6, (err, err_sdpa)
+    assert ((lse.double() - rl).abs() <= 1e-5 * rl.abs().clamp_min(1)).all()
+
+
+@needs_fma
+def test_fma_kernel_reads_strided_inputs_and_leaves_them_unmodified():
+    """K/V laid out [B, S, H, D] (a KV cache), q transposed the same way, an odd row stride, and inputs left as
+    they were."""
+    g = torch.Generator().manual_seed(5)
+    B, H, Hkv, Sq, Sk, D = 2, 8, 2, 70, 100, 64
+    for dt in (torch.float32, torch.float16):
+        q = torch.randn(B, Sq, H, D, generator=g).to(dt).transpose(1, 2)
+        k = torch.randn(B, Sk, Hkv, D, generator=g).to(dt).transpose(1, 2)
+        v = torch.randn(B, Sk, Hkv, D, generator=g).to(dt).transpose(1, 2)
+        odd = torch.randn(B * Hkv * Sk * (D + 1), generator=g).to(dt)
+        k_odd = odd.as_strided((B, Hkv, Sk, D), (Hkv * Sk * (D + 1), Sk * (D + 1), D + 1, 1))
+        for kk in (k, k_odd):
+            before = [t.clone() for t in (q, kk, v)]
+            for causal in (False, True):
+                out, lse = _cpu.fma_forward(q, kk, v, causal, 0.125, 2)
+                ro, rl = reference(q, kk, v, causal, 0.125)
+                assert_close(out, ro, dt, "out")
+                assert_close(lse, rl, torch.float32, "lse")
+                assert out.stride() == _cpu.out_strides(q, D)
+            for a, b in zip((q, kk, v), before):
+                assert torch.equal(a, b)
+
+
+@needs_fma
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fma_kernel_without_keys_and_where_it_does_not_apply(threads):
+    """The native kernel itself with S_k = 0 (the wrapper answers that case without calling it): zero rows and
+    lse -inf; a head dim not a multiple of 16 (or above 512): -1 and nothing written."""
+    from pykernels import _native
+    mod = _native.cpu_module("attention")
+
+    def call(q, k, out, lse, Sk):
+        B, H, Sq, D = q.shape
+        return mod.fma_forward(q.data_ptr(), k.data_ptr(), k.data_ptr(), out.data_ptr(), lse.data_ptr(), B, H,
+                               k.shape[1], Sq, Sk, D, q.stride()[:3], k.stride()[:3], k.stride()[:3], out.stride()[:3],
+                               lse.stride(), 0.25, False, _native.dtype_code(q.dtype), threads)
+
+    q = torch.randn(2, 4, 3, 32)
+    out, lse = torch.full_like(q, 7.0), torch.full((2, 4, 3), 7.0)
+    assert call(q, torch.empty(2, 2, 0, 32), out, lse, 0) == 0
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(lse, torch.full_like(lse, -math.inf))
+    for d in (24, 528):
+        q2, k2 = torch.zeros(1, 1, 2, d), torch.zeros(1, 1, 2, d)
+        o2, l2 = torch.full_like(q2, 7.0), torch.full((1, 1, 2), 7.0)
+        assert call(q2, k2, o2, l2, 2) == -1
+        assert (o2 == 7).all() and (l2 == 7).all()
+
+
+@needs_fma
+def test_fma_is_the_default_for_forwards_without_avx512_and_never_before_a_backward(monkeypatch, tmp_cache):
+    """Where the CPU has AVX2 but not AVX-512: an inference call takes the kernel on the lean and the general
+    path alike (fp32, bf16, fp16 that bf16dot does not take); a call a backward may follow (autograd,
+    torch.compile) takes aten's forward, whose lse aten's backward matches; a head dim not a multiple of 16
+    never takes it."""
+    import importlib
+
+    from pykernels.attention import _tuning
+
+    pa = importlib.import_module("pykernels.attention")
+    monkeypatch.setenv("PYKERNELS_AUTOTUNE", "0")
+    monkeypatch.setattr(_tuning, "_cpu_has_avx512", lambda: False)  # (tmp_cache: no config memo from before)
+    calls = []
+    real = _cpu.fma_forward
+    monkeypatch.setattr(_cpu, "fma_forward", lambda *a: calls.append(1) or real(*a))
+    pa._LEAN_PLANS.clear()
+    try:
+        for dt in (torch.float32, torch.float16):
+            q, k, v = make(1, 8, 2, 128, 128, 64, dt, seed=4)
+            n = len(calls)
+            with torch.no_grad():
+                lean = flash_attention(q, k, v, causal=True, return_lse=True)
+                general = flash_attention(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, causal=True,
+                                          return_lse=True)
+            assert len(calls) == n + 2
+            assert torch.equal(lean[0], general[0]) and torch.equal(lean[1], general[1])
+            assert_close(lean[0], reference(q, k, v, True)[0], dt, "out")
+            qa = q.clone().requires_grad_()
+            out = flash_attention(qa, k, v, causal=True)
+            out.float().sum().backward()
+            assert len(calls) == n + 2 and qa.grad is not None
+            flash_attention(*make(1, 8, 2, 128, 128, 40, dt), causal=True)
+            assert len(calls) == n + 2
+        torch._dynamo.reset()
+        torch.compile(lambda a, b, c: flash_attention(a, b, c, causal=True), backend="aot_eager",
+                      fullgraph=True)(qa, k, v)
+        assert len(calls) == 4
+    finally:
+        pa._LEAN_PLANS.clear()

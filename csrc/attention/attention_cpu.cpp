@@ -324,15 +324,7 @@ PK_TARGET_AVX2 void widen_avx2(const void* const* src, pk::DType dt, int nb, int
   for (int j = 0; j < nb; ++j) {
     const uint16_t* s = static_cast<const uint16_t*>(src[j]);
     float* o = dst + (int64_t)j * D;
-    if (dt == pk::DType::BFloat16) {
-      for (int d = 0; d < D8; d += 8) {
-        const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + d)));
-        _mm256_storeu_ps(o + d, _mm256_castsi256_ps(_mm256_slli_epi32(h, 16)));
-      }
-    } else {
-      for (int d = 0; d < D8; d += 8)
-        _mm256_storeu_ps(o + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + d))));
-    }
+    for (int d = 0; d < D8; d += 8) _mm256_storeu_ps(o + d, pk::load8_f32(s, dt, d));
     for (int d = D8; d < D; ++d) o[d] = load_f32(s, dt, d);
   }
 }
@@ -771,6 +763,21 @@ PK_TARGET_AVX512BF16 inline float pf_exp_row(const float* s, int n, float m, uin
   return _mm512_reduce_add_ps(sum);
 }
 
+// The scalar part of one row's online-softmax update for a key block (FlashAttention-2): from the maximum
+// of the block's n visible scores (NaN never wins it: a NaN reaches l through its exponential), the new
+// running max and alpha = exp(m - m_new), the factor of the row's sum and output so far (0 on its first
+// block). False where the row takes nothing from the block (the caller clears its p): no visible key, or a
+// poisoned row (every score so far -inf or NaN: l = NaN, and the caller recomputes the row exactly).
+inline bool softmax_step(float m, float& l, int n, float block_max, float* m_new, float* alpha) {
+  *m_new = n > 0 ? std::max(m, block_max) : m;
+  if (n == 0 || std::isnan(l) || *m_new == kNegInf) {
+    if (n > 0 && *m_new == kNegInf) l = std::numeric_limits<float>::quiet_NaN();
+    return false;
+  }
+  *alpha = std::exp(m - *m_new);
+  return true;
+}
+
 // Rows [0, rows) in register tiles of PF_RQ (a shorter last tile).
 template <class F>
 inline void pf_row_tiles(int rows, F&& f) {
@@ -784,6 +791,55 @@ inline void pf_row_tiles(int rows, F&& f) {
     case 1: f(r, std::integral_constant<int, 1>{}); break;
     default: break;
   }
+}
+
+// A buffer of the calling thread kept between calls while it is at most `keep` bytes: a fresh one per call
+// cost its page faults every time (the bf16dot forward: ~1 ms of a ~3 ms call at 32/8 heads x 1024 keys x
+// D = 128); a larger call's compute dwarfs them (and a thread that made one keeps nothing of it).
+template <class T>
+struct KeptBuffer {
+  std::unique_ptr<T[]> data;  // (not value-initialized: callers write every element they read)
+  size_t size = 0;
+  T* get(size_t n) {
+    if (size < n) {
+      data.reset();
+      data.reset(new T[n]);
+      size = n;
+    }
+    return data.get();
+  }
+  struct Trim {  // at the end of the call: releases the buffer where it grew past `keep` bytes
+    KeptBuffer& buf;
+    size_t keep;
+    ~Trim() {
+      if (buf.size * sizeof(T) > keep) {
+        buf.data.reset();
+        buf.size = 0;
+      }
+    }
+  };
+};
+
+// A prefill forward's work items, (batch, query head, block of PF_BM query rows), heaviest (last, under a
+// causal mask) first, on up to T threads, each with a Scratch of its own (scratch: made here, sized by
+// size_for(D), left to the caller to read); item(scratch, KV group, b, h, first row, rows) returns the rows
+// it found bad. Returns their sum.
+template <class Scratch, class Item>
+int64_t run_prefill_items(const Problem& P, int T, std::vector<Scratch>& scratch, Item&& item) {
+  const int64_t qblocks = (P.Sq + PF_BM - 1) / PF_BM, items = P.B * P.H * qblocks;
+  scratch.resize((size_t)std::min<int64_t>(T, items));
+  for (auto& sc : scratch) sc.size_for(P.D);
+  std::atomic<int64_t> bad{0};
+  pk::parallel_chunks(items, (int)scratch.size(), 1, [&](int t, int64_t it0, int64_t it1) {
+    int64_t nbad = 0;
+    for (int64_t it = it0; it < it1; ++it) {
+      const int64_t qb = qblocks - 1 - it % qblocks, bh = it / qblocks, b = bh / P.H, h = bh % P.H;
+      const int64_t g = b * P.Hkv + h / (P.H / P.Hkv), i0 = qb * PF_BM;
+      nbad += item(scratch[t], g, b, h, i0, (int)std::min<int64_t>(PF_BM, P.Sq - i0));
+    }
+    bad += nbad;
+  });
+  return bad.load();
 }
 
 struct PrefillScratch {
@@ -827,15 +883,11 @@ PK_TARGET_AVX512BF16 int64_t prefill_item(const Problem& P, const uint32_t* kp, 
       const float* sr = sc.s.data() + (size_t)r * PF_BN;
       uint32_t* pr = sc.p.data() + (size_t)r * (PF_BN / 2);
       const int n = (int)std::clamp<int64_t>(P.visible(i0 + r) - j0, 0, nb);
-      const float m_new = n > 0 ? std::max(sc.m[r], pf_row_max(sr, n)) : sc.m[r];  // NaN never wins: it reaches l
-      if (n == 0 || std::isnan(sc.l[r]) || m_new == kNegInf) {
-        // no key of this block (or a poisoned row): p = 0; every score so far -inf (or NaN): poison the
-        // row, the caller recomputes it
-        if (n > 0 && m_new == kNegInf) sc.l[r] = std::numeric_limits<float>::quiet_NaN();
+      float m_new, alpha;
+      if (!softmax_step(sc.m[r], sc.l[r], n, n > 0 ? pf_row_max(sr, n) : kNegInf, &m_new, &alpha)) {
         std::memset(pr, 0, sizeof(uint32_t) * (PF_BN / 2));
         continue;
       }
-      const float alpha = std::exp(sc.m[r] - m_new);  // 0 on the first block (m = -inf)
       sc.l[r] = sc.l[r] * alpha + pf_exp_row(sr, n, m_new, pr);
       if (alpha != 1.f) {
         float* orow = sc.o.data() + (size_t)r * D;
@@ -888,30 +940,10 @@ int64_t prefill_forward(const Problem& P, int num_threads) {
   const int64_t Skp = std::max<int64_t>(PF_BN, (P.Sk + PF_BN - 1) / PF_BN * PF_BN);
   const int64_t kv_words = Skp * D / 2;  // per (b, hk), each of Kp and Vp
   const int64_t groups = P.B * P.Hkv;
-  // The packed copies live in a buffer of the calling thread kept between calls up to 16 MiB: a fresh one
-  // per call cost its page faults every time (32/8 heads x 1024 keys x D = 128: 4 MiB, ~1 ms of a ~3 ms
-  // call); a larger call's compute dwarfs them (and a thread that made one keeps nothing of it)
-  struct Packed {
-    std::unique_ptr<uint32_t[]> words;  // (not value-initialized: the packing writes every word it reads)
-    size_t size = 0;
-  };
-  thread_local Packed packed;
-  const size_t words = (size_t)(2 * groups * kv_words);
-  if (packed.size < words) {
-    packed.words.reset();
-    packed.words.reset(new uint32_t[words]);
-    packed.size = words;
-  }
-  struct Release {
-    Packed& buf;
-    ~Release() {
-      if (buf.size * sizeof(uint32_t) > (size_t(16) << 20)) {
-        buf.words.reset();
-        buf.size = 0;
-      }
-    }
-  } release{packed};
-  uint32_t* const kp = packed.words.get();
+  // the packed copies: in a buffer of the calling thread kept up to 16 MiB (see KeptBuffer)
+  thread_local KeptBuffer<uint32_t> packed;
+  uint32_t* const kp = packed.get((size_t)(2 * groups * kv_words));
+  const typename KeptBuffer<uint32_t>::Trim trim{packed, size_t(16) << 20};
   uint32_t* const vp = kp + groups * kv_words;
   const int T = std::max(1, num_threads);
   std::atomic<bool> subnormal{false};
@@ -922,23 +954,243 @@ int64_t prefill_forward(const Problem& P, int num_threads) {
     }
   });
   if (subnormal) return kSubnormalInput;
-  const int64_t qblocks = (P.Sq + PF_BM - 1) / PF_BM, items = P.B * P.H * qblocks;
-  std::vector<PrefillScratch> scratch(std::min<int64_t>(T, items));
-  for (auto& sc : scratch) sc.size_for(D);
-  std::atomic<int64_t> bad{0};
-  pk::parallel_chunks(items, (int)scratch.size(), 1, [&](int t, int64_t it0, int64_t it1) {
-    int64_t nbad = 0;
-    for (int64_t it = it0; it < it1; ++it) {
-      const int64_t qb = qblocks - 1 - it % qblocks, bh = it / qblocks, b = bh / P.H, h = bh % P.H;
-      const int64_t g = b * P.Hkv + h / (P.H / P.Hkv), i0 = qb * PF_BM;
-      nbad += prefill_item(P, kp + g * kv_words, vp + g * kv_words, b, h, i0,
-                           (int)std::min<int64_t>(PF_BM, P.Sq - i0), scratch[t]);
-    }
-    bad += nbad;
+  std::vector<PrefillScratch> scratch;
+  const int64_t bad = run_prefill_items(P, T, scratch, [&](PrefillScratch& sc, int64_t g, int64_t b, int64_t h,
+                                                           int64_t i0, int rows) {
+    return prefill_item(P, kp + g * kv_words, vp + g * kv_words, b, h, i0, rows, sc);
   });
   for (const auto& sc : scratch)
     if (sc.subnormal) return kSubnormalInput;
-  return bad.load();
+  return bad;
+#else
+  (void)P;
+  (void)num_threads;
+  return -1;
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Prefill forward with fp32 FMAs on AVX2 (the "fma" impl of flash_attention): FlashAttention-2's forward
+// (Dao 2023, Algorithm 1) for float32 inputs, and bfloat16 / float16 inputs widened to fp32 as they are packed.
+//
+// Why: aten's CPU flash kernel multiplies its blocks with the BLAS's sgemm, and MKL's sgemm ran at about half
+// of the FMA peak on a 2-core Zen 2 (~100 of the 200 GFLOP/s that FMA chains reach there; see
+// runtime_cpu.cpp's fma_peak_gflops), in small blocks less. Register tiles of 6 query rows x 16 keys (scores)
+// and 6 rows x 16 output columns (P V), 12 ymm accumulators each, keep both products at the FMA rate.
+//
+// Everything is fp32: scores (scaled after the dot product, as aten does), the online softmax (exp256), P,
+// the P V accumulation; out = o / l rounded once to the output dtype, lse = m + log(l).
+// Layout, per (batch, KV head), packed once per call (every query head of a GQA group reads the same copy):
+//   Kf: keys in groups of 8, [Skp / 8][D][8] floats, (g, d, l) = k[8g + l][d]: S[i][8g + l] accumulates
+//       q[i][d] * (g, d, l) over d -- a lane per key, q broadcast;
+//   Vf: [Skp][D] floats, v's rows: o[i][d] accumulates p[i][j] * Vf[j][d] -- a lane per output column.
+// Padded with zero keys up to Skp (a multiple of FM_BN). Work items as the bf16dot forward's (64 query rows of
+// one head, heaviest first); the caller checks the rows' lse and recomputes non-finite problems exactly.
+// ---------------------------------------------------------------------------------------------------------
+constexpr int FM_BN = 64;  // keys per block (8 groups of 8 lanes); register tiles of PF_RQ query rows
+
+inline bool fma_head_dim_ok(int64_t D) { return D > 0 && D % 16 == 0 && D <= 512; }
+
+#if PK_X86
+// Kf and Vf of (b, hk) (layout above)
+PK_TARGET_AVX2 void fma_pack_kv(const Problem& P, int64_t b, int64_t hk, int64_t Skp, float* kf, float* vf) {
+  const int64_t D = P.D, Sk = P.Sk;
+  const int64_t kbase = b * P.ks[0] + hk * P.ks[1], vbase = b * P.vs[0] + hk * P.vs[1];
+  for (int64_t g = 0; g < Skp / 8; ++g) {
+    float* out = kf + g * D * 8;
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 r[8];
+      for (int l = 0; l < 8; ++l) {
+        const int64_t j = g * 8 + l;
+        r[l] = j < Sk ? pk::load8_f32(P.k, P.dt, kbase + j * P.ks[2] + d) : _mm256_setzero_ps();
+      }
+      pk::transpose8_ps(r);
+      for (int t = 0; t < 8; ++t) _mm256_storeu_ps(out + (d + t) * 8, r[t]);
+    }
+  }
+  for (int64_t j = 0; j < Skp; ++j)
+    for (int64_t d = 0; d < D; d += 8)
+      _mm256_storeu_ps(vf + j * D + d, j < Sk ? pk::load8_f32(P.v, P.dt, vbase + j * P.vs[2] + d) : _mm256_setzero_ps());
+}
+
+// R rows of s[r][16c .. 16c + 16) = scale * q_r . k_j for the 16 keys of groups kg, kg + 1 (q rows D apart)
+// (the row loops unrolled: with a loop left over rows GCC kept the 12 accumulators in memory, a store
+// per FMA: 22 GFLOP/s)
+template <int R>
+PK_TARGET_AVX2 inline void fma_scores16(const float* q, int64_t D, const float* kg, float scale, float* s) {
+  __m256 acc[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const float* kg1 = kg + D * 8;
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 k0 = _mm256_loadu_ps(kg + d * 8), k1 = _mm256_loadu_ps(kg1 + d * 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 qb = _mm256_broadcast_ss(q + r * D + d);
+      acc[r][0] = _mm256_fmadd_ps(qb, k0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(qb, k1, acc[r][1]);
+    }
+  }
+  const __m256 vs = _mm256_set1_ps(scale);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(s + r * FM_BN, _mm256_mul_ps(acc[r][0], vs));
+    _mm256_storeu_ps(s + r * FM_BN + 8, _mm256_mul_ps(acc[r][1], vs));
+  }
+}
+
+// R rows of o[r][d0 .. d0 + 16) += sum over keys j < n of p[r][j] * v[j][d0 ..] (p rows FM_BN apart, v and o
+// rows D apart, v at the block's first key and column d0)
+template <int R>
+PK_TARGET_AVX2 inline void fma_pv16(const float* p, const float* v, int64_t D, int n, float* o) {
+  __m256 acc[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    acc[r][0] = _mm256_loadu_ps(o + r * D);
+    acc[r][1] = _mm256_loadu_ps(o + r * D + 8);
+  }
+  for (int j = 0; j < n; ++j) {
+    const __m256 v0 = _mm256_loadu_ps(v + j * D), v1 = _mm256_loadu_ps(v + j * D + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 pb = _mm256_broadcast_ss(p + r * FM_BN + j);
+      acc[r][0] = _mm256_fmadd_ps(pb, v0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(pb, v1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(o + r * D, acc[r][0]);
+    _mm256_storeu_ps(o + r * D + 8, acc[r][1]);
+  }
+}
+
+// p[0, FM_BN) = exp(s[j] - m) for j < n, 0 beyond (keys the row does not see, the padding: whatever their
+// scores, even NaN); returns the sum
+PK_TARGET_AVX2 inline float fma_exp_row(const float* s, int n, float m, float* p) {
+  const __m256 vm = _mm256_set1_ps(m);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 sum = _mm256_setzero_ps();
+  for (int j = 0; j < FM_BN; j += 8) {
+    const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - j), lane));
+    const __m256 e = _mm256_and_ps(live, exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm)));
+    sum = _mm256_add_ps(sum, e);
+    _mm256_storeu_ps(p + j, e);
+  }
+  return hsum256(sum);
+}
+
+struct FmaScratch {
+  std::vector<float> q, s, p, o, m, l;
+  void size_for(int64_t D) {
+    q.resize((size_t)PF_BM * D);
+    s.resize((size_t)PF_BM * FM_BN);
+    p.resize((size_t)PF_BM * FM_BN);
+    o.resize((size_t)PF_BM * D);
+    m.resize(PF_BM);
+    l.resize(PF_BM);
+  }
+};
+
+// One work item: query rows [i0, i0 + rows) of head h (batch b). Returns the rows that see keys but got a
+// non-finite lse.
+PK_TARGET_AVX2 int64_t fma_item(const Problem& P, const float* kf, const float* vf, int64_t b, int64_t h, int64_t i0,
+                                int rows, FmaScratch& sc) {
+  const int64_t D = P.D;
+  const int64_t qbase = b * P.qs[0] + h * P.qs[1];
+  for (int r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < D; d += 8)
+      _mm256_storeu_ps(sc.q.data() + r * D + d, pk::load8_f32(P.q, P.dt, qbase + (i0 + r) * P.qs[2] + d));
+  std::fill(sc.o.begin(), sc.o.begin() + (size_t)rows * D, 0.f);
+  for (int r = 0; r < rows; ++r) {
+    sc.m[r] = kNegInf;
+    sc.l[r] = 0.f;
+  }
+  const int64_t hi = P.visible(i0 + rows - 1);  // the keys the item's last (most seeing) row sees
+  for (int64_t j0 = 0; j0 < hi; j0 += FM_BN) {
+    const int nb = (int)std::min<int64_t>(FM_BN, hi - j0);
+    const float* kblk = kf + j0 * D;  // (j0 / 8 groups of D x 8 floats)
+    pf_row_tiles(rows, [&](int r0, auto R) {
+      for (int c = 0; c < (nb + 15) / 16; ++c)
+        fma_scores16<decltype(R)::value>(sc.q.data() + (size_t)r0 * D, D, kblk + c * 16 * D, P.scale,
+                                         sc.s.data() + (size_t)r0 * FM_BN + 16 * c);
+    });
+    for (int r = 0; r < rows; ++r) {
+      const float* sr = sc.s.data() + (size_t)r * FM_BN;
+      float* pr = sc.p.data() + (size_t)r * FM_BN;
+      const int n = (int)std::clamp<int64_t>(P.visible(i0 + r) - j0, 0, nb);
+      float m_new, alpha;
+      if (!softmax_step(sc.m[r], sc.l[r], n, n > 0 ? row_max_avx2(sr, n) : kNegInf, &m_new, &alpha)) {
+        std::memset(pr, 0, sizeof(float) * FM_BN);
+        continue;
+      }
+      sc.l[r] = sc.l[r] * alpha + fma_exp_row(sr, n, m_new, pr);
+      if (alpha != 1.f) {
+        float* orow = sc.o.data() + (size_t)r * D;
+        const __m256 va = _mm256_set1_ps(alpha);
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(orow + d, _mm256_mul_ps(_mm256_loadu_ps(orow + d), va));
+      }
+      sc.m[r] = m_new;
+    }
+    const float* vblk = vf + j0 * D;
+    pf_row_tiles(rows, [&](int r0, auto R) {
+      // the keys the tile's rows see (its last row sees the most): a causal diagonal block's first tiles skip
+      // the rest; a key some rows of the tile do not see has p = 0 there (a non-finite value in it makes the
+      // row's output non-finite: the caller's check of out recomputes such problems exactly)
+      const int n = (int)std::clamp<int64_t>(P.visible(i0 + r0 + decltype(R)::value - 1) - j0, 0, nb);
+      if (n == 0) return;
+      for (int64_t d0 = 0; d0 < D; d0 += 16)
+        fma_pv16<decltype(R)::value>(sc.p.data() + (size_t)r0 * FM_BN, vblk + d0, D, n,
+                                     sc.o.data() + (size_t)r0 * D + d0);
+    });
+  }
+  // out = o / l in the output dtype, lse = m + log(l); rows that see no key: 0 and -inf
+  int64_t bad = 0;
+  const int64_t obase = b * P.os[0] + h * P.os[1];
+  for (int r = 0; r < rows; ++r) {
+    const int64_t i = i0 + r;
+    const bool sees = P.visible(i) > 0;
+    const float l = sc.l[r], inv = sees && l > 0.f ? 1.f / l : 0.f;
+    const float* orow = sc.o.data() + (size_t)r * D;
+    const int64_t dst = obase + i * P.os[2];
+    if (P.dt == pk::DType::Float32) {
+      float* o32 = static_cast<float*>(P.out) + dst;
+      const __m256 vinv = _mm256_set1_ps(inv);
+      for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(o32 + d, sees ? _mm256_mul_ps(_mm256_loadu_ps(orow + d), vinv) : _mm256_setzero_ps());
+    } else {
+      for (int64_t d = 0; d < D; ++d) store_from_f32(P.out, P.dt, dst + d, sees ? orow[d] * inv : 0.f);
+    }
+    const float lse = sees ? sc.m[r] + std::log(l) : kNegInf;
+    P.lse[b * P.ls[0] + h * P.ls[1] + i * P.ls[2]] = lse;
+    bad += sees && !std::isfinite(lse) ? 1 : 0;
+  }
+  return bad;
+}
+#endif
+
+// Returns the number of rows that see keys whose lse came out non-finite; -1 where this CPU lacks AVX2 or D
+// is not a multiple of 16 (up to 512): the caller takes another impl.
+int64_t fma_forward(const Problem& P, int num_threads) {
+#if PK_X86
+  if (!pk::cpu_has_avx2() || !fma_head_dim_ok(P.D)) return -1;
+  const int64_t D = P.D;
+  if (P.B * P.H == 0 || P.Sq == 0) return 0;
+  const int64_t Skp = std::max<int64_t>(FM_BN, (P.Sk + FM_BN - 1) / FM_BN * FM_BN);
+  const int64_t kv_floats = Skp * D;  // per (b, hk), each of Kf and Vf
+  const int64_t groups = P.B * P.Hkv;
+  thread_local KeptBuffer<float> packed;  // (see KeptBuffer)
+  float* const kf = packed.get((size_t)(2 * groups * kv_floats));
+  const typename KeptBuffer<float>::Trim trim{packed, size_t(16) << 20};
+  float* const vf = kf + groups * kv_floats;
+  const int T = std::max(1, num_threads);
+  pk::parallel_chunks(groups, std::min<int64_t>(T, groups), 1, [&](int, int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) fma_pack_kv(P, g / P.Hkv, g % P.Hkv, Skp, kf + g * kv_floats, vf + g * kv_floats);
+  });
+  std::vector<FmaScratch> scratch;
+  return run_prefill_items(P, T, scratch, [&](FmaScratch& sc, int64_t g, int64_t b, int64_t h, int64_t i0, int rows) {
+    return fma_item(P, kf + g * kv_floats, vf + g * kv_floats, b, h, i0, rows, sc);
+  });
 #else
   (void)P;
   (void)num_threads;
@@ -1297,6 +1549,15 @@ int64_t prefill_forward_py(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out,
   return prefill_forward(P, std::max(1, num_threads));
 }
 
+int64_t fma_forward_py(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uintptr_t lse, int64_t B, int64_t H,
+                       int64_t Hkv, int64_t Sq, int64_t Sk, int64_t D, py::tuple qs, py::tuple ks, py::tuple vs,
+                       py::tuple os, py::tuple ls, double scale, bool causal, int dtype, int num_threads) {
+  const Problem P = problem_of(q, k, v, out, lse, B, H, Hkv, Sq, Sk, D, qs, ks, vs, os, ls, scale, causal, dtype,
+                               "fma");
+  py::gil_scoped_release release;
+  return fma_forward(P, std::max(1, num_threads));
+}
+
 int64_t prefill_backward_py(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t dout, uintptr_t lse, uintptr_t delta,
                             uintptr_t dq, uintptr_t dk, uintptr_t dv, int64_t B, int64_t H, int64_t Hkv, int64_t Sq,
                             int64_t Sk, int64_t D, py::tuple qs, py::tuple ks, py::tuple vs, py::tuple dos,
@@ -1327,8 +1588,8 @@ bool prefill_available() {
 }  // namespace
 
 PYBIND11_MODULE(_cpu_attention, m) {
-  m.doc() = "pykernels CPU attention kernels: decode (few query rows against a long KV cache) and bf16dot "
-            "(bfloat16 prefill with AVX-512 BF16 dot products)";
+  m.doc() = "pykernels CPU attention kernels: decode (few query rows against a long KV cache), bf16dot "
+            "(bfloat16 prefill with AVX-512 BF16 dot products) and fma (prefill forward in fp32 with AVX2 FMAs)";
   m.def("decode_forward", &decode_forward_py, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
         py::arg("lse"), py::arg("B"), py::arg("H"), py::arg("Hkv"), py::arg("Sq"), py::arg("Sk"), py::arg("D"),
         py::arg("q_strides"), py::arg("k_strides"), py::arg("v_strides"), py::arg("out_strides"),
@@ -1356,5 +1617,13 @@ PYBIND11_MODULE(_cpu_attention, m) {
         "q, k, v, dout, the forward's lse and delta = rowsum(dout * out) - dlse (float32); finite inputs. Returns "
         "-1 where the kernel does not apply (as prefill_forward), -2 where an input holds a subnormal (outputs "
         "partly written), else 0.");
+  m.def("fma_forward", &fma_forward_py, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
+        py::arg("lse"), py::arg("B"), py::arg("H"), py::arg("Hkv"), py::arg("Sq"), py::arg("Sk"), py::arg("D"),
+        py::arg("q_strides"), py::arg("k_strides"), py::arg("v_strides"), py::arg("out_strides"),
+        py::arg("lse_strides"), py::arg("scale"), py::arg("causal"), py::arg("dtype"), py::arg("num_threads"),
+        "attention of q [B, H, Sq, D] over k, v [B, Hkv, Sk, D] in fp32 with AVX2 FMAs (float32, or bfloat16 / "
+        "float16 widened; strides as decode_forward; D a multiple of 16, D <= 512); bottom-right causal. Returns "
+        "how many rows that see keys got a non-finite lse, -1 where the kernel does not apply (no AVX2, or D).");
+  m.def("fma_available", &pk::cpu_has_avx2, "True when this CPU runs the fma kernel (AVX2 + FMA)");
   m.def("prefill_available", &prefill_available, "True when this CPU runs the bf16dot kernel (AVX-512 BF16)");
 }

@@ -1354,27 +1354,6 @@ struct AlignedFloats {
 };
 
 #if PK_X86
-// The 8 x 8 transpose of r[0..7] (rows) into r[0..7] (columns), the usual unpack / shuffle / permute
-// network (24 shuffles).
-PK_TARGET_AVX2 static inline void transpose8x8(__m256* r) {
-  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-  const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-  const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-  const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-  r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
-  r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
-  r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
-  r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
-  r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
-  r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
-  r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
-  r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
-}
-
 // Rows [n0, n0 + 16) of W (rows >= N read as zeros), k in [k0, k0 + kc) (whole 32-blocks), dequantized
 // into dst[kc][16]: each row's block is decoded as dequant_row_avx2 does into rows[16][32] (L1), then
 // two 8 x 8 transposes per 8 k's.
@@ -1398,7 +1377,7 @@ PK_TARGET_AVX2 static void sg_pack_b_sliver(const WoShape& s, const uint8_t* w, 
       for (int h = 0; h < 2; ++h) {
         __m256 r8[8];
         for (int i = 0; i < 8; ++i) r8[i] = _mm256_load_ps(rows[8 * h + i] + 8 * q);
-        transpose8x8(r8);
+        pk::transpose8_ps(r8);
         for (int kk = 0; kk < 8; ++kk) _mm256_store_ps(d + (8 * q + kk) * SG_NR + 8 * h, r8[kk]);
       }
     }

@@ -127,6 +127,10 @@ def _forward_impl(q, k, v, causal: bool, scale: float, backend: str, config: Opt
         result = _bf16dot(q, k, v, causal, scale, cfg)
         if result is not None:
             return result
+    elif impl == "fma" and inference and _cpu.fma_takes(q):  # (where a backward may follow: aten's, as decode)
+        result = _fma(q, k, v, causal, scale, cfg)
+        if result is not None:
+            return result
     elif impl != "blocked":
         out, lse = _cpu.flash_forward(q, k, v, causal, scale)
         if _flash_result_stands(q, k, v, causal, scale, out, lse):
@@ -150,6 +154,13 @@ def _decode(q, k, v, causal: bool, scale: float, cfg: dict):
 
 def _bf16dot(q, k, v, causal: bool, scale: float, cfg: dict):
     return _cpu.bf16dot_forward(q, k, v, causal, scale, _threads(cfg))
+
+
+def _fma(q, k, v, causal: bool, scale: float, cfg: dict):
+    return _cpu.fma_forward(q, k, v, causal, scale, _threads(cfg))
+
+
+_NATIVE_FORWARDS = {"decode": _decode, "bf16dot": _bf16dot, "fma": _fma}
 
 
 def _flash_result_stands(q, k, v, causal: bool, scale: float, out, lse) -> bool:
@@ -427,10 +438,10 @@ def _lean_cpu_forward(q, k, v, causal, scale, backend):
     tensors of one float dtype (not float64), well-formed [B, H, S, D] shapes, arguments of the exact
     types the general path accepts, and a problem the chosen implementation runs in ONE kernel call (the
     native decode kernel; or aten's flash kernels when not causal, for one query row or a square causal
-    mask; or the native bf16dot kernel). Returns (out, lse) as the general path does, or
+    mask; or the native bf16dot or fma kernel). Returns (out, lse) as the general path does, or
     None for any other call, which takes the general path (its checks and errors, autograd, torch.compile,
     other layouts and backends). Same results: the same dispatch (key and config), the same kernel call
-    (_cpu.decode_forward, _cpu.bf16dot_forward or _cpu.flash_forward), the same check of its result and the
+    (_cpu.decode_forward, _cpu.bf16dot_forward, _cpu.fma_forward or _cpu.flash_forward), the same check of its result and the
     same fallback.
     Why: a decode step (q of one token against 128 cached keys, 8 heads) spent ~20 us of Python around
     a ~16 us kernel (SDPA: ~17 us in all): generic checks, as_tensor, layout fix-ups that are no-ops here."""
@@ -469,9 +480,10 @@ def _lean_cpu_forward(q, k, v, causal, scale, backend):
             _LEAN_PLANS.clear()
         _LEAN_PLANS[memo_key] = cfg  # (never modified by its users: _decode and the checks below read it)
     impl = cfg.get("impl", "flash")
-    native = impl == "decode" or (impl == "bf16dot" and _cpu.bf16dot_takes(q))
+    native = (impl == "decode" or (impl == "bf16dot" and _cpu.bf16dot_takes(q))
+              or (impl == "fma" and _cpu.fma_takes(q)))
     if native:  # (the general path's eager call: no backward can follow)
-        result = (_decode if impl == "decode" else _bf16dot)(q, k, v, causal, scale, cfg)
+        result = _NATIVE_FORWARDS[impl](q, k, v, causal, scale, cfg)
         if result is None:  # NaN/inf in q or k, or a subnormal input: the exact path (the general path's too)
             out, lse = _blocked(q, k, v, causal, scale, cfg)
             return _cpu.like_q(out, q), _cpu.to_bshd(lse)

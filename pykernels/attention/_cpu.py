@@ -1,4 +1,4 @@
-"""CPU backend of flash_attention: four interchangeable implementations, chosen by the autotuner.
+"""CPU backend of flash_attention: five interchangeable implementations, chosen by the autotuner.
 
 "flash"   - aten's CPU flash-attention kernels (`_scaled_dot_product_flash_attention_for_cpu` and its
             `_backward`), which return the LSE and accept the global (out, lse) in the backward. Two of
@@ -35,6 +35,12 @@
             fp32 in different orders, which differ in fp32's last bits, below what bfloat16 gradients
             resolve (against a float64 oracle at logits up to ~1e4: the same dq/dk/dv errors with either
             forward's lse).
+"fma"     - csrc/attention/attention_cpu.cpp: FlashAttention-2's forward in fp32 with AVX2 FMAs (register tiles of
+            6 query rows x 16 keys and 6 rows x 16 output columns), float32 inputs and bfloat16 / float16 ones
+            widened as K and V are packed once per call; everything in fp32 (P too). Head dims that are
+            multiples of 16 (up to 512). Forward only, and only for calls no backward can follow (as
+            "decode": aten's backward recomputes P from its own scores, and an lse from another kernel
+            differs in fp32's last bits, which at logits ~1e4 moves fp32 gradients by ~1e-3).
 "blocked" - FlashAttention's tiling done with BLAS: the query rows are cut into chunks; per chunk the
             scores against the (causally) visible keys are one batched GEMM, a masked softmax in fp32 (or
             fp64), and one GEMM with V. GQA is a reshape (the query heads of a group share one GEMM), the
@@ -446,6 +452,43 @@ def bf16dot_forward(q, k, v, causal: bool, scale: float, threads: int):
     if bad == _NOT_APPLICABLE:  # (bf16dot_takes said yes: only a CPU or build without the kernel gets here)
         raise RuntimeError("pykernels.flash_attention: internal error: the bf16dot kernel does not take this call")
     return None if bad else (out, lse)  # (a subnormal input, which the dot products read as 0, counts as bad)
+
+
+# "fma": head dims the kernel takes (its P V tile is 16 columns wide; its scratch rows up to 512)
+FMA_MAX_D = 512
+_FMA_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@functools.lru_cache(maxsize=None)
+def fma_available() -> bool:
+    """Whether this CPU runs the fma kernel (AVX2 + FMA, as the native module saw the CPU and the
+    PYKERNELS_DISABLE_AVX2 switch at its first check)."""
+    return bool(_native.cpu_module("attention").fma_available())
+
+
+def _fma_ok(dtype: torch.dtype, d: int) -> bool:
+    # (csrc/attention/attention_cpu.cpp's fma_head_dim_ok)
+    return dtype in _FMA_DTYPES.values() and d % 16 == 0 and 0 < d <= FMA_MAX_D and fma_available()
+
+
+def fma_applies(key: dict) -> bool:
+    """Whether "fma" is a candidate for an autotune key (problem_key) of the forward."""
+    return _fma_ok(_FMA_DTYPES.get(key["dtype"]), key["d"])
+
+
+def fma_takes(q: torch.Tensor) -> bool:
+    """fma_applies for the tensors of a call."""
+    return _fma_ok(q.dtype, q.shape[-1])
+
+
+def fma_forward(q, k, v, causal: bool, scale: float, threads: int):
+    """(out, lse) of the native fma kernel (layouts: _native_forward), or None when a row that sees keys got
+    a non-finite lse (NaN/inf in q or k): the caller recomputes on the exact path. The caller checks
+    fma_takes(q) first."""
+    out, lse, bad = _native_forward("fma_forward", q, k, v, causal, scale, int(threads))
+    if bad == _NOT_APPLICABLE:  # (fma_takes said yes: only a CPU or build without the kernel gets here)
+        raise RuntimeError("pykernels.flash_attention: internal error: the fma kernel does not take this call")
+    return None if bad else (out, lse)
 
 
 def zero_grads(q, k, v):
