@@ -1742,3 +1742,28 @@ def test_fma_is_the_default_for_forwards_without_avx512_and_never_before_a_backw
         assert len(calls) == 4
     finally:
         pa._LEAN_PLANS.clear()
+
+
+@needs_fma
+def test_fma_kernel_after_a_failed_allocation():
+    """A call whose packed K/V cannot be allocated raises MemoryError, and the thread's next call works (the
+    kept buffer had stayed null with its old size: the next smaller call wrote through a null pointer;
+    review finding, shared with bf16dot)."""
+    from pykernels import _native
+    mod = _native.cpu_module("attention")
+    q, k, v = make(1, 1, 1, 4, 4, 64, torch.float32, seed=1)
+
+    def call(B):
+        out, lse = torch.empty_like(q), torch.empty(1, 1, 4)
+        bad = mod.fma_forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), B, 1, 1, 4,
+                              4, 64, q.stride()[:3], k.stride()[:3], v.stride()[:3], out.stride()[:3], lse.stride(),
+                              0.125, False, _native.dtype_code(q.dtype), 1)
+        return bad, out, lse
+
+    assert call(1)[0] == 0
+    with pytest.raises(MemoryError):
+        call(1 << 40)  # (fails at the allocation, before any input is read)
+    bad, out, lse = call(1)
+    assert bad == 0
+    ro, rl = reference(q, k, v, False, 0.125)
+    assert_close(out, ro, torch.float32, "out")

@@ -803,6 +803,7 @@ struct KeptBuffer {
   T* get(size_t n) {
     if (size < n) {
       data.reset();
+      size = 0;  // (a failed new leaves an empty buffer, not a null one of the old size: review finding)
       data.reset(new T[n]);
       size = n;
     }
@@ -1135,8 +1136,8 @@ PK_TARGET_AVX2 int64_t fma_item(const Problem& P, const float* kf, const float* 
     const float* vblk = vf + j0 * D;
     pf_row_tiles(rows, [&](int r0, auto R) {
       // the keys the tile's rows see (its last row sees the most): a causal diagonal block's first tiles skip
-      // the rest; a key some rows of the tile do not see has p = 0 there (a non-finite value in it makes the
-      // row's output non-finite: the caller's check of out recomputes such problems exactly)
+      // the rest; a key some rows of the tile do not see has p = 0 there, so a NaN or inf in its value makes
+      // those rows' output NaN too (0 * NaN), as in bf16dot and the float64 oracle: documented, not checked
       const int n = (int)std::clamp<int64_t>(P.visible(i0 + r0 + decltype(R)::value - 1) - j0, 0, nb);
       if (n == 0) return;
       for (int64_t d0 = 0; d0 < D; d0 += 16)

@@ -1330,7 +1330,7 @@ void dequant_tiles(uintptr_t w, int bits, uintptr_t scales, uintptr_t offsets, i
 //   - the weights are dequantized straight into the packed B panel (KC x NC: NR floats per k), the copy a
 //     GEMM makes anyway, so dequantization costs no pass over memory of its own (the "dequant_mm" route
 //     writes the fp32 weights out and torch's GEMM reads them back);
-//   - a 6x16 micro-kernel keeps its C tile in 12 ymm accumulators: per k 2 loads of B, 6 broadcasts of
+//   - a 6x16 micro-kernel (sg_kernel) keeps its C tile in 12 ymm accumulators: per k 2 loads of B, 6 broadcasts of
 //     x and 12 FMAs (the shape of BLIS's Haswell/Zen sgemm kernel), the B sliver (KC x 16) in L1 and the
 //     x block (MC x KC) in L2.
 // Each weight is the same fp32 FMA of dequant_row_avx2 (s * u + m), so only the order of the fp32 sums
@@ -1384,35 +1384,31 @@ PK_TARGET_AVX2 static void sg_pack_b_sliver(const WoShape& s, const uint8_t* w, 
   }
 }
 
-// C[rows x cols] (+)= A sliver (kc x 6) * B sliver (kc x 16) (+ bias on the last K block). first: C is
-// written, not added to.
-PK_TARGET_AVX2 static void sg_kernel_6x16(int64_t kc, const float* __restrict a, const float* __restrict b,
-                                          float* c, int64_t ldc, bool first, const float* bias, int rows, int cols) {
-  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
-  __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+// C[R x cols] (+)= A sliver (kc x 6, its first R rows) * B sliver (kc x 16) (+ bias on the last K block).
+// first: C is written, not added to. R < 6 for the last sliver of x only: its padding rows cost no FMAs
+// (M=16 is 6 + 6 + 4 rows, not 18). (The row loops unrolled: GCC keeps the 2R accumulators in registers.)
+template <int R>
+PK_TARGET_AVX2 static void sg_kernel(int64_t kc, const float* __restrict a, const float* __restrict b, float* c,
+                                     int64_t ldc, bool first, const float* bias, int cols) {
+  __m256 acc[R][2];
+#pragma GCC unroll 6
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < kc; ++k) {
     const __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
-    __m256 av = _mm256_broadcast_ss(a + 0);
-    c00 = _mm256_fmadd_ps(av, b0, c00); c01 = _mm256_fmadd_ps(av, b1, c01);
-    av = _mm256_broadcast_ss(a + 1);
-    c10 = _mm256_fmadd_ps(av, b0, c10); c11 = _mm256_fmadd_ps(av, b1, c11);
-    av = _mm256_broadcast_ss(a + 2);
-    c20 = _mm256_fmadd_ps(av, b0, c20); c21 = _mm256_fmadd_ps(av, b1, c21);
-    av = _mm256_broadcast_ss(a + 3);
-    c30 = _mm256_fmadd_ps(av, b0, c30); c31 = _mm256_fmadd_ps(av, b1, c31);
-    av = _mm256_broadcast_ss(a + 4);
-    c40 = _mm256_fmadd_ps(av, b0, c40); c41 = _mm256_fmadd_ps(av, b1, c41);
-    av = _mm256_broadcast_ss(a + 5);
-    c50 = _mm256_fmadd_ps(av, b0, c50); c51 = _mm256_fmadd_ps(av, b1, c51);
+#pragma GCC unroll 6
+    for (int i = 0; i < R; ++i) {
+      const __m256 av = _mm256_broadcast_ss(a + i);
+      acc[i][0] = _mm256_fmadd_ps(av, b0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(av, b1, acc[i][1]);
+    }
     a += SG_MR;
     b += SG_NR;
   }
-  alignas(32) float tile[SG_MR][SG_NR];
-  const __m256 acc[SG_MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
-  if (rows == SG_MR && cols == SG_NR) {
+  if (cols == SG_NR) {
     const __m256 bias0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
     const __m256 bias1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
-    for (int i = 0; i < SG_MR; ++i) {
+#pragma GCC unroll 6
+    for (int i = 0; i < R; ++i) {
       float* ci = c + i * ldc;
       __m256 v0 = acc[i][0], v1 = acc[i][1];
       if (!first) {
@@ -1428,16 +1424,31 @@ PK_TARGET_AVX2 static void sg_kernel_6x16(int64_t kc, const float* __restrict a,
     }
     return;
   }
-  for (int i = 0; i < SG_MR; ++i) {
+  alignas(32) float tile[R][SG_NR];
+#pragma GCC unroll 6
+  for (int i = 0; i < R; ++i) {
     _mm256_store_ps(tile[i], acc[i][0]);
     _mm256_store_ps(tile[i] + 8, acc[i][1]);
   }
-  for (int i = 0; i < rows; ++i)
+  for (int i = 0; i < R; ++i)
     for (int j = 0; j < cols; ++j) {
       float v = first ? tile[i][j] : c[i * ldc + j] + tile[i][j];
       if (bias) v += bias[j];
       c[i * ldc + j] = v;
     }
+}
+
+// sg_kernel for the sliver's rows (1..6)
+PK_TARGET_AVX2 static void sg_kernel_rows(int rows, int64_t kc, const float* a, const float* b, float* c, int64_t ldc,
+                                          bool first, const float* bias, int cols) {
+  switch (rows) {
+    case 6: sg_kernel<6>(kc, a, b, c, ldc, first, bias, cols); break;
+    case 5: sg_kernel<5>(kc, a, b, c, ldc, first, bias, cols); break;
+    case 4: sg_kernel<4>(kc, a, b, c, ldc, first, bias, cols); break;
+    case 3: sg_kernel<3>(kc, a, b, c, ldc, first, bias, cols); break;
+    case 2: sg_kernel<2>(kc, a, b, c, ldc, first, bias, cols); break;
+    default: sg_kernel<1>(kc, a, b, c, ldc, first, bias, cols); break;
+  }
 }
 
 // Rows [m0, m0 + mp) of x (mp a multiple of SG_MR; rows >= M and k >= K zero) into ap: for each KC block
@@ -1527,8 +1538,8 @@ void wo_sgemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int b
               const float* bias_j = last && bp ? bp + jc + jr : nullptr;
               for (int64_t ir = ic; ir < ie && ir < mrows; ir += SG_MR) {
                 const int rows = (int)std::min<int64_t>(SG_MR, mrows - ir);
-                sg_kernel_6x16(kc, ap.data() + pc * mp + ir * kc, bsl, yp + (m0 + ir) * N + jc + jr, N, first,
-                               bias_j, rows, cols);
+                sg_kernel_rows(rows, kc, ap.data() + pc * mp + ir * kc, bsl, yp + (m0 + ir) * N + jc + jr, N, first,
+                               bias_j, cols);
               }
             }
           }
