@@ -95,8 +95,9 @@ def _default_cpu_config(key: dict) -> dict:
 # weight): M=8 4.5 / 6.0 / 10.2, M=9 5.0 / 6.1, M=12 5.5 / 4.7, M=16 8.7 / 7.3 / 14.8, M=32 16.0 / 11.9 /
 # 21.2, M=64 27.0 / 15.5 / 30.1, M=128 62.0 / 36.0 / 42.4 (dequantize + torch's GEMM 45.1), M=256 123 /
 # 59.5 / 66.7 (70.3). A quieter run: M=128 26.5 ms, 166 GFLOP/s of the 200 an FMA loop reaches on the two
-# cores (torch's GEMM ~100). The bucket of M = 9..16 is mixed: up to M=11 the int16 kernel can be faster
-# (M=9 by 1.2x in the run above), from M=12 sgemm is; tuning (per bucket) decides on the machine.
+# cores (torch's GEMM ~100). With micro-kernels of 1-5 rows for the last sliver of x (no FMAs on padding
+# rows), another run: M=8 3.4 / 3.7, M=9 3.8 / 3.9, M=10 4.3 / 3.8, M=12 4.6 / 3.9, M=16 5.8 / 4.6 / 9.6 (torch),
+# M=128 44.7 / 24.8 / 31.0. So the bucket of M = 9..16 goes to sgemm (M=9 even); tuning decides per machine.
 SGEMM_MIN_M_BUCKET = 16
 
 
