@@ -215,3 +215,19 @@ def test_bench_main_fails_on_a_wrong_answer(monkeypatch, tmp_path):
     assert main_mod.main(["--out", str(tmp_path)]) == 1
     row, = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert row["error"].startswith("ResultMismatch: demo sum [n=4]: ours disagrees with list: values: 1 of 4")
+
+
+def test_compute_bound_rows_report_the_share_of_the_fma_peak():
+    """A case marked fma_bound gets pct_of_fma_peak = its FLOP rate over the machine's measured FMA peak;
+    others (and a machine without a measured peak) get none."""
+    import time
+
+    def op():
+        time.sleep(0.002)
+
+    case = Case("qgemm", "op", "label", 1, lambda: (op, op), "base", 1e9, "FLOP", fma_bound=True)
+    row = run_case(case, {"copy_GBps": 10.0, "fma_peak_GFLOPs": 100.0}, budget_s=0.05)
+    assert row["pct_of_fma_peak"] == pytest.approx(100.0 * 1e9 / row["ours_s"] / 1e9 / 100.0)
+    assert "pct_of_fma_peak" not in run_case(case, {"copy_GBps": 10.0}, budget_s=0.05)
+    plain = Case("qgemm", "op", "label", 1, lambda: (op, op), "base", 1e9, "FLOP")
+    assert "pct_of_fma_peak" not in run_case(plain, {"copy_GBps": 10.0, "fma_peak_GFLOPs": 100.0}, budget_s=0.05)
