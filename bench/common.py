@@ -253,8 +253,9 @@ def time_pair(ours: Callable, baseline: Callable, device: str = "cpu", *, min_re
     return min(t_ours), min(t_base), len(t_ours)
 
 
-def measure_machine(nbytes: int = 256 << 20, threads: Optional[int] = None) -> dict:
-    """Memory bandwidth of this machine now (copy counts read + write bytes), with our thread pool."""
+def measure_machine(nbytes: int = 256 << 20, threads: Optional[int] = None, fma_peak: bool = True) -> dict:
+    """Memory bandwidth of this machine now (copy counts read + write bytes), with our thread pool, and (with
+    fma_peak) its fp32 FMA rate."""
     from pykernels import _cpu_runtime as rt
 
     threads = threads or torch.get_num_threads()
@@ -277,7 +278,7 @@ def measure_machine(nbytes: int = 256 << 20, threads: Optional[int] = None) -> d
         "cores": len(os.sched_getaffinity(0)),
         "avx2": bool(rt.cpu_has_avx2()),
         # fp32 FMA chains on every thread (0 without AVX2): the limit of compute-bound rows (fma_bound)
-        "fma_peak_GFLOPs": float(rt.fma_peak_gflops(threads)),
+        "fma_peak_GFLOPs": float(rt.fma_peak_gflops(threads)) if fma_peak else None,
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()

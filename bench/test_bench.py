@@ -211,7 +211,7 @@ def test_bench_main_fails_on_a_wrong_answer(monkeypatch, tmp_path):
         "demo", "sum", "n=4", 4, lambda: ((lambda: [1, 2, 3, 5]), (lambda: [1, 2, 3, 4])), "list", 4,
         check=lambda o, b: assert_equal("values", o, b))])
     monkeypatch.setattr(main_mod, "suites", lambda groups: {"demo": suite})
-    monkeypatch.setattr(main_mod, "measure_machine", lambda: {"copy_GBps": 1.0, "read_GBps": 1.0, "threads": 1})
+    monkeypatch.setattr(main_mod, "measure_machine", lambda **kw: {"copy_GBps": 1.0, "read_GBps": 1.0, "threads": 1})
     assert main_mod.main(["--out", str(tmp_path)]) == 1
     row, = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert row["error"].startswith("ResultMismatch: demo sum [n=4]: ours disagrees with list: values: 1 of 4")

@@ -1284,23 +1284,26 @@ def test_bf16dot_kernel_as_accurate_as_sdpa():
             assert (lse.double() - rl).abs().max().item() < 1e-3
 
 
-@needs_bf16dot
-def test_bf16dot_kernel_reads_strided_inputs_and_leaves_them_unmodified():
-    """K/V laid out [B, S, H, D] (a KV cache), q transposed the same way, an odd row stride (the K packing's
-    gather reads 4-byte words at any byte offset), and inputs left as they were."""
+@pytest.mark.parametrize("kernel,dtype", [("bf16dot", torch.bfloat16), ("fma", torch.float32), ("fma", torch.float16)])
+def test_native_prefill_reads_strided_inputs_and_leaves_them_unmodified(kernel, dtype):
+    """K/V laid out [B, S, H, D] (a KV cache), q transposed the same way, an odd row stride (bf16dot's K packing
+    gathers 4-byte words at any byte offset), and inputs left as they were."""
+    if not (_cpu.bf16dot_available() if kernel == "bf16dot" else _cpu.fma_available()):
+        pytest.skip(f"this CPU lacks the {kernel} kernel's instructions")
+    forward = _cpu.bf16dot_forward if kernel == "bf16dot" else _cpu.fma_forward
     g = torch.Generator().manual_seed(5)
     B, H, Hkv, Sq, Sk, D = 2, 8, 2, 70, 100, 64
-    q = torch.randn(B, Sq, H, D, generator=g).to(torch.bfloat16).transpose(1, 2)
-    k = torch.randn(B, Sk, Hkv, D, generator=g).to(torch.bfloat16).transpose(1, 2)
-    v = torch.randn(B, Sk, Hkv, D, generator=g).to(torch.bfloat16).transpose(1, 2)
-    odd = torch.randn(B * Hkv * Sk * (D + 1), generator=g).to(torch.bfloat16)
+    q = torch.randn(B, Sq, H, D, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(B, Sk, Hkv, D, generator=g).to(dtype).transpose(1, 2)
+    v = torch.randn(B, Sk, Hkv, D, generator=g).to(dtype).transpose(1, 2)
+    odd = torch.randn(B * Hkv * Sk * (D + 1), generator=g).to(dtype)
     k_odd = odd.as_strided((B, Hkv, Sk, D), (Hkv * Sk * (D + 1), Sk * (D + 1), D + 1, 1))
     for kk in (k, k_odd):
         before = [t.clone() for t in (q, kk, v)]
         for causal in (False, True):
-            out, lse = _cpu.bf16dot_forward(q, kk, v, causal, 0.125, 2)
+            out, lse = forward(q, kk, v, causal, 0.125, 2)
             ro, rl = reference(q, kk, v, causal, 0.125)
-            assert_close(out, ro, torch.bfloat16, "out")
+            assert_close(out, ro, dtype, "out")
             assert_close(lse, rl, torch.float32, "lse")
             assert out.stride() == _cpu.out_strides(q, D)
         for a, b in zip((q, kk, v), before):
@@ -1651,30 +1654,6 @@ def test_fma_kernel_as_accurate_as_sdpa():
     err, err_sdpa = (out.double() - ro).abs().max().item(), (sdpa.double() - ro).abs().max().item()
     assert err <= 1.5 * err_sdpa + 1e-6, (err, err_sdpa)
     assert ((lse.double() - rl).abs() <= 1e-5 * rl.abs().clamp_min(1)).all()
-
-
-@needs_fma
-def test_fma_kernel_reads_strided_inputs_and_leaves_them_unmodified():
-    """K/V laid out [B, S, H, D] (a KV cache), q transposed the same way, an odd row stride, and inputs left as
-    they were."""
-    g = torch.Generator().manual_seed(5)
-    B, H, Hkv, Sq, Sk, D = 2, 8, 2, 70, 100, 64
-    for dt in (torch.float32, torch.float16):
-        q = torch.randn(B, Sq, H, D, generator=g).to(dt).transpose(1, 2)
-        k = torch.randn(B, Sk, Hkv, D, generator=g).to(dt).transpose(1, 2)
-        v = torch.randn(B, Sk, Hkv, D, generator=g).to(dt).transpose(1, 2)
-        odd = torch.randn(B * Hkv * Sk * (D + 1), generator=g).to(dt)
-        k_odd = odd.as_strided((B, Hkv, Sk, D), (Hkv * Sk * (D + 1), Sk * (D + 1), D + 1, 1))
-        for kk in (k, k_odd):
-            before = [t.clone() for t in (q, kk, v)]
-            for causal in (False, True):
-                out, lse = _cpu.fma_forward(q, kk, v, causal, 0.125, 2)
-                ro, rl = reference(q, kk, v, causal, 0.125)
-                assert_close(out, ro, dt, "out")
-                assert_close(lse, rl, torch.float32, "lse")
-                assert out.stride() == _cpu.out_strides(q, D)
-            for a, b in zip((q, kk, v), before):
-                assert torch.equal(a, b)
 
 
 @needs_fma
