@@ -308,6 +308,11 @@ def qmatmul(x, qw: QuantizedWeight, bias=None, *, act_bits: Optional[int] = None
     one weight group (at most 2048 elements; 1024 with group_size=-1) on AVX-512 VNNI CPUs. Each x_k
     moves by at most 2^-16 of its block's max|x|, so y differs from the fp32 product with the
     dequantized weight by about 2-4e-5 of max|y| on typical data (~1e-4 with LLM outlier features).
+    That error is weighted by s * |u - 2^(bits-1)| (the code's distance from the middle of its range),
+    not by the weight: where an asym group's weights all lie on one side of zero, its zero weights sit
+    2^(bits-1) steps from the middle, and large activations meeting them cost up to about
+    2^(bits-1) * s * 2^-16 * max|x| each (a review case built for it, one positive weight per 32 and
+    activations 100x larger on the zeros: 5.6e-3 of max|y| at M=1, 2e-7 through the fp32 routes).
     Rows with an element above 2^8 times the mean |x| of the others (huge outliers, whose int16 step
     would swallow the ordinary values when the outliers' weights are ~0) have their outliers (above 8
     times the mean) multiplied exactly in float64 and the rest through the int16 kernel (LLM.int8()'s
@@ -366,7 +371,7 @@ def _empty_qweight(N: int, K: int, bits: int, group_size: int, scheme: str, with
     z = torch.zeros(N, G, dtype=torch.float32, device=device)
     planes = torch.zeros(N4 * G * bits * gw, dtype=torch.int64, device=device) if with_planes else None
     return QuantizedWeight(shape=(N, K), bits=bits, group_size=group_size, scheme=scheme, packed=packed,
-                           scales=z + 1, offsets=z.clone(), code_sums=torch.zeros(N, G, dtype=torch.int32, device=device),
+                           scales=z, offsets=z.clone(), code_sums=torch.zeros(N, G, dtype=torch.int32, device=device),
                            planes=planes)
 
 
