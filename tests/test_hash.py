@@ -1641,10 +1641,11 @@ def _reference_contains(words, nblocks, k, seed, key):
 
 def test_bloom_contains_agrees_on_every_simd_tier():
     """contains() tests eight keys at once on AVX-512 (gathers of each bit position's words,
-    hash_cpu.cpp bloom_contains_x8) and one at a time elsewhere: every tier gives the same answers,
-    false positives included, for every k (unrolled 3..8, a loop otherwise), tails of 0-7 keys and
-    ranges split between threads, no false negatives, and (small cases) the answers of a Python
-    reference of the blocked layout. Tier flags are read once per process."""
+    hash_cpu.cpp bloom_contains_x8), four on AVX2 (bloom_contains_x4_avx2) and one at a time elsewhere:
+    every tier gives the same answers, false positives included, for every k (unrolled 3..8, a loop
+    otherwise), tails of 0-7 keys and ranges split between threads, no false negatives, and (small
+    cases) the answers of a Python reference of the blocked layout. Tier flags are read once per
+    process."""
     import os
     import subprocess
     import sys
