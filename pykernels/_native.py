@@ -62,6 +62,13 @@ def finite_real(x) -> bool:
         return False
 
 
+def type_name(x) -> str:
+    """The name an error message gives x's type: module-qualified outside the builtins, so numpy's bool
+    (named "bool" in numpy 2) does not read as "expected a bool ..., got bool"."""
+    t = type(x)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__name__}"
+
+
 def dtype_code(dtype: torch.dtype) -> int:
     return DTYPE_CODES[dtype]
 

@@ -149,6 +149,7 @@ def test_hashmap_find_default_and_float_bits_exact():
     (torch.int64, 2 ** 63 - 1), (torch.int64, -2 ** 63), (torch.uint64, 2 ** 64 - 1), (torch.int8, -128),
     (torch.uint8, 255), (torch.int32, 3.0), (torch.bool, True), (torch.int16, np.int16(-5)),
     (torch.int64, torch.tensor(-9)), (torch.float16, 65504.0), (torch.float32, float("-inf")),
+    (torch.float16, 65519.0),  # rounds to 65504 as torch stores it (was refused as beyond float16's max)
     (torch.float64, float("nan")), (torch.bfloat16, -0.0), (torch.float32, 2 ** 70)])
 def test_hashmap_find_default_that_fits_comes_back_exactly(value_dtype, default):
     t = HashMap(16, value_dtype=value_dtype)
@@ -172,6 +173,7 @@ def test_hashmap_find_default_that_fits_comes_back_exactly(value_dtype, default)
     (torch.int64, torch.tensor(2.5), ValueError, r"to be an integer"),
     (torch.int64, torch.zeros(2, dtype=torch.int64), ValueError, r"to be a scalar"),
     (torch.float16, 70000.0, ValueError, r"within the range of float16"),
+    (torch.float16, 65520.0, ValueError, r"within the range of float16"),  # rounds to inf
     (torch.float32, 1e300, ValueError, r"within the range of float32"),
     (torch.float64, 2 ** 1100, ValueError, r"within the range of float64"),
     (torch.float8_e4m3fn, 1e6, ValueError, r"within the range of float8_e4m3fn"),   # would saturate to 448
@@ -1021,6 +1023,8 @@ def test_errors_are_clear():
     for bad in ("no", None, 0):  # were taken as bool(growable)
         with pytest.raises(TypeError, match=r"HashMap: expected a bool for 'growable'"):
             HashMap(10, growable=bad)
+    with pytest.raises(TypeError, match=r"HashMap: expected a bool for 'growable', got numpy.bool"):
+        HashMap(10, growable=np.bool_(False))  # numpy 2 names its bool type "bool"
     with pytest.raises(ValueError, match="max_load_factor"):
         HashMap(10, max_load_factor=1.5)
     # review findings: numpy floats are numbers (np.float32(0.5) was "not in (0, 1]"); a bool is not a

@@ -198,11 +198,13 @@ def _scalar_bits(op: str, value, value_dtype: torch.dtype) -> int:
             as_float = float(value)
             t = torch.tensor(as_float, dtype=value_dtype).reshape(1)
             back = float(t[0])
-            # beyond the dtype's range: inf where it has one; the float8 formats without inf saturate,
-            # turn it into NaN, or (e8m0, unsigned) drop the sign instead, so each of those counts too
+            # beyond the dtype's range: inf where it has one (a value that rounds to its max, as 65519 in
+            # float16, is stored as torch stores it); the float8 formats without inf saturate, turn it into
+            # NaN, or (e8m0, unsigned) drop the sign instead, so each of those counts too
+            has_inf = math.isinf(float(torch.tensor(math.inf, dtype=value_dtype)))
             overflow = (math.isinf(back) != math.isinf(as_float)
                         or (math.isnan(back) and not math.isnan(as_float))
-                        or (math.isfinite(as_float) and abs(as_float) > torch.finfo(value_dtype).max)
+                        or (not has_inf and math.isfinite(as_float) and abs(as_float) > torch.finfo(value_dtype).max)
                         or (back != 0.0 and as_float != 0.0 and (back < 0.0) != (as_float < 0.0)))
         except OverflowError:  # an int beyond float64
             overflow = True

@@ -216,7 +216,7 @@ class _OpenTable(_TableState):
         self.value_dtype = value_dtype
         self.max_load_factor = float(max_load_factor)
         if not isinstance(growable, bool):  # "no" and None were taken as True and False (audit finding)
-            raise TypeError(f"pykernels.{op}: expected a bool for 'growable', got {type(growable).__name__}")
+            raise TypeError(f"pykernels.{op}: expected a bool for 'growable', got {_native.type_name(growable)}")
         self.growable = growable
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):  # numpy ints too
             raise TypeError(f"pykernels.{op}: expected an int for 'seed', got {type(seed).__name__}")

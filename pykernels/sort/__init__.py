@@ -256,6 +256,8 @@ def _lean_cpu_rows(op: str, x, dim, descending, stable, backend, want_keys: bool
         return None
     if not eager_plain(x):  # first: torch.compile must not trace the tests below (is_conj breaks its graph)
         return None
+    if x.is_nested:  # strided and "contiguous", but without sizes: the general path's checks refuse it
+        return None
     nd = x.dim()
     if (nd == 0 or (dim != -1 and dim != nd - 1) or x.dtype not in _KEY_DTYPE_SET or not x.is_contiguous()
             or x.layout != torch.strided or x.is_conj() or x.is_neg()):
@@ -621,7 +623,7 @@ def _check_keys(op: str, arg: str, t) -> torch.Tensor:
 
 def _check_flag(op: str, arg: str, v) -> bool:
     if not isinstance(v, bool):
-        raise TypeError(f"pykernels.{op}: expected a bool for '{arg}', got {type(v).__name__}")
+        raise TypeError(f"pykernels.{op}: expected a bool for '{arg}', got {_native.type_name(v)}")
     return v
 
 
@@ -639,9 +641,10 @@ def _norm_dim(op: str, x: torch.Tensor, dim) -> int:
 def _check_bits(op: str, keys: torch.Tensor, begin_bit, end_bit) -> Tuple[int, int]:
     bits = _KEY_BITS[keys.dtype]
     for name, v in (("begin_bit", begin_bit), ("end_bit", end_bit)):
-        if (v is not None or name == "begin_bit") and (not isinstance(v, int) or isinstance(v, bool)):
+        if (v is not None or name == "begin_bit") and (isinstance(v, bool) or not hasattr(type(v), "__index__")):
             raise TypeError(f"pykernels.{op}: expected an int for '{name}', got {type(v).__name__}")
-    end = bits if end_bit is None else end_bit
+    begin_bit = operator.index(begin_bit)  # numpy integers too, as for 'dim'
+    end = bits if end_bit is None else operator.index(end_bit)
     if not 0 <= begin_bit <= end <= bits:
         raise ValueError(f"pykernels.{op}: expected 0 <= begin_bit <= end_bit <= {bits} for {keys.dtype} keys, "
                          f"got begin_bit={begin_bit}, end_bit={end_bit}")
