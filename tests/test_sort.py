@@ -1869,3 +1869,61 @@ def test_rows_and_segments_of_one_key():
             s = torch.sort(keys[a:b], stable=True)
             wk[a:b], wv[a:b] = s.values, vals[a:b][s.indices]
         assert torch.equal(k, wk) and torch.equal(v, wv)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs inside the caches: the in-bucket sort on the whole input, without a split (direct_cached_sort)
+# ---------------------------------------------------------------------------------------------
+def _cached_inputs(dtype, n, g):
+    """Keys that take the direct in-cache path in every mode, and some that leave it (64-bit spans of
+    2^32 or more, all equal keys), with the float canonicalisations (-0.0, NaN payloads) it must gather."""
+    if dtype.is_floating_point:
+        x = torch.randn(n, generator=g).to(dtype)
+        x[::7] = -0.0
+        x[::11] = 0.0
+        x[3::13] = float("nan")
+        x[5::17] = -float("inf")
+        if dtype == torch.float32 and n > 4:  # a NaN whose payload the encoding canonicalises
+            x.view(torch.int32)[4] = 0x7FC00123
+        return {"mixed": x, "equal": torch.full((n,), 2.5, dtype=dtype)}
+    info = torch.iinfo(dtype)
+    rng = np.random.default_rng(int(torch.randint(0, 1 << 30, (1,), generator=g)))
+    npd = str(dtype).replace("torch.", "")
+    wide = torch.from_numpy(rng.integers(info.min, info.max, n, dtype=npd, endpoint=True))
+    narrow = torch.from_numpy((rng.integers(0, 100, n) * 3 + info.max // 2).astype(npd))
+    cases = {"random": wide, "equal": torch.full((n,), 3, dtype=dtype), "narrow": narrow}
+    if dtype == torch.int64:
+        cases["span 2^33"] = torch.randint(0, 1 << 33, (n,), generator=g, dtype=dtype) - (1 << 40)
+        cases["span < 2^32"] = torch.randint(0, (1 << 32) - 1, (n,), generator=g, dtype=dtype) + (1 << 50)
+    return cases
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.uint32, torch.float32, torch.int64, torch.uint64,
+                                   torch.float64])
+@pytest.mark.parametrize("n", [65, 1000, 2049, 6000, 12288, 12289, 24576, 24577])
+def test_inputs_inside_the_caches_sort_like_torch_in_every_mode(dtype, n):
+    """sort, argsort, sort_keys, descending, and sort_pairs with 4-, 8- and 2-byte payloads (carried in the
+    records, left to the engine, gathered through the indices), at sizes around the records' byte bound
+    (12288 8-byte, 24576 4-byte records); the stats say which path ran."""
+    g = torch.Generator().manual_seed(n)
+    for name, x in _cached_inputs(dtype, n, g).items():
+        src = x.clone()
+        for descending in (False, True):
+            want_v, want_i = ref_sort(x, descending=descending)
+            got = pykernels.sort(x, descending=descending, backend="cpu")
+            assert_same(got.values, want_v, f"{name} values")
+            assert_same(got.indices, want_i, f"{name} indices")
+            assert_same(pykernels.argsort(x, descending=descending, backend="cpu"), want_i, f"{name} argsort")
+            assert_same(pykernels.sort_keys(x, descending=descending, backend="cpu"), want_v, f"{name} keys")
+            for pay in (torch.arange(n, dtype=torch.int32) * 7, torch.arange(n, dtype=torch.float64),
+                        torch.arange(n, dtype=torch.int16)):
+                k, p = pykernels.sort_pairs(x, pay, descending=descending, backend="cpu")
+                assert_same(k, want_v, f"{name} pairs keys")
+                assert_same(p, pay[want_i], f"{name} pairs {pay.dtype}")
+        assert_same(x, src, "input unmodified")
+    _, _, _, st = _cpu_sort_1d(x, want_idx=True, want_stats=True)  # the last case: equal keys
+    assert not st["msd"]
+    r = torch.randint(0, 1 << 30, (n,), generator=g, dtype=torch.int32)
+    _, _, _, st = _cpu_sort_1d(r, want_idx=True, want_stats=True)
+    # 3 passes of about 10 bits: the direct path (the LSD engine takes 8-bit digits below 64K keys)
+    assert (st["digit_bits"] >= 10) == (n <= 12288), st
