@@ -1340,12 +1340,6 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
   return true;
 }
 
-// Returns false (having written nothing) where the LSD engine should sort instead.
-//   The records hold v = key - min (encoded keys, so order is kept) when max - min < 2^32: all 32-bit
-//   keys, and 64-bit keys spanning less than 2^32 (ids, indices, timestamps, small ranges of either
-//   sign). The MSD digit is the top byte of v's width, so small ints spread over the buckets too. One
-//   read finds min and max (for 32-bit keys it also counts the top byte, which random keys use as the
-//   digit with min taken as 0), a second counts the digit where that was not it.
 // The narrow records (msd_hybrid_sort's buckets, direct_cached_sort's one) by what the call wants: keys
 // only {v} (4 bytes), keys with a 4-byte payload {v, payload}, or index mode {v, index} (8 bytes) with the
 // keys written unless they are gathered from the input afterwards (need_gather: canonicalised floats) or
@@ -1388,6 +1382,12 @@ static void by_record_mode(const SortArgs& a, bool keys_only, bool carry_pay, bo
   gather_by_index<U>(a, idx, need_gather);
 }
 
+// Returns false (having written nothing) where the LSD engine should sort instead.
+//   The records hold v = key - min (encoded keys, so order is kept) when max - min < 2^32: all 32-bit
+//   keys, and 64-bit keys spanning less than 2^32 (ids, indices, timestamps, small ranges of either
+//   sign). The MSD digit is the top byte of v's width, so small ints spread over the buckets too. One
+//   read finds min and max (for 32-bit keys it also counts the top byte, which random keys use as the
+//   digit with min taken as 0), a second counts the digit where that was not it.
 template <class U, Enc E, int MB>
 bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, int T, bool* wider) {
   if constexpr (sizeof(U) < 4) {
