@@ -6,6 +6,7 @@ bits. So a float value of -0.0 or NaN comes back bit-exact.
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -30,6 +31,12 @@ EMPTY_BITS = -1
 TOMB_BITS = -2
 
 DEFAULT_SEED = 0x2545F4914F6CDD1D  # any constant: the layout only needs every user of a table to agree
+
+
+@functools.lru_cache(maxsize=None)
+def _has_inf(d: torch.dtype) -> bool:
+    """Whether the floating dtype d represents inf (the float8 formats without it saturate or give NaN)."""
+    return math.isinf(float(torch.tensor(math.inf, dtype=d)))
 
 
 def dtype_name(d: torch.dtype) -> str:
@@ -201,10 +208,9 @@ def _scalar_bits(op: str, value, value_dtype: torch.dtype) -> int:
             # beyond the dtype's range: inf where it has one (a value that rounds to its max, as 65519 in
             # float16, is stored as torch stores it); the float8 formats without inf saturate, turn it into
             # NaN, or (e8m0, unsigned) drop the sign instead, so each of those counts too
-            has_inf = math.isinf(float(torch.tensor(math.inf, dtype=value_dtype)))
             overflow = (math.isinf(back) != math.isinf(as_float)
                         or (math.isnan(back) and not math.isnan(as_float))
-                        or (not has_inf and math.isfinite(as_float) and abs(as_float) > torch.finfo(value_dtype).max)
+                        or (not _has_inf(value_dtype) and math.isfinite(as_float) and abs(as_float) > torch.finfo(value_dtype).max)
                         or (back != 0.0 and as_float != 0.0 and (back < 0.0) != (as_float < 0.0)))
         except OverflowError:  # an int beyond float64
             overflow = True
