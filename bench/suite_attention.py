@@ -82,9 +82,10 @@ def _flops(B, H, Sq, Sk, D, causal, backward):
     return f * (3.5 if backward else 1.0)
 
 
-def _make(B, H, Hkv, S, D, causal, dtype, device, backward, Sk=None, inputs=None):
+def _make(B, H, Hkv, S, D, causal, dtype, device, backward, Sk=None, inputs=None, cache=None):
     """The case's make(); `inputs` (a dict), when given, receives what it draws for the check's float64
-    answer."""
+    answer. `cache`: k and v are the first Sk positions of a preallocated cache of that many (a decode
+    loop's usual tensors: k_cache[:, :, :n], not contiguous)."""
     Sk = S if Sk is None else Sk
 
     def make():
@@ -95,6 +96,10 @@ def _make(B, H, Hkv, S, D, causal, dtype, device, backward, Sk=None, inputs=None
         q = torch.randn(B, H, S, D, generator=g).to(device=device, dtype=dtype)
         k = torch.randn(B, Hkv, Sk, D, generator=g).to(device=device, dtype=dtype)
         v = torch.randn(B, Hkv, Sk, D, generator=g).to(device=device, dtype=dtype)
+        if cache is not None:
+            k_cache, v_cache = (torch.zeros(B, Hkv, cache, D, device=device, dtype=dtype) for _ in range(2))
+            k_cache[:, :, :Sk], v_cache[:, :, :Sk] = k, v
+            k, v = k_cache[:, :, :Sk], v_cache[:, :, :Sk]
         gqa = H != Hkv
         # SDPA's is_causal is top-left aligned when S_q != S_k; a user wanting flash-attn's bottom-right
         # mask (chunked prefill against a KV cache) passes it explicitly.
@@ -169,14 +174,16 @@ def cases(quick: bool, device: str = "cpu"):
                    (1, 32, 8, 1, 128, False, torch.bfloat16, 1024)]
     for B, H, Hkv, S, D, causal, dtype, Sk in shapes:
         Sk_ = S if Sk is None else Sk
-        for backward in ((False,) if S == 1 else (False, True)):
+        # decode steps are also measured as a decode loop calls them: K/V a slice of a preallocated cache
+        for backward, cache in ([(False, None), (False, 4096)] if S == 1 else [(False, None), (True, None)]):
             dt = str(dtype).replace("torch.", "")
             label = ("decode step " if S == 1 else "") + (f"{dt} B={B} H={H}" + (f"/{Hkv}" if Hkv != H else "")
-                     + (f" S={S}" if Sk is None else f" Sq={S} Sk={Sk}") + f" D={D}" + (" causal" if causal else ""))
+                     + (f" S={S}" if Sk is None else f" Sq={S} Sk={Sk}") + f" D={D}" + (" causal" if causal else "")
+                     + (f" (K/V: [:, :, :{Sk}] of a {cache}-key cache)" if cache else ""))
             inputs = {}  # (filled by make(), read by the check)
             yield Case(
                 group=GROUP, op="flash_attention" + (" fwd+bwd" if backward else " fwd"), label=label,
-                size=float(S), make=_make(B, H, Hkv, S, D, causal, dtype, device, backward, Sk, inputs),
+                size=float(S), make=_make(B, H, Hkv, S, D, causal, dtype, device, backward, Sk, inputs, cache),
                 baseline_name="F.scaled_dot_product_attention" + (" (flash)" if device == "cuda" else "")
                 + (" + bottom-right mask" if Sk is not None and causal else ""),
                 work=_flops(B, H, S, Sk_, D, causal and Sk is None, backward), unit="FLOP", device=device,

@@ -896,13 +896,35 @@ def test_lean_call_path_matches_the_general_path_and_is_taken(monkeypatch):
     # every other call: the general path, with its results and errors
     for args, kw in [((q, k, v), dict(scale=-0.5)), ((q, k, v), dict(scale=2)),
                      ((q.double(), k.double(), v.double()), {}),
-                     ((q.expand(1, 8, 3, 32), k, v), {}),  # not contiguous
+                     # not contiguous, for aten's kernels (40 rows of D = 8: no native kernel takes them)
+                     ((make(1, 2, 2, 1, 50, 8, torch.float32)[0].expand(1, 2, 40, 8),)
+                      + make(1, 2, 2, 1, 50, 8, torch.float32)[1:], {}),
                      (make(1, 2, 2, 40, 50, 8, torch.float32), dict(causal=True))]:  # rectangular: 2 aten calls
         assert pa._lean_cpu_forward(*args, kw.get("causal", False), kw.get("scale"), "auto") is None
         got, got_lse = flash_attention(*args, return_lse=True, **kw)
         ref_out, ref_lse = reference(*args, kw.get("causal", False), kw.get("scale"))
         assert_close(got, ref_out, args[0].dtype, str(kw))
         assert_close(got_lse, ref_lse, args[0].dtype, str(kw))
+    # strided tensors that a native kernel reads where they lie: a slice of a preallocated KV cache, q laid
+    # out [B, S, H, D], q rows that overlap (expanded) or a head dim that is not dense (copied first, as on
+    # the general path): the lean path, with the general path's results and strides
+    for dtype, D in ((torch.float32, 40), (torch.float32, 64), (torch.bfloat16, 64)):
+        k_cache, v_cache = (torch.randn(2, 4, 300, D).to(dtype) for _ in range(2))
+        q_bshd = torch.randn(2, 5, 8, D).to(dtype).transpose(1, 2)
+        q_wide = torch.randn(2, 8, 5, 2 * D).to(dtype)[..., ::2]
+        for qs, Sk, causal in ((q_bshd, 100, False), (q_bshd, 300, True), (q_wide, 77, True),
+                               (q_bshd[:, :, :1].expand(2, 8, 3, D), 256, False),
+                               (torch.randn(2, 8, 1, D).to(dtype), 1, True)):
+            ks, vs = k_cache[:, :, :Sk], v_cache[:, :, :Sk]
+            what = f"{dtype} strided q {tuple(qs.stride())} Sk={Sk} causal={causal}"
+            lean = pa._lean_cpu_forward(qs, ks, vs, causal, None, "auto")
+            assert lean is not None, what
+            with monkeypatch.context() as m:
+                m.setattr(pa, "_lean_cpu_forward", lambda *a: None)
+                want = flash_attention(qs, ks, vs, causal=causal, return_lse=True)
+            for got, ref in zip(lean, want):
+                assert got.stride() == ref.stride() and torch.equal(got, ref), what
+            assert_close(lean[0], reference(qs, ks, vs, causal, None)[0], dtype, what)
     qn = q.clone()
     qn[0, 3, 0, 5] = float("nan")
     lean = pa._lean_cpu_forward(qn, k, v, False, None, "auto")  # NaN row: recomputed on the exact path

@@ -428,23 +428,26 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = N
 _LEAN_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
 _CPU_ONLY = ("cpu",)  # what the lean path accepts from dispatch (anything else: the general path)
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+_STRIDED = torch.strided
 
 
 _LEAN_PLANS: dict = {}
 
 
 def _lean_cpu_forward(q, k, v, causal, scale, backend):
-    """flash_attention's most common eager CPU call with the few checks it needs: plain contiguous CPU
-    tensors of one float dtype (not float64), well-formed [B, H, S, D] shapes, arguments of the exact
-    types the general path accepts, and a problem the chosen implementation runs in ONE kernel call (the
-    native decode kernel; or aten's flash kernels when not causal, for one query row or a square causal
-    mask; or the native bf16dot or fma kernel). Returns (out, lse) as the general path does, or
-    None for any other call, which takes the general path (its checks and errors, autograd, torch.compile,
-    other layouts and backends). Same results: the same dispatch (key and config), the same kernel call
-    (_cpu.decode_forward, _cpu.bf16dot_forward, _cpu.fma_forward or _cpu.flash_forward), the same check of its result and the
-    same fallback.
-    Why: a decode step (q of one token against 128 cached keys, 8 heads) spent ~20 us of Python around
-    a ~16 us kernel (SDPA: ~17 us in all): generic checks, as_tensor, layout fix-ups that are no-ops here."""
+    """flash_attention's most common eager CPU call with the few checks it needs: plain CPU tensors of one
+    float dtype (not float64), well-formed [B, H, S, D] shapes, arguments of the exact types the general
+    path accepts, and a problem the chosen implementation runs in ONE kernel call (the native decode, bf16dot
+    or fma kernel, which take any strides, so a slice of a preallocated KV cache is read where it lies; or,
+    for contiguous tensors, aten's flash kernels when not causal, for one query row or a square causal
+    mask). Returns (out, lse) as the general path does, or None for any other call, which takes the general
+    path (its checks and errors, autograd, torch.compile, other layouts and backends). Same results: the
+    same dispatch (key and config), the same kernel call (_cpu.decode_forward, _cpu.bf16dot_forward,
+    _cpu.fma_forward or _cpu.flash_forward), the same check of its result, the same fallback and layouts.
+    Why: a decode step (q of one token against 128 cached keys, 8 heads; SDPA ~18 us in all) spent ~20 us
+    of Python around a ~13 us kernel here, and ~60 us on the general path when K/V were a slice of a
+    cache (k_cache[:, :, :n], not contiguous): generic checks, as_tensor, dispatch, layout fix-ups that
+    are no-ops here."""
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
             and type(causal) is bool and (scale is None or type(scale) is float)
             and (backend == "auto" or backend == "cpu")):
@@ -456,9 +459,13 @@ def _lean_cpu_forward(q, k, v, causal, scale, backend):
             or not (q.is_cpu and k.is_cpu and v.is_cpu)
             or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
             or q.dim() != 4 or k.dim() != 4 or k.shape != v.shape
-            or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
             or q.is_neg() or k.is_neg() or v.is_neg()):
         return None
+    q_contiguous = q.is_contiguous()
+    contiguous = q_contiguous and k.is_contiguous() and v.is_contiguous()
+    if not contiguous and (q.layout is not _STRIDED or k.layout is not _STRIDED or v.layout is not _STRIDED
+                           or q.is_nested or k.is_nested or v.is_nested):
+        return None  # sparse, nested, mkldnn: the general path's errors
     B, H, Sq, D = q.shape
     Bk, Hkv, Sk, Dk = k.shape
     if Bk != B or Dk != D or B == 0 or Sq == 0 or Sk == 0 or D == 0 or Hkv == 0 or H % Hkv:
@@ -470,25 +477,30 @@ def _lean_cpu_forward(q, k, v, causal, scale, backend):
     # dispatch's answer per call signature (key and dispatch: ~3 us of a ~25 us decode step); the memo's
     # key holds all it depends on: what problem_key reads (q's shape, the KV heads, S_k's power-of-two
     # bucket, so a decode loop's growing cache keeps hitting it; B and D are q's), the autotune
-    # generation (bumped by every stored config), PYKERNELS_AUTOTUNE and the switches
+    # generation (bumped by every stored config), PYKERNELS_AUTOTUNE and the switches. The value: the
+    # config and the native forward that runs it (None: aten's flash kernels, or the general path).
     memo_key = (q.shape, Hkv, (Sk - 1).bit_length(), dt, causal, backend, autotune.generation(),
                 autotune._enabled(), autotune.switches())
-    cfg = _LEAN_PLANS.get(memo_key)
-    if cfg is None:
+    plan = _LEAN_PLANS.get(memo_key)
+    if plan is None:
         _, cfg = dispatch(OP, _CPU, backend, problem_key(q, k, causal=causal), supported=_CPU_ONLY)
+        impl = cfg.get("impl", "flash")
+        native = (impl == "decode" or (impl == "bf16dot" and _cpu.bf16dot_takes(q))
+                  or (impl == "fma" and _cpu.fma_takes(q)))
+        plan = (cfg, _NATIVE_FORWARDS[impl] if native else None, impl == "flash")
         if len(_LEAN_PLANS) >= 4096:  # many distinct shapes (a growing KV cache): start over
             _LEAN_PLANS.clear()
-        _LEAN_PLANS[memo_key] = cfg  # (never modified by its users: _decode and the checks below read it)
-    impl = cfg.get("impl", "flash")
-    native = (impl == "decode" or (impl == "bf16dot" and _cpu.bf16dot_takes(q))
-              or (impl == "fma" and _cpu.fma_takes(q)))
-    if native:  # (the general path's eager call: no backward can follow)
-        result = _NATIVE_FORWARDS[impl](q, k, v, causal, scale, cfg)
+        _LEAN_PLANS[memo_key] = plan  # (never modified by its users: the kernels and checks below read it)
+    cfg, native, flash = plan
+    if native is not None:  # (the general path's eager call: no backward can follow)
+        result = native(q, k, v, causal, scale, cfg)
         if result is None:  # NaN/inf in q or k, or a subnormal input: the exact path (the general path's too)
             out, lse = _blocked(q, k, v, causal, scale, cfg)
             return _cpu.like_q(out, q), _cpu.to_bshd(lse)
-        return result
-    if impl != "flash" or (causal and Sq != 1 and Sq != Sk):
+        # out comes in the memory order of the q the kernel read: q's own unless its rows overlapped or its
+        # head dim was not dense (then a dense copy's), which the general path lays out as q's afterwards
+        return result if q_contiguous else (_cpu.like_q(result[0], q), result[1])
+    if not flash or not contiguous or (causal and Sq != 1 and Sq != Sk):
         return None
     out, lse = _cpu.flash_forward(q, k, v, causal, scale)
     # _flash_result_stands for these problems (every row sees keys; one aten call, so a row of -inf or NaN
