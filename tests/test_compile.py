@@ -1,5 +1,6 @@
 """torch.compile(fullgraph=True) through the torch.library registration (foundation issue #2):
 pykernels ops are custom ops (torch.ops.pykernels.<name>) with fake implementations."""
+import numpy as np
 import torch
 
 import pykernels
@@ -158,6 +159,14 @@ def test_flash_attention_scale_argument_compiles_for_every_value():
         torch.testing.assert_close(f(q, s), pykernels.flash_attention(q, q, q, scale=s))
     with pytest.raises(Exception, match="scale"):
         f(q, float("inf"))
+    # a numpy scalar, which dynamo traces as a 0-d array: our error naming the argument and the remedy under
+    # fullgraph (the op's schema refused the symbolic float, naming nothing of ours); without fullgraph the
+    # call runs eagerly, as numpy scalars do
+    for s in (np.float32(0.3), np.float64(0.3)):
+        with pytest.raises(Exception, match=r"flash_attention: under torch.compile, expected 'scale'.*float\(scale\)"):
+            f(q, s)
+        g = torch.compile(lambda q, s: pykernels.flash_attention(q, q, q, scale=s), backend="eager")
+        torch.testing.assert_close(g(q, s), pykernels.flash_attention(q, q, q, scale=float(s)))
 
 
 def test_backward_follows_holds_inside_torch_compile():

@@ -353,6 +353,13 @@ def _check(q, k, v, scale, backend):
     if backend not in ("auto", "cpu", "cuda", "triton"):
         raise ValueError(f"pykernels.flash_attention: expected backend 'auto', 'cpu', 'cuda' or 'triton', "
                          f"got {backend!r}")
+    if isinstance(scale, np.ndarray) and torch.compiler.is_compiling():
+        # dynamo traces a numpy scalar argument as a 0-d array, whose float() is a symbolic float that the
+        # op's schema refuses (a RuntimeError of the fake kernel that named nothing of ours), and whose
+        # dtype it cannot read
+        raise TypeError("pykernels.flash_attention: under torch.compile, expected 'scale' as a Python float or "
+                        "None, got a numpy scalar (traced as an array): pass float(scale) from outside the "
+                        "compiled function")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
         raise TypeError(f"pykernels.flash_attention: expected 'scale' to be a real number or None, got "
                         f"{type(scale).__name__}")
