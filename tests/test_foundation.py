@@ -188,7 +188,11 @@ def test_corrupt_or_foreign_cache_is_ignored_with_a_warning(tmp_cache):
 @pytest.mark.parametrize("bad", [{"metadata": None}, {"entry": "x"}, {"entry": {"time_s": 1}},
                                  {"config": None}, {"config": [1, 2]}, {"config": {"threads": "x"}},
                                  {"config": {"grain": None}}, {"config": {"digit_bits": 2 ** 31}},
-                                 {"config": {"threads": 2 ** 40}}, {"nested": True}])
+                                 {"config": {"threads": 2 ** 40}}, {"nested": True},
+                                 # the default's values, one of them of another type (16.0 == 16 and
+                                 # True == 1 in Python: they passed as the op's own config; review finding)
+                                 {"default_with": {"grain": float(1 << 15)}}, {"default_with": {"nt": 1}},
+                                 {"default_with": {"threads": False}}])
 def test_damaged_cache_entries_fall_back_to_the_default(tmp_cache, bad):
     """Valid JSON with bad contents (fuzz finding: every sort call raised): structurally wrong entries are
     dropped when the file loads, configs that are not one of the op's own configs when looked up; the op
@@ -196,7 +200,12 @@ def test_damaged_cache_entries_fall_back_to_the_default(tmp_cache, bad):
     x = torch.randint(-1000, 1000, (3000,), dtype=torch.int32)
     path = at.cache_file()
     path.parent.mkdir(parents=True, exist_ok=True)
-    ek = at._entry_key("sort_keys", "cpu", {"dtype": "int32", "n": at.bucket(x.numel())})
+    key = {"dtype": "int32", "n": at.bucket(x.numel())}
+    ek = at._entry_key("sort_keys", "cpu", key)
+    if "default_with" in bad:
+        default = dict(at._REGISTRY[("sort_keys", "cpu")].default(key))
+        assert all(k in default and default[k] == v for k, v in bad["default_with"].items())
+        bad = {"config": {**default, **bad["default_with"]}}
     entry = bad.get("entry", {"config": bad.get("config", {}), "time_s": 0.001})
     data = {"metadata": bad["metadata"] if "metadata" in bad else at._metadata(None), "entries": {ek: entry}}
     path.write_text("[" * 100000 if bad.get("nested") else json.dumps(data))

@@ -427,9 +427,17 @@ def _memo_key(key: dict):
     return items
 
 
+def _same_config(a: dict, b: dict) -> bool:
+    """a == b with every value of the same type too: 16.0 == 16 and True == 1 in Python, and a cached
+    {"BLOCK_M": 16.0} (a hand-edited file, another tool) passed as one of the candidates and crashed the
+    Triton kernels it was handed to, which take ints (review finding)."""
+    return a.keys() == b.keys() and all(type(v) is type(b[k]) and v == b[k] for k, v in a.items())
+
+
 def _is_own_config(tunable: Tunable, key: dict, config: dict) -> bool:
     try:
-        return config == dict(tunable.default(key)) or any(config == dict(c) for c in tunable.candidates(key))
+        return (_same_config(config, dict(tunable.default(key)))
+                or any(_same_config(config, dict(c)) for c in tunable.candidates(key)))
     except Exception:  # noqa: BLE001 - a key the tunable cannot even describe: not its config
         return False
 
