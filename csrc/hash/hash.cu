@@ -297,7 +297,10 @@ __device__ __forceinline__ int64_t group_find(const Group<G> g, const Slot<K, V>
     const unsigned long long hit = g.ballot(sk == k);
     if (hit) return (int64_t)(p.w * G) + first_bit(hit);
     if (g.ballot(sk == Sentinel<K>::EMPTY)) return -1;
-    if (!ovf_has(ovf, p.w, p.tag)) return -1;  // no key with this tag went on past this window
+    // no key with this tag went on past this window. Decided by a ballot, as the insert does: lanes that
+    // read the filter word apart (a find overlapping an insert, through a user stream or the numba device
+    // functions) would otherwise split the group before its next ballot (review finding)
+    if (!g.ballot(ovf_has(ovf, p.w, p.tag))) return -1;
     probe_next(p, nw);
   }
   return -1;
