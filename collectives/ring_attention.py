@@ -95,12 +95,14 @@ def _as_tensor(x, op: str, arg: str):
 
 
 def _validate(op: str, q, k, v, causal, scale, layout, return_lse, grp: comm.Group,
-              needs_grad: Optional[bool] = None, more_checks=None, prior_error=None) -> float:
+              needs_grad: Optional[bool] = None, more_checks=None, prior_error=None, backward: bool = False) -> float:
     """Local checks, then one small all-gather so that bad input on any rank (or shards of different
     shapes) raises on every rank instead of leaving the others waiting in the ring. needs_grad: whether a
     backward follows (None: from autograd's state, as an eager call sees it); more_checks(): further
     local checks, run after these (the backward op's); prior_error: this rank's error found before (while
-    tracing), raised on every rank."""
+    tracing), raised on every rank. The op (ring or TokenRing) and the pass (forward or backward) must
+    agree too: a rank in token_ring_attention while the others ran ring_attention waited in mismatched
+    sends until the process group's timeout (review finding)."""
     err = None
     fields = {}
     try:
@@ -159,13 +161,14 @@ def _validate(op: str, q, k, v, causal, scale, layout, return_lse, grp: comm.Gro
                       scale=comm.float_bits(blk.default_scale(d, scale)),
                       # every rank must run the backward schedule, or none: a rank whose inputs need no
                       # gradient left the others waiting in theirs until the timeout (review)
-                      grad=int(_needs_grad(q, k, v) if needs_grad is None else needs_grad))
+                      grad=int(_needs_grad(q, k, v) if needs_grad is None else needs_grad),
+                      token_ring=int(op == "collectives.token_ring_attention"), backward=int(bool(backward)))
         if more_checks is not None:
             more_checks()
     except (TypeError, ValueError, RuntimeError) as exc:
         err = exc
     dev = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
-    names = ("B", "H", "Hkv", "S_local", "D", "dtype", "causal", "layout", "scale", "grad")
+    names = ("B", "H", "Hkv", "S_local", "D", "dtype", "causal", "layout", "scale", "grad", "token_ring", "backward")
     comm.check_across_ranks(op, grp, err, {n: fields.get(n, 0) for n in names}, dev)
     return blk.default_scale(q.shape[-1], scale)
 
@@ -786,7 +789,8 @@ def _ring_attention_backward_op(dout: Optional[torch.Tensor], dlse: Optional[tor
 
     # every check on every rank (one small all-gather, as the forward's): a rank whose arguments are bad
     # raises, and so does every other rank, instead of waiting in the ring for it
-    _validate(op, q, k, v, causal, scale, layout, True, grp, needs_grad=True, more_checks=saved_and_grads_fit)
+    _validate(op, q, k, v, causal, scale, layout, True, grp, needs_grad=True, more_checks=saved_and_grads_fit,
+              backward=True)
     with torch.no_grad():
         dout, delta = _with_lse_grad(dout, dlse, out)
         if token_ring:
