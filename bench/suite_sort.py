@@ -96,8 +96,10 @@ def _cpu_cases(quick: bool):
     # sort (values + int64 indices) runs 2.5-3.5x slower than at 4,000,000 (88-120 vs 31-45 ms on the
     # 2-core Zen 3; int64 266 vs 104 ms): power-of-two buffers alias in the caches during its scatters.
     # Past 32 MiB of a buffer (4.2M int64 indices) glibc maps fresh pages for it on every call, another
-    # ~1.5x. A ratio taken at 2^22 measured that slowdown, not our sort (the int32 ratio read 4.7x there
-    # and 1.3-1.5x here); the 2^22 case is kept beside it, labeled, for the record.
+    # ~1.5x; at 4,000,000 its 32,000,000-byte index buffer sits just under that line, and whether a call
+    # gets fresh pages depends on the allocations before it (torch 31-78 ms across runs, ours 22-26). A
+    # ratio taken at 2^22 measured torch's slowdown, not our sort (the int32 ratio read 4.4-6.3x there,
+    # 1.4-3.0x here, 1.4-1.5x with out= on both sides); the 2^22 case is kept beside it, labeled.
     n_torch = 250_000 if quick else 4_000_000
     segs = 1 << 14 if quick else M
 
