@@ -485,6 +485,117 @@ LAYOUT_SCRIPT = textwrap.dedent(r'''
 ''')
 
 
+# A view's counters against host calls made while it lives, and duplicates of one new key racing for
+# the last room (review findings; simulator only: the race is staged by swapping _reserve).
+VIEW_SYNC_SCRIPT = textwrap.dedent(r"""
+    import sys, warnings
+    warnings.filterwarnings("ignore", category=RuntimeWarning)
+    import numpy as np
+    import torch
+    from numba import cuda
+    import pykernels
+    from pykernels.hashing import device as hd
+
+    @cuda.jit
+    def k_map(slots, special, counters, nw, window, seed, keys, vals, status):
+        i = cuda.grid(1)
+        if i < keys.size:
+            status[i] = hd.map_insert(slots, special, counters, nw, window, seed, keys[i], vals[i])
+
+    @cuda.jit
+    def k_set(slots, special, counters, nw, window, seed, keys, status):
+        i = cuda.grid(1)
+        if i < keys.size:
+            status[i] = hd.set_insert(slots, special, counters, nw, window, seed, keys[i])
+
+    @cuda.jit
+    def k_add(slots, special, counters, nw, window, seed, keys, status):
+        i = cuda.grid(1)
+        if i < keys.size:
+            status[i] = hd.counting_add(slots, special, counters, nw, window, seed, keys[i], 1)
+
+    def u64(t):
+        return t.view(torch.int64).numpy().view(np.uint64)
+
+    def run(kernel, v, keys, vals=None):
+        status = np.zeros(keys.numel(), np.int64)
+        extra = (u64(keys),) + ((u64(vals),) if vals is not None else ()) + (status,)
+        kernel[1, max(1, keys.numel())](*v.args, *extra)
+        return status
+
+    # host inserts inside `with view:`: the device stops at the load limit the host left
+    t = pykernels.HashMap(100, growable=False, max_load_factor=0.5)
+    limit = t._limit()
+    with t.device_view() as v:
+        t.insert(torch.arange(limit), torch.arange(limit))
+        st = run(k_map, v, torch.arange(1000, 1020), torch.arange(20))
+    assert (st == hd.FULL).all(), st
+    assert len(t) == limit and t._used <= limit, (len(t), t._used, limit)
+    # the same between device_view() and commit(), a set with room for 5 more
+    s = pykernels.HashSet(64, growable=False, max_load_factor=0.5)
+    v = s.device_view()
+    s.insert(torch.arange(s._limit() - 5))
+    st = run(k_set, v, torch.arange(500, 520))
+    v.commit()
+    assert int((st == hd.NEW).sum()) == 5 and (st[st != hd.NEW] == hd.FULL).all(), st
+    assert len(s) == s._limit() and bool(s.contains(torch.arange(500, 520)).sum() == 5)
+    # clear() inside the block: an empty table again for the device
+    t = pykernels.HashMap(100, growable=False)
+    t.insert(torch.arange(t._limit()), torch.arange(t._limit()))
+    with t.device_view() as v:
+        t.clear()
+        st = run(k_map, v, torch.tensor([7, 8, 9]), torch.tensor([1, 2, 3]))
+    assert (st == hd.NEW).all(), st
+    assert len(t) == 3 and t.find(torch.tensor([7, 8, 9]))[0].tolist() == [1, 2, 3]
+    # device inserts made before a host call count in the table before it runs
+    t = pykernels.HashMap(100, growable=False)
+    with t.device_view() as v:
+        run(k_map, v, torch.arange(10), torch.arange(10))
+        new = t.insert(torch.arange(5, 15), torch.arange(5, 15))
+        assert int(new.sum()) == 5 and len(t) == 15
+    assert len(t) == 15 and t._used == 15
+
+    # one new key added by two threads with the last slot left: the first to reserve is held until the
+    # other has stored the key, then its reservation fails (as when a warp's lanes all reserve before one
+    # stores); its add still counts (EXISTED), not FULL
+    import threading
+    stored = threading.Event()
+    first = [True]
+    lock = threading.Lock()
+    real_reserve = hd._reserve
+
+    def racing_reserve(counters):
+        with lock:
+            mine, first[0] = first[0], False
+        if mine:
+            assert stored.wait(60)
+            return False
+        return real_reserve(counters)
+
+    def added(i):  # (Python called from the simulated kernel)
+        stored.set()
+
+    @cuda.jit
+    def k_race(slots, special, counters, nw, window, seed, keys, status):
+        i = cuda.grid(1)
+        if i < keys.size:
+            status[i] = hd.counting_add(slots, special, counters, nw, window, seed, keys[i], 1)
+            added(i)
+
+    c = pykernels.CountingTable(64, growable=False)
+    c.add(torch.arange(c._limit() - 1))
+    with c.device_view() as v:
+        hd._reserve = racing_reserve
+        try:
+            st = run(k_race, v, torch.tensor([777, 777]))
+        finally:
+            hd._reserve = real_reserve
+    assert sorted(st.tolist()) == [hd.EXISTED, hd.NEW], st
+    assert int(c.counts(torch.tensor([777]))[0]) == 2 and len(c) == c._limit()
+    print("DEVICE-VIEW-SYNC-OK")
+""")
+
+
 def _run(device, env_extra, script=SCRIPT, ok="DEVICE-API-OK"):
     env = dict(os.environ, **env_extra)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -504,6 +615,15 @@ def test_device_functions_for_every_layout_in_cuda_simulator():
     tables driven to their load limit."""
     pytest.importorskip("numba")
     _run("cpu", {"NUMBA_ENABLE_CUDASIM": "1"}, LAYOUT_SCRIPT, "DEVICE-LAYOUTS-OK")
+
+
+def test_device_views_follow_host_calls_and_racing_duplicates_in_cuda_simulator():
+    """Host inserts and clear() while a view lives (inside `with` or before commit()) move its counters:
+    the device stops at the load limit they leave, or sees the emptied table; device inserts count in
+    the table before a host call. A duplicate whose reservation failed while a sibling stored the key
+    is EXISTED and its add counts (it was FULL)."""
+    pytest.importorskip("numba")
+    _run("cpu", {"NUMBA_ENABLE_CUDASIM": "1"}, VIEW_SYNC_SCRIPT, "DEVICE-VIEW-SYNC-OK")
 
 
 _TRIVIAL_NUMBA_KERNEL = """

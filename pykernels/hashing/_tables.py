@@ -108,6 +108,33 @@ class _ForkedInUse:
         return False
 
 
+class _LockWithViews:
+    """A table's lock that also brings its live device views in step with the host call it guards."""
+
+    __slots__ = ("lock", "views")
+
+    def __init__(self, lock, views):
+        self.lock, self.views = lock, views
+
+    def __enter__(self):
+        self.lock.acquire()
+        try:
+            for v in list(self.views):
+                v._host_call_begins()
+        except BaseException:
+            self.lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            for v in list(self.views):
+                v._host_call_ends()
+        finally:
+            self.lock.release()
+        return False
+
+
 _FORK_TRACKED = weakref.WeakSet()  # the tables and Bloom filters whose lock a forked child must replace
 
 
@@ -142,7 +169,7 @@ class _TableState:
     inserting into. Loaded with tensors on another device (torch.load's map_location), the table lives
     there: the layout is the same on every backend."""
 
-    _TRANSIENT = ("_mod", "_lock", "_config_cache")
+    _TRANSIENT = ("_mod", "_lock", "_config_cache", "_device_views")
 
     def __getstate__(self):
         with self._locked():
@@ -240,8 +267,13 @@ class _OpenTable(_TableState):
 
     def _locked(self):
         """The table's lock; none while torch.compile traces a method (dynamo cannot trace an RLock, and
-        the traced kernels are the functional torch.ops.pykernels ops, whose ordering the graph keeps)."""
-        return contextlib.nullcontext() if torch.compiler.is_compiling() else self._lock
+        the traced kernels are the functional torch.ops.pykernels ops, whose ordering the graph keeps).
+        While numba device views of the table live, the lock also keeps them in step with the host call
+        (pykernels.hashing.device.DeviceView._host_call_begins / _ends)."""
+        if torch.compiler.is_compiling():
+            return contextlib.nullcontext()
+        views = self.__dict__.get("_device_views")
+        return _LockWithViews(self._lock, views) if views else self._lock
 
     # -- storage ---------------------------------------------------------------------------------
     def _slot_value_bytes(self):

@@ -55,6 +55,8 @@ RuntimeWarning.
 """
 from __future__ import annotations
 
+import weakref
+
 import numba
 import numpy as np
 import torch
@@ -221,7 +223,12 @@ def _claim(slots, idx, kmask, counters, keep, bits):
         return _RETRY
     from_empty = sk == kmask
     if from_empty and not _reserve(counters):
-        return FULL
+        # Past the load limit, or other threads' reservations are in flight: duplicates of one new key
+        # all reserve before one of them stores it (a warp's lanes in lockstep), so most of them were
+        # refused although room was left once the losers undid theirs (review finding). Room now: try
+        # again (the caller rescans, and finds the key if a sibling stored it); else FULL, which the
+        # upserts still turn into EXISTED when the key has been stored meanwhile (_stored_meanwhile).
+        return _RETRY if counters[0] < counters[1] else FULL
     if cuda.atomic.cas(slots, idx, word, (word & keep) | bits) == word:
         cuda.atomic.add(counters, 2, 1)
         return NEW
@@ -312,13 +319,17 @@ def _pair_upsert(slots, special, counters, nw, window, seed, key, value, add, km
         if free == _EMPTY64:
             return FULL
         st = _claim(slots, _TWO * free, kmask, counters, kmask ^ _EMPTY64, key)
-        if st == NEW:
+        if st == FULL:
+            free = _find_slot(slots, _TWO, kmask, special, nw, window, seed, key)  # stored meanwhile?
+            if free == _EMPTY64:
+                return FULL
+            st = EXISTED
+        if st != _RETRY:
             # Counting: a free slot's value is 0 and other threads may add once the key is visible.
             if add:
                 cuda.atomic.add(slots, _TWO * free + _ONE, value)
             else:
                 slots[_TWO * free + _ONE] = value
-        if st != _RETRY:
             return st
 
 
@@ -486,6 +497,8 @@ def _set_insert(slots, special, counters, nw, window, seed, key, kmask):
         if free == _EMPTY64:
             return FULL
         st = _claim(slots, free, kmask, counters, kmask ^ _EMPTY64, key)
+        if st == FULL and _find_slot(slots, _ONE, kmask, special, nw, window, seed, key) != _EMPTY64:
+            return EXISTED  # stored meanwhile by another thread (see _claim)
         if st != _RETRY:
             return st
 
@@ -580,6 +593,11 @@ def packed_insert(slots, special, counters, nw, window, seed, key, value):
             continue
         from_empty = sk == _EMPTY32
         if from_empty and not _reserve(counters):
+            if counters[0] < counters[1]:
+                continue  # reservations in flight were undone: room again (see _claim)
+            # stored meanwhile by another thread: the next scan finds it and replaces its value
+            if packed_find(slots, special, nw, window, seed, key)[1]:
+                continue
             return FULL
         if cuda.atomic.cas(slots, free, word, packed) == word:
             cuda.atomic.add(counters, 2, 1)
@@ -733,8 +751,13 @@ class DeviceView:
             kernel[blocks, 256](*v.args, keys_u64, vals_u64, status)
 
     A context manager: on exit, the host table's len() and load accounting take in what the kernel
-    inserted (or call commit() after the kernel). A function of another layout than the table's reads
-    its memory wrongly: take them from `functions`, or check `layout`."""
+    inserted (or call commit() after the kernel). Host calls on the table while a view lives keep it in
+    step: they count the kernels' inserts first, and the next kernel sees the slots they took (or freed:
+    clear()). A host insert that grows the table (or purges its tombstones) rehashes it into new arrays:
+    a view bound before then is detached, and commit() / leaving `with` raise, so take a new view; a
+    kernel run through the detached view wrote into the old arrays, and those inserts are lost. A function
+    of another layout than the table's reads its memory wrongly: take them from `functions`, or check
+    `layout`."""
 
     def __init__(self, table):
         self.layout = _LAYOUTS.get((table._kb, table._vb))
@@ -747,6 +770,11 @@ class DeviceView:
                 f"{table._kb}-byte keys and {table._vb}-byte value slots (layout {self.layout})")
         self.table = table
         self._bound = (table._slots.data_ptr(), table._special.data_ptr(), table._nw)
+        # the table keeps its views (weakly) in step with its host calls: see _host_call_begins/ends
+        views = table.__dict__.get("_device_views")
+        if views is None:
+            views = table._device_views = weakref.WeakSet()
+        views.add(self)
         with normal_tensors():  # copied into in place (refused for an inference tensor outside inference mode)
             self._counters = torch.zeros(3, dtype=torch.int64, device=table.device)
         self._snapshot()
@@ -761,6 +789,28 @@ class DeviceView:
             raise RuntimeError("pykernels.hashing.device: the table was rehashed (grown, or its tombstones "
                                "purged) after device_view() bound its arrays, so a kernel would use the old "
                                "ones: take a new device_view()")
+
+    def _stale(self) -> bool:
+        t = self.table
+        return (t._slots.data_ptr(), t._special.data_ptr(), t._nw) != self._bound
+
+    # A host call on the table (insert, erase, clear, find, ...: every one under its lock) runs between
+    # these two. Before it, what kernels inserted through this view so far counts in the table (as
+    # commit() does), so the host sees every slot the device took; after it, the counters start again
+    # from the table's state, so a kernel sees the slots the host took and the load limit they leave.
+    # (Only snapshots before: a host insert inside `with view:` let the device fill the table past its
+    # load limit, and a clear() there made every device insert FULL; review findings.) A view whose
+    # table was rehashed is left as it is: commit() and `with` refuse it.
+    def _host_call_begins(self):
+        if self._stale():
+            return
+        if self.table.device.type == "cuda":
+            torch.cuda.synchronize(self.table.device)
+        self.commit()
+
+    def _host_call_ends(self):
+        if not self._stale():
+            self._snapshot()
 
     def _snapshot(self):
         # The host may insert between device_view() and the kernel: counters start from the table's
