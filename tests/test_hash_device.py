@@ -15,7 +15,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
-SCRIPT = textwrap.dedent(r'''
+# the scripts' shared start: imports, the device the kernels run on, helpers and kernels
+PREAMBLE = textwrap.dedent(r'''
     import collections, sys, warnings
     warnings.filterwarnings("ignore", category=RuntimeWarning)  # intended uint64 wrap-around (simulator)
     import numpy as np
@@ -71,6 +72,9 @@ SCRIPT = textwrap.dedent(r'''
     def launch(kernel, n, *args):
         kernel[(n + 31) // 32, 32](*args)
 
+''')
+
+SCRIPT = PREAMBLE + textwrap.dedent(r'''
     # ---- HashMap int64 -> int64: host inserts/erases, device inserts, both read everything ----
     t = pykernels.HashMap(300, device=DEV, growable=False)
     host_keys = torch.tensor([5, -1, 2**63 - 1, -2**63, 17, 99, 1000], device=DEV)
@@ -487,39 +491,16 @@ LAYOUT_SCRIPT = textwrap.dedent(r'''
 
 # A view's counters against host calls made while it lives, and duplicates of one new key racing for
 # the last room (review findings; simulator only: the race is staged by swapping _reserve).
-VIEW_SYNC_SCRIPT = textwrap.dedent(r"""
-    import sys, warnings
-    warnings.filterwarnings("ignore", category=RuntimeWarning)
-    import numpy as np
-    import torch
-    from numba import cuda
-    import pykernels
-    from pykernels.hashing import device as hd
-
-    @cuda.jit
-    def k_map(slots, special, counters, nw, window, seed, keys, vals, status):
-        i = cuda.grid(1)
-        if i < keys.size:
-            status[i] = hd.map_insert(slots, special, counters, nw, window, seed, keys[i], vals[i])
-
-    @cuda.jit
-    def k_set(slots, special, counters, nw, window, seed, keys, status):
-        i = cuda.grid(1)
-        if i < keys.size:
-            status[i] = hd.set_insert(slots, special, counters, nw, window, seed, keys[i])
-
-    @cuda.jit
-    def k_add(slots, special, counters, nw, window, seed, keys, status):
-        i = cuda.grid(1)
-        if i < keys.size:
-            status[i] = hd.counting_add(slots, special, counters, nw, window, seed, keys[i], 1)
-
+VIEW_SYNC_SCRIPT = PREAMBLE + textwrap.dedent(r"""
     def u64(t):
         return t.view(torch.int64).numpy().view(np.uint64)
 
     def run(kernel, v, keys, vals=None):
         status = np.zeros(keys.numel(), np.int64)
-        extra = (u64(keys),) + ((u64(vals),) if vals is not None else ()) + (status,)
+        if isinstance(vals, torch.Tensor):  # a map's values; an array: an output after the status (k_set)
+            extra = (u64(keys), u64(vals), status)
+        else:
+            extra = (u64(keys), status) + ((vals,) if vals is not None else ())
         kernel[1, max(1, keys.numel())](*v.args, *extra)
         return status
 
@@ -528,14 +509,14 @@ VIEW_SYNC_SCRIPT = textwrap.dedent(r"""
     limit = t._limit()
     with t.device_view() as v:
         t.insert(torch.arange(limit), torch.arange(limit))
-        st = run(k_map, v, torch.arange(1000, 1020), torch.arange(20))
+        st = run(k_insert, v, torch.arange(1000, 1020), torch.arange(20))
     assert (st == hd.FULL).all(), st
     assert len(t) == limit and t._used <= limit, (len(t), t._used, limit)
     # the same between device_view() and commit(), a set with room for 5 more
     s = pykernels.HashSet(64, growable=False, max_load_factor=0.5)
     v = s.device_view()
     s.insert(torch.arange(s._limit() - 5))
-    st = run(k_set, v, torch.arange(500, 520))
+    st = run(k_set, v, torch.arange(500, 520), np.zeros(20, np.uint8))
     v.commit()
     assert int((st == hd.NEW).sum()) == 5 and (st[st != hd.NEW] == hd.FULL).all(), st
     assert len(s) == s._limit() and bool(s.contains(torch.arange(500, 520)).sum() == 5)
@@ -544,13 +525,13 @@ VIEW_SYNC_SCRIPT = textwrap.dedent(r"""
     t.insert(torch.arange(t._limit()), torch.arange(t._limit()))
     with t.device_view() as v:
         t.clear()
-        st = run(k_map, v, torch.tensor([7, 8, 9]), torch.tensor([1, 2, 3]))
+        st = run(k_insert, v, torch.tensor([7, 8, 9]), torch.tensor([1, 2, 3]))
     assert (st == hd.NEW).all(), st
     assert len(t) == 3 and t.find(torch.tensor([7, 8, 9]))[0].tolist() == [1, 2, 3]
     # device inserts made before a host call count in the table before it runs
     t = pykernels.HashMap(100, growable=False)
     with t.device_view() as v:
-        run(k_map, v, torch.arange(10), torch.arange(10))
+        run(k_insert, v, torch.arange(10), torch.arange(10))
         new = t.insert(torch.arange(5, 15), torch.arange(5, 15))
         assert int(new.sum()) == 5 and len(t) == 15
     assert len(t) == 15 and t._used == 15
