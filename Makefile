@@ -6,6 +6,10 @@ PY := $(VENV)/bin/python
 # --no-cache-dir: where that file is missing, pip fetches torch from PyPI, and a cached copy of those
 # wheels would double the disk the install needs (a CI run once ran out of disk there).
 TORCH_SPEC ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo torch; else echo torch==2.13.0; fi)
+# numba-cuda asks NVRTC which GPU architectures it can target even when it only writes PTX (the sm_90 build
+# check of the hash tables' device functions, tests/test_hash_device.py); a machine without CUDA's runtime
+# libraries gets NVRTC's wheel (~90 MB). On a GPU machine torch's CUDA build brings its own.
+NVRTC_SPEC ?= $(shell if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo; else echo nvidia-cuda-nvrtc-cu12==12.9.86; fi)
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
@@ -13,10 +17,10 @@ BENCH_ARGS ?=
 
 all: build
 
-$(VENV)/.ready: requirements-dev.txt
+$(VENV)/.ready: requirements-dev.txt Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --no-cache-dir --upgrade pip
-	$(PY) -m pip install -q --no-cache-dir "$(TORCH_SPEC)" -r requirements-dev.txt
+	$(PY) -m pip install -q --no-cache-dir "$(TORCH_SPEC)" $(NVRTC_SPEC) -r requirements-dev.txt
 	touch $@
 
 venv: $(VENV)/.ready

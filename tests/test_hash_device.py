@@ -5,6 +5,7 @@ fresh interpreter with NUMBA_ENABLE_CUDASIM=1 (shapes kept small: the simulator 
 as a Python thread). On a GPU machine the same script runs on the real device (marked gpu).
 """
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -154,43 +155,9 @@ SCRIPT = PREAMBLE + textwrap.dedent(r'''
     print("DEVICE-API-OK")
 ''')
 
-LAYOUT_SCRIPT = textwrap.dedent(r'''
-    import collections, sys, warnings
-    warnings.filterwarnings("ignore", category=RuntimeWarning)  # intended uint64 wrap-around (simulator)
-    import numpy as np
-    import torch
-    from numba import cuda
-    import pykernels
-    from pykernels.hashing import _layout as L
-    from pykernels.hashing import device as hd
-
-    DEV = sys.argv[1]
-    M32, M64 = 2**32 - 1, 2**64 - 1
-
-    # ---- tensors <-> bit patterns (Python ints) ----
-    def tens(vals, dtype):
-        """A key/value tensor from Python numbers of `dtype`'s domain (integers through their bits)."""
-        if dtype.is_floating_point:
-            return torch.tensor(vals, dtype=dtype, device=DEV)
-        nb = dtype.itemsize * 8
-        signed = [((v + 2**(nb - 1)) % 2**nb) - 2**(nb - 1) for v in vals]
-        carrier = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
-        return torch.tensor(signed, dtype=carrier, device=DEV).view(dtype)
-    def bits(t):
-        """The slot bit pattern of each element (values widened as the host does), as unsigned ints."""
-        b = L.value_bits(t)
-        return [x & (M32 if b.element_size() == 4 else M64) for x in b.tolist()]
-    def u64(vals):  # Python ints -> the kernel's uint64 array of their low 64 bits
-        t = torch.tensor([((v & M64) + 2**63) % 2**64 - 2**63 for v in vals], dtype=torch.int64, device=DEV)
-        return cuda.as_cuda_array(t).view(np.uint64) if DEV == "cuda" else t.numpy().view(np.uint64)
-    def out(n, dtype=torch.int64):
-        """A zeroed output tensor and the array a kernel writes (int64 outputs viewed as uint64)."""
-        t = torch.zeros(n, dtype=dtype, device=DEV)
-        a = cuda.as_cuda_array(t) if DEV == "cuda" else t.numpy()
-        return t, (a.view(np.uint64) if dtype == torch.int64 else a)
-    def launch(kernel, n, *args):
-        kernel[(n + 31) // 32, 32](*args)
-
+# The generic kernels of the layout checks, one per shape of device function (also compiled for sm_90
+# ahead of time: test_device_functions_compile_for_sm90_without_spills). Needs `cuda` imported.
+LAYOUT_KERNELS = textwrap.dedent(r'''
     # ---- kernels, one per shape of device function (built once per function) ----
     _kernels = {}
     def kernel(shape, fn):
@@ -249,6 +216,46 @@ LAYOUT_SCRIPT = textwrap.dedent(r'''
                                    offsets[i + 1] - offsets[i])
         _kernels[shape, fn] = k
         return k
+''')
+
+LAYOUT_SCRIPT = textwrap.dedent(r'''
+    import collections, sys, warnings
+    warnings.filterwarnings("ignore", category=RuntimeWarning)  # intended uint64 wrap-around (simulator)
+    import numpy as np
+    import torch
+    from numba import cuda
+    import pykernels
+    from pykernels.hashing import _layout as L
+    from pykernels.hashing import device as hd
+
+    DEV = sys.argv[1]
+    M32, M64 = 2**32 - 1, 2**64 - 1
+
+    # ---- tensors <-> bit patterns (Python ints) ----
+    def tens(vals, dtype):
+        """A key/value tensor from Python numbers of `dtype`'s domain (integers through their bits)."""
+        if dtype.is_floating_point:
+            return torch.tensor(vals, dtype=dtype, device=DEV)
+        nb = dtype.itemsize * 8
+        signed = [((v + 2**(nb - 1)) % 2**nb) - 2**(nb - 1) for v in vals]
+        carrier = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+        return torch.tensor(signed, dtype=carrier, device=DEV).view(dtype)
+    def bits(t):
+        """The slot bit pattern of each element (values widened as the host does), as unsigned ints."""
+        b = L.value_bits(t)
+        return [x & (M32 if b.element_size() == 4 else M64) for x in b.tolist()]
+    def u64(vals):  # Python ints -> the kernel's uint64 array of their low 64 bits
+        t = torch.tensor([((v & M64) + 2**63) % 2**64 - 2**63 for v in vals], dtype=torch.int64, device=DEV)
+        return cuda.as_cuda_array(t).view(np.uint64) if DEV == "cuda" else t.numpy().view(np.uint64)
+    def out(n, dtype=torch.int64):
+        """A zeroed output tensor and the array a kernel writes (int64 outputs viewed as uint64)."""
+        t = torch.zeros(n, dtype=dtype, device=DEV)
+        a = cuda.as_cuda_array(t) if DEV == "cuda" else t.numpy()
+        return t, (a.view(np.uint64) if dtype == torch.int64 else a)
+    def launch(kernel, n, *args):
+        kernel[(n + 31) // 32, 32](*args)
+
+''') + LAYOUT_KERNELS + textwrap.dedent(r'''
 
     def device_insert(t, keys_bits, vals_bits=None, seq=False):
         """Runs the table's insert/add device function over the keys; returns the statuses."""
@@ -605,6 +612,77 @@ def test_device_views_follow_host_calls_and_racing_duplicates_in_cuda_simulator(
     is EXISTED and its add counts (it was FULL)."""
     pytest.importorskip("numba")
     _run("cpu", {"NUMBA_ENABLE_CUDASIM": "1"}, VIEW_SYNC_SCRIPT, "DEVICE-VIEW-SYNC-OK")
+
+
+# Every device function, in the kernel the layout checks launch, compiled for sm_90 through numba's NVVM and
+# assembled by ptxas, as test_gpu_build.py does for the .cu sources and the Triton kernels: no GPU needed.
+DEVICE_AOT_SCRIPT = textwrap.dedent(r"""
+    import os, re, subprocess, sys, tempfile
+    import cuda.pathfinder
+    try:  # numba-cuda asks NVRTC which architectures it can target, even to write PTX only
+        cuda.pathfinder.load_nvidia_dynamic_lib("nvrtc")
+    except Exception as e:
+        print("NO-NVRTC", e)
+        sys.exit(3)
+    from numba import cuda, types
+    import numba.cuda.dispatcher
+    from pykernels.hashing import device as hd
+    if not cuda.is_available():
+        # Without a driver numba asks the (absent) current device which architecture a device function
+        # is for; compile_ptx's cc= covers the kernel only, so the device functions get sm_90 here too.
+        class _SM90:
+            compute_capability = (9, 0)
+        numba.cuda.dispatcher.get_current_device = lambda: _SM90()
+""") + LAYOUT_KERNELS + textwrap.dedent(r"""
+    ptxas = sys.argv[1]
+    a = lambda t: types.Array(t, 1, "C")
+    u64, u32, i64, i32, b1, n = a(types.uint64), a(types.uint32), a(types.int64), a(types.int32), a(types.boolean), types.int64
+    tail = {"insert": (i64, n, n, n, u64, u64, i32), "add_key": (i64, n, n, n, u64, u64, i32),
+            "find": (n, n, n, u64, u64, b1), "contains": (n, n, n, u64, b1), "count": (n, n, n, u64, i64),
+            "multi_find": (n, n, n, u64, i64, u64, u64)}
+    bad = []
+    for (kind, layout), functions in hd._FUNCTIONS.items():
+        for op, fn in functions.items():
+            shape = {"set": {"insert": "add_key"}, "multi": {"find": "multi_find"}}.get(kind, {}).get(op, op)
+            shape = "insert" if shape == "add" else shape
+            sig = (u32 if layout == "set32" else u64, u64) + tail[shape]
+            ptx, _ = cuda.compile_ptx(kernel(shape, fn).py_func, sig, cc=(9, 0))
+            with tempfile.TemporaryDirectory() as d:
+                src = os.path.join(d, "k.ptx")
+                with open(src, "w") as f:
+                    f.write(ptx)
+                res = subprocess.run([ptxas, "-arch=sm_90", "-v", src, "-o", os.devnull], capture_output=True, text=True)
+            out = res.stdout + res.stderr
+            usage = " ".join(re.findall(r"Used \d+ registers|\d+ bytes stack frame|\d+ bytes spill stores|\d+ bytes spill loads", out))
+            print(f"{kind}/{layout} {op} ({fn.__name__}): {usage}")
+            spills = re.findall(r"(\d+) bytes (?:spill stores|spill loads|stack frame)", out)
+            if res.returncode != 0 or not spills or any(int(x) for x in spills):
+                bad.append(f"{fn.__name__}: {out[-1500:]}")
+    assert not bad, "\n".join(bad)
+    print("DEVICE-AOT-OK")
+""")
+
+
+@pytest.mark.slow
+def test_device_functions_compile_for_sm90_without_spills():
+    """Each device function, inlined into the kernels above, through NVVM to PTX and ptxas for sm_90: it
+    compiles for a real GPU (the simulator runs Python and checks no types) with no register spills and no
+    stack frame."""
+    pytest.importorskip("numba")
+    ptxas = shutil.which("ptxas") or next((str(Path(os.environ[v]) / "bin" / "ptxas") for v in ("CUDA_HOME", "CUDA_PATH")
+                                            if os.environ.get(v) and (Path(os.environ[v]) / "bin" / "ptxas").exists()), None)
+    in_ci = os.environ.get("CI") == "true"
+    if ptxas is None:
+        if in_ci:
+            pytest.fail("ptxas (the CUDA toolkit) is missing in CI: the sm_90 build check cannot be skipped there")
+        pytest.skip("ptxas (the CUDA toolkit) is not installed")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    res = subprocess.run([sys.executable, "-c", DEVICE_AOT_SCRIPT, ptxas], capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=600)
+    if res.returncode == 3 and "NO-NVRTC" in res.stdout and not in_ci:
+        pytest.skip(f"NVRTC is not installed (`make venv` installs its wheel): {res.stdout.strip()[-300:]}")
+    assert res.returncode == 0 and "DEVICE-AOT-OK" in res.stdout, res.stdout[-3000:] + res.stderr[-6000:]
 
 
 _TRIVIAL_NUMBA_KERNEL = """
