@@ -14,7 +14,9 @@ a ballot over a window) and numba.cuda device functions in a user's kernel (`pyk
 
 Every key value is valid: the two bit patterns used internally as EMPTY/TOMBSTONE are stored out of
 band. `capacity` is the number of slots (rounded up to a prime number of windows); a table holds at
-most `max_load_factor * capacity` keys, then grows (`growable=True`) or raises TableFullError.
+most `max_load_factor * capacity` keys in its slots, then grows (`growable=True`) or raises TableFullError.
+The (at most two) keys equal to those patterns take no slot, so they never fill a table: len() and
+`load_factor` count them, and a small full table's `load_factor` may read above `max_load_factor`.
 `max_load_factor` may be 1.0, but a table that full has no EMPTY slot left to end a probe: every
 lookup or insert of an absent key then reads every window (O(capacity) each), as in any open-addressing
 table; up to load 0.95 a miss reads 1-2 windows on average (the per-window overflow filter).

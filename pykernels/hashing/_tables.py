@@ -331,6 +331,8 @@ class _OpenTable(_TableState):
 
     @property
     def load_factor(self) -> float:
+        """len(self) / capacity: the keys stored out of band (equal to the EMPTY/TOMBSTONE patterns) count
+        here but take no slot, so a small full table may read above max_load_factor."""
         return self._size / self.capacity
 
     def __len__(self):
