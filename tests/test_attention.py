@@ -351,8 +351,21 @@ def test_flags_and_scale_are_type_checked():
         with pytest.raises(TypeError, match="^pykernels.flash_attention: expected 'scale' to be a real number"):
             flash_attention(q, k, v, scale=bad)
     out, lse = flash_attention(q, k, v, causal=True, return_lse=True)
-    with pytest.raises(TypeError, match="^pykernels.flash_attention: expected 'causal' to be a bool"):
-        flash_attention_backward(torch.ones_like(out), q, k, v, out, lse, causal="yes")
+    # the backward's errors name it (review finding: its q/k/v/scale/causal errors named flash_attention)
+    dout = torch.ones_like(out)
+    with pytest.raises(TypeError, match="^pykernels.flash_attention_backward: expected 'causal' to be a bool"):
+        flash_attention_backward(dout, q, k, v, out, lse, causal="yes")
+    with pytest.raises(ValueError, match="^pykernels.flash_attention_backward: expected 'scale' to be a finite"):
+        flash_attention_backward(dout, q, k, v, out, lse, scale=float("nan"))
+    with pytest.raises(TypeError, match="^pykernels.flash_attention_backward: expected 'k' of dtype"):
+        flash_attention_backward(dout, q, k.int(), v, out, lse)
+    with pytest.raises(ValueError, match="^pykernels.flash_attention_backward: expected the query heads"):
+        flash_attention_backward(dout, q, torch.randn(1, 3, 5, 8), torch.randn(1, 3, 5, 8), out, lse)
+    with pytest.raises(ValueError, match="^pykernels.flash_attention_backward: expected backend"):
+        flash_attention_backward(dout, q, k, v, out, lse, backend="gpu")
+    with pytest.raises(ValueError, match="^pykernels.flash_attention_backward: expected the query heads"):
+        torch.ops.pykernels.flash_attention_backward(dout, None, q, torch.randn(1, 3, 5, 8), torch.randn(1, 3, 5, 8),
+                                                     out, lse, True, 0.5, "auto")
     for low in (torch.float16, torch.bfloat16):  # an lse of 3 significant digits was taken as is
         with pytest.raises(TypeError, match="expected a float32 'lse'"):
             flash_attention_backward(torch.ones_like(out), q, k, v, out, lse.to(low), causal=True)
@@ -1550,6 +1563,49 @@ def test_bf16dot_subnormal_inputs_take_an_exact_path():
     assert _cpu.bf16dot_backward(dout2, q2, k2, v2, out2, lse2, True, 0.125, None, 2) is not None
     dout2[0, 0, 3, 5] = -1e-39
     assert _cpu.bf16dot_backward(dout2, q2, k2, v2, out2, lse2, True, 0.125, None, 2) is None
+
+
+@needs_bf16dot
+def test_bf16dot_tiny_inputs_and_huge_scales_take_an_exact_path():
+    """vdpbf16ps also flushes subnormal products to 0: normal q ~1e-19 and k ~1e-20 (products ~1e-39) at
+    scale 3e38 are scores from about -11 to 10, which the kernel read as all 0 (audit finding: uniform
+    probabilities, lse off by 5.5). Calls with a nonzero input below 2^-50 or |scale| * D above 2^80 take
+    the exact paths; inputs just above the bound and ordinary scales keep the kernel."""
+    g = torch.Generator().manual_seed(0)
+    q = (torch.randn(1, 8, 64, 64, generator=g) * 1e-19).to(torch.bfloat16)
+    k = (torch.randn(1, 8, 64, 64, generator=g) * 1e-20).to(torch.bfloat16)
+    v = torch.randn(1, 8, 64, 64, generator=g).to(torch.bfloat16)
+    assert _cpu.bf16dot_forward(q, k, v, False, 3e38, 2) is None
+    # (dq and dk are ~1e38 x 1e-20: the forward and dv are compared)
+    check_forward_and_grads(q, k, v, False, scale=3e38, config={"impl": "bf16dot"}, check_grads=False)
+    out, lse = _forward_impl(q, k, v, False, 3e38, "cpu", {"impl": "flash"})
+    dout = torch.randn(out.shape, generator=g).to(torch.bfloat16)
+    assert _cpu.bf16dot_backward(dout, q, k, v, out, lse, False, 3e38, None, 2) is None
+    vr = v.double().requires_grad_()
+    want_dv, = torch.autograd.grad(reference(q, k, vr, False, 3e38)[0], (vr,), dout.double())
+    _, _, dv = _backward_impl(dout, None, q, k, v, out, lse, False, 3e38, "cpu", {"impl": "bf16dot"})
+    assert_close(dv, want_dv, torch.bfloat16, "dv")
+    # the bounds: 2^-50 per input, 2^80 for |scale| * D (D = 64 here)
+    q2, k2, v2 = make(1, 2, 2, 70, 70, 64, torch.bfloat16, seed=3)
+    for value, takes in ((2.0 ** -51, False), (-(2.0 ** -51), False), (2.0 ** -49, True)):
+        for t in (q2, k2, v2):
+            t2 = t.clone()
+            t2[0, 1, 69, 63] = value
+            args = [t2 if x is t else x for x in (q2, k2, v2)]
+            assert (_cpu.bf16dot_forward(*args, True, 0.125, 2) is not None) == takes, (value, t is q2, t is k2)
+    # q and k near 2^-40 (none below 2^-50): the scores stay ordinary at scale 2^74 = 2^80 / D and above
+    small = [(t.float().sign() * t.float().abs().clamp_min(0.01) * 2.0 ** -40).to(torch.bfloat16) for t in (q2, k2)]
+    assert not any(((x != 0) & (x.float().abs() < 2.0 ** -50)).any() for x in small)
+    assert _cpu.bf16dot_forward(*small, v2, True, 2.0 ** 74, 2) is not None
+    assert _cpu.bf16dot_forward(*small, v2, True, 2.0 ** 75, 2) is None
+    assert _cpu.bf16dot_forward(*small, v2, True, -(2.0 ** 75), 2) is None
+    check_forward_and_grads(*small, v2, True, scale=2.0 ** 75, config={"impl": "bf16dot"}, check_grads=False)
+    out2, lse2 = _forward_impl(*small, v2, True, 2.0 ** 74, "cpu", {"impl": "flash"})
+    dout2 = torch.randn(out2.shape, generator=g).to(torch.bfloat16)
+    assert _cpu.bf16dot_backward(dout2, *small, v2, out2, lse2, True, 2.0 ** 74, None, 2) is not None
+    assert _cpu.bf16dot_backward(dout2, *small, v2, out2, lse2, True, 2.0 ** 75, None, 2) is None
+    dout2[0, 0, 3, 5] = 1e-16  # below 2^-50 (~8.9e-16)
+    assert _cpu.bf16dot_backward(dout2, *small, v2, out2, lse2, True, 2.0 ** 74, None, 2) is None
 
 
 @needs_bf16dot

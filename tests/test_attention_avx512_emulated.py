@@ -3,7 +3,7 @@ that replaces the intrinsics with scalar versions (tests/avx512_emulation/avx512
 
 test_attention.py's bf16dot tests skip where the CPU lacks AVX-512 BF16, and CI's machines may lack it
 (an AVX2-only EPYC ran CI on 2026-12-05): the kernels' own logic (K/V packing, 6-row tiles, the causal and
-S_q != S_k masks, strides, the subnormal checks, the backward's groups shared by several threads) would go
+S_q != S_k masks, strides, the tiny-value checks, the backward's groups shared by several threads) would go
 untested there. Here the same tests run in a subprocess with the emulated module in place of
 pykernels._cpu_attention. Where the CPU has the instructions the real kernels run in test_attention.py and
 this file skips.
@@ -99,7 +99,7 @@ def test_the_emulated_module_is_the_one_tests_use(emulated_module):
 
 def test_bf16dot_tests_pass_on_the_emulated_kernels(emulated_module):
     """Every bf16dot test of test_attention.py (forward and backward against the float64 oracle and SDPA,
-    1-3 threads including groups shared by threads, strides, rows without keys, NaN/inf, subnormals, the
+    1-3 threads including groups shared by threads, strides, rows without keys, NaN/inf, tiny values, the
     default dispatch) on the emulated kernels; none may skip (they skip only without the kernels)."""
     run = _pytest(emulated_module, "tests/test_attention.py", "-k", "bf16dot and not off_without_avx512")
     tail = run.stdout[-6000:] + run.stderr[-2000:]

@@ -548,8 +548,9 @@ int64_t decode_forward(const Problem& P, int num_threads, int64_t grain) {
 //   Vp: key pairs: [Skp / 2][D] words, word (u, d) = (v[2u][d], v[2u + 1][d]): out[i][d] += sum_u
 //       dot2(p[i] pair u, word (u, d)) -- a lane per output column;
 // padded with zero keys up to Skp (a multiple of PF_BN; their scores are masked, their p is 0).
-// vdpbf16ps reads subnormal bf16 inputs as 0 (whatever MXCSR says): calls whose q, k, v (or dout) hold one
-// take an exact path instead. Probabilities below 2^-126 (scores ~87 below their row's maximum) are 0 here,
+// vdpbf16ps reads subnormal bf16 inputs as 0 and flushes subnormal results (products and running sums) to 0,
+// whatever MXCSR says: calls whose q, k, v (or dout) hold a tiny value (tiny_bf16), or whose |scale| * D
+// exceeds 2^80 (kMaxScaledD), take an exact path instead. Probabilities below 2^-126 (scores ~87 below their row's maximum) are 0 here,
 // as in aten's kernels: only a value near float32's range could make such a term count.
 // Work items: (batch, query head, block of PF_BM query rows), heaviest (last, under a causal mask) first;
 // each streams the key blocks its rows see (bottom-right causal: row i sees keys j <= i + Sk - Sq).
@@ -557,7 +558,13 @@ int64_t decode_forward(const Problem& P, int num_threads, int64_t grain) {
 constexpr int PF_BM = 64;  // query rows per work item
 constexpr int PF_BN = 64;  // keys per block: 4 groups of 16 lanes
 constexpr int PF_RQ = 6;   // query rows per register tile (6 x 4 accumulators of 16 lanes)
-constexpr int64_t kSubnormalInput = -2;  // prefill_forward / prefill_backward: an input holds a subnormal
+constexpr int64_t kTinyInput = -2;  // prefill_forward / prefill_backward: an input holds a tiny value, or the
+                                    // scale is too large (see tiny_bf16): nothing computed, an exact path follows
+// |scale| * D above this takes an exact path: a dot product whose running sum cancels below 2^-126 loses
+// under 2^-126 per step (at most D / 2 steps), so a score is off by under |scale| * D * 2^-126 <= 2^-46,
+// far below float32's rounding of a score that matters (audit finding: q ~1e-19, k ~1e-20 at scale 3e38,
+// whose products vdpbf16ps flushed, gave uniform probabilities for scores from -11 to 10).
+constexpr double kMaxScaledD = 0x1p80;
 
 // D values the kernel takes: the P V tile holds 64 output columns (4 registers) per row
 inline bool prefill_head_dim_ok(int64_t D) { return D > 0 && D % 64 == 0 && D <= 512; }
@@ -575,20 +582,25 @@ inline bool bf16dot_cpu() { return true; }
 inline bool bf16dot_cpu() { return pk::cpu_has_avx512bf16(); }
 #endif
 
-// Whether bf16 x[0, n) (n a multiple of 32) holds a subnormal (|x| < 2^-126, not 0): vdpbf16ps reads those
-// as 0 whatever MXCSR says, so a call with one takes an exact path (a subnormal q component times a key
+// Whether bf16 x[0, n) (n a multiple of 32) holds a tiny value: |x| < 2^-50, not 0. vdpbf16ps reads subnormal
+// inputs as 0 and flushes subnormal products to 0 whatever MXCSR says; products of two values of at least
+// 2^-50 are at least 2^-100, normal, so with every nonzero input that large only sums that cancel below
+// 2^-126 lose anything (bounded by kMaxScaledD). A call with a tiny value takes an exact path (audit
+// findings: a subnormal q component times a key component near 1e38 is an ordinary score; q ~1e-19 times k
+// ~1e-20 flushed at scale 3e38). Real activations and gradients in bf16 are far above 2^-50 (~9e-16).
+constexpr uint16_t kTinyBits = (127 - 50) << 7;  // bf16 magnitude bits of 2^-50
 // component near 1e38 is an ordinary score).
-PK_TARGET_AVX512BF16 inline __mmask32 subnormal_lanes(__m512i x) {  // 32 bf16 values
+PK_TARGET_AVX512BF16 inline __mmask32 tiny_lanes(__m512i x) {  // 32 bf16 values
   const __m512i a = _mm512_and_si512(x, _mm512_set1_epi16(0x7FFF));
-  return _mm512_mask_cmplt_epu16_mask(_mm512_test_epi16_mask(a, a), a, _mm512_set1_epi16(0x0080));
+  return _mm512_mask_cmplt_epu16_mask(_mm512_test_epi16_mask(a, a), a, _mm512_set1_epi16(kTinyBits));
 }
-PK_TARGET_AVX512BF16 inline __mmask16 subnormal_lanes(__m256i x) {  // 16 bf16 values
+PK_TARGET_AVX512BF16 inline __mmask16 tiny_lanes(__m256i x) {  // 16 bf16 values
   const __m256i a = _mm256_and_si256(x, _mm256_set1_epi16(0x7FFF));
-  return _mm256_mask_cmplt_epu16_mask(_mm256_test_epi16_mask(a, a), a, _mm256_set1_epi16(0x0080));
+  return _mm256_mask_cmplt_epu16_mask(_mm256_test_epi16_mask(a, a), a, _mm256_set1_epi16(kTinyBits));
 }
-PK_TARGET_AVX512BF16 inline bool subnormal_bf16(const uint16_t* x, int64_t n) {
+PK_TARGET_AVX512BF16 inline bool tiny_bf16(const uint16_t* x, int64_t n) {
   __mmask32 any = 0;
-  for (int64_t i = 0; i < n; i += 32) any |= subnormal_lanes(_mm512_loadu_si512(x + i));
+  for (int64_t i = 0; i < n; i += 32) any |= tiny_lanes(_mm512_loadu_si512(x + i));
   return any != 0;
 }
 
@@ -599,7 +611,7 @@ PK_TARGET_AVX512BF16 inline bool subnormal_bf16(const uint16_t* x, int64_t n) {
 PK_TARGET_AVX512BF16 bool pack_lanes(const uint16_t* x, int64_t stride, int64_t n, int64_t npad, int64_t D,
                                      uint32_t* dst) {
   const int64_t D2 = D / 2;
-  __mmask32 subnormal = 0;  // (returned: some row holds a subnormal)
+  __mmask32 tiny = 0;  // (returned: some row holds a tiny value)
   const bool gather = stride >= 0 && stride * 2 * 15 < (int64_t(1) << 31);
   const __m512i rows16 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32((int)(gather ? stride * 2 : 0)));
@@ -609,7 +621,7 @@ PK_TARGET_AVX512BF16 bool pack_lanes(const uint16_t* x, int64_t stride, int64_t 
       const char* base = reinterpret_cast<const char*>(x + g * 16 * stride);
       for (int64_t t = 0; t < D2; ++t) {
         const __m512i words = _mm512_i32gather_epi32(rows16, base + 4 * t, 1);
-        subnormal |= subnormal_lanes(words);
+        tiny |= tiny_lanes(words);
         _mm512_storeu_si512(out + t * 16, words);
       }
       continue;
@@ -618,14 +630,14 @@ PK_TARGET_AVX512BF16 bool pack_lanes(const uint16_t* x, int64_t stride, int64_t 
       const int64_t j = g * 16 + l;
       if (j < n) {
         const uint16_t* row = x + j * stride;
-        subnormal |= subnormal_bf16(row, D) ? 1 : 0;
+        tiny |= tiny_bf16(row, D) ? 1 : 0;
         for (int64_t t = 0; t < D2; ++t) std::memcpy(out + t * 16 + l, row + 2 * t, 4);
       } else {
         for (int64_t t = 0; t < D2; ++t) out[t * 16 + l] = 0;
       }
     }
   }
-  return subnormal != 0;
+  return tiny != 0;
 }
 
 // Rows [0, n) of a bf16 matrix in the "row pairs" layout of Vp: [npad / 2][D] words, word (u, d) =
@@ -633,7 +645,7 @@ PK_TARGET_AVX512BF16 bool pack_lanes(const uint16_t* x, int64_t stride, int64_t 
 // at a time (D a multiple of 16).
 PK_TARGET_AVX512BF16 bool pack_pairs(const uint16_t* x, int64_t stride, int64_t n, int64_t npad, int64_t D,
                                      uint32_t* dst) {
-  __mmask16 subnormal = 0;  // (returned: some row holds a subnormal)
+  __mmask16 tiny = 0;  // (returned: some row holds a tiny value)
   for (int64_t u = 0; u < npad / 2; ++u) {
     uint32_t* out = dst + u * D;
     const uint16_t* r0 = 2 * u < n ? x + 2 * u * stride : nullptr;
@@ -641,15 +653,15 @@ PK_TARGET_AVX512BF16 bool pack_pairs(const uint16_t* x, int64_t stride, int64_t 
     for (int64_t d = 0; d < D; d += 16) {
       const __m256i a = r0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + d)) : _mm256_setzero_si256();
       const __m256i b = r1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + d)) : _mm256_setzero_si256();
-      subnormal |= subnormal_lanes(a) | subnormal_lanes(b);
+      tiny |= tiny_lanes(a) | tiny_lanes(b);
       _mm512_storeu_si512(out + d, _mm512_or_si512(_mm512_cvtepu16_epi32(a),
                                                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
     }
   }
-  return subnormal != 0;
+  return tiny != 0;
 }
 
-// Kp and Vp of (b, hk) (layout above); true where K or V holds a subnormal.
+// Kp and Vp of (b, hk) (layout above); true where K or V holds a tiny value.
 PK_TARGET_AVX512BF16 bool pack_kv(const Problem& P, int64_t b, int64_t hk, int64_t Skp, uint32_t* kp, uint32_t* vp) {
   const bool sk = pack_lanes(static_cast<const uint16_t*>(P.k) + b * P.ks[0] + hk * P.ks[1], P.ks[2], P.Sk, Skp,
                              P.D, kp);
@@ -847,7 +859,7 @@ struct PrefillScratch {
   std::vector<uint32_t> q32;  // the item's query rows, bf16 pairs [PF_BM][D/2]
   std::vector<float> s, o, m, l;
   std::vector<uint32_t> p;    // probabilities in bf16 [PF_BM][PF_BN] (pairs of keys per word)
-  bool subnormal = false;  // a query row of this thread's items held a subnormal
+  bool tiny = false;  // a query row of this thread's items held a tiny value (tiny_bf16)
   void size_for(int64_t D) {
     q32.resize((size_t)PF_BM * D / 2);
     s.resize((size_t)PF_BM * PF_BN);
@@ -865,7 +877,7 @@ PK_TARGET_AVX512BF16 int64_t prefill_item(const Problem& P, const uint32_t* kp, 
   const int64_t D = P.D, D2 = D / 2;
   const uint16_t* qb = static_cast<const uint16_t*>(P.q) + b * P.qs[0] + h * P.qs[1];
   for (int r = 0; r < rows; ++r) std::memcpy(sc.q32.data() + (size_t)r * D2, qb + (i0 + r) * P.qs[2], D * 2);
-  sc.subnormal = sc.subnormal || subnormal_bf16(reinterpret_cast<const uint16_t*>(sc.q32.data()), rows * D);
+  sc.tiny = sc.tiny || tiny_bf16(reinterpret_cast<const uint16_t*>(sc.q32.data()), rows * D);
   std::fill(sc.o.begin(), sc.o.begin() + (size_t)rows * D, 0.f);
   for (int r = 0; r < rows; ++r) {
     sc.m[r] = kNegInf;
@@ -931,13 +943,14 @@ PK_TARGET_AVX512BF16 int64_t prefill_item(const Problem& P, const uint32_t* kp, 
 #endif
 
 // Returns the number of rows that see keys whose lse came out non-finite; -1 when this CPU lacks the
-// instructions or D is not a multiple of 64 (the caller takes another impl); kSubnormalInput when q, k or v
-// holds a subnormal (nothing computed: the caller takes an exact path).
+// instructions or D is not a multiple of 64 (the caller takes another impl); kTinyInput when q, k or v
+// holds a tiny value or |scale| * D > kMaxScaledD (nothing computed: the caller takes an exact path).
 int64_t prefill_forward(const Problem& P, int num_threads) {
 #if PK_X86
   if (!bf16dot_cpu() || P.dt != pk::DType::BFloat16 || !prefill_head_dim_ok(P.D)) return -1;
   const int64_t D = P.D;
   if (P.B * P.H == 0 || P.Sq == 0) return 0;
+  if (!(std::fabs((double)P.scale) * (double)D <= kMaxScaledD)) return kTinyInput;
   const int64_t Skp = std::max<int64_t>(PF_BN, (P.Sk + PF_BN - 1) / PF_BN * PF_BN);
   const int64_t kv_words = Skp * D / 2;  // per (b, hk), each of Kp and Vp
   const int64_t groups = P.B * P.Hkv;
@@ -947,21 +960,21 @@ int64_t prefill_forward(const Problem& P, int num_threads) {
   const typename KeptBuffer<uint32_t>::Trim trim{packed, size_t(16) << 20};
   uint32_t* const vp = kp + groups * kv_words;
   const int T = std::max(1, num_threads);
-  std::atomic<bool> subnormal{false};
+  std::atomic<bool> tiny{false};
   pk::parallel_chunks(groups, std::min<int64_t>(T, groups), 1, [&](int, int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t b = g / P.Hkv, hk = g % P.Hkv;
-      if (pack_kv(P, b, hk, Skp, kp + g * kv_words, vp + g * kv_words)) subnormal = true;
+      if (pack_kv(P, b, hk, Skp, kp + g * kv_words, vp + g * kv_words)) tiny = true;
     }
   });
-  if (subnormal) return kSubnormalInput;
+  if (tiny) return kTinyInput;
   std::vector<PrefillScratch> scratch;
   const int64_t bad = run_prefill_items(P, T, scratch, [&](PrefillScratch& sc, int64_t g, int64_t b, int64_t h,
                                                            int64_t i0, int rows) {
     return prefill_item(P, kp + g * kv_words, vp + g * kv_words, b, h, i0, rows, sc);
   });
   for (const auto& sc : scratch)
-    if (sc.subnormal) return kSubnormalInput;
+    if (sc.tiny) return kTinyInput;
   return bad;
 #else
   (void)P;
@@ -1281,13 +1294,13 @@ struct BwdPart {
   uint32_t* q2 = nullptr;
   uint32_t* do2 = nullptr;
   float* dq = nullptr;
-  // set when any item of the call met a subnormal (the whole call then takes an exact path): read per key
+  // set when any item of the call met a tiny value (the whole call then takes an exact path): read per key
   // block, so the other items stop early (a part checks only its own blocks of Q and dO)
   const std::atomic<bool>* stop = nullptr;
   bool owns(int64_t g, int64_t i0, int64_t qblocks) const { return (g * qblocks + i0 / PF_BM) % parts == part; }
 };
 
-// false (nothing computed) where an input of the group holds a subnormal
+// false (nothing computed) where an input of the group holds a tiny value
 PK_TARGET_AVX512BF16 bool bwd_group(const BwdProblem& BP, int64_t b, int64_t hk, BwdScratch& sc,
                                     const BwdPart& part = BwdPart()) {
   const Problem& P = BP.P;
@@ -1419,7 +1432,7 @@ PK_TARGET_AVX512BF16 bool bwd_group(const BwdProblem& BP, int64_t b, int64_t hk,
 
 // dq, dk, dv of a bfloat16 problem (the caller checked that dout, out and the lse of rows that see keys are
 // finite, and passes no rows that see no key); -1 where the kernel does not
-// apply (as prefill_forward), kSubnormalInput where q, k, v or dout holds a subnormal (dq, dk, dv then
+// apply (as prefill_forward), kTinyInput where q, k, v or dout holds a tiny value or |scale| * D > kMaxScaledD (dq, dk, dv then
 // partly written: the caller takes an exact path), else 0.
 int64_t prefill_backward(const BwdProblem& BP, int num_threads) {
 #if PK_X86
@@ -1427,10 +1440,11 @@ int64_t prefill_backward(const BwdProblem& BP, int num_threads) {
   if (!bf16dot_cpu() || P.dt != pk::DType::BFloat16 || !prefill_head_dim_ok(P.D)) return -1;
   const int64_t groups = P.B * P.Hkv;
   if (groups == 0 || P.Sq == 0 || P.Sk == 0) return 0;  // (the caller returns zeros)
+  if (!(std::fabs((double)P.scale) * (double)P.D <= kMaxScaledD)) return kTinyInput;
   const int64_t G = P.H / P.Hkv;
   const int64_t Sqp = (P.Sq + PF_BM - 1) / PF_BM * PF_BM, Skp = (P.Sk + PF_BN - 1) / PF_BN * PF_BN;
   const int threads = std::max(1, num_threads);
-  std::atomic<bool> subnormal{false};
+  std::atomic<bool> tiny{false};
   // (no more parts than the group's (head, query block) pairs: a part without one would only pack K/V)
   const int parts = (int)std::clamp<int64_t>(threads / groups, 1, G * (Sqp / PF_BM));
   if (parts == 1) {  // a whole group per work item: dK/dV of its keys in one thread, no reduction
@@ -1439,11 +1453,11 @@ int64_t prefill_backward(const BwdProblem& BP, int num_threads) {
       BwdScratch& sc = scratch[t];
       sc.size_for(G, Sqp, Skp, P.D);
       BwdPart whole;
-      whole.stop = &subnormal;
-      for (int64_t g = g0; g < g1 && !subnormal; ++g)
-        if (!bwd_group(BP, g / P.Hkv, g % P.Hkv, sc, whole)) subnormal = true;
+      whole.stop = &tiny;
+      for (int64_t g = g0; g < g1 && !tiny; ++g)
+        if (!bwd_group(BP, g / P.Hkv, g % P.Hkv, sc, whole)) tiny = true;
     });
-    return subnormal ? kSubnormalInput : 0;
+    return tiny ? kTinyInput : 0;
   }
   // Fewer groups than threads (MQA, a batch of one): each group shared by `parts` threads (BwdPart), which
   // split its query blocks; their fp32 dK/dV sums are then added up and stored, in parallel over key rows.
@@ -1456,7 +1470,7 @@ int64_t prefill_backward(const BwdProblem& BP, int num_threads) {
   std::vector<float> dq((size_t)(groups * group_rows));
   std::vector<BwdScratch> scratch((size_t)items);
   pk::parallel_chunks(items, (int)items, 1, [&](int, int64_t it0, int64_t it1) {
-    for (int64_t it = it0; it < it1 && !subnormal; ++it) {
+    for (int64_t it = it0; it < it1 && !tiny; ++it) {
       BwdScratch& sc = scratch[(size_t)it];
       sc.size_for(G, Sqp, Skp, P.D, false);
       const int64_t g = it / parts;
@@ -1468,11 +1482,11 @@ int64_t prefill_backward(const BwdProblem& BP, int num_threads) {
       part.q2 = q2.data() + (size_t)(g * group_rows / 2);
       part.do2 = do2.data() + (size_t)(g * group_rows / 2);
       part.dq = dq.data() + (size_t)(g * group_rows);
-      part.stop = &subnormal;
-      if (!bwd_group(BP, g / P.Hkv, g % P.Hkv, sc, part)) subnormal = true;
+      part.stop = &tiny;
+      if (!bwd_group(BP, g / P.Hkv, g % P.Hkv, sc, part)) tiny = true;
     }
   });
-  if (subnormal) return kSubnormalInput;
+  if (tiny) return kTinyInput;
   const int64_t row_blocks = (P.Sk + PF_BN - 1) / PF_BN;
   pk::parallel_chunks(groups * row_blocks, threads, 1, [&](int, int64_t w0, int64_t w1) {
     std::vector<float> sum((size_t)(2 * PF_BN * P.D));
@@ -1606,7 +1620,8 @@ PYBIND11_MODULE(_cpu_attention, m) {
         "bfloat16 attention of q [B, H, Sq, D] over k, v [B, Hkv, Sk, D] with AVX-512 BF16 dot products (strides "
         "as decode_forward; D a multiple of 64, D <= 512); bottom-right causal. Returns how many rows that see "
         "keys got a non-finite lse, -1 where the kernel does not apply (no AVX-512 BF16, another dtype or D), or -2 "
-        "where an input holds a subnormal (which the dot products read as 0; nothing computed).");
+        "where an input holds a nonzero value below 2^-50 or |scale| * D > 2^80 (the dot products would flush terms to 0; "
+        "nothing computed).");
   m.def("prefill_backward", &prefill_backward_py, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("dout"),
         py::arg("lse"), py::arg("delta"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("B"), py::arg("H"),
         py::arg("Hkv"), py::arg("Sq"), py::arg("Sk"), py::arg("D"), py::arg("q_strides"), py::arg("k_strides"),
@@ -1616,7 +1631,7 @@ PYBIND11_MODULE(_cpu_attention, m) {
         "bfloat16 flash-attention backward with AVX-512 BF16 dot products: dq, dk, dv (bf16, every element written "
         "where S_q, S_k > 0) from "
         "q, k, v, dout, the forward's lse and delta = rowsum(dout * out) - dlse (float32); finite inputs. Returns "
-        "-1 where the kernel does not apply (as prefill_forward), -2 where an input holds a subnormal (outputs "
+        "-1 where the kernel does not apply (as prefill_forward), -2 where an input holds a nonzero value below 2^-50 or |scale| * D > 2^80 (outputs "
         "partly written), else 0.");
   m.def("fma_forward", &fma_forward_py, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
         py::arg("lse"), py::arg("B"), py::arg("H"), py::arg("Hkv"), py::arg("Sq"), py::arg("Sk"), py::arg("D"),

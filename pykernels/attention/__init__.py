@@ -198,7 +198,7 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, ba
     finite = _all_finite(dout, out, live)  # (one read of them, whichever path follows)
     if impl == "bf16dot" and finite and _cpu.bf16dot_takes(q):  # (takes an LSE gradient)
         grads = _cpu.bf16dot_backward(dout, q, k, v, out, lse, causal, scale, dlse, _threads(cfg))
-        if grads is not None:  # (None: a subnormal input, which aten's exact arithmetic takes below)
+        if grads is not None:  # (None: a tiny input or a huge scale, which aten's exact arithmetic takes below)
             return grads
         impl = "flash"
     if dlse is not None or impl == "blocked" or not finite:
@@ -255,7 +255,7 @@ def _flash_attention_backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor
                                  k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                                  causal: bool, scale: float,
                                  backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check(q, k, v, scale, backend)  # as the forward op: the kernels trust the shapes (an lse too short was read past its end)
+    _check(q, k, v, scale, backend, OP_BWD)  # as the forward op: the kernels trust the shapes (an lse too short was read past its end)
     _check_backward(dout, dlse, q, k, v, out, lse)
     dq, dk, dv = _backward_impl(dout, dlse, q, k, v, out, lse, causal, scale, backend)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
@@ -323,45 +323,46 @@ _flash_attention_backward_call = functorch_autograd("flash_attention_backward", 
 # ----------------------------------------------------------------------------------------------
 # Public entry
 # ----------------------------------------------------------------------------------------------
-def _check(q, k, v, scale, backend):
+def _check(q, k, v, scale, backend, op: str = OP):
+    """q, k, v, scale and backend as both ops take them; errors name `op` (the forward or the backward)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dtype not in DTYPES:
-            raise TypeError(f"pykernels.flash_attention: expected '{name}' of dtype float32, bfloat16, "
+            raise TypeError(f"pykernels.{op}: expected '{name}' of dtype float32, bfloat16, "
                             f"float16 (or float64 on CPU), got {str(t.dtype).replace('torch.', '')}")
         if t.dim() != 4:
-            raise ValueError(f"pykernels.flash_attention: expected '{name}' with 4 dimensions [B, H, S, D], "
+            raise ValueError(f"pykernels.{op}: expected '{name}' with 4 dimensions [B, H, S, D], "
                              f"got shape {tuple(t.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"pykernels.flash_attention: expected q, k, v of one dtype, got "
+        raise TypeError(f"pykernels.{op}: expected q, k, v of one dtype, got "
                         f"{q.dtype}, {k.dtype}, {v.dtype}")
     B, H, Sq, D = q.shape
     if k.shape[0] != B or v.shape[0] != B:
-        raise ValueError(f"pykernels.flash_attention: expected the same batch size B in q, k, v, got shapes "
+        raise ValueError(f"pykernels.{op}: expected the same batch size B in q, k, v, got shapes "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if k.shape[:3] != v.shape[:3]:
-        raise ValueError(f"pykernels.flash_attention: expected 'k' and 'v' with the same [B, Hkv, S_k], got "
+        raise ValueError(f"pykernels.{op}: expected 'k' and 'v' with the same [B, Hkv, S_k], got "
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[3] != D or v.shape[3] != D:
-        raise ValueError(f"pykernels.flash_attention: expected q, k, v with the same head dim D={D}, got "
+        raise ValueError(f"pykernels.{op}: expected q, k, v with the same head dim D={D}, got "
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
     if D == 0:
-        raise ValueError("pykernels.flash_attention: expected head dim D >= 1, got 0")
+        raise ValueError(f"pykernels.{op}: expected head dim D >= 1, got 0")
     Hkv = k.shape[1]
     if (Hkv == 0 and H != 0) or (Hkv != 0 and H % Hkv != 0):
-        raise ValueError(f"pykernels.flash_attention: expected the query heads H={H} to be a multiple of the "
+        raise ValueError(f"pykernels.{op}: expected the query heads H={H} to be a multiple of the "
                          f"key/value heads Hkv={Hkv} (GQA/MQA)")
     if backend not in ("auto", "cpu", "cuda", "triton"):
-        raise ValueError(f"pykernels.flash_attention: expected backend 'auto', 'cpu', 'cuda' or 'triton', "
+        raise ValueError(f"pykernels.{op}: expected backend 'auto', 'cpu', 'cuda' or 'triton', "
                          f"got {backend!r}")
     if isinstance(scale, np.ndarray) and torch.compiler.is_compiling():
         # dynamo traces a numpy scalar argument as a 0-d array, whose float() is a symbolic float that the
         # op's schema refuses (a RuntimeError of the fake kernel that named nothing of ours), and whose
         # dtype it cannot read
-        raise TypeError("pykernels.flash_attention: under torch.compile, expected 'scale' as a Python float or "
+        raise TypeError(f"pykernels.{op}: under torch.compile, expected 'scale' as a Python float or "
                         "None, got a numpy scalar (traced as an array): pass float(scale) from outside the "
                         "compiled function")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
-        raise TypeError(f"pykernels.flash_attention: expected 'scale' to be a real number or None, got "
+        raise TypeError(f"pykernels.{op}: expected 'scale' to be a real number or None, got "
                         f"{type(scale).__name__}")
     if scale is None or torch.compiler.is_compiling():
         # a scale that is an argument of a compiled function is symbolic: these value checks would make
@@ -369,9 +370,9 @@ def _check(q, k, v, scale, backend):
         # (review finding); the eager call of the same code checks it
         return
     if not _native.finite_real(scale):
-        raise ValueError(f"pykernels.flash_attention: expected 'scale' to be a finite float or None, got {scale!r}")
+        raise ValueError(f"pykernels.{op}: expected 'scale' to be a finite float or None, got {scale!r}")
     if q.dtype != torch.float64 and abs(float(scale)) > torch.finfo(torch.float32).max:
-        raise ValueError(f"pykernels.flash_attention: expected 'scale' within float32's range for "
+        raise ValueError(f"pykernels.{op}: expected 'scale' within float32's range for "
                          f"{str(q.dtype).replace('torch.', '')} inputs (scores are computed in float32), got {scale!r}")
 
 
@@ -396,10 +397,10 @@ def _check_backward(dout, dlse, q, k, v, out, lse):
     check_same_device(OP_BWD, q=q, k=k, v=v, dout=dout, out=out, lse=lse, dlse=dlse)
 
 
-def _check_flag(name: str, value) -> bool:
+def _check_flag(name: str, value, op: str = OP) -> bool:
     # bool(value) would make causal="no" (any non-empty string) silently causal: only real booleans.
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"pykernels.flash_attention: expected '{name}' to be a bool, got "
+        raise TypeError(f"pykernels.{op}: expected '{name}' to be a bool, got "
                         f"{type(value).__name__} {value!r}")
     return bool(value)
 
@@ -501,7 +502,7 @@ def _lean_cpu_forward(q, k, v, causal, scale, backend):
     cfg, native, flash = plan
     if native is not None:  # (the general path's eager call: no backward can follow)
         result = native(q, k, v, causal, scale, cfg)
-        if result is None:  # NaN/inf in q or k, or a subnormal input: the exact path (the general path's too)
+        if result is None:  # NaN/inf in q or k, a tiny input or a huge scale: the exact path (the general path's too)
             out, lse = _blocked(q, k, v, causal, scale, cfg)
             return _cpu.like_q(out, q), _cpu.to_bshd(lse)
         # out comes in the memory order of the q the kernel read: q's own unless its rows overlapped or its
@@ -599,8 +600,8 @@ def flash_attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, s
                                ((q, "q"), (k, "k"), (v, "v"), (dout, "dout"), (out, "out"), (lse, "lse")))
     if dlse is not None:
         dlse = _native.as_tensor(dlse, OP_BWD, "dlse")  # numpy too, as q, k, v (review finding)
-    _check(q, k, v, scale, backend)
-    causal = _check_flag("causal", causal)
+    _check(q, k, v, scale, backend, OP_BWD)
+    causal = _check_flag("causal", causal, OP_BWD)
     _check_backward(dout, dlse, q, k, v, out, lse)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return backward_op(dout, dlse, q, k, v, out, lse, bool(causal), scale, backend)

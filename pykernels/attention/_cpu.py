@@ -423,7 +423,9 @@ def decode_forward(q, k, v, causal: bool, scale: float, threads: int, grain: int
 
 # "bf16dot": head dims the kernel takes (its P V tile is 64 columns wide)
 BF16DOT_MAX_D = 512
-_NOT_APPLICABLE, _SUBNORMAL_INPUT = -1, -2  # the native bf16dot kernels' answers besides a count of bad rows
+# the native bf16dot kernels' answers besides a count of bad rows; _TINY_INPUT: an input holds a nonzero value
+# below 2^-50 or |scale| * D > 2^80, whose terms vdpbf16ps would flush to 0 (csrc: tiny_bf16, kMaxScaledD)
+_NOT_APPLICABLE, _TINY_INPUT = -1, -2
 
 
 @functools.lru_cache(maxsize=None)
@@ -449,12 +451,12 @@ def bf16dot_takes(q: torch.Tensor) -> bool:
 
 def bf16dot_forward(q, k, v, causal: bool, scale: float, threads: int):
     """(out, lse) of the native bf16dot kernel (layouts: _native_forward), or None when a row that sees
-    keys got a non-finite lse (NaN/inf in q or k) or an input holds a subnormal (vdpbf16ps reads those as
-    0): the caller recomputes on the exact path. The caller checks bf16dot_takes(q) first."""
+    keys got a non-finite lse (NaN/inf in q or k), an input holds a tiny value or the scale is too large
+    (_TINY_INPUT): the caller recomputes on the exact path. The caller checks bf16dot_takes(q) first."""
     out, lse, bad = _native_forward("prefill_forward", q, k, v, causal, scale, int(threads))
     if bad == _NOT_APPLICABLE:  # (bf16dot_takes said yes: only a CPU or build without the kernel gets here)
         raise RuntimeError("pykernels.flash_attention: internal error: the bf16dot kernel does not take this call")
-    return None if bad else (out, lse)  # (a subnormal input, which the dot products read as 0, counts as bad)
+    return None if bad else (out, lse)  # (_TINY_INPUT counts as bad)
 
 
 # "fma": head dims the kernel takes (its P V tile is 16 columns wide; its scratch rows up to 512)
@@ -501,8 +503,8 @@ def zero_grads(q, k, v):
 
 def bf16dot_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dlse, threads: int):
     """dq, dk, dv of the native bf16dot backward (FlashAttention-2's, with bf16 dot products) from the global
-    out and lse; dlse (optional) enters as D = rowsum(dO * O) - dlse. None where an input holds a subnormal
-    (vdpbf16ps reads those as 0): the caller takes an exact path. The caller checks bf16dot_takes(q) and
+    out and lse; dlse (optional) enters as D = rowsum(dO * O) - dlse. None where an input holds a tiny value
+    or the scale is too large (_TINY_INPUT): the caller takes an exact path. The caller checks bf16dot_takes(q) and
     that dout, out and the lse of rows that see keys are finite."""
     Sq, Sk = q.shape[2], k.shape[2]
     if q.numel() == 0 or k.numel() == 0:
@@ -540,7 +542,7 @@ def _bf16dot_backward_kernel(dout, q, k, v, out, lse, causal: bool, scale: float
         float(scale), bool(causal), _native.dtype_code(q.dtype), int(threads))
     if bad == _NOT_APPLICABLE:  # (bf16dot_takes said yes: only a CPU or build without the kernel gets here)
         raise RuntimeError("pykernels.flash_attention: internal error: the bf16dot kernel does not take this call")
-    return None if bad == _SUBNORMAL_INPUT else (dq, dk, dv)
+    return None if bad == _TINY_INPUT else (dq, dk, dv)
 
 
 def _attend(s, v):
