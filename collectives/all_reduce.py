@@ -159,6 +159,12 @@ def _check_tensor(tensor) -> torch.Tensor:
         raise RuntimeError(f"{OPNAME}: tensor is on the meta device (no data to reduce)")
     if torch._debug_has_internal_overlap(tensor) == 1:  # 1: elements share memory (expand, as_strided)
         raise ValueError(_OVERLAP_ERROR)
+    if tensor.is_neg() or tensor.is_conj():
+        # its memory holds the negated values: the transports read and write raw memory, which a sum
+        # survives but max/min do not (review finding: max gave the min); torch.distributed's all_reduce
+        # leaves such a tensor unchanged
+        raise ValueError(f"{OPNAME}: tensor is a lazily negated view (torch._neg_view, or the imaginary part of "
+                         f"a conjugated complex tensor): reduce tensor.resolve_neg() and copy the result back")
     return tensor
 
 

@@ -854,6 +854,9 @@ def test_argument_errors():
         collectives.all_reduce(torch.ones(3, device="meta"))
     with pytest.raises(ValueError, match="collectives.all_reduce: tensor has elements that share memory"):
         collectives.all_reduce(torch.ones(1).expand(4))
+    # a lazily negated view's memory holds the negated values: max came back as the min (review finding)
+    with pytest.raises(ValueError, match="collectives.all_reduce: tensor is a lazily negated view"):
+        collectives.all_reduce(torch._neg_view(torch.ones(4)), "max")
     if not dist.is_initialized():
         with pytest.raises(RuntimeError, match="collectives.all_reduce: torch.distributed is not initialized"):
             collectives.all_reduce(x)

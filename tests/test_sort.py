@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -862,6 +863,25 @@ def test_out_is_written_in_place_or_copied_like_torch():
     pykernels.sort(xg.detach(), out=(ov3, oi3))
     assert torch.equal(ov3, torch.sort(xg.detach()).values)
 
+
+
+def test_out_negated_views_and_quantized_values():
+    """A lazily negated out= view (torch._neg_view) gets the sorted values as torch.sort gives them (the
+    direct write came back negated), and a quantized payload is refused naming 'values' (it came back
+    without its quantizer: review findings)."""
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(0))
+    want_v, want_i = torch.sort(x, stable=True)
+    ov, oi = torch._neg_view(torch.empty(5000)), torch.empty(5000, dtype=torch.int64)
+    got = pykernels.sort(x, out=(ov, oi))
+    assert torch.equal(ov, want_v) and torch.equal(oi, want_i) and got[0] is ov
+    keys = torch.tensor([2, 0, 1] * 100)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch deprecates quantized dtypes)
+        qv = torch.quantize_per_tensor(torch.rand(300), 0.01, 3, torch.quint8)
+    with pytest.raises(TypeError, match="pykernels.sort_pairs: expected 'values' of a non-quantized dtype"):
+        pykernels.sort_pairs(keys, qv)
+    with pytest.raises(TypeError, match="pykernels.segmented_sort: expected 'values' of a non-quantized dtype"):
+        pykernels.segmented_sort(keys, torch.tensor([0, 300]), qv)
 
 def test_out_of_the_right_shape_is_never_resized():
     """Review findings: out= tensors were resize_()d even when their shape was already right, which

@@ -729,6 +729,8 @@ def _writable_in_place(x: torch.Tensor, ov: torch.Tensor, oi: torch.Tensor) -> b
     buffer); else the result is computed aside and copied, as before."""
     if x.device.type != "cpu" or x.requires_grad or ov.requires_grad or oi.requires_grad:
         return False
+    if ov.is_neg() or oi.is_neg() or ov.is_conj():
+        return False  # a lazily negated (conjugated) view: the kernel's raw writes would come back negated
     if x.dim() == 0 or x.numel() == 0:
         return False
     if (ov.is_inference() or oi.is_inference()) and not torch.is_inference_mode_enabled():
@@ -758,6 +760,16 @@ def argsort(input, dim: int = -1, descending: bool = False, stable: bool = True,
             return torch.argsort(x, dim=d, descending=descending, stable=True)
         return _rows_sort("argsort", x, d, descending, backend, False)[1]
     return torch.ops.pykernels.argsort(x, d, descending, backend)
+
+
+def _check_values(op: str, v: torch.Tensor) -> None:
+    """Any payload dtype moves as bytes, except a quantized tensor: its scale and zero point do not travel
+    with its bytes (review finding: a quint8 payload came back without a quantizer, and its dequantize()
+    hit an internal assert of torch's)."""
+    if v.is_quantized:
+        raise TypeError(f"pykernels.{op}: expected 'values' of a non-quantized dtype, got a quantized {v.dtype} "
+                        f"tensor: pass values.int_repr() and quantize the result again, or gather values with "
+                        f"the indices of pykernels.argsort")
 
 
 def _needs_grad(*tensors) -> bool:
@@ -798,6 +810,7 @@ def sort_pairs(keys, values, *, descending: bool = False, begin_bit: int = 0, en
     v = _native.as_tensor(values, "sort_pairs", "values")
     check_ndim("sort_pairs", "keys", k, 1)
     check_ndim("sort_pairs", "values", v, 1)
+    _check_values("sort_pairs", v)
     if v.numel() != k.numel():
         raise ValueError(f"pykernels.sort_pairs: expected 'values' of length {k.numel()} (as 'keys'), "
                          f"got {v.numel()}")
@@ -830,6 +843,7 @@ def segmented_sort(keys, offsets, values=None, *, descending: bool = False,
     if values is not None:
         v = _native.as_tensor(values, op, "values")
         check_ndim(op, "values", v, 1)
+        _check_values(op, v)
         if v.numel() != k.numel():
             raise ValueError(f"pykernels.{op}: expected 'values' of length {k.numel()} (as 'keys'), got {v.numel()}")
     check_same_device(op, keys=k, offsets=off, values=v)
