@@ -183,21 +183,37 @@ _ENTRY_NAMES = {"forward_op": "flash_attention", "backward_op": "flash_attention
                 "hash_find": "HashMap.find", "hash_insert_": "HashMap.insert"}
 
 
-def _refuse_forward_ad(tensors):
+def _refuse_forward_ad(tensors, op=None):
     """The ops register reverse-mode derivatives only; forward mode (torch.func.jvp / jacfwd, forward_ad
     dual tensors) went through them with its tangents silently dropped: zero derivatives, no error
     (review finding). It is refused with a clear error, as torch's own CPU flash attention does."""
     dual = False
     if _forward_ad._current_level >= 0:
         dual = any(isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+    nested = False
     if not dual and torch._C._are_functorch_transforms_active():
-        from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+        from torch._functorch.pyfunctorch import coerce_cinterpreter, retrieve_all_functorch_interpreters
 
         jvp = torch._C._functorch.TransformType.Jvp
-        dual = any(i.key() == jvp for i in retrieve_all_functorch_interpreters())
-    if dual:
-        caller = sys._getframe(2).f_code.co_name  # the op's entry (only read on this error path)
-        caller = _ENTRY_NAMES.get(caller, caller)
+        if torch.compiler.is_compiling():
+            # dynamo cannot trace the whole interpreter stack (retrieve_all_functorch_interpreters: a
+            # compiled vmap of any op failed under fullgraph; review finding), but it traces the innermost
+            # interpreter: a Jvp there is refused, and one that is alone (level 1) leaves none; under a
+            # deeper stack the outer levels, which may hold a Jvp, cannot be read
+            inner = coerce_cinterpreter(torch._C._functorch.peek_interpreter_stack())
+            dual, nested = inner.key() == jvp, inner.level() > 1
+        else:
+            dual = any(i.key() == jvp for i in retrieve_all_functorch_interpreters())
+    if dual or nested:
+        caller = op
+        if caller is None:  # the op's entry (only read on this error path; dynamo cannot trace _getframe)
+            caller = "op" if torch.compiler.is_compiling() else sys._getframe(2).f_code.co_name
+            caller = _ENTRY_NAMES.get(caller, caller)
+        if nested and not dual:
+            raise NotImplementedError(f"pykernels.{caller}: inside torch.compile, nested torch.func transforms "
+                                      f"around this op are not supported (whether one of them is forward-mode "
+                                      f"AD cannot be read there); one vmap or grad level is, and so are nested "
+                                      f"transforms applied outside the compiled function")
         raise NotImplementedError(f"pykernels.{caller}: forward-mode AD (torch.func.jvp / jacfwd, forward_ad "
                                   f"dual tensors) is not supported; its tangents would be dropped. Use reverse "
                                   f"mode (backward, torch.func.grad / vjp / jacrev)")
@@ -276,15 +292,16 @@ def eager_plain(t) -> bool:
     return type(t) is torch.Tensor and not (t.requires_grad and torch.is_grad_enabled())
 
 
-def eager_direct(*tensors) -> bool:
+def eager_direct(*tensors, op=None) -> bool:
     """True when a public call may run its implementation directly instead of through its registered
     torch.library op: the op's dispatch layers cost ~60-100 us a call (6x a 1K-element torch.sort).
     Not while torch.compile traces, nor under a Python dispatch or torch-function mode (fake tensors,
     make_fx, FlopCounter...) or a functorch transform (vmap), nor for tensor subclasses or inputs that
     need autograd (requires_grad while grad mode is on): those go through the op, whose fake and autograd
-    registrations handle them."""
+    registrations handle them. `op`: the name its errors give (else the caller's function name, which
+    a call traced by torch.compile cannot read)."""
     if _traced_or_transformed():
-        _refuse_forward_ad(tensors)
+        _refuse_forward_ad(tensors, op)
         return False
     grad = torch.is_grad_enabled()  # with grad mode off nothing is recorded: requires_grad does not matter
     for t in tensors:  # a plain loop: a generator inside all() costs a frame per tensor on every op call

@@ -93,6 +93,41 @@ def test_forward_mode_ad_is_refused_not_silently_zero():
     torch.testing.assert_close(g, 2 * x)
 
 
+def test_compiled_vmap_runs_and_compiled_forward_mode_is_still_refused():
+    """torch.compile(vmap(op), fullgraph=True) traced the forward-mode check's whole interpreter stack,
+    which dynamo cannot (every op failed to compile; review finding). Inside torch.compile the innermost
+    transform is read instead: one vmap level runs, a jvp (or a stack too deep to read) still raises
+    our error naming the op, and never returns dropped tangents."""
+    import pytest
+
+    import pykernels
+
+    g = torch.Generator().manual_seed(0)
+    qw = pykernels.quantize(torch.randn(24, 64, generator=g), bits=4, group_size=32)
+    x = torch.randn(4, 3, 64, generator=g)
+    q = torch.randn(3, 1, 2, 5, 16, generator=g)
+    rows = torch.randn(4, 100, generator=g)
+    cases = {"qmatmul": (lambda a: pykernels.qmatmul(a, qw), x),
+             "sort": (lambda a: pykernels.sort(a).values, rows),
+             "flash_attention": (lambda a: pykernels.flash_attention(a, a, a, causal=True), q)}
+    for name, (fn, inp) in cases.items():
+        torch._dynamo.reset()
+        want = torch.func.vmap(fn)(inp)
+        torch.testing.assert_close(torch.compile(torch.func.vmap(fn), fullgraph=True)(inp), want)
+        for fullgraph in (False, True):
+            torch._dynamo.reset()
+            jvp = torch.compile(lambda a: torch.func.jvp(fn, (a,), (torch.ones_like(a),)), fullgraph=fullgraph)
+            with pytest.raises(Exception, match=rf"pykernels\.{name}: forward-mode AD"):
+                jvp(inp[0])
+    torch._dynamo.reset()
+    nested = torch.compile(torch.func.vmap(torch.func.vmap(cases["qmatmul"][0])), fullgraph=True)
+    with pytest.raises(Exception, match=r"pykernels\.qmatmul: inside torch.compile, nested torch.func transforms"):
+        nested(x[None])
+    torch._dynamo.reset()  # without fullgraph the frame runs eagerly, where the whole stack is read
+    torch.testing.assert_close(torch.compile(torch.func.vmap(torch.func.vmap(cases["qmatmul"][0])))(x[None]),
+                               torch.func.vmap(torch.func.vmap(cases["qmatmul"][0]))(x[None]))
+
+
 def test_reverse_mode_func_transforms_match_autograd():
     """torch.func.grad / vjp / jacrev and vmap over grad (per-sample gradients) through sort,
     flash_attention (its backward is a kernel of its own) and qmatmul. torch 2.13's register_autograd

@@ -1465,6 +1465,13 @@ def test_multivalue_single_walk_find_checks_devices_and_copies_out_once():
     for special, keys in ((m._special.to("meta"), torch.arange(10)), (m._special, torch.arange(10).to("meta"))):
         with pytest.raises(RuntimeError, match="hash_multi_find: expected all tensors on one device"):
             _ops.hash_multi_find(m._slots, special, keys, e, e, *args)
+    # the raw op's arguments (review findings: vb=0 with no keys was a bare KeyError, reserved values of
+    # another dtype torch's index_put error)
+    with pytest.raises(ValueError, match=r"pykernels.hash_multi_find: multi-value tables need values"):
+        _ops.hash_multi_find(m._slots, m._special, e, e, e, m._nw, m.window, m.seed, m._kb, 0, 0, 16)
+    for bad in (torch.tensor([1.5, 2.5]), torch.zeros(1, 2, dtype=torch.int64)):
+        with pytest.raises(ValueError, match=r"pykernels.hash_multi_find: expected 'empty_vals' a 1-D torch.int64"):
+            _ops.hash_multi_find(m._slots, m._special, torch.tensor([-1]), bad, e, *args)
     keys = torch.arange(10)
     counts = torch.empty(10, dtype=torch.int64)
     col = m._mod.multi_collect(m._slots.data_ptr(), m._special.data_ptr(), m._nw, m.window, m.seed, m._kb, m._vb,

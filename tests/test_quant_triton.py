@@ -45,6 +45,29 @@ def test_triton_weight_only(triton_interpret, N, K, bits, group_size, scheme, M,
     assert_close(pykernels.qmatmul(x, qw, backend="triton"), x, qw)
 
 
+@pytest.mark.parametrize("scheme", ["asym", "sym", "bipolar"])
+def test_triton_weights_past_float16_range_with_float16_activations(triton_interpret, scheme):
+    """Weights past fp16's 65504 with fp16 activations take the fp32 kernel (the weights were rounded to fp16
+    for tl.dot: inf there, and rows came out NaN; review finding); the answer is remembered per weight and
+    follows an in-place change of its scales."""
+    g = torch.Generator().manual_seed(5)
+    qw = pykernels.quantize(torch.randn(8, 64, generator=g) * 1e5, 8, 32, scheme)
+    assert qw.dequantize(torch.float64).abs().max() > 65504
+    x = (torch.randn(2, 64, generator=g) * 1e-3).half()
+    y = pykernels.qmatmul(x, qw, backend="triton")
+    assert torch.isfinite(y).all()
+    assert_close(y, x, qw)
+    torch.testing.assert_close(y, pykernels.qmatmul(x, qw, backend="cpu"), rtol=2e-3, atol=1e-2)
+    from pykernels.quant import _triton as T
+
+    assert T._past_float16(qw.scales, qw.offsets, 8)
+    small = pykernels.quantize(torch.randn(8, 64, generator=g), 8, 32, scheme)
+    assert not T._past_float16(small.scales, small.offsets, 8)
+    small.scales.mul_(1e6)  # in place: the remembered answer is not reused
+    small.offsets.mul_(1e6)
+    assert T._past_float16(small.scales, small.offsets, 8)
+
+
 @pytest.mark.parametrize("split", [1, 2, 3])
 def test_triton_split_k_configs(triton_interpret, split):
     from pykernels.quant._ops import _impl

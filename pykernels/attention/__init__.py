@@ -563,7 +563,7 @@ def forward_op(q, k, v, causal: bool, scale: float, backend: str):
         follows = _FOLLOWS_ANYWHERE > 0
     else:
         follows = getattr(_BACKWARD_FOLLOWS, "on", False)
-    if eager_direct(q, k, v):  # nothing traced nor differentiated: only a caller's own backward can follow
+    if eager_direct(q, k, v, op=OP):  # nothing traced nor differentiated: only a caller's own backward can follow
         return _forward_laid_out(q, k, v, causal, scale, backend, inference=not follows)
     inference = not (follows or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)))
     if torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():
@@ -576,7 +576,7 @@ def forward_op(q, k, v, causal: bool, scale: float, backend: str):
 
 
 def backward_op(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, backend: str):
-    if eager_direct(dout, dlse, q, k, v, out, lse):
+    if eager_direct(dout, dlse, q, k, v, out, lse, op=OP_BWD):
         dq, dk, dv = _backward_impl(dout, dlse, q, k, v, out, lse, causal, scale, backend)
         return dq.contiguous(), dk.contiguous(), dv.contiguous()
     return _flash_attention_backward_call(dout, dlse, q, k, v, out, lse, causal, scale, backend)

@@ -240,6 +240,12 @@ def _multi_find_impl(slots: torch.Tensor, special: torch.Tensor, keys: torch.Ten
 
     check_same_device("hash_multi_find", slots=slots, special=special, keys=keys, empty_vals=empty_vals,
                       tomb_vals=tomb_vals)
+    if vb not in _BITS:  # (as the fake says; review finding: a bare KeyError for empty keys)
+        raise ValueError("pykernels.hash_multi_find: multi-value tables need values (vb = 4 or 8)")
+    for name, sv in (("empty_vals", empty_vals), ("tomb_vals", tomb_vals)):
+        if sv.dtype != _BITS[vb] or sv.dim() != 1:  # (they are copied into the value bits)
+            raise ValueError(f"pykernels.hash_multi_find: expected '{name}' a 1-D {_BITS[vb]} tensor (the value "
+                             f"bits), got {sv.dtype} of shape {tuple(sv.shape)}")
     n = keys.numel()
     specials = []
     for bits, sv in ((EMPTY_BITS, empty_vals), (TOMB_BITS, tomb_vals)):

@@ -522,7 +522,7 @@ _qmatmul_call = functorch_autograd("qmatmul", _setup_context, _backward)
 def qmatmul_op(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend):
     if act_bits and planes is None:
         raise ValueError("pykernels.qmatmul: act_bits needs the weight's bit planes")
-    if eager_direct(x, packed, scales, offsets, planes, wsum, bias):
+    if eager_direct(x, packed, scales, offsets, planes, wsum, bias, op="qmatmul"):
         # Eager fast path (same implementation, minus the torch.library dispatch layers: ~10% of a
         # 4096x4096 GEMV). Tracing, fake tensors, vmap and autograd go through the registered op: the
         # one test every op's direct path uses (pykernels._backend.eager_direct). The op's checks of the

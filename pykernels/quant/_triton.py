@@ -16,6 +16,8 @@ configs that tests/test_gpu_build.py compiles for sm_90.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
@@ -201,6 +203,29 @@ def _check_spans(M: int, N: int, K: int, **spans: int):
                          f"K={K} exceed it ({', '.join(too_big)}): use backend='cuda' or 'cpu'")
 
 
+# Whether a weight's dequantized values s * u + m (codes u in [0, 2^bits - 1]) pass float16's 65504, per
+# scales tensor: id -> (weakref to it, the offsets' id, both versions, the answer). Reset when large.
+_F16_RANGE: dict = {}
+_F16_MAX = 65504.0
+
+
+def _past_float16(scales: torch.Tensor, offsets: torch.Tensor, bits: int) -> bool:
+    """True when some dequantized weight exceeds float16's range: the weight-only kernel rounds the weights
+    to x's dtype for tl.dot, where they would be inf (and inf - inf NaN rows; review finding), so fp16
+    activations then take the fp32 kernel. One reduction per weight, remembered while it is unchanged."""
+    key = id(scales)
+    hit = _F16_RANGE.get(key)
+    state = (id(offsets), scales._version, offsets._version, bits)
+    if hit is not None and hit[0]() is scales and hit[1] == state:
+        return hit[2]
+    qmax = float((1 << bits) - 1)
+    past = scales.numel() > 0 and bool(torch.maximum(offsets.abs(), (offsets + scales * qmax).abs()).max() > _F16_MAX)
+    if len(_F16_RANGE) >= 1024:
+        _F16_RANGE.clear()
+    _F16_RANGE[key] = (weakref.ref(scales), state, past)
+    return past
+
+
 @launches_on_input_device
 def qmatmul(x2, packed, scales, offsets, planes, wsum, bias, N, K, bits, group_size, act_bits, cfg):
     M = x2.shape[0]
@@ -218,6 +243,9 @@ def qmatmul(x2, packed, scales, offsets, planes, wsum, bias, N, K, bits, group_s
                                   M, N, K, G, gsize, 2 * gw, act_bits, bits, HAS_BIAS=bias is not None,
                                   BLOCK_M=bm, BLOCK_N=bn)
         return y.to(x2.dtype)
+    out_dtype = x2.dtype
+    if x2.dtype == torch.float16 and _past_float16(scales, offsets, bits):
+        x2, cfg = x2.float(), {}  # (the fp32 kernel's own default tiles: fp16's tuned ones may not fit it)
     c = dict(default_config(M, N, K, x2.dtype))
     c.update({k: v for k, v in cfg.items() if k in c})
     bk = c["BLOCK_K"]
@@ -232,7 +260,7 @@ def qmatmul(x2, packed, scales, offsets, planes, wsum, bias, N, K, bits, group_s
                               LB=F.layout_bits(bits), HAS_BIAS=bias is not None, SPLIT_K=c["SPLIT_K"],
                               UPCAST=x2.device.type == "cpu" and x2.dtype == torch.bfloat16,
                               BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"], BLOCK_K=bk, **kw)
-    return y.to(x2.dtype)
+    return y.to(out_dtype)
 
 
 # ------------------------------------------------------------------------------------------------

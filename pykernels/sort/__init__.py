@@ -683,7 +683,7 @@ def sort(input, dim: int = -1, descending: bool = False, stable: bool = True, *,
         if torch.is_grad_enabled() and (x.requires_grad or ov.requires_grad or oi.requires_grad):
             raise RuntimeError("pykernels.sort: functions with out=... arguments don't support automatic "
                                "differentiation, but one of the arguments requires grad (as torch.sort)")
-    if _eager(x):
+    if _eager(x, op="sort"):
         if _torch_sorts(x, backend):
             # torch.return_types.sort, as from every other route (torch's out= gives its sort_out type)
             return torch.return_types.sort(torch.sort(x, dim=d, descending=descending, stable=True, out=out))
@@ -755,7 +755,7 @@ def argsort(input, dim: int = -1, descending: bool = False, stable: bool = True,
     if stable is not None:
         _check_flag("argsort", "stable", stable)
     backend = _check_backend("argsort", backend)
-    if _eager(x):
+    if _eager(x, op="argsort"):
         if _torch_sorts(x, backend):
             return torch.argsort(x, dim=d, descending=descending, stable=True)
         return _rows_sort("argsort", x, d, descending, backend, False)[1]
@@ -796,7 +796,7 @@ def sort_keys(keys, *, descending: bool = False, begin_bit: int = 0, end_bit: Op
     backend = _check_backend("sort_keys", backend)
     if _needs_grad(k):
         return k[_permutation(k, descending, b, e, backend)]
-    if _eager(k):
+    if _eager(k, op="sort_keys"):
         if b == 0 and e == _KEY_BITS[k.dtype] and _torch_sorts(k, backend):
             return torch.sort(k, descending=descending, stable=True).values
         return _sort_1d_any("sort_keys", k, None, descending, b, e, backend)[0]
@@ -821,7 +821,7 @@ def sort_pairs(keys, values, *, descending: bool = False, begin_bit: int = 0, en
     if _needs_grad(k, v):
         perm = _permutation(k, descending, b, e, backend)
         return k[perm], v[perm]
-    if _eager(k, v):
+    if _eager(k, v, op="sort_pairs"):
         return tuple(_sort_1d_any("sort_pairs", k, v, descending, b, e, backend))
     return tuple(torch.ops.pykernels.sort_pairs(k, v, descending, b, e, backend))
 
@@ -864,7 +864,7 @@ def segmented_sort(keys, offsets, values=None, *, descending: bool = False,
         _, perm = segmented_sort(k.detach(), off64, torch.arange(k.numel(), device=k.device),
                                  descending=descending, backend=backend)
         return k[perm], (v[perm] if v is not None else None)
-    if _eager(k, off64, v):
+    if _eager(k, off64, v, op="segmented_sort"):
         return _segmented_impl(k, off64, v, descending, backend)
     if v is None:
         return torch.ops.pykernels.segmented_sort(k, off64, descending, backend), None
