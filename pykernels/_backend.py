@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -179,23 +178,23 @@ def dispatch(op: str, device: torch.device, backend: str = "auto", key: dict | N
     return chosen, config
 
 
-_ENTRY_NAMES = {"forward_op": "flash_attention", "backward_op": "flash_attention_backward", "qmatmul_op": "qmatmul",
-                "hash_find": "HashMap.find", "hash_insert_": "HashMap.insert"}
-
-
-def _refuse_forward_ad(tensors, op=None):
+def _refuse_forward_ad(tensors, op: str):
     """The ops register reverse-mode derivatives only; forward mode (torch.func.jvp / jacfwd, forward_ad
     dual tensors) went through them with its tangents silently dropped: zero derivatives, no error
     (review finding). It is refused with a clear error, as torch's own CPU flash attention does."""
     dual = False
     if _forward_ad._current_level >= 0:
-        dual = any(isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+        try:
+            dual = any(isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None
+                       for t in tensors)
+        except RuntimeError:  # a vmapped tensor (no batching rule for _unpack_dual): the stack below says
+            pass
     nested = False
     if not dual and torch._C._are_functorch_transforms_active():
         from torch._functorch.pyfunctorch import coerce_cinterpreter, retrieve_all_functorch_interpreters
 
         jvp = torch._C._functorch.TransformType.Jvp
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():  # (not non-strict torch.export: real Python, stack readable)
             # dynamo cannot trace the whole interpreter stack (retrieve_all_functorch_interpreters: a
             # compiled vmap of any op failed under fullgraph; review finding), but it traces the innermost
             # interpreter: a Jvp there is refused, and one that is alone (level 1) leaves none; under a
@@ -205,16 +204,12 @@ def _refuse_forward_ad(tensors, op=None):
         else:
             dual = any(i.key() == jvp for i in retrieve_all_functorch_interpreters())
     if dual or nested:
-        caller = op
-        if caller is None:  # the op's entry (only read on this error path; dynamo cannot trace _getframe)
-            caller = "op" if torch.compiler.is_compiling() else sys._getframe(2).f_code.co_name
-            caller = _ENTRY_NAMES.get(caller, caller)
         if nested and not dual:
-            raise NotImplementedError(f"pykernels.{caller}: inside torch.compile, nested torch.func transforms "
+            raise NotImplementedError(f"pykernels.{op}: inside torch.compile, nested torch.func transforms "
                                       f"around this op are not supported (whether one of them is forward-mode "
-                                      f"AD cannot be read there); one vmap or grad level is, and so are nested "
-                                      f"transforms applied outside the compiled function")
-        raise NotImplementedError(f"pykernels.{caller}: forward-mode AD (torch.func.jvp / jacfwd, forward_ad "
+                                      f"AD cannot be read there); one vmap level is, and nested transforms "
+                                      f"applied outside the compiled function are")
+        raise NotImplementedError(f"pykernels.{op}: forward-mode AD (torch.func.jvp / jacfwd, forward_ad "
                                   f"dual tensors) is not supported; its tangents would be dropped. Use reverse "
                                   f"mode (backward, torch.func.grad / vjp / jacrev)")
 
@@ -230,9 +225,9 @@ def functorch_autograd(name, setup_context, backward):
     released). So while a functorch transform is active the call goes through an autograd.Function of
     the same setup_context and backward; its forward is the op (whose batching under vmap is torch's
     per-sample fallback), and its vmap rule is generated from those. Everywhere else: the op itself
-    (plain autograd, torch.compile, fake tensors). Not covered: a torch.compile'd function that applies
-    torch.func transforms to these ops (dynamo cannot trace the forward-mode check of eager_direct nor
-    this Function for every op; without fullgraph it graph-breaks and runs). backward=None: an op with no
+    (plain autograd, torch.compile, fake tensors). Inside a torch.compile'd function, one vmap level of
+    these ops traces (fullgraph too); grad / vjp / jacrev there hit pytorch#168393 in fake-tensor tracing,
+    and nested transforms get eager_direct's error (without fullgraph both graph-break and run). backward=None: an op with no
     derivative (a backward kernel, called from another op's backward), which torch.func's first-order
     transforms still run."""
 
@@ -292,14 +287,13 @@ def eager_plain(t) -> bool:
     return type(t) is torch.Tensor and not (t.requires_grad and torch.is_grad_enabled())
 
 
-def eager_direct(*tensors, op=None) -> bool:
+def eager_direct(*tensors, op: str) -> bool:
     """True when a public call may run its implementation directly instead of through its registered
     torch.library op: the op's dispatch layers cost ~60-100 us a call (6x a 1K-element torch.sort).
     Not while torch.compile traces, nor under a Python dispatch or torch-function mode (fake tensors,
     make_fx, FlopCounter...) or a functorch transform (vmap), nor for tensor subclasses or inputs that
     need autograd (requires_grad while grad mode is on): those go through the op, whose fake and autograd
-    registrations handle them. `op`: the name its errors give (else the caller's function name, which
-    a call traced by torch.compile cannot read)."""
+    registrations handle them. `op`: the public name its errors give."""
     if _traced_or_transformed():
         _refuse_forward_ad(tensors, op)
         return False

@@ -126,6 +126,19 @@ def test_compiled_vmap_runs_and_compiled_forward_mode_is_still_refused():
     torch._dynamo.reset()  # without fullgraph the frame runs eagerly, where the whole stack is read
     torch.testing.assert_close(torch.compile(torch.func.vmap(torch.func.vmap(cases["qmatmul"][0])))(x[None]),
                                torch.func.vmap(torch.func.vmap(cases["qmatmul"][0]))(x[None]))
+    # non-strict torch.export runs real Python, where the whole stack is read: nested vmaps export
+    # (review finding: the compile-time reading refused them there)
+    sort_rows = torch.func.vmap(torch.func.vmap(cases["sort"][0]))
+
+    class Rows(torch.nn.Module):
+        def forward(self, a):
+            return sort_rows(a)
+
+    exported = torch.export.export(Rows(), (rows[None],), strict=False)
+    torch.testing.assert_close(exported.module()(rows[None]), torch.sort(rows[None], stable=True).values)
+    # jvp over vmap, eager: our error, not torch's missing batching rule for _unpack_dual
+    with pytest.raises(NotImplementedError, match=r"pykernels\.qmatmul: forward-mode AD"):
+        torch.func.jvp(torch.func.vmap(cases["qmatmul"][0]), (x,), (torch.ones_like(x),))
 
 
 def test_reverse_mode_func_transforms_match_autograd():

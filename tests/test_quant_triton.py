@@ -63,8 +63,11 @@ def test_triton_weights_past_float16_range_with_float16_activations(triton_inter
     assert T._past_float16(qw.scales, qw.offsets, 8)
     small = pykernels.quantize(torch.randn(8, 64, generator=g), 8, 32, scheme)
     assert not T._past_float16(small.scales, small.offsets, 8)
-    small.scales.mul_(1e6)  # in place: the remembered answer is not reused
-    small.offsets.mul_(1e6)
+    small.offsets.add_(1e6)  # the offsets alone, in place: the remembered answer is not reused
+    assert T._past_float16(small.scales, small.offsets, 8)
+    small.offsets.sub_(1e6)
+    assert not T._past_float16(small.scales, small.offsets, 8)
+    small.scales.data = small.scales * 1e6  # new storage through .data
     assert T._past_float16(small.scales, small.offsets, 8)
 
 

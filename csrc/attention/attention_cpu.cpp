@@ -561,7 +561,7 @@ constexpr int PF_RQ = 6;   // query rows per register tile (6 x 4 accumulators o
 constexpr int64_t kTinyInput = -2;  // prefill_forward / prefill_backward: an input holds a tiny value, or the
                                     // scale is too large (see tiny_bf16): nothing computed, an exact path follows
 // |scale| * D above this takes an exact path: a dot product whose running sum cancels below 2^-126 loses
-// under 2^-126 per step (at most D / 2 steps), so a score is off by under |scale| * D * 2^-126 <= 2^-46,
+// under 2^-126 per flushed add (at most D of them), so a score is off by under |scale| * D * 2^-126 <= 2^-46,
 // far below float32's rounding of a score that matters (audit finding: q ~1e-19, k ~1e-20 at scale 3e38,
 // whose products vdpbf16ps flushed, gave uniform probabilities for scores from -11 to 10).
 constexpr double kMaxScaledD = 0x1p80;
@@ -589,7 +589,6 @@ inline bool bf16dot_cpu() { return pk::cpu_has_avx512bf16(); }
 // findings: a subnormal q component times a key component near 1e38 is an ordinary score; q ~1e-19 times k
 // ~1e-20 flushed at scale 3e38). Real activations and gradients in bf16 are far above 2^-50 (~9e-16).
 constexpr uint16_t kTinyBits = (127 - 50) << 7;  // bf16 magnitude bits of 2^-50
-// component near 1e38 is an ordinary score).
 PK_TARGET_AVX512BF16 inline __mmask32 tiny_lanes(__m512i x) {  // 32 bf16 values
   const __m512i a = _mm512_and_si512(x, _mm512_set1_epi16(0x7FFF));
   return _mm512_mask_cmplt_epu16_mask(_mm512_test_epi16_mask(a, a), a, _mm512_set1_epi16(kTinyBits));

@@ -124,7 +124,7 @@ def _hash_find_op(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor
 def hash_find(slots, special, keys, nw, window, seed, kb, vb, default_bits, with_values, threads, prefetch):
     """pykernels::hash_find: directly in eager code, else through the registered op."""
     args = (slots, special, keys, nw, window, seed, kb, vb, default_bits, with_values, threads, prefetch)
-    return _find_impl(*args) if eager_direct(slots, special, keys) else _hash_find_op(*args)
+    return _find_impl(*args) if eager_direct(slots, special, keys, op="HashMap.find") else _hash_find_op(*args)
 
 
 @_hash_find_op.register_fake
@@ -179,7 +179,7 @@ def hash_insert_(slots, special, keys, values, nw, window, seed, kb, vb, mode, u
     """pykernels::hash_insert_: directly in eager code (counts: a tuple of 3 ints), else through the
     registered op (counts: an int64 tensor)."""
     args = (slots, special, keys, values, nw, window, seed, kb, vb, mode, used, limit, threads, prefetch)
-    if not eager_direct(slots, special, keys, values):
+    if not eager_direct(slots, special, keys, values, op="HashMap.insert"):
         return _hash_insert_op(*args)
     out = _insert_impl(*args, counts_tuple=True)
     torch.autograd.graph.increment_version((slots, special))  # written in place, as the op would record
@@ -227,7 +227,8 @@ def _(slots, special, keys, nw, window, seed, kb, vb, threads, prefetch):
 def hash_multi_count(slots, special, keys, nw, window, seed, kb, vb, threads, prefetch):
     """pykernels::hash_multi_count: directly in eager code, else through the registered op."""
     args = (slots, special, keys, nw, window, seed, kb, vb, threads, prefetch)
-    return _multi_count_impl(*args) if eager_direct(slots, special, keys) else _multi_count_op(*args)
+    return (_multi_count_impl(*args) if eager_direct(slots, special, keys, op="MultiValueHashMap.count")
+            else _multi_count_op(*args))
 
 
 def _multi_find_impl(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor, empty_vals: torch.Tensor,
@@ -304,7 +305,7 @@ def hash_multi_find(slots, special, keys, empty_vals, tomb_vals, nw, window, see
     """pykernels::hash_multi_find: directly in eager code, else through the registered op (so
     MultiValueHashMap.find traces under torch.compile(fullgraph=True), its output size unbacked)."""
     args = (slots, special, keys, empty_vals, tomb_vals, nw, window, seed, kb, vb, threads, prefetch)
-    direct = eager_direct(slots, special, keys, empty_vals, tomb_vals)
+    direct = eager_direct(slots, special, keys, empty_vals, tomb_vals, op="MultiValueHashMap.find")
     return _multi_find_impl(*args) if direct else _multi_find_op(*args)
 
 
@@ -343,7 +344,8 @@ def _(words, keys, nblocks, k, seed):
 
 def bloom_contains(words, keys, nblocks, k, seed):
     args = (words, keys, nblocks, k, seed)
-    return _bloom_contains_impl(*args) if eager_direct(words, keys) else _bloom_contains_op(*args)
+    return (_bloom_contains_impl(*args) if eager_direct(words, keys, op="BloomFilter.contains")
+            else _bloom_contains_op(*args))
 
 
 def _bloom_add_impl(words: torch.Tensor, keys: torch.Tensor, nblocks: int, k: int, seed: int) -> None:
@@ -364,7 +366,7 @@ def _(words, keys, nblocks, k, seed):
 
 
 def bloom_add_(words, keys, nblocks, k, seed):
-    if eager_direct(words, keys):
+    if eager_direct(words, keys, op="BloomFilter.add"):
         _bloom_add_impl(words, keys, nblocks, k, seed)
         torch.autograd.graph.increment_version((words,))  # written in place, as the op would record
     else:

@@ -212,10 +212,12 @@ _F16_MAX = 65504.0
 def _past_float16(scales: torch.Tensor, offsets: torch.Tensor, bits: int) -> bool:
     """True when some dequantized weight exceeds float16's range: the weight-only kernel rounds the weights
     to x's dtype for tl.dot, where they would be inf (and inf - inf NaN rows; review finding), so fp16
-    activations then take the fp32 kernel. One reduction per weight, remembered while it is unchanged."""
+    activations then take the fp32 kernel. One reduction per weight, remembered while it is unchanged: the
+    same tensors, storage and version counters (writes that bypass autograd's version counter, through
+    .data or a numpy / DLPack view, are not seen: quantize again, or change them in place as tensors)."""
     key = id(scales)
     hit = _F16_RANGE.get(key)
-    state = (id(offsets), scales._version, offsets._version, bits)
+    state = (id(offsets), scales.data_ptr(), offsets.data_ptr(), scales._version, offsets._version, bits)
     if hit is not None and hit[0]() is scales and hit[1] == state:
         return hit[2]
     qmax = float((1 << bits) - 1)
