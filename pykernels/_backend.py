@@ -227,9 +227,9 @@ def functorch_autograd(name, setup_context, backward):
     per-sample fallback), and its vmap rule is generated from those. Everywhere else: the op itself
     (plain autograd, torch.compile, fake tensors). Inside a torch.compile'd function, one vmap level of
     these ops traces (fullgraph too); grad / vjp / jacrev there hit pytorch#168393 in fake-tensor tracing,
-    and nested transforms get eager_direct's error (without fullgraph both graph-break and run). backward=None: an op with no
-    derivative (a backward kernel, called from another op's backward), which torch.func's first-order
-    transforms still run."""
+    and nested transforms get eager_direct's error (without fullgraph both graph-break and run).
+    backward=None: an op with no derivative (a backward kernel, called from another op's backward), which
+    torch.func's first-order transforms still run."""
 
     def op(*args):  # looked up per call, as the entries did before (tests watch torch.ops)
         return getattr(torch.ops.pykernels, name)(*args)
