@@ -204,7 +204,8 @@ def _check_spans(M: int, N: int, K: int, **spans: int):
 
 
 # Whether a weight's dequantized values s * u + m (codes u in [0, 2^bits - 1]) pass float16's 65504, per
-# scales tensor: id -> (weakref to it, the offsets' id, both versions, the answer). Reset when large.
+# scales tensor: id -> (weakref to it, (the offsets' id, both storages and versions, bits), the answer).
+# Reset when large.
 _F16_RANGE: dict = {}
 _F16_MAX = 65504.0
 
