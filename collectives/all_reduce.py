@@ -742,7 +742,10 @@ def _run_p2p(name: str, choice: dict, x: torch.Tensor, n: int, op: str, group, t
         levels = topo.comms(group)
         inner = list(choice.get("inner", []))
         outer = choice.get("outer", "ring")
-        if outer == "native" and not levels[-1].native_ok:
+        if outer == "native" and (not levels[-1].native_ok or (op in ("max", "min") and x.is_floating_point())):
+            # (gloo's own max/min drops a NaN a later rank holds, and our algorithms keep it, as the
+            # docstring promises: the model's choice of gloo for the outer level, cached without the op,
+            # yields to a ring for those; review finding)
             outer = "ring"
         if any(h == "halving" and c.size & (c.size - 1) for h, c in zip(inner, levels)):
             inner = [("ring" if h == "halving" and c.size & (c.size - 1) else h) for h, c in zip(inner, levels)]

@@ -291,6 +291,20 @@ def chk_scratch_sizes(n, seed=321):
         assert torch.equal(x, _expected(ins, torch.int64, "sum")), ("direct", n)
 
 
+def chk_nan_max_min(algo, n):
+    """max/min keep a NaN that only the last rank holds, with our algorithms at any size (gloo's own
+    drops it: the hierarchical algorithm chose it for its outer level at 70,000 floats on 3 ranks)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for op, dtype in (("max", torch.float32), ("min", torch.float32), ("max", torch.bfloat16)):
+        x = torch.full((n,), float(rank + 1), dtype=dtype)
+        if rank == world - 1:
+            x[1] = float("nan")
+        collectives.all_reduce(x, op, algorithm=algo)
+        assert torch.isnan(x[1]), (algo, op, dtype, x[1])
+        rest = torch.cat([x[:1], x[2:]])
+        assert bool((rest == (world if op == "max" else 1)).all()), (algo, op, dtype)
+
+
 def chk_layouts(algo):
     """Non-contiguous and multi-dimensional tensors are reduced in place, same storage; extremes."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -1540,6 +1554,13 @@ def test_world_4_destroyed_groups_leave_no_sub_groups(clusters):
         assert max(segs) <= base[1] + 1, (rank, base, held)
         assert fds[-1] <= fds[1] + 2, (rank, held)
         assert end[:2] == base[:2], (rank, base, held, end)  # (fds: the first cycle opens a few for good)
+
+
+def test_world_3_max_min_keep_nan_in_every_algorithm_of_ours(clusters):
+    c = clusters(3)
+    for algo in ("hierarchical", "ring", "recursive_doubling", "halving_doubling", "shared_memory"):
+        for n in (8, 70_000, 300_000):
+            c.run("chk_nan_max_min", algo, n, timeout=120)
 
 
 def test_world_3_shared_memory_late_rank(clusters):
