@@ -170,9 +170,14 @@ def dispatch(op: str, device: torch.device, backend: str = "auto", key: dict | N
     """(backend, config) for one call: the single decision point of every op."""
     autotune = _autotune()
     if backend == "auto" and key is not None and not on_cpu(device) and device.type == "cuda":
-        cached = autotune.lookup(op, key, device)
+        cached = autotune.lookup(op, key, device)  # (the fastest tuned backend for this key)
         if cached is not None and cached.get("backend") in supported:
-            backend = cached["backend"]
+            # it replaces the preferred backend only where that one was tuned for the key too: an entry of
+            # another backend alone was never measured against it (review finding: tuning Triton alone
+            # moved qmatmul's M=1 calls off the ~3x faster CUDA kernel)
+            preferred = select_backend(op, device, "auto", supported, preference)
+            if cached["backend"] == preferred or autotune.lookup(op, key, device, backend=preferred) is not None:
+                backend = cached["backend"]
     chosen = select_backend(op, device, backend, supported, preference)
     config = autotune.config_for(op, chosen, key or {}, device)
     return chosen, config

@@ -811,3 +811,54 @@ def test_triton_launchers_make_their_inputs_device_current(monkeypatch):
     assert launch(types.SimpleNamespace(device=torch.device("cuda", 1)), 7) == "done"
     assert entered == [torch.device("cuda", 1)] and seen == [(7,)]
     assert launch(torch.zeros(1), 8) == "done" and entered == [torch.device("cuda", 1)]
+
+
+def test_a_tuned_backend_replaces_the_preferred_one_only_where_that_one_was_tuned_too(tmp_cache, monkeypatch):
+    """On a GPU, `auto` takes the fastest tuned backend for a key only where the preferred backend (the
+    first of the op's preference) has an entry for it too: an entry of another backend alone was never
+    measured against it (review finding: tuning Triton alone moved qmatmul's M=1 calls off the ~3x faster
+    CUDA kernel). A GPU faked in-process: backends, device id and the entries in memory."""
+    from pykernels import _backend
+
+    ok = _backend.BackendStatus(True, "faked")
+    monkeypatch.setattr(_backend, "backends", lambda: {"cpu": ok, "cuda": ok, "triton": ok})
+    monkeypatch.setattr(at, "_cuda_device_id", lambda idx: "fake-gpu")
+    monkeypatch.setattr(at, "_entries", lambda device, _mem={}: _mem)
+    monkeypatch.setenv("PYKERNELS_AUTOTUNE", "1")
+    dev = torch.device("cuda", 0)
+    key = {"m": 1}
+
+    def chosen():
+        return _backend.dispatch("test_pref", dev, "auto", key, preference=("cuda", "triton"))[0]
+
+    assert chosen() == "cuda"
+    entries = at._entries(dev)
+    entries[at._entry_key("test_pref", "triton", key)] = {"backend": "triton", "config": {}, "time_s": 1e-3}
+    assert chosen() == "cuda"  # Triton alone: never measured against the CUDA kernel
+    entries[at._entry_key("test_pref", "cuda", key)] = {"backend": "cuda", "config": {}, "time_s": 2e-3}
+    assert chosen() == "triton"  # both tuned: the faster
+    entries[at._entry_key("test_pref", "cuda", key)] = {"backend": "cuda", "config": {}, "time_s": 0.5e-3}
+    assert chosen() == "cuda"
+
+
+def test_autotune_budget_cache_dir_and_times_are_checked(tmp_cache, monkeypatch, tmp_path):
+    """budget_s / --budget must be finite seconds > 0 (-5, nan, inf ran); "~" in PYKERNELS_CACHE_DIR is the
+    home directory; a 400-digit integer time is a damaged entry, and `show` prints it as "-" (review
+    findings)."""
+    for bad in (-5, 0, float("nan"), float("inf"), True, "1"):
+        with pytest.raises(ValueError, match="pykernels.autotune.tune: expected 'budget_s'"):
+            at.tune("sort_keys", torch.zeros(10), budget_s=bad)
+    for bad in ("-5", "nan", "inf", "x"):
+        out = subprocess.run([sys.executable, "-m", "pykernels.autotune", "generate", "--budget", bad],
+                             capture_output=True, text=True, cwd=ROOT)
+        assert out.returncode == 2 and "--budget" in out.stderr, (bad, out.stderr[-300:])
+    monkeypatch.setenv("PYKERNELS_CACHE_DIR", "~/pk-cache-test")
+    assert at.cache_file().is_relative_to(Path.home() / "pk-cache-test")
+    assert not at._valid_entry({"config": {}, "time_s": 10 ** 400})  # (past float's range)
+    assert at._valid_entry({"config": {}, "time_s": 10 ** 3})
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"metadata": {}, "entries": {"a|b|c": {"config": {}, "time_s": 10 ** 400,
+                                                                        "default_time_s": True}}}))
+    out = subprocess.run([sys.executable, "-m", "pykernels.autotune", "show", str(path)], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-500:]

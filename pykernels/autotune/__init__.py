@@ -198,7 +198,8 @@ def _metadata(device) -> dict:
 
 
 def _user_dir() -> Path:
-    return Path(os.environ.get("PYKERNELS_CACHE_DIR") or Path.home() / ".cache" / "pykernels")
+    # (~ expanded: a literal "~" directory under each working directory kept processes apart; review finding)
+    return Path(os.environ.get("PYKERNELS_CACHE_DIR") or Path.home() / ".cache" / "pykernels").expanduser()
 
 
 _OUT_OVERRIDE: Optional[Path] = None  # set by `generate --out FILE`
@@ -241,8 +242,14 @@ def _valid_entry(entry) -> bool:
     if not isinstance(entry, dict) or not isinstance(entry.get("config"), dict):
         return False
     t = entry.get("time_s", 0.0)
-    # a time that orders: lookup() picks the backend with the least (NaN compared as neither; audit)
-    return not isinstance(t, bool) and isinstance(t, (int, float)) and 0 <= t < math.inf
+    # a time that orders: lookup() picks the backend with the least (NaN compared as neither; audit), and a
+    # float (an integer of 300 digits compared below inf but overflowed float(); review finding)
+    if isinstance(t, bool) or not isinstance(t, (int, float)):
+        return False
+    try:
+        return 0 <= float(t) < math.inf
+    except OverflowError:
+        return False
 
 
 def load_cache_file(path: Path, device=None, check_metadata: bool = True) -> dict:
@@ -540,6 +547,8 @@ def tune(op_name: str, *example_args, backend: str = "auto", budget_s: float = 0
 
     >>> cfg = pykernels.autotune.tune("sort_keys", torch.randint(0, 2**31, (1 << 22,)))
     """
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not 0 < budget_s < math.inf:
+        raise ValueError(f"pykernels.autotune.tune: expected 'budget_s' a finite number of seconds > 0, got {budget_s!r}")
     _import_ops()
     # numpy (or any DLPack / array-protocol) examples are taken as the ops themselves take them
     from pykernels import _native

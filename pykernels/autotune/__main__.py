@@ -49,6 +49,17 @@ def _parse_sizes(text):
     return out
 
 
+def _budget(text):
+    """--budget: a finite number of seconds > 0 (-5, nan and inf ran before; review finding)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--budget: {text!r} is not a number") from None
+    if not 0 < v < float("inf"):  # (NaN fails too)
+        raise argparse.ArgumentTypeError(f"--budget: expected a finite number of seconds > 0, got {text!r}")
+    return v
+
+
 def generate(args) -> int:
     if not at._enabled():
         print("python -m pykernels.autotune generate: PYKERNELS_AUTOTUNE=0 turns tuning off; nothing was measured",
@@ -136,7 +147,9 @@ def show(args) -> int:
         op, backend, key = ekey.split("|", 2)
         # entries without a time (the all-reduce's model parameters, measured by its own tune()): "-"
         t, td = e.get("time_s") or 0, e.get("default_time_s") or 0
-        t, td = (v if isinstance(v, (int, float)) else 0 for v in (t, td))  # a hand-edited "fast": "-"
+        # a hand-edited "fast", true or a 300-digit integer: "-"
+        t, td = (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e300 else 0
+                 for v in (t, td))
         ms = f"{t * 1e3:9.3f}" if t else f"{'-':>9}"
         sp = f"{td / t:9.2f}x" if t and td else f"{'-':>10}"
         rows.append((op, backend, key, json.dumps(e["config"], sort_keys=True), ms, sp))
@@ -154,7 +167,7 @@ def main(argv=None) -> int:
     g.add_argument("--sizes", default=None, help="comma list of problem sizes (op-specific meaning)")
     g.add_argument("--backends", default=None, help="comma list of backends to tune (cpu, cuda, triton; default all)")
     g.add_argument("--out", default=None, help="write to this file instead of the user cache")
-    g.add_argument("--budget", type=float, default=0.5, help="seconds of measuring per config")
+    g.add_argument("--budget", type=_budget, default=0.5, help="seconds of measuring per config")
     s = sub.add_parser("show", help="print a cache file")
     s.add_argument("file", nargs="?")
     args = p.parse_args(argv)
