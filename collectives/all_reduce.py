@@ -731,6 +731,14 @@ def _run_shm(group, x: torch.Tensor, n: int, op: str, dtype):
         x.copy_(w)
 
 
+def _native_drops_nan(op: str, dtype: torch.dtype) -> bool:
+    """gloo's own max/min drops a NaN that a later rank holds, and our algorithms keep it (torch.maximum),
+    as the docstring promises: where the model chose gloo's all-reduce for the hierarchical algorithm's
+    outer level (chosen per size, not per op), a ring runs it for these (review finding: a NaN lost at
+    70,000 floats on 3 ranks)."""
+    return op in ("max", "min") and dtype.is_floating_point
+
+
 def _run_p2p(name: str, choice: dict, x: torch.Tensor, n: int, op: str, group, topo: Topology, dtype):
     """Our algorithms over point-to-point messages whose tags hash the call's signature: ranks that
     disagree never match each other's messages, so they time out instead of mixing data."""
@@ -742,10 +750,7 @@ def _run_p2p(name: str, choice: dict, x: torch.Tensor, n: int, op: str, group, t
         levels = topo.comms(group)
         inner = list(choice.get("inner", []))
         outer = choice.get("outer", "ring")
-        if outer == "native" and (not levels[-1].native_ok or (op in ("max", "min") and x.is_floating_point())):
-            # (gloo's own max/min drops a NaN a later rank holds, and our algorithms keep it, as the
-            # docstring promises: the model's choice of gloo for the outer level, cached without the op,
-            # yields to a ring for those; review finding)
+        if outer == "native" and (not levels[-1].native_ok or _native_drops_nan(op, x.dtype)):
             outer = "ring"
         if any(h == "halving" and c.size & (c.size - 1) for h, c in zip(inner, levels)):
             inner = [("ring" if h == "halving" and c.size & (c.size - 1) else h) for h, c in zip(inner, levels)]
@@ -1021,6 +1026,8 @@ def plan(numel, dtype=torch.float32, group=None, topology=None, op="sum") -> str
     native_outer = p == dist.get_world_size() or topo.num_levels == 1
     shm = _has_shm(group, topo)
     choice, why = _choose(params, p, topo.sizes, nbytes, native_outer, shm)
+    if choice.get("outer") == "native" and _native_drops_nan(op, wdt):
+        choice, why = {**choice, "outer": "ring"}, why + "; its outer level as a ring: gloo's own max/min drops NaN"
     lines.append(f"runs: {_describe(choice, topo)}")
     lines.append(f"why: {why}")
     lines.append("model (alpha s/round, beta s/byte, gamma s/byte): " + "; ".join(
@@ -1255,7 +1262,9 @@ def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool 
             ours.append("ring")
         names = (["native"] + ours + (["shared_memory"] if shm else [])
                  + (["hierarchical_pipelined"] if "hierarchical_pipelined" in cands else []))
-        x = torch.ones(max(1, nbytes // 4), device=dev)
+        # zeros summed: the values never change, and a sum takes every candidate as chosen (floating max
+        # and min run a ring where a candidate's outer level is gloo's own: _native_drops_nan)
+        x = torch.zeros(max(1, nbytes // 4), device=dev)
         # small sizes are cheap: more repeats there (the machines these run on are noisy)
         r = max(reps * 5, 15) if nbytes <= (1 << 20) else (max(reps * 3, 9) if nbytes < (16 << 20) else max(reps, 5))
 
@@ -1267,10 +1276,10 @@ def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool 
             for rep in range(r + 1):
                 for k in names[rep % len(names):] + names[:rep % len(names)]:
                     dist.barrier(group=group)
-                    _run_choice(cands[k][0], x, x.numel(), "max", group, topo)
+                    _run_choice(cands[k][0], x, x.numel(), "sum", group, topo)
                     t0 = time.perf_counter()
                     for _ in range(_STEADY_CALLS):
-                        _run_choice(cands[k][0], x, x.numel(), "max", group, topo)
+                        _run_choice(cands[k][0], x, x.numel(), "sum", group, topo)
                     times[k].append((time.perf_counter() - t0) / _STEADY_CALLS)
             mat = torch.tensor([times[k][1:] for k in names], dtype=torch.float64)
             if p > 1:
