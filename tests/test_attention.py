@@ -1548,6 +1548,28 @@ def test_bf16dot_backward_is_the_default_and_non_finite_takes_the_exact_path(mon
         torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
 
 
+def _bf16dot_refuses_and_the_exact_path_answers(q, k, v, scale, dout):
+    """The bf16dot kernels refuse (q, k, v) at `scale`, forward and backward (None: nothing computed), and
+    the bf16dot config still answers, on the exact path: its forward and dv against the float64 oracle (dq
+    and dk of such calls may pass bfloat16's range: not compared)."""
+    assert _cpu.bf16dot_forward(q, k, v, False, scale, 2) is None
+    check_forward_and_grads(q, k, v, False, scale=scale, config={"impl": "bf16dot"}, check_grads=False)
+    out, lse = _forward_impl(q, k, v, False, scale, "cpu", {"impl": "flash"})
+    assert _cpu.bf16dot_backward(dout, q, k, v, out, lse, False, scale, None, 2) is None
+    vr = v.double().requires_grad_()
+    want_dv, = torch.autograd.grad(reference(q, k, vr, False, scale)[0], (vr,), dout.double())
+    _, _, dv = _backward_impl(dout, None, q, k, v, out, lse, False, scale, "cpu", {"impl": "bf16dot"})
+    assert_close(dv, want_dv, torch.bfloat16, "dv")
+
+
+def _with_one_value_in_each(tensors, value, at=(0, 1, 69, 63)):
+    """(index of the changed tensor, the tensors with tensors[i][at] = value in a copy), for each i."""
+    for i, t in enumerate(tensors):
+        changed = t.clone()
+        changed[at] = value
+        yield i, [changed if j == i else x for j, x in enumerate(tensors)]
+
+
 @needs_bf16dot
 def test_bf16dot_subnormal_inputs_take_an_exact_path():
     """vdpbf16ps reads subnormal bf16 inputs as 0: a subnormal q component times keys near 1e38 is an
@@ -1559,22 +1581,11 @@ def test_bf16dot_subnormal_inputs_take_an_exact_path():
     k[..., 0] = torch.linspace(-3, 3, 64) * 1e38
     v = torch.randn(1, 8, 64, 64, generator=torch.Generator().manual_seed(0))
     q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
-    assert _cpu.bf16dot_forward(q, k, v, False, 1.0, 2) is None
-    # (dq and dk are ~1e38 here, past bfloat16's range in places: the forward and dv are compared)
-    check_forward_and_grads(q, k, v, False, scale=1.0, config={"impl": "bf16dot"}, check_grads=False)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    _bf16dot_refuses_and_the_exact_path_answers(q, k, v, 1.0, dout)
     check_forward_and_grads(q, k, v, False, scale=1.0, check_grads=False)
-    out, lse = _forward_impl(q, k, v, False, 1.0, "cpu", {"impl": "flash"})
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    assert _cpu.bf16dot_backward(dout, q, k, v, out, lse, False, 1.0, None, 2) is None
-    vr = v.double().requires_grad_()
-    want_dv, = torch.autograd.grad(reference(q, k, vr, False, 1.0)[0], (vr,), dout.double())
-    _, _, dv = _backward_impl(dout, None, q, k, v, out, lse, False, 1.0, "cpu", {"impl": "bf16dot"})
-    assert_close(dv, want_dv, torch.bfloat16, "dv")
     q2, k2, v2 = make(1, 2, 2, 70, 70, 64, torch.bfloat16, seed=2)
-    for t in (q2, k2, v2):  # one subnormal anywhere in an input: the exact path, and the oracle's answer
-        t2 = t.clone()
-        t2[0, 1, 69, 63] = 1e-39
-        args = [t2 if x is t else x for x in (q2, k2, v2)]
+    for _, args in _with_one_value_in_each((q2, k2, v2), 1e-39):  # a subnormal anywhere: the exact path
         assert _cpu.bf16dot_forward(*args, True, 0.125, 2) is None
         check_forward_and_grads(*args, True, config={"impl": "bf16dot"})
     out2, lse2 = _forward_impl(q2, k2, v2, True, 0.125, "cpu", {"impl": "flash"})
@@ -1594,24 +1605,13 @@ def test_bf16dot_tiny_inputs_and_huge_scales_take_an_exact_path():
     q = (torch.randn(1, 8, 64, 64, generator=g) * 1e-19).to(torch.bfloat16)
     k = (torch.randn(1, 8, 64, 64, generator=g) * 1e-20).to(torch.bfloat16)
     v = torch.randn(1, 8, 64, 64, generator=g).to(torch.bfloat16)
-    assert _cpu.bf16dot_forward(q, k, v, False, 3e38, 2) is None
-    # (dq and dk are ~1e38 x 1e-20: the forward and dv are compared)
-    check_forward_and_grads(q, k, v, False, scale=3e38, config={"impl": "bf16dot"}, check_grads=False)
-    out, lse = _forward_impl(q, k, v, False, 3e38, "cpu", {"impl": "flash"})
-    dout = torch.randn(out.shape, generator=g).to(torch.bfloat16)
-    assert _cpu.bf16dot_backward(dout, q, k, v, out, lse, False, 3e38, None, 2) is None
-    vr = v.double().requires_grad_()
-    want_dv, = torch.autograd.grad(reference(q, k, vr, False, 3e38)[0], (vr,), dout.double())
-    _, _, dv = _backward_impl(dout, None, q, k, v, out, lse, False, 3e38, "cpu", {"impl": "bf16dot"})
-    assert_close(dv, want_dv, torch.bfloat16, "dv")
+    dout = torch.randn(q.shape, generator=g).to(torch.bfloat16)
+    _bf16dot_refuses_and_the_exact_path_answers(q, k, v, 3e38, dout)
     # the bounds: 2^-50 per input, 2^80 for |scale| * D (D = 64 here)
     q2, k2, v2 = make(1, 2, 2, 70, 70, 64, torch.bfloat16, seed=3)
     for value, takes in ((2.0 ** -51, False), (-(2.0 ** -51), False), (2.0 ** -49, True)):
-        for t in (q2, k2, v2):
-            t2 = t.clone()
-            t2[0, 1, 69, 63] = value
-            args = [t2 if x is t else x for x in (q2, k2, v2)]
-            assert (_cpu.bf16dot_forward(*args, True, 0.125, 2) is not None) == takes, (value, t is q2, t is k2)
+        for which, args in _with_one_value_in_each((q2, k2, v2), value):
+            assert (_cpu.bf16dot_forward(*args, True, 0.125, 2) is not None) == takes, (value, which)
     # q and k near 2^-40 (none below 2^-50): the scores stay ordinary at scale 2^74 = 2^80 / D and above
     small = [(t.float().sign() * t.float().abs().clamp_min(0.01) * 2.0 ** -40).to(torch.bfloat16) for t in (q2, k2)]
     assert not any(((x != 0) & (x.float().abs() < 2.0 ** -50)).any() for x in small)
