@@ -64,15 +64,28 @@ def _checker(inputs: dict):
 
 
 def _float64_answer(backward, q, k, v, dout, mask, causal):
-    """out (and dq, dk, dv) in float64 on the CPU: SDPA's math on float64 copies of the case's inputs."""
+    """out (and dq, dk, dv) in float64 on the CPU: SDPA's math on float64 copies of the case's inputs, one
+    (batch, head) at a time on the inputs' device. (All heads at once on the CPU, a GPU case of S = 32768
+    and 16 heads would have built 128 GiB of scores, the GPU machine's whole memory; review finding.)"""
     import torch.nn.functional as F
 
-    leaves = [t.detach().cpu().double().requires_grad_(backward) for t in (q, k, v)]
-    kw = dict(attn_mask=mask.cpu()) if mask is not None else dict(is_causal=causal)
-    out = F.scaled_dot_product_attention(*leaves, enable_gqa=q.shape[1] != k.shape[1], **kw)
-    if not backward:
-        return (out.detach(),)
-    return (out.detach(), *torch.autograd.grad(out, leaves, dout.cpu().double()))
+    B, H, Hkv = q.shape[0], q.shape[1], k.shape[1]
+    kw = dict(attn_mask=mask) if mask is not None else dict(is_causal=causal)
+    outs = [torch.empty(t.shape, dtype=torch.float64) for t in ((q, q, k, v) if backward else (q,))]
+    for b in range(B):
+        for h in range(H):
+            hk = h // (H // Hkv)
+            leaves = [t[b, i].detach().double().requires_grad_(backward) for t, i in ((q, h), (k, hk), (v, hk))]
+            out = F.scaled_dot_product_attention(*leaves, **kw)
+            outs[0][b, h] = out.detach().cpu()
+            if backward:
+                dq, dk, dv = torch.autograd.grad(out, leaves, dout[b, h].double())
+                outs[1][b, h] = dq.cpu()
+                if h % (H // Hkv) == 0:
+                    outs[2][b, hk], outs[3][b, hk] = 0, 0
+                outs[2][b, hk] += dk.cpu()
+                outs[3][b, hk] += dv.cpu()
+    return tuple(outs)
 
 
 def _flops(B, H, Sq, Sk, D, causal, backward):

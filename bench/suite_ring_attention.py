@@ -160,7 +160,8 @@ def _measure(rank, world, dev, case, budget_s):
             # this rank's answer against the one-process reference first (a speed-up of a wrong answer
             # means nothing); every rank learns whether any rank's differed, so all skip the timing
             why = _check(fn, ql, kl, vl, dol, causal, bwd, ref, shard, dtype)
-            bad = torch.tensor([0.0 if why is None else 1.0])
+            # (on dev: a group made with backend "nccl" has no CPU backend, and a CPU tensor raised)
+            bad = torch.tensor([0.0 if why is None else 1.0], device=dev)
             dist.all_reduce(bad)
             if bad.item() > 0:
                 if rank == 0:
@@ -171,14 +172,14 @@ def _measure(rank, world, dev, case, budget_s):
             sent = _count_bytes(ours, grp_main)  # also the warm-up
             t_o = timed(ours, False)
             t_b = timed(base, True)
-            reps = torch.tensor([max(3, min(6, int(budget_s / max(t_o + t_b, 1e-6))))])
+            reps = torch.tensor([max(3, min(6, int(budget_s / max(t_o + t_b, 1e-6))))], device=dev)
             dist.broadcast(reps, 0)
             to_, tb_ = [], []
             for _ in range(int(reps)):
                 to_.append(timed(ours, False))
                 tb_.append(timed(base, True))
             # bytes per step and direction: the busiest rank's count over the W-1 transfer steps
-            counts = torch.tensor([sent["A"], sent["B"]], dtype=torch.float64)
+            counts = torch.tensor([sent["A"], sent["B"]], dtype=torch.float64, device=dev)
             mean = counts.clone()
             dist.all_reduce(counts, op=dist.ReduceOp.MAX)
             dist.all_reduce(mean)

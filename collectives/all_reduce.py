@@ -1067,29 +1067,38 @@ def _describe(choice: dict, topo: Topology) -> str:
 # ================================================================================================
 # tune(): measure alpha/beta per level, gamma, native, and the best algorithm per size (collective)
 # ================================================================================================
-def _sync_max(values, group) -> list:
-    t = torch.tensor(values, dtype=torch.float64)
+def _clock(dev: torch.device) -> float:
+    """perf_counter once the work queued on dev is done: NCCL's collectives and CUDA's kernels return
+    before they finish, so a time taken without the sync would be the launch's."""
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return time.perf_counter()
+
+
+def _sync_max(values, group, dev: torch.device) -> list:
+    # on dev: a group made with backend "nccl" has no CPU backend (a CPU tensor raised; review finding)
+    t = torch.tensor(values, dtype=torch.float64, device=dev)
     if dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
 
 
-def _pingpong(comm: A.Comm, nbytes: int, reps: int) -> float:
+def _pingpong(comm: A.Comm, nbytes: int, reps: int, dev: torch.device) -> float:
     """Median seconds of one two-way exchange of nbytes with the partner (member XOR 1), with every
     pair of the level exchanging at the same time (so link sharing is part of the measurement)."""
     peer = comm.me ^ 1
     if comm.size == 1 or peer >= comm.size:
         return 0.0
     n = max(1, nbytes // 4)
-    x, y = torch.ones(n), torch.empty(n)
+    x, y = torch.ones(n, device=dev), torch.empty(n, device=dev)
     # pieces as a call of nbytes cuts a whole-vector exchange (recursive doubling's); the ring's transfers
     # of nbytes / p take fewer: the fitted alpha/beta are a model, and tune()'s races decide in the end
     ctx = A.Ctx(_REDUCE["sum"], A.piece_elems(nbytes, 4), A.Tagger(f"tune|{nbytes}"))
     times = []
     for _ in range(reps + 1):
-        t0 = time.perf_counter()
+        t0 = _clock(dev)
         A._step(comm, ctx, ctx.tg.next(), [(peer, x, 0, n)], [(peer, y, 0, n)])
-        times.append(time.perf_counter() - t0)
+        times.append(_clock(dev) - t0)
     return statistics.median(times[1:])
 
 
@@ -1173,9 +1182,9 @@ def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool 
     meas = []
     for comm in levels:
         dist.barrier(group=group)
-        ts = _pingpong(comm, small, 20)
+        ts = _pingpong(comm, small, 20, dev)
         dist.barrier(group=group)
-        tb = _pingpong(comm, big, reps)
+        tb = _pingpong(comm, big, reps, dev)
         meas += [ts, tb]
     # gloo's own all-reduce on each level's sub-groups (all groups of the level at once)
     for comm in levels:
@@ -1186,9 +1195,9 @@ def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool 
                 dist.barrier(group=group)
                 nt = []
                 for _ in range(reps if nb == big else 10):
-                    t0 = time.perf_counter()
+                    t0 = _clock(dev)
                     dist.all_reduce(t, group=comm.pg)
-                    nt.append(time.perf_counter() - t0)
+                    nt.append(_clock(dev) - t0)
                 meas.append(statistics.median(nt))
             else:
                 dist.barrier(group=group)
@@ -1196,17 +1205,17 @@ def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool 
     # flat: the whole group in its own order (pairs may cross the slowest link)
     flat_comm = A.Comm(group, range(p), dist.get_rank(group), native_ok=True)
     dist.barrier(group=group)
-    ts = _pingpong(flat_comm, small, 20)
+    ts = _pingpong(flat_comm, small, 20, dev)
     dist.barrier(group=group)
-    tb = _pingpong(flat_comm, big, reps)
+    tb = _pingpong(flat_comm, big, reps, dev)
     meas += [ts, tb]
     # gamma: a local reduction of 4 MiB of fp32
     a, b = torch.ones(big // 4, device=dev), torch.ones(big // 4, device=dev)
     gt = []
     for _ in range(5):
-        t0 = time.perf_counter()
+        t0 = _clock(dev)
         a.add_(b)
-        gt.append(time.perf_counter() - t0)
+        gt.append(_clock(dev) - t0)
     meas.append(statistics.median(gt[1:]))
     # native at two sizes
     for nb in (4 << 10, big):
@@ -1215,11 +1224,11 @@ def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool 
         dist.barrier(group=group)
         nt = []
         for _ in range(reps):
-            t0 = time.perf_counter()
+            t0 = _clock(dev)
             dist.all_reduce(t, group=group)
-            nt.append(time.perf_counter() - t0)
+            nt.append(_clock(dev) - t0)
         meas.append(statistics.median(nt))
-    meas = _sync_max(meas, group)
+    meas = _sync_max(meas, group, dev)
 
     def ab(ts, tb):
         alpha = max(ts, 1e-7)
@@ -1277,14 +1286,14 @@ def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool 
                 for k in names[rep % len(names):] + names[:rep % len(names)]:
                     dist.barrier(group=group)
                     _run_choice(cands[k][0], x, x.numel(), "sum", group, topo)
-                    t0 = time.perf_counter()
+                    t0 = _clock(dev)
                     for _ in range(_STEADY_CALLS):
                         _run_choice(cands[k][0], x, x.numel(), "sum", group, topo)
-                    times[k].append((time.perf_counter() - t0) / _STEADY_CALLS)
-            mat = torch.tensor([times[k][1:] for k in names], dtype=torch.float64)
+                    times[k].append((_clock(dev) - t0) / _STEADY_CALLS)
+            mat = torch.tensor([times[k][1:] for k in names], dtype=torch.float64, device=dev)
             if p > 1:
                 dist.all_reduce(mat, op=dist.ReduceOp.MAX, group=group)
-            return mat
+            return mat.cpu()
 
         first = race(names)
         best = _pick_tuned(names, first, race)

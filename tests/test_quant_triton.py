@@ -71,6 +71,31 @@ def test_triton_weights_past_float16_range_with_float16_activations(triton_inter
     assert T._past_float16(small.scales, small.offsets, 8)
 
 
+def test_past_float16_remembers_every_live_weight_and_forgets_freed_ones(monkeypatch):
+    """The fp16-range answer is kept per live weight however many there are: a model of more quantized
+    layers than the cache once held (it was cleared whole at 1024 entries) recomputed it, one reduction
+    and one host-device sync per qmatmul, on every call (review finding); a freed weight's entry goes."""
+    import gc
+
+    from pykernels.quant import _triton as T
+
+    weights = [(torch.rand(4, 2), torch.rand(4, 2)) for _ in range(1100)]
+    calls = []
+    maximum = torch.maximum
+    monkeypatch.setattr(torch, "maximum", lambda *a, **k: calls.append(1) or maximum(*a, **k))
+    for _ in range(2):
+        assert not any(T._past_float16(s, o, 4) for s, o in weights)
+    assert len(calls) == len(weights)  # the second pass recomputed none
+    scales, offsets = weights[0]
+    scales.mul_(1e6)  # in place: recomputed once, then remembered again
+    assert T._past_float16(scales, offsets, 4) and T._past_float16(scales, offsets, 4)
+    assert len(calls) == len(weights) + 1
+    ids = {id(s) for s, _ in weights}
+    del weights, scales, offsets
+    gc.collect()
+    assert not ids & set(T._F16_RANGE)
+
+
 @pytest.mark.parametrize("split", [1, 2, 3])
 def test_triton_split_k_configs(triton_interpret, split):
     from pykernels.quant._ops import _impl

@@ -205,9 +205,19 @@ def _check_spans(M: int, N: int, K: int, **spans: int):
 
 # Whether a weight's dequantized values s * u + m (codes u in [0, 2^bits - 1]) pass float16's 65504, per
 # scales tensor: id -> (weakref to it, (the offsets' id, both storages and versions, bits), the answer).
-# Reset when large.
+# An entry goes when its scales tensor is freed (the weakref's callback), so the dict holds the live
+# weights only. (It was cleared whole at 1024 entries: a model of more quantized layers than that, e.g.
+# an MoE's experts, missed on every call, one reduction and one host-device sync per qmatmul.)
 _F16_RANGE: dict = {}
 _F16_MAX = 65504.0
+
+
+def _f16_forget(key: int):
+    def drop(ref):
+        entry = _F16_RANGE.get(key)
+        if entry is not None and entry[0] is ref:
+            del _F16_RANGE[key]
+    return drop
 
 
 def _past_float16(scales: torch.Tensor, offsets: torch.Tensor, bits: int) -> bool:
@@ -223,9 +233,8 @@ def _past_float16(scales: torch.Tensor, offsets: torch.Tensor, bits: int) -> boo
         return hit[2]
     qmax = float((1 << bits) - 1)
     past = scales.numel() > 0 and bool(torch.maximum(offsets.abs(), (offsets + scales * qmax).abs()).max() > _F16_MAX)
-    if len(_F16_RANGE) >= 1024:
-        _F16_RANGE.clear()
-    _F16_RANGE[key] = (weakref.ref(scales), state, past)
+    ref = hit[0] if hit is not None and hit[0]() is scales else weakref.ref(scales, _f16_forget(key))
+    _F16_RANGE[key] = (ref, state, past)
     return past
 
 
