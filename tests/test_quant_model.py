@@ -427,6 +427,31 @@ def test_quantized_weight_to_refuses_integer_dtypes():
     assert qw.to(torch.bfloat16).dequantize().dtype == torch.bfloat16
 
 
+def test_quantized_weight_to_copy_copies():
+    """Tensor.to's copy=True (it reached _parse_to, which raised torch's own error; review finding)."""
+    qw = pykernels.quantize(torch.randn(8, 64), 4, 32)
+    for moved in (qw.to(copy=True), qw.to("cpu", copy=True), qw.to(torch.bfloat16, copy=True)):
+        assert moved.packed.data_ptr() != qw.packed.data_ptr() and moved.scales.data_ptr() != qw.scales.data_ptr()
+        assert torch.equal(moved.dequantize(torch.float32), qw.dequantize())
+    assert qw.to("cpu").packed is qw.packed  # no copy where none is asked
+    with pytest.raises(TypeError, match="QuantizedWeight.to.*'copy'"):
+        qw.to(copy=1)
+
+
+def test_quantlinear_bias_trains_as_nn_linear():
+    """The weight is frozen and the bias a trainable parameter, as nn.Linear's (it was frozen, so a
+    converted model's biases silently stopped learning; review finding)."""
+    lin = nn.Linear(64, 8)
+    frozen = nn.Linear(64, 8)
+    frozen.bias.requires_grad_(False)
+    for layer in (QuantLinear.from_linear(lin, 4, 32), quantize_model(nn.Sequential(lin), 4, 32)[0],
+                  QuantLinear(64, 8, bits=4, group_size=32)):
+        assert layer.bias.requires_grad and [n for n, p in layer.named_parameters() if p.requires_grad] == ["bias"]
+        layer(torch.randn(3, 5, 64)).sum().backward()
+        assert torch.equal(layer.bias.grad, torch.full((8,), 15.0))
+    assert not QuantLinear.from_linear(frozen, 4, 32).bias.requires_grad
+
+
 @pytest.mark.parametrize("scheme,bits,act_bits", [("asym", 4, None), ("sym", 3, None), ("bipolar", 2, 4)])
 def test_strided_components_give_the_same_products(scheme, bits, act_bits):
     # a QuantizedWeight built from strided scales/offsets (a state dict of views) gave wrong products on

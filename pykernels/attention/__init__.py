@@ -343,8 +343,8 @@ def _check(q, k, v, scale, backend, op: str = OP):
         raise ValueError(f"pykernels.{op}: expected 'k' and 'v' with the same [B, Hkv, S_k], got "
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[3] != D or v.shape[3] != D:
-        raise ValueError(f"pykernels.{op}: expected q, k, v with the same head dim D={D}, got "
-                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(f"pykernels.{op}: expected q, k, v with the same head dim D (the last), got shapes "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if D == 0:
         raise ValueError(f"pykernels.{op}: expected head dim D >= 1, got 0")
     Hkv = k.shape[1]

@@ -139,14 +139,21 @@ class QuantizedWeight:
         return self.planes
 
     def to(self, *args, **kwargs) -> "QuantizedWeight":
-        """Moves every tensor to a device (dtype arguments only change dequantize()'s default dtype)."""
+        """Moves every tensor to a device (dtype arguments only change dequantize()'s default dtype);
+        copy=True copies the tensors even where they are already there (Tensor.to's copy)."""
+        copy = kwargs.pop("copy", False)  # Tensor.to's keyword, which _parse_to does not take
+        if not isinstance(copy, bool):
+            raise TypeError(f"pykernels.QuantizedWeight.to: expected 'copy' to be a bool, got {type(copy).__name__}")
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
         if device is not None and device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("pykernels.QuantizedWeight.to: no CUDA device (this torch sees none)")
         if dtype is not None and not dtype.is_floating_point:
             raise TypeError(f"pykernels.QuantizedWeight.to: expected a floating-point dtype (what dequantize() "
                             f"returns), got {str(dtype).replace('torch.', '')}")
-        mv = (lambda t: t if t is None else t.to(device)) if device is not None else (lambda t: t)
+        if device is not None or copy:
+            mv = lambda t: t if t is None else t.to(device if device is not None else t.device, copy=copy)  # noqa: E731
+        else:
+            mv = lambda t: t  # noqa: E731
         return QuantizedWeight(shape=self.shape, bits=self.bits, group_size=self.group_size, scheme=self.scheme,
                                packed=mv(self.packed), scales=mv(self.scales), offsets=mv(self.offsets),
                                code_sums=mv(self.code_sums), planes=mv(self.planes),
@@ -411,7 +418,8 @@ class QuantLinear(nn.Module):
         self._set_qweight(_empty_qweight(out_features, in_features, bits, group_size, scheme, bool(act_bits),
                                          device))
         if bias:
-            self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype), requires_grad=False)
+            # trainable, as nn.Linear's (and bitsandbytes' Linear4bit's): the weight is the frozen part
+            self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
         else:
             self.register_parameter("bias", None)
 
@@ -481,7 +489,8 @@ class QuantLinear(nn.Module):
         _check_weight(w, group_size)
         layer._set_qweight(_quantize(w, bits, group_size, scheme, with_planes=bool(act_bits)))
         if linear.bias is not None:
-            layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+            # trainable where the Linear's was (it was frozen: a drop-in's bias stopped learning; review finding)
+            layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=linear.bias.requires_grad)
         else:
             layer.register_parameter("bias", None)
         return layer
