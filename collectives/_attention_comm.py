@@ -117,6 +117,8 @@ def check_across_ranks(op: str, grp: Group, local_error: Optional[BaseException]
     differ = [n for i, n in enumerate(names) if bool((table[:, i + 1] != table[0, i + 1]).any())]
     if differ:
         def shown(n, v):
+            if n == "back":  # TokenRing's second group: hashes of the names of the groups passed
+                return "its own" if v == 0 else f"a group passed ({v:x})"
             return dtype_name(v) if n == "dtype" else str(v)
 
         per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{n}={shown(n, int(table[r, names.index(n) + 1]))}"

@@ -95,19 +95,23 @@ def _as_tensor(x, op: str, arg: str):
 
 
 def _validate(op: str, q, k, v, causal, scale, layout, return_lse, grp: comm.Group,
-              needs_grad: Optional[bool] = None, more_checks=None, prior_error=None, backward: bool = False) -> float:
+              needs_grad: Optional[bool] = None, more_checks=None, prior_error=None, backward: bool = False,
+              back_group=None) -> float:
     """Local checks, then one small all-gather so that bad input on any rank (or shards of different
     shapes) raises on every rank instead of leaving the others waiting in the ring. needs_grad: whether a
     backward follows (None: from autograd's state, as an eager call sees it); more_checks(): further
     local checks, run after these (the backward op's); prior_error: this rank's error found before (while
     tracing), raised on every rank. The op (ring or TokenRing) and the pass (forward or backward) must
     agree too: a rank in token_ring_attention while the others ran ring_attention waited in mismatched
-    sends until the process group's timeout (review finding)."""
+    sends until the process group's timeout (review finding). back_group: TokenRing's second group as
+    the caller passed it (None: its own, made after these checks); every rank must pass the same one
+    (a rank that passed none made its own alone: both waited until the timeout; review finding)."""
     err = None
     fields = {}
     try:
         if prior_error is not None:
             raise prior_error
+        back = 0 if back_group is None else _back_group_code(op, back_group, grp)
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{op}: expected '{name}' to be a torch.Tensor (or a numpy/DLPack array), "
@@ -162,15 +166,30 @@ def _validate(op: str, q, k, v, causal, scale, layout, return_lse, grp: comm.Gro
                       # every rank must run the backward schedule, or none: a rank whose inputs need no
                       # gradient left the others waiting in theirs until the timeout (review)
                       grad=int(_needs_grad(q, k, v) if needs_grad is None else needs_grad),
-                      token_ring=int(op == "collectives.token_ring_attention"), backward=int(bool(backward)))
+                      token_ring=int(op == "collectives.token_ring_attention"), backward=int(bool(backward)),
+                      back=back)
         if more_checks is not None:
             more_checks()
     except (TypeError, ValueError, RuntimeError) as exc:
         err = exc
     dev = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
-    names = ("B", "H", "Hkv", "S_local", "D", "dtype", "causal", "layout", "scale", "grad", "token_ring", "backward")
+    names = ("B", "H", "Hkv", "S_local", "D", "dtype", "causal", "layout", "scale", "grad", "token_ring", "backward",
+             "back")
     comm.check_across_ranks(op, grp, err, {n: fields.get(n, 0) for n in names}, dev)
     return blk.default_scale(q.shape[-1], scale)
+
+
+def _back_group_code(op: str, back_group, grp: comm.Group) -> int:
+    """A number every rank that passed the same second group gets (its name's hash, > 0); raises where
+    the group is not over grp's ranks in grp's order (the partials go back to a rank by its number)."""
+    try:
+        same = dist.get_world_size(back_group) == grp.world and dist.get_rank(back_group) == grp.rank
+    except (RuntimeError, ValueError):  # (torch raises for a group this rank is not in)
+        same = False
+    if not same:
+        raise ValueError(f"{op}: expected the second group of the pair 'group' over the first one's ranks in "
+                         f"its order (this rank is {grp.rank} of {grp.world} there)")
+    return 1 + comm.shape_hash((back_group.group_name,))
 
 
 def _needs_grad(q, k, v) -> bool:
@@ -482,19 +501,27 @@ def token_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     the second group is created once per group (every rank of the group must make its first call
     together)."""
     op = "collectives.token_ring_attention"
-    pg_back = None
+    pg_back, pair_error = None, None
     if isinstance(group, (tuple, list)):
-        if len(group) != 2:
-            raise ValueError(f"{op}: expected 'group' to be a process group or a pair of them, got {group!r}")
-        group, pg_back = group
-        if not isinstance(pg_back, dist.ProcessGroup):
-            raise TypeError(f"{op}: expected the second of the pair 'group' to be a torch.distributed process "
-                            f"group, got {type(pg_back).__name__} {pg_back!r}")
+        # a bad pair is raised on every rank by _validate (raised here, the other ranks waited in it until
+        # the timeout; review finding); the first group, where there is one, carries that exchange
+        pair = group
+        group = pair[0] if len(pair) else None
+        if len(pair) != 2:
+            pair_error = ValueError(f"{op}: expected 'group' to be a process group or a pair of them, got {pair!r}")
+        elif not isinstance(pair[1], dist.ProcessGroup):
+            pair_error = TypeError(f"{op}: expected the second of the pair 'group' to be a torch.distributed "
+                                   f"process group, got {type(pair[1]).__name__} {pair[1]!r}")
+        else:
+            pg_back = pair[1]
     if torch.compiler.is_compiling():
+        if pair_error is not None:
+            raise pair_error
         return _traced_attention(op, True, q, k, v, causal, scale, group, pg_back, layout, return_lse)
     q, k, v = (_as_tensor(t, op, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
     grp = comm.Group(op, group)
-    scale = _validate(op, q, k, v, causal, scale, layout, return_lse, grp)
+    scale = _validate(op, q, k, v, causal, scale, layout, return_lse, grp, prior_error=pair_error,
+                      back_group=pg_back)
     if grp.world > 1 and pg_back is None:
         pg_back = comm.second_group(grp)
     out, lse = _TokenRingAttention.apply(q, k, v, scale, bool(causal), layout, grp, pg_back)
@@ -731,12 +758,17 @@ def _traced_group(op: str, group):
     return name, 1 if name == _traced.NO_GROUP else dist.get_world_size(group)
 
 
-def _groups(op: str, group: str, back_group: str, token_ring: bool):
-    grp = comm.Group(op, _traced.group_of(group))
-    pg_back = _traced.group_of(back_group)
+def _groups(op: str, group: str, back_group: str):
+    """(the Group, the second group passed or None) of a registered op's group names."""
+    return comm.Group(op, _traced.group_of(group)), _traced.group_of(back_group)
+
+
+def _second_group(grp: comm.Group, pg_back, token_ring: bool):
+    """TokenRing's second group: the one passed, else its own, made after the checks across ranks (they
+    must agree on which; see _validate) and once per group, so the forward and backward share it."""
     if token_ring and grp.world > 1 and pg_back is None:
-        pg_back = comm.second_group(grp)  # created once per group: the forward and backward share it
-    return grp, pg_back
+        return comm.second_group(grp)
+    return pg_back
 
 
 @torch.library.custom_op("pykernels::ring_attention", mutates_args=())
@@ -748,9 +780,10 @@ def _ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     rank's answer to "does a backward follow" (checked to agree across ranks). arg_error: an argument error
     found while tracing ("<class>:<message>"), raised here on every rank."""
     op = "collectives.token_ring_attention" if token_ring else "collectives.ring_attention"
-    grp, pg_back = _groups(op, group, back_group, token_ring)
+    grp, pg_back = _groups(op, group, back_group)
     scale = _validate(op, q, k, v, causal, scale, layout, True, grp, needs_grad=needs_grad,
-                      prior_error=_exception_of(arg_error))
+                      prior_error=_exception_of(arg_error), back_group=pg_back if token_ring else None)
+    pg_back = _second_group(grp, pg_back, token_ring)
     with torch.no_grad(), backward_follows(needs_grad):
         if token_ring:
             out, lse = _token_forward(q, k, v, scale, causal, layout, grp, pg_back)
@@ -775,7 +808,7 @@ def _ring_attention_backward_op(dout: Optional[torch.Tensor], dlse: Optional[tor
     """(dq, dk, dv) of torch.ops.pykernels.ring_attention, from the gradients of its out and lse (either
     may be None) and what its forward saved; `scale` the one the forward used."""
     op = "collectives.token_ring_attention" if token_ring else "collectives.ring_attention"
-    grp, pg_back = _groups(op, group, back_group, token_ring)
+    grp, pg_back = _groups(op, group, back_group)
 
     def saved_and_grads_fit():  # what the forward would have made, and gradients of its shapes
         lse_shape = tuple(q.shape[:3])
@@ -790,7 +823,8 @@ def _ring_attention_backward_op(dout: Optional[torch.Tensor], dlse: Optional[tor
     # every check on every rank (one small all-gather, as the forward's): a rank whose arguments are bad
     # raises, and so does every other rank, instead of waiting in the ring for it
     _validate(op, q, k, v, causal, scale, layout, True, grp, needs_grad=True, more_checks=saved_and_grads_fit,
-              backward=True)
+              backward=True, back_group=pg_back if token_ring else None)
+    pg_back = _second_group(grp, pg_back, token_ring)
     with torch.no_grad():
         dout, delta = _with_lse_grad(dout, dlse, out)
         if token_ring:

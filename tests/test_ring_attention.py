@@ -468,6 +468,49 @@ def case_lse_matches_and_equal_inputs(rank, world, *, fn):
     return True
 
 
+def case_inf_values_as_flash_attention(rank, world, *, fn, layout, causal):
+    """An inf in V gives inf in the output entries that read it, as flash_attention on the full sequence
+    (merging partials computed out_a - w * (out_a - out_b): inf - inf = NaN on the ranks whose own block
+    held it; review finding)."""
+    import pykernels
+
+    q, k, v, _ = make_inputs(23, 1, 4, 2, 4 * world, 8, torch.float32)
+    v[0, 0, 0, 3], v[0, 1, 1, 5] = float("inf"), float("-inf")  # position 0/1: on rank 0 in either layout
+    ref = pykernels.flash_attention(q, k, v, causal=causal)
+    sh = lambda x: shard_sequence(x, layout=layout)  # noqa: E731
+    got, want = FNS[fn](sh(q), sh(k), sh(v), causal=causal, layout=layout), sh(ref)
+    assert torch.equal(torch.isposinf(got), torch.isposinf(want)) and torch.equal(torch.isneginf(got), torch.isneginf(want))
+    assert not torch.isnan(got).any() and not torch.isnan(want).any()
+    fin = torch.isfinite(want)
+    torch.testing.assert_close(got[fin], want[fin], atol=2e-5, rtol=1e-4)
+    return int(torch.isinf(got).sum())
+
+
+def case_token_ring_group_pairs_that_differ(rank, world, *, what):
+    """TokenRing's (group, second group) pair: one rank passing a bad pair, or ranks that disagree on
+    whether (or which) second group they pass, raise on every rank at once (the pair was checked on its
+    own rank only, and a rank that passed none made its own alone: the others waited until the timeout;
+    review finding)."""
+    other = dist.new_group(list(range(world)), timeout=timedelta(seconds=30))
+    third = dist.new_group(list(range(world)), timeout=timedelta(seconds=30))
+    mine = {"bad_second": (None, 1), "bad_length": (dist.group.WORLD, other, other),
+            "pair_and_none": dist.group.WORLD, "two_groups": (dist.group.WORLD, third)}[what]
+    group = mine if rank == world - 1 else (dist.group.WORLD, other)
+    q = torch.randn(1, 2, 4, 4)
+    t0 = time.monotonic()
+    try:
+        token_ring_attention(q, q, q, group=group)
+    except (TypeError, ValueError) as exc:
+        msg = f"{type(exc).__name__}: {exc}"
+    else:
+        raise AssertionError("no error raised")
+    took = time.monotonic() - t0
+    assert token_ring_attention(q, q, q, group=(dist.group.WORLD, other)).shape == q.shape  # the group still works
+    for g in (other, third):
+        dist.destroy_process_group(g)
+    return msg, took
+
+
 def case_nan_propagates(rank, world, *, fn, layout, causal):
     """A NaN in q, k or v makes every output row that reads it NaN, as pykernels.flash_attention does
     on the full sequence (aten's fused CPU kernels alone return 0 for a NaN query row). Rows that do
@@ -721,6 +764,22 @@ def test_nan_rows_propagate_like_flash_attention(pool3, fn, causal):
             assert sum(c[where] for c in counts) > 0, (where, counts)
 
 
+@pytest.mark.parametrize("fn", ["ring", "token"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_inf_values_give_inf_like_flash_attention(pool3, fn, causal):
+    for layout in ("zigzag", "contiguous"):
+        assert sum(pool3.run("case_inf_values_as_flash_attention", fn=fn, layout=layout, causal=causal)) > 0
+
+
+@pytest.mark.parametrize("what", ["bad_second", "bad_length", "pair_and_none", "two_groups"])
+def test_token_ring_group_pairs_that_differ_raise_on_every_rank(pool3, what):
+    results = pool3.run("case_token_ring_group_pairs_that_differ", what=what)
+    for rank, (msg, took) in enumerate(results):
+        assert "collectives.token_ring_attention" in msg and took < 10, (rank, msg, took)
+    if what in ("pair_and_none", "two_groups"):
+        assert all("same shard shape and arguments" in m and "back=" in m for m, _ in results), results
+
+
 # --------------------------------------------------------------------- single process, no dist init
 @pytest.mark.parametrize("kind", ["numpy", "numpy_readonly", "numpy_reversed", "dlpack"])
 def test_numpy_and_dlpack_inputs(kind):
@@ -955,6 +1014,20 @@ def test_merge_is_stable_for_far_apart_lse(a, b):
     # a row that has seen nothing yet (lse = -inf) takes the other partial as is
     o, l = blk.merge(oa, torch.tensor([[[float("-inf")]]]), ob, lb)
     assert torch.equal(o, ob) and torch.equal(l, lb)
+
+
+def test_merge_keeps_infinite_partials():
+    """An infinite partial (an inf in V) stays infinite, with its sign, while its weight is a float32 number
+    above 0 (flash_attention's probability of it is then too): out_a - w * (out_a - out_b) gave inf - inf =
+    NaN (review finding); the finite column is as before."""
+    oa, ob = torch.full((1, 1, 1, 2), 1.0), torch.full((1, 1, 1, 2), -2.0)
+    inf = float("inf")
+    for a, b in ((0.0, 17.0), (17.0, 0.0), (0.0, 80.0), (-3.0, -3.0)):
+        la, lb = torch.tensor([[[a]]]), torch.tensor([[[b]]])
+        o, _ = blk.merge(torch.tensor([[[[inf, 1.0]]]]), la, torch.tensor([[[[2.0, -2.0]]]]), lb)
+        o2, _ = blk.merge(torch.tensor([[[[2.0, 1.0]]]]), lb, torch.tensor([[[[-inf, -2.0]]]]), la)
+        assert o[0, 0, 0, 0] == inf and o2[0, 0, 0, 0] == -inf, (a, b)
+        assert o[0, 0, 0, 1] == blk.merge(oa, la, ob, lb)[0][0, 0, 0, 0], (a, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
