@@ -551,6 +551,8 @@ def test_qmatmul_two_scale_rows_keep_their_small_values(dtype, M, simd):
     rest = x.clone()
     rest[:, cols] = 0  # the error bound of the ordinary values (the outliers contribute exactly 0)
     check_close(y, rest, qw)
+    bias = torch.randn(N, generator=g).to(dtype)  # added once, to these rows (split apart) as to the others
+    check_close(pykernels.qmatmul(x, qw, bias), rest, qw, bias)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1794,6 +1794,8 @@ def test_vmap_over_1d_sorts_is_one_segmented_sort(monkeypatch):
     inner = torch.tensor([2, 10, 40])  # keys 0-1 and 40-49 of every sample stay where they are
     f = lambda k, o: pykernels.segmented_sort(k, o)[0]
     same(torch.vmap(f, in_dims=(0, None))(x, inner), loop(f, x, inner.expand(6, 3)))
+    f = lambda k, o, v: pykernels.segmented_sort(k, o, v, descending=True)  # and their values, per sample
+    same(torch.vmap(f, in_dims=(0, None, 0))(x, inner, vals), loop(f, x, inner.expand(6, 3), vals))
     # a batch of 0 (torch's fallback refused it), and samples of 0 keys
     assert torch.vmap(pykernels.sort_keys)(x[:0]).shape == (0, 50)
     assert [t.shape for t in torch.vmap(pykernels.sort_pairs)(x[:0], vals[:0])] == [(0, 50), (0, 50)]
