@@ -94,9 +94,9 @@ __device__ __forceinline__ uint64_t read_val(const void* vals, int64_t i, uint64
 }
 
 // ---- the overflow filter (hash_layout.h): byte w of the words after special's head ------------
-// Every lane of a group reads the same word; rank 0 marks. Lookups run apart from inserts, so their
-// lanes read one value; inserts decide by a ballot, because another group's mark may land between two
-// lanes' reads (a split group would then ballot with lanes missing).
+// Every lane of a group reads the same word; rank 0 marks. Lookups and inserts both decide by a ballot:
+// another group's mark may land between two lanes' reads (a find overlapping an insert on a user stream
+// or through the numba device functions), and a split group would then ballot with lanes missing.
 __device__ __forceinline__ bool ovf_has(const unsigned long long* f, uint64_t w, uint32_t tag) {
   return (vload(&f[w >> 3]) >> ((w & 7) * 8)) & tag;
 }

@@ -117,6 +117,9 @@ PKQ_HD bool candidate(ActFit& f, int stage, double& s, double& m) {
   const double qmax = f.qmax(), n = (double)f.K;
   if (stage == 0) {  // the range
     s = f.hi > f.lo ? (f.hi - f.lo) / qmax : 1.0;
+    // one bit over a range past float32's max: the step itself is no float32 (the GPU stores it as one:
+    // inf, and NaN products; review finding), so it is capped there (levels lo and lo + FLT_MAX)
+    if (s > 3.4028234663852886e38) s = 3.4028234663852886e38;
     m = f.lo;
     return f.chain_alive = true;
   }

@@ -221,7 +221,9 @@ def act_fit(x: torch.Tensor, bits: int):
         return (s <= big) & (m >= -big) & (m <= big) & (top <= big) & (top >= -big)
 
     best = None
-    s_range = torch.where(hi > lo, (hi - lo) / qmax, ones)
+    # one bit over a range past float32's max: the step itself is no float32 (the GPU stores it as one:
+    # inf, and NaN products; review finding), so it is capped there, as in qgemm_act_fit.h
+    s_range = torch.where(hi > lo, (hi - lo) / qmax, ones).clamp(max=big)
     s_gauss = _GAUSS_STEP[bits - 1] * torch.sqrt((dev * dev).sum(1) / K)
     m_gauss = mean - s_gauss * (qmax * 0.5)
     for s, m, alive in ((s_range, lo, torch.ones_like(lo, dtype=torch.bool)),
