@@ -12,7 +12,9 @@
 // The kernels' ballots, lane masks and warp-level ranking take 64 lanes; on a wave32 target (RDNA:
 // gfx10/gfx11, where HIP refuses -mwavefrontsize64) they would compile and give wrong sorts and probes
 // (audit): refused at build time.
-#if defined(__HIP_DEVICE_COMPILE__) && defined(__AMDGCN_WAVEFRONT_SIZE) && __AMDGCN_WAVEFRONT_SIZE != 64
+// (__AMDGCN_WAVEFRONT_SIZE is deprecated and gone from newer LLVM: the RDNA families' own macros too)
+#if defined(__HIP_DEVICE_COMPILE__) && ((defined(__AMDGCN_WAVEFRONT_SIZE) && __AMDGCN_WAVEFRONT_SIZE != 64) || \
+                                        defined(__GFX10__) || defined(__GFX11__) || defined(__GFX12__))
 #error "pykernels: the HIP kernels need 64-lane wavefronts (CDNA: gfx90a, gfx94x); wave32 GPUs (RDNA) are not supported: set PYKERNELS_HIP_ARCHS to CDNA targets"
 #endif
 #define PK_WARP_SIZE 64
