@@ -501,26 +501,25 @@ def token_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
     the second group is created once per group (every rank of the group must make its first call
     together)."""
     op = "collectives.token_ring_attention"
-    pg_back, pair_error = None, None
+    pg_back, pair_error = None, ""
     if isinstance(group, (tuple, list)):
-        # a bad pair is raised on every rank by _validate (raised here, the other ranks waited in it until
-        # the timeout; review finding); the first group, where there is one, carries that exchange
+        # a bad pair is raised on every rank by _validate (the compiled path: by the op), as "<class>:<message>"
         pair = group
         group = pair[0] if len(pair) else None
         if len(pair) != 2:
-            pair_error = ValueError(f"{op}: expected 'group' to be a process group or a pair of them, got {pair!r}")
+            pair_error = (f"ValueError:{op}: expected 'group' to be a process group or a pair of them, got a "
+                          f"{type(pair).__name__} of {len(pair)}")
         elif not isinstance(pair[1], dist.ProcessGroup):
-            pair_error = TypeError(f"{op}: expected the second of the pair 'group' to be a torch.distributed "
-                                   f"process group, got {type(pair[1]).__name__} {pair[1]!r}")
+            pair_error = (f"TypeError:{op}: expected the second of the pair 'group' to be a torch.distributed "
+                          f"process group, got {type(pair[1]).__name__}")  # (no repr: dynamo may trace this)
         else:
             pg_back = pair[1]
     if torch.compiler.is_compiling():
-        if pair_error is not None:
-            raise pair_error
-        return _traced_attention(op, True, q, k, v, causal, scale, group, pg_back, layout, return_lse)
+        return _traced_attention(op, True, q, k, v, causal, scale, group, pg_back, layout, return_lse,
+                                 pair_error=pair_error)
     q, k, v = (_as_tensor(t, op, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
     grp = comm.Group(op, group)
-    scale = _validate(op, q, k, v, causal, scale, layout, return_lse, grp, prior_error=pair_error,
+    scale = _validate(op, q, k, v, causal, scale, layout, return_lse, grp, prior_error=_exception_of(pair_error),
                       back_group=pg_back)
     if grp.world > 1 and pg_back is None:
         pg_back = comm.second_group(grp)
@@ -712,7 +711,8 @@ def _check_shards_agree(op: str, grp: comm.Group, local, dim, layout: str, err=N
 # The public functions call these registered ops while dynamo traces (see collectives/_traced.py):
 # torch.ops.pykernels.ring_attention (Ring and TokenRing), its backward, shard_sequence and
 # unshard_sequence. They run the schedules above; groups travel as their names.
-def _traced_attention(op: str, token_ring: bool, q, k, v, causal, scale, group, pg_back, layout, return_lse):
+def _traced_attention(op: str, token_ring: bool, q, k, v, causal, scale, group, pg_back, layout, return_lse,
+                      pair_error: str = ""):
     """ring_attention / token_ring_attention while dynamo traces: the op, whose implementation runs every
     check (across ranks) and the schedule on every rank. A flag, scale or layout this rank cannot even pass
     to the op travels to it as `arg_error` instead (raised here, it left the other ranks waiting in the op's
@@ -721,7 +721,7 @@ def _traced_attention(op: str, token_ring: bool, q, k, v, causal, scale, group, 
         if not isinstance(t, torch.Tensor):  # (dynamo hands numpy arrays in as tensors)
             raise TypeError(f"{op}: expected '{name}' to be a torch.Tensor (or a numpy/DLPack array), "
                             f"got {type(t).__name__}")
-    arg_error = _traced_arg_error(op, causal, scale, layout, return_lse)
+    arg_error = pair_error or _traced_arg_error(op, causal, scale, layout, return_lse)
     if arg_error:
         causal, scale, layout = False, None, "contiguous"
     back = _traced.NO_GROUP if pg_back is None else _traced.group_name(op, pg_back)

@@ -427,6 +427,21 @@ def test_quantized_weight_to_refuses_integer_dtypes():
     assert qw.to(torch.bfloat16).dequantize().dtype == torch.bfloat16
 
 
+def test_quantlinear_made_under_inference_mode_runs_outside_it():
+    """A model quantized under inference_mode runs with grad mode on, as nn.Linear does: its bias trains,
+    and the backward of a bias alone saves none of the weights (inference tensors cannot be saved; review
+    finding, once the bias was trainable)."""
+    with torch.inference_mode():
+        layer = QuantLinear.from_linear(nn.Linear(64, 32), 4, 32)
+    x = torch.randn(4, 64)
+    y = layer(x)
+    assert y.requires_grad
+    torch.testing.assert_close(y, pykernels.qmatmul(x, layer.qweight, layer.bias.detach()))
+    x = x.requires_grad_()
+    with pytest.raises(RuntimeError, match="[Ii]nference tensors"):  # dx needs the weights: as torch's own
+        layer(x)
+
+
 def test_quantized_weight_to_copy_copies():
     """Tensor.to's copy=True (it reached _parse_to, which raised torch's own error; review finding)."""
     qw = pykernels.quantize(torch.randn(8, 64), 4, 32)

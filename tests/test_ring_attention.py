@@ -328,6 +328,11 @@ def case_compiled_bad_input_on_one_rank(rank, world, *, what):
     if what == "unshard":
         f = torch.compile(lambda x: unshard_sequence(x, layout="zigzag", dim=0), fullgraph=True, backend="eager")
         args, kw = (torch.randn(3 if bad else 4, 3),), {}
+    elif what in ("pair", "pair_length"):  # TokenRing's (group, second group) pair
+        f = torch.compile(lambda a, g: token_ring_attention(a, a, a, group=g), fullgraph=True, backend="eager")
+        good = (dist.group.WORLD, dist.group.WORLD)
+        wrong = (dist.group.WORLD, "not a group") if what == "pair" else (dist.group.WORLD,) * 3
+        args, kw = (q, wrong if bad else good), {}
     else:
         f = torch.compile(lambda a, **kw: ring_attention(a, a, a, layout="contiguous", **kw), fullgraph=True,
                           backend="eager")
@@ -640,7 +645,7 @@ def test_compiled_shard_unshard_roundtrip_and_gradient(pool, layout):
     pool.run("case_shard_roundtrip", layout=layout, dim=2, length=3 * n, compile_backend="aot_eager")
 
 
-@pytest.mark.parametrize("what", ["shape", "causal", "dtype", "scale", "unshard"])
+@pytest.mark.parametrize("what", ["shape", "causal", "dtype", "scale", "unshard", "pair", "pair_length"])
 def test_compiled_bad_input_on_one_rank_raises_on_every_rank(pool, what):
     if pool.world == 1:
         pytest.skip("needs two ranks")

@@ -499,7 +499,10 @@ def _(info, in_dims, x, packed, scales, offsets, planes, wsum, bias, n, k, bits,
 
 def _setup_context(ctx, inputs, output):
     x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend = inputs
-    ctx.save_for_backward(packed, scales, offsets)
+    # the weights only where dx is needed: a bias-only gradient needs none of them (and buffers made under
+    # inference_mode cannot be saved)
+    ctx.x_needs_grad = x.requires_grad
+    ctx.save_for_backward(*((packed, scales, offsets) if x.requires_grad else ()))
     ctx.meta = (n, k, bits, group_size, x.dtype)
     ctx.bias_needs_grad = bias is not None and bias.requires_grad
 
@@ -507,10 +510,12 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad):
     """d/dx of x @ W.T with W the dequantized weight (a straight-through estimator for act_bits);
     the bias gets the usual sum. The quantized weight itself has no gradient."""
-    packed, scales, offsets = ctx.saved_tensors
     n, k, bits, group_size, dtype = ctx.meta
-    W = F.dequantize_codes(F.unpack_tiles(packed, bits, n, k), scales, offsets, group_size, torch.float32)
-    gx = (grad.to(torch.float32) @ W).to(dtype)
+    gx = None
+    if ctx.x_needs_grad:
+        packed, scales, offsets = ctx.saved_tensors
+        W = F.dequantize_codes(F.unpack_tiles(packed, bits, n, k), scales, offsets, group_size, torch.float32)
+        gx = (grad.to(torch.float32) @ W).to(dtype)
     gb = grad.reshape(-1, n).sum(0) if ctx.bias_needs_grad else None
     return gx, None, None, None, None, None, gb, None, None, None, None, None, None
 

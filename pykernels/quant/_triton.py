@@ -204,10 +204,12 @@ def _check_spans(M: int, N: int, K: int, **spans: int):
 
 
 # Whether a weight's dequantized values s * u + m (codes u in [0, 2^bits - 1]) pass float16's 65504, per
-# scales tensor: id -> (weakref to it, (the offsets' id, both storages and versions, bits), the answer).
-# An entry goes when its scales tensor is freed (the weakref's callback), so the dict holds the live
-# weights only. (It was cleared whole at 1024 entries: a model of more quantized layers than that, e.g.
-# an MoE's experts, missed on every call, one reduction and one host-device sync per qmatmul.)
+# scales tensor: id -> (weakref to it, weakref to the offsets, (both storages and versions, bits), the
+# answer). Both tensors are held by weakref and compared by identity: a freed tensor's id and memory are
+# reused, version 0 again (an offsets tensor matched by id, address and version got a freed one's answer;
+# review finding). An entry goes when its scales tensor is freed (the weakref's callback), so the dict
+# holds the live weights only. (It was cleared whole at 1024 entries: a model of more quantized layers
+# than that, e.g. an MoE's experts, missed on every call, one reduction and one host-device sync each.)
 _F16_RANGE: dict = {}
 _F16_MAX = 65504.0
 
@@ -215,8 +217,8 @@ _F16_MAX = 65504.0
 def _f16_forget(key: int):
     def drop(ref):
         entry = _F16_RANGE.get(key)
-        if entry is not None and entry[0] is ref:
-            del _F16_RANGE[key]
+        if entry is not None and entry[0] is ref:  # not a newer entry of a reused id
+            _F16_RANGE.pop(key, None)  # (pop: another thread may have dropped it between the two lines)
     return drop
 
 
@@ -228,13 +230,13 @@ def _past_float16(scales: torch.Tensor, offsets: torch.Tensor, bits: int) -> boo
     .data or a numpy / DLPack view, are not seen: quantize again, or change them in place as tensors)."""
     key = id(scales)
     hit = _F16_RANGE.get(key)
-    state = (id(offsets), scales.data_ptr(), offsets.data_ptr(), scales._version, offsets._version, bits)
-    if hit is not None and hit[0]() is scales and hit[1] == state:
-        return hit[2]
+    state = (scales.data_ptr(), offsets.data_ptr(), scales._version, offsets._version, bits)
+    mine = hit is not None and hit[0]() is scales
+    if mine and hit[1]() is offsets and hit[2] == state:
+        return hit[3]
     qmax = float((1 << bits) - 1)
     past = scales.numel() > 0 and bool(torch.maximum(offsets.abs(), (offsets + scales * qmax).abs()).max() > _F16_MAX)
-    ref = hit[0] if hit is not None and hit[0]() is scales else weakref.ref(scales, _f16_forget(key))
-    _F16_RANGE[key] = (ref, state, past)
+    _F16_RANGE[key] = (hit[0] if mine else weakref.ref(scales, _f16_forget(key)), weakref.ref(offsets), state, past)
     return past
 
 
