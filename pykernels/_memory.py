@@ -217,3 +217,10 @@ def empty_cache():
     tables) that no tensor uses (as torch.cuda.empty_cache does for GPU memory). Set
     PYKERNELS_OUTPUT_CACHE_MB=0 to turn the cache off."""
     OUTPUTS.release_idle()
+    # The freed buffers (1-32 MiB each) stayed in the C heap, fragmented: 359 MiB of RSS was kept after
+    # the cache had released 1 GiB (review finding); malloc_trim gives the free pages back.
+    from . import _native
+
+    rt, _ = _native._load("_cpu_runtime")
+    if rt is not None and hasattr(rt, "trim_heap"):
+        rt.trim_heap()

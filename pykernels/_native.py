@@ -73,12 +73,50 @@ def dtype_code(dtype: torch.dtype) -> int:
     return DTYPE_CODES[dtype]
 
 
+# Whether this process was forked after `import pykernels`. Each native module notices a fork after it
+# was loaded itself (pk_threads.h: its threads then leave torch's OpenMP team, which hangs in such a
+# child); one first loaded in the child is told here (a child whose parent had sorted nothing hung in its
+# first sort; review finding).
+_FORKED = False
+
+
+def _note_fork():
+    global _FORKED
+    _FORKED = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_note_fork)
+
+
 @lru_cache(maxsize=None)
 def _load(name: str):
     try:
-        return importlib.import_module(f"pykernels.{name}"), None
+        mod = importlib.import_module(f"pykernels.{name}")
     except ImportError as exc:  # not built, or built for another platform
         return None, f"pykernels.{name} is not built ({exc})"
+    if _FORKED and hasattr(mod, "mark_forked"):
+        mod.mark_forked()
+    return mod, None
+
+
+def zeros(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """torch.zeros, with a CPU tensor zeroed by our own threads: torch's fill of a large one runs on its
+    OpenMP team, which hangs in a child forked after the parent used it (hash tables made or grown there
+    hung; review finding)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return zero_(torch.empty(shape, dtype=dtype))
+
+
+def zero_(t: torch.Tensor) -> torch.Tensor:
+    """t.zero_() of a contiguous tensor, a large CPU one by our own threads (see zeros)."""
+    nbytes = t.numel() * t.element_size()
+    if t.device.type == "cpu" and t.is_contiguous() and nbytes >= (1 << 16):  # (torch fills smaller ones inline)
+        cpu_module("runtime").zero_bytes(t.data_ptr(), nbytes, torch.get_num_threads())
+    else:
+        t.zero_()
+    return t
 
 
 def cpu_module(family: str):

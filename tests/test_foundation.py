@@ -584,6 +584,41 @@ sys.exit(0 if os.WIFEXITED(st) and os.WEXITSTATUS(st) == 0 else (100 + (os.WTERM
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
 
 
+def test_forked_child_loads_modules_and_makes_tables_on_its_own_threads():
+    """A child forked after the parent ran torch's parallel ops: a native module it loads first (the parent
+    never sorted: _cpu_sort was not loaded) is told of the fork, and hash tables made, grown and cleared
+    there zero their memory on our threads, not torch's OpenMP team (both hung in such a child; review
+    finding). (erase ends with a torch op on the batch, find(default=) too: those need
+    torch.set_num_threads(1) in such a child, as torch's own ops do; README.)"""
+    import subprocess
+    import sys
+
+    code = r'''
+import os, signal, sys, numpy as np, torch, pykernels
+torch.set_num_threads(2)
+g = torch.Generator().manual_seed(0)
+x = torch.randn(1 << 20, generator=g)
+(x * 2).sum()  # torch's OpenMP team runs from here
+keys = torch.randperm(1 << 21, generator=g) * 7919 + 13  # distinct
+t0 = pykernels.HashMap(1 << 16); t0.insert(keys[:1000], keys[:1000])  # the parent uses a table, never sorts
+pid = os.fork()
+if pid == 0:
+    signal.alarm(60)  # a hang ends the child (SIGALRM), which the parent reports
+    ok = np.array_equal(pykernels.sort(x).values.numpy(), np.sort(x.numpy()))
+    t = pykernels.HashMap(1 << 20)  # made, then grown past 2M slots
+    t.insert(keys, keys)
+    ok &= len(t) == 1 << 21 and bool(t.contains(keys).numpy().all())
+    bf = pykernels.BloomFilter(1 << 24, 4); bf.add(keys[:100000]); bf.clear()
+    t.clear()
+    ok &= len(t) == 0 and not t.contains(keys[:100000]).numpy().any()
+    os._exit(0 if ok else 3)
+_, st = os.waitpid(pid, 0)
+sys.exit(0 if os.WIFEXITED(st) and os.WEXITSTATUS(st) == 0 else (100 + (os.WTERMSIG(st) if os.WIFSIGNALED(st) else os.WEXITSTATUS(st))))
+'''
+    proc = subprocess.run([sys.executable, "-c", code], timeout=240, capture_output=True, text=True)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+
+
 def test_config_memo_keeps_no_answer_that_a_store_overtook(monkeypatch):
     """config_for reads the cache, then memoizes: a tune() store in between (another thread) cleared the
     memo and bumped the generation, and the older answer written after it was served from then on

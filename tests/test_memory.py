@@ -192,6 +192,22 @@ def test_release_idle_drops_idle_storages_only():
     pykernels.empty_cache()  # the process-wide cache: callable any time
 
 
+def test_empty_cache_gives_the_heap_back_to_the_system(monkeypatch):
+    """Buffers released by empty_cache() went back to a fragmented C heap, not to the system: RSS stayed
+    359 MiB up after the cache had released 1 GiB of buffers of many sizes (review finding). empty_cache()
+    now trims the heap (glibc's malloc_trim) once it has dropped them."""
+    from pykernels import _native
+
+    rt = _native.cpu_module("runtime")
+    assert isinstance(rt.trim_heap(), bool)
+    calls = []
+    monkeypatch.setattr(rt, "trim_heap", lambda: calls.append(_memory.OUTPUTS.cached_bytes()) or True)
+    t = _memory.OUTPUTS.empty((3 * MiB + 4096,), U8)
+    del t
+    pykernels.empty_cache()
+    assert calls == [0]  # after the cache let go of everything
+
+
 def test_off_and_small_requests_are_plain_allocations(monkeypatch):
     off = _memory.OutputCache(0)
     a = off.empty((4 * MiB,), U8)

@@ -77,6 +77,14 @@ inline const bool fork_watch = [] {
   return pthread_atfork(nullptr, nullptr, [] { forked_since_load.store(true, std::memory_order_relaxed); }) == 0;
 }();
 #endif
+// A module first loaded in a forked child sees no fork of its own: pykernels._native tells it through
+// this binding (its at-fork hook, registered at `import pykernels`; review finding: a child whose parent
+// never loaded _cpu_sort hung in its first sort, on the parent's stale OpenMP team).
+template <class Module>
+inline void def_mark_forked(Module& m) {
+  m.def("mark_forked", [] { forked_since_load.store(true, std::memory_order_relaxed); },
+        "this process is a fork of one that may have started OpenMP threads: run on our own pool");
+}
 
 // The OpenMP runtime already loaded in this process (torch's), through its C ABI: GOMP_parallel runs
 // fn(data) on a team of num_threads threads, the caller as thread 0, and returns when all are done

@@ -2470,6 +2470,7 @@ bool cpu_has_bf16_dot() {
 }  // namespace
 
 PYBIND11_MODULE(_cpu_qgemm, m) {
+  pk::def_mark_forked(m);
   m.doc() = "pykernels quantized GEMMs on the CPU (weight-only int16-activation kernels, bit-serial bipolar-INT)";
   m.def("cpu_has_avx2", &pk::cpu_has_avx2);
   m.def("cpu_has_avx512", &pk::cpu_has_avx512);

@@ -2759,6 +2759,7 @@ void segmented(uintptr_t keys, int dtype, uintptr_t offsets, int64_t nseg, int64
 }  // namespace
 
 PYBIND11_MODULE(_cpu_sort, m) {
+  pk::def_mark_forked(m);
   m.doc() = "pykernels CPU radix sort (Onesweep-style LSD: one histogram read, write-combined scatters)";
   m.def("cpu_has_avx2", &pk::cpu_has_avx2);
   m.def("cpu_has_avx512", &pk::cpu_has_avx512);

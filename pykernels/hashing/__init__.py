@@ -276,7 +276,7 @@ class BloomFilter(_TableState):
         self.seed = int(seed) & L.M64
         try:
             with normal_tensors():  # updated in place by add and clear, in or out of inference mode
-                self._words = torch.zeros(self.num_blocks * 8, dtype=torch.int64, device=self.device)
+                self._words = _native.zeros(self.num_blocks * 8, torch.int64, self.device)
         except (RuntimeError, MemoryError) as exc:  # torch's bare allocator message names no op (review)
             raise type(exc)(f"pykernels.{op}: cannot allocate {self.num_blocks * 64} bytes for {num_bits} bits on "
                             f"{self.device}: {str(exc)[:200]}") from exc
@@ -326,7 +326,7 @@ class BloomFilter(_TableState):
 
     def clear(self) -> None:
         with self._locked():
-            self._words.zero_()
+            _native.zero_(self._words)
 
     def false_positive_rate(self, n: int) -> float:
         """Expected FPR after n distinct keys for this blocked layout (Putze et al. 2007, eq. 3):

@@ -201,7 +201,7 @@ def _multi_count_impl(slots: torch.Tensor, special: torch.Tensor, keys: torch.Te
     """int64 number of values of each key bits in a multi-value table (the reserved patterns: 0)."""
     check_same_device("hash_multi_count", slots=slots, special=special, keys=keys)
     n = keys.numel()
-    counts = torch.zeros(n, dtype=torch.int64, device=keys.device)
+    counts = _native.zeros(n, torch.int64, keys.device)
     if n:
         if vb == 0:
             raise ValueError("pykernels.hash_multi_count: multi-value tables need values (vb > 0)")
@@ -261,7 +261,7 @@ def _multi_find_impl(slots: torch.Tensor, special: torch.Tensor, keys: torch.Ten
         counts = torch.empty(n, dtype=torch.int64)
         collected = _mod(slots).multi_collect(slots.data_ptr(), special.data_ptr(), nw, window, seed & _M64, kb, vb,
                                               keys.data_ptr(), n, counts.data_ptr(), _nthreads(threads), prefetch)
-        offsets = torch.zeros(n + 1, dtype=torch.int64)
+        offsets = _native.zeros(n + 1, torch.int64, "cpu")
         torch.cumsum(counts, 0, out=offsets[1:])
         vals = out_buffer(collected.total, _BITS[vb], keys.device)
         collected.copy_to(vals.data_ptr())
@@ -269,7 +269,7 @@ def _multi_find_impl(slots: torch.Tensor, special: torch.Tensor, keys: torch.Ten
     counts = _multi_count_impl(slots, special, keys, nw, window, seed, kb, vb, threads, prefetch)  # reserved: 0
     for m, sv in specials:
         counts[m] = sv.numel()
-    offsets = torch.zeros(n + 1, dtype=torch.int64, device=keys.device)
+    offsets = _native.zeros(n + 1, torch.int64, keys.device)
     torch.cumsum(counts, 0, out=offsets[1:])
     total = int(offsets[-1]) if n else 0
     vals = out_buffer(total, _BITS[vb], keys.device)

@@ -108,6 +108,32 @@ class _ForkedInUse:
         return False
 
 
+class _Recount:
+    """A table's lock that recounts the table when a KeyboardInterrupt (or another BaseException that is
+    not an Exception: a signal's) leaves the call. Python raises it at the first bytecode after a native
+    kernel returns, which may be before the call's bookkeeping of what the kernel did: Ctrl-C during an
+    insert of 3M keys left len() 0 with every key findable, and later inserts checked against a table
+    they thought empty (review finding)."""
+
+    __slots__ = ("table", "lock")
+
+    def __init__(self, table, lock):
+        self.table, self.lock = table, lock
+
+    def __enter__(self):
+        self.lock.__enter__()
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        try:
+            recount = getattr(self.table, "_recount", None)  # (a Bloom filter has no counts)
+            if kind is not None and not issubclass(kind, Exception) and recount is not None:
+                recount()
+        finally:
+            self.lock.__exit__(kind, exc, tb)
+        return False
+
+
 class _LockWithViews:
     """A table's lock that also brings its live device views in step with the host call it guards."""
 
@@ -269,11 +295,17 @@ class _OpenTable(_TableState):
         """The table's lock; none while torch.compile traces a method (dynamo cannot trace an RLock, and
         the traced kernels are the functional torch.ops.pykernels ops, whose ordering the graph keeps).
         While numba device views of the table live, the lock also keeps them in step with the host call
-        (pykernels.hashing.device.DeviceView._host_call_begins / _ends)."""
+        (pykernels.hashing.device.DeviceView._host_call_begins / _ends). A KeyboardInterrupt (any signal's
+        exception) inside recounts the table (see _Recount)."""
         if torch.compiler.is_compiling():
             return contextlib.nullcontext()
         views = self.__dict__.get("_device_views")
-        return _LockWithViews(self._lock, views) if views else self._lock
+        return _Recount(self, _LockWithViews(self._lock, views) if views else self._lock)
+
+    def _recount(self):
+        """The key and slot counts again from the slots (a rehash at the same capacity counts them)."""
+        self._rehash(self.capacity)
+        self._size = self._used + self._n_special()
 
     # -- storage ---------------------------------------------------------------------------------
     def _slot_value_bytes(self):
@@ -308,7 +340,7 @@ class _OpenTable(_TableState):
         """Zeroed `special`: 4 words for the reserved key patterns (flags and values), then the overflow
         filter, one byte per window (csrc/hash/hash_layout.h)."""
         with normal_tensors():
-            return torch.zeros(L.special_words(nw), dtype=torch.int64, device=self.device)
+            return _native.zeros(L.special_words(nw), torch.int64, self.device)
 
     def _init_slots(self, slots):
         """Keys EMPTY (all ones), values zero: counting tables add into a fresh slot's value."""
@@ -597,7 +629,7 @@ class _OpenTable(_TableState):
     def _erase_bits(self, kbits):
         _eager_only()
         n = kbits.numel()
-        out = torch.zeros(n, dtype=torch.int64, device=self.device)
+        out = _native.zeros(n, torch.int64, self.device)
         if n:
             cfg = self._config("hash_find")
             total = self._mod.erase(*self._geo(), kbits.data_ptr(), n, out.data_ptr(), self._multi, self._counting,
@@ -685,7 +717,7 @@ class _OpenTable(_TableState):
         """Removes every key; keeps the capacity."""
         with self._locked():
             self._init_slots(self._slots)
-            self._special.zero_()
+            _native.zero_(self._special)
             self._special_multi = {}
             self._size = 0
             self._used = 0
