@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import os
 import threading
 from typing import Optional
 
@@ -531,6 +532,17 @@ _BACKWARD_FOLLOWS = threading.local()  # .on: a caller's own autograd.Function d
 # ignored and the decode kernel's lse gave gradients off by ~1e-1 at logits ~1e4).
 _FOLLOWS_ANYWHERE = 0
 _FOLLOWS_LOCK = threading.Lock()
+
+
+def _new_follows_lock_after_fork():
+    # another thread inside backward_follows when the process forked left the lock held in the child
+    # (review finding); the count may keep that thread's blocks: only slower, never wrong (see above)
+    global _FOLLOWS_LOCK
+    _FOLLOWS_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_follows_lock_after_fork)
 
 
 @contextlib.contextmanager
