@@ -106,14 +106,14 @@ def zeros(shape, dtype: torch.dtype, device) -> torch.Tensor:
     hung; review finding)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    return zero_(torch.empty(shape, dtype=dtype))
+    return zero_(torch.empty(shape, dtype=dtype, device="cpu"))  # (not torch's default device)
 
 
 def zero_(t: torch.Tensor) -> torch.Tensor:
-    """t.zero_() of a contiguous tensor, a large CPU one by our own threads (see zeros)."""
-    nbytes = t.numel() * t.element_size()
-    if t.device.type == "cpu" and t.is_contiguous() and nbytes >= (1 << 16):  # (torch fills smaller ones inline)
-        cpu_module("runtime").zero_bytes(t.data_ptr(), nbytes, torch.get_num_threads())
+    """t.zero_() of our own buffers (no autograd bookkeeping), a contiguous CPU one by our own threads (see
+    zeros) from torch's parallel grain on (32K elements, whatever their size)."""
+    if t.device.type == "cpu" and t.is_contiguous() and t.numel() >= (1 << 15):
+        cpu_module("runtime").zero_bytes(t.data_ptr(), t.numel() * t.element_size(), torch.get_num_threads())
     else:
         t.zero_()
     return t

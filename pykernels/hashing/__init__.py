@@ -55,7 +55,7 @@ class HashMap(_OpenTable):
         one call exactly one is True, and one of their values is kept."""
         keys = self._keys("insert", keys)
         values = self._values("insert", values, keys)
-        with self._locked():
+        with self._locked(mutating=True):
             status = self._insert_bits(f"{self._op}.insert", L.key_bits(keys), L.value_bits(values), M_UPSERT)
         return L.shaped_like(new_keys_mask(status), keys)
 
@@ -103,7 +103,7 @@ class HashSet(_OpenTable):
 
     def insert(self, keys) -> torch.Tensor:
         keys = self._keys("insert", keys)
-        with self._locked():
+        with self._locked(mutating=True):
             status = self._insert_bits(f"{self._op}.insert", L.key_bits(keys), None, M_UPSERT)
         return L.shaped_like(new_keys_mask(status), keys)
 
@@ -127,7 +127,7 @@ class CountingTable(_OpenTable):
         if counts is not None:
             counts = L.check_values(f"{self._op}.add", counts, torch.int64, keys, arg="counts")
             vbits = L.value_bits(counts)
-        with self._locked():
+        with self._locked(mutating=True):
             status = self._insert_bits(f"{self._op}.add", L.key_bits(keys), vbits, M_ADD)
         return L.shaped_like(new_keys_mask(status), keys)
 
@@ -173,7 +173,7 @@ class MultiValueHashMap(_OpenTable):
         values = self._values("insert", values, keys)
         kbits, vbits = L.key_bits(keys), L.value_bits(values)
         _eager_only()  # before the reserved keys' data-dependent masks, as every table's insert (audit)
-        with self._locked():
+        with self._locked(mutating=True):
             # The reserved patterns live out of band and never need room: store them first, so a full
             # non-growable table (TableFullError from _insert_bits) still keeps them.
             for bits, m in self._special_masks(kbits):
@@ -230,7 +230,7 @@ class MultiValueHashMap(_OpenTable):
         """Removes every value of each key; int64 number of values removed per key position."""
         keys = self._keys("erase", keys)
         kbits = L.key_bits(keys)
-        with self._locked():
+        with self._locked(mutating=True):
             out = self._erase_bits(kbits)
             for bits, m in self._special_masks(kbits):
                 sv = self._special_values(bits)

@@ -126,9 +126,13 @@ class _Recount:
 
     def __exit__(self, kind, exc, tb):
         try:
-            recount = getattr(self.table, "_recount", None)  # (a Bloom filter has no counts)
-            if kind is not None and not issubclass(kind, Exception) and recount is not None:
-                recount()
+            if kind is not None and not issubclass(kind, Exception):
+                for _ in range(100):  # a second Ctrl-C inside the recount: counted again
+                    try:
+                        self.table._recount()
+                        break
+                    except KeyboardInterrupt:
+                        continue
         finally:
             self.lock.__exit__(kind, exc, tb)
         return False
@@ -291,21 +295,31 @@ class _OpenTable(_TableState):
         self._alloc(capacity)
         self._config("hash_find")
 
-    def _locked(self):
+    def _locked(self, mutating: bool = False):
         """The table's lock; none while torch.compile traces a method (dynamo cannot trace an RLock, and
         the traced kernels are the functional torch.ops.pykernels ops, whose ordering the graph keeps).
         While numba device views of the table live, the lock also keeps them in step with the host call
-        (pykernels.hashing.device.DeviceView._host_call_begins / _ends). A KeyboardInterrupt (any signal's
-        exception) inside recounts the table (see _Recount)."""
+        (pykernels.hashing.device.DeviceView._host_call_begins / _ends). `mutating`: a KeyboardInterrupt
+        (any signal's exception) inside recounts the table (see _Recount)."""
         if torch.compiler.is_compiling():
             return contextlib.nullcontext()
         views = self.__dict__.get("_device_views")
-        return _Recount(self, _LockWithViews(self._lock, views) if views else self._lock)
+        lock = _LockWithViews(self._lock, views) if views else self._lock
+        return _Recount(self, lock) if mutating else lock
 
     def _recount(self):
-        """The key and slot counts again from the slots (a rehash at the same capacity counts them)."""
-        self._rehash(self.capacity)
-        self._size = self._used + self._n_special()
+        """The key and slot counts again from the slots' keys (one read; nothing rebuilt or allocated
+        beyond the masks): used = not EMPTY, live = neither EMPTY nor TOMBSTONE, plus the out-of-band keys."""
+        words = self._slots.view(-1, self._sb // 4)
+        lo = words[:, 0]
+        if self._kb == 8:  # (little-endian: the low word first; the high word of both patterns is all ones)
+            high_ones = words[:, 1] == -1
+            empty, tomb = (lo == L.EMPTY_BITS) & high_ones, (lo == L.TOMB_BITS) & high_ones
+        else:
+            empty, tomb = lo == L.EMPTY_BITS, lo == L.TOMB_BITS
+        used = int(empty.numel() - empty.sum())
+        self._used = used
+        self._size = used - int(tomb.sum()) + self._n_special()
 
     # -- storage ---------------------------------------------------------------------------------
     def _slot_value_bytes(self):
@@ -700,7 +714,7 @@ class _OpenTable(_TableState):
     def erase(self, keys) -> torch.Tensor:
         """Removes keys; True where a key was removed (once per key among duplicates)."""
         keys = self._keys("erase", keys)
-        with self._locked():
+        with self._locked(mutating=True):
             out = self._erase_bits(L.key_bits(keys))
         return L.shaped_like(out, keys).bool()
 
@@ -715,7 +729,7 @@ class _OpenTable(_TableState):
 
     def clear(self):
         """Removes every key; keeps the capacity."""
-        with self._locked():
+        with self._locked(mutating=True):
             self._init_slots(self._slots)
             _native.zero_(self._special)
             self._special_multi = {}
