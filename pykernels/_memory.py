@@ -34,6 +34,10 @@ import torch
 
 from . import _native
 
+# Every buffer here is a CPU one whatever torch's default device is (under torch.device("meta") a
+# table's slots were made on meta and the native code wrote through their pointer; review finding).
+_CPU = torch.device("cpu")
+
 HUGE_PAGE = 2 << 20
 MAX_PER_SIZE = 4
 _MIN_CACHED_BYTES = 1 << 20  # smaller outputs come from malloc's heap, whose pages are already mapped
@@ -51,7 +55,7 @@ def advise_huge(t: torch.Tensor, nbytes: int):
 def _fresh_storage(nbytes: int) -> torch.UntypedStorage:
     """nbytes of new memory; from 4 MiB on its whole huge pages advised (one page fault per 2 MiB on
     first touch instead of 512)."""
-    raw = torch.empty(nbytes, dtype=torch.uint8)
+    raw = torch.empty(nbytes, dtype=torch.uint8, device=_CPU)
     if nbytes >= 2 * HUGE_PAGE:
         advise_huge(raw, nbytes)
     return raw.untyped_storage()
@@ -89,7 +93,7 @@ def _counts_work() -> bool:
     c = _Cached(64, 0)
     if not c.idle():
         return False
-    held = torch.empty(0, dtype=torch.uint8).set_(c.storage, 0, (64,))
+    held = torch.empty(0, dtype=torch.uint8, device=_CPU).set_(c.storage, 0, (64,))
     busy = not c.idle()
     del held
     return busy and c.idle()
@@ -125,9 +129,9 @@ class OutputCache:
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < _MIN_CACHED_BYTES:  # small: plain torch.empty (a storage of exactly its size)
             # sizes as separate arguments: torch parses them in ~2 us, a tuple in ~3, a torch.Size in ~4
-            return torch.empty(*shape, dtype=dtype) if shape else torch.empty((), dtype=dtype)
+            return torch.empty(*shape, dtype=dtype, device=_CPU) if shape else torch.empty((), dtype=dtype, device=_CPU)
         if nbytes > self.limit:
-            return torch.empty(0, dtype=dtype).set_(_fresh_storage(nbytes), 0, shape)
+            return torch.empty(0, dtype=dtype, device=_CPU).set_(_fresh_storage(nbytes), 0, shape)
         with self._lock:
             self._tick += 1
             same = self._by_size.setdefault(nbytes, [])
@@ -136,10 +140,10 @@ class OutputCache:
                 if c.idle():
                     c.tick = self._tick
                     self.hits += 1
-                    return torch.empty(0, dtype=dtype).set_(c.storage, 0, shape)
+                    return torch.empty(0, dtype=dtype, device=_CPU).set_(c.storage, 0, shape)
             self.misses += 1
             c = _Cached(nbytes, self._tick)
-            out = torch.empty(0, dtype=dtype).set_(c.storage, 0, shape)
+            out = torch.empty(0, dtype=dtype, device=_CPU).set_(c.storage, 0, shape)
             if len(same) >= MAX_PER_SIZE:  # the oldest of this size makes way
                 same.remove(min(same, key=lambda b: b.tick))
             same.append(c)
@@ -199,7 +203,7 @@ def empty_output(shape, dtype: torch.dtype) -> torch.Tensor:
     """A contiguous CPU tensor of `shape` and `dtype` (contents undefined) for an op's result: large ones
     from the output cache."""
     if len(shape) == 1 and shape[0] * dtype.itemsize < _MIN_CACHED_BYTES:  # a small call's output, ~1 us sooner
-        return torch.empty(shape[0], dtype=dtype)
+        return torch.empty(shape[0], dtype=dtype, device=_CPU)
     return OUTPUTS.empty(tuple(shape), dtype)
 
 

@@ -2969,10 +2969,15 @@ def test_cpu_tables_ignore_torch_default_device():
     keys = torch.arange(100000, device="cpu") * 3
     for default in ("meta",):
         with torch.device(default):
+            big = pykernels.HashMap(1 << 20, device="cpu")  # slots from the huge-page path (segfaulted)
+            big.insert(keys, keys)
+            assert torch.equal(big.find(keys)[0], keys) and big.items()[0].device.type == "cpu"
             t = pykernels.HashMap(1 << 16, device="cpu")
             t.insert(keys, keys)
+            assert t.items()[0].device.type == "cpu"  # the output cache's buffers (segfaulted)
             m = pykernels.MultiValueHashMap(1 << 10, torch.int64, torch.int64, device="cpu")
             m.insert(keys[:100], keys[:100])
+            assert torch.equal(m.find(keys[:100])[1], keys[:100])
             bf = pykernels.BloomFilter(1 << 20, 3, device="cpu")
             bf.add(keys)
             assert t.erase(keys[:10]).device.type == "cpu" and m.count(keys[:10]).device.type == "cpu"

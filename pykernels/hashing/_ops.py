@@ -161,7 +161,7 @@ def _insert_impl(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tensor,
                                     *stream_args(slots.device))
     if counts_tuple:
         return status, tuple(counts)
-    return status, torch.tensor(list(counts), dtype=torch.int64)
+    return status, torch.tensor(list(counts), dtype=torch.int64, device="cpu")
 
 
 # The mode argument is `insert_mode` in the schema: torch.compile wraps this in-place op in
@@ -258,7 +258,7 @@ def _multi_find_impl(slots: torch.Tensor, special: torch.Tensor, keys: torch.Ten
         # one walk per key (the native side keeps the values it met), then one sequential copy
         _check_special("hash_multi_find", special, nw)
         _check_table_args("hash_multi_find", slots, keys, None, nw, window, kb, vb)
-        counts = torch.empty(n, dtype=torch.int64)
+        counts = torch.empty(n, dtype=torch.int64, device="cpu")
         collected = _mod(slots).multi_collect(slots.data_ptr(), special.data_ptr(), nw, window, seed & _M64, kb, vb,
                                               keys.data_ptr(), n, counts.data_ptr(), _nthreads(threads), prefetch)
         offsets = _native.zeros(n + 1, torch.int64, "cpu")
