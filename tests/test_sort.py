@@ -1949,3 +1949,30 @@ def test_inputs_inside_the_caches_sort_like_torch_in_every_mode(dtype, n):
     _, _, _, st = _cpu_sort_1d(r, want_idx=True, want_stats=True)
     # 3 passes of about 10 bits: the direct path (the LSD engine takes 8-bit digits below 64K keys)
     assert (st["digit_bits"] >= 10) == (n <= 12288), st
+
+
+_SCRATCH_OOM_SCRIPT = """
+import resource, torch
+from pykernels.sort import _cpu_sort_1d
+n = 1 << 22
+x = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32)
+ok, oi = torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.int64)
+_cpu_sort_1d(x[:1000].clone(), want_idx=True, config={"msd": 0})  # the module loaded, its small scratch made
+used = int(open("/proc/self/statm").read().split()[0]) * 4096
+resource.setrlimit(resource.RLIMIT_AS, (used + (16 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+try:
+    _cpu_sort_1d(x, want_idx=True, config={"msd": 0}, out=(ok, oi))  # the LSD engine's 48 MiB of scratch
+except MemoryError as e:
+    print(e)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/self/statm are Linux's")
+def test_native_scratch_that_cannot_be_allocated_names_the_op_and_size():
+    """A native allocation that fails raises MemoryError naming the op family, the size and what it was for
+    (pybind11 alone said 'std::bad_alloc')."""
+    r = subprocess.run([sys.executable, "-c", _SCRATCH_OOM_SCRIPT], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    msg = r.stdout.strip()
+    assert msg.startswith("pykernels.sort: native CPU code: cannot allocate") and "of sort scratch" in msg, msg

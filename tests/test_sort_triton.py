@@ -139,3 +139,25 @@ def test_cuda_module_imports_without_a_driver_and_fails_cleanly():
     assert mod.tile_keys() > 0 and mod.temp_bytes(1 << 20, 4, 4, 0, 32) > (1 << 20) * 8
     with pytest.raises(RuntimeError, match="pykernels.sort: no CUDA device"):
         mod.onesweep(0, 0, 0, 0, 10, 4, 0, 0, 32, 0, 0, 0)
+
+
+def test_triton_refuses_too_many_keys_naming_the_op_before_allocating(triton_interpret, monkeypatch):
+    """The 32-bit index limit is checked first, naming the caller's op: before, the widened keys and int32
+    indices (~8 bytes a key) were made first and the message always said 'sort' (audit finding)."""
+    from pykernels.sort import _triton
+    monkeypatch.setattr(_triton, "MAX_TRITON_KEYS", 99)
+
+    def no_alloc(*a, **k):
+        raise AssertionError("allocated before the size check")
+
+    monkeypatch.setattr(_triton, "_argsort_1d", no_alloc)
+    x = torch.arange(100, dtype=torch.int32)
+    for op, call in (("argsort", lambda: pykernels.argsort(x, backend="triton")),
+                     ("sort", lambda: pykernels.sort(x, backend="triton")),
+                     ("sort_keys", lambda: pykernels.sort_keys(x, backend="triton")),
+                     ("sort_pairs", lambda: pykernels.sort_pairs(x, x, backend="triton")),
+                     ("sort", lambda: pykernels.sort(x.view(4, 25), backend="triton")),
+                     ("segmented_sort", lambda: pykernels.segmented_sort(x, torch.tensor([0, 50, 100]),
+                                                                         backend="triton"))):
+        with pytest.raises(ValueError, match=rf"^pykernels\.{op}: the triton backend sorts at most"):
+            call()

@@ -1603,6 +1603,7 @@ bool prefill_available() {
 
 PYBIND11_MODULE(_cpu_attention, m) {
   pk::def_mark_forked(m);
+  pk::def_native_errors("flash_attention");
   m.doc() = "pykernels CPU attention kernels: decode (few query rows against a long KV cache), bf16dot "
             "(bfloat16 prefill with AVX-512 BF16 dot products) and fma (prefill forward in fp32 with AVX2 FMAs)";
   m.def("decode_forward", &decode_forward_py, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),

@@ -3,7 +3,9 @@
 // sizes and dtype codes, and these helpers keep that boundary explicit.
 #pragma once
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
@@ -34,6 +36,22 @@ inline int dtype_size(DType t) {
 [[noreturn]] inline void fail_runtime(const std::string& op, const std::string& what) {
   throw std::runtime_error("pykernels." + op + ": " + what);
 }
+
+// A native allocation that failed, with its size and purpose: the module's translator (def_native_errors in
+// pk_threads.h) turns it into a MemoryError naming the op family, where pybind11 alone said "std::bad_alloc".
+class AllocError : public std::bad_alloc {
+ public:
+  AllocError(size_t bytes, const char* what) {
+    const double gib = (double)bytes / (double)(size_t(1) << 30);
+    char buf[160];
+    std::snprintf(buf, sizeof(buf), "cannot allocate %.3g GiB (%zu bytes) of %s", gib, bytes, what);
+    msg_ = buf;
+  }
+  const char* what() const noexcept override { return msg_.c_str(); }
+
+ private:
+  std::string msg_;
+};
 
 // Runtime SIMD choice: the wheel is built for baseline x86-64, and AVX2 kernels are compiled with
 // PK_TARGET_AVX2 and only called when the CPU has AVX2+FMA+BMI2. PYKERNELS_DISABLE_AVX2=1 forces

@@ -37,6 +37,8 @@
 #include <system_error>
 #include <thread>
 #include <vector>
+
+#include "pk_common.h"
 #if defined(__unix__) || defined(__APPLE__)
 #include <pthread.h>
 #endif
@@ -85,6 +87,30 @@ inline void def_mark_forked(Module& m) {
   m.def("mark_forked", [] { forked_since_load.store(true, std::memory_order_relaxed); },
         "this process is a fork of one that may have started OpenMP threads: run on our own pool");
 }
+
+#ifdef PYBIND11_VERSION_MAJOR
+// Native allocation failures (ours: pk::AllocError with the size and purpose; std::vector's and new's: a bare
+// std::bad_alloc) raise MemoryError naming the module's ops, e.g. "pykernels.sort: native CPU code: cannot
+// allocate 48 GiB (...) of sort scratch"; pybind11 alone said "std::bad_alloc" (review finding). family:
+// a string literal.
+inline const char*& native_error_family() {  // one per module (.so): the translator is a plain function
+  static const char* family = "native";
+  return family;
+}
+inline void def_native_errors(const char* family) {
+  native_error_family() = family;
+  pybind11::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const AllocError& e) {
+      PyErr_Format(PyExc_MemoryError, "pykernels.%s: native CPU code: %s", native_error_family(), e.what());
+    } catch (const std::bad_alloc&) {
+      PyErr_Format(PyExc_MemoryError, "pykernels.%s: native CPU code: out of memory (std::bad_alloc)",
+                   native_error_family());
+    }
+  });
+}
+#endif
 
 // The OpenMP runtime already loaded in this process (torch's), through its C ABI: GOMP_parallel runs
 // fn(data) on a team of num_threads threads, the caller as thread 0, and returns when all are done

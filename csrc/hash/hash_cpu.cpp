@@ -2170,6 +2170,7 @@ uint64_t random_lines(uintptr_t buf, int64_t nbytes, int64_t n, int D, int nthre
 
 PYBIND11_MODULE(_cpu_hash, m) {
   pk::def_mark_forked(m);
+  pk::def_native_errors("hashing");
   m.doc() = "pykernels CPU hash tables (WarpCore layout: windows, double hashing, CAS, prefetch pipeline)";
   m.def("cpu_has_avx2", &pk::cpu_has_avx2);
   m.def("slot_bytes", &slot_bytes, py::arg("kb"), py::arg("vb"));

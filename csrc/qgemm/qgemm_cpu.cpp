@@ -1345,7 +1345,7 @@ constexpr int64_t SG_M_CHUNK = 768;  // rows of x packed at a time (12 MiB at K=
 struct AlignedFloats {
   float* p;
   explicit AlignedFloats(size_t n) : p(static_cast<float*>(std::aligned_alloc(64, (n * sizeof(float) + 63) / 64 * 64))) {
-    if (!p) throw std::bad_alloc();
+    if (!p) throw pk::AllocError((n * sizeof(float) + 63) / 64 * 64, "qmatmul packing scratch");
   }
   AlignedFloats(const AlignedFloats&) = delete;
   AlignedFloats& operator=(const AlignedFloats&) = delete;
@@ -2471,6 +2471,7 @@ bool cpu_has_bf16_dot() {
 
 PYBIND11_MODULE(_cpu_qgemm, m) {
   pk::def_mark_forked(m);
+  pk::def_native_errors("qmatmul");
   m.doc() = "pykernels quantized GEMMs on the CPU (weight-only int16-activation kernels, bit-serial bipolar-INT)";
   m.def("cpu_has_avx2", &pk::cpu_has_avx2);
   m.def("cpu_has_avx512", &pk::cpu_has_avx512);

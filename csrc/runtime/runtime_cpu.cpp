@@ -513,6 +513,7 @@ py::tuple shm_collective(uintptr_t base, int64_t data_off, int64_t slot_bytes, i
 
 PYBIND11_MODULE(_cpu_runtime, m) {
   pk::def_mark_forked(m);
+  pk::def_native_errors("runtime");
   m.doc() = "pykernels CPU runtime: SIMD detection and memory-bandwidth probes";
   m.def("cpu_has_avx2", &pk::cpu_has_avx2, "True when the AVX2 kernels run on this CPU");
   m.def("cpu_has_avx512", &pk::cpu_has_avx512, "True when the AVX-512 (VNNI, BF16, VPOPCNTDQ) kernels run on this CPU");

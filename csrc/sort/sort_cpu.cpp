@@ -131,7 +131,7 @@ struct Scratch {
       const size_t align = bytes >= (size_t(4) << 20) ? (size_t(2) << 20) : 4096;
       bytes = (bytes + align - 1) & ~(align - 1);
       void* p = std::aligned_alloc(align, bytes);
-      if (!p) throw std::bad_alloc();
+      if (!p) throw pk::AllocError(bytes, "sort scratch");
       advise_huge(p, bytes);
       mem.reset(static_cast<char*>(p));
       cap = bytes;
@@ -2760,6 +2760,7 @@ void segmented(uintptr_t keys, int dtype, uintptr_t offsets, int64_t nseg, int64
 
 PYBIND11_MODULE(_cpu_sort, m) {
   pk::def_mark_forked(m);
+  pk::def_native_errors("sort");
   m.doc() = "pykernels CPU radix sort (Onesweep-style LSD: one histogram read, write-combined scatters)";
   m.def("cpu_has_avx2", &pk::cpu_has_avx2);
   m.def("cpu_has_avx512", &pk::cpu_has_avx512);

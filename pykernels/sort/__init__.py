@@ -223,7 +223,7 @@ def _rows_sort(op: str, x: torch.Tensor, dim: int, descending: bool, backend: st
         vals, idx = _cuda.sort_rows(flat.view(rows, n), descending, want_keys, config=config)
     else:
         from . import _triton
-        vals, idx = _triton.sort_rows(flat.view(rows, n), descending, want_keys)
+        vals, idx = _triton.sort_rows(flat.view(rows, n), descending, want_keys, op=op)
 
     def back(t):  # to the caller's layout; skipped when already there (reshapes cost ~5 us a call)
         if t.dim() != len(shape) or t.shape != shape:
@@ -330,7 +330,7 @@ def _sort_1d_any(op: str, keys: torch.Tensor, values: Optional[torch.Tensor], de
         from . import _cuda
         return _cuda.sort_1d(kc, vc, descending, begin_bit, end_bit, config=config)
     from . import _triton
-    return _triton.sort_1d(kc, vc, descending, begin_bit, end_bit)
+    return _triton.sort_1d(kc, vc, descending, begin_bit, end_bit, op=op)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -123,9 +123,9 @@ def _bin_kernel(keys_in, keys_out, idx_in, idx_out, status_ptr, counter_ptr, gof
     tl.store(idx_out + dst, ix, mask=valid)
 
 
-def _check_n(n: int):
+def _check_n(n: int, op: str = "sort"):
     if n > MAX_TRITON_KEYS:
-        raise ValueError(f"pykernels.sort: the triton backend sorts at most 2^31 - 1 keys per call (32-bit "
+        raise ValueError(f"pykernels.{op}: the triton backend sorts at most 2^31 - 1 keys per call (32-bit "
                          f"indices), got {n}; use backend='cuda' (chunks larger inputs) or 'cpu'")
 
 
@@ -177,7 +177,8 @@ def _argsort_1d(x: torch.Tensor, descending: bool, begin_bit: int = 0, end_bit=N
     return perm.to(torch.int64)
 
 
-def sort_1d(keys: torch.Tensor, values, descending: bool, begin_bit: int, end_bit):
+def sort_1d(keys: torch.Tensor, values, descending: bool, begin_bit: int, end_bit, op: str = "sort"):
+    _check_n(keys.numel(), op)  # before the widened keys and indices are made (audit finding)
     perm = _argsort_1d(keys, descending, begin_bit, end_bit)
     return _take(keys, perm), (_take(values, perm) if values is not None else None)
 
@@ -192,8 +193,9 @@ def _by_segment(x: torch.Tensor, seg_id: torch.Tensor, nseg: int, descending: bo
     return perm[p2.to(torch.int64)]
 
 
-def sort_rows(x2d: torch.Tensor, descending: bool, want_keys: bool):
+def sort_rows(x2d: torch.Tensor, descending: bool, want_keys: bool, op: str = "sort"):
     rows, n = x2d.shape
+    _check_n(rows * n, op)
     flat = x2d.reshape(-1)
     if rows == 1:
         perm = _argsort_1d(flat, descending)
@@ -207,6 +209,7 @@ def sort_rows(x2d: torch.Tensor, descending: bool, want_keys: bool):
 
 def segmented(keys: torch.Tensor, offsets: torch.Tensor, values, descending: bool):
     n = keys.numel()
+    _check_n(n, "segmented_sort")
     off = offsets.to(device=keys.device, dtype=torch.int64)
     pos = torch.arange(n, device=keys.device)
     seg = torch.searchsorted(off, pos, right=True) - 1  # segment of each position (-1 / nseg: outside)
