@@ -269,9 +269,32 @@ def functorch_autograd(name, setup_context, backward):
     return call
 
 
+_AUTOCAST_DEVICE_TYPES = frozenset(("cpu", "cuda"))
+
+
+def autocast_floats(*ts):
+    """ts with each floating tensor (float64 excepted) cast to torch.autocast's dtype for its device type
+    where autocast is on there, as autocast casts the inputs of F.linear and SDPA; anything else as it is.
+    (The ops' eager fast paths call the kernels without the dispatcher, so its Autocast keys never see
+    them: under autocast a QuantLinear returned float32 where nn.Linear returns bfloat16, and
+    flash_attention refused q from an autocast layer with k, v from a float32 one; audit finding.) Callers
+    check torch._C._is_any_autocast_enabled() first (~0.3 us)."""
+    out = []
+    for t in ts:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64:
+            dt = t.device.type
+            if dt in _AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(dt):
+                t = t.to(torch.get_autocast_dtype(dt))
+        out.append(t)
+    return out
+
+
 def _traced_or_transformed() -> bool:
-    """torch.compile tracing, a Python dispatch or torch-function mode, a functorch transform, or forward AD."""
-    return bool(torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+    """torch.compile tracing, torch.jit.trace (the eager fast paths call the native code through data
+    pointers, which it would not record: a traced sort returned its uninitialized output; audit finding), a
+    Python dispatch or torch-function mode, a functorch transform, or forward AD."""
+    return bool(torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None
+                or torch._C._len_torch_dispatch_stack()
                 or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active()
                 or _forward_ad._current_level >= 0)
 

@@ -199,6 +199,20 @@ def _limit_from_env() -> int:
 OUTPUTS = OutputCache(_limit_from_env())
 
 
+def not_a_view(t: torch.Tensor, shape=None) -> torch.Tensor:
+    """t's memory, in `shape` (t contiguous) or else in t's own sizes and strides, as a tensor that is not a
+    view: autograd lets callers modify a custom op's outputs in place (as torch.sort's, F.linear's and
+    SDPA's) only when they are not views, and a reshape or transpose of a fresh result is one."""
+    if shape is None:
+        if not t._is_view():
+            return t
+        return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(),
+                                                                    t.size(), t.stride())
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), shape)
+
+
 def empty_output(shape, dtype: torch.dtype) -> torch.Tensor:
     """A contiguous CPU tensor of `shape` and `dtype` (contents undefined) for an op's result: large ones
     from the output cache."""

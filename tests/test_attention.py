@@ -1843,3 +1843,41 @@ def test_fma_kernel_after_a_failed_allocation():
     assert bad == 0
     ro, rl = reference(q, k, v, False, 0.125)
     assert_close(out, ro, torch.float32, "out")
+
+
+def test_outputs_take_in_place_ops_and_autocast_and_negated_gradients():
+    """In grad mode the outputs are not views (aten's transposed ones were: o.mul_(0.5) raised, as SDPA's
+    does not); under torch.autocast q, k, v are cast to its dtype as SDPA's are (mixed dtypes from an
+    autocast layer raised); a lazily negated fp16/bf16 upstream gradient works (its finiteness check read
+    it as raw bits and raised). Audit findings."""
+    import torch.nn.functional as F
+    q, k, v = make(1, 2, 2, 8, 8, 16, torch.float32, seed=3)
+    q.requires_grad_(True)
+    o = pykernels.flash_attention(q, k, v)
+    assert not o._is_view()
+    o.mul_(0.5)  # (a backward would then refuse it, as SDPA's: the output is saved for it)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = pykernels.flash_attention(q.bfloat16(), k, v)
+        want = F.scaled_dot_product_attention(q.bfloat16(), k, v)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(got, pykernels.flash_attention(q.bfloat16(), k.bfloat16(), v.bfloat16()))
+    for dt in (torch.float16, torch.bfloat16):
+        a = q.detach().to(dt).requires_grad_(True)
+        b = q.detach().to(dt).requires_grad_(True)
+        g = torch.randn(1, 2, 8, 16, dtype=dt)
+        pykernels.flash_attention(a, k.to(dt), v.to(dt)).backward(torch._neg_view(g))
+        pykernels.flash_attention(b, k.to(dt), v.to(dt)).backward(-g)
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_nested_and_mkldnn_inputs_get_the_layout_error():
+    """Contiguous nested / mkldnn inputs reach the layout check (the lean path read a nested tensor's sizes
+    first: 'Internal error: NestedTensorImpl doesn't support sizes'; audit finding)."""
+    import warnings
+    q = torch.randn(1, 2, 8, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        inputs = (q.to_mkldnn(), torch.nested.nested_tensor([q[0], q[0]]), q.to_sparse())
+    for x in inputs:
+        with pytest.raises(ValueError, match=r"^pykernels\.flash_attention: expected 'q' to be a dense"):
+            pykernels.flash_attention(x, x, x)

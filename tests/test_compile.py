@@ -333,3 +333,27 @@ def test_collectives_ops_pass_opcheck():
     for t in (x, xc):
         torch.library.opcheck(ops.shard_sequence.default, (t, "", "zigzag", 2, 1))
         torch.library.opcheck(ops.unshard_sequence.default, (t, "", "contiguous", 2, 1, ""))
+
+
+def test_jit_trace_records_the_registered_ops():
+    """torch.jit.trace records pykernels::* ops, as it records torch.sort: the eager fast paths (which call the
+    native code through data pointers) step aside while it traces. Before, a traced sort or qmatmul returned
+    its uninitialized output buffer and a traced flash_attention raised (audit finding)."""
+    import warnings
+
+    qw = pykernels.quantize(torch.randn(16, 32), 4, 32)
+    cases = [
+        (lambda x: pykernels.sort(x).values, lambda: torch.randn(2, 2000), "pykernels::sort"),
+        (lambda x: pykernels.argsort(x), lambda: torch.randn(3000), "pykernels::argsort"),
+        (lambda x: pykernels.sort_keys(x), lambda: torch.randint(0, 1 << 30, (5000,), dtype=torch.int32),
+         "pykernels::sort_keys"),
+        (lambda x: pykernels.qmatmul(x, qw), lambda: torch.randn(4, 32), "pykernels::qmatmul"),
+        (lambda q: pykernels.flash_attention(q, q, q), lambda: torch.randn(1, 2, 5, 8), "pykernels::flash_attention"),
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (TorchScript's generic TracerWarnings)
+        for fn, make, op in cases:
+            traced = torch.jit.trace(fn, make(), check_trace=False)
+            assert op in str(traced.graph), op
+            x = make()
+            assert torch.equal(traced(x), fn(x)), op

@@ -3177,3 +3177,31 @@ def test_tables_reach_a_spawned_process():
         p.join(timeout=60)
     assert p.exitcode == 0
     assert t.find(torch.tensor([5]))[0].tolist() == [4.0]
+
+
+def test_deterministic_mode_inserts_on_one_thread(monkeypatch):
+    """Inserts race across threads (which duplicate's value is kept, the order of a multi-value key's values
+    and of items()); under torch.use_deterministic_algorithms(True) they and rehashes run on one thread,
+    so identical runs agree (audit finding: 2-5 distinct results in 5 runs on 2 threads)."""
+    keys = torch.arange(300_000) % 5000
+    vals = torch.arange(300_000)
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        from pykernels.hashing import _tables
+        seen = []
+        real = _tables._OpenTable._insert_threads
+        monkeypatch.setattr(_tables._OpenTable, "_insert_threads",
+                            lambda self, t: seen.append(real(self, t)) or seen[-1])
+        runs = set()
+        for _ in range(3):
+            h = HashMap(1 << 10)  # grows (rehash) on the way
+            h.insert(keys, vals)
+            m = MultiValueHashMap(1 << 16, torch.int64, torch.int64)
+            m.insert(keys, vals)
+            runs.add((tuple(h.find(torch.arange(5000))[0].tolist()), tuple(m.find(torch.tensor([7]))[1].tolist()),
+                      tuple(h.items()[0].tolist())))
+        assert len(runs) == 1
+        assert seen and set(seen) == {1}
+    finally:
+        torch.use_deterministic_algorithms(prev)

@@ -1416,3 +1416,39 @@ def test_meta_quantized_weight_copies_and_saves():
     buf.seek(0)
     back = torch.load(buf)
     assert back.packed.is_meta and back.bits == 4 and back.scales.shape == qm.scales.shape
+
+
+def test_outputs_of_batched_inputs_take_in_place_ops_in_grad_mode():
+    """A QuantLinear on [B, S, K] followed by ReLU(inplace=True) works as nn.Linear does: the output is not a
+    view of the 2-D result (autograd refused the in-place op on the custom op's view; audit finding)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32)
+    q = torch.nn.Sequential(pykernels.QuantLinear.from_linear(lin, 4, 32), torch.nn.ReLU(inplace=True))
+    x = torch.randn(2, 5, 64)
+    y = q(x)
+    ref = torch.relu(torch.nn.functional.linear(x, q[0].qweight.dequantize(torch.float32), lin.bias))
+    assert y.shape == (2, 5, 32) and not y._is_view()
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+    y.sum().backward()
+    assert q[0].bias.grad is not None
+    qw = pykernels.quantize(torch.randn(32, 64), 4, 32)
+    for shape in ((64,), (3, 64), (2, 3, 64), (0, 3, 64)):
+        xr = torch.randn(*shape, requires_grad=True)
+        out = pykernels.qmatmul(xr, qw)
+        out.add_(1.0)  # raised "... is a view and is being modified inplace" for 1-D and 3-D x
+        assert out.shape == (*shape[:-1], 32)
+
+
+def test_autocast_casts_the_activations_as_for_nn_linear():
+    """Under torch.autocast a QuantLinear (and qmatmul) returns autocast's dtype, as nn.Linear does (it
+    returned float32); float64 is left alone, as autocast leaves it."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32)
+    q = pykernels.QuantLinear.from_linear(lin, 4, 32)
+    x = torch.randn(3, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, ref = q(x), lin(x)
+        y2 = pykernels.qmatmul(x, q.qweight, q.bias)
+    assert y.dtype == ref.dtype == y2.dtype == torch.bfloat16
+    torch.testing.assert_close(y, q(x.bfloat16()))
+    torch.testing.assert_close(y2, y)

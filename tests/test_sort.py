@@ -1976,3 +1976,13 @@ def test_native_scratch_that_cannot_be_allocated_names_the_op_and_size():
     assert r.returncode == 0, r.stderr[-3000:]
     msg = r.stdout.strip()
     assert msg.startswith("pykernels.sort: native CPU code: cannot allocate") and "of sort scratch" in msg, msg
+
+
+def test_segmented_sort_with_uint64_offsets_under_fake_tensor_mode():
+    """The uint64 offsets' range check reads values, which fake tensors lack: skipped under a dispatch mode
+    (it raised DataDependentOutputException; audit finding)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        k = torch.randn(10)
+        out = pykernels.segmented_sort(k, torch.tensor([0, 4, 10], dtype=torch.uint64))
+    assert out[0].shape == (10,)

@@ -40,8 +40,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .. import _native, autotune
-from .._backend import _CPU, _traced_or_transformed, dispatch, eager_direct, functorch_autograd, vmapped_first
+from .. import _memory, _native, autotune
+from .._backend import _CPU, _traced_or_transformed, autocast_floats, dispatch, eager_direct, functorch_autograd, vmapped_first
 from ..errors import check_same_device
 from . import _cpu
 
@@ -216,8 +216,11 @@ def _forward_laid_out(q, k, v, causal: bool, scale: float, backend: str, inferen
     """_forward_impl with the layouts the op promises (its fake below reports them)."""
     out, lse = _forward_impl(q, k, v, causal, scale, backend, inference=inference)
     if q.is_cpu and backend != "triton":
-        return _cpu.like_q(out, q), _cpu.to_bshd(lse)
-    return out.contiguous(), lse.contiguous()
+        out, lse = _cpu.like_q(out, q), _cpu.to_bshd(lse)
+    else:
+        out, lse = out.contiguous(), lse.contiguous()
+    # aten's outputs come as transposed views: autograd would refuse in-place ops on them (SDPA's allow them)
+    return _memory.not_a_view(out), _memory.not_a_view(lse)
 
 
 @torch.library.custom_op("pykernels::flash_attention", mutates_args=())
@@ -278,6 +281,8 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
+    elif dout.is_neg():  # a lazily negated gradient: the finiteness check reads raw bf16/fp16 bits (audit finding)
+        dout = dout.resolve_neg()
     # backward_op: in a plain eager backward (no transform, no trace, no create_graph) the implementation
     # directly, not through the registered op's dispatch (~100 us of a 16-token call's ~270 us backward)
     dq, dk, dv = backward_op(dout, dlse, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.backend, contiguous=False)
@@ -416,8 +421,10 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = N
     gradient), even when some v is NaN/inf. As in torch's SDPA, a NaN/inf in a v that a row does not see
     but that shares a tile with keys it does (the masked probability is 0, and 0 * NaN is NaN) may still
     reach that row. Differentiable in q, k, v (and through lse). dtypes float32/bfloat16/float16
-    (float64 on CPU).
+    (float64 on CPU). Under torch.autocast, q, k, v are cast to its dtype first, as SDPA's are.
     """
+    if torch._C._is_any_autocast_enabled():
+        q, k, v = autocast_floats(q, k, v)
     lean = _lean_cpu_forward(q, k, v, causal, scale, backend)
     if lean is not None:
         if type(return_lse) is not bool:
@@ -463,6 +470,10 @@ def _lean_cpu_forward(q, k, v, causal, scale, backend):
         return None
     if _traced_or_transformed() or getattr(_BACKWARD_FOLLOWS, "on", False):  # first: torch.compile must not
         return None  # trace the tests below; under backward_follows the general path keeps aten's forward
+    if (q.layout is not _STRIDED or k.layout is not _STRIDED or v.layout is not _STRIDED
+            or q.is_nested or k.is_nested or v.is_nested):
+        return None  # sparse, nested, mkldnn (before anything reads their sizes, which a nested one
+        # does not have: audit finding): the general path's errors
     dt = q.dtype
     if (dt not in _LEAN_DTYPES or k.dtype is not dt or v.dtype is not dt
             or not (q.is_cpu and k.is_cpu and v.is_cpu)
@@ -472,9 +483,6 @@ def _lean_cpu_forward(q, k, v, causal, scale, backend):
         return None
     q_contiguous = q.is_contiguous()
     contiguous = q_contiguous and k.is_contiguous() and v.is_contiguous()
-    if not contiguous and (q.layout is not _STRIDED or k.layout is not _STRIDED or v.layout is not _STRIDED
-                           or q.is_nested or k.is_nested or v.is_nested):
-        return None  # sparse, nested, mkldnn: the general path's errors
     B, H, Sq, D = q.shape
     Bk, Hkv, Sk, Dk = k.shape
     if Bk != B or Dk != D or B == 0 or Sq == 0 or Sk == 0 or D == 0 or Hkv == 0 or H % Hkv:

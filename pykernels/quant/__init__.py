@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .. import autotune
+from .._backend import autocast_floats
 from .._native import as_tensor
 from . import _format as F
 from ._ops import qmatmul_op, register_tunables
@@ -348,6 +349,8 @@ def qmatmul(x, qw: QuantizedWeight, bias=None, *, act_bits: Optional[int] = None
     exactly 0 (the Triton kernel's fused u * s + m gives 0 there, so 0 * an inf activation is NaN
     on the GPU and inf on the CPU)."""
     x = as_tensor(x, "qmatmul", "x")
+    if torch._C._is_any_autocast_enabled():  # (as F.linear's under torch.autocast)
+        (x,) = autocast_floats(x)
     if not isinstance(qw, QuantizedWeight):
         raise TypeError(f"pykernels.qmatmul: expected a pykernels.QuantizedWeight for 'qw' "
                         f"(from pykernels.quantize), got {type(qw).__name__}")
@@ -498,6 +501,8 @@ class QuantLinear(nn.Module):
     def forward(self, x):
         N, K = self.out_features, self.in_features
         x = as_tensor(x, "qmatmul", "x")
+        if torch._C._is_any_autocast_enabled():  # (as nn.Linear's under torch.autocast)
+            (x,) = autocast_floats(x)
         _check_x(x, N, K, " (in pykernels.QuantLinear.forward)")
         # A float32 activation through a bf16 model (or the reverse) runs in the activation's dtype.
         return qmatmul_op(x, self.packed, self.scales, self.offsets, self.planes if self.act_bits else None,

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from .. import autotune
+from .. import _memory, autotune
 from .._backend import dispatch, eager_direct, functorch_autograd, vmapped_first
 from .._native import cpu_module, cuda_module, cuda_stream_handle, dtype_code, getenv, torch_bf16_gemm_native
 from . import _format as F
@@ -404,7 +404,7 @@ def _impl(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size
         y = torch.zeros(M, n, dtype=torch.float32, device=x.device)
         if bias is not None:
             y += bias.to(torch.float32)
-        return y.to(x.dtype).reshape(*lead, n)
+        return _memory.not_a_view(y.to(x.dtype), (*lead, n))
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     if bias is not None and not bias.is_contiguous():
@@ -419,7 +419,8 @@ def _impl(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size
         y = cpu_bitserial(x2, planes, scales, offsets, wsum, bias, n, k, bits, group_size, act_bits, cfg)
     else:
         y = cpu_weight_only(x2, packed, scales, offsets, bias, n, k, bits, group_size, cfg)
-    return y if flat else y.reshape(*lead, n)
+    # not a view of the 2-D result: in-place ops on it (ReLU(inplace=True) after a layer) work as on F.linear's
+    return y if flat else _memory.not_a_view(y, (*lead, n))
 
 
 @torch.library.custom_op("pykernels::qmatmul", mutates_args=())
