@@ -897,3 +897,67 @@ def test_autotune_budget_cache_dir_and_times_are_checked(tmp_cache, monkeypatch,
     out = subprocess.run([sys.executable, "-m", "pykernels.autotune", "show", str(path)], capture_output=True,
                          text=True, cwd=ROOT)
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-500:]
+
+
+def test_a_cache_path_that_is_not_a_regular_file_is_ignored(tmp_cache):
+    """A FIFO at the cache path hung the first op forever (and every thread behind the lookup lock); a link
+    to /dev/zero read until memory ran out. Both are a corrupt cache now: a warning and the heuristics
+    (audit finding)."""
+    _register_sleepy()
+    path = at.cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(path)
+    with pytest.warns(UserWarning, match="not a regular file"):
+        assert at.config_for("test_sleepy", "cpu", {"dtype": "torch.float32", "n": 1024}, "cpu") == {"kind": "default"}
+    out = subprocess.run([sys.executable, "-m", "pykernels.autotune", "show"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, PYKERNELS_CACHE_DIR=str(tmp_cache)))
+    assert out.returncode == 1 and "not a regular file" in out.stderr
+    at.clear_memory_cache()
+    path.unlink()
+    path.symlink_to("/dev/zero")
+    with pytest.warns(UserWarning, match="not a regular file"):
+        assert at.lookup("test_sleepy", {"n": 1}, "cpu", "cpu") is None
+
+
+def test_an_entry_tuned_against_another_default_gives_way_to_todays_default(tmp_cache):
+    """A tuned config beat the default it was measured with; once the op's heuristic default changes (the
+    cache file's name keeps the package version), the new default runs until the op is tuned again
+    (audit finding)."""
+    _register_sleepy()
+    at.tune("test_sleepy", torch.zeros(1000), budget_s=0.05)
+    key = {"dtype": "torch.float32", "n": 1024}
+    assert at.config_for("test_sleepy", "cpu", key, "cpu") == {"kind": "fast"}
+    _register_sleepy(default="slow", cands=("fast", "default"))  # a later version's heuristic
+    at.clear_memory_cache()
+    assert at.config_for("test_sleepy", "cpu", key, "cpu") == {"kind": "slow"}
+    _register_sleepy()
+    at.clear_memory_cache()
+    assert at.config_for("test_sleepy", "cpu", key, "cpu") == {"kind": "fast"}
+
+
+def test_a_store_waiting_for_another_process_does_not_stall_lookups(tmp_cache):
+    """tune() waiting for another process's lock on the cache file held the process-wide lookup lock too:
+    every other thread's first lookup of a shape waited with it (12 s behind a 15 s lock; audit finding)."""
+    import fcntl
+    import threading
+
+    _register_sleepy()
+    at.config_for("test_sleepy", "cpu", {"dtype": "torch.float32", "n": 1}, "cpu")  # the (empty) cache loaded
+    path = at.cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(path.resolve()) + ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # (another descriptor: excludes this process's stores too)
+        release = threading.Timer(5.0, fcntl.flock, (held, fcntl.LOCK_UN))  # (the old code waited for this)
+        release.start()
+        t = threading.Thread(target=at._store, args=("cpu", "test_sleepy|cpu|x", {"config": {}, "time_s": 1.0}))
+        t.start()
+        try:
+            time.sleep(0.5)
+            assert t.is_alive()  # waiting for the file lock
+            start = time.perf_counter()
+            assert at.config_for("test_sleepy", "cpu", {"dtype": "torch.float32", "n": 2048}, "cpu") == {"kind": "default"}
+            took = time.perf_counter() - start
+        finally:
+            release.join()
+            t.join(60)
+    assert took < 2.0, took

@@ -33,6 +33,7 @@ import math
 import os
 import platform
 import re
+import stat
 import statistics
 import sys
 import tempfile
@@ -54,6 +55,7 @@ __all__ = ["Tunable", "register", "tune", "cache_file", "config_for", "lookup", 
 CACHE_FORMAT = 1
 MIN_GAIN = 0.03  # a tuned config must beat the default by 3% head to head to replace it
 _LOCK = threading.RLock()
+MAX_CACHE_FILE_BYTES = 64 << 20  # a cache of ~100K entries; past it a file is not one of ours
 
 
 def _new_lock_after_fork():
@@ -252,6 +254,21 @@ def _valid_entry(entry) -> bool:
         return False
 
 
+def read_cache_json(path: Path):
+    """The parsed JSON of a cache file, read only where it is a regular file of at most MAX_CACHE_FILE_BYTES
+    (a FIFO hung the first op, and every thread behind the lookup lock; a link to /dev/zero read until
+    memory ran out: audit finding). Raises OSError or ValueError."""
+    # O_NONBLOCK: opening a FIFO to read blocks until a writer comes (it means nothing for regular files)
+    with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as fh:
+        st = os.fstat(fh.fileno())  # (of the descriptor read below: no race with a rename)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        raw = fh.read(MAX_CACHE_FILE_BYTES + 1)
+    if len(raw) > MAX_CACHE_FILE_BYTES:
+        raise ValueError(f"past the {MAX_CACHE_FILE_BYTES} bytes a cache file may have")
+    return json.loads(raw.decode("utf-8"))
+
+
 def load_cache_file(path: Path, device=None, check_metadata: bool = True) -> dict:
     """Entries of a cache file; {} (with a warning) when missing, corrupt or made by other versions.
     Malformed entries (a hand-edited or damaged file) are dropped with a warning."""
@@ -259,7 +276,7 @@ def load_cache_file(path: Path, device=None, check_metadata: bool = True) -> dic
     if not path.exists():
         return {}
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
+        data = read_cache_json(path)
         meta, entries = data["metadata"], data["entries"]
         if not isinstance(meta, dict) or not isinstance(entries, dict):
             raise ValueError("metadata or entries is not an object")
@@ -286,6 +303,9 @@ _MEMORY: dict[str, dict] = {}  # device id -> entries (user cache over shipped c
 
 def _entries(device) -> dict:
     dev = device_id(device)
+    found = _MEMORY.get(dev)
+    if found is not None:  # loaded: no lock (one held by a store or a load must not stall every op's lookup)
+        return found
     with _LOCK:
         if dev not in _MEMORY:
             merged = dict(load_cache_file(_shipped_file(device), device))
@@ -338,7 +358,10 @@ os.umask(_UMASK)
 
 def _store(device, ekey: str, entry: dict) -> Path:
     path = cache_file(device)
-    with _LOCK, _file_lock(path):
+    # Only the file lock while waiting for another process's store (under _LOCK, every thread's first
+    # lookup of a shape waited with it: an op stalled 12 s behind a tune(); audit finding). Threads of this
+    # process exclude each other through it too: flock locks on separate descriptors do.
+    with _file_lock(path):
         current = load_cache_file(path, device) if path.exists() else {}
         current[ekey] = entry
         payload = {"metadata": _metadata(device), "entries": current}
@@ -449,6 +472,20 @@ def _is_own_config(tunable: Tunable, key: dict, config: dict) -> bool:
         return False
 
 
+def _same_default(tunable: Tunable, key: dict, entry: dict) -> bool:
+    """Whether the entry was tuned against the op's default of today: a tuned config beat the default it
+    was measured with, not necessarily a better one that a later version made the default (the cache file
+    is named by the package version, which does not change with every heuristic; audit finding). Entries
+    without the record (older files) count as current."""
+    recorded = entry.get("default_config")
+    if recorded is None:
+        return True
+    try:
+        return isinstance(recorded, dict) and _same_config(recorded, dict(tunable.default(key)))
+    except Exception:  # noqa: BLE001 - a key the tunable cannot describe: not current
+        return False
+
+
 def config_for(op: str, backend: str, key: dict, device) -> dict:
     """The config to run: tuned (cache) when there is one for this key, else the op's heuristic.
     Memoized per (op, backend, key, device): this sits on every op's call path."""
@@ -468,6 +505,8 @@ def config_for(op: str, backend: str, key: dict, device) -> dict:
             warnings.warn(f"pykernels.autotune: ignoring cached config {config} of {op}/{backend}: {why}",
                           stacklevel=3)
             config = None
+        if config is not None and not _same_default(tunable, key, entry):
+            config = None  # measured against another default (the op's heuristic changed since): it runs
         if config is None:
             config = dict(tunable.default(key)) if tunable is not None else {}
         with _LOCK:

@@ -129,7 +129,7 @@ def show(args) -> int:
         print(f"no cache at {path}")
         return 1
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
+        data = at.read_cache_json(path)
         meta = data.get("metadata", {})
         if not isinstance(meta, dict) or not isinstance(data.get("entries", {}), dict):
             raise ValueError("metadata or entries is not an object")
