@@ -24,6 +24,7 @@ Partials are merged in fp32 (fp64 for fp64 inputs) with the stable form
 """
 from __future__ import annotations
 
+import contextlib
 import numbers
 from typing import List, Optional
 
@@ -36,6 +37,7 @@ from . import _attention_block as blk
 from . import _attention_comm as comm
 from . import _traced
 from pykernels import _native
+from pykernels._backend import autocast_floats, autocast_off
 from pykernels.attention import backward_follows
 
 _LAYOUTS = ("zigzag", "contiguous")
@@ -318,11 +320,17 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
     are bad on any rank raise on every rank. Works over gloo (CPU tensors) and NCCL (CUDA tensors)."""
     op = "collectives.ring_attention"
     if torch.compiler.is_compiling():
+        if torch._C._is_any_autocast_enabled():  # (as flash_attention's and SDPA's)
+            q, k, v = autocast_floats(q, k, v)
         return _traced_attention(op, False, q, k, v, causal, scale, group, None, layout, return_lse)
     q, k, v = (_as_tensor(t, op, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+    autocast = torch._C._is_any_autocast_enabled()
+    if autocast:  # (as flash_attention's and SDPA's; then off: the blocks compute in fp32)
+        q, k, v = autocast_floats(q, k, v)
     grp = comm.Group(op, group)
     scale = _validate(op, q, k, v, causal, scale, layout, return_lse, grp)
-    out, lse = _RingAttention.apply(q, k, v, scale, bool(causal), layout, grp)
+    with autocast_off() if autocast else contextlib.nullcontext():
+        out, lse = _RingAttention.apply(q, k, v, scale, bool(causal), layout, grp)
     return (out, lse) if return_lse else out
 
 
@@ -515,15 +523,21 @@ def token_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
         else:
             pg_back = pair[1]
     if torch.compiler.is_compiling():
+        if torch._C._is_any_autocast_enabled():
+            q, k, v = autocast_floats(q, k, v)
         return _traced_attention(op, True, q, k, v, causal, scale, group, pg_back, layout, return_lse,
                                  pair_error=pair_error)
     q, k, v = (_as_tensor(t, op, n) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+    autocast = torch._C._is_any_autocast_enabled()
+    if autocast:
+        q, k, v = autocast_floats(q, k, v)
     grp = comm.Group(op, group)
     scale = _validate(op, q, k, v, causal, scale, layout, return_lse, grp, prior_error=_exception_of(pair_error),
                       back_group=pg_back)
     if grp.world > 1 and pg_back is None:
         pg_back = comm.second_group(grp)
-    out, lse = _TokenRingAttention.apply(q, k, v, scale, bool(causal), layout, grp, pg_back)
+    with autocast_off() if autocast else contextlib.nullcontext():
+        out, lse = _TokenRingAttention.apply(q, k, v, scale, bool(causal), layout, grp, pg_back)
     return (out, lse) if return_lse else out
 
 

@@ -1881,3 +1881,19 @@ def test_nested_and_mkldnn_inputs_get_the_layout_error():
     for x in inputs:
         with pytest.raises(ValueError, match=r"^pykernels\.flash_attention: expected 'q' to be a dense"):
             pykernels.flash_attention(x, x, x)
+
+
+def test_autocast_takes_array_inputs_and_keeps_the_exact_paths_in_float32():
+    """Under autocast: numpy k, v are cast with a tensor q (they raised 'expected q, k, v of one dtype'), and the
+    exact paths (a NaN in q recomputes the call through torch.matmul) run with autocast off, as SDPA's
+    internals do (their lse was 1e-2 off; review findings)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = pykernels.flash_attention(q, k.numpy(), v.numpy())
+    assert out.dtype == torch.bfloat16
+    q[0, 0, 3, 0] = float("nan")
+    _, plain = pykernels.flash_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), return_lse=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, auto = pykernels.flash_attention(q, k, v, return_lse=True)
+    torch.testing.assert_close(auto, plain, rtol=0, atol=0, equal_nan=True)

@@ -961,3 +961,16 @@ def test_a_store_waiting_for_another_process_does_not_stall_lookups(tmp_cache):
             release.join()
             t.join(60)
     assert took < 2.0, took
+
+
+def test_a_cache_path_that_is_a_directory_leaks_no_descriptor(tmp_cache):
+    """Loading a cache whose path is a directory closes its descriptor (open(fd) raised and leaked it; review
+    finding)."""
+    path = at.cache_file()
+    path.mkdir(parents=True)
+    before = len(os.listdir("/proc/self/fd"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(20):
+            assert at.load_cache_file(path) == {}
+    assert len(os.listdir("/proc/self/fd")) <= before

@@ -3180,9 +3180,10 @@ def test_tables_reach_a_spawned_process():
 
 
 def test_deterministic_mode_inserts_on_one_thread(monkeypatch):
-    """Inserts race across threads (which duplicate's value is kept, the order of a multi-value key's values
-    and of items()); under torch.use_deterministic_algorithms(True) they and rehashes run on one thread,
-    so identical runs agree (audit finding: 2-5 distinct results in 5 runs on 2 threads)."""
+    """Inserts and erases race across threads (which duplicate's value is kept or is reported erased, the order
+    of a multi-value key's values and of items()); under torch.use_deterministic_algorithms(True) they and
+    rehashes run on one thread, so identical runs agree (audit finding: 2-5 distinct results in 5 runs on 2
+    threads)."""
     keys = torch.arange(300_000) % 5000
     vals = torch.arange(300_000)
     prev = torch.are_deterministic_algorithms_enabled()
@@ -3190,8 +3191,8 @@ def test_deterministic_mode_inserts_on_one_thread(monkeypatch):
     try:
         from pykernels.hashing import _tables
         seen = []
-        real = _tables._OpenTable._insert_threads
-        monkeypatch.setattr(_tables._OpenTable, "_insert_threads",
+        real = _tables._OpenTable._mutating_threads
+        monkeypatch.setattr(_tables._OpenTable, "_mutating_threads",
                             lambda self, t: seen.append(real(self, t)) or seen[-1])
         runs = set()
         for _ in range(3):
@@ -3200,7 +3201,7 @@ def test_deterministic_mode_inserts_on_one_thread(monkeypatch):
             m = MultiValueHashMap(1 << 16, torch.int64, torch.int64)
             m.insert(keys, vals)
             runs.add((tuple(h.find(torch.arange(5000))[0].tolist()), tuple(m.find(torch.tensor([7]))[1].tolist()),
-                      tuple(h.items()[0].tolist())))
+                      tuple(h.items()[0].tolist()), tuple(h.erase(keys).tolist())))
         assert len(runs) == 1
         assert seen and set(seen) == {1}
     finally:

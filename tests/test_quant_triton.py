@@ -217,3 +217,37 @@ def test_triton_qmatmul_refuses_sizes_past_its_32_bit_block_offsets():
     _check_spans(16744, 128256, 4096, y_block=65 * 128256, scales=128256 * 32)  # the audit's LM head: fine
     with pytest.raises(ValueError, match="backend 'triton' indexes inside a block in 32 bits.*scales"):
         _check_spans(1, 2 ** 26, 2 ** 12, scales=2 ** 26 * 2 ** 5)
+
+
+def test_triton_split_k_is_off_in_deterministic_mode(triton_interpret, monkeypatch):
+    """Split-K partial sums meet through fp32 atomics in no fixed order: under
+    torch.use_deterministic_algorithms(True) the kernel runs with SPLIT_K=1 whatever the config (review)."""
+    from pykernels.quant import _triton
+    from pykernels.quant._ops import _impl
+
+    launched = []
+    real = _triton._kernel
+
+    def spy(fn):
+        k = real(fn)
+
+        class Grid:
+            def __getitem__(self, grid):
+                def launch(*a, **kw):
+                    launched.append(kw.get("SPLIT_K"))
+                    return k[grid](*a, **kw)
+                return launch
+        return Grid()
+
+    monkeypatch.setattr(_triton, "_kernel", spy)
+    qw = pykernels.quantize(torch.randn(24, 320), 4, 64, "asym")
+    x = torch.randn(4, 320)
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 3}
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        y = _impl(x, qw.packed, qw.scales, qw.offsets, None, None, None, 24, 320, 4, 64, 0, "triton", config=cfg)
+    finally:
+        torch.use_deterministic_algorithms(prev)
+    assert launched == [1]
+    assert_close(y, x, qw)

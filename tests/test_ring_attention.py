@@ -1079,3 +1079,18 @@ def test_shard_sequence_dim_must_be_an_int():
                 fn(x, dim=bad)
         with pytest.raises(ValueError, match="0-d tensor"):
             fn(torch.tensor(1.0), dim=0)
+
+
+@pytest.mark.parametrize("fn", ["ring", "token"])
+def test_autocast_casts_the_inputs_as_flash_attention_does(fn):
+    """Under torch.autocast the ring ops cast q, k, v as flash_attention and SDPA do (they returned float32,
+    and q from an autocast layer with float32 k, v raised; review finding)."""
+    assert not dist.is_initialized()
+    q, k, v, _ = make_inputs(3, 2, 4, 2, 10, 8, torch.float32)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, lse = FNS[fn](q.bfloat16(), k, v, causal=True, layout="contiguous", return_lse=True)
+        ref, ref_lse = pykernels.flash_attention(q, k, v, causal=True, return_lse=True)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)

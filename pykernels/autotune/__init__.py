@@ -259,10 +259,15 @@ def read_cache_json(path: Path):
     (a FIFO hung the first op, and every thread behind the lookup lock; a link to /dev/zero read until
     memory ran out: audit finding). Raises OSError or ValueError."""
     # O_NONBLOCK: opening a FIFO to read blocks until a writer comes (it means nothing for regular files)
-    with open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)), "rb") as fh:
-        st = os.fstat(fh.fileno())  # (of the descriptor read below: no race with a rename)
-        if not stat.S_ISREG(st.st_mode):
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # (of the descriptor read below: no race with a rename)
             raise ValueError("not a regular file")
+        fh = open(fd, "rb")
+    except BaseException:
+        os.close(fd)  # (a directory: open(fd) raised and leaked it; review finding)
+        raise
+    with fh:
         raw = fh.read(MAX_CACHE_FILE_BYTES + 1)
     if len(raw) > MAX_CACHE_FILE_BYTES:
         raise ValueError(f"past the {MAX_CACHE_FILE_BYTES} bytes a cache file may have")

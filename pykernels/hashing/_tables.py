@@ -426,9 +426,9 @@ class _OpenTable(_TableState):
         t = int(cfg.get("threads", 0) or 0)
         return t if t > 0 else torch.get_num_threads()
 
-    def _insert_threads(self, threads: int) -> int:
-        """Threads for an insert or rehash: they race (CAS), so which of a key's duplicates is kept and the
-        order of a multi-value key's values and of items() follow the timing. Under
+    def _mutating_threads(self, threads: int) -> int:
+        """Threads for an insert, erase or rehash: they race (CAS), so which of a key's duplicates is kept
+        (or reported erased) and the order of a multi-value key's values and of items() follow the timing. Under
         torch.use_deterministic_algorithms(True) the CPU runs them on one thread (audit finding: identical
         runs gave different results); a GPU raises torch's alert, as torch's own nondeterministic CUDA ops
         do (an error, or a warning with warn_only=True)."""
@@ -446,7 +446,7 @@ class _OpenTable(_TableState):
         (status, (new, new_empty, pending))."""
         status, counts = _ops.hash_insert_(self._slots, self._special, kbits, vbits, self._nw, self.window, self.seed,
                                            self._kb, self._vb, mode, self._used, self._limit(),
-                                           self._insert_threads(int(cfg.get("threads", 0) or 0)),
+                                           self._mutating_threads(int(cfg.get("threads", 0) or 0)),
                                            int(cfg.get("prefetch", 32)))
         return status, counts if type(counts) is tuple else tuple(int(c) for c in counts.tolist())
 
@@ -638,7 +638,7 @@ class _OpenTable(_TableState):
         new_special[:4] = self._special[:4]
         cfg = self._config("hash_insert")
         moved = self._mod.rehash(old_slots.data_ptr(), old_nw, new_slots.data_ptr(), new_special.data_ptr(), new_nw,
-                                 self.window, self.seed, self._kb, self._vb, self._insert_threads(self._threads(cfg)),
+                                 self.window, self.seed, self._kb, self._vb, self._mutating_threads(self._threads(cfg)),
                                  int(cfg.get("prefetch", 32)), *_ops.stream_args(self.device))
         self._slots, self._nw, self._special = new_slots, new_nw, new_special
         self._used = moved
@@ -660,7 +660,8 @@ class _OpenTable(_TableState):
         if n:
             cfg = self._config("hash_find")
             total = self._mod.erase(*self._geo(), kbits.data_ptr(), n, out.data_ptr(), self._multi, self._counting,
-                                    self._threads(cfg), int(cfg.get("prefetch", 32)), *_ops.stream_args(self.device))
+                                    self._mutating_threads(self._threads(cfg)), int(cfg.get("prefetch", 32)),
+                                    *_ops.stream_args(self.device))
             self._size -= total
             # Many tombstones: rebuild in place. Inserts reuse tombstones, so a table churned by inserts
             # and erases at a high max_load_factor would otherwise keep no EMPTY slot, every window's

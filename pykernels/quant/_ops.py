@@ -334,6 +334,10 @@ def cuda_qmatmul(x2, packed, scales, offsets, planes, wsum, bias, N, K, bits, gr
                    offsets.data_ptr(), N, group_size, b.data_ptr() if b is not None else 0, y.data_ptr(), rg,
                    bool(cfg.get("pipe", False)), cuda_stream_handle(dev))
         return y
+    if not act_bits and torch.are_deterministic_algorithms_enabled():
+        torch._C._alert_not_deterministic("pykernels.qmatmul's CUDA 'simt' kernel (its K slices meet through "
+                                          "float atomics; the 'mma' kernel, Triton's with SPLIT_K=1 and the CPU's "
+                                          "are deterministic)")
     y = torch.zeros(M, N, dtype=torch.float32, device=dev)
     stream = cuda_stream_handle(dev)
     if act_bits:

@@ -262,6 +262,8 @@ def qmatmul(x2, packed, scales, offsets, planes, wsum, bias, N, K, bits, group_s
         x2, cfg = x2.float(), {}  # (the fp32 kernel's own default tiles: fp16's tuned ones may not fit it)
     c = dict(default_config(M, N, K, x2.dtype))
     c.update({k: v for k, v in cfg.items() if k in c})
+    if torch.are_deterministic_algorithms_enabled():
+        c["SPLIT_K"] = 1  # split-K partial sums meet through fp32 atomics, in no fixed order (review finding)
     bk = c["BLOCK_K"]
     if G > 1 and gsize % bk:
         bk = 32
