@@ -930,6 +930,7 @@ def test_an_entry_tuned_against_another_default_gives_way_to_todays_default(tmp_
     _register_sleepy(default="slow", cands=("fast", "default"))  # a later version's heuristic
     at.clear_memory_cache()
     assert at.config_for("test_sleepy", "cpu", key, "cpu") == {"kind": "slow"}
+    assert at.lookup("test_sleepy", key, "cpu") is None  # nor does it choose the backend (dispatch's lookup)
     _register_sleepy()
     at.clear_memory_cache()
     assert at.config_for("test_sleepy", "cpu", key, "cpu") == {"kind": "fast"}

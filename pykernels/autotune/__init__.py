@@ -409,7 +409,10 @@ def lookup(op: str, key: dict, device, backend: Optional[str] = None) -> Optiona
     entries = _entries(device)
     if backend is not None:
         return entries.get(_entry_key(op, backend, key))
-    found = [e for b in ("cuda", "triton", "cpu") for e in [entries.get(_entry_key(op, b, key))] if e]
+    # (an entry tuned against another default than its op's current one does not choose the backend either:
+    # config_for would run that backend's untimed new default; review finding)
+    found = [e for b in ("cuda", "triton", "cpu") for e in [entries.get(_entry_key(op, b, key))]
+             if e and (_REGISTRY.get((op, b)) is None or _same_default(_REGISTRY[(op, b)], key, e))]
     return min(found, key=lambda e: e.get("time_s", math.inf)) if found else None
 
 
