@@ -291,9 +291,15 @@ def _rd_core(comm: Comm, x, tmp, lo, hi, ctx: Ctx):
     receives keep gloo's I/O thread busier) for no gain in time; halving-doubling and the ring, whose
     rounds are bigger, do gain from it."""
     p, i = comm.size, comm.me
+    # Both members of a pair reduce (lower member's part) op (upper member's part), in that order: max/min
+    # of -0.0 and +0.0 or of two NaNs, and the sum of NaNs of other signs, depend on the operand order,
+    # and each member taking its own first left ranks with different bits (the sign of a zero, a NaN;
+    # review finding). Integer ops do not depend on it.
+    ordered = x.is_floating_point()
     mask = 1
     while mask < p:
         peer = i ^ mask
+        upper = ordered and bool(i & mask)
         # x is still being sent while its pieces come in: a piece is reduced in place once its own send
         # is done too (they finish as fast as the receives on a symmetric exchange), so no copy back
         rnd = ctx.tg.next()
@@ -305,7 +311,11 @@ def _rd_core(comm: Comm, x, tmp, lo, hi, ctx: Ctx):
             if s is not None:
                 s.wait()
             if ts.numel():
-                ctx.red(xs, ts)
+                if upper:  # the peer's part first, then ours: the bits the peer computes
+                    ctx.red(ts, xs)
+                    xs.copy_(ts)
+                else:
+                    ctx.red(xs, ts)
         mask <<= 1
 
 

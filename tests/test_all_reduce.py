@@ -682,6 +682,20 @@ def chk_hook_skips_the_agreement_check():
         M._check_agreement = real
 
 
+def chk_bits(algos, topology):
+    """Every rank's bits after max/min of -0.0 and +0.0 and of NaNs of other signs, and after the sum of such
+    NaNs (operand order decides them)."""
+    rank = dist.get_rank()
+    out = []
+    for algo in algos:
+        x = torch.tensor([-0.0 if rank % 2 == 0 else 0.0, float("nan") if rank % 2 == 0 else -float("nan"), 1.0])
+        for op in ("max", "min", "sum"):
+            y = x.clone()
+            collectives.all_reduce(y, op, algorithm=algo, topology=topology)
+            out.append((algo, op, y.view(torch.int32).tolist()))
+    return out
+
+
 def chk_detect():
     t = Topology.detect()
     return repr(t), t.note
@@ -1627,3 +1641,12 @@ def test_process_exits_cleanly_after_destroy_process_group(mode, tmp_path):
             expected = "EXIT-OK 1.0" if mode == "ring_attention" else "EXIT-OK 2.0"  # x untouched / summed
             assert p.returncode == 0 and expected in out, \
                 f"rank {r} ({mode}, trial {trial}): exit status {p.returncode}\n{out[-3000:]}"
+
+
+def test_every_rank_holds_the_same_bits(clusters):
+    """Recursive doubling reduced each pair in both orders (own part first), so max of -0.0 and +0.0 left
+    +0 on one rank and -0 on the other, and NaN signs differed; now each pair takes (lower, upper) on both
+    sides, as every other algorithm and gloo's own leave the same bits on every rank (review finding)."""
+    for world, topo in ((2, None), (4, [2, 2]), (3, None)):
+        res = clusters(world).run("chk_bits", ALGOS + ["native"], topo)
+        assert all(r == res[0] for r in res), (world, res)
