@@ -454,12 +454,21 @@ def _load_params(group, topo: Topology) -> Params:
             pass
         text = params.to_json()
     if dist.get_world_size(group) > 1:
-        obj = [(text, list(topo.sizes))]
+        # the level sizes AND the ranks' order: ranks that listed the members of a node in another order
+        # met each other's messages (same sizes, same tags) and returned wrong sums without an error
+        # (review finding); all raise together, through one more collective on first use: before, only
+        # the ranks that disagreed with rank 0 raised and the others waited for the group timeout
+        mine = (list(topo.sizes), list(topo.ranks))
+        obj = [(text, mine)]
         dist.broadcast_object_list(obj, group_src=0, group=group)
-        text, sizes0 = obj[0]
-        if sizes0 != list(topo.sizes):
+        text, theirs = obj[0]
+        agree = torch.tensor([int(theirs == mine)], dtype=torch.int64,
+                             device="cuda" if backend == "nccl" else "cpu")
+        dist.all_reduce(agree, op=dist.ReduceOp.MIN, group=group)
+        if not int(agree):
             raise ValueError(f"{OPNAME}: the ranks disagree on the topology: rank 0 of the group has level sizes "
-                             f"{sizes0}, this rank {list(topo.sizes)}; every rank must pass the same")
+                             f"{theirs[0]} and ranks {theirs[1]}, this rank {mine[0]} and {mine[1]}; every rank "
+                             f"must pass the same")
     params = Params.from_json(text)
     params.inner_shm = _inner_shm_possible(group)
     with _STATE_LOCK:
@@ -742,7 +751,7 @@ def _native_drops_nan(op: str, dtype: torch.dtype) -> bool:
 def _run_p2p(name: str, choice: dict, x: torch.Tensor, n: int, op: str, group, topo: Topology, dtype):
     """Our algorithms over point-to-point messages whose tags hash the call's signature: ranks that
     disagree never match each other's messages, so they time out instead of mixing data."""
-    sig = f"{n}|{dtype}|{op}|{json.dumps(choice, sort_keys=True)}|{topo.sizes}"
+    sig = f"{n}|{dtype}|{op}|{json.dumps(choice, sort_keys=True)}|{topo.sizes}|{topo.ranks}"
     piece = A.piece_elems(n * x.element_size(), x.element_size())
     ctx = A.Ctx(_REDUCE[op], piece, A.Tagger(sig), op, dtype, sig)
     tmp = _scratch(group, x, dist.get_world_size(group))

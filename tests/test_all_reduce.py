@@ -613,6 +613,24 @@ def chk_mismatch(kind, algo, timeout_s):
     return ("returned", None, None, time.monotonic() - t0)
 
 
+def chk_topology_mismatch(kind):
+    """Rank 0 lists a node's members in another order (same level sizes), or passes other sizes: every
+    rank raises, none returns a wrong sum or waits for the timeout."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = dist.new_group(list(range(world)), timeout=timedelta(seconds=20))
+    if kind == "ranks":
+        topo = Topology([2, 2], ranks=[0, 2, 1, 3] if rank == 0 else None)
+    else:
+        topo = Topology([4] if rank == 0 else [2, 2])
+    x = torch.arange(7, dtype=torch.float64) * 10 ** rank
+    t0 = time.monotonic()
+    try:
+        collectives.all_reduce(x, group=g, topology=topo, algorithm="hierarchical")
+    except ValueError as exc:
+        return ("raised", str(exc)[:120], time.monotonic() - t0)
+    return ("returned", x.tolist(), time.monotonic() - t0)
+
+
 def chk_world_ok():
     x = torch.ones(10)
     collectives.all_reduce(x)
@@ -1650,3 +1668,14 @@ def test_every_rank_holds_the_same_bits(clusters):
     for world, topo in ((2, None), (4, [2, 2]), (3, None)):
         res = clusters(world).run("chk_bits", ALGOS + ["native"], topo)
         assert all(r == res[0] for r in res), (world, res)
+
+
+def test_ranks_that_disagree_on_the_topology_all_raise(clusters):
+    """Same level sizes but another order of a node's ranks on rank 0 returned wrong sums on every rank with
+    no error; other sizes on rank 0 raised on the other ranks only, rank 0 waiting for the timeout
+    (review finding)."""
+    c = clusters(4)
+    for kind in ("ranks", "sizes"):
+        res = c.run("chk_topology_mismatch", kind, timeout=90)
+        assert all(r[0] == "raised" and "disagree on the topology" in r[1] and r[2] < 15 for r in res), (kind, res)
+    c.run("chk_world_ok")
