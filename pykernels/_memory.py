@@ -151,7 +151,17 @@ class OutputCache:
             return out
 
     def _make_room(self):
-        """Drop least recently used storages, idle (or moved) ones first, until all fit under the cap."""
+        """Drop every moved storage (shared, grown or exported: its tensors own it now; kept, a result moved
+        to shared memory held its segment and a file descriptor until evicted, and a grown one counted at
+        its old size: audit finding), then least recently used ones, idle first, until all fit under the
+        cap. (On misses only, whose new pages cost far more than this walk.)"""
+        for n, lst in list(self._by_size.items()):
+            keep = [c for c in lst if not c.moved()]
+            if len(keep) != len(lst):
+                if keep:
+                    lst[:] = keep
+                else:
+                    del self._by_size[n]
         entries = [c for lst in self._by_size.values() for c in lst]
         total = sum(c.nbytes for c in entries)
         if total <= self.limit:

@@ -3206,3 +3206,16 @@ def test_deterministic_mode_inserts_on_one_thread(monkeypatch):
         assert seen and set(seen) == {1}
     finally:
         torch.use_deterministic_algorithms(prev)
+
+
+def test_multi_value_reserved_keys_keep_few_pieces():
+    """The values of the reserved keys (-1, -2) are merged as a binary counter: one piece per insert call
+    cost memory and made every lookup concatenate them all (audit finding); order kept."""
+    m = MultiValueHashMap(1 << 10)
+    k = torch.tensor([-1, 5, -2, -1])
+    for i in range(1, 2001):
+        m.insert(k, torch.tensor([1, 2, 3, 4]) + i)
+    assert all(len(lst) <= 12 for lst in m._special_multi.values())
+    assert m.count(torch.tensor([-1, -2, 5])).tolist() == [4000, 2000, 2000]
+    _, vals = m.find(torch.tensor([-1]))
+    assert torch.equal(vals, torch.stack([1 + torch.arange(1, 2001), 4 + torch.arange(1, 2001)], 1).reshape(-1))

@@ -329,3 +329,25 @@ def test_a_dropped_cache_frees_its_storages_and_a_forked_child_can_use_one():
             raise AssertionError("the forked child did not finish within 60 s")
         time.sleep(0.05)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+def test_results_moved_to_shared_memory_or_grown_leave_the_cache_at_the_next_miss():
+    """A result moved to shared memory (what torch.multiprocessing and DataLoader workers do) stayed cached,
+    holding its segment and a file descriptor until evicted (1019 results hit ulimit -n 1024); one grown by
+    resize_ was counted at its old size (audit finding)."""
+    import os
+
+    from pykernels import _memory
+    pykernels.empty_cache()
+    fds = len(os.listdir("/proc/self/fd"))
+    for i in range(40):
+        v = pykernels.sort_keys(torch.randint(-128, 128, ((1 << 20) + i,), dtype=torch.int8))
+        v.share_memory_()
+        del v
+        w, _ = pykernels.sort(torch.randn((1 << 18) + 7 * i))
+        w.resize_(1 << 21)  # grown: 8 MiB
+        del w
+    assert len(os.listdir("/proc/self/fd")) <= fds + 2
+    held = [c for lst in _memory.OUTPUTS._by_size.values() for c in lst]
+    assert sum(c.moved() for c in held) <= 2, len(held)
+    pykernels.empty_cache()
