@@ -597,7 +597,10 @@ def _resolve(algorithm: str, group, topo: Topology, nbytes: int) -> dict:
                                f"one host with a shared, writable /dev/shm (and the native extension); this "
                                f"group's do not")
         return {"algorithm": "shared_memory"}
-    params = _load_params(group, topo)  # also checks that every rank passed the same topology
+    # also checks that every rank passed the same topology, on the first call with it (per group): a rank
+    # that later passes another one alone meets the others' messages under other tags, and the call times out
+    # (no wrong sums) rather than raising (review finding; left as is)
+    params = _load_params(group, topo)
     p = dist.get_world_size(group)
     native_outer = p == dist.get_world_size() or topo.num_levels == 1
     shm = _has_shm(group, topo)

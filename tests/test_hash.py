@@ -3209,8 +3209,9 @@ def test_deterministic_mode_inserts_on_one_thread(monkeypatch):
 
 
 def test_multi_value_reserved_keys_keep_few_pieces():
-    """The values of the reserved keys (-1, -2) are merged as a binary counter: one piece per insert call
-    cost memory and made every lookup concatenate them all (audit finding); order kept."""
+    """The values of the reserved keys (-1, -2) are kept in O(log n) pieces, whatever the batch sizes: one
+    piece per insert call cost memory and made every lookup concatenate them all (audit finding); order
+    kept."""
     m = MultiValueHashMap(1 << 10)
     k = torch.tensor([-1, 5, -2, -1])
     for i in range(1, 2001):
@@ -3219,3 +3220,9 @@ def test_multi_value_reserved_keys_keep_few_pieces():
     assert m.count(torch.tensor([-1, -2, 5])).tolist() == [4000, 2000, 2000]
     _, vals = m.find(torch.tensor([-1]))
     assert torch.equal(vals, torch.stack([1 + torch.arange(1, 2001), 4 + torch.arange(1, 2001)], 1).reshape(-1))
+    shrinking = MultiValueHashMap(1 << 10)  # batches of 300, 299, ..., 1 values (kept 300 pieces: review)
+    for n in range(300, 0, -1):
+        shrinking.insert(torch.full((n,), -1), torch.arange(n))
+    assert [len(lst) <= 17 for lst in shrinking._special_multi.values()] == [True]  # log2(45150) + 1
+    _, vals = shrinking.find(torch.tensor([-1]))
+    assert torch.equal(vals, torch.cat([torch.arange(n) for n in range(300, 0, -1)]))

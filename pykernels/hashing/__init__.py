@@ -179,10 +179,11 @@ class MultiValueHashMap(_OpenTable):
             for bits, m in self._special_masks(kbits):
                 lst = self._special_multi.setdefault(bits, [])
                 lst.append(vbits[m].clone())
-                # merged as a binary counter (the last two while the newer is no smaller): O(log n) pieces
-                # for lookups to concatenate; one piece per insert call cost ~700 bytes each and a lookup
-                # time growing with the calls (100K inserts of a -1 padding id: 55 ms a count; audit)
-                while len(lst) > 1 and lst[-1].numel() >= lst[-2].numel():
+                # the last two merged while the older is at most twice the newer, so each piece is more
+                # than twice the next: at most log2(n) + 1 pieces for lookups to concatenate, whatever the
+                # batch sizes (one piece per insert call cost ~700 bytes each and a lookup time growing with
+                # the calls: 100K inserts of a -1 padding id, 55 ms a count; audit and review findings)
+                while len(lst) > 1 and lst[-2].numel() <= 2 * lst[-1].numel():
                     lst[-2:] = [torch.cat(lst[-2:])]
                 self._size += int(m.sum())
             self._insert_bits(f"{self._op}.insert", kbits, vbits, M_APPEND)  # reserved patterns: SKIPPED
