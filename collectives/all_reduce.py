@@ -89,22 +89,22 @@ _BASE_OP = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "prod": dist.Red
 # ================================================================================================
 # Argument checks
 # ================================================================================================
-def _parse_op(op) -> str:
+def _parse_op(op, who: str = OPNAME) -> str:
     if isinstance(op, str):
         key = op.lower()
         if key in _OPS:
             return {"product": "prod", "mean": "avg"}.get(key, key)
-        raise ValueError(f"{OPNAME}: op must be one of 'sum', 'avg', 'max', 'min', 'prod' (or a dist.ReduceOp), "
+        raise ValueError(f"{who}: op must be one of 'sum', 'avg', 'max', 'min', 'prod' (or a dist.ReduceOp), "
                          f"got {op!r}")
     if isinstance(op, (int, float)):  # dist.ReduceOp.MIN == 3 is True: a bare 3 must not pass for it
-        raise ValueError(f"{OPNAME}: op must be a str or a dist.ReduceOp, got {type(op).__name__} {op!r}")
+        raise ValueError(f"{who}: op must be a str or a dist.ReduceOp, got {type(op).__name__} {op!r}")
     for name in ("sum", "avg", "max", "min", "prod"):
         try:
             if op == _OPS[name]:
                 return name
         except TypeError:
             break
-    raise ValueError(f"{OPNAME}: op must be one of 'sum', 'avg', 'max', 'min', 'prod' or the matching "
+    raise ValueError(f"{who}: op must be one of 'sum', 'avg', 'max', 'min', 'prod' or the matching "
                      f"dist.ReduceOp, got {op!r}")
 
 
@@ -481,7 +481,10 @@ _TOPOLOGIES: dict = register({}, _STATE_LOCK)  # (group, topology as given) -> i
 
 def _topology_for(group, topology) -> Topology:
     """The effective topology of this call (memoized: built and checked ~10-30 us a call otherwise)."""
-    given = tuple(topology) if isinstance(topology, list) else topology
+    # list/tuple sizes keyed with their types: by equality alone [2.0, 2] or [True, 4] would reuse the
+    # topology of an earlier [2, 2] or [1, 4] call and skip the checks that refuse them (review finding)
+    given = ((type(topology),) + tuple((type(s), s) for s in topology) if isinstance(topology, (list, tuple))
+             else topology)
     try:
         key = (group, given)
         hit = _TOPOLOGIES.get(key)
@@ -1023,7 +1026,7 @@ def plan(numel, dtype=torch.float32, group=None, topology=None, op="sum") -> str
         raise ValueError(f"collectives.plan: numel must be an int >= 0, got {numel!r}")
     if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES:
         raise TypeError(f"collectives.plan: dtype must be one of {', '.join(str(d) for d in _DTYPES)}, got {dtype!r}")
-    op = _parse_op(op)
+    op = _parse_op(op, "collectives.plan")
     group = _default_group(group, "collectives.plan", member=True)
     p = dist.get_world_size(group)
     topo = _topology_for(group, topology)

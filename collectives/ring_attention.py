@@ -37,7 +37,7 @@ from . import _attention_block as blk
 from . import _attention_comm as comm
 from . import _traced
 from pykernels import _native
-from pykernels._backend import autocast_floats, autocast_off
+from pykernels._backend import autocast_floats, autocast_off_if
 from pykernels.attention import backward_follows
 
 _LAYOUTS = ("zigzag", "contiguous")
@@ -329,7 +329,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal:
         q, k, v = autocast_floats(q, k, v)
     grp = comm.Group(op, group)
     scale = _validate(op, q, k, v, causal, scale, layout, return_lse, grp)
-    with autocast_off() if autocast else contextlib.nullcontext():
+    with autocast_off_if(autocast):
         out, lse = _RingAttention.apply(q, k, v, scale, bool(causal), layout, grp)
     return (out, lse) if return_lse else out
 
@@ -536,7 +536,7 @@ def token_ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, c
                       back_group=pg_back)
     if grp.world > 1 and pg_back is None:
         pg_back = comm.second_group(grp)
-    with autocast_off() if autocast else contextlib.nullcontext():
+    with autocast_off_if(autocast):
         out, lse = _TokenRingAttention.apply(q, k, v, scale, bool(causal), layout, grp, pg_back)
     return (out, lse) if return_lse else out
 

@@ -302,6 +302,11 @@ def autocast_off():
         yield
 
 
+def autocast_off_if(on: bool):
+    """autocast_off() where `on` (the op cast its inputs under autocast), else a no-op context."""
+    return autocast_off() if on else contextlib.nullcontext()
+
+
 def _traced_or_transformed() -> bool:
     """torch.compile tracing, torch.jit.trace (the eager fast paths call the native code through data
     pointers, which it would not record: a traced sort returned its uninitialized output; audit finding), a

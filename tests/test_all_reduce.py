@@ -714,6 +714,21 @@ def chk_bits(algos, topology):
     return out
 
 
+def chk_topology_sizes_are_checked_after_a_cached_call():
+    """A topology of the same sizes by equality but of another type ([2.0] after [2], [True, 2] after
+    [1, 2]) is refused: the cache of checked topologies reused them by equality (review finding)."""
+    out = []
+    for good, bad in (([2], [2.0]), ([1, 2], [True, 2]), ((2,), (2.0,))):
+        x = torch.ones(3)
+        collectives.all_reduce(x, topology=good)
+        try:
+            collectives.all_reduce(x, topology=bad)
+            out.append("accepted")
+        except (TypeError, ValueError) as exc:
+            out.append(type(exc).__name__)
+    return out
+
+
 def chk_detect():
     t = Topology.detect()
     return repr(t), t.note
@@ -743,6 +758,7 @@ def test_world_2(clusters):
     c.run("chk_sweep", ALGOS, [None, [2], [1, 2]], [0, 1, 7, 1001], ["sum", "max", "avg"],
           [torch.float32, torch.int64, torch.bfloat16])
     c.run("chk_vs_native", ALGOS + ["native"], [None], [1, 33])
+    assert "accepted" not in sum(c.run("chk_topology_sizes_are_checked_after_a_cached_call"), [])
 
 
 def test_world_4_all_ops_dtypes(clusters):
@@ -911,6 +927,8 @@ def test_argument_errors():
         collectives.plan(-1, torch.float32)
     with pytest.raises(TypeError, match="collectives.plan: dtype"):
         collectives.plan(10, torch.bool)
+    with pytest.raises(ValueError, match="collectives.plan: op"):  # (it named all_reduce)
+        collectives.plan(10, torch.float32, op="xor")
     assert torch.equal(x, torch.ones(3))
 
 

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from .. import _memory, _native, autotune
-from .._backend import _CPU, _traced_or_transformed, autocast_floats, autocast_off, dispatch, eager_direct, functorch_autograd, vmapped_first
+from .._backend import _CPU, _traced_or_transformed, autocast_floats, autocast_off_if, dispatch, eager_direct, functorch_autograd, vmapped_first
 from ..errors import check_same_device
 from . import _cpu
 
@@ -283,14 +283,12 @@ def _backward(ctx, dout, dlse):
         dout = torch.zeros_like(out)
     elif dout.is_neg():  # a lazily negated gradient: the finiteness check reads raw bf16/fp16 bits (audit finding)
         dout = dout.resolve_neg()
-    if torch._C._is_any_autocast_enabled() and not torch.compiler.is_compiling():  # (a backward inside autocast)
-        with autocast_off():
-            dq, dk, dv = backward_op(dout, dlse, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.backend,
-                                     contiguous=False)
-        return (dq, dk, dv) + (None,) * (len(ctx.needs_input_grad) - 3)
     # backward_op: in a plain eager backward (no transform, no trace, no create_graph) the implementation
-    # directly, not through the registered op's dispatch (~100 us of a 16-token call's ~270 us backward)
-    dq, dk, dv = backward_op(dout, dlse, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.backend, contiguous=False)
+    # directly, not through the registered op's dispatch (~100 us of a 16-token call's ~270 us backward);
+    # a backward inside autocast runs with it off, as the forward did
+    with autocast_off_if(torch._C._is_any_autocast_enabled() and not torch.compiler.is_compiling()):
+        dq, dk, dv = backward_op(dout, dlse, q, k, v, out, lse, ctx.causal, ctx.scale, ctx.backend,
+                                 contiguous=False)
     return (dq, dk, dv) + (None,) * (len(ctx.needs_input_grad) - 3)  # causal, scale, backend[, inference]
 
 
@@ -430,9 +428,8 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = N
     """
     if torch._C._is_any_autocast_enabled():
         q, k, v = autocast_floats(*(_native.as_tensor(t, OP, n) for t, n in ((q, "q"), (k, "k"), (v, "v"))))
-        if not torch.compiler.is_compiling():
-            with autocast_off():
-                return _flash_attention(q, k, v, causal, scale, return_lse, backend)
+        with autocast_off_if(not torch.compiler.is_compiling()):
+            return _flash_attention(q, k, v, causal, scale, return_lse, backend)
     return _flash_attention(q, k, v, causal, scale, return_lse, backend)
 
 
