@@ -543,6 +543,39 @@ VIEW_SYNC_SCRIPT = PREAMBLE + textwrap.dedent(r"""
         assert int(new.sum()) == 5 and len(t) == 15
     assert len(t) == 15 and t._used == 15
 
+    # the counters belong to the table, not to one view (review findings): a kernel run through a view
+    # before `with view:` still counts; a temporary view's kernel counts; len() sees kernels at once
+    t = pykernels.HashMap(100, growable=False)
+    v = t.device_view()
+    run(k_insert, v, torch.arange(10), torch.arange(10))
+    assert len(t) == 10 and t.load_factor == 10 / t.capacity, len(t)
+    run(k_insert, v, torch.arange(10, 20), torch.arange(10))
+    with v:
+        run(k_insert, v, torch.arange(20, 25), torch.arange(5))
+    assert len(t) == 25 and t.items()[0].numel() == 25, len(t)
+    t = pykernels.HashMap(100)
+    run(k_insert, t.device_view(), torch.arange(10), torch.arange(10))
+    t.insert(torch.arange(1000, 1200), torch.arange(200))  # grows
+    assert len(t) == 210 and t.items()[0].numel() == 210, len(t)
+    # two live views share the load limit: no filling past max_load_factor
+    t = pykernels.HashMap(100, growable=False, max_load_factor=0.5)
+    limit = t._limit()
+    v1, v2 = t.device_view(), t.device_view()
+    st1 = run(k_insert, v1, torch.arange(limit), torch.arange(limit))
+    st2 = run(k_insert, v2, torch.arange(1000, 1000 + limit), torch.arange(limit))
+    v1.commit(); v2.commit()
+    assert (st1 == hd.NEW).all() and (st2 == hd.FULL).all(), (st1, st2)
+    assert len(t) == limit and t.load_factor <= 0.5, len(t)
+    # erased keys' tombstones do not make the device refuse keys the host would take: the view purges them
+    t = pykernels.HashMap(100, growable=False, max_load_factor=0.5)
+    limit = t._limit()
+    t.insert(torch.arange(limit), torch.arange(limit))
+    t.erase(torch.arange(14))
+    with t.device_view() as v:
+        st = run(k_insert, v, torch.arange(1000, 1010), torch.arange(10))
+    assert (st == hd.NEW).all(), st
+    assert len(t) == limit - 14 + 10 and bool(t.contains(torch.arange(1000, 1010)).all())
+
     # one new key added by two threads with the last slot left: the first to reserve is held until the
     # other has stored the key, then its reservation fails (as when a warp's lanes all reserve before one
     # stores); its add still counts (EXISTED), not FULL

@@ -139,18 +139,18 @@ class _Recount:
 
 
 class _LockWithViews:
-    """A table's lock that also brings its live device views in step with the host call it guards."""
+    """A table's lock that also brings the counters of its numba device views in step with the host call
+    it guards (pykernels.hashing.device._SharedCounters)."""
 
-    __slots__ = ("lock", "views")
+    __slots__ = ("table", "lock", "shared")
 
-    def __init__(self, lock, views):
-        self.lock, self.views = lock, views
+    def __init__(self, table, lock, shared):
+        self.table, self.lock, self.shared = table, lock, shared
 
     def __enter__(self):
         self.lock.acquire()
         try:
-            for v in list(self.views):
-                v._host_call_begins()
+            self.shared.host_call_begins(self.table)
         except BaseException:
             self.lock.release()
             raise
@@ -158,8 +158,7 @@ class _LockWithViews:
 
     def __exit__(self, *exc):
         try:
-            for v in list(self.views):
-                v._host_call_ends()
+            self.shared.host_call_ends(self.table)
         finally:
             self.lock.release()
         return False
@@ -199,7 +198,7 @@ class _TableState:
     inserting into. Loaded with tensors on another device (torch.load's map_location), the table lives
     there: the layout is the same on every backend."""
 
-    _TRANSIENT = ("_mod", "_lock", "_config_cache", "_device_views")
+    _TRANSIENT = ("_mod", "_lock", "_config_cache", "_device_counters")
 
     def __getstate__(self):
         with self._locked():
@@ -298,13 +297,13 @@ class _OpenTable(_TableState):
     def _locked(self, mutating: bool = False):
         """The table's lock; none while torch.compile traces a method (dynamo cannot trace an RLock, and
         the traced kernels are the functional torch.ops.pykernels ops, whose ordering the graph keeps).
-        While numba device views of the table live, the lock also keeps them in step with the host call
-        (pykernels.hashing.device.DeviceView._host_call_begins / _ends). `mutating`: a KeyboardInterrupt
+        Once numba device views of the table were taken, the lock also keeps their counters in step with
+        the host call (pykernels.hashing.device._SharedCounters). `mutating`: a KeyboardInterrupt
         (any signal's exception) inside recounts the table (see _Recount)."""
         if torch.compiler.is_compiling():
             return contextlib.nullcontext()
-        views = self.__dict__.get("_device_views")
-        lock = _LockWithViews(self._lock, views) if views else self._lock
+        shared = self.__dict__.get("_device_counters")
+        lock = _LockWithViews(self, self._lock, shared) if shared is not None else self._lock
         return _Recount(self, lock) if mutating else lock
 
     def _recount(self):
@@ -379,9 +378,12 @@ class _OpenTable(_TableState):
     def load_factor(self) -> float:
         """len(self) / capacity: the keys stored out of band (equal to the EMPTY/TOMBSTONE patterns) count
         here but take no slot, so a small full table may read above max_load_factor."""
-        return self._size / self.capacity
+        return len(self) / self.capacity
 
     def __len__(self):
+        if "_device_counters" in self.__dict__:  # numba kernels may have inserted: count them in first
+            with self._locked():
+                pass
         return self._size
 
     def _limit(self):

@@ -55,8 +55,6 @@ RuntimeWarning.
 """
 from __future__ import annotations
 
-import weakref
-
 import numba
 import numpy as np
 import torch
@@ -723,6 +721,75 @@ def _kind(table) -> str:
     return "set" if table._vb == 0 else "map"
 
 
+def _binding(table):
+    return table._slots.data_ptr(), table._special.data_ptr(), table._nw
+
+
+class _SharedCounters:
+    """The device counters [used slots, load limit, new keys] of a table's current arrays, shared by every
+    DeviceView of them and held by the table (table._device_counters) until it is rehashed.
+
+    One tensor for all views, owned by the table: with one tensor per view, two live views each let the
+    device fill the table to its load limit, a view garbage-collected before commit() (a temporary
+    `t.device_view().args`) lost its kernels' inserts from len() for good (items() then raised), and
+    `with view:` after a kernel through the same view dropped that kernel's count (review findings).
+    Every host call under the table's lock folds the counters in first (host_call_begins) and restarts
+    them from the table's state after (host_call_ends), so the device sees the slots the host took or
+    freed and the limit they leave. A rehash (growth, tombstone purge) happens inside a host call, after
+    the fold: the table then drops these counters, and views bound to the old arrays are detached."""
+
+    __slots__ = ("bound", "tensor", "used0", "limit0")
+
+    def __init__(self, table):
+        self.bound = _binding(table)
+        with normal_tensors():  # copied into in place (refused for an inference tensor outside inference mode)
+            self.tensor = torch.zeros(3, dtype=torch.int64, device=table.device)
+        self.snapshot(table)
+
+    @staticmethod
+    def of(table) -> "_SharedCounters":
+        shared = table.__dict__.get("_device_counters")
+        if shared is None or shared.bound != _binding(table):
+            shared = table._device_counters = _SharedCounters(table)
+        return shared
+
+    def snapshot(self, table):
+        self.used0, self.limit0 = table._used, table._limit()
+        self.tensor.copy_(torch.tensor([self.used0, self.limit0, 0], dtype=torch.int64))
+
+    def fold(self, table):
+        """What kernels did since the last snapshot, into the table's counts."""
+        if table.device.type == "cuda":
+            torch.cuda.synchronize(table.device)
+        used, _, new = (int(x) for x in self.tensor.cpu().tolist())
+        if used != self.used0 or new:
+            table._used += used - self.used0
+            table._size += new
+            self.snapshot(table)
+
+    def host_call_begins(self, table):
+        if self.bound == _binding(table):
+            self.fold(table)
+
+    def host_call_ends(self, table):
+        if self.bound != _binding(table):
+            if table.__dict__.get("_device_counters") is self:
+                del table._device_counters  # rehashed: the next view binds the new arrays
+        elif table._used != self.used0 or table._limit() != self.limit0:
+            self.snapshot(table)
+
+
+def _purge_blocking_tombstones(table):
+    """Device inserts cannot purge tombstones (they count as used slots against the load limit), so a
+    view purges them first where they take at least half the room left below the limit: a growable=False
+    table with erased keys refused device inserts the host accepted (review finding). A purge rehashes,
+    which detaches the table's older views, as a host insert's purge does."""
+    live = table._size - table._n_special()
+    tombstones = table._used - live
+    if tombstones > 0 and 2 * tombstones >= table._limit() - live:
+        table._rehash(table.capacity)
+
+
 class DeviceView:
     """A table's arrays and scalars, as device functions take them.
 
@@ -730,7 +797,7 @@ class DeviceView:
     *_add); `read_args` = (slots, special, nw, window, seed) for the others (*_find, *_contains,
     *_count). slots: the slot array as uint64 words, except layout "set32": uint32 (4-byte slots);
     special: uint64[4 + overflow filter] (hash_layout.h); counters: int64[3] = [used slots, load limit,
-    new keys]; nw: windows; window: slots per window; seed: the hash seed.
+    new keys], one tensor shared by every view of the table's current arrays; nw: windows; window: slots per window; seed: the hash seed.
 
     `layout` names the table's slot layout and `functions` maps its operations to the device functions
     written for that layout (the table in the module docstring):
@@ -751,10 +818,12 @@ class DeviceView:
             kernel[blocks, 256](*v.args, keys_u64, vals_u64, status)
 
     A context manager: on exit, the host table's len() and load accounting take in what the kernel
-    inserted (or call commit() after the kernel). Host calls on the table while a view lives keep it in
+    inserted (or call commit() after the kernel). Host calls on the table (len() included) keep it in
     step: they count the kernels' inserts first, and the next kernel sees the slots they took (or freed:
     clear()). A host insert that grows the table (or purges its tombstones) rehashes it into new arrays:
-    a view bound before then is detached, and commit() / leaving `with` raise, so take a new view; a
+    a view bound before then is detached, and commit() / leaving `with` raise, so take a new view (device_view()
+    itself purges erased keys' tombstones where they fill half the room left below the load limit, since
+    device inserts count them as used slots); a
     kernel run through the detached view wrote into the old arrays, and those inserts are lost. A function
     of another layout than the table's reads its memory wrongly: take them from `functions`, or check
     `layout`."""
@@ -769,67 +838,36 @@ class DeviceView:
                 f"pykernels.hashing.device: DeviceView has no device functions for a {type(table).__name__} with "
                 f"{table._kb}-byte keys and {table._vb}-byte value slots (layout {self.layout})")
         self.table = table
-        self._bound = (table._slots.data_ptr(), table._special.data_ptr(), table._nw)
-        # the table keeps its views (weakly) in step with its host calls: see _host_call_begins/ends
-        views = table.__dict__.get("_device_views")
-        if views is None:
-            views = table._device_views = weakref.WeakSet()
-        views.add(self)
-        with normal_tensors():  # copied into in place (refused for an inference tensor outside inference mode)
-            self._counters = torch.zeros(3, dtype=torch.int64, device=table.device)
-        self._snapshot()
-        slots = _as_u32_array(table._slots) if self.layout == "set32" else _as_u64_array(table._slots)
-        special = _as_u64_array(table._special)
-        self.args = (slots, special, _as_counters(self._counters), table._nw, table.window, table.seed)
-        self.read_args = (slots, special, table._nw, table.window, table.seed)
+        # Under the table's lock: a growth on another thread replaces slots, special and nw one by one
+        # (review finding: a view could bind new slots to the old special).
+        with table._locked():
+            _purge_blocking_tombstones(table)
+            self._shared = _SharedCounters.of(table)
+            self._bound = self._shared.bound
+            slots = _as_u32_array(table._slots) if self.layout == "set32" else _as_u64_array(table._slots)
+            special = _as_u64_array(table._special)
+            self.args = (slots, special, _as_counters(self._shared.tensor), table._nw, table.window, table.seed)
+            self.read_args = (slots, special, table._nw, table.window, table.seed)
 
     def _check_bound(self):
-        t = self.table
-        if (t._slots.data_ptr(), t._special.data_ptr(), t._nw) != self._bound:
+        if _binding(self.table) != self._bound:
             raise RuntimeError("pykernels.hashing.device: the table was rehashed (grown, or its tombstones "
                                "purged) after device_view() bound its arrays, so a kernel would use the old "
                                "ones: take a new device_view()")
 
-    def _stale(self) -> bool:
-        t = self.table
-        return (t._slots.data_ptr(), t._special.data_ptr(), t._nw) != self._bound
-
-    # A host call on the table (insert, erase, clear, find, ...: every one under its lock) runs between
-    # these two. Before it, what kernels inserted through this view so far counts in the table (as
-    # commit() does), so the host sees every slot the device took; after it, the counters start again
-    # from the table's state, so a kernel sees the slots the host took and the load limit they leave.
-    # (Only snapshots before: a host insert inside `with view:` let the device fill the table past its
-    # load limit, and a clear() there made every device insert FULL; review findings.) A view whose
-    # table was rehashed is left as it is: commit() and `with` refuse it.
-    def _host_call_begins(self):
-        if self._stale():
-            return
-        if self.table.device.type == "cuda":
-            torch.cuda.synchronize(self.table.device)
-        self.commit()
-
-    def _host_call_ends(self):
-        if not self._stale():
-            self._snapshot()
-
-    def _snapshot(self):
-        # The host may insert between device_view() and the kernel: counters start from the table's
-        # state now, and commit() adds only what the kernel did.
-        self._used0 = self.table._used
-        self._counters.copy_(torch.tensor([self.table._used, self.table._limit(), 0], dtype=torch.int64))
-
     def commit(self):
-        used, _, new = (int(x) for x in self._counters.cpu().tolist())
-        self._check_bound()
-        self.table._used += used - self._used0
-        self.table._size += new
-        self._snapshot()
+        """Counts in the table what kernels inserted through any view of its current arrays so far (the
+        counters are shared); leaving `with` and every host call on the table do it too."""
+        with self.table._lock:
+            self._check_bound()
+            self._shared.fold(self.table)
 
     def __enter__(self):
         self.table._lock.acquire()
         try:
             self._check_bound()
-            self._snapshot()
+            # what kernels did before this `with` counts first (a snapshot here dropped it: review finding)
+            self._shared.fold(self.table)
         except BaseException:
             self.table._lock.release()
             raise
@@ -837,9 +875,8 @@ class DeviceView:
 
     def __exit__(self, *exc):
         try:
-            if self.table.device.type == "cuda":
-                torch.cuda.synchronize(self.table.device)
-            self.commit()
+            self._shared.fold(self.table)  # (synchronizes first on CUDA)
+            self._check_bound()
         finally:
             self.table._lock.release()
         return False
