@@ -159,10 +159,13 @@ def out_standin(do: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
 
     O' = u * (D / m) / sum(u^2) with u = dO / m, m = max|dO| of the row: then rowsum(dO * O') =
     m * sum(u^2) * (D/m) / sum(u^2) = D, with sum(u^2) in [1, head_dim] (no overflow or underflow).
-    Rounding O' to do's dtype perturbs each term by a relative eps, so D comes back within
-    |D| * eps: at least as accurate as forming D from a rounded O (whose error is
-    eps * sum|dO||O|). Rows with dO = 0 get O' = 0, right only where D is 0 there (_bwd_impl checks).
-    Lets the TokenRing backward send D (one number per row) instead of O (head_dim numbers per row)."""
+    Rounding O' to do's dtype perturbs each term by a relative eps, so D comes back within about
+    eps * sum|dO||O'|. For float32 that is harmless; for fp16/bf16 it is not: in a peaked row dP - D
+    cancels almost entirely, and a rounded O' left dQ 3-5x noisier than Ring's (whose rounded O is
+    nearly exactly a row of V there), and ~1e-3 where the true dQ was ~1e-9 (audit finding), so
+    _bwd_impl uses it for float32/64 only. Rows with dO = 0 get O' = 0, right only where D is 0 there
+    (_bwd_impl checks). Lets the TokenRing backward send D (one number per row) instead of O (head_dim
+    numbers per row)."""
     acc = acc_dtype(do.dtype)
     doa = do.to(acc)
     m = doa.abs().amax(-1, keepdim=True)
@@ -180,15 +183,18 @@ def _bwd_impl(do, q, k, v, out, lse, scale, causal, delta=None):
     _, bwd = _attention_ops()
     dlse = None
     if out is None:
-        # D through a stand-in O where it can carry it; a row with dO = 0 but D != 0 (a loss on the
-        # LSE only) or with |D| / max|dO| near the dtype's range cannot: then O = 0 and D goes in
-        # as the op's own LSE gradient (D = rowsum(dO * 0) - dlse), exact but off the aten fast path.
+        # D through a stand-in O where it can carry it (float32/64; see out_standin); fp16/bf16, a row with
+        # dO = 0 but D != 0 (a loss on the LSE only) or with |D| / max|dO| near the dtype's range cannot:
+        # then O = 0 and D goes in as the op's own LSE gradient (D = rowsum(dO * 0) - dlse), exact but off
+        # the aten fast path.
         acc = acc_dtype(do.dtype)
-        m = do.to(acc).abs().amax(-1)
         d = delta.to(acc)
-        lim = torch.finfo(do.dtype).max / 16
-        fits = torch.where(m > 0, d.abs() < lim * m, d == 0)
-        if bool(fits.all()):
+        fits = None
+        if do.dtype in (torch.float32, torch.float64):
+            m = do.to(acc).abs().amax(-1)
+            lim = torch.finfo(do.dtype).max / 16
+            fits = torch.where(m > 0, d.abs() < lim * m, d == 0)
+        if fits is not None and bool(fits.all()):
             out = out_standin(do, delta)
         else:
             out, dlse = torch.zeros_like(do), (-d).to(lse.dtype)
@@ -207,7 +213,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     if causal and sq != k.shape[2]:
         raise AssertionError("block_forward: causal blocks must be square")
     acc = acc_dtype(q.dtype)
-    if sq == 0 or k.shape[2] == 0:
+    if sq == 0 or k.shape[2] == 0 or h == 0 or k.shape[1] == 0:  # (zero heads: h // 0 below; audit finding)
         return (torch.zeros(b, h, sq, v.shape[-1], dtype=q.dtype, device=q.device),
                 torch.full((b, h, sq), float("-inf"), dtype=acc, device=q.device))
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

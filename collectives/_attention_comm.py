@@ -31,6 +31,9 @@ class Group:
             self.pg, self.world, self.rank, self.glob = None, 1, 0, [0]
             self.pieces = False
             return
+        if group is not None and group is dist.GroupMember.NON_GROUP_MEMBER:
+            # what new_group hands a process outside it (it was refused as "got int -100"; audit finding)
+            raise RuntimeError(f"{op}: this process is not a member of the given process group")
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"{op}: expected 'group' to be a torch.distributed process group or None, got "
                             f"{type(group).__name__} {group!r}")
@@ -80,6 +83,8 @@ def wait(works) -> None:
         w.wait()
 
 
+LAYOUTS = ("zigzag", "contiguous")  # the sequence layouts of the ring ops, by the index ranks exchange
+
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
 
 
@@ -116,14 +121,20 @@ def check_across_ranks(op: str, grp: Group, local_error: Optional[BaseException]
         raise exc(f"{op}: rank(s) {bad} of the group got invalid input (see the error on that rank)")
     differ = [n for i, n in enumerate(names) if bool((table[:, i + 1] != table[0, i + 1]).any())]
     if differ:
-        def shown(n, v):
+        def shown(n, v):  # the fields as the caller passed them (the scale's bits and the layout's index were shown raw)
             if n == "back":  # TokenRing's second group: hashes of the names of the groups passed
                 return "its own" if v == 0 else f"a group passed ({v:x})"
+            if n == "scale":
+                return repr(struct.unpack("<d", struct.pack("<q", v))[0])
+            if n == "layout" and 0 <= v < len(LAYOUTS):
+                return repr(LAYOUTS[v])
             return dtype_name(v) if n == "dtype" else str(v)
 
         per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{n}={shown(n, int(table[r, names.index(n) + 1]))}"
                                                          for n in differ) for r in range(grp.world))
-        raise ValueError(f"{op}: expected the same shard shape and arguments on every rank, got {per_rank}")
+        # a dtype that differs (alone) is a TypeError, as the contract has it for a dtype
+        exc = TypeError if differ == ["dtype"] else ValueError
+        raise exc(f"{op}: expected the same shard shape and arguments on every rank, got {per_rank}")
 
 
 def all_gather_flat(out: torch.Tensor, inp: torch.Tensor, pg) -> None:
@@ -226,7 +237,10 @@ def second_group(grp: Group):
             except ValueError:  # torch: "The specified group name has already been created"
                 second = None
         if second is None:
-            second = dist.new_group(ranks=list(grp.glob), timeout=timeout, use_local_synchronization=True)
+            # with the user's group's backend: new_group's default is the default group's (an NCCL default
+            # group under a gloo group of CPU tensors: the partials never arrived; audit finding)
+            second = dist.new_group(ranks=list(grp.glob), timeout=timeout, backend=dist.get_backend(grp.pg),
+                                    use_local_synchronization=True)
         with _SECOND_LOCK:  # (release_destroyed iterates the dict under it)
             _SECOND[key] = second
     return _SECOND[key]

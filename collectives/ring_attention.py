@@ -40,7 +40,7 @@ from pykernels import _native
 from pykernels._backend import autocast_floats, autocast_off_if
 from pykernels.attention import backward_follows
 
-_LAYOUTS = ("zigzag", "contiguous")
+_LAYOUTS = comm.LAYOUTS
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # Message tags (one range each, see _attention_comm.post).

@@ -151,6 +151,11 @@ def test_autotune_off_uses_heuristics(tmp_cache, monkeypatch):
     out = subprocess.run([sys.executable, "-m", "pykernels.autotune", "generate", "--ops", "sort"], cwd=ROOT,
                          capture_output=True, text=True, env=dict(os.environ, PYKERNELS_AUTOTUNE="0"))
     assert out.returncode == 2 and "turns tuning off" in out.stderr
+    for spelled in ("false", "OFF", "no"):  # (tuning stayed on: only "0" was read)
+        monkeypatch.setenv("PYKERNELS_AUTOTUNE", spelled)
+        assert at.config_for("test_sleepy", "cpu", {"dtype": "torch.float32", "n": 1024}, "cpu") == {"kind": "default"}
+    monkeypatch.setenv("PYKERNELS_AUTOTUNE", "1")
+    assert at.config_for("test_sleepy", "cpu", {"dtype": "torch.float32", "n": 1024}, "cpu") != {"kind": "default"}
 
 
 def test_second_process_reuses_the_cache(tmp_cache):

@@ -1038,9 +1038,22 @@ def _has_avx2_here():
     return _has_avx2()
 
 
-def test_dequantize_native_matches_python():
+@pytest.mark.parametrize("tier", [None, "PYKERNELS_DISABLE_AVX2"])
+def test_dequantize_native_matches_python(tier, monkeypatch):
     from pykernels.quant._ops import _dequant_cpu
 
+    if tier:
+        monkeypatch.setenv(tier, "1")
+    # one rounding in every tier: the portable one rounded twice, a zero point's weight came out exactly 0
+    # and an inf activation there gave NaN where torch gives inf (audit finding)
+    torch.manual_seed(0)
+    w = torch.randn(4, 64)
+    w[:, 5] = 0.0
+    qw = pykernels.quantize(w, bits=4, group_size=32, scheme="asym")
+    x = torch.randn(1, 64)
+    x[0, 5] = float("inf")
+    torch.testing.assert_close(pykernels.qmatmul(x, qw), torch.nn.functional.linear(x, qw.dequantize(torch.float32)),
+                               equal_nan=True)
     for bits, gs in ((4, 32), (8, -1), (3, 128), (6, 64)):
         N, K = 9, 200
         qw = pykernels.quantize(torch.randn(N, K), bits, gs, "bipolar" if bits == 6 else "asym")

@@ -102,6 +102,14 @@ def test_quantlinear_state_dict_round_trip(lm):
     wrong = QuantLinear(96, 384, bias=True, bits=8, group_size=32)
     with pytest.raises((ValueError, RuntimeError)):
         wrong.load_state_dict(layer.state_dict())
+    # codes past `bits` (a corrupt or mislabelled checkpoint) are refused before anything is copied in, as
+    # QuantizedWeight.from_state_dict and torch.load refuse them (the layer gave garbage; audit finding)
+    three = QuantLinear.from_linear(lm.blocks[0].mlp[0], bits=3, group_size=32)
+    before = three(x)
+    sd = dict(three.state_dict(), packed=torch.full_like(three.packed, 0xFF))
+    with pytest.raises(RuntimeError, match="'packed' holds code 15, more than bits=3 allows"):
+        three.load_state_dict(sd)
+    assert torch.equal(three(x), before)
 
 
 def test_quantlinear_matches_qmatmul_and_dtypes(lm):
@@ -349,6 +357,18 @@ def test_quantize_model_leaves_multihead_attention_out_proj_and_handles_roots_an
 
     m = pykernels.quantize_model(Shared(), 4, 32)
     assert isinstance(m.a, pykernels.QuantLinear) and m.b is m.a
+
+    # a Linear subclass with a forward of its own (LoRA and the like) is kept, with a warning: a QuantLinear
+    # dropped what its forward adds (audit finding); a parametrized Linear keeps nn.Linear's forward
+    class Scaled(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2.0
+
+    m = nn.Sequential(Scaled(64, 8), nn.Linear(8, 8))
+    torch.nn.utils.parametrize.register_parametrization(m[1], "weight", nn.Identity())
+    with pytest.warns(UserWarning, match=r"left as they are.*0 \(Scaled\)"):
+        q = pykernels.quantize_model(m, 8, 32)
+    assert type(q[0]) is Scaled and isinstance(q[1], pykernels.QuantLinear)
     # excluded (or not included) under one of its names: kept under both, never split (fuzz finding)
     for kw in ({"exclude": ["b"]}, {"exclude": "a"}, {"include": ["a"]}):
         m = pykernels.quantize_model(Shared(), 4, 32, **kw)

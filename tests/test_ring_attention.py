@@ -366,6 +366,56 @@ def case_group_checks(rank, world):
     return out
 
 
+def case_group_member_and_mismatch_messages(rank, world):
+    """A process outside a sub-group is told it is not a member (it got "expected a process group, got int
+    -100"); ranks that pass another scale or layout see them as passed (raw bits and indices were shown),
+    and a dtype that differs alone is a TypeError (audit findings)."""
+    out = {}
+    sub = dist.new_group([0])  # (every rank takes part; the others get new_group's non-member value)
+    q = torch.randn(1, 2, 4, 4)
+    for name, fn in FNS.items():
+        if rank != 0:
+            try:
+                fn(q, q, q, group=sub)
+            except RuntimeError as exc:
+                out[f"{name} member"] = str(exc)
+        else:
+            out[f"{name} member"] = "not a member (rank 0 is one)"
+        for what, kw in (("scale", dict(scale=0.5 if rank else 0.25)),
+                         ("layout", dict(layout="zigzag" if rank else "contiguous")),
+                         ("dtype", dict(dtype=torch.float64 if rank else torch.float32))):
+            dtype = kw.pop("dtype", torch.float32)
+            x = q.to(dtype)
+            try:
+                fn(x, x, x, **kw)
+            except (TypeError, ValueError) as exc:
+                out[f"{name} {what}"] = (type(exc).__name__, str(exc))
+    return out
+
+
+def case_token_ring_half_gradients_as_accurate_as_ring(rank, world):
+    """Peaked (nearly one-hot) attention in fp16/bf16: TokenRing's dq is as accurate as Ring's. It rebuilt a
+    rounded stand-in O from the row deltas it sends, and dP - D cancels almost entirely in such rows: its dq
+    was 3-5x noisier, ~1e-3 where the true one was ~1e-9 (audit finding)."""
+    res = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        g = torch.Generator().manual_seed(5)
+        q, k, v, do = (torch.randn(1, 2, 8 * world, 16, generator=g).to(dtype) for _ in range(4))
+        q = (q.float() * 100).to(dtype)
+        q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+        ref, _ = oracle(q64, k64, v64, True, 0.25)
+        ref.backward(do.double())
+        sh = lambda t: shard_sequence(t, layout="zigzag").detach()  # noqa: E731
+        want = sh(q64.grad)
+        errs = []
+        for fn in (ring_attention, token_ring_attention):
+            ql, kl, vl = (sh(t).requires_grad_() for t in (q, k, v))
+            fn(ql, kl, vl, causal=True, scale=0.25).backward(sh(do))
+            errs.append(float((ql.grad.double() - want).abs().max()))
+        res[str(dtype)] = errs
+    return res
+
+
 def case_shard_backward_mismatch(rank, world, *, what):
     """x differs between ranks (against shard_sequence's contract): the backward raises on every rank
     instead of aborting one process in gloo's all-gather and corrupting the others' gradients (review)."""
@@ -668,6 +718,28 @@ def test_group_checks_and_second_group_timeout(pool):
 
 
 
+def test_group_member_and_mismatch_messages(pool):
+    if pool.world == 1:
+        pytest.skip("needs two ranks")
+    for rank, out in enumerate(pool.run("case_group_member_and_mismatch_messages")):
+        for name in FNS:
+            assert "not a member" in out[f"{name} member"], out
+            kind, msg = out[f"{name} scale"]
+            assert kind == "ValueError" and "scale=0.25" in msg and "scale=0.5" in msg, msg
+            kind, msg = out[f"{name} layout"]
+            assert "layout='contiguous'" in msg and "layout='zigzag'" in msg, msg
+            kind, msg = out[f"{name} dtype"]
+            assert kind == "TypeError" and "dtype=" in msg, (kind, msg)
+
+
+def test_token_ring_half_gradients_as_accurate_as_ring(pool):
+    if pool.world == 1:
+        pytest.skip("needs two ranks")
+    for res in pool.run("case_token_ring_half_gradients_as_accurate_as_ring"):
+        for dtype, (ring_err, token_err) in res.items():
+            assert token_err <= 1.5 * ring_err + 1e-6, (dtype, ring_err, token_err)
+
+
 def test_token_ring_second_groups_destroyed_with_their_group(pool):
     if pool.world == 1:
         pytest.skip("needs two ranks")
@@ -878,6 +950,16 @@ def test_world_of_one_without_process_group(fn):
     assert out.shape == (1, 2, 0, 4)
     out.sum().backward()
     assert e.grad.shape == e.shape
+    # zero heads, also on the math path GPUs take without a fused kernel (it divided by Hkv = 0; audit finding)
+    from collectives import _attention_block as block
+
+    z = torch.randn(1, 0, 4, 8, dtype=torch.float64)
+    for fused in (block._CPU_FUSED_DTYPES, ()):
+        old, block._CPU_FUSED_DTYPES = block._CPU_FUSED_DTYPES, fused
+        try:
+            assert FNS[fn](z, z, z).shape == z.shape
+        finally:
+            block._CPU_FUSED_DTYPES = old
 
 
 @pytest.mark.parametrize("fn", ["ring", "token"])

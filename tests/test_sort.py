@@ -1522,6 +1522,14 @@ def test_small_auto_sorts_are_torch_sort_and_agree_with_the_native_path(monkeypa
     calls.clear()
     pykernels.sort_keys(x[0], begin_bit=3)  # a bit range: the native sort
     assert calls == []
+    # the outputs' layout does not change at TORCH_BELOW: contiguous, as past it (a transposed small input
+    # kept torch's memory order, and view(-1) raised; review finding)
+    for n in (32, 33):
+        xt = torch.randn(32, n).t()
+        for dim in (-1, 0):
+            v, i = pykernels.sort(xt, dim=dim)
+            assert v.is_contiguous() and i.is_contiguous() and pykernels.argsort(xt, dim=dim).is_contiguous()
+            assert_same(v.view(-1), torch.sort(xt, dim=dim, stable=True).values.reshape(-1))
 
 
 def test_lean_call_path_matches_the_general_path_and_is_taken(monkeypatch):

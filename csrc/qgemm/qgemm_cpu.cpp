@@ -1303,13 +1303,15 @@ void dequant_tiles(uintptr_t w, int bits, uintptr_t scales, uintptr_t offsets, i
         const int64_t g = std::min<int64_t>(G - 1, b * KB / gsize);
         const float s = sc[n * G + g], m = of[n * G + g];
         float* o = &row[b * KB];
+        // one rounding (fma), as the AVX2 path and QuantizedWeight.dequantize(): with two, a zero point's
+        // weight came out exactly 0 and an inf activation gave NaN instead of torch's inf (audit finding)
         if (bw == 16) {
           for (int j = 0; j < 16; ++j) {
-            o[j] = (float)(wb[j] & 0x0f) * s + m;
-            o[j + 16] = (float)(wb[j] >> 4) * s + m;
+            o[j] = std::fma((float)(wb[j] & 0x0f), s, m);
+            o[j + 16] = std::fma((float)(wb[j] >> 4), s, m);
           }
         } else {
-          for (int j = 0; j < 32; ++j) o[j] = (float)wb[j] * s + m;
+          for (int j = 0; j < 32; ++j) o[j] = std::fma((float)wb[j], s, m);
         }
       }
       if (odt == pk::DType::Float32 && !avx2) {

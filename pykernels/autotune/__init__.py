@@ -395,7 +395,9 @@ def _remember(device, ekey: str, entry: dict):
 
 
 def _enabled() -> bool:
-    return _native.getenv("PYKERNELS_AUTOTUNE") != "0"
+    # "0" is the documented switch; "false"/"off"/"no" read the same (a user tried them: tuning stayed on)
+    value = _native.getenv("PYKERNELS_AUTOTUNE")
+    return value is None or value.strip().lower() not in ("0", "false", "off", "no")
 
 
 # ----------------------------------------------------------------------------------------------

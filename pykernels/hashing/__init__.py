@@ -254,7 +254,8 @@ class BloomFilter(_TableState):
     512-bit block (a cache line), so add/contains cost one memory access per key. No false negatives;
     false positives at about `false_positive_rate(n)` after n distinct keys.
 
-    Keys: int32, int64, uint32 or uint64; a key is its integer value (int32 5 and int64 5 are the same key).
+    Keys: int32, int64, uint32 or uint64; a key is its integer value (int32 5 and int64 5 are the same key),
+    except that a uint64 key of 2^63 or more is the same key as the int64 of its bits (2^64 - 1 and -1).
     """
 
     BLOCK_BITS = 512

@@ -14,6 +14,7 @@ from __future__ import annotations
 import fnmatch
 import numbers
 import operator
+import warnings
 from typing import Iterable, Optional
 
 import numpy as np
@@ -29,6 +30,14 @@ from ._ops import qmatmul_op, register_tunables
 __all__ = ["quantize", "qmatmul", "QuantizedWeight", "QuantLinear", "quantize_model"]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_codes(op: str, packed: torch.Tensor, bits: int) -> None:
+    """Every code in `packed` fits in `bits` (an untrusted source: a state dict, an unpickled object)."""
+    if packed.numel() and not packed.is_meta:  # (meta: no codes to read; review finding)
+        top = int(packed.max()) if F.layout_bits(bits) == 8 else int(torch.maximum(packed & 0x0F, packed >> 4).max())
+        if top >= 1 << bits:
+            raise ValueError(f"pykernels.{op}: 'packed' holds code {top}, more than bits={bits} allows")
 
 
 class QuantizedWeight:
@@ -87,11 +96,8 @@ class QuantizedWeight:
                 raise ValueError(f"pykernels.{op}: '{name}' is on {t.device}, 'packed' on {self.packed.device}")
         if not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
             raise TypeError(f"pykernels.{op}: expected a floating-point 'dtype', got {self.dtype!r}")
-        if codes and self.packed.numel() and not self.packed.is_meta:  # (meta: no codes to read; review finding)
-            top = int(self.packed.max()) if F.layout_bits(self.bits) == 8 else int(
-                torch.maximum(self.packed & 0x0F, self.packed >> 4).max())
-            if top >= 1 << self.bits:
-                raise ValueError(f"pykernels.{op}: 'packed' holds code {top}, more than bits={self.bits} allows")
+        if codes:
+            _check_codes(op, self.packed, self.bits)
 
     def __setstate__(self, state):
         """torch.load / pickle: the same checks as a state dict (the file may not be what it claims)."""
@@ -515,6 +521,15 @@ class QuantLinear(nn.Module):
         # them where this layer keeps none (the extra state still checks the format matches).
         if self.planes is None:
             state_dict.pop(prefix + "planes", None)
+        # codes past `bits` gave garbage outputs with no error (QuantizedWeight.from_state_dict and torch.load
+        # refuse them; audit finding): checked before anything is copied in, so the layer stays as it was
+        packed = state_dict.get(prefix + "packed")
+        if isinstance(packed, torch.Tensor) and packed.dtype == torch.uint8:
+            try:
+                _check_codes("QuantLinear.load_state_dict", packed, self.bits)
+            except ValueError as exc:
+                error_msgs.append(str(exc))
+                return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
@@ -541,7 +556,8 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, inclu
                    act_bits: Optional[int] = None) -> nn.Module:
     """Replaces (in place, and returns `model`; a bare nn.Linear comes back as its QuantLinear) every
     nn.Linear whose qualified name matches `include` (default: all) and not `exclude` by a QuantLinear
-    (not nn.MultiheadAttention's out_proj, which attention reads as a plain weight). Names match
+    (not nn.MultiheadAttention's out_proj, which attention reads as a plain weight, nor a subclass with a
+    forward of its own such as a LoRA adapter: kept, with a warning). Names match
     exactly, as a prefix of a sub-module path, or as fnmatch patterns ("*.mlp.*"); a layer shared under
     several names is quantized only if all of them are selected. A layer whose K is not a multiple of
     group_size keeps per-group scales with a shorter last group."""
@@ -565,10 +581,21 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, inclu
     # one QuantLinear, or kept under all of them when any of its names is excluded (or not included): a
     # tie is never split. Not quantized: NonDynamicallyQuantizableLinear, torch's mark for
     # nn.MultiheadAttention's out_proj (attention reads its .weight as a plain tensor).
+    # Nor a subclass with a forward of its own (a LoRA adapter, a scaled Linear): a QuantLinear would drop
+    # what its forward adds, silently (audit finding); it is kept, with a warning. (A parametrized Linear
+    # keeps nn.Linear's forward.)
     linears = [(name, mod) for name, mod in model.named_modules(remove_duplicate=False)
                if isinstance(mod, nn.Linear) and not isinstance(mod, nn.modules.linear.NonDynamicallyQuantizableLinear)]
     kept = {id(mod) for name, mod in linears
             if not ((include is None or _matches(name, include)) and not _matches(name, exclude))}
+    own_forward = [(name, mod) for name, mod in linears
+                   if id(mod) not in kept and type(mod).forward is not nn.Linear.forward]
+    if own_forward:
+        warnings.warn("pykernels.quantize_model: left as they are: nn.Linear subclasses with a forward of their own, "
+                      "which a QuantLinear would not run: " + ", ".join(
+                          f"{name or '(the model)'} ({type(mod).__name__})" for name, mod in own_forward[:8])
+                      + (f" and {len(own_forward) - 8} more" if len(own_forward) > 8 else ""), stacklevel=2)
+        kept |= {id(mod) for _, mod in own_forward}
     targets = [(name, mod) for name, mod in linears if id(mod) not in kept]
     # every layer quantized before any is swapped in: a layer that fails (inf weights) raised with the
     # layers before it already replaced, a half-quantized model (audit finding)

@@ -56,14 +56,25 @@ _DTYPE_NAMES = {d: str(d).replace("torch.", "") for d in KEY_DTYPES}  # the auto
 # 1.17-1.41 at 1024 (and 2.3x at 2000 with every dtype). Not for uint16/32/64, which torch's CPU sort does
 # not order reliably. PYKERNELS_SORT_TORCH_BELOW sets it (0: never; the test suite sets 0 so that every
 # test runs the native paths, and checks this route on its own). backend="cpu" always runs the native sort.
-TORCH_BELOW = int(os.environ.get("PYKERNELS_SORT_TORCH_BELOW", "1024"))
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name, str(default))
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"pykernels.sort: environment variable {name} must be an integer, got {text!r}") from None
+
+
+TORCH_BELOW = _env_int("PYKERNELS_SORT_TORCH_BELOW", 1024)
 _TORCH_UNRELIABLE = (torch.uint16, torch.uint32, torch.uint64)
 
 
-def _torch_sorts(x: torch.Tensor, backend: str) -> bool:
-    """Whether this eager call is small enough that torch.sort runs it (see TORCH_BELOW)."""
+def _torch_sorts(x: torch.Tensor, backend: str, d: int = -1) -> bool:
+    """Whether this eager call is small enough that torch.sort runs it (see TORCH_BELOW). Only rows that
+    are contiguous along the last dim: torch.sort's outputs keep the input's memory order, ours are
+    contiguous, and the layout must not change at TORCH_BELOW (a view(-1) of a small transposed input's
+    sort raised; review finding)."""
     return (x.numel() <= TORCH_BELOW and backend == "auto" and x.device.type == "cpu"
-            and x.dtype not in _TORCH_UNRELIABLE)
+            and x.dtype not in _TORCH_UNRELIABLE and (x.dim() <= 1 or (d == x.dim() - 1 and x.is_contiguous())))
 
 
 def _backends_supported():
@@ -682,7 +693,7 @@ def sort(input, dim: int = -1, descending: bool = False, stable: bool = True, *,
             raise RuntimeError("pykernels.sort: functions with out=... arguments don't support automatic "
                                "differentiation, but one of the arguments requires grad (as torch.sort)")
     if _eager(x, op="sort"):
-        if _torch_sorts(x, backend):
+        if _torch_sorts(x, backend, d):
             # torch.return_types.sort, as from every other route (torch's out= gives its sort_out type)
             return torch.return_types.sort(torch.sort(x, dim=d, descending=descending, stable=True, out=out))
         direct = None
@@ -754,7 +765,7 @@ def argsort(input, dim: int = -1, descending: bool = False, stable: bool = True,
         _check_flag("argsort", "stable", stable)
     backend = _check_backend("argsort", backend)
     if _eager(x, op="argsort"):
-        if _torch_sorts(x, backend):
+        if _torch_sorts(x, backend, d):
             return torch.argsort(x, dim=d, descending=descending, stable=True)
         return _rows_sort("argsort", x, d, descending, backend, False)[1]
     return torch.ops.pykernels.argsort(x, d, descending, backend)
