@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .common import measure_machine, run_case, suites, versions
+from .common import measure_machine, run_case, suite_names, suites, versions
 
 
 def _fmt_rate(x: float) -> str:
@@ -107,13 +107,17 @@ def _gpu_bandwidth() -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench")
-    p.add_argument("--ops", default=None, help="comma list of suites (default: all)")
+    p.add_argument("--ops", default=None, help="comma list of suites (default: all): " + ",".join(suite_names()))
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     p.add_argument("--out", default=None, help="output folder (default bench/results/<timestamp>)")
-    p.add_argument("--budget", type=float, default=3.0, help="seconds per case")
+    p.add_argument("--budget", type=float, default=3.0,
+                   help="seconds per case (allreduce and ring_attention time their multi-process runs themselves)")
     p.add_argument("--gpu", action="store_true", help="the GPU cases (torch.cuda tensors) instead of the CPU ones")
     args = p.parse_args(argv)
+    if args.gpu and not torch.cuda.is_available():
+        p.error("--gpu needs a CUDA device (torch.cuda.is_available() is False)")
     groups = args.ops.split(",") if args.ops else None
+    suites(groups)  # unknown names: an error before the machine is measured
     out = Path(args.out) if args.out else Path(__file__).parent / "results" / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
 

@@ -74,8 +74,11 @@ def check_agreement(case: Case, ours: Callable, baseline: Callable) -> None:
         raise ResultMismatch(f"{case.group} {case.op} [{case.label}]: ours disagrees with {case.baseline_name}: "
                              f"{exc}") from exc
     except Exception as exc:  # a check that cannot compare the results is a broken case as well
-        exc.add_note(f"while checking {case.group} {case.op} [{case.label}] against {case.baseline_name}")
-        raise
+        note = f"while checking {case.group} {case.op} [{case.label}] against {case.baseline_name}"
+        if hasattr(exc, "add_note"):  # (Python 3.11+; pyproject allows 3.10)
+            exc.add_note(note)
+            raise
+        raise RuntimeError(f"{note}: {type(exc).__name__}: {exc}") from exc
 
 
 def as_tensor(x) -> torch.Tensor:
@@ -116,7 +119,12 @@ def assert_equal(what: str, ours, baseline) -> None:
     if a.dtype != b.dtype:
         if a.dtype.is_floating_point or b.dtype.is_floating_point:
             raise ResultMismatch(f"{what}: dtype {a.dtype}, baseline {b.dtype}")
-        a, b = signed_view(a).to(torch.int64), signed_view(b).to(torch.int64)
+        if a.element_size() != b.element_size():
+            # by value (uint32 4294967295 is not int64 -1: the bits were sign-extended; audit finding);
+            # uint64 has no exact int64 value for its top half
+            if torch.uint64 in (a.dtype, b.dtype):
+                raise ResultMismatch(f"{what}: dtype {a.dtype}, baseline {b.dtype}")
+            a, b = a.to(torch.int64), b.to(torch.int64)
     differ = (signed_view(a) != signed_view(b)).reshape(-1)
     if bool(differ.any()):
         first = int(differ.nonzero()[0])
@@ -319,8 +327,17 @@ def suites(groups=None):
             if groups is None or group in groups:
                 found[group] = importlib.import_module(f"bench.{info.name}")
     if groups is not None:  # in the order asked for (a time-limited GPU run puts the goals first)
-        found = {g: found[g] for g in groups if g in found}
+        unknown = [g for g in groups if g not in found]
+        if unknown:  # (a typo ran nothing and exited 0: an empty "successful" run; audit finding)
+            raise SystemExit(f"python -m bench: unknown suite(s) {', '.join(unknown)}; choose from "
+                             f"{', '.join(suite_names())}")
+        found = {g: found[g] for g in groups}
     return found
+
+
+def suite_names() -> list:
+    return sorted(info.name[len("suite_"):] for info in pkgutil.iter_modules([str(BENCH_DIR)])
+                  if info.name.startswith("suite_"))
 
 
 def run_case(case: Case, machine: dict, budget_s: float = 3.0) -> dict:

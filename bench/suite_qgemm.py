@@ -2,8 +2,10 @@
 
 CPU (K = N = 4096, group 128; quick: 1024):
   - M=1 W4 GEMV, fp32 activations vs fp32 torch.matmul (goal 3x) and vs
-    torch.ops.aten._weight_int4pack_mm_for_cpu with bf16 activations (goal 2x); bytes_moved = packed
-    weight + scale/offset bytes, so "% of limit" (BW) says how close the GEMV runs to streaming them.
+    torch.ops.aten._weight_int4pack_mm_for_cpu with bf16 activations (goal 2x). The single-layer rows
+    carry no bytes_moved: their 4096 x 4096 W4 weight (8.4 MB) sits in L3 between calls and read as
+    132-141% of DRAM bandwidth; the "x8 layers" rows cycle through 8 weights (past L3) and carry it, so
+    their "% of limit" says how close the GEMV runs to streaming the weights from DRAM.
   - M=16 and M=128 vs torch fp32 and bf16 matmul; compute-bound on AVX2 CPUs (our fp32 GEMM, "sgemm"),
     so these rows say what % of the fp32 FMA peak (measured: FMA chains on every thread) ours reaches.
   - bit-serial W2A2 and W1A1 GEMV vs fp32 torch.matmul and vs our own W4 GEMV.

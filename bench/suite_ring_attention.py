@@ -178,14 +178,17 @@ def _measure(rank, world, dev, case, budget_s):
             for _ in range(int(reps)):
                 to_.append(timed(ours, False))
                 tb_.append(timed(base, True))
-            # bytes per step and direction: the busiest rank's count over the W-1 transfer steps
+            # bytes per forward step and direction: the busiest rank's count over the W-1 transfer steps of a
+            # forward; a fwd+bwd case reports bytes per call (its backward's steps carry K/V and dK/dV, and
+            # dK/dV go home at the end: a count over W-1 read as a step twice what any step sends; audit)
             counts = torch.tensor([sent["A"], sent["B"]], dtype=torch.float64, device=dev)
             mean = counts.clone()
             dist.all_reduce(counts, op=dist.ReduceOp.MAX)
             dist.all_reduce(mean)
-            steps = max(1, world - 1)
+            steps = 1 if bwd else max(1, world - 1)
             per_a, per_b = (counts / steps).tolist()
             mean_a, mean_b = (mean / world / steps).tolist()
+            per = "call" if bwd else "step"
             if rank == 0:
                 t_ours, t_base = statistics.median(to_), statistics.median(tb_)
                 flops = 4.0 * b * h * s * s * d * (0.5 if causal else 1.0) * (3.5 if bwd else 1.0)
@@ -193,15 +196,15 @@ def _measure(rank, world, dev, case, budget_s):
                 rows.append({
                     "group": GROUP, "op": op,
                     "label": (f"W={world} {kind} S={s} {case['dtype']}{' causal' if causal else ''} "
-                              f"MiB/step A {per_a / 2**20:.2f} B {per_b / 2**20:.2f} (mean {mean_a / 2**20:.2f}/{mean_b / 2**20:.2f})"),
+                              f"MiB/{per} A {per_a / 2**20:.2f} B {per_b / 2**20:.2f} (mean {mean_a / 2**20:.2f}/{mean_b / 2**20:.2f})"),
                     "size": float(s), "baseline": f"SDPA 1 process ({base_threads} thr)" if dev.type == "cpu"
                     else "SDPA 1 GPU",
                     "ours_s": t_ours, "baseline_s": t_base, "speedup": t_base / t_ours,
                     "ours_rate": flops / t_ours, "baseline_rate": flops / t_base, "unit": "FLOP",
                     "goal": None, "repeats": len(to_), "device": dev.type, "threads": 1, "world": world,
-                    "bytes_per_step_A": per_a, "bytes_per_step_B": per_b,
-                    "mean_bytes_per_step_A": mean_a, "mean_bytes_per_step_B": mean_b,
-                    "notes": "bytes/step (busiest rank; mean over ranks in mean_bytes_*): A = main group (Ring K/V, dK/dV; TokenRing Q side), "
+                    f"bytes_per_{per}_A": per_a, f"bytes_per_{per}_B": per_b,
+                    f"mean_bytes_per_{per}_A": mean_a, f"mean_bytes_per_{per}_B": mean_b,
+                    "notes": f"bytes/{per} (busiest rank; mean over ranks in mean_bytes_*): A = main group (Ring K/V, dK/dV; TokenRing Q side), "
                              "B = TokenRing partials", "gqa": f"{h}:{hkv}",
                 })
     return rows

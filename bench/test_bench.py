@@ -217,6 +217,23 @@ def test_bench_main_fails_on_a_wrong_answer(monkeypatch, tmp_path):
     assert row["error"].startswith("ResultMismatch: demo sum [n=4]: ours disagrees with list: values: 1 of 4")
 
 
+def test_unknown_suites_and_mixed_integer_dtypes_are_refused():
+    """A misspelt suite is an error naming the suites (it ran nothing and exited 0), and integers of other
+    widths compare by value (uint32 4294967295 passed for int64 -1; audit findings)."""
+    import torch
+
+    from bench.common import ResultMismatch, suites
+
+    with pytest.raises(SystemExit, match="unknown suite.*attn.*choose from.*attention"):
+        suites(["attn"])
+    assert_equal("k", torch.tensor([4294967295], dtype=torch.uint32), torch.tensor([4294967295]))
+    assert_equal("k", torch.tensor([-1], dtype=torch.int8), torch.tensor([-1]))
+    with pytest.raises(ResultMismatch, match="ours 4294967295, baseline -1"):
+        assert_equal("k", torch.tensor([4294967295], dtype=torch.uint32), torch.tensor([-1]))
+    with pytest.raises(ResultMismatch, match="dtype torch.uint64"):
+        assert_equal("k", torch.tensor([1], dtype=torch.uint64), torch.tensor([1], dtype=torch.int32))
+
+
 def test_compute_bound_rows_report_the_share_of_the_fma_peak():
     """A case marked fma_bound gets pct_of_fma_peak = its FLOP rate over the machine's measured FMA peak;
     others (and a machine without a measured peak) get none."""

@@ -9,7 +9,8 @@ from bench.test_bench import (CASES, CHECKED_GROUPS, test_a_wrong_answer_fails_t
                               test_bench_main_fails_on_a_wrong_answer,
                               test_check_agreement_compares_one_call_of_each_and_names_the_case,
                               test_compute_bound_rows_report_the_share_of_the_fma_peak,
-                              test_every_cpu_case_of_the_checked_suites_has_a_check)
+                              test_every_cpu_case_of_the_checked_suites_has_a_check,
+                              test_unknown_suites_and_mixed_integer_dtypes_are_refused)
 
 CHECKED = [c for c in CASES if c.group in CHECKED_GROUPS]
 
