@@ -36,6 +36,7 @@ from . import _allreduce_algos as A
 from . import _shm, _traced
 from ._group_state import register
 from .topology import Topology, _default_group
+from pykernels._backend import fake_on_one_device
 
 __all__ = ["all_reduce", "Topology", "plan", "ddp_comm_hook", "tune", "ALGORITHMS", "AllReduceWork"]
 
@@ -974,6 +975,7 @@ def _all_reduce_op(tensor: torch.Tensor, op: str, group: str, algorithm: str, to
 
 
 @_all_reduce_op.register_fake
+@fake_on_one_device(_all_reduce_op)
 def _(tensor, op, group, algorithm, topology, topology_ranks):
     return None
 

@@ -37,7 +37,7 @@ from . import _attention_block as blk
 from . import _attention_comm as comm
 from . import _traced
 from pykernels import _native
-from pykernels._backend import autocast_floats, autocast_off_if
+from pykernels._backend import autocast_floats, autocast_off_if, fake_on_one_device
 from pykernels.attention import backward_follows
 
 _LAYOUTS = comm.LAYOUTS
@@ -807,6 +807,7 @@ def _ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 
 
 @_ring_attention_op.register_fake
+@fake_on_one_device(_ring_attention_op)
 def _(q, k, v, scale, causal, layout, group, back_group, token_ring, needs_grad, arg_error=""):
     # never raises: bad input raises where the op runs, on every rank (raised while one rank traced, it left
     # the others waiting in the op); the shapes of such a call are placeholders
@@ -849,6 +850,7 @@ def _ring_attention_backward_op(dout: Optional[torch.Tensor], dlse: Optional[tor
 
 
 @_ring_attention_backward_op.register_fake
+@fake_on_one_device(_ring_attention_backward_op)
 def _(dout, dlse, q, k, v, out, lse, scale, causal, layout, group, back_group, token_ring):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -894,6 +896,7 @@ def _shard_op(x: torch.Tensor, group: str, layout: str, dim: int, world: int) ->
 
 
 @_shard_op.register_fake
+@fake_on_one_device(_shard_op)
 def _(x, group, layout, dim, world):
     dim = _check_shard("collectives.shard_sequence", x, layout, dim, world)
     shape = list(x.shape)
@@ -920,6 +923,7 @@ def _unshard_op(local: torch.Tensor, group: str, layout: str, dim: int, world: i
 
 
 @_unshard_op.register_fake
+@fake_on_one_device(_unshard_op)
 def _(local, group, layout, dim, world, arg_error=""):
     shape = list(local.shape)
     shape[dim if -local.dim() <= dim < local.dim() else 0] *= world  # (checked where the op runs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -331,6 +332,32 @@ def eager_plain(t) -> bool:
     if _traced_or_transformed():
         return False
     return type(t) is torch.Tensor and not (t.requires_grad and torch.is_grad_enabled())
+
+
+def fake_on_one_device(opdef):
+    """Decorates a registered op's fake: a call with some tensors on the meta device and others not is a
+    RuntimeError naming the op. The dispatcher sends such a call to the fake (any meta argument picks the
+    Meta kernel), which made its outputs on the first tensor's device: a QuantLinear left on meta returned
+    uninitialized CPU memory for a CPU input, with no error (audit finding). Under FakeTensorMode the
+    tensors report their real devices, so a traced call is unaffected."""
+    name = opdef._qualname.replace("::", ".")
+
+    def decorate(fake):
+        @functools.wraps(fake)
+        def checked(*args, **kwargs):
+            devices = set()
+            for a in itertools.chain(args, kwargs.values()):
+                for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                    if isinstance(t, torch.Tensor):
+                        devices.add(t.device)
+            if len(devices) > 1 and any(d.type == "meta" for d in devices):
+                raise RuntimeError(f"{name}: expected all tensors on one device, got tensors on "
+                                   f"{' and '.join(sorted(str(d) for d in devices))}")
+            return fake(*args, **kwargs)
+
+        return checked
+
+    return decorate
 
 
 def eager_direct(*tensors, op: str) -> bool:

@@ -980,3 +980,16 @@ def test_a_cache_path_that_is_a_directory_leaks_no_descriptor(tmp_cache):
         for _ in range(20):
             assert at.load_cache_file(path) == {}
     assert len(os.listdir("/proc/self/fd")) <= before
+
+
+def test_autotune_helpers_check_their_arguments():
+    """bucket(inf) was an OverflowError and bucket(2.5) silently 2's; measure(repeats=0) raised statistics'
+    error and measure(warmup=2**63) never returned (audit findings)."""
+    assert at.bucket(1000) == 1024 and at.bucket(np.int64(3)) == 4 and at.bucket(0) == 0
+    for bad in (float("inf"), 2.5, "8"):
+        with pytest.raises(TypeError, match="pykernels.autotune.bucket: expected an int"):
+            at.bucket(bad)
+    for kw in ({"repeats": 0}, {"warmup": 2 ** 63}, {"warmup": -1}, {"repeats": 2.5}):
+        with pytest.raises(ValueError, match="pykernels.autotune.measure: expected"):
+            at.measure(lambda: None, **kw)
+    assert at.measure(lambda: None, repeats=1) >= 0

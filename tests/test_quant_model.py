@@ -438,6 +438,14 @@ def test_quant_argument_errors_name_the_op_and_argument():
             pykernels.quantize_model(torch.nn.Sequential(torch.nn.Linear(64, 64)), include=bad)
     with pytest.raises(TypeError, match="pykernels.quantize_model: expected every entry of 'exclude'"):
         pykernels.quantize_model(torch.nn.Sequential(torch.nn.Linear(64, 64)), exclude=(b"0",))
+    # a device this torch cannot use: a RuntimeError naming the op (torch's AssertionError; audit finding)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="pykernels.QuantLinear: device cuda was asked for"):
+            pykernels.QuantLinear(64, 8, device="cuda")
+        with pytest.raises(RuntimeError, match="pykernels.autotune: no CUDA device"):
+            pykernels.autotune.cache_file("cuda")
+    with pytest.raises(RuntimeError, match="pykernels.QuantLinear: expected a torch device"):
+        pykernels.QuantLinear(64, 8, device="gpu")
 
 
 def test_quantized_weight_to_refuses_integer_dtypes():

@@ -128,3 +128,25 @@ def test_collectives_ops_check_their_arguments():
 
     with pytest.raises(RuntimeError, match=r"collectives\.all_reduce: torch\.distributed is not initialized"):
         ops.all_reduce_(x, "sum", "", "auto", [], [])
+
+
+def test_ops_refuse_meta_tensors_mixed_with_real_ones():
+    """A meta tensor among real ones sent the call to the op's fake, whose outputs were uninitialized memory
+    on the first tensor's device, returned with no error (a QuantLinear left on meta, a model built with
+    init_empty_weights; audit finding). All-meta calls still give their shapes; empty inputs of a huge
+    shape sort at once (torch.sort walked 2**40 empty rows)."""
+    x = torch.randn(1, 1, 2, 4)
+    m = torch.randn(1, 1, 2, 4, device="meta")
+    with pytest.raises(RuntimeError, match=r"pykernels\.flash_attention: expected all tensors on one device"):
+        ops.flash_attention(x, m, m, False, 0.5, "auto")
+    with pytest.raises(RuntimeError, match=r"pykernels\.segmented_sort: expected all tensors on one device"):
+        ops.segmented_sort(torch.tensor([3, 1, 2]), torch.tensor([0, 3], device="meta"), False, "auto")
+    with pytest.raises(RuntimeError, match=r"pykernels\.sort_pairs: expected all tensors on one device"):
+        ops.sort_pairs(torch.tensor([3, 1, 2]), torch.empty(3, device="meta"), False, 0, -1, "auto")
+    layer = pykernels.QuantLinear(256, 64, device="meta")
+    with pytest.raises(RuntimeError, match=r"pykernels\.QuantLinear\.forward: expected 'x' on the layer's device meta"):
+        layer(torch.randn(4, 256))
+    assert layer(torch.randn(4, 256, device="meta")).shape == (4, 64)
+    assert ops.flash_attention(m, m, m, False, 0.5, "auto")[0].device.type == "meta"
+    v, i = pykernels.sort(torch.empty(2 ** 40, 0))
+    assert v.shape == i.shape == (2 ** 40, 0)

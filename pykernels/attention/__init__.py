@@ -41,7 +41,8 @@ import numpy as np
 import torch
 
 from .. import _memory, _native, autotune
-from .._backend import _CPU, _traced_or_transformed, autocast_floats, autocast_off_if, dispatch, eager_direct, functorch_autograd, vmapped_first
+from .._backend import (_CPU, _traced_or_transformed, autocast_floats, autocast_off_if, dispatch, eager_direct,
+                        fake_on_one_device, functorch_autograd, vmapped_first)
 from ..errors import check_same_device
 from . import _cpu
 
@@ -242,6 +243,7 @@ def _flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
 
 
 @_flash_attention_op.register_fake
+@fake_on_one_device(_flash_attention_op)
 def _(q, k, v, causal, scale, backend, inference=False):
     # Strides as the real op returns them: on CPU out in q's memory order (as aten's kernels and SDPA
     # give it: a copy of out is ~4% of a 1024-token forward) and lse in [B, S, H] order (the layout
@@ -266,6 +268,7 @@ def _flash_attention_backward_op(dout: torch.Tensor, dlse: Optional[torch.Tensor
 
 
 @_flash_attention_backward_op.register_fake
+@fake_on_one_device(_flash_attention_backward_op)
 def _(dout, dlse, q, k, v, out, lse, causal, scale, backend):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 

@@ -30,6 +30,8 @@ import functools
 import inspect
 import json
 import math
+import numbers
+import operator
 import os
 import platform
 import re
@@ -118,7 +120,10 @@ def _import_ops():
 
 def bucket(n: int) -> int:
     """Power-of-two bucket of a dynamic size: configs are shared by sizes within a factor of 2."""
-    n = int(n)
+    try:
+        n = operator.index(n)
+    except TypeError:  # (bucket(inf) was an OverflowError, bucket(2.5) silently 2's; audit finding)
+        raise TypeError(f"pykernels.autotune.bucket: expected an int size, got {type(n).__name__} {n!r}") from None
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
@@ -150,8 +155,12 @@ def device_id(device=None) -> str:
         return _cpu_device_id()
     device = torch.device(device)
     if device.type == "cuda":
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        return _cuda_device_id(idx)
+        try:
+            idx = device.index if device.index is not None else torch.cuda.current_device()
+            return _cuda_device_id(idx)
+        except AssertionError:  # (torch's "not compiled with CUDA enabled" came through; audit finding)
+            raise RuntimeError(f"pykernels.autotune: no CUDA device for {device} (torch.cuda.is_available() is "
+                               f"False)") from None
     return _cpu_device_id()
 
 
@@ -542,7 +551,15 @@ def _sync(device):
 
 def measure(fn: Callable[[], Any], device=None, *, warmup: int = 1, repeats: int = 5,
             budget_s: float = 1.0) -> float:
-    """Median seconds of fn(). CPU: wall clock. GPU: CUDA events with the L2 flushed before each run."""
+    """Median seconds of fn(). CPU: wall clock. GPU: CUDA events with the L2 flushed before each run.
+    `warmup` calls first (0 to 1000), then up to `repeats` timed ones (1 to 10**6; at least 3 unless
+    fewer are asked for) until `budget_s` is spent."""
+    for name, value, lo, hi in (("warmup", warmup, 0, 1000), ("repeats", repeats, 1, 10 ** 6)):
+        # (repeats=0 raised statistics' error, warmup=2**63 never returned; audit finding)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not lo <= value <= hi:
+            raise ValueError(f"pykernels.autotune.measure: expected '{name}' an int in [{lo}, {hi}], got {value!r}")
+    if not callable(fn):
+        raise TypeError(f"pykernels.autotune.measure: expected a callable 'fn', got {type(fn).__name__}")
     device = torch.device(device) if device is not None else torch.device("cpu")
     for _ in range(warmup):
         fn()

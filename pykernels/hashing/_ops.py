@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from .. import _memory, _native
-from .._backend import on_cpu, eager_direct
+from .._backend import eager_direct, fake_on_one_device, on_cpu
 from ..errors import check_same_device
 from ._layout import slot_bytes
 
@@ -128,6 +128,7 @@ def hash_find(slots, special, keys, nw, window, seed, kb, vb, default_bits, with
 
 
 @_hash_find_op.register_fake
+@fake_on_one_device(_hash_find_op)
 def _(slots, special, keys, nw, window, seed, kb, vb, default_bits, with_values, threads, prefetch):
     # checked here too: a meta tensor among real ones dispatches to this fake (it returned garbage)
     check_same_device("hash_find", slots=slots, special=special, keys=keys)
@@ -187,6 +188,7 @@ def hash_insert_(slots, special, keys, values, nw, window, seed, kb, vb, mode, u
 
 
 @_hash_insert_op.register_fake
+@fake_on_one_device(_hash_insert_op)
 def _(slots, special, keys, values, nw, window, seed, kb, vb, insert_mode, used, limit, threads, prefetch):
     check_same_device("hash_insert_", slots=slots, special=special, keys=keys, values=values)
     _check_mode("hash_insert_", insert_mode)
@@ -219,6 +221,7 @@ def _multi_count_op(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tens
 
 
 @_multi_count_op.register_fake
+@fake_on_one_device(_multi_count_op)
 def _(slots, special, keys, nw, window, seed, kb, vb, threads, prefetch):
     check_same_device("hash_multi_count", slots=slots, special=special, keys=keys)
     return keys.new_empty(keys.numel(), dtype=torch.int64)
@@ -292,6 +295,7 @@ def _multi_find_op(slots: torch.Tensor, special: torch.Tensor, keys: torch.Tenso
 
 
 @_multi_find_op.register_fake
+@fake_on_one_device(_multi_find_op)
 def _(slots, special, keys, empty_vals, tomb_vals, nw, window, seed, kb, vb, threads, prefetch):
     check_same_device("hash_multi_find", slots=slots, special=special, keys=keys)
     vb = int(vb)  # the values' dtype: specialized, as in hash_find's fake
@@ -337,6 +341,7 @@ def _bloom_contains_op(words: torch.Tensor, keys: torch.Tensor, nblocks: int, k:
 
 
 @_bloom_contains_op.register_fake
+@fake_on_one_device(_bloom_contains_op)
 def _(words, keys, nblocks, k, seed):
     check_same_device("bloom_contains", words=words, keys=keys)
     return keys.new_empty(keys.numel(), dtype=torch.bool)
@@ -361,6 +366,7 @@ def _bloom_add_op(words: torch.Tensor, keys: torch.Tensor, nblocks: int, k: int,
 
 
 @_bloom_add_op.register_fake
+@fake_on_one_device(_bloom_add_op)
 def _(words, keys, nblocks, k, seed):
     check_same_device("bloom_add_", words=words, keys=keys)
 

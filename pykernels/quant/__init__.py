@@ -73,8 +73,8 @@ class QuantizedWeight:
         qmatmul or gave garbage without an error (audit finding). codes=True (an untrusted source: a
         state dict, an unpickled object) also checks every code fits in `bits`."""
         _check_format(op, self.bits, self.group_size, self.scheme)
-        if len(self.shape) != 2:
-            raise ValueError(f"pykernels.{op}: expected 'shape' (N, K), got {tuple(self.shape)}")
+        if not isinstance(self.shape, (tuple, list)) or len(self.shape) != 2:  # (torch.Size is a tuple)
+            raise ValueError(f"pykernels.{op}: expected 'shape' (N, K), got {self.shape!r}")
         N, K = self.shape
         _, G = F.group_geometry(K, self.group_size)
         N4, Kp = F.round_up(max(N, 1), F.ROW_TILE), F.round_up(max(K, 1), F.K_BLOCK)
@@ -190,7 +190,16 @@ class QuantizedWeight:
         missing = [k for k in ("shape", "bits", "group_size", "scheme", "packed", "scales", "offsets", "code_sums")
                    if k not in sd]
         if missing:
-            raise KeyError(f"pykernels.{op}: the state dict lacks {', '.join(missing)}")
+            raise ValueError(f"pykernels.{op}: the state dict lacks {', '.join(missing)}")
+        # the metadata checked before the constructor's int()/torch.Size(): bits 4.9 became 4, group_size
+        # 32.7 became 32, and shape None or bits inf raised unrelated errors (audit finding)
+        for name in ("bits", "group_size"):
+            if not isinstance(_int_arg(sd[name]), int) or isinstance(sd[name], (bool, np.bool_)):
+                raise TypeError(f"pykernels.{op}: expected an int '{name}', got {type(sd[name]).__name__} {sd[name]!r}")
+        shape = sd["shape"]
+        if (not isinstance(shape, (tuple, list, torch.Size)) or len(shape) != 2
+                or not all(isinstance(_int_arg(n), int) and not isinstance(n, bool) and _int_arg(n) >= 0 for n in shape)):
+            raise ValueError(f"pykernels.{op}: expected 'shape' (N, K) of two ints >= 0, got {shape!r}")
         dtype = getattr(torch, str(sd.get("dtype", "float32")), None)
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"pykernels.{op}: expected a floating-point 'dtype' name, got {sd.get('dtype')!r}")
@@ -423,6 +432,14 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.bits, self.group_size, self.scheme, self.act_bits = bits, group_size, scheme, act_bits
         self.weight_dtype = dtype
+        if device is not None:  # (torch's own errors, an AssertionError without CUDA; audit finding)
+            try:
+                dev = torch.device(device)
+            except (RuntimeError, TypeError) as exc:
+                raise RuntimeError(f"pykernels.QuantLinear: expected a torch device for 'device', got {device!r} "
+                                   f"({str(exc).splitlines()[0]})") from None
+            if dev.type == "cuda" and not torch.cuda.is_available():
+                raise RuntimeError(f"pykernels.QuantLinear: device {dev} was asked for, but torch sees no CUDA device")
         # Zero-filled buffers of the right shapes (no quantization pass), for load_state_dict().
         self._set_qweight(_empty_qweight(out_features, in_features, bits, group_size, scheme, bool(act_bits),
                                          device))
@@ -510,6 +527,9 @@ class QuantLinear(nn.Module):
         if torch._C._is_any_autocast_enabled():  # (as nn.Linear's under torch.autocast)
             (x,) = autocast_floats(x)
         _check_x(x, N, K, " (in pykernels.QuantLinear.forward)")
+        if x.device != self.packed.device:  # (a layer left on meta returned garbage for a CPU x; audit finding)
+            raise RuntimeError(f"pykernels.QuantLinear.forward: expected 'x' on the layer's device "
+                               f"{self.packed.device}, got {x.device}")
         # A float32 activation through a bf16 model (or the reverse) runs in the activation's dtype.
         return qmatmul_op(x, self.packed, self.scales, self.offsets, self.planes if self.act_bits else None,
                           self.code_sums if self.act_bits else None, self.bias, N, K, self.bits,

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from .. import _memory, autotune
-from .._backend import dispatch, eager_direct, functorch_autograd, vmapped_first
+from .._backend import dispatch, eager_direct, fake_on_one_device, functorch_autograd, vmapped_first
 from .._native import cpu_module, cuda_module, cuda_stream_handle, dtype_code, getenv, torch_bf16_gemm_native
 from . import _format as F
 
@@ -480,6 +480,7 @@ def _check_op_args(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, g
 
 
 @_qmatmul_custom.register_fake
+@fake_on_one_device(_qmatmul_custom)
 def _(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend):
     return x.new_empty(*x.shape[:-1], n)
 

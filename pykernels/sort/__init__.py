@@ -36,7 +36,8 @@ from typing import Optional, Tuple
 import torch
 
 from .. import _memory, _native, autotune
-from .._backend import eager_direct as _eager, eager_plain, dispatch, functorch_autograd, select_backend, vmapped_first
+from .._backend import (dispatch, eager_direct as _eager, eager_plain, fake_on_one_device, functorch_autograd,
+                        select_backend, vmapped_first)
 from ..errors import check_dtype, check_ndim, check_same_device
 
 __all__ = ["sort", "argsort", "sort_keys", "sort_pairs", "segmented_sort", "KEY_DTYPES"]
@@ -72,8 +73,9 @@ def _torch_sorts(x: torch.Tensor, backend: str, d: int = -1) -> bool:
     """Whether this eager call is small enough that torch.sort runs it (see TORCH_BELOW). Only rows that
     are contiguous along the last dim: torch.sort's outputs keep the input's memory order, ours are
     contiguous, and the layout must not change at TORCH_BELOW (a view(-1) of a small transposed input's
-    sort raised; review finding)."""
-    return (x.numel() <= TORCH_BELOW and backend == "auto" and x.device.type == "cpu"
+    sort raised; review finding). Not empty ones: torch.sort walks every row of a (2**40, 0) tensor (an
+    hour) where ours returns at once (audit finding)."""
+    return (0 < x.numel() <= TORCH_BELOW and backend == "auto" and x.device.type == "cpu"
             and x.dtype not in _TORCH_UNRELIABLE and (x.dim() <= 1 or (d == x.dim() - 1 and x.is_contiguous())))
 
 
@@ -376,6 +378,7 @@ def _sort_op(x: torch.Tensor, dim: int, descending: bool, backend: str) -> Tuple
 
 
 @_sort_op.register_fake
+@fake_on_one_device(_sort_op)
 def _(x, dim, descending, backend):
     return torch.empty_like(x, memory_format=torch.contiguous_format), \
         torch.empty(x.shape, dtype=torch.int64, device=x.device)
@@ -411,6 +414,7 @@ def _argsort_op(x: torch.Tensor, dim: int, descending: bool, backend: str) -> to
 
 
 @_argsort_op.register_fake
+@fake_on_one_device(_argsort_op)
 def _(x, dim, descending, backend):
     return torch.empty(x.shape, dtype=torch.int64, device=x.device)
 
@@ -450,6 +454,7 @@ def _sort_keys_op(keys: torch.Tensor, descending: bool, begin_bit: int, end_bit:
 
 
 @_sort_keys_op.register_fake
+@fake_on_one_device(_sort_keys_op)
 def _(keys, descending, begin_bit, end_bit, backend):
     return torch.empty_like(keys, memory_format=torch.contiguous_format)
 
@@ -462,6 +467,7 @@ def _sort_pairs_op(keys: torch.Tensor, values: torch.Tensor, descending: bool, b
 
 
 @_sort_pairs_op.register_fake
+@fake_on_one_device(_sort_pairs_op)
 def _(keys, values, descending, begin_bit, end_bit, backend):
     return torch.empty_like(keys, memory_format=torch.contiguous_format), \
         torch.empty_like(values, memory_format=torch.contiguous_format)
@@ -520,6 +526,7 @@ def _segmented_keys_op(keys: torch.Tensor, offsets: torch.Tensor, descending: bo
 
 
 @_segmented_keys_op.register_fake
+@fake_on_one_device(_segmented_keys_op)
 def _(keys, offsets, descending, backend):
     return torch.empty_like(keys, memory_format=torch.contiguous_format)
 
@@ -532,6 +539,7 @@ def _segmented_pairs_op(keys: torch.Tensor, offsets: torch.Tensor, values: torch
 
 
 @_segmented_pairs_op.register_fake
+@fake_on_one_device(_segmented_pairs_op)
 def _(keys, offsets, values, descending, backend):
     return torch.empty_like(keys, memory_format=torch.contiguous_format), \
         torch.empty_like(values, memory_format=torch.contiguous_format)
