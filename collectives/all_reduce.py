@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
 import os
 import queue
 import statistics
@@ -1024,8 +1025,11 @@ def plan(numel, dtype=torch.float32, group=None, topology=None, op="sum") -> str
     """A human-readable account of what all_reduce(algorithm="auto") runs for `numel` elements of
     `dtype` on this group, and the model's predictions for every candidate. Collective on first use
     per group (topology detection and the broadcast of the tuned parameters), like all_reduce."""
-    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+    if isinstance(numel, bool) or not isinstance(numel, numbers.Integral):  # (NumPy ints too; audit finding)
+        raise TypeError(f"collectives.plan: numel must be an int >= 0, got {type(numel).__name__} {numel!r}")
+    if numel < 0:
         raise ValueError(f"collectives.plan: numel must be an int >= 0, got {numel!r}")
+    numel = int(numel)
     if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES:
         raise TypeError(f"collectives.plan: dtype must be one of {', '.join(str(d) for d in _DTYPES)}, got {dtype!r}")
     op = _parse_op(op, "collectives.plan")

@@ -8,12 +8,15 @@ ranks actually live). The level-l group of a rank holds the ranks that differ fr
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 import os
 import socket
 import threading
 import warnings
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -68,10 +71,11 @@ class Topology:
     mixed-radix position (default: group rank k at position k)."""
 
     def __init__(self, sizes: Sequence[int], ranks: Optional[Sequence[int]] = None, *, note: str = ""):
-        if isinstance(sizes, (int, torch.SymInt)) or not hasattr(sizes, "__iter__"):
+        if isinstance(sizes, (int, torch.SymInt, str, bytes, bytearray)) or not hasattr(sizes, "__iter__"):
             raise TypeError(f"collectives.Topology: sizes must be a sequence of ints (innermost level first), "
                             f"got {type(sizes).__name__}")
-        sizes = list(sizes)
+        # NumPy integers are ints here, as across the library (an np.array of sizes was refused; audit)
+        sizes = [operator.index(s) if isinstance(s, np.integer) else s for s in sizes]
         if not sizes:
             raise ValueError("collectives.Topology: sizes must not be empty")
         for s in sizes:
@@ -114,14 +118,24 @@ class Topology:
         sizes = [s for s in self.sizes if s > 1] or [1]
         return Topology(sizes, self.ranks, note=self.note)
 
+    def _check_position(self, what: str, position, level=None) -> None:
+        # (positions past the world gave ranks that do not exist, a level past the last an IndexError; audit)
+        if isinstance(position, bool) or not isinstance(position, numbers.Integral) or not 0 <= position < self.world:
+            raise ValueError(f"collectives.Topology.{what}: expected a position in [0, {self.world}), got {position!r}")
+        if level is not None and (isinstance(level, bool) or not isinstance(level, numbers.Integral)
+                                  or not 0 <= level < len(self.sizes)):
+            raise ValueError(f"collectives.Topology.{what}: expected a level in [0, {len(self.sizes)}), got {level!r}")
+
     def members(self, position: int, level: int) -> list[int]:
         """Positions of the level-`level` group that contains `position`, ordered by c_level."""
+        self._check_position("members", position, level)
         stride = math.prod(self.sizes[:level])
         c = (position // stride) % self.sizes[level]
         base = position - c * stride
         return [base + j * stride for j in range(self.sizes[level])]
 
     def coords(self, position: int) -> list[int]:
+        self._check_position("coords", position)
         out = []
         for s in self.sizes:
             out.append(position % s)
@@ -172,6 +186,10 @@ class Topology:
         detect gathers): ranks of one host form a node, in rank order; a single host whose ranks all
         report LOCAL_WORLD_SIZE = L (1 < L < p, p % L == 0) is cut into nodes of L consecutive ranks
         (torchrun's layout). Uneven hosts give a flat topology with a note saying why."""
+        if (not isinstance(placement, (list, tuple)) or not placement
+                or not all(isinstance(e, (list, tuple)) and len(e) == 2 for e in placement)):
+            raise ValueError(f"collectives.Topology.from_placement: expected a non-empty list of (hostname, "
+                             f"LOCAL_WORLD_SIZE or 0) pairs, one per rank, got {placement!r:.200}")
         p = len(placement)
         hosts: dict = {}
         for r, (host, _) in enumerate(placement):

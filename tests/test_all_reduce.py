@@ -20,6 +20,7 @@ import traceback
 import warnings
 from datetime import timedelta
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -978,6 +979,20 @@ def test_topology_validation_and_placement():
     assert tm.sizes == (3, 2) and tm.members(0, 0) == [0, 1, 2] and tm.members(0, 1) == [0, 3]
     with pytest.raises(TypeError, match="from_device_mesh"):
         Topology.from_device_mesh("mesh")
+    # positions and levels out of range, bytes, odd placements and NumPy ints (audit findings: ranks that do
+    # not exist, an IndexError, bytes taken as sizes, unpacking errors, NumPy sizes refused)
+    t = Topology([2, 2])
+    for call in (lambda: t.members(7, 0), lambda: t.members(-1, 0), lambda: t.members(0, 5), lambda: t.coords(99)):
+        with pytest.raises(ValueError, match=r"collectives.Topology.(members|coords): expected a (position|level)"):
+            call()
+    with pytest.raises(TypeError, match="collectives.Topology: sizes must be a sequence"):
+        Topology(b"\x02\x02")
+    for bad in (None, ["a", "b", "a"], []):
+        with pytest.raises(ValueError, match="collectives.Topology.from_placement: expected"):
+            Topology.from_placement(bad)
+    assert Topology(np.array([2, 2])) == t
+    with pytest.raises(TypeError, match="collectives.plan: numel"):
+        collectives.plan(2.5, torch.float32)
 
 
 def test_cost_model_choices():
