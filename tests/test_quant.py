@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import pykernels
+from pykernels._native import torch_bf16_gemm_native
 from pykernels.quant import _format as F
 from pykernels.quant._ops import _impl, cpu_bitserial
 
@@ -990,7 +991,12 @@ def test_sgemm_blocking_edges(kc, mc, nc, dtype):
             assert bool(((y.double() - ref).abs() <= bound).all()), (M, N, K, bits, gs)
             dq = _impl(x, qw.packed, qw.scales, qw.offsets, None, None, bias, N, K, bits, gs, 0, "cpu",
                        config={"impl": "dequant_mm", "threads": 1})
-            assert torch.allclose(y.float(), dq.float(), rtol=2 * eps, atol=1e-5 * float(ref.abs().max()) + 1e-30)
+            if dtype == torch.bfloat16 and torch_bf16_gemm_native():
+                # there the dequantize route multiplies bf16 weights natively (by design: its speed), so its
+                # weights carry a bf16 rounding of their own (AVX512-BF16 CPUs; Zen 4's failed the rtol below)
+                assert bool(((y.double() - dq.double()).abs() <= bound + 2 * eps * (x.double().abs() @ W.abs().T)).all())
+            else:
+                assert torch.allclose(y.float(), dq.float(), rtol=2 * eps, atol=1e-5 * float(ref.abs().max()) + 1e-30)
         assert torch.equal(x, x_before)
 
 
