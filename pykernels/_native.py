@@ -22,8 +22,10 @@ DTYPE_CODES = {
 }
 
 
-# Environment switches (PYKERNELS_DISABLE_*, PYKERNELS_AUTOTUNE, TRITON_INTERPRET) are read on every op
-# call, so that flipping one within a process takes effect. os.environ.get of an unset name raises and
+# Environment switches (PYKERNELS_AUTOTUNE, TRITON_INTERPRET, and PYKERNELS_DISABLE_AVX2 for qmatmul's route
+# choice) are read on every op call, so that flipping one within a process takes effect. The native modules
+# read the SIMD switches (PYKERNELS_DISABLE_AVX2/AVX512/AMX) once each, at their first use: set those before
+# the process starts (an autotune entry keyed under a switch flipped later was timed on the old tier). os.environ.get of an unset name raises and
 # catches a KeyError inside (~1 us, several times per call); os.environ keeps its variables in a dict of
 # encoded names (kept in step by os.environ[...] = and del, as monkeypatch.setenv uses), read directly.
 _ENV_DATA = getattr(os.environ, "_data", None)

@@ -1048,22 +1048,42 @@ def _has_avx2_here():
     return _has_avx2()
 
 
-@pytest.mark.parametrize("tier", [None, "PYKERNELS_DISABLE_AVX2"])
-def test_dequantize_native_matches_python(tier, monkeypatch):
+_ONE_ROUNDING = """
+import torch, pykernels
+from pykernels.quant._ops import _dequant_cpu
+torch.manual_seed(0)
+w = torch.randn(4, 64)
+w[:, 5] = 0.0
+qw = pykernels.quantize(w, bits=4, group_size=32, scheme="asym")
+x = torch.randn(1, 64)
+x[0, 5] = float("inf")
+W = qw.dequantize(torch.float32)
+assert torch.equal(_dequant_cpu(qw.packed, qw.scales, qw.offsets, 4, 64, 4, 32), W)
+torch.testing.assert_close(pykernels.qmatmul(x, qw), torch.nn.functional.linear(x, W), equal_nan=True)
+print("ONE-ROUNDING-OK")
+"""
+
+
+@pytest.mark.parametrize("tier", [None, "PYKERNELS_DISABLE_AVX2", "PYKERNELS_DISABLE_AVX512"])
+def test_dequantize_rounds_once_in_every_tier(tier):
+    """The native dequantize is QuantizedWeight.dequantize() exactly in every tier (the switches are read
+    once per process, so each tier runs in its own): the portable one rounded twice, a zero point's weight
+    came out 0, not the tiny value dequantize() gives, and an inf activation there gave NaN where torch
+    gives inf (audit finding)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYKERNELS_DISABLE_")}
+    if tier:
+        env[tier] = "1"
+    res = subprocess.run([sys.executable, "-c", _ONE_ROUNDING], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "ONE-ROUNDING-OK" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
+
+
+def test_dequantize_native_matches_python():
     from pykernels.quant._ops import _dequant_cpu
 
-    if tier:
-        monkeypatch.setenv(tier, "1")
-    # one rounding in every tier: the portable one rounded twice, a zero point's weight came out exactly 0
-    # and an inf activation there gave NaN where torch gives inf (audit finding)
-    torch.manual_seed(0)
-    w = torch.randn(4, 64)
-    w[:, 5] = 0.0
-    qw = pykernels.quantize(w, bits=4, group_size=32, scheme="asym")
-    x = torch.randn(1, 64)
-    x[0, 5] = float("inf")
-    torch.testing.assert_close(pykernels.qmatmul(x, qw), torch.nn.functional.linear(x, qw.dequantize(torch.float32)),
-                               equal_nan=True)
     for bits, gs in ((4, 32), (8, -1), (3, 128), (6, 64)):
         N, K = 9, 200
         qw = pykernels.quantize(torch.randn(N, K), bits, gs, "bipolar" if bits == 6 else "asym")
