@@ -1212,6 +1212,9 @@ def test_small_contract_points_from_fuzzing():
         assert torch.equal(pykernels.argsort(x, dim=d), torch.argsort(x, dim=int(d), stable=True))
     with pytest.raises(TypeError, match=r"pykernels.sort: expected an int for 'dim'"):
         pykernels.sort(x, dim=True)
+    for op in (pykernels.sort, pykernels.argsort):  # (numpy's own message named no op; audit finding)
+        with pytest.raises(TypeError, match=r"pykernels.(arg)?sort: expected an int for 'dim'"):
+            op(x, dim=np.array([1, 2]))
     out = (torch.empty(20), torch.empty(20, dtype=torch.int64))
     with pytest.warns(UserWarning, match="An output with one or more elements was resized"):
         pykernels.sort(x, dim=0, out=out)

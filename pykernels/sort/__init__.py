@@ -647,7 +647,10 @@ def _check_flag(op: str, arg: str, v) -> bool:
 def _norm_dim(op: str, x: torch.Tensor, dim) -> int:
     if isinstance(dim, bool) or not hasattr(type(dim), "__index__"):
         raise TypeError(f"pykernels.{op}: expected an int for 'dim', got {type(dim).__name__}")
-    dim = operator.index(dim)  # numpy integers too, as torch.sort takes them
+    try:
+        dim = operator.index(dim)  # numpy integers too, as torch.sort takes them
+    except TypeError:  # (an array of several: numpy's message named no op; audit finding)
+        raise TypeError(f"pykernels.{op}: expected an int for 'dim', got {type(dim).__name__} {dim!r:.80}") from None
     nd = max(x.dim(), 1)  # a 0-d tensor takes dim 0 or -1, as in torch
     if not -nd <= dim < nd:
         raise ValueError(f"pykernels.{op}: expected 'dim' in [{-nd}, {nd - 1}] for a tensor of shape "
