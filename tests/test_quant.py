@@ -268,6 +268,9 @@ def test_quantized_weight_serialization(tmp_path):
         torch.save(sd, path)
         back = pykernels.QuantizedWeight.from_state_dict(torch.load(path, weights_only=True))
         assert torch.equal(back.dequantize(), qw.dequantize())
+        # a shape stored as a tensor or an array (tensor-only checkpoint formats) is taken as before
+        for shape in (torch.tensor(list(sd["shape"])), np.array(list(sd["shape"]))):
+            assert pykernels.QuantizedWeight.from_state_dict(dict(sd, shape=shape)).shape == qw.shape
         buf = io.BytesIO()
         torch.save(qw, buf)
         buf.seek(0)

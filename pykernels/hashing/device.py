@@ -55,6 +55,8 @@ RuntimeWarning.
 """
 from __future__ import annotations
 
+import weakref
+
 import numba
 import numpy as np
 import torch
@@ -738,13 +740,30 @@ class _SharedCounters:
     freed and the limit they leave. A rehash (growth, tombstone purge) happens inside a host call, after
     the fold: the table then drops these counters, and views bound to the old arrays are detached."""
 
-    __slots__ = ("bound", "tensor", "used0", "limit0")
+    __slots__ = ("bound", "tensor", "used0", "limit0", "handles", "pinned")
 
     def __init__(self, table):
         self.bound = _binding(table)
         with normal_tensors():  # copied into in place (refused for an inference tensor outside inference mode)
             self.tensor = torch.zeros(3, dtype=torch.int64, device=table.device)
+        self.handles = []  # weak references to the arrays over `tensor` handed to views (unhashable: no WeakSet)
+        self.pinned = False  # a handle that cannot be tracked weakly: kept for good
         self.snapshot(table)
+
+    def handle(self):
+        """The counters as an array for a view's args, tracked: while none is alive, no kernel can add to
+        them, and the table drops them after its next fold (a host call then costs no fold: after one
+        device_view() every len() had read the tensor, 35x its cost; review finding)."""
+        arr = _as_counters(self.tensor)
+        try:
+            self.handles.append(weakref.ref(arr))
+        except TypeError:
+            self.pinned = True
+        return arr
+
+    def in_use(self) -> bool:
+        self.handles = [r for r in self.handles if r() is not None]
+        return self.pinned or bool(self.handles)
 
     @staticmethod
     def of(table) -> "_SharedCounters":
@@ -772,9 +791,10 @@ class _SharedCounters:
             self.fold(table)
 
     def host_call_ends(self, table):
-        if self.bound != _binding(table):
+        if self.bound != _binding(table) or not self.in_use():
+            # rehashed (the next view binds the new arrays), or folded with no view or args left to add more
             if table.__dict__.get("_device_counters") is self:
-                del table._device_counters  # rehashed: the next view binds the new arrays
+                del table._device_counters
         elif table._used != self.used0 or table._limit() != self.limit0:
             self.snapshot(table)
 
@@ -782,8 +802,12 @@ class _SharedCounters:
 def _purge_blocking_tombstones(table):
     """Device inserts cannot purge tombstones (they count as used slots against the load limit), so a
     view purges them first where they take at least half the room left below the limit: a growable=False
-    table with erased keys refused device inserts the host accepted (review finding). A purge rehashes,
-    which detaches the table's older views, as a host insert's purge does."""
+    table with erased keys refused device inserts the host accepted (review finding). Not while another
+    view of the arrays lives: a purge rehashes, and a kernel through that view would report NEW for keys
+    that never reach the table (review finding)."""
+    shared = table.__dict__.get("_device_counters")
+    if shared is not None and shared.bound == _binding(table) and shared.in_use():
+        return
     live = table._size - table._n_special()
     tombstones = table._used - live
     if tombstones > 0 and 2 * tombstones >= table._limit() - live:
@@ -846,7 +870,7 @@ class DeviceView:
             self._bound = self._shared.bound
             slots = _as_u32_array(table._slots) if self.layout == "set32" else _as_u64_array(table._slots)
             special = _as_u64_array(table._special)
-            self.args = (slots, special, _as_counters(self._shared.tensor), table._nw, table.window, table.seed)
+            self.args = (slots, special, self._shared.handle(), table._nw, table.window, table.seed)
             self.read_args = (slots, special, table._nw, table.window, table.seed)
 
     def _check_bound(self):
@@ -875,8 +899,10 @@ class DeviceView:
 
     def __exit__(self, *exc):
         try:
-            self._shared.fold(self.table)  # (synchronizes first on CUDA)
+            # bound first: a kernel through a view detached inside the block wrote into the old arrays, and
+            # its count must not reach the table's (review finding: len() and items() disagreed for good)
             self._check_bound()
+            self._shared.fold(self.table)  # (synchronizes first on CUDA)
         finally:
             self.table._lock.release()
         return False

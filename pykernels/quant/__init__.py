@@ -197,13 +197,15 @@ class QuantizedWeight:
             if not isinstance(_int_arg(sd[name]), int) or isinstance(sd[name], (bool, np.bool_)):
                 raise TypeError(f"pykernels.{op}: expected an int '{name}', got {type(sd[name]).__name__} {sd[name]!r}")
         shape = sd["shape"]
+        if isinstance(shape, (torch.Tensor, np.ndarray)) and shape.ndim == 1:  # (tensor-only checkpoint formats)
+            shape = shape.tolist()
         if (not isinstance(shape, (tuple, list, torch.Size)) or len(shape) != 2
                 or not all(isinstance(_int_arg(n), int) and not isinstance(n, bool) and _int_arg(n) >= 0 for n in shape)):
             raise ValueError(f"pykernels.{op}: expected 'shape' (N, K) of two ints >= 0, got {shape!r}")
         dtype = getattr(torch, str(sd.get("dtype", "float32")), None)
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"pykernels.{op}: expected a floating-point 'dtype' name, got {sd.get('dtype')!r}")
-        qw = cls(shape=sd["shape"], bits=sd["bits"], group_size=sd["group_size"], scheme=sd["scheme"],
+        qw = cls(shape=shape, bits=sd["bits"], group_size=sd["group_size"], scheme=sd["scheme"],
                  packed=sd["packed"], scales=sd["scales"], offsets=sd["offsets"], code_sums=sd["code_sums"],
                  planes=sd.get("planes"), dtype=dtype)
         qw._check(op, codes=True)

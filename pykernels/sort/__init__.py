@@ -69,14 +69,13 @@ TORCH_BELOW = _env_int("PYKERNELS_SORT_TORCH_BELOW", 1024)
 _TORCH_UNRELIABLE = (torch.uint16, torch.uint32, torch.uint64)
 
 
-def _torch_sorts(x: torch.Tensor, backend: str, d: int = -1) -> bool:
-    """Whether this eager call is small enough that torch.sort runs it (see TORCH_BELOW). Only rows that
-    are contiguous along the last dim: torch.sort's outputs keep the input's memory order, ours are
-    contiguous, and the layout must not change at TORCH_BELOW (a view(-1) of a small transposed input's
-    sort raised; review finding). Not empty ones: torch.sort walks every row of a (2**40, 0) tensor (an
+def _torch_sorts(x: torch.Tensor, backend: str) -> bool:
+    """Whether this eager call is small enough that torch.sort runs it (see TORCH_BELOW). Only contiguous
+    input: torch.sort's outputs keep the input's memory order, ours are contiguous, and the layout must
+    not change at TORCH_BELOW (a view(-1) of a small transposed input's sort raised; review finding). Not empty ones: torch.sort walks every row of a (2**40, 0) tensor (an
     hour) where ours returns at once (audit finding)."""
     return (0 < x.numel() <= TORCH_BELOW and backend == "auto" and x.device.type == "cpu"
-            and x.dtype not in _TORCH_UNRELIABLE and (x.dim() <= 1 or (d == x.dim() - 1 and x.is_contiguous())))
+            and x.dtype not in _TORCH_UNRELIABLE and (x.dim() <= 1 or x.is_contiguous()))
 
 
 def _backends_supported():
@@ -704,7 +703,7 @@ def sort(input, dim: int = -1, descending: bool = False, stable: bool = True, *,
             raise RuntimeError("pykernels.sort: functions with out=... arguments don't support automatic "
                                "differentiation, but one of the arguments requires grad (as torch.sort)")
     if _eager(x, op="sort"):
-        if _torch_sorts(x, backend, d):
+        if _torch_sorts(x, backend):
             # torch.return_types.sort, as from every other route (torch's out= gives its sort_out type)
             return torch.return_types.sort(torch.sort(x, dim=d, descending=descending, stable=True, out=out))
         direct = None
@@ -776,7 +775,7 @@ def argsort(input, dim: int = -1, descending: bool = False, stable: bool = True,
         _check_flag("argsort", "stable", stable)
     backend = _check_backend("argsort", backend)
     if _eager(x, op="argsort"):
-        if _torch_sorts(x, backend, d):
+        if _torch_sorts(x, backend):
             return torch.argsort(x, dim=d, descending=descending, stable=True)
         return _rows_sort("argsort", x, d, descending, backend, False)[1]
     return torch.ops.pykernels.argsort(x, d, descending, backend)
