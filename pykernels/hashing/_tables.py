@@ -138,7 +138,7 @@ class _Recount:
         return False
 
 
-class _LockWithViews:
+class _LockWithDeviceCounters:
     """A table's lock that also brings the counters of its numba device views in step with the host call
     it guards (pykernels.hashing.device._SharedCounters)."""
 
@@ -303,7 +303,7 @@ class _OpenTable(_TableState):
         if torch.compiler.is_compiling():
             return contextlib.nullcontext()
         shared = self.__dict__.get("_device_counters")
-        lock = _LockWithViews(self, self._lock, shared) if shared is not None else self._lock
+        lock = _LockWithDeviceCounters(self, self._lock, shared) if shared is not None else self._lock
         return _Recount(self, lock) if mutating else lock
 
     def _recount(self):

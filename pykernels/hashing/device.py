@@ -821,7 +821,8 @@ class DeviceView:
     *_add); `read_args` = (slots, special, nw, window, seed) for the others (*_find, *_contains,
     *_count). slots: the slot array as uint64 words, except layout "set32": uint32 (4-byte slots);
     special: uint64[4 + overflow filter] (hash_layout.h); counters: int64[3] = [used slots, load limit,
-    new keys], one tensor shared by every view of the table's current arrays; nw: windows; window: slots per window; seed: the hash seed.
+    new keys], one tensor shared by every view of the table's current arrays; nw: windows; window: slots
+    per window; seed: the hash seed.
 
     `layout` names the table's slot layout and `functions` maps its operations to the device functions
     written for that layout (the table in the module docstring):
@@ -845,10 +846,10 @@ class DeviceView:
     inserted (or call commit() after the kernel). Host calls on the table (len() included) keep it in
     step: they count the kernels' inserts first, and the next kernel sees the slots they took (or freed:
     clear()). A host insert that grows the table (or purges its tombstones) rehashes it into new arrays:
-    a view bound before then is detached, and commit() / leaving `with` raise, so take a new view (device_view()
-    itself purges erased keys' tombstones where they fill half the room left below the load limit, since
-    device inserts count them as used slots); a
-    kernel run through the detached view wrote into the old arrays, and those inserts are lost. A function
+    a view bound before then is detached, and commit() / leaving `with` raise, so take a new view; a
+    kernel run through the detached view wrote into the old arrays, and those inserts are lost.
+    device_view() itself purges erased keys' tombstones where they fill half the room left below the load
+    limit (device inserts count them as used slots), unless another view of the arrays lives. A function
     of another layout than the table's reads its memory wrongly: take them from `functions`, or check
     `layout`."""
 
