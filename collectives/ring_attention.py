@@ -425,22 +425,44 @@ def _token_forward(q, k, v, scale, causal, layout, grp, pg_back):
     return state["out"].to(q.dtype), state["lse"]
 
 
-def _token_backward(do, q, k, v, out, lse, scale, causal, layout, grp, pg_back, delta=None):
+def _token_sends_out(q: torch.Tensor) -> bool:
+    """Whether the TokenRing backward sends O with the queries (fp16 on CPU) instead of D = rowsum(dO * O).
+
+    D is one number per row against head_dim, but a block given D alone has no O for the kernel: float32/64
+    rebuild one from D (out_standin, exact to rounding), fp16/bf16 cannot (a rounded stand-in left dQ 3-5x
+    noisier than Ring's) and pass D as an LSE gradient instead. bf16 takes that at full speed (the bf16dot
+    kernel), fp16 on CPU does not (aten's fused backward takes no LSE gradient: B=1 H=8 S=512 D=64, one
+    thread, 20 ms a block with O, 52 ms with D), so fp16 on CPU sends O. The same on every rank: dtype and
+    device are checked to agree."""
+    return q.device.type == "cpu" and q.dtype == torch.float16
+
+
+def _token_backward(do, q, k, v, out, lse, scale, causal, layout, grp, pg_back, dlse=None):
+    """dlse: the LSE output's gradient or None (then every rank passes None or zeros of lse's shape)."""
     r, s = grp.rank, q.shape[2]
     acc = blk.acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    sends_out = _token_sends_out(q)
 
     def compute(j, held, held_rows):
-        qj, doj, deltaj, lsej = held
         blocks = _blocks(j, r, s, causal, layout)
         if not blocks:
             return None
         (rows, krows, diag), = blocks
         sl = _shift(rows, held_rows)
-        gq, gk, gv = blk.block_backward(doj[:, :, sl], qj[:, :, sl], k[:, :, krows], v[:, :, krows],
-                                        None, lsej[:, :, sl], scale, diag, delta=deltaj[:, :, sl])
+        if sends_out:
+            qj, doj, outj, lsej, dlsej = (x[:, :, sl] for x in held)
+            if bool(dlsej.any()):  # the LSE has a gradient: it shifts D (see _with_lse_grad)
+                outj, deltaj = None, blk.row_delta(doj, outj) - dlsej
+            else:
+                deltaj = None
+        else:
+            qj, doj, deltaj, lsej = (x[:, :, sl] for x in held)
+            outj = None
+        gq, gk, gv = blk.block_backward(doj, qj, k[:, :, krows], v[:, :, krows], outj, lsej, scale, diag,
+                                        delta=deltaj)
         dk[:, :, krows] += gk  # K/V never move: their gradients accumulate here, no traffic
         dv[:, :, krows] += gv
         return [gq]
@@ -452,11 +474,16 @@ def _token_backward(do, q, k, v, out, lse, scale, causal, layout, grp, pg_back, 
         if parts is not None:
             dq[:, :, rows] += parts[0]
 
-    # D = rowsum(dO * O) travels instead of O: one number per row instead of head_dim
-    # (minus dlse when the LSE has a gradient, see _with_lse_grad)
-    if delta is None:
-        delta = blk.row_delta(do, out)
-    bundle = [q.contiguous(), do.contiguous(), delta.contiguous(), lse.contiguous()]
+    if sends_out:  # O and the LSE's gradient (zeros when it has none) travel with the queries
+        dlse = torch.zeros_like(lse) if dlse is None else dlse.to(lse.dtype)
+        bundle = [q.contiguous(), do.contiguous(), out.contiguous(), lse.contiguous(), dlse.contiguous()]
+    else:
+        # D = rowsum(dO * O) travels instead of O: one number per row instead of head_dim
+        # (minus dlse when the LSE has a gradient, see _with_lse_grad)
+        _, delta = _with_lse_grad(do, dlse, out)
+        if delta is None:
+            delta = blk.row_delta(do, out)
+        bundle = [q.contiguous(), do.contiguous(), delta.contiguous(), lse.contiguous()]
     _token_ring_run(bundle, compute, spec, on_own, s, causal, layout, grp, pg_back)
     return dq, dk, dv
 
@@ -476,8 +503,8 @@ class _TokenRingAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         with torch.no_grad():
-            dout, delta = _with_lse_grad(dout, dlse, out)
-            dq, dk, dv = _token_backward(dout, q, k, v, out, lse, *ctx.args, delta=delta)
+            dout = torch.zeros_like(out) if dout is None else dout
+            dq, dk, dv = _token_backward(dout, q, k, v, out, lse, *ctx.args, dlse=dlse)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
@@ -841,10 +868,11 @@ def _ring_attention_backward_op(dout: Optional[torch.Tensor], dlse: Optional[tor
               backward=True, back_group=pg_back if token_ring else None)
     pg_back = _second_group(grp, pg_back, token_ring)
     with torch.no_grad():
-        dout, delta = _with_lse_grad(dout, dlse, out)
         if token_ring:
-            dq, dk, dv = _token_backward(dout, q, k, v, out, lse, scale, causal, layout, grp, pg_back, delta=delta)
+            dout = torch.zeros_like(out) if dout is None else dout
+            dq, dk, dv = _token_backward(dout, q, k, v, out, lse, scale, causal, layout, grp, pg_back, dlse=dlse)
         else:
+            dout, delta = _with_lse_grad(dout, dlse, out)
             dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, scale, causal, layout, grp, delta=delta)
     return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous())
 

@@ -211,6 +211,10 @@ def case_attention(rank, world, *, fn, layout, causal, configs, chunk=3, seed=0,
                 do = torch.zeros_like(do)
             elif lse_grad == "tiny_do":  # |D| / max|dO| huge: a stand-in O would overflow fp16
                 do = do * 1e-6
+            elif lse_grad == "rank0":  # only rank 0's loss uses its LSE: the other ranks' dlse is None
+                mark = shard_sequence(torch.arange(s, dtype=torch.float64), group=group, layout=layout, dim=0)
+                owned = unshard_sequence(torch.full_like(mark, float(rank == 0)), group=group, layout=layout, dim=0)
+                dl = dl * owned
             if lse_grad:
                 torch.autograd.backward([ref, ref_lse], [do.double(), dl.double()])
             else:
@@ -228,7 +232,7 @@ def case_attention(rank, world, *, fn, layout, causal, configs, chunk=3, seed=0,
             keep = [t.clone() for t in (ql, kl, vl)]
             ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
             out, lse = call(ql, kl, vl, causal=causal, scale=scale, layout=layout, return_lse=True, group=group)
-            if lse_grad:
+            if lse_grad and (lse_grad != "rank0" or rank == 0):
                 torch.autograd.backward([out, lse], [shard(do).to(device), shard(dl).to(device=device, dtype=lse.dtype)])
             else:
                 out.backward(shard(do).to(device))
@@ -808,7 +812,9 @@ def test_gradient_through_the_lse(pool3, fn, causal):
     for layout in ("zigzag", "contiguous"):
         pool3.run("case_attention", fn=fn, layout=layout, causal=causal, lse_grad=True,
                   configs=[("float32", 1, 4, 2, 8), ("float64", 1, 2, 2, 4)])
-    for mode in ("lse_only", "tiny_do"):  # rows a stand-in O cannot carry D for
+    # rows a stand-in O cannot carry D for; and ranks that differ in whether their LSE has a gradient at all
+    # (TokenRing's fp16 backward sends O and dlse with the queries: every rank must send the same bundle)
+    for mode in ("lse_only", "tiny_do", "rank0"):
         pool3.run("case_attention", fn=fn, layout="zigzag", causal=causal, lse_grad=mode,
                   configs=[("float32", 1, 4, 2, 8), ("float16", 1, 4, 2, 8), ("bfloat16", 1, 2, 2, 8)])
 
