@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(THREADS) wo_gemm_kernel(const void* __restrict
                                                           int64_t K, const uint8_t* __restrict__ w,
                                                           const float* __restrict__ scales,
                                                           const float* __restrict__ offsets, int64_t G, int64_t gsize,
-                                                          int64_t NB, float* __restrict__ y) {
+                                                          int64_t NB, int64_t slice0, float* __restrict__ y) {
   constexpr int CHUNK = LB == 4 ? 16 : 32;
   constexpr int VEC = CHUNK / 16;
   constexpr int STAGES = LB == 4 ? 3 : 2;  // cp.async pipeline depth (fits 48 KiB of static smem)
@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(THREADS) wo_gemm_kernel(const void* __restrict
 
   const int tid = threadIdx.x;
   const int64_t T = (N + RT - 1) / RT;
-  const int64_t b0 = (int64_t)blockIdx.y * SLICE_BLOCKS;
+  const int64_t b0 = (slice0 + (int64_t)blockIdx.y) * SLICE_BLOCKS;  // K slices go in launches of <= 65535
   const int64_t m0 = (int64_t)blockIdx.z * MT;
   const int64_t t0 = (int64_t)blockIdx.x * TILES;
 
@@ -668,7 +668,8 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, 1) wo_mma_kernel(
 }  // namespace
 
 // Host entry points (no CUDA types in the signatures: the binding file includes no CUDA headers).
-// Grid dimensions y and z hold at most 65535 blocks: tokens (M) go in chunks of at most this many blocks.
+// Grid dimensions y and z hold at most 65535 blocks: tokens (M) go in chunks of at most this many blocks, and so
+// do pk_qgemm_wo's K slices (y: ceil(K / 1024) passed 65535 at K > 67,107,840; the slices add into y atomically).
 constexpr int64_t kMaxGridYZ = 65535;
 
 void pk_qgemm_wo(uintptr_t x, int xdt, int64_t M, int64_t K, uintptr_t w, int bits, uintptr_t scales,
@@ -685,15 +686,18 @@ void pk_qgemm_wo(uintptr_t x, int xdt, int64_t M, int64_t K, uintptr_t w, int bi
     const int64_t mc = std::min<int64_t>(M - m0, kMaxGridYZ * MT);
     const void* xc = (const void*)(x + (uintptr_t)(m0 * K * x_bytes));
     float* yc = (float*)y + m0 * N;
-    dim3 grid((unsigned)((T + TILES - 1) / TILES), (unsigned)((NB + SLICE_BLOCKS - 1) / SLICE_BLOCKS),
-              (unsigned)((mc + MT - 1) / MT));
-    if (bits <= 4)
-      wo_gemm_kernel<4><<<grid, THREADS, 0, s>>>(xc, xdt, mc, N, K, (const uint8_t*)w, (const float*)scales,
-                                                 (const float*)offsets, G, gsize, NB, yc);
-    else
-      wo_gemm_kernel<8><<<grid, THREADS, 0, s>>>(xc, xdt, mc, N, K, (const uint8_t*)w, (const float*)scales,
-                                                 (const float*)offsets, G, gsize, NB, yc);
-    PK_GPU_CHECK("qmatmul", pkGetLastError());
+    const int64_t slices = (NB + SLICE_BLOCKS - 1) / SLICE_BLOCKS;
+    for (int64_t sl0 = 0; sl0 < slices; sl0 += kMaxGridYZ) {
+      dim3 grid((unsigned)((T + TILES - 1) / TILES), (unsigned)std::min<int64_t>(slices - sl0, kMaxGridYZ),
+                (unsigned)((mc + MT - 1) / MT));
+      if (bits <= 4)
+        wo_gemm_kernel<4><<<grid, THREADS, 0, s>>>(xc, xdt, mc, N, K, (const uint8_t*)w, (const float*)scales,
+                                                   (const float*)offsets, G, gsize, NB, sl0, yc);
+      else
+        wo_gemm_kernel<8><<<grid, THREADS, 0, s>>>(xc, xdt, mc, N, K, (const uint8_t*)w, (const float*)scales,
+                                                   (const float*)offsets, G, gsize, NB, sl0, yc);
+      PK_GPU_CHECK("qmatmul", pkGetLastError());
+    }
   }
 }
 

@@ -14,7 +14,8 @@
 //     3. the tile's per-digit counts are published at once as AGGREGATE in packed status words
 //        (2 flag bits + count in one word: one store publishes both), then one thread per digit walks
 //        back over predecessor tiles summing AGGREGATEs until an INCLUSIVE one (decoupled look-back),
-//        and publishes its own INCLUSIVE value; the block scan of the tile's counts overlaps the wait;
+//        and publishes its own INCLUSIVE value; the block scan of the tile's counts runs between the
+//        AGGREGATE store and the look-back, so predecessor tiles finish meanwhile (less spinning);
 //     4. keys (then payloads) are staged in shared memory in digit order and written out in runs,
 //        out[global_start[d] + j - local_start[d]], so global writes stay coalesced.
 //   Status words are 32-bit (30-bit counts) below 2^28 keys and widened to 64-bit above, so inputs of

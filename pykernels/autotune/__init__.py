@@ -570,10 +570,13 @@ def measure(fn: Callable[[], Any], device=None, *, warmup: int = 1, repeats: int
         if device.type == "cuda":
             buf = _L2_FLUSH.setdefault(device, torch.empty(256 << 20, dtype=torch.uint8, device=device))
             buf.zero_()
+            # the events go on `device`'s stream, where the ops launch (on their tensors' device); a bare
+            # record() uses the current device's, which saw nothing between them for tensors on another GPU
+            stream = torch.cuda.current_stream(device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(stream)
             fn()
-            end.record()
+            end.record(stream)
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
         else:
