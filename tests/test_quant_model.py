@@ -88,6 +88,10 @@ def test_quantize_model_include_exclude_and_bias(lm):
     two = lambda: nn.Sequential(nn.Linear(64, 8), nn.Linear(8, 8))  # noqa: E731
     assert [type(m) for m in quantize_model(two(), 4, 32, exclude=(n for n in ["1"]))] == [QuantLinear, nn.Linear]
     assert [type(m) for m in quantize_model(two(), 4, 32, include=iter(["1", "0"]))] == [QuantLinear, QuantLinear]
+    # an include entry that selects no Linear (a typo) is named in a warning, not passed over in silence
+    with pytest.warns(UserWarning, match=r"no nn.Linear matches these 'include' entries: 'blocks.0.mpl', '\*.ffn.\*'"):
+        q3 = quantize_model(copy.deepcopy(lm), 4, 32, include=["blocks.0.mpl", "blocks.1.mlp", "*.ffn.*"])
+    assert isinstance(q3.blocks[1].mlp[0], QuantLinear) and type(q3.blocks[0].mlp[0]) is nn.Linear
 
 
 def test_quantlinear_state_dict_round_trip(lm):
