@@ -3226,3 +3226,23 @@ def test_multi_value_reserved_keys_keep_few_pieces():
     assert [len(lst) <= 17 for lst in shrinking._special_multi.values()] == [True]  # log2(45150) + 1
     _, vals = shrinking.find(torch.tensor([-1]))
     assert torch.equal(vals, torch.cat([torch.arange(n) for n in range(300, 0, -1)]))
+
+
+@pytest.mark.parametrize("growable", [True, False])
+def test_multi_value_reserved_keys_take_no_slots(growable):
+    """Values of the reserved keys live out of band: the slots are sized by the other rows only. 1M values of
+    a -1 padding id grew the slots to 1.67M (27 MB, all empty) and kept them; a table full of other keys
+    still takes them (audit finding)."""
+    m = MultiValueHashMap(16, growable=growable)
+    cap = m.capacity
+    m.insert(torch.full((200_000,), -1), torch.arange(200_000))
+    m.insert(torch.cat([torch.full((50_000,), -2), torch.arange(8)]), torch.arange(50_008))
+    assert m.capacity == cap and len(m) == 250_008
+    assert m.count(torch.tensor([-1, -2, 3, 9])).tolist() == [200_000, 50_000, 1, 0]
+    # erase and reinsert churn sized by slot entries too (tombstones purged, not a growth for the -1 values)
+    for i in range(20):
+        m.erase(torch.arange(8))
+        m.insert(torch.arange(8), torch.arange(8) + i)
+    assert m.capacity == cap and len(m) == 250_008
+    _, vals = m.find(torch.tensor([3]))
+    assert vals.tolist() == [22]

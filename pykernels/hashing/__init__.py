@@ -176,7 +176,9 @@ class MultiValueHashMap(_OpenTable):
         with self._locked(mutating=True):
             # The reserved patterns live out of band and never need room: store them first, so a full
             # non-growable table (TableFullError from _insert_bits) still keeps them.
+            reserved = None
             for bits, m in self._special_masks(kbits):
+                reserved = m if reserved is None else reserved | m
                 lst = self._special_multi.setdefault(bits, [])
                 lst.append(vbits[m].clone())
                 # the last two merged while the older is at most twice the newer, so each piece is more
@@ -186,7 +188,9 @@ class MultiValueHashMap(_OpenTable):
                 while len(lst) > 1 and lst[-2].numel() <= 2 * lst[-1].numel():
                     lst[-2:] = [torch.cat(lst[-2:])]
                 self._size += int(m.sum())
-            self._insert_bits(f"{self._op}.insert", kbits, vbits, M_APPEND)  # reserved patterns: SKIPPED
+            if reserved is not None:  # only the others take slots (sized by every row, 1M -1 paddings grew 27 MB)
+                kbits, vbits = kbits[~reserved], vbits[~reserved]
+            self._insert_bits(f"{self._op}.insert", kbits, vbits, M_APPEND)
 
     def _native_counts(self, kbits):
         cfg = self._config("hash_find")

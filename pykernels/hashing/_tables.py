@@ -474,15 +474,16 @@ class _OpenTable(_TableState):
             # distinct key (sizing by occurrences grew a set to 666K slots for 20 keys repeated 2M times)
             left_out = kbits[idx]
             room = pending if self._multi else self._distinct_keys(left_out)
-            fits_after_purge = self._size + room <= self._limit()
-            tombstones = self._used > self._size - self._n_special()
+            in_slots = self._size - self._n_special()  # reserved keys' entries live out of band
+            fits_after_purge = in_slots + room <= self._limit()
+            tombstones = self._used > in_slots
             # Reclaim tombstones (same size) when that makes room for every pending key; a table that
             # cannot grow reclaims them in any case, inserts what then fits and reports only the rest.
             if tombstones and not purged and (fits_after_purge or not self.growable):
                 self._rehash(self.capacity)
                 purged = True
             elif self.growable:
-                self._rehash(max(2 * self.capacity, self._grown_capacity(self._size + room)))
+                self._rehash(max(2 * self.capacity, self._grown_capacity(in_slots + room)))
             else:
                 # distinct keys (entries of a multi-value table), not occurrences (review finding: 50 keys
                 # given 3 times each were reported as 150 not inserted)
@@ -562,7 +563,7 @@ class _OpenTable(_TableState):
                 n = min(n, int(self._distinct_estimate(kbits) * 1.05) + 1)
             if n <= room:
                 return False
-        target = self._grown_capacity(self._size + n)
+        target = self._grown_capacity(self._size - self._n_special() + n)
         # Every copy is an entry of a multi-value map, and a CPU table counted the input's distinct keys: the
         # target is what the entries need (never below the capacity, which tombstones may fill; with the
         # headroom of GROWTH_LOAD, so the HyperLogLog's ~1.6% undercount still fits), and
@@ -622,7 +623,7 @@ class _OpenTable(_TableState):
         when 2x too large left tables of keys repeated 1-2x up to 1.9x larger than before: review finding.)
         Up to 10% larger is kept: the distinct-key estimate that sized the growth is within ~5%, and
         rebuilding for that rehashed every entry a second time."""
-        need = max(capacity_before, self._grown_capacity(self._size))
+        need = max(capacity_before, self._grown_capacity(self._size - self._n_special()))
         if 10 * self._nw > 11 * L.windows_for(need, self.window, self._op):
             self._rehash(need)
 
