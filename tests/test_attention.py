@@ -1539,7 +1539,7 @@ def test_bf16dot_backward_is_the_default_and_non_finite_takes_the_exact_path(mon
     assert len(calls) == 1
     out, lse = flash_attention(q, k, v, causal=True, return_lse=True)
     dout = torch.randn(out.shape).to(torch.bfloat16)
-    dout[0, 1, 5, 7] = float("nan")
+    dout[0, 1, -5, 7] = float("nan")  # a row that sees keys (the others take no part in the backward)
     sc = shape[-1] ** -0.5
     got = _backward_impl(dout, None, q, k, v, out, lse, True, sc, "cpu", {"impl": "bf16dot"})
     want = _backward_impl(dout, None, q, k, v, out, lse, True, sc, "cpu", {"impl": "blocked"})
@@ -1897,3 +1897,23 @@ def test_autocast_takes_array_inputs_and_keeps_the_exact_paths_in_float32():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _, auto = pykernels.flash_attention(q, k, v, return_lse=True)
     torch.testing.assert_close(auto, plain, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rows_that_see_no_key_give_no_gradient(dtype):
+    """Causal with S_q > S_k: rows 0..S_q-S_k-1 see no key; a NaN in their q or dO stays out of dK/dV (it came
+    in through P = 0 times NaN inside the products: audit finding), and their dq is 0. The rest as the oracle."""
+    q, k, v = make(2, 4, 2, 19, 6, 16, dtype, seed=4)
+    q[0, 1, 12, 3] = float("nan")
+    do = torch.randn(2, 4, 19, 16).to(dtype)
+    do[1, 2, 5, 0] = float("nan")
+    qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = pykernels.flash_attention(qa, ka, va, causal=True, return_lse=True)
+    (out.float() * do.float()).sum().backward()
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ro, _ = reference(qr[:, :, 13:], kr, vr, causal=True)
+    ro.backward(do[:, :, 13:].double())
+    assert torch.equal(qa.grad[:, :, :13], torch.zeros_like(qa.grad[:, :, :13]))
+    for name, g, w in (("dq", qa.grad[:, :, 13:], qr.grad[:, :, 13:]), ("dk", ka.grad, kr.grad), ("dv", va.grad, vr.grad)):
+        assert torch.isfinite(g).all(), name
+        assert_close(g, w, dtype, name)

@@ -99,6 +99,47 @@ def test_interpreter_row_of_plus_inf_scores_has_lse_plus_inf(triton_interpret):
     assert torch.isnan(out[0, 0, 1]).all() and torch.isfinite(lse[0, 0, [0, 2]]).all()
 
 
+def test_interpreter_scores_near_float32_max(triton_interpret):
+    """Finite scores above FLT_MAX / log2(e) (or a scale that makes them so) give the CPU paths' exact answer;
+    scaled by log2(e) before the max they became inf: out NaN, lse +inf (audit finding). Gradients too."""
+    v = torch.tensor([[[[1.0, 2.0], [3.0, 4.0]]]])
+    q = torch.tensor([[[[3e38, 0.0]]]])
+    k = torch.tensor([[[[1.0, 0.0], [0.5, 0.0]]]])
+    q2 = torch.full((1, 1, 1, 1), 2e-19)
+    k2 = torch.tensor([[[[2e-19], [1e-19]]]])                      # scores 12 and 6 through scale=3e38
+    for qq, kk, vv, scale in ((q, k, v, 1.0), (q2, k2, v[..., :1], 3e38)):
+        want = pykernels.flash_attention(qq, kk, vv, scale=scale, return_lse=True, backend="cpu")
+        got = pykernels.flash_attention(qq, kk, vv, scale=scale, return_lse=True, backend="triton")
+        assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all(), got
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    # the backward: p = exp2((s - lse) * log2(e)) with lse ~ 2.4e38 (its lse * log2(e) was inf: p and every
+    # gradient 0); scores 2.4e38 and 2.4e38 - 1e37 give p ~ (1, 0) and a finite dv
+    qa = torch.tensor([[[[2.4e38, 0.0]]]], requires_grad=True)
+    va = v.clone().requires_grad_()
+    out = pykernels.flash_attention(qa, torch.tensor([[[[1.0, 0.0], [0.95, 0.0]]]]), va, backend="triton")
+    out.sum().backward()
+    assert torch.equal(va.grad, torch.tensor([[[[1.0, 1.0], [0.0, 0.0]]]])), va.grad
+
+
+def test_interpreter_dead_rows_take_no_part_in_dk_dv(triton_interpret):
+    """Causal rows that see no key have zero gradient and give none: a NaN in such a row's q or dO reached
+    dK/dV through 0 * NaN, the tile's first rows being loaded with the live ones (audit finding)."""
+    q, k, v = make(1, 1, 1, 21, 4, 8, torch.float32, seed=3)   # rows 0..16 see no key
+    q[0, 0, 16, 0] = float("nan")
+    do = torch.randn(1, 1, 21, 8)
+    do[0, 0, 15, 1] = float("nan")
+    grads = {}
+    for backend in ("triton", "cpu"):
+        qa, ka, va = (t.clone().requires_grad_() for t in (q, k, v))
+        pykernels.flash_attention(qa, ka, va, causal=True, backend=backend).backward(do)
+        grads[backend] = (qa.grad, ka.grad, va.grad)
+    qg, kg, vg = grads["triton"]
+    assert torch.isfinite(kg).all() and torch.equal(qg[:, :, :17], torch.zeros_like(qg[:, :, :17]))
+    torch.testing.assert_close(kg, grads["cpu"][1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(vg, grads["cpu"][2], rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(vg).all() and torch.equal(grads["cpu"][0][:, :, :17], qg[:, :, :17])
+
+
 def test_interpreter_empty_and_strided(triton_interpret):
     for shape in [(0, 2, 2, 4, 4, 16), (1, 2, 1, 3, 0, 16), (1, 2, 2, 0, 5, 16)]:
         q, k, v = make(*shape, torch.float32)

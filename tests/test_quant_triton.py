@@ -151,6 +151,19 @@ def test_triton_bitserial_matches_cpu(triton_interpret, p, q, group_size, K):
     assert ((yt - yc).abs() <= 1e-5 * scale + 1e-5).all()
 
 
+
+def test_triton_bitserial_activations_near_float32_max(triton_interpret):
+    """An activation of 1e38 with finite results: the recombination's terms (sa * sum(u_a)) overflowed to inf
+    where the sum of them all is finite (audit finding); sa and ma are factored out now, as the CPU's fp64."""
+    g = torch.Generator().manual_seed(0)
+    qw = pykernels.quantize(torch.randn(4, 64, generator=g), 2, 32, "bipolar")
+    x = torch.randn(1, 64, generator=g)
+    x[0, 5] = 1e38
+    yt = pykernels.qmatmul(x, qw, act_bits=2, backend="triton")
+    yc = pykernels.qmatmul(x, qw, act_bits=2, backend="cpu")
+    assert torch.isfinite(yc).all() and torch.isfinite(yt).all(), (yt, yc)
+    torch.testing.assert_close(yt, yc, rtol=1e-5, atol=0)
+
 def test_triton_act_planes_match_cpu_codes(triton_interpret):
     from pykernels.quant._ops import cpu_bitserial
     from pykernels.quant._triton import _act_planes

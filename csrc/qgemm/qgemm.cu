@@ -311,7 +311,9 @@ __global__ void bs_popc_kernel(const uint32_t* __restrict__ ap, const uint32_t* 
       }
     const float len = (float)(min(K, (g + 1) * gsize) - g * gsize);
     const float s = scales[n * G + g], mo = offsets[n * G + g];
-    acc += sa * s * (float)isum + sa * mo * (float)usum[m * G + g] + ma * s * (float)wsum[n * G + g] + ma * mo * len;
+    // sa and ma factored out: sa * mo * sum(u_a) alone overflowed float for activations near FLT_MAX whose
+    // terms cancel to a finite result (the Triton kernel's audit finding; the CPU sums in double)
+    acc += sa * (s * (float)isum + mo * (float)usum[m * G + g]) + ma * (s * (float)wsum[n * G + g] + mo * len);
   }
   y[m * N + n] = acc;
 }
@@ -375,8 +377,7 @@ __global__ void bs_mma_kernel(const uint32_t* __restrict__ ap, const uint32_t* _
       const int64_t n = rows[e], m = cols[e];
       if (n >= N || m >= M) continue;
       const float s = scales[n * G + g], mo = offsets[n * G + g], sa = sa_[m], ma = ma_[m];
-      acc[e] += sa * s * (float)isum[e] + sa * mo * (float)usum[m * G + g] + ma * s * (float)wsum[n * G + g] +
-                ma * mo * len;
+      acc[e] += sa * (s * (float)isum[e] + mo * (float)usum[m * G + g]) + ma * (s * (float)wsum[n * G + g] + mo * len);
     }
   }
   const int64_t rows[4] = {na, na, nb, nb};

@@ -184,6 +184,17 @@ def _flash_result_stands(q, k, v, causal: bool, scale: float, out, lse) -> bool:
 
 def _backward_impl(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, backend: str,
                    config: Optional[dict] = None):
+    dead = q.shape[2] - k.shape[2] if causal else 0
+    if dead > 0 and k.shape[2] > 0:
+        # Rows that see no key (bottom-right causal, S_q > S_k) have zero gradient and give none: the backward
+        # runs on the others (live row i sees keys j <= i, as row dead + i did), so a NaN in such a row's q or
+        # dO cannot reach dK/dV through P = 0 (0 * NaN inside the products; audit finding)
+        live = lambda t: None if t is None else t[:, :, dead:]  # noqa: E731
+        dq_live, dk, dv = _backward_impl(live(dout), live(dlse), live(q), k, v, live(out), live(lse), causal, scale,
+                                         backend, config)
+        dq = torch.zeros(q.shape, dtype=dq_live.dtype, device=dq_live.device)
+        dq[:, :, dead:] = dq_live
+        return dq, dk, dv
     key = problem_key(q, k, causal=causal)
     chosen, cfg = dispatch(OP_BWD, q.device, backend, key, supported=SUPPORTED, preference=("triton",))
     if config is not None:

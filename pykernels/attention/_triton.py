@@ -4,10 +4,16 @@ FlashAttention-2 (Dao 2023), Algorithms 1 and 2, with the Triton fused-attention
 backward into a dK/dV kernel (a program owns BLOCK_N1 keys and streams the query rows) and a dQ kernel
 (a program owns BLOCK_M2 query rows and streams the keys), so no atomics are needed.
 
-  - Softmax in base 2: s2 = (q . k) * scale * log2(e); p = exp2(s2 - m); lse = (m + log2(l)) * ln(2).
+  - Softmax through exp2: s = (q . k) * scale, p = exp2((s - m) * log2(e)), lse = m + log2(l) * ln(2).
+    Scores and maxima stay in natural units, log2(e) applied after the subtraction: scaled by it up front
+    (the tutorial's s * scale * log2(e)), finite scores above FLT_MAX / log2(e) ~ 2.4e38 (or such scales)
+    became inf and the row NaN with lse +inf, where the CPU paths give the exact answer (audit finding).
   - Causal is aligned bottom-right: row i sees key j iff j <= i + (S_k - S_q). A query tile stops at its
     last visible key; a key tile starts at its first query row that can see it (backward).
   - Rows that see no key keep l = 0: out 0 and lse -inf (the backward maps lse -inf to +inf, so p = 0).
+    The backward is given the rows that see keys only (attention._backward_impl slices off the first
+    S_q - S_k of a causal call): a dK/dV tile starts at a multiple of BLOCK_M, and a NaN in a dead row's
+    q or dO reached dK/dV through 0 * NaN (audit finding; masking those rows here spilled d=128 fp32).
   - GQA/MQA: query head h reads KV head h // GROUPS. The dK/dV program of a KV head loops over the GROUPS
     query heads that share it, so dK/dV are summed in registers (no atomics, no extra reduction pass).
   - Backward: D = rowsum(dO * O) - dlse is computed by torch (an elementwise pass) before the kernels;
@@ -30,7 +36,6 @@ from .._triton_util import launches_on_input_device
 from ..triton_aot import AotSpec
 from . import _cpu, _triton_configs as cfgs
 
-LOG2E = 1.4426950408889634
 
 
 # ----------------------------------------------------------------------------------------------
@@ -43,7 +48,7 @@ LOG2E = 1.4426950408889634
 
 def _attn_fwd(Q, K, V, O, L,
               sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod, slb, slh, slm,
-              H, GROUPS, SQ, SK, qk_scale,
+              H, GROUPS, SQ, SK, sm_scale,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               IS_CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -75,15 +80,15 @@ def _attn_fwd(Q, K, V, O, L,
         kt = tl.load(k_base + cols[None, :] * skn, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
-        s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale
+        s = tl.dot(q, kt, input_precision=DOT_PREC) * sm_scale
         ok = n_ok[None, :]
         if IS_CAUSAL:
             ok = ok & (cols[None, :] <= offs_m[:, None] + diag)
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row with no key yet: keep p = 0
-        p = tl.math.exp2(s - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2((s - m_safe[:, None]) * 1.4426950408889634)
+        alpha = tl.math.exp2((m_i - m_safe) * 1.4426950408889634)
         l_i = l_i * alpha + tl.reduce(p, 1, _ADD)
         vt = tl.load(v_base + cols[:, None] * svn, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         if UPCAST:
@@ -93,7 +98,7 @@ def _attn_fwd(Q, K, V, O, L,
     empty = l_i == 0.0
     # a row that sees no key is 0 even when some v holds NaN/inf (its p is 0, but 0 * NaN is NaN)
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)) * 0.6931471805599453)
     # a +inf score makes the row's sum NaN (inf - inf), but its log-sum-exp is +inf, as on the CPU paths
     lse = tl.where(m_i == float("inf"), float("inf"), lse)
     tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, out.to(O.dtype.element_ty),
@@ -104,7 +109,7 @@ def _attn_fwd(Q, K, V, O, L,
 def _attn_bwd_dkdv(Q, K, V, DO, L, DELTA, DK, DV,
                    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
                    slb, slh, slm, skgb, skgh, skgn, skgd,
-                   HKV, GROUPS, SQ, SK, qk_scale, sm_scale,
+                   HKV, GROUPS, SQ, SK, sm_scale,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    IS_CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -139,9 +144,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, L, DELTA, DK, DV,
             if UPCAST:
                 qt = qt.to(tl.float32)
             lse = tl.load(L + b * slb + h * slh + offs_m * slm, mask=m_ok, other=float("inf"))
-            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-            st = tl.dot(k, qt, input_precision=DOT_PREC) * qk_scale                 # S^T [BLOCK_N, BLOCK_M]
-            pt = tl.math.exp2(st - lse2[None, :])
+            lse = tl.where(lse == float("-inf"), float("inf"), lse)              # a row with no key: p = 0
+            st = tl.dot(k, qt, input_precision=DOT_PREC) * sm_scale                 # S^T [BLOCK_N, BLOCK_M]
+            pt = tl.math.exp2((st - lse[None, :]) * 1.4426950408889634)
             ok = n_ok[:, None] & m_ok[None, :]
             if IS_CAUSAL:
                 ok = ok & (offs_n[:, None] <= offs_m[None, :] + diag)
@@ -165,7 +170,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, L, DELTA, DK, DV,
 def _attn_bwd_dq(Q, K, V, DO, L, DELTA, DQ,
                  sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdb, sdh, sdm, sdd,
                  slb, slh, slm, sgb, sgh, sgm, sgd,
-                 H, GROUPS, SQ, SK, qk_scale, sm_scale,
+                 H, GROUPS, SQ, SK, sm_scale,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  IS_CAUSAL: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -185,7 +190,7 @@ def _attn_bwd_dq(Q, K, V, DO, L, DELTA, DQ,
         q = q.to(tl.float32)
         do = do.to(tl.float32)
     lse = tl.load(L + b * slb + h * slh + offs_m * slm, mask=m_ok, other=float("inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)                          # a row with no key: p = 0
     delta = tl.load(DELTA + b * slb + h * slh + offs_m * slm, mask=m_ok, other=0.0)
     dq = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     diag = SK - SQ
@@ -202,8 +207,8 @@ def _attn_bwd_dq(Q, K, V, DO, L, DELTA, DQ,
         if UPCAST:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
-        s = tl.dot(q, kt, input_precision=DOT_PREC) * qk_scale
-        p = tl.math.exp2(s - lse2[:, None])
+        s = tl.dot(q, kt, input_precision=DOT_PREC) * sm_scale
+        p = tl.math.exp2((s - lse[:, None]) * 1.4426950408889634)
         ok = m_ok[:, None] & n_ok[None, :]
         if IS_CAUSAL:
             ok = ok & (offs_n[None, :] <= offs_m[:, None] + diag)
@@ -290,7 +295,7 @@ def forward(q, k, v, causal: bool, scale: float, cfg: dict):
     grid = (triton.cdiv(SQ, bm), H, B)
     _kernel(_attn_fwd)[grid](
         q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-        H, H // HKV, SQ, SK, float(scale) * LOG2E,
+        H, H // HKV, SQ, SK, float(scale),
         HEAD_DIM=D, BLOCK_D=cfgs.block_d(D), BLOCK_M=bm, BLOCK_N=bn, IS_CAUSAL=bool(causal),
         DOT_PREC=_dot_prec(q.dtype), UPCAST=_upcast(q.dtype), **_launch_opts(cfg))
     return out, lse
@@ -314,16 +319,16 @@ def backward(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, cfg: dic
     delta = delta.contiguous()
     common = dict(HEAD_DIM=D, BLOCK_D=cfgs.block_d(D), IS_CAUSAL=bool(causal), DOT_PREC=_dot_prec(q.dtype),
                   UPCAST=_upcast(q.dtype))
-    qk_scale, sm_scale = float(scale) * LOG2E, float(scale)
+    sm_scale = float(scale)
     bm1, bn1 = int(cfg["BLOCK_M1"]), int(cfg["BLOCK_N1"])
     _kernel(_attn_bwd_dkdv)[(triton.cdiv(SK, bn1), HKV, B)](
         q, k, v, dout, lse, delta, dk, dv, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
-        *lse.stride(), *dk.stride(), HKV, H // HKV, SQ, SK, qk_scale, sm_scale,
+        *lse.stride(), *dk.stride(), HKV, H // HKV, SQ, SK, sm_scale,
         BLOCK_M=bm1, BLOCK_N=bn1, **common, **_launch_opts(cfg, "dkdv"))
     bm2, bn2 = int(cfg["BLOCK_M2"]), int(cfg["BLOCK_N2"])
     _kernel(_attn_bwd_dq)[(triton.cdiv(SQ, bm2), H, B)](
         q, k, v, dout, lse, delta, dq, *q.stride(), *k.stride(), *v.stride(), *dout.stride(),
-        *lse.stride(), *dq.stride(), H, H // HKV, SQ, SK, qk_scale, sm_scale,
+        *lse.stride(), *dq.stride(), H, H // HKV, SQ, SK, sm_scale,
         BLOCK_M=bm2, BLOCK_N=bn2, **common, **_launch_opts(cfg, "dq"))
     return dq, dk, dv
 
@@ -341,7 +346,7 @@ def _fwd_spec(d, dtype, cfg, causal=True):
     sig = {"Q": f"*{t}", "K": f"*{t}", "V": f"*{t}", "O": f"*{t}", "L": "*fp32"}
     for n in ("sqb sqh sqm sqd skb skh skn skd svb svh svn svd sob soh som sod slb slh slm H GROUPS SQ SK").split():
         sig[n] = "i32"
-    sig["qk_scale"] = "fp32"
+    sig["sm_scale"] = "fp32"
     const = {"HEAD_DIM": d, "BLOCK_D": cfgs.block_d(d), "BLOCK_M": cfg["BLOCK_M"], "BLOCK_N": cfg["BLOCK_N"],
              "IS_CAUSAL": causal, "DOT_PREC": "ieee" if dtype == "float32" else "tf32", "UPCAST": False}
     for n in const:
@@ -365,7 +370,6 @@ def _bwd_specs(d, dtype, cfg, causal=True):
         for n in ("sqb sqh sqm sqd skb skh skn skd svb svh svn svd sdb sdh sdm sdd slb slh slm "
                   + strides + f" {hname} GROUPS SQ SK").split():
             sig[n] = "i32"
-        sig["qk_scale"] = "fp32"
         sig["sm_scale"] = "fp32"
         const = {"HEAD_DIM": d, "BLOCK_D": cfgs.block_d(d), "BLOCK_M": bm, "BLOCK_N": bn, "IS_CAUSAL": causal,
                  "DOT_PREC": "ieee" if dtype == "float32" else "tf32", "UPCAST": False}

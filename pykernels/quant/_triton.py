@@ -139,9 +139,10 @@ def _bs_kernel(A, Wp, S, O, WS, US, SA, MA, Bias, Y, M, N, K, G, GSIZE, GW2, P, 
         m = tl.load(O + rn * G + g, mask=mask_n, other=0.0)
         uw = tl.load(WS + rn * G + g, mask=mask_n, other=0).to(tl.float32)
         ua = tl.load(US + rm * G + g, mask=mask_m, other=0).to(tl.float32)
-        # sum_k A W = sa*s*I + sa*m*sum(u_a) + ma*s*sum(u_w) + ma*m*len   (A = sa*u_a + ma, W = s*u_w + m)
-        acc += (sa[:, None] * s[None, :]) * isum.to(tl.float32) + (sa * ua)[:, None] * m[None, :] \
-            + ma[:, None] * (s * uw)[None, :] + (ma[:, None] * m[None, :]) * length
+        # sum_k A W = sa*s*I + sa*m*sum(u_a) + ma*s*sum(u_w) + ma*m*len   (A = sa*u_a + ma, W = s*u_w + m),
+        # sa and ma factored out: (sa * u_a) alone overflowed for activations near FLT_MAX (audit finding)
+        acc += sa[:, None] * (s[None, :] * isum.to(tl.float32) + ua[:, None] * m[None, :]) \
+            + ma[:, None] * (s * uw + m * length)[None, :]
     if HAS_BIAS:
         acc += tl.load(Bias + rn, mask=mask_n, other=0.0)[None, :]
     tl.store(Y + lm[:, None] * N + rn[None, :], acc, mask=mask_m[:, None] & mask_n[None, :])
