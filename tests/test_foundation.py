@@ -705,6 +705,13 @@ def test_autotune_cli_counts_the_all_reduce_and_fails_clearly(tmp_path):
         if code:
             assert "COLLECTIVES_TUNE_WORLD must be an int >= 2" in r.stderr
     assert any((tmp_path / "cache").glob("*.json"))
+    # a cache it cannot write: a failure too (it printed the error and counted the shape as stored)
+    (tmp_path / "file").write_text("")
+    r = subprocess.run([sys.executable, "-m", "pykernels.autotune", "generate", "--ops", "allreduce", "--sizes",
+                        "4096"], env=dict(env, COLLECTIVES_TUNE_WORLD="2", PYKERNELS_CACHE_DIR=str(tmp_path / "file" / "c")),
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 1 and "tuned 0 shape(s)" in r.stdout, (r.stdout, r.stderr[-2000:])
+    assert "could not write the cache file" in r.stdout + r.stderr
 
 
 def test_tune_checks_examples_as_the_op_and_keys_them_as_the_op(tmp_cache):
@@ -746,13 +753,18 @@ def test_tune_checks_examples_as_the_op_and_keys_them_as_the_op(tmp_cache):
     assert at.config_for("sort_keys", "cpu", _key("sort_keys", keys, bits="0-8"), None) is not None
 
 
-def test_hash_insert_tuning_follows_the_tables_current_size(tmp_cache):
+def test_hash_insert_tuning_follows_the_tables_current_size(tmp_cache, monkeypatch):
     """hash_insert is timed on an empty table of the example table's CURRENT capacity (a table grown since
     an earlier tune was timed as its old scratch table), and an example with more keys than such a table
     holds is refused (they were left out, timing nothing). Review finding."""
     from pykernels import autotune as at
     from pykernels.hashing import _tune as HT
 
+    made, real = [], HT._empty_like
+    monkeypatch.setattr(HT, "_empty_like", lambda table, window: made.append(table.capacity) or real(table, window))
+    cleared, real_setup = [], HT._empty_scratch
+    monkeypatch.setattr(at._REGISTRY[("hash_insert", "cpu")], "setup",
+                        lambda a, kw: cleared.append(1) or real_setup(a, kw))
     t = pykernels.HashMap(1 << 10)
     k = torch.arange(500)
     t.insert(k, k)
@@ -760,7 +772,10 @@ def test_hash_insert_tuning_follows_the_tables_current_size(tmp_cache):
     k2 = torch.arange(200_000) * 7
     t.insert(k2, k2)
     at.tune("hash_insert", t, k2, budget_s=0.01)
-    assert HT._SCRATCH[t].capacity == t.capacity
+    assert made[-1] == t.capacity
+    # emptied before every run, untimed (its clear() was timed with the insert), and dropped after the tune
+    # (a scratch table as large as the user's stayed as long as the table did; audit findings)
+    assert len(cleared) > 2 and t not in HT._SCRATCH
     with pytest.raises(ValueError, match="tune on a table sized for them"):
         at.tune("hash_insert", pykernels.HashMap(100), torch.arange(1000), budget_s=0.01)
 
@@ -993,3 +1008,74 @@ def test_autotune_helpers_check_their_arguments():
         with pytest.raises(ValueError, match="pykernels.autotune.measure: expected"):
             at.measure(lambda: None, **kw)
     assert at.measure(lambda: None, repeats=1) >= 0
+
+
+def test_cache_dir_that_cannot_be_used_leaves_the_ops_running(tmp_cache, monkeypatch):
+    """No home directory (Path.home() raises) or a cache dir this user cannot search (exists() raises): the
+    ops run on their heuristic configs with a warning; every op raised on its first call (audit finding)."""
+    import pathlib
+
+    from pykernels import autotune as at
+
+    x = torch.randint(0, 1000, (5000,), dtype=torch.int32)
+    monkeypatch.delenv("PYKERNELS_CACHE_DIR")
+    monkeypatch.setattr(pathlib.Path, "home", classmethod(lambda cls: (_ for _ in ()).throw(
+        RuntimeError("Could not determine home directory."))))
+    at.clear_memory_cache()
+    with pytest.warns(UserWarning, match="cannot use the cache directory: Could not determine home directory"):
+        assert torch.equal(pykernels.sort(x).values, torch.sort(x).values)
+    monkeypatch.setenv("PYKERNELS_CACHE_DIR", str(tmp_cache))
+    real_exists = pathlib.Path.exists
+
+    def exists(self, *a, **kw):
+        if str(self).startswith(str(tmp_cache)):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_exists(self, *a, **kw)
+
+    monkeypatch.setattr(pathlib.Path, "exists", exists)
+    at.clear_memory_cache()
+    with pytest.warns(UserWarning, match="Permission denied"):
+        assert torch.equal(pykernels.sort(x).values, torch.sort(x).values)
+
+
+def test_a_store_keeps_what_it_cannot_read_and_bounds_the_file(tmp_cache, monkeypatch):
+    """A cache file that cannot be read is moved aside, not replaced by the one new entry; past the size cap
+    the entries tuned longest ago are dropped (a file that grew past it was read as corrupt and every entry
+    went at the next store). Audit findings."""
+    import json
+
+    from pykernels import autotune as at
+
+    dev = torch.device("cpu")
+    path = at.cache_file(dev)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{ damaged")
+    entry = lambda i: {"backend": "cpu", "config": {"x": i}, "time_s": 1.0, "tuned_at": f"2026-01-01T00:00:{i:02d}"}  # noqa: E731
+    with pytest.warns(UserWarning, match="could not be read .* moved to .*json.bad"):
+        at._store(dev, "op|cpu|k0", entry(0))
+    assert path.with_name(path.name + ".bad").read_text() == "{ damaged"
+    assert list(json.loads(path.read_text())["entries"]) == ["op|cpu|k0"]
+    size_one = path.stat().st_size
+    monkeypatch.setattr(at, "MAX_CACHE_FILE_BYTES", size_one + 3 * 120)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(1, 12):
+            at._store(dev, f"op|cpu|k{i}", entry(i))
+    kept = json.loads(path.read_text())["entries"]
+    assert path.stat().st_size <= at.MAX_CACHE_FILE_BYTES and "op|cpu|k11" in kept and "op|cpu|k0" not in kept
+    assert 1 < len(kept) < 12 and all(f"op|cpu|k{i}" in kept for i in range(12 - len(kept), 12))
+
+
+def test_first_op_does_not_import_triton_and_an_off_switch_keeps_the_key():
+    """The cache's metadata reads triton's version without importing it (0.35 s of each process's first op);
+    PYKERNELS_DISABLE_AVX512=0 (which changes nothing) keys entries as unset (it split the cache). Audit."""
+    code = ("import sys, torch, pykernels\nfrom pykernels import autotune as at\n"
+            "pykernels.sort_keys(torch.randn(5000)); print('triton' in sys.modules)\n"
+            "print(at._entry_key('op', 'cpu', {'n': 1}))\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYKERNELS_DISABLE_AVX512="0")
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["False", 'op|cpu|{"n":', '1}'], (r.stdout, r.stderr)
+    r = subprocess.run([sys.executable, "-c", code], env=dict(env, PYKERNELS_DISABLE_AVX512="1"), capture_output=True,
+                       text=True, timeout=120)
+    assert r.stdout.split()[-1] == "1}|PYKERNELS_DISABLE_AVX512=1", r.stdout

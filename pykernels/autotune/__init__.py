@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.metadata
 import inspect
 import json
 import math
@@ -83,7 +84,9 @@ class Tunable:
     run: Callable[..., Any]                    # run(config, *args, **kwargs): the op with that config
     examples: Callable[[Optional[list]], list] = lambda sizes: []  # sizes -> [(args, kwargs)] for `generate`
     group: str = ""                            # CLI name: sort, hash, qgemm, attention, allreduce
-    setup: Optional[Callable[..., tuple]] = None  # (args, kwargs) -> fresh (args, kwargs) per timed run
+    # (args, kwargs) -> fresh (args, kwargs) for each run, made before it, untimed (an emptied scratch table)
+    setup: Optional[Callable[..., tuple]] = None
+    teardown: Optional[Callable[..., Any]] = None  # (args, kwargs) -> None, when tune() is done with them
     # check(*args, backend=..., **kwargs): the op's own argument checks, run by tune() before anything
     # is measured (its error, nothing cached). `run` calls the backends directly, past those checks: an
     # argument the op rejects reached the kernels (review finding: segfaults, SIGFPE, configs cached
@@ -195,12 +198,17 @@ def _cuda_device_id(idx: int) -> str:
     return _safe(f"cuda-{torch.cuda.get_device_name(idx)}-sm{major}{minor}")
 
 
-def _metadata(device) -> dict:
+@functools.lru_cache(maxsize=None)
+def _triton_version() -> Optional[str]:
+    # the installed distribution's version, without importing triton (0.35 s of every process's first op)
     try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _metadata(device) -> dict:
+    triton_version = _triton_version()
     from pykernels import __version__
 
     return {"format": CACHE_FORMAT, "device": device_id(device), "pykernels": __version__,
@@ -287,9 +295,9 @@ def load_cache_file(path: Path, device=None, check_metadata: bool = True) -> dic
     """Entries of a cache file; {} (with a warning) when missing, corrupt or made by other versions.
     Malformed entries (a hand-edited or damaged file) are dropped with a warning."""
     path = Path(path)
-    if not path.exists():
-        return {}
     try:
+        if not path.exists():  # (raises where the directory cannot be searched)
+            return {}
         data = read_cache_json(path)
         meta, entries = data["metadata"], data["entries"]
         if not isinstance(meta, dict) or not isinstance(entries, dict):
@@ -323,7 +331,13 @@ def _entries(device) -> dict:
     with _LOCK:
         if dev not in _MEMORY:
             merged = dict(load_cache_file(_shipped_file(device), device))
-            merged.update(load_cache_file(cache_file(device), device))
+            try:
+                merged.update(load_cache_file(cache_file(device), device))
+            except (OSError, RuntimeError) as exc:
+                # no home directory (Path.home() raises), a cache dir this user cannot enter: the ops run
+                # on their heuristic configs (every op raised on its first call; audit finding)
+                warnings.warn(f"pykernels.autotune: cannot use the cache directory: {exc} "
+                              f"(PYKERNELS_CACHE_DIR moves it)", stacklevel=3)
             _MEMORY[dev] = merged
         return _MEMORY[dev]
 
@@ -342,9 +356,21 @@ def _entry_key(op: str, backend: str, key: dict) -> str:
     measured with a SIMD tier switched off belongs to that setting, not to the default one (audit: one
     tuned under PYKERNELS_DISABLE_AVX512=1 was reused, silently, with AVX-512 back on)."""
     ekey = f"{op}|{backend}|{json.dumps(key, sort_keys=True, default=str)}"
-    if any(switches()):
-        ekey += "|" + ",".join(f"{n}={os.environ.get(n, '')}" for n in _SWITCHES if os.environ.get(n))
+    on = [n for n, value in zip(_SWITCHES, switches()) if _switch_on(n, value)]
+    if on:
+        ekey += "|" + ",".join(f"{n}=1" for n in on)
     return ekey
+
+
+def _switch_on(name: str, value: Optional[str]) -> bool:
+    """Whether a switch's value changes what runs: the native code reads PYKERNELS_DISABLE_* set when it
+    starts with '1' (pk_common.h), TRITON_INTERPRET when it is "1" (_triton_util.interpreting): "0" split the
+    cache in two while changing nothing (audit finding)."""
+    if not value:
+        return False
+    if isinstance(value, bytes):  # (switches() gives os.environ's raw values)
+        value = value.decode("utf-8", "replace")
+    return value == "1" if name == "TRITON_INTERPRET" else value.startswith("1")
 
 
 @contextlib.contextmanager
@@ -376,14 +402,14 @@ def _store(device, ekey: str, entry: dict) -> Path:
     # lookup of a shape waited with it: an op stalled 12 s behind a tune(); audit finding). Threads of this
     # process exclude each other through it too: flock locks on separate descriptors do.
     with _file_lock(path):
-        current = load_cache_file(path, device) if path.exists() else {}
-        current[ekey] = entry
-        payload = {"metadata": _metadata(device), "entries": current}
         target = path.resolve()  # a symlinked cache file: write its target, keep the link
+        current = _entries_to_keep(path, target, device)
+        current[ekey] = entry
+        text = _bounded_json(device, current, ekey)
         fd, tmp = tempfile.mkstemp(dir=str(target.parent), prefix=target.name, suffix=".tmp")
         try:
             with os.fdopen(fd, "w") as fh:
-                json.dump(payload, fh, indent=1, sort_keys=True)
+                fh.write(text)
             os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600: a shared or installed cache must be readable
             os.replace(tmp, target)
         except OSError as exc:
@@ -392,6 +418,46 @@ def _store(device, ekey: str, entry: dict) -> Path:
             raise OSError(f"pykernels.autotune: could not write the cache file {path}: {exc}") from exc
         _remember(device, ekey, entry)
     return path
+
+
+def _entries_to_keep(path: Path, target: Path, device) -> dict:
+    """The entries a store keeps: the file's own. A file that exists but cannot be read as a cache (damaged,
+    or past MAX_CACHE_FILE_BYTES) is moved aside to <name>.bad, not overwritten with the one new entry: every
+    entry tuned before was lost that way (audit finding)."""
+    if not path.exists():
+        return {}
+    try:
+        data = read_cache_json(path)
+        if not isinstance(data, dict) or not isinstance(data.get("entries"), dict):
+            raise ValueError("no entries object")
+    except (OSError, ValueError, RecursionError) as exc:
+        if not target.is_file():  # a directory or a FIFO there: the write's own error (or replace) follows
+            return {}
+        bad = target.with_name(target.name + ".bad")
+        with contextlib.suppress(OSError):
+            os.replace(target, bad)
+            warnings.warn(f"pykernels.autotune: cache file {path} could not be read ({exc}); moved to {bad}",
+                          stacklevel=4)
+        return {}
+    return load_cache_file(path, device)
+
+
+def _bounded_json(device, entries: dict, keep: str) -> str:
+    """The cache file's text (compact JSON), within MAX_CACHE_FILE_BYTES: past it the entries tuned longest
+    ago are dropped (never `keep`, the one being stored). A file that grew past the cap was refused when read
+    and then replaced by a single entry (audit finding)."""
+    meta = _metadata(device)
+    text = json.dumps({"metadata": meta, "entries": entries}, sort_keys=True, separators=(",", ":"))
+    if len(text) <= MAX_CACHE_FILE_BYTES:
+        return text
+    per_entry = len(text) / max(len(entries), 1)
+    room = max(1, int(0.9 * MAX_CACHE_FILE_BYTES / per_entry))  # 10% below the cap: not trimmed at every store
+    oldest_first = sorted((k for k in entries if k != keep), key=lambda k: str(entries[k].get("tuned_at", "")))
+    kept = {k: entries[k] for k in oldest_first[len(oldest_first) - (room - 1):]} if room > 1 else {}
+    kept[keep] = entries[keep]
+    warnings.warn(f"pykernels.autotune: the cache file reached {MAX_CACHE_FILE_BYTES} bytes; dropped the "
+                  f"{len(entries) - len(kept)} entries tuned longest ago", stacklevel=4)
+    return json.dumps({"metadata": meta, "entries": kept}, sort_keys=True, separators=(",", ":"))
 
 
 def _remember(device, ekey: str, entry: dict):
@@ -550,23 +616,28 @@ def _sync(device):
 
 
 def measure(fn: Callable[[], Any], device=None, *, warmup: int = 1, repeats: int = 5,
-            budget_s: float = 1.0) -> float:
+            budget_s: float = 1.0, prepare: Optional[Callable[[], Any]] = None) -> float:
     """Median seconds of fn(). CPU: wall clock. GPU: CUDA events with the L2 flushed before each run.
     `warmup` calls first (0 to 1000), then up to `repeats` timed ones (1 to 10**6; at least 3 unless
-    fewer are asked for) until `budget_s` is spent."""
+    fewer are asked for) until `budget_s` is spent. `prepare()`, if given, runs before every call, untimed."""
     for name, value, lo, hi in (("warmup", warmup, 0, 1000), ("repeats", repeats, 1, 10 ** 6)):
         # (repeats=0 raised statistics' error, warmup=2**63 never returned; audit finding)
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not lo <= value <= hi:
             raise ValueError(f"pykernels.autotune.measure: expected '{name}' an int in [{lo}, {hi}], got {value!r}")
     if not callable(fn):
         raise TypeError(f"pykernels.autotune.measure: expected a callable 'fn', got {type(fn).__name__}")
+    if prepare is not None and not callable(prepare):
+        raise TypeError(f"pykernels.autotune.measure: expected a callable 'prepare', got {type(prepare).__name__}")
+    prepare = prepare or (lambda: None)
     device = torch.device(device) if device is not None else torch.device("cpu")
     for _ in range(warmup):
+        prepare()
         fn()
     _sync(device)
     times = []
     start_all = time.perf_counter()
     for i in range(repeats):
+        prepare()
         if device.type == "cuda":
             buf = _L2_FLUSH.setdefault(device, torch.empty(256 << 20, dtype=torch.uint8, device=device))
             buf.zero_()
@@ -596,14 +667,17 @@ def _device_of(args, kwargs) -> torch.device:
 
 
 def _time_config(tunable: Tunable, config: dict, args, kwargs, device, budget_s: float) -> float:
-    if tunable.setup is not None:
-        def call():
-            a, k = tunable.setup(args, kwargs)
-            return tunable.run(config, *a, **k)
-    else:
-        def call():
-            return tunable.run(config, *args, **kwargs)
-    return measure(call, device, budget_s=budget_s)
+    if tunable.setup is None:
+        return measure(lambda: tunable.run(config, *args, **kwargs), device, budget_s=budget_s)
+    fresh = [(args, kwargs)]
+
+    def prepare():  # untimed (inside the timed call, a 128 MiB scratch table's clear() was timed, not the insert)
+        fresh[0] = tunable.setup(args, kwargs)
+
+    def call():
+        a, k = fresh[0]
+        return tunable.run(config, *a, **k)
+    return measure(call, device, budget_s=budget_s, prepare=prepare)
 
 
 # what an op's make_key raises on examples it cannot take (wrong types, shapes, keyword arguments)
@@ -681,35 +755,39 @@ def tune(op_name: str, *example_args, backend: str = "auto", budget_s: float = 0
                           f"measured, its heuristic config is returned", stacklevel=2)
             return default
         configs = [default] + [dict(c) for c in tunable.candidates(key) if dict(c) != default]
-        timed = []
-        for cfg in configs:
-            try:
-                t = _time_config(tunable, cfg, example_args, kwargs, device, budget_s)
-            except Exception as exc:  # a config that cannot run here (too much shared memory, ...)
-                last_error = f"{type(exc).__name__}: {exc}"
+        try:
+            timed = []
+            for cfg in configs:
+                try:
+                    t = _time_config(tunable, cfg, example_args, kwargs, device, budget_s)
+                except Exception as exc:  # a config that cannot run here (too much shared memory, ...)
+                    last_error = f"{type(exc).__name__}: {exc}"
+                    if verbose:
+                        print(f"  {op_name}/{b} {cfg}: failed: {exc}", file=sys.stderr)
+                    continue
+                timed.append((t, cfg))
                 if verbose:
-                    print(f"  {op_name}/{b} {cfg}: failed: {exc}", file=sys.stderr)
+                    print(f"  {op_name}/{b} {cfg}: {t * 1e3:.3f} ms", file=sys.stderr)
+            if not timed:
                 continue
-            timed.append((t, cfg))
-            if verbose:
-                print(f"  {op_name}/{b} {cfg}: {t * 1e3:.3f} ms", file=sys.stderr)
-        if not timed:
-            continue
-        t_best, best = min(timed, key=lambda tc: tc[0])
-        t_default = next((t for t, c in timed if c == default), math.inf)
-        if best != default and math.isfinite(t_default):
-            # Confirm head to head, interleaved, so noise cannot make the tuned config slower.
-            tb, td = [], []
-            try:
-                for _ in range(3):
-                    tb.append(_time_config(tunable, best, example_args, kwargs, device, budget_s / 2))
-                    td.append(_time_config(tunable, default, example_args, kwargs, device, budget_s / 2))
-                t_best, t_default = statistics.median(tb), statistics.median(td)
-            except Exception as exc:  # noqa: BLE001 - ran once, failed now (flaky): not confirmed
-                last_error = f"{type(exc).__name__}: {exc}"
-                t_best = math.inf
-            if t_best > t_default * (1 - MIN_GAIN):
-                best, t_best = default, t_default
+            t_best, best = min(timed, key=lambda tc: tc[0])
+            t_default = next((t for t, c in timed if c == default), math.inf)
+            if best != default and math.isfinite(t_default):
+                # Confirm head to head, interleaved, so noise cannot make the tuned config slower.
+                tb, td = [], []
+                try:
+                    for _ in range(3):
+                        tb.append(_time_config(tunable, best, example_args, kwargs, device, budget_s / 2))
+                        td.append(_time_config(tunable, default, example_args, kwargs, device, budget_s / 2))
+                    t_best, t_default = statistics.median(tb), statistics.median(td)
+                except Exception as exc:  # noqa: BLE001 - ran once, failed now (flaky): not confirmed
+                    last_error = f"{type(exc).__name__}: {exc}"
+                    t_best = math.inf
+                if t_best > t_default * (1 - MIN_GAIN):
+                    best, t_best = default, t_default
+        finally:
+            if tunable.teardown is not None:  # (a scratch table as large as the user's was kept)
+                tunable.teardown(example_args, kwargs)
         entry = {"backend": b, "config": best, "time_s": t_best, "default_time_s": t_default,
                  "default_config": default, "candidates": len(configs),
                  "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
