@@ -1917,3 +1917,22 @@ def test_rows_that_see_no_key_give_no_gradient(dtype):
     for name, g, w in (("dq", qa.grad[:, :, 13:], qr.grad[:, :, 13:]), ("dk", ka.grad, kr.grad), ("dv", va.grad, vr.grad)):
         assert torch.isfinite(g).all(), name
         assert_close(g, w, dtype, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_query_row_leaves_dv_of_keys_it_cannot_see_finite(dtype):
+    """Causal: a NaN in query row 0 (which sees key 0 only) makes dV[0] NaN, not every dV row: P is 0 at the
+    keys a row cannot see whatever its lse (exp(-inf - NaN) was NaN; audit finding). As SDPA."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4).to(dtype) for _ in range(3))
+    q[0, 0, 0, 1] = float("nan")
+    grads = []
+    for f in (lambda *a: pykernels.flash_attention(*a, causal=True),
+              lambda *a: torch.nn.functional.scaled_dot_product_attention(*a, is_causal=True)):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        f(qq, kk, vv).float().sum().backward()
+        grads.append(vv.grad)
+    nan_rows = torch.isnan(grads[0][0, 0]).any(-1)
+    assert nan_rows.tolist() == [True] + [False] * 7, nan_rows
+    assert torch.equal(nan_rows, torch.isnan(grads[1][0, 0]).any(-1))
+    assert_close(grads[0][0, :, 1:], grads[1][0, :, 1:], dtype, "dv")

@@ -439,6 +439,8 @@ def flash_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = N
     but that shares a tile with keys it does (the masked probability is 0, and 0 * NaN is NaN) may still
     reach that row. Differentiable in q, k, v (and through lse). dtypes float32/bfloat16/float16
     (float64 on CPU). Under torch.autocast, q, k, v are cast to its dtype first, as SDPA's are.
+    Layouts: on CPU, out comes in q's memory order and lse in [B, S_q, H] memory order (as aten's kernels
+    write them, no copy; SDPA's out is not contiguous either): `lse.contiguous()` before a `view`.
     """
     if torch._C._is_any_autocast_enabled():
         q, k, v = autocast_floats(*(_native.as_tensor(t, OP, n) for t, n in ((q, "q"), (k, "k"), (v, "v"))))

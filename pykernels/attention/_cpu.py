@@ -602,6 +602,9 @@ def blocked_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dlse=N
         delta = delta - dlse.to(acc).view(B, Hkv, g, Sq)
     lse_a = lse.to(acc).view(B, Hkv, g, Sq)
     lse_a = torch.where(torch.isneginf(lse_a), 0.0, lse_a)   # rows with no key: every p is 0 anyway
+    # a NaN row's lse is NaN, and exp(-inf - NaN) is NaN at its masked keys: every dV row (and dK) went NaN,
+    # not only the keys the row sees (SDPA's and the Triton kernels' answer; audit finding)
+    nan_rows = bool(torch.isnan(lse_a).any())
     dqv = dq.view(B, Hkv, g, Sq, D)
     step = _chunk_rows(B, H, Sk, chunk_elems)
     for i0 in range(0, Sq, step):
@@ -613,6 +616,8 @@ def blocked_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dlse=N
         kc, vc = ka[:, :, :n], va[:, :, :n]
         s = _scores(qc, kc, i0, Sq, Sk, causal, scale)
         p = torch.exp(s - lse_a[:, :, :, i0:i1].unsqueeze(-1))
+        if nan_rows:
+            p.masked_fill_(torch.isneginf(s), 0.0)
         c = i1 - i0
         # dV = P^T dO, summed over the g query heads of each KV head and the chunk's rows.
         dv[:, :, :n] += torch.matmul(p.permute(0, 1, 4, 2, 3).reshape(B, Hkv, n, g * c),

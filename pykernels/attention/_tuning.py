@@ -137,7 +137,7 @@ def _bwd_key(dout, q, k, v, out, lse, causal=False, **_):
 def _run_fwd(backend):
     def run(config, q, k, v, causal=False, scale=None, return_lse=False):
         # return_lse only selects what the op returns: _forward_impl computes lse either way
-        scale_ = scale or 1.0 / math.sqrt(q.shape[-1])
+        scale_ = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale  # (0.0 is a scale)
         return _forward_impl(q, k, v, causal, scale_, backend, config, inference=True)
     return run
 
@@ -145,8 +145,8 @@ def _run_fwd(backend):
 def _run_bwd(backend):
     def run(config, dout, q, k, v, out, lse, causal=False, scale=None, dlse=None):
         # dlse as given: a nonzero one sends the CPU backward but bf16dot's down its blocked path, timed so
-        return _backward_impl(dout, dlse, q, k, v, out, lse, causal, scale or 1.0 / math.sqrt(q.shape[-1]),
-                              backend, config)
+        scale_ = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        return _backward_impl(dout, dlse, q, k, v, out, lse, causal, scale_, backend, config)
     return run
 
 
