@@ -1997,3 +1997,35 @@ def test_segmented_sort_with_uint64_offsets_under_fake_tensor_mode():
         k = torch.randn(10)
         out = pykernels.segmented_sort(k, torch.tensor([0, 4, 10], dtype=torch.uint64))
     assert out[0].shape == (10,)
+
+
+@pytest.mark.parametrize("n", [2, 1200, 70_000])
+def test_bools_of_any_true_byte_are_equal_keys(n):
+    """A uint8 tensor viewed as bool: every nonzero byte is True to torch, so they are equal keys and keep their
+    input order (the radix codec sorted the raw byte, 2 after 1; audit finding). Every sort op, both orders."""
+    b = torch.tensor([2, 1, 0] * (n // 3 + 1), dtype=torch.uint8)[:n].view(torch.bool)
+    before = b.view(torch.uint8).clone()
+    for desc in (False, True):
+        want = torch.sort(b, stable=True, descending=desc)
+        got = pykernels.sort(b, descending=desc, backend="cpu")
+        assert torch.equal(got.indices, want.indices) and torch.equal(got.values, want.values), desc
+        assert torch.equal(pykernels.argsort(b, descending=desc, backend="cpu"), want.indices)
+        assert torch.equal(pykernels.sort_pairs(b, torch.arange(n), descending=desc)[1], want.indices)
+    keys, vals = pykernels.segmented_sort(b, torch.tensor([0, n // 2, n]), torch.arange(n))
+    half = n // 2
+    want = torch.cat([torch.sort(b[:half], stable=True).indices, torch.sort(b[half:], stable=True).indices + half])
+    assert torch.equal(vals, want) and keys.view(torch.uint8).max() <= 1
+    assert torch.equal(b.view(torch.uint8), before)  # the input is not modified
+
+
+def test_backend_cuda_without_a_device_says_why():
+    """backend='cuda' where no CUDA device can run says why (the tensors, the torch build), as the other ops do;
+    the sort ops said they had no CUDA implementation (audit finding)."""
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    x = torch.arange(5000)
+    for call in (lambda: pykernels.sort(x, backend="cuda"), lambda: pykernels.argsort(x, backend="cuda"),
+                 lambda: pykernels.sort_keys(x, backend="cuda"), lambda: pykernels.sort_pairs(x, x, backend="cuda"),
+                 lambda: pykernels.segmented_sort(x, torch.tensor([0, 5000]), backend="cuda")):
+        with pytest.raises(RuntimeError, match="backend 'cuda' needs CUDA tensors, got cpu; cuda: "):
+            call()

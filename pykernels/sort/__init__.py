@@ -28,6 +28,7 @@ torch.sort exactly) and the output keys keep their exact input bits.
 """
 from __future__ import annotations
 
+import functools
 import operator
 import os
 import warnings
@@ -78,10 +79,13 @@ def _torch_sorts(x: torch.Tensor, backend: str) -> bool:
             and x.dtype not in _TORCH_UNRELIABLE and (x.dim() <= 1 or x.is_contiguous()))
 
 
+@functools.lru_cache(maxsize=None)
 def _backends_supported():
-    """Backends this op family implements in this build (cpu always; cuda/triton when present)."""
+    """Backends this op family implements in this build (cpu always; cuda/triton when present). cuda is
+    listed also where no CUDA device can run at all: auto never picks it there, and backend='cuda' gets the
+    reason (CPU tensors, a CPU-only torch) instead of "not implemented for this op" (audit finding)."""
     out = ["cpu"]
-    if _native.module_status("_cuda_sort")[0] is not None:
+    if _native.module_status("_cuda_sort")[0] is not None or not torch.cuda.is_available():
         out.append("cuda")
     out.append("triton")
     return tuple(out)
@@ -279,6 +283,7 @@ def _lean_cpu_rows(op: str, x, dim, descending, stable, backend, want_keys: bool
         if want_keys:
             return torch.sort(x, descending=descending, stable=True)
         return None, torch.argsort(x, descending=descending, stable=True)
+    x = _canonical_bools(x)
     n = x.shape[-1]
     if n == 1:  # rows of one key (see _rows_sort)
         return (x.clone() if want_keys else None), torch.zeros(x.shape, dtype=torch.int64)
@@ -634,7 +639,16 @@ def _(info, in_dims, keys, offsets, values, descending, backend):
 def _check_keys(op: str, arg: str, t) -> torch.Tensor:
     t = _native.as_tensor(t, op, arg)
     check_dtype(op, arg, t, KEY_DTYPES)
-    return t
+    return _canonical_bools(t)
+
+
+def _canonical_bools(t: torch.Tensor) -> torch.Tensor:
+    """Bool keys as bytes 0/1. A bool's byte may hold any nonzero value (a uint8 tensor viewed as bool), all
+    of them True to torch; the radix codecs sort the raw byte (2 came after 1: equal keys out of input order;
+    audit finding). Sorted values then hold 1 where the input held another true byte (equal to it as bools)."""
+    if t.dtype != torch.bool or t.numel() == 0 or t.is_meta:
+        return t
+    return t.view(torch.uint8).ne(0)
 
 
 def _check_flag(op: str, arg: str, v) -> bool:
