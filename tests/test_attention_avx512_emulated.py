@@ -5,8 +5,8 @@ test_attention.py's bf16dot tests skip where the CPU lacks AVX-512 BF16, and CI'
 (an AVX2-only EPYC ran CI on 2026-12-05): the kernels' own logic (K/V packing, 6-row tiles, the causal and
 S_q != S_k masks, strides, the tiny-value checks, the backward's groups shared by several threads) would go
 untested there. Here the same tests run in a subprocess with the emulated module in place of
-pykernels._cpu_attention. Where the CPU has the instructions the real kernels run in test_attention.py and
-this file skips.
+pykernels._cpu_attention. Where the CPU has the instructions the real kernels run in test_attention.py, and
+this file checks the emulation itself: the emulated build against the real kernels, bit for bit.
 """
 import os
 import re
@@ -44,6 +44,18 @@ def _compiler():
 def emulated_module(tmp_path_factory):
     if _cpu.bf16dot_available():
         pytest.skip("this CPU has AVX-512 BF16: test_attention.py runs the real bf16dot kernels")
+    return _build_emulated(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def emulated_beside_real(tmp_path_factory):
+    """The emulated build on a CPU that also runs the real kernels (to compare them)."""
+    if not _cpu.bf16dot_available():
+        pytest.skip("this CPU lacks AVX-512 BF16: no real kernels to compare the emulation with")
+    return _build_emulated(tmp_path_factory)
+
+
+def _build_emulated(tmp_path_factory):
     if not _native.IS_X86 or not _native.cpu_module("runtime").cpu_has_avx2():
         pytest.skip("the emulation build targets x86-64 with AVX2 (the kernels' AVX2 parts stay native)")
     cxx = _compiler()
@@ -106,3 +118,45 @@ def test_bf16dot_tests_pass_on_the_emulated_kernels(emulated_module):
     assert run.returncode == 0, tail
     counts = _counts(run.stdout.strip().splitlines()[-1])
     assert counts.get("passed", 0) >= 100 and not counts.get("skipped") and not counts.get("failed"), tail
+
+
+_COMPARE = """
+import sys, torch
+from pykernels.attention import _cpu
+torch.manual_seed(0)
+results = []
+for B, H, Hkv, Sq, Sk, D in ((1, 4, 2, 37, 53, 64), (2, 2, 2, 70, 70, 128), (1, 8, 1, 16, 200, 192),
+                                     (1, 2, 2, 90, 31, 64)):
+    for causal in (False, True):
+        q = torch.randn(B, H, Sq, D).bfloat16()
+        k = torch.randn(B, Hkv, Sk, D).bfloat16()
+        v = torch.randn(B, Hkv, Sk, D).bfloat16()
+        dout = torch.randn(B, H, Sq, D).bfloat16()
+        for threads in (1, 2):
+            out, lse = _cpu.bf16dot_forward(q, k, v, causal, D ** -0.5, threads)
+            grads = _cpu.bf16dot_backward(dout, q, k, v, out, lse, causal, D ** -0.5, None, threads)
+            results.append((out.clone(), lse.clone(), *(g.clone() for g in grads)))
+torch.save(results, sys.argv[1])
+"""
+
+
+def test_the_emulation_matches_the_real_kernels_bit_for_bit(emulated_beside_real, tmp_path):
+    """On a CPU with AVX-512 BF16: the emulated build (what CI's AVX2-only machines test) gives the real
+    kernels' bits, forward and backward, over GQA, S_q != S_k, causal, head dims 64-192 and 1-2 threads; the
+    emulation tests above are only as good as this agreement."""
+    script = tmp_path / "compare.py"
+    script.write_text(_COMPARE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(emulated_beside_real), str(ROOT)]))
+    for name, plugin in (("emulated", "import pk_avx512_emulated; "), ("real", "")):
+        # (the plugin puts the emulated module in place of pykernels._cpu_attention before pykernels loads)
+        runner = plugin + "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+        run = subprocess.run([sys.executable, "-c", runner, str(script), str(tmp_path / f"{name}.pt")], env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-4000:]
+    import torch
+
+    emulated, real = torch.load(tmp_path / "emulated.pt"), torch.load(tmp_path / "real.pt")
+    assert len(emulated) == len(real) == 16
+    for i, (a, b) in enumerate(zip(emulated, real)):
+        for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), a, b):
+            assert torch.equal(x, y), (i, name, float((x.float() - y.float()).abs().max()))
