@@ -120,6 +120,8 @@ def select_backend(op: str, device: torch.device, backend: str = "auto",
                    supported=BACKENDS, preference=("cuda", "triton")) -> str:
     """Resolve `backend` for an op whose tensors live on `device`. Raises RuntimeError when the
     requested backend cannot run here, naming the op and the reason."""
+    if not isinstance(backend, str):  # (a numpy array of "cpu" compared equal to the names and got through)
+        raise TypeError(f"pykernels.{op}: expected a str for 'backend', got {type(backend).__name__}")
     if backend not in _BACKEND_NAMES:
         raise ValueError(f"pykernels.{op}: expected backend 'auto', 'cpu', 'cuda' or 'triton', got {backend!r}")
     if backend == "auto":

@@ -1049,3 +1049,24 @@ def test_autotune_cache_file_is_a_path():
     import pathlib
 
     assert isinstance(pykernels.autotune.cache_file(), pathlib.Path)
+
+
+def test_backend_of_another_type_and_sparse_inputs_name_the_op():
+    """A numpy array as backend= (it compared equal to the names and reached the memo keys: "unhashable type")
+    and a sparse CSR input to sort (its is_contiguous raised torch's error) get errors naming the op."""
+    import numpy as np
+
+    x = torch.arange(10)
+    qk = torch.randn(1, 1, 2, 8)
+    qw = pykernels.quantize(torch.randn(8, 64), 4, 32)
+    for name, call in (("sort", lambda b: pykernels.sort(x, backend=b)),
+                       ("argsort", lambda b: pykernels.argsort(x, backend=b)),
+                       ("HashMap", lambda b: pykernels.HashMap(16, backend=b)),
+                       ("qmatmul", lambda b: pykernels.qmatmul(torch.randn(2, 64), qw, backend=b)),
+                       ("flash_attention", lambda b: pykernels.flash_attention(qk, qk, qk, backend=b))):
+        with pytest.raises(TypeError, match=rf"pykernels.{name}: expected a str for 'backend', got ndarray"):
+            call(np.array(["cpu"]))
+    csr = torch.eye(3).to_sparse_csr()
+    for op in ("sort", "argsort"):
+        with pytest.raises(ValueError, match=rf"pykernels.{op}: expected 'input' to be a dense \(strided\) tensor"):
+            getattr(pykernels, op)(csr)

@@ -491,7 +491,7 @@ def _lean_cpu_forward(q, k, v, causal, scale, backend):
     are no-ops here."""
     if not (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
             and type(causal) is bool and (scale is None or type(scale) is float)
-            and (backend == "auto" or backend == "cpu")):
+            and type(backend) is str and (backend == "auto" or backend == "cpu")):
         return None
     if _traced_or_transformed() or getattr(_BACKWARD_FOLLOWS, "on", False):  # first: torch.compile must not
         return None  # trace the tests below; under backward_follows the general path keeps aten's forward

@@ -380,6 +380,8 @@ def _gpu_preference(M: int, bits: int, act_bits: int, dtype) -> tuple:
 
 
 def _plan(device, backend: str, M: int, n: int, k: int, bits: int, group_size: int, act_bits: int, dtype):
+    if not isinstance(backend, str):  # (before the memo: a numpy array's error was "unhashable type")
+        raise TypeError(f"pykernels.qmatmul: expected a str for 'backend', got {type(backend).__name__}")
     memo_key = (device, backend, M, n, k, bits, group_size, act_bits, dtype, autotune.generation(),
                 autotune._enabled(), autotune.switches())
     plan = _PLANS.get(memo_key)

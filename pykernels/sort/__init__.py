@@ -273,8 +273,8 @@ def _lean_cpu_rows(op: str, x, dim, descending, stable, backend, want_keys: bool
     if x.is_nested:  # strided and "contiguous", but without sizes: the general path's checks refuse it
         return None
     nd = x.dim()
-    if (nd == 0 or (dim != -1 and dim != nd - 1) or x.dtype not in _KEY_DTYPE_SET or not x.is_contiguous()
-            or x.layout != torch.strided or x.is_conj() or x.is_neg()):
+    if (nd == 0 or (dim != -1 and dim != nd - 1) or x.dtype not in _KEY_DTYPE_SET or x.layout != torch.strided
+            or not x.is_contiguous() or x.is_conj() or x.is_neg()):  # (is_contiguous raises for sparse CSR)
         return None
     numel = x.numel()
     if numel == 0:
