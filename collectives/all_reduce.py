@@ -1327,19 +1327,29 @@ def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool 
     params.table = table
     with _STATE_LOCK:
         _PARAMS[(group, topo)] = params
-    if store and dist.get_rank(group) == 0:
-        try:
-            import pykernels.autotune as at
+    if store:
+        # rank 0 stores; its outcome goes to every rank, so all of them return or all raise (the others
+        # returned while rank 0 raised; and a failure was only printed before: `generate --ops allreduce`
+        # counted the shape and exited 0; review and audit findings)
+        error = None
+        if dist.get_rank(group) == 0:
+            try:
+                import pykernels.autotune as at
 
-            at._store(_cache_device(backend), at._entry_key("all_reduce", "cuda" if backend == "nccl" else "cpu",
-                                                            _cache_key(group, topo, backend)),
-                      {"backend": "cuda" if backend == "nccl" else "cpu", "config": {"params": json.loads(params.to_json())},
-                       "time_s": 0.0, "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
-        except OSError as exc:
-            # the parameters hold in memory (set above); the error comes as pykernels.autotune.tune's does
-            # (printed only, `generate --ops allreduce` reported a tuned shape and exited 0; audit finding)
-            raise OSError(f"collectives.all_reduce tune: {exc}; the tuned parameters hold in memory for this "
-                          f"process only") from exc
+                at._store(_cache_device(backend), at._entry_key("all_reduce", "cuda" if backend == "nccl" else "cpu",
+                                                                _cache_key(group, topo, backend)),
+                          {"backend": "cuda" if backend == "nccl" else "cpu",
+                           "config": {"params": json.loads(params.to_json())},
+                           "time_s": 0.0, "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+            except (OSError, RuntimeError) as exc:  # (RuntimeError: no home directory for the cache)
+                error = exc
+        failed = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=dev)
+        dist.broadcast(failed, src=dist.get_global_rank(group, 0), group=group)
+        if int(failed.item()):
+            # the parameters hold in memory (set above) on every rank
+            raise OSError(f"collectives.all_reduce tune: "
+                          + (f"{error}" if error is not None else "rank 0 could not write the autotune cache")
+                          + "; the tuned parameters hold in memory for this process only") from error
     return params
 
 

@@ -563,6 +563,27 @@ def chk_tune_off_measures_nothing(cache_dir):
         del os.environ["PYKERNELS_AUTOTUNE"]
 
 
+def chk_tune_store_failure_raises_on_every_rank(cache_dir):
+    """A cache rank 0 cannot write: tune() raises on every rank, not on rank 0 alone (the others went on to
+    their next collective while rank 0 unwound; review finding), and the parameters hold in memory."""
+    import os
+
+    from collectives import all_reduce as ar
+
+    old = os.environ.get("PYKERNELS_CACHE_DIR")
+    os.environ["PYKERNELS_CACHE_DIR"] = cache_dir
+    try:
+        ar.tune(sizes=[4 << 10])
+    except OSError as exc:
+        return "raised", "hold in memory" in str(exc)
+    finally:
+        if old is None:
+            del os.environ["PYKERNELS_CACHE_DIR"]
+        else:
+            os.environ["PYKERNELS_CACHE_DIR"] = old
+    return "returned", False
+
+
 def chk_wait_timeout():
     """AllReduceWork.wait(timeout): raises while a late rank has not joined, then completes."""
     from datetime import timedelta as td
@@ -833,6 +854,9 @@ def test_world_4_tune(clusters, tmp_path):
     assert len({o[1] for o in out}) == 1, "ranks tuned different parameters"
     for source, files in c.run("chk_tune_off_measures_nothing", str(tmp_path / "off_cache")):
         assert source != "tuned" and files == [], (source, files)
+    (tmp_path / "a_file").write_text("")
+    res = c.run("chk_tune_store_failure_raises_on_every_rank", str(tmp_path / "a_file" / "cache"))
+    assert len(res) == 4 and all(tuple(r) == ("raised", True) for r in res), res
 
 
 @pytest.mark.parametrize("algo", ["recursive_doubling", "ring", "hierarchical", "native", "shared_memory", "auto"])

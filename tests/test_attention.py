@@ -1936,3 +1936,16 @@ def test_nan_query_row_leaves_dv_of_keys_it_cannot_see_finite(dtype):
     assert nan_rows.tolist() == [True] + [False] * 7, nan_rows
     assert torch.equal(nan_rows, torch.isnan(grads[1][0, 0]).any(-1))
     assert_close(grads[0][0, :, 1:], grads[1][0, :, 1:], dtype, "dv")
+
+
+def test_backward_tuned_for_s_q_above_s_k_is_the_one_used(tmp_cache, monkeypatch):
+    """A causal backward with S_q > S_k runs on its rows that see keys; tune() keys its entry so (it keyed the
+    full S_q, an entry the backward never looked up; review finding)."""
+    from pykernels import autotune
+    from pykernels.attention import OP_BWD, problem_key
+
+    monkeypatch.setenv("PYKERNELS_AUTOTUNE", "1")
+    q, k, v = make(1, 2, 2, 256, 32, 64, torch.float32, seed=5)
+    out, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    autotune.tune(OP_BWD, torch.randn_like(out), q, k, v, out, lse, causal=True, budget_s=0.01)
+    assert autotune.lookup(OP_BWD, problem_key(q[:, :, 224:], k, causal=True), torch.device("cpu")) is not None

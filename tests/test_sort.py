@@ -2015,6 +2015,10 @@ def test_bools_of_any_true_byte_are_equal_keys(n):
     half = n // 2
     want = torch.cat([torch.sort(b[:half], stable=True).indices, torch.sort(b[half:], stable=True).indices + half])
     assert torch.equal(vals, want) and keys.view(torch.uint8).max() <= 1
+    # the registered ops called directly (API.md makes them public) too (review finding)
+    assert torch.equal(torch.ops.pykernels.sort(b, -1, False, "cpu")[1], torch.sort(b, stable=True).indices)
+    assert torch.equal(torch.ops.pykernels.sort_pairs(b, torch.arange(n), False, 0, -1, "cpu")[1],
+                       torch.sort(b, stable=True).indices)
     assert torch.equal(b.view(torch.uint8), before)  # the input is not modified
 
 

@@ -613,9 +613,10 @@ def forward_op(q, k, v, causal: bool, scale: float, backend: str):
     inference = not (follows or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)))
     if torch._C._get_tracing_state() is not None:
         # torch.jit.trace records the flag as a constant and checks its trace by running the function again
-        # under no_grad: a model whose q/k/v come from parameters failed "Graphs differed" (audit finding). A
-        # traced graph takes False; the op still refuses the decode kernel itself where an input requires grad
-        inference = False
+        # under no_grad: grad mode in it made "Graphs differed" for a model whose q/k/v come from parameters
+        # (audit finding). Traced, it follows only backward_follows; the op itself refuses the decode kernel
+        # where an input requires grad when the graph runs
+        inference = not follows
     if torch._C._are_functorch_transforms_active() and not torch.compiler.is_compiling():
         _IN_TRANSFORM.on = True
         try:

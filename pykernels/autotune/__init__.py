@@ -200,11 +200,14 @@ def _cuda_device_id(idx: int) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _triton_version() -> Optional[str]:
-    # the installed distribution's version, without importing triton (0.35 s of every process's first op)
-    try:
-        return importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    # the installed distribution's version, without importing triton (0.35 s of every process's first op);
+    # ROCm and nightly torch ship the `triton` package as pytorch-triton(-rocm) (review finding)
+    for dist_name in ("triton", "pytorch-triton", "pytorch-triton-rocm"):
+        try:
+            return importlib.metadata.version(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def _metadata(device) -> dict:

@@ -610,7 +610,8 @@ def quantize_model(model: nn.Module, bits: int = 4, group_size: int = 128, inclu
                if isinstance(mod, nn.Linear) and not isinstance(mod, nn.modules.linear.NonDynamicallyQuantizableLinear)]
     kept = {id(mod) for name, mod in linears
             if not ((include is None or _matches(name, include)) and not _matches(name, exclude))}
-    unmatched = [p for p in include or [] if not any(_matches(name, [p]) for name, _ in linears)]
+    every_linear = [name for name, mod in model.named_modules(remove_duplicate=False) if isinstance(mod, nn.Linear)]
+    unmatched = [p for p in include or [] if not any(_matches(name, [p]) for name in every_linear)]
     if unmatched:  # a misspelt name left the model unquantized without a word
         warnings.warn("pykernels.quantize_model: no nn.Linear matches these 'include' entries: "
                       + ", ".join(repr(p) for p in unmatched), stacklevel=2)

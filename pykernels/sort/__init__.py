@@ -355,7 +355,8 @@ def _sort_1d_any(op: str, keys: torch.Tensor, values: Optional[torch.Tensor], de
 def _op_checks(op: str, keys, values=None, *, one_d=False, bits=None, offsets=None, backend="auto"):
     """The checks of the public functions, for the registered ops called directly (torch.ops.pykernels.*):
     they reach the kernels with whatever they are given, and values shorter than the keys were read and
-    written past their end (review finding: a segfault). The public functions check before calling."""
+    written past their end (review finding: a segfault). The public functions check before calling.
+    Returns the keys to sort (bools as bytes 0/1: _canonical_bools)."""
     check_dtype(op, "keys", keys, KEY_DTYPES)
     if one_d:
         check_ndim(op, "keys", keys, 1)
@@ -374,10 +375,11 @@ def _op_checks(op: str, keys, values=None, *, one_d=False, bits=None, offsets=No
             raise ValueError(f"pykernels.{op}: expected at least one offset (nseg + 1 values), got an empty tensor")
         check_same_device(op, keys=keys, offsets=offsets)
     _check_backend(op, backend)
+    return _canonical_bools(keys)
 
 @torch.library.custom_op("pykernels::sort", mutates_args=())
 def _sort_op(x: torch.Tensor, dim: int, descending: bool, backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    _op_checks("sort", x, backend=backend)
+    x = _op_checks("sort", x, backend=backend)
     return _rows_sort("sort", x, _norm_dim("sort", x, dim), descending, backend, True)
 
 
@@ -413,7 +415,7 @@ _sort_call = functorch_autograd("sort", _sort_setup_context, _sort_backward)
 
 @torch.library.custom_op("pykernels::argsort", mutates_args=())
 def _argsort_op(x: torch.Tensor, dim: int, descending: bool, backend: str) -> torch.Tensor:
-    _op_checks("argsort", x, backend=backend)
+    x = _op_checks("argsort", x, backend=backend)
     return _rows_sort("argsort", x, _norm_dim("argsort", x, dim), descending, backend, False)[1]
 
 
@@ -453,7 +455,7 @@ def _(info, in_dims, x, dim, descending, backend):
 
 @torch.library.custom_op("pykernels::sort_keys", mutates_args=())
 def _sort_keys_op(keys: torch.Tensor, descending: bool, begin_bit: int, end_bit: int, backend: str) -> torch.Tensor:
-    _op_checks("sort_keys", keys, one_d=True, bits=(begin_bit, end_bit), backend=backend)
+    keys = _op_checks("sort_keys", keys, one_d=True, bits=(begin_bit, end_bit), backend=backend)
     return _sort_1d_any("sort_keys", keys, None, descending, begin_bit, None if end_bit == -1 else end_bit, backend)[0]
 
 
@@ -466,7 +468,7 @@ def _(keys, descending, begin_bit, end_bit, backend):
 @torch.library.custom_op("pykernels::sort_pairs", mutates_args=())
 def _sort_pairs_op(keys: torch.Tensor, values: torch.Tensor, descending: bool, begin_bit: int, end_bit: int,
                    backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    _op_checks("sort_pairs", keys, values, one_d=True, bits=(begin_bit, end_bit), backend=backend)
+    keys = _op_checks("sort_pairs", keys, values, one_d=True, bits=(begin_bit, end_bit), backend=backend)
     return _sort_1d_any("sort_pairs", keys, values, descending, begin_bit, None if end_bit == -1 else end_bit, backend)
 
 
@@ -525,7 +527,7 @@ def _segmented_impl(keys, offsets, values, descending, backend):
 
 @torch.library.custom_op("pykernels::segmented_sort", mutates_args=())
 def _segmented_keys_op(keys: torch.Tensor, offsets: torch.Tensor, descending: bool, backend: str) -> torch.Tensor:
-    _op_checks("segmented_sort", keys, one_d=True, offsets=offsets, backend=backend)
+    keys = _op_checks("segmented_sort", keys, one_d=True, offsets=offsets, backend=backend)
     return _segmented_impl(keys, offsets, None, descending, backend)[0]
 
 
@@ -538,7 +540,7 @@ def _(keys, offsets, descending, backend):
 @torch.library.custom_op("pykernels::segmented_sort_pairs", mutates_args=())
 def _segmented_pairs_op(keys: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor, descending: bool,
                         backend: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    _op_checks("segmented_sort_pairs", keys, values, one_d=True, offsets=offsets, backend=backend)
+    keys = _op_checks("segmented_sort_pairs", keys, values, one_d=True, offsets=offsets, backend=backend)
     return _segmented_impl(keys, offsets, values, descending, backend)
 
 
