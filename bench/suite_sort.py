@@ -160,7 +160,7 @@ def _cpu_cases(quick: bool):
                    notes="values + int64 indices, inside the caches", check=_check_same_sort)
 
     # a small call, where the Python around the kernel decides (2000 keys: ~30 us in all, ~13 of them the
-    # kernel); below TORCH_BELOW (1024) elements backend="auto" runs torch.sort itself
+    # kernel); below TORCH_BELOW (1024 to 5120 elements by dtype) backend="auto" runs torch.sort itself
     yield Case("sort", "sort", "int32 n=2000 (a small call)", 2000, sort_vs_torch(torch.int32, 2000),
                "torch.sort(stable=True)", 2000, "keys", notes="values + int64 indices; per-call overhead",
                check=_check_same_sort)

@@ -1533,6 +1533,14 @@ def test_small_auto_sorts_are_torch_sort_and_agree_with_the_native_path(monkeypa
             v, i = pykernels.sort(xt, dim=dim)
             assert v.is_contiguous() and i.is_contiguous() and pykernels.argsort(xt, dim=dim).is_contiguous()
             assert_same(v.view(-1), torch.sort(xt, dim=dim, stable=True).values.reshape(-1))
+    # unset, the cutoff is the dtype's (torch.sort stays faster longer for float64 and bool; audit finding)
+    monkeypatch.setattr(ps, "TORCH_BELOW", None)
+    for dtype, n, route in ((torch.float64, 5120, True), (torch.float64, 5121, False), (torch.bool, 2048, True),
+                            (torch.int32, 1280, True), (torch.int32, 1281, False), (torch.float16, 1025, False)):
+        x = make_keys(dtype, n, "few", seed=n)
+        calls.clear()
+        assert_same(pykernels.sort(x).indices, pykernels.sort(x, backend="cpu").indices)
+        assert calls == (["sort"] if route else []), (dtype, n, calls)
 
 
 def test_lean_call_path_matches_the_general_path_and_is_taken(monkeypatch):

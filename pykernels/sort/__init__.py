@@ -18,7 +18,7 @@ parts; rows and runs of equal segments of 2-1024 keys: 4-8 rows at a time, one p
 Batcher's sorting network, csrc/sort/sort_rows_simd.h; along an inner dim, the strided rows where they
 lie), "cuda" (csrc/sort/sort.cu: Onesweep proper),
 "triton" (pykernels/sort/_triton.py: the same pipeline in Triton). With backend="auto", CPU sort/argsort
-and full-width sort_keys of up to TORCH_BELOW (1024) elements are torch.sort's own (a call's fixed cost
+and full-width sort_keys of up to TORCH_BELOW (1024 to 5120 by dtype) elements are torch.sort's own (a call's fixed cost
 decides there; not unsigned 16/32/64-bit keys). Every op is a
 torch.library custom op (torch.ops.pykernels.<name>) with a fake implementation, so torch.compile(fullgraph=True) works.
 
@@ -66,8 +66,19 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"pykernels.sort: environment variable {name} must be an integer, got {text!r}") from None
 
 
-TORCH_BELOW = _env_int("PYKERNELS_SORT_TORCH_BELOW", 1024)
+# Per dtype where torch.sort stays faster past 1024 (2-core Zen 4, 2026-12-06, 2 threads, best of 7, torch's
+# time / ours at 1025 / 1536 / 2048 elements: float64 0.55 / 0.63 / 0.71, 0.88 at 5120 and 1.52 at 6144;
+# bool 0.64 / 0.81 / 1.05; float32 0.83 / 0.97 / 1.28; int32 and int64 0.88 / 1.07-1.12; int16 0.92 / 1.19;
+# float16 1.07 at 1025; audit finding). PYKERNELS_SORT_TORCH_BELOW, when set, is the cutoff of every dtype.
+_TORCH_BELOW_BY_DTYPE = {torch.float64: 5120, torch.bool: 2048, torch.float32: 1536, torch.int64: 1280,
+                         torch.int32: 1280}
+TORCH_BELOW = _env_int("PYKERNELS_SORT_TORCH_BELOW", -1) if "PYKERNELS_SORT_TORCH_BELOW" in os.environ else None
 _TORCH_UNRELIABLE = (torch.uint16, torch.uint32, torch.uint64)
+
+
+def _torch_below(dtype: torch.dtype) -> int:
+    """The cutoff for keys of `dtype` (see TORCH_BELOW)."""
+    return TORCH_BELOW if TORCH_BELOW is not None else _TORCH_BELOW_BY_DTYPE.get(dtype, 1024)
 
 
 def _torch_sorts(x: torch.Tensor, backend: str) -> bool:
@@ -75,7 +86,7 @@ def _torch_sorts(x: torch.Tensor, backend: str) -> bool:
     input: torch.sort's outputs keep the input's memory order, ours are contiguous, and the layout must
     not change at TORCH_BELOW (a view(-1) of a small transposed input's sort raised; review finding). Not empty ones: torch.sort walks every row of a (2**40, 0) tensor (an
     hour) where ours returns at once (audit finding)."""
-    return (0 < x.numel() <= TORCH_BELOW and backend == "auto" and x.device.type == "cpu"
+    return (0 < x.numel() <= _torch_below(x.dtype) and backend == "auto" and x.device.type == "cpu"
             and x.dtype not in _TORCH_UNRELIABLE and (x.dim() <= 1 or x.is_contiguous()))
 
 
@@ -279,7 +290,7 @@ def _lean_cpu_rows(op: str, x, dim, descending, stable, backend, want_keys: bool
     numel = x.numel()
     if numel == 0:
         return None
-    if backend == "auto" and numel <= TORCH_BELOW and x.dtype not in _TORCH_UNRELIABLE:
+    if backend == "auto" and numel <= _torch_below(x.dtype) and x.dtype not in _TORCH_UNRELIABLE:
         if want_keys:
             return torch.sort(x, descending=descending, stable=True)
         return None, torch.argsort(x, descending=descending, stable=True)
