@@ -1348,7 +1348,7 @@ def tune(group=None, topology=None, sizes=None, *, reps: int = 3, verbose: bool 
         if int(failed.item()):
             # the parameters hold in memory (set above) on every rank
             raise OSError(f"collectives.all_reduce tune: "
-                          + (f"{error}" if error is not None else "rank 0 could not write the autotune cache")
+                          + (f"{error}" if error is not None else "rank 0 could not write the cache file (its error says why)")
                           + "; the tuned parameters hold in memory for this process only") from error
     return params
 
