@@ -94,9 +94,10 @@ def _torch_sorts(x: torch.Tensor, backend: str) -> bool:
 def _backends_supported():
     """Backends this op family implements in this build (cpu always; cuda/triton when present). cuda is
     listed also where no CUDA device can run at all: auto never picks it there, and backend='cuda' gets the
-    reason (CPU tensors, a CPU-only torch) instead of "not implemented for this op" (audit finding)."""
+    reason (CPU tensors, a CPU-only torch) instead of "not implemented for this op" (audit finding). (The torch
+    build is read, not torch.cuda.is_available(), which would start the CUDA driver before a fork.)"""
     out = ["cpu"]
-    if _native.module_status("_cuda_sort")[0] is not None or not torch.cuda.is_available():
+    if _native.module_status("_cuda_sort")[0] is not None or not (torch.version.cuda or torch.version.hip):
         out.append("cuda")
     out.append("triton")
     return tuple(out)
