@@ -1069,11 +1069,12 @@ def test_segmented_runs_of_equal_segments_with_a_payload(dtype):
 @pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float16,
                                    torch.bfloat16])
 def test_sort_keys_of_8_and_16_bit_keys_by_counting(dtype):
-    """sort_keys of 8/16-bit keys from 64K keys is a counting sort (counts, then runs of each value):
-    bit-exact against the oracle either side of the bound, both directions, at 1 and 2 threads; floats with
-    -0.0 beside +0.0 or NaN payloads (whose outputs keep the input's bits in input order) take the LSD
-    engine instead."""
-    for n in (65535, 65536, 300_001):
+    """sort_keys of 8-bit keys past the small sort (64 keys) and of 16-bit keys from 32K keys is a counting
+    sort (counts, then runs of each value): bit-exact against the oracle either side of the bounds, both
+    directions, at 1 and 2 threads; floats with -0.0 beside +0.0 or NaN payloads (whose outputs keep the
+    input's bits in input order) take the LSD engine instead."""
+    sizes = (64, 65, 1000, 65536, 300_001) if dtype.itemsize == 1 else (32767, 32768, 65536, 300_001)
+    for n in sizes:
         for kind in (("random", "special", "few") if dtype.is_floating_point else ("random", "few", "equal")):
             x = make_keys(dtype, n, kind, seed=n % 97)
             if dtype.is_floating_point and kind == "random":
@@ -1091,6 +1092,8 @@ def test_sort_keys_of_8_and_16_bit_keys_by_counting(dtype):
                     assert_same(got, want, f"{dtype} {n} {kind} {desc} {threads}")
     # the path taken: counts for plain keys, the LSD engine for a lossy float encoding
     sort_mod = sys.modules["pykernels.sort"]
+    *_, st = sort_mod._cpu_sort_1d(make_keys(dtype, 32767 if dtype.itemsize == 2 else 64, "few"), want_stats=True)
+    assert st["passes"] != 1 or st["digit_bits"] != 8 * dtype.itemsize or st["small"], st  # below the bounds
     x = make_keys(dtype, 1 << 17, "few", seed=3)
     *_, st = sort_mod._cpu_sort_1d(x, want_stats=True)
     assert st["passes"] == 1 and st["digit_bits"] == 8 * x.element_size(), st
@@ -1099,6 +1102,45 @@ def test_sort_keys_of_8_and_16_bit_keys_by_counting(dtype):
         x[6] = 0.0
         *_, st = sort_mod._cpu_sort_1d(x, want_stats=True)
         assert st["digit_bits"] == 8 and st["lossy"], st
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_counting_sort_runs_against_shares_and_lines(dtype, threads):
+    """The counting sort's fill stores a 16-byte line at each run's start and exact stores at the end of a
+    thread's share of the output: runs of 0-40 keys (either side of the line: 8 int16 or 16 uint8 keys), a
+    share boundary at the start, the middle and the end of a run, one value holding every key, values only
+    at the ends of the value range, and runs that are all one line long."""
+    info = torch.iinfo(dtype)
+    npd = np.dtype(str(dtype).replace("torch.", ""))
+    n_min = 65 if dtype == torch.uint8 else 32768
+    rng = np.random.default_rng(threads)
+    sort_mod = sys.modules["pykernels.sort"]
+    # (a thread per share however few the keys; no check of the input's order: every case is counted)
+    config = dict(sort_mod._default_config({}), grain=1, in_order=False)
+    cases = []
+    for run_max in (1, 8, 9, 16, 17, 40):
+        lens = rng.integers(0, run_max + 1, 1 << 16 if dtype == torch.int16 else 256)
+        vals = np.arange(info.min, info.max + 1)[: len(lens)]
+        a = np.repeat(vals, np.resize(lens, len(vals)))
+        while len(a) < n_min:
+            a = np.concatenate([a, a])
+        cases.append(a)
+    half = n_min + n_min % 2
+    cases.append(np.repeat(np.array([3, 7], dtype=np.int64), half // 2))  # a share starting at a run's start
+    cases.append(np.repeat(np.array([3, 7, 9], dtype=np.int64), [half // 2 - 5, 10, half // 2 - 5]))
+    cases.append(np.full(n_min + 3, 5))  # one value
+    cases.append(np.where(np.arange(n_min + 1) % 2 == 0, info.min, info.max))  # the extremes only
+    for i, a in enumerate(cases):
+        a = a.astype(npd)
+        rng.shuffle(a)
+        x = torch.from_numpy(a)
+        for desc in (False, True):
+            got, *_, st = sort_mod._cpu_sort_1d(x, descending=desc, config=dict(config, threads=threads),
+                                                want_stats=True)
+            want = np.sort(a)[::-1] if desc else np.sort(a)
+            assert np.array_equal(got.numpy(), want), (i, desc)
+            assert st["threads"] == threads and st["passes"] == 1, st  # the counting sort, on every thread
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.float16,

@@ -1672,26 +1672,37 @@ bool direct_cached_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st)
 
 // 8- and 16-bit keys alone (no indices, no payload, every bit): a counting sort. One read counts every
 // key value (256 or 65536 counters per thread, inside L2), then each value is written out as a run of its
-// count (std::fill: sequential stores, no scatter). An LSD sort reads and writes the keys twice for 16-bit
-// keys: 1M int16 keys 4.3 -> 1.4 ms, 4M 17.4 -> 3.1, 4M uint8 6.9 -> 2.4 (2 threads, Zen 2). Refused
-// (false) for floats whose encoding is lossy (NaN payloads, -0.0 beside +0.0: their outputs must be the
-// input's bits, in input order), found in the same read: the LSD engine sorts those. From COUNT_FILL_MIN_N
-// keys, below which the 65536 counters' clearing and scan cost more than the passes.
-static constexpr int64_t COUNT_FILL_MIN_N = 1 << 16;
+// count (sequential stores, no scatter). An LSD sort reads and writes the keys twice for 16-bit keys: 1M
+// int16 keys 4.3 -> 1.4 ms, 4M 17.4 -> 3.1, 4M uint8 6.9 -> 2.4 (2 threads, Zen 2). Refused (false) for
+// floats whose encoding is lossy (NaN payloads, -0.0 beside +0.0: their outputs must be the input's bits,
+// in input order), found in the same read: the LSD engine sorts those.
+// What it costs besides the keys is a walk over the counters, so 8-bit keys take it at every size past
+// the small sort's (256 counters: uint8 1000 keys 11.8 -> 5.5 us, 40000 129 -> 39 us, one thread, 2-core
+// Zen 4) and 16-bit keys from COUNT_FILL_MIN_N16. That walk is kept cheap: the counters live in the
+// calling thread's scratch (no page faults: fresh vectors of 256 KiB each cost more than 1000 keys'
+// LSD passes), the threads' tables are summed into the first with vector adds, and no per-value start
+// offsets are built: 256-value block sums place each thread's share of the output, and the fill walks
+// the counts. Every value stores one 16-byte line of copies at its run's start whether the run is empty,
+// short or long (the next value's line overwrites what lies past the run), and only runs longer than
+// the line take a second, predictable branch; a branch on "is this run empty" mispredicted on about half
+// the values where runs are a few keys long (random int16 keys, n near 65536).
+static constexpr int64_t COUNT_FILL_MIN_N16 = 1 << 15;
 
 template <class U, Enc E>
 bool counting_fill(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, int T) {
   static_assert(sizeof(U) <= 2, "8- and 16-bit keys");
-  constexpr size_t R = size_t(1) << (8 * sizeof(U));
+  constexpr int64_t R = int64_t(1) << (8 * sizeof(U));
+  constexpr int64_t BLOCK = 256, NB = R / BLOCK;  // value blocks whose sums place the threads' shares
+  constexpr int64_t LINE = 16 / sizeof(U);
   const int64_t n = a.n;
   const U* in = static_cast<const U*>(a.keys);
   U* out = static_cast<U*>(a.out_keys);
-  std::vector<uint32_t> counts((size_t)T * R);
+  uint32_t* counts = reinterpret_cast<uint32_t*>(thread_scratch().get((size_t)T * R * sizeof(uint32_t)));
   std::vector<char> lossy_t(T, 0);
   pk::parallel_threads(T, [&](int t) {
     const int64_t b = n * t / T, e = n * (t + 1) / T;
-    std::vector<uint32_t> own(R, 0);  // this thread's own pages (see OwnCounters)
-    uint32_t* __restrict h = own.data();
+    uint32_t* __restrict h = counts + (size_t)t * R;  // this thread's own lines (R * 4 bytes, page-aligned)
+    std::memset(h, 0, R * sizeof(uint32_t));
     const Coder<U, E> c = cd;
     bool ls = false;
     for (int64_t i = b; i < e; ++i) {
@@ -1700,26 +1711,49 @@ bool counting_fill(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, int 
       if constexpr (E == Enc::Float) ls |= c.lossy(x);
       ++h[c.enc(x)];
     }
-    std::memcpy(counts.data() + (size_t)t * R, h, R * sizeof(uint32_t));
     lossy_t[t] = ls;
   });
   for (int t = 0; t < T; ++t)
     if (lossy_t[t]) return false;
-  std::vector<int64_t> start(R + 1);
-  int64_t run = 0;
-  for (size_t v = 0; v < R; ++v) {
-    start[v] = run;
-    for (int t = 0; t < T; ++t) run += counts[(size_t)t * R + v];
+  uint32_t* __restrict cnt = counts;  // every thread's counts summed into the first table
+  for (int t = 1; t < T; ++t) {
+    const uint32_t* __restrict h = counts + (size_t)t * R;
+    for (int64_t v = 0; v < R; ++v) cnt[v] += h[v];
   }
-  start[R] = run;
-  // each thread fills an equal share of the output positions
+  int64_t block_start[NB + 1];
+  block_start[0] = 0;
+  for (int64_t b = 0; b < NB; ++b) {
+    uint32_t sum = 0;  // (a block holds at most n < 2^32 keys)
+    for (int64_t v = 0; v < BLOCK; ++v) sum += cnt[b * BLOCK + v];
+    block_start[b + 1] = block_start[b] + sum;
+  }
+  // each thread fills an equal share [p0, p1) of the output positions
   pk::parallel_threads(T, [&](int t) {
     const int64_t p0 = n * t / T, p1 = n * (t + 1) / T;
-    size_t v = (size_t)(std::upper_bound(start.begin(), start.end(), p0) - start.begin()) - 1;
-    for (int64_t p = p0; p < p1; ++v) {
-      const int64_t q = std::min(start[v + 1], p1);
-      if (q > p) std::fill(out + p, out + q, cd.dec(U(v)));
-      p = std::max(p, q);
+    if (p0 >= p1) return;
+    U* __restrict o = out;  // locals: through the lambda's references every store reloaded them
+    const uint32_t* __restrict cnt_v = cnt;
+    const Coder<U, E> c = cd;
+    // the value whose run holds position p0, and where that run ends
+    const int64_t blk = (std::upper_bound(block_start, block_start + NB + 1, p0) - block_start) - 1;
+    int64_t v = blk * BLOCK, s = block_start[blk];
+    while (s + cnt_v[v] <= p0) s += cnt_v[v++];
+    int64_t p = p0, q = s + cnt_v[v];
+    while (q + LINE <= p1) {  // while this value's line stays inside the share
+      U line[LINE];
+      const U val = c.dec(U(v));
+      for (int64_t k = 0; k < LINE; ++k) line[k] = val;
+      std::memcpy(o + p, line, sizeof(line));
+      if (q - p > LINE) std::fill(o + p + LINE, o + q, val);
+      p = q;
+      q = p + cnt_v[++v];  // (v < R - 1 here: the last value's run ends at n >= p1)
+    }
+    for (;;) {  // the share's last line: exact stores
+      const int64_t e = std::min(q, p1);
+      if (e > p) std::fill(o + p, o + e, c.dec(U(v)));
+      p = e;
+      if (p >= p1) break;
+      q = p + cnt_v[++v];
     }
   });
   st.passes = 1;
@@ -2042,7 +2076,7 @@ void radix_sort_typed(const SortArgs& a, const Codec<U>& codec, SortStats& st) {
   }
   if (T == 1 && direct_cached_sort<U, E>(a, cd, st)) return;
   if constexpr (sizeof(U) <= 2) {
-    if (a.out_keys && !a.out_idx && !a.out_pay && bb == 0 && eb == key_bits && n >= COUNT_FILL_MIN_N &&
+    if (a.out_keys && !a.out_idx && !a.out_pay && bb == 0 && eb == key_bits && (sizeof(U) == 1 || n >= COUNT_FILL_MIN_N16) &&
         counting_fill<U, E>(a, cd, st, T))
       return;
     if (bb == 0 && eb == key_bits && a.msd != 0 && a.digit_bits <= 0 &&
