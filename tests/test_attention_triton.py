@@ -99,6 +99,28 @@ def test_interpreter_row_of_plus_inf_scores_has_lse_plus_inf(triton_interpret):
     assert torch.isnan(out[0, 0, 1]).all() and torch.isfinite(lse[0, 0, [0, 2]]).all()
 
 
+def test_interpreter_plus_inf_and_nan_scores_across_key_tiles(triton_interpret):
+    """+inf scores in the first or a later key tile (several tiles: S_k past the block), alone or beside a
+    NaN score in the same row: lse +inf alone and NaN with the NaN (it was +inf there: an override made
+    every row whose max was +inf +inf), out NaN, and the other rows untouched; as on the CPU."""
+    q, k, v = make(1, 1, 1, 5, 80, 8, torch.float32)
+    k = k.abs() + 0.1
+    q[0, 0, [1, 2, 3], 0] = float("inf")  # +inf scores wherever k[..., 0] > 0: every key
+    k[0, 0, 70, 1] = float("nan")          # a NaN score for every row at key 70, in a later tile ...
+    q[0, 0, [2, 4], 1] = 0.0               # ... except where q's component is 0 (0 * NaN is NaN: every row)
+    k2 = k.clone()
+    k2[0, 0, 70, 1] = 1.0                  # the same without the NaN
+    for kk, want_inf in ((k, False), (k2, True)):
+        out, lse = pykernels.flash_attention(q, kk, v, return_lse=True, backend="triton")
+        out_c, lse_c = pykernels.flash_attention(q, kk, v, return_lse=True, backend="cpu")
+        for r in (1, 2, 3):
+            assert (torch.isposinf(lse[0, 0, r]) if want_inf else torch.isnan(lse[0, 0, r])), (r, lse)
+            assert torch.isnan(out[0, 0, r]).all()
+        assert torch.equal(torch.isnan(lse), torch.isnan(lse_c)) and torch.equal(torch.isinf(lse), torch.isinf(lse_c))
+        if want_inf:
+            torch.testing.assert_close(out[0, 0, [0, 4]], out_c[0, 0, [0, 4]], rtol=1e-5, atol=1e-5)
+
+
 def test_interpreter_scores_near_float32_max(triton_interpret):
     """Finite scores above FLT_MAX / log2(e) (or a scale that makes them so) give the CPU paths' exact answer;
     scaled by log2(e) before the max they became inf: out NaN, lse +inf (audit finding). Gradients too."""

@@ -8,6 +8,7 @@ backward into a dK/dV kernel (a program owns BLOCK_N1 keys and streams the query
     Scores and maxima stay in natural units, log2(e) applied after the subtraction: scaled by it up front
     (the tutorial's s * scale * log2(e)), finite scores above FLT_MAX / log2(e) ~ 2.4e38 (or such scales)
     became inf and the row NaN with lse +inf, where the CPU paths give the exact answer (audit finding).
+    A row with a +inf score subtracts FLT_MAX instead of its max: lse +inf, or NaN beside a NaN score.
   - Causal is aligned bottom-right: row i sees key j iff j <= i + (S_k - S_q). A query tile stops at its
     last visible key; a key tile starts at its first query row that can see it (backward).
   - Rows that see no key keep l = 0: out 0 and lse -inf (the backward maps lse -inf to +inf, so p = 0).
@@ -86,7 +87,10 @@ def _attn_fwd(Q, K, V, O, L,
             ok = ok & (cols[None, :] <= offs_m[:, None] + diag)
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row with no key yet: keep p = 0
+        # a row with no key yet: keep p = 0. A row with a +inf score: subtract FLT_MAX instead, so that p is
+        # +inf at the +inf scores (not inf - inf = NaN) and 0 elsewhere; the row's sum is then +inf, and
+        # its log-sum-exp +inf as on the CPU paths, unless a score is NaN: NaN (max ignores NaN).
+        m_safe = tl.where(m_new == float("-inf"), 0.0, tl.where(m_new == float("inf"), 3.4028234663852886e38, m_new))
         p = tl.math.exp2((s - m_safe[:, None]) * 1.4426950408889634)
         alpha = tl.math.exp2((m_i - m_safe) * 1.4426950408889634)
         l_i = l_i * alpha + tl.reduce(p, 1, _ADD)
@@ -99,8 +103,6 @@ def _attn_fwd(Q, K, V, O, L,
     # a row that sees no key is 0 even when some v holds NaN/inf (its p is 0, but 0 * NaN is NaN)
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
     lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)) * 0.6931471805599453)
-    # a +inf score makes the row's sum NaN (inf - inf), but its log-sum-exp is +inf, as on the CPU paths
-    lse = tl.where(m_i == float("inf"), float("inf"), lse)
     tl.store(O + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod, out.to(O.dtype.element_ty),
              mask=m_ok[:, None] & d_ok[None, :])
     tl.store(L + b * slb + h * slh + offs_m * slm, lse, mask=m_ok)
