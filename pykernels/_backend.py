@@ -328,6 +328,20 @@ def vmapped_first(t, dim, n: int):
     return t.unsqueeze(0).expand(n, *t.shape) if dim is None else t.movedim(dim, 0)
 
 
+def eager_autograd(*tensors) -> bool:
+    """True when a differentiable public call whose inputs require grad (where eager_direct said no) may run
+    under its own torch.autograd.Function, of the registered op's setup_context and backward, instead of
+    through the op: in eager mode (nothing traced or transformed, see _traced_or_transformed) with plain,
+    non-meta tensors. The op stays the path of everything else (torch.compile, fake tensors, subclasses,
+    vmap and torch.func)."""
+    if _traced_or_transformed():
+        return False
+    for t in tensors:
+        if t is not None and (type(t) is not torch.Tensor or t.is_meta):
+            return False
+    return True
+
+
 def eager_plain(t) -> bool:
     """eager_direct(t) for one tensor that never raises: also False where eager_direct would refuse
     forward-mode AD (a fast path's caller then takes its general path, whose refusal names the op)."""

@@ -1259,6 +1259,49 @@ def test_double_backward_says_it_is_not_implemented():
         g.sum().backward()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_eager_autograd_function_matches_the_registered_op(dtype):
+    """An eager call whose inputs require grad runs under the module's own autograd.Function
+    (_EagerFlashAttention), not through the registered op's autograd: the same outputs and the same
+    gradients as the op's, through out alone, lse alone, both, and with only some inputs requiring grad;
+    saved-tensor hooks see its saved tensors; a second derivative raises as through the op."""
+    import pykernels.attention as A
+
+    for causal, (Sq, Sk) in ((False, (7, 7)), (True, (5, 9)), (True, (9, 5))):
+        base = make(2, 4, 2, Sq, Sk, 16, dtype, seed=Sq + Sk)
+        for needs in ((True, True, True), (True, False, False), (False, False, True)):
+            for use in ("out", "lse", "both"):
+                grads = []
+                for via_op in (False, True):
+                    q, k, v = (t.clone().requires_grad_(r) for t, r in zip(base, needs))
+                    if via_op:
+                        out, lse = torch.ops.pykernels.flash_attention(q, k, v, causal, 1 / 4, "cpu")
+                        assert "pykernels_flash_attention" in type(out.grad_fn).__name__
+                    else:
+                        out, lse = flash_attention(q, k, v, causal=causal, scale=1 / 4, return_lse=True, backend="cpu")
+                        assert type(out.grad_fn).__name__ == "_EagerFlashAttentionBackward"
+                    g = torch.Generator().manual_seed(1)
+                    loss = 0
+                    if use != "lse":
+                        loss = loss + (out.float() * torch.randn(out.shape, generator=g)).sum()
+                    if use != "out":
+                        loss = loss + (lse.float().nan_to_num(neginf=0.0) * torch.randn(lse.shape, generator=g)).sum()
+                    loss.backward()
+                    grads.append([out.detach(), lse.detach()] + [t.grad for t in (q, k, v)])
+                for a, b in zip(*grads):
+                    if a is None or b is None:
+                        assert a is None and b is None
+                    else:
+                        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    q, k, v = (t.requires_grad_() for t in make(1, 2, 2, 5, 7, 16, torch.float32, seed=3))
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        out = flash_attention(q, k, v, causal=True)
+    assert len(packed) == 5 and type(out.grad_fn).__name__ == "_EagerFlashAttentionBackward"
+    out.sum().backward()
+    assert A._EagerFlashAttention is not None and q.grad is not None
+
+
 def test_all_finite_sees_every_nan_and_inf():
     """The backward's check whether aten's kernel may take the call (_all_finite): every layout it scans
     natively (dense float32/float64, one value expanded as out.sum() gives dout) or with numpy (other
