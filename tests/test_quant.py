@@ -883,11 +883,14 @@ def test_qmatmul_documented_accuracy_and_exact_route():
     assert torch.allclose(dq, exact, rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
 
 
-@pytest.mark.parametrize("M,N,K", [(1, 64, 64), (1, 256, 256), (3, 260, 96), (2, 1030, 64)])
+@pytest.mark.parametrize("M,N,K", [(1, 64, 64), (1, 256, 256), (3, 260, 96), (2, 1030, 64),
+                                   (1, 1024, 1024), (2, 1024, 1024), (16, 256, 256), (32, 256, 256)])
 @pytest.mark.parametrize("impl", ["native", "dequant_mm", "sgemm"])
 def test_qmatmul_thread_counts_agree(M, N, K, impl):
-    """Around the work thresholds that cap the threads (one per ~2^16 multiply-adds, so a 64x64 GEMV
-    runs on one): 1, 2 and 7 requested threads give the same bits (every tile is computed alone)."""
+    """Around the work thresholds that cap the threads (the per-element passes one per ~2^16 elements;
+    the GEMM loops one per 2^20 multiply-adds, so 1 x 1024 x 1024 and 16 x 256 x 256 run on one, twice
+    that on two; GEMV kernel below M=12, panel GEMM above): 1, 2 and 7 requested threads give the same
+    bits (every tile is computed alone)."""
     qw = pykernels.quantize(torch.randn(N, K), 4, 32, "asym")
     x = torch.randn(M, K)
     ys = [_impl(x, qw.packed, qw.scales, qw.offsets, None, None, None, N, K, 4, 32, 0, "cpu",
@@ -1311,6 +1314,34 @@ def test_bitserial_tokens_quantized_in_parallel_match_one_at_a_time(mode):
         Im, cm, ym = run(x[m:m + 1], 1)
         assert torch.equal(I[m], Im[0]) and torch.equal(codes[m], cm[0]), m
         assert torch.equal(y[m], ym[0]) or (y[m].isnan().all() and ym[0].isnan().all()), m
+
+
+@pytest.mark.parametrize("mode", [0, 3])
+@pytest.mark.parametrize("M,N,K,p,q", [(1, 1024, 1024, 2, 2), (2, 1024, 1024, 2, 2), (1, 512, 512, 4, 4),
+                                       (1, 1024, 512, 4, 4), (3, 260, 96, 2, 2)])
+def test_bitserial_thread_counts_agree(mode, M, N, K, p, q):
+    """The tile loop takes a thread per 2^20 multiply-adds, a product of p x q one-bit planes counting as
+    p * q / 4 of one (W2A2 at 1 x 1024 x 1024 and W4A4 at 1 x 512 x 512 on one thread, twice those on two):
+    1, 2 and 7 requested threads give the same integer sums and outputs, and the sums are the exact
+    products of the activation and weight codes."""
+    g = torch.Generator().manual_seed(M * 7 + p)
+    qw = pykernels.quantize(torch.randn(N, K, generator=g), q, 128, "bipolar")
+    x = torch.randn(M, K, generator=g)
+    G = F.group_geometry(K, 128)[1]
+    outs = []
+    for threads in (1, 2, 7):
+        I = torch.zeros(M, N, G, dtype=torch.int64)
+        ua = torch.zeros(M, K, dtype=torch.uint8)
+        args = (qw.planes, qw.scales, qw.offsets, qw.code_sums, None, N, K, q, 128, p, {"mode": mode, "threads": threads})
+        cpu_bitserial(x, *args, int_out=I, act_codes=ua)
+        outs.append((I, ua, cpu_bitserial(x, *args)))
+    for I, ua, y in outs[1:]:
+        assert torch.equal(I, outs[0][0]) and torch.equal(ua, outs[0][1]) and torch.equal(y, outs[0][2])
+    I, ua, _ = outs[0]
+    uw, u = qw.codes().to(torch.int64), ua.to(torch.int64)
+    for gi in range(G):
+        sl = slice(gi * 128, min(K, (gi + 1) * 128))
+        assert torch.equal(I[:, :, gi], u[:, sl] @ uw[:, sl].T), gi
 
 
 @pytest.mark.parametrize("scheme,bits", [("asym", 4), ("sym", 3), ("bipolar", 2), ("bipolar", 1)])

@@ -1052,11 +1052,26 @@ PK_TARGET_AVX512 void gemm_pair_avx512(const GemmArgs16& a, int64_t p, int64_t m
 #pragma GCC diagnostic pop
 #endif
 
-// At most one thread per ~2^16 multiply-adds (plus one): a small GEMV (64x64: 4096) costs less than
-// waking and joining a second pool thread, which measured slower on 2 threads than on 1.
+// At most one thread per ~2^16 elements (plus one) for the per-element passes (activation quantizing,
+// regrouping, dequantizing): a small GEMV (64x64: 4096) costs less than waking and joining a second pool
+// thread, which measured slower on 2 threads than on 1.
 constexpr int64_t kMinWorkPerThread = int64_t(1) << 16;
 inline int threads_for_work(int num_threads, int64_t work) {
   return (int)std::max<int64_t>(1, std::min<int64_t>(num_threads, work / kMinWorkPerThread + 1));
+}
+
+// The GEMM loops themselves: a thread per 2^20 multiply-adds (~10-25 us of kernel time), none added
+// below that. Every parallel region ends at the OpenMP team's barrier, which waits for a worker the OS
+// has not run yet (2 busy cores, other processes beside ours: 1-8 ms), and for a few us of work a second
+// thread saves less than its wake-up and join. 2^16 + 1 gave 256 x 256 at M=1 (65536 multiply-adds, ~4 us)
+// two threads. Measured (raw kernel, same process, 2-core Zen 4 shared with other jobs; min / median us,
+// 1 thread vs 2): M=4 K=N=128 6.2/6.5 vs 24/7981; M=1 K=N=1024 24/55 vs 51/174; M=4 K=N=512 30/82 vs
+// 38/232; M=16 K=N=256 22/42 vs 18/72; from 4M two threads pay: M=4 K=N=1024 89/192 vs 51/696, M=64
+// K=N=1024 949/1062 vs 500/1315. Bit-serial (parallel_ranges, a static split: it waited for the late
+// worker) at M=1 K=N=256 W2A2: 7.4/7.9 vs 3736/10364.
+constexpr int64_t kMinMacsPerThread = int64_t(1) << 20;
+inline int threads_for_macs(int num_threads, int64_t macs) {
+  return (int)std::max<int64_t>(1, std::min<int64_t>(num_threads, macs / kMinMacsPerThread));
 }
 
 #if PK_X86
@@ -1102,7 +1117,7 @@ void wo_gemm_panel512(const WoShape& s, const Vnni& v, const Act16& A, const uin
   const int64_t gb = std::max<int64_t>(1, m_block / TG);
   for (int64_t mg0 = 0; mg0 < MG; mg0 += gb) {
     const int64_t mg1 = std::min(MG, mg0 + gb);
-    pk::parallel_ranges(P, threads_for_work(num_threads, M * s.N * s.K), [&](int, int64_t p0, int64_t p1) {
+    pk::parallel_ranges(P, threads_for_macs(num_threads, M * s.N * s.K), [&](int, int64_t p0, int64_t p1) {
       std::vector<uint8_t> panel(s.B * PANEL_BLOCK);
       std::vector<int32_t> usum(PR * v.NS);
       for (int64_t p = p0; p < p1; ++p) fn(a, p, mg0, mg1, panel.data(), usum.data());
@@ -1175,7 +1190,7 @@ int64_t wo_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int
       a.bias = bias ? reinterpret_cast<const float*>(bias) : nullptr;
       a.ydt = ydt;
       a.y = reinterpret_cast<char*>(y) + mb * N * esize;
-      pk::parallel_chunks(chunks, threads_for_work(num_threads, a.s.M * N * K), 1, [&](int, int64_t c0, int64_t c1) {
+      pk::parallel_chunks(chunks, threads_for_macs(num_threads, a.s.M * N * K), 1, [&](int, int64_t c0, int64_t c1) {
         const int64_t t1 = std::min(T, c1 * n_block);
         int64_t t = c0 * n_block;
         for (; t + 2 <= t1; t += 2) pair_fn(a, t);
@@ -1215,7 +1230,7 @@ int64_t wo_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, uintptr_t w, int
     a.bias = bias ? reinterpret_cast<const float*>(bias) : nullptr;
     a.ydt = ydt;
     a.y = reinterpret_cast<char*>(y) + mb * N * esize;
-    pk::parallel_chunks(chunks, threads_for_work(num_threads, a.s.M * N * K), 1, [&](int, int64_t c0, int64_t c1) {
+    pk::parallel_chunks(chunks, threads_for_macs(num_threads, a.s.M * N * K), 1, [&](int, int64_t c0, int64_t c1) {
       for (int64_t t = c0 * n_block; t < std::min(T, c1 * n_block); ++t) fn(a, t);
     });
   }
@@ -2116,6 +2131,9 @@ void bitserial_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, int act_bits
     for (int64_t g = 0; g < s.G; ++g)
       act_terms[m * s.G + g] = A.sa[m] * (double)A.usum[m * s.G + g] +
                                A.ma[m] * (double)(std::min(K, (g + 1) * s.gsize) - g * s.gsize);
+  // threads as for the weight-only GEMMs, a product of p x q one-bit planes counting as p * q / 4 of a
+  // multiply-add (W2A2 one)
+  const int tile_threads = threads_for_macs(num_threads, std::max<int64_t>(1, M * N * K / 4 * s.p * s.q));
   for (int64_t mc0 = 0; mc0 < M; mc0 += chunk) {
     const int64_t mc1 = std::min(M, mc0 + chunk);
 #if PK_X86
@@ -2123,7 +2141,7 @@ void bitserial_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, int act_bits
       for (int64_t m = mc0; m < mc1; ++m)
         bs_spread_avx512(&A.planes[m * s.G * s.p * s.gw], s, &spread[(m - mc0) * per_token]);
 #endif
-    pk::parallel_ranges(T, num_threads, [&](int, int64_t t0, int64_t t1) {
+    pk::parallel_ranges(T, tile_threads, [&](int, int64_t t0, int64_t t1) {
       std::vector<int64_t> Iall(std::max<int64_t>(1, s.G) * RT);
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t n0 = t * RT;

@@ -24,7 +24,8 @@ import torch
 
 from .. import _memory, autotune
 from .._backend import dispatch, eager_direct, fake_on_one_device, functorch_autograd, vmapped_first
-from .._native import cpu_module, cuda_module, cuda_stream_handle, dtype_code, getenv, torch_bf16_gemm_native
+from .._native import (cpu_module, cuda_module, cuda_stream_handle, dtype_code, env_reader, getenv,
+                       torch_bf16_gemm_native)
 from . import _format as F
 
 _ROWS_PER_DEQUANT_CHUNK = 1024
@@ -116,12 +117,18 @@ def _threads(cfg: dict) -> int:
 def _capped(level: int, avx2_level: int) -> int:
     """A kernel level capped by the PYKERNELS_DISABLE_* flags: 0 (portable) without AVX2, at most
     avx2_level without AVX-512. The native module also caps by the CPU (and by the flags it read at its
-    first call); reading them here on every call lets a test switch tiers within one process."""
-    if getenv("PYKERNELS_DISABLE_AVX2") == "1":
+    first call); reading them here on every call lets a test switch tiers within one process (both in
+    one read of os.environ: two getenv calls were ~0.4 us of every small qmatmul)."""
+    no_avx2, no_avx512 = _tier_flags()
+    if no_avx2 in _SET:
         return 0
-    if getenv("PYKERNELS_DISABLE_AVX512") == "1":
+    if no_avx512 in _SET:
         return min(level, avx2_level)
     return level
+
+
+_tier_flags = env_reader(("PYKERNELS_DISABLE_AVX2", "PYKERNELS_DISABLE_AVX512"))
+_SET = (b"1", "1")  # "1" as env_reader gives it (os.environ's encoded bytes on POSIX, str elsewhere)
 
 
 def _isa(cfg: dict) -> int:
@@ -135,7 +142,11 @@ def _bs_mode(cfg: dict) -> int:
 
 
 def _bias_f32(bias):
-    return None if bias is None else bias.detach().to(torch.float32).contiguous()
+    """The bias as the kernels read it (through its data pointer): contiguous float32. An fp32 bias that
+    is already so comes back as it is (detach() alone was ~0.5 us of a small layer's call)."""
+    if bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()):
+        return bias
+    return bias.detach().to(torch.float32).contiguous()
 
 
 def _dequant_cpu(packed, scales, offsets, N, K, bits, group_size, rows=None, threads=None, dtype=torch.float32,
@@ -198,6 +209,8 @@ def cpu_weight_only(x2, packed, scales, offsets, bias, N, K, bits, group_size, c
         y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return y.to(x2.dtype)
     mod = cpu_module("qgemm")
+    # the kernel's blocking and tier, read once for the call (the first call below is the common case)
+    blocking = (int(cfg.get("m_block", 16)), int(cfg.get("n_block", 8)), _isa(cfg), int(cfg.get("gemm_min_m", 12)))
 
     def native(xs, b, ydt, check_rows=False):
         """The int16 kernel's y for xs; with check_rows, None instead when some row needs another route
@@ -205,17 +218,17 @@ def cpu_weight_only(x2, packed, scales, offsets, bias, N, K, bits, group_size, c
         y = torch.empty(xs.shape[0], N, dtype=ydt)
         flagged = mod.wo_gemm(xs.data_ptr(), dtype_code(xs.dtype), xs.shape[0], K, packed.data_ptr(), bits,
                               scales.data_ptr(), offsets.data_ptr(), N, group_size, b.data_ptr() if b is not None else 0,
-                              y.data_ptr(), dtype_code(ydt), threads, int(cfg.get("m_block", 16)),
-                              int(cfg.get("n_block", 8)), _isa(cfg), int(cfg.get("gemm_min_m", 12)), check_rows)
+                              y.data_ptr(), dtype_code(ydt), threads, *blocking, check_rows)
         return None if flagged else y
 
-    b = _bias_f32(bias)
+    b = None if bias is None else _bias_f32(bias)
     # the common case in one native call (a flags tensor and a second call cost ~15 us of a 0.5 ms GEMV
     # once the GEMV has pushed the interpreter's data out of the caches)
-    y = native(x2, b, x2.dtype, check_rows=True)
-    if y is not None:
-        return y
     y = torch.empty(M, N, dtype=x2.dtype)
+    xcode = dtype_code(x2.dtype)
+    if not mod.wo_gemm(x2.data_ptr(), xcode, M, K, packed.data_ptr(), bits, scales.data_ptr(), offsets.data_ptr(), N,
+                       group_size, b.data_ptr() if b is not None else 0, y.data_ptr(), xcode, threads, *blocking, True):
+        return y
     # Rows the int16 activations cannot carry (see act_range_flags in qgemm_cpu.cpp) take other routes
     flags = torch.empty(M, dtype=torch.uint8)
     mod.act_range_flags(x2.data_ptr(), dtype_code(x2.dtype), M, K, flags.data_ptr(), threads)
@@ -382,8 +395,10 @@ def _gpu_preference(M: int, bits: int, act_bits: int, dtype) -> tuple:
 def _plan(device, backend: str, M: int, n: int, k: int, bits: int, group_size: int, act_bits: int, dtype):
     if not isinstance(backend, str):  # (before the memo: a numpy array's error was "unhashable type")
         raise TypeError(f"pykernels.qmatmul: expected a str for 'backend', got {type(backend).__name__}")
+    # (_memo_env: PYKERNELS_AUTOTUNE and the switches in one read of os.environ, ~0.5 us less than
+    # _enabled() and switches() apart)
     memo_key = (device, backend, M, n, k, bits, group_size, act_bits, dtype, autotune.generation(),
-                autotune._enabled(), autotune.switches())
+                autotune._memo_env())
     plan = _PLANS.get(memo_key)
     if plan is None:
         plan = dispatch("qmatmul", device, backend, _key(M, n, k, bits, group_size, act_bits, dtype),
@@ -399,10 +414,14 @@ def _impl(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size
     if act_bits and (planes is None or wsum is None):  # (a direct torch.ops call; qmatmul builds them)
         raise ValueError("pykernels.qmatmul: act_bits needs the weight's bit planes and code sums "
                          "(QuantizedWeight.ensure_planes(), .code_sums)")
-    lead = x.shape[:-1]
-    M = math.prod(lead)
     flat = x.dim() == 2  # the usual [M, K]: no reshapes (each view op costs several us with cold caches)
-    x2 = x if flat else x.reshape(M, k)
+    if flat:
+        M = x.shape[0]
+        x2 = x
+    else:
+        lead = x.shape[:-1]
+        M = math.prod(lead)
+        x2 = x.reshape(M, k)
     chosen, cfg = _plan(x.device, backend, M, n, k, bits, group_size, act_bits, x.dtype)
     if config is not None:
         cfg = dict(config)
@@ -410,7 +429,7 @@ def _impl(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size
         y = torch.zeros(M, n, dtype=torch.float32, device=x.device)
         if bias is not None:
             y += bias.to(torch.float32)
-        return _memory.not_a_view(y.to(x.dtype), (*lead, n))
+        return _memory.not_a_view(y.to(x.dtype), (*x.shape[:-1], n))
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     if bias is not None and not bias.is_contiguous():
@@ -426,7 +445,7 @@ def _impl(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size
     else:
         y = cpu_weight_only(x2, packed, scales, offsets, bias, n, k, bits, group_size, cfg)
     # not a view of the 2-D result: in-place ops on it (ReLU(inplace=True) after a layer) work as on F.linear's
-    return y if flat else _memory.not_a_view(y, (*lead, n))
+    return y if flat else _memory.not_a_view(y, (*x.shape[:-1], n))
 
 
 @torch.library.custom_op("pykernels::qmatmul", mutates_args=())
@@ -442,6 +461,43 @@ def _check_op_args(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, g
     (torch.ops.pykernels.qmatmul): the kernels trust n, k, bits, group_size and the buffers' lengths
     (review finding: a 16-row weight passed with n=100000 read far past its end and returned garbage)."""
     op = "pykernels.qmatmul"
+    want = _buffer_layout(n, k, bits, group_size, act_bits)  # (checks the ints themselves too)
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"{op}: expected 'x' of shape [..., {k}], got {tuple(x.shape)}")
+    if x.dtype not in _X_DTYPES:
+        raise TypeError(f"{op}: expected 'x' of dtype float32, float16 or bfloat16, got {x.dtype}")
+    for (name, dtype, numel), t in zip(want, (packed, scales, offsets, planes, wsum)):
+        if t is None:
+            raise ValueError(f"{op}: act_bits needs the weight's bit planes and code sums ('{name}' is None)")
+        if t.dtype != dtype or t.numel() != numel or not t.is_contiguous():
+            raise ValueError(f"{op}: expected a contiguous '{name}' of {numel} {dtype} elements for n={n}, k={k}, "
+                             f"bits={bits}, group_size={group_size}, got {t.numel()} {t.dtype}"
+                             f"{'' if t.is_contiguous() else ', not contiguous'}")
+    if bias is not None:
+        # the bias is the user's own tensor, any layout (as F.linear's): _impl makes it contiguous (review
+        # finding: a strided bias worked in eager code but not through the op: autograd, vmap, torch.compile)
+        if bias.dim() != 1 or bias.numel() != n:
+            raise ValueError(f"{op}: expected a 1-D 'bias' of {n} elements (the weight's output features), got "
+                             f"shape {tuple(bias.shape)}")
+        if not bias.is_floating_point():
+            raise TypeError(f"{op}: expected a floating-point 'bias', got {bias.dtype}")
+    dev = x.device
+    for t in (packed, scales, offsets, planes, wsum, bias):
+        if t is not None and t.device != dev:
+            devices = {t.device for t in (x, packed, scales, offsets, planes, wsum, bias) if t is not None}
+            raise RuntimeError(f"{op}: expected all tensors on one device, got {sorted(map(str, devices))}")
+
+
+_X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=1024, typed=True)
+def _buffer_layout(n, k, bits, group_size, act_bits) -> tuple:
+    """_check_op_args's checks of the integer arguments, and ((name, dtype, numel), ...) of the buffers
+    they call for (packed, scales, offsets; planes and wsum with act_bits): the same for every call of a
+    layer, so worked out once per signature (~1.5 us a call, a tenth of a small layer's qmatmul). Errors
+    are raised, never cached."""
+    op = "pykernels.qmatmul"
     if not 1 <= bits <= 8:
         raise ValueError(f"{op}: expected bits in 1..8, got {bits}")
     if not F.valid_group_size(group_size):  # the rule quantize applies (review: 256 passed it, failed here)
@@ -452,33 +508,13 @@ def _check_op_args(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, g
         F.check_bitserial_group(op, k, group_size)
     if n < 0 or k < 0:
         raise ValueError(f"{op}: expected n, k >= 0, got n={n}, k={k}")
-    if x.dim() < 1 or x.shape[-1] != k:
-        raise ValueError(f"{op}: expected 'x' of shape [..., {k}], got {tuple(x.shape)}")
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise TypeError(f"{op}: expected 'x' of dtype float32, float16 or bfloat16, got {x.dtype}")
     n4, kp = F.round_up(max(n, 1), F.ROW_TILE), F.round_up(max(k, 1), F.K_BLOCK)
     _, G, gw = F.plane_geometry(k, group_size)
-    want = [("packed", packed, torch.uint8, n4 * kp // (2 if F.layout_bits(bits) == 4 else 1)),
-            ("scales", scales, torch.float32, n * G), ("offsets", offsets, torch.float32, n * G)]
+    want = (("packed", torch.uint8, n4 * kp // (2 if F.layout_bits(bits) == 4 else 1)),
+            ("scales", torch.float32, n * G), ("offsets", torch.float32, n * G))
     if act_bits:
-        want += [("planes", planes, torch.int64, n4 * G * bits * gw), ("wsum", wsum, torch.int32, n * G)]
-    for name, t, dtype, numel in want:
-        if t is None:
-            raise ValueError(f"{op}: act_bits needs the weight's bit planes and code sums ('{name}' is None)")
-        if (dtype is not None and t.dtype != dtype) or t.numel() != numel or not t.is_contiguous():
-            raise ValueError(f"{op}: expected a contiguous '{name}' of {numel} {dtype} elements for n={n}, k={k}, "
-                             f"bits={bits}, group_size={group_size}, got {t.numel()} {t.dtype}"
-                             f"{'' if t.is_contiguous() else ', not contiguous'}")
-    # the bias is the user's own tensor, any layout (as F.linear's): _impl makes it contiguous (review
-    # finding: a strided bias worked in eager code but not through the op: autograd, vmap, torch.compile)
-    if bias is not None and (bias.dim() != 1 or bias.numel() != n):
-        raise ValueError(f"{op}: expected a 1-D 'bias' of {n} elements (the weight's output features), got "
-                         f"shape {tuple(bias.shape)}")
-    if bias is not None and not bias.is_floating_point():
-        raise TypeError(f"{op}: expected a floating-point 'bias', got {bias.dtype}")
-    devices = {t.device for t in (x, packed, scales, offsets, planes, wsum, bias) if t is not None}
-    if len(devices) > 1:
-        raise RuntimeError(f"{op}: expected all tensors on one device, got {sorted(map(str, devices))}")
+        want += (("planes", torch.int64, n4 * G * bits * gw), ("wsum", torch.int32, n * G))
+    return want
 
 
 @_qmatmul_custom.register_fake
