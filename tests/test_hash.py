@@ -3246,3 +3246,107 @@ def test_multi_value_reserved_keys_take_no_slots(growable):
     assert m.capacity == cap and len(m) == 250_008
     _, vals = m.find(torch.tensor([3]))
     assert vals.tolist() == [22]
+
+
+# ---------------------------------------------------------------------------------------------
+# Small tables (hashsmall): small inserts grow on demand; one-thread scans below 1 MiB; shared configs
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", [HashMap, HashSet, CountingTable])
+@pytest.mark.parametrize("n", [1, 7, 1000, HashMap.EXACT_NEW_KEYS, HashMap.EXACT_NEW_KEYS + 1])
+def test_small_inserts_past_the_room_grow_on_demand(cls, n):
+    """A batch at most EXACT_NEW_KEYS long is not sized ahead (no torch.unique of it on every call): into
+    a table at its limit, keys it holds leave it as it is (no rehash), and new ones (repeated, with the
+    reserved patterns -1 and -2 among them) grow it after the insert; either side of the cutoff, the
+    contents, the values kept, the counts and the new-key mask match a dict / Counter."""
+    g = torch.Generator().manual_seed(n)
+    t = cls(64)
+    held = torch.arange(10_000, 10_000 + t._limit())
+    _put(t, held, held)
+    want = collections.Counter(held.tolist())
+    cap, calls = t.capacity, _count_rehashes(t)
+    again = held[torch.randint(0, held.numel(), (n,), generator=g)]  # present keys only
+    new = _put_new_mask(t, again, again + 1)
+    want.update(again.tolist())
+    assert calls == [] and t.capacity == cap and not bool(new.any())
+    fresh = torch.cat([torch.tensor([-1, -2]), torch.randint(-(1 << 62), 1 << 62, (max(1, n // 3),), generator=g)])
+    batch = torch.cat([held[:n // 2], fresh[torch.randint(0, fresh.numel(), (n - n // 2,), generator=g)]])
+    batch = batch[torch.randperm(batch.numel(), generator=g)]
+    vals = torch.arange(batch.numel()) + 7
+    before = set(want)
+    new = _put_new_mask(t, batch, vals)
+    want.update(batch.tolist())
+    fresh_keys = set(batch.tolist()) - before
+    assert len(t) == len(want)
+    assert sorted(batch[new].tolist()) == sorted(fresh_keys)  # once each
+    assert (t.capacity > cap) == bool(fresh_keys)
+    keys = torch.tensor(sorted(want))
+    assert bool(t.contains(keys).all())
+    if cls is CountingTable:
+        assert t.counts(keys).tolist() == [want[k] for k in keys.tolist()]
+    elif cls is HashMap:  # the value of each key's last insert call (one of its values in that call)
+        expect = {k: {k} for k in held.tolist()}
+        expect.update({k: {k + 1} for k in again.tolist()})
+        given = collections.defaultdict(set)
+        for k, v in zip(batch.tolist(), vals.tolist()):
+            given[k].add(v)
+        expect.update(given)
+        got, found = t.find(keys, default=-5)
+        assert bool(found.all()) and all(v in expect[k] for k, v in zip(keys.tolist(), got.tolist()))
+
+
+def _put_new_mask(t, keys, vals):
+    if isinstance(t, HashSet):
+        return t.insert(keys)
+    if isinstance(t, CountingTable):
+        return t.add(keys)
+    return t.insert(keys, vals)
+
+
+@pytest.mark.parametrize("slots_wanted", [(1 << 18) - 8192, (1 << 18) + 8192])
+def test_clear_and_items_either_side_of_the_one_thread_scan(slots_wanted):
+    """init_slots (constructor, clear) and items() run on one thread below 4 MiB of slots
+    (kParallelScanBytes: 262144 16-byte slots), on several above: a table either side is cleared and lists
+    every entry (against a Counter), also after a clear and a second fill."""
+    t = CountingTable(slots_wanted)
+    assert (t.capacity * 16 < (4 << 20)) == (slots_wanted < (1 << 18))
+    g = torch.Generator().manual_seed(slots_wanted)
+    for round_ in range(2):
+        keys = torch.randint(-(1 << 62), 1 << 62, (t.capacity // 3,), generator=g)
+        keys = torch.cat([keys, keys[: keys.numel() // 2], torch.tensor([-1, -2, -1])])
+        t.add(keys)
+        want = collections.Counter(keys.tolist())
+        k, c = t.items()
+        assert dict(zip(k.tolist(), c.tolist())) == want and k.numel() == len(want)
+        t.clear()
+        assert len(t) == 0 and t.items()[0].numel() == 0
+        assert not bool(t.contains(keys).any()) and int(t.counts(keys).sum()) == 0
+        s = HashSet(slots_wanted)  # 8-byte slots: a fresh set is empty
+        assert s.items().numel() == 0 and not bool(s.contains(keys).any())
+
+
+def test_tables_of_one_layout_and_size_share_configs_until_the_cache_changes():
+    """The configs a constructor looks up are shared by tables of one layout and size bucket (a memo keyed
+    by the autotune state): equal to what a table computes alone, and looked up again once the state moves."""
+    from pykernels import autotune
+    from pykernels.hashing import _tables
+
+    a, b = HashMap(1000), HashMap(1000)
+    assert a._config("hash_find") == b._config("hash_find") and a._config("hash_insert") == b._config("hash_insert")
+    _tables._SHARED_CONFIGS.clear()
+    c = HashMap(1000)
+    assert c._config("hash_find") == a._config("hash_find")
+    state = c._tune_state()
+    memo = [k for k in _tables._SHARED_CONFIGS if k[4] == state[1:]]
+    assert memo  # c's lookup was memoized under the state it saw
+    looked = []
+    real = _tables._backend.dispatch
+    _tables._backend.dispatch = lambda *a, **k: (looked.append(1), real(*a, **k))[1]
+    try:
+        HashMap(1000)
+        assert looked == []  # shared
+        autotune.clear_memory_cache()  # the generation moves: the next table looks its configs up again
+        d = HashMap(1000)
+    finally:
+        _tables._backend.dispatch = real
+    assert looked and d._tune_state() != state and d._config("hash_find") == a._config("hash_find")
+    assert d.insert(torch.arange(5), torch.arange(5)).all() and d.find(torch.arange(5))[0].tolist() == list(range(5))

@@ -53,7 +53,10 @@ def normal_tensors():
     tensors. A table built under torch.inference_mode() is updated in place afterwards, outside it too
     (clear, inserts through the registered ops), which torch refuses for inference tensors; its refusal
     came after clear() had wiped the slots, leaving a table whose length said 4 and whose items() failed
-    (audit finding). Tensors made here are ordinary ones in or out of inference mode."""
+    (audit finding). Tensors made here are ordinary ones in or out of inference mode. Outside inference mode
+    no context is needed: entering and leaving inference_mode(False) cost ~2 us, twice in a constructor."""
+    if not torch.is_inference_mode_enabled():
+        return contextlib.nullcontext()
     return torch.inference_mode(False)
 
 
@@ -63,6 +66,7 @@ def _eager_only():
 
         graph_break(msg=_EAGER_ONLY_REASON)
 _GPU_WINDOWS = (1, 2, 4, 8, 16, 32)  # group sizes hash.cu is instantiated for
+_SHARED_CONFIGS = {}  # (device, backend, slot bytes, table-size bucket, autotune state) -> {op: config}
 _HUGE_MIN_BYTES = 8 << 20
 
 
@@ -292,7 +296,7 @@ class _OpenTable(_TableState):
         _track_lock_across_fork(self)
         self._config_cache = {}  # op -> (_tune_state() when computed, config)
         self._alloc(capacity)
-        self._config("hash_find")
+        self._initial_configs()
 
     def _locked(self, mutating: bool = False):
         """The table's lock; none while torch.compile traces a method (dynamo cannot trace an RLock, and
@@ -424,6 +428,25 @@ class _OpenTable(_TableState):
             self._config_cache[name] = (state, cfg)
         return self._config_cache[op][1]
 
+    def _initial_configs(self):
+        """The constructor's configs (computed there so a traced call finds them): shared by the tables of
+        one device, layout and size bucket, memoized under the autotune state they were looked up in (what
+        _config would memoize). Looking them up for every new table cost ~4 us of a small table's ~30 us
+        constructor (2-core Zen 4); a later store or cache reload moves the state, and the next table looks
+        them up again."""
+        state = self._tune_state()
+        memo_key = (self.device, self.backend, self._sb, autotune.bucket(self.capacity * self._sb), state[1:])
+        shared = _SHARED_CONFIGS.get(memo_key)
+        if shared is not None:
+            for name in _TUNED_OPS:
+                self._config_cache[name] = (state, shared[name])
+            return
+        self._config("hash_find")
+        if all(self._config_cache[name][0] == state for name in _TUNED_OPS):  # (as this table memoized them)
+            if len(_SHARED_CONFIGS) > 256:  # stale generations are never asked for again
+                _SHARED_CONFIGS.clear()
+            _SHARED_CONFIGS[memo_key] = {name: self._config_cache[name][1] for name in _TUNED_OPS}
+
     def _threads(self, cfg):
         t = int(cfg.get("threads", 0) or 0)
         return t if t > 0 else torch.get_num_threads()
@@ -443,9 +466,33 @@ class _OpenTable(_TableState):
     def _geo(self):
         return (self._slots.data_ptr(), self._special.data_ptr(), self._nw, self.window, self.seed, self._kb, self._vb)
 
+    def _cpu_direct(self, kbits, vbits=None):
+        """Whether a call may go straight to the native CPU module with the table's own arrays: a CPU
+        table in plain eager code (eager_direct's conditions: nothing traced or transformed, plain tensors,
+        no values needing autograd). The checks of the raw ops (_ops: devices, layouts, sizes) then hold by
+        construction: the slots and `special` are the table's, and check_keys / check_values, key_bits and
+        value_bits gave contiguous 1-D bits of the table's key and value widths on its device. Through
+        _ops a 10-key find() took 12.4 us, add() 14.8; directly 8.8 and 11.2 (2-core Zen 4)."""
+        if not (self.backend == "cpu" and type(kbits) is torch.Tensor) or _backend._traced_or_transformed():
+            return False
+        return vbits is None or (type(vbits) is torch.Tensor
+                                 and not (vbits.requires_grad and torch.is_grad_enabled()))
+
     def _native_insert(self, kbits, vbits, mode, cfg):
         """One bulk insert (_ops.hash_insert_: the kernel directly in eager code, else the registered op):
         (status, (new, new_empty, pending))."""
+        if self._cpu_direct(kbits, vbits):
+            n = kbits.numel()
+            status = _ops.out_buffer(n, torch.uint8, self.device)
+            if not n:
+                return status, (0, 0, 0)
+            counts = self._mod.insert(self._slots.data_ptr(), self._special.data_ptr(), self._nw, self.window,
+                                      self.seed, self._kb, self._vb, kbits.data_ptr(),
+                                      vbits.data_ptr() if vbits is not None else 0, n, status.data_ptr(), mode,
+                                      self._used, self._limit(), self._mutating_threads(self._threads(cfg)),
+                                      int(cfg.get("prefetch", 32)))
+            torch.autograd.graph.increment_version((self._slots, self._special))  # as _ops.hash_insert_ records
+            return status, tuple(counts)
         status, counts = _ops.hash_insert_(self._slots, self._special, kbits, vbits, self._nw, self.window, self.seed,
                                            self._kb, self._vb, mode, self._used, self._limit(),
                                            self._mutating_threads(int(cfg.get("threads", 0) or 0)),
@@ -532,8 +579,9 @@ class _OpenTable(_TableState):
         not grow, and one without grows for them, not for every key (4M keys, 4096 distinct, into a
         CountingTable sized for 4096: 45 -> 35 ms, no 112 MiB table built and dropped); an input whose sampled
         keys are all in the table already does not grow ahead (_sample_all_present), nor one whose samples
-        show a few categories that fit (_few_distinct_fit), both without that count, and a small one counts
-        its new keys exactly. Returns whether it grew."""
+        show a few categories that fit (_few_distinct_fit), both without that count, and a small one into a
+        table holding keys is bounded by a lookup (its rows not found) and counted exactly only past the
+        room. Returns whether it grew."""
         room = self._limit() - self._used
         # On the CPU an insert that may not fit is sized up front: one larger than the room but within 4x
         # of it filled the table, was refused the rest (each refused key walking on to prove it absent) and
@@ -545,11 +593,24 @@ class _OpenTable(_TableState):
         counted = False  # n counts the input's distinct keys (exactly or by HyperLogLog), not its rows
         if not self._multi and kbits is not None and self.device.type == "cpu":
             counted = True
-            if n <= self.EXACT_NEW_KEYS:
-                # a small insert into a table at its limit: its new distinct keys counted exactly (a lookup
-                # of its distinct keys), not estimated on every call
-                n = self._new_keys(torch.unique(kbits))
+            if n <= self.EXACT_NEW_KEYS and self._used:
+                # A small insert into a table holding keys: one lookup of its rows bounds its new keys (the
+                # rows not found), and only when that bound passes the room are the distinct keys among
+                # those rows counted (torch.unique of them alone). Counting first (torch.unique of every row,
+                # then a lookup of the distinct keys) cost every call on a table at its limit, whether any
+                # key was new or not: CountingTable(1024) holding 900 keys, add() of 1000 rows of them 75 ->
+                # 48 us, of 1000 new ones 151 -> 109 us, of 4000 new ones 774 -> 217 us (2-core Zen 4). Not
+                # left to the insert to refuse and grow after: the refused keys of a table at its limit set
+                # overflow bits as they walk, each walk lengthening the next (4000 new keys: 21 ms).
+                _, found = self._find_bits(kbits, False)
+                absent = n - int(found.sum())
+                if absent <= room:
+                    return False
+                n = int(torch.unique(kbits[~found]).numel())  # (exact: repeated new keys grow it once each)
             else:
+                # (also a small insert into an empty table: nothing to look up, and the HyperLogLog's one
+                # native read, not torch.unique and a lookup: 1000 distinct keys into a new
+                # CountingTable(1024) 120 -> 85 us, 4000 311 -> 135 us)
                 # keys the table holds already (a sample of them all present), or a few categories (a
                 # sample with no key met once): no growth, and no pass over every key to count them
                 if self._size > 0 and self._sample_all_present(kbits):
@@ -630,7 +691,13 @@ class _OpenTable(_TableState):
     def _n_special(self):
         if self._multi:
             return sum(int(v.numel()) for lst in self._special_multi.values() for v in lst)
-        return int(self._special[0:4:2].ne(0).sum())
+        return self._n_special_in(self._special[:4].tolist())
+
+    @staticmethod
+    def _n_special_in(flags):
+        """The reserved keys present, from `special`'s first 4 words as a list (one tolist, ~1.5 us: the
+        ne().sum() of a strided view it replaces took ~6 us, a third of a small table's items())."""
+        return int(flags[0] != 0) + int(flags[2] != 0)
 
     def _rehash(self, capacity):
         old_slots, old_nw = self._slots, self._nw
@@ -650,6 +717,17 @@ class _OpenTable(_TableState):
 
     def _find_bits(self, kbits, want_values, default_bits=0):
         cfg = self._config("hash_find") if kbits.numel() else {}
+        if self._cpu_direct(kbits):  # (see _cpu_direct: what _ops.hash_find runs, without its checks)
+            n = kbits.numel()
+            nv = n if (want_values and self._vb) else 0
+            found = _ops.out_buffer(n, torch.uint8, self.device)
+            vals = _ops.out_buffer(nv, _ops._BITS.get(self._vb, torch.int64), self.device)
+            if n:
+                self._mod.find(self._slots.data_ptr(), self._special.data_ptr(), self._nw, self.window, self.seed,
+                               self._kb, self._vb, kbits.data_ptr(), n, vals.data_ptr() if nv else 0,
+                               found.data_ptr(), default_bits & L.M64, self._threads(cfg),
+                               int(cfg.get("prefetch", 32)))
+            return (vals if want_values and self._vb else None), found.view(torch.bool)
         signed_default = default_bits - (1 << 64) if default_bits >= 1 << 63 else default_bits
         vals, found = _ops.hash_find(self._slots, self._special, kbits, self._nw, self.window, self.seed, self._kb,
                                      self._vb, signed_default, bool(want_values), int(cfg.get("threads", 0) or 0),
@@ -677,7 +755,8 @@ class _OpenTable(_TableState):
 
     def _items_bits(self):
         _eager_only()
-        n_slots_live = self._size - self._n_special()
+        flags = None if self._multi else self._special[:4].tolist()  # (read once: counted and stored below)
+        n_slots_live = self._size - (self._n_special() if self._multi else self._n_special_in(flags))
         kb = _ops.out_buffer(max(n_slots_live, 0), L._BITS[self._kb], self.device)
         vb = _ops.out_buffer(max(n_slots_live, 0), L._BITS[self._vb], self.device) if self._vb else None
         if n_slots_live > 0:
@@ -696,7 +775,6 @@ class _OpenTable(_TableState):
                     sk.append(torch.full((v.numel(),), bits, dtype=kb.dtype, device=self.device))
                     sv.append(v)
         else:
-            flags = self._special[:4].cpu().tolist()
             for s, bits in enumerate((L.EMPTY_BITS, L.TOMB_BITS)):
                 if flags[2 * s]:
                     sk.append(torch.tensor([bits], dtype=kb.dtype, device=self.device))
