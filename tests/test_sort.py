@@ -1219,6 +1219,75 @@ def test_8_and_16_bit_keys_with_indices_or_payload_by_counting_and_split(dtype):
     assert torch.equal(i, ref_argsort_1d(x)) and torch.equal(bits_of(k), bits_of(take(x, i)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.uint32])
+def test_segmented_32_bit_keys_in_registers_either_side_of_the_bounds(dtype):
+    """32-bit keys on AVX-512: segments of 17-128 keys (alone or in runs of one length) and 129-256 keys
+    sorted alone take the in-register bitonic sort of 4, 8, 16 or 32 registers (sort_row_regs_avx512).
+    Every length either side of each register count's bound, alone and in runs, with payloads of 4, 8 and 2
+    bytes and without, ascending and descending, special floats and ties; elsewhere (no AVX-512) the same
+    segments take the other paths, against the same oracle."""
+    g = torch.Generator().manual_seed(21)
+    bounds = [16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 200, 255, 256, 257]
+    lens = bounds + [L for L in bounds for _ in range(3)] + torch.randint(0, 300, (60,), generator=g).tolist()
+    n = sum(lens) + 3
+    for kind in (("special", "few") if dtype.is_floating_point else ("random", "few")):
+        x = make_keys(dtype, n, kind, seed=17)
+        for vals in (torch.arange(n, dtype=torch.int32) * 5, torch.arange(n, dtype=torch.int64) - 9,
+                     torch.arange(n, dtype=torch.int16)):
+            check_segments_of(x, lens, 3, vals, f"{dtype} {kind} {vals.dtype}")
+        offsets = torch.tensor([3] + [3 + sum(lens[: i + 1]) for i in range(len(lens))])
+        for desc in (False, True):
+            k, none = pykernels.segmented_sort(x, offsets, descending=desc)
+            assert none is None
+            assert_same(k, ref_segmented(x, offsets, None, desc)[0], f"{dtype} {kind} keys only")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_segmented_chunks_of_unequal_cost_over_threads(threads):
+    """The segments are cut into up to 8 chunks per thread, handed out as threads ask: many tiny segments
+    with a few long ones between them (segments cut across the chunk bounds in every place), and runs of one
+    length cut by a chunk bound, agree with the oracle whatever the thread count."""
+    g = torch.Generator().manual_seed(23)
+    lens = torch.randint(0, 9, (6000,), generator=g)
+    lens[torch.randint(0, 6000, (4,), generator=g)] = 20000
+    lens[100:400] = 48  # a run of one length
+    lens = lens.tolist()
+    n = sum(lens)
+    x = make_keys(torch.float32, n, "special", seed=3)
+    vals = torch.arange(n, dtype=torch.int64)
+    offsets = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for desc in (False, True):
+            k, v = pykernels.segmented_sort(x, offsets, vals, descending=desc)
+            rk, rv = ref_segmented(x, offsets, vals, desc)
+            assert_same(k, rk, f"{threads} {desc}")
+            assert torch.equal(v, rv), (threads, desc)
+    finally:
+        torch.set_num_threads(prev)
+
+
+def test_segmented_sort_offsets_checked_natively():
+    """CPU int64 offsets are checked for order by the native one-thread scan (others by torch ops): a
+    decrease anywhere is refused, equal neighbours (empty segments) are not, and out-of-range ends are named."""
+    x = torch.arange(10, dtype=torch.int32)
+    for off in ([0, 3, 2, 10], [0, 10, 9], [1, 0]):
+        with pytest.raises(ValueError, match="non-decreasing"):
+            pykernels.segmented_sort(x, torch.tensor(off))
+        with pytest.raises(ValueError, match="non-decreasing"):
+            pykernels.segmented_sort(x, torch.tensor(off, dtype=torch.int32))
+    k, _ = pykernels.segmented_sort(x.flip(0), torch.tensor([0, 0, 5, 5, 10]))
+    assert k.tolist() == [5, 6, 7, 8, 9, 0, 1, 2, 3, 4]
+    strided = torch.tensor([0, 99, 5, 99, 10])[::2]  # not contiguous: torch's check
+    k, _ = pykernels.segmented_sort(x.flip(0), strided)
+    assert k.tolist() == [5, 6, 7, 8, 9, 0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match=r"within \[0, 10\], got values in \[-1, 10\]"):
+        pykernels.segmented_sort(x, torch.tensor([-1, 10]))
+    with pytest.raises(ValueError, match=r"within \[0, 10\], got values in \[0, 11\]"):
+        pykernels.segmented_sort(x, torch.tensor([0, 11]))
+
+
 def test_segmented_many_tiny_and_one_huge():
     g = torch.Generator().manual_seed(9)
     x = torch.randint(0, 1000, (16 * 20000,), generator=g).to(torch.int32)

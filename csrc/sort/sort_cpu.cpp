@@ -2441,6 +2441,147 @@ PK_TARGET_AVX512 static void sort_row16_avx512(const SegArgs& g, const Coder<uin
     }
   }
 }
+
+// The same in-register sort for one segment of 17..128 keys of 32 bits, in NR = 4, 8 or 16 registers of
+// 8 (key << 32 | position) words: the path of segments of varied lengths, which come one at a time (the
+// lanes below need runs of one length). Before, 17-32 keys took the scalar network of sort_short_segment,
+// 33-64 the insertion sort of radix_sort's small inputs, 65-128 std::sort: segments of uniform random
+// length 0..64, 1M float32 keys in all, 2 threads on the 2-core Zen 4, 11.3 -> 1.5 ms (1-300: 14.5 -> 7.0).
+template <int J>
+PK_TARGET_AVX512 static inline __m512i bitonic_step_m(__m512i v, __mmask8 mx) {
+  __m512i p;
+  if constexpr (J == 1) p = _mm512_shuffle_epi32(v, _MM_PERM_BADC);
+  else if constexpr (J == 2) p = _mm512_permutex_epi64(v, 0x4E);
+  else p = _mm512_shuffle_i64x2(v, v, 0x4E);
+  return _mm512_mask_blend_epi64(mx, _mm512_min_epu64(v, p), _mm512_max_epu64(v, p));
+}
+
+// Step (J, K) of the bitonic sort over NR registers (global lane r * 8 + i): J >= 8 pairs whole registers.
+template <int NR, int J, int K>
+PK_TARGET_AVX512 static inline void bitonic_regs_step(__m512i* w) {
+  if constexpr (J >= 8) {
+    constexpr int d = J / 8;
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; ++r) {
+      if (r & d) continue;
+      const __m512i lo = _mm512_min_epu64(w[r], w[r + d]), hi = _mm512_max_epu64(w[r], w[r + d]);
+      const bool asc = ((r * 8) & K) == 0;
+      w[r] = asc ? lo : hi;
+      w[r + d] = asc ? hi : lo;
+    }
+  } else {
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; ++r) w[r] = bitonic_step_m<J>(w[r], (__mmask8)bitonic_max_lanes(J, K, r * 8));
+  }
+  if constexpr (J > 1) bitonic_regs_step<NR, J / 2, K>(w);
+}
+
+template <int NR, int K>
+PK_TARGET_AVX512 static inline void bitonic_regs(__m512i* w) {
+  bitonic_regs_step<NR, K / 2, K>(w);
+  if constexpr (K < 8 * NR) bitonic_regs<NR, 2 * K>(w);
+}
+
+// Keys of 16 lanes from NK registers of 16 raw keys, by position (0 .. 16 * NK - 1).
+template <int NK>
+PK_TARGET_AVX512 static inline __m512i permute_regs(const __m512i* raw, __m512i idx) {
+  if constexpr (NK == 1) {
+    return _mm512_permutexvar_epi32(idx, raw[0]);
+  } else if constexpr (NK == 2) {
+    return _mm512_permutex2var_epi32(raw[0], idx, raw[1]);
+  } else {
+    const __m512i lo = permute_regs<NK / 2>(raw, idx), hi = permute_regs<NK / 2>(raw + NK / 2, idx);
+    return _mm512_mask_blend_epi32(_mm512_test_epi32_mask(idx, _mm512_set1_epi32(8 * NK)), lo, hi);
+  }
+}
+
+template <Enc E>
+PK_TARGET_AVX512 static inline __m512i encode16_avx512(const Coder<uint32_t, E>& cd, __m512i x) {
+  if constexpr (E == Enc::Xor) {
+    return _mm512_xor_si512(x, _mm512_set1_epi32((int)cd.c.xor_mask));
+  } else {  // as Coder::enc: NaNs -> the quiet NaN, -0.0 -> +0.0, then sign-magnitude -> unsigned
+    const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi32(0x7FFFFFFF));
+    x = _mm512_mask_mov_epi32(x, _mm512_cmpgt_epu32_mask(mag, _mm512_set1_epi32((int)cd.c.inf_bits)),
+                              _mm512_set1_epi32((int)cd.c.qnan_bits));
+    x = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(mag, mag), x);
+    const __m512i flip = _mm512_mask_blend_epi32(_mm512_test_epi32_mask(x, _mm512_set1_epi32(INT32_MIN)),
+                                                 _mm512_set1_epi32(INT32_MIN), _mm512_set1_epi32(-1));
+    return _mm512_xor_si512(_mm512_xor_si512(x, flip), _mm512_set1_epi32((int)cd.c.flip));
+  }
+}
+
+static inline __mmask16 lanes16_mask(int64_t rem) {
+  return rem >= 16 ? (__mmask16)0xFFFF : rem <= 0 ? (__mmask16)0 : (__mmask16)((1u << rem) - 1);
+}
+
+template <int NR, Enc E>
+PK_TARGET_AVX512 static void sort_row_regs_avx512(const SegArgs& g, const Coder<uint32_t, E>& cd, int64_t start,
+                                                  int64_t len) {
+  constexpr int NK = NR / 2;  // registers of 16 raw keys
+  const uint32_t* in = static_cast<const uint32_t*>(g.keys) + start;
+  __m512i w[NR];
+#pragma GCC unroll 8
+  for (int r = 0; r < NK; ++r) {
+    const __mmask16 m = lanes16_mask(len - 16 * r);
+    // padding: all-ones keys at positions >= len sort after every key
+    const __m512i key = _mm512_mask_mov_epi32(_mm512_set1_epi32(-1), m,
+                                              encode16_avx512<E>(cd, _mm512_maskz_loadu_epi32(m, in + 16 * r)));
+    const __m512i pos = _mm512_add_epi64(_mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi64(16 * r));
+    w[2 * r] = _mm512_or_si512(_mm512_slli_epi64(_mm512_cvtepu32_epi64(_mm512_castsi512_si256(key)), 32), pos);
+    w[2 * r + 1] = _mm512_or_si512(_mm512_slli_epi64(_mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(key, 1)), 32),
+                                   _mm512_add_epi64(pos, _mm512_set1_epi64(8)));
+  }
+  bitonic_regs<NR, 2>(w);
+  const __m512i low32 = _mm512_set1_epi64(0xFFFFFFFF);
+  __m512i src[NK], raw[NK];
+#pragma GCC unroll 8
+  for (int r = 0; r < NK; ++r) {
+    src[r] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(w[2 * r])),
+                                _mm512_cvtepi64_epi32(w[2 * r + 1]), 1);
+    raw[r] = _mm512_maskz_loadu_epi32(lanes16_mask(len - 16 * r), in + 16 * r);
+  }
+  if (g.out_keys) {
+    uint32_t* ok = static_cast<uint32_t*>(g.out_keys) + start;
+#pragma GCC unroll 8
+    for (int r = 0; r < NK; ++r)
+      _mm512_mask_storeu_epi32(ok + 16 * r, lanes16_mask(len - 16 * r), permute_regs<NK>(raw, src[r]));
+  }
+  if (g.out_idx) {
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; ++r) {
+      const __mmask16 m = lanes16_mask(len - 8 * r);
+      _mm512_mask_storeu_epi64(g.out_idx + start + 8 * r, (__mmask8)m, _mm512_and_si512(w[r], low32));
+    }
+  }
+  if (g.out_pay) {
+    const int ps = g.pay_size;
+    const char* pin = static_cast<const char*>(g.pay) + start * ps;
+    char* pout = static_cast<char*>(g.out_pay) + start * ps;
+    if (ps == 4) {
+      __m512i praw[NK];
+#pragma GCC unroll 8
+      for (int r = 0; r < NK; ++r)
+        praw[r] = _mm512_maskz_loadu_epi32(lanes16_mask(len - 16 * r), pin + 64 * r);
+#pragma GCC unroll 8
+      for (int r = 0; r < NK; ++r)
+        _mm512_mask_storeu_epi32(pout + 64 * r, lanes16_mask(len - 16 * r), permute_regs<NK>(praw, src[r]));
+    } else {
+      alignas(64) uint32_t at[16 * NK];
+#pragma GCC unroll 8
+      for (int r = 0; r < NK; ++r) _mm512_store_si512(at + 16 * r, src[r]);
+      if (ps == 8) {
+        const uint64_t* p8 = reinterpret_cast<const uint64_t*>(pin);
+        for (int64_t i = 0; i < len; ++i) {
+          uint64_t x;
+          std::memcpy(&x, p8 + at[i], 8);
+          std::memcpy(pout + i * 8, &x, 8);
+        }
+      } else {
+        for (int64_t i = 0; i < len; ++i) std::memcpy(pout + i * ps, pin + (int64_t)at[i] * ps, ps);
+      }
+    }
+  }
+}
 #endif
 
 // ---------------------------------------------------------------------------------------------
@@ -2536,6 +2677,7 @@ static inline int64_t short_segment_max(int key_bytes) {
   return key_bytes == 1 ? 32 : key_bytes == 2 ? 96 : key_bytes == 4 ? 192 : 512;
 }
 static constexpr int64_t HUGE_SEGMENT = 1 << 18;  // parallel engine at or above
+static constexpr int64_t REG_SORT_MAX = 256;  // sort_row_regs_avx512 up to
 // Segments of 2..row_batch_max keys, NV of one length at a time: the lanes' network (sort_rows_simd.h).
 // Measured against the paths below (rows of 2M keys in all, argsort, 2 threads, Zen 2; ns per key,
 // network / before): 16 keys of every width 1.2-3.2 / 4.7-6.5; 64 keys 1.5-4.5 / 10-12.8; 256 keys 1-byte
@@ -2595,16 +2737,21 @@ void segmented_sort(const SegArgs& g) {
     for (int64_t s = 0; s < g.nseg; ++s)
       if (seg_len(s) >= HUGE_SEGMENT) one(s, g.threads);
   }
-  // Split the remaining segments over threads by element count (offsets are sorted).
+  // Split the remaining segments by element count (offsets are sorted) into 8 chunks per thread, handed
+  // out in order to whichever thread asks first. (One chunk per thread left threads idle where keys cost
+  // unequal time: segments of 0..8 keys with a few of 100K, 1M keys in all, 2 threads, spent ~30% of the
+  // time in the barrier; and a worker that wakes late on these VMs held up its whole share.)
   const int T = (int)std::max<int64_t>(1, std::min<int64_t>(g.threads, total / 4096 + 1));
-  std::vector<int64_t> cut(T + 1, 0);
-  cut[T] = g.nseg;
-  for (int t = 1; t < T; ++t) {
-    const int64_t target = (g.offsets ? g.offsets[0] : 0) + total * t / T;
+  const int C = T == 1 ? 1 : (int)std::min<int64_t>(8 * T, total / 4096 + 1);
+  std::vector<int64_t> cut(C + 1, 0);
+  cut[C] = g.nseg;
+  for (int t = 1; t < C; ++t) {
+    const int64_t target = (g.offsets ? g.offsets[0] : 0) + total * t / C;
     if (g.offsets) cut[t] = std::upper_bound(g.offsets, g.offsets + g.nseg, target) - g.offsets;
-    else cut[t] = g.row_len ? std::min<int64_t>(g.nseg, target / g.row_len) : g.nseg * t / T;
+    else cut[t] = g.row_len ? std::min<int64_t>(g.nseg, target / g.row_len) : g.nseg * t / C;
     cut[t] = std::max(cut[t], cut[t - 1]);
   }
+  std::atomic<int> next_chunk{0};
   const bool v512 = pk::cpu_has_avx512();
   with_codec(g.dtype, g.descending, [&](auto codec, auto kind) {
     using U = std::remove_cv_t<decltype(codec.xor_mask)>;
@@ -2632,6 +2779,17 @@ void segmented_sort(const SegArgs& g) {
         // one contiguous segment on its own: a sorting network or insertion sort in registers, a comparison
         // sort, or the one-thread radix engine, by its length (see short_segment_max)
         auto alone = [&](int64_t s, int64_t len) {
+#if PK_X86
+          if constexpr (sizeof(U) == 4) {
+            if (v512 && len > 16 && len <= REG_SORT_MAX) {
+              if (len <= 32) sort_row_regs_avx512<4, E>(g, cd, seg_start(s), len);
+              else if (len <= 64) sort_row_regs_avx512<8, E>(g, cd, seg_start(s), len);
+              else if (len <= 128) sort_row_regs_avx512<16, E>(g, cd, seg_start(s), len);
+              else sort_row_regs_avx512<32, E>(g, cd, seg_start(s), len);
+              return;
+            }
+          }
+#endif
           if (len <= 32 || (len > 64 && len <= short_max)) sort_short_segment<U, E>(g, cd, seg_start(s), len);
           else one(s, 1);
         };
@@ -2654,7 +2812,9 @@ void segmented_sort(const SegArgs& g) {
             rows_portable::sort_rows_tier<U, E>(g, cd, lane_base, nv, lane_len, g.inner, net);
           nv = 0;
         };
-        for (int64_t s = cut[t]; s < cut[t + 1]; ++s) {
+        for (int c = next_chunk.fetch_add(1, std::memory_order_relaxed); c < C;
+             c = next_chunk.fetch_add(1, std::memory_order_relaxed)) {
+        for (int64_t s = cut[c]; s < cut[c + 1]; ++s) {
           const int64_t len = seg_len(s);
           if (len >= HUGE_SEGMENT) continue;
           // the segments' keys (and payloads) are one sequential stream per thread (pk::prefetch_stream)
@@ -2664,6 +2824,13 @@ void segmented_sort(const SegArgs& g) {
           if constexpr (sizeof(U) == 4) {
             if (v512 && len >= 2 && len <= 16 && g.inner == 1) {
               sort_row16_avx512<E>(g, cd, seg_start(s), len);
+              continue;
+            }
+            // runs of one length too: the registers beat the AVX2 lanes up to 128 keys (rows of 32, 500K
+            // keys, one thread: 5.6 -> ~2.5 ns per key; 128: 4.4-5.7 -> ~2.3), not at 256 (5 against 10.5:
+            // 32 registers of words spill), where only segments sorted alone take them
+            if (v512 && len > 16 && len <= 128 && g.inner == 1) {
+              alone(s, len);
               continue;
             }
           }
@@ -2679,6 +2846,7 @@ void segmented_sort(const SegArgs& g) {
           alone(s, len);
         }
         flush_lanes();
+        }
       });
     };
     if constexpr (decltype(kind)::value == 1) {
@@ -2790,6 +2958,17 @@ void segmented(uintptr_t keys, int dtype, uintptr_t offsets, int64_t nseg, int64
   pksort::segmented_sort(g);
 }
 
+// True when the n int64 offsets never decrease: segmented_sort's check of CPU offsets, one thread, GIL
+// released (torch's compare + any() split 125K offsets over the OpenMP threads: ~0.1 ms idle, up to 15 ms
+// on the loaded 2-core Zen 4, longer than the sort of their 1M keys).
+bool nondecreasing(uintptr_t offsets, int64_t n) {
+  const int64_t* o = reinterpret_cast<const int64_t*>(offsets);
+  py::gil_scoped_release release;
+  bool bad = false;
+  for (int64_t i = 1; i < n; ++i) bad |= o[i] < o[i - 1];
+  return !bad;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_cpu_sort, m) {
@@ -2806,6 +2985,8 @@ PYBIND11_MODULE(_cpu_sort, m) {
         "Stable LSD radix sort of n keys (pointers as integers; 0 = absent). Returns a stats dict if stats=True, "
         "else None.");
   m.attr("ROW_BATCH_MAX") = pksort::ROW_BATCH_MAX;
+  m.def("nondecreasing", &nondecreasing, py::arg("offsets"), py::arg("n"),
+        "True when n contiguous int64 values (a pointer as an integer) never decrease.");
   m.def("segmented", &segmented, py::arg("keys"), py::arg("dtype"), py::arg("offsets"), py::arg("nseg"),
         py::arg("row_len"), py::arg("out_keys"), py::arg("out_idx"), py::arg("pay"), py::arg("out_pay"),
         py::arg("pay_size"), py::arg("descending"), py::arg("threads"), py::arg("digit_bits") = 0,

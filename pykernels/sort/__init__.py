@@ -497,9 +497,15 @@ def _check_offsets(op: str, offsets: torch.Tensor, n: int):
     if offsets.device.type == "meta":
         raise RuntimeError(f"pykernels.{op}: no backend runs on the meta device (the offsets' values decide "
                            f"the result)")
-    if offsets.numel() > 1 and bool((offsets[1:] < offsets[:-1]).any()):
+    if offsets.device.type == "cpu" and offsets.dtype == torch.int64 and offsets.is_contiguous():
+        bad = not _cpu().nondecreasing(_ptr(offsets), offsets.numel())  # (one thread: see the native doc)
+    else:
+        bad = offsets.numel() > 1 and bool((offsets[1:] < offsets[:-1]).any())
+    if bad:
         raise ValueError(f"pykernels.{op}: expected non-decreasing 'offsets'")
-    lo, hi = int(offsets.min()), int(offsets.max())
+    # non-decreasing: the ends are the min and max (two reductions fewer: with 125K segments, 1M keys, each
+    # took ~0.1 ms alone and up to 8 ms on the loaded 2-core Zen 4, as long as the sort itself)
+    lo, hi = int(offsets[0]), int(offsets[-1])
     if lo < 0 or hi > n:
         raise ValueError(f"pykernels.{op}: expected 'offsets' within [0, {n}], got values in [{lo}, {hi}]")
 
