@@ -332,12 +332,12 @@ def eager_autograd(*tensors) -> bool:
     """True when a differentiable public call whose inputs require grad (where eager_direct said no) may run
     under its own torch.autograd.Function, of the registered op's setup_context and backward, instead of
     through the op: in eager mode (nothing traced or transformed, see _traced_or_transformed) with plain,
-    non-meta tensors. The op stays the path of everything else (torch.compile, fake tensors, subclasses,
-    vmap and torch.func)."""
+    non-meta tensors (nn.Parameter too: _PLAIN_TENSORS). The op stays the path of everything else
+    (torch.compile, fake tensors, other subclasses, vmap and torch.func)."""
     if _traced_or_transformed():
         return False
     for t in tensors:
-        if t is not None and (type(t) is not torch.Tensor or t.is_meta):
+        if t is not None and (type(t) not in _PLAIN_TENSORS or t.is_meta):
             return False
     return True
 

@@ -1556,3 +1556,40 @@ def test_cpu_backward_dequantizes_natively_as_the_formulas(scheme, bits, dtype):
             want = (gy.reshape(-1, N).float() @ W).to(dtype).reshape(shape)
             assert torch.equal(x.grad, want), (scheme, bits, N, K, gs, shape)
             assert torch.equal(bias.grad, gy.reshape(-1, N).sum(0).float())  # (in y's dtype, as F.linear's)
+
+
+def test_eager_autograd_function_matches_the_registered_op():
+    """An eager call whose x or bias requires grad runs under the module's own autograd.Function
+    (_EagerQmatmul), not through the registered op's autograd: the same output and gradients as the op's
+    (x only, bias only, both; batched x; bit-serial), and the same second derivative."""
+    g = torch.Generator().manual_seed(0)
+    qw = pykernels.quantize(torch.randn(24, 64, generator=g), bits=4, group_size=32)
+    qb = pykernels.quantize(torch.randn(24, 64, generator=g), bits=2, group_size=32, scheme="bipolar")
+    for w, act_bits in ((qw, None), (qb, 2)):
+        for shape in ((5, 64), (2, 3, 64)):
+            for needs in ((True, False), (False, True), (True, True)):
+                x0, b0 = torch.randn(shape, generator=g), torch.randn(24, generator=g)
+                dy = torch.randn(*shape[:-1], 24, generator=g)
+                got = []
+                for via_op in (False, True):
+                    x, b = x0.clone().requires_grad_(needs[0]), b0.clone().requires_grad_(needs[1])
+                    if via_op:
+                        planes = w.ensure_planes() if act_bits else None
+                        y = torch.ops.pykernels.qmatmul(x, w.packed, w.scales, w.offsets, planes,
+                                                        w.code_sums if act_bits else None, b, 24, 64, w.bits,
+                                                        w.group_size, act_bits or 0, "cpu")
+                    else:
+                        y = pykernels.qmatmul(x, w, bias=b, act_bits=act_bits)
+                        assert type(y.grad_fn).__name__ == "_EagerQmatmulBackward"
+                    y.backward(dy)
+                    got.append((y.detach(), x.grad, b.grad))
+                for a, c in zip(*got):
+                    assert (a is None and c is None) or torch.equal(a, c)
+    second = []  # a second derivative (the backward is torch ops of the gradient): the same both ways
+    for via_op in (False, True):
+        x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        y = (torch.ops.pykernels.qmatmul(x, qw.packed, qw.scales, qw.offsets, None, None, None, 24, 64, 4, 32, 0, "cpu")
+             if via_op else pykernels.qmatmul(x, qw))
+        gx, = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
+        second.append(torch.autograd.grad(gx.pow(2).sum(), x)[0])
+    torch.testing.assert_close(second[0], second[1], rtol=1e-6, atol=1e-5)

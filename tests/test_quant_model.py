@@ -132,8 +132,8 @@ def test_quantlinear_matches_qmatmul_and_dtypes(lm):
 def test_quantlinear_with_a_bias_takes_the_direct_path_where_nothing_needs_autograd(monkeypatch):
     """The bias is an nn.Parameter, which pykernels._backend.eager_direct takes as a plain tensor: under
     no_grad (or with a frozen bias) a layer calls the kernels directly (it went through the registered
-    op, ~3x the time of a 256 x 256 layer); where the bias needs a gradient the op still runs, and
-    backward reaches it. The buffers and the bias are read from the module's dicts; a parametrized bias
+    op, ~3x the time of a 256 x 256 layer); where the bias needs a gradient the module's own
+    autograd.Function runs (eager), and backward reaches it. The buffers and the bias are read from the module's dicts; a parametrized bias
     (not in them) is read as the attribute."""
     from torch.nn.utils import parametrize
 
@@ -159,8 +159,9 @@ def test_quantlinear_with_a_bias_takes_the_direct_path_where_nothing_needs_autog
     assert torch.equal(layer(x), ref)
     assert not calls  # both direct
     layer.bias.requires_grad_(True)
-    y = layer(x)
-    assert calls and y.requires_grad and torch.equal(y.detach(), ref)
+    y = layer(x)  # eager with a gradient to take: the module's own autograd.Function, not the op either
+    assert not calls and y.requires_grad and torch.equal(y.detach(), ref)
+    assert type(y.grad_fn).__name__ == "_EagerQmatmulBackward"
     y.sum().backward()
     assert torch.equal(layer.bias.grad, torch.full((24,), 5.0))
 

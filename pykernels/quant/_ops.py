@@ -23,7 +23,8 @@ from typing import Optional
 import torch
 
 from .. import _memory, autotune
-from .._backend import dispatch, eager_direct, fake_on_one_device, functorch_autograd, vmapped_first
+from .._backend import (_traced_or_transformed, dispatch, eager_autograd, eager_direct, fake_on_one_device,
+                       functorch_autograd, vmapped_first)
 from .._native import (cpu_module, cuda_module, cuda_stream_handle, dtype_code, env_reader, getenv,
                        torch_bf16_gemm_native)
 from . import _format as F
@@ -558,7 +559,8 @@ def _backward(ctx, grad):
     gx = None
     if ctx.x_needs_grad:
         packed, scales, offsets = ctx.saved_tensors
-        if packed.device.type == "cpu":
+        if packed.device.type == "cpu" and type(packed) is torch.Tensor and not _traced_or_transformed():
+            # (traced, fake or under vmap the formulas: the native call needs real storage)
             # the native dequantizer (bit-identical to the formulas below, threaded): through torch's
             # unpack/index/mul ops the weight took ~17 ms of an M=16 1024x1024 layer's ~20 ms fwd+bwd
             # (nn.Linear's fwd+bwd, dW included: 3.7 ms; one thread, 2-core Zen 4)
@@ -574,6 +576,20 @@ _qmatmul_custom.register_autograd(_backward, setup_context=_setup_context)
 _qmatmul_call = functorch_autograd("qmatmul", _setup_context, _backward)
 
 
+class _EagerQmatmul(torch.autograd.Function):
+    """The registered op's autograd (same setup_context and backward) around the implementation, for eager
+    calls where x or the bias requires grad: the op's layers (autograd wrapper, redispatch, dynamo's
+    disable wrapper) cost ~40 us a call, as much as a small layer's forward."""
+
+    @staticmethod
+    def forward(ctx, *inputs):  # (a separate setup_context costs an inspect.signature a call)
+        y = _impl(*inputs)
+        _setup_context(ctx, inputs, y)
+        return y
+
+    backward = staticmethod(_backward)
+
+
 def qmatmul_op(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend):
     if act_bits and planes is None:
         raise ValueError("pykernels.qmatmul: act_bits needs the weight's bit planes")
@@ -586,6 +602,10 @@ def qmatmul_op(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group
         # loaded with assign=True gave inf/NaN; review finding).
         _check_op_args(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits)
         return _impl(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend)
+    if eager_autograd(x, packed, scales, offsets, planes, wsum, bias):  # eager, x or bias requires grad
+        _check_op_args(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits)
+        return _EagerQmatmul.apply(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits,
+                                   backend)
     return _qmatmul_call(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits,
                          backend)
 
