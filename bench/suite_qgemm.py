@@ -174,6 +174,26 @@ def _cpu_cases(quick: bool):
         cases.append(Case("qgemm", "qmatmul W4 g128", f"M={M} K=N={n} bfloat16 act", M, gemv_vs_int4pack(torch.bfloat16, M),
                           "aten._weight_int4pack_mm_for_cpu bf16", flop(M), "FLOP", check=_within(SAME_WEIGHTS_TOL)))
 
+    # Training through a frozen quantized weight (QLoRA-style): forward and the gradient w.r.t. x, against
+    # the same through the fp32 weight (frozen: no dW). Ours dequantizes the weight in the backward.
+    def fwd_bwd_vs_fp32(M=128):
+        def make():
+            w, qw = weights()
+            g = torch.Generator().manual_seed(3)
+            xs = [torch.randn(M, K, generator=g).requires_grad_() for _ in range(2)]
+            dy = torch.randn(M, N, generator=g)
+
+            def run(x, f):
+                x.grad = None
+                f(x).backward(dy)
+                return x.grad
+            return (lambda: run(xs[0], lambda x: pykernels.qmatmul(x, qw))), \
+                (lambda: run(xs[1], lambda x: torch.matmul(x, w.T)))
+        return make
+
+    cases.append(Case("qgemm", "qmatmul W4 g128 fwd+bwd (dx)", f"M=128 K=N={n} fp32", 128, fwd_bwd_vs_fp32(),
+                      "torch.matmul fp32 fwd+bwd (dx)", 2 * flop(128), "FLOP", check=_within(W4_TOL)))
+
     for bits, ab in ((2, 2), (1, 1)):
         def make_fp32(bits=bits, ab=ab):
             w, qw = weights(bits, "bipolar")

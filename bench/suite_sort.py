@@ -286,6 +286,30 @@ def _cpu_cases(quick: bool):
     yield Case("sort", "segmented_sort", f"float32+int32 {segs // 1024}K segs x 16", segs * 16, segmented_vs_torch,
                "torch.sort(rows) + gather", segs * 16, "keys", bytes_moved=segs * 16 * 16, check=_check_same_sort)
 
+    # segments of varied lengths (uniform in 0..64: no padded rows to sort). The baseline: one stable
+    # torch.sort of (segment << 32 | the float's order-preserving bits), the fastest torch route found
+    # (two stable sorts, or padding to the longest segment, were slower), then gathers
+    def varied_vs_torch():
+        g = torch.Generator().manual_seed(9)
+        lens = torch.randint(0, 65, (segs * 16 // 32,), generator=g)
+        off = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+        n = int(off[-1])
+        x = torch.randn(n, generator=g)
+        v = torch.arange(n, dtype=torch.int32)
+        seg = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+
+        def base():
+            b = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+            ordered = torch.where(b >= 0x80000000, 0xFFFFFFFF - b, b | 0x80000000)
+            idx = torch.sort((seg << 32) | ordered, stable=True).indices
+            return x[idx], v[idx]
+        return (lambda: pykernels.segmented_sort(x, off, v)), base
+
+    n_varied = segs * 16 // 32 * 32  # (about: the lengths average 32)
+    yield Case("sort", "segmented_sort", f"float32+int32 {segs * 16 // 32 // 1024}K segs of 0..64", n_varied,
+               varied_vs_torch, "torch.sort(segment << 32 | key) + gather", n_varied, "keys",
+               bytes_moved=n_varied * 16, check=_check_same_sort)
+
 
 def _gpu_cases(quick: bool):
     n = (1 << 24) if quick else (1 << 28)
