@@ -3249,15 +3249,15 @@ def test_multi_value_reserved_keys_take_no_slots(growable):
 
 
 # ---------------------------------------------------------------------------------------------
-# Small tables (hashsmall): small inserts grow on demand; one-thread scans below 1 MiB; shared configs
+# Small tables: small inserts sized ahead by a lookup; one-thread scans below 4 MiB; shared configs
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("cls", [HashMap, HashSet, CountingTable])
 @pytest.mark.parametrize("n", [1, 7, 1000, HashMap.EXACT_NEW_KEYS, HashMap.EXACT_NEW_KEYS + 1])
 def test_small_inserts_past_the_room_grow_on_demand(cls, n):
-    """A batch at most EXACT_NEW_KEYS long is not sized ahead (no torch.unique of it on every call): into
-    a table at its limit, keys it holds leave it as it is (no rehash), and new ones (repeated, with the
-    reserved patterns -1 and -2 among them) grow it after the insert; either side of the cutoff, the
-    contents, the values kept, the counts and the new-key mask match a dict / Counter."""
+    """A batch at most EXACT_NEW_KEYS long into a table at its limit is sized ahead by one lookup (no
+    torch.unique of it on every call): keys it holds leave it as it is (no rehash), and new ones
+    (repeated, with the reserved patterns -1 and -2 among them) grow it before the insert; either side of
+    the cutoff, the contents, the values kept, the counts and the new-key mask match a dict / Counter."""
     g = torch.Generator().manual_seed(n)
     t = cls(64)
     held = torch.arange(10_000, 10_000 + t._limit())

@@ -2131,11 +2131,11 @@ void bitserial_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, int act_bits
     for (int64_t g = 0; g < s.G; ++g)
       act_terms[m * s.G + g] = A.sa[m] * (double)A.usum[m * s.G + g] +
                                A.ma[m] * (double)(std::min(K, (g + 1) * s.gsize) - g * s.gsize);
-  // threads as for the weight-only GEMMs, a product of p x q one-bit planes counting as p * q / 4 of a
-  // multiply-add (W2A2 one)
-  const int tile_threads = threads_for_macs(num_threads, std::max<int64_t>(1, M * N * K / 4 * s.p * s.q));
   for (int64_t mc0 = 0; mc0 < M; mc0 += chunk) {
     const int64_t mc1 = std::min(M, mc0 + chunk);
+    // threads as for the weight-only GEMMs, for this chunk's tokens (one parallel region each), a product
+    // of p x q one-bit planes counting as p * q / 4 of a multiply-add (W2A2 one)
+    const int tile_threads = threads_for_macs(num_threads, std::max<int64_t>(1, (mc1 - mc0) * N * K / 4 * s.p * s.q));
 #if PK_X86
     if (avx512)
       for (int64_t m = mc0; m < mc1; ++m)

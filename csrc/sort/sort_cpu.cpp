@@ -1675,7 +1675,8 @@ bool direct_cached_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st)
 // count (sequential stores, no scatter). An LSD sort reads and writes the keys twice for 16-bit keys: 1M
 // int16 keys 4.3 -> 1.4 ms, 4M 17.4 -> 3.1, 4M uint8 6.9 -> 2.4 (2 threads, Zen 2). Refused (false) for
 // floats whose encoding is lossy (NaN payloads, -0.0 beside +0.0: their outputs must be the input's bits,
-// in input order), found in the same read: the LSD engine sorts those.
+// in input order), found in the same read: the LSD engine sorts those, as it does a config that sets
+// digit_bits (the autotuner's alternatives).
 // What it costs besides the keys is a walk over the counters, so 8-bit keys take it at every size past
 // the small sort's (256 counters: uint8 1000 keys 11.8 -> 5.5 us, 40000 129 -> 39 us, one thread, 2-core
 // Zen 4) and 16-bit keys from COUNT_FILL_MIN_N16. That walk is kept cheap: the counters live in the
@@ -1701,7 +1702,7 @@ bool counting_fill(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, int 
   std::vector<char> lossy_t(T, 0);
   pk::parallel_threads(T, [&](int t) {
     const int64_t b = n * t / T, e = n * (t + 1) / T;
-    uint32_t* __restrict h = counts + (size_t)t * R;  // this thread's own lines (R * 4 bytes, page-aligned)
+    uint32_t* __restrict h = counts + (size_t)t * R;  // this thread's own lines (R * 4 bytes: whole lines)
     std::memset(h, 0, R * sizeof(uint32_t));
     const Coder<U, E> c = cd;
     bool ls = false;
@@ -2076,7 +2077,8 @@ void radix_sort_typed(const SortArgs& a, const Codec<U>& codec, SortStats& st) {
   }
   if (T == 1 && direct_cached_sort<U, E>(a, cd, st)) return;
   if constexpr (sizeof(U) <= 2) {
-    if (a.out_keys && !a.out_idx && !a.out_pay && bb == 0 && eb == key_bits && (sizeof(U) == 1 || n >= COUNT_FILL_MIN_N16) &&
+    if (a.out_keys && !a.out_idx && !a.out_pay && bb == 0 && eb == key_bits && a.digit_bits <= 0 &&
+        (sizeof(U) == 1 || n >= COUNT_FILL_MIN_N16) &&
         counting_fill<U, E>(a, cd, st, T))
       return;
     if (bb == 0 && eb == key_bits && a.msd != 0 && a.digit_bits <= 0 &&
@@ -2383,14 +2385,9 @@ PK_TARGET_AVX512 static inline __m512i bitonic_8(__m512i v) {
 }
 
 template <Enc E>
-PK_TARGET_AVX512 static void sort_row16_avx512(const SegArgs& g, const Coder<uint32_t, E>& cd, int64_t start,
-                                               int64_t len) {
-  const __mmask16 m = (__mmask16)((1u << len) - 1);
-  const uint32_t* in = static_cast<const uint32_t*>(g.keys) + start;
-  const __m512i raw = _mm512_maskz_loadu_epi32(m, in);
-  __m512i x = raw, key;
+PK_TARGET_AVX512 static inline __m512i encode16_avx512(const Coder<uint32_t, E>& cd, __m512i x) {
   if constexpr (E == Enc::Xor) {
-    key = _mm512_xor_si512(x, _mm512_set1_epi32((int)cd.c.xor_mask));
+    return _mm512_xor_si512(x, _mm512_set1_epi32((int)cd.c.xor_mask));
   } else {  // as Coder::enc: NaNs -> the quiet NaN, -0.0 -> +0.0, then sign-magnitude -> unsigned
     const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi32(0x7FFFFFFF));
     x = _mm512_mask_mov_epi32(x, _mm512_cmpgt_epu32_mask(mag, _mm512_set1_epi32((int)cd.c.inf_bits)),
@@ -2398,8 +2395,17 @@ PK_TARGET_AVX512 static void sort_row16_avx512(const SegArgs& g, const Coder<uin
     x = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(mag, mag), x);
     const __m512i flip = _mm512_mask_blend_epi32(_mm512_test_epi32_mask(x, _mm512_set1_epi32(INT32_MIN)),
                                                  _mm512_set1_epi32(INT32_MIN), _mm512_set1_epi32(-1));
-    key = _mm512_xor_si512(_mm512_xor_si512(x, flip), _mm512_set1_epi32((int)cd.c.flip));
+    return _mm512_xor_si512(_mm512_xor_si512(x, flip), _mm512_set1_epi32((int)cd.c.flip));
   }
+}
+
+template <Enc E>
+PK_TARGET_AVX512 static void sort_row16_avx512(const SegArgs& g, const Coder<uint32_t, E>& cd, int64_t start,
+                                               int64_t len) {
+  const __mmask16 m = (__mmask16)((1u << len) - 1);
+  const uint32_t* in = static_cast<const uint32_t*>(g.keys) + start;
+  const __m512i raw = _mm512_maskz_loadu_epi32(m, in);
+  __m512i key = encode16_avx512<E>(cd, raw);
   key = _mm512_mask_mov_epi32(_mm512_set1_epi32(-1), m, key);  // padding sorts last (largest positions)
   const __m512i pos_lo = _mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i pos_hi = _mm512_set_epi64(15, 14, 13, 12, 11, 10, 9, 8);
@@ -2492,21 +2498,6 @@ PK_TARGET_AVX512 static inline __m512i permute_regs(const __m512i* raw, __m512i 
   } else {
     const __m512i lo = permute_regs<NK / 2>(raw, idx), hi = permute_regs<NK / 2>(raw + NK / 2, idx);
     return _mm512_mask_blend_epi32(_mm512_test_epi32_mask(idx, _mm512_set1_epi32(8 * NK)), lo, hi);
-  }
-}
-
-template <Enc E>
-PK_TARGET_AVX512 static inline __m512i encode16_avx512(const Coder<uint32_t, E>& cd, __m512i x) {
-  if constexpr (E == Enc::Xor) {
-    return _mm512_xor_si512(x, _mm512_set1_epi32((int)cd.c.xor_mask));
-  } else {  // as Coder::enc: NaNs -> the quiet NaN, -0.0 -> +0.0, then sign-magnitude -> unsigned
-    const __m512i mag = _mm512_and_si512(x, _mm512_set1_epi32(0x7FFFFFFF));
-    x = _mm512_mask_mov_epi32(x, _mm512_cmpgt_epu32_mask(mag, _mm512_set1_epi32((int)cd.c.inf_bits)),
-                              _mm512_set1_epi32((int)cd.c.qnan_bits));
-    x = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(mag, mag), x);
-    const __m512i flip = _mm512_mask_blend_epi32(_mm512_test_epi32_mask(x, _mm512_set1_epi32(INT32_MIN)),
-                                                 _mm512_set1_epi32(INT32_MIN), _mm512_set1_epi32(-1));
-    return _mm512_xor_si512(_mm512_xor_si512(x, flip), _mm512_set1_epi32((int)cd.c.flip));
   }
 }
 
