@@ -1593,3 +1593,21 @@ def test_eager_autograd_function_matches_the_registered_op():
         gx, = torch.autograd.grad(y.pow(2).sum(), x, create_graph=True)
         second.append(torch.autograd.grad(gx.pow(2).sum(), x)[0])
     torch.testing.assert_close(second[0], second[1], rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [4, 8, 256])
+def test_cpu_backward_dequantizes_in_chunks_of_rows(monkeypatch, rows):
+    """dx accumulates grad[:, chunk] @ W[chunk] over chunks of _DX_ROWS weight rows (each dequantized into one
+    buffer while in cache): with chunks of 4, 8 or 256 rows and N not a multiple of them (a last short
+    chunk), dx matches grad @ W of the formulas' weights (to fp32 rounding: the sums' order differs)."""
+    from pykernels.quant import _ops
+
+    monkeypatch.setattr(_ops, "_DX_ROWS", rows)
+    g = torch.Generator().manual_seed(rows)
+    for N, K in ((601, 96), (37, 64)):
+        qw = pykernels.quantize(torch.randn(N, K, generator=g), bits=4, group_size=32)
+        W = F.dequantize_codes(F.unpack_tiles(qw.packed, 4, N, K), qw.scales, qw.offsets, 32, torch.float32)
+        x = torch.randn(3, 5, K, generator=g, requires_grad=True)
+        gy = torch.randn(3, 5, N, generator=g)
+        pykernels.qmatmul(x, qw).backward(gy)
+        torch.testing.assert_close(x.grad, gy @ W, rtol=1e-5, atol=1e-4)
