@@ -1066,6 +1066,31 @@ def test_a_store_keeps_what_it_cannot_read_and_bounds_the_file(tmp_cache, monkey
     assert 1 < len(kept) < 12 and all(f"op|cpu|k{i}" in kept for i in range(12 - len(kept), 12))
 
 
+def test_a_store_reads_the_cache_file_once(tmp_cache, monkeypatch):
+    """A store parses the existing file once (it read and parsed it a second time to check its metadata and
+    entries), keeps its valid entries, and drops the file's entries of other versions as before."""
+    import json
+
+    from pykernels import autotune as at
+
+    dev = torch.device("cpu")
+    entry = {"backend": "cpu", "config": {"x": 1}, "time_s": 1.0}
+    at._store(dev, "op|cpu|k0", entry)
+    reads = []
+    real = at.read_cache_json
+    monkeypatch.setattr(at, "read_cache_json", lambda p: (reads.append(p), real(p))[1])
+    at._store(dev, "op|cpu|k1", entry)
+    assert len(reads) == 1
+    path = at.cache_file(dev)
+    assert sorted(json.loads(path.read_text())["entries"]) == ["op|cpu|k0", "op|cpu|k1"]
+    data = json.loads(path.read_text())
+    data["metadata"]["torch"] = "0.0.0"  # another version's file: its entries are not kept
+    path.write_text(json.dumps(data))
+    with pytest.warns(UserWarning, match="made for other versions"):
+        at._store(dev, "op|cpu|k2", entry)
+    assert list(json.loads(path.read_text())["entries"]) == ["op|cpu|k2"]
+
+
 def test_first_op_does_not_import_triton_and_an_off_switch_keeps_the_key():
     """The cache's metadata reads triton's version without importing it (0.35 s of each process's first op);
     PYKERNELS_DISABLE_AVX512=0 (which changes nothing) keys entries as unset (it split the cache). Audit."""

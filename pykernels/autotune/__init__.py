@@ -302,23 +302,33 @@ def load_cache_file(path: Path, device=None, check_metadata: bool = True) -> dic
         if not path.exists():  # (raises where the directory cannot be searched)
             return {}
         data = read_cache_json(path)
+    except (OSError, ValueError, RecursionError) as exc:  # UnicodeDecodeError: ValueError
+        warnings.warn(f"pykernels.autotune: ignoring corrupt cache file {path}: {exc}", stacklevel=3)
+        return {}
+    return _cache_entries(data, path, device, check_metadata, stacklevel=4)
+
+
+def _cache_entries(data, path: Path, device, check_metadata: bool = True, stacklevel: int = 3) -> dict:
+    """load_cache_file's checks of a file's parsed JSON `data`: its valid entries, {} (with a warning) when
+    it is not a cache or was made by other versions."""
+    try:
         meta, entries = data["metadata"], data["entries"]
         if not isinstance(meta, dict) or not isinstance(entries, dict):
             raise ValueError("metadata or entries is not an object")
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:  # UnicodeDecodeError: ValueError
-        warnings.warn(f"pykernels.autotune: ignoring corrupt cache file {path}: {exc}", stacklevel=3)
+    except (ValueError, KeyError, TypeError) as exc:
+        warnings.warn(f"pykernels.autotune: ignoring corrupt cache file {path}: {exc}", stacklevel=stacklevel)
         return {}
     bad = [k for k, e in entries.items() if not _valid_entry(e)]
     if bad:
         warnings.warn(f"pykernels.autotune: ignoring {len(bad)} invalid entr{'y' if len(bad) == 1 else 'ies'} of "
-                      f"cache file {path} (e.g. {bad[0]!r})", stacklevel=3)
+                      f"cache file {path} (e.g. {bad[0]!r})", stacklevel=stacklevel)
         entries = {k: e for k, e in entries.items() if k not in bad}
     if check_metadata:
         want = _metadata(device)
         diff = {k: (meta.get(k), v) for k, v in want.items() if meta.get(k) != v}
         if diff:
             warnings.warn(f"pykernels.autotune: ignoring cache file {path} made for other versions: "
-                          + ", ".join(f"{k}: {a!r} != {b!r}" for k, (a, b) in diff.items()), stacklevel=3)
+                          + ", ".join(f"{k}: {a!r} != {b!r}" for k, (a, b) in diff.items()), stacklevel=stacklevel)
             return {}
     return entries
 
@@ -442,7 +452,7 @@ def _entries_to_keep(path: Path, target: Path, device) -> dict:
             warnings.warn(f"pykernels.autotune: cache file {path} could not be read ({exc}); moved to {bad}",
                           stacklevel=4)
         return {}
-    return load_cache_file(path, device)
+    return _cache_entries(data, path, device)  # (the text read once: parsed above)
 
 
 def _bounded_json(device, entries: dict, keep: str) -> str:
