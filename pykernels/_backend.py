@@ -342,6 +342,27 @@ def eager_autograd(*tensors) -> bool:
     return True
 
 
+def eager_autograd_function(name: str, run, setup_context, backward, materialize_grads: bool = True):
+    """The torch.autograd.Function an op's eager_autograd calls take: forward runs `run(*inputs)` (the
+    registered op's implementation) and the op's own `setup_context`, backward is the op's `backward`; so
+    results and gradients are the op's, without its layers (autograd wrapper, redispatch, dynamo's disable
+    wrapper, its argument checks again: ~40-90 us a call). Old-style forward(ctx, ...): a separate
+    setup_context costs an inspect.signature on every apply. `materialize_grads=False`: an output with no
+    gradient gets None in backward, not zeros (backward must take None). `name`: the class's (its graph
+    node is <name>Backward)."""
+
+    def forward(ctx, *inputs):
+        output = run(*inputs)
+        setup_context(ctx, inputs, output)
+        if not materialize_grads:
+            ctx.set_materialize_grads(False)
+        return output
+
+    return type(name, (torch.autograd.Function,), {"__doc__": eager_autograd_function.__doc__,
+                                                    "forward": staticmethod(forward),
+                                                    "backward": staticmethod(backward)})
+
+
 def eager_plain(t) -> bool:
     """eager_direct(t) for one tensor that never raises: also False where eager_direct would refuse
     forward-mode AD (a fast path's caller then takes its general path, whose refusal names the op)."""

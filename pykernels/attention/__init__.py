@@ -42,7 +42,7 @@ import torch
 
 from .. import _memory, _native, autotune
 from .._backend import (_CPU, _traced_or_transformed, autocast_floats, autocast_off_if, dispatch, eager_autograd,
-                        eager_direct,
+                        eager_autograd_function, eager_direct,
                         fake_on_one_device, functorch_autograd, vmapped_first)
 from ..errors import check_same_device
 from . import _cpu
@@ -81,26 +81,20 @@ def _all_finite(*tensors) -> bool:
     for 2 MB)."""
     float_flags = _native.cpu_module("runtime").float_flags
     for t in tensors:
-        # the common case first, with the fewest calls (a 16-token fwd+bwd checks three tensors)
-        if t.is_cpu and (t.dtype is torch.float32 or t.dtype is torch.float64) and t.is_contiguous():
-            n = t.numel()
-            if n <= _NATIVE_FINITE_MAX:
-                if n and float_flags(t.data_ptr(), n, t.dtype is torch.float64) & 1:
-                    return False
-                continue
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             if not bool(torch.isfinite(t.sum().float())):
                 return False
             continue
-        a = t.detach()
-        if a.dtype in (torch.float32, torch.float64) and a.numel() <= _NATIVE_FINITE_MAX:
+        if (t.dtype is torch.float32 or t.dtype is torch.float64) and t.numel() <= _NATIVE_FINITE_MAX:
             # one native scan (numpy's conversions and calls cost ~10 us a tensor: a third of a 16-token
-            # backward's Python); a dense tensor, or one value expanded (the dout of out.sum())
-            n = a.numel() if a.is_contiguous() else 1 if not any(a.stride()) else -1
+            # backward's Python; checked with the fewest calls: a 16-token fwd+bwd checks three tensors);
+            # a dense tensor, or one value expanded (the dout of out.sum())
+            n = t.numel() if t.is_contiguous() else 1 if not any(t.stride()) else -1
             if n >= 0:
-                if n and _native.cpu_module("runtime").float_flags(a.data_ptr(), n, a.dtype == torch.float64) & 1:
+                if n and float_flags(t.data_ptr(), n, t.dtype is torch.float64) & 1:
                     return False
                 continue
+        a = t.detach()
         import numpy as np
 
         if a.dtype == torch.bfloat16:  # no numpy bf16: all exponent bits set <=> inf or NaN
@@ -608,20 +602,13 @@ def backward_follows(on: bool = True):
                 _FOLLOWS_ANYWHERE -= 1
 
 
-class _EagerFlashAttention(torch.autograd.Function):
-    """The registered op's autograd (same setup_context and backward) around the implementation, for eager
-    calls whose inputs require grad: the op's layers (its autograd wrapper, redispatch, dynamo's disable
-    wrapper, its own argument checks again) cost ~90 us of a 1x8x32x64 causal fwd+bwd (568 -> 474 us, one
-    thread, 2-core Zen 4; SDPA ~230 us, aten's two kernels alone ~170 us)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale, backend):  # (a separate setup_context costs an inspect.signature)
-        output = _forward_laid_out(q, k, v, causal, scale, backend, inference=False)
-        _setup_context(ctx, (q, k, v, causal, scale, backend), output)
-        ctx.set_materialize_grads(False)  # an unused lse gets None, not zeros to allocate and scan
-        return output
-
-    backward = staticmethod(_backward)
+# eager calls whose inputs require grad (eager_autograd): the op's autograd without its layers (~90 us of a
+# 1x8x32x64 causal fwd+bwd: 568 -> 474 us, one thread, 2-core Zen 4; SDPA ~230 us, aten's two kernels alone
+# ~170 us); an unused lse gets None in the backward, not zeros to allocate and scan
+_EagerFlashAttention = eager_autograd_function(
+    "_EagerFlashAttention", lambda q, k, v, causal, scale, backend: _forward_laid_out(q, k, v, causal, scale, backend,
+                                                                                      inference=False),
+    _setup_context, _backward, materialize_grads=False)
 
 
 def forward_op(q, k, v, causal: bool, scale: float, backend: str):

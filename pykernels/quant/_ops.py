@@ -23,8 +23,8 @@ from typing import Optional
 import torch
 
 from .. import _memory, autotune
-from .._backend import (_traced_or_transformed, dispatch, eager_autograd, eager_direct, fake_on_one_device,
-                       functorch_autograd, vmapped_first)
+from .._backend import (_traced_or_transformed, dispatch, eager_autograd, eager_autograd_function, eager_direct,
+                       fake_on_one_device, functorch_autograd, vmapped_first)
 from .._native import (cpu_module, cuda_module, cuda_stream_handle, dtype_code, env_reader, getenv,
                        torch_bf16_gemm_native)
 from . import _format as F
@@ -222,14 +222,13 @@ def cpu_weight_only(x2, packed, scales, offsets, bias, N, K, bits, group_size, c
                               y.data_ptr(), dtype_code(ydt), threads, *blocking, check_rows)
         return None if flagged else y
 
-    b = None if bias is None else _bias_f32(bias)
+    b = _bias_f32(bias)
     # the common case in one native call (a flags tensor and a second call cost ~15 us of a 0.5 ms GEMV
     # once the GEMV has pushed the interpreter's data out of the caches)
-    y = torch.empty(M, N, dtype=x2.dtype)
-    xcode = dtype_code(x2.dtype)
-    if not mod.wo_gemm(x2.data_ptr(), xcode, M, K, packed.data_ptr(), bits, scales.data_ptr(), offsets.data_ptr(), N,
-                       group_size, b.data_ptr() if b is not None else 0, y.data_ptr(), xcode, threads, *blocking, True):
+    y = native(x2, b, x2.dtype, check_rows=True)
+    if y is not None:
         return y
+    y = torch.empty(M, N, dtype=x2.dtype)
     # Rows the int16 activations cannot carry (see act_range_flags in qgemm_cpu.cpp) take other routes
     flags = torch.empty(M, dtype=torch.uint8)
     mod.act_range_flags(x2.data_ptr(), dtype_code(x2.dtype), M, K, flags.data_ptr(), threads)
@@ -594,18 +593,9 @@ _qmatmul_custom.register_autograd(_backward, setup_context=_setup_context)
 _qmatmul_call = functorch_autograd("qmatmul", _setup_context, _backward)
 
 
-class _EagerQmatmul(torch.autograd.Function):
-    """The registered op's autograd (same setup_context and backward) around the implementation, for eager
-    calls where x or the bias requires grad: the op's layers (autograd wrapper, redispatch, dynamo's
-    disable wrapper) cost ~40 us a call, as much as a small layer's forward."""
-
-    @staticmethod
-    def forward(ctx, *inputs):  # (a separate setup_context costs an inspect.signature a call)
-        y = _impl(*inputs)
-        _setup_context(ctx, inputs, y)
-        return y
-
-    backward = staticmethod(_backward)
+# eager calls where x or the bias requires grad (eager_autograd): the op's autograd without its layers (~40 us
+# a call, as much as a small layer's forward)
+_EagerQmatmul = eager_autograd_function("_EagerQmatmul", _impl, _setup_context, _backward)
 
 
 def qmatmul_op(x, packed, scales, offsets, planes, wsum, bias, n, k, bits, group_size, act_bits, backend):
