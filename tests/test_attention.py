@@ -1783,6 +1783,23 @@ def test_fma_kernel_matches_the_oracle(shape, causal, dtype):
             assert torch.equal(out, again) and torch.equal(lse, again_lse)
 
 
+@pytest.mark.skipif(not _cpu.bf16dot_available(), reason="this CPU lacks AVX-512 BF16: the tests above run the "
+                    "fma kernel's AVX2 tier already")
+def test_fma_kernel_avx2_tier_where_the_cpu_has_avx512():
+    """The tests above ran the AVX-512 tier; the AVX2 tier (what CPUs without AVX-512 BF16 run) passes them too,
+    under PYKERNELS_DISABLE_AVX512=1 in a subprocess (the switch is read once per process)."""
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                          "fma_kernel and not avx2_tier"], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, PYKERNELS_DISABLE_AVX512="1", PYKERNELS_AUTOTUNE="0"))
+    tail = run.stdout[-4000:] + run.stderr[-2000:]
+    assert run.returncode == 0, tail
+    assert " passed" in run.stdout and " skipped" not in run.stdout and " failed" not in run.stdout, tail
+
+
 @needs_fma
 def test_fma_kernel_as_accurate_as_sdpa():
     """Large logits and long rows in fp32: the error of out against the float64 oracle within 1.5x of SDPA's
@@ -1822,18 +1839,15 @@ def test_fma_kernel_without_keys_and_where_it_does_not_apply(threads):
 
 
 @needs_fma
-def test_fma_is_the_default_for_forwards_without_avx512_and_never_before_a_backward(monkeypatch, tmp_cache):
-    """Where the CPU has AVX2 but not AVX-512: an inference call takes the kernel on the lean and the general
-    path alike (fp32, bf16, fp16 that bf16dot does not take); a call a backward may follow (autograd,
+def test_fma_is_the_default_for_forwards_and_never_before_a_backward(monkeypatch, tmp_cache):
+    """Where the CPU has AVX2 (either tier): an inference call takes the kernel on the lean and the general
+    path alike (fp32, fp16; bf16 where bf16dot does not take it); a call a backward may follow (autograd,
     torch.compile) takes aten's forward, whose lse aten's backward matches; a head dim not a multiple of 16
     never takes it."""
     import importlib
 
-    from pykernels.attention import _tuning
-
     pa = importlib.import_module("pykernels.attention")
-    monkeypatch.setenv("PYKERNELS_AUTOTUNE", "0")
-    monkeypatch.setattr(_tuning, "_cpu_has_avx512", lambda: False)  # (tmp_cache: no config memo from before)
+    monkeypatch.setenv("PYKERNELS_AUTOTUNE", "0")  # (tmp_cache: no config memo from before)
     calls = []
     real = _cpu.fma_forward
     monkeypatch.setattr(_cpu, "fma_forward", lambda *a: calls.append(1) or real(*a))

@@ -112,8 +112,10 @@ def test_the_emulated_module_is_the_one_tests_use(emulated_module):
 def test_bf16dot_tests_pass_on_the_emulated_kernels(emulated_module):
     """Every bf16dot test of test_attention.py (forward and backward against the float64 oracle and SDPA,
     1-3 threads including groups shared by threads, strides, rows without keys, NaN/inf, tiny values, the
-    default dispatch) on the emulated kernels; none may skip (they skip only without the kernels)."""
-    run = _pytest(emulated_module, "tests/test_attention.py", "-k", "bf16dot and not off_without_avx512")
+    default dispatch) and every fma kernel test (its AVX-512 tier, which runs where bf16dot does) on the
+    emulated kernels; none may skip (they skip only without the kernels)."""
+    run = _pytest(emulated_module, "tests/test_attention.py", "-k",
+                  "(bf16dot and not off_without_avx512) or (fma_kernel and not avx2_tier)")
     tail = run.stdout[-6000:] + run.stderr[-2000:]
     assert run.returncode == 0, tail
     counts = _counts(run.stdout.strip().splitlines()[-1])
@@ -136,13 +138,17 @@ for B, H, Hkv, Sq, Sk, D in ((1, 4, 2, 37, 53, 64), (2, 2, 2, 70, 70, 128), (1, 
             out, lse = _cpu.bf16dot_forward(q, k, v, causal, D ** -0.5, threads)
             grads = _cpu.bf16dot_backward(dout, q, k, v, out, lse, causal, D ** -0.5, None, threads)
             results.append((out.clone(), lse.clone(), *(g.clone() for g in grads)))
+            # the fma kernel's AVX-512 tier, fp32 and widened bf16
+            for x in (q.float(), q):
+                out, lse = _cpu.fma_forward(x, k.to(x.dtype), v.to(x.dtype), causal, D ** -0.5, threads)
+                results.append((out.clone(), lse.clone()))
 torch.save(results, sys.argv[1])
 """
 
 
 def test_the_emulation_matches_the_real_kernels_bit_for_bit(emulated_beside_real, tmp_path):
     """On a CPU with AVX-512 BF16: the emulated build (what CI's AVX2-only machines test) gives the real
-    kernels' bits, forward and backward, over GQA, S_q != S_k, causal, head dims 64-192 and 1-2 threads; the
+    kernels' bits, bf16dot forward and backward and the fma kernel's AVX-512 tier, over GQA, S_q != S_k, causal, head dims 64-192 and 1-2 threads; the
     emulation tests above are only as good as this agreement."""
     script = tmp_path / "compare.py"
     script.write_text(_COMPARE)
@@ -156,7 +162,7 @@ def test_the_emulation_matches_the_real_kernels_bit_for_bit(emulated_beside_real
     import torch
 
     emulated, real = torch.load(tmp_path / "emulated.pt"), torch.load(tmp_path / "real.pt")
-    assert len(emulated) == len(real) == 16
+    assert len(emulated) == len(real) == 48
     for i, (a, b) in enumerate(zip(emulated, real)):
         for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), a, b):
             assert torch.equal(x, y), (i, name, float((x.float() - y.float()).abs().max()))

@@ -779,12 +779,16 @@ PK_TARGET_AVX512BF16 inline float pf_exp_row(const float* s, int n, float m, uin
 // running max and alpha = exp(m - m_new), the factor of the row's sum and output so far (0 on its first
 // block). False where the row takes nothing from the block (the caller clears its p): no visible key, or a
 // poisoned row (every score so far -inf or NaN: l = NaN, and the caller recomputes the row exactly).
-inline bool softmax_step(float m, float& l, int n, float block_max, float* m_new, float* alpha) {
-  *m_new = n > 0 ? std::max(m, block_max) : m;
-  if (n == 0 || std::isnan(l) || *m_new == kNegInf) {
-    if (n > 0 && *m_new == kNegInf) l = std::numeric_limits<float>::quiet_NaN();
+inline bool softmax_takes(float& l, int n, float m_new) {
+  if (n == 0 || std::isnan(l) || m_new == kNegInf) {
+    if (n > 0 && m_new == kNegInf) l = std::numeric_limits<float>::quiet_NaN();
     return false;
   }
+  return true;
+}
+inline bool softmax_step(float m, float& l, int n, float block_max, float* m_new, float* alpha) {
+  *m_new = n > 0 ? std::max(m, block_max) : m;
+  if (!softmax_takes(l, n, *m_new)) return false;
   *alpha = std::exp(m - *m_new);
   return true;
 }
@@ -1005,21 +1009,23 @@ constexpr int FM_BN = 64;  // keys per block (8 groups of 8 lanes); register til
 inline bool fma_head_dim_ok(int64_t D) { return D > 0 && D % 16 == 0 && D <= 512; }
 
 #if PK_X86
-// Kf and Vf of (b, hk) (layout above)
-PK_TARGET_AVX2 void fma_pack_kv(const Problem& P, int64_t b, int64_t hk, int64_t Skp, float* kf, float* vf) {
+// Kf and Vf of (b, hk) (layout above; keys in groups of `lanes`, 8 or 16: the AVX2 or the AVX-512 tier)
+PK_TARGET_AVX2 void fma_pack_kv(const Problem& P, int64_t b, int64_t hk, int64_t Skp, int lanes, float* kf,
+                                float* vf) {
   const int64_t D = P.D, Sk = P.Sk;
   const int64_t kbase = b * P.ks[0] + hk * P.ks[1], vbase = b * P.vs[0] + hk * P.vs[1];
-  for (int64_t g = 0; g < Skp / 8; ++g) {
-    float* out = kf + g * D * 8;
-    for (int64_t d = 0; d < D; d += 8) {
-      __m256 r[8];
-      for (int l = 0; l < 8; ++l) {
-        const int64_t j = g * 8 + l;
-        r[l] = j < Sk ? pk::load8_f32(P.k, P.dt, kbase + j * P.ks[2] + d) : _mm256_setzero_ps();
+  for (int64_t g = 0; g < Skp / lanes; ++g) {
+    float* out = kf + g * D * lanes;
+    for (int half = 0; half < lanes; half += 8)  // 8 keys at a time: one 8 x 8 transpose per 8 columns
+      for (int64_t d = 0; d < D; d += 8) {
+        __m256 r[8];
+        for (int l = 0; l < 8; ++l) {
+          const int64_t j = g * lanes + half + l;
+          r[l] = j < Sk ? pk::load8_f32(P.k, P.dt, kbase + j * P.ks[2] + d) : _mm256_setzero_ps();
+        }
+        pk::transpose8_ps(r);
+        for (int t = 0; t < 8; ++t) _mm256_storeu_ps(out + (d + t) * lanes + half, r[t]);
       }
-      pk::transpose8_ps(r);
-      for (int t = 0; t < 8; ++t) _mm256_storeu_ps(out + (d + t) * 8, r[t]);
-    }
   }
   for (int64_t j = 0; j < Skp; ++j)
     for (int64_t d = 0; d < D; d += 8)
@@ -1095,7 +1101,12 @@ PK_TARGET_AVX2 inline float fma_exp_row(const float* s, int n, float m, float* p
 
 struct FmaScratch {
   std::vector<float> q, s, p, o, m, l;
+  std::vector<float> m_new, alpha;  // (the AVX-512 tier's softmax passes)
+  std::vector<int> n;
   void size_for(int64_t D) {
+    m_new.resize(PF_BM);
+    alpha.resize(PF_BM);
+    n.resize(PF_BM);
     q.resize((size_t)PF_BM * D);
     s.resize((size_t)PF_BM * FM_BN);
     p.resize((size_t)PF_BM * FM_BN);
@@ -1105,10 +1116,10 @@ struct FmaScratch {
   }
 };
 
-// One work item: query rows [i0, i0 + rows) of head h (batch b). Returns the rows that see keys but got a
-// non-finite lse.
-PK_TARGET_AVX2 int64_t fma_item(const Problem& P, const float* kf, const float* vf, int64_t b, int64_t h, int64_t i0,
-                                int rows, FmaScratch& sc) {
+// The start of a work item: query rows [i0, i0 + rows) of head h (batch b) as fp32 into sc.q, o = 0, m = -inf,
+// l = 0 (both tiers).
+PK_TARGET_AVX2 inline void fma_start_item(const Problem& P, int64_t b, int64_t h, int64_t i0, int rows,
+                                          FmaScratch& sc) {
   const int64_t D = P.D;
   const int64_t qbase = b * P.qs[0] + h * P.qs[1];
   for (int r = 0; r < rows; ++r)
@@ -1119,6 +1130,42 @@ PK_TARGET_AVX2 int64_t fma_item(const Problem& P, const float* kf, const float* 
     sc.m[r] = kNegInf;
     sc.l[r] = 0.f;
   }
+}
+
+// The end of a work item: out = o / l in the output dtype, lse = m + log(l); rows that see no key: 0 and -inf.
+// Returns the rows that see keys but got a non-finite lse (both tiers).
+PK_TARGET_AVX2 inline int64_t fma_finish_item(const Problem& P, int64_t b, int64_t h, int64_t i0, int rows,
+                                              const FmaScratch& sc) {
+  const int64_t D = P.D;
+  int64_t bad = 0;
+  const int64_t obase = b * P.os[0] + h * P.os[1];
+  for (int r = 0; r < rows; ++r) {
+    const int64_t i = i0 + r;
+    const bool sees = P.visible(i) > 0;
+    const float l = sc.l[r], inv = sees && l > 0.f ? 1.f / l : 0.f;
+    const float* orow = sc.o.data() + (size_t)r * D;
+    const int64_t dst = obase + i * P.os[2];
+    if (P.dt == pk::DType::Float32) {
+      float* o32 = static_cast<float*>(P.out) + dst;
+      const __m256 vinv = _mm256_set1_ps(inv);
+      for (int64_t d = 0; d < D; d += 8)
+        _mm256_storeu_ps(o32 + d, sees ? _mm256_mul_ps(_mm256_loadu_ps(orow + d), vinv) : _mm256_setzero_ps());
+    } else {
+      for (int64_t d = 0; d < D; ++d) store_from_f32(P.out, P.dt, dst + d, sees ? orow[d] * inv : 0.f);
+    }
+    const float lse = sees ? sc.m[r] + std::log(l) : kNegInf;
+    P.lse[b * P.ls[0] + h * P.ls[1] + i * P.ls[2]] = lse;
+    bad += sees && !std::isfinite(lse) ? 1 : 0;
+  }
+  return bad;
+}
+
+// One work item: query rows [i0, i0 + rows) of head h (batch b). Returns the rows that see keys but got a
+// non-finite lse.
+PK_TARGET_AVX2 int64_t fma_item(const Problem& P, const float* kf, const float* vf, int64_t b, int64_t h, int64_t i0,
+                                int rows, FmaScratch& sc) {
+  const int64_t D = P.D;
+  fma_start_item(P, b, h, i0, rows, sc);
   const int64_t hi = P.visible(i0 + rows - 1);  // the keys the item's last (most seeing) row sees
   for (int64_t j0 = 0; j0 < hi; j0 += FM_BN) {
     const int nb = (int)std::min<int64_t>(FM_BN, hi - j0);
@@ -1157,28 +1204,158 @@ PK_TARGET_AVX2 int64_t fma_item(const Problem& P, const float* kf, const float* 
                                      sc.o.data() + (size_t)r0 * D + d0);
     });
   }
-  // out = o / l in the output dtype, lse = m + log(l); rows that see no key: 0 and -inf
-  int64_t bad = 0;
-  const int64_t obase = b * P.os[0] + h * P.os[1];
-  for (int r = 0; r < rows; ++r) {
-    const int64_t i = i0 + r;
-    const bool sees = P.visible(i) > 0;
-    const float l = sc.l[r], inv = sees && l > 0.f ? 1.f / l : 0.f;
-    const float* orow = sc.o.data() + (size_t)r * D;
-    const int64_t dst = obase + i * P.os[2];
-    if (P.dt == pk::DType::Float32) {
-      float* o32 = static_cast<float*>(P.out) + dst;
-      const __m256 vinv = _mm256_set1_ps(inv);
-      for (int64_t d = 0; d < D; d += 8)
-        _mm256_storeu_ps(o32 + d, sees ? _mm256_mul_ps(_mm256_loadu_ps(orow + d), vinv) : _mm256_setzero_ps());
-    } else {
-      for (int64_t d = 0; d < D; ++d) store_from_f32(P.out, P.dt, dst + d, sees ? orow[d] * inv : 0.f);
+  return fma_finish_item(P, b, h, i0, rows, sc);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The AVX-512 tier of the fma kernel, where the bf16dot kernels run (the same target, so the same emulation
+// build tests it on CPUs without AVX-512: tests/test_attention_avx512_emulated.py). Same arithmetic and
+// layout but keys in groups of 16 lanes, register tiles of 6 rows x 64 keys (scores) and 6 rows x 64 output
+// columns (P V) in 24 zmm accumulators, and the softmax 16 lanes at a time. Why: on a 2-core Zen 4 the AVX2
+// tier ran its two products at ~82% of the FMA peak and its softmax took ~22% of the time (one thread,
+// 8 heads x S=1024 x D=64); a 6 x 64 tile loads each key / value vector once per 6 rows and each broadcast
+// once per 64 lanes (against once per 16), and the softmax has half the instructions.
+// ---------------------------------------------------------------------------------------------------------
+// R rows of s[r][0, 16 NG) = scale * q_r . k_j for the keys of the NG 16-key groups from kg (each D x 16
+// floats; q rows D apart, s rows FM_BN apart)
+template <int R, int NG>
+PK_TARGET_AVX512BF16 inline void fma512_scores(const float* q, int64_t D, const float* kg, float scale, float* s) {
+  __m512 acc[R][NG];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < NG; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    __m512 kv[NG];
+#pragma GCC unroll 4
+    for (int c = 0; c < NG; ++c) kv[c] = _mm512_loadu_ps(kg + (c * D + d) * 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 qb = _mm512_set1_ps(q[r * D + d]);
+#pragma GCC unroll 4
+      for (int c = 0; c < NG; ++c) acc[r][c] = _mm512_fmadd_ps(qb, kv[c], acc[r][c]);
     }
-    const float lse = sees ? sc.m[r] + std::log(l) : kNegInf;
-    P.lse[b * P.ls[0] + h * P.ls[1] + i * P.ls[2]] = lse;
-    bad += sees && !std::isfinite(lse) ? 1 : 0;
   }
-  return bad;
+  const __m512 vs = _mm512_set1_ps(scale);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < NG; ++c) _mm512_storeu_ps(s + r * FM_BN + 16 * c, _mm512_mul_ps(acc[r][c], vs));
+}
+
+// R rows of o[r][0, 16 NC) += sum over keys j < n of p[r][j] * v[j][0, 16 NC) (p rows FM_BN apart, v and o
+// rows D apart, v at the block's first key and the tile's first column)
+template <int R, int NC>
+PK_TARGET_AVX512BF16 inline void fma512_pv(const float* p, const float* v, int64_t D, int n, float* o) {
+  __m512 acc[R][NC];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_loadu_ps(o + r * D + 16 * c);
+  for (int j = 0; j < n; ++j) {
+    __m512 vv[NC];
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(v + j * D + 16 * c);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 pb = _mm512_set1_ps(p[r * FM_BN + j]);
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_fmadd_ps(pb, vv[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + r * D + 16 * c, acc[r][c]);
+}
+
+// f(std::integral_constant<int, n>) for n in 1..4 (a tile's 16-lane groups or column vectors)
+template <class F>
+inline void fma512_width(int n, F&& f) {
+  switch (n) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// p[0, FM_BN) = exp(s[j] - m) for j < n, 0 beyond (keys the row does not see, the padding: whatever their
+// scores, even NaN); returns the sum
+PK_TARGET_AVX512BF16 inline float fma512_exp_row(const float* s, int n, float m, float* p) {
+  const __m512 vm = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (int j = 0; j < FM_BN; j += 16) {
+    const __mmask16 live = pf_live(j, n);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), vm)));
+    sum = _mm512_add_ps(sum, e);
+    _mm512_storeu_ps(p + j, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// fma_item on the AVX-512 tier (kf: keys in groups of 16)
+PK_TARGET_AVX512BF16 int64_t fma512_item(const Problem& P, const float* kf, const float* vf, int64_t b, int64_t h,
+                                         int64_t i0, int rows, FmaScratch& sc) {
+  const int64_t D = P.D;
+  fma_start_item(P, b, h, i0, rows, sc);
+  const int64_t hi = P.visible(i0 + rows - 1);  // the keys the item's last (most seeing) row sees
+  for (int64_t j0 = 0; j0 < hi; j0 += FM_BN) {
+    const int nb = (int)std::min<int64_t>(FM_BN, hi - j0);
+    const float* kblk = kf + j0 * D;  // (j0 / 16 groups of D x 16 floats)
+    pf_row_tiles(rows, [&](int r0, auto R) {
+      fma512_width((nb + 15) / 16, [&](auto NG) {
+        fma512_scores<decltype(R)::value, decltype(NG)::value>(sc.q.data() + (size_t)r0 * D, D, kblk, P.scale,
+                                                               sc.s.data() + (size_t)r0 * FM_BN);
+      });
+    });
+    // the online softmax in three passes over the rows (each row's max -> exp -> sum is one dependent chain:
+    // row by row, with a scalar exp between, it ran at ~1 instruction a cycle): the rows' maxima and new
+    // running maxima; their rescale factors alpha = exp(m - m_new), 16 rows at a time; the exponentials
+    for (int r = 0; r < rows; ++r) {
+      const int n = (int)std::clamp<int64_t>(P.visible(i0 + r) - j0, 0, nb);
+      const float* sr = sc.s.data() + (size_t)r * FM_BN;
+      sc.n[r] = n;
+      sc.m_new[r] = n > 0 ? std::max(sc.m[r], pf_row_max(sr, n)) : sc.m[r];
+    }
+    for (int r = 0; r < rows; r += 16) {
+      const __mmask16 live = pf_live(r, rows);
+      const __m512 m_old = _mm512_maskz_loadu_ps(live, sc.m.data() + r);
+      const __m512 m_new = _mm512_maskz_loadu_ps(live, sc.m_new.data() + r);
+      // (-inf - -inf = NaN where a row has no score yet: such rows take nothing below)
+      _mm512_mask_storeu_ps(sc.alpha.data() + r, live, exp512(_mm512_sub_ps(m_old, m_new)));
+    }
+    for (int r = 0; r < rows; ++r) {
+      const float* sr = sc.s.data() + (size_t)r * FM_BN;
+      float* pr = sc.p.data() + (size_t)r * FM_BN;
+      const int n = sc.n[r];
+      const float m_new = sc.m_new[r];
+      if (!softmax_takes(sc.l[r], n, m_new)) {
+        std::memset(pr, 0, sizeof(float) * FM_BN);
+        continue;
+      }
+      const float alpha = sc.alpha[r];
+      sc.l[r] = sc.l[r] * alpha + fma512_exp_row(sr, n, m_new, pr);
+      if (alpha != 1.f) {
+        float* orow = sc.o.data() + (size_t)r * D;
+        const __m512 va = _mm512_set1_ps(alpha);
+        for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(orow + d, _mm512_mul_ps(_mm512_loadu_ps(orow + d), va));
+      }
+      sc.m[r] = m_new;
+    }
+    const float* vblk = vf + j0 * D;
+    pf_row_tiles(rows, [&](int r0, auto R) {
+      // (the keys the tile's rows see, as in fma_item)
+      const int n = (int)std::clamp<int64_t>(P.visible(i0 + r0 + decltype(R)::value - 1) - j0, 0, nb);
+      if (n == 0) return;
+      for (int64_t d0 = 0; d0 < D; d0 += 64)
+        fma512_width((int)std::min<int64_t>(4, (D - d0) / 16), [&](auto NC) {
+          fma512_pv<decltype(R)::value, decltype(NC)::value>(sc.p.data() + (size_t)r0 * FM_BN, vblk + d0, D, n,
+                                                             sc.o.data() + (size_t)r0 * D + d0);
+        });
+    });
+  }
+  return fma_finish_item(P, b, h, i0, rows, sc);
 }
 #endif
 
@@ -1197,12 +1374,15 @@ int64_t fma_forward(const Problem& P, int num_threads) {
   const typename KeptBuffer<float>::Trim trim{packed, size_t(16) << 20};
   float* const vf = kf + groups * kv_floats;
   const int T = std::max(1, num_threads);
+  const bool wide = bf16dot_cpu();  // the AVX-512 tier
   pk::parallel_chunks(groups, std::min<int64_t>(T, groups), 1, [&](int, int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) fma_pack_kv(P, g / P.Hkv, g % P.Hkv, Skp, kf + g * kv_floats, vf + g * kv_floats);
+    for (int64_t g = g0; g < g1; ++g)
+      fma_pack_kv(P, g / P.Hkv, g % P.Hkv, Skp, wide ? 16 : 8, kf + g * kv_floats, vf + g * kv_floats);
   });
   std::vector<FmaScratch> scratch;
   return run_prefill_items(P, T, scratch, [&](FmaScratch& sc, int64_t g, int64_t b, int64_t h, int64_t i0, int rows) {
-    return fma_item(P, kf + g * kv_floats, vf + g * kv_floats, b, h, i0, rows, sc);
+    return wide ? fma512_item(P, kf + g * kv_floats, vf + g * kv_floats, b, h, i0, rows, sc)
+                : fma_item(P, kf + g * kv_floats, vf + g * kv_floats, b, h, i0, rows, sc);
   });
 #else
   (void)P;

@@ -35,8 +35,9 @@
             fp32 in different orders, which differ in fp32's last bits, below what bfloat16 gradients
             resolve (against a float64 oracle at logits up to ~1e4: the same dq/dk/dv errors with either
             forward's lse).
-"fma"     - csrc/attention/attention_cpu.cpp: FlashAttention-2's forward in fp32 with AVX2 FMAs (register tiles of
-            6 query rows x 16 keys and 6 rows x 16 output columns), float32 inputs and bfloat16 / float16 ones
+"fma"     - csrc/attention/attention_cpu.cpp: FlashAttention-2's forward in fp32 FMAs, AVX2 (register tiles of
+            6 query rows x 16 keys and 6 rows x 16 output columns) or, where the CPU has AVX-512 BF16 as
+            bf16dot wants, AVX-512 (6 rows x 64 keys, 6 rows x 64 columns), float32 inputs and bfloat16 / float16 ones
             widened as K and V are packed once per call; everything in fp32 (P too). Head dims that are
             multiples of 16 (up to 512). Forward only, and only for calls no backward can follow (as
             "decode": aten's backward recomputes P from its own scores, and an lse from another kernel

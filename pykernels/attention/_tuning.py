@@ -7,7 +7,7 @@ S = 256..2048, D = 64/128), aten's kernels won the forward by 1.9-3x and the bac
 which aten's kernels turn into zeros for a query row, and, but for "bf16dot", whenever the LSE output has
 a gradient, which aten's backward cannot take). Native: "decode" (forward only, a few query rows against a KV cache,
 where no backward follows), "bf16dot" (forward and backward, bfloat16 on CPUs with AVX-512 BF16) and "fma"
-(forward only where no backward follows, fp32 FMAs on AVX2) are candidates and the defaults of their
+(forward only where no backward follows, fp32 FMAs on AVX2 or AVX-512) are candidates and the defaults of their
 problems (see _cpu_fwd_default, _cpu_bwd_default).
 
 Triton: BLOCK_M x BLOCK_N tiles, warps and pipeline stages per head-dim bucket; the candidate lists are
@@ -49,20 +49,15 @@ _BF16DOT = {"impl": "bf16dot"}
 _BF16DOT_DEFAULT_WORK = 1 << 21
 
 
-# fp32 FMAs on AVX2 (csrc/attention/attention_cpu.cpp's fma kernel), forward only where no backward follows
+# fp32 FMAs on AVX2 or AVX-512 (csrc/attention/attention_cpu.cpp's fma kernel), forward only where no backward
+# follows
 _FMA = {"impl": "fma"}
-
-
-def _cpu_has_avx512() -> bool:
-    from .. import _native
-
-    return bool(_native.cpu_module("runtime").cpu_has_avx512())
 
 
 def _cpu_fwd_default(key):
     """"decode" up to 32 query rows per KV head; "bf16dot" for bfloat16 from 2^21 of work where the CPU has
-    AVX-512 BF16; "fma" where the CPU has AVX2 but not AVX-512 (a forward no backward follows; else it runs
-    as aten's kernels); else aten's kernels. "decode" measured on a 2-core EPYC VM (an
+    AVX-512 BF16; "fma" where the CPU has AVX2 (a forward no backward follows; else it runs as aten's
+    kernels); else aten's kernels. "decode" measured on a 2-core EPYC VM (an
     AVX-512 CPU, the kernel's AVX2 tier; H=32, D=128, one process, decode kernel / SDPA time): S_q=1 with 8
     KV heads over 1K-8K keys 0.31-0.45 (fp32) and 0.06-0.11 (bf16); 32 KV heads 0.62 / 0.18; S_q=4 with 8
     KV heads (16 rows) 0.87 / 0.69; S_q=16 (64 rows) 0.77 fp32 but 1.10 bf16, so from 33 rows it is only a
@@ -71,13 +66,17 @@ def _cpu_fwd_default(key):
         return dict(_DECODE_DEFAULT)
     if _cpu.bf16dot_applies(key) and key["bh"] * key["sq"] * key["sk"] * key["d"] >= _BF16DOT_DEFAULT_WORK:
         return dict(_BF16DOT)
-    if _cpu.fma_applies(key) and not _cpu_has_avx512():
+    if _cpu.fma_applies(key):
         # Measured on a 2-core EPYC (Zen 2, AVX2 only; aten's blocks run through its BLAS there), 2026-12-06,
         # B=1, H=8, one process, SDPA / kernel time, fp32 (bf16): S=128 D=64 1.07 (1.05); S=256 D=64
         # causal 1.72 (1.72); S=512 D=64 1.13 (1.15); S=512 D=128 causal 1.75 (1.68); S=1024 D=64 0.95
         # (0.94), causal 1.67 (1.29); S=1024 D=128 1.16 (0.93); S=2048 D=128 causal 1.13 (1.16); S=4096
         # D=64 causal 1.10 (1.16); B=4 S=512 D=64 1.39 (1.05); GQA 32/8 S=1024 D=128 causal 1.34, MQA
-        # 16/1 1.54 (1.37). (Unmeasured where the CPU has AVX-512: aten's kernels stay the default there.)
+        # 16/1 1.54 (1.37). On a 2-core EPYC (Zen 4, the kernel's AVX-512 tier), 2026-12-07, aten's / the
+        # kernel's time, fp32 (fp16): S=16 D=64 causal 0.99 (1.34); S=64 1.36 (1.38); S=128 causal 1.80
+        # (1.57); S=256 D=128 1.27 (1.19); S=1024 D=64 1.30, causal 1.55; S=1024 D=128 1.34 (1.28); S=2048
+        # D=128 causal 1.52; S=4096 D=64 causal 1.27 (1.56); B=4 S=512 causal 2.03 (2.14); GQA 32/8 S=1024
+        # D=128 1.29 (1.34), causal 1.77; S_q=100 S_k=300 causal 1.54 (1.51); S=1000 D=80 1.18 (1.50).
         return dict(_FMA)
     return dict(_CPU_DEFAULT)
 

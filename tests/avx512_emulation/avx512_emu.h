@@ -41,6 +41,7 @@ inline emu_m512 emu_set1_ps(float a) { emu::F r; for (int j = 0; j < 16; ++j) r.
 inline emu_m512 emu_setzero_ps() { return emu_set1_ps(0.f); }
 inline emu_m512 emu_loadu_ps(const void* p) { emu::F r; std::memcpy(&r, p, 64); return emu::f(r); }
 inline void emu_storeu_ps(void* p, emu_m512 a) { std::memcpy(p, &a, 64); }
+inline void emu_mask_storeu_ps(void* p, __mmask16 k, emu_m512 a) { auto A = emu::f(a); float* q = (float*)p; for (int j = 0; j < 16; ++j) if ((k >> j) & 1) q[j] = A.v[j]; }
 inline emu_m512i emu_loadu_si512(const void* p) { emu_m512i r; std::memcpy(&r, p, 64); return r; }
 inline void emu_storeu_si512(void* p, emu_m512i a) { std::memcpy(p, &a, 64); }
 inline emu_m512i emu_set1_epi32(int a) { emu::I r; for (int j = 0; j < 16; ++j) r.v[j] = a; return emu::i(r); }
@@ -101,6 +102,7 @@ inline emu_m256bh emu_cvtneps_pbh(emu_m512 a) { auto A = emu::f(a); emu::H16 r; 
 #define _mm512_setzero_ps emu_setzero_ps
 #define _mm512_loadu_ps emu_loadu_ps
 #define _mm512_storeu_ps emu_storeu_ps
+#define _mm512_mask_storeu_ps emu_mask_storeu_ps
 #define _mm512_loadu_si512 emu_loadu_si512
 #define _mm512_storeu_si512 emu_storeu_si512
 #define _mm512_set1_epi32 emu_set1_epi32
