@@ -466,7 +466,8 @@ def test_autotune_cpu_picks_a_candidate(tmp_cache):
     bwd = next(t for t in tunables if t.op == "flash_attention_backward")
     (args, kwargs), = [e for e in bwd.examples([32]) if e[1]["causal"]][:1]
     cfg_b = at.tune("flash_attention_backward", *args, budget_s=0.05, **kwargs)
-    assert cfg_b["impl"] in ("flash", "blocked")
+    fma_bwd = ("fma",) if _cpu.fma_backward_takes(args[1]) else ()  # (float32 on the fma kernel's AVX-512 tier)
+    assert cfg_b["impl"] in ("flash", "blocked") + fma_bwd
     # and bfloat16 examples, forward and backward, whose candidates include the bf16dot kernels (and the
     # forward's the fma kernel)
     native = ("bf16dot",) if _cpu.bf16dot_available() else ()
@@ -1839,23 +1840,27 @@ def test_fma_kernel_without_keys_and_where_it_does_not_apply(threads):
 
 
 @needs_fma
-def test_fma_is_the_default_for_forwards_and_never_before_a_backward(monkeypatch, tmp_cache):
+def test_fma_is_the_default_for_forwards_and_before_a_backward_only_its_own(monkeypatch, tmp_cache):
     """Where the CPU has AVX2 (either tier): an inference call takes the kernel on the lean and the general
     path alike (fp32, fp16; bf16 where bf16dot does not take it); a call a backward may follow (autograd,
-    torch.compile) takes aten's forward, whose lse aten's backward matches; a head dim not a multiple of 16
-    never takes it."""
+    torch.compile) takes it only where the native fma backward follows (float32 on the AVX-512 tier: the
+    same score tiles), else aten's forward, whose lse aten's backward matches; a head dim not a multiple of
+    16 never takes it."""
     import importlib
 
     pa = importlib.import_module("pykernels.attention")
     monkeypatch.setenv("PYKERNELS_AUTOTUNE", "0")  # (tmp_cache: no config memo from before)
-    calls = []
-    real = _cpu.fma_forward
+    calls, bwd_calls = [], []
+    real, real_bwd = _cpu.fma_forward, _cpu.fma_backward
     monkeypatch.setattr(_cpu, "fma_forward", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(_cpu, "fma_backward", lambda *a: bwd_calls.append(1) or real_bwd(*a))
     pa._LEAN_PLANS.clear()
     try:
         for dt in (torch.float32, torch.float16):
             q, k, v = make(1, 8, 2, 128, 128, 64, dt, seed=4)
-            n = len(calls)
+            native_bwd = _cpu.fma_backward_takes(q)
+            assert native_bwd == (dt == torch.float32 and _cpu.bf16dot_available())
+            n, nb = len(calls), len(bwd_calls)
             with torch.no_grad():
                 lean = flash_attention(q, k, v, causal=True, return_lse=True)
                 general = flash_attention(q.transpose(2, 3).contiguous().transpose(2, 3), k, v, causal=True,
@@ -1866,15 +1871,116 @@ def test_fma_is_the_default_for_forwards_and_never_before_a_backward(monkeypatch
             qa = q.clone().requires_grad_()
             out = flash_attention(qa, k, v, causal=True)
             out.float().sum().backward()
-            assert len(calls) == n + 2 and qa.grad is not None
+            assert len(calls) == n + 2 + native_bwd and len(bwd_calls) == nb + native_bwd
+            qr = q.detach().double().requires_grad_()
+            reference(qr, k, v, True)[0].sum().backward()
+            assert_close(qa.grad, qr.grad, dt, "dq")
             flash_attention(*make(1, 8, 2, 128, 128, 40, dt), causal=True)
-            assert len(calls) == n + 2
+            assert len(calls) == n + 2 + native_bwd
         torch._dynamo.reset()
-        torch.compile(lambda a, b, c: flash_attention(a, b, c, causal=True), backend="aot_eager",
-                      fullgraph=True)(qa, k, v)
-        assert len(calls) == 4
+        n = len(calls)
+        q32, k32, v32 = (t.float().requires_grad_() for t in (qa.detach(), k, v))
+        for args in ((qa, k, v), (q32, k32, v32)):  # float16: aten's forward; float32: the kernel where it has
+            torch.compile(lambda a, b, c: flash_attention(a, b, c, causal=True), backend="aot_eager",
+                          fullgraph=True)(*args)  # its own backward
+        assert len(calls) == n + _cpu.fma_backward_takes(q32)
     finally:
         pa._LEAN_PLANS.clear()
+
+
+needs_fma_backward = pytest.mark.skipif(
+    not (_cpu.fma_available() and _cpu.bf16dot_available()),
+    reason="the fma backward runs on the fma kernel's AVX-512 tier (a CPU with AVX-512 BF16)")
+
+
+@needs_fma_backward
+@pytest.mark.parametrize("shape", FMA_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_fma_backward_matches_the_oracle(shape, causal, threads):
+    """The native fp32 backward against the float64 oracle's gradients, with and without a gradient flowing
+    into the lse, for a negative scale, from its own forward's lse and from aten's; with fewer (batch, KV
+    head) groups than threads the threads split a group's heads; dq/dk/dv of rows and keys no one sees
+    are 0."""
+    q, k, v = make(*shape, torch.float32, seed=sum(shape) + 1)
+    g = torch.Generator().manual_seed(3)
+    dout = torch.randn(q.shape, generator=g)
+    dlse = torch.randn(q.shape[:3], generator=g)
+    for scale, with_dlse, forward in ((None, False, "fma"), (-0.7, True, "flash"), (0.3, False, "flash")):
+        sc = 1 / math.sqrt(shape[-1]) if scale is None else scale
+        out, lse = _forward_impl(q, k, v, causal, sc, "cpu", {"impl": forward})
+        qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+        o_ref, l_ref = reference(qr, kr, vr, causal, sc)
+        loss = (o_ref * dout.double()).sum()
+        if with_dlse:
+            loss = loss + (torch.where(torch.isinf(l_ref), 0.0, l_ref) * dlse.double()).sum()
+        want = torch.autograd.grad(loss, (qr, kr, vr))
+        got = _cpu.fma_backward(dout, q, k, v, out, lse, causal, sc, dlse if with_dlse else None, threads)
+        for name, a, w in zip(("dq", "dk", "dv"), got, want):
+            assert a.dtype == torch.float32 and a.is_contiguous()
+            assert_close(a, w, torch.float32, name)
+
+
+@needs_fma_backward
+def test_fma_backward_reads_strided_inputs():
+    """q/k/v laid out [B, S, H, D], an odd K row stride, and the expanded dout of out.sum(), on a group per
+    thread and on threads that split a group; the inputs are not modified."""
+    g = torch.Generator().manual_seed(6)
+    for B, H, Hkv, threads in ((2, 4, 2, 2), (1, 4, 1, 2), (1, 4, 1, 3)):
+        Sq, Sk, D = 70, 100, 48
+        q = torch.randn(B, Sq, H, D, generator=g).transpose(1, 2)
+        v = torch.randn(B, Sk, Hkv, D, generator=g).transpose(1, 2)
+        odd = torch.randn(B * Hkv * Sk * (D + 1), generator=g)
+        k = odd.as_strided((B, Hkv, Sk, D), (Hkv * Sk * (D + 1), Sk * (D + 1), D + 1, 1))
+        dout = torch.ones(()).expand(B, H, Sq, D)
+        before = [t.clone() for t in (q, k, v)]
+        out, lse = _forward_impl(q, k, v, True, 0.125, "cpu", {"impl": "fma"})
+        got = _cpu.fma_backward(dout, q, k, v, out, lse, True, 0.125, None, threads)
+        qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+        want = torch.autograd.grad(reference(qr, kr, vr, True, 0.125)[0].sum(), (qr, kr, vr))
+        for name, a, w in zip(("dq", "dk", "dv"), got, want):
+            assert_close(a, w, torch.float32, name)
+        assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v)))
+
+
+@needs_fma_backward
+@pytest.mark.parametrize("logit_scale", [1.0, 30.0, 300.0])
+def test_fma_forward_and_backward_as_accurate_as_aten(logit_scale):
+    """Training in float32 at logits up to the thousands: dq, dk, dv against the float64 oracle, from the fma
+    forward and backward, and from the fma forward under aten's backward (a tuner may pair them: aten
+    recomputes P from its own scores), each within 1.5x of aten's forward and backward's errors."""
+    q, k, v = make(1, 4, 2, 200, 200, 64, torch.float32, seed=11, scale=math.sqrt(logit_scale))
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(2))
+    qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = torch.autograd.grad(reference(qr, kr, vr, True)[0], (qr, kr, vr), dout.double())
+    sc = 1 / math.sqrt(64)
+    errs = {}
+    for fwd, bwd in (("fma", "fma"), ("fma", "flash"), ("flash", "flash")):
+        out, lse = _forward_impl(q, k, v, True, sc, "cpu", {"impl": fwd})
+        grads = _backward_impl(dout, None, q, k, v, out, lse, True, sc, "cpu", {"impl": bwd})
+        errs[fwd, bwd] = [((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(grads, ref)]
+    for pair in (("fma", "fma"), ("fma", "flash")):
+        for ours, aten in zip(errs[pair], errs["flash", "flash"]):
+            assert ours <= 1.5 * aten + 1e-6, errs
+
+
+@needs_fma_backward
+def test_fma_backward_non_finite_inputs_take_the_exact_path(monkeypatch):
+    """NaN in dout (a row that sees keys) or inf in v: the fma config's backward answers on the exact
+    blocked path, as the other impls; the kernel is not called."""
+    monkeypatch.setenv("PYKERNELS_AUTOTUNE", "0")
+    calls = []
+    real = _cpu.fma_backward
+    monkeypatch.setattr(_cpu, "fma_backward", lambda *a: calls.append(1) or real(*a))
+    q, k, v = make(1, 4, 2, 70, 70, 32, torch.float32, seed=8)
+    out, lse = _forward_impl(q, k, v, True, 0.2, "cpu", {"impl": "fma"})
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    dout[0, 1, -5, 7] = float("nan")
+    got = _backward_impl(dout, None, q, k, v, out, lse, True, 0.2, "cpu", {"impl": "fma"})
+    want = _backward_impl(dout, None, q, k, v, out, lse, True, 0.2, "cpu", {"impl": "blocked"})
+    assert not calls
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
 
 
 @needs_fma

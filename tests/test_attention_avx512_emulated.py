@@ -115,7 +115,7 @@ def test_bf16dot_tests_pass_on_the_emulated_kernels(emulated_module):
     default dispatch) and every fma kernel test (its AVX-512 tier, which runs where bf16dot does) on the
     emulated kernels; none may skip (they skip only without the kernels)."""
     run = _pytest(emulated_module, "tests/test_attention.py", "-k",
-                  "(bf16dot and not off_without_avx512) or (fma_kernel and not avx2_tier)")
+                  "(bf16dot and not off_without_avx512) or (fma_kernel and not avx2_tier) or fma_backward")
     tail = run.stdout[-6000:] + run.stderr[-2000:]
     assert run.returncode == 0, tail
     counts = _counts(run.stdout.strip().splitlines()[-1])
@@ -142,13 +142,16 @@ for B, H, Hkv, Sq, Sk, D in ((1, 4, 2, 37, 53, 64), (2, 2, 2, 70, 70, 128), (1, 
             for x in (q.float(), q):
                 out, lse = _cpu.fma_forward(x, k.to(x.dtype), v.to(x.dtype), causal, D ** -0.5, threads)
                 results.append((out.clone(), lse.clone()))
+            # and its fp32 backward
+            args = (dout.float(), q.float(), k.float(), v.float(), out.float(), lse, causal, D ** -0.5)
+            results.append(tuple(g.clone() for g in _cpu.fma_backward(*args, None, threads)))
 torch.save(results, sys.argv[1])
 """
 
 
 def test_the_emulation_matches_the_real_kernels_bit_for_bit(emulated_beside_real, tmp_path):
     """On a CPU with AVX-512 BF16: the emulated build (what CI's AVX2-only machines test) gives the real
-    kernels' bits, bf16dot forward and backward and the fma kernel's AVX-512 tier, over GQA, S_q != S_k, causal, head dims 64-192 and 1-2 threads; the
+    kernels' bits, bf16dot forward and backward and the fma kernel's AVX-512 tier (forward and backward), over GQA, S_q != S_k, causal, head dims 64-192 and 1-2 threads; the
     emulation tests above are only as good as this agreement."""
     script = tmp_path / "compare.py"
     script.write_text(_COMPARE)
@@ -162,7 +165,8 @@ def test_the_emulation_matches_the_real_kernels_bit_for_bit(emulated_beside_real
     import torch
 
     emulated, real = torch.load(tmp_path / "emulated.pt"), torch.load(tmp_path / "real.pt")
-    assert len(emulated) == len(real) == 48
+    assert len(emulated) == len(real) == 64
     for i, (a, b) in enumerate(zip(emulated, real)):
-        for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), a, b):
+        names = ("dq", "dk", "dv") if len(a) == 3 else ("out", "lse", "dq", "dk", "dv")  # (3: the fma backward)
+        for name, x, y in zip(names, a, b):
             assert torch.equal(x, y), (i, name, float((x.float() - y.float()).abs().max()))

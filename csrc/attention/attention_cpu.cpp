@@ -1009,27 +1009,39 @@ constexpr int FM_BN = 64;  // keys per block (8 groups of 8 lanes); register til
 inline bool fma_head_dim_ok(int64_t D) { return D > 0 && D % 16 == 0 && D <= 512; }
 
 #if PK_X86
-// Kf and Vf of (b, hk) (layout above; keys in groups of `lanes`, 8 or 16: the AVX2 or the AVX-512 tier)
-PK_TARGET_AVX2 void fma_pack_kv(const Problem& P, int64_t b, int64_t hk, int64_t Skp, int lanes, float* kf,
-                                float* vf) {
-  const int64_t D = P.D, Sk = P.Sk;
-  const int64_t kbase = b * P.ks[0] + hk * P.ks[1], vbase = b * P.vs[0] + hk * P.vs[1];
-  for (int64_t g = 0; g < Skp / lanes; ++g) {
-    float* out = kf + g * D * lanes;
-    for (int half = 0; half < lanes; half += 8)  // 8 keys at a time: one 8 x 8 transpose per 8 columns
+// Rows [0, n) of one (batch, head) slice of x (dtype dt, from element `base`, rows `stride` apart, D columns)
+// as fp32 keys in groups of `lanes` (8 or 16: the AVX2 or the AVX-512 tier), [npad / lanes][D][lanes] floats,
+// (g, d, l) = x[g lanes + l][d] (Kf's layout); rows n..npad are zero.
+PK_TARGET_AVX2 void fma_pack_lanes(const void* x, pk::DType dt, int64_t base, int64_t stride, int64_t n, int64_t npad,
+                                   int64_t D, int lanes, float* out) {
+  for (int64_t g = 0; g < npad / lanes; ++g) {
+    float* og = out + g * D * lanes;
+    for (int half = 0; half < lanes; half += 8)  // 8 rows at a time: one 8 x 8 transpose per 8 columns
       for (int64_t d = 0; d < D; d += 8) {
         __m256 r[8];
         for (int l = 0; l < 8; ++l) {
           const int64_t j = g * lanes + half + l;
-          r[l] = j < Sk ? pk::load8_f32(P.k, P.dt, kbase + j * P.ks[2] + d) : _mm256_setzero_ps();
+          r[l] = j < n ? pk::load8_f32(x, dt, base + j * stride + d) : _mm256_setzero_ps();
         }
         pk::transpose8_ps(r);
-        for (int t = 0; t < 8; ++t) _mm256_storeu_ps(out + (d + t) * lanes + half, r[t]);
+        for (int t = 0; t < 8; ++t) _mm256_storeu_ps(og + (d + t) * lanes + half, r[t]);
       }
   }
-  for (int64_t j = 0; j < Skp; ++j)
+}
+
+// The same rows as fp32 rows, [npad][D] floats (Vf's layout); rows n..npad are zero.
+PK_TARGET_AVX2 void fma_pack_rows(const void* x, pk::DType dt, int64_t base, int64_t stride, int64_t n, int64_t npad,
+                                  int64_t D, float* out) {
+  for (int64_t j = 0; j < npad; ++j)
     for (int64_t d = 0; d < D; d += 8)
-      _mm256_storeu_ps(vf + j * D + d, j < Sk ? pk::load8_f32(P.v, P.dt, vbase + j * P.vs[2] + d) : _mm256_setzero_ps());
+      _mm256_storeu_ps(out + j * D + d, j < n ? pk::load8_f32(x, dt, base + j * stride + d) : _mm256_setzero_ps());
+}
+
+// Kf and Vf of (b, hk) (layout above; keys in groups of `lanes`)
+PK_TARGET_AVX2 void fma_pack_kv(const Problem& P, int64_t b, int64_t hk, int64_t Skp, int lanes, float* kf,
+                                float* vf) {
+  fma_pack_lanes(P.k, P.dt, b * P.ks[0] + hk * P.ks[1], P.ks[2], P.Sk, Skp, P.D, lanes, kf);
+  fma_pack_rows(P.v, P.dt, b * P.vs[0] + hk * P.vs[1], P.vs[2], P.Sk, Skp, P.D, vf);
 }
 
 // R rows of s[r][16c .. 16c + 16) = scale * q_r . k_j for the 16 keys of groups kg, kg + 1 (q rows D apart)
@@ -1243,10 +1255,13 @@ PK_TARGET_AVX512BF16 inline void fma512_scores(const float* q, int64_t D, const 
     for (int c = 0; c < NG; ++c) _mm512_storeu_ps(s + r * FM_BN + 16 * c, _mm512_mul_ps(acc[r][c], vs));
 }
 
-// R rows of o[r][0, 16 NC) += sum over keys j < n of p[r][j] * v[j][0, 16 NC) (p rows FM_BN apart, v and o
-// rows D apart, v at the block's first key and the tile's first column)
+// R rows of o[r][0, 16 NC) += sum over j < n of p[r * rs + j * us] * v[j][0, 16 NC) (v and o rows D apart, v
+// at its first row and the tile's first column). The forward's P V (rs = FM_BN, us = 1: a row's
+// probabilities of the block's keys); the backward's P^T dO and dS^T Q (rs = 1, us = FM_BN: a key's column
+// over the block's query rows) and dS K.
 template <int R, int NC>
-PK_TARGET_AVX512BF16 inline void fma512_pv(const float* p, const float* v, int64_t D, int n, float* o) {
+PK_TARGET_AVX512BF16 inline void fma512_pv(const float* p, int64_t rs, int64_t us, const float* v, int64_t D, int n,
+                                           float* o) {
   __m512 acc[R][NC];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
@@ -1258,7 +1273,7 @@ PK_TARGET_AVX512BF16 inline void fma512_pv(const float* p, const float* v, int64
     for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(v + j * D + 16 * c);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512 pb = _mm512_set1_ps(p[r * FM_BN + j]);
+      const __m512 pb = _mm512_set1_ps(p[r * rs + j * us]);
 #pragma GCC unroll 4
       for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_fmadd_ps(pb, vv[c], acc[r][c]);
     }
@@ -1350,8 +1365,8 @@ PK_TARGET_AVX512BF16 int64_t fma512_item(const Problem& P, const float* kf, cons
       if (n == 0) return;
       for (int64_t d0 = 0; d0 < D; d0 += 64)
         fma512_width((int)std::min<int64_t>(4, (D - d0) / 16), [&](auto NC) {
-          fma512_pv<decltype(R)::value, decltype(NC)::value>(sc.p.data() + (size_t)r0 * FM_BN, vblk + d0, D, n,
-                                                             sc.o.data() + (size_t)r0 * D + d0);
+          fma512_pv<decltype(R)::value, decltype(NC)::value>(sc.p.data() + (size_t)r0 * FM_BN, FM_BN, 1, vblk + d0, D,
+                                                             n, sc.o.data() + (size_t)r0 * D + d0);
         });
     });
   }
@@ -1696,6 +1711,220 @@ int64_t prefill_backward(const BwdProblem& BP, int num_threads) {
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// The fma backward: FlashAttention-2's backward (Dao 2023, Algorithm 2) in fp32 on the fma kernel's AVX-512
+// tier, float32 inputs. The bf16dot backward's work split (a whole (batch, KV head) group per work item: dK/dV
+// of its keys and dQ of its G heads in one thread's fp32 accumulators, no atomics, no reduction pass) and
+// arithmetic (given the forward's lse and D_i = rowsum(dO_i O_i) - dlse_i from the caller):
+//   S = scale Q K^T, P = exp(S - lse), dP = dO V^T, dS = P (dP - D)          (dS = 0 where P is)
+//   dV += P^T dO, dK += scale dS^T Q, dQ += scale dS K                      (all fp32)
+// S comes from the forward's own score tiles (fma512_scores, K packed the same way), so P is exp of the very
+// scores the forward's lse summed. Operands packed once per group as fp32: K and V lane-per-key (S and dP
+// tiles), K, Q and dO of each head as rows (dQ, dK, dV, whose tiles broadcast P, dS or their transposes
+// straight from the score blocks: fma512_pv's strides, no transposed copies).
+// Why: aten's fp32 backward ran at ~60% of the FMA peak without a mask and ~40% with a causal one (its
+// 256 x 512 blocks computed the masked half of the diagonal ones) on a 2-core Zen 4.
+// ---------------------------------------------------------------------------------------------------------
+#if PK_X86
+struct FmaBwdScratch {
+  // kl, vl: K and V lane-per-key; kr: K rows; qr, dor, dq: the group's Q, dO rows and fp32 dQ sums
+  // ([G][Sqp][D]); s, dp: a block's P and dS ([PF_BM][FM_BN]); dk, dv: a key block's sums ([FM_BN][D])
+  std::vector<float> kl, vl, kr, qr, dor, dq, s, dp, dk, dv;
+  void size_for(int64_t G, int64_t Sqp, int64_t Skp, int64_t D) {
+    for (auto* x : {&kl, &vl, &kr}) x->resize((size_t)(Skp * D));
+    for (auto* x : {&qr, &dor, &dq}) x->resize((size_t)(G * Sqp * D));
+    for (auto* x : {&s, &dp}) x->resize((size_t)PF_BM * FM_BN);
+    for (auto* x : {&dk, &dv}) x->resize((size_t)FM_BN * D);
+  }
+};
+
+// rows [0, rows) of o (D floats apart) += p v over n rows of v (fma512_pv's strides: row r0 of a tile reads p
+// from r0 * rs), in register tiles of PF_RQ rows by up to 64 columns; n_of(r0, R): the n of a tile
+template <class N>
+PK_TARGET_AVX512BF16 inline void fma512_pv_rows(int rows, const float* p, int64_t rs, int64_t us, const float* v,
+                                                int64_t D, float* o, N&& n_of) {
+  pf_row_tiles(rows, [&](int r0, auto R) {
+    const int n = n_of(r0, decltype(R)::value);
+    if (n <= 0) return;
+    for (int64_t d0 = 0; d0 < D; d0 += 64)
+      fma512_width((int)std::min<int64_t>(4, (D - d0) / 16), [&](auto NC) {
+        fma512_pv<decltype(R)::value, decltype(NC)::value>(p + r0 * rs, rs, us, v + d0, D, n, o + (size_t)r0 * D + d0);
+      });
+  });
+}
+
+// rows [0, rows) of fp32 x (D apart) times `mul` into dst's rows (dtype dt, from element `base`, `stride` apart)
+inline void fma_store_rows(const float* x, int64_t rows, int64_t D, float mul, void* dst, pk::DType dt, int64_t base,
+                           int64_t stride) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < D; ++d) store_from_f32(dst, dt, base + r * stride + d, x[r * D + d] * mul);
+}
+
+// A group's share when there are fewer groups than threads: part p of `parts` takes the group's heads p,
+// p + parts, ... (their Q, dO and dQ rows), and adds its dK/dV into fp32 sums over all keys (dk, dv: [Skp][D],
+// zeroed), which the caller adds up over the parts. parts == 1: every head, dK/dV stored per key block.
+struct FmaBwdPart {
+  int part = 0, parts = 1;
+  float* dk = nullptr;
+  float* dv = nullptr;
+};
+
+PK_TARGET_AVX512BF16 void fma_bwd_group(const BwdProblem& BP, int64_t b, int64_t hk, FmaBwdScratch& sc,
+                                        const FmaBwdPart& part = FmaBwdPart()) {
+  const Problem& P = BP.P;
+  const int64_t D = P.D, G = P.H / P.Hkv, Sq = P.Sq, Sk = P.Sk;
+  const int64_t Sqp = (Sq + PF_BM - 1) / PF_BM * PF_BM, Skp = (Sk + FM_BN - 1) / FM_BN * FM_BN;
+  const int64_t kbase = b * P.ks[0] + hk * P.ks[1];
+  fma_pack_lanes(P.k, P.dt, kbase, P.ks[2], Sk, Skp, D, 16, sc.kl.data());
+  fma_pack_lanes(P.v, P.dt, b * P.vs[0] + hk * P.vs[1], P.vs[2], Sk, Skp, D, 16, sc.vl.data());
+  fma_pack_rows(P.k, P.dt, kbase, P.ks[2], Sk, Skp, D, sc.kr.data());
+  const bool shared = part.parts > 1;
+  for (int64_t g = part.part; g < G; g += part.parts) {
+    const int64_t h = hk * G + g;
+    fma_pack_rows(P.q, P.dt, b * P.qs[0] + h * P.qs[1], P.qs[2], Sq, Sqp, D, sc.qr.data() + g * Sqp * D);
+    fma_pack_rows(BP.dout, P.dt, b * BP.dos[0] + h * BP.dos[1], BP.dos[2], Sq, Sqp, D, sc.dor.data() + g * Sqp * D);
+  }
+  std::fill(sc.dq.begin(), sc.dq.begin() + G * Sqp * D, 0.f);
+  const int64_t off = Sk - Sq;  // bottom-right causal: row i sees keys j <= i + off
+  for (int64_t j0 = 0; j0 < Sk; j0 += FM_BN) {
+    const int nb = (int)std::min<int64_t>(FM_BN, Sk - j0);
+    float* const dk_acc = shared ? part.dk + j0 * D : sc.dk.data();
+    float* const dv_acc = shared ? part.dv + j0 * D : sc.dv.data();
+    if (!shared) {
+      std::fill(sc.dk.begin(), sc.dk.end(), 0.f);
+      std::fill(sc.dv.begin(), sc.dv.end(), 0.f);
+    }
+    const int64_t i_first = P.causal ? std::max<int64_t>(0, j0 - off) : 0;  // the first row that sees key j0
+    for (int64_t g = part.part; g < G && i_first < Sq; g += part.parts) {
+      const int64_t h = hk * G + g;
+      const float* lseh = BP.lse + b * BP.lss[0] + h * BP.lss[1];
+      const float* deltah = BP.delta + b * BP.dls[0] + h * BP.dls[1];
+      for (int64_t i0 = i_first / PF_BM * PF_BM; i0 < Sq; i0 += PF_BM) {
+        const int rows = (int)std::min<int64_t>(PF_BM, Sq - i0);
+        const float* qrows = sc.qr.data() + (g * Sqp + i0) * D;
+        const float* dorows = sc.dor.data() + (g * Sqp + i0) * D;
+        pf_row_tiles(rows, [&](int r0, auto R) {
+          fma512_width((nb + 15) / 16, [&](auto NG) {
+            constexpr int Rv = decltype(R)::value, NGv = decltype(NG)::value;
+            fma512_scores<Rv, NGv>(qrows + r0 * D, D, sc.kl.data() + j0 * D, P.scale, sc.s.data() + r0 * FM_BN);
+            fma512_scores<Rv, NGv>(dorows + r0 * D, D, sc.vl.data() + j0 * D, 1.f, sc.dp.data() + r0 * FM_BN);
+          });
+        });
+        // P = exp(S - lse) and dS = P (dP - D) in place of S and dP, 0 beyond the keys a row sees
+        for (int r = 0; r < rows; ++r) {
+          const int64_t i = i0 + r;
+          const int n = (int)std::clamp<int64_t>(P.visible(i) - j0, 0, nb);
+          const __m512 vlse = _mm512_set1_ps(lseh[i * BP.lss[2]]), vd = _mm512_set1_ps(deltah[i * BP.dls[2]]);
+          float* sr = sc.s.data() + (size_t)r * FM_BN;
+          float* dpr = sc.dp.data() + (size_t)r * FM_BN;
+          for (int j = 0; j < FM_BN; j += 16) {
+            const __mmask16 live = pf_live(j, n);
+            const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + j), vlse)));
+            const __mmask16 nz = _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+            _mm512_storeu_ps(sr + j, p);
+            _mm512_storeu_ps(dpr + j, _mm512_maskz_mul_ps(nz, p, _mm512_sub_ps(_mm512_maskz_loadu_ps(live, dpr + j), vd)));
+          }
+        }
+        // dV += P^T dO and dK += dS^T Q over the block's rows (a tile of keys from the first row that sees its
+        // first key); dQ += dS K over the keys a tile's last row sees
+        const auto from_row = [&](int k0) {
+          return P.causal ? (int)std::clamp<int64_t>(j0 + k0 - off - i0, 0, rows) : 0;
+        };
+        pf_row_tiles(nb, [&](int k0, auto R) {
+          const int r1 = from_row(k0), n = rows - r1;
+          if (n <= 0) return;
+          for (int64_t d0 = 0; d0 < D; d0 += 64)
+            fma512_width((int)std::min<int64_t>(4, (D - d0) / 16), [&](auto NC) {
+              constexpr int Rv = decltype(R)::value, NCv = decltype(NC)::value;
+              fma512_pv<Rv, NCv>(sc.s.data() + r1 * FM_BN + k0, 1, FM_BN, dorows + r1 * D + d0, D, n,
+                                 dv_acc + (size_t)k0 * D + d0);
+              fma512_pv<Rv, NCv>(sc.dp.data() + r1 * FM_BN + k0, 1, FM_BN, qrows + r1 * D + d0, D, n,
+                                 dk_acc + (size_t)k0 * D + d0);
+            });
+        });
+        fma512_pv_rows(rows, sc.dp.data(), FM_BN, 1, sc.kr.data() + j0 * D, D, sc.dq.data() + (g * Sqp + i0) * D,
+                       [&](int r0, int R) { return (int)std::clamp<int64_t>(P.visible(i0 + r0 + R - 1) - j0, 0, nb); });
+      }
+    }
+    if (shared) continue;  // (the caller adds up the parts)
+    fma_store_rows(sc.dk.data(), nb, D, P.scale, BP.dk, P.dt, b * BP.dks[0] + hk * BP.dks[1] + j0 * BP.dks[2],
+                   BP.dks[2]);
+    fma_store_rows(sc.dv.data(), nb, D, 1.f, BP.dv, P.dt, b * BP.dvs[0] + hk * BP.dvs[1] + j0 * BP.dvs[2], BP.dvs[2]);
+  }
+  for (int64_t g = part.part; g < G; g += part.parts) {
+    const int64_t h = hk * G + g;
+    fma_store_rows(sc.dq.data() + g * Sqp * D, Sq, D, P.scale, BP.dq, P.dt, b * BP.dqs[0] + h * BP.dqs[1], BP.dqs[2]);
+  }
+}
+#endif
+
+// dq, dk, dv of a float32 problem; -1 where this CPU lacks the AVX-512 tier, the dtype is not float32 or D is not
+// a multiple of 16 (up to 512): the caller takes another impl. Work items: whole (batch, KV head) groups.
+int64_t fma_backward(const BwdProblem& BP, int num_threads) {
+#if PK_X86
+  const Problem& P = BP.P;
+  if (!bf16dot_cpu() || P.dt != pk::DType::Float32 || !fma_head_dim_ok(P.D)) return -1;
+  const int64_t groups = P.B * P.Hkv;
+  if (groups == 0 || P.Sq == 0 || P.Sk == 0) return 0;  // (the caller returns zeros)
+  const int64_t G = P.H / P.Hkv;
+  const int64_t Sqp = (P.Sq + PF_BM - 1) / PF_BM * PF_BM, Skp = (P.Sk + FM_BN - 1) / FM_BN * FM_BN;
+  const int threads = std::max(1, num_threads);
+  const int parts = (int)std::clamp<int64_t>(threads / groups, 1, G);
+  if (parts == 1) {
+    std::vector<FmaBwdScratch> scratch((size_t)std::min<int64_t>(threads, groups));
+    pk::parallel_chunks(groups, (int)scratch.size(), 1, [&](int t, int64_t g0, int64_t g1) {
+      FmaBwdScratch& sc = scratch[(size_t)t];
+      sc.size_for(G, Sqp, Skp, P.D);
+      for (int64_t g = g0; g < g1; ++g) fma_bwd_group(BP, g / P.Hkv, g % P.Hkv, sc);
+    });
+    return 0;
+  }
+  // Fewer groups than threads (MQA, a batch of one): each group's heads split over `parts` threads
+  // (FmaBwdPart), whose fp32 dK/dV sums are then added up and stored, in parallel over key blocks.
+  // (One thread per group ran MQA 16/1 x 1024 x D=128 causal at 0.86x aten's time on 2 threads.)
+  const int64_t items = groups * parts, part_elems = Skp * P.D;
+  std::vector<float> dkv((size_t)(2 * items * part_elems), 0.f);  // [item][dk, dv][Skp][D]
+  std::vector<FmaBwdScratch> scratch((size_t)items);
+  pk::parallel_chunks(items, (int)items, 1, [&](int, int64_t it0, int64_t it1) {
+    for (int64_t it = it0; it < it1; ++it) {
+      FmaBwdScratch& sc = scratch[(size_t)it];
+      sc.size_for(G, Sqp, Skp, P.D);
+      FmaBwdPart part;
+      part.part = (int)(it % parts);
+      part.parts = parts;
+      part.dk = dkv.data() + (size_t)(2 * it * part_elems);
+      part.dv = part.dk + part_elems;
+      const int64_t g = it / parts;
+      fma_bwd_group(BP, g / P.Hkv, g % P.Hkv, sc, part);
+    }
+  });
+  const int64_t row_blocks = Skp / FM_BN;
+  pk::parallel_chunks(groups * row_blocks, threads, 1, [&](int, int64_t w0, int64_t w1) {
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t g = w / row_blocks, b = g / P.Hkv, hk = g % P.Hkv, j0 = (w % row_blocks) * FM_BN;
+      const int64_t nb = std::min<int64_t>(FM_BN, P.Sk - j0), n = nb * P.D;
+      float* first = dkv.data() + (size_t)(2 * g * parts * part_elems + j0 * P.D);  // (part 0's sums, added to)
+      for (int which = 0; which < 2; ++which) {  // dk, dv
+        float* acc = first + which * part_elems;
+        for (int p = 1; p < parts; ++p) {
+          const float* src = acc + 2 * p * part_elems;
+          for (int64_t e = 0; e < n; ++e) acc[e] += src[e];
+        }
+      }
+      fma_store_rows(first, nb, P.D, P.scale, BP.dk, P.dt, b * BP.dks[0] + hk * BP.dks[1] + j0 * BP.dks[2],
+                     BP.dks[2]);
+      fma_store_rows(first + part_elems, nb, P.D, 1.f, BP.dv, P.dt, b * BP.dvs[0] + hk * BP.dvs[1] + j0 * BP.dvs[2],
+                     BP.dvs[2]);
+    }
+  });
+  return 0;
+#else
+  (void)BP;
+  (void)num_threads;
+  return -1;
+#endif
+}
+
 // A Python tuple of 3 strides (dims b, h, s) into dst.
 void read_strides(py::tuple t, int64_t* dst, const char* name) {
   if (t.size() != 3) pk::fail_value("flash_attention", std::string("expected 3 strides of ") + name);
@@ -1752,12 +1981,15 @@ int64_t fma_forward_py(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t out, uin
   return fma_forward(P, std::max(1, num_threads));
 }
 
-int64_t prefill_backward_py(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t dout, uintptr_t lse, uintptr_t delta,
-                            uintptr_t dq, uintptr_t dk, uintptr_t dv, int64_t B, int64_t H, int64_t Hkv, int64_t Sq,
-                            int64_t Sk, int64_t D, py::tuple qs, py::tuple ks, py::tuple vs, py::tuple dos,
-                            py::tuple ls, py::tuple dls, py::tuple dqs, py::tuple dks, py::tuple dvs, double scale,
-                            bool causal, int dtype, int num_threads) {
-  BwdProblem BP{problem_of(q, k, v, 0, 0, B, H, Hkv, Sq, Sk, D, qs, ks, vs, dqs, ls, scale, causal, dtype, "bf16dot"),
+// The bf16dot or the fma backward (`kernel`), from Python's arguments.
+template <int64_t (*kernel)(const BwdProblem&, int)>
+int64_t backward_py(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t dout, uintptr_t lse, uintptr_t delta,
+                    uintptr_t dq, uintptr_t dk, uintptr_t dv, int64_t B, int64_t H, int64_t Hkv, int64_t Sq,
+                    int64_t Sk, int64_t D, py::tuple qs, py::tuple ks, py::tuple vs, py::tuple dos,
+                    py::tuple ls, py::tuple dls, py::tuple dqs, py::tuple dks, py::tuple dvs, double scale,
+                    bool causal, int dtype, int num_threads) {
+  const char* name = kernel == &fma_backward ? "fma" : "bf16dot";
+  BwdProblem BP{problem_of(q, k, v, 0, 0, B, H, Hkv, Sq, Sk, D, qs, ks, vs, dqs, ls, scale, causal, dtype, name),
                 reinterpret_cast<const void*>(dout), reinterpret_cast<const float*>(lse),
                 reinterpret_cast<const float*>(delta), reinterpret_cast<void*>(dq), reinterpret_cast<void*>(dk),
                 reinterpret_cast<void*>(dv), {}, {}, {}, {}, {}, {}};
@@ -1768,7 +2000,7 @@ int64_t prefill_backward_py(uintptr_t q, uintptr_t k, uintptr_t v, uintptr_t dou
   read_strides(dks, BP.dks, "dk");
   read_strides(dvs, BP.dvs, "dv");
   py::gil_scoped_release release;
-  return prefill_backward(BP, std::max(1, num_threads));
+  return kernel(BP, std::max(1, num_threads));
 }
 
 bool prefill_available() {
@@ -1803,17 +2035,24 @@ PYBIND11_MODULE(_cpu_attention, m) {
         "keys got a non-finite lse, -1 where the kernel does not apply (no AVX-512 BF16, another dtype or D), or -2 "
         "where an input holds a nonzero value below 2^-50 or |scale| * D > 2^80 (the dot products would flush terms to 0; "
         "nothing computed).");
-  m.def("prefill_backward", &prefill_backward_py, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("dout"),
-        py::arg("lse"), py::arg("delta"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::arg("B"), py::arg("H"),
-        py::arg("Hkv"), py::arg("Sq"), py::arg("Sk"), py::arg("D"), py::arg("q_strides"), py::arg("k_strides"),
-        py::arg("v_strides"), py::arg("dout_strides"), py::arg("lse_strides"), py::arg("delta_strides"),
-        py::arg("dq_strides"), py::arg("dk_strides"), py::arg("dv_strides"), py::arg("scale"), py::arg("causal"),
-        py::arg("dtype"), py::arg("num_threads"),
+#define PK_BACKWARD_ARGS                                                                                          \
+  py::arg("q"), py::arg("k"), py::arg("v"), py::arg("dout"), py::arg("lse"), py::arg("delta"), py::arg("dq"),       \
+      py::arg("dk"), py::arg("dv"), py::arg("B"), py::arg("H"), py::arg("Hkv"), py::arg("Sq"), py::arg("Sk"),       \
+      py::arg("D"), py::arg("q_strides"), py::arg("k_strides"), py::arg("v_strides"), py::arg("dout_strides"),      \
+      py::arg("lse_strides"), py::arg("delta_strides"), py::arg("dq_strides"), py::arg("dk_strides"),               \
+      py::arg("dv_strides"), py::arg("scale"), py::arg("causal"), py::arg("dtype"), py::arg("num_threads")
+  m.def("prefill_backward", &backward_py<prefill_backward>, PK_BACKWARD_ARGS,
         "bfloat16 flash-attention backward with AVX-512 BF16 dot products: dq, dk, dv (bf16, every element written "
         "where S_q, S_k > 0) from "
         "q, k, v, dout, the forward's lse and delta = rowsum(dout * out) - dlse (float32); finite inputs. Returns "
         "-1 where the kernel does not apply (as prefill_forward), -2 where an input holds a nonzero value below 2^-50 or |scale| * D > 2^80 (outputs "
         "partly written), else 0.");
+  m.def("fma_backward", &backward_py<fma_backward>, PK_BACKWARD_ARGS,
+        "float32 flash-attention backward with AVX-512 FMAs: dq, dk, dv (float32, every element written where S_q, "
+        "S_k > 0) from q, k, v, dout, the forward's lse and delta = rowsum(dout * out) - dlse (float32); finite "
+        "inputs. Returns -1 where the kernel does not apply (no AVX-512 BF16 tier, not float32, D not a multiple of "
+        "16 up to 512), else 0.");
+#undef PK_BACKWARD_ARGS
   m.def("fma_forward", &fma_forward_py, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
         py::arg("lse"), py::arg("B"), py::arg("H"), py::arg("Hkv"), py::arg("Sq"), py::arg("Sk"), py::arg("D"),
         py::arg("q_strides"), py::arg("k_strides"), py::arg("v_strides"), py::arg("out_strides"),

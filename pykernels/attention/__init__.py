@@ -132,7 +132,10 @@ def _forward_impl(q, k, v, causal: bool, scale: float, backend: str, config: Opt
         result = _bf16dot(q, k, v, causal, scale, cfg)
         if result is not None:
             return result
-    elif impl == "fma" and inference and _cpu.fma_takes(q):  # (where a backward may follow: aten's, as decode)
+    elif impl == "fma" and _cpu.fma_takes(q) and (inference or _cpu.fma_backward_takes(q)):
+        # where a backward may follow, only where the native fma backward takes it (float32 on the AVX-512
+        # tier), which recomputes P from the same score tiles; aten's backward (bf16/fp16, the AVX2 tier)
+        # gets aten's forward, as decode
         result = _fma(q, k, v, causal, scale, cfg)
         if result is not None:
             return result
@@ -217,6 +220,8 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, ba
         if grads is not None:  # (None: a tiny input or a huge scale, which aten's exact arithmetic takes below)
             return grads
         impl = "flash"
+    if impl == "fma" and finite and _cpu.fma_backward_takes(q):  # (takes an LSE gradient)
+        return _cpu.fma_backward(dout, q, k, v, out, lse, causal, scale, dlse, _threads(cfg))
     if dlse is not None or impl == "blocked" or not finite:
         # aten's backward derives D = rowsum(dO * O) itself, so it cannot take an LSE gradient.
         return _cpu.blocked_backward(dout, q, k, v, out, lse, causal, scale, dlse=dlse,

@@ -39,9 +39,11 @@
             6 query rows x 16 keys and 6 rows x 16 output columns) or, where the CPU has AVX-512 BF16 as
             bf16dot wants, AVX-512 (6 rows x 64 keys, 6 rows x 64 columns), float32 inputs and bfloat16 / float16 ones
             widened as K and V are packed once per call; everything in fp32 (P too). Head dims that are
-            multiples of 16 (up to 512). Forward only, and only for calls no backward can follow (as
-            "decode": aten's backward recomputes P from its own scores, and an lse from another kernel
-            differs in fp32's last bits, which at logits ~1e4 moves fp32 gradients by ~1e-3).
+            multiples of 16 (up to 512). On the AVX-512 tier, float32 has its backward too (FlashAttention-2's
+            in fp32 on the same score tiles, one thread per (batch, KV head) group or a group's heads split
+            over threads; takes an LSE gradient), and the forward runs where a backward may follow; else
+            (bf16/fp16, the AVX2 tier) only for calls no backward can follow (as "decode": aten's backward
+            recomputes P from its own scores, and an lse from another kernel differs in fp32's last bits).
 "blocked" - FlashAttention's tiling done with BLAS: the query rows are cut into chunks; per chunk the
             scores against the (causally) visible keys are one batched GEMM, a masked softmax in fp32 (or
             fp64), and one GEMM with V. GQA is a reshape (the query heads of a group share one GEMM), the
@@ -507,6 +509,30 @@ def bf16dot_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dlse, 
     out and lse; dlse (optional) enters as D = rowsum(dO * O) - dlse. None where an input holds a tiny value
     or the scale is too large (_TINY_INPUT): the caller takes an exact path. The caller checks bf16dot_takes(q) and
     that dout, out and the lse of rows that see keys are finite."""
+    return _native_backward("prefill_backward", "bf16dot", dout, q, k, v, out, lse, causal, scale, dlse, threads)
+
+
+def fma_backward_takes(q: torch.Tensor) -> bool:
+    """Whether the native fma backward takes a call: float32, a head dim the fma kernel takes, and its AVX-512
+    tier (which runs where bf16dot does)."""
+    return q.dtype == torch.float32 and _fma_ok(q.dtype, q.shape[-1]) and bf16dot_available()
+
+
+def fma_backward_applies(key: dict) -> bool:
+    """fma_backward_takes for an autotune key (problem_key)."""
+    return key["dtype"] == "float32" and _fma_ok(torch.float32, key["d"]) and bf16dot_available()
+
+
+def fma_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dlse, threads: int):
+    """dq, dk, dv of the native fma backward (FlashAttention-2's in fp32, on the fma kernel's AVX-512 tier and
+    its score tiles) from the global out and lse; dlse (optional) enters as D = rowsum(dO * O) - dlse. The
+    caller checks fma_backward_takes(q) and that dout, out and the lse of rows that see keys are finite."""
+    return _native_backward("fma_backward", "fma", dout, q, k, v, out, lse, causal, scale, dlse, threads)
+
+
+def _native_backward(name: str, impl: str, dout, q, k, v, out, lse, causal: bool, scale: float, dlse, threads: int):
+    """The native backward `name` (of impl `impl`): zero gradients for empty problems; rows that see no key
+    (causal, S_q > S_k) never reach the kernel."""
     Sq, Sk = q.shape[2], k.shape[2]
     if q.numel() == 0 or k.numel() == 0:
         return zero_grads(q, k, v)
@@ -514,19 +540,20 @@ def bf16dot_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dlse, 
         # the first Sq - Sk rows see no key: no gradient, and they never reach the kernel (a NaN in such a
         # row's q would meet p = 0 in dK += dS^T Q: review finding)
         dead = Sq - Sk
-        grads = _bf16dot_backward_kernel(dout[:, :, dead:], q[:, :, dead:], k, v, out[:, :, dead:],
-                                         lse[:, :, dead:], True, scale,
-                                         None if dlse is None else dlse[:, :, dead:], threads)
+        grads = _native_backward_kernel(name, impl, dout[:, :, dead:], q[:, :, dead:], k, v, out[:, :, dead:],
+                                        lse[:, :, dead:], True, scale, None if dlse is None else dlse[:, :, dead:],
+                                        threads)
         if grads is None:
             return None
         dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
         dq[:, :, dead:] = grads[0]
         return dq, grads[1], grads[2]
-    return _bf16dot_backward_kernel(dout, q, k, v, out, lse, causal, scale, dlse, threads)
+    return _native_backward_kernel(name, impl, dout, q, k, v, out, lse, causal, scale, dlse, threads)
 
 
-def _bf16dot_backward_kernel(dout, q, k, v, out, lse, causal: bool, scale: float, dlse, threads: int):
-    """bf16dot_backward for problems whose every query row sees keys."""
+def _native_backward_kernel(name: str, impl: str, dout, q, k, v, out, lse, causal: bool, scale: float, dlse,
+                            threads: int):
+    """_native_backward for problems whose every query row sees keys."""
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     q, k, v, dout = _dense_last(q), _dense_last(k), _dense_last(v), _dense_last(dout)
@@ -536,13 +563,13 @@ def _bf16dot_backward_kernel(dout, q, k, v, out, lse, causal: bool, scale: float
     if dlse is not None:
         delta = delta - dlse.float()
     lse = lse.float()
-    bad = _native.cpu_module("attention").prefill_backward(
+    bad = getattr(_native.cpu_module("attention"), name)(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), dout.data_ptr(), lse.data_ptr(), delta.data_ptr(), dq.data_ptr(),
         dk.data_ptr(), dv.data_ptr(), B, H, Hkv, Sq, Sk, D, q.stride()[:3], k.stride()[:3], v.stride()[:3],
         dout.stride()[:3], lse.stride(), delta.stride(), dq.stride()[:3], dk.stride()[:3], dv.stride()[:3],
         float(scale), bool(causal), _native.dtype_code(q.dtype), int(threads))
-    if bad == _NOT_APPLICABLE:  # (bf16dot_takes said yes: only a CPU or build without the kernel gets here)
-        raise RuntimeError("pykernels.flash_attention: internal error: the bf16dot kernel does not take this call")
+    if bad == _NOT_APPLICABLE:  # (the caller's check said yes: only a CPU or build without the kernel gets here)
+        raise RuntimeError(f"pykernels.flash_attention: internal error: the {impl} kernel does not take this call")
     return None if bad == _TINY_INPUT else (dq, dk, dv)
 
 

@@ -4,10 +4,11 @@ CPU: which implementation ("flash" = aten's CPU flash kernels, wrapped; "blocked
 for "blocked", how many score elements one row chunk holds. Measured on a 2-core Zen 3 (fp32/bf16,
 S = 256..2048, D = 64/128), aten's kernels won the forward by 1.9-3x and the backward by 1.2-2.6x, so
 "flash" is the default; "blocked" stays a candidate (and is the backward whenever an input holds NaN/inf,
-which aten's kernels turn into zeros for a query row, and, but for "bf16dot", whenever the LSE output has
+which aten's kernels turn into zeros for a query row, and, but for "bf16dot" and "fma", whenever the LSE output has
 a gradient, which aten's backward cannot take). Native: "decode" (forward only, a few query rows against a KV cache,
 where no backward follows), "bf16dot" (forward and backward, bfloat16 on CPUs with AVX-512 BF16) and "fma"
-(forward only where no backward follows, fp32 FMAs on AVX2 or AVX-512) are candidates and the defaults of their
+(fp32 FMAs on AVX2 or AVX-512: the forward, where a backward may follow only for float32 on the AVX-512 tier,
+whose backward is native too) are candidates and the defaults of their
 problems (see _cpu_fwd_default, _cpu_bwd_default).
 
 Triton: BLOCK_M x BLOCK_N tiles, warps and pipeline stages per head-dim bucket; the candidate lists are
@@ -49,8 +50,8 @@ _BF16DOT = {"impl": "bf16dot"}
 _BF16DOT_DEFAULT_WORK = 1 << 21
 
 
-# fp32 FMAs on AVX2 or AVX-512 (csrc/attention/attention_cpu.cpp's fma kernel), forward only where no backward
-# follows
+# fp32 FMAs on AVX2 or AVX-512 (csrc/attention/attention_cpu.cpp's fma kernel): the forward (where a backward
+# may follow only when the fma backward takes it: float32 on the AVX-512 tier), and that backward
 _FMA = {"impl": "fma"}
 
 
@@ -92,14 +93,21 @@ def _cpu_bwd_default(key):
     """"bf16dot" where it applies: its backward took 0.2-0.7x aten's time on a 2-core EPYC (Zen 4),
     2026-12-05, over 8-32 heads x S = 16..2048 x D = 64/128, causal or not, GQA; with fewer (batch, KV head)
     groups than threads (MQA with B = 1) the threads share a group (2026-12-05, H = 4..32 over one KV head,
-    S = 256..2048: 0.15-0.45x aten's time on 2 threads); else aten's kernels."""
+    S = 256..2048: 0.15-0.45x aten's time on 2 threads). "fma" for float32 where its backward applies (the
+    AVX-512 tier): on a 2-core EPYC (Zen 4), 2026-12-07, aten's / its time, B=1, H=8, D=64: S=1024 1.40,
+    causal 1.86-1.99; GQA 8/2 causal 1.78-1.87; S_q=256 S_k=2048 causal 1.52-1.59; S=128 causal 1.51-1.57;
+    S=2048 D=128 causal 1.57-1.60; MQA 16/1 S=1024 D=128 causal 1.44 (heads split over the threads). Else
+    aten's kernels."""
     if _cpu.bf16dot_applies(key):
         return dict(_BF16DOT)
+    if _cpu.fma_backward_applies(key):
+        return dict(_FMA)
     return dict(_CPU_DEFAULT)
 
 
 def _cpu_bwd_candidates(key):
-    return [dict(c) for c in _CPU_CANDIDATES + ([_BF16DOT] if _cpu.bf16dot_applies(key) else [])]
+    extra = ([_BF16DOT] if _cpu.bf16dot_applies(key) else []) + ([_FMA] if _cpu.fma_backward_applies(key) else [])
+    return [dict(c) for c in _CPU_CANDIDATES + extra]
 
 
 def _examples(device: str, sizes, with_backward: bool):
