@@ -1843,8 +1843,8 @@ def test_fma_kernel_without_keys_and_where_it_does_not_apply(threads):
 def test_fma_is_the_default_for_forwards_and_before_a_backward_only_its_own(monkeypatch, tmp_cache):
     """Where the CPU has AVX2 (either tier): an inference call takes the kernel on the lean and the general
     path alike (fp32, fp16; bf16 where bf16dot does not take it); a call a backward may follow (autograd,
-    torch.compile) takes it only where the native fma backward follows (float32 on the AVX-512 tier: the
-    same score tiles), else aten's forward, whose lse aten's backward matches; a head dim not a multiple of
+    torch.compile) takes it only where the native fma backward follows (the AVX-512 tier: the same score
+    tiles), else aten's forward, whose lse aten's backward matches; a head dim not a multiple of
     16 never takes it."""
     import importlib
 
@@ -1859,7 +1859,7 @@ def test_fma_is_the_default_for_forwards_and_before_a_backward_only_its_own(monk
         for dt in (torch.float32, torch.float16):
             q, k, v = make(1, 8, 2, 128, 128, 64, dt, seed=4)
             native_bwd = _cpu.fma_backward_takes(q)
-            assert native_bwd == (dt == torch.float32 and _cpu.bf16dot_available())
+            assert native_bwd == _cpu.bf16dot_available()
             n, nb = len(calls), len(bwd_calls)
             with torch.no_grad():
                 lean = flash_attention(q, k, v, causal=True, return_lse=True)
@@ -1879,11 +1879,9 @@ def test_fma_is_the_default_for_forwards_and_before_a_backward_only_its_own(monk
             assert len(calls) == n + 2 + native_bwd
         torch._dynamo.reset()
         n = len(calls)
-        q32, k32, v32 = (t.float().requires_grad_() for t in (qa.detach(), k, v))
-        for args in ((qa, k, v), (q32, k32, v32)):  # float16: aten's forward; float32: the kernel where it has
-            torch.compile(lambda a, b, c: flash_attention(a, b, c, causal=True), backend="aot_eager",
-                          fullgraph=True)(*args)  # its own backward
-        assert len(calls) == n + _cpu.fma_backward_takes(q32)
+        torch.compile(lambda a, b, c: flash_attention(a, b, c, causal=True), backend="aot_eager",
+                      fullgraph=True)(qa, k, v)
+        assert len(calls) == n + native_bwd  # (the kernel where its own backward follows)
     finally:
         pa._LEAN_PLANS.clear()
 
@@ -1896,15 +1894,16 @@ needs_fma_backward = pytest.mark.skipif(
 @needs_fma_backward
 @pytest.mark.parametrize("shape", FMA_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_fma_backward_matches_the_oracle(shape, causal, threads):
-    """The native fp32 backward against the float64 oracle's gradients, with and without a gradient flowing
-    into the lse, for a negative scale, from its own forward's lse and from aten's; with fewer (batch, KV
-    head) groups than threads the threads split a group's heads; dq/dk/dv of rows and keys no one sees
-    are 0."""
-    q, k, v = make(*shape, torch.float32, seed=sum(shape) + 1)
+@pytest.mark.parametrize("threads, dtype", [(1, torch.float32), (2, torch.float32), (3, torch.float32),
+                                            (2, torch.bfloat16), (3, torch.float16)])
+def test_fma_backward_matches_the_oracle(shape, causal, threads, dtype):
+    """The native backward (fp32 arithmetic, any of the three dtypes widened, gradients rounded once) against
+    the float64 oracle's gradients, with and without a gradient flowing into the lse, for a negative scale,
+    from its own forward's lse and from aten's; with fewer (batch, KV head) groups than threads the threads
+    split a group's heads; dq/dk/dv of rows and keys no one sees are 0."""
+    q, k, v = make(*shape, dtype, seed=sum(shape) + 1)
     g = torch.Generator().manual_seed(3)
-    dout = torch.randn(q.shape, generator=g)
+    dout = torch.randn(q.shape, generator=g).to(dtype)
     dlse = torch.randn(q.shape[:3], generator=g)
     for scale, with_dlse, forward in ((None, False, "fma"), (-0.7, True, "flash"), (0.3, False, "flash")):
         sc = 1 / math.sqrt(shape[-1]) if scale is None else scale
@@ -1917,8 +1916,8 @@ def test_fma_backward_matches_the_oracle(shape, causal, threads):
         want = torch.autograd.grad(loss, (qr, kr, vr))
         got = _cpu.fma_backward(dout, q, k, v, out, lse, causal, sc, dlse if with_dlse else None, threads)
         for name, a, w in zip(("dq", "dk", "dv"), got, want):
-            assert a.dtype == torch.float32 and a.is_contiguous()
-            assert_close(a, w, torch.float32, name)
+            assert a.dtype == dtype and a.is_contiguous()
+            assert_close(a, w, dtype, name)
 
 
 @needs_fma_backward

@@ -1713,7 +1713,8 @@ int64_t prefill_backward(const BwdProblem& BP, int num_threads) {
 
 // ---------------------------------------------------------------------------------------------------------
 // The fma backward: FlashAttention-2's backward (Dao 2023, Algorithm 2) in fp32 on the fma kernel's AVX-512
-// tier, float32 inputs. The bf16dot backward's work split (a whole (batch, KV head) group per work item: dK/dV
+// tier, float32 inputs (bfloat16 / float16 widened as packed, the gradients rounded once). The bf16dot backward's
+// work split (a whole (batch, KV head) group per work item: dK/dV
 // of its keys and dQ of its G heads in one thread's fp32 accumulators, no atomics, no reduction pass) and
 // arithmetic (given the forward's lse and D_i = rowsum(dO_i O_i) - dlse_i from the caller):
 //   S = scale Q K^T, P = exp(S - lse), dP = dO V^T, dS = P (dP - D)          (dS = 0 where P is)
@@ -1858,12 +1859,14 @@ PK_TARGET_AVX512BF16 void fma_bwd_group(const BwdProblem& BP, int64_t b, int64_t
 }
 #endif
 
-// dq, dk, dv of a float32 problem; -1 where this CPU lacks the AVX-512 tier, the dtype is not float32 or D is not
-// a multiple of 16 (up to 512): the caller takes another impl. Work items: whole (batch, KV head) groups.
+// dq, dk, dv (in the inputs' dtype, rounded once from fp32); -1 where this CPU lacks the AVX-512 tier, the dtype is
+// not float32, bfloat16 or float16 (widened as packed) or D is not a multiple of 16 (up to 512): the caller takes
+// another impl. Work items: whole (batch, KV head) groups, or their heads split over threads.
 int64_t fma_backward(const BwdProblem& BP, int num_threads) {
 #if PK_X86
   const Problem& P = BP.P;
-  if (!bf16dot_cpu() || P.dt != pk::DType::Float32 || !fma_head_dim_ok(P.D)) return -1;
+  const bool dtype_ok = P.dt == pk::DType::Float32 || P.dt == pk::DType::BFloat16 || P.dt == pk::DType::Float16;
+  if (!bf16dot_cpu() || !dtype_ok || !fma_head_dim_ok(P.D)) return -1;
   const int64_t groups = P.B * P.Hkv;
   if (groups == 0 || P.Sq == 0 || P.Sk == 0) return 0;  // (the caller returns zeros)
   const int64_t G = P.H / P.Hkv;
@@ -2048,10 +2051,10 @@ PYBIND11_MODULE(_cpu_attention, m) {
         "-1 where the kernel does not apply (as prefill_forward), -2 where an input holds a nonzero value below 2^-50 or |scale| * D > 2^80 (outputs "
         "partly written), else 0.");
   m.def("fma_backward", &backward_py<fma_backward>, PK_BACKWARD_ARGS,
-        "float32 flash-attention backward with AVX-512 FMAs: dq, dk, dv (float32, every element written where S_q, "
-        "S_k > 0) from q, k, v, dout, the forward's lse and delta = rowsum(dout * out) - dlse (float32); finite "
-        "inputs. Returns -1 where the kernel does not apply (no AVX-512 BF16 tier, not float32, D not a multiple of "
-        "16 up to 512), else 0.");
+        "flash-attention backward in fp32 with AVX-512 FMAs: dq, dk, dv (the inputs' dtype, every element written "
+        "where S_q, S_k > 0) from q, k, v, dout (float32, bfloat16 or float16), the forward's lse and delta = "
+        "rowsum(dout * out) - dlse (float32); finite inputs. Returns -1 where the kernel does not apply (no AVX-512 "
+        "BF16 tier, another dtype, D not a multiple of 16 up to 512), else 0.");
 #undef PK_BACKWARD_ARGS
   m.def("fma_forward", &fma_forward_py, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
         py::arg("lse"), py::arg("B"), py::arg("H"), py::arg("Hkv"), py::arg("Sq"), py::arg("Sk"), py::arg("D"),

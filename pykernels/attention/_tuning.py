@@ -7,8 +7,8 @@ S = 256..2048, D = 64/128), aten's kernels won the forward by 1.9-3x and the bac
 which aten's kernels turn into zeros for a query row, and, but for "bf16dot" and "fma", whenever the LSE output has
 a gradient, which aten's backward cannot take). Native: "decode" (forward only, a few query rows against a KV cache,
 where no backward follows), "bf16dot" (forward and backward, bfloat16 on CPUs with AVX-512 BF16) and "fma"
-(fp32 FMAs on AVX2 or AVX-512: the forward, where a backward may follow only for float32 on the AVX-512 tier,
-whose backward is native too) are candidates and the defaults of their
+(fp32 FMAs on AVX2 or AVX-512: the forward, where a backward may follow only on the AVX-512 tier, whose
+backward is native too) are candidates and the defaults of their
 problems (see _cpu_fwd_default, _cpu_bwd_default).
 
 Triton: BLOCK_M x BLOCK_N tiles, warps and pipeline stages per head-dim bucket; the candidate lists are
@@ -51,7 +51,7 @@ _BF16DOT_DEFAULT_WORK = 1 << 21
 
 
 # fp32 FMAs on AVX2 or AVX-512 (csrc/attention/attention_cpu.cpp's fma kernel): the forward (where a backward
-# may follow only when the fma backward takes it: float32 on the AVX-512 tier), and that backward
+# may follow only when the fma backward takes it: the AVX-512 tier), and that backward
 _FMA = {"impl": "fma"}
 
 
@@ -93,9 +93,9 @@ def _cpu_bwd_default(key):
     """"bf16dot" where it applies: its backward took 0.2-0.7x aten's time on a 2-core EPYC (Zen 4),
     2026-12-05, over 8-32 heads x S = 16..2048 x D = 64/128, causal or not, GQA; with fewer (batch, KV head)
     groups than threads (MQA with B = 1) the threads share a group (2026-12-05, H = 4..32 over one KV head,
-    S = 256..2048: 0.15-0.45x aten's time on 2 threads). "fma" for float32 where its backward applies (the
-    AVX-512 tier): on a 2-core EPYC (Zen 4), 2026-12-07, aten's / its time, B=1, H=8, D=64: S=1024 1.40,
-    causal 1.86-1.99; GQA 8/2 causal 1.78-1.87; S_q=256 S_k=2048 causal 1.52-1.59; S=128 causal 1.51-1.57;
+    S = 256..2048: 0.15-0.45x aten's time on 2 threads). "fma" where its backward applies (the AVX-512 tier;
+    bfloat16 that bf16dot does not take, float16, float32): float32 on a 2-core EPYC (Zen 4), 2026-12-07,
+    aten's / its time, B=1, H=8, D=64: S=1024 1.40, causal 1.86-1.99; GQA 8/2 causal 1.78-1.87; S_q=256 S_k=2048 causal 1.52-1.59; S=128 causal 1.51-1.57;
     S=2048 D=128 causal 1.57-1.60; MQA 16/1 S=1024 D=128 causal 1.44 (heads split over the threads). Else
     aten's kernels."""
     if _cpu.bf16dot_applies(key):
