@@ -1524,23 +1524,30 @@ def test_bf16dot_forward_with_aten_backward_is_as_accurate_as_aten_forward(logit
 def test_bf16dot_backward_matches_the_oracle(shape, causal, threads):
     """The native backward against the float64 oracle's gradients, with and without a gradient flowing into
     the lse (ring-attention merges), and for a negative scale; dq/dk/dv of rows and keys no one sees are 0."""
-    q, k, v = make(*shape, torch.bfloat16, seed=sum(shape) + 1)
+    _native_backward_matches_the_oracle(_cpu.bf16dot_backward, shape, causal, threads, torch.bfloat16,
+                                        ((None, False, "flash"), (-0.7, True, "flash")))
+
+
+def _native_backward_matches_the_oracle(backward, shape, causal, threads, dtype, cases):
+    """backward(dout, q, k, v, out, lse, causal, scale, dlse, threads) against the float64 oracle's gradients
+    for each (scale or None for 1/sqrt(D), with an LSE gradient, the forward impl that gives out and lse)."""
+    q, k, v = make(*shape, dtype, seed=sum(shape) + 1)
     g = torch.Generator().manual_seed(3)
-    dout = torch.randn(q.shape, generator=g).to(torch.bfloat16)
+    dout = torch.randn(q.shape, generator=g).to(dtype)
     dlse = torch.randn(q.shape[:3], generator=g)
-    for scale, with_dlse in ((None, False), (-0.7, True)):
+    for scale, with_dlse, forward in cases:
         sc = 1 / math.sqrt(shape[-1]) if scale is None else scale
-        out, lse = _forward_impl(q, k, v, causal, sc, "cpu", {"impl": "flash"})
+        out, lse = _forward_impl(q, k, v, causal, sc, "cpu", {"impl": forward})
         qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
         o_ref, l_ref = reference(qr, kr, vr, causal, sc)
         loss = (o_ref * dout.double()).sum()
         if with_dlse:
             loss = loss + (torch.where(torch.isinf(l_ref), 0.0, l_ref) * dlse.double()).sum()
         want = torch.autograd.grad(loss, (qr, kr, vr))
-        got = _cpu.bf16dot_backward(dout, q, k, v, out, lse, causal, sc, dlse if with_dlse else None, threads)
+        got = backward(dout, q, k, v, out, lse, causal, sc, dlse if with_dlse else None, threads)
         for name, a, w in zip(("dq", "dk", "dv"), got, want):
-            assert a.dtype == torch.bfloat16 and a.is_contiguous()
-            assert_close(a, w, torch.bfloat16, name)
+            assert a.dtype == dtype and a.is_contiguous()
+            assert_close(a, w, dtype, name)
 
 
 @needs_bf16dot
@@ -1901,32 +1908,18 @@ def test_fma_backward_matches_the_oracle(shape, causal, threads, dtype):
     the float64 oracle's gradients, with and without a gradient flowing into the lse, for a negative scale,
     from its own forward's lse and from aten's; with fewer (batch, KV head) groups than threads the threads
     split a group's heads; dq/dk/dv of rows and keys no one sees are 0."""
-    q, k, v = make(*shape, dtype, seed=sum(shape) + 1)
-    g = torch.Generator().manual_seed(3)
-    dout = torch.randn(q.shape, generator=g).to(dtype)
-    dlse = torch.randn(q.shape[:3], generator=g)
-    for scale, with_dlse, forward in ((None, False, "fma"), (-0.7, True, "flash"), (0.3, False, "flash")):
-        sc = 1 / math.sqrt(shape[-1]) if scale is None else scale
-        out, lse = _forward_impl(q, k, v, causal, sc, "cpu", {"impl": forward})
-        qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
-        o_ref, l_ref = reference(qr, kr, vr, causal, sc)
-        loss = (o_ref * dout.double()).sum()
-        if with_dlse:
-            loss = loss + (torch.where(torch.isinf(l_ref), 0.0, l_ref) * dlse.double()).sum()
-        want = torch.autograd.grad(loss, (qr, kr, vr))
-        got = _cpu.fma_backward(dout, q, k, v, out, lse, causal, sc, dlse if with_dlse else None, threads)
-        for name, a, w in zip(("dq", "dk", "dv"), got, want):
-            assert a.dtype == dtype and a.is_contiguous()
-            assert_close(a, w, dtype, name)
+    _native_backward_matches_the_oracle(_cpu.fma_backward, shape, causal, threads, dtype,
+                                        ((None, False, "fma"), (-0.7, True, "flash"), (0.3, False, "flash")))
 
 
 @needs_fma_backward
 def test_fma_backward_reads_strided_inputs():
-    """q/k/v laid out [B, S, H, D], an odd K row stride, and the expanded dout of out.sum(), on a group per
-    thread and on threads that split a group; the inputs are not modified."""
+    """q/k/v laid out [B, S, H, D], an odd K row stride, and the expanded dout of out.sum() (copied, where
+    dense float32 rows are read in place), on a group per thread and on threads that split a group's (head,
+    query block) pairs; the inputs are not modified."""
     g = torch.Generator().manual_seed(6)
-    for B, H, Hkv, threads in ((2, 4, 2, 2), (1, 4, 1, 2), (1, 4, 1, 3)):
-        Sq, Sk, D = 70, 100, 48
+    for B, H, Hkv, threads in ((2, 4, 2, 2), (1, 4, 1, 2), (1, 4, 1, 3), (1, 1, 1, 3)):
+        Sq, Sk, D = 70, 100, 48  # (one head on 3 threads: its two query blocks split between two of them)
         q = torch.randn(B, Sq, H, D, generator=g).transpose(1, 2)
         v = torch.randn(B, Sk, Hkv, D, generator=g).transpose(1, 2)
         odd = torch.randn(B * Hkv * Sk * (D + 1), generator=g)

@@ -1715,25 +1715,42 @@ int64_t prefill_backward(const BwdProblem& BP, int num_threads) {
 // The fma backward: FlashAttention-2's backward (Dao 2023, Algorithm 2) in fp32 on the fma kernel's AVX-512
 // tier, float32 inputs (bfloat16 / float16 widened as packed, the gradients rounded once). The bf16dot backward's
 // work split (a whole (batch, KV head) group per work item: dK/dV
-// of its keys and dQ of its G heads in one thread's fp32 accumulators, no atomics, no reduction pass) and
+// of its keys and dQ of its G heads in one thread's fp32 accumulators, no atomics, no reduction pass; with
+// fewer groups than threads, threads share a group and their dK/dV are added up: FmaBwdPart) and
 // arithmetic (given the forward's lse and D_i = rowsum(dO_i O_i) - dlse_i from the caller):
 //   S = scale Q K^T, P = exp(S - lse), dP = dO V^T, dS = P (dP - D)          (dS = 0 where P is)
 //   dV += P^T dO, dK += scale dS^T Q, dQ += scale dS K                      (all fp32)
 // S comes from the forward's own score tiles (fma512_scores, K packed the same way), so P is exp of the very
 // scores the forward's lse summed. Operands packed once per group as fp32: K and V lane-per-key (S and dP
 // tiles), K, Q and dO of each head as rows (dQ, dK, dV, whose tiles broadcast P, dS or their transposes
-// straight from the score blocks: fma512_pv's strides, no transposed copies).
+// straight from the score blocks: fma512_pv's strides, no transposed copies); float32 Q and dO with dense
+// rows are read where they lie and dQ sums into the output (FmaBwdInPlace).
 // Why: aten's fp32 backward ran at ~60% of the FMA peak without a mask and ~40% with a causal one (its
 // 256 x 512 blocks computed the masked half of the diagonal ones) on a 2-core Zen 4.
 // ---------------------------------------------------------------------------------------------------------
 #if PK_X86
+// Which of Q, dO and dQ the backward reads or sums where they lie: float32 tensors whose rows are dense (row
+// stride D), as the wrapper's dq always is; the others are copied into fp32 rows (3x q's memory where all were).
+struct FmaBwdInPlace {
+  bool q, dout, dq;
+  explicit FmaBwdInPlace(const BwdProblem& BP)
+      : q(BP.P.dt == pk::DType::Float32 && BP.P.qs[2] == BP.P.D),
+        dout(BP.P.dt == pk::DType::Float32 && BP.dos[2] == BP.P.D),
+        dq(BP.P.dt == pk::DType::Float32 && BP.dqs[2] == BP.P.D) {}
+};
+
 struct FmaBwdScratch {
   // kl, vl: K and V lane-per-key; kr: K rows; qr, dor, dq: the group's Q, dO rows and fp32 dQ sums
-  // ([G][Sqp][D]); s, dp: a block's P and dS ([PF_BM][FM_BN]); dk, dv: a key block's sums ([FM_BN][D])
+  // ([G][Sqp][D]; empty where FmaBwdInPlace says so, or where the group's shared buffers of FmaBwdPart serve
+  // instead: group_rows false); s, dp: a block's P and dS ([PF_BM][FM_BN]); dk, dv: a key block's sums
+  // ([FM_BN][D])
   std::vector<float> kl, vl, kr, qr, dor, dq, s, dp, dk, dv;
-  void size_for(int64_t G, int64_t Sqp, int64_t Skp, int64_t D) {
+  void size_for(int64_t G, int64_t Sqp, int64_t Skp, int64_t D, const FmaBwdInPlace& in_place, bool group_rows) {
     for (auto* x : {&kl, &vl, &kr}) x->resize((size_t)(Skp * D));
-    for (auto* x : {&qr, &dor, &dq}) x->resize((size_t)(G * Sqp * D));
+    const size_t rows = group_rows ? (size_t)(G * Sqp * D) : 0;
+    qr.resize(in_place.q ? 0 : rows);
+    dor.resize(in_place.dout ? 0 : rows);
+    dq.resize(in_place.dq ? 0 : rows);
     for (auto* x : {&s, &dp}) x->resize((size_t)PF_BM * FM_BN);
     for (auto* x : {&dk, &dv}) x->resize((size_t)FM_BN * D);
   }
@@ -1761,13 +1778,21 @@ inline void fma_store_rows(const float* x, int64_t rows, int64_t D, float mul, v
     for (int64_t d = 0; d < D; ++d) store_from_f32(dst, dt, base + r * stride + d, x[r * D + d] * mul);
 }
 
-// A group's share when there are fewer groups than threads: part p of `parts` takes the group's heads p,
-// p + parts, ... (their Q, dO and dQ rows), and adds its dK/dV into fp32 sums over all keys (dk, dv: [Skp][D],
-// zeroed), which the caller adds up over the parts. parts == 1: every head, dK/dV stored per key block.
+// A group's share when there are fewer groups than threads: part p of `parts` takes the group's (head,
+// PF_BM-row query block) pairs numbered p, p + parts, ... (round robin: under a causal mask later blocks see
+// more keys), packing, zeroing and reading only those blocks of the group's Q, dO and fp32 dQ rows (qr, dor,
+// dq: [G][Sqp][D], one per group, shared by its parts), and adds its dK/dV into fp32 sums over all keys (dk,
+// dv: [Skp][D], zeroed), which the caller adds up over the parts (so dK/dV's bits depend on the thread
+// count there, as bf16dot's). parts == 1: the whole group in the scratch's buffers, dK/dV stored per key
+// block (all pointers null).
 struct FmaBwdPart {
   int part = 0, parts = 1;
   float* dk = nullptr;
   float* dv = nullptr;
+  float* qr = nullptr;
+  float* dor = nullptr;
+  float* dq = nullptr;
+  bool owns(int64_t g, int64_t i0, int64_t qblocks) const { return (g * qblocks + i0 / PF_BM) % parts == part; }
 };
 
 PK_TARGET_AVX512BF16 void fma_bwd_group(const BwdProblem& BP, int64_t b, int64_t hk, FmaBwdScratch& sc,
@@ -1780,12 +1805,37 @@ PK_TARGET_AVX512BF16 void fma_bwd_group(const BwdProblem& BP, int64_t b, int64_t
   fma_pack_lanes(P.v, P.dt, b * P.vs[0] + hk * P.vs[1], P.vs[2], Sk, Skp, D, 16, sc.vl.data());
   fma_pack_rows(P.k, P.dt, kbase, P.ks[2], Sk, Skp, D, sc.kr.data());
   const bool shared = part.parts > 1;
-  for (int64_t g = part.part; g < G; g += part.parts) {
+  const int64_t qblocks = Sqp / PF_BM;
+  const FmaBwdInPlace in_place(BP);
+  float* const qr = shared ? part.qr : sc.qr.data();
+  float* const dor = shared ? part.dor : sc.dor.data();
+  float* const dqr = shared ? part.dq : sc.dq.data();
+  // rows [i0, ...) of head g of Q, dO and the dQ sums (D floats apart): where they lie, or their fp32 copies
+  const auto q_rows = [&](int64_t g, int64_t i0) -> const float* {
+    return in_place.q ? static_cast<const float*>(P.q) + b * P.qs[0] + (hk * G + g) * P.qs[1] + i0 * D
+                      : qr + (g * Sqp + i0) * D;
+  };
+  const auto do_rows = [&](int64_t g, int64_t i0) -> const float* {
+    return in_place.dout ? static_cast<const float*>(BP.dout) + b * BP.dos[0] + (hk * G + g) * BP.dos[1] + i0 * D
+                         : dor + (g * Sqp + i0) * D;
+  };
+  const auto dq_rows = [&](int64_t g, int64_t i0) -> float* {
+    return in_place.dq ? static_cast<float*>(BP.dq) + b * BP.dqs[0] + (hk * G + g) * BP.dqs[1] + i0 * D
+                       : dqr + (g * Sqp + i0) * D;
+  };
+  for (int64_t g = 0; g < G; ++g) {  // the group's Q and dO rows as fp32, block by block (a part: its own)
     const int64_t h = hk * G + g;
-    fma_pack_rows(P.q, P.dt, b * P.qs[0] + h * P.qs[1], P.qs[2], Sq, Sqp, D, sc.qr.data() + g * Sqp * D);
-    fma_pack_rows(BP.dout, P.dt, b * BP.dos[0] + h * BP.dos[1], BP.dos[2], Sq, Sqp, D, sc.dor.data() + g * Sqp * D);
+    for (int64_t i0 = 0; i0 < Sq; i0 += PF_BM) {
+      if (shared && !part.owns(g, i0, qblocks)) continue;
+      const int64_t rows = std::min<int64_t>(PF_BM, Sq - i0), at = (g * Sqp + i0) * D;
+      if (!in_place.q)
+        fma_pack_rows(P.q, P.dt, b * P.qs[0] + h * P.qs[1] + i0 * P.qs[2], P.qs[2], rows, PF_BM, D, qr + at);
+      if (!in_place.dout)
+        fma_pack_rows(BP.dout, P.dt, b * BP.dos[0] + h * BP.dos[1] + i0 * BP.dos[2], BP.dos[2], rows, PF_BM, D,
+                      dor + at);
+      std::fill(dq_rows(g, i0), dq_rows(g, i0) + rows * D, 0.f);  // (the kernels read and write real rows only)
+    }
   }
-  std::fill(sc.dq.begin(), sc.dq.begin() + G * Sqp * D, 0.f);
   const int64_t off = Sk - Sq;  // bottom-right causal: row i sees keys j <= i + off
   for (int64_t j0 = 0; j0 < Sk; j0 += FM_BN) {
     const int nb = (int)std::min<int64_t>(FM_BN, Sk - j0);
@@ -1796,14 +1846,15 @@ PK_TARGET_AVX512BF16 void fma_bwd_group(const BwdProblem& BP, int64_t b, int64_t
       std::fill(sc.dv.begin(), sc.dv.end(), 0.f);
     }
     const int64_t i_first = P.causal ? std::max<int64_t>(0, j0 - off) : 0;  // the first row that sees key j0
-    for (int64_t g = part.part; g < G && i_first < Sq; g += part.parts) {
+    for (int64_t g = 0; g < G && i_first < Sq; ++g) {
       const int64_t h = hk * G + g;
       const float* lseh = BP.lse + b * BP.lss[0] + h * BP.lss[1];
       const float* deltah = BP.delta + b * BP.dls[0] + h * BP.dls[1];
       for (int64_t i0 = i_first / PF_BM * PF_BM; i0 < Sq; i0 += PF_BM) {
+        if (shared && !part.owns(g, i0, qblocks)) continue;
         const int rows = (int)std::min<int64_t>(PF_BM, Sq - i0);
-        const float* qrows = sc.qr.data() + (g * Sqp + i0) * D;
-        const float* dorows = sc.dor.data() + (g * Sqp + i0) * D;
+        const float* qrows = q_rows(g, i0);
+        const float* dorows = do_rows(g, i0);
         pf_row_tiles(rows, [&](int r0, auto R) {
           fma512_width((nb + 15) / 16, [&](auto NG) {
             constexpr int Rv = decltype(R)::value, NGv = decltype(NG)::value;
@@ -1843,7 +1894,7 @@ PK_TARGET_AVX512BF16 void fma_bwd_group(const BwdProblem& BP, int64_t b, int64_t
                                  dk_acc + (size_t)k0 * D + d0);
             });
         });
-        fma512_pv_rows(rows, sc.dp.data(), FM_BN, 1, sc.kr.data() + j0 * D, D, sc.dq.data() + (g * Sqp + i0) * D,
+        fma512_pv_rows(rows, sc.dp.data(), FM_BN, 1, sc.kr.data() + j0 * D, D, dq_rows(g, i0),
                        [&](int r0, int R) { return (int)std::clamp<int64_t>(P.visible(i0 + r0 + R - 1) - j0, 0, nb); });
       }
     }
@@ -1852,9 +1903,12 @@ PK_TARGET_AVX512BF16 void fma_bwd_group(const BwdProblem& BP, int64_t b, int64_t
                    BP.dks[2]);
     fma_store_rows(sc.dv.data(), nb, D, 1.f, BP.dv, P.dt, b * BP.dvs[0] + hk * BP.dvs[1] + j0 * BP.dvs[2], BP.dvs[2]);
   }
-  for (int64_t g = part.part; g < G; g += part.parts) {
+  for (int64_t g = 0; g < G; ++g) {
     const int64_t h = hk * G + g;
-    fma_store_rows(sc.dq.data() + g * Sqp * D, Sq, D, P.scale, BP.dq, P.dt, b * BP.dqs[0] + h * BP.dqs[1], BP.dqs[2]);
+    for (int64_t i0 = 0; i0 < Sq; i0 += PF_BM)
+      if (!shared || part.owns(g, i0, qblocks))
+        fma_store_rows(dq_rows(g, i0), std::min<int64_t>(PF_BM, Sq - i0), D, P.scale, BP.dq, P.dt,
+                       b * BP.dqs[0] + h * BP.dqs[1] + i0 * BP.dqs[2], BP.dqs[2]);  // (in place: scaled)
   }
 }
 #endif
@@ -1872,32 +1926,42 @@ int64_t fma_backward(const BwdProblem& BP, int num_threads) {
   const int64_t G = P.H / P.Hkv;
   const int64_t Sqp = (P.Sq + PF_BM - 1) / PF_BM * PF_BM, Skp = (P.Sk + FM_BN - 1) / FM_BN * FM_BN;
   const int threads = std::max(1, num_threads);
-  const int parts = (int)std::clamp<int64_t>(threads / groups, 1, G);
+  // (no more parts than the group's (head, query block) pairs: a part without one would only pack K/V)
+  const int parts = (int)std::clamp<int64_t>(threads / groups, 1, G * (Sqp / PF_BM));
   if (parts == 1) {
     std::vector<FmaBwdScratch> scratch((size_t)std::min<int64_t>(threads, groups));
     pk::parallel_chunks(groups, (int)scratch.size(), 1, [&](int t, int64_t g0, int64_t g1) {
       FmaBwdScratch& sc = scratch[(size_t)t];
-      sc.size_for(G, Sqp, Skp, P.D);
+      sc.size_for(G, Sqp, Skp, P.D, FmaBwdInPlace(BP), true);
       for (int64_t g = g0; g < g1; ++g) fma_bwd_group(BP, g / P.Hkv, g % P.Hkv, sc);
     });
     return 0;
   }
-  // Fewer groups than threads (MQA, a batch of one): each group's heads split over `parts` threads
-  // (FmaBwdPart), whose fp32 dK/dV sums are then added up and stored, in parallel over key blocks.
-  // (One thread per group ran MQA 16/1 x 1024 x D=128 causal at 0.86x aten's time on 2 threads.)
-  const int64_t items = groups * parts, part_elems = Skp * P.D;
+  // Fewer groups than threads (MQA, a batch of one): each group's (head, query block) pairs split over
+  // `parts` threads (FmaBwdPart), whose fp32 dK/dV sums are then added up and stored, in parallel over key
+  // blocks. (One thread per group ran MQA 16/1 x 1024 x D=128 causal at 0.86x aten's time on 2 threads.)
+  const int64_t items = groups * parts, part_elems = Skp * P.D, group_rows = G * Sqp * P.D;
   std::vector<float> dkv((size_t)(2 * items * part_elems), 0.f);  // [item][dk, dv][Skp][D]
+  // each group's Q, dO and fp32 dQ rows (those not read or summed in place), written block by block by the
+  // parts that own the blocks
+  const FmaBwdInPlace in_place(BP);
+  const size_t all_rows = (size_t)(groups * group_rows);
+  std::vector<float> rows_qr(in_place.q ? 0 : all_rows), rows_dor(in_place.dout ? 0 : all_rows),
+      rows_dq(in_place.dq ? 0 : all_rows);
   std::vector<FmaBwdScratch> scratch((size_t)items);
   pk::parallel_chunks(items, (int)items, 1, [&](int, int64_t it0, int64_t it1) {
     for (int64_t it = it0; it < it1; ++it) {
       FmaBwdScratch& sc = scratch[(size_t)it];
-      sc.size_for(G, Sqp, Skp, P.D);
+      sc.size_for(G, Sqp, Skp, P.D, in_place, false);
+      const int64_t g = it / parts;
       FmaBwdPart part;
       part.part = (int)(it % parts);
       part.parts = parts;
       part.dk = dkv.data() + (size_t)(2 * it * part_elems);
       part.dv = part.dk + part_elems;
-      const int64_t g = it / parts;
+      part.qr = in_place.q ? nullptr : rows_qr.data() + (size_t)(g * group_rows);
+      part.dor = in_place.dout ? nullptr : rows_dor.data() + (size_t)(g * group_rows);
+      part.dq = in_place.dq ? nullptr : rows_dq.data() + (size_t)(g * group_rows);
       fma_bwd_group(BP, g / P.Hkv, g % P.Hkv, sc, part);
     }
   });

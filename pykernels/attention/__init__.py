@@ -133,9 +133,11 @@ def _forward_impl(q, k, v, causal: bool, scale: float, backend: str, config: Opt
         if result is not None:
             return result
     elif impl == "fma" and _cpu.fma_takes(q) and (inference or _cpu.fma_backward_takes(q)):
-        # where a backward may follow, only where the native fma backward takes it (the AVX-512 tier), which
-        # recomputes P from the same score tiles; aten's backward (the AVX2 tier) gets aten's forward, as
-        # decode
+        # where a backward may follow, only where the native fma backward takes the call (the AVX-512 tier:
+        # that default backward recomputes P from the same score tiles, and the other pairings a tuner may
+        # make, bf16dot or aten's backward, were as accurate against float64 as aten's own pair:
+        # test_fma_forward_and_backward_as_accurate_as_aten); on the AVX2 tier aten's backward gets aten's
+        # forward, as decode
         result = _fma(q, k, v, causal, scale, cfg)
         if result is not None:
             return result

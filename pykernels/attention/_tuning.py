@@ -57,8 +57,8 @@ _FMA = {"impl": "fma"}
 
 def _cpu_fwd_default(key):
     """"decode" up to 32 query rows per KV head; "bf16dot" for bfloat16 from 2^21 of work where the CPU has
-    AVX-512 BF16; "fma" where the CPU has AVX2 (a forward no backward follows; else it runs as aten's
-    kernels); else aten's kernels. "decode" measured on a 2-core EPYC VM (an
+    AVX-512 BF16; "fma" where the CPU has AVX2 (before a backward only on its AVX-512 tier, whose backward
+    is native too; on the AVX2 tier such a call runs as aten's kernels); else aten's kernels. "decode" measured on a 2-core EPYC VM (an
     AVX-512 CPU, the kernel's AVX2 tier; H=32, D=128, one process, decode kernel / SDPA time): S_q=1 with 8
     KV heads over 1K-8K keys 0.31-0.45 (fp32) and 0.06-0.11 (bf16); 32 KV heads 0.62 / 0.18; S_q=4 with 8
     KV heads (16 rows) 0.87 / 0.69; S_q=16 (64 rows) 0.77 fp32 but 1.10 bf16, so from 33 rows it is only a
