@@ -1729,7 +1729,7 @@ def test_bf16dot_backward_ignores_rows_that_see_no_key():
 
 def test_bf16dot_off_without_avx512():
     """PYKERNELS_DISABLE_AVX512=1 (or a CPU without AVX-512 BF16): not available, not a candidate, not the
-    default; bfloat16 calls take aten's kernels and stay correct."""
+    default; bfloat16 calls take the fma kernels (aten's without AVX2) and stay correct."""
     import os
     import subprocess
     import sys
@@ -1742,7 +1742,7 @@ def test_bf16dot_off_without_avx512():
         "key = problem_key(q, q, causal=True)\n"
         "assert _tuning._cpu_fwd_default(key)['impl'] == ('fma' if _cpu.fma_available() else 'flash')\n"
         "assert all(c['impl'] != 'bf16dot' for c in _tuning._cpu_fwd_candidates(key))\n"
-        "assert _tuning._cpu_bwd_default(key)['impl'] == 'flash'\n"
+        "assert _tuning._cpu_bwd_default(key)['impl'] == ('fma' if _cpu.fma_available() else 'flash')\n"
         "assert all(c['impl'] != 'bf16dot' for c in _tuning._cpu_bwd_candidates(key))\n"
         "out = pykernels.flash_attention(q, q, q, causal=True)\n"
         "qd = q.double()\n"  # (the float64 answer: the fma forward keeps P in fp32, aten rounds it to bf16)
@@ -1794,14 +1794,15 @@ def test_fma_kernel_matches_the_oracle(shape, causal, dtype):
 @pytest.mark.skipif(not _cpu.bf16dot_available(), reason="this CPU lacks AVX-512 BF16: the tests above run the "
                     "fma kernel's AVX2 tier already")
 def test_fma_kernel_avx2_tier_where_the_cpu_has_avx512():
-    """The tests above ran the AVX-512 tier; the AVX2 tier (what CPUs without AVX-512 BF16 run) passes them too,
-    under PYKERNELS_DISABLE_AVX512=1 in a subprocess (the switch is read once per process)."""
+    """The fma tests ran the AVX-512 tier; the AVX2 tier (what CPUs without AVX-512 BF16 run: forward and
+    backward) passes them too, under PYKERNELS_DISABLE_AVX512=1 in a subprocess (the switch is read once per
+    process)."""
     import os
     import subprocess
     import sys
 
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                          "fma_kernel and not avx2_tier"], capture_output=True, text=True, timeout=600,
+                          "fma and not avx2_tier"], capture_output=True, text=True, timeout=600,
                          env=dict(os.environ, PYKERNELS_DISABLE_AVX512="1", PYKERNELS_AUTOTUNE="0"))
     tail = run.stdout[-4000:] + run.stderr[-2000:]
     assert run.returncode == 0, tail
@@ -1849,10 +1850,9 @@ def test_fma_kernel_without_keys_and_where_it_does_not_apply(threads):
 @needs_fma
 def test_fma_is_the_default_for_forwards_and_before_a_backward_only_its_own(monkeypatch, tmp_cache):
     """Where the CPU has AVX2 (either tier): an inference call takes the kernel on the lean and the general
-    path alike (fp32, fp16; bf16 where bf16dot does not take it); a call a backward may follow (autograd,
-    torch.compile) takes it only where the native fma backward follows (the AVX-512 tier: the same score
-    tiles), else aten's forward, whose lse aten's backward matches; a head dim not a multiple of
-    16 never takes it."""
+    path alike (fp32, fp16; bf16 where bf16dot does not take it), and so does a call a backward may follow
+    (autograd, torch.compile), whose backward is the kernel's own (the same score tiles); a head dim not a
+    multiple of 16 never takes it."""
     import importlib
 
     pa = importlib.import_module("pykernels.attention")
@@ -1866,7 +1866,7 @@ def test_fma_is_the_default_for_forwards_and_before_a_backward_only_its_own(monk
         for dt in (torch.float32, torch.float16):
             q, k, v = make(1, 8, 2, 128, 128, 64, dt, seed=4)
             native_bwd = _cpu.fma_backward_takes(q)
-            assert native_bwd == _cpu.bf16dot_available()
+            assert native_bwd
             n, nb = len(calls), len(bwd_calls)
             with torch.no_grad():
                 lean = flash_attention(q, k, v, causal=True, return_lse=True)
@@ -1893,12 +1893,7 @@ def test_fma_is_the_default_for_forwards_and_before_a_backward_only_its_own(monk
         pa._LEAN_PLANS.clear()
 
 
-needs_fma_backward = pytest.mark.skipif(
-    not (_cpu.fma_available() and _cpu.bf16dot_available()),
-    reason="the fma backward runs on the fma kernel's AVX-512 tier (a CPU with AVX-512 BF16)")
-
-
-@needs_fma_backward
+@needs_fma
 @pytest.mark.parametrize("shape", FMA_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("threads, dtype", [(1, torch.float32), (2, torch.float32), (3, torch.float32),
@@ -1912,7 +1907,7 @@ def test_fma_backward_matches_the_oracle(shape, causal, threads, dtype):
                                         ((None, False, "fma"), (-0.7, True, "flash"), (0.3, False, "flash")))
 
 
-@needs_fma_backward
+@needs_fma
 def test_fma_backward_reads_strided_inputs():
     """q/k/v laid out [B, S, H, D], an odd K row stride, and the expanded dout of out.sum() (copied, where
     dense float32 rows are read in place), on a group per thread and on threads that split a group's (head,
@@ -1935,7 +1930,7 @@ def test_fma_backward_reads_strided_inputs():
         assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v)))
 
 
-@needs_fma_backward
+@needs_fma
 @pytest.mark.parametrize("logit_scale", [1.0, 30.0, 300.0])
 def test_fma_forward_and_backward_as_accurate_as_aten(logit_scale):
     """Training in float32 at logits up to the thousands: dq, dk, dv against the float64 oracle, from the fma
@@ -1956,7 +1951,7 @@ def test_fma_forward_and_backward_as_accurate_as_aten(logit_scale):
             assert ours <= 1.5 * aten + 1e-6, errs
 
 
-@needs_fma_backward
+@needs_fma
 def test_fma_backward_non_finite_inputs_take_the_exact_path(monkeypatch):
     """NaN in dout (a row that sees keys) or inf in v: the fma config's backward answers on the exact
     blocked path, as the other impls; the kernel is not called."""

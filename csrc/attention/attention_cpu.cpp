@@ -1070,10 +1070,11 @@ PK_TARGET_AVX2 inline void fma_scores16(const float* q, int64_t D, const float* 
   }
 }
 
-// R rows of o[r][d0 .. d0 + 16) += sum over keys j < n of p[r][j] * v[j][d0 ..] (p rows FM_BN apart, v and o
-// rows D apart, v at the block's first key and column d0)
+// R rows of o[r][d0 .. d0 + 16) += sum over j < n of p[r * rs + j * us] * v[j][d0 ..] (v and o rows D apart, v at
+// its first row and column d0; the forward's P V: rs = FM_BN, us = 1; the backward's: see fma512_pv)
 template <int R>
-PK_TARGET_AVX2 inline void fma_pv16(const float* p, const float* v, int64_t D, int n, float* o) {
+PK_TARGET_AVX2 inline void fma_pv16(const float* p, int64_t rs, int64_t us, const float* v, int64_t D, int n,
+                                    float* o) {
   __m256 acc[R][2];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
@@ -1084,7 +1085,7 @@ PK_TARGET_AVX2 inline void fma_pv16(const float* p, const float* v, int64_t D, i
     const __m256 v0 = _mm256_loadu_ps(v + j * D), v1 = _mm256_loadu_ps(v + j * D + 8);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m256 pb = _mm256_broadcast_ss(p + r * FM_BN + j);
+      const __m256 pb = _mm256_broadcast_ss(p + r * rs + j * us);
       acc[r][0] = _mm256_fmadd_ps(pb, v0, acc[r][0]);
       acc[r][1] = _mm256_fmadd_ps(pb, v1, acc[r][1]);
     }
@@ -1212,7 +1213,7 @@ PK_TARGET_AVX2 int64_t fma_item(const Problem& P, const float* kf, const float* 
       const int n = (int)std::clamp<int64_t>(P.visible(i0 + r0 + decltype(R)::value - 1) - j0, 0, nb);
       if (n == 0) return;
       for (int64_t d0 = 0; d0 < D; d0 += 16)
-        fma_pv16<decltype(R)::value>(sc.p.data() + (size_t)r0 * FM_BN, vblk + d0, D, n,
+        fma_pv16<decltype(R)::value>(sc.p.data() + (size_t)r0 * FM_BN, FM_BN, 1, vblk + d0, D, n,
                                      sc.o.data() + (size_t)r0 * D + d0);
     });
   }
@@ -1712,19 +1713,19 @@ int64_t prefill_backward(const BwdProblem& BP, int num_threads) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// The fma backward: FlashAttention-2's backward (Dao 2023, Algorithm 2) in fp32 on the fma kernel's AVX-512
-// tier, float32 inputs (bfloat16 / float16 widened as packed, the gradients rounded once). The bf16dot backward's
-// work split (a whole (batch, KV head) group per work item: dK/dV
-// of its keys and dQ of its G heads in one thread's fp32 accumulators, no atomics, no reduction pass; with
-// fewer groups than threads, threads share a group and their dK/dV are added up: FmaBwdPart) and
+// The fma backward: FlashAttention-2's backward (Dao 2023, Algorithm 2) in fp32 on either tier of the fma
+// kernel (its block kernels: FmaBwd512, FmaBwd256), float32 inputs (bfloat16 / float16 widened as packed, the
+// gradients rounded once). The bf16dot backward's work split (a whole (batch, KV head) group per work item:
+// dK/dV of its keys and dQ of its G heads in one thread's fp32 accumulators, no atomics, no reduction pass;
+// with fewer groups than threads, threads share a group and their dK/dV are added up: FmaBwdPart) and
 // arithmetic (given the forward's lse and D_i = rowsum(dO_i O_i) - dlse_i from the caller):
 //   S = scale Q K^T, P = exp(S - lse), dP = dO V^T, dS = P (dP - D)          (dS = 0 where P is)
 //   dV += P^T dO, dK += scale dS^T Q, dQ += scale dS K                      (all fp32)
-// S comes from the forward's own score tiles (fma512_scores, K packed the same way), so P is exp of the very
-// scores the forward's lse summed. Operands packed once per group as fp32: K and V lane-per-key (S and dP
-// tiles), K, Q and dO of each head as rows (dQ, dK, dV, whose tiles broadcast P, dS or their transposes
-// straight from the score blocks: fma512_pv's strides, no transposed copies); float32 Q and dO with dense
-// rows are read where they lie and dQ sums into the output (FmaBwdInPlace).
+// S comes from the forward's own score tiles (fma512_scores or fma_scores16, K packed the same way), so P is
+// exp of the very scores the forward's lse summed. Operands packed once per group as fp32: K and V
+// lane-per-key (S and dP tiles), K, Q and dO of each head as rows (dQ, dK, dV, whose tiles broadcast P, dS or
+// their transposes straight from the score blocks: fma512_pv's / fma_pv16's strides, no transposed copies);
+// float32 Q and dO with dense rows are read where they lie and dQ sums into the output (FmaBwdInPlace).
 // Why: aten's fp32 backward ran at ~60% of the FMA peak without a mask and ~40% with a causal one (its
 // 256 x 512 blocks computed the masked half of the diagonal ones) on a 2-core Zen 4.
 // ---------------------------------------------------------------------------------------------------------
@@ -1745,7 +1746,9 @@ struct FmaBwdScratch {
   // instead: group_rows false); s, dp: a block's P and dS ([PF_BM][FM_BN]); dk, dv: a key block's sums
   // ([FM_BN][D])
   std::vector<float> kl, vl, kr, qr, dor, dq, s, dp, dk, dv;
+  std::vector<int> n;  // the keys each row of a block sees
   void size_for(int64_t G, int64_t Sqp, int64_t Skp, int64_t D, const FmaBwdInPlace& in_place, bool group_rows) {
+    n.resize(PF_BM);
     for (auto* x : {&kl, &vl, &kr}) x->resize((size_t)(Skp * D));
     const size_t rows = group_rows ? (size_t)(G * Sqp * D) : 0;
     qr.resize(in_place.q ? 0 : rows);
@@ -1755,21 +1758,6 @@ struct FmaBwdScratch {
     for (auto* x : {&dk, &dv}) x->resize((size_t)FM_BN * D);
   }
 };
-
-// rows [0, rows) of o (D floats apart) += p v over n rows of v (fma512_pv's strides: row r0 of a tile reads p
-// from r0 * rs), in register tiles of PF_RQ rows by up to 64 columns; n_of(r0, R): the n of a tile
-template <class N>
-PK_TARGET_AVX512BF16 inline void fma512_pv_rows(int rows, const float* p, int64_t rs, int64_t us, const float* v,
-                                                int64_t D, float* o, N&& n_of) {
-  pf_row_tiles(rows, [&](int r0, auto R) {
-    const int n = n_of(r0, decltype(R)::value);
-    if (n <= 0) return;
-    for (int64_t d0 = 0; d0 < D; d0 += 64)
-      fma512_width((int)std::min<int64_t>(4, (D - d0) / 16), [&](auto NC) {
-        fma512_pv<decltype(R)::value, decltype(NC)::value>(p + r0 * rs, rs, us, v + d0, D, n, o + (size_t)r0 * D + d0);
-      });
-  });
-}
 
 // rows [0, rows) of fp32 x (D apart) times `mul` into dst's rows (dtype dt, from element `base`, `stride` apart)
 inline void fma_store_rows(const float* x, int64_t rows, int64_t D, float mul, void* dst, pk::DType dt, int64_t base,
@@ -1795,14 +1783,115 @@ struct FmaBwdPart {
   bool owns(int64_t g, int64_t i0, int64_t qblocks) const { return (g * qblocks + i0 / PF_BM) % parts == part; }
 };
 
-PK_TARGET_AVX512BF16 void fma_bwd_group(const BwdProblem& BP, int64_t b, int64_t hk, FmaBwdScratch& sc,
-                                        const FmaBwdPart& part = FmaBwdPart()) {
+// The reduction range [j1, j2) of a register tile of rows [r0, r0 + R) in the backward's products: all of
+// [0, total) without a causal mask; with one, from r0 + c on (dV, dK: the tile's rows are keys, reduced over
+// the query rows that see its first key) or up to r0 + R + c (dQ: query rows, over the keys its last row sees).
+struct BwdSpan {
+  bool causal, from;  // from: the range starts at r0 + c, else it ends at r0 + R + c
+  int64_t c;
+  int total;
+  void of(int r0, int R, int* j1, int* j2) const {
+    *j1 = causal && from ? (int)std::clamp<int64_t>(r0 + c, 0, total) : 0;
+    *j2 = causal && !from ? (int)std::clamp<int64_t>(r0 + R + c, 0, total) : total;
+  }
+};
+
+// The fma backward's block kernels on the AVX-512 tier (fma_bwd_group<Tier> calls them per 64 x 64 block:
+// a call's cost is nothing beside a block's ~0.5M multiply-adds).
+struct FmaBwd512 {
+  static constexpr int kLanes = 16;  // K and V packed lane-per-key in groups of 16
+  // s[r][0, nb) = scale * q_r . k_j for rows [0, rows) of q (D apart), keys of kblk (s rows FM_BN apart)
+  PK_TARGET_AVX512BF16 static void scores(const float* q, int rows, int64_t D, const float* kblk, float scale, int nb,
+                                          float* s) {
+    pf_row_tiles(rows, [&](int r0, auto R) {
+      fma512_width((nb + 15) / 16, [&](auto NG) {
+        fma512_scores<decltype(R)::value, decltype(NG)::value>(q + r0 * D, D, kblk, scale, s + r0 * FM_BN);
+      });
+    });
+  }
+  // row r: p = exp(s - lse_r) and ds = p (dp - delta_r) in place of s and dp, for its n[r] keys; 0 beyond
+  PK_TARGET_AVX512BF16 static void p_ds(float* s, float* dp, int rows, const int* n, const float* lse,
+                                        int64_t lse_stride, const float* delta, int64_t delta_stride) {
+    for (int r = 0; r < rows; ++r) {
+      const __m512 vlse = _mm512_set1_ps(lse[r * lse_stride]), vd = _mm512_set1_ps(delta[r * delta_stride]);
+      float* sr = s + (size_t)r * FM_BN;
+      float* dpr = dp + (size_t)r * FM_BN;
+      for (int j = 0; j < FM_BN; j += 16) {
+        const __mmask16 live = pf_live(j, n[r]);
+        const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + j), vlse)));
+        const __mmask16 nz = _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+        _mm512_storeu_ps(sr + j, p);
+        _mm512_storeu_ps(dpr + j, _mm512_maskz_mul_ps(nz, p, _mm512_sub_ps(_mm512_maskz_loadu_ps(live, dpr + j), vd)));
+      }
+    }
+  }
+  // rows [0, rows) of o (D apart) += sum over j in a tile's span of p[r * rs + j * us] v[j] (fma512_pv)
+  PK_TARGET_AVX512BF16 static void pv(int rows, const float* p, int64_t rs, int64_t us, const float* v, int64_t D,
+                                      float* o, const BwdSpan& span) {
+    pf_row_tiles(rows, [&](int r0, auto R) {
+      int j1, j2;
+      span.of(r0, decltype(R)::value, &j1, &j2);
+      if (j2 <= j1) return;
+      for (int64_t d0 = 0; d0 < D; d0 += 64)
+        fma512_width((int)std::min<int64_t>(4, (D - d0) / 16), [&](auto NC) {
+          fma512_pv<decltype(R)::value, decltype(NC)::value>(p + r0 * rs + j1 * us, rs, us, v + j1 * D + d0, D,
+                                                             j2 - j1, o + (size_t)r0 * D + d0);
+        });
+    });
+  }
+};
+#endif
+
+#if PK_X86
+// The same block kernels on the AVX2 tier (fma_scores16, fma_pv16, exp256; K and V in groups of 8).
+struct FmaBwd256 {
+  static constexpr int kLanes = 8;
+  PK_TARGET_AVX2 static void scores(const float* q, int rows, int64_t D, const float* kblk, float scale, int nb,
+                                    float* s) {
+    pf_row_tiles(rows, [&](int r0, auto R) {
+      for (int c = 0; c < (nb + 15) / 16; ++c)
+        fma_scores16<decltype(R)::value>(q + r0 * D, D, kblk + c * 16 * D, scale, s + r0 * FM_BN + 16 * c);
+    });
+  }
+  PK_TARGET_AVX2 static void p_ds(float* s, float* dp, int rows, const int* n, const float* lse, int64_t lse_stride,
+                                  const float* delta, int64_t delta_stride) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int r = 0; r < rows; ++r) {
+      const __m256 vlse = _mm256_set1_ps(lse[r * lse_stride]), vd = _mm256_set1_ps(delta[r * delta_stride]);
+      float* sr = s + (size_t)r * FM_BN;
+      float* dpr = dp + (size_t)r * FM_BN;
+      for (int j = 0; j < FM_BN; j += 8) {
+        const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n[r] - j), lane));
+        // (a lane beyond the row's keys: its score and dP are whatever the buffers held, ANDed away to +0)
+        const __m256 p = _mm256_and_ps(live, exp256(_mm256_sub_ps(_mm256_loadu_ps(sr + j), vlse)));
+        const __m256 nz = _mm256_cmp_ps(p, _mm256_setzero_ps(), _CMP_NEQ_UQ);
+        _mm256_storeu_ps(sr + j, p);
+        _mm256_storeu_ps(dpr + j, _mm256_and_ps(nz, _mm256_mul_ps(p, _mm256_sub_ps(_mm256_loadu_ps(dpr + j), vd))));
+      }
+    }
+  }
+  PK_TARGET_AVX2 static void pv(int rows, const float* p, int64_t rs, int64_t us, const float* v, int64_t D, float* o,
+                                const BwdSpan& span) {
+    pf_row_tiles(rows, [&](int r0, auto R) {
+      int j1, j2;
+      span.of(r0, decltype(R)::value, &j1, &j2);
+      if (j2 <= j1) return;
+      for (int64_t d0 = 0; d0 < D; d0 += 16)
+        fma_pv16<decltype(R)::value>(p + r0 * rs + j1 * us, rs, us, v + j1 * D + d0, D, j2 - j1, o + (size_t)r0 * D + d0);
+    });
+  }
+};
+
+// One group (b, hk), or a part of it, on either tier (its block kernels: Tier). Generic code: no intrinsics
+// here, so one body serves both targets.
+template <class Tier>
+void fma_bwd_group(const BwdProblem& BP, int64_t b, int64_t hk, FmaBwdScratch& sc, const FmaBwdPart& part) {
   const Problem& P = BP.P;
   const int64_t D = P.D, G = P.H / P.Hkv, Sq = P.Sq, Sk = P.Sk;
   const int64_t Sqp = (Sq + PF_BM - 1) / PF_BM * PF_BM, Skp = (Sk + FM_BN - 1) / FM_BN * FM_BN;
   const int64_t kbase = b * P.ks[0] + hk * P.ks[1];
-  fma_pack_lanes(P.k, P.dt, kbase, P.ks[2], Sk, Skp, D, 16, sc.kl.data());
-  fma_pack_lanes(P.v, P.dt, b * P.vs[0] + hk * P.vs[1], P.vs[2], Sk, Skp, D, 16, sc.vl.data());
+  fma_pack_lanes(P.k, P.dt, kbase, P.ks[2], Sk, Skp, D, Tier::kLanes, sc.kl.data());
+  fma_pack_lanes(P.v, P.dt, b * P.vs[0] + hk * P.vs[1], P.vs[2], Sk, Skp, D, Tier::kLanes, sc.vl.data());
   fma_pack_rows(P.k, P.dt, kbase, P.ks[2], Sk, Skp, D, sc.kr.data());
   const bool shared = part.parts > 1;
   const int64_t qblocks = Sqp / PF_BM;
@@ -1855,47 +1944,18 @@ PK_TARGET_AVX512BF16 void fma_bwd_group(const BwdProblem& BP, int64_t b, int64_t
         const int rows = (int)std::min<int64_t>(PF_BM, Sq - i0);
         const float* qrows = q_rows(g, i0);
         const float* dorows = do_rows(g, i0);
-        pf_row_tiles(rows, [&](int r0, auto R) {
-          fma512_width((nb + 15) / 16, [&](auto NG) {
-            constexpr int Rv = decltype(R)::value, NGv = decltype(NG)::value;
-            fma512_scores<Rv, NGv>(qrows + r0 * D, D, sc.kl.data() + j0 * D, P.scale, sc.s.data() + r0 * FM_BN);
-            fma512_scores<Rv, NGv>(dorows + r0 * D, D, sc.vl.data() + j0 * D, 1.f, sc.dp.data() + r0 * FM_BN);
-          });
-        });
+        Tier::scores(qrows, rows, D, sc.kl.data() + j0 * D, P.scale, nb, sc.s.data());
+        Tier::scores(dorows, rows, D, sc.vl.data() + j0 * D, 1.f, nb, sc.dp.data());
         // P = exp(S - lse) and dS = P (dP - D) in place of S and dP, 0 beyond the keys a row sees
-        for (int r = 0; r < rows; ++r) {
-          const int64_t i = i0 + r;
-          const int n = (int)std::clamp<int64_t>(P.visible(i) - j0, 0, nb);
-          const __m512 vlse = _mm512_set1_ps(lseh[i * BP.lss[2]]), vd = _mm512_set1_ps(deltah[i * BP.dls[2]]);
-          float* sr = sc.s.data() + (size_t)r * FM_BN;
-          float* dpr = sc.dp.data() + (size_t)r * FM_BN;
-          for (int j = 0; j < FM_BN; j += 16) {
-            const __mmask16 live = pf_live(j, n);
-            const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + j), vlse)));
-            const __mmask16 nz = _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_UQ);
-            _mm512_storeu_ps(sr + j, p);
-            _mm512_storeu_ps(dpr + j, _mm512_maskz_mul_ps(nz, p, _mm512_sub_ps(_mm512_maskz_loadu_ps(live, dpr + j), vd)));
-          }
-        }
+        for (int r = 0; r < rows; ++r) sc.n[r] = (int)std::clamp<int64_t>(P.visible(i0 + r) - j0, 0, nb);
+        Tier::p_ds(sc.s.data(), sc.dp.data(), rows, sc.n.data(), lseh + i0 * BP.lss[2], BP.lss[2],
+                   deltah + i0 * BP.dls[2], BP.dls[2]);
         // dV += P^T dO and dK += dS^T Q over the block's rows (a tile of keys from the first row that sees its
         // first key); dQ += dS K over the keys a tile's last row sees
-        const auto from_row = [&](int k0) {
-          return P.causal ? (int)std::clamp<int64_t>(j0 + k0 - off - i0, 0, rows) : 0;
-        };
-        pf_row_tiles(nb, [&](int k0, auto R) {
-          const int r1 = from_row(k0), n = rows - r1;
-          if (n <= 0) return;
-          for (int64_t d0 = 0; d0 < D; d0 += 64)
-            fma512_width((int)std::min<int64_t>(4, (D - d0) / 16), [&](auto NC) {
-              constexpr int Rv = decltype(R)::value, NCv = decltype(NC)::value;
-              fma512_pv<Rv, NCv>(sc.s.data() + r1 * FM_BN + k0, 1, FM_BN, dorows + r1 * D + d0, D, n,
-                                 dv_acc + (size_t)k0 * D + d0);
-              fma512_pv<Rv, NCv>(sc.dp.data() + r1 * FM_BN + k0, 1, FM_BN, qrows + r1 * D + d0, D, n,
-                                 dk_acc + (size_t)k0 * D + d0);
-            });
-        });
-        fma512_pv_rows(rows, sc.dp.data(), FM_BN, 1, sc.kr.data() + j0 * D, D, dq_rows(g, i0),
-                       [&](int r0, int R) { return (int)std::clamp<int64_t>(P.visible(i0 + r0 + R - 1) - j0, 0, nb); });
+        const BwdSpan keys_span{P.causal, true, j0 - off - i0, rows}, rows_span{P.causal, false, i0 + off - j0, nb};
+        Tier::pv(nb, sc.s.data(), 1, FM_BN, dorows, D, dv_acc, keys_span);
+        Tier::pv(nb, sc.dp.data(), 1, FM_BN, qrows, D, dk_acc, keys_span);
+        Tier::pv(rows, sc.dp.data(), FM_BN, 1, sc.kr.data() + j0 * D, D, dq_rows(g, i0), rows_span);
       }
     }
     if (shared) continue;  // (the caller adds up the parts)
@@ -1913,14 +1973,16 @@ PK_TARGET_AVX512BF16 void fma_bwd_group(const BwdProblem& BP, int64_t b, int64_t
 }
 #endif
 
-// dq, dk, dv (in the inputs' dtype, rounded once from fp32); -1 where this CPU lacks the AVX-512 tier, the dtype is
-// not float32, bfloat16 or float16 (widened as packed) or D is not a multiple of 16 (up to 512): the caller takes
-// another impl. Work items: whole (batch, KV head) groups, or their heads split over threads.
+// dq, dk, dv (in the inputs' dtype, rounded once from fp32), on the AVX-512 tier where bf16dot runs, else on AVX2;
+// -1 where this CPU lacks AVX2, the dtype is not float32, bfloat16 or float16 (widened as packed) or D is not a
+// multiple of 16 (up to 512): the caller takes another impl. Work items: whole (batch, KV head) groups, or their
+// (head, query block) pairs split over threads (FmaBwdPart).
 int64_t fma_backward(const BwdProblem& BP, int num_threads) {
 #if PK_X86
   const Problem& P = BP.P;
   const bool dtype_ok = P.dt == pk::DType::Float32 || P.dt == pk::DType::BFloat16 || P.dt == pk::DType::Float16;
-  if (!bf16dot_cpu() || !dtype_ok || !fma_head_dim_ok(P.D)) return -1;
+  if (!pk::cpu_has_avx2() || !dtype_ok || !fma_head_dim_ok(P.D)) return -1;
+  const bool wide = bf16dot_cpu();  // the AVX-512 tier
   const int64_t groups = P.B * P.Hkv;
   if (groups == 0 || P.Sq == 0 || P.Sk == 0) return 0;  // (the caller returns zeros)
   const int64_t G = P.H / P.Hkv;
@@ -1933,7 +1995,10 @@ int64_t fma_backward(const BwdProblem& BP, int num_threads) {
     pk::parallel_chunks(groups, (int)scratch.size(), 1, [&](int t, int64_t g0, int64_t g1) {
       FmaBwdScratch& sc = scratch[(size_t)t];
       sc.size_for(G, Sqp, Skp, P.D, FmaBwdInPlace(BP), true);
-      for (int64_t g = g0; g < g1; ++g) fma_bwd_group(BP, g / P.Hkv, g % P.Hkv, sc);
+      for (int64_t g = g0; g < g1; ++g) {
+        if (wide) fma_bwd_group<FmaBwd512>(BP, g / P.Hkv, g % P.Hkv, sc, FmaBwdPart());
+        else fma_bwd_group<FmaBwd256>(BP, g / P.Hkv, g % P.Hkv, sc, FmaBwdPart());
+      }
     });
     return 0;
   }
@@ -1962,7 +2027,8 @@ int64_t fma_backward(const BwdProblem& BP, int num_threads) {
       part.qr = in_place.q ? nullptr : rows_qr.data() + (size_t)(g * group_rows);
       part.dor = in_place.dout ? nullptr : rows_dor.data() + (size_t)(g * group_rows);
       part.dq = in_place.dq ? nullptr : rows_dq.data() + (size_t)(g * group_rows);
-      fma_bwd_group(BP, g / P.Hkv, g % P.Hkv, sc, part);
+      if (wide) fma_bwd_group<FmaBwd512>(BP, g / P.Hkv, g % P.Hkv, sc, part);
+      else fma_bwd_group<FmaBwd256>(BP, g / P.Hkv, g % P.Hkv, sc, part);
     }
   });
   const int64_t row_blocks = Skp / FM_BN;

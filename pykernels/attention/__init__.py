@@ -132,12 +132,11 @@ def _forward_impl(q, k, v, causal: bool, scale: float, backend: str, config: Opt
         result = _bf16dot(q, k, v, causal, scale, cfg)
         if result is not None:
             return result
-    elif impl == "fma" and _cpu.fma_takes(q) and (inference or _cpu.fma_backward_takes(q)):
-        # where a backward may follow, only where the native fma backward takes the call (the AVX-512 tier:
-        # that default backward recomputes P from the same score tiles, and the other pairings a tuner may
-        # make, bf16dot or aten's backward, were as accurate against float64 as aten's own pair:
-        # test_fma_forward_and_backward_as_accurate_as_aten); on the AVX2 tier aten's backward gets aten's
-        # forward, as decode
+    elif impl == "fma" and _cpu.fma_takes(q):
+        # (where a backward may follow too: the default backward of such calls is the kernel's own, which
+        # recomputes P from the same score tiles; the other pairings a tuner may make, bf16dot's or aten's
+        # backward, were as accurate against float64 as aten's own pair: test_fma_forward_and_backward_as_
+        # accurate_as_aten)
         result = _fma(q, k, v, causal, scale, cfg)
         if result is not None:
             return result

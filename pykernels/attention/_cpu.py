@@ -39,12 +39,9 @@
             6 query rows x 16 keys and 6 rows x 16 output columns) or, where the CPU has AVX-512 BF16 as
             bf16dot wants, AVX-512 (6 rows x 64 keys, 6 rows x 64 columns), float32 inputs and bfloat16 / float16 ones
             widened as K and V are packed once per call; everything in fp32 (P too). Head dims that are
-            multiples of 16 (up to 512). On the AVX-512 tier it has its backward too (FlashAttention-2's
-            in fp32 on the same score tiles, one thread per (batch, KV head) group or a group's heads split
-            over threads; gradients rounded once to the inputs' dtype; takes an LSE gradient), and the forward
-            runs where a backward may follow; on the AVX2 tier only for calls no backward can follow (as
-            "decode": aten's backward recomputes P from its own scores, and an lse from another kernel
-            differs in fp32's last bits).
+            multiples of 16 (up to 512). Its backward (FlashAttention-2's in fp32 on the same score tiles, on
+            either tier; one thread per (batch, KV head) group, or a group's (head, query block) pairs split
+            over threads; gradients rounded once to the inputs' dtype; takes an LSE gradient).
 "blocked" - FlashAttention's tiling done with BLAS: the query rows are cut into chunks; per chunk the
             scores against the (causally) visible keys are one batched GEMM, a masked softmax in fp32 (or
             fp64), and one GEMM with V. GQA is a reshape (the query heads of a group share one GEMM), the
@@ -514,19 +511,18 @@ def bf16dot_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dlse, 
 
 
 def fma_backward_takes(q: torch.Tensor) -> bool:
-    """Whether the native fma backward takes a call: what the fma kernel takes, on its AVX-512 tier (which
-    runs where bf16dot does)."""
-    return _fma_ok(q.dtype, q.shape[-1]) and bf16dot_available()
+    """Whether the native fma backward takes a call: what the fma kernel takes (either tier)."""
+    return _fma_ok(q.dtype, q.shape[-1])
 
 
 def fma_backward_applies(key: dict) -> bool:
     """fma_backward_takes for an autotune key (problem_key)."""
-    return _fma_ok(_FMA_DTYPES.get(key["dtype"]), key["d"]) and bf16dot_available()
+    return _fma_ok(_FMA_DTYPES.get(key["dtype"]), key["d"])
 
 
 def fma_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dlse, threads: int):
-    """dq, dk, dv of the native fma backward (FlashAttention-2's in fp32, on the fma kernel's AVX-512 tier and
-    its score tiles) from the global out and lse; dlse (optional) enters as D = rowsum(dO * O) - dlse. The
+    """dq, dk, dv of the native fma backward (FlashAttention-2's in fp32, on the fma kernel's tiers and score
+    tiles) from the global out and lse; dlse (optional) enters as D = rowsum(dO * O) - dlse. The
     caller checks fma_backward_takes(q) and that dout, out and the lse of rows that see keys are finite."""
     return _native_backward("fma_backward", "fma", dout, q, k, v, out, lse, causal, scale, dlse, threads)
 

@@ -7,8 +7,7 @@ S = 256..2048, D = 64/128), aten's kernels won the forward by 1.9-3x and the bac
 which aten's kernels turn into zeros for a query row, and, but for "bf16dot" and "fma", whenever the LSE output has
 a gradient, which aten's backward cannot take). Native: "decode" (forward only, a few query rows against a KV cache,
 where no backward follows), "bf16dot" (forward and backward, bfloat16 on CPUs with AVX-512 BF16) and "fma"
-(fp32 FMAs on AVX2 or AVX-512: the forward, where a backward may follow only on the AVX-512 tier, whose
-backward is native too) are candidates and the defaults of their
+(fp32 FMAs on AVX2 or AVX-512, forward and backward) are candidates and the defaults of their
 problems (see _cpu_fwd_default, _cpu_bwd_default).
 
 Triton: BLOCK_M x BLOCK_N tiles, warps and pipeline stages per head-dim bucket; the candidate lists are
@@ -50,15 +49,13 @@ _BF16DOT = {"impl": "bf16dot"}
 _BF16DOT_DEFAULT_WORK = 1 << 21
 
 
-# fp32 FMAs on AVX2 or AVX-512 (csrc/attention/attention_cpu.cpp's fma kernel): the forward (where a backward
-# may follow only when the fma backward takes it: the AVX-512 tier), and that backward
+# fp32 FMAs on AVX2 or AVX-512 (csrc/attention/attention_cpu.cpp's fma kernel): forward and backward
 _FMA = {"impl": "fma"}
 
 
 def _cpu_fwd_default(key):
     """"decode" up to 32 query rows per KV head; "bf16dot" for bfloat16 from 2^21 of work where the CPU has
-    AVX-512 BF16; "fma" where the CPU has AVX2 (before a backward only on its AVX-512 tier, whose backward
-    is native too; on the AVX2 tier such a call runs as aten's kernels); else aten's kernels. "decode" measured on a 2-core EPYC VM (an
+    AVX-512 BF16; "fma" where the CPU has AVX2 (whose backward is the default too); else aten's kernels. "decode" measured on a 2-core EPYC VM (an
     AVX-512 CPU, the kernel's AVX2 tier; H=32, D=128, one process, decode kernel / SDPA time): S_q=1 with 8
     KV heads over 1K-8K keys 0.31-0.45 (fp32) and 0.06-0.11 (bf16); 32 KV heads 0.62 / 0.18; S_q=4 with 8
     KV heads (16 rows) 0.87 / 0.69; S_q=16 (64 rows) 0.77 fp32 but 1.10 bf16, so from 33 rows it is only a
@@ -93,11 +90,13 @@ def _cpu_bwd_default(key):
     """"bf16dot" where it applies: its backward took 0.2-0.7x aten's time on a 2-core EPYC (Zen 4),
     2026-12-05, over 8-32 heads x S = 16..2048 x D = 64/128, causal or not, GQA; with fewer (batch, KV head)
     groups than threads (MQA with B = 1) the threads share a group (2026-12-05, H = 4..32 over one KV head,
-    S = 256..2048: 0.15-0.45x aten's time on 2 threads). "fma" where its backward applies (the AVX-512 tier;
-    bfloat16 that bf16dot does not take, float16, float32): float32 on a 2-core EPYC (Zen 4), 2026-12-07,
-    aten's / its time, B=1, H=8, D=64: S=1024 1.40, causal 1.86-1.99; GQA 8/2 causal 1.78-1.87; S_q=256 S_k=2048 causal 1.52-1.59; S=128 causal 1.51-1.57;
-    S=2048 D=128 causal 1.57-1.60; MQA 16/1 S=1024 D=128 causal 1.44 (heads split over the threads). Else
-    aten's kernels."""
+    S = 256..2048: 0.15-0.45x aten's time on 2 threads). "fma" where it applies (bfloat16 that bf16dot does not
+    take, float16, float32), on either tier: float32 on a 2-core EPYC (Zen 4), 2026-12-07, aten's / its
+    time, AVX-512 tier (AVX2 tier, PYKERNELS_DISABLE_AVX512=1, against the same aten), B=1, H=8, D=64:
+    S=1024 1.40 (1.24), causal 1.86-1.99 (1.48); GQA 8/2 causal 1.78-1.87 (1.62); S_q=256 S_k=2048 causal
+    1.52-1.59 (1.39); S=128 causal 1.51-1.57 (1.50); S=2048 D=128 causal 1.57-1.60 (1.15); MQA 16/1 S=1024
+    D=128 causal 1.44-2.07 (1.28; its (head, query block) pairs split over the threads). Else aten's
+    kernels."""
     if _cpu.bf16dot_applies(key):
         return dict(_BF16DOT)
     if _cpu.fma_backward_applies(key):
