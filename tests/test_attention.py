@@ -1548,6 +1548,8 @@ def _native_backward_matches_the_oracle(backward, shape, causal, threads, dtype,
         for name, a, w in zip(("dq", "dk", "dv"), got, want):
             assert a.dtype == dtype and a.is_contiguous()
             assert_close(a, w, dtype, name)
+        if causal and shape[3] > shape[4]:  # the rows that see no key (S_q > S_k): exactly 0
+            assert not got[0][:, :, :shape[3] - shape[4]].any()
 
 
 @needs_bf16dot
@@ -1902,7 +1904,7 @@ def test_fma_backward_matches_the_oracle(shape, causal, threads, dtype):
     """The native backward (fp32 arithmetic, any of the three dtypes widened, gradients rounded once) against
     the float64 oracle's gradients, with and without a gradient flowing into the lse, for a negative scale,
     from its own forward's lse and from aten's; with fewer (batch, KV head) groups than threads the threads
-    split a group's heads; dq/dk/dv of rows and keys no one sees are 0."""
+    split a group's (head, query block) pairs; dq/dk/dv of rows and keys no one sees are 0."""
     _native_backward_matches_the_oracle(_cpu.fma_backward, shape, causal, threads, dtype,
                                         ((None, False, "fma"), (-0.7, True, "flash"), (0.3, False, "flash")))
 

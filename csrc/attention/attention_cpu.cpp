@@ -1797,7 +1797,7 @@ struct BwdSpan {
 };
 
 // The fma backward's block kernels on the AVX-512 tier (fma_bwd_group<Tier> calls them per 64 x 64 block:
-// a call's cost is nothing beside a block's ~0.5M multiply-adds).
+// a call's cost is nothing beside a block's 20K D multiply-adds).
 struct FmaBwd512 {
   static constexpr int kLanes = 16;  // K and V packed lane-per-key in groups of 16
   // s[r][0, nb) = scale * q_r . k_j for rows [0, rows) of q (D apart), keys of kblk (s rows FM_BN apart)
@@ -2150,7 +2150,8 @@ PYBIND11_MODULE(_cpu_attention, m) {
   pk::def_mark_forked(m);
   pk::def_native_errors("flash_attention");
   m.doc() = "pykernels CPU attention kernels: decode (few query rows against a long KV cache), bf16dot "
-            "(bfloat16 prefill with AVX-512 BF16 dot products) and fma (prefill forward in fp32 with AVX2 FMAs)";
+            "(bfloat16 prefill with AVX-512 BF16 dot products) and fma (prefill forward and backward in fp32 with AVX2 or "
+            "AVX-512 FMAs)";
   m.def("decode_forward", &decode_forward_py, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
         py::arg("lse"), py::arg("B"), py::arg("H"), py::arg("Hkv"), py::arg("Sq"), py::arg("Sk"), py::arg("D"),
         py::arg("q_strides"), py::arg("k_strides"), py::arg("v_strides"), py::arg("out_strides"),
@@ -2181,16 +2182,16 @@ PYBIND11_MODULE(_cpu_attention, m) {
         "-1 where the kernel does not apply (as prefill_forward), -2 where an input holds a nonzero value below 2^-50 or |scale| * D > 2^80 (outputs "
         "partly written), else 0.");
   m.def("fma_backward", &backward_py<fma_backward>, PK_BACKWARD_ARGS,
-        "flash-attention backward in fp32 with AVX-512 FMAs: dq, dk, dv (the inputs' dtype, every element written "
-        "where S_q, S_k > 0) from q, k, v, dout (float32, bfloat16 or float16), the forward's lse and delta = "
-        "rowsum(dout * out) - dlse (float32); finite inputs. Returns -1 where the kernel does not apply (no AVX-512 "
-        "BF16 tier, another dtype, D not a multiple of 16 up to 512), else 0.");
+        "flash-attention backward in fp32 with AVX2 or AVX-512 FMAs: dq, dk, dv (the inputs' dtype, every element "
+        "written where S_q, S_k > 0) from q, k, v, dout (float32, bfloat16 or float16), the forward's lse and delta = "
+        "rowsum(dout * out) - dlse (float32); finite inputs. Returns -1 where the kernel does not apply (no AVX2, "
+        "another dtype, D not a multiple of 16 up to 512), else 0.");
 #undef PK_BACKWARD_ARGS
   m.def("fma_forward", &fma_forward_py, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
         py::arg("lse"), py::arg("B"), py::arg("H"), py::arg("Hkv"), py::arg("Sq"), py::arg("Sk"), py::arg("D"),
         py::arg("q_strides"), py::arg("k_strides"), py::arg("v_strides"), py::arg("out_strides"),
         py::arg("lse_strides"), py::arg("scale"), py::arg("causal"), py::arg("dtype"), py::arg("num_threads"),
-        "attention of q [B, H, Sq, D] over k, v [B, Hkv, Sk, D] in fp32 with AVX2 FMAs (float32, or bfloat16 / "
+        "attention of q [B, H, Sq, D] over k, v [B, Hkv, Sk, D] in fp32 with AVX2 or AVX-512 FMAs (float32, or bfloat16 / "
         "float16 widened; strides as decode_forward; D a multiple of 16, D <= 512); bottom-right causal. Returns "
         "how many rows that see keys got a non-finite lse, -1 where the kernel does not apply (no AVX2, or D).");
   m.def("fma_available", &pk::cpu_has_avx2, "True when this CPU runs the fma kernel (AVX2 + FMA)");

@@ -39,9 +39,9 @@
             6 query rows x 16 keys and 6 rows x 16 output columns) or, where the CPU has AVX-512 BF16 as
             bf16dot wants, AVX-512 (6 rows x 64 keys, 6 rows x 64 columns), float32 inputs and bfloat16 / float16 ones
             widened as K and V are packed once per call; everything in fp32 (P too). Head dims that are
-            multiples of 16 (up to 512). Its backward (FlashAttention-2's in fp32 on the same score tiles, on
-            either tier; one thread per (batch, KV head) group, or a group's (head, query block) pairs split
-            over threads; gradients rounded once to the inputs' dtype; takes an LSE gradient).
+            multiples of 16 (up to 512). Its backward is FlashAttention-2's in fp32 on the same score tiles, on
+            either tier: one thread per (batch, KV head) group, or a group's (head, query block) pairs split
+            over threads; gradients rounded once to the inputs' dtype; it takes an LSE gradient.
 "blocked" - FlashAttention's tiling done with BLAS: the query rows are cut into chunks; per chunk the
             scores against the (causally) visible keys are one batched GEMM, a masked softmax in fp32 (or
             fp64), and one GEMM with V. GQA is a reshape (the query heads of a group share one GEMM), the
