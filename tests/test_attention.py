@@ -466,7 +466,7 @@ def test_autotune_cpu_picks_a_candidate(tmp_cache):
     bwd = next(t for t in tunables if t.op == "flash_attention_backward")
     (args, kwargs), = [e for e in bwd.examples([32]) if e[1]["causal"]][:1]
     cfg_b = at.tune("flash_attention_backward", *args, budget_s=0.05, **kwargs)
-    fma_bwd = ("fma",) if _cpu.fma_backward_takes(args[1]) else ()  # (float32 on the fma kernel's AVX-512 tier)
+    fma_bwd = ("fma",) if _cpu.fma_takes(args[1]) else ()
     assert cfg_b["impl"] in ("flash", "blocked") + fma_bwd
     # and bfloat16 examples, forward and backward, whose candidates include the bf16dot kernels (and the
     # forward's the fma kernel)
@@ -1867,8 +1867,6 @@ def test_fma_is_the_default_for_forwards_and_before_a_backward_only_its_own(monk
     try:
         for dt in (torch.float32, torch.float16):
             q, k, v = make(1, 8, 2, 128, 128, 64, dt, seed=4)
-            native_bwd = _cpu.fma_backward_takes(q)
-            assert native_bwd
             n, nb = len(calls), len(bwd_calls)
             with torch.no_grad():
                 lean = flash_attention(q, k, v, causal=True, return_lse=True)
@@ -1880,17 +1878,17 @@ def test_fma_is_the_default_for_forwards_and_before_a_backward_only_its_own(monk
             qa = q.clone().requires_grad_()
             out = flash_attention(qa, k, v, causal=True)
             out.float().sum().backward()
-            assert len(calls) == n + 2 + native_bwd and len(bwd_calls) == nb + native_bwd
+            assert len(calls) == n + 3 and len(bwd_calls) == nb + 1
             qr = q.detach().double().requires_grad_()
             reference(qr, k, v, True)[0].sum().backward()
             assert_close(qa.grad, qr.grad, dt, "dq")
             flash_attention(*make(1, 8, 2, 128, 128, 40, dt), causal=True)
-            assert len(calls) == n + 2 + native_bwd
+            assert len(calls) == n + 3
         torch._dynamo.reset()
         n = len(calls)
         torch.compile(lambda a, b, c: flash_attention(a, b, c, causal=True), backend="aot_eager",
                       fullgraph=True)(qa, k, v)
-        assert len(calls) == n + native_bwd  # (the kernel where its own backward follows)
+        assert len(calls) == n + 1  # (before a backward too: its own)
     finally:
         pa._LEAN_PLANS.clear()
 

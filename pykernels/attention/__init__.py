@@ -221,7 +221,7 @@ def _backward_impl(dout, dlse, q, k, v, out, lse, causal: bool, scale: float, ba
         if grads is not None:  # (None: a tiny input or a huge scale, which aten's exact arithmetic takes below)
             return grads
         impl = "flash"
-    if impl == "fma" and finite and _cpu.fma_backward_takes(q):  # (takes an LSE gradient)
+    if impl == "fma" and finite and _cpu.fma_takes(q):  # (takes an LSE gradient)
         return _cpu.fma_backward(dout, q, k, v, out, lse, causal, scale, dlse, _threads(cfg))
     if dlse is not None or impl == "blocked" or not finite:
         # aten's backward derives D = rowsum(dO * O) itself, so it cannot take an LSE gradient.

@@ -37,8 +37,8 @@
             forward's lse).
 "fma"     - csrc/attention/attention_cpu.cpp: FlashAttention-2's forward in fp32 FMAs, AVX2 (register tiles of
             6 query rows x 16 keys and 6 rows x 16 output columns) or, where the CPU has AVX-512 BF16 as
-            bf16dot wants, AVX-512 (6 rows x 64 keys, 6 rows x 64 columns), float32 inputs and bfloat16 / float16 ones
-            widened as K and V are packed once per call; everything in fp32 (P too). Head dims that are
+            bf16dot wants, AVX-512 (6 rows x 64 keys, 6 rows x 64 columns), float32 inputs and bfloat16 /
+            float16 ones widened as K and V are packed once per call; everything in fp32 (P too). Head dims that are
             multiples of 16 (up to 512). Its backward is FlashAttention-2's in fp32 on the same score tiles, on
             either tier: one thread per (batch, KV head) group, or a group's (head, query block) pairs split
             over threads; gradients rounded once to the inputs' dtype; it takes an LSE gradient.
@@ -510,20 +510,11 @@ def bf16dot_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dlse, 
     return _native_backward("prefill_backward", "bf16dot", dout, q, k, v, out, lse, causal, scale, dlse, threads)
 
 
-def fma_backward_takes(q: torch.Tensor) -> bool:
-    """Whether the native fma backward takes a call: what the fma kernel takes (either tier)."""
-    return _fma_ok(q.dtype, q.shape[-1])
-
-
-def fma_backward_applies(key: dict) -> bool:
-    """fma_backward_takes for an autotune key (problem_key)."""
-    return _fma_ok(_FMA_DTYPES.get(key["dtype"]), key["d"])
-
-
 def fma_backward(dout, q, k, v, out, lse, causal: bool, scale: float, dlse, threads: int):
     """dq, dk, dv of the native fma backward (FlashAttention-2's in fp32, on the fma kernel's tiers and score
     tiles) from the global out and lse; dlse (optional) enters as D = rowsum(dO * O) - dlse. The
-    caller checks fma_backward_takes(q) and that dout, out and the lse of rows that see keys are finite."""
+    caller checks fma_takes(q) (the forward's and the backward's calls are the same) and that dout, out and the
+    lse of rows that see keys are finite."""
     return _native_backward("fma_backward", "fma", dout, q, k, v, out, lse, causal, scale, dlse, threads)
 
 

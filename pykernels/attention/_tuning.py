@@ -2,13 +2,13 @@
 
 CPU: which implementation ("flash" = aten's CPU flash kernels, wrapped; "blocked" = BLAS-tiled) and,
 for "blocked", how many score elements one row chunk holds. Measured on a 2-core Zen 3 (fp32/bf16,
-S = 256..2048, D = 64/128), aten's kernels won the forward by 1.9-3x and the backward by 1.2-2.6x, so
-"flash" is the default; "blocked" stays a candidate (and is the backward whenever an input holds NaN/inf,
-which aten's kernels turn into zeros for a query row, and, but for "bf16dot" and "fma", whenever the LSE output has
-a gradient, which aten's backward cannot take). Native: "decode" (forward only, a few query rows against a KV cache,
-where no backward follows), "bf16dot" (forward and backward, bfloat16 on CPUs with AVX-512 BF16) and "fma"
-(fp32 FMAs on AVX2 or AVX-512, forward and backward) are candidates and the defaults of their
-problems (see _cpu_fwd_default, _cpu_bwd_default).
+S = 256..2048, D = 64/128), aten's kernels won the forward by 1.9-3x and the backward by 1.2-2.6x over
+"blocked", which stays a candidate (and is the backward whenever an input holds NaN/inf, which aten's
+kernels turn into zeros for a query row, and, but for "bf16dot" and "fma", whenever the LSE output has a
+gradient, which aten's backward cannot take). Native: "decode" (forward only, a few query rows against a
+KV cache, where no backward follows), "bf16dot" (forward and backward, bfloat16 on CPUs with AVX-512 BF16)
+and "fma" (fp32 FMAs on AVX2 or AVX-512, forward and backward) are candidates and the defaults of their
+problems (see _cpu_fwd_default, _cpu_bwd_default); "flash" is the default elsewhere.
 
 Triton: BLOCK_M x BLOCK_N tiles, warps and pipeline stages per head-dim bucket; the candidate lists are
 `_triton_configs.fwd_configs(d, dtype)` / `bwd_configs(d, dtype)`, every one of which is compiled for sm_90 by
@@ -55,11 +55,11 @@ _FMA = {"impl": "fma"}
 
 def _cpu_fwd_default(key):
     """"decode" up to 32 query rows per KV head; "bf16dot" for bfloat16 from 2^21 of work where the CPU has
-    AVX-512 BF16; "fma" where the CPU has AVX2 (whose backward is the default too); else aten's kernels. "decode" measured on a 2-core EPYC VM (an
-    AVX-512 CPU, the kernel's AVX2 tier; H=32, D=128, one process, decode kernel / SDPA time): S_q=1 with 8
-    KV heads over 1K-8K keys 0.31-0.45 (fp32) and 0.06-0.11 (bf16); 32 KV heads 0.62 / 0.18; S_q=4 with 8
-    KV heads (16 rows) 0.87 / 0.69; S_q=16 (64 rows) 0.77 fp32 but 1.10 bf16, so from 33 rows it is only a
-    candidate."""
+    AVX-512 BF16; "fma" where the CPU has AVX2 (whose backward is the default too); else aten's kernels.
+    "decode" measured on a 2-core EPYC VM (an AVX-512 CPU, the kernel's AVX2 tier; H=32, D=128, one
+    process, decode kernel / SDPA time): S_q=1 with 8 KV heads over 1K-8K keys 0.31-0.45 (fp32) and
+    0.06-0.11 (bf16); 32 KV heads 0.62 / 0.18; S_q=4 with 8 KV heads (16 rows) 0.87 / 0.69; S_q=16 (64
+    rows) 0.77 fp32 but 1.10 bf16, so from 33 rows it is only a candidate."""
     if _cpu.decode_applies(key) and key["gqa"] * key["sq"] <= _DECODE_DEFAULT_ROWS:
         return dict(_DECODE_DEFAULT)
     if _cpu.bf16dot_applies(key) and key["bh"] * key["sq"] * key["sk"] * key["d"] >= _BF16DOT_DEFAULT_WORK:
@@ -99,13 +99,13 @@ def _cpu_bwd_default(key):
     kernels."""
     if _cpu.bf16dot_applies(key):
         return dict(_BF16DOT)
-    if _cpu.fma_backward_applies(key):
+    if _cpu.fma_applies(key):
         return dict(_FMA)
     return dict(_CPU_DEFAULT)
 
 
 def _cpu_bwd_candidates(key):
-    extra = ([_BF16DOT] if _cpu.bf16dot_applies(key) else []) + ([_FMA] if _cpu.fma_backward_applies(key) else [])
+    extra = ([_BF16DOT] if _cpu.bf16dot_applies(key) else []) + ([_FMA] if _cpu.fma_applies(key) else [])
     return [dict(c) for c in _CPU_CANDIDATES + extra]
 
 
