@@ -1173,53 +1173,6 @@ PK_TARGET_AVX2 inline int64_t fma_finish_item(const Problem& P, int64_t b, int64
   return bad;
 }
 
-// One work item: query rows [i0, i0 + rows) of head h (batch b). Returns the rows that see keys but got a
-// non-finite lse.
-PK_TARGET_AVX2 int64_t fma_item(const Problem& P, const float* kf, const float* vf, int64_t b, int64_t h, int64_t i0,
-                                int rows, FmaScratch& sc) {
-  const int64_t D = P.D;
-  fma_start_item(P, b, h, i0, rows, sc);
-  const int64_t hi = P.visible(i0 + rows - 1);  // the keys the item's last (most seeing) row sees
-  for (int64_t j0 = 0; j0 < hi; j0 += FM_BN) {
-    const int nb = (int)std::min<int64_t>(FM_BN, hi - j0);
-    const float* kblk = kf + j0 * D;  // (j0 / 8 groups of D x 8 floats)
-    pf_row_tiles(rows, [&](int r0, auto R) {
-      for (int c = 0; c < (nb + 15) / 16; ++c)
-        fma_scores16<decltype(R)::value>(sc.q.data() + (size_t)r0 * D, D, kblk + c * 16 * D, P.scale,
-                                         sc.s.data() + (size_t)r0 * FM_BN + 16 * c);
-    });
-    for (int r = 0; r < rows; ++r) {
-      const float* sr = sc.s.data() + (size_t)r * FM_BN;
-      float* pr = sc.p.data() + (size_t)r * FM_BN;
-      const int n = (int)std::clamp<int64_t>(P.visible(i0 + r) - j0, 0, nb);
-      float m_new, alpha;
-      if (!softmax_step(sc.m[r], sc.l[r], n, n > 0 ? row_max_avx2(sr, n) : kNegInf, &m_new, &alpha)) {
-        std::memset(pr, 0, sizeof(float) * FM_BN);
-        continue;
-      }
-      sc.l[r] = sc.l[r] * alpha + fma_exp_row(sr, n, m_new, pr);
-      if (alpha != 1.f) {
-        float* orow = sc.o.data() + (size_t)r * D;
-        const __m256 va = _mm256_set1_ps(alpha);
-        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(orow + d, _mm256_mul_ps(_mm256_loadu_ps(orow + d), va));
-      }
-      sc.m[r] = m_new;
-    }
-    const float* vblk = vf + j0 * D;
-    pf_row_tiles(rows, [&](int r0, auto R) {
-      // the keys the tile's rows see (its last row sees the most): a causal diagonal block's first tiles skip
-      // the rest; a key some rows of the tile do not see has p = 0 there, so a NaN or inf in its value makes
-      // those rows' output NaN too (0 * NaN), as in bf16dot and the float64 oracle: documented, not checked
-      const int n = (int)std::clamp<int64_t>(P.visible(i0 + r0 + decltype(R)::value - 1) - j0, 0, nb);
-      if (n == 0) return;
-      for (int64_t d0 = 0; d0 < D; d0 += 16)
-        fma_pv16<decltype(R)::value>(sc.p.data() + (size_t)r0 * FM_BN, FM_BN, 1, vblk + d0, D, n,
-                                     sc.o.data() + (size_t)r0 * D + d0);
-    });
-  }
-  return fma_finish_item(P, b, h, i0, rows, sc);
-}
-
 // ---------------------------------------------------------------------------------------------------------
 // The AVX-512 tier of the fma kernel, where the bf16dot kernels run (the same target, so the same emulation
 // build tests it on CPUs without AVX-512: tests/test_attention_avx512_emulated.py). Same arithmetic and
@@ -1310,24 +1263,32 @@ PK_TARGET_AVX512BF16 inline float fma512_exp_row(const float* s, int n, float m,
   return _mm512_reduce_add_ps(sum);
 }
 
-// fma_item on the AVX-512 tier (kf: keys in groups of 16)
-PK_TARGET_AVX512BF16 int64_t fma512_item(const Problem& P, const float* kf, const float* vf, int64_t b, int64_t h,
-                                         int64_t i0, int rows, FmaScratch& sc) {
-  const int64_t D = P.D;
-  fma_start_item(P, b, h, i0, rows, sc);
-  const int64_t hi = P.visible(i0 + rows - 1);  // the keys the item's last (most seeing) row sees
-  for (int64_t j0 = 0; j0 < hi; j0 += FM_BN) {
-    const int nb = (int)std::min<int64_t>(FM_BN, hi - j0);
-    const float* kblk = kf + j0 * D;  // (j0 / 16 groups of D x 16 floats)
-    pf_row_tiles(rows, [&](int r0, auto R) {
-      fma512_width((nb + 15) / 16, [&](auto NG) {
-        fma512_scores<decltype(R)::value, decltype(NG)::value>(sc.q.data() + (size_t)r0 * D, D, kblk, P.scale,
-                                                               sc.s.data() + (size_t)r0 * FM_BN);
-      });
-    });
-    // the online softmax in three passes over the rows (each row's max -> exp -> sum is one dependent chain:
-    // row by row, with a scalar exp between, it ran at ~1 instruction a cycle): the rows' maxima and new
-    // running maxima; their rescale factors alpha = exp(m - m_new), 16 rows at a time; the exponentials
+// The reduction range [j1, j2) of a register tile of rows [r0, r0 + R) in the P V-style products: all of
+// [0, total) without a causal mask; with one, from r0 + c on (the backward's dV, dK: the tile's rows are keys,
+// reduced over the query rows that see its first key) or up to r0 + R + c (the forward's P V and the
+// backward's dQ: query rows, over the keys the tile's last row sees).
+struct TileSpan {
+  bool causal, from;  // from: the range starts at r0 + c, else it ends at r0 + R + c
+  int64_t c;
+  int total;
+  void of(int r0, int R, int* j1, int* j2) const {
+    *j1 = causal && from ? (int)std::clamp<int64_t>(r0 + c, 0, total) : 0;
+    *j2 = causal && !from ? (int)std::clamp<int64_t>(r0 + R + c, 0, total) : total;
+  }
+};
+
+// The fma kernel's block kernels on the AVX-512 tier (fma_item<Tier> and fma_bwd_group<Tier> call them per
+// 64 x 64 block: a call's cost is nothing beside a block's 8K-20K D multiply-adds).
+struct FmaTier512 {
+  static constexpr int kLanes = 16;  // K and V packed lane-per-key in groups of 16
+  // The forward's online softmax over a block's scores (sc.s) for rows [0, rows) of the item from i0, keys
+  // from j0 (nb of them): p (sc.p), and the running m, l and o. In three passes over the rows (each row's max
+  // -> exp -> sum is one dependent chain: row by row, with a scalar exp between, it ran at ~1 instruction a
+  // cycle): the rows' maxima and new running maxima; their rescale factors alpha = exp(m - m_new), 16 rows at
+  // a time; the exponentials.
+  PK_TARGET_AVX512BF16 static void softmax(const Problem& P, FmaScratch& sc, int rows, int64_t i0, int64_t j0,
+                                           int nb) {
+    const int64_t D = P.D;
     for (int r = 0; r < rows; ++r) {
       const int n = (int)std::clamp<int64_t>(P.visible(i0 + r) - j0, 0, nb);
       const float* sr = sc.s.data() + (size_t)r * FM_BN;
@@ -1359,17 +1320,124 @@ PK_TARGET_AVX512BF16 int64_t fma512_item(const Problem& P, const float* kf, cons
       }
       sc.m[r] = m_new;
     }
-    const float* vblk = vf + j0 * D;
+  }
+  // s[r][0, nb) = scale * q_r . k_j for rows [0, rows) of q (D apart), keys of kblk (s rows FM_BN apart)
+  PK_TARGET_AVX512BF16 static void scores(const float* q, int rows, int64_t D, const float* kblk, float scale, int nb,
+                                          float* s) {
     pf_row_tiles(rows, [&](int r0, auto R) {
-      // (the keys the tile's rows see, as in fma_item)
-      const int n = (int)std::clamp<int64_t>(P.visible(i0 + r0 + decltype(R)::value - 1) - j0, 0, nb);
-      if (n == 0) return;
+      fma512_width((nb + 15) / 16, [&](auto NG) {
+        fma512_scores<decltype(R)::value, decltype(NG)::value>(q + r0 * D, D, kblk, scale, s + r0 * FM_BN);
+      });
+    });
+  }
+  // row r: p = exp(s - lse_r) and ds = p (dp - delta_r) in place of s and dp, for its n[r] keys; 0 beyond
+  PK_TARGET_AVX512BF16 static void p_ds(float* s, float* dp, int rows, const int* n, const float* lse,
+                                        int64_t lse_stride, const float* delta, int64_t delta_stride) {
+    for (int r = 0; r < rows; ++r) {
+      const __m512 vlse = _mm512_set1_ps(lse[r * lse_stride]), vd = _mm512_set1_ps(delta[r * delta_stride]);
+      float* sr = s + (size_t)r * FM_BN;
+      float* dpr = dp + (size_t)r * FM_BN;
+      for (int j = 0; j < FM_BN; j += 16) {
+        const __mmask16 live = pf_live(j, n[r]);
+        const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + j), vlse)));
+        const __mmask16 nz = _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_UQ);
+        _mm512_storeu_ps(sr + j, p);
+        _mm512_storeu_ps(dpr + j, _mm512_maskz_mul_ps(nz, p, _mm512_sub_ps(_mm512_maskz_loadu_ps(live, dpr + j), vd)));
+      }
+    }
+  }
+  // rows [0, rows) of o (D apart) += sum over j in a tile's span of p[r * rs + j * us] v[j] (fma512_pv)
+  PK_TARGET_AVX512BF16 static void pv(int rows, const float* p, int64_t rs, int64_t us, const float* v, int64_t D,
+                                      float* o, const TileSpan& span) {
+    pf_row_tiles(rows, [&](int r0, auto R) {
+      int j1, j2;
+      span.of(r0, decltype(R)::value, &j1, &j2);
+      if (j2 <= j1) return;
       for (int64_t d0 = 0; d0 < D; d0 += 64)
         fma512_width((int)std::min<int64_t>(4, (D - d0) / 16), [&](auto NC) {
-          fma512_pv<decltype(R)::value, decltype(NC)::value>(sc.p.data() + (size_t)r0 * FM_BN, FM_BN, 1, vblk + d0, D,
-                                                             n, sc.o.data() + (size_t)r0 * D + d0);
+          fma512_pv<decltype(R)::value, decltype(NC)::value>(p + r0 * rs + j1 * us, rs, us, v + j1 * D + d0, D,
+                                                             j2 - j1, o + (size_t)r0 * D + d0);
         });
     });
+  }
+};
+
+// The same block kernels on the AVX2 tier (fma_scores16, fma_pv16, exp256; K and V in groups of 8).
+struct FmaTier256 {
+  static constexpr int kLanes = 8;
+  // (FmaTier512::softmax, row by row)
+  PK_TARGET_AVX2 static void softmax(const Problem& P, FmaScratch& sc, int rows, int64_t i0, int64_t j0, int nb) {
+    const int64_t D = P.D;
+    for (int r = 0; r < rows; ++r) {
+      const float* sr = sc.s.data() + (size_t)r * FM_BN;
+      float* pr = sc.p.data() + (size_t)r * FM_BN;
+      const int n = (int)std::clamp<int64_t>(P.visible(i0 + r) - j0, 0, nb);
+      float m_new, alpha;
+      if (!softmax_step(sc.m[r], sc.l[r], n, n > 0 ? row_max_avx2(sr, n) : kNegInf, &m_new, &alpha)) {
+        std::memset(pr, 0, sizeof(float) * FM_BN);
+        continue;
+      }
+      sc.l[r] = sc.l[r] * alpha + fma_exp_row(sr, n, m_new, pr);
+      if (alpha != 1.f) {
+        float* orow = sc.o.data() + (size_t)r * D;
+        const __m256 va = _mm256_set1_ps(alpha);
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(orow + d, _mm256_mul_ps(_mm256_loadu_ps(orow + d), va));
+      }
+      sc.m[r] = m_new;
+    }
+  }
+  PK_TARGET_AVX2 static void scores(const float* q, int rows, int64_t D, const float* kblk, float scale, int nb,
+                                    float* s) {
+    pf_row_tiles(rows, [&](int r0, auto R) {
+      for (int c = 0; c < (nb + 15) / 16; ++c)
+        fma_scores16<decltype(R)::value>(q + r0 * D, D, kblk + c * 16 * D, scale, s + r0 * FM_BN + 16 * c);
+    });
+  }
+  PK_TARGET_AVX2 static void p_ds(float* s, float* dp, int rows, const int* n, const float* lse, int64_t lse_stride,
+                                  const float* delta, int64_t delta_stride) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int r = 0; r < rows; ++r) {
+      const __m256 vlse = _mm256_set1_ps(lse[r * lse_stride]), vd = _mm256_set1_ps(delta[r * delta_stride]);
+      float* sr = s + (size_t)r * FM_BN;
+      float* dpr = dp + (size_t)r * FM_BN;
+      for (int j = 0; j < FM_BN; j += 8) {
+        const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n[r] - j), lane));
+        // (a lane beyond the row's keys: its score and dP are whatever the buffers held, ANDed away to +0)
+        const __m256 p = _mm256_and_ps(live, exp256(_mm256_sub_ps(_mm256_loadu_ps(sr + j), vlse)));
+        const __m256 nz = _mm256_cmp_ps(p, _mm256_setzero_ps(), _CMP_NEQ_UQ);
+        _mm256_storeu_ps(sr + j, p);
+        _mm256_storeu_ps(dpr + j, _mm256_and_ps(nz, _mm256_mul_ps(p, _mm256_sub_ps(_mm256_loadu_ps(dpr + j), vd))));
+      }
+    }
+  }
+  PK_TARGET_AVX2 static void pv(int rows, const float* p, int64_t rs, int64_t us, const float* v, int64_t D, float* o,
+                                const TileSpan& span) {
+    pf_row_tiles(rows, [&](int r0, auto R) {
+      int j1, j2;
+      span.of(r0, decltype(R)::value, &j1, &j2);
+      if (j2 <= j1) return;
+      for (int64_t d0 = 0; d0 < D; d0 += 16)
+        fma_pv16<decltype(R)::value>(p + r0 * rs + j1 * us, rs, us, v + j1 * D + d0, D, j2 - j1, o + (size_t)r0 * D + d0);
+    });
+  }
+};
+
+// One work item: query rows [i0, i0 + rows) of head h (batch b), on either tier (its block kernels: Tier;
+// generic code, no intrinsics here). Returns the rows that see keys but got a non-finite lse.
+template <class Tier>
+int64_t fma_item(const Problem& P, const float* kf, const float* vf, int64_t b, int64_t h, int64_t i0, int rows,
+                 FmaScratch& sc) {
+  const int64_t D = P.D, off = P.Sk - P.Sq;
+  fma_start_item(P, b, h, i0, rows, sc);
+  const int64_t hi = P.visible(i0 + rows - 1);  // the keys the item's last (most seeing) row sees
+  for (int64_t j0 = 0; j0 < hi; j0 += FM_BN) {
+    const int nb = (int)std::min<int64_t>(FM_BN, hi - j0);
+    Tier::scores(sc.q.data(), rows, D, kf + j0 * D, P.scale, nb, sc.s.data());
+    Tier::softmax(P, sc, rows, i0, j0, nb);
+    // the keys a tile's rows see (its last row sees the most): a causal diagonal block's first tiles skip
+    // the rest; a key some rows of the tile do not see has p = 0 there, so a NaN or inf in its value makes
+    // those rows' output NaN too (0 * NaN), as in bf16dot and the float64 oracle: documented, not checked
+    Tier::pv(rows, sc.p.data(), FM_BN, 1, vf + j0 * D, D, sc.o.data(), TileSpan{P.causal, false, i0 + off - j0, nb});
   }
   return fma_finish_item(P, b, h, i0, rows, sc);
 }
@@ -1397,8 +1465,8 @@ int64_t fma_forward(const Problem& P, int num_threads) {
   });
   std::vector<FmaScratch> scratch;
   return run_prefill_items(P, T, scratch, [&](FmaScratch& sc, int64_t g, int64_t b, int64_t h, int64_t i0, int rows) {
-    return wide ? fma512_item(P, kf + g * kv_floats, vf + g * kv_floats, b, h, i0, rows, sc)
-                : fma_item(P, kf + g * kv_floats, vf + g * kv_floats, b, h, i0, rows, sc);
+    return wide ? fma_item<FmaTier512>(P, kf + g * kv_floats, vf + g * kv_floats, b, h, i0, rows, sc)
+                : fma_item<FmaTier256>(P, kf + g * kv_floats, vf + g * kv_floats, b, h, i0, rows, sc);
   });
 #else
   (void)P;
@@ -1714,7 +1782,7 @@ int64_t prefill_backward(const BwdProblem& BP, int num_threads) {
 
 // ---------------------------------------------------------------------------------------------------------
 // The fma backward: FlashAttention-2's backward (Dao 2023, Algorithm 2) in fp32 on either tier of the fma
-// kernel (its block kernels: FmaBwd512, FmaBwd256), float32 inputs (bfloat16 / float16 widened as packed, the
+// kernel (its block kernels: FmaTier512, FmaTier256), float32 inputs (bfloat16 / float16 widened as packed, the
 // gradients rounded once). The bf16dot backward's work split (a whole (batch, KV head) group per work item:
 // dK/dV of its keys and dQ of its G heads in one thread's fp32 accumulators, no atomics, no reduction pass;
 // with fewer groups than threads, threads share a group and their dK/dV are added up: FmaBwdPart) and
@@ -1781,105 +1849,6 @@ struct FmaBwdPart {
   float* dor = nullptr;
   float* dq = nullptr;
   bool owns(int64_t g, int64_t i0, int64_t qblocks) const { return (g * qblocks + i0 / PF_BM) % parts == part; }
-};
-
-// The reduction range [j1, j2) of a register tile of rows [r0, r0 + R) in the backward's products: all of
-// [0, total) without a causal mask; with one, from r0 + c on (dV, dK: the tile's rows are keys, reduced over
-// the query rows that see its first key) or up to r0 + R + c (dQ: query rows, over the keys its last row sees).
-struct BwdSpan {
-  bool causal, from;  // from: the range starts at r0 + c, else it ends at r0 + R + c
-  int64_t c;
-  int total;
-  void of(int r0, int R, int* j1, int* j2) const {
-    *j1 = causal && from ? (int)std::clamp<int64_t>(r0 + c, 0, total) : 0;
-    *j2 = causal && !from ? (int)std::clamp<int64_t>(r0 + R + c, 0, total) : total;
-  }
-};
-
-// The fma backward's block kernels on the AVX-512 tier (fma_bwd_group<Tier> calls them per 64 x 64 block:
-// a call's cost is nothing beside a block's 20K D multiply-adds).
-struct FmaBwd512 {
-  static constexpr int kLanes = 16;  // K and V packed lane-per-key in groups of 16
-  // s[r][0, nb) = scale * q_r . k_j for rows [0, rows) of q (D apart), keys of kblk (s rows FM_BN apart)
-  PK_TARGET_AVX512BF16 static void scores(const float* q, int rows, int64_t D, const float* kblk, float scale, int nb,
-                                          float* s) {
-    pf_row_tiles(rows, [&](int r0, auto R) {
-      fma512_width((nb + 15) / 16, [&](auto NG) {
-        fma512_scores<decltype(R)::value, decltype(NG)::value>(q + r0 * D, D, kblk, scale, s + r0 * FM_BN);
-      });
-    });
-  }
-  // row r: p = exp(s - lse_r) and ds = p (dp - delta_r) in place of s and dp, for its n[r] keys; 0 beyond
-  PK_TARGET_AVX512BF16 static void p_ds(float* s, float* dp, int rows, const int* n, const float* lse,
-                                        int64_t lse_stride, const float* delta, int64_t delta_stride) {
-    for (int r = 0; r < rows; ++r) {
-      const __m512 vlse = _mm512_set1_ps(lse[r * lse_stride]), vd = _mm512_set1_ps(delta[r * delta_stride]);
-      float* sr = s + (size_t)r * FM_BN;
-      float* dpr = dp + (size_t)r * FM_BN;
-      for (int j = 0; j < FM_BN; j += 16) {
-        const __mmask16 live = pf_live(j, n[r]);
-        const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + j), vlse)));
-        const __mmask16 nz = _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_UQ);
-        _mm512_storeu_ps(sr + j, p);
-        _mm512_storeu_ps(dpr + j, _mm512_maskz_mul_ps(nz, p, _mm512_sub_ps(_mm512_maskz_loadu_ps(live, dpr + j), vd)));
-      }
-    }
-  }
-  // rows [0, rows) of o (D apart) += sum over j in a tile's span of p[r * rs + j * us] v[j] (fma512_pv)
-  PK_TARGET_AVX512BF16 static void pv(int rows, const float* p, int64_t rs, int64_t us, const float* v, int64_t D,
-                                      float* o, const BwdSpan& span) {
-    pf_row_tiles(rows, [&](int r0, auto R) {
-      int j1, j2;
-      span.of(r0, decltype(R)::value, &j1, &j2);
-      if (j2 <= j1) return;
-      for (int64_t d0 = 0; d0 < D; d0 += 64)
-        fma512_width((int)std::min<int64_t>(4, (D - d0) / 16), [&](auto NC) {
-          fma512_pv<decltype(R)::value, decltype(NC)::value>(p + r0 * rs + j1 * us, rs, us, v + j1 * D + d0, D,
-                                                             j2 - j1, o + (size_t)r0 * D + d0);
-        });
-    });
-  }
-};
-#endif
-
-#if PK_X86
-// The same block kernels on the AVX2 tier (fma_scores16, fma_pv16, exp256; K and V in groups of 8).
-struct FmaBwd256 {
-  static constexpr int kLanes = 8;
-  PK_TARGET_AVX2 static void scores(const float* q, int rows, int64_t D, const float* kblk, float scale, int nb,
-                                    float* s) {
-    pf_row_tiles(rows, [&](int r0, auto R) {
-      for (int c = 0; c < (nb + 15) / 16; ++c)
-        fma_scores16<decltype(R)::value>(q + r0 * D, D, kblk + c * 16 * D, scale, s + r0 * FM_BN + 16 * c);
-    });
-  }
-  PK_TARGET_AVX2 static void p_ds(float* s, float* dp, int rows, const int* n, const float* lse, int64_t lse_stride,
-                                  const float* delta, int64_t delta_stride) {
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    for (int r = 0; r < rows; ++r) {
-      const __m256 vlse = _mm256_set1_ps(lse[r * lse_stride]), vd = _mm256_set1_ps(delta[r * delta_stride]);
-      float* sr = s + (size_t)r * FM_BN;
-      float* dpr = dp + (size_t)r * FM_BN;
-      for (int j = 0; j < FM_BN; j += 8) {
-        const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n[r] - j), lane));
-        // (a lane beyond the row's keys: its score and dP are whatever the buffers held, ANDed away to +0)
-        const __m256 p = _mm256_and_ps(live, exp256(_mm256_sub_ps(_mm256_loadu_ps(sr + j), vlse)));
-        const __m256 nz = _mm256_cmp_ps(p, _mm256_setzero_ps(), _CMP_NEQ_UQ);
-        _mm256_storeu_ps(sr + j, p);
-        _mm256_storeu_ps(dpr + j, _mm256_and_ps(nz, _mm256_mul_ps(p, _mm256_sub_ps(_mm256_loadu_ps(dpr + j), vd))));
-      }
-    }
-  }
-  PK_TARGET_AVX2 static void pv(int rows, const float* p, int64_t rs, int64_t us, const float* v, int64_t D, float* o,
-                                const BwdSpan& span) {
-    pf_row_tiles(rows, [&](int r0, auto R) {
-      int j1, j2;
-      span.of(r0, decltype(R)::value, &j1, &j2);
-      if (j2 <= j1) return;
-      for (int64_t d0 = 0; d0 < D; d0 += 16)
-        fma_pv16<decltype(R)::value>(p + r0 * rs + j1 * us, rs, us, v + j1 * D + d0, D, j2 - j1, o + (size_t)r0 * D + d0);
-    });
-  }
 };
 
 // One group (b, hk), or a part of it, on either tier (its block kernels: Tier). Generic code: no intrinsics
@@ -1952,7 +1921,7 @@ void fma_bwd_group(const BwdProblem& BP, int64_t b, int64_t hk, FmaBwdScratch& s
                    deltah + i0 * BP.dls[2], BP.dls[2]);
         // dV += P^T dO and dK += dS^T Q over the block's rows (a tile of keys from the first row that sees its
         // first key); dQ += dS K over the keys a tile's last row sees
-        const BwdSpan keys_span{P.causal, true, j0 - off - i0, rows}, rows_span{P.causal, false, i0 + off - j0, nb};
+        const TileSpan keys_span{P.causal, true, j0 - off - i0, rows}, rows_span{P.causal, false, i0 + off - j0, nb};
         Tier::pv(nb, sc.s.data(), 1, FM_BN, dorows, D, dv_acc, keys_span);
         Tier::pv(nb, sc.dp.data(), 1, FM_BN, qrows, D, dk_acc, keys_span);
         Tier::pv(rows, sc.dp.data(), FM_BN, 1, sc.kr.data() + j0 * D, D, dq_rows(g, i0), rows_span);
@@ -1996,8 +1965,8 @@ int64_t fma_backward(const BwdProblem& BP, int num_threads) {
       FmaBwdScratch& sc = scratch[(size_t)t];
       sc.size_for(G, Sqp, Skp, P.D, FmaBwdInPlace(BP), true);
       for (int64_t g = g0; g < g1; ++g) {
-        if (wide) fma_bwd_group<FmaBwd512>(BP, g / P.Hkv, g % P.Hkv, sc, FmaBwdPart());
-        else fma_bwd_group<FmaBwd256>(BP, g / P.Hkv, g % P.Hkv, sc, FmaBwdPart());
+        if (wide) fma_bwd_group<FmaTier512>(BP, g / P.Hkv, g % P.Hkv, sc, FmaBwdPart());
+        else fma_bwd_group<FmaTier256>(BP, g / P.Hkv, g % P.Hkv, sc, FmaBwdPart());
       }
     });
     return 0;
@@ -2027,8 +1996,8 @@ int64_t fma_backward(const BwdProblem& BP, int num_threads) {
       part.qr = in_place.q ? nullptr : rows_qr.data() + (size_t)(g * group_rows);
       part.dor = in_place.dout ? nullptr : rows_dor.data() + (size_t)(g * group_rows);
       part.dq = in_place.dq ? nullptr : rows_dq.data() + (size_t)(g * group_rows);
-      if (wide) fma_bwd_group<FmaBwd512>(BP, g / P.Hkv, g % P.Hkv, sc, part);
-      else fma_bwd_group<FmaBwd256>(BP, g / P.Hkv, g % P.Hkv, sc, part);
+      if (wide) fma_bwd_group<FmaTier512>(BP, g / P.Hkv, g % P.Hkv, sc, part);
+      else fma_bwd_group<FmaTier256>(BP, g / P.Hkv, g % P.Hkv, sc, part);
     }
   });
   const int64_t row_blocks = Skp / FM_BN;
