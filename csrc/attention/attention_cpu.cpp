@@ -755,7 +755,7 @@ inline __mmask16 pf_live(int j, int n) {
 // max of s[0, n) (n <= PF_BN); a NaN never wins (max_ps(x, m) returns m where x is NaN), -inf for n = 0
 PK_TARGET_AVX512BF16 inline float pf_row_max(const float* s, int n) {
   __m512 m = _mm512_set1_ps(kNegInf);
-  for (int j = 0; j < PF_BN; j += 16)
+  for (int j = 0; j < n; j += 16)  // (the groups that hold live lanes)
     m = _mm512_max_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(kNegInf), pf_live(j, n), s + j), m);
   return _mm512_reduce_max_ps(m);
 }
@@ -1097,13 +1097,15 @@ PK_TARGET_AVX2 inline void fma_pv16(const float* p, int64_t rs, int64_t us, cons
   }
 }
 
-// p[0, FM_BN) = exp(s[j] - m) for j < n, 0 beyond (keys the row does not see, the padding: whatever their
-// scores, even NaN); returns the sum
-PK_TARGET_AVX2 inline float fma_exp_row(const float* s, int n, float m, float* p) {
+// p[0, width) = exp(s[j] - m) for j < n, 0 beyond (keys the row does not see, the padding: whatever their
+// scores, even NaN); returns the sum. width: the block's keys rounded up to the lanes (8 here, 16 in
+// fma512_exp_row), all that the P V tiles read (a block of 32 keys, a short sequence or the last block, took
+// the exponentials of 64)
+PK_TARGET_AVX2 inline float fma_exp_row(const float* s, int n, int width, float m, float* p) {
   const __m256 vm = _mm256_set1_ps(m);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 sum = _mm256_setzero_ps();
-  for (int j = 0; j < FM_BN; j += 8) {
+  for (int j = 0; j < width; j += 8) {
     const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - j), lane));
     const __m256 e = _mm256_and_ps(live, exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm)));
     sum = _mm256_add_ps(sum, e);
@@ -1249,12 +1251,11 @@ inline void fma512_width(int n, F&& f) {
   }
 }
 
-// p[0, FM_BN) = exp(s[j] - m) for j < n, 0 beyond (keys the row does not see, the padding: whatever their
-// scores, even NaN); returns the sum
-PK_TARGET_AVX512BF16 inline float fma512_exp_row(const float* s, int n, float m, float* p) {
+// fma_exp_row's p[0, width) 16 lanes at a time
+PK_TARGET_AVX512BF16 inline float fma512_exp_row(const float* s, int n, int width, float m, float* p) {
   const __m512 vm = _mm512_set1_ps(m);
   __m512 sum = _mm512_setzero_ps();
-  for (int j = 0; j < FM_BN; j += 16) {
+  for (int j = 0; j < width; j += 16) {
     const __mmask16 live = pf_live(j, n);
     const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), vm)));
     sum = _mm512_add_ps(sum, e);
@@ -1289,6 +1290,7 @@ struct FmaTier512 {
   PK_TARGET_AVX512BF16 static void softmax(const Problem& P, FmaScratch& sc, int rows, int64_t i0, int64_t j0,
                                            int nb) {
     const int64_t D = P.D;
+    const int width = (nb + 15) / 16 * 16;  // (p beyond: never read)
     for (int r = 0; r < rows; ++r) {
       const int n = (int)std::clamp<int64_t>(P.visible(i0 + r) - j0, 0, nb);
       const float* sr = sc.s.data() + (size_t)r * FM_BN;
@@ -1308,11 +1310,11 @@ struct FmaTier512 {
       const int n = sc.n[r];
       const float m_new = sc.m_new[r];
       if (!softmax_takes(sc.l[r], n, m_new)) {
-        std::memset(pr, 0, sizeof(float) * FM_BN);
+        std::memset(pr, 0, sizeof(float) * width);
         continue;
       }
       const float alpha = sc.alpha[r];
-      sc.l[r] = sc.l[r] * alpha + fma512_exp_row(sr, n, m_new, pr);
+      sc.l[r] = sc.l[r] * alpha + fma512_exp_row(sr, n, width, m_new, pr);
       if (alpha != 1.f) {
         float* orow = sc.o.data() + (size_t)r * D;
         const __m512 va = _mm512_set1_ps(alpha);
@@ -1321,11 +1323,17 @@ struct FmaTier512 {
       sc.m[r] = m_new;
     }
   }
-  // s[r][0, nb) = scale * q_r . k_j for rows [0, rows) of q (D apart), keys of kblk (s rows FM_BN apart)
+  // s[r][0, nb) = scale * q_r . k_j for rows [0, rows) of q (D apart), keys of kblk (s rows FM_BN apart); a
+  // register tile's keys only up to its span's end (the keys its last row sees: a causal diagonal block's
+  // first tiles compute a quarter to half of the block; the scores beyond are left as they were, and never read)
   PK_TARGET_AVX512BF16 static void scores(const float* q, int rows, int64_t D, const float* kblk, float scale, int nb,
-                                          float* s) {
+                                          float* s, const TileSpan& span) {
+    (void)nb;  // (the span's total)
     pf_row_tiles(rows, [&](int r0, auto R) {
-      fma512_width((nb + 15) / 16, [&](auto NG) {
+      int j1, j2;
+      span.of(r0, decltype(R)::value, &j1, &j2);
+      if (j2 <= 0) return;
+      fma512_width((j2 + 15) / 16, [&](auto NG) {
         fma512_scores<decltype(R)::value, decltype(NG)::value>(q + r0 * D, D, kblk, scale, s + r0 * FM_BN);
       });
     });
@@ -1368,16 +1376,17 @@ struct FmaTier256 {
   // (FmaTier512::softmax, row by row)
   PK_TARGET_AVX2 static void softmax(const Problem& P, FmaScratch& sc, int rows, int64_t i0, int64_t j0, int nb) {
     const int64_t D = P.D;
+    const int width = (nb + 7) / 8 * 8;
     for (int r = 0; r < rows; ++r) {
       const float* sr = sc.s.data() + (size_t)r * FM_BN;
       float* pr = sc.p.data() + (size_t)r * FM_BN;
       const int n = (int)std::clamp<int64_t>(P.visible(i0 + r) - j0, 0, nb);
       float m_new, alpha;
       if (!softmax_step(sc.m[r], sc.l[r], n, n > 0 ? row_max_avx2(sr, n) : kNegInf, &m_new, &alpha)) {
-        std::memset(pr, 0, sizeof(float) * FM_BN);
+        std::memset(pr, 0, sizeof(float) * width);
         continue;
       }
-      sc.l[r] = sc.l[r] * alpha + fma_exp_row(sr, n, m_new, pr);
+      sc.l[r] = sc.l[r] * alpha + fma_exp_row(sr, n, width, m_new, pr);
       if (alpha != 1.f) {
         float* orow = sc.o.data() + (size_t)r * D;
         const __m256 va = _mm256_set1_ps(alpha);
@@ -1387,9 +1396,12 @@ struct FmaTier256 {
     }
   }
   PK_TARGET_AVX2 static void scores(const float* q, int rows, int64_t D, const float* kblk, float scale, int nb,
-                                    float* s) {
+                                    float* s, const TileSpan& span) {
+    (void)nb;
     pf_row_tiles(rows, [&](int r0, auto R) {
-      for (int c = 0; c < (nb + 15) / 16; ++c)
+      int j1, j2;
+      span.of(r0, decltype(R)::value, &j1, &j2);
+      for (int c = 0; c < (j2 + 15) / 16; ++c)
         fma_scores16<decltype(R)::value>(q + r0 * D, D, kblk + c * 16 * D, scale, s + r0 * FM_BN + 16 * c);
     });
   }
@@ -1432,12 +1444,13 @@ int64_t fma_item(const Problem& P, const float* kf, const float* vf, int64_t b, 
   const int64_t hi = P.visible(i0 + rows - 1);  // the keys the item's last (most seeing) row sees
   for (int64_t j0 = 0; j0 < hi; j0 += FM_BN) {
     const int nb = (int)std::min<int64_t>(FM_BN, hi - j0);
-    Tier::scores(sc.q.data(), rows, D, kf + j0 * D, P.scale, nb, sc.s.data());
-    Tier::softmax(P, sc, rows, i0, j0, nb);
     // the keys a tile's rows see (its last row sees the most): a causal diagonal block's first tiles skip
     // the rest; a key some rows of the tile do not see has p = 0 there, so a NaN or inf in its value makes
     // those rows' output NaN too (0 * NaN), as in bf16dot and the float64 oracle: documented, not checked
-    Tier::pv(rows, sc.p.data(), FM_BN, 1, vf + j0 * D, D, sc.o.data(), TileSpan{P.causal, false, i0 + off - j0, nb});
+    const TileSpan span{P.causal, false, i0 + off - j0, nb};
+    Tier::scores(sc.q.data(), rows, D, kf + j0 * D, P.scale, nb, sc.s.data(), span);
+    Tier::softmax(P, sc, rows, i0, j0, nb);
+    Tier::pv(rows, sc.p.data(), FM_BN, 1, vf + j0 * D, D, sc.o.data(), span);
   }
   return fma_finish_item(P, b, h, i0, rows, sc);
 }
@@ -1913,15 +1926,16 @@ void fma_bwd_group(const BwdProblem& BP, int64_t b, int64_t hk, FmaBwdScratch& s
         const int rows = (int)std::min<int64_t>(PF_BM, Sq - i0);
         const float* qrows = q_rows(g, i0);
         const float* dorows = do_rows(g, i0);
-        Tier::scores(qrows, rows, D, sc.kl.data() + j0 * D, P.scale, nb, sc.s.data());
-        Tier::scores(dorows, rows, D, sc.vl.data() + j0 * D, 1.f, nb, sc.dp.data());
+        // S and dP of the keys a tile's last row sees (the rest of the block: left as it was, never read)
+        const TileSpan keys_span{P.causal, true, j0 - off - i0, rows}, rows_span{P.causal, false, i0 + off - j0, nb};
+        Tier::scores(qrows, rows, D, sc.kl.data() + j0 * D, P.scale, nb, sc.s.data(), rows_span);
+        Tier::scores(dorows, rows, D, sc.vl.data() + j0 * D, 1.f, nb, sc.dp.data(), rows_span);
         // P = exp(S - lse) and dS = P (dP - D) in place of S and dP, 0 beyond the keys a row sees
         for (int r = 0; r < rows; ++r) sc.n[r] = (int)std::clamp<int64_t>(P.visible(i0 + r) - j0, 0, nb);
         Tier::p_ds(sc.s.data(), sc.dp.data(), rows, sc.n.data(), lseh + i0 * BP.lss[2], BP.lss[2],
                    deltah + i0 * BP.dls[2], BP.dls[2]);
         // dV += P^T dO and dK += dS^T Q over the block's rows (a tile of keys from the first row that sees its
         // first key); dQ += dS K over the keys a tile's last row sees
-        const TileSpan keys_span{P.causal, true, j0 - off - i0, rows}, rows_span{P.causal, false, i0 + off - j0, nb};
         Tier::pv(nb, sc.s.data(), 1, FM_BN, dorows, D, dv_acc, keys_span);
         Tier::pv(nb, sc.dp.data(), 1, FM_BN, qrows, D, dk_acc, keys_span);
         Tier::pv(rows, sc.dp.data(), FM_BN, 1, sc.kr.data() + j0 * D, D, dq_rows(g, i0), rows_span);
