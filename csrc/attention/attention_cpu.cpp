@@ -667,30 +667,51 @@ PK_TARGET_AVX512BF16 bool pack_kv(const Problem& P, int64_t b, int64_t hk, int64
   return pack_pairs(static_cast<const uint16_t*>(P.v) + b * P.vs[0] + hk * P.vs[1], P.vs[2], P.Sk, Skp, P.D, vp) || sk;
 }
 
-// R rows of scores s[r][0..64) = scale * q_r . k_j for the 64 keys of a block: q32 rows of D/2 words
-// (D2 apart), kp the block's first 16-key group (groups gstride words apart).
-template <int R>
+// f(std::integral_constant<int, n>) for n in 1..4 (a tile's 16-lane groups or column vectors)
+template <class F>
+inline void fma512_width(int n, F&& f) {
+  switch (n) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+// R rows of scores s[r][0..16 NG) = scale * q_r . k_j for the first NG 16-key groups of a block (64 keys: a
+// causal diagonal block's first tiles need fewer): q32 rows of D/2 words (D2 apart), kp the block's first
+// 16-key group (groups gstride words apart).
+template <int R, int NG = 4>
 PK_TARGET_AVX512BF16 inline void pf_scores(const uint32_t* q32, int D2, const uint32_t* kp, int64_t gstride,
                                            float scale, float* s) {
-  __m512 acc[R][4];
+  __m512 acc[R][NG];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+    for (int c = 0; c < NG; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int t = 0; t < D2; ++t) {
-    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kp + t * 16);
-    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kp + gstride + t * 16);
-    const __m512bh k2 = (__m512bh)_mm512_loadu_si512(kp + 2 * gstride + t * 16);
-    const __m512bh k3 = (__m512bh)_mm512_loadu_si512(kp + 3 * gstride + t * 16);
+    __m512bh kv[NG];
+#pragma GCC unroll 4
+    for (int c = 0; c < NG; ++c) kv[c] = (__m512bh)_mm512_loadu_si512(kp + c * gstride + t * 16);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)q32[r * D2 + t]);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], qb, k0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], qb, k1);
-      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], qb, k2);
-      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], qb, k3);
+#pragma GCC unroll 4
+      for (int c = 0; c < NG; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], qb, kv[c]);
     }
   }
   const __m512 vs = _mm512_set1_ps(scale);
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * PF_BN + 16 * c, _mm512_mul_ps(acc[r][c], vs));
+#pragma GCC unroll 4
+    for (int c = 0; c < NG; ++c) _mm512_storeu_ps(s + r * PF_BN + 16 * c, _mm512_mul_ps(acc[r][c], vs));
+}
+
+// pf_scores of the groups that hold the first n keys of the block (n >= 1)
+template <int R>
+PK_TARGET_AVX512BF16 inline void pf_scores_n(const uint32_t* q32, int D2, const uint32_t* kp, int64_t gstride,
+                                             float scale, int n, float* s) {
+  fma512_width((n + 15) / 16, [&](auto NG) { pf_scores<R, decltype(NG)::value>(q32, D2, kp, gstride, scale, s); });
 }
 
 // R rows of o[r][d0..d0+64) += sum over pairs u < nu of word p32[r * rs + u * us] . v pair u (vp: the block's
@@ -760,12 +781,13 @@ PK_TARGET_AVX512BF16 inline float pf_row_max(const float* s, int n) {
   return _mm512_reduce_max_ps(m);
 }
 
-// p[0, PF_BN) = bf16(exp(s[j] - m)) for j < n, 0 beyond (keys the row does not see, and the padding), two
+// p[0, width) = bf16(exp(s[j] - m)) for j < n, 0 beyond (keys the row does not see, and the padding), two
 // keys a word; returns the sum of the fp32 exponentials (the softmax's denominator is not rounded to bf16).
-PK_TARGET_AVX512BF16 inline float pf_exp_row(const float* s, int n, float m, uint32_t* p) {
+// width: the block's keys rounded up to 16, all that the P V tiles read.
+PK_TARGET_AVX512BF16 inline float pf_exp_row(const float* s, int n, int width, float m, uint32_t* p) {
   const __m512 vm = _mm512_set1_ps(m);
   __m512 sum = _mm512_setzero_ps();
-  for (int j = 0; j < PF_BN; j += 16) {
+  for (int j = 0; j < width; j += 16) {
     const __mmask16 live = pf_live(j, n);
     const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), vm)));
     sum = _mm512_add_ps(sum, e);
@@ -889,11 +911,18 @@ PK_TARGET_AVX512BF16 int64_t prefill_item(const Problem& P, const uint32_t* kp, 
   const int64_t hi = P.visible(i0 + rows - 1);  // the keys the item's last (most seeing) row sees
   const int64_t gstride = D2 * 16;
   for (int64_t j0 = 0; j0 < hi; j0 += PF_BN) {
-    const int nb = (int)std::min<int64_t>(PF_BN, hi - j0);
+    const int nb = (int)std::min<int64_t>(PF_BN, hi - j0), width = (nb + 15) / 16 * 16;
     const uint32_t* kblk = kp + (j0 / 16) * gstride;
+    // the keys a tile's rows see (its last row sees the most): a causal diagonal block's first tiles skip the
+    // rest, in the scores (left as they were: never read) and in P V below
+    const auto tile_keys = [&](int r0, int R) {
+      return (int)std::clamp<int64_t>(P.visible(i0 + r0 + R - 1) - j0, 0, nb);
+    };
     pf_row_tiles(rows, [&](int r0, auto R) {
-      pf_scores<decltype(R)::value>(sc.q32.data() + (size_t)r0 * D2, (int)D2, kblk, gstride, P.scale,
-                                    sc.s.data() + (size_t)r0 * PF_BN);
+      const int n = tile_keys(r0, decltype(R)::value);
+      if (n > 0)
+        pf_scores_n<decltype(R)::value>(sc.q32.data() + (size_t)r0 * D2, (int)D2, kblk, gstride, P.scale, n,
+                                        sc.s.data() + (size_t)r0 * PF_BN);
     });
     for (int r = 0; r < rows; ++r) {
       const float* sr = sc.s.data() + (size_t)r * PF_BN;
@@ -901,10 +930,10 @@ PK_TARGET_AVX512BF16 int64_t prefill_item(const Problem& P, const uint32_t* kp, 
       const int n = (int)std::clamp<int64_t>(P.visible(i0 + r) - j0, 0, nb);
       float m_new, alpha;
       if (!softmax_step(sc.m[r], sc.l[r], n, n > 0 ? pf_row_max(sr, n) : kNegInf, &m_new, &alpha)) {
-        std::memset(pr, 0, sizeof(uint32_t) * (PF_BN / 2));
+        std::memset(pr, 0, sizeof(uint32_t) * (width / 2));
         continue;
       }
-      sc.l[r] = sc.l[r] * alpha + pf_exp_row(sr, n, m_new, pr);
+      sc.l[r] = sc.l[r] * alpha + pf_exp_row(sr, n, width, m_new, pr);
       if (alpha != 1.f) {
         float* orow = sc.o.data() + (size_t)r * D;
         const __m512 va = _mm512_set1_ps(alpha);
@@ -914,9 +943,8 @@ PK_TARGET_AVX512BF16 int64_t prefill_item(const Problem& P, const uint32_t* kp, 
     }
     const uint32_t* vblk = vp + (j0 / 2) * D;
     pf_row_tiles(rows, [&](int r0, auto R) {
-      // the key pairs the tile's rows see (its last row sees the most): a causal diagonal block's first
-      // tiles skip the rest, and so never multiply a value they do not see by p = 0
-      const int n = (int)std::clamp<int64_t>(P.visible(i0 + r0 + decltype(R)::value - 1) - j0, 0, nb);
+      // (so a tile never multiplies a value none of its rows sees by p = 0)
+      const int n = tile_keys(r0, decltype(R)::value);
       if (n == 0) return;
       for (int64_t d0 = 0; d0 < D; d0 += 64)
         pf_pv<decltype(R)::value>(sc.p.data() + (size_t)r0 * (PF_BN / 2), PF_BN / 2, 1,
@@ -1238,17 +1266,6 @@ PK_TARGET_AVX512BF16 inline void fma512_pv(const float* p, int64_t rs, int64_t u
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + r * D + 16 * c, acc[r][c]);
-}
-
-// f(std::integral_constant<int, n>) for n in 1..4 (a tile's 16-lane groups or column vectors)
-template <class F>
-inline void fma512_width(int n, F&& f) {
-  switch (n) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    default: f(std::integral_constant<int, 4>{}); break;
-  }
 }
 
 // fma_exp_row's p[0, width) 16 lanes at a time
@@ -1630,11 +1647,13 @@ PK_TARGET_AVX512BF16 bool bwd_group(const BwdProblem& BP, int64_t b, int64_t hk,
           std::memcpy(sc.q32.data() + (size_t)r * D2, qh + (i0 + r) * P.qs[2], D * 2);
           std::memcpy(sc.do32.data() + (size_t)r * D2, doh + (i0 + r) * BP.dos[2], D * 2);
         }
-        pf_row_tiles(rows, [&](int r0, auto R) {
-          pf_scores<decltype(R)::value>(sc.q32.data() + (size_t)r0 * D2, (int)D2, sc.kl.data() + (j0 / 16) * gstride,
-                                        gstride, P.scale, sc.s.data() + (size_t)r0 * PF_BN);
-          pf_scores<decltype(R)::value>(sc.do32.data() + (size_t)r0 * D2, (int)D2, sc.vl.data() + (j0 / 16) * gstride,
-                                        gstride, 1.f, sc.dp.data() + (size_t)r0 * PF_BN);
+        pf_row_tiles(rows, [&](int r0, auto R) {  // S and dP of the keys the tile's last row sees (the rest: never read)
+          const int n = (int)std::clamp<int64_t>(P.visible(i0 + r0 + decltype(R)::value - 1) - j0, 0, nb);
+          if (n == 0) return;
+          pf_scores_n<decltype(R)::value>(sc.q32.data() + (size_t)r0 * D2, (int)D2, sc.kl.data() + (j0 / 16) * gstride,
+                                          gstride, P.scale, n, sc.s.data() + (size_t)r0 * PF_BN);
+          pf_scores_n<decltype(R)::value>(sc.do32.data() + (size_t)r0 * D2, (int)D2, sc.vl.data() + (j0 / 16) * gstride,
+                                          gstride, 1.f, n, sc.dp.data() + (size_t)r0 * PF_BN);
         });
         // P = exp(S - lse) and dS = P (dP - D) in place of S and dP (0 beyond the keys a row sees), dS in bf16
         // row pairs of keys for dQ
