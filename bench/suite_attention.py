@@ -96,10 +96,16 @@ def _flops(B, H, Sq, Sk, D, causal, backward):
     return 4.0 * B * H * D * pairs * (3.5 if backward else 1.0)
 
 
-def _make(B, H, Hkv, S, D, causal, dtype, device, backward, Sk=None, inputs=None, cache=None):
+# A decode step's "layers" case cycles through this many bytes of KV caches (4x the 32 MiB L3 of the dev VM):
+# each call reads a cache the previous calls have pushed out of the CPU caches, as a model's layers do.
+LAYERS_BYTES = 128 << 20
+
+
+def _make(B, H, Hkv, S, D, causal, dtype, device, backward, Sk=None, inputs=None, cache=None, layers=False):
     """The case's make(); `inputs` (a dict), when given, receives what it draws for the check's float64
     answer. `cache`: k and v are the first Sk positions of a preallocated cache of that many (a decode
-    loop's usual tensors: k_cache[:, :, :n], not contiguous)."""
+    loop's usual tensors: k_cache[:, :, :n], not contiguous). `layers`: q, k, v of L layers (LAYERS_BYTES
+    of K/V in all), one after the other call by call, ours and the baseline each from the first layer."""
     Sk = S if Sk is None else Sk
 
     def make():
@@ -110,6 +116,10 @@ def _make(B, H, Hkv, S, D, causal, dtype, device, backward, Sk=None, inputs=None
         q = torch.randn(B, H, S, D, generator=g).to(device=device, dtype=dtype)
         k = torch.randn(B, Hkv, Sk, D, generator=g).to(device=device, dtype=dtype)
         v = torch.randn(B, Hkv, Sk, D, generator=g).to(device=device, dtype=dtype)
+        if layers:
+            n_layers = max(2, LAYERS_BYTES // (2 * k.numel() * k.element_size()))
+            stack = [(q, k, v)] + [tuple(torch.randn(t.shape, generator=g).to(device=device, dtype=dtype)
+                                         for t in (q, k, v)) for _ in range(n_layers - 1)]
         if cache is not None:
             k_cache, v_cache = (torch.zeros(B, Hkv, cache, D, device=device, dtype=dtype) for _ in range(2))
             k_cache[:, :, :Sk], v_cache[:, :, :Sk] = k, v
@@ -134,6 +144,15 @@ def _make(B, H, Hkv, S, D, causal, dtype, device, backward, Sk=None, inputs=None
 
         if inputs is not None:
             inputs.update(q=q, k=k, v=v, dout=None, mask=mask, causal=causal)
+        if layers:
+            def in_turn(fn):
+                at = [-1]
+
+                def run():
+                    at[0] = (at[0] + 1) % len(stack)
+                    return fn(*stack[at[0]])
+                return run
+            return in_turn(ours_fn), in_turn(sdpa)
         if not backward:
             return (lambda: ours_fn(q, k, v)), (lambda: sdpa(q, k, v))
         qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
@@ -188,16 +207,22 @@ def cases(quick: bool, device: str = "cpu"):
                    (1, 32, 8, 1, 128, False, torch.bfloat16, 1024)]
     for B, H, Hkv, S, D, causal, dtype, Sk in shapes:
         Sk_ = S if Sk is None else Sk
-        # decode steps are also measured as a decode loop calls them: K/V a slice of a preallocated cache
-        for backward, cache in ([(False, None), (False, 4096)] if S == 1 else [(False, None), (True, None)]):
+        # decode steps are also measured as a decode loop calls them: K/V a slice of a preallocated cache, and
+        # as a model's layers do, each step reading a cache out of the CPU's caches (fp32)
+        variants = [(False, None, False), (True, None, False)]
+        if S == 1:
+            variants = [(False, None, False), (False, 4096, False)] + ([(False, None, True)]
+                                                                        if dtype == torch.float32 else [])
+        for backward, cache, layers in variants:
             dt = str(dtype).replace("torch.", "")
             label = ("decode step " if S == 1 else "") + (f"{dt} B={B} H={H}" + (f"/{Hkv}" if Hkv != H else "")
                      + (f" S={S}" if Sk is None else f" Sq={S} Sk={Sk}") + f" D={D}" + (" causal" if causal else "")
-                     + (f" (K/V: [:, :, :{Sk}] of a {cache}-key cache)" if cache else ""))
+                     + (f" (K/V: [:, :, :{Sk}] of a {cache}-key cache)" if cache else "")
+                     + (f" (KV caches of {LAYERS_BYTES >> 20} MiB in turn: a model's layers)" if layers else ""))
             inputs = {}  # (filled by make(), read by the check)
             yield Case(
                 group=GROUP, op="flash_attention" + (" fwd+bwd" if backward else " fwd"), label=label,
-                size=float(S), make=_make(B, H, Hkv, S, D, causal, dtype, device, backward, Sk, inputs, cache),
+                size=float(S), make=_make(B, H, Hkv, S, D, causal, dtype, device, backward, Sk, inputs, cache, layers),
                 baseline_name="F.scaled_dot_product_attention" + (" (flash)" if device == "cuda" else "")
                 + (" + bottom-right mask" if Sk is not None and causal else ""),
                 work=_flops(B, H, S, Sk_, D, causal, backward), unit="FLOP", device=device,
