@@ -93,8 +93,11 @@ inline void store_from_f32(void* base, pk::DType dt, int64_t i, float v) {
 // ---------------------------------------------------------------------------------------------
 // The three inner loops, portable and AVX2 (FMA, F16C): scores of a block, exp, and P V.
 // ---------------------------------------------------------------------------------------------
-// s[r * KB + j] = q[r] . rows[j] for r < R, j < nb (q rows and key rows of D floats)
-void scores_portable(const float* q, int R, int D, const float* const* rows, int nb, float* s) {
+// s[r * KB + j] = q[r] . rows[j] for r < R, j < nb (q rows and key rows of D floats). `ahead` (the AVX2
+// kernels'; 0: none): floats from a row to the row whose lines to prefetch as this one is read (the same key
+// of the next block).
+void scores_portable(const float* q, int R, int D, const float* const* rows, int nb, int64_t ahead, float* s) {
+  (void)ahead;
   for (int r = 0; r < R; ++r) {
     const float* qr = q + (int64_t)r * D;
     for (int j = 0; j < nb; ++j) {
@@ -125,7 +128,8 @@ float row_max_portable(const float* x, int n) {
 
 // acc[r] += sum_{j < n[r]} p[r * KB + j] * rows[j] for r < R: a row reads only the values of the keys it
 // sees (a NaN in a masked key's value never reaches it, not even as 0 * NaN)
-void pv_portable(const float* p, int R, int D, const float* const* rows, const int* n, float* acc) {
+void pv_portable(const float* p, int R, int D, const float* const* rows, const int* n, int64_t ahead, float* acc) {
+  (void)ahead;
   for (int r = 0; r < R; ++r) {
     float* ar = acc + (int64_t)r * D;
     for (int j = 0; j < n[r]; ++j) {
@@ -137,7 +141,8 @@ void pv_portable(const float* p, int R, int D, const float* const* rows, const i
 }
 
 // the 16-bit rows of a block as float32 (nb rows of D)
-void widen_portable(const void* const* src, pk::DType dt, int nb, int D, float* dst) {
+void widen_portable(const void* const* src, pk::DType dt, int nb, int D, int64_t ahead, float* dst) {
+  (void)ahead;
   for (int j = 0; j < nb; ++j)
     for (int d = 0; d < D; ++d) dst[(int64_t)j * D + d] = load_f32(src[j], dt, d);
 }
@@ -153,9 +158,11 @@ PK_TARGET_AVX2 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 
 // RB query rows (q, s: rows D and KB apart) x four keys per step: 4 RB independent accumulators (one
 // chain per row and key was bound by the FMA latency), 8 floats of each key loaded once for RB FMAs; the
-// four sums of a row come out of one hadd tree.
+// four sums of a row come out of one hadd tree. ahead != 0: each 64-byte line of the four keys at `ahead`
+// floats from them prefetched as the step reads theirs (see attend_chunk).
 template <int RB>
-PK_TARGET_AVX2 inline void scores_rows_avx2(const float* q, int D, const float* const* rows, int nb, float* s) {
+PK_TARGET_AVX2 inline void scores_rows_avx2(const float* q, int D, const float* const* rows, int nb, int64_t ahead,
+                                            float* s) {
   const int D8 = D & ~7;
   int j = 0;
   for (; j + 4 <= nb; j += 4) {
@@ -165,6 +172,8 @@ PK_TARGET_AVX2 inline void scores_rows_avx2(const float* q, int D, const float* 
       for (int c = 0; c < 4; ++c) a[u][c] = _mm256_setzero_ps();
     for (int d = 0; d < D8; d += 8) {
       __m256 kc[4];
+      if (ahead && (d & 15) == 0)
+        for (int c = 0; c < 4; ++c) PK_PREFETCH_R(rows[j + c] + ahead + d);
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) kc[c] = _mm256_loadu_ps(rows[j + c] + d);
 #pragma GCC unroll 2
@@ -198,10 +207,12 @@ PK_TARGET_AVX2 inline void scores_rows_avx2(const float* q, int D, const float* 
   }
 }
 
-PK_TARGET_AVX2 void scores_avx2(const float* q, int R, int D, const float* const* rows, int nb, float* s) {
+// (the prefetches with the first rows only: the later ones read the same keys)
+PK_TARGET_AVX2 void scores_avx2(const float* q, int R, int D, const float* const* rows, int nb, int64_t ahead,
+                                float* s) {
   int r = 0;
-  for (; r + 2 <= R; r += 2) scores_rows_avx2<2>(q + (int64_t)r * D, D, rows, nb, s + r * KB);
-  if (r < R) scores_rows_avx2<1>(q + (int64_t)r * D, D, rows, nb, s + r * KB);
+  for (; r + 2 <= R; r += 2) scores_rows_avx2<2>(q + (int64_t)r * D, D, rows, nb, r == 0 ? ahead : 0, s + r * KB);
+  if (r < R) scores_rows_avx2<1>(q + (int64_t)r * D, D, rows, nb, r == 0 ? ahead : 0, s + r * KB);
 }
 
 // exp(x): x = n ln2 + f, |f| <= ln2 / 2, e^f by a degree-6 polynomial (Cephes expf's coefficients;
@@ -268,9 +279,10 @@ PK_TARGET_AVX2 float exp_sum_avx2(float* x, int n, float m) {
 
 // RB rows of acc (D apart) += P V over keys [0, nb) (p: rows KB apart), 32 floats of acc per row held in 4
 // registers across the keys (4 RB independent FMA chains; one chain of 8 floats per row was bound by the
-// FMA latency), each 32 floats of a value row loaded once for RB rows.
+// FMA latency), each 32 floats of a value row loaded once for RB rows; ahead: as scores_rows_avx2's.
 template <int RB>
-PK_TARGET_AVX2 inline void pv_rows_avx2(const float* p, int D, const float* const* rows, int nb, float* acc) {
+PK_TARGET_AVX2 inline void pv_rows_avx2(const float* p, int D, const float* const* rows, int nb, int64_t ahead,
+                                        float* acc) {
   const int D32 = D & ~31, D8 = D & ~7;
   for (int d = 0; d < D32; d += 32) {
     __m256 a[RB][4];
@@ -278,6 +290,10 @@ PK_TARGET_AVX2 inline void pv_rows_avx2(const float* p, int D, const float* cons
       for (int c = 0; c < 4; ++c) a[u][c] = _mm256_loadu_ps(acc + (int64_t)u * D + d + 8 * c);
     for (int j = 0; j < nb; ++j) {
       __m256 vc[4];
+      if (ahead) {  // (the two lines of these 32 floats of the row `ahead` on)
+        PK_PREFETCH_R(rows[j] + ahead + d);
+        PK_PREFETCH_R(rows[j] + ahead + d + 16);
+      }
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c) vc[c] = _mm256_loadu_ps(rows[j] + d + 8 * c);
 #pragma GCC unroll 2
@@ -307,35 +323,42 @@ PK_TARGET_AVX2 inline void pv_rows_avx2(const float* p, int D, const float* cons
 }
 
 // Two rows at a time when they see the same keys (every pair but a causal block's edge), else one.
-PK_TARGET_AVX2 void pv_avx2(const float* p, int R, int D, const float* const* rows, const int* n, float* acc) {
+PK_TARGET_AVX2 void pv_avx2(const float* p, int R, int D, const float* const* rows, const int* n, int64_t ahead,
+                            float* acc) {
   for (int r = 0; r < R;) {
-    if (r + 1 < R && n[r + 1] == n[r]) {
-      pv_rows_avx2<2>(p + r * KB, D, rows, n[r], acc + (int64_t)r * D);
+    // (the prefetches with the last rows only: they see the most keys under a causal mask)
+    const bool pair = r + 1 < R && n[r + 1] == n[r];
+    const int64_t a = r + (pair ? 2 : 1) >= R ? ahead : 0;
+    if (pair) {
+      pv_rows_avx2<2>(p + r * KB, D, rows, n[r], a, acc + (int64_t)r * D);
       r += 2;
     } else {
-      pv_rows_avx2<1>(p + r * KB, D, rows, n[r], acc + (int64_t)r * D);
+      pv_rows_avx2<1>(p + r * KB, D, rows, n[r], a, acc + (int64_t)r * D);
       r += 1;
     }
   }
 }
 
-PK_TARGET_AVX2 void widen_avx2(const void* const* src, pk::DType dt, int nb, int D, float* dst) {
+PK_TARGET_AVX2 void widen_avx2(const void* const* src, pk::DType dt, int nb, int D, int64_t ahead, float* dst) {
   const int D8 = D & ~7;
   for (int j = 0; j < nb; ++j) {
     const uint16_t* s = static_cast<const uint16_t*>(src[j]);
     float* o = dst + (int64_t)j * D;
-    for (int d = 0; d < D8; d += 8) _mm256_storeu_ps(o + d, pk::load8_f32(s, dt, d));
+    for (int d = 0; d < D8; d += 8) {
+      if (ahead && (d & 31) == 0) PK_PREFETCH_R(s + ahead + d);  // (a 64-byte line: 32 elements)
+      _mm256_storeu_ps(o + d, pk::load8_f32(s, dt, d));
+    }
     for (int d = D8; d < D; ++d) o[d] = load_f32(s, dt, d);
   }
 }
 #endif
 
 struct Kernels {
-  void (*scores)(const float*, int, int, const float* const*, int, float*);
+  void (*scores)(const float*, int, int, const float* const*, int, int64_t, float*);
   float (*exp_sum)(float*, int, float);
   float (*row_max)(const float*, int);
-  void (*pv)(const float*, int, int, const float* const*, const int*, float*);
-  void (*widen)(const void* const*, pk::DType, int, int, float*);
+  void (*pv)(const float*, int, int, const float* const*, const int*, int64_t, float*);
+  void (*widen)(const void* const*, pk::DType, int, int, int64_t, float*);
 };
 
 Kernels pick_kernels() {
@@ -368,7 +391,8 @@ struct Scratch {
 };
 
 // Rows of key/value block [j0, j0 + nb) of (b, hk) as float32 pointers: straight into a float32 tensor,
-// else widened into buf.
+// else widened into buf (prefetching, as it reads each line, the line of the next block's row: see
+// attend_chunk).
 inline void block_rows(const Problem& P, const Kernels& K, const void* base, const int64_t* st, int64_t b,
                        int64_t hk, int64_t j0, int nb, Scratch& sc, std::vector<float>& buf,
                        std::vector<const float*>& rows) {
@@ -380,17 +404,8 @@ inline void block_rows(const Problem& P, const Kernels& K, const void* base, con
   }
   const uint16_t* p = static_cast<const uint16_t*>(base) + off;
   for (int j = 0; j < nb; ++j) sc.raw[j] = p + (j0 + j) * st[2];
-  K.widen(sc.raw.data(), P.dt, nb, (int)P.D, buf.data());
+  K.widen(sc.raw.data(), P.dt, nb, (int)P.D, KB * st[2], buf.data());
   for (int j = 0; j < nb; ++j) rows[j] = buf.data() + (int64_t)j * P.D;
-}
-
-// Prefetches rows [j0, j1) of (b, hk)'s keys or values (every 64-byte line of each row).
-inline void prefetch_rows(const Problem& P, const void* base, const int64_t* st, int64_t b, int64_t hk, int64_t j0,
-                          int64_t j1) {
-  const int64_t esz = P.dt == pk::DType::Float32 ? 4 : 2, row_bytes = P.D * esz;
-  const char* p = static_cast<const char*>(base) + (b * st[0] + hk * st[1]) * esz;
-  for (int64_t j = j0; j < j1; ++j)
-    for (int64_t o = 0; o < row_bytes; o += 64) PK_PREFETCH_R(p + j * st[2] * esz + o);
 }
 
 // The running state (sc.m, sc.l, sc.acc) of group (b, hk) over keys [c0, c1).
@@ -406,14 +421,20 @@ void attend_chunk(const Problem& P, const Kernels& K, int64_t b, int64_t hk, int
   std::fill(sc.acc.begin(), sc.acc.begin() + (size_t)R * D, 0.f);
   int64_t lim_max = 0;  // the chunk's keys any row sees
   for (int r = 0; r < R; ++r) lim_max = std::max(lim_max, std::min(c1, P.visible(r % P.Sq)));
+  // The next block's keys and values, one block (16 KiB of each at D = 128 in float32) ahead: each line as the
+  // kernels read the same line of this block (float32: the rows they read are K's and V's own, `ahead` on;
+  // 16-bit: as block_rows widens them). The whole block at once, before its scores, left no overlap of the
+  // loads with the arithmetic (a burst of 512 prefetches stalled the thread ahead of each block): a decode
+  // step out of cache took its time in cache plus the time to read the cache (32/8 heads x 1024 keys x
+  // D=128 fp32, one thread: 1.0-1.25 ms where the loop in cache took 0.56 and a plain read of the 8 MiB
+  // 0.45), now 0.63-0.72 ms (two threads 0.54-0.82 -> 0.38-0.41). Past the chunk's last block the rows
+  // `ahead` are the next head's first ones in a contiguous cache (a prefetch never faults).
+  const bool direct = P.dt == pk::DType::Float32;
+  const int64_t k_ahead = direct ? KB * P.ks[2] : 0, v_ahead = direct ? KB * P.vs[2] : 0;
   for (int64_t j0 = c0; j0 < lim_max; j0 += KB) {
     const int nb = (int)std::min<int64_t>(KB, lim_max - j0);
-    // the next block's keys and values, one block (16 KiB of each at D = 128 in float32) ahead
-    const int64_t n0 = j0 + KB, n1 = std::min<int64_t>(lim_max, n0 + KB);
-    prefetch_rows(P, P.k, P.ks, b, hk, n0, n1);
     block_rows(P, K, P.k, P.ks, b, hk, j0, nb, sc, sc.kw, sc.krow);
-    K.scores(sc.q.data(), R, D, sc.krow.data(), nb, sc.s.data());
-    prefetch_rows(P, P.v, P.vs, b, hk, n0, n1);
+    K.scores(sc.q.data(), R, D, sc.krow.data(), nb, k_ahead, sc.s.data());
     bool any = false;
     for (int r = 0; r < R; ++r) {
       float* sr = sc.s.data() + r * KB;
@@ -438,7 +459,7 @@ void attend_chunk(const Problem& P, const Kernels& K, int64_t b, int64_t hk, int
     }
     if (!any) continue;
     block_rows(P, K, P.v, P.vs, b, hk, j0, nb, sc, sc.vw, sc.vrow);
-    K.pv(sc.s.data(), R, D, sc.vrow.data(), sc.n.data(), sc.acc.data());
+    K.pv(sc.s.data(), R, D, sc.vrow.data(), sc.n.data(), v_ahead, sc.acc.data());
   }
 }
 
