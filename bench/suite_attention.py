@@ -232,4 +232,6 @@ def cases(quick: bool, device: str = "cpu"):
                 # fp32 forwards on the CPU: fp32 FMAs whichever kernel runs (aten's, or ours where the CPU has
                 # AVX2 and not AVX-512): % of the FMA peak (the S = 1 steps stream the KV cache instead)
                 fma_bound=device == "cpu" and dtype == torch.float32 and not backward and S > 1,
+                # out of cache (a model's layers): the step streams its K and V from DRAM (% of the copy bandwidth)
+                bytes_moved=(2.0 * B * Hkv * Sk_ * D * torch.finfo(dtype).bits / 8) if layers else None,
             )
