@@ -1552,28 +1552,37 @@ def _native_backward_matches_the_oracle(backward, shape, causal, threads, dtype,
             assert not got[0][:, :, :shape[3] - shape[4]].any()
 
 
-@needs_bf16dot
-@pytest.mark.parametrize("B, H, Hkv, threads", [(2, 4, 2, 2), (1, 4, 1, 2), (1, 4, 1, 3)],
-                         ids=["group-per-thread", "shared-2", "shared-3"])
-def test_bf16dot_backward_reads_strided_inputs(B, H, Hkv, threads):
-    """q/k/v laid out [B, S, H, D], an odd K row stride, and the expanded dout of out.sum(); also where
-    threads share a group (one KV head: each packs its own blocks of Q and dO)."""
+def _native_backward_reads_strided_inputs(backward, dtype, D, forward, B, H, Hkv, threads):
+    """q/k/v laid out [B, S, H, D], an odd K row stride, and the expanded dout of out.sum(): a native backward's
+    gradients against the float64 oracle's; the inputs are not modified."""
     g = torch.Generator().manual_seed(6)
-    Sq, Sk, D = 70, 100, 64
-    q = torch.randn(B, Sq, H, D, generator=g).to(torch.bfloat16).transpose(1, 2)
-    v = torch.randn(B, Sk, Hkv, D, generator=g).to(torch.bfloat16).transpose(1, 2)
-    odd = torch.randn(B * Hkv * Sk * (D + 1), generator=g).to(torch.bfloat16)
+    Sq, Sk = 70, 100
+    q = torch.randn(B, Sq, H, D, generator=g).to(dtype).transpose(1, 2)
+    v = torch.randn(B, Sk, Hkv, D, generator=g).to(dtype).transpose(1, 2)
+    odd = torch.randn(B * Hkv * Sk * (D + 1), generator=g).to(dtype)
     k = odd.as_strided((B, Hkv, Sk, D), (Hkv * Sk * (D + 1), Sk * (D + 1), D + 1, 1))
-    dout = torch.ones((), dtype=torch.bfloat16).expand(B, H, Sq, D)
+    dout = torch.ones((), dtype=dtype).expand(B, H, Sq, D)
     before = [t.clone() for t in (q, k, v)]
-    out, lse = _forward_impl(q, k, v, True, 0.125, "cpu", {"impl": "flash"})
-    got = _cpu.bf16dot_backward(dout, q, k, v, out, lse, True, 0.125, None, threads)
+    out, lse = _forward_impl(q, k, v, True, 0.125, "cpu", {"impl": forward})
+    got = backward(dout, q, k, v, out, lse, True, 0.125, None, threads)
     qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
     want = torch.autograd.grad(reference(qr, kr, vr, True, 0.125)[0].sum(), (qr, kr, vr))
     for name, a, w in zip(("dq", "dk", "dv"), got, want):
-        assert_close(a, w, torch.bfloat16, name)
-    for a, b in zip((q, k, v), before):
-        assert torch.equal(a, b)
+        assert_close(a, w, dtype, name)
+    assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v)))
+
+
+# (B, H, Hkv, threads): a group per thread; threads that share a group (one KV head: each packs its own
+# blocks of Q and dO, or takes its own (head, query block) pairs); one head on 3 threads (its two query
+# blocks split between two of them)
+_STRIDED_SPLITS = [(2, 4, 2, 2), (1, 4, 1, 2), (1, 4, 1, 3), (1, 1, 1, 3)]
+_STRIDED_IDS = ["group-per-thread", "shared-2", "shared-3", "one-head-3"]
+
+
+@needs_bf16dot
+@pytest.mark.parametrize("B, H, Hkv, threads", _STRIDED_SPLITS, ids=_STRIDED_IDS)
+def test_bf16dot_backward_reads_strided_inputs(B, H, Hkv, threads):
+    _native_backward_reads_strided_inputs(_cpu.bf16dot_backward, torch.bfloat16, 64, "flash", B, H, Hkv, threads)
 
 
 @needs_bf16dot
@@ -1908,26 +1917,10 @@ def test_fma_backward_matches_the_oracle(shape, causal, threads, dtype):
 
 
 @needs_fma
-def test_fma_backward_reads_strided_inputs():
-    """q/k/v laid out [B, S, H, D], an odd K row stride, and the expanded dout of out.sum() (copied, where
-    dense float32 rows are read in place), on a group per thread and on threads that split a group's (head,
-    query block) pairs; the inputs are not modified."""
-    g = torch.Generator().manual_seed(6)
-    for B, H, Hkv, threads in ((2, 4, 2, 2), (1, 4, 1, 2), (1, 4, 1, 3), (1, 1, 1, 3)):
-        Sq, Sk, D = 70, 100, 48  # (one head on 3 threads: its two query blocks split between two of them)
-        q = torch.randn(B, Sq, H, D, generator=g).transpose(1, 2)
-        v = torch.randn(B, Sk, Hkv, D, generator=g).transpose(1, 2)
-        odd = torch.randn(B * Hkv * Sk * (D + 1), generator=g)
-        k = odd.as_strided((B, Hkv, Sk, D), (Hkv * Sk * (D + 1), Sk * (D + 1), D + 1, 1))
-        dout = torch.ones(()).expand(B, H, Sq, D)
-        before = [t.clone() for t in (q, k, v)]
-        out, lse = _forward_impl(q, k, v, True, 0.125, "cpu", {"impl": "fma"})
-        got = _cpu.fma_backward(dout, q, k, v, out, lse, True, 0.125, None, threads)
-        qr, kr, vr = (t.detach().double().requires_grad_() for t in (q, k, v))
-        want = torch.autograd.grad(reference(qr, kr, vr, True, 0.125)[0].sum(), (qr, kr, vr))
-        for name, a, w in zip(("dq", "dk", "dv"), got, want):
-            assert_close(a, w, torch.float32, name)
-        assert all(torch.equal(a, b) for a, b in zip(before, (q, k, v)))
+@pytest.mark.parametrize("B, H, Hkv, threads", _STRIDED_SPLITS, ids=_STRIDED_IDS)
+def test_fma_backward_reads_strided_inputs(B, H, Hkv, threads):
+    """(Strided float32 q and dO are copied where dense rows are read in place.)"""
+    _native_backward_reads_strided_inputs(_cpu.fma_backward, torch.float32, 48, "fma", B, H, Hkv, threads)
 
 
 @needs_fma
