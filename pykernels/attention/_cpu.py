@@ -133,10 +133,15 @@ def lse_flags(lse: torch.Tensor, first_row: int) -> tuple:
 def _dense_last(x: torch.Tensor) -> torch.Tensor:
     """aten's kernels take any strides with a unit-stride head dim, as long as rows do not overlap (they
     size out with empty_like(q) but write it as if the head dim were dense): copy only otherwise."""
-    if x.is_contiguous():  # the common case, without the per-dimension walk below (~1.5 us a tensor)
+    if x.is_contiguous():  # the common case, without the per-dimension walk below
         return x
-    rows_apart = all(x.shape[d] == 1 or x.stride(d) >= x.shape[-1] for d in range(x.dim() - 1))
-    return x if x.stride(-1) == 1 and rows_apart else x.contiguous()
+    st, sh = x.stride(), x.shape
+    if len(st) == 4:  # (a decode step's slice of a KV cache: the walk below took ~1.9 us a tensor, this ~0.4)
+        d = sh[3]
+        rows_apart = ((sh[0] == 1 or st[0] >= d) and (sh[1] == 1 or st[1] >= d) and (sh[2] == 1 or st[2] >= d))
+    else:
+        rows_apart = all(sh[i] == 1 or st[i] >= sh[-1] for i in range(len(st) - 1))
+    return x if st[-1] == 1 and rows_apart else x.contiguous()
 
 
 def _empty_result(q, v, sk):
