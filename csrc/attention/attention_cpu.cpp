@@ -1376,14 +1376,16 @@ struct FmaTier512 {
       });
     });
   }
-  // row r: p = exp(s - lse_r) and ds = p (dp - delta_r) in place of s and dp, for its n[r] keys; 0 beyond
-  PK_TARGET_AVX512BF16 static void p_ds(float* s, float* dp, int rows, const int* n, const float* lse,
+  // row r: p = exp(s - lse_r) and ds = p (dp - delta_r) in place of s and dp, for its n[r] keys; 0 beyond, up to
+  // the block's nb keys rounded up to the lanes (all that the products read)
+  PK_TARGET_AVX512BF16 static void p_ds(float* s, float* dp, int rows, int nb, const int* n, const float* lse,
                                         int64_t lse_stride, const float* delta, int64_t delta_stride) {
+    const int width = (nb + 15) / 16 * 16;
     for (int r = 0; r < rows; ++r) {
       const __m512 vlse = _mm512_set1_ps(lse[r * lse_stride]), vd = _mm512_set1_ps(delta[r * delta_stride]);
       float* sr = s + (size_t)r * FM_BN;
       float* dpr = dp + (size_t)r * FM_BN;
-      for (int j = 0; j < FM_BN; j += 16) {
+      for (int j = 0; j < width; j += 16) {
         const __mmask16 live = pf_live(j, n[r]);
         const __m512 p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sr + j), vlse)));
         const __mmask16 nz = _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_UQ);
@@ -1443,14 +1445,15 @@ struct FmaTier256 {
         fma_scores16<decltype(R)::value>(q + r0 * D, D, kblk + c * 16 * D, scale, s + r0 * FM_BN + 16 * c);
     });
   }
-  PK_TARGET_AVX2 static void p_ds(float* s, float* dp, int rows, const int* n, const float* lse, int64_t lse_stride,
-                                  const float* delta, int64_t delta_stride) {
+  PK_TARGET_AVX2 static void p_ds(float* s, float* dp, int rows, int nb, const int* n, const float* lse,
+                                  int64_t lse_stride, const float* delta, int64_t delta_stride) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const int width = (nb + 7) / 8 * 8;
     for (int r = 0; r < rows; ++r) {
       const __m256 vlse = _mm256_set1_ps(lse[r * lse_stride]), vd = _mm256_set1_ps(delta[r * delta_stride]);
       float* sr = s + (size_t)r * FM_BN;
       float* dpr = dp + (size_t)r * FM_BN;
-      for (int j = 0; j < FM_BN; j += 8) {
+      for (int j = 0; j < width; j += 8) {
         const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n[r] - j), lane));
         // (a lane beyond the row's keys: its score and dP are whatever the buffers held, ANDed away to +0)
         const __m256 p = _mm256_and_ps(live, exp256(_mm256_sub_ps(_mm256_loadu_ps(sr + j), vlse)));
@@ -1972,7 +1975,7 @@ void fma_bwd_group(const BwdProblem& BP, int64_t b, int64_t hk, FmaBwdScratch& s
         Tier::scores(dorows, rows, D, sc.vl.data() + j0 * D, 1.f, nb, sc.dp.data(), rows_span);
         // P = exp(S - lse) and dS = P (dP - D) in place of S and dP, 0 beyond the keys a row sees
         for (int r = 0; r < rows; ++r) sc.n[r] = (int)std::clamp<int64_t>(P.visible(i0 + r) - j0, 0, nb);
-        Tier::p_ds(sc.s.data(), sc.dp.data(), rows, sc.n.data(), lseh + i0 * BP.lss[2], BP.lss[2],
+        Tier::p_ds(sc.s.data(), sc.dp.data(), rows, nb, sc.n.data(), lseh + i0 * BP.lss[2], BP.lss[2],
                    deltah + i0 * BP.dls[2], BP.dls[2]);
         // dV += P^T dO and dK += dS^T Q over the block's rows (a tile of keys from the first row that sees its
         // first key); dQ += dS K over the keys a tile's last row sees
