@@ -98,14 +98,15 @@ def _flops(B, H, Sq, Sk, D, causal, backward):
 
 # A decode step's "layers" case cycles through this many bytes of KV caches (4x the 32 MiB L3 of the dev VM):
 # each call reads a cache the previous calls have pushed out of the CPU caches, as a model's layers do.
-LAYERS_BYTES = 128 << 20
+LAYERS_BYTES = 128 << 20  # (ours and the baseline: each its own)
 
 
 def _make(B, H, Hkv, S, D, causal, dtype, device, backward, Sk=None, inputs=None, cache=None, layers=False):
     """The case's make(); `inputs` (a dict), when given, receives what it draws for the check's float64
     answer. `cache`: k and v are the first Sk positions of a preallocated cache of that many (a decode
     loop's usual tensors: k_cache[:, :, :n], not contiguous). `layers`: q, k, v of L layers (LAYERS_BYTES
-    of K/V in all), one after the other call by call, ours and the baseline each from the first layer."""
+    of K/V in all), one after the other call by call, ours and the baseline each from the first layer and
+    each over its own copies (so neither finds in the L3 a cache the other just read)."""
     Sk = S if Sk is None else Sk
 
     def make():
@@ -145,14 +146,15 @@ def _make(B, H, Hkv, S, D, causal, dtype, device, backward, Sk=None, inputs=None
         if inputs is not None:
             inputs.update(q=q, k=k, v=v, dout=None, mask=mask, causal=causal)
         if layers:
-            def in_turn(fn):
+            def in_turn(fn, layers_):
                 at = [-1]
 
                 def run():
-                    at[0] = (at[0] + 1) % len(stack)
-                    return fn(*stack[at[0]])
+                    at[0] = (at[0] + 1) % len(layers_)
+                    return fn(*layers_[at[0]])
                 return run
-            return in_turn(ours_fn), in_turn(sdpa)
+            theirs = [tuple(t.clone() for t in layer) for layer in stack]
+            return in_turn(ours_fn, stack), in_turn(sdpa, theirs)
         if not backward:
             return (lambda: ours_fn(q, k, v)), (lambda: sdpa(q, k, v))
         qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))

@@ -95,7 +95,8 @@ inline void store_from_f32(void* base, pk::DType dt, int64_t i, float v) {
 // ---------------------------------------------------------------------------------------------
 // s[r * KB + j] = q[r] . rows[j] for r < R, j < nb (q rows and key rows of D floats). `ahead` (the AVX2
 // kernels'; 0: none): floats from a row to the row whose lines to prefetch as this one is read (the same key
-// of the next block).
+// of the next block; in the kernels' main loops only, a line per 16 floats from the row's start: see
+// attend_chunk).
 void scores_portable(const float* q, int R, int D, const float* const* rows, int nb, int64_t ahead, float* s) {
   (void)ahead;
   for (int r = 0; r < R; ++r) {
@@ -158,7 +159,7 @@ PK_TARGET_AVX2 inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 
 // RB query rows (q, s: rows D and KB apart) x four keys per step: 4 RB independent accumulators (one
 // chain per row and key was bound by the FMA latency), 8 floats of each key loaded once for RB FMAs; the
-// four sums of a row come out of one hadd tree. ahead != 0: each 64-byte line of the four keys at `ahead`
+// four sums of a row come out of one hadd tree. ahead != 0: a line per 16 floats of the four keys at `ahead`
 // floats from them prefetched as the step reads theirs (see attend_chunk).
 template <int RB>
 PK_TARGET_AVX2 inline void scores_rows_avx2(const float* q, int D, const float* const* rows, int nb, int64_t ahead,
@@ -391,10 +392,10 @@ struct Scratch {
 };
 
 // Rows of key/value block [j0, j0 + nb) of (b, hk) as float32 pointers: straight into a float32 tensor,
-// else widened into buf (prefetching, as it reads each line, the line of the next block's row: see
-// attend_chunk).
+// else widened into buf (prefetching, as it reads each line, the line of the next block's row unless this is
+// the chunk's last block: see attend_chunk).
 inline void block_rows(const Problem& P, const Kernels& K, const void* base, const int64_t* st, int64_t b,
-                       int64_t hk, int64_t j0, int nb, Scratch& sc, std::vector<float>& buf,
+                       int64_t hk, int64_t j0, int nb, bool last, Scratch& sc, std::vector<float>& buf,
                        std::vector<const float*>& rows) {
   const int64_t off = b * st[0] + hk * st[1];
   if (P.dt == pk::DType::Float32) {
@@ -404,7 +405,7 @@ inline void block_rows(const Problem& P, const Kernels& K, const void* base, con
   }
   const uint16_t* p = static_cast<const uint16_t*>(base) + off;
   for (int j = 0; j < nb; ++j) sc.raw[j] = p + (j0 + j) * st[2];
-  K.widen(sc.raw.data(), P.dt, nb, (int)P.D, KB * st[2], buf.data());
+  K.widen(sc.raw.data(), P.dt, nb, (int)P.D, last ? 0 : KB * st[2], buf.data());
   for (int j = 0; j < nb; ++j) rows[j] = buf.data() + (int64_t)j * P.D;
 }
 
@@ -421,19 +422,23 @@ void attend_chunk(const Problem& P, const Kernels& K, int64_t b, int64_t hk, int
   std::fill(sc.acc.begin(), sc.acc.begin() + (size_t)R * D, 0.f);
   int64_t lim_max = 0;  // the chunk's keys any row sees
   for (int r = 0; r < R; ++r) lim_max = std::max(lim_max, std::min(c1, P.visible(r % P.Sq)));
-  // The next block's keys and values, one block (16 KiB of each at D = 128 in float32) ahead: each line as the
-  // kernels read the same line of this block (float32: the rows they read are K's and V's own, `ahead` on;
-  // 16-bit: as block_rows widens them). The whole block at once, before its scores, left no overlap of the
-  // loads with the arithmetic (a burst of 512 prefetches stalled the thread ahead of each block): a decode
-  // step out of cache took its time in cache plus the time to read the cache (32/8 heads x 1024 keys x
-  // D=128 fp32, one thread: 1.0-1.25 ms where the loop in cache took 0.56 and a plain read of the 8 MiB
-  // 0.45), now 0.63-0.72 ms (two threads 0.54-0.82 -> 0.38-0.41). Past the chunk's last block the rows
-  // `ahead` are the next head's first ones in a contiguous cache (a prefetch never faults).
+  // The next block's keys and values, one block (16 KiB of each at D = 128 in float32) ahead, interleaved with
+  // the reads of this block: the kernels prefetch the lines of the key (row) KB on as they read a key's
+  // (float32: the rows they read are K's and V's own, `ahead` on; 16-bit: as block_rows widens them). The
+  // scores and P V loops do it in their main loops (4-key steps, 32-column chunks): a block's last nb % 4
+  // keys and the columns past the last multiple of 32 are left to the hardware prefetcher. The whole block at
+  // once, before its scores, left no overlap of the loads with the arithmetic (a burst of 512 prefetches
+  // stalled the thread ahead of each block): a decode step out of cache took its time in cache plus the
+  // time to read the cache (32/8 heads x 1024 keys x D=128 fp32, one thread: 1.0-1.25 ms where the loop in
+  // cache took 0.56 and a plain read of the 8 MiB 0.45), now 0.63-0.72 ms (two threads 0.54-0.82 ->
+  // 0.38-0.41). None on the chunk's last block: the rows past it are unused cache rows (a slice of a
+  // preallocated cache), another chunk's or masked keys.
   const bool direct = P.dt == pk::DType::Float32;
-  const int64_t k_ahead = direct ? KB * P.ks[2] : 0, v_ahead = direct ? KB * P.vs[2] : 0;
   for (int64_t j0 = c0; j0 < lim_max; j0 += KB) {
     const int nb = (int)std::min<int64_t>(KB, lim_max - j0);
-    block_rows(P, K, P.k, P.ks, b, hk, j0, nb, sc, sc.kw, sc.krow);
+    const bool last = j0 + KB >= lim_max;
+    const int64_t k_ahead = direct && !last ? KB * P.ks[2] : 0, v_ahead = direct && !last ? KB * P.vs[2] : 0;
+    block_rows(P, K, P.k, P.ks, b, hk, j0, nb, last, sc, sc.kw, sc.krow);
     K.scores(sc.q.data(), R, D, sc.krow.data(), nb, k_ahead, sc.s.data());
     bool any = false;
     for (int r = 0; r < R; ++r) {
@@ -458,7 +463,7 @@ void attend_chunk(const Problem& P, const Kernels& K, int64_t b, int64_t hk, int
       any = true;
     }
     if (!any) continue;
-    block_rows(P, K, P.v, P.vs, b, hk, j0, nb, sc, sc.vw, sc.vrow);
+    block_rows(P, K, P.v, P.vs, b, hk, j0, nb, last, sc, sc.vw, sc.vrow);
     K.pv(sc.s.data(), R, D, sc.vrow.data(), sc.n.data(), v_ahead, sc.acc.data());
   }
 }
@@ -935,7 +940,7 @@ PK_TARGET_AVX512BF16 int64_t prefill_item(const Problem& P, const uint32_t* kp, 
     const int nb = (int)std::min<int64_t>(PF_BN, hi - j0), width = (nb + 15) / 16 * 16;
     const uint32_t* kblk = kp + (j0 / 16) * gstride;
     // the keys a tile's rows see (its last row sees the most): a causal diagonal block's first tiles skip the
-    // rest, in the scores (left as they were: never read) and in P V below
+    // rest, in the scores (left as they were: never used) and in P V below
     const auto tile_keys = [&](int r0, int R) {
       return (int)std::clamp<int64_t>(P.visible(i0 + r0 + R - 1) - j0, 0, nb);
     };
@@ -1363,7 +1368,8 @@ struct FmaTier512 {
   }
   // s[r][0, nb) = scale * q_r . k_j for rows [0, rows) of q (D apart), keys of kblk (s rows FM_BN apart); a
   // register tile's keys only up to its span's end (the keys its last row sees: a causal diagonal block's
-  // first tiles compute a quarter to half of the block; the scores beyond are left as they were, and never read)
+  // first tiles compute a quarter to half of the block; the scores beyond are left as they were: loaded by
+  // some loops, masked away, never used)
   PK_TARGET_AVX512BF16 static void scores(const float* q, int rows, int64_t D, const float* kblk, float scale, int nb,
                                           float* s, const TileSpan& span) {
     (void)nb;  // (the span's total)
@@ -1671,7 +1677,8 @@ PK_TARGET_AVX512BF16 bool bwd_group(const BwdProblem& BP, int64_t b, int64_t hk,
           std::memcpy(sc.q32.data() + (size_t)r * D2, qh + (i0 + r) * P.qs[2], D * 2);
           std::memcpy(sc.do32.data() + (size_t)r * D2, doh + (i0 + r) * BP.dos[2], D * 2);
         }
-        pf_row_tiles(rows, [&](int r0, auto R) {  // S and dP of the keys the tile's last row sees (the rest: never read)
+        // S and dP of the keys the tile's last row sees (the rest: never used)
+        pf_row_tiles(rows, [&](int r0, auto R) {
           const int n = (int)std::clamp<int64_t>(P.visible(i0 + r0 + decltype(R)::value - 1) - j0, 0, nb);
           if (n == 0) return;
           pf_scores_n<decltype(R)::value>(sc.q32.data() + (size_t)r0 * D2, (int)D2, sc.kl.data() + (j0 / 16) * gstride,
@@ -1969,7 +1976,8 @@ void fma_bwd_group(const BwdProblem& BP, int64_t b, int64_t hk, FmaBwdScratch& s
         const int rows = (int)std::min<int64_t>(PF_BM, Sq - i0);
         const float* qrows = q_rows(g, i0);
         const float* dorows = do_rows(g, i0);
-        // S and dP of the keys a tile's last row sees (the rest of the block: left as it was, never read)
+        // S and dP of the keys a tile's last row sees (the rest of the block: left as it was, never used; masked
+        // away where a loop loads it)
         const TileSpan keys_span{P.causal, true, j0 - off - i0, rows}, rows_span{P.causal, false, i0 + off - j0, nb};
         Tier::scores(qrows, rows, D, sc.kl.data() + j0 * D, P.scale, nb, sc.s.data(), rows_span);
         Tier::scores(dorows, rows, D, sc.vl.data() + j0 * D, 1.f, nb, sc.dp.data(), rows_span);
