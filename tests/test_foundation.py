@@ -196,7 +196,7 @@ def test_corrupt_or_foreign_cache_is_ignored_with_a_warning(tmp_cache):
                                  {"config": {"threads": 2 ** 40}}, {"nested": True},
                                  # the default's values, one of them of another type (16.0 == 16 and
                                  # True == 1 in Python: they passed as the op's own config; review finding)
-                                 {"default_with": {"grain": float(1 << 15)}}, {"default_with": {"nt": 1}},
+                                 {"default_with": {"grain": float(1 << 15)}}, {"default_with": {"nt": -1.0}},
                                  {"default_with": {"threads": False}}])
 def test_damaged_cache_entries_fall_back_to_the_default(tmp_cache, bad):
     """Valid JSON with bad contents (fuzz finding: every sort call raised): structurally wrong entries are

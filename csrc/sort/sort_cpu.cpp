@@ -172,7 +172,8 @@ struct SortArgs {
   int begin_bit = 0, end_bit = -1;
   int digit_bits = 0;            // 0 = heuristic
   int threads = 1;
-  bool nt_stores = true;         // streaming stores for full write-combining lines
+  int nt_stores = -1;            // streaming stores for full write-combining lines: 1 on, 0 off, -1 = where
+                                 // they paid (the LSD engine's lines; the MSD split's only into 2048 buckets)
   int wc = -1;                   // software write-combining: 1 on, 0 off (plain stores), -1 = heuristic
   int64_t small_n = 64;          // insertion sort at or below this size
   int64_t grain = 32768;         // at least this many keys per thread
@@ -561,7 +562,7 @@ struct Engine {
       pc.shift = ps.shift;
       pc.mask = (1u << ps.bits) - 1;
       pc.n = n;
-      pc.nt = a.nt_stores && n >= (int64_t(1) << 18);  // streaming only pays for out-of-cache data
+      pc.nt = a.nt_stores != 0 && n >= (int64_t(1) << 18);  // streaming only pays for out-of-cache data
       pc.track_next = !last && T > 1;
       pc.drop_keys = last && drop_keys;
       pc.shared = T > 1;
@@ -615,10 +616,10 @@ struct Engine {
 //      shows spread by their top byte (random keys) it also counts that byte, the digit. Otherwise the
 //      digit is the top byte of v = key - min (v has w = bit width of max - min bits), counted in a
 //      second read: small ints, ids, timestamps spread over the buckets too.
-//   2. One stable scatter into 256 buckets by the digit (2048 from FINE_SPLIT_MIN_N 32-bit keys, or for
+//   2. One stable scatter into 256 buckets by the digit (2048 where the autotuner chose them, or for
 //      clustered ones: an 11-bit digit), of records {v} (keys only) or {v, what the key carries: its
-//      index or a 4-byte payload} (8 bytes), through one write-combining line per bucket flushed with
-//      streaming stores (split_scatter; plain stores while the records fit the caches).
+//      index or a 4-byte payload} (8 bytes): plain stores into 256 buckets, write-combining lines
+//      flushed with streaming stores into 2048 (split_scatter).
 //   3. Each bucket (~n/256 records: ~128 KiB at 4M keys, inside one core's L2; up to 4 MiB, from L3:
 //      see bucket_ok) is sorted on v's w - MB bits below the digit by LSD passes that never leave the
 //      cache (bucket_plan: 3 x 8 or 2 x 12 for random 32-bit keys below 256 buckets, 11 + 10 below 2048;
@@ -688,20 +689,17 @@ static inline bool bucket_ok(double biggest, size_t bytes, int64_t n, size_t bud
 // the budgets while their top 11 bits spread them (randn floats: a quarter of them share one top byte),
 // as the 256-bucket attempt's 4096-key sample shows before any read, take MSD_BITS_CLUSTERED (2048
 // buckets: the top byte and three bits more of the mantissa or value) instead of the LSD engine: 4M
-// randn float32 keys + indices 37 -> 27 ms (2 threads). Uniform keys keep 256 buckets below
-// FINE_SPLIT_MIN_N (below). Keys refused after the counting read are not retried (a second read).
+// randn float32 keys + indices 37 -> 27 ms (2 threads). Uniform keys keep 256 buckets at every size (see
+// below). Keys refused after the counting read are not retried (a second read).
 static constexpr int MSD_BITS = 8;
 static constexpr int MSD_BITS_CLUSTERED = 11;
 static constexpr int MSD_BUCKETS = 1 << MSD_BITS;
-// From FINE_SPLIT_MIN_N 32-bit keys the split takes 2048 buckets (4K+ records each) for every key, not
-// only clustered ones: its 2048 write-combining lines cost ~0.3 ns per key more than 256 (they live in
-// L2, not L1), and each bucket then takes two passes of (11, 10) bits inside L1/L2 (see
-// bucket_max_digit) instead of three of 8 over 32K+ records. 256 / 2048 buckets on 2 threads (Zen 2,
-// same process): random uint32 keys only 16M 93.0 / 67.2 ms, 8M 42.4 / 33.4, 4M 17.3 / 21.6; int32 +
-// indices 16M 106.9 / 94.9, 8M 49.0 / 47.1, 4M 23.9 / 27.7; uint32 + 4-byte values 16M 114.7 / 101.0.
-// (An earlier measurement, 16M uint32 keys 62 -> 70 ms with 2048 buckets, had three in-bucket passes of
-// 7 bits.) The autotuner may choose either (config msd_bits).
-static constexpr int64_t FINE_SPLIT_MIN_N = int64_t(1) << 23;
+// Uniform 32-bit keys: 256 buckets, not 2048, however many keys. On a 2-core Zen 2 2048 buckets won
+// from 8M keys (split with streaming stores both ways: 16M uint32 keys 93.0 / 67.2 ms, int32 + indices
+// 106.9 / 94.9), but with the split's plain stores into 256 buckets (see split_scatter) 256 win on the
+// 2-core Zen 4 (256 / 2048 buckets, same process, 2 threads, ms): uint32 keys 16M 44.0 / 59.8, 32M 87.7 /
+// 105.4, 64M 165 / 204; int32 + indices 16M 53.6 / 67.6, 32M 106 / 134, 64M 206 / 285. The autotuner
+// tries both (config msd_bits).
 // from here passes of up to bucket_max_digit bits; smaller buckets (skewed keys, small inputs) take three
 // of lb / 3 bits
 static constexpr int64_t BIG_BUCKET = 2048;
@@ -1045,20 +1043,31 @@ static int64_t split_offsets(const std::vector<uint32_t>& hist, int T, std::vect
 // The MSD split's scatter: each thread moves its slice of the keys, in order, to its own offsets pos
 // (see split_offsets), so the split is stable. vbits: encoded key -> v; digit: v -> bucket; make(v, i):
 // the record.
-// The records go through one 64-byte write-combining line per bucket (256 x 64 B: inside L1) that is
-// flushed whole with streaming stores once full: 256 destination streams in DRAM, written with plain
-// stores, cost a read-for-ownership each new line, and few of those overlap (measured on a Xeon VM: 5.3
-// ns per 4-byte key on one thread, 2.1 with the lines; the buckets are read back from DRAM anyway).
-// A line shared with a neighbouring bucket or thread (the ends of this thread's range of a bucket) is
-// written record by record, only this thread's records: no byte is written by two threads. Small splits
-// (records inside the caches) take plain stores: streaming stores would push them out to DRAM.
+// Two ways to store the records (nt_mode, the config's nt):
+//  - streaming: one 64-byte write-combining line per bucket that is flushed whole with streaming stores
+//    once full. 256 destination streams in DRAM written with plain stores cost a read-for-ownership each
+//    new line, and few of those overlapped on a Xeon VM (5.3 ns per 4-byte key on one thread, 2.1 with the
+//    lines). A line shared with a neighbouring bucket or thread (the ends of this thread's range of a
+//    bucket) is written record by record, only this thread's records: no byte is written by two threads.
+//  - plain stores, record by record. On the 2-core Zen 4 they win for 256 buckets at every size measured
+//    (256 open lines, x1 per record, stay in its 32 KiB L1 and the hardware combines them; the records
+//    the buckets' sorts then read partly come from L3 instead of DRAM): 2 threads, old/new processes in
+//    turn, ms: int32 + indices 2M 8.1-9.9 -> 7.0-7.4, 4M 15.7-16.2 -> 13.0-13.5, 6M 24-31 -> 19-23,
+//    12M 46-61 -> 38-41, 16M 62-64 -> 52; random int64 + indices (16-byte records) 4M 34-36 -> 28-29,
+//    16M 152-159 -> 133-136; uint32 + 4-byte payload 4M 15.7-16.0 -> 12.6-13.1. Into 2048 buckets (128
+//    KiB of open lines: past L1) they lose: 16M uint32 keys 47-48 -> 56-60 ms, int32 + indices 59-71 ->
+//    69-74.
+// nt_mode -1 (default): plain stores into 256 buckets, streaming into more; 1: streaming; 0: plain.
+// Streaming only past SPLIT_STREAM_MIN_BYTES of records: below, they would push cache-resident records
+// out to DRAM.
 static constexpr size_t SPLIT_STREAM_MIN_BYTES = size_t(8) << 20;
 
 template <int MB, class Rec, class U, Enc E, class VBits, class Digit, class Make>
 static void split_scatter(int T, int64_t n, std::vector<int64_t>& pos, Rec* rec, const U* in, const Coder<U, E>& cd,
-                          bool stream_ok, VBits vbits, Digit digit, Make make) {
+                          int nt_mode, VBits vbits, Digit digit, Make make) {
   constexpr int64_t L = 64 / sizeof(Rec);  // records per line
   static_assert(64 % sizeof(Rec) == 0, "records tile a cache line");
+  const bool stream_ok = nt_mode > 0 || (nt_mode < 0 && MB > MSD_BITS);
   const bool stream = PK_X86 && stream_ok && (size_t)n * sizeof(Rec) >= SPLIT_STREAM_MIN_BYTES &&
                       (uintptr_t)rec % sizeof(Rec) == 0;
   // record q sits in slot (phase + q) % L of its cache line
@@ -2115,9 +2124,9 @@ void radix_sort_typed(const SortArgs& a, const Codec<U>& codec, SortStats& st) {
   // the heuristic's split takes its own grain (MSD_GRAIN); a chosen msd (0/1/2, a tuned config) the config's
   const int T_msd = a.msd < 0 ? (int)std::max<int64_t>(1, std::min<int64_t>(std::max(1, a.threads), n / MSD_GRAIN)) : T;
   if constexpr (sizeof(U) == 4) {
-    // many 32-bit keys: 2048 buckets of a few thousand records, each sorted by two passes inside L1/L2
-    // (see FINE_SPLIT_MIN_N). A refusal there (skewed keys) would refuse 256 coarser buckets too.
-    if (a.msd_bits == MSD_BITS_CLUSTERED || (a.msd_bits == 0 && n >= FINE_SPLIT_MIN_N)) {
+    // a tuned msd_bits = 11: 2048 buckets of a few thousand records, each sorted by two passes inside
+    // L1/L2. A refusal there (skewed keys) would refuse 256 coarser buckets too.
+    if (a.msd_bits == MSD_BITS_CLUSTERED) {
       if (msd_hybrid_sort<U, E, MSD_BITS_CLUSTERED>(a, cd, st, T_msd, &wider)) return;
       wider = false;
     } else if (msd_hybrid_sort<U, E, MSD_BITS>(a, cd, st, T_msd, &wider)) {
@@ -2261,7 +2270,7 @@ struct SegArgs {
   bool descending;
   int threads;
   int digit_bits;
-  bool nt_stores;
+  int nt_stores;
 };
 
 // Batcher's odd-even merge sort network on N (a power of two) 64-bit words; padding words are all-ones.
@@ -2870,7 +2879,7 @@ py::dict stats_dict(const pksort::SortStats& st) {
 // per call is measurable on small sorts.
 py::object sort_1d(uintptr_t keys, int64_t n, int dtype, uintptr_t out_keys, uintptr_t out_idx, uintptr_t pay,
                  uintptr_t out_pay, int pay_size, bool descending, int begin_bit, int end_bit, int digit_bits,
-                 int threads, bool nt_stores, int64_t small_n, int64_t grain, bool want_stats, int wc, int msd,
+                 int threads, int nt_stores, int64_t small_n, int64_t grain, bool want_stats, int wc, int msd,
                  int msd_bits, bool in_order) {
   pksort::SortArgs a;
   a.keys = reinterpret_cast<const void*>(keys);
@@ -2922,7 +2931,7 @@ py::object sort_1d(uintptr_t keys, int64_t n, int dtype, uintptr_t out_keys, uin
 
 void segmented(uintptr_t keys, int dtype, uintptr_t offsets, int64_t nseg, int64_t row_len, uintptr_t out_keys,
                uintptr_t out_idx, uintptr_t pay, uintptr_t out_pay, int pay_size, bool descending, int threads,
-               int digit_bits, bool nt_stores, int64_t inner) {
+               int digit_bits, int nt_stores, int64_t inner) {
   pksort::SegArgs g;
   g.keys = reinterpret_cast<const void*>(keys);
   g.dtype = static_cast<pk::DType>(dtype);
@@ -2970,7 +2979,7 @@ PYBIND11_MODULE(_cpu_sort, m) {
   m.def("cpu_has_avx512", &pk::cpu_has_avx512);
   m.def("sort", &sort_1d, py::arg("keys"), py::arg("n"), py::arg("dtype"), py::arg("out_keys"), py::arg("out_idx"),
         py::arg("pay"), py::arg("out_pay"), py::arg("pay_size"), py::arg("descending"), py::arg("begin_bit"),
-        py::arg("end_bit"), py::arg("digit_bits"), py::arg("threads"), py::arg("nt_stores") = true,
+        py::arg("end_bit"), py::arg("digit_bits"), py::arg("threads"), py::arg("nt_stores") = -1,
         py::arg("small_n") = 64, py::arg("grain") = 32768, py::arg("stats") = false, py::arg("wc") = -1, py::arg("msd") = -1,
         py::arg("msd_bits") = 0, py::arg("in_order") = true,
         "Stable LSD radix sort of n keys (pointers as integers; 0 = absent). Returns a stats dict if stats=True, "
@@ -2981,6 +2990,6 @@ PYBIND11_MODULE(_cpu_sort, m) {
   m.def("segmented", &segmented, py::arg("keys"), py::arg("dtype"), py::arg("offsets"), py::arg("nseg"),
         py::arg("row_len"), py::arg("out_keys"), py::arg("out_idx"), py::arg("pay"), py::arg("out_pay"),
         py::arg("pay_size"), py::arg("descending"), py::arg("threads"), py::arg("digit_bits") = 0,
-        py::arg("nt_stores") = true, py::arg("inner") = 1,
+        py::arg("nt_stores") = -1, py::arg("inner") = 1,
         "Sorts each segment [offsets[i], offsets[i+1]) (or each row of row_len) independently, stably.");
 }

@@ -10,8 +10,8 @@ plus CUB-style keys-only, key-value and segmented sorts.
 Backends: "cpu" (csrc/sort/sort_cpu.cpp: one histogram read for all digits, then one write-combined
 scatter per 8- or 11-bit digit, trivial passes skipped; from 32K keys on two or more threads (256K on
 one; below 256K not keys spanning at most 16 bits), 32- and 64-bit keys whose top byte spreads them
-are split by the top byte of their span into 256 buckets first (by its top 11 bits into 2048 from 8M
-32-bit keys; unless one bucket past L2 size would hold more than 1/8 of the keys, all one value), each
+are split by the top byte of their span into 256 buckets first (by its top 11 bits into 2048 where the
+top byte clusters them; unless one bucket past L2 size would hold more than 1/8 of the keys, all one value), each
 then sorted inside the cache:
 LSD passes, or for 64-bit keys spanning 2^32 or more a second split and insertion sorts of the small
 parts; rows and runs of equal segments of 2-1024 keys: 4-8 rows at a time, one per SIMD lane, through
@@ -133,9 +133,11 @@ def _default_config(key: dict) -> dict:
     every key at 100K-200K (the 128K grain before kept 200K keys on one thread; an older measurement of
     1.2-7x for one thread at 64K keys was on another machine and engine). At 50K keys a second thread
     gained 1.3x for 2-8 byte keys and lost 2% for 1-byte ones; the autotuner tries 16K and 128K.
-    Streaming stores. msd_bits=0 leaves the MSD split's digit (8 or 11 bits, 32-bit keys) to the engine
-    too: 11 from 8M keys."""
-    return {"digit_bits": 0, "wc": -1, "threads": 0, "nt": True, "grain": 1 << 15, "msd": -1, "msd_bits": 0}
+    nt=-1: streaming stores where they paid (the LSD engine's write-combining lines; the MSD split's
+    only into 2048 buckets: plain stores into 256, see split_scatter). msd_bits=0 leaves the MSD
+    split's digit (8 or 11 bits, 32-bit keys) to the engine too: 8 unless a sample shows the top byte
+    clusters the keys."""
+    return {"digit_bits": 0, "wc": -1, "threads": 0, "nt": -1, "grain": 1 << 15, "msd": -1, "msd_bits": 0}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,7 +177,7 @@ def _cpu_sort_1d(keys: torch.Tensor, *, want_keys=True, want_idx=False, payload=
     stats = _cpu().sort(keys.data_ptr() if n else 0, n, _native.dtype_code(keys.dtype), _ptr(out_k), _ptr(out_i),
                         _ptr(payload), _ptr(out_p), payload.element_size() if payload is not None else 0,
                         bool(descending), int(begin_bit), -1 if end_bit is None else int(end_bit),
-                        int(config.get("digit_bits", 0)), _threads(config), bool(config.get("nt", True)),
+                        int(config.get("digit_bits", 0)), _threads(config), int(config.get("nt", -1)),
                         64, int(config.get("grain", 1 << 15)), bool(want_stats), int(config.get("wc", -1)),
                         int(config.get("msd", -1)), int(config.get("msd_bits", 0)), bool(config.get("in_order", True)))
     return out_k, out_i, out_p, stats
@@ -197,7 +199,7 @@ def _cpu_segmented(keys: torch.Tensor, offsets: Optional[torch.Tensor], nseg: in
         _cpu().segmented(keys.data_ptr(), _native.dtype_code(keys.dtype), _ptr(offsets), nseg, row_len, _ptr(out_k),
                          _ptr(out_i), _ptr(payload), _ptr(out_p),
                          payload.element_size() if payload is not None else 0, bool(descending), _threads(config),
-                         int(config.get("digit_bits", 0)), bool(config.get("nt", True)), inner)
+                         int(config.get("digit_bits", 0)), int(config.get("nt", -1)), inner)
     return out_k, out_i, out_p
 
 

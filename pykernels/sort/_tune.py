@@ -8,12 +8,14 @@ CPU config space (csrc/sort/sort_cpu.cpp):
               scattered stores (wins while the data fits the caches and the open lines fit L1).
   threads     0 = torch.get_num_threads(), or a fixed count (a shared machine may do better with fewer).
   nt          streaming (non-temporal) stores for full write-combining lines: skips the read-for-ownership
-              of the destination; pays off once the arrays exceed the caches.
+              of the destination; pays off once the arrays exceed the caches. True / False everywhere,
+              -1 (default) where they paid on the 2-core Zen 4: the LSD engine, the MSD split into 2048
+              buckets (not into 256: plain stores there).
   grain       the tile: at least this many keys per thread (smaller inputs use fewer threads).
   msd         32- and 64-bit keys (whole width, no bit range): split by the top byte of the span into 256
               buckets, then LSD inside each bucket in cache (digit_bits/wc do not apply there; nt: the
               split's records go through write-combining lines flushed with streaming stores once they
-              pass 8 MiB, else plain stores); 64-bit
+              pass 8 MiB, else plain stores; -1: streaming only into 2048 buckets); 64-bit
               keys spanning 2^32 or more take 16-byte records and a second split inside each bucket.
               -1 (default): from 32K keys where threads of 16K keys each (whatever the grain) make
               two or more, else from 256K (below 256K not keys spanning at most 16 bits),
@@ -28,7 +30,8 @@ CPU config space (csrc/sort/sort_cpu.cpp):
               over key - min).
   msd_bits    the split's digit for 32-bit keys: 8 (256 buckets; 2048 where a sample shows the top byte
               clusters the keys) or 11 (2048 buckets, each then sorted by two passes of ~11 bits inside
-              L1/L2); 0 (default): 11 from 8M keys, else 8.
+              L1/L2); 0 (default): 8 (with the split's plain stores 256 buckets won at 4M-64M keys
+              on the 2-core Zen 4; on a Zen 2, streaming both, 2048 won from 8M).
 `python -m pykernels.autotune generate --ops sort [--sizes 65536,1e6]` tunes sort_keys/sort/argsort/
 sort_pairs on random uint32/int32/float32/int64 keys of those sizes.
 
