@@ -1020,6 +1020,27 @@ static int bucket_wide(Rec* src, Rec* __restrict tmp, int64_t m, int lb, uint32_
   return most;
 }
 
+// Counts digit_of(i) for i in [b, e) into out[0..RB) (zeroed here), through four copies of the counters
+// that take every fourth key: with one copy each increment waits on the one before it (a load of a
+// counter the previous store may have written), four independent chains overlap. The top byte of 4M
+// random keys read from L3, 2-core Zen 4: one thread 3.3 -> 1.2 ms, two 1.7 -> 0.6-0.9. digit_of may
+// also note things about key i (the lossy-float check): it runs once per key, in order. The counters
+// live on the caller's stack (see split_scatter).
+template <int RB, class DigitOf>
+static inline void count_digits(int64_t b, int64_t e, DigitOf&& digit_of, uint32_t* out) {
+  uint32_t h[4][RB];
+  std::memset(h, 0, sizeof(h));
+  int64_t i = b;
+  for (; i + 4 <= e; i += 4) {
+    ++h[0][digit_of(i)];
+    ++h[1][digit_of(i + 1)];
+    ++h[2][digit_of(i + 2)];
+    ++h[3][digit_of(i + 3)];
+  }
+  for (; i < e; ++i) ++h[0][digit_of(i)];
+  for (int d = 0; d < RB; ++d) out[d] = h[0][d] + h[1][d] + h[2][d] + h[3][d];
+}
+
 // The MSD split's per-thread scatter offsets from its per-thread digit counts (hist[t * 2^MB + d]):
 // digit by digit, then thread by thread, so the split is stable. Fills start[0..2^MB] (bucket bounds)
 // and pos; returns the biggest bucket.
@@ -1266,13 +1287,11 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
   std::vector<uint32_t> hist((size_t)T * RB, 0);
   pk::parallel_threads(T, [&](int t) {
     const int64_t b = n * t / T, e = n * (t + 1) / T;
-    uint32_t h[RB] = {0};  // on the stack: see split_scatter
     const Coder<U, E> c = cd;
-    for (int64_t i = b; i < e; ++i) {
+    count_digits<RB>(b, e, [&](int64_t i) {
       pk::prefetch_stream(in, i);
-      ++h[digit(c.enc(in[i]))];
-    }
-    std::memcpy(hist.data() + (size_t)t * RB, h, sizeof(h));
+      return digit(c.enc(in[i]));
+    }, hist.data() + (size_t)t * RB);
   });
   std::vector<int64_t> start(RB + 1), pos((size_t)T * RB);
   const int64_t biggest = split_offsets<MSD_BITS>(hist, T, start, pos);
@@ -1437,23 +1456,26 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     auto first_read = [&](auto count_top) {  // count_top: std::true_type / std::false_type
       pk::parallel_threads(T, [&](int t) {
         const int64_t b = n * t / T, e = n * (t + 1) / T;
-        uint32_t h[RB] = {0};  // on the stack: see split_scatter
         const Coder<U, E> c = cd;
         U ka = U(~U(0)), ko = 0;
         bool ls = false;
-        for (int64_t i = b; i < e; ++i) {
-          pk::prefetch_stream(in, i);
-          const U x = in[i];
-          if constexpr (E == Enc::Float) ls |= c.lossy(x);
-          const U k = c.enc(x);
-          if constexpr (decltype(count_top)::value) {
-            ++h[(uint32_t)(k >> (key_bits - MB))];
-          } else {
+        if constexpr (decltype(count_top)::value) {
+          count_digits<RB>(b, e, [&](int64_t i) {
+            pk::prefetch_stream(in, i);
+            const U x = in[i];
+            if constexpr (E == Enc::Float) ls |= c.lossy(x);
+            return (uint32_t)(c.enc(x) >> (key_bits - MB));
+          }, hist.data() + (size_t)t * RB);
+        } else {
+          for (int64_t i = b; i < e; ++i) {
+            pk::prefetch_stream(in, i);
+            const U x = in[i];
+            if constexpr (E == Enc::Float) ls |= c.lossy(x);
+            const U k = c.enc(x);
             ka = std::min(ka, k);
             ko = std::max(ko, k);
           }
         }
-        if constexpr (decltype(count_top)::value) std::memcpy(hist.data() + (size_t)t * RB, h, sizeof(h));
         min_t[t] = ka;
         max_t[t] = ko;
         lossy_t[t] = ls;
@@ -1534,13 +1556,11 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       std::fill(hist.begin(), hist.end(), 0u);
       pk::parallel_threads(T, [&](int t) {
         const int64_t b = n * t / T, e = n * (t + 1) / T;
-        uint32_t h[RB] = {0};  // on the stack: see split_scatter
         const Coder<U, E> c = cd;
-        for (int64_t i = b; i < e; ++i) {
+        count_digits<RB>(b, e, [&](int64_t i) {
           pk::prefetch_stream(in, i);
-          ++h[((uint32_t)(c.enc(in[i]) - base_key) >> lbd) & (RB - 1)];
-        }
-        std::memcpy(hist.data() + (size_t)t * RB, h, sizeof(h));
+          return ((uint32_t)(c.enc(in[i]) - base_key) >> lbd) & (RB - 1);
+        }, hist.data() + (size_t)t * RB);
       });
       biggest = offsets();
     }
