@@ -1126,10 +1126,16 @@ static void split_scatter(int T, int64_t n, std::vector<int64_t>& pos, Rec* rec,
     const Make make_l = make;
     const int64_t phase_l = phase;
     if (!stream) {
+      // each store also asks for the line two lines on in its bucket, for writing: the read-for-ownership
+      // of a stream's next line then overlaps this line's stores (a hint: past the array's end it does
+      // nothing). 2 threads, old/new processes in turn, best of 4: int32 + indices 4M 12.6 -> 12.0 ms,
+      // random int64 + indices 4M 28.6 -> 27.2; 16M uint32 keys, 4M int64 ids + indices unchanged.
       for (int64_t i = b; i < e; ++i) {
         pk::prefetch_stream(src, i);
         const auto v = vbits_l(c.enc(src[i]));
-        r[p[digit_l(v)]++] = make_l(v, i);
+        const int64_t q = p[digit_l(v)]++;
+        PK_PREFETCH_W(reinterpret_cast<const char*>(r + q) + 128);
+        r[q] = make_l(v, i);
       }
       return;
     }
