@@ -1072,7 +1072,7 @@ static int64_t split_offsets(const std::vector<uint32_t>& hist, int T, std::vect
 //    lines). A line shared with a neighbouring bucket or thread (the ends of this thread's range of a
 //    bucket) is written record by record, only this thread's records: no byte is written by two threads.
 //  - plain stores, record by record. On the 2-core Zen 4 they win for 256 buckets at every size measured
-//    (256 open lines, x1 per record, stay in its 32 KiB L1 and the hardware combines them; the records
+//    (the 256 open destination lines, 16 KiB, stay in its 32 KiB L1 while they fill; the records
 //    the buckets' sorts then read partly come from L3 instead of DRAM): 2 threads, old/new processes in
 //    turn, ms: int32 + indices 2M 8.1-9.9 -> 7.0-7.4, 4M 15.7-16.2 -> 13.0-13.5, 6M 24-31 -> 19-23,
 //    12M 46-61 -> 38-41, 16M 62-64 -> 52; random int64 + indices (16-byte records) 4M 34-36 -> 28-29,
