@@ -2154,3 +2154,25 @@ def test_backend_cuda_without_a_device_says_why():
                  lambda: pykernels.segmented_sort(x, torch.tensor([0, 5000]), backend="cuda")):
         with pytest.raises(RuntimeError, match="backend 'cuda' needs CUDA tensors, got cpu; cuda: "):
             call()
+
+
+def test_msd_split_gapped_records_where_buckets_alias():
+    """Where the 256 buckets' average size is a multiple of 128 KiB (2^22 int32 keys + indices: 8-byte
+    records; 2^23 keys alone), the split writes its records to scratch with a line of gap before each
+    bucket (see msd_hybrid_sort), and the buckets' sorts write the outputs from there: indices, keys and a
+    carried 4-byte payload, both directions, with ties."""
+    g = torch.Generator().manual_seed(21)
+    n = 1 << 22
+    x = torch.randint(-(1 << 31), 1 << 31, (n,), generator=g, dtype=torch.int64).to(torch.int32)
+    x[::97] = x[3]  # ties, few enough that the split still takes the keys (see bucket_ok)
+    before = x.clone()
+    for desc in (False, True):
+        k, i, _, st = _cpu_sort_1d(x, want_idx=True, descending=desc, want_stats=True)
+        ref = torch.sort(x, descending=desc, stable=True)
+        assert st["msd"] and torch.equal(i, ref.indices) and torch.equal(k, ref.values), desc
+    u = x.view(torch.uint32)
+    pay = torch.arange(n, dtype=torch.int32) * 3
+    k, _, p, st = _cpu_sort_1d(u, payload=pay, want_stats=True)
+    order = torch.from_numpy(np.argsort(u.numpy(), kind="stable"))
+    assert st["msd"] and torch.equal(p, pay[order]) and torch.equal(k.view(torch.int32), x[order])
+    assert torch.equal(x, before)

@@ -154,8 +154,9 @@ static Scratch& thread_own_outputs() {  // outputs the caller did not ask for (i
 // What a thread keeps after a call: reuse saves the page faults of repeated mid-size sorts, but every
 // calling thread (and every pool thread of a segmented sort) keeps its own buffers until it exits, so
 // bigger buffers are released after the call (a sort of more than ~8M 32-bit keys pays its page faults
-// again, which costs a few % of that sort).
-static constexpr size_t SCRATCH_KEEP = size_t(64) << 20;
+// again, which costs a few % of that sort). (+ 64 KiB: the MSD split's gapped records of 2^24 keys, 64 MiB
+// and a line per bucket, see msd_hybrid_sort.)
+static constexpr size_t SCRATCH_KEEP = (size_t(64) << 20) + (size_t(64) << 10);
 
 // ---------------------------------------------------------------------------------------------
 // Arguments of one 1-D sort (keys of n elements, optional int64 indices and/or payload)
@@ -1084,6 +1085,9 @@ static int64_t split_offsets(const std::vector<uint32_t>& hist, int T, std::vect
 //    it), all 256 destination streams start on the same sets and keep moving in step. Keys only, ns per
 //    key plain / streaming: 2^23 keys 3.1 / 2.9, 2^24 3.6 / 2.9, 2^24 + 768 (12 bytes a bucket past 256
 //    KiB) 3.6 / 3.0, + 3072 (48 bytes) 3.5 / 2.9, + 4096 (64 bytes) 2.6 / 2.9, + 12288 (192) 2.5 / 2.8.
+//    msd_hybrid_sort's narrow path places such records with a line of gap per bucket (then plain
+//    stores: 2^22 int32 + indices 15.7-16.4 -> 12.6-12.9 ms, 2^23 keys 23.8-24.3 -> 21.0-21.3); the
+//    wide path streams.
 // nt_mode -1 (default): plain stores into 256 buckets unless they alias, streaming into more; 1:
 // streaming; 0: plain. Streaming only past SPLIT_STREAM_MIN_BYTES of records: below, they would push
 // cache-resident records out to DRAM.
@@ -1606,9 +1610,30 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     // The records live in the output array of their size where there is one: a bucket's records
     // [b, b + m) become its outputs [b, b + m) in place (read into the cache, sorted there, written back
     // to the same lines: no scratch pages and no read-for-ownership of the outputs). Else in scratch.
+    // Where the 256 buckets' starts alias in L2 (split_buckets_alias: 2^22 int32 + indices, 2^23 and 2^24
+    // keys), the records go to scratch instead, with a line of gap before each bucket (bucket d's records
+    // from start[d] + d * gap), so the plain stores win there too rather than the streaming lines.
+    const int64_t gap = MB == MSD_BITS && a.nt_stores < 0 && (size_t)n * rec_bytes >= SPLIT_STREAM_MIN_BYTES &&
+                                split_buckets_alias(n, rec_bytes, RB)
+                            ? 64 / (int64_t)rec_bytes
+                            : 0;
     auto records = [&](void* same_size_output) -> char* {
-      if (same_size_output) return static_cast<char*>(same_size_output);
-      return thread_scratch().get((size_t)n * rec_bytes + 64);
+      if (same_size_output && gap == 0) return static_cast<char*>(same_size_output);
+      return thread_scratch().get((size_t)(n + gap * RB) * rec_bytes + 64);
+    };
+    std::vector<int64_t> gapped_pos;
+    if (gap) {
+      gapped_pos = pos;
+      for (int t = 0; t < T; ++t)
+        for (int d = 0; d < RB; ++d) gapped_pos[(size_t)t * RB + d] += d * gap;
+    }
+    std::vector<int64_t>& split_pos = gap ? gapped_pos : pos;
+    const int split_nt = gap ? 0 : a.nt_stores;
+    // where bucket [b, ...) of the outputs has its records
+    auto rec_at = [&](int64_t b) {
+      if (!gap) return b;
+      const int64_t d = (std::upper_bound(start.begin(), start.end(), b) - start.begin()) - 1;
+      return b + d * gap;
     };
     // stats: the bucket with the most in-bucket passes run (fewest skipped on a tie), packed as
     // live * 8 + (7 - skipped) for one atomic max
@@ -1622,10 +1647,10 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       // the keys' own top bits (random keys): a constant shift and no base, 16M uint32 keys in 256 buckets
       // 94.7 -> 80.7 ms, in 2048 buckets 72.3 -> 68.5 (2 threads, Zen 2)
       if (base_key == 0 && lb == 32 - MB) {
-        split_scatter<MB>(T, n, pos, rec, in, cd, a.nt_stores, [](U k) { return (uint32_t)k; },
+        split_scatter<MB>(T, n, split_pos, rec, in, cd, split_nt, [](U k) { return (uint32_t)k; },
                           [](uint32_t v) { return v >> (32 - MB); }, make);
       } else {
-        split_scatter<MB>(T, n, pos, rec, in, cd, a.nt_stores, vbits, [lb](uint32_t v) { return (v >> lb) & (RB - 1); },
+        split_scatter<MB>(T, n, split_pos, rec, in, cd, split_nt, vbits, [lb](uint32_t v) { return (v >> lb) & (RB - 1); },
                           make);
       }
       for_each_bucket<MB, Rec>(T, start, biggest, 3 * 4096, true, [&](Rec* tmp, uint32_t* bh, int64_t b, int64_t m,
@@ -1633,7 +1658,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
         constexpr int KS = sizeof(Rec) == 8 ? 32 : 0;
         int wid[3];
         const int planned = bucket_plan(m, sizeof(Rec), lb, wid);
-        const int live = bucket_lsd<Rec, KS>(rec + b, tmp, m, lb, bh, {rec + nb, nm},
+        const int live = bucket_lsd<Rec, KS>(rec + rec_at(b), tmp, m, lb, bh, {rec + (nm ? rec_at(nb) : 0), nm},
                                              [out, b](int64_t q, Rec x) { out(b + q, x); });
         const int packed = live * 8 + (7 - (planned - live));
         int seen = most_live.load(std::memory_order_relaxed);
