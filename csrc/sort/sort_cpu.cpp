@@ -2889,9 +2889,10 @@ void segmented_sort(const SegArgs& g) {
           // its outputs 2 more sets of len; the hardware prefetchers left the loads of the lanes stalled
           // (~30% of the time on the loads of a 16 x 104K int64 sort along dim 0). The same distance
           // ahead in each of them, once per 8 columns (a line of int64 indices).
-          if (g.inner > 1 && seg_start(s) % 8 == 0) {
+          const int64_t first = seg_start(s);
+          if (g.inner > 1 && first % 8 == 0) {
             for (int64_t k = 0; k < len; ++k) {
-              const int64_t at = seg_start(s) + k * g.inner;
+              const int64_t at = first + k * g.inner;
               if (k) PK_PREFETCH_R((const char*)((uintptr_t)(key_bytes + at * (int64_t)sizeof(U)) + ahead));
               if (g.out_keys) PK_PREFETCH_W((const char*)((uintptr_t)(static_cast<char*>(g.out_keys) + at * (int64_t)sizeof(U)) + ahead));
               if (g.out_idx) PK_PREFETCH_W((const char*)((uintptr_t)(g.out_idx + at) + ahead));
