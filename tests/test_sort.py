@@ -482,11 +482,16 @@ def test_msd_split_heuristic():
     for want_idx in (False, True):
         k, i, _, st = _cpu_sort_1d(y5, want_idx=want_idx, want_stats=True)
         assert st["msd"] and st["digit_bits"] < 8 and torch.equal(k, torch.sort(y5).values)
-    # one value in 1024 keys with the rest clustered: the sample sees one huge bucket
-    c = torch.zeros(1 << 19, dtype=torch.int32)
+    # one value in 1024 keys with the rest clustered: the sample sees one huge bucket, refused below
+    # HOT_MIN_N keys; from there both values get buckets of their own (HotPlan) and the split is taken
+    c = torch.zeros(200_000, dtype=torch.int32)
     c[::1024] = 1 << 30
     k, i, _, st = _cpu_sort_1d(c, want_idx=True, want_stats=True)
     assert not st["msd"] and torch.equal(i, ref_argsort_1d(c))
+    c2 = torch.zeros(1 << 19, dtype=torch.int32)
+    c2[::1024] = 1 << 30
+    k, i, _, st = _cpu_sort_1d(c2, want_idx=True, want_stats=True)
+    assert st["msd"] and st["hot_keys"] == 2 and torch.equal(i, ref_argsort_1d(c2)) and torch.equal(k, c2[i])
     # below 32K keys, and with msd=0, the LSD engine; from there the split on threads of 16K keys (its own
     # grain), below 256K keys only where that makes two threads
     assert not _cpu_sort_1d(x[: (1 << 15) - 1], want_stats=True)[3]["msd"]
@@ -588,7 +593,8 @@ def test_msd_split_heuristic():
 def test_msd_split_takes_buckets_past_l2_unless_one_holds_most_keys():
     """bucket_ok: evenly spread keys take the split with buckets far beyond L2 (read once from DRAM, then
     sorted from L3: measured 1.3-3.6x the LSD engine), and a bucket past L2 size holding more than 1/8 of
-    the keys, all one value, does not (the split would move them for nothing)."""
+    the keys, all one value, would not (the split would move them for nothing), so that value gets a
+    bucket of its own (see test_msd_hot_keys_get_buckets_of_their_own)."""
     g = torch.Generator().manual_seed(7)
     # 8M int32 + indices: 256 buckets of ~256 KiB (a sample with a 2x margin once refused these; from 8M
     # keys the heuristic takes 2048 buckets, so 256 are asked for)
@@ -607,13 +613,14 @@ def test_msd_split_takes_buckets_past_l2_unless_one_holds_most_keys():
     small[: 75_000] = 5
     k, i, _, st = _cpu_sort_1d(small, want_idx=True, want_stats=True)
     assert st["msd"] and torch.equal(i, ref_argsort_1d(small))
-    # ... and refused past it (1M keys: a 2 MiB bucket of one value), also by the autotuner's guarded
-    # setting msd=1
+    # ... and past it (1M keys: a 2 MiB bucket of one value) the value gets a bucket of its own (HotPlan),
+    # where it was refused (the LSD engine) before hot keys; also with the autotuner's guarded setting msd=1
     large = torch.randint(1 << 24, 1 << 30, (1 << 20,), dtype=torch.int32, generator=g)  # none share 5's bucket
     large[: 1 << 18] = 5
     k, i, _, st = _cpu_sort_1d(large, want_idx=True, want_stats=True)
-    assert not st["msd"] and torch.equal(i, ref_argsort_1d(large))
-    assert not _cpu_sort_1d(large, want_idx=True, config={"msd": 1}, want_stats=True)[3]["msd"]
+    assert st["msd"] and st["hot_keys"] == 1 and torch.equal(i, ref_argsort_1d(large))
+    st = _cpu_sort_1d(large, want_idx=True, config={"msd": 1}, want_stats=True)[3]
+    assert st["msd"] and st["hot_keys"] == 1
     # the same share of keys, differing (a narrow range) inside the bucket: taken (measured 1.5x the LSD
     # engine at 1M and 4M keys, with 1% of them differing)
     spread = large.clone()
@@ -2176,3 +2183,88 @@ def test_msd_split_gapped_records_where_buckets_alias():
     order = torch.from_numpy(np.argsort(u.numpy(), kind="stable"))
     assert st["msd"] and torch.equal(p, pay[order]) and torch.equal(k.view(torch.int32), x[order])
     assert torch.equal(x, before)
+
+
+def _hot_keys_case(dtype, case: str, n: int, g: torch.Generator) -> torch.Tensor:
+    """Keys where a few values fill much of their MSD bucket: `half` (half of them one value, the rest
+    random), `zipf` (Zipf(1.3) ranks hashed over the range: ~20 hot values in different buckets), `ends`
+    (the dtype's lowest and highest values each a quarter: the keys' v = 0 and v = all ones), `pair`
+    (two neighbouring hot values, so in one bucket: only one gets a bucket of its own), `zeros` (floats:
+    a third +0.0 and -0.0, mixed, with NaNs). Built on the signed integer view (unsigned dtypes) or the
+    floats themselves."""
+    wide = dtype.itemsize == 8
+    sview = INT_VIEW[dtype.itemsize]
+    bits = torch.randint(-(1 << 62) if wide else -(1 << 31), (1 << 62) if wide else (1 << 31), (n,),
+                         dtype=torch.int64, generator=g).to(sview)
+    r = torch.rand(n, generator=g)
+    if case == "zipf":
+        ranks = torch.from_numpy(np.random.default_rng(int(r[0] * 1000)).zipf(1.3, n).astype(np.int64))
+        h = ranks * -7046029254386353131  # 0x9E3779B97F4A7C15 as int64 (wraps)
+        h = h ^ (h >> 29)
+        bits = h.to(sview)  # (int64 -> int32 keeps the low 32 bits)
+    x = bits.view(dtype) if dtype.is_floating_point else bits  # signed view for the integer dtypes
+    if dtype.is_floating_point:
+        x[~torch.isfinite(x)] = 2.5
+    if case == "half":
+        x[r < 0.5] = x[7].item()
+    elif case == "ends":
+        if dtype.is_floating_point:
+            lo, hi = -math.inf, math.inf
+        elif dtype in UNSIGNED_WIDE:
+            lo, hi = 0, -1  # the signed views of 0 and the unsigned maximum
+        else:
+            lo, hi = torch.iinfo(dtype).min, torch.iinfo(dtype).max
+        x[r < 0.25] = lo
+        x[r > 0.75] = hi
+    elif case == "pair":
+        v = x[7].item()
+        x[r < 0.3] = v
+        if dtype.is_floating_point:
+            x[r > 0.7] = torch.nextafter(torch.tensor(v, dtype=dtype), torch.tensor(math.inf, dtype=dtype)).item()
+        else:
+            x[r > 0.7] = v + 1 if v + 1 <= torch.iinfo(sview).max else v - 1
+    elif case == "zeros":
+        x[r < 0.2] = 0.0
+        x[(r >= 0.2) & (r < 0.35)] = -0.0
+        x[(r >= 0.35) & (r < 0.37)] = math.nan
+    if dtype.is_floating_point:
+        return x
+    return x.view(dtype) if dtype in UNSIGNED_WIDE else x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.uint32, torch.float32, torch.int64, torch.uint64, torch.float64])
+@pytest.mark.parametrize("case", ["half", "zipf", "ends", "pair", "zeros"])
+def test_msd_hot_keys_get_buckets_of_their_own(dtype, case):
+    """Keys that fill much of an MSD bucket get buckets of their own in the split (HotPlan: below, equal
+    to, above the hot key), copied out in parallel, in input order: the heuristic takes the split for
+    them (the LSD engine sorted them ~2.5x slower), and every output mode agrees with a stable sort both
+    ways, on 1-3 threads; 64-bit keys on the wide path (full range) and, spanning less than 2^32, the
+    narrow one."""
+    if case == "zeros" and not dtype.is_floating_point:
+        pytest.skip("signed zeros and NaNs are float keys")
+    g = torch.Generator().manual_seed(hash((str(dtype), case)) % 1000)
+    n = 300_001
+    x = _hot_keys_case(dtype, case, n, g)
+    variants = [x]
+    if dtype in (torch.int64, torch.uint64) and case in ("half", "pair"):  # spanning less than 2^32
+        variants.append(torch.from_numpy(x.numpy() >> (np.uint64(34) if dtype == torch.uint64 else 34)))
+    for keys in variants:
+        before = keys.clone()
+        for desc in (False, True):
+            ri = ref_argsort_1d(keys, descending=desc)
+            rv = take(keys, ri)
+            for threads in (1, 2, 3):
+                cfg = {"threads": threads}
+                k, i, _, st = _cpu_sort_1d(keys, want_idx=True, descending=desc, config=cfg, want_stats=True)
+                what = f"{dtype} {case} desc={desc} threads={threads} span={keys.numel()}"
+                assert_same(i, ri, what)
+                assert_same(k, rv, what)
+                if case in ("half", "ends") or (case == "zipf" and dtype.itemsize == 4):
+                    assert st["msd"] and st["hot_keys"] >= 1, (what, st)
+            assert_same(_cpu_sort_1d(keys, descending=desc)[0], rv, "keys only")
+            assert_same(_cpu_sort_1d(keys, want_keys=False, want_idx=True, descending=desc)[1], ri, "argsort")
+            for pay in (torch.arange(n, dtype=torch.int32) * 7, torch.arange(n, dtype=torch.int64) * -3):
+                k, _, p, st = _cpu_sort_1d(keys, payload=pay, descending=desc, want_stats=True)
+                assert_same(k, rv, f"pairs {pay.dtype}")
+                assert_same(p, pay[ri], f"pairs {pay.dtype}")
+        assert_same(keys, before, "input unchanged")

@@ -76,9 +76,13 @@ struct Coder {
     } else {
       U mag = U(x & U(~Codec<U>::SIGN));
       if (mag > c.inf_bits) x = c.qnan_bits;  // every NaN sorts as one value, after +inf
-      if (mag == 0) x = 0;                    // -0.0 == +0.0
-      U m = (x & Codec<U>::SIGN) ? Codec<U>::ALL : Codec<U>::SIGN;
-      return U(x ^ m ^ c.flip);
+      // -0.0 == +0.0: -0.0 alone encodes to SIGN - 1, moved to +0.0's SIGN after the xor (a branch on
+      // mag == 0 mispredicted on keys with many zeros: 30% of 4M float32 keys, ~15 cycles a key in each
+      // read of them)
+      const U m = U(U(U(0) - U(x >> (Codec<U>::BITS - 1))) | Codec<U>::SIGN);  // negative: all ones
+      U k = U(x ^ m);
+      k = U(k + U(k == U(Codec<U>::SIGN - 1)));
+      return U(k ^ c.flip);
     }
   }
   inline U dec(U k) const {
@@ -188,6 +192,7 @@ struct SortArgs {
 struct SortStats {
   int passes = 0, skipped = 0, threads = 1, digit_bits = 0;
   int msd_bits = 0;  // the MSD split's digit width (0: no split)
+  int hot_keys = 0;  // the MSD split's equality buckets (HotPlan)
   bool lossy = false, small = false, wc = false, msd = false;
 };
 
@@ -665,7 +670,9 @@ static constexpr int64_t MSD_CACHED_N = int64_t(1) << 18;  // below: narrow span
 //    (27% of float32 keys in one top byte, 50% of float64) sort 1.2-1.8x faster split at 512K keys; a
 //    quarter of the keys one value and the rest random but sharing its bucket, 1.5x at 1M and 4M. Past
 //    the byte budgets (randn from ~2-4M keys) the gain measured 0.95-1.25x, within noise, and the LSD
-//    engine keeps them.
+//    engine keeps them. (Since, a value that fills much of a bucket gets a bucket of its own where that
+//    is what bucket_ok refused, from HOT_MIN_N keys: see HotPlan. The one value of most keys is then
+//    copied, not sorted: all equal but 1 in 1024 at 512K keys 1.36 ms LSD engine -> 1.26 split.)
 static constexpr size_t MSD_MAX_BUCKET_BYTES = size_t(4) << 20;   // narrow path: 4- or 8-byte records
 static constexpr size_t WIDE_MAX_BUCKET_BYTES = size_t(8) << 20;  // wide path: 8- or 16-byte records
 static constexpr size_t L2_BUCKET_BYTES = size_t(768) << 10;
@@ -970,8 +977,10 @@ static inline void insertion_sort_v(Rec* r, int64_t m) {
 }
 
 template <class Rec, class Out>
-static int bucket_wide(Rec* src, Rec* __restrict tmp, int64_t m, int lb, uint32_t* __restrict hist,
-                       int* w0, Out&& out) {
+// (always inlined: called from msd_wide_sort's two splits, with and without hot keys, GCC kept it out of
+// line, and random int64 keys sorted ~5% slower)
+__attribute__((always_inline)) static inline int bucket_wide(Rec* src, Rec* __restrict tmp, int64_t m, int lb,
+                                                             uint32_t* __restrict hist, int* w0, Out&& out) {
   if (m <= WIDE_INSERTION || lb <= 0) {
     insertion_sort_v(src, m);
     for (int64_t i = 0; i < m; ++i) out(i, src[i]);
@@ -1043,12 +1052,165 @@ static inline void count_digits(int64_t b, int64_t e, DigitOf&& digit_of, uint32
   for (int d = 0; d < RB; ++d) out[d] = h[0][d] + h[1][d] + h[2][d] + h[3][d];
 }
 
+// Equality buckets for hot keys (the equality buckets of IPS4o: Axtmann, Witt, Ferizovic & Sanders,
+// "In-place Parallel Super Scalar Samplesort", ESA 2017). A key that alone fills much of an MSD bucket
+// (Zipf-distributed ids: a quarter of 2M Zipf(1.3) keys are one value; a default or null placeholder
+// beside random keys) made the bucket too big for the split (bucket_ok), so such inputs went to the LSD
+// engine at ~2x the time of random keys. Instead, the split gives each bucket d's hot key its own
+// bucket: d becomes three, keys below the hot key, the hot key, keys above it (extended digit
+// 4 * d + (v >= hot[d]) + (v > hot[d])). The middle one is sorted already (one value, in input order:
+// the split is stable) and is copied out in parallel; the other two are sorted like any bucket.
+// A bucket without a hot key has hot[d] = all ones: its "hot" bucket then holds only v = all ones (one
+// value again), so no case needs a branch.
+static constexpr int HOT_SAMPLE = 4096;
+// The hot path is looked for where the strided sample's fullest bucket holds at least HOT_TRIGGER of its
+// HOT_SAMPLE keys (4x an even share of 256 buckets; random keys' fullest is ~30), from HOT_MIN_N keys, and
+// only where that bucket would cost: more than 1/MSD_MIN_FANOUT of the keys or past HOT_BUCKET_BYTES
+// (hot_worth). It is taken (hot_pays) where the plain split is refused (the LSD engine, ~2.5x slower on
+// such keys), where the hot keys are at least HOT_SHARE of the keys, or where a wide bucket is past
+// HOT_BUCKET_BYTES (its second split out of L2: 5% of 4M int64 keys one value, 1.15x with the hot
+// path). Otherwise the extended digit's compares cost about what they save: they made the count and the
+// split ~50% slower (4M int64 ids, keys only, 20% of them -1: 13.5 -> 14.6 ms in all; a bucket of 5% of
+// 4M int32 keys + indices, 1.7 MiB, cost nothing over random keys in the plain split).
+static constexpr int HOT_TRIGGER = 64;
+static constexpr double HOT_SHARE = 0.25;
+static constexpr int64_t HOT_MIN_N = int64_t(1) << 18;
+static constexpr size_t HOT_BUCKET_BYTES = size_t(2) << 20;
+// a hot key: at least HOT_MIN of the sampled keys (an even bucket's share, ~0.4% of the keys)
+static constexpr int HOT_MIN = 16;
+static constexpr int HOT_BITS = 2;  // the extended digit's extra bits: 4 sub-buckets per bucket (3 used)
+
+template <class V>  // uint32_t (narrow records' v) or uint64_t (wide)
+struct HotPlan {
+  V hot[MSD_BUCKETS];
+  int keys = 0;        // buckets that have a hot key
+  double share = 0;    // the hot keys' share of the sample
+  double biggest = 0;  // the sample's fullest bucket without its hot key, scaled to n keys, less its noise
+  bool varied = false; // whether that bucket's sampled keys differ
+  uint32_t ext(V v, int lb) const {
+    const uint32_t d = (uint32_t)(v >> lb) & (MSD_BUCKETS - 1);
+    const V h = hot[d];
+    return (d << HOT_BITS) + (uint32_t)(v >= h) + (uint32_t)(v > h);
+  }
+};
+static inline bool is_hot_bucket(int e) { return (e & ((1 << HOT_BITS) - 1)) == 1; }
+
+// A sample's fullest bucket (scaled to n keys) less three standard deviations of its count c (about
+// sqrt(c)): the slack of a sample's fullest bucket against its exact count (see SAMPLE_SLACK) for even
+// buckets of ~16 samples, and ~10% for a bucket of a fifth of the samples, which SAMPLE_SLACK would let
+// through to a counting read (and a refusal after it: 4M float32 keys of which 30% are 0 and the rest
+// randn, 3 reads in vain).
+static inline double less_noise(double biggest, int64_t n) {
+  const double c = biggest * HOT_SAMPLE / (double)n;
+  return std::max(c - 3.0 * std::sqrt(c), 0.0) * (double)n / HOT_SAMPLE;
+}
+
+// Whether a sample's fullest bucket (biggest: scaled to n keys, of rec_bytes records) calls for hot keys.
+static inline bool hot_worth(double biggest, int64_t n, size_t rec_bytes) {
+  return n >= HOT_MIN_N && biggest * HOT_SAMPLE >= (double)HOT_TRIGGER * (double)n &&
+         (biggest * MSD_MIN_FANOUT > (double)n || biggest * (double)rec_bytes > (double)HOT_BUCKET_BYTES);
+}
+// Whether a hot plan hp pays (see above): refused, whether the plain split's sample is refused; wide_big,
+// whether it has a wide bucket past HOT_BUCKET_BYTES.
+template <class V>
+static inline bool hot_pays(const HotPlan<V>& hp, bool refused, bool wide_big) {
+  return refused || wide_big || hp.share >= HOT_SHARE;
+}
+
+// The strided sample (the positions sample_buckets reads), encoded, and its heavy keys (at least HOT_MIN
+// of the samples), counted in a small open-addressing table (a sort of the 4096 samples cost ~0.1 ms,
+// a fifth of a 512K-key sort).
+template <class U>
+struct HotSample {
+  bool taken = false;
+  std::vector<U> keys;
+  std::vector<std::pair<U, uint32_t>> heavy;
+  template <Enc E>
+  void take(const U* in, int64_t n, const Coder<U, E>& cd) {
+    if (taken) return;
+    taken = true;
+    keys.resize(HOT_SAMPLE);
+    constexpr int TB = 13;  // 8192 cells for 4096 samples
+    std::vector<U> ck(size_t(1) << TB);
+    std::vector<uint32_t> cc(size_t(1) << TB, 0u);  // 0: empty
+    for (int64_t j = 0; j < HOT_SAMPLE; ++j) {
+      const U k = cd.enc(in[j * n / HOT_SAMPLE]);
+      keys[j] = k;
+      for (uint64_t x = (uint64_t)k * 0x9E3779B97F4A7C15ull >> (64 - TB);; x = (x + 1) & ((1u << TB) - 1)) {
+        if (cc[x] == 0) {
+          ck[x] = k;
+          cc[x] = 1;
+          break;
+        }
+        if (ck[x] == k) {
+          ++cc[x];
+          break;
+        }
+      }
+    }
+    for (size_t x = 0; x < cc.size(); ++x)
+      if (cc[x] >= (uint32_t)HOT_MIN) heavy.emplace_back(ck[x], cc[x]);
+  }
+};
+
+// The plan for the digit (v >> lb) & 255 of v = v_of(encoded key): each bucket's most frequent heavy key
+// as its hot key. Returns false where no bucket has one.
+template <class V, class U, class VOf>
+static bool plan_hot(const HotSample<U>& hs, int64_t n, VOf v_of, int lb, HotPlan<V>& hp) {
+  uint32_t best[MSD_BUCKETS] = {};
+  std::fill(hp.hot, hp.hot + MSD_BUCKETS, V(~V(0)));
+  hp.keys = 0;
+  for (const auto& [k, c] : hs.heavy) {
+    const V v = v_of(k);
+    const uint32_t d = (uint32_t)(v >> lb) & (MSD_BUCKETS - 1);
+    if (c > best[d]) {
+      hp.keys += best[d] == 0;
+      best[d] = c;
+      hp.hot[d] = v;
+    }
+  }
+  if (!hp.keys) return false;
+  uint32_t hot_samples = 0;
+  for (int d = 0; d < MSD_BUCKETS; ++d) hot_samples += best[d];
+  hp.share = (double)hot_samples / HOT_SAMPLE;
+  // the fullest bucket once its hot key has its own
+  uint32_t count[MSD_BUCKETS] = {};
+  V first[MSD_BUCKETS];
+  bool varied[MSD_BUCKETS] = {};
+  for (const U k : hs.keys) {
+    const V v = v_of(k);
+    const uint32_t d = (uint32_t)(v >> lb) & (MSD_BUCKETS - 1);
+    if (v == hp.hot[d]) continue;
+    if (count[d]++ == 0) first[d] = v;
+    else varied[d] |= v != first[d];
+  }
+  const uint32_t most = (uint32_t)(std::max_element(count, count + MSD_BUCKETS) - count);
+  hp.biggest = less_noise((double)count[most] * (double)n / HOT_SAMPLE, n);
+  hp.varied = varied[most];
+  return true;
+}
+
+// The hot buckets' records (one value each, in input order) handed to out(position, record) by all
+// threads, each bucket cut in T parts: start[e] bounds of the extended buckets, rec_at(b): where bucket
+// [b, ...)'s records are.
+template <class Rec, class Out>
+static void copy_hot_buckets(int T, const std::vector<int64_t>& start, const Rec* rec, Out out) {
+  const int RE = (int)start.size() - 1;
+  pk::parallel_threads(T, [&](int t) {
+    const Out o = out;
+    for (int e = 1; e < RE; e += 1 << HOT_BITS) {
+      const int64_t b = start[e], m = start[e + 1] - b;
+      for (int64_t q = b + m * t / T, qe = b + m * (t + 1) / T; q < qe; ++q) o(q, rec[q]);
+    }
+  });
+}
+
 // The MSD split's per-thread scatter offsets from its per-thread digit counts (hist[t * 2^MB + d]):
 // digit by digit, then thread by thread, so the split is stable. Fills start[0..2^MB] (bucket bounds)
-// and pos; returns the biggest bucket.
+// and pos; returns the biggest bucket (skip_hot: of those left to sort, see HotPlan).
 template <int MB>
 static int64_t split_offsets(const std::vector<uint32_t>& hist, int T, std::vector<int64_t>& start,
-                             std::vector<int64_t>& pos) {
+                             std::vector<int64_t>& pos, bool skip_hot = false) {
   constexpr int RB = 1 << MB;
   int64_t run = 0, biggest = 0;
   for (int d = 0; d < RB; ++d) {
@@ -1057,7 +1219,7 @@ static int64_t split_offsets(const std::vector<uint32_t>& hist, int T, std::vect
       pos[(size_t)t * RB + d] = run;
       run += hist[(size_t)t * RB + d];
     }
-    biggest = std::max(biggest, run - start[d]);
+    if (!(skip_hot && is_hot_bucket(d))) biggest = std::max(biggest, run - start[d]);
   }
   start[RB] = run;
   return biggest;
@@ -1101,12 +1263,15 @@ static inline bool split_buckets_alias(int64_t n, size_t rec_bytes, int nb) {
   return std::min(r, SPLIT_ALIAS_PERIOD - r) < 64.0;
 }
 
+// open_bits: log2 of how many buckets records go to (MB, but MSD_BITS for HotPlan::ext's digits: at most
+// 3 x 256 buckets, most of the hot and upper ones empty).
 template <int MB, class Rec, class U, Enc E, class VBits, class Digit, class Make>
 static void split_scatter(int T, int64_t n, std::vector<int64_t>& pos, Rec* rec, const U* in, const Coder<U, E>& cd,
-                          int nt_mode, VBits vbits, Digit digit, Make make) {
+                          int nt_mode, VBits vbits, Digit digit, Make make, int open_bits = MB) {
   constexpr int64_t L = 64 / sizeof(Rec);  // records per line
   static_assert(64 % sizeof(Rec) == 0, "records tile a cache line");
-  const bool stream_ok = nt_mode > 0 || (nt_mode < 0 && (MB > MSD_BITS || split_buckets_alias(n, sizeof(Rec), 1 << MB)));
+  const bool stream_ok =
+      nt_mode > 0 || (nt_mode < 0 && (open_bits > MSD_BITS || split_buckets_alias(n, sizeof(Rec), 1 << open_bits)));
   const bool stream = PK_X86 && stream_ok && (size_t)n * sizeof(Rec) >= SPLIT_STREAM_MIN_BYTES &&
                       (uintptr_t)rec % sizeof(Rec) == 0;
   // record q sits in slot (phase + q) % L of its cache line
@@ -1182,9 +1347,10 @@ static void split_scatter(int T, int64_t n, std::vector<int64_t>& pos, Rec* rec,
 // next one's records (written by the split's streaming stores: in DRAM) while this one sorts in cache
 // (nm = 0: none). Only while every bucket is small against a thread's share (1/8 of it): two big buckets
 // reserved by one thread would run one after the other while another thread idles (review finding).
+// skip_hot: the split's digit is HotPlan::ext, and its hot buckets (copy_hot_buckets) are left alone.
 template <int MB, class Rec, class SortBucket>
 static void for_each_bucket(int T, const std::vector<int64_t>& start, int64_t biggest, size_t hist_words,
-                            bool ahead, SortBucket&& sort_bucket) {
+                            bool ahead, SortBucket&& sort_bucket, bool skip_hot = false) {
   constexpr int RB = 1 << MB;
   ahead = ahead && biggest * 8 * T <= start[RB];
   std::atomic<int> next_bucket{0};
@@ -1196,7 +1362,7 @@ static void for_each_bucket(int T, const std::vector<int64_t>& start, int64_t bi
       for (;;) {
         const int d = next_bucket.fetch_add(1, std::memory_order_relaxed);
         if (d >= RB) return -1;
-        if (start[d + 1] > start[d]) return d;
+        if (start[d + 1] > start[d] && !(skip_hot && is_hot_bucket(d))) return d;
       }
     };
     for (int d = claim(); d >= 0;) {
@@ -1306,25 +1472,50 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
   auto digit = [kmin, lb](U k) { return (uint32_t)((uint64_t)(k - kmin) >> lb); };  // < 256: v < 2^w
   // keys the sample already shows refused (one value filling a bucket past L2, or a bucket past the
   // budget) leave without the counting read; the exact counts below decide the rest
-  const SampleLook look = sample_buckets<MSD_BITS>(in, n, cd, digit);
-  if (too_big(look.biggest / SAMPLE_SLACK, look.varied)) return false;
-  std::vector<uint32_t> hist((size_t)T * RB, 0);
+  SampleLook look = sample_buckets<MSD_BITS>(in, n, cd, digit);
+  auto vbits = [kmin](U k) { return (uint64_t)(k - kmin); };
+  // keys that fill much of a bucket get buckets of their own (HotPlan)
+  HotPlan<uint64_t> hp;
+  bool hot = false;
+  if (hot_worth(look.biggest, n, rec_bytes)) {
+    HotSample<U> hs;
+    hs.take(in, n, cd);
+    hot = plan_hot<uint64_t>(hs, n, vbits, lb, hp) && !too_big(hp.biggest, hp.varied) &&
+          hot_pays(hp, too_big(less_noise(look.biggest, n), look.varied),
+                   less_noise(look.biggest, n) * (double)rec_bytes > (double)HOT_BUCKET_BYTES);
+  }
+  if (hot) {
+    look.varied = hp.varied;
+  } else if (too_big(look.biggest / SAMPLE_SLACK, look.varied)) {
+    return false;
+  }
+  const int RBX = hot ? RB << HOT_BITS : RB;
+  std::vector<uint32_t> hist((size_t)T * RBX, 0);
   pk::parallel_threads(T, [&](int t) {
     const int64_t b = n * t / T, e = n * (t + 1) / T;
     const Coder<U, E> c = cd;
-    count_digits<RB>(b, e, [&](int64_t i) {
-      pk::prefetch_stream(in, i);
-      return digit(c.enc(in[i]));
-    }, hist.data() + (size_t)t * RB);
+    if (hot) {
+      count_digits<(RB << HOT_BITS)>(b, e, [&](int64_t i) {
+        pk::prefetch_stream(in, i);
+        return hp.ext(vbits(c.enc(in[i])), lb);
+      }, hist.data() + (size_t)t * RBX);
+    } else {
+      count_digits<RB>(b, e, [&](int64_t i) {
+        pk::prefetch_stream(in, i);
+        return digit(c.enc(in[i]));
+      }, hist.data() + (size_t)t * RB);
+    }
   });
-  std::vector<int64_t> start(RB + 1), pos((size_t)T * RB);
-  const int64_t biggest = split_offsets<MSD_BITS>(hist, T, start, pos);
+  std::vector<int64_t> start(RBX + 1), pos((size_t)T * RBX);
+  const int64_t biggest = hot ? split_offsets<MSD_BITS + HOT_BITS>(hist, T, start, pos, true)
+                              : split_offsets<MSD_BITS>(hist, T, start, pos);
   if (too_big((double)biggest, look.varied)) return false;
 
   st.threads = T;
   st.lossy = lossy;
   st.msd = true;
   st.msd_bits = MSD_BITS;
+  st.hot_keys = hot ? hp.keys : 0;
   // keys only, the 8-byte records live in the output keys (in place, as in msd_hybrid_sort); else scratch
   char* base = keys_only ? static_cast<char*>(a.out_keys) : thread_scratch().get((size_t)n * rec_bytes + 64);
   std::atomic<int> most_live{0}, width{0};
@@ -1333,16 +1524,24 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
 
   auto split_and_sort = [&](auto* rec, auto make, auto out) {
     using Rec = std::remove_pointer_t<decltype(rec)>;
-    split_scatter<MSD_BITS>(T, n, pos, rec, in, cd, a.nt_stores, [kmin](U k) { return (uint64_t)(k - kmin); },
-                  [lb](uint64_t v) { return v >> lb; }, make);
-    for_each_bucket<MSD_BITS, Rec>(T, start, biggest, WIDE_HIST_WORDS, false, [&](Rec* tmp, uint32_t* bh, int64_t b,
-                                                                          int64_t m, int64_t, int64_t) {
+    auto sort_bucket = [&](Rec* tmp, uint32_t* bh, int64_t b, int64_t m, int64_t, int64_t) {
       int w0 = 0;
       const int live = bucket_wide(rec + b, tmp, m, lb, bh, &w0, [out, b](int64_t q, const Rec& x) { out(b + q, x); });
       if (m == biggest) width.store(w0, std::memory_order_relaxed);
       int seen = most_live.load(std::memory_order_relaxed);
       while (live > seen && !most_live.compare_exchange_weak(seen, live, std::memory_order_relaxed)) {}
-    });
+    };
+    if (hot) {
+      const HotPlan<uint64_t>* h = &hp;
+      // plain stores unless the config says (the default's aliasing guard is for even buckets)
+      split_scatter<MSD_BITS + HOT_BITS>(T, n, pos, rec, in, cd, a.nt_stores < 0 ? 0 : a.nt_stores, vbits,
+                                         [h, lb](uint64_t v) { return h->ext(v, lb); }, make, MSD_BITS);
+      for_each_bucket<MSD_BITS + HOT_BITS, Rec>(T, start, biggest, WIDE_HIST_WORDS, false, sort_bucket, true);
+      copy_hot_buckets(T, start, rec, out);
+    } else {
+      split_scatter<MSD_BITS>(T, n, pos, rec, in, cd, a.nt_stores, vbits, [lb](uint64_t v) { return v >> lb; }, make);
+      for_each_bucket<MSD_BITS, Rec>(T, start, biggest, WIDE_HIST_WORDS, false, sort_bucket);
+    }
     st.passes = 1 + most_live.load();
     st.skipped = 0;
     st.digit_bits = width.load();
@@ -1472,6 +1671,31 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     std::vector<uint32_t> hist((size_t)T * RB, 0);
     std::vector<U> min_t(T, U(~U(0))), max_t(T, U(0));
     std::vector<char> lossy_t(T, 0);
+    // Keys that fill much of a bucket get buckets of their own (HotPlan; 256-bucket splits only): hp in
+    // v-space of the digit in use, with lb_hot its shift.
+    HotPlan<uint32_t> hp;
+    bool hot = false;
+    int lb_hot = 0;
+    constexpr int RBX = MB == MSD_BITS ? RB << HOT_BITS : RB;  // the extended digit's buckets
+    HotSample<U> hs;  // taken once, where the first digit looks worth it
+    auto try_hot = [&](SampleLook& lk, auto v_of, int lb) {
+      hot = false;
+      if constexpr (MB == MSD_BITS) {
+        if (hot_worth(lk.biggest, n, guess_bytes)) {
+          hs.take(in, n, cd);
+          // (and only where the hot keys' own buckets make the split fit: else the plans without them)
+          hot = plan_hot<uint32_t>(hs, n, v_of, lb, hp) && fits(hp.biggest, guess_bytes, hp.varied) &&
+                hot_pays(hp, !fits(less_noise(lk.biggest, n), guess_bytes, lk.varied), false);
+        }
+        if (hot) {  // (hp.biggest already less its noise: the callers' SAMPLE_SLACK undone)
+          lb_hot = lb;
+          lk.biggest = hp.biggest * SAMPLE_SLACK;
+          lk.varied = hp.varied;
+        }
+      }
+      const size_t rb = hot ? RBX : RB;
+      hist.assign((size_t)T * rb, 0u);
+    };
     // one read: lossy floats, and either the min and max of the encoded keys or (count_top) the top MB
     // bits. Counting the top bits, the min and max are not needed: the sample showed keys spanning more
     // than the bits below the digit (so not all equal), and v = key; should the exact counts then refuse
@@ -1484,12 +1708,21 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
         U ka = U(~U(0)), ko = 0;
         bool ls = false;
         if constexpr (decltype(count_top)::value) {
-          count_digits<RB>(b, e, [&](int64_t i) {
-            pk::prefetch_stream(in, i);
-            const U x = in[i];
-            if constexpr (E == Enc::Float) ls |= c.lossy(x);
-            return (uint32_t)(c.enc(x) >> (key_bits - MB));
-          }, hist.data() + (size_t)t * RB);
+          if (hot) {
+            count_digits<RBX>(b, e, [&](int64_t i) {
+              pk::prefetch_stream(in, i);
+              const U x = in[i];
+              if constexpr (E == Enc::Float) ls |= c.lossy(x);
+              return hp.ext((uint32_t)c.enc(x), key_bits - MB);
+            }, hist.data() + (size_t)t * RBX);
+          } else {
+            count_digits<RB>(b, e, [&](int64_t i) {
+              pk::prefetch_stream(in, i);
+              const U x = in[i];
+              if constexpr (E == Enc::Float) ls |= c.lossy(x);
+              return (uint32_t)(c.enc(x) >> (key_bits - MB));
+            }, hist.data() + (size_t)t * RB);
+          }
         } else {
           for (int64_t i = b; i < e; ++i) {
             pk::prefetch_stream(in, i);
@@ -1506,7 +1739,18 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       });
     };
     std::vector<int64_t> start(RB + 1), pos((size_t)T * RB);
-    auto offsets = [&]() { return split_offsets<MB>(hist, T, start, pos); };
+    auto offsets = [&]() {
+      if constexpr (MB == MSD_BITS) {
+        if (hot) {
+          start.resize(RBX + 1);
+          pos.resize((size_t)T * RBX);
+          return split_offsets<MB + HOT_BITS>(hist, T, start, pos, true);
+        }
+      }
+      start.resize(RB + 1);
+      pos.resize((size_t)T * RB);
+      return split_offsets<MB>(hist, T, start, pos);
+    };
 
     // 32-bit keys: a strided sample says whether the top byte spreads them (random keys): then it is
     // the digit, counted in the first read. Otherwise (and for 64-bit keys) the digit is the top byte of
@@ -1518,6 +1762,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     SampleLook look{0.0, false, 0};  // the sample of the digit in use
     if constexpr (key_bits == 32) {
       look = sample_buckets<MB>(in, n, cd, [](U k) { return (uint32_t)(k >> (32 - MB)); });
+      if (look.span_bits > 32 - MB) try_hot(look, [](U k) { return (uint32_t)k; }, 32 - MB);
       // (a sampled span within the bits below the top MB: the top bits barely vary, and below L2 size
       // their one bucket would still pass fits; the span's own top bits are the digit)
       top_digit = look.span_bits > 32 - MB && fits(look.biggest / SAMPLE_SLACK, guess_bytes, false);
@@ -1527,7 +1772,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
         // Keys spanning the whole range whose top byte clusters them (randn floats) while their top 11
         // bits spread them: the caller's 2048-bucket split, before this attempt reads anything. (A span
         // narrower than the range keeps this path: the top byte of the span spreads such keys.)
-        if (!top_digit && look.span_bits == 32 &&
+        if (!top_digit && !hot && look.span_bits == 32 &&
             fits(sample_buckets<MSD_BITS_CLUSTERED>(in, n, cd, [](U k) { return (uint32_t)(k >> (32 - MSD_BITS_CLUSTERED)); })
                          .biggest / SAMPLE_SLACK, guess_bytes, false)) {
           *wider = true;
@@ -1575,16 +1820,23 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       // the digit exactly as the split computes it: bits [w - 8, w) of v
       const int lbd = std::max(w - MB, 0);
       look = sample_buckets<MB>(in, n, cd, [&](U k) { return ((uint32_t)(k - base_key) >> lbd) & (RB - 1); });
+      try_hot(look, [base_key](U k) { return (uint32_t)(k - base_key); }, lbd);
       if (too_big(look.biggest / SAMPLE_SLACK, guess_bytes, look.varied))
         return false;  // skewed keys (see bucket_ok): the LSD engine, without this read
-      std::fill(hist.begin(), hist.end(), 0u);
       pk::parallel_threads(T, [&](int t) {
         const int64_t b = n * t / T, e = n * (t + 1) / T;
         const Coder<U, E> c = cd;
-        count_digits<RB>(b, e, [&](int64_t i) {
-          pk::prefetch_stream(in, i);
-          return ((uint32_t)(c.enc(in[i]) - base_key) >> lbd) & (RB - 1);
-        }, hist.data() + (size_t)t * RB);
+        if (hot) {
+          count_digits<RBX>(b, e, [&](int64_t i) {
+            pk::prefetch_stream(in, i);
+            return hp.ext((uint32_t)(c.enc(in[i]) - base_key), lbd);
+          }, hist.data() + (size_t)t * RBX);
+        } else {
+          count_digits<RB>(b, e, [&](int64_t i) {
+            pk::prefetch_stream(in, i);
+            return ((uint32_t)(c.enc(in[i]) - base_key) >> lbd) & (RB - 1);
+          }, hist.data() + (size_t)t * RB);
+        }
       });
       biggest = offsets();
     }
@@ -1607,13 +1859,15 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     st.lossy = lossy;
     st.msd = true;
     st.msd_bits = MB;
+    st.hot_keys = hot ? hp.keys : 0;
     // The records live in the output array of their size where there is one: a bucket's records
     // [b, b + m) become its outputs [b, b + m) in place (read into the cache, sorted there, written back
     // to the same lines: no scratch pages and no read-for-ownership of the outputs). Else in scratch.
     // Where the 256 buckets' starts alias in L2 (split_buckets_alias: 2^22 int32 + indices, 2^23 and 2^24
     // keys), the records go to scratch instead, with a line of gap before each bucket (bucket d's records
     // from start[d] + d * gap), so the plain stores win there too rather than the streaming lines.
-    const int64_t gap = MB == MSD_BITS && a.nt_stores < 0 && (size_t)n * rec_bytes >= SPLIT_STREAM_MIN_BYTES &&
+    // (Not with hot keys: their buckets are uneven.)
+    const int64_t gap = MB == MSD_BITS && !hot && a.nt_stores < 0 && (size_t)n * rec_bytes >= SPLIT_STREAM_MIN_BYTES &&
                                 split_buckets_alias(n, rec_bytes, RB)
                             ? 64 / (int64_t)rec_bytes
                             : 0;
@@ -1628,7 +1882,8 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
         for (int d = 0; d < RB; ++d) gapped_pos[(size_t)t * RB + d] += d * gap;
     }
     std::vector<int64_t>& split_pos = gap ? gapped_pos : pos;
-    const int split_nt = gap ? 0 : a.nt_stores;
+    // (hot keys: plain stores, as into 256 even buckets that do not alias)
+    const int split_nt = gap || (hot && a.nt_stores < 0) ? 0 : a.nt_stores;
     // where bucket [b, ...) of the outputs has its records
     auto rec_at = [&](int64_t b) {
       if (!gap) return b;
@@ -1646,15 +1901,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       using Rec = std::remove_pointer_t<decltype(rec)>;
       // the keys' own top bits (random keys): a constant shift and no base, 16M uint32 keys in 256 buckets
       // 94.7 -> 80.7 ms, in 2048 buckets 72.3 -> 68.5 (2 threads, Zen 2)
-      if (base_key == 0 && lb == 32 - MB) {
-        split_scatter<MB>(T, n, split_pos, rec, in, cd, split_nt, [](U k) { return (uint32_t)k; },
-                          [](uint32_t v) { return v >> (32 - MB); }, make);
-      } else {
-        split_scatter<MB>(T, n, split_pos, rec, in, cd, split_nt, vbits, [lb](uint32_t v) { return (v >> lb) & (RB - 1); },
-                          make);
-      }
-      for_each_bucket<MB, Rec>(T, start, biggest, 3 * 4096, true, [&](Rec* tmp, uint32_t* bh, int64_t b, int64_t m,
-                                                             int64_t nb, int64_t nm) {
+      auto sort_bucket = [&](Rec* tmp, uint32_t* bh, int64_t b, int64_t m, int64_t nb, int64_t nm) {
         constexpr int KS = sizeof(Rec) == 8 ? 32 : 0;
         int wid[3];
         const int planned = bucket_plan(m, sizeof(Rec), lb, wid);
@@ -1663,7 +1910,29 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
         const int packed = live * 8 + (7 - (planned - live));
         int seen = most_live.load(std::memory_order_relaxed);
         while (packed > seen && !most_live.compare_exchange_weak(seen, packed, std::memory_order_relaxed)) {}
-      });
+      };
+      bool done = false;
+      if constexpr (MB == MSD_BITS) {
+        if (hot) {  // (gap is 0: the records' positions are the outputs')
+          const HotPlan<uint32_t>* h = &hp;
+          const int lh = lb_hot;
+          split_scatter<MB + HOT_BITS>(T, n, split_pos, rec, in, cd, split_nt, vbits,
+                                       [h, lh](uint32_t v) { return h->ext(v, lh); }, make, MB);
+          for_each_bucket<MB + HOT_BITS, Rec>(T, start, biggest, 3 * 4096, true, sort_bucket, true);
+          copy_hot_buckets(T, start, rec, out);
+          done = true;
+        }
+      }
+      if (!done) {
+        if (base_key == 0 && lb == 32 - MB) {
+          split_scatter<MB>(T, n, split_pos, rec, in, cd, split_nt, [](U k) { return (uint32_t)k; },
+                            [](uint32_t v) { return v >> (32 - MB); }, make);
+        } else {
+          split_scatter<MB>(T, n, split_pos, rec, in, cd, split_nt, vbits,
+                            [lb](uint32_t v) { return (v >> lb) & (RB - 1); }, make);
+        }
+        for_each_bucket<MB, Rec>(T, start, biggest, 3 * 4096, true, sort_bucket);
+      }
       st.passes = 1 + most_live.load() / 8;
       st.skipped = 7 - most_live.load() % 8;
     };
@@ -2950,6 +3219,7 @@ py::dict stats_dict(const pksort::SortStats& st) {
   d["wc"] = st.wc;
   d["msd"] = st.msd;
   d["msd_bits"] = st.msd_bits;
+  d["hot_keys"] = st.hot_keys;
   return d;
 }
 
