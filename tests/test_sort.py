@@ -2307,3 +2307,49 @@ def test_msd_hot_keys_random_mixtures(seed):
         assert_same(k, take(x, ri), f"{dtype} seed={seed} desc={desc}")
         assert_same(_cpu_sort_1d(x, descending=desc)[0], take(x, ri), "keys only")
     assert_same(x, before, "input unchanged")
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint64, torch.float64])
+@pytest.mark.parametrize("case", ["zeros", "both_ends", "hot_inside"])
+def test_msd_range_digit_for_keys_between_far_outliers(dtype, case):
+    """64-bit keys clustered in a narrow range beside a few far outliers (nanosecond timestamps with 0 or -1
+    placeholders): the top byte of the span puts nearly all of them in one bucket, so the wide split's
+    digit spans the sample's central range instead (RangeDigit: an outlier bucket at each end, 254 slices
+    between), with hot keys on top where a value fills a slice. Values, indices and payloads agree with a
+    stable sort both ways on 1-3 threads."""
+    g = torch.Generator().manual_seed(17)
+    n = 1 << 20
+    base = torch.randint(0, 10**12, (n,), dtype=torch.int64, generator=g) + 1_700_000_000_000_000_000
+    r = torch.rand(n, generator=g)
+    if case == "zeros":
+        base[r < 0.002] = 0
+    elif case == "both_ends":
+        base[r < 0.002] = -(1 << 63) if dtype != torch.uint64 else 0
+        base[r > 0.998] = (1 << 63) - 1
+    else:  # a hot value inside the cluster, and -1 placeholders
+        base[r < 0.3] = base[5].item()
+        base[r > 0.999] = -1
+    if dtype == torch.float64:
+        x = base.to(torch.float64)
+    elif dtype == torch.uint64:
+        x = base.view(torch.uint64)
+    else:
+        x = base
+    before = x.clone()
+    for desc in (False, True):
+        ri = ref_argsort_1d(x, descending=desc)
+        rv = take(x, ri)
+        for threads in (1, 2, 3):
+            k, i, _, st = _cpu_sort_1d(x, want_idx=True, descending=desc, config={"threads": threads}, want_stats=True)
+            what = f"{dtype} {case} desc={desc} threads={threads}"
+            assert_same(i, ri, what)
+            assert_same(k, rv, what)
+            if threads == 2:
+                assert st["msd"] and st["range_digit"], (what, st)
+                assert case != "hot_inside" or st["hot_keys"] >= 1, (what, st)
+        assert_same(_cpu_sort_1d(x, descending=desc)[0], rv, "keys only")
+        for pay in (torch.arange(n, dtype=torch.int32) * 5, torch.arange(n, dtype=torch.int64) * -7):
+            k, _, p, st = _cpu_sort_1d(x, payload=pay, descending=desc, want_stats=True)
+            assert_same(k, rv, f"pairs {pay.dtype}")
+            assert_same(p, pay[ri], f"pairs {pay.dtype}")
+    assert_same(x, before, "input unchanged")
