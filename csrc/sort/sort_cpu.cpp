@@ -884,8 +884,9 @@ static inline int bucket_plan(int64_t m, size_t rec_bytes, int lb, int wid[3]) {
     return 1;
   }
   // passes of up to maxd bits (lb <= 24: at most three) once a bucket has a few thousand records to
-  // pay for the counters; smaller buckets (skewed keys, small inputs) take three passes
-  const int np = m >= BIG_BUCKET ? (lb + maxd - 1) / maxd : 3;
+  // pay for the counters; smaller buckets (skewed keys, small inputs) take three passes. At most three in
+  // any case: the range digit's outlier buckets sort all 32 bits of v (three of <= 11 bits).
+  const int np = std::min(3, m >= BIG_BUCKET ? (lb + maxd - 1) / maxd : 3);
   for (int j = 0; j < np; ++j) wid[j] = lb / np + (j < lb % np ? 1 : 0);
   return np;
 }
@@ -1211,7 +1212,7 @@ struct RangeDigit {
   // From the sampled encoded keys under v_of; false where the central range is as wide as the span
   // (nothing gained over the top byte).
   template <class U, class VOf>
-  bool plan(const std::vector<U>& sampled, VOf v_of) {
+  bool plan(const std::vector<U>& sampled, VOf v_of, int w) {
     std::vector<uint64_t> v(sampled.size());
     for (size_t i = 0; i < v.size(); ++i) v[i] = v_of(sampled[i]);
     const size_t a = v.size() / 200, b = v.size() - 1 - v.size() / 200;
@@ -1221,7 +1222,7 @@ struct RangeDigit {
     const uint64_t q_hi = v[b];
     int bits = 0;
     while (bits < 64 && (q_hi >> bits) - (q_lo >> bits) > 253) ++bits;
-    if (bits >= 56) return false;
+    if (bits + MSD_BITS >= w) return false;  // slices as wide as the top byte's buckets
     s = bits;
     lo = (q_lo >> bits) << bits;
     return true;
@@ -1535,7 +1536,7 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
   if (n >= HOT_MIN_N && !hot && too_big(less_noise(look.biggest, n), look.varied)) {
     hs.take(in, n, cd);
     RangeDigit r;
-    if (r.plan(hs.keys, vbits)) {
+    if (r.plan(hs.keys, vbits, w)) {
       SampleLook ll = sample_buckets<MSD_BITS>(in, n, cd, [&](U k) { return r(vbits(k)); });
       if (try_digit(ll, r)) {
         rd = r;
@@ -1744,19 +1745,21 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     std::vector<U> min_t(T, U(~U(0))), max_t(T, U(0));
     std::vector<char> lossy_t(T, 0);
     // Keys that fill much of a bucket get buckets of their own (HotPlan; 256-bucket splits only): hp in
-    // v-space of the digit in use, with lb_hot its shift.
+    // v-space of the digit in use (the plain digit's shift lb_hot, or rd's).
     HotPlan<uint32_t> hp;
     bool hot = false;
     int lb_hot = 0;
     constexpr int RBX = MB == MSD_BITS ? RB << HOT_BITS : RB;  // the extended digit's buckets
     HotSample<U> hs;  // taken once, where the first digit looks worth it
-    auto try_hot = [&](SampleLook& lk, auto v_of, int lb) {
+    RangeDigit rd;  // rd.s >= 0: the split's digit is rd's (see msd_wide_sort)
+    // digit: the plain digit (v >> lb) & 255, or rd
+    auto try_hot = [&](SampleLook& lk, auto v_of, auto digit, int lb) {
       hot = false;
       if constexpr (MB == MSD_BITS) {
         if (hot_worth(lk.biggest, n, guess_bytes)) {
           hs.take(in, n, cd);
           // (and only where the hot keys' own buckets make the split fit: else the plans without them)
-          hot = plan_hot<uint32_t>(hs, n, v_of, [lb](uint32_t v) { return (v >> lb) & (MSD_BUCKETS - 1); }, hp) &&
+          hot = plan_hot<uint32_t>(hs, n, v_of, digit, hp) &&
                 fits(hp.biggest, guess_bytes, hp.varied) &&
                 hot_pays(hp, !fits(less_noise(lk.biggest, n), guess_bytes, lk.varied), false);
         }
@@ -1836,7 +1839,8 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     SampleLook look{0.0, false, 0};  // the sample of the digit in use
     if constexpr (key_bits == 32) {
       look = sample_buckets<MB>(in, n, cd, [](U k) { return (uint32_t)(k >> (32 - MB)); });
-      if (look.span_bits > 32 - MB) try_hot(look, [](U k) { return (uint32_t)k; }, 32 - MB);
+      if (look.span_bits > 32 - MB)
+        try_hot(look, [](U k) { return (uint32_t)k; }, [](uint32_t v) { return v >> (32 - MB); }, 32 - MB);
       // (a sampled span within the bits below the top MB: the top bits barely vary, and below L2 size
       // their one bucket would still pass fits; the span's own top bits are the digit)
       top_digit = look.span_bits > 32 - MB && fits(look.biggest / SAMPLE_SLACK, guess_bytes, false);
@@ -1893,26 +1897,52 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       base_key = kmin;
       // the digit exactly as the split computes it: bits [w - 8, w) of v
       const int lbd = std::max(w - MB, 0);
-      look = sample_buckets<MB>(in, n, cd, [&](U k) { return ((uint32_t)(k - base_key) >> lbd) & (RB - 1); });
-      try_hot(look, [base_key](U k) { return (uint32_t)(k - base_key); }, lbd);
+      auto v_of = [base_key](U k) { return (uint32_t)(k - base_key); };
+      auto plain = [lbd](uint32_t v) { return (v >> lbd) & (RB - 1); };
+      look = sample_buckets<MB>(in, n, cd, [&](U k) { return plain(v_of(k)); });
+      try_hot(look, v_of, plain, lbd);
+      if constexpr (MB == MSD_BITS) {
+        // not surely taken: the central range's digit first (keys between far outliers: see RangeDigit)
+        if (n >= HOT_MIN_N && !hot && too_big(less_noise(look.biggest, n), guess_bytes, look.varied)) {
+          hs.take(in, n, cd);
+          RangeDigit r;
+          if (r.plan(hs.keys, v_of, w)) {
+            SampleLook ll = sample_buckets<MB>(in, n, cd, [&](U k) { return r(v_of(k)); });
+            ll.span_bits = look.span_bits;
+            try_hot(ll, v_of, r, lbd);
+            if (hot || !too_big(ll.biggest / SAMPLE_SLACK, guess_bytes, ll.varied)) {
+              rd = r;
+              look = ll;
+            } else {
+              SampleLook again = look;
+              try_hot(again, v_of, plain, lbd);  // (the plain digit's hot plan and counters back)
+              look = again;
+            }
+          }
+        }
+      }
       if (too_big(look.biggest / SAMPLE_SLACK, guess_bytes, look.varied))
         return false;  // skewed keys (see bucket_ok): the LSD engine, without this read
-      pk::parallel_threads(T, [&](int t) {
-        const int64_t b = n * t / T, e = n * (t + 1) / T;
-        const Coder<U, E> c = cd;
-        if (hot) {
-          count_digits<RBX>(b, e, [&](int64_t i) {
-            pk::prefetch_stream(in, i);
-            const uint32_t v = (uint32_t)(c.enc(in[i]) - base_key);
-            return hp.ext(v, (v >> lbd) & (RB - 1));
-          }, hist.data() + (size_t)t * RBX);
-        } else {
-          count_digits<RB>(b, e, [&](int64_t i) {
-            pk::prefetch_stream(in, i);
-            return ((uint32_t)(c.enc(in[i]) - base_key) >> lbd) & (RB - 1);
-          }, hist.data() + (size_t)t * RB);
-        }
-      });
+      auto count_by = [&](auto digit) {
+        pk::parallel_threads(T, [&](int t) {
+          const int64_t b = n * t / T, e = n * (t + 1) / T;
+          const Coder<U, E> c = cd;
+          if (hot) {
+            count_digits<RBX>(b, e, [&](int64_t i) {
+              pk::prefetch_stream(in, i);
+              const uint32_t v = (uint32_t)(c.enc(in[i]) - base_key);
+              return hp.ext(v, digit(v));
+            }, hist.data() + (size_t)t * RBX);
+          } else {
+            count_digits<RB>(b, e, [&](int64_t i) {
+              pk::prefetch_stream(in, i);
+              return digit((uint32_t)(c.enc(in[i]) - base_key));
+            }, hist.data() + (size_t)t * RB);
+          }
+        });
+      };
+      if (rd.s >= 0) count_by(rd);
+      else count_by(plain);
       biggest = offsets();
     }
     const bool need_gather = lossy && a.out_keys;
@@ -1935,14 +1965,15 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     st.msd = true;
     st.msd_bits = MB;
     st.hot_keys = hot ? hp.keys : 0;
+    st.range_digit = rd.s >= 0;
     // The records live in the output array of their size where there is one: a bucket's records
     // [b, b + m) become its outputs [b, b + m) in place (read into the cache, sorted there, written back
     // to the same lines: no scratch pages and no read-for-ownership of the outputs). Else in scratch.
     // Where the 256 buckets' starts alias in L2 (split_buckets_alias: 2^22 int32 + indices, 2^23 and 2^24
     // keys), the records go to scratch instead, with a line of gap before each bucket (bucket d's records
     // from start[d] + d * gap), so the plain stores win there too rather than the streaming lines.
-    // (Not with hot keys: their buckets are uneven.)
-    const int64_t gap = MB == MSD_BITS && !hot && a.nt_stores < 0 && (size_t)n * rec_bytes >= SPLIT_STREAM_MIN_BYTES &&
+    // (Not with hot keys or the range digit: their buckets are uneven.)
+    const int64_t gap = MB == MSD_BITS && !hot && rd.s < 0 && a.nt_stores < 0 && (size_t)n * rec_bytes >= SPLIT_STREAM_MIN_BYTES &&
                                 split_buckets_alias(n, rec_bytes, RB)
                             ? 64 / (int64_t)rec_bytes
                             : 0;
@@ -1957,8 +1988,8 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
         for (int d = 0; d < RB; ++d) gapped_pos[(size_t)t * RB + d] += d * gap;
     }
     std::vector<int64_t>& split_pos = gap ? gapped_pos : pos;
-    // (hot keys: plain stores, as into 256 even buckets that do not alias)
-    const int split_nt = gap || (hot && a.nt_stores < 0) ? 0 : a.nt_stores;
+    // (hot keys, the range digit: plain stores, as into 256 even buckets that do not alias)
+    const int split_nt = gap || ((hot || rd.s >= 0) && a.nt_stores < 0) ? 0 : a.nt_stores;
     // where bucket [b, ...) of the outputs has its records
     auto rec_at = [&](int64_t b) {
       if (!gap) return b;
@@ -1978,9 +2009,11 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       // 94.7 -> 80.7 ms, in 2048 buckets 72.3 -> 68.5 (2 threads, Zen 2)
       auto sort_bucket = [&](Rec* tmp, uint32_t* bh, int64_t b, int64_t m, int64_t nb, int64_t nm) {
         constexpr int KS = sizeof(Rec) == 8 ? 32 : 0;
+        // the bits that vary inside the bucket (the range digit's outlier buckets: all w)
+        const int lbb = rd.s >= 0 ? rd.bits_below((uint32_t)(rec[rec_at(b)] >> KS), w) : lb;
         int wid[3];
-        const int planned = bucket_plan(m, sizeof(Rec), lb, wid);
-        const int live = bucket_lsd<Rec, KS>(rec + rec_at(b), tmp, m, lb, bh, {rec + (nm ? rec_at(nb) : 0), nm},
+        const int planned = bucket_plan(m, sizeof(Rec), lbb, wid);
+        const int live = bucket_lsd<Rec, KS>(rec + rec_at(b), tmp, m, lbb, bh, {rec + (nm ? rec_at(nb) : 0), nm},
                                              [out, b](int64_t q, Rec x) { out(b + q, x); });
         const int packed = live * 8 + (7 - (planned - live));
         int seen = most_live.load(std::memory_order_relaxed);
@@ -1988,13 +2021,24 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       };
       bool done = false;
       if constexpr (MB == MSD_BITS) {
-        if (hot) {  // (gap is 0: the records' positions are the outputs')
-          const HotPlan<uint32_t>* h = &hp;
+        auto run = [&](auto digit) {
+          if (hot) {  // (gap is 0: the records' positions are the outputs')
+            const HotPlan<uint32_t>* h = &hp;
+            split_scatter<MB + HOT_BITS>(T, n, split_pos, rec, in, cd, split_nt, vbits,
+                                         [h, digit](uint32_t v) { return h->ext(v, digit(v)); }, make, MB);
+            for_each_bucket<MB + HOT_BITS, Rec>(T, start, biggest, 3 * 4096, true, sort_bucket, true);
+            copy_hot_buckets(T, start, rec, out);
+          } else {
+            split_scatter<MB>(T, n, split_pos, rec, in, cd, split_nt, vbits, digit, make);
+            for_each_bucket<MB, Rec>(T, start, biggest, 3 * 4096, true, sort_bucket);
+          }
+        };
+        if (rd.s >= 0) {
+          run(rd);
+          done = true;
+        } else if (hot) {
           const int lh = lb_hot;
-          split_scatter<MB + HOT_BITS>(T, n, split_pos, rec, in, cd, split_nt, vbits,
-                                       [h, lh](uint32_t v) { return h->ext(v, (v >> lh) & (RB - 1)); }, make, MB);
-          for_each_bucket<MB + HOT_BITS, Rec>(T, start, biggest, 3 * 4096, true, sort_bucket, true);
-          copy_hot_buckets(T, start, rec, out);
+          run([lh](uint32_t v) { return (v >> lh) & (RB - 1); });
           done = true;
         }
       }
