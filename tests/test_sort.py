@@ -2335,18 +2335,25 @@ def test_msd_range_digit_for_keys_between_far_outliers(dtype, case):
         x = base.view(torch.uint64)
     else:
         x = base
+    _check_range_digit_sorts(x, f"{dtype} {case}", hot=case == "hot_inside")
+
+
+def _check_range_digit_sorts(x: torch.Tensor, what: str, hot=False):
+    """x sorted both ways on 1-3 threads (values, indices, keys only, 4- and 8-byte payloads) agrees with a
+    stable sort, the split taking the central-range digit (and hot keys where asked); x is not modified."""
+    n = x.numel()
     before = x.clone()
     for desc in (False, True):
         ri = ref_argsort_1d(x, descending=desc)
         rv = take(x, ri)
         for threads in (1, 2, 3):
             k, i, _, st = _cpu_sort_1d(x, want_idx=True, descending=desc, config={"threads": threads}, want_stats=True)
-            what = f"{dtype} {case} desc={desc} threads={threads}"
-            assert_same(i, ri, what)
-            assert_same(k, rv, what)
+            case = f"{what} desc={desc} threads={threads}"
+            assert_same(i, ri, case)
+            assert_same(k, rv, case)
             if threads == 2:
-                assert st["msd"] and st["range_digit"], (what, st)
-                assert case != "hot_inside" or st["hot_keys"] >= 1, (what, st)
+                assert st["msd"] and st["range_digit"], (case, st)
+                assert not hot or st["hot_keys"] >= 1, (case, st)
         assert_same(_cpu_sort_1d(x, descending=desc)[0], rv, "keys only")
         for pay in (torch.arange(n, dtype=torch.int32) * 5, torch.arange(n, dtype=torch.int64) * -7):
             k, _, p, st = _cpu_sort_1d(x, payload=pay, descending=desc, want_stats=True)
@@ -2360,7 +2367,7 @@ def test_msd_range_digit_narrow_keys(case):
     """The central-range digit on the narrow records (32-bit keys, 64-bit keys spanning < 2^32): seconds
     since the epoch beside 0 placeholders, small ints beside the dtype's min and max, a hot value inside
     the cluster, floats beside +inf, 64-bit ids beside 0. The outlier buckets sort all 32 bits of v (three
-    passes of <= 11 bits). Values, indices and a payload agree with a stable sort both ways on 1-3 threads."""
+    passes of <= 11 bits). Values, indices and payloads agree with a stable sort both ways on 1-3 threads."""
     g = torch.Generator().manual_seed(23)
     n = 1 << 20
     r = torch.rand(n, generator=g)
@@ -2378,19 +2385,4 @@ def test_msd_range_digit_narrow_keys(case):
         x = torch.where(r < 0.001, torch.tensor(math.inf), 1000 + torch.rand(n, generator=g))
     else:
         x = torch.where(r < 0.001, torch.tensor(0), small + 3_000_000_000)
-    before = x.clone()
-    for desc in (False, True):
-        ri = ref_argsort_1d(x, descending=desc)
-        rv = take(x, ri)
-        for threads in (1, 2, 3):
-            k, i, _, st = _cpu_sort_1d(x, want_idx=True, descending=desc, config={"threads": threads}, want_stats=True)
-            what = f"{case} desc={desc} threads={threads}"
-            assert_same(i, ri, what)
-            assert_same(k, rv, what)
-            if threads == 2:
-                assert st["msd"] and st["range_digit"], (what, st)
-        assert_same(_cpu_sort_1d(x, descending=desc)[0], rv, "keys only")
-        pay = torch.arange(n, dtype=torch.int32) * 3
-        k, _, p, _ = _cpu_sort_1d(x, payload=pay, descending=desc, want_stats=True)
-        assert_same(p, pay[ri], "a 4-byte payload")
-    assert_same(x, before, "input unchanged")
+    _check_range_digit_sorts(x, case, hot=case == "u32_hot_inside")
