@@ -521,12 +521,14 @@ def test_msd_split_heuristic():
     z = torch.randint(-(1 << 62), 1 << 62, (1 << 19,), dtype=torch.int64)
     k, i, _, st = _cpu_sort_1d(z, want_idx=True, want_stats=True)
     assert st["msd"] and torch.equal(i, ref_argsort_1d(z)) and torch.equal(k, z[i])
-    # randn float64: half the keys in one top byte, but they differ, so the split is taken (bucket_ok);
-    # at 4M keys that bucket passes the wide byte budget (16 MiB) and the LSD engine sorts them
+    # randn float64: half the keys in one top byte, so the split cuts the span by pieces (sign and
+    # exponent, PieceDigit), also at 4M keys where that top byte's bucket would pass the wide byte budget
     f = torch.randn(1 << 19, dtype=torch.float64)
     k, i, _, st = _cpu_sort_1d(f, want_idx=True, want_stats=True)
-    assert st["msd"] and torch.equal(i, torch.sort(f, stable=True).indices)
-    assert not _cpu_sort_1d(torch.randn(1 << 22, dtype=torch.float64), want_stats=True)[3]["msd"]
+    assert st["msd"] and st["piece_digit"] and torch.equal(i, torch.sort(f, stable=True).indices)
+    assert _cpu_sort_1d(torch.randn(1 << 22, dtype=torch.float64), want_stats=True)[3]["piece_digit"]
+    # below HOT_MIN_N keys the top byte (two big buckets of differing keys: bucket_ok)
+    assert not _cpu_sort_1d(f[: 1 << 17], want_stats=True)[3]["piece_digit"]
     # 64-bit keys spanning less than 2^32, of either sign (ids, indices, timestamps)
     for z in (x.to(torch.int64), y.to(torch.int64) - (1 << 45), x.to(torch.int64) + (1 << 40)):
         k, i, _, st = _cpu_sort_1d(z, want_idx=True, want_stats=True)
@@ -2338,9 +2340,10 @@ def test_msd_range_digit_for_keys_between_far_outliers(dtype, case):
     _check_range_digit_sorts(x, f"{dtype} {case}", hot=case == "hot_inside")
 
 
-def _check_range_digit_sorts(x: torch.Tensor, what: str, hot=False):
+def _check_range_digit_sorts(x: torch.Tensor, what: str, hot=False, digit="range_digit"):
     """x sorted both ways on 1-3 threads (values, indices, keys only, 4- and 8-byte payloads) agrees with a
-    stable sort, the split taking the central-range digit (and hot keys where asked); x is not modified."""
+    stable sort, the split taking the digit named (the central range's, or the pieces') and hot keys where
+    asked; x is not modified."""
     n = x.numel()
     before = x.clone()
     for desc in (False, True):
@@ -2352,7 +2355,7 @@ def _check_range_digit_sorts(x: torch.Tensor, what: str, hot=False):
             assert_same(i, ri, case)
             assert_same(k, rv, case)
             if threads == 2:
-                assert st["msd"] and st["range_digit"], (case, st)
+                assert st["msd"] and st[digit], (case, st)
                 assert not hot or st["hot_keys"] >= 1, (case, st)
         assert_same(_cpu_sort_1d(x, descending=desc)[0], rv, "keys only")
         for pay in (torch.arange(n, dtype=torch.int32) * 5, torch.arange(n, dtype=torch.int64) * -7):
@@ -2386,3 +2389,56 @@ def test_msd_range_digit_narrow_keys(case):
     else:
         x = torch.where(r < 0.001, torch.tensor(0), small + 3_000_000_000)
     _check_range_digit_sorts(x, case, hot=case == "u32_hot_inside")
+
+
+@pytest.mark.parametrize("case", ["randn", "uniform_pm1", "randn_zeros", "randn_nan_inf", "randn_int64_bits",
+                                  "two_scales"])
+def test_msd_piece_digit_for_mixed_sign_floats(case):
+    """Mixed-sign float64 keys (randn, uniform(-1, 1)): the top byte of their order-preserving bits is the
+    sign and 7 exponent bits (two buckets for nearly every key) and the central range spans the sign flip,
+    so the wide split cuts the span into pieces (sign and exponent) and gives each the buckets its share of
+    the sample asks for (PieceDigit). Also with 20% zeros (hot keys on top), with NaN, +-inf and -0.0 among
+    them, the same bits as int64 keys, and two scales (1e-3 and 1e6). Values, indices and payloads agree
+    with a stable sort both ways on 1-3 threads."""
+    g = torch.Generator().manual_seed(29)
+    n = 1 << 20
+    x = torch.randn(n, generator=g, dtype=torch.float64)
+    r = torch.rand(n, generator=g)
+    if case == "uniform_pm1":
+        x = torch.rand(n, generator=g, dtype=torch.float64) * 2 - 1
+    elif case == "randn_zeros":
+        x[r < 0.2] = 0.0
+    elif case == "randn_nan_inf":
+        x[r < 0.01] = math.nan
+        x[(r >= 0.01) & (r < 0.015)] = math.inf
+        x[(r >= 0.015) & (r < 0.02)] = -math.inf
+        x[(r >= 0.02) & (r < 0.03)] = -0.0
+    elif case == "randn_int64_bits":
+        # int64 keys with the floats' bits: negative floats are the smallest ints, in reverse
+        x = x.view(torch.int64)
+    elif case == "two_scales":
+        x = torch.where(r < 0.5, x * 1e-3, x * 1e6)
+    _check_range_digit_sorts(x, case, hot=case == "randn_zeros", digit="piece_digit")
+
+
+def test_msd_piece_digit_random_mixtures():
+    """Random mixtures of mixed-sign float64 clusters (2-6 normal clusters of random scales and centres,
+    some hot values), 256K-1M keys: wherever the split takes the pieces' digit, or any other, the result
+    agrees with a stable sort."""
+    rng = np.random.default_rng(31)
+    for trial in range(10):
+        n = int(rng.integers(1 << 18, 1 << 20))
+        parts = []
+        for _ in range(int(rng.integers(2, 7))):
+            m = int(rng.integers(1, n // 2))
+            parts.append(rng.normal(rng.normal(0, 10.0 ** rng.integers(-3, 4)), 10.0 ** rng.integers(-6, 6), m))
+        if rng.random() < 0.5:
+            parts.append(np.full(int(rng.integers(1, n // 3)), rng.normal()))
+        v = np.concatenate(parts)
+        rng.shuffle(v)
+        x = torch.from_numpy(v)
+        for desc in (False, True):
+            ri = ref_argsort_1d(x, descending=desc)
+            k, i, _, st = _cpu_sort_1d(x, want_idx=True, descending=desc, want_stats=True)
+            assert_same(i, ri, f"trial {trial} desc={desc} {st}")
+            assert_same(k, take(x, ri), f"trial {trial} desc={desc}")

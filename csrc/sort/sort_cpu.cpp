@@ -194,6 +194,7 @@ struct SortStats {
   int msd_bits = 0;  // the MSD split's digit width (0: no split)
   int hot_keys = 0;  // the MSD split's equality buckets (HotPlan)
   bool range_digit = false;  // the MSD split's digit spans the keys' central range (RangeDigit)
+  bool piece_digit = false;  // the MSD split's digit cuts pieces of the span by their share (PieceDigit)
   bool lossy = false, small = false, wc = false, msd = false;
 };
 
@@ -1230,6 +1231,99 @@ struct RangeDigit {
   }
 };
 
+// A digit by pieces of the span, for 64-bit keys that crowd a few of the top byte's buckets however the
+// central range is cut: mixed-sign float64 (randn, uniform(-1, 1)): the top byte of the order-preserving
+// bits is the sign and 7 of the exponent's 11 bits, so nearly every key falls in one of two buckets, and
+// the central range spans the sign flip; the LSD engine took them (6 passes: 4M randn + indices ~90 ms
+// against ~55 for positive floats).
+// The span [umin, umax] of the encoded keys is cut into at most 4096 aligned pieces of 2^sh (mixed-sign
+// float64: one binade each, sign and exponent being the top 12 bits). Every piece the sample finds gets
+// 2^k buckets (k <= 8) cutting it evenly by the next k bits, the fullest share halved first while buckets
+// are left (a sample sort's splitters, at the granularity of bit slices so the digit stays two shifts and
+// one look-up); each run of empty pieces one bucket. Monotone in v = key - umin. bits[d]: the bits of v
+// that vary inside bucket d (from its bounds).
+struct PiecePlan {
+  static constexpr int PB = 12;  // 4096 pieces: 8 KiB of table, in L1 beside the split's 16 KiB of open lines
+  uint64_t umin = 0, p0 = 0, low = 0;
+  int sh = -1;
+  std::vector<uint16_t> tab;  // piece -> its first bucket | (the shift of its in-piece bits) << 8
+  uint8_t bits[MSD_BUCKETS] = {};
+
+  template <class U, class VOf>
+  bool plan(const std::vector<U>& sampled, VOf v_of, uint64_t lo_key, uint64_t hi_key) {
+    sh = 0;
+    while (sh < 64 && (hi_key >> sh) - (lo_key >> sh) >= (uint64_t(1) << PB)) ++sh;
+    umin = lo_key;
+    p0 = lo_key >> sh;
+    low = (uint64_t(1) << sh) - 1;  // sh <= 52 here: the span is < 2^64
+    const size_t np = (size_t)((hi_key >> sh) - p0) + 1;
+    std::vector<uint32_t> cnt(np, 0);
+    for (const U& k : sampled) ++cnt[(size_t)(((v_of(k) + umin) >> sh) - p0)];
+    // one bucket for each piece the sample found and for each run of pieces it did not
+    std::vector<uint8_t> kk(np, 0);
+    int used = 0;
+    for (size_t p = 0; p < np; ++p) used += cnt[p] > 0 || p == 0 || cnt[p - 1] > 0;
+    if (used > MSD_BUCKETS / 2) return false;  // spread over many pieces: the top byte does as well
+    const int kmax = std::min(MSD_BITS, sh);
+    for (;;) {  // halve the fullest share while its doubling fits
+      size_t best = np;
+      double share = 0.0;
+      for (size_t p = 0; p < np; ++p) {
+        const double s = (double)cnt[p] / (double)(1u << kk[p]);
+        if (kk[p] < kmax && used + (1 << kk[p]) <= MSD_BUCKETS && s > share) share = s, best = p;
+      }
+      if (best == np || share < 2.0) break;
+      used += 1 << kk[best];
+      ++kk[best];
+    }
+    tab.assign(np, 0);
+    auto set_bits = [&](int d, uint64_t a, uint64_t b) {  // bucket d holds the keys of [a, b] (u)
+      a = std::max(a, lo_key);
+      b = std::min(b, hi_key);
+      const uint64_t x = (a - umin) ^ (b - umin);
+      bits[d] = (uint8_t)(x ? 64 - __builtin_clzll(x) : 0);
+    };
+    int b = 0;  // the next bucket
+    for (size_t p = 0; p < np;) {
+      const uint64_t first = (p0 + p) << sh;
+      if (cnt[p] == 0) {  // a run of empty pieces: one bucket for all their keys
+        size_t q = p;
+        while (q + 1 < np && cnt[q + 1] == 0) ++q;
+        for (size_t r = p; r <= q; ++r) tab[r] = (uint16_t)(b | (sh << 8));
+        set_bits(b++, first, ((p0 + q) << sh) + low);
+        p = q + 1;
+        continue;
+      }
+      const int s = sh - kk[p];
+      tab[p] = (uint16_t)(b | (s << 8));
+      for (int j = 0; j < (1 << kk[p]); ++j) {
+        const uint64_t a = first + ((uint64_t)j << s);
+        set_bits(b + j, a, a + (low >> kk[p]));
+      }
+      b += 1 << kk[p];
+      ++p;
+    }
+    return true;
+  }
+};
+
+// The digit of a PiecePlan (a view: the split's lambdas copy it).
+struct PieceDigit {
+  uint64_t umin = 0, p0 = 0, low = 0;
+  int sh = -1;
+  const uint16_t* tab = nullptr;
+  const uint8_t* bits = nullptr;
+  PieceDigit() = default;
+  explicit PieceDigit(const PiecePlan& pp)
+      : umin(pp.umin), p0(pp.p0), low(pp.low), sh(pp.sh), tab(pp.tab.data()), bits(pp.bits) {}
+  uint32_t operator()(uint64_t v) const {
+    const uint64_t u = v + umin;
+    const uint32_t e = tab[(u >> sh) - p0];
+    return (e & 255u) + (uint32_t)((u & low) >> (e >> 8));
+  }
+  int bits_below(uint64_t v, int) const { return bits[(*this)(v)]; }
+};
+
 // The hot buckets' records (one value each, in input order) handed to out(position, record) by all
 // threads, each bucket cut in T parts: start[e] bounds of the extended buckets, rec_at(b): where bucket
 // [b, ...)'s records are.
@@ -1531,27 +1625,50 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
     return hot || !too_big(lk.biggest / SAMPLE_SLACK, lk.varied);
   };
   RangeDigit rd;  // rd.s >= 0: the split's digit is rd's (keys clustered between far outliers)
+  PiecePlan pp;   // pp.sh >= 0: the split's digit is pd's (keys crowding a few pieces of the span)
+  PieceDigit pd;
   const bool plain_ok = try_digit(look, plain);
   // Where the top byte's buckets are not surely taken (the sample's fullest less its noise refused: the
-  // exact count would likely refuse them after a read), the central range's digit first.
-  if (n >= HOT_MIN_N && !hot && too_big(less_noise(look.biggest, n), look.varied)) {
+  // exact count would likely refuse them after a read), or the fullest would pass 2 MiB, or L2 holding
+  // more than 1/8 of the keys (taken only because its keys differ), the central range's digit, else the
+  // pieces', where its fullest bucket (hot keys apart) is at most half the top byte's. 2 threads, old/new
+  // processes in turn, + indices: randn float64 (half the keys in each of two buckets) 1M 17.4 -> 10.7
+  // ms, 2M 44 -> 21, 4M 93 -> 53 (pieces); rand / lognormal / exponential float64 4M 47-52 -> 37 (their
+  // top binades over a few 4 MiB buckets; the central range); keys only 1.1x. Uniform keys never get here
+  // below 64M (buckets of n / 256).
+  auto fullest = [&](const SampleLook& lk) { return hot ? hp.biggest : less_noise(lk.biggest, n); };
+  const double plain_big = fullest(look);
+  const bool crowded = plain_big * (double)rec_bytes > (double)HOT_BUCKET_BYTES ||
+                       (plain_big * (double)rec_bytes > (double)L2_BUCKET_BYTES && plain_big * MSD_MIN_FANOUT > (double)n);
+  if (n >= HOT_MIN_N && (crowded || (!hot && too_big(plain_big, look.varied)))) {
     hs.take(in, n, cd);
+    auto takes = [&](const SampleLook& ll, auto dig) {
+      return try_digit(ll, dig) && (!plain_ok || fullest(ll) * 2 <= plain_big);
+    };
     RangeDigit r;
     if (r.plan(hs.keys, vbits, w)) {
       SampleLook ll = sample_buckets<MSD_BITS>(in, n, cd, [&](U k) { return r(vbits(k)); });
-      if (try_digit(ll, r)) {
+      if (takes(ll, r)) {
         rd = r;
         look = ll;
-      } else {
-        try_digit(look, plain);  // (the plain digit's hot plan back)
       }
     }
+    if (rd.s < 0 && pp.plan(hs.keys, vbits, (uint64_t)kmin, (uint64_t)kmax)) {
+      const PieceDigit p(pp);
+      SampleLook ll = sample_buckets<MSD_BITS>(in, n, cd, [&](U k) { return p(vbits(k)); });
+      if (takes(ll, p)) {
+        pd = p;
+        look = ll;
+      }
+    }
+    if (rd.s < 0 && pd.sh < 0) try_digit(look, plain);  // (the plain digit's hot plan back)
   }
-  if (rd.s < 0 && !plain_ok) return false;
+  if (rd.s < 0 && pd.sh < 0 && !plain_ok) return false;
   if (hot) look.varied = hp.varied;
   // f(digit) with the digit in use
   auto with_digit = [&](auto f) {
     if (rd.s >= 0) f(rd);
+    else if (pd.sh >= 0) f(pd);
     else f(plain);
   };
   const int RBX = hot ? RB << HOT_BITS : RB;
@@ -1585,6 +1702,7 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
   st.msd_bits = MSD_BITS;
   st.hot_keys = hot ? hp.keys : 0;
   st.range_digit = rd.s >= 0;
+  st.piece_digit = pd.sh >= 0;
   // keys only, the 8-byte records live in the output keys (in place, as in msd_hybrid_sort); else scratch
   char* base = keys_only ? static_cast<char*>(a.out_keys) : thread_scratch().get((size_t)n * rec_bytes + 64);
   std::atomic<int> most_live{0}, width{0};
@@ -1596,7 +1714,7 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
     auto sort_bucket = [&](Rec* tmp, uint32_t* bh, int64_t b, int64_t m, int64_t, int64_t) {
       int w0 = 0;
       // the bits that vary inside the bucket (rd's outlier buckets: all of them)
-      const int lbb = rd.s >= 0 ? rd.bits_below(v_of(rec[b]), w) : lb;
+      const int lbb = rd.s >= 0 ? rd.bits_below(v_of(rec[b]), w) : pd.sh >= 0 ? pd.bits_below(v_of(rec[b]), w) : lb;
       const int live = bucket_wide(rec + b, tmp, m, lbb, bh, &w0, [out, b](int64_t q, const Rec& x) { out(b + q, x); });
       if (m == biggest) width.store(w0, std::memory_order_relaxed);
       int seen = most_live.load(std::memory_order_relaxed);
@@ -1612,7 +1730,8 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
         for_each_bucket<MSD_BITS + HOT_BITS, Rec>(T, start, biggest, WIDE_HIST_WORDS, false, sort_bucket, true);
         copy_hot_buckets(T, start, rec, out);
       } else {
-        split_scatter<MSD_BITS>(T, n, pos, rec, in, cd, rd.s >= 0 ? uneven_nt : a.nt_stores, vbits, dig, make);
+        split_scatter<MSD_BITS>(T, n, pos, rec, in, cd, rd.s >= 0 || pd.sh >= 0 ? uneven_nt : a.nt_stores, vbits, dig,
+                                 make);
         for_each_bucket<MSD_BITS, Rec>(T, start, biggest, WIDE_HIST_WORDS, false, sort_bucket);
       }
     });
@@ -3341,6 +3460,7 @@ py::dict stats_dict(const pksort::SortStats& st) {
   d["msd_bits"] = st.msd_bits;
   d["hot_keys"] = st.hot_keys;
   d["range_digit"] = st.range_digit;
+  d["piece_digit"] = st.piece_digit;
   return d;
 }
 
