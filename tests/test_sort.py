@@ -576,6 +576,11 @@ def test_msd_split_heuristic():
     assert st["msd_bits"] == 11 and torch.equal(i, torch.sort(f4c, stable=True).indices)
     with pytest.raises(ValueError, match="msd_bits"):
         _cpu_sort_1d(f4c, config={"msd_bits": 10})
+    # uniform(-1, 1) floats (a 31-bit span) and uniform(-1000, 1000) (whose top byte's fullest bucket, a
+    # quarter of the keys, the sample's slack lets through to a counting read): 2048 buckets as well
+    for u in (torch.rand(1 << 22) * 2 - 1, (torch.rand(1 << 22) * 2 - 1) * 1000):
+        k, i, _, st = _cpu_sort_1d(u, want_idx=True, want_stats=True)
+        assert st["msd_bits"] == 11 and torch.equal(i, torch.sort(u, stable=True).indices) and torch.equal(k, u[i])
     t = (torch.randint(0, 256, (1 << 18,)) << 24).to(torch.uint32)  # only the top byte varies
     k, _, _, st = _cpu_sort_1d(t, config={"msd": 2}, want_stats=True)
     assert st["msd"] and st["passes"] == 1 and st["skipped"] == 3 and np.array_equal(k.numpy(), np.sort(t.numpy()))

@@ -1967,10 +1967,12 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       // narrow keys inside the caches (see below), told by the sample before any read
       if (a.msd < 0 && n < MSD_CACHED_N && look.span_bits > 0 && look.span_bits <= 16) return false;
       if constexpr (MB == MSD_BITS) {
-        // Keys spanning the whole range whose top byte clusters them (randn floats) while their top 11
-        // bits spread them: the caller's 2048-bucket split, before this attempt reads anything. (A span
-        // narrower than the range keeps this path: the top byte of the span spreads such keys.)
-        if (!top_digit && !hot && look.span_bits == 32 &&
+        // Keys spanning (nearly) the whole range whose top byte is not surely taken (randn floats;
+        // uniform(-1, 1) floats, whose span is 31 bits, and uniform(-1000, 1000), whose top byte's fullest
+        // bucket the sample's slack let through to a counting read and a refusal) while their top 11 bits
+        // spread them: the caller's 2048-bucket split, before this attempt reads anything (4M floats +
+        // indices 35-38 -> 21 ms). (A narrower span keeps this path: the span's top byte spreads them.)
+        if (!hot && look.span_bits >= 31 && !fits(less_noise(look.biggest, n), guess_bytes, false) &&
             fits(sample_buckets<MSD_BITS_CLUSTERED>(in, n, cd, [](U k) { return (uint32_t)(k >> (32 - MSD_BITS_CLUSTERED)); })
                          .biggest / SAMPLE_SLACK, guess_bytes, false)) {
           *wider = true;
