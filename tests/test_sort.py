@@ -2426,6 +2426,30 @@ def test_msd_piece_digit_for_mixed_sign_floats(case):
     _check_range_digit_sorts(x, case, hot=case == "randn_zeros", digit="piece_digit")
 
 
+@pytest.mark.parametrize("case", ["two_clusters", "four_shards", "clusters_and_outliers", "uint64_clusters"])
+def test_msd_piece_digit_for_far_clusters(case):
+    """64-bit keys in a few clusters far apart (two ranges of 2^40 ids 2^60 apart, 4 shards numbered in the
+    top byte, clusters beside a few far outliers, uint64 clusters at both ends): the top byte's buckets
+    hold a quarter to half of the keys each and one aligned slice of a piece holds a whole cluster, so the
+    pieces the sample finds are cut across the range of their own keys (PiecePlan's ranged form). Values,
+    indices and payloads agree with a stable sort both ways on 1-3 threads."""
+    g = torch.Generator().manual_seed(37)
+    n = 1 << 20
+    r = torch.rand(n, generator=g)
+    ids = torch.randint(0, 1 << 40, (n,), dtype=torch.int64, generator=g)
+    if case == "two_clusters":
+        x = torch.where(r < 0.5, ids, ids + (1 << 60))
+    elif case == "four_shards":
+        x = (torch.randint(0, 4, (n,), generator=g) << 56) | ids
+    elif case == "clusters_and_outliers":
+        x = torch.where(r < 0.6, ids - (1 << 61), ids + (1 << 50))
+        x[r > 0.999] = (1 << 63) - 1
+        x[r < 0.0005] = 0
+    else:
+        x = torch.where(r < 0.3, ids, ids - (1 << 41)).view(torch.uint64)  # just above 0 and just below 2^64
+    _check_range_digit_sorts(x, case, digit="piece_digit")
+
+
 def test_msd_piece_digit_random_mixtures():
     """Random mixtures of mixed-sign float64 clusters (2-6 normal clusters of random scales and centres,
     some hot values), 256K-1M keys: wherever the split takes the pieces' digit, or any other, the result

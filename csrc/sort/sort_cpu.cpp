@@ -1234,95 +1234,190 @@ struct RangeDigit {
 // A digit by pieces of the span, for 64-bit keys that crowd a few of the top byte's buckets however the
 // central range is cut: mixed-sign float64 (randn, uniform(-1, 1)): the top byte of the order-preserving
 // bits is the sign and 7 of the exponent's 11 bits, so nearly every key falls in one of two buckets, and
-// the central range spans the sign flip; the LSD engine took them (6 passes: 4M randn + indices ~90 ms
-// against ~55 for positive floats).
+// the central range spans the sign flip; clusters far apart (two id ranges, shards in the top bits). The
+// LSD engine took them (4M randn float64 + indices ~90 ms against ~55 for positive floats).
 // The span [umin, umax] of the encoded keys is cut into at most 4096 aligned pieces of 2^sh (mixed-sign
-// float64: one binade each, sign and exponent being the top 12 bits). Every piece the sample finds gets
-// 2^k buckets (k <= 8) cutting it evenly by the next k bits, the fullest share halved first while buckets
-// are left (a sample sort's splitters, at the granularity of bit slices so the digit stays two shifts and
-// one look-up); each run of empty pieces one bucket. Monotone in v = key - umin. bits[d]: the bits of v
-// that vary inside bucket d (from its bounds).
+// float64: one binade each, sign and exponent being the top 12 bits); each run of pieces the sample did
+// not find gets one bucket, each piece it found a region of buckets, cut one of two ways:
+//  - aligned: 2^k buckets cutting the piece evenly by its next k bits, the fullest share halved first
+//    while buckets are left (binades: one look-up, a mask and a shift);
+//  - ranged: one plus its share of the spare buckets, slices of 2^s across the central range of its
+//    sampled keys [lo, hi] (keys below lo in the first, past the last slice in the last: a clamp), for
+//    clusters narrower than a piece's slices (two ranges of 2^40 ids 2^60 apart: one aligned bucket each).
+// The ranged form where its sample's fullest bucket is at most half the aligned form's (its clamp and
+// second look-up cost ~8% on randn float64). So a sample sort's splitters at the granularity of bit
+// slices. Monotone in v = key - umin. bits[d]: the bits of v that vary inside bucket d (from its bounds).
 struct PiecePlan {
   static constexpr int PB = 12;  // 4096 pieces: 8 KiB of table, in L1 beside the split's 16 KiB of open lines
+  struct Region {
+    uint64_t lo;    // its first slice's start (u)
+    int32_t base;   // its first bucket
+    uint16_t cap;   // its last bucket, less base
+    uint8_t s;      // log2 of its slices
+  };
   uint64_t umin = 0, p0 = 0, low = 0;
   int sh = -1;
-  std::vector<uint16_t> tab;  // piece -> its first bucket | (the shift of its in-piece bits) << 8
+  bool ranged = false;
+  std::vector<uint16_t> tab;       // aligned: piece -> its first bucket | (the shift of its in-piece bits) << 8
+  std::vector<uint8_t> region_of;  // ranged: piece -> its region
+  Region reg[MSD_BUCKETS] = {};
   uint8_t bits[MSD_BUCKETS] = {};
 
   template <class U, class VOf>
-  bool plan(const std::vector<U>& sampled, VOf v_of, uint64_t lo_key, uint64_t hi_key) {
-    sh = 0;
-    while (sh < 64 && (hi_key >> sh) - (lo_key >> sh) >= (uint64_t(1) << PB)) ++sh;
-    umin = lo_key;
-    p0 = lo_key >> sh;
-    low = (uint64_t(1) << sh) - 1;  // sh <= 52 here: the span is < 2^64
-    const size_t np = (size_t)((hi_key >> sh) - p0) + 1;
-    std::vector<uint32_t> cnt(np, 0);
-    for (const U& k : sampled) ++cnt[(size_t)(((v_of(k) + umin) >> sh) - p0)];
-    // one bucket for each piece the sample found and for each run of pieces it did not
-    std::vector<uint8_t> kk(np, 0);
-    int used = 0;
-    for (size_t p = 0; p < np; ++p) used += cnt[p] > 0 || p == 0 || cnt[p - 1] > 0;
-    if (used > MSD_BUCKETS / 2) return false;  // spread over many pieces: the top byte does as well
-    const int kmax = std::min(MSD_BITS, sh);
-    for (;;) {  // halve the fullest share while its doubling fits
-      size_t best = np;
-      double share = 0.0;
-      for (size_t p = 0; p < np; ++p) {
-        const double s = (double)cnt[p] / (double)(1u << kk[p]);
-        if (kk[p] < kmax && used + (1 << kk[p]) <= MSD_BUCKETS && s > share) share = s, best = p;
-      }
-      if (best == np || share < 2.0) break;
-      used += 1 << kk[best];
-      ++kk[best];
-    }
-    tab.assign(np, 0);
-    auto set_bits = [&](int d, uint64_t a, uint64_t b) {  // bucket d holds the keys of [a, b] (u)
-      a = std::max(a, lo_key);
-      b = std::min(b, hi_key);
-      const uint64_t x = (a - umin) ^ (b - umin);
-      bits[d] = (uint8_t)(x ? 64 - __builtin_clzll(x) : 0);
-    };
-    int b = 0;  // the next bucket
-    for (size_t p = 0; p < np;) {
-      const uint64_t first = (p0 + p) << sh;
-      if (cnt[p] == 0) {  // a run of empty pieces: one bucket for all their keys
-        size_t q = p;
-        while (q + 1 < np && cnt[q + 1] == 0) ++q;
-        for (size_t r = p; r <= q; ++r) tab[r] = (uint16_t)(b | (sh << 8));
-        set_bits(b++, first, ((p0 + q) << sh) + low);
-        p = q + 1;
-        continue;
-      }
-      const int s = sh - kk[p];
-      tab[p] = (uint16_t)(b | (s << 8));
-      for (int j = 0; j < (1 << kk[p]); ++j) {
-        const uint64_t a = first + ((uint64_t)j << s);
-        set_bits(b + j, a, a + (low >> kk[p]));
-      }
-      b += 1 << kk[p];
-      ++p;
-    }
-    return true;
-  }
+  bool plan(const std::vector<U>& sampled, VOf v_of, uint64_t lo_key, uint64_t hi_key);
 };
 
 // The digit of a PiecePlan (a view: the split's lambdas copy it).
 struct PieceDigit {
   uint64_t umin = 0, p0 = 0, low = 0;
   int sh = -1;
+  bool ranged = false;
   const uint16_t* tab = nullptr;
+  const uint8_t* region_of = nullptr;
+  const PiecePlan::Region* reg = nullptr;
   const uint8_t* bits = nullptr;
   PieceDigit() = default;
   explicit PieceDigit(const PiecePlan& pp)
-      : umin(pp.umin), p0(pp.p0), low(pp.low), sh(pp.sh), tab(pp.tab.data()), bits(pp.bits) {}
+      : umin(pp.umin), p0(pp.p0), low(pp.low), sh(pp.sh), ranged(pp.ranged), tab(pp.tab.data()),
+        region_of(pp.region_of.data()), reg(pp.reg), bits(pp.bits) {}
   uint32_t operator()(uint64_t v) const {
     const uint64_t u = v + umin;
-    const uint32_t e = tab[(u >> sh) - p0];
-    return (e & 255u) + (uint32_t)((u & low) >> (e >> 8));
+    const size_t p = (size_t)((u >> sh) - p0);
+    if (!ranged) {  // (the same way for every key: predicted)
+      const uint32_t e = tab[p];
+      return (e & 255u) + (uint32_t)((u & low) >> (e >> 8));
+    }
+    const PiecePlan::Region& g = reg[region_of[p]];
+    // (u - lo: below 2^52 in magnitude inside a found piece; an empty run's region has cap 0)
+    const int64_t t = (int64_t)(u - g.lo) >> g.s;
+    return (uint32_t)(g.base + std::min<int64_t>(std::max<int64_t>(t, 0), g.cap));
   }
   int bits_below(uint64_t v, int) const { return bits[(*this)(v)]; }
 };
+
+template <class U, class VOf>
+bool PiecePlan::plan(const std::vector<U>& sampled, VOf v_of, uint64_t lo_key, uint64_t hi_key) {
+  sh = 0;
+  while (sh < 64 && (hi_key >> sh) - (lo_key >> sh) >= (uint64_t(1) << PB)) ++sh;
+  umin = lo_key;
+  p0 = lo_key >> sh;
+  low = sh ? (uint64_t(1) << sh) - 1 : 0;  // sh <= 52 here: the span is < 2^64
+  const size_t np = (size_t)((hi_key >> sh) - p0) + 1;
+  // each piece's sampled keys: their count and central range (0.5% to 99.5%: a few far keys in the piece
+  // of a cluster, such as a 0 beside ids from 2^50, go to its end buckets instead of widening its slices)
+  std::vector<uint64_t> us(sampled.size());
+  for (size_t i = 0; i < us.size(); ++i) us[i] = v_of(sampled[i]) + umin;
+  std::sort(us.begin(), us.end());
+  std::vector<uint32_t> cnt(np, 0);
+  std::vector<uint64_t> smin(np, 0), smax(np, 0);
+  for (size_t i = 0; i < us.size();) {
+    const size_t p = (size_t)((us[i] >> sh) - p0);
+    size_t j = i;
+    while (j < us.size() && (size_t)((us[j] >> sh) - p0) == p) ++j;
+    const size_t c = j - i;
+    cnt[p] = (uint32_t)c;
+    smin[p] = us[i + c / 200];
+    smax[p] = us[j - 1 - c / 200];
+    i = j;
+  }
+  // a region for each piece the sample found and for each run of pieces it did not
+  int regions = 0;
+  for (size_t p = 0; p < np; ++p) regions += cnt[p] > 0 || p == 0 || cnt[p - 1] > 0;
+  if (regions > MSD_BUCKETS / 2) return false;  // spread over many pieces: the top byte does as well
+  uint8_t bits_aligned[MSD_BUCKETS] = {}, bits_ranged[MSD_BUCKETS] = {};
+  auto set_bits = [&](uint8_t* to, int d, uint64_t a, uint64_t b) {  // bucket d holds the keys of [a, b] (u)
+    a = std::max(a, lo_key);
+    b = std::min(b, hi_key);
+    const uint64_t x = (a - umin) ^ (b - umin);
+    to[d] = (uint8_t)(x ? 64 - __builtin_clzll(x) : 0);
+  };
+  // each run of empty pieces [p, q]: one bucket (both forms); returns q
+  auto empty_run = [&](size_t p, int d, uint8_t* to) {
+    size_t q = p;
+    while (q + 1 < np && cnt[q + 1] == 0) ++q;
+    set_bits(to, d, (p0 + p) << sh, ((p0 + q) << sh) + low);
+    return q;
+  };
+
+  // aligned: 2^k buckets for each found piece, the fullest share halved while its doubling fits
+  std::vector<uint8_t> kk(np, 0);
+  int used = regions;
+  const int kmax = std::min(MSD_BITS, sh);
+  for (;;) {
+    size_t best = np;
+    double share = 0.0;
+    for (size_t p = 0; p < np; ++p) {
+      const double sp = (double)cnt[p] / (double)(1u << kk[p]);
+      if (kk[p] < kmax && used + (1 << kk[p]) <= MSD_BUCKETS && sp > share) share = sp, best = p;
+    }
+    if (best == np || share < 2.0) break;
+    used += 1 << kk[best];
+    ++kk[best];
+  }
+  tab.assign(np, 0);
+  for (size_t p = 0, d = 0; p < np;) {
+    if (cnt[p] == 0) {
+      const size_t q = empty_run(p, (int)d, bits_aligned);
+      for (size_t t = p; t <= q; ++t) tab[t] = (uint16_t)(d | ((size_t)sh << 8));
+      ++d;
+      p = q + 1;
+      continue;
+    }
+    const int s = sh - kk[p];
+    tab[p] = (uint16_t)(d | ((size_t)s << 8));
+    for (int j = 0; j < (1 << kk[p]); ++j) {
+      const uint64_t a = ((p0 + p) << sh) + ((uint64_t)j << s);
+      set_bits(bits_aligned, (int)d + j, a, a + (low >> kk[p]));
+    }
+    d += (size_t)1 << kk[p];
+    ++p;
+  }
+
+  // ranged: one bucket and a share of the spare ones for each found piece, slices across its keys
+  const int spare = MSD_BUCKETS - regions;
+  region_of.assign(np, 0);
+  for (size_t p = 0, r = 0, d = 0; p < np; ++r) {
+    const uint64_t first = (p0 + p) << sh;
+    Region& g = reg[r];
+    g.base = (int32_t)d;
+    if (cnt[p] == 0) {
+      const size_t q = empty_run(p, (int)d, bits_ranged);
+      for (size_t t = p; t <= q; ++t) region_of[t] = (uint8_t)r;
+      g.lo = first;
+      g.s = 63;
+      g.cap = 0;
+      ++d;
+      p = q + 1;
+      continue;
+    }
+    region_of[p] = (uint8_t)r;
+    const uint64_t m = 1 + (uint64_t)cnt[p] * (uint64_t)spare / sampled.size();  // its buckets
+    int s = 0;
+    while (((smax[p] - smin[p]) >> s) >= m) ++s;
+    g.lo = smin[p];
+    g.s = (uint8_t)s;
+    g.cap = (uint16_t)((smax[p] - smin[p]) >> s);
+    for (int j = 0; j <= g.cap; ++j) {
+      const uint64_t a = j == 0 ? first : g.lo + ((uint64_t)j << s);
+      const uint64_t b = j == g.cap ? first + low : g.lo + ((uint64_t)(j + 1) << s) - 1;
+      set_bits(bits_ranged, (int)d + j, a, b);
+    }
+    d += (size_t)g.cap + 1;
+    ++p;
+  }
+
+  // the ranged form where its sample's fullest bucket is at most half the aligned form's
+  auto fullest = [&](bool as_ranged) {
+    ranged = as_ranged;
+    const PieceDigit dig(*this);
+    uint32_t c[MSD_BUCKETS] = {};
+    for (const U& k : sampled) ++c[dig(v_of(k))];
+    return *std::max_element(c, c + MSD_BUCKETS);
+  };
+  ranged = 2 * fullest(true) <= fullest(false);
+  std::copy(ranged ? bits_ranged : bits_aligned, (ranged ? bits_ranged : bits_aligned) + MSD_BUCKETS, bits);
+  return true;
+}
 
 // The hot buckets' records (one value each, in input order) handed to out(position, record) by all
 // threads, each bucket cut in T parts: start[e] bounds of the extended buckets, rec_at(b): where bucket
@@ -1629,18 +1724,21 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
   PieceDigit pd;
   const bool plain_ok = try_digit(look, plain);
   // Where the top byte's buckets are not surely taken (the sample's fullest less its noise refused: the
-  // exact count would likely refuse them after a read), or the fullest would pass 2 MiB, or L2 holding
-  // more than 1/8 of the keys (taken only because its keys differ), the central range's digit, else the
-  // pieces', where its fullest bucket (hot keys apart) is at most half the top byte's. 2 threads, old/new
-  // processes in turn, + indices: randn float64 (half the keys in each of two buckets) 1M 17.4 -> 10.7
-  // ms, 2M 44 -> 21, 4M 93 -> 53 (pieces); rand / lognormal / exponential float64 4M 47-52 -> 37 (their
-  // top binades over a few 4 MiB buckets; the central range); keys only 1.1x. Uniform keys never get here
-  // below 64M (buckets of n / 256).
+  // exact count would likely refuse them after a read) or one of them would hold more than 1/8 of the
+  // keys past L2 (taken only because its keys differ), the central range's digit, else the pieces', where
+  // its fullest bucket (hot keys apart) is at most half the top byte's; the central range's also where
+  // the fullest would pass 2 MiB. 2 threads, old/new processes in turn, + indices: randn float64 (half
+  // the keys in each of two buckets) 1M 17.4 -> 11.4 ms, 2M 44 -> 21, 4M 93 -> 48 (pieces); two clusters
+  // of int64 ids 2^60 apart 74 -> 45 (pieces); rand / lognormal / exponential float64 4M 47-52 -> 37 (their
+  // top binades over a few 4 MiB buckets, the lower ones skewed; the central range); keys only 1.1-1.9x.
+  // (Not the pieces there: 16 shards of ids in the top bits, 16 even buckets of 4 MiB, sorted 36.4 ms
+  // by the top byte, 41.5 by pieces.) Uniform keys never get here below 64M (buckets of n / 256).
   auto fullest = [&](const SampleLook& lk) { return hot ? hp.biggest : less_noise(lk.biggest, n); };
   const double plain_big = fullest(look);
-  const bool crowded = plain_big * (double)rec_bytes > (double)HOT_BUCKET_BYTES ||
-                       (plain_big * (double)rec_bytes > (double)L2_BUCKET_BYTES && plain_big * MSD_MIN_FANOUT > (double)n);
-  if (n >= HOT_MIN_N && (crowded || (!hot && too_big(plain_big, look.varied)))) {
+  const bool refused = !hot && too_big(plain_big, look.varied);
+  const bool crowded = plain_big * (double)rec_bytes > (double)L2_BUCKET_BYTES && plain_big * MSD_MIN_FANOUT > (double)n;
+  const bool past_2m = plain_big * (double)rec_bytes > (double)HOT_BUCKET_BYTES;
+  if (n >= HOT_MIN_N && (refused || crowded || past_2m)) {
     hs.take(in, n, cd);
     auto takes = [&](const SampleLook& ll, auto dig) {
       return try_digit(ll, dig) && (!plain_ok || fullest(ll) * 2 <= plain_big);
@@ -1653,7 +1751,7 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
         look = ll;
       }
     }
-    if (rd.s < 0 && pp.plan(hs.keys, vbits, (uint64_t)kmin, (uint64_t)kmax)) {
+    if (rd.s < 0 && (refused || crowded) && pp.plan(hs.keys, vbits, (uint64_t)kmin, (uint64_t)kmax)) {
       const PieceDigit p(pp);
       SampleLook ll = sample_buckets<MSD_BITS>(in, n, cd, [&](U k) { return p(vbits(k)); });
       if (takes(ll, p)) {
