@@ -672,7 +672,7 @@ def test_msd_records_held_in_the_outputs(dtype):
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident set size from /proc")
 def test_big_scratch_buffers_are_not_kept_after_the_call():
     """A sort's ping-pong scratch (and the index-mode outputs nobody asked for) are per-thread buffers
-    reused across calls; those above 64 MiB are released when the call returns, not kept until the
+    reused across calls; those above 66 MiB are released when the call returns, not kept until the
     thread exits. (The outputs the caller got back are cached once dropped, until empty_cache().)"""
     import gc
 

@@ -158,9 +158,11 @@ static Scratch& thread_own_outputs() {  // outputs the caller did not ask for (i
 // What a thread keeps after a call: reuse saves the page faults of repeated mid-size sorts, but every
 // calling thread (and every pool thread of a segmented sort) keeps its own buffers until it exits, so
 // bigger buffers are released after the call (a sort of more than ~8M 32-bit keys pays its page faults
-// again, which costs a few % of that sort). (+ 64 KiB: the MSD split's gapped records of 2^24 keys, 64 MiB
-// and a line per bucket, see msd_hybrid_sort.)
-static constexpr size_t SCRATCH_KEEP = (size_t(64) << 20) + (size_t(64) << 10);
+// again, which costs a few % of that sort). 66 MiB: the wide split's 16-byte records of 2^22 keys, 64 MiB
+// rounded up to 2 MiB pages past the 64 bytes of slack (with 64 MiB they were released after every call:
+// 4M int64 + indices with half one value took 29 ms or, re-faulting 64 MiB, 64-68; medians of 9 calls);
+// + 64 KiB: the MSD split's gapped records of 2^24 keys, 64 MiB and a line per bucket (msd_hybrid_sort).
+static constexpr size_t SCRATCH_KEEP = (size_t(66) << 20) + (size_t(64) << 10);
 
 // ---------------------------------------------------------------------------------------------
 // Arguments of one 1-D sort (keys of n elements, optional int64 indices and/or payload)
