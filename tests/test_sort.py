@@ -2192,6 +2192,31 @@ def test_msd_split_gapped_records_where_buckets_alias():
     assert torch.equal(x, before)
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float64])
+def test_msd_wide_split_gapped_records_where_buckets_alias(dtype):
+    """The wide split (64-bit keys spanning 2^32 or more) at 2^21 keys + indices (16-byte records: buckets
+    of 128 KiB) and keys alone at 2^22 (8-byte records) writes its records to scratch with a line of gap
+    before each bucket too (the keys alone, otherwise sorted in place in the output): values, indices,
+    keys, a carried 8-byte payload, both directions, with ties; the input is not modified."""
+    g = torch.Generator().manual_seed(41)
+    for n in (1 << 21, 1 << 22):
+        bits = torch.randint(-(1 << 62), 1 << 62, (n,), generator=g, dtype=torch.int64)
+        x = bits.view(torch.float64).nan_to_num(2.5) if dtype == torch.float64 else bits
+        x = x.clone()
+        x[::97] = x[3]
+        before = x.clone()
+        for desc in (False, True):
+            ref = torch.sort(x, descending=desc, stable=True)
+            k, i, _, st = _cpu_sort_1d(x, want_idx=True, descending=desc, want_stats=True)
+            assert st["msd"] and torch.equal(i, ref.indices) and torch.equal(k, ref.values), (n, desc)
+            k, _, _, st = _cpu_sort_1d(x, descending=desc, want_stats=True)
+            assert st["msd"] and torch.equal(k, ref.values), (n, desc, "keys only")
+            pay = torch.arange(n, dtype=torch.int64) * -3
+            k, _, p, st = _cpu_sort_1d(x, payload=pay, descending=desc, want_stats=True)
+            assert st["msd"] and torch.equal(p, pay[ref.indices]) and torch.equal(k, ref.values), (n, desc, "pairs")
+        assert torch.equal(x, before)
+
+
 def _hot_keys_case(dtype, case: str, n: int, g: torch.Generator) -> torch.Tensor:
     """Keys where a few values fill much of their MSD bucket: `half` (half of them one value, the rest
     random), `zipf` (Zipf(1.3) ranks hashed over the range: ~20 hot values in different buckets), `ends`
