@@ -2451,7 +2451,8 @@ def test_msd_piece_digit_for_mixed_sign_floats(case):
     _check_range_digit_sorts(x, case, hot=case == "randn_zeros", digit="piece_digit")
 
 
-@pytest.mark.parametrize("case", ["two_clusters", "four_shards", "clusters_and_outliers", "uint64_clusters"])
+@pytest.mark.parametrize("case", ["two_clusters", "four_shards", "clusters_and_outliers", "uint64_clusters",
+                                  "int32_two_clusters", "int32_three_clusters", "int64_narrow_clusters"])
 def test_msd_piece_digit_for_far_clusters(case):
     """64-bit keys in a few clusters far apart (two ranges of 2^40 ids 2^60 apart, 4 shards numbered in the
     top byte, clusters beside a few far outliers, uint64 clusters at both ends): the top byte's buckets
@@ -2470,8 +2471,16 @@ def test_msd_piece_digit_for_far_clusters(case):
         x = torch.where(r < 0.6, ids - (1 << 61), ids + (1 << 50))
         x[r > 0.999] = (1 << 63) - 1
         x[r < 0.0005] = 0
-    else:
+    elif case == "uint64_clusters":
         x = torch.where(r < 0.3, ids, ids - (1 << 41)).view(torch.uint64)  # just above 0 and just below 2^64
+    else:  # the narrow records: 32-bit keys, and 64-bit keys spanning < 2^32
+        small = ids & ((1 << 20) - 1)
+        if case == "int32_two_clusters":
+            x = torch.where(r < 0.5, small, small + (1 << 30)).to(torch.int32)
+        elif case == "int32_three_clusters":
+            x = (torch.randint(0, 3, (n,), generator=g) * (1 << 29) + (small & 0xFFFF) - (1 << 31)).to(torch.int32)
+        else:
+            x = torch.where(r < 0.4, small, small + (3 << 30)) + (1 << 50)
     _check_range_digit_sorts(x, case, digit="piece_digit")
 
 

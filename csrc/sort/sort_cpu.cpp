@@ -1233,11 +1233,12 @@ struct RangeDigit {
   }
 };
 
-// A digit by pieces of the span, for 64-bit keys that crowd a few of the top byte's buckets however the
-// central range is cut: mixed-sign float64 (randn, uniform(-1, 1)): the top byte of the order-preserving
-// bits is the sign and 7 of the exponent's 11 bits, so nearly every key falls in one of two buckets, and
-// the central range spans the sign flip; clusters far apart (two id ranges, shards in the top bits). The
-// LSD engine took them (4M randn float64 + indices ~90 ms against ~55 for positive floats).
+// A digit by pieces of the span, for keys that crowd a few of the top byte's buckets however the central
+// range is cut: mixed-sign float64 (randn, uniform(-1, 1)): the top byte of the order-preserving bits is
+// the sign and 7 of the exponent's 11 bits, so nearly every key falls in one of two buckets, and the
+// central range spans the sign flip; clusters far apart (two id ranges, shards in the top bits; on the
+// narrow records too: int32 ids in two ranges). The LSD engine took them (4M randn float64 + indices ~90
+// ms against ~55 for positive floats).
 // The span [umin, umax] of the encoded keys is cut into at most 4096 aligned pieces of 2^sh (mixed-sign
 // float64: one binade each, sign and exponent being the top 12 bits); each run of pieces the sample did
 // not find gets one bucket, each piece it found a region of buckets, cut one of two ways:
@@ -1989,7 +1990,9 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     constexpr int RBX = MB == MSD_BITS ? RB << HOT_BITS : RB;  // the extended digit's buckets
     HotSample<U> hs;  // taken once, where the first digit looks worth it
     RangeDigit rd;  // rd.s >= 0: the split's digit is rd's (see msd_wide_sort)
-    // digit: the plain digit (v >> lb) & 255, or rd
+    PiecePlan pp;   // pd.sh >= 0: the split's digit is pd's (see msd_wide_sort)
+    PieceDigit pd;
+    // digit: the plain digit (v >> lb) & 255, rd or pd
     auto try_hot = [&](SampleLook& lk, auto v_of, auto digit, int lb) {
       hot = false;
       if constexpr (MB == MSD_BITS) {
@@ -2139,24 +2142,44 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       auto v_of = [base_key](U k) { return (uint32_t)(k - base_key); };
       auto plain = [lbd](uint32_t v) { return (v >> lbd) & (RB - 1); };
       look = sample_buckets<MB>(in, n, cd, [&](U k) { return plain(v_of(k)); });
+      [[maybe_unused]] const SampleLook plain_look = look;  // (before try_hot puts the hot plan's fullest bucket in)
       try_hot(look, v_of, plain, lbd);
       if constexpr (MB == MSD_BITS) {
-        // not surely taken: the central range's digit first (keys between far outliers: see RangeDigit)
-        if (n >= HOT_MIN_N && !hot && too_big(less_noise(look.biggest, n), guess_bytes, look.varied)) {
+        // Not surely taken (the sample's fullest less its noise refused), or one bucket past L2 would
+        // hold more than 1/8 of the keys: the central range's digit first (keys between far outliers: see
+        // RangeDigit), else the pieces' (PieceDigit: clusters far apart, int32 ids in two ranges 2^30
+        // apart 4M + indices 31.5 -> 18.8 ms), where the plain one is refused or they halve its fullest.
+        auto fullest = [&](const SampleLook& lk) { return hot ? hp.biggest : less_noise(lk.biggest, n); };
+        const double plain_big = fullest(look);
+        const bool refused = !hot && too_big(plain_big, guess_bytes, look.varied);
+        const bool crowded = plain_big * (double)guess_bytes > (double)L2_BUCKET_BYTES && plain_big * MSD_MIN_FANOUT > (double)n;
+        if (n >= HOT_MIN_N && (refused || crowded)) {
           hs.take(in, n, cd);
+          auto takes = [&](SampleLook& ll, auto dig) {
+            ll.span_bits = look.span_bits;
+            try_hot(ll, v_of, dig, lbd);
+            return (hot || !too_big(ll.biggest / SAMPLE_SLACK, guess_bytes, ll.varied)) &&
+                   (refused || fullest(ll) * 2 <= plain_big);
+          };
           RangeDigit r;
           if (r.plan(hs.keys, v_of, w)) {
             SampleLook ll = sample_buckets<MB>(in, n, cd, [&](U k) { return r(v_of(k)); });
-            ll.span_bits = look.span_bits;
-            try_hot(ll, v_of, r, lbd);
-            if (hot || !too_big(ll.biggest / SAMPLE_SLACK, guess_bytes, ll.varied)) {
+            if (takes(ll, r)) {
               rd = r;
               look = ll;
-            } else {
-              SampleLook again = look;
-              try_hot(again, v_of, plain, lbd);  // (the plain digit's hot plan and counters back)
-              look = again;
             }
+          }
+          if (rd.s < 0 && pp.plan(hs.keys, v_of, (uint64_t)kmin, (uint64_t)kmax)) {
+            const PieceDigit p(pp);
+            SampleLook ll = sample_buckets<MB>(in, n, cd, [&](U k) { return p(v_of(k)); });
+            if (takes(ll, p)) {
+              pd = p;
+              look = ll;
+            }
+          }
+          if (rd.s < 0 && pd.sh < 0) {
+            look = plain_look;
+            try_hot(look, v_of, plain, lbd);  // (the plain digit's hot plan and counters back)
           }
         }
       }
@@ -2181,6 +2204,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
         });
       };
       if (rd.s >= 0) count_by(rd);
+      else if (pd.sh >= 0) count_by(pd);
       else count_by(plain);
       biggest = offsets();
     }
@@ -2205,6 +2229,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     st.msd_bits = MB;
     st.hot_keys = hot ? hp.keys : 0;
     st.range_digit = rd.s >= 0;
+    st.piece_digit = pd.sh >= 0;
     // The records live in the output array of their size where there is one: a bucket's records
     // [b, b + m) become its outputs [b, b + m) in place (read into the cache, sorted there, written back
     // to the same lines: no scratch pages and no read-for-ownership of the outputs). Else in scratch.
@@ -2212,7 +2237,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     // keys), the records go to scratch instead, with a line of gap before each bucket (bucket d's records
     // from start[d] + d * gap), so the plain stores win there too rather than the streaming lines.
     // (Not with hot keys or the range digit: their buckets are uneven.)
-    const int64_t gap = MB == MSD_BITS && !hot && rd.s < 0 && a.nt_stores < 0 && (size_t)n * rec_bytes >= SPLIT_STREAM_MIN_BYTES &&
+    const int64_t gap = MB == MSD_BITS && !hot && rd.s < 0 && pd.sh < 0 && a.nt_stores < 0 && (size_t)n * rec_bytes >= SPLIT_STREAM_MIN_BYTES &&
                                 split_buckets_alias(n, rec_bytes, RB)
                             ? 64 / (int64_t)rec_bytes
                             : 0;
@@ -2228,7 +2253,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     }
     std::vector<int64_t>& split_pos = gap ? gapped_pos : pos;
     // (hot keys, the range digit: plain stores, as into 256 even buckets that do not alias)
-    const int split_nt = gap || ((hot || rd.s >= 0) && a.nt_stores < 0) ? 0 : a.nt_stores;
+    const int split_nt = gap || ((hot || rd.s >= 0 || pd.sh >= 0) && a.nt_stores < 0) ? 0 : a.nt_stores;
     // where bucket [b, ...) of the outputs has its records
     auto rec_at = [&](int64_t b) {
       if (!gap) return b;
@@ -2249,7 +2274,8 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       auto sort_bucket = [&](Rec* tmp, uint32_t* bh, int64_t b, int64_t m, int64_t nb, int64_t nm) {
         constexpr int KS = sizeof(Rec) == 8 ? 32 : 0;
         // the bits that vary inside the bucket (the range digit's outlier buckets: all w)
-        const int lbb = rd.s >= 0 ? rd.bits_below((uint32_t)(rec[rec_at(b)] >> KS), w) : lb;
+        const uint32_t v0 = (uint32_t)(rec[rec_at(b)] >> KS);
+        const int lbb = rd.s >= 0 ? rd.bits_below(v0, w) : pd.sh >= 0 ? pd.bits_below(v0, w) : lb;
         int wid[3];
         const int planned = bucket_plan(m, sizeof(Rec), lbb, wid);
         const int live = bucket_lsd<Rec, KS>(rec + rec_at(b), tmp, m, lbb, bh, {rec + (nm ? rec_at(nb) : 0), nm},
@@ -2274,6 +2300,9 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
         };
         if (rd.s >= 0) {
           run(rd);
+          done = true;
+        } else if (pd.sh >= 0) {
+          run(pd);
           done = true;
         } else if (hot) {
           const int lh = lb_hot;
