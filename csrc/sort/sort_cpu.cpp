@@ -1723,7 +1723,7 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
     return hot || !too_big(lk.biggest / SAMPLE_SLACK, lk.varied);
   };
   RangeDigit rd;  // rd.s >= 0: the split's digit is rd's (keys clustered between far outliers)
-  PiecePlan pp;   // pp.sh >= 0: the split's digit is pd's (keys crowding a few pieces of the span)
+  PiecePlan pp;   // (pd.sh >= 0: the split's digit is pd's: keys crowding a few pieces of the span)
   PieceDigit pd;
   const bool plain_ok = try_digit(look, plain);
   // Where the top byte's buckets are not surely taken (the sample's fullest less its noise refused: the
