@@ -1676,6 +1676,33 @@ static void copy_through(const SortArgs& a, int threads) {
   if (a.out_pay) parallel_copy((char*)a.out_pay, (const char*)a.pay, n * a.pay_size, threads);
 }
 
+// The split's alternative digits in turn, for both paths: the central range's (RangeDigit), then, where
+// pieces is set, the pieces' (PiecePlan), each planned from the sample hs, looked at through a strided
+// sample and kept where takes(look, digit) accepts it (which may plan hot keys for it). rd.s >= 0 or
+// pd.sh >= 0 says which was kept (look: its sample); pp holds pd's tables.
+template <class U, Enc E, class VOf, class Takes>
+static void try_other_digits(const U* in, int64_t n, const Coder<U, E>& cd, const HotSample<U>& hs, VOf v_of, int w,
+                             U kmin, U kmax, bool pieces, Takes takes, RangeDigit& rd, PiecePlan& pp, PieceDigit& pd,
+                             SampleLook& look) {
+  RangeDigit r;
+  if (r.plan(hs.keys, v_of, w)) {
+    SampleLook ll = sample_buckets<MSD_BITS>(in, n, cd, [&](U k) { return r(v_of(k)); });
+    if (takes(ll, r)) {
+      rd = r;
+      look = ll;
+      return;
+    }
+  }
+  if (pieces && pp.plan(hs.keys, v_of, (uint64_t)kmin, (uint64_t)kmax)) {
+    const PieceDigit p(pp);
+    SampleLook ll = sample_buckets<MSD_BITS>(in, n, cd, [&](U k) { return p(v_of(k)); });
+    if (takes(ll, p)) {
+      pd = p;
+      look = ll;
+    }
+  }
+}
+
 // The wide MSD path: 64-bit keys spanning 2^32 or more (random int64 keys, hashes, nanosecond
 // timestamps). Records are the full v = key - min (8 bytes, keys only) or {v, index or payload} (16
 // bytes; 8-byte payloads travel too), split by the top byte of v's width into 256 buckets, each then
@@ -1746,22 +1773,7 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
     auto takes = [&](const SampleLook& ll, auto dig) {
       return try_digit(ll, dig) && (!plain_ok || fullest(ll) * 2 <= plain_big);
     };
-    RangeDigit r;
-    if (r.plan(hs.keys, vbits, w)) {
-      SampleLook ll = sample_buckets<MSD_BITS>(in, n, cd, [&](U k) { return r(vbits(k)); });
-      if (takes(ll, r)) {
-        rd = r;
-        look = ll;
-      }
-    }
-    if (rd.s < 0 && (refused || crowded) && pp.plan(hs.keys, vbits, (uint64_t)kmin, (uint64_t)kmax)) {
-      const PieceDigit p(pp);
-      SampleLook ll = sample_buckets<MSD_BITS>(in, n, cd, [&](U k) { return p(vbits(k)); });
-      if (takes(ll, p)) {
-        pd = p;
-        look = ll;
-      }
-    }
+    try_other_digits(in, n, cd, hs, vbits, w, kmin, kmax, refused || crowded, takes, rd, pp, pd, look);
     if (rd.s < 0 && pd.sh < 0) try_digit(look, plain);  // (the plain digit's hot plan back)
   }
   if (rd.s < 0 && pd.sh < 0 && !plain_ok) return false;
@@ -2161,22 +2173,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
             return (hot || !too_big(ll.biggest / SAMPLE_SLACK, guess_bytes, ll.varied)) &&
                    (refused || fullest(ll) * 2 <= plain_big);
           };
-          RangeDigit r;
-          if (r.plan(hs.keys, v_of, w)) {
-            SampleLook ll = sample_buckets<MB>(in, n, cd, [&](U k) { return r(v_of(k)); });
-            if (takes(ll, r)) {
-              rd = r;
-              look = ll;
-            }
-          }
-          if (rd.s < 0 && pp.plan(hs.keys, v_of, (uint64_t)kmin, (uint64_t)kmax)) {
-            const PieceDigit p(pp);
-            SampleLook ll = sample_buckets<MB>(in, n, cd, [&](U k) { return p(v_of(k)); });
-            if (takes(ll, p)) {
-              pd = p;
-              look = ll;
-            }
-          }
+          try_other_digits(in, n, cd, hs, v_of, w, kmin, kmax, true, takes, rd, pp, pd, look);
           if (rd.s < 0 && pd.sh < 0) {
             look = plain_look;
             try_hot(look, v_of, plain, lbd);  // (the plain digit's hot plan and counters back)
