@@ -763,10 +763,21 @@ def _amx_available():
     return _has_amx()
 
 
-_AMX = {"impl": "amx", "threads": 2}
+def _bf16dot_available():
+    from pykernels.quant._ops import _has_avx512, _has_bf16dot
+    return _has_avx512() and _has_bf16dot()
 
 
-@pytest.mark.skipif(not _amx_available(), reason="needs a CPU with AMX-BF16 (and the OS's permission)")
+# the two bf16 product kernels: AMX tiles, and the same data and math on AVX-512 BF16 dot products
+_BF16_KERNELS = [
+    pytest.param("amx", marks=pytest.mark.skipif(not _amx_available(),
+                                                 reason="needs a CPU with AMX-BF16 (and the OS's permission)")),
+    pytest.param("bf16dot", marks=pytest.mark.skipif(not _bf16dot_available(),
+                                                     reason="needs a CPU with AVX-512 VNNI and BF16")),
+]
+
+
+@pytest.mark.parametrize("impl", _BF16_KERNELS)
 @pytest.mark.parametrize("scheme,bits,group_size,M,N,K", [
     ("asym", 4, 128, 16, 64, 512),     # whole tiles
     ("asym", 4, 32, 33, 37, 100),      # partial token tile, panel and block; groups of one block
@@ -775,44 +786,48 @@ _AMX = {"impl": "amx", "threads": 2}
     ("bipolar", 2, 128, 20, 15, 1),    # K = 1: one code, zero-padded block
     ("asym", 2, -1, 128, 16, 4100),    # a group of 129 blocks
     ("sym", 4, 32, 1, 1, 32),          # one token, one row
+    ("asym", 4, 64, 12, 1000, 2048),   # bf16dot's first M; 62 full panels + a partial one
 ])
-def test_qmatmul_amx_is_the_rounded_exact_product(scheme, bits, group_size, M, N, K):
-    """The AMX kernel multiplies bf16 activations by the codes exactly (products of bf16 and small
-    integers) and sums in fp32, so y is the exact x @ dequant(W).T (+ bias) up to fp32 sums and the
+def test_qmatmul_bf16_products_are_the_rounded_exact_product(impl, scheme, bits, group_size, M, N, K):
+    """The bf16 kernels multiply bf16 activations by the codes exactly (products of bf16 and small
+    integers) and sum in fp32, so y is the exact x @ dequant(W).T (+ bias) up to fp32 sums and the
     output's bf16 rounding: nearly every element is the correctly rounded value."""
     g = torch.Generator().manual_seed(M * N + K)
     qw = pykernels.quantize(torch.randn(N, K, generator=g), bits, group_size, scheme)
     x = torch.randn(M, K, generator=g).to(torch.bfloat16)
     for bias in (None, torch.randn(N, generator=g)):
         y = _impl(x, qw.packed, qw.scales, qw.offsets, None, None, bias, N, K, bits, group_size, 0, "cpu",
-                  config=_AMX)
+                  config={"impl": impl, "threads": 2})
         check_close(y, x, qw, bias, rel=1e-6)
         exact = oracle(x, qw, bias).to(torch.bfloat16)
         assert (y == exact).double().mean().item() >= 0.99
 
 
-@pytest.mark.skipif(not _amx_available(), reason="needs a CPU with AMX-BF16 (and the OS's permission)")
-def test_qmatmul_amx_default_nan_inf_and_fallbacks():
-    from pykernels.quant._ops import _default_cpu_config, _key
+@pytest.mark.parametrize("impl", _BF16_KERNELS)
+def test_qmatmul_bf16_products_default_nan_inf_and_fallbacks(impl):
+    from pykernels.quant._ops import BF16DOT_MIN_M, _default_cpu_config, _key
 
     # the default for bf16 activations from M = 9 (bucket 16), codes of <= 4 bits; not below, not fp32
-    assert _default_cpu_config(_key(16, 64, 64, 4, 32, 0, torch.bfloat16))["impl"] == "amx"
-    assert _default_cpu_config(_key(9, 64, 64, 4, 32, 0, torch.bfloat16))["impl"] == "amx"
-    assert _default_cpu_config(_key(8, 64, 64, 4, 32, 0, torch.bfloat16))["impl"] != "amx"
-    assert _default_cpu_config(_key(64, 64, 64, 4, 32, 0, torch.float32))["impl"] != "amx"
-    assert _default_cpu_config(_key(64, 64, 64, 8, 32, 0, torch.bfloat16))["impl"] != "amx"
+    # (AMX where the CPU has it, else bf16dot)
+    if impl == "bf16dot" and _amx_available():
+        pytest.skip("the default on this CPU is AMX")
+    assert _default_cpu_config(_key(16, 64, 64, 4, 32, 0, torch.bfloat16))["impl"] == impl
+    assert _default_cpu_config(_key(9, 64, 64, 4, 32, 0, torch.bfloat16))["impl"] == impl
+    assert _default_cpu_config(_key(8, 64, 64, 4, 32, 0, torch.bfloat16))["impl"] != impl
+    assert _default_cpu_config(_key(64, 64, 64, 4, 32, 0, torch.float32))["impl"] != impl
+    assert _default_cpu_config(_key(64, 64, 64, 8, 32, 0, torch.bfloat16))["impl"] != impl
     g = torch.Generator().manual_seed(5)
     N, K = 22, 320
     qw = pykernels.quantize(torch.randn(N, K, generator=g), 4, 64, "asym")
     x = torch.randn(33, K, generator=g).to(torch.bfloat16)
     x[5, 7] = float("nan")
     x[20, 1] = float("inf")
-    y = pykernels.qmatmul(x, qw)  # the default: AMX
+    y = pykernels.qmatmul(x, qw)  # the default
     assert torch.isnan(y[5]).all() and not torch.isfinite(y[20]).any()
     keep = [i for i in range(33) if i not in (5, 20)]
     check_close(y[keep], x[keep], qw, rel=1e-6)
     # rows with huge outliers on zero weights take the VNNI path's outlier split (an fp32 sum holding
-    # 1e8 * (u - c) would keep ~8 of absolute error); the other rows stay on AMX
+    # 1e8 * (u - c) would keep ~8 of absolute error); the other rows stay on the bf16 kernel
     for k, gs in ((256, 32), (96, -1)):
         w = torch.randn(N, k, generator=g)
         w[:, 0] = 0.0
@@ -823,10 +838,22 @@ def test_qmatmul_amx_default_nan_inf_and_fallbacks():
         rest = xo.clone()
         rest[:, 0] = 0
         check_close(pykernels.qmatmul(xo, q), rest, q, rel=1e-6)
-    # a cached "amx" choice on inputs it cannot take (fp32 activations, 8-bit codes) runs the default
+    # a cached choice on inputs it cannot take (fp32 activations, 8-bit codes; bf16dot: fewer than min_m
+    # tokens) runs the VNNI kernels (their int16 rounding: the default tolerance, not the exact one)
+    cfg = {"impl": impl, "threads": 2}
     for xs, q in ((x[keep].float(), qw), (x[keep], pykernels.quantize(torch.randn(N, K, generator=g), 8, 64))):
-        y = _impl(xs, q.packed, q.scales, q.offsets, None, None, None, N, K, q.bits, 64, 0, "cpu", config=_AMX)
+        y = _impl(xs, q.packed, q.scales, q.offsets, None, None, None, N, K, q.bits, 64, 0, "cpu", config=cfg)
         check_close(y, xs, q)
+    if impl == "bf16dot":
+        from pykernels.quant._ops import _vnni_config
+
+        def run(xs, config):
+            return _impl(xs, qw.packed, qw.scales, qw.offsets, None, None, None, N, K, 4, 64, 0, "cpu", config=config)
+
+        for m in (BF16DOT_MIN_M - 1, BF16DOT_MIN_M):
+            xs = x[keep][:m]
+            y = run(xs, {**cfg, "min_m": BF16DOT_MIN_M})
+            assert torch.equal(y, run(xs, _vnni_config() if m < BF16DOT_MIN_M else cfg))
 
 
 def test_config_memos_follow_the_tier_switches(tmp_cache, monkeypatch):

@@ -2187,8 +2187,9 @@ void bitserial_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, int act_bits
 }
 
 // ---------------------------------------------------------------------------------------------
-// 3. Weight-only GEMM on AMX (Sapphire Rapids and newer), bf16 activations, codes of <= 4 bits:
-//    `wo_gemm_amx`. Per group, x.w = s * sum(x*u) + m * sum(x) (the affine form above); sum(x*u) is
+// 3. Weight-only GEMM on bf16 dot products, bf16 activations, codes of <= 4 bits: `wo_gemm_amx` on AMX
+//    tiles (Sapphire Rapids and newer) and `wo_gemm_bf16dot` on AVX-512 BF16 (Zen 4, Cooper Lake and
+//    newer; the same data and math, the tile product as vector loops: see dot_group_tile). Per group, x.w = s * sum(x*u) + m * sum(x) (the affine form above); sum(x*u) is
 //    a TDPBF16PS of the bf16 activations against the centred codes u - 2^(bits-1) converted to bf16
 //    (small integers: exact), so every product is exact and sums run in fp32 (no int16 rounding of x);
 //    centred as in wo_gemm, so that sum(x*u) and m * sum(x) do not cancel.
@@ -2200,7 +2201,8 @@ void bitserial_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, int act_bits
 //    Rows with huge outliers or NaN/inf take the VNNI path's routes (pykernels/quant/_ops.py,
 //    _cpu_amx). TDPBF16PS reads subnormal bf16 inputs as zero: a row whose largest |x| is that small
 //    is routed like NaN/inf rows (act_range_flags); elsewhere the error is below ~1e-38.
-//    Measured at K=N=4096, 2 cores: see pykernels/quant/_ops.py (AMX_MIN_M_BUCKET).
+//    VDPBF16PS reads and writes subnormals as zero the same way. Measured at K=N=4096, 2 cores: see
+//    pykernels/quant/_ops.py (AMX_MIN_M_BUCKET, BF16DOT_MIN_M_BUCKET).
 // ---------------------------------------------------------------------------------------------
 #if PK_X86
 #include <cpuid.h>
@@ -2236,6 +2238,10 @@ bool cpu_has_amx_bf16() {
 #define PK_TARGET_AMX                                                                              \
   __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma," \
                         "bmi,bmi2,popcnt,f16c")))
+// The parts both kernels share (decode, activations) and the AVX-512 BF16 kernel: a subset of PK_TARGET_AMX
+// (so AMX code inlines them) and of PK_TARGET_AVX512.
+#define PK_TARGET_BF16DOT \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,avx2,fma,bmi,bmi2,popcnt,f16c")))
 
 template <class T>
 T* align64(T* p) {
@@ -2248,7 +2254,7 @@ struct alignas(64) AmxTileConfig {
   uint8_t rows[16];
 };
 
-struct AmxArgs {
+struct Bf16Args {  // (both kernels')
   WoShape s;
   const uint8_t* w;
   const float* scales;   // [N, G]
@@ -2265,10 +2271,10 @@ struct AmxArgs {
 // (u - center; lanes 16-31 repeat them), the vpermw table, and the vpermt2w indices that put two rows'
 // low nibbles (codes 0..15 of a block) and high nibbles (16..31) in code order: row a takes words 0-15
 // of lo then of hi, row b words 16-31 (index bit 5 picks the second source).
-struct AmxDecode {
+struct CodeDecode {
   __m512i table, idx_a, idx_b;
 };
-PK_TARGET_AMX AmxDecode amx_decode_consts(const WoShape& s) {
+PK_TARGET_BF16DOT CodeDecode bf16_decode_consts(const WoShape& s) {
   alignas(64) uint16_t lut[32], ia[32], ib[32];
   for (int c = 0; c < 32; ++c) lut[c] = f32_to_bf16((float)((c & 15) - s.center));  // small integers: exact
   for (int j = 0; j < 16; ++j) {
@@ -2281,7 +2287,7 @@ PK_TARGET_AMX AmxDecode amx_decode_consts(const WoShape& s) {
 // Rows n0..n0+15 of blocks [kb0, kb1) as A tiles (16 rows x 32 bf16 codes, 1 KiB each) into dst. A
 // block of a 4-row tile is one 64-byte line: two rows at a time are widened to words, split into
 // low and high nibbles, put in code order (vpermt2w) and mapped to bf16 (vpermw).
-PK_TARGET_AMX void amx_decode_rows(const AmxArgs& a, const AmxDecode& d, int64_t n0, int64_t kb0, int64_t kb1,
+PK_TARGET_BF16DOT void bf16_decode_rows(const Bf16Args& a, const CodeDecode& d, int64_t n0, int64_t kb0, int64_t kb1,
                                    uint16_t* dst) {
   const WoShape& s = a.s;
   const __m512i low = _mm512_set1_epi16(0x0f);
@@ -2308,7 +2314,7 @@ PK_TARGET_AMX void amx_decode_rows(const AmxArgs& a, const AmxDecode& d, int64_t
 // panel's codes, loaded once per block), B tiles 5/6 (activations, alternating); then every C row is
 // scaled by its row's group scale and gets its offset times the tokens' group sums.
 template <int NM>
-PK_TARGET_AMX inline void amx_group_tiles(const AmxArgs& a, const uint16_t* wbuf, int64_t kb0, int64_t kb1,
+PK_TARGET_AMX inline void amx_group_tiles(const Bf16Args& a, const uint16_t* wbuf, int64_t kb0, int64_t kb1,
                                           int64_t mt, int64_t g, const float* sc, const float* of, float* cbuf,
                                           float* accp) {
   const WoShape& s = a.s;
@@ -2358,7 +2364,32 @@ PK_TARGET_AMX inline void amx_group_tiles(const AmxArgs& a, const uint16_t* wbuf
   }
 }
 
-PK_TARGET_AMX void amx_panels(const AmxArgs& a, int64_t p0, int64_t p1) {
+// Row n0 + r's scale and centred offset of group g (w = s * (u - c) + (m + s * c); 0 for "sym"), rows past N
+// the last row's (their codes decode to 0 and their outputs are not written).
+inline void group_affine(const Bf16Args& a, int64_t n0, int64_t g, float* sc, float* of) {
+  const WoShape& s = a.s;
+  for (int r = 0; r < 16; ++r) {
+    const int64_t n = std::min(n0 + r, s.N - 1);
+    sc[r] = a.scales[n * s.G + g];
+    of[r] = (float)((double)a.offsets[n * s.G + g] + (double)sc[r] * s.center);
+  }
+}
+
+// A panel's sums acc[mt][r][t] (y[16 mt + t][n0 + r] before the bias) into y as bf16.
+inline void write_panel(const Bf16Args& a, const float* accp, int64_t n0) {
+  const WoShape& s = a.s;
+  const int64_t nr = std::min<int64_t>(16, s.N - n0);
+  for (int64_t mt = 0; mt < a.MT; ++mt) {
+    const float* ac = accp + mt * 256;
+    const int64_t tm = std::min<int64_t>(16, s.M - mt * 16);
+    for (int64_t t = 0; t < tm; ++t) {
+      uint16_t* yr = a.y + (mt * 16 + t) * s.N + n0;
+      for (int64_t r = 0; r < nr; ++r) yr[r] = f32_to_bf16(ac[r * 16 + t] + (a.bias ? a.bias[n0 + r] : 0.f));
+    }
+  }
+}
+
+PK_TARGET_AMX void amx_panels(const Bf16Args& a, int64_t p0, int64_t p1) {
   const WoShape& s = a.s;
   const int64_t kpg = a.kpg;
   AmxTileConfig cfg;
@@ -2374,20 +2405,15 @@ PK_TARGET_AMX void amx_panels(const AmxArgs& a, int64_t p0, int64_t p1) {
   uint16_t* wbuf = align64(wraw.data());
   float* accp = align64(araw.data());
   alignas(64) float cbuf[4 * 256];
-  const AmxDecode dec = amx_decode_consts(s);
+  const CodeDecode dec = bf16_decode_consts(s);
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t n0 = p * 16;
     std::fill(accp, accp + a.MT * 256, 0.f);
     for (int64_t g = 0; g < s.G; ++g) {
       const int64_t kb0 = g * kpg, kb1 = std::min(s.B, kb0 + kpg);
-      amx_decode_rows(a, dec, n0, kb0, kb1, wbuf);
+      bf16_decode_rows(a, dec, n0, kb0, kb1, wbuf);
       float sc[16], of[16];
-      for (int r = 0; r < 16; ++r) {
-        const int64_t n = std::min(n0 + r, s.N - 1);
-        sc[r] = a.scales[n * s.G + g];
-        // w = s * (u - c) + (m + s * c): the centred offset (0 for "sym")
-        of[r] = (float)((double)a.offsets[n * s.G + g] + (double)sc[r] * s.center);
-      }
+      group_affine(a, n0, g, sc, of);
       for (int64_t mt = 0; mt < a.MT; mt += 4) {
         // up to 4 token tiles at once: independent accumulators, so the TDPBF16PS run at their
         // throughput (one accumulator chain waited on each one's latency: ~3x slower at M=128)
@@ -2399,25 +2425,124 @@ PK_TARGET_AMX void amx_panels(const AmxArgs& a, int64_t p0, int64_t p1) {
         }
       }
     }
-    // acc[mt][r][t] is y[16 mt + t][n0 + r]
-    const int64_t nr = std::min<int64_t>(16, s.N - n0);
-    for (int64_t mt = 0; mt < a.MT; ++mt) {
-      const float* ac = accp + mt * 256;
-      const int64_t tm = std::min<int64_t>(16, s.M - mt * 16);
-      for (int64_t t = 0; t < tm; ++t) {
-        uint16_t* yr = a.y + (mt * 16 + t) * s.N + n0;
-        for (int64_t r = 0; r < nr; ++r) yr[r] = f32_to_bf16(ac[r * 16 + t] + (a.bias ? a.bias[n0 + r] : 0.f));
-      }
-    }
+    write_panel(a, accp, n0);
   }
   _tile_release();
 }
 
-void wo_gemm_amx(uintptr_t x, int64_t M, int64_t K, uintptr_t w, int bits, uintptr_t scales, uintptr_t offsets,
-                 int64_t N, int64_t group_size, uintptr_t bias, uintptr_t y, int num_threads) {
+struct CodePair {  // two decoded codes (bf16), the dword a VDPBF16PS broadcast reads
+  uint16_t v[2];
+};
+
+// amx_group_tiles's product as vector loops, for one token tile and 8 rows (half h of a 16-row panel) over
+// all groups: acc[r] (a vector over the tile's 16 tokens) gathers a group, one VDPBF16PS per row and k-pair
+// (the row's code pair broadcast; the tokens' activation pairs, a B tile row, one load for the 8 rows), then
+// tot[r] += acc[r] * sc[g][r]: 16 accumulators in named registers (GCC spilled an array of them around every
+// product, see panel_dot), the group's rescale two ops a row, the offsets' terms once at the end.
+// wbuf: the panel's decoded blocks (16 rows x 32 codes each), all groups; sc, of: [G][16]; out: [16 rows][16].
+PK_TARGET_BF16DOT void dot_half_tile(const Bf16Args& a, const uint16_t* wbuf, int64_t mt, int h, const float* sc,
+                                     const float* of, float* out) {
+  const WoShape& s = a.s;
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 t0 = zero, t1 = zero, t2 = zero, t3 = zero, t4 = zero, t5 = zero, t6 = zero, t7 = zero;
+  for (int64_t g = 0; g < s.G; ++g) {
+    const int64_t kb0 = g * a.kpg, nblk = std::min(s.B, kb0 + a.kpg) - kb0;
+    const uint32_t* xg = a.xv + (mt * s.B + kb0) * 256;  // (the tile-major layout: see wo_gemm_bf16)
+    __m512 a0 = zero, a1 = zero, a2 = zero, a3 = zero, a4 = zero, a5 = zero, a6 = zero, a7 = zero;
+    for (int64_t kb = 0; kb < nblk; ++kb) {
+      const uint16_t* tile = wbuf + (kb0 + kb) * 512 + 8 * h * 32;  // row 8 h + r's codes at 32 r
+      const uint32_t* xk = xg + kb * 256;
+      // (the product as asm: GCC 12 does not fold the broadcast into VDPBF16PS's {1to16} operand; a
+      // separate vpbroadcastd per product measured ~5% slower at M=128, 1 thread)
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) {
+        const __m512bh x = (__m512bh)_mm512_loadu_si512(xk + 16 * i);
+#define PK_DOT_ROW(r)                                                           \
+  asm("vdpbf16ps %[w]%{1to16%}, %[x], %[acc]"                                   \
+      : [acc] "+v"(a##r)                                                        \
+      : [x] "v"(x), [w] "m"(*reinterpret_cast<const CodePair*>(tile + 32 * (r) + 2 * i)));
+        PK_DOT_ROW(0) PK_DOT_ROW(1) PK_DOT_ROW(2) PK_DOT_ROW(3) PK_DOT_ROW(4) PK_DOT_ROW(5) PK_DOT_ROW(6) PK_DOT_ROW(7)
+#undef PK_DOT_ROW
+      }
+    }
+    const float* sg = sc + g * 16 + 8 * h;
+#define PK_DOT_RESCALE(r) t##r = _mm512_fmadd_ps(a##r, _mm512_set1_ps(sg[r]), t##r);
+    PK_DOT_RESCALE(0) PK_DOT_RESCALE(1) PK_DOT_RESCALE(2) PK_DOT_RESCALE(3)
+    PK_DOT_RESCALE(4) PK_DOT_RESCALE(5) PK_DOT_RESCALE(6) PK_DOT_RESCALE(7)
+#undef PK_DOT_RESCALE
+  }
+  for (int64_t g = 0; g < s.G; ++g) {  // + the offsets times the tokens' group sums
+    const __m512 xs = _mm512_loadu_ps(a.xsum + (mt * s.G + g) * 16);
+    const float* og = of + g * 16 + 8 * h;
+#define PK_DOT_OFFSET(r) t##r = _mm512_fmadd_ps(xs, _mm512_set1_ps(og[r]), t##r);
+    PK_DOT_OFFSET(0) PK_DOT_OFFSET(1) PK_DOT_OFFSET(2) PK_DOT_OFFSET(3)
+    PK_DOT_OFFSET(4) PK_DOT_OFFSET(5) PK_DOT_OFFSET(6) PK_DOT_OFFSET(7)
+#undef PK_DOT_OFFSET
+  }
+  float* o = out + 8 * h * 16;
+  _mm512_store_ps(o, t0); _mm512_store_ps(o + 16, t1); _mm512_store_ps(o + 32, t2); _mm512_store_ps(o + 48, t3);
+  _mm512_store_ps(o + 64, t4); _mm512_store_ps(o + 80, t5); _mm512_store_ps(o + 96, t6); _mm512_store_ps(o + 112, t7);
+}
+
+#pragma GCC diagnostic push  // see the AVX-512 weight-only section
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+// f32_to_bf16 of 16 floats (round to nearest even, NaN stays NaN)
+PK_TARGET_BF16DOT inline __m256i f32x16_to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// write_panel's result with vectors: a token's 16 rows gathered from the panel's sums (16 apart), + bias.
+PK_TARGET_BF16DOT void write_panel_avx512(const Bf16Args& a, const float* accp, int64_t n0) {
+  const WoShape& s = a.s;
+  const int64_t nr = std::min<int64_t>(16, s.N - n0);
+  const __mmask16 rows = (__mmask16)((1u << nr) - 1);
+  const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(rows, a.bias + n0) : _mm512_setzero_ps();
+  const __m512i stride = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+  for (int64_t m = 0; m < s.M; ++m) {
+    const float* ac = accp + (m / 16) * 256 + m % 16;
+    const __m256i y = f32x16_to_bf16(_mm512_add_ps(_mm512_i32gather_ps(stride, ac, 4), bias));
+    _mm256_mask_storeu_epi16(a.y + m * s.N + n0, rows, y);
+  }
+}
+#pragma GCC diagnostic pop
+
+// amx_panels on AVX-512 BF16: a 16-row panel decoded whole (16 rows x K bf16 codes: 128 KiB at K = 4096, in
+// L2), then every token tile, 8 rows at a time.
+PK_TARGET_BF16DOT void dot_panels(const Bf16Args& a, int64_t p0, int64_t p1) {
+  const WoShape& s = a.s;
+  std::vector<uint16_t> wraw(s.B * 512 + 32);
+  std::vector<float> araw(a.MT * 256 + 16), aff(2 * s.G * 16);
+  uint16_t* wbuf = align64(wraw.data());
+  float* accp = align64(araw.data());
+  float *sc = aff.data(), *of = sc + s.G * 16;
+  const CodeDecode dec = bf16_decode_consts(s);
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t n0 = p * 16;
+    bf16_decode_rows(a, dec, n0, 0, s.B, wbuf);
+    for (int64_t g = 0; g < s.G; ++g) group_affine(a, n0, g, sc + g * 16, of + g * 16);
+    for (int64_t mt = 0; mt < a.MT; ++mt)
+      for (int h = 0; h < 2; ++h) dot_half_tile(a, wbuf, mt, h, sc, of, accp + mt * 256);
+    write_panel_avx512(a, accp, n0);
+  }
+}
+
+// y (bf16) = x (bf16) @ dequant(W).T (+ bias) on either kernel: the activations laid out as B tiles once,
+// then the 16-row panels split over the threads.
+void wo_gemm_bf16(bool amx, uintptr_t x, int64_t M, int64_t K, uintptr_t w, int bits, uintptr_t scales,
+                  uintptr_t offsets, int64_t N, int64_t group_size, uintptr_t bias, uintptr_t y, int num_threads) {
   const char* op = "qmatmul";
-  if (!cpu_has_amx_bf16()) pk::fail_runtime(op, "the AMX kernel needs a CPU with AMX-BF16 (and the OS's leave)");
-  if (bits < 1 || bits > 4) pk::fail_value(op, "the AMX kernel takes codes of 1..4 bits");
+  if (amx && !cpu_has_amx_bf16()) pk::fail_runtime(op, "the AMX kernel needs a CPU with AMX-BF16 (and the OS's leave)");
+  if (!amx && !pk::cpu_has_avx512bf16())
+    pk::fail_runtime(op, "the bf16dot kernel needs a CPU with AVX-512 BF16 (and PYKERNELS_DISABLE_AVX512 unset)");
+  if (bits < 1 || bits > 4) pk::fail_value(op, "the bf16 kernels take codes of 1..4 bits");
   const WoShape s = wo_shape(op, M, N, K, bits, group_size);
   if (M == 0 || N == 0) return;
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x);
@@ -2427,7 +2552,7 @@ void wo_gemm_amx(uintptr_t x, int64_t M, int64_t K, uintptr_t w, int bits, uintp
       for (int64_t n = 0; n < N; ++n) yp[m * N + n] = f32_to_bf16(bias ? reinterpret_cast<const float*>(bias)[n] : 0.f);
     return;
   }
-  AmxArgs a{};
+  Bf16Args a{};
   a.s = s;
   a.w = reinterpret_cast<const uint8_t*>(w);
   a.scales = reinterpret_cast<const float*>(scales);
@@ -2436,8 +2561,9 @@ void wo_gemm_amx(uintptr_t x, int64_t M, int64_t K, uintptr_t w, int bits, uintp
   a.MT = (M + 15) / 16;
   a.y = yp;
   a.kpg = s.gsize / KB + (s.gsize % KB != 0);  // blocks per group (gsize = K when -1)
-  // a group's B tiles for every token tile side by side (streamed in order for each panel; the layout
-  // [MT][B] measured slower: its tiles of one group lie 128 KiB apart at K = 4096)
+  // AMX: a group's B tiles for every token tile side by side, [G][MT][kpg] (streamed in order for each
+  // panel; the layout [MT][B] measured slower there: its tiles of one group lie 128 KiB apart at K = 4096);
+  // bf16dot: [MT][B], each token tile's K in one run (its loop takes a tile's groups in turn)
   std::vector<uint32_t> xv(s.G * a.MT * a.kpg * 256, 0u);  // TILELOADD takes any alignment
   std::vector<float> xsum(a.MT * s.G * 16, 0.f);
   py::gil_scoped_release release;
@@ -2449,7 +2575,8 @@ void wo_gemm_amx(uintptr_t x, int64_t M, int64_t K, uintptr_t w, int bits, uintp
       const uint16_t* xr = xp + m * K;
       auto put = [&](int64_t k, uint32_t pair) {
         const int64_t kb = k / KB, g = kb / a.kpg, i = (k % KB) / 2;
-        xv[(((g * a.MT + mt) * a.kpg + kb - g * a.kpg) * 16 + i) * 16 + t] = pair;
+        const int64_t block = amx ? (g * a.MT + mt) * a.kpg + kb - g * a.kpg : mt * s.B + kb;
+        xv[(block * 16 + i) * 16 + t] = pair;
       };
       for (int64_t k = 0; k + 1 < K; k += 2) put(k, (uint32_t)xr[k] | (uint32_t)xr[k + 1] << 16);
       if (K & 1) put(K - 1, xr[K - 1]);
@@ -2462,16 +2589,30 @@ void wo_gemm_amx(uintptr_t x, int64_t M, int64_t K, uintptr_t w, int bits, uintp
   a.xsum = xsum.data();
   const int64_t P = (N + 15) / 16;
   pk::parallel_ranges(P, threads_for_work(num_threads, M * N * K), [&](int, int64_t p0, int64_t p1) {
-    amx_panels(a, p0, p1);
+    if (amx)
+      amx_panels(a, p0, p1);
+    else
+      dot_panels(a, p0, p1);
   });
 }
 #else
 bool cpu_has_amx_bf16() { return false; }
-void wo_gemm_amx(uintptr_t, int64_t, int64_t, uintptr_t, int, uintptr_t, uintptr_t, int64_t, int64_t, uintptr_t,
-                 uintptr_t, int) {
-  pk::fail_runtime("qmatmul", "the AMX kernel needs an x86-64 CPU with AMX-BF16");
+void wo_gemm_bf16(bool amx, uintptr_t, int64_t, int64_t, uintptr_t, int, uintptr_t, uintptr_t, int64_t, int64_t,
+                  uintptr_t, uintptr_t, int) {
+  pk::fail_runtime("qmatmul", amx ? "the AMX kernel needs an x86-64 CPU with AMX-BF16"
+                                  : "the bf16dot kernel needs an x86-64 CPU with AVX-512 BF16");
 }
 #endif
+
+void wo_gemm_amx(uintptr_t x, int64_t M, int64_t K, uintptr_t w, int bits, uintptr_t scales, uintptr_t offsets,
+                 int64_t N, int64_t group_size, uintptr_t bias, uintptr_t y, int num_threads) {
+  wo_gemm_bf16(true, x, M, K, w, bits, scales, offsets, N, group_size, bias, y, num_threads);
+}
+
+void wo_gemm_bf16dot(uintptr_t x, int64_t M, int64_t K, uintptr_t w, int bits, uintptr_t scales, uintptr_t offsets,
+                     int64_t N, int64_t group_size, uintptr_t bias, uintptr_t y, int num_threads) {
+  wo_gemm_bf16(false, x, M, K, w, bits, scales, offsets, N, group_size, bias, y, num_threads);
+}
 
 // Whether the CPU multiplies bf16 natively (AVX512-BF16's VDPBF16PS; AMX CPUs have it too), whatever the
 // PYKERNELS_DISABLE_* flags say about our own kernels: it answers for torch's bf16 GEMM (oneDNN), which the
@@ -2502,6 +2643,12 @@ PYBIND11_MODULE(_cpu_qgemm, m) {
         "y[M,N] = x[M,K] @ dequant(W).T (+ bias): weight-only quantized GEMM on packed tiles; with check_rows, "
         "the number of rows act_range_flags flags, y untouched, when there are any (else 0)");
   m.def("cpu_has_amx_bf16", &cpu_has_amx_bf16, "AMX-BF16 usable here (CPU, OS and process permission)");
+  m.def("cpu_has_avx512bf16", &pk::cpu_has_avx512bf16,
+        "our AVX-512 BF16 kernels run here (the CPU has it and PYKERNELS_DISABLE_AVX512 was unset at load)");
+  m.def("wo_gemm_bf16dot", &wo_gemm_bf16dot, py::arg("x"), py::arg("M"), py::arg("K"), py::arg("w"), py::arg("bits"),
+        py::arg("scales"), py::arg("offsets"), py::arg("N"), py::arg("group_size"), py::arg("bias"), py::arg("y"),
+        py::arg("num_threads"),
+        "wo_gemm_amx's product on AVX-512 BF16 dot products (VDPBF16PS) instead of AMX tiles");
   m.def("cpu_has_bf16_dot", &cpu_has_bf16_dot,
         "the CPU multiplies bf16 natively (AVX512-BF16), whatever the PYKERNELS_DISABLE_* flags say");
   m.def("wo_gemm_amx", &wo_gemm_amx, py::arg("x"), py::arg("M"), py::arg("K"), py::arg("w"), py::arg("bits"),

@@ -321,7 +321,9 @@ def qmatmul(x, qw: QuantizedWeight, bias=None, *, act_bits: Optional[int] = None
     its whole output row is NaN on that path (the weight-only path gives what torch's matmul gives).
 
     Accuracy of the weight-only CPU path: on CPUs with AMX-BF16 (Sapphire Rapids and newer), bf16
-    activations from M=9 on with codes of at most 4 bits take the AMX kernel (config impl "amx"): bf16 activations times the integer
+    activations from M=9 on with codes of at most 4 bits take the AMX kernel (config impl "amx"); on other
+    AVX-512 CPUs with BF16 dot products (Zen 4 and newer), from M=12 on, its twin on VDPBF16PS (config impl
+    "bf16dot"): bf16 activations times the integer
     codes are exact products summed in fp32, so y is the exact product with the dequantized weight up to
     fp32 sums and the bf16 output rounding. On CPUs with AVX2 but not AVX-512, from M=9 on (config impl
     "sgemm"; bf16 activations from M=33 on where the CPU multiplies bf16 natively take "dequant_mm",

@@ -8,8 +8,9 @@ otherwise, unless a tuned entry says which.
                       (16-row groups per CTA of the mma kernel), "pipe": bool (its loads an iteration
                       ahead)}; bit-serial: {"mma": bool}; {} = the kernel's own choice
 Config (pykernels._backend.dispatch, tuned by pykernels.autotune):
-  cpu, weight-only: {"impl": "native" | "dequant_mm" | "amx", "threads": 0 (= torch's), "m_block", "n_block",
+  cpu, weight-only: {"impl": "native" | "dequant_mm", "threads": 0 (= torch's), "m_block", "n_block",
                      "isa": 2 AVX-512 VNNI | 1 AVX2 (highest allowed tier, capped by the CPU)}
+                    | {"impl": "amx" | "bf16dot", "threads", "min_m" (fewer tokens: the VNNI kernels)}
                     | {"impl": "sgemm" (AVX2), "threads", "kc", "mc", "nc" (its blocking)}
   cpu, bit-serial:  {"mode": 0 portable | 1 POPCNT | 2 AVX2 vpshufb | 3 AVX-512 VPOPCNTDQ, "threads": 0}
 """
@@ -52,7 +53,14 @@ def _has_amx() -> bool:
             and bool(cpu_module("qgemm").cpu_has_amx_bf16()))
 
 
+def _has_bf16dot() -> bool:
+    """Our AVX-512 BF16 kernels usable (PYKERNELS_DISABLE_AVX512=1 or PYKERNELS_DISABLE_AVX2=1 turn them off)."""
+    return (getenv("PYKERNELS_DISABLE_AVX512") != "1" and _has_avx2()
+            and bool(cpu_module("qgemm").cpu_has_avx512bf16()))
+
+
 def _amx_fits(key: dict) -> bool:
+    """bf16 activations and codes of <= 4 bits: what the bf16 product kernels ("amx", "bf16dot") take."""
     return key.get("dtype") == "bfloat16" and key.get("bits", 8) <= 4 and not key.get("act_bits")
 
 
@@ -63,6 +71,23 @@ def _amx_fits(key: dict) -> bool:
 # kernels stream the weights faster (M=1: 0.52 vs 2.3 ms; AMX's decode and per-group rescaling of
 # each 16-row panel cost ~1.8 ms whatever M).
 AMX_MIN_M_BUCKET = 16
+# From this M bucket (and from min_m tokens in it) bf16 activations take the AVX-512 BF16 kernel
+# (wo_gemm_bf16dot: AMX's data and math with VDPBF16PS vector loops) on CPUs with AVX-512 BF16 and no AMX.
+# Measured on a 2-core Zen 4, K=N=4096, 4 bits, group 128, best of 5 interleaved calls, ms (bf16dot / the
+# VNNI kernels / torch's bf16 matmul of the dense weight): M=8 1.78 / 1.39 (GEMV) / 2.13, M=12 1.80 / 1.91 /
+# 2.44, M=16 1.81 / 2.10 / 2.56, M=32 3.07 / 3.29 / 3.84, M=128 10.7 / 12.1 / 10.9 (1 thread, M=512: 208 /
+# 183 / 216 GFLOP/s); group 32 M=128 12.0 / 15.4, 2 bits group 64 11.3 / 13.5. Below 12 tokens (one token
+# tile: its cost is that of 16) the GEMV kernel streams the weights faster.
+BF16DOT_MIN_M_BUCKET = 16
+BF16DOT_MIN_M = 12
+
+
+def _vnni_config() -> dict:
+    """The AVX-512 VNNI kernels (measured on Zen 4, K=N=4096, 1 thread, same-run ratios): the per-token GEMV
+    kernel up to M=11 (M=8: 3.1 ms vs the panel's 8.0 ms), the panel GEMM from M=12 (where its 16 token
+    lanes fill up), one pass over the weights for all tokens (M=128: 50 ms in one pass vs 67 ms in 8 passes
+    of 16); bf16 too (M=64: 30 ms vs 37 ms for dequantize + torch's bf16 GEMM)."""
+    return {"impl": "native", "threads": 0, "m_block": 4096, "n_block": 8, "isa": 2, "gemm_min_m": 12}
 
 
 def _default_cpu_config(key: dict) -> dict:
@@ -70,12 +95,10 @@ def _default_cpu_config(key: dict) -> dict:
         return {"mode": 3 if _has_avx512() else 2, "threads": 0}
     if _amx_fits(key) and key.get("M", 0) >= AMX_MIN_M_BUCKET and _has_amx():
         return {"impl": "amx", "threads": 0}
+    if _amx_fits(key) and key.get("M", 0) >= BF16DOT_MIN_M_BUCKET and _has_avx512() and _has_bf16dot():
+        return {"impl": "bf16dot", "threads": 0, "min_m": BF16DOT_MIN_M}
     if _has_avx512():
-        # AVX-512 VNNI (measured on Zen 4, K=N=4096, 1 thread, same-run ratios): the per-token GEMV kernel
-        # up to M=11 (M=8: 3.1 ms vs the panel's 8.0 ms), the panel GEMM from M=12 (where its 16 token
-        # lanes fill up), one pass over the weights for all tokens (M=128: 50 ms in one pass vs 67 ms in
-        # 8 passes of 16); bf16 too (M=64: 30 ms vs 37 ms for dequantize + torch's bf16 GEMM).
-        return {"impl": "native", "threads": 0, "m_block": 4096, "n_block": 8, "isa": 2, "gemm_min_m": 12}
+        return _vnni_config()
     # The integer kernel (AVX2) streams the weights once per block of 16 tokens (decoding them once for
     # the 16: wo_tile_avx2_panel): ~7x fp32 torch.matmul at M=1, ~2.4x at M=16 (K=N=4096, 2 busy cores).
     # Where the op turns compute-bound, an fp32 GEMM wins: our own ("sgemm", below) from the M=16 bucket;
@@ -173,11 +196,15 @@ _EXACT_COLUMNS = 64  # outliers per row multiplied exactly (at least; K / 64 for
 def cpu_weight_only(x2, packed, scales, offsets, bias, N, K, bits, group_size, cfg) -> torch.Tensor:
     M = x2.shape[0]
     threads = _threads(cfg)
-    if cfg.get("impl") == "amx":
-        if x2.dtype == torch.bfloat16 and bits <= 4 and _has_amx():
-            return _cpu_amx(x2, packed, scales, offsets, bias, N, K, bits, group_size, cfg, threads)
-        # a cached choice this input cannot take: its default (never "amx" here)
-        cfg = _default_cpu_config(_key(M, N, K, bits, group_size, 0, x2.dtype))
+    if cfg.get("impl") in ("amx", "bf16dot"):
+        amx = cfg["impl"] == "amx"
+        if (x2.dtype == torch.bfloat16 and bits <= 4 and M >= int(cfg.get("min_m", 0))
+                and (_has_amx() if amx else _has_avx512() and _has_bf16dot())):
+            return _cpu_bf16_product(x2, packed, scales, offsets, bias, N, K, bits, group_size, cfg, threads, amx)
+        # a cached choice this input cannot take (or too few tokens): the VNNI kernels where the CPU has
+        # them, else its default (never "amx" or "bf16dot" here)
+        cfg = (_vnni_config() if _has_avx512()
+               else _default_cpu_config(_key(M, N, K, bits, group_size, 0, x2.dtype)))
     if cfg.get("impl") == "sgemm" and M > 0:
         if _has_avx2():
             y = torch.empty(M, N, dtype=torch.float32)
@@ -264,30 +291,32 @@ def cpu_weight_only(x2, packed, scales, offsets, bias, N, K, bits, group_size, c
     return y
 
 
-def _cpu_amx(x2, packed, scales, offsets, bias, N, K, bits, group_size, cfg, threads) -> torch.Tensor:
-    """bf16 activations on the AMX kernel (wo_gemm_amx in qgemm_cpu.cpp: exact products, fp32 sums).
-    Rows that act_range_flags marks take the routes the VNNI path gives them: huge outliers next to
-    ordinary values (an fp32 sum holding 1e8 * (u - c) keeps ~8 of absolute error, which the outlier
-    split avoids by multiplying the outliers in float64; tested) and NaN/inf (so that inf * w comes
-    out as torch's; the code-sum form would make inf * 0 codes NaN)."""
+def _cpu_bf16_product(x2, packed, scales, offsets, bias, N, K, bits, group_size, cfg, threads,
+                      amx: bool) -> torch.Tensor:
+    """bf16 activations on the AMX kernel or its AVX-512 BF16 twin (wo_gemm_amx / wo_gemm_bf16dot in
+    qgemm_cpu.cpp: exact products, fp32 sums). Rows that act_range_flags marks take the routes the VNNI
+    path gives them: huge outliers next to ordinary values (an fp32 sum holding 1e8 * (u - c) keeps ~8 of
+    absolute error, which the outlier split avoids by multiplying the outliers in float64; tested) and
+    NaN/inf (so that inf * w comes out as torch's; the code-sum form would make inf * 0 codes NaN)."""
     mod = cpu_module("qgemm")
+    kernel = mod.wo_gemm_amx if amx else mod.wo_gemm_bf16dot
     M = x2.shape[0]
     b = _bias_f32(bias)
     xc = x2.contiguous()
 
-    def amx(xs):
+    def product(xs):
         y = torch.empty(xs.shape[0], N, dtype=torch.bfloat16)
-        mod.wo_gemm_amx(xs.data_ptr(), xs.shape[0], K, packed.data_ptr(), bits, scales.data_ptr(), offsets.data_ptr(),
-                        N, group_size, b.data_ptr() if b is not None else 0, y.data_ptr(), threads)
+        kernel(xs.data_ptr(), xs.shape[0], K, packed.data_ptr(), bits, scales.data_ptr(), offsets.data_ptr(),
+               N, group_size, b.data_ptr() if b is not None else 0, y.data_ptr(), threads)
         return y
 
     flags = torch.empty(M, dtype=torch.uint8)
     if not (M and mod.act_range_flags(xc.data_ptr(), dtype_code(xc.dtype), M, K, flags.data_ptr(), threads)):
-        return amx(xc)
+        return product(xc)
     y = torch.empty(M, N, dtype=torch.bfloat16)
     ordinary = torch.nonzero(flags == 0).flatten()
     if ordinary.numel():
-        y[ordinary] = amx(xc[ordinary].contiguous())
+        y[ordinary] = product(xc[ordinary].contiguous())
     special = torch.nonzero(flags != 0).flatten()
     other = _default_cpu_config(_key(special.numel(), N, K, bits, group_size, 0, torch.float32))
     y[special] = cpu_weight_only(xc[special], packed, scales, offsets, bias, N, K, bits, group_size,
@@ -648,6 +677,8 @@ def register_tunables(quantize):
                         out.append({"impl": "sgemm", "threads": threads, "kc": kc, "mc": 144, "nc": nc})
             if _amx_fits(key) and _has_amx():
                 out.append({"impl": "amx", "threads": threads})
+            if _amx_fits(key) and avx512 and _has_bf16dot():
+                out.append({"impl": "bf16dot", "threads": threads, "min_m": BF16DOT_MIN_M})
             if avx512:  # the VNNI tier: GEMV kernel or panel GEMM, weights in one or more passes
                 for gemm_min_m in (2, 12, 1 << 30):
                     for m_block in (32, 4096):
