@@ -703,15 +703,17 @@ def register_tunables(quantize):
         shapes = []
         for n in (sizes or [4096]):
             for M in (1, 16, 128):
-                shapes.append((M, n, n, 4, 128, None))
-            shapes.append((1, n, n, 2, 128, 2))
-            shapes.append((1, n, n, 1, 128, 1))
+                shapes.append((M, n, n, 4, 128, None, torch.float32))
+            for M in (16, 128):  # bf16 activations (an LLM's usual): their own kernels ("amx", "bf16dot")
+                shapes.append((M, n, n, 4, 128, None, torch.bfloat16))
+            shapes.append((1, n, n, 2, 128, 2, torch.float32))
+            shapes.append((1, n, n, 1, 128, 1, torch.float32))
         out = []
-        for M, N, K, bits, gs, ab in shapes:
+        for M, N, K, bits, gs, ab, dt in shapes:
             w = torch.randn(N, K, generator=g)
             scheme = "bipolar" if ab else "asym"
             qw = quantize(w, bits, gs, scheme)
-            out.append(((torch.randn(M, K, generator=g), qw), {"act_bits": ab}))
+            out.append(((torch.randn(M, K, generator=g).to(dt), qw), {"act_bits": ab}))
         return out
 
     def check(x, qw, bias=None, act_bits=None, backend="auto"):
