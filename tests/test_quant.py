@@ -854,6 +854,8 @@ def test_qmatmul_bf16_products_default_nan_inf_and_fallbacks(impl):
             xs = x[keep][:m]
             y = run(xs, {**cfg, "min_m": BF16DOT_MIN_M})
             assert torch.equal(y, run(xs, _vnni_config() if m < BF16DOT_MIN_M else cfg))
+            # a cached "amx" (a cache tuned on an AMX machine) runs the same product here, from min_m on
+            assert torch.equal(run(xs, {"impl": "amx", "threads": 2}), y)
 
 
 def test_config_memos_follow_the_tier_switches(tmp_cache, monkeypatch):

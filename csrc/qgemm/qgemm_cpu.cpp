@@ -2189,7 +2189,7 @@ void bitserial_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, int act_bits
 // ---------------------------------------------------------------------------------------------
 // 3. Weight-only GEMM on bf16 dot products, bf16 activations, codes of <= 4 bits: `wo_gemm_amx` on AMX
 //    tiles (Sapphire Rapids and newer) and `wo_gemm_bf16dot` on AVX-512 BF16 (Zen 4, Cooper Lake and
-//    newer; the same data and math, the tile product as vector loops: see dot_group_tile). Per group, x.w = s * sum(x*u) + m * sum(x) (the affine form above); sum(x*u) is
+//    newer; the same data and math, the tile product as vector loops: see dot_half_tile). Per group, x.w = s * sum(x*u) + m * sum(x) (the affine form above); sum(x*u) is
 //    a TDPBF16PS of the bf16 activations against the centred codes u - 2^(bits-1) converted to bf16
 //    (small integers: exact), so every product is exact and sums run in fp32 (no int16 rounding of x);
 //    centred as in wo_gemm, so that sum(x*u) and m * sum(x) do not cancel.
@@ -2260,7 +2260,7 @@ struct Bf16Args {  // (both kernels')
   const float* scales;   // [N, G]
   const float* offsets;  // [N, G]
   const float* bias;     // [N] or null
-  const uint32_t* xv;    // [G][MT][kpg][16 k-pairs][16 tokens]: bf16 pairs, the B tiles of a group together
+  const uint32_t* xv;    // bf16 pairs as B tiles [16 k-pairs][16 tokens]: AMX [G][MT][kpg], bf16dot [MT][B]
   int64_t kpg;           // blocks per group
   const float* xsum;     // [MT][G][16]: per-group sums of each token's activations
   int64_t MT;
@@ -2567,7 +2567,8 @@ void wo_gemm_bf16(bool amx, uintptr_t x, int64_t M, int64_t K, uintptr_t w, int 
   std::vector<uint32_t> xv(s.G * a.MT * a.kpg * 256, 0u);  // TILELOADD takes any alignment
   std::vector<float> xsum(a.MT * s.G * 16, 0.f);
   py::gil_scoped_release release;
-  // activations as B tiles: dword [g][mt][kb - g kpg][i][t] = (x[16 mt + t][32 kb + 2 i], x[..][32 kb + 2 i + 1])
+  // activations as B tiles: dword [block][i][t] = (x[16 mt + t][32 kb + 2 i], x[..][32 kb + 2 i + 1]), block
+  // (g, mt, kb - g kpg) on AMX, (mt, kb) for bf16dot
   pk::parallel_ranges(M, threads_for_work(num_threads, M * K), [&](int, int64_t m0, int64_t m1) {
     std::vector<float> xf(K), gsum(s.G);
     for (int64_t m = m0; m < m1; ++m) {

@@ -197,13 +197,17 @@ def cpu_weight_only(x2, packed, scales, offsets, bias, N, K, bits, group_size, c
     M = x2.shape[0]
     threads = _threads(cfg)
     if cfg.get("impl") in ("amx", "bf16dot"):
-        amx = cfg["impl"] == "amx"
-        if (x2.dtype == torch.bfloat16 and bits <= 4 and M >= int(cfg.get("min_m", 0))
-                and (_has_amx() if amx else _has_avx512() and _has_bf16dot())):
-            return _cpu_bf16_product(x2, packed, scales, offsets, bias, N, K, bits, group_size, cfg, threads, amx)
+        fits = x2.dtype == torch.bfloat16 and bits <= 4
+        if fits and cfg["impl"] == "amx" and _has_amx():
+            return _cpu_bf16_product(x2, packed, scales, offsets, bias, N, K, bits, group_size, cfg, threads, True)
+        # bf16dot (from its min_m tokens, if it says), or "amx" where the CPU has no AMX (PYKERNELS_DISABLE_AMX=1,
+        # a cache tuned on another machine): the same product on AVX-512 BF16 from BF16DOT_MIN_M tokens
+        min_m = int(cfg.get("min_m", 0)) if cfg["impl"] == "bf16dot" else BF16DOT_MIN_M
+        if fits and M >= min_m and _has_avx512() and _has_bf16dot():
+            return _cpu_bf16_product(x2, packed, scales, offsets, bias, N, K, bits, group_size, cfg, threads, False)
         # a cached choice this input cannot take (or too few tokens): the VNNI kernels where the CPU has
-        # them, else its default (never "amx" or "bf16dot" here)
-        cfg = (_vnni_config() if _has_avx512()
+        # them (with the choice's threads), else its default (never "amx" or "bf16dot" here)
+        cfg = ({**_vnni_config(), "threads": cfg.get("threads", 0)} if _has_avx512()
                else _default_cpu_config(_key(M, N, K, bits, group_size, 0, x2.dtype)))
     if cfg.get("impl") == "sgemm" and M > 0:
         if _has_avx2():
