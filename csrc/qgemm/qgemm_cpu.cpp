@@ -2189,7 +2189,8 @@ void bitserial_gemm(uintptr_t x, int x_dtype, int64_t M, int64_t K, int act_bits
 // ---------------------------------------------------------------------------------------------
 // 3. Weight-only GEMM on bf16 dot products, bf16 activations, codes of <= 4 bits: `wo_gemm_amx` on AMX
 //    tiles (Sapphire Rapids and newer) and `wo_gemm_bf16dot` on AVX-512 BF16 (Zen 4, Cooper Lake and
-//    newer; the same data and math, the tile product as vector loops: see dot_half_tile). Per group, x.w = s * sum(x*u) + m * sum(x) (the affine form above); sum(x*u) is
+//    newer; the same data and math, the tile product as vector loops: see dot_half_tile). Per group,
+//    x.w = s * sum(x*u) + m * sum(x) (the affine form above); sum(x*u) is
 //    a TDPBF16PS of the bf16 activations against the centred codes u - 2^(bits-1) converted to bf16
 //    (small integers: exact), so every product is exact and sums run in fp32 (no int16 rounding of x);
 //    centred as in wo_gemm, so that sum(x*u) and m * sum(x) do not cancel.
@@ -2375,19 +2376,37 @@ inline void group_affine(const Bf16Args& a, int64_t n0, int64_t g, float* sc, fl
   }
 }
 
-// A panel's sums acc[mt][r][t] (y[16 mt + t][n0 + r] before the bias) into y as bf16.
-inline void write_panel(const Bf16Args& a, const float* accp, int64_t n0) {
+
+#pragma GCC diagnostic push  // see the AVX-512 weight-only section
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+// f32_to_bf16 of 16 floats (round to nearest even, NaN stays NaN)
+PK_TARGET_BF16DOT inline __m256i f32x16_to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// A panel's sums acc[mt][r][t] (y[16 mt + t][n0 + r] before the bias) into y as bf16 (both kernels): a
+// token's 16 rows gathered from the sums (16 apart), + bias, rounded as f32_to_bf16.
+PK_TARGET_BF16DOT void write_panel(const Bf16Args& a, const float* accp, int64_t n0) {
   const WoShape& s = a.s;
   const int64_t nr = std::min<int64_t>(16, s.N - n0);
-  for (int64_t mt = 0; mt < a.MT; ++mt) {
-    const float* ac = accp + mt * 256;
-    const int64_t tm = std::min<int64_t>(16, s.M - mt * 16);
-    for (int64_t t = 0; t < tm; ++t) {
-      uint16_t* yr = a.y + (mt * 16 + t) * s.N + n0;
-      for (int64_t r = 0; r < nr; ++r) yr[r] = f32_to_bf16(ac[r * 16 + t] + (a.bias ? a.bias[n0 + r] : 0.f));
-    }
+  const __mmask16 rows = (__mmask16)((1u << nr) - 1);
+  const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(rows, a.bias + n0) : _mm512_setzero_ps();
+  const __m512i stride = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+  for (int64_t m = 0; m < s.M; ++m) {
+    const float* ac = accp + (m / 16) * 256 + m % 16;
+    const __m256i y = f32x16_to_bf16(_mm512_add_ps(_mm512_i32gather_ps(stride, ac, 4), bias));
+    _mm256_mask_storeu_epi16(a.y + m * s.N + n0, rows, y);
   }
 }
+#pragma GCC diagnostic pop
 
 PK_TARGET_AMX void amx_panels(const Bf16Args& a, int64_t p0, int64_t p1) {
   const WoShape& s = a.s;
@@ -2484,35 +2503,6 @@ PK_TARGET_BF16DOT void dot_half_tile(const Bf16Args& a, const uint16_t* wbuf, in
   _mm512_store_ps(o + 64, t4); _mm512_store_ps(o + 80, t5); _mm512_store_ps(o + 96, t6); _mm512_store_ps(o + 112, t7);
 }
 
-#pragma GCC diagnostic push  // see the AVX-512 weight-only section
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#pragma GCC diagnostic ignored "-Wuninitialized"
-// f32_to_bf16 of 16 floats (round to nearest even, NaN stays NaN)
-PK_TARGET_BF16DOT inline __m256i f32x16_to_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                _mm512_set1_epi32(0x7f800000));
-  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  return _mm512_cvtepi32_epi16(r);
-}
-
-// write_panel's result with vectors: a token's 16 rows gathered from the panel's sums (16 apart), + bias.
-PK_TARGET_BF16DOT void write_panel_avx512(const Bf16Args& a, const float* accp, int64_t n0) {
-  const WoShape& s = a.s;
-  const int64_t nr = std::min<int64_t>(16, s.N - n0);
-  const __mmask16 rows = (__mmask16)((1u << nr) - 1);
-  const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(rows, a.bias + n0) : _mm512_setzero_ps();
-  const __m512i stride = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(16));
-  for (int64_t m = 0; m < s.M; ++m) {
-    const float* ac = accp + (m / 16) * 256 + m % 16;
-    const __m256i y = f32x16_to_bf16(_mm512_add_ps(_mm512_i32gather_ps(stride, ac, 4), bias));
-    _mm256_mask_storeu_epi16(a.y + m * s.N + n0, rows, y);
-  }
-}
-#pragma GCC diagnostic pop
 
 // amx_panels on AVX-512 BF16: a 16-row panel decoded whole (16 rows x K bf16 codes: 128 KiB at K = 4096, in
 // L2), then every token tile, 8 rows at a time.
@@ -2530,7 +2520,7 @@ PK_TARGET_BF16DOT void dot_panels(const Bf16Args& a, int64_t p0, int64_t p1) {
     for (int64_t g = 0; g < s.G; ++g) group_affine(a, n0, g, sc + g * 16, of + g * 16);
     for (int64_t mt = 0; mt < a.MT; ++mt)
       for (int h = 0; h < 2; ++h) dot_half_tile(a, wbuf, mt, h, sc, of, accp + mt * 256);
-    write_panel_avx512(a, accp, n0);
+    write_panel(a, accp, n0);
   }
 }
 
