@@ -1149,6 +1149,58 @@ def test_counting_table_matches_counter(key_dtype):
     assert c.counts(q).tolist() == [oracle.get(k, 0) for k in kbits(q)]
 
 
+@pytest.mark.parametrize("key_dtype", [torch.int64, torch.int32])
+def test_counting_adds_to_present_and_new_keys_in_one_call(key_dtype):
+    """A count's rows whose key sits in its first window take a lean loop of their own (hash_cpu_probe.h
+    lean_adds); the others (new keys, keys further along their probe sequence in a nearly full table, the
+    reserved patterns) go on to the general insert, in input order. One thread, so the new-key flags are
+    exact: True at the first row of each key the table did not hold. Weighted adds (negative too) and a
+    second call whose first half is all new keys and second half their repeats (the loop steps aside for
+    pieces of mostly new keys, then comes back) match a Counter."""
+    gen = torch.Generator().manual_seed(21)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        held = torch.unique(rand_keys(9000, key_dtype, gen))
+        c = CountingTable(int(held.numel() / 0.93), key_dtype=key_dtype, max_load_factor=0.97, growable=False)
+        c.add(held)
+        oracle = collections.Counter(kbits(held))
+        assert c.load_factor > 0.9  # many held keys live past their first window
+        fresh = torch.unique(rand_keys(200, key_dtype, gen))
+        fresh = fresh[~c.contains(fresh)]
+        rows = torch.cat([held.repeat(3), fresh, adversarial_keys(key_dtype), fresh])
+        rows = rows[torch.randperm(rows.numel(), generator=gen)]
+        assert len(c) + len(set(kbits(rows)) - set(oracle)) <= c.capacity * c.max_load_factor  # no growth
+        weights = torch.randint(-3, 6, rows.shape, dtype=torch.int64, generator=gen)
+        new = c.add(rows, weights)
+        seen = set(oracle)
+        expect_new = []
+        for k in kbits(rows):
+            expect_new.append(k not in seen)
+            seen.add(k)
+        assert new.tolist() == expect_new
+        for k, w in zip(kbits(rows), weights.tolist()):
+            oracle[k] += w
+        ik, ic = c.items()
+        assert dict(zip(kbits(ik), ic.tolist())) == dict(oracle)
+
+        g = CountingTable(64, key_dtype=key_dtype)  # grows ahead for the call's new keys
+        first = torch.unique(rand_keys(20000, key_dtype, gen))
+        first = first[torch.randperm(first.numel(), generator=gen)]
+        first = first[~torch.isin(first, adversarial_keys(key_dtype))]
+        again = torch.cat([first.repeat(4), adversarial_keys(key_dtype).repeat(40)])
+        rows = torch.cat([first, again[torch.randperm(again.numel(), generator=gen)]])
+        new = g.add(rows)
+        assert new[: first.numel()].all() and new[first.numel():].sum().item() == adversarial_keys(key_dtype).numel()
+        assert g.counts(first).tolist() == [5] * first.numel()
+        assert g.counts(adversarial_keys(key_dtype)).tolist() == [40] * adversarial_keys(key_dtype).numel()
+        assert len(g) == first.numel() + adversarial_keys(key_dtype).numel()
+        ik, ic = g.items()
+        assert ic.sum().item() == rows.numel()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_counting_matches_torch_unique():
     gen = torch.Generator().manual_seed(2)
     keys = torch.randint(-(1 << 40), 1 << 40, (5000,), generator=gen).repeat_interleave(7)
@@ -1918,9 +1970,13 @@ for kd, vd in ((torch.int64, torch.int64), (torch.int32, torch.int32), (torch.in
                     ref[k] = [1]
                 assert new.sum().item() == sum(exp_new), (kd, cls)
             elif cls is CountingTable:
-                t.add(keys)
-                for k in ks:
-                    ref[k] = [(ref[k][0] if ref[k] else 0) + 1]
+                # weighted adds every other round (negative weights too); new-key flags: one per key
+                # the table did not hold (two threads race on which of its rows gets it)
+                ws = [rng.randint(-2, 5) for _ in ks] if rnd % 2 else [1] * len(ks)
+                new = t.add(keys, torch.tensor(ws, dtype=torch.int64)) if rnd % 2 else t.add(keys)
+                assert new.sum().item() == len({k for k in ks if not ref[k]}), (kd, rnd)
+                for k, w in zip(ks, ws):
+                    ref[k] = [(ref[k][0] if ref[k] else 0) + w]
             else:
                 vals = [rng.randint(0, vmax) for _ in ks]
                 vt = torch.tensor(vals, dtype=torch.int64).to(vd)

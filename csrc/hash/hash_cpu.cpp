@@ -557,6 +557,8 @@ template <class K, class V>
 inline void line_masks(const Slot<K, V>*, K, uint32_t&, uint32_t&) {}
 template <class K, class V>
 inline void line_masks3(const Slot<K, V>*, K, uint32_t&, uint32_t&, uint32_t&) {}
+template <class K, class V>
+inline uint32_t line_hit(const Slot<K, V>*, K) { return 0; }
 #include "hash_cpu_probe.h"
 }  // namespace tier_portable
 
@@ -624,6 +626,8 @@ inline void line_masks3(const Slot<K, V>* win, K k, uint32_t& hit, uint32_t& emp
   empty = line.eq(Sentinel<K>::EMPTY);
   tomb = line.eq(Sentinel<K>::TOMB);
 }
+template <class K, class V>
+inline uint32_t line_hit(const Slot<K, V>* win, K k) { return Keys<K, V>(win).eq(k); }
 #include "hash_cpu_probe.h"
 }  // namespace tier_avx2
 #pragma GCC pop_options
@@ -652,6 +656,10 @@ inline void line_masks3(const Slot<K, V>* win, K k, uint32_t& hit, uint32_t& emp
   empty = _pext_u32(eq_bits(line, Sentinel<K>::EMPTY), lanes);
   tomb = _pext_u32(eq_bits(line, Sentinel<K>::TOMB), lanes);
 }
+template <class K, class V>
+inline uint32_t line_hit(const Slot<K, V>* win, K k) {
+  return _pext_u32(eq_bits(_mm512_loadu_si512(win), k), key_lanes<K, V>());
+}
 #include "hash_cpu_probe.h"
 }  // namespace tier_avx512
 #pragma GCC pop_options
@@ -677,6 +685,16 @@ bool grouped_insert_tiered(Table<K, V>& t, const K* keys, int64_t b, int64_t e, 
     return tier_avx2::grouped_insert<Mode>(t, keys, b, e, G, budget, new_empty, val_of, finish, hints);
 #endif
   return tier_portable::grouped_insert<Mode>(t, keys, b, e, G, budget, new_empty, val_of, finish, hints);
+}
+
+template <class K, class V>
+int64_t lean_adds_tiered(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, const void* counts,
+                         StatusCode* codes, K* rest_k, int64_t* rest_i) {
+#if PK_X86
+  if (pk::cpu_has_avx512()) return tier_avx512::lean_adds(t, keys, b, e, G, counts, codes, rest_k, rest_i);
+  if (pk::cpu_has_avx2()) return tier_avx2::lean_adds(t, keys, b, e, G, counts, codes, rest_k, rest_i);
+#endif
+  return tier_portable::lean_adds(t, keys, b, e, G, counts, codes, rest_k, rest_i);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1175,6 +1193,31 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
             m += owner_of(k, g.seed, nt) == tid;
           }
           insert_range(tid, kbuf.data(), ibuf.data(), 0, m, std::true_type());
+        }
+      });
+    } else if (mode == M_ADD) {
+      // Counting: the rows whose key the table holds go through lean_adds, the rest (kept in order) through
+      // the general loop, a piece of kLeanPiece rows at a time. A piece where most keys were not found
+      // (the first sight of many distinct keys) sends the thread's next kLeanSkip pieces straight to the
+      // general loop, which would take them all anyway.
+      constexpr int64_t kLeanPiece = 2048;
+      constexpr int kLeanSkip = 32;
+      std::vector<int> skip(nt, 0);
+      StatusCode* const codes = reinterpret_cast<StatusCode*>(status);
+      dyn_ranges(n, nt, [&](int tid, int64_t b, int64_t e) {
+        K rest_k[kLeanPiece];
+        int64_t rest_i[kLeanPiece];
+        for (int64_t c = b; c < e;) {
+          const int64_t ce = std::min(e, c + kLeanPiece);
+          const int64_t left = skip[tid] > 0 ? -1 : lean_adds_tiered(t, keys, c, ce, D, vals, codes, rest_k, rest_i);
+          if (left < 0) {
+            insert_range(tid, keys, nullptr, c, ce, std::false_type());
+            skip[tid] -= skip[tid] > 0;
+          } else {
+            if (left) insert_range(tid, rest_k, rest_i, 0, left, std::true_type());
+            if (2 * left > ce - c) skip[tid] = kLeanSkip;
+          }
+          c = ce;
         }
       });
     } else {

@@ -613,3 +613,61 @@ bool grouped_insert(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, 
   grouped_insert_w<Mode, kLineSlots>(t, keys, b, e, G, budget, new_empty, val_of, finish, hints);
   return true;
 }
+
+// Counting adds of keys the table already holds, in a lean loop of their own: the first windows of the
+// next G keys hashed and prefetched for writing (G: the insert's prefetch distance), then per key one
+// compare of its window and an atomic add where the window holds the key. After the first sight of
+// each distinct key most rows of a count are such adds, and the general loop above (grouped_insert_w)
+// spent about twice the instructions on each: the probe state, three masks, the load budget and the
+// FIFO a new key may need. Measured (4M int64 rows, 2 threads, same script in turn): 64K distinct keys
+// 23.5 -> 16 ms, 1M distinct already in the table 21 -> 15, 1M distinct into an empty table (with its
+// clear and items()) 32 -> 28.5. The keys this loop does not find in their first window (new keys, keys
+// further along their probe sequence, reserved key patterns) are left for the general insert: their
+// keys and positions go to rest_k / rest_i in input order, and their number is returned; -1 (nothing
+// done) where the window is not one cache line or there is no vector compare (portable tier).
+template <class K, class V>
+int64_t lean_adds(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, const void* counts, StatusCode* codes,
+                  K* rest_k, int64_t* rest_i) {
+  using S = Slot<K, V>;
+  constexpr int CW = 64 / (int)sizeof(S);
+  constexpr int kMaxGroup = 64;
+  if (!kSimdLines || !Table<K, V>::kHasVal || t.W != CW || t.window_bytes != 64) return -1;
+  if constexpr (Table<K, V>::kHasVal) {
+    const int B = G < 8 ? 8 : (G < kMaxGroup ? G : kMaxGroup);
+    S* const slots = t.slots;
+    const uint64_t nw = t.nw, seed = t.seed;
+    uint64_t first[2][kMaxGroup];
+    auto hash_group = [&](int64_t base, int nb, uint64_t* w) __attribute__((always_inline)) {
+      for (int j = 0; j < nb; ++j) w[j] = probe_first_window((uint64_t)keys[base + j], seed, nw);
+    };
+    int64_t left = 0;
+    int nb = (int)std::min<int64_t>(B, e - b), cur = 0;
+    if (nb > 0) hash_group(b, nb, first[cur]);
+    for (int j = 0; j < nb; ++j) PK_PREFETCH_W(slots + first[cur][j] * CW);
+    for (int64_t base = b; nb > 0;) {
+      const int64_t next_base = base + nb;
+      const int next_nb = (int)std::min<int64_t>(B, e - next_base);
+      if (next_nb > 0) hash_group(next_base, next_nb, first[cur ^ 1]);
+      for (int j = 0; j < nb; ++j) {
+        if (j < next_nb) PK_PREFETCH_W(slots + first[cur ^ 1][j] * CW);  // spread out, as in grouped_find_w
+        const int64_t i = base + j;
+        const K k = keys[i];
+        S* const win = slots + first[cur][j] * CW;
+        const uint32_t hit = is_special(k) ? 0u : line_hit(win, k);
+        if (hit) {
+          __atomic_fetch_add(&win[__builtin_ctz(hit)].val, (V)insert_value<K, V>(M_ADD, counts, i), __ATOMIC_RELAXED);
+          codes[i] = StatusCode(ST_EXISTED);
+        } else {
+          rest_k[left] = k;
+          rest_i[left] = i;
+          ++left;
+        }
+      }
+      base = next_base;
+      nb = next_nb;
+      cur ^= 1;
+    }
+    return left;
+  }
+  return -1;
+}
