@@ -273,24 +273,35 @@ def test_multi_value_table_full_keeps_reserved_keys_and_counts_exactly(key_dtype
     assert sorted(values.tolist()) == [0, 3]
 
 
+@pytest.mark.parametrize("counting", [False, True], ids=["map", "counting"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_table_full_count_is_exact_with_threads_reserving_slots_in_chunks(threads):
+def test_table_full_count_is_exact_with_threads_reserving_slots_in_chunks(threads, counting):
     """Threads reserve load-limit budget in chunks (hash_cpu.cpp Budget): a thread refused while the
     other held unused budget is retried, so exactly `len(keys) - limit` keys are left out, and present
-    keys in the same call are updated, as with one thread."""
+    keys in the same call are updated, as with one thread. A count places most new keys in the lean
+    loop (lean_adds) and the rest in the general one, both under the same limit."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        t = HashMap(60000, growable=False, max_load_factor=0.7)
+        t = (CountingTable if counting else HashMap)(60000, growable=False, max_load_factor=0.7)
         limit = int(0.7 * t.capacity)
         first = torch.arange(1000, dtype=torch.int64) * 31 + 5
-        t.insert(first, first)
         keys = torch.cat([torch.arange(100000, dtype=torch.int64) * 7919 + 1, first])
-        with pytest.raises(TableFullError) as ei:
-            t.insert(keys, -keys)
+        if counting:
+            t.add(first)
+            with pytest.raises(TableFullError) as ei:
+                t.add(keys)
+        else:
+            t.insert(first, first)
+            with pytest.raises(TableFullError) as ei:
+                t.insert(keys, -keys)
         assert ei.value.not_inserted == len(keys) - len(first) - (limit - len(first)) and len(t) == limit
-        v, f = t.find(keys)
-        assert int(f.sum()) == limit and torch.equal(v[f], -keys[f])
+        v, f = (t.counts(keys), t.contains(keys)) if counting else t.find(keys)
+        assert int(f.sum()) == limit
+        if counting:
+            assert v[-len(first):].tolist() == [2] * len(first) and bool((v[:-len(first)][f[:-len(first)]] == 1).all())
+        else:
+            assert torch.equal(v[f], -keys[f])
     finally:
         torch.set_num_threads(old)
 

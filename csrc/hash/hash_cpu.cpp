@@ -689,12 +689,15 @@ bool grouped_insert_tiered(Table<K, V>& t, const K* keys, int64_t b, int64_t e, 
 
 template <class K, class V>
 int64_t lean_adds_tiered(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, const void* counts,
-                         StatusCode* codes, K* rest_k, int64_t* rest_i) {
+                         StatusCode* codes, Budget& budget, int64_t& new_keys, int64_t& new_empty, K* rest_k,
+                         int64_t* rest_i) {
 #if PK_X86
-  if (pk::cpu_has_avx512()) return tier_avx512::lean_adds(t, keys, b, e, G, counts, codes, rest_k, rest_i);
-  if (pk::cpu_has_avx2()) return tier_avx2::lean_adds(t, keys, b, e, G, counts, codes, rest_k, rest_i);
+  if (pk::cpu_has_avx512())
+    return tier_avx512::lean_adds(t, keys, b, e, G, counts, codes, budget, new_keys, new_empty, rest_k, rest_i);
+  if (pk::cpu_has_avx2())
+    return tier_avx2::lean_adds(t, keys, b, e, G, counts, codes, budget, new_keys, new_empty, rest_k, rest_i);
 #endif
-  return tier_portable::lean_adds(t, keys, b, e, G, counts, codes, rest_k, rest_i);
+  return tier_portable::lean_adds(t, keys, b, e, G, counts, codes, budget, new_keys, new_empty, rest_k, rest_i);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1196,10 +1199,9 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
         }
       });
     } else if (mode == M_ADD) {
-      // Counting: the rows whose key the table holds go through lean_adds, the rest (kept in order) through
-      // the general loop, a piece of kLeanPiece rows at a time. A piece where most keys were not found
-      // (the first sight of many distinct keys) sends the thread's next kLeanSkip pieces straight to the
-      // general loop, which would take them all anyway.
+      // Counting: the rows their first window decides go through lean_adds, the rest (kept in order) through
+      // the general loop, a piece of kLeanPiece rows at a time. A piece where most rows were left (a
+      // nearly full table) sends the thread's next kLeanSkip pieces straight to the general loop.
       constexpr int64_t kLeanPiece = 2048;
       constexpr int kLeanSkip = 32;
       std::vector<int> skip(nt, 0);
@@ -1207,9 +1209,15 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
       dyn_ranges(n, nt, [&](int tid, int64_t b, int64_t e) {
         K rest_k[kLeanPiece];
         int64_t rest_i[kLeanPiece];
+        int64_t nn = 0, ne = 0;
         for (int64_t c = b; c < e;) {
           const int64_t ce = std::min(e, c + kLeanPiece);
-          const int64_t left = skip[tid] > 0 ? -1 : lean_adds_tiered(t, keys, c, ce, D, vals, codes, rest_k, rest_i);
+          int64_t left = -1;
+          if (skip[tid] == 0) {
+            // (its reserved slots given back before the general insert takes its own: see Budget)
+            Budget budget(used, limit);
+            left = lean_adds_tiered(t, keys, c, ce, D, vals, codes, budget, nn, ne, rest_k, rest_i);
+          }
           if (left < 0) {
             insert_range(tid, keys, nullptr, c, ce, std::false_type());
             skip[tid] -= skip[tid] > 0;
@@ -1219,6 +1227,8 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
           }
           c = ce;
         }
+        news[tid] += nn;
+        new_empty[tid] += ne;
       });
     } else {
       dyn_ranges(n, nt, [&](int tid, int64_t b, int64_t e) { insert_range(tid, keys, nullptr, b, e, std::false_type()); });

@@ -614,31 +614,60 @@ bool grouped_insert(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, 
   return true;
 }
 
-// Counting adds of keys the table already holds, in a lean loop of their own: the first windows of the
-// next G keys hashed and prefetched for writing (G: the insert's prefetch distance), then per key one
-// compare of its window and an atomic add where the window holds the key. After the first sight of
-// each distinct key most rows of a count are such adds, and the general loop above (grouped_insert_w)
-// spent about twice the instructions on each: the probe state, three masks, the load budget and the
-// FIFO a new key may need. Measured (4M int64 rows, 2 threads, same script in turn): 64K distinct keys
-// 23.5 -> 16 ms, 1M distinct already in the table 21 -> 15, 1M distinct into an empty table (with its
-// clear and items()) 32 -> 28.5. The keys this loop does not find in their first window (new keys, keys
-// further along their probe sequence, reserved key patterns) are left for the general insert: their
-// keys and positions go to rest_k / rest_i in input order, and their number is returned; -1 (nothing
-// done) where the window is not one cache line or there is no vector compare (portable tier).
+// Counting adds in a lean loop of their own, for the rows their first window decides: the first windows
+// of the next G keys hashed and prefetched for writing (G: the insert's prefetch distance), then per
+// row one compare of its window and an atomic add where it holds the key; else, from one more read of
+// the line, a new key CAS'd into the window's first free slot before its first EMPTY one (the decision
+// of insert_first_window, with the same load budget). The general loop (grouped_insert_w) spent about
+// twice the instructions per row: the full probe state, three masks for every row, the FIFO. Measured
+// (4M int64 rows, 2 threads, same script in turn): 64K distinct keys 23.5 -> 16 ms, 1M distinct
+// already in the table 21 -> 15, 1M distinct into an empty table (with clear() and items()) 33 -> 26-27.5
+// (adds of present keys alone in this loop, new keys left to the general one: 28.5). Rows it does not decide (a full window without the key, a reserved
+// key pattern, a refused budget or a lost CAS) are left for the general insert: their keys and
+// positions go to rest_k / rest_i in input order, and their number is returned. One thread's rows keep
+// their order per key: a window without the key and without a free slot stays so during the call, so
+// every row of such a key is left for the general insert. -1 (nothing done) where the window is not
+// one cache line or there is no vector compare (portable tier). new_keys / new_empty: as the insert
+// counts them (keys placed; EMPTY slots taken).
 template <class K, class V>
 int64_t lean_adds(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, const void* counts, StatusCode* codes,
-                  K* rest_k, int64_t* rest_i) {
+                  Budget& budget, int64_t& new_keys, int64_t& new_empty, K* rest_k, int64_t* rest_i) {
   using S = Slot<K, V>;
+  using T = Table<K, V>;
   constexpr int CW = 64 / (int)sizeof(S);
   constexpr int kMaxGroup = 64;
-  if (!kSimdLines || !Table<K, V>::kHasVal || t.W != CW || t.window_bytes != 64) return -1;
-  if constexpr (Table<K, V>::kHasVal) {
+  if (!kSimdLines || !T::kHasVal || t.W != CW || t.window_bytes != 64) return -1;
+  if constexpr (T::kHasVal) {
     const int B = G < 8 ? 8 : (G < kMaxGroup ? G : kMaxGroup);
     S* const slots = t.slots;
     const uint64_t nw = t.nw, seed = t.seed;
     uint64_t first[2][kMaxGroup];
     auto hash_group = [&](int64_t base, int nb, uint64_t* w) __attribute__((always_inline)) {
       for (int j = 0; j < nb; ++j) w[j] = probe_first_window((uint64_t)keys[base + j], seed, nw);
+    };
+    // a new key into its first window; false: left for the general insert
+    auto place = [&](S* win, K k, V v, int64_t i) __attribute__((always_inline)) -> bool {
+      uint32_t hit, emp, tomb;
+      line_masks3(win, k, hit, emp, tomb);
+      if (hit) {
+        __atomic_fetch_add(&win[__builtin_ctz(hit)].val, v, __ATOMIC_RELAXED);
+        codes[i] = StatusCode(ST_EXISTED);
+        return true;
+      }
+      if (!emp) return false;
+      const uint32_t freem = (emp | tomb) & (((emp & (0u - emp)) << 1) - 1);  // up to the first EMPTY
+      const int j = __builtin_ctz(freem);
+      const bool from_empty = (emp >> j) & 1;
+      if (from_empty && !budget.take()) return false;
+      if (!cas(&win[j].key, from_empty ? T::EMPTY : T::TOMB, k)) {
+        if (from_empty) budget.put_back();
+        return false;
+      }
+      __atomic_fetch_add(&win[j].val, v, __ATOMIC_RELAXED);  // as insert_first_window: others may add already
+      new_empty += from_empty;
+      ++new_keys;
+      codes[i] = StatusCode(ST_NEW);
+      return true;
     };
     int64_t left = 0;
     int nb = (int)std::min<int64_t>(B, e - b), cur = 0;
@@ -653,11 +682,12 @@ int64_t lean_adds(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, co
         const int64_t i = base + j;
         const K k = keys[i];
         S* const win = slots + first[cur][j] * CW;
+        const V v = (V)insert_value<K, V>(M_ADD, counts, i);
         const uint32_t hit = is_special(k) ? 0u : line_hit(win, k);
         if (hit) {
-          __atomic_fetch_add(&win[__builtin_ctz(hit)].val, (V)insert_value<K, V>(M_ADD, counts, i), __ATOMIC_RELAXED);
+          __atomic_fetch_add(&win[__builtin_ctz(hit)].val, v, __ATOMIC_RELAXED);
           codes[i] = StatusCode(ST_EXISTED);
-        } else {
+        } else if (is_special(k) || !place(win, k, v, i)) {
           rest_k[left] = k;
           rest_i[left] = i;
           ++left;
