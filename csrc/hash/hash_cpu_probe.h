@@ -616,9 +616,9 @@ bool grouped_insert(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, 
 
 // Counting adds in a lean loop of their own, for the rows their first window decides: the first windows
 // of the next G keys hashed and prefetched for writing (G: the insert's prefetch distance), then per
-// row one compare of its window and an atomic add where it holds the key; else, from one more read of
-// the line, a new key CAS'd into the window's first free slot before its first EMPTY one (the decision
-// of insert_first_window, with the same load budget). The general loop (grouped_insert_w) spent about
+// row one compare of its window and an atomic add where it holds the key; else insert_first_window
+// decides from one more read of the line (a new key into its first free slot before the first EMPTY,
+// under the load budget). The general loop (grouped_insert_w) spent about
 // twice the instructions per row: the full probe state, three masks for every row, the FIFO. Measured
 // (4M int64 rows, 2 threads, same script in turn): 64K distinct keys 23.5 -> 16 ms, 1M distinct
 // already in the table 21 -> 15, 1M distinct into an empty table (with clear() and items()) 33 -> 26-27.5
@@ -645,29 +645,11 @@ int64_t lean_adds(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, co
     auto hash_group = [&](int64_t base, int nb, uint64_t* w) __attribute__((always_inline)) {
       for (int j = 0; j < nb; ++j) w[j] = probe_first_window((uint64_t)keys[base + j], seed, nw);
     };
-    // a new key into its first window; false: left for the general insert
-    auto place = [&](S* win, K k, V v, int64_t i) __attribute__((always_inline)) -> bool {
-      uint32_t hit, emp, tomb;
-      line_masks3(win, k, hit, emp, tomb);
-      if (hit) {
-        __atomic_fetch_add(&win[__builtin_ctz(hit)].val, v, __ATOMIC_RELAXED);
-        codes[i] = StatusCode(ST_EXISTED);
-        return true;
-      }
-      if (!emp) return false;
-      const uint32_t freem = (emp | tomb) & (((emp & (0u - emp)) << 1) - 1);  // up to the first EMPTY
-      const int j = __builtin_ctz(freem);
-      const bool from_empty = (emp >> j) & 1;
-      if (from_empty && !budget.take()) return false;
-      if (!cas(&win[j].key, from_empty ? T::EMPTY : T::TOMB, k)) {
-        if (from_empty) budget.put_back();
-        return false;
-      }
-      __atomic_fetch_add(&win[j].val, v, __ATOMIC_RELAXED);  // as insert_first_window: others may add already
-      new_empty += from_empty;
-      ++new_keys;
-      codes[i] = StatusCode(ST_NEW);
-      return true;
+    // the row's status, and new keys counted (insert_first_window decides a row its window holds no
+    // match for: a new key into the first free slot before the first EMPTY, under the load budget)
+    auto finish = [codes, &new_keys](int64_t i, uint8_t st) __attribute__((always_inline)) {
+      codes[i] = StatusCode(st);
+      new_keys += st == ST_NEW;
     };
     int64_t left = 0;
     int nb = (int)std::min<int64_t>(B, e - b), cur = 0;
@@ -687,7 +669,8 @@ int64_t lean_adds(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, co
         if (hit) {
           __atomic_fetch_add(&win[__builtin_ctz(hit)].val, v, __ATOMIC_RELAXED);
           codes[i] = StatusCode(ST_EXISTED);
-        } else if (is_special(k) || !place(win, k, v, i)) {
+        } else if (uint32_t own; is_special(k) || !insert_first_window<M_ADD, CW>(t, win, k, v, i, budget,
+                                                                                     new_empty, finish, own)) {
           rest_k[left] = k;
           rest_i[left] = i;
           ++left;
