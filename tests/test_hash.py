@@ -1212,6 +1212,45 @@ def test_counting_adds_to_present_and_new_keys_in_one_call(key_dtype):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("key_dtype", [torch.int64, torch.int32])
+def test_upserts_of_present_and_new_keys_keep_each_keys_last_value(key_dtype):
+    """Upserts take the same lean loop as counts (lean_inserts: a key its first window holds gets its value
+    stored there, a new key its window has room for is placed there, the rest go on to the general insert,
+    in order). One thread: each key keeps its last value in the call and is flagged new at its first row,
+    for keys in their first window, keys further along their probe sequence (a nearly full table), new
+    keys repeated in the call and the reserved patterns; a HashSet alike."""
+    gen = torch.Generator().manual_seed(23)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        held = torch.unique(rand_keys(9000, key_dtype, gen))
+        for cls in (HashMap, HashSet):
+            t = cls(int(held.numel() / 0.93), key_dtype=key_dtype, max_load_factor=0.97, growable=False)
+            if cls is HashMap:
+                t.insert(held, torch.zeros(held.numel(), dtype=torch.int64))
+            else:
+                t.insert(held)
+            assert t.load_factor > 0.9
+            fresh = torch.unique(rand_keys(200, key_dtype, gen))
+            fresh = fresh[~t.contains(fresh)]
+            rows = torch.cat([held.repeat(3), fresh.repeat(2), adversarial_keys(key_dtype).repeat(2)])
+            rows = rows[torch.randperm(rows.numel(), generator=gen)]
+            vals = torch.arange(1, rows.numel() + 1, dtype=torch.int64)
+            new = t.insert(rows, vals) if cls is HashMap else t.insert(rows)
+            seen, last, expect_new = set(kbits(held)), {}, []
+            for k, v in zip(kbits(rows), vals.tolist()):
+                expect_new.append(k not in seen)
+                seen.add(k)
+                last[k] = v
+            assert new.tolist() == expect_new, cls
+            assert len(t) == len(seen), cls
+            if cls is HashMap:
+                got, found = t.find(rows)
+                assert bool(found.all()) and got.tolist() == [last[k] for k in kbits(rows)]
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_counting_matches_torch_unique():
     gen = torch.Generator().manual_seed(2)
     keys = torch.randint(-(1 << 40), 1 << 40, (5000,), generator=gen).repeat_interleave(7)

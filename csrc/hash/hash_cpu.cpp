@@ -687,17 +687,17 @@ bool grouped_insert_tiered(Table<K, V>& t, const K* keys, int64_t b, int64_t e, 
   return tier_portable::grouped_insert<Mode>(t, keys, b, e, G, budget, new_empty, val_of, finish, hints);
 }
 
-template <class K, class V>
-int64_t lean_adds_tiered(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, const void* counts,
-                         StatusCode* codes, Budget& budget, int64_t& new_keys, int64_t& new_empty, K* rest_k,
-                         int64_t* rest_i) {
+template <int Mode, class K, class V>
+int64_t lean_inserts_tiered(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, const void* vals,
+                            StatusCode* codes, Budget& budget, int64_t& new_keys, int64_t& new_empty, K* rest_k,
+                            int64_t* rest_i) {
 #if PK_X86
   if (pk::cpu_has_avx512())
-    return tier_avx512::lean_adds(t, keys, b, e, G, counts, codes, budget, new_keys, new_empty, rest_k, rest_i);
+    return tier_avx512::lean_inserts<Mode>(t, keys, b, e, G, vals, codes, budget, new_keys, new_empty, rest_k, rest_i);
   if (pk::cpu_has_avx2())
-    return tier_avx2::lean_adds(t, keys, b, e, G, counts, codes, budget, new_keys, new_empty, rest_k, rest_i);
+    return tier_avx2::lean_inserts<Mode>(t, keys, b, e, G, vals, codes, budget, new_keys, new_empty, rest_k, rest_i);
 #endif
-  return tier_portable::lean_adds(t, keys, b, e, G, counts, codes, budget, new_keys, new_empty, rest_k, rest_i);
+  return tier_portable::lean_inserts<Mode>(t, keys, b, e, G, vals, codes, budget, new_keys, new_empty, rest_k, rest_i);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1198,10 +1198,10 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
           insert_range(tid, kbuf.data(), ibuf.data(), 0, m, std::true_type());
         }
       });
-    } else if (mode == M_ADD) {
-      // Counting: the rows their first window decides go through lean_adds, the rest (kept in order) through
-      // the general loop, a piece of kLeanPiece rows at a time. A piece where most rows were left (a
-      // nearly full table) sends the thread's next kLeanSkip pieces straight to the general loop.
+    } else if (mode != M_APPEND) {
+      // Adds and upserts: the rows their first window decides go through lean_inserts, the rest (kept in
+      // order) through the general loop, a piece of kLeanPiece rows at a time. A piece where most rows were
+      // left (a nearly full table) sends the thread's next kLeanSkip pieces straight to the general loop.
       constexpr int64_t kLeanPiece = 2048;
       constexpr int kLeanSkip = 32;
       std::vector<int> skip(nt, 0);
@@ -1216,7 +1216,9 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
           if (skip[tid] == 0) {
             // (its reserved slots given back before the general insert takes its own: see Budget)
             Budget budget(used, limit);
-            left = lean_adds_tiered(t, keys, c, ce, D, vals, codes, budget, nn, ne, rest_k, rest_i);
+            left = mode == M_ADD
+                       ? lean_inserts_tiered<M_ADD>(t, keys, c, ce, D, vals, codes, budget, nn, ne, rest_k, rest_i)
+                       : lean_inserts_tiered<M_UPSERT>(t, keys, c, ce, D, vals, codes, budget, nn, ne, rest_k, rest_i);
           }
           if (left < 0) {
             insert_range(tid, keys, nullptr, c, ce, std::false_type());

@@ -439,6 +439,16 @@ void amac_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int 
 
 
 // ---- bulk inserts ---------------------------------------------------------------------------------
+// The value of a key the table holds: a count's atomic add (other threads may add to it too), a map's
+// store; a set has none.
+template <int Mode, class K, class V>
+__attribute__((always_inline)) inline void update_value(Slot<K, V>* slot, uint64_t v) {
+  if constexpr (Table<K, V>::kHasVal) {
+    if (Mode == M_ADD) __atomic_fetch_add(&slot->val, (V)v, __ATOMIC_RELAXED);
+    else store_relaxed(&slot->val, (V)v);
+  }
+}
+
 // The common case of an insert, without a branch per slot: the key's first window (one cache line,
 // prefetched for writing) holds the key or an EMPTY slot. The same decisions as Table::ins_step: the
 // first of "key" / "EMPTY" in slot order decides, and a new key takes the first free slot (TOMBSTONE or
@@ -463,10 +473,7 @@ inline bool insert_first_window(Table<K, V>& t, Slot<K, V>* win, K k, uint64_t v
     if (!decide) return false;
     const uint32_t first = decide & (0u - decide);
     if (hit & first) {
-      if constexpr (T::kHasVal) {
-        if (Mode == M_ADD) __atomic_fetch_add(&win[__builtin_ctz(first)].val, (V)v, __ATOMIC_RELAXED);
-        else store_relaxed(&win[__builtin_ctz(first)].val, (V)v);
-      }
+      update_value<Mode>(&win[__builtin_ctz(first)], v);
       finish(i, ST_EXISTED);
       return true;
     }
@@ -614,73 +621,72 @@ bool grouped_insert(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, 
   return true;
 }
 
-// Counting adds in a lean loop of their own, for the rows their first window decides: the first windows
-// of the next G keys hashed and prefetched for writing (G: the insert's prefetch distance), then per
-// row one compare of its window and an atomic add where it holds the key; else insert_first_window
-// decides from one more read of the line (a new key into its first free slot before the first EMPTY,
-// under the load budget). The general loop (grouped_insert_w) spent about
-// twice the instructions per row: the full probe state, three masks for every row, the FIFO. Measured
-// (4M int64 rows, 2 threads, same script in turn): 64K distinct keys 23.5 -> 16 ms, 1M distinct
-// already in the table 21 -> 15, 1M distinct into an empty table (with clear() and items()) 33 -> 26-27.5
-// (adds of present keys alone in this loop, new keys left to the general one: 28.5). Rows it does not decide (a full window without the key, a reserved
-// key pattern, a refused budget or a lost CAS) are left for the general insert: their keys and
-// positions go to rest_k / rest_i in input order, and their number is returned. One thread's rows keep
-// their order per key: a window without the key and without a free slot stays so during the call, so
-// every row of such a key is left for the general insert. -1 (nothing done) where the window is not
-// one cache line or there is no vector compare (portable tier). new_keys / new_empty: as the insert
-// counts them (keys placed; EMPTY slots taken).
-template <class K, class V>
-int64_t lean_adds(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, const void* counts, StatusCode* codes,
-                  Budget& budget, int64_t& new_keys, int64_t& new_empty, K* rest_k, int64_t* rest_i) {
+// Adds and upserts in a lean loop of their own, for the rows their first window decides: the first
+// windows of the next G keys hashed and prefetched for writing (G: the insert's prefetch distance), then
+// per row one compare of its window and, where it holds the key, an atomic add (a count) or a store of
+// the value (a map; a set has nothing to do); else insert_first_window decides from one more read of
+// the line (a new key into its first free slot before the first EMPTY, under the load budget). The
+// general loop (grouped_insert_w) spent about twice the instructions per row: the full probe state,
+// three masks for every row, the FIFO. Measured (4M int64 rows, 2 threads, same script in turn): counts
+// of 64K distinct keys 23.5 -> 16 ms, of 1M distinct already in the table 21 -> 15, 1M distinct into an
+// empty table (with clear() and items()) 33 -> 26-27.5; HashMap.insert of 4M keys it holds 34-38 -> 29-31.5
+// (inserts of new keys into a fresh table: unchanged, bound by the memory). Rows it does not decide (a full window without
+// the key, a reserved key pattern, a refused budget or a lost CAS) are left for the general insert:
+// their keys and positions go to rest_k / rest_i in input order, and their number is returned. One
+// thread's rows keep their order per key (an upsert's last value wins as before): a window without the
+// key and without a free slot stays so during the call, so every row of such a key is left for the
+// general insert, and a key its window decided once is decided there for every later row. -1 (nothing
+// done) where the window is not one cache line or there is no vector compare (portable tier).
+// new_keys / new_empty: as the insert counts them (keys placed; EMPTY slots taken).
+template <int Mode, class K, class V>
+int64_t lean_inserts(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, const void* vals, StatusCode* codes,
+                     Budget& budget, int64_t& new_keys, int64_t& new_empty, K* rest_k, int64_t* rest_i) {
+  static_assert(Mode == M_ADD || Mode == M_UPSERT, "appends keep every row: no lean path");
   using S = Slot<K, V>;
-  using T = Table<K, V>;
   constexpr int CW = 64 / (int)sizeof(S);
   constexpr int kMaxGroup = 64;
-  if (!kSimdLines || !T::kHasVal || t.W != CW || t.window_bytes != 64) return -1;
-  if constexpr (T::kHasVal) {
-    const int B = G < 8 ? 8 : (G < kMaxGroup ? G : kMaxGroup);
-    S* const slots = t.slots;
-    const uint64_t nw = t.nw, seed = t.seed;
-    uint64_t first[2][kMaxGroup];
-    auto hash_group = [&](int64_t base, int nb, uint64_t* w) __attribute__((always_inline)) {
-      for (int j = 0; j < nb; ++j) w[j] = probe_first_window((uint64_t)keys[base + j], seed, nw);
-    };
-    // the row's status, and new keys counted (insert_first_window decides a row its window holds no
-    // match for: a new key into the first free slot before the first EMPTY, under the load budget)
-    auto finish = [codes, &new_keys](int64_t i, uint8_t st) __attribute__((always_inline)) {
-      codes[i] = StatusCode(st);
-      new_keys += st == ST_NEW;
-    };
-    int64_t left = 0;
-    int nb = (int)std::min<int64_t>(B, e - b), cur = 0;
-    if (nb > 0) hash_group(b, nb, first[cur]);
-    for (int j = 0; j < nb; ++j) PK_PREFETCH_W(slots + first[cur][j] * CW);
-    for (int64_t base = b; nb > 0;) {
-      const int64_t next_base = base + nb;
-      const int next_nb = (int)std::min<int64_t>(B, e - next_base);
-      if (next_nb > 0) hash_group(next_base, next_nb, first[cur ^ 1]);
-      for (int j = 0; j < nb; ++j) {
-        if (j < next_nb) PK_PREFETCH_W(slots + first[cur ^ 1][j] * CW);  // spread out, as in grouped_find_w
-        const int64_t i = base + j;
-        const K k = keys[i];
-        S* const win = slots + first[cur][j] * CW;
-        const V v = (V)insert_value<K, V>(M_ADD, counts, i);
-        const uint32_t hit = is_special(k) ? 0u : line_hit(win, k);
-        if (hit) {
-          __atomic_fetch_add(&win[__builtin_ctz(hit)].val, v, __ATOMIC_RELAXED);
-          codes[i] = StatusCode(ST_EXISTED);
-        } else if (uint32_t own; is_special(k) || !insert_first_window<M_ADD, CW>(t, win, k, v, i, budget,
-                                                                                     new_empty, finish, own)) {
-          rest_k[left] = k;
-          rest_i[left] = i;
-          ++left;
-        }
+  if (!kSimdLines || t.W != CW || t.window_bytes != 64) return -1;
+  const int B = G < 8 ? 8 : (G < kMaxGroup ? G : kMaxGroup);
+  S* const slots = t.slots;
+  const uint64_t nw = t.nw, seed = t.seed;
+  uint64_t first[2][kMaxGroup];
+  auto hash_group = [&](int64_t base, int nb, uint64_t* w) __attribute__((always_inline)) {
+    for (int j = 0; j < nb; ++j) w[j] = probe_first_window((uint64_t)keys[base + j], seed, nw);
+  };
+  // the row's status, and new keys counted (insert_first_window decides a row its window holds no
+  // match for: a new key into the first free slot before the first EMPTY, under the load budget)
+  auto finish = [codes, &new_keys](int64_t i, uint8_t st) __attribute__((always_inline)) {
+    codes[i] = StatusCode(st);
+    new_keys += st == ST_NEW;
+  };
+  int64_t left = 0;
+  int nb = (int)std::min<int64_t>(B, e - b), cur = 0;
+  if (nb > 0) hash_group(b, nb, first[cur]);
+  for (int j = 0; j < nb; ++j) PK_PREFETCH_W(slots + first[cur][j] * CW);
+  for (int64_t base = b; nb > 0;) {
+    const int64_t next_base = base + nb;
+    const int next_nb = (int)std::min<int64_t>(B, e - next_base);
+    if (next_nb > 0) hash_group(next_base, next_nb, first[cur ^ 1]);
+    for (int j = 0; j < nb; ++j) {
+      if (j < next_nb) PK_PREFETCH_W(slots + first[cur ^ 1][j] * CW);  // spread out, as in grouped_find_w
+      const int64_t i = base + j;
+      const K k = keys[i];
+      S* const win = slots + first[cur][j] * CW;
+      const uint64_t v = insert_value<K, V>(Mode, vals, i);
+      const uint32_t hit = is_special(k) ? 0u : line_hit(win, k);
+      if (hit) {
+        update_value<Mode>(&win[__builtin_ctz(hit)], v);
+        codes[i] = StatusCode(ST_EXISTED);
+      } else if (uint32_t own; is_special(k) || !insert_first_window<Mode, CW>(t, win, k, v, i, budget,
+                                                                                  new_empty, finish, own)) {
+        rest_k[left] = k;
+        rest_i[left] = i;
+        ++left;
       }
-      base = next_base;
-      nb = next_nb;
-      cur ^= 1;
     }
-    return left;
+    base = next_base;
+    nb = next_nb;
+    cur ^= 1;
   }
-  return -1;
+  return left;
 }
