@@ -629,10 +629,11 @@ bool grouped_insert(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, 
 // general loop (grouped_insert_w) spent about twice the instructions per row: the full probe state,
 // three masks for every row, the FIFO. Measured (4M int64 rows, 2 threads, same script in turn): counts
 // of 64K distinct keys 23.5 -> 16 ms, of 1M distinct already in the table 21 -> 15, 1M distinct into an
-// empty table (with clear() and items()) 33 -> 26-27.5; HashMap.insert of 4M keys it holds 34-38 -> 29-31.5
-// (inserts of new keys into a fresh table: unchanged, bound by the memory). Rows it does not decide (a full window without
-// the key, a reserved key pattern, a refused budget or a lost CAS) are left for the general insert:
-// their keys and positions go to rest_k / rest_i in input order, and their number is returned. One
+// empty table (with clear() and items()) 33 -> 26-27.5; HashMap.insert of 4M keys it holds 34-38 ->
+// 29-31.5 (inserts of new keys into a fresh table: unchanged, bound by the memory). Rows it does not
+// decide (a full window without the key, a reserved key pattern, a refused budget or a lost CAS) are left
+// for the general insert: their keys and positions go to rest_k / rest_i in input order, and their
+// number is returned. One
 // thread's rows keep their order per key (an upsert's last value wins as before): a window without the
 // key and without a free slot stays so during the call, so every row of such a key is left for the
 // general insert, and a key its window decided once is decided there for every later row. -1 (nothing
