@@ -279,7 +279,7 @@ def test_table_full_count_is_exact_with_threads_reserving_slots_in_chunks(thread
     """Threads reserve load-limit budget in chunks (hash_cpu.cpp Budget): a thread refused while the
     other held unused budget is retried, so exactly `len(keys) - limit` keys are left out, and present
     keys in the same call are updated, as with one thread. A count places most new keys in the lean
-    loop (lean_adds) and the rest in the general one, both under the same limit."""
+    loop (lean_inserts) and the rest in the general one, both under the same limit."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -304,6 +304,43 @@ def test_table_full_count_is_exact_with_threads_reserving_slots_in_chunks(thread
             assert torch.equal(v[f], -keys[f])
     finally:
         torch.set_num_threads(old)
+
+
+def test_lean_loops_budget_is_given_back_before_the_general_insert_of_its_piece():
+    """insert_impl gives a piece's lean-loop Budget back before the general insert of the rows it left
+    (review finding: one Budget for the whole range held up to 255 reserved slots while the general insert
+    was refused, so 255 keys too many were reported left out). One thread, one call: the first row has
+    room in its first window (the lean loop reserves a chunk of 256 slots), the next 2047 rows' first
+    windows are full (so the next pieces skip the lean loop), then many more new keys than the room."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        mask = (1 << 64) - 1
+
+        def fmix(k):
+            k ^= k >> 33
+            k = (k * 0xff51afd7ed558ccd) & mask
+            k ^= k >> 33
+            k = (k * 0xc4ceb9fe1a85ec53) & mask
+            return k ^ (k >> 33)
+
+        t = HashMap(100000, growable=False, max_load_factor=0.9)
+        limit, room = t._limit(), 20000
+        pre = torch.arange(limit - room, dtype=torch.int64) * 7 + 3
+        t.insert(pre, pre)
+        nw, seed = t._nw, t.seed
+        full = (t._slots.view(torch.int64).view(-1, 2)[:, 0].view(nw, t.window) != -1).all(1).tolist()
+        blocked, roomy = [], []
+        for k in range(10_000_000, 20_000_000, 7):
+            (blocked if full[((fmix((k & mask) ^ seed) >> 32) * nw) >> 32] else roomy).append(k)
+            if len(blocked) >= 2047 and len(roomy) >= 40000:
+                break
+        rows = torch.tensor(roomy[:1] + blocked[:2047] + roomy[1:40000], dtype=torch.int64)
+        with pytest.raises(TableFullError) as ei:
+            t.insert(rows, torch.zeros_like(rows))
+        assert ei.value.not_inserted == rows.numel() - room and len(t) == limit
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_table_full_respects_max_load_factor_and_purges_tombstones():
@@ -1163,7 +1200,7 @@ def test_counting_table_matches_counter(key_dtype):
 @pytest.mark.parametrize("key_dtype", [torch.int64, torch.int32])
 def test_counting_adds_to_present_and_new_keys_in_one_call(key_dtype):
     """A count's rows whose key sits in its first window take a lean loop of their own (hash_cpu_probe.h
-    lean_adds); the others (new keys, keys further along their probe sequence in a nearly full table, the
+    lean_inserts); the others (new keys, keys further along their probe sequence in a nearly full table, the
     reserved patterns) go on to the general insert, in input order. One thread, so the new-key flags are
     exact: True at the first row of each key the table did not hold. Weighted adds (negative too) and a
     second call whose first half is all new keys and second half their repeats (the loop steps aside for

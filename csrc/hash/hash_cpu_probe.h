@@ -634,8 +634,8 @@ bool grouped_insert(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G, 
 // decide (a full window without the key, a reserved key pattern, a refused budget or a lost CAS) are left
 // for the general insert: their keys and positions go to rest_k / rest_i in input order, and their
 // number is returned. One
-// thread's rows keep their order per key (an upsert's last value wins as before): a window without the
-// key and without a free slot stays so during the call, so every row of such a key is left for the
+// thread's rows keep their order per key in this loop: a window without the key and without an EMPTY
+// slot stays without one during the call, so every row of such a key is left for the
 // general insert, and a key its window decided once is decided there for every later row. -1 (nothing
 // done) where the window is not one cache line or there is no vector compare (portable tier).
 // new_keys / new_empty: as the insert counts them (keys placed; EMPTY slots taken).
