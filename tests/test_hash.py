@@ -315,26 +315,18 @@ def test_lean_loops_budget_is_given_back_before_the_general_insert_of_its_piece(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        mask = (1 << 64) - 1
-
-        def fmix(k):
-            k ^= k >> 33
-            k = (k * 0xff51afd7ed558ccd) & mask
-            k ^= k >> 33
-            k = (k * 0xc4ceb9fe1a85ec53) & mask
-            return k ^ (k >> 33)
-
         t = HashMap(100000, growable=False, max_load_factor=0.9)
         limit, room = t._limit(), 20000
         pre = torch.arange(limit - room, dtype=torch.int64) * 7 + 3
         t.insert(pre, pre)
         nw, seed = t._nw, t.seed
         full = (t._slots.view(torch.int64).view(-1, 2)[:, 0].view(nw, t.window) != -1).all(1).tolist()
-        blocked, roomy = [], []
-        for k in range(10_000_000, 20_000_000, 7):
-            (blocked if full[((fmix((k & mask) ^ seed) >> 32) * nw) >> 32] else roomy).append(k)
-            if len(blocked) >= 2047 and len(roomy) >= 40000:
-                break
+        cand = np.arange(10_000_000, 20_000_000, 7, dtype=np.uint64)
+        h = fmix64_np(cand ^ np.uint64(seed & ((1 << 64) - 1)))
+        window = ((h >> np.uint64(32)) * np.uint64(nw)) >> np.uint64(32)  # hash_layout.h window_of_hash
+        is_full = np.asarray(full)[window.astype(np.int64)]
+        blocked, roomy = cand[is_full].astype(np.int64).tolist(), cand[~is_full].astype(np.int64).tolist()
+        assert len(blocked) >= 2047 and len(roomy) >= 40000
         rows = torch.tensor(roomy[:1] + blocked[:2047] + roomy[1:40000], dtype=torch.int64)
         with pytest.raises(TableFullError) as ei:
             t.insert(rows, torch.zeros_like(rows))
