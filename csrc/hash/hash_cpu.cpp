@@ -381,8 +381,12 @@ struct Table {
   }
 
   // CAS the key into the chosen free slot; on a lost race, restart the probe (the winner may have
-  // inserted this very key), or for an append read the same window again (restarting sent the two
-  // threads' copies of a hot key back over its whole chain on every lost race).
+  // inserted this very key) and run it to the end here, or for an append read the same window again
+  // (restarting sent the two threads' copies of a hot key back over its whole chain on every lost race).
+  // Why to the end: the free slot is lost on one thread too, to another row of the call that took it
+  // while this row was queued (grouped_insert_w's FIFO, amac's round robin); a restarted row put back in
+  // the queue went behind a later row of its own key, which then was the one flagged new, and this row's
+  // value overwrote the later one (review finding; test_single_thread_inserts_keep_row_order_...).
   template <int Mode>
   bool claim(InsState& s, uint8_t& st, Budget& used, int64_t& new_empty) {
     S* slot = s.free_slot;
@@ -406,11 +410,14 @@ struct Table {
       }
       if (from_empty) used.put_back();
     }
+    s.free_slot = nullptr;
     if (Mode != M_APPEND) {
       s.p = s.p0;
       s.visited = 0;
+      prefetch_w(s.p.w);
+      while (!ins_step<Mode>(s, st, used, new_empty)) {}  // rare: a synchronous walk costs little
+      return true;
     }  // append: duplicates are allowed, so the window just read is still a lower bound: look at it again
-    s.free_slot = nullptr;
     return false;
   }
 
