@@ -283,11 +283,19 @@ int64_t batched_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e
   // window were prefetched a round ago. Those whose filter bit says "a key like you went on" examine
   // the next window; undecided ones join `out` with the window after prefetched.
   Pend go[kCarry + kMaxGroup];
+  // Both tests of a round are coin flips at high load, so neither is a branch (each mispredicted on
+  // about every other long probe): the filter byte is read through a pointer that reads a byte of all
+  // ones where the table has no filter, and the next window's prefetch goes to the window just read (in
+  // L1) where the lookup ended there. Measured at load 0.9, half hits (same script, builds in turn):
+  // 64K keys, 1 thread 16.2 -> 13.8 ns a lookup (all misses 14.2 -> 13.0); 4M keys, 2 threads 36 -> 31 ms.
+  static const uint8_t kAllOverflowed = 0xff;
+  const uint8_t* const ovf = t.ovf ? t.ovf : &kAllOverflowed;
+  const uint64_t ovf_mask = t.ovf ? ~0ULL : 0;
   auto round = [&](Pend* in, int n, Pend* out, int& no) __attribute__((always_inline)) {
     int ng = 0;
     for (int x = 0; x < n; ++x) {
       const Pend& pd = in[x];
-      const bool on = t.overflowed(pd.p.w, pd.p.tag) && pd.visited + 1 < nw;
+      const int on = (int)((load_relaxed(&ovf[pd.p.w & ovf_mask]) & pd.p.tag) != 0) & (int)(pd.visited + 1 < nw);
       go[ng] = pd;
       ng += on;
     }
@@ -300,8 +308,11 @@ int64_t batched_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e
       const uint32_t m = window_masks<CW>(t, win, pd.k, empty);
       emit_from_window<CW>(emit, pd.i, pd.k, win, m);
       out[no] = pd;
-      const bool undecided = (m | empty) == 0;
-      if (undecided) prefetch_filter_and_next<CW>(t, slots, nw, pd.p);
+      const int undecided = (m | empty) == 0;
+      Probe after = pd.p;
+      probe_next(after, nw);
+      PK_PREFETCH_R(ovf + (pd.p.w & ovf_mask));
+      PK_PREFETCH_R(slots + (undecided ? after.w : pd.p.w) * CW);
       no += undecided;
     }
   };
