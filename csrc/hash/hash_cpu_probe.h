@@ -99,10 +99,19 @@ void amac_find(const Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G,
 // the hardware prefetcher fell behind on this sequential stream (17% of the loop's samples sat on
 // loading the keys; 1.10-1.13x faster lookups at load 0.5 with this prefetch; the AMAC loop measured no
 // gain from it). Shared by the two group loops (grouped_find_w, batched_find_w).
+// hashes (batched_find_w; may be null): each key's whole hash as well, for the probes that go on.
 template <class K, class Emit>
 __attribute__((always_inline)) inline void hash_group_first(const K* keys, int64_t base, int nb, uint64_t seed,
-                                                            uint64_t nw, uint64_t* w, Emit& emit) {
-  for (int j = 0; j < nb; ++j) w[j] = probe_first_window((uint64_t)keys[base + j], seed, nw);
+                                                            uint64_t nw, uint64_t* w, Emit& emit,
+                                                            uint64_t* hashes = nullptr) {
+  if (hashes) {
+    for (int j = 0; j < nb; ++j) {
+      hashes[j] = fmix64((uint64_t)keys[base + j] ^ seed);
+      w[j] = window_of_hash(hashes[j], nw);
+    }
+  } else {
+    for (int j = 0; j < nb; ++j) w[j] = probe_first_window((uint64_t)keys[base + j], seed, nw);
+  }
   emit_ahead(emit, base, nb);
   pk::prefetch_stream_range(keys, base, nb);
 }
@@ -271,13 +280,13 @@ int64_t batched_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e
   const int B = G < kMaxGroup ? G : kMaxGroup;
   const S* const slots = t.slots;
   const uint64_t nw = t.nw, seed = t.seed;
-  uint64_t first[2][kMaxGroup];
+  uint64_t first[2][kMaxGroup], hashes[2][kMaxGroup];
   struct Pend { int64_t i; K k; Probe p; uint64_t visited; };
   Pend lists[2][kCarry + kMaxGroup];
   int nl[2] = {0, 0};  // the carry list (its lines prefetched a round ago) and the next one
   int64_t spills = 0;
-  auto hash_group = [&](int64_t base, int nb, uint64_t* w) __attribute__((always_inline)) {
-    hash_group_first(keys, base, nb, seed, nw, w, emit);
+  auto hash_group = [&](int64_t base, int nb, uint64_t* w, uint64_t* h) __attribute__((always_inline)) {
+    hash_group_first(keys, base, nb, seed, nw, w, emit, h);
   };
   // The carry list: each lookup's previous window was full without the key; its filter byte and next
   // window were prefetched a round ago. Those whose filter bit says "a key like you went on" examine
@@ -318,7 +327,7 @@ int64_t batched_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e
   };
   int64_t base = b;
   int nb = (int)(e - b < B ? e - b : B), cur = 0, li = 0;
-  if (nb > 0) hash_group(base, nb, first[cur]);
+  if (nb > 0) hash_group(base, nb, first[cur], hashes[cur]);
   for (int j = 0; j < nb; ++j) PK_PREFETCH_R(slots + first[cur][j] * CW);
   while (nb > 0 || nl[li] > 0) {
     // a new group only while the carry list has room for its undecided lookups (in a nearly full
@@ -331,7 +340,7 @@ int64_t batched_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e
     if (take) {
       next_base = base + nb;
       next_nb = (int)(e - next_base < B ? e - next_base : B);
-      if (next_nb > 0) hash_group(next_base, next_nb, first[cur ^ 1]);
+      if (next_nb > 0) hash_group(next_base, next_nb, first[cur ^ 1], hashes[cur ^ 1]);
       uint8_t und[kMaxGroup];
       int nu = 0;
       for (int j = 0; j < nb; ++j) {
@@ -351,7 +360,7 @@ int64_t batched_find_w(const Table<K, V>& t, const K* keys, int64_t b, int64_t e
         Pend& pd = out[x];
         pd.i = base + und[x];
         pd.k = keys[pd.i];
-        pd.p = probe_start((uint64_t)pd.k, seed, nw);
+        pd.p = probe_of_hash(hashes[cur][und[x]], nw);  // (hashed with the group)
         pd.visited = 0;
         prefetch_filter_and_next<CW>(t, slots, nw, pd.p);
       }

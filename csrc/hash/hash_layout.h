@@ -79,13 +79,17 @@ PKH_HD uint64_t probe_first_window(uint64_t key_bits, uint64_t seed, uint64_t nw
   return window_of_hash(fmix64(key_bits ^ seed), nw);
 }
 
-PKH_HD Probe probe_start(uint64_t key_bits, uint64_t seed, uint64_t nw) {
-  const uint64_t h = fmix64(key_bits ^ seed);
+// The probe of a key whose hash fmix64(key_bits ^ seed) is h (the lookup loops that hashed it already).
+PKH_HD Probe probe_of_hash(uint64_t h, uint64_t nw) {
   Probe p;
   p.w = window_of_hash(h, nw);
   p.step = (uint32_t)(1 + (((h & 0xffffffffULL) * (nw - 1)) >> 32));
   p.tag = 1u << (unsigned)(h & 7);
   return p;
+}
+
+PKH_HD Probe probe_start(uint64_t key_bits, uint64_t seed, uint64_t nw) {
+  return probe_of_hash(fmix64(key_bits ^ seed), nw);
 }
 
 // The overflow filter (see the layout notes above): words of `special` before it, and its length.
