@@ -1072,8 +1072,21 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
                                         WithAhead<decltype(finish), decltype(ahead)>{finish, ahead}, hint))
           return;
         // other window sizes: AMAC, up to G inserts in flight, one window per step
+        // A map's earlier rows of a key still in flight store the value of a row that stored over the key
+        // before them (one thread keeps each key's last value; see grouped_insert_w's `done`), searched
+        // only where in_flight (rows in flight per first window, its low bits) shows another row there
+        // (searched at every store, upserts of 4M present keys, window 16, load 0.9 took 145 -> 220+ ms).
+        constexpr bool kForward = Mode == M_UPSERT && Table<K, V>::kHasVal;
+        constexpr int kWinMarks = 1024;
+        uint8_t in_flight[kForward ? kWinMarks : 1];
+        if constexpr (kForward) std::memset(in_flight, 0, sizeof in_flight);
+        auto begin = [&](int x) __attribute__((always_inline)) {
+          live[x] = start(sts[x]);
+          if constexpr (kForward) in_flight[sts[x].p0.w & (kWinMarks - 1)] += live[x];
+          return live[x];
+        };
         int active = 0;
-        for (int x = 0; x < G; ++x) active += (live[x] = start(sts[x]));
+        for (int x = 0; x < G; ++x) active += begin(x);
         while (active) {
           for (int x = 0; x < G; ++x) {
             if (!live[x]) continue;
@@ -1082,8 +1095,16 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
             if constexpr (Mode == M_APPEND) {
               if (hint && st == ST_NEW) hint->remember(sts[x]);
             }
+            if constexpr (kForward) {
+              uint8_t& here = in_flight[sts[x].p0.w & (kWinMarks - 1)];
+              if (st == ST_EXISTED && here > 1) {
+                for (int y = 0; y < G; ++y)
+                  if (live[y] && y != x && sts[y].k == sts[x].k && sts[y].i < sts[x].i) sts[y].v = sts[x].v;
+              }
+              --here;
+            }
             finish(sts[x].i, st);
-            if (!(live[x] = start(sts[x]))) --active;
+            if (!begin(x)) --active;
           }
         }
       };

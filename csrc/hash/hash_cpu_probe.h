@@ -547,6 +547,35 @@ void grouped_insert_w(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G
     emit_ahead(finish, base, nb);
     pk::prefetch_stream_range(keys, base, nb);  // as grouped_find_w's keys
   };
+  // A map's upserts on one thread keep each key's last value: a row the main loop decides at its first
+  // window by storing over its key, while earlier rows of that key are still queued (they would store
+  // their older values after it), hands them its value (review finding: a queued row of k, a row before
+  // it placing k in k's first window, a row after it finding k there at once; the queued one finished
+  // last). Queued rows keep their order among themselves (one step each per turn of the FIFO). The FIFO
+  // is searched only where queued_at (queued rows per first window, its low bits) says one may be
+  // there: searched at every such store, upserts of 4M present keys at load 0.9 took 45 -> 60 ms.
+  // The AMAC loop does the same.
+  constexpr bool kForward = Mode == M_UPSERT && Table<K, V>::kHasVal;
+  constexpr int kWinMarks = 1024;
+  uint8_t queued_at[kForward ? kWinMarks : 1];
+  if constexpr (kForward) std::memset(queued_at, 0, sizeof queued_at);
+  auto mark_queued = [&](const St& s, int d) __attribute__((always_inline)) {
+    if constexpr (kForward) queued_at[s.p0.w & (kWinMarks - 1)] += d;
+  };
+  uint64_t row_w = 0;  // the first window of the row the main loop decides
+  auto done = [&](int64_t i, uint8_t st) __attribute__((always_inline)) {
+    if constexpr (kForward) {
+      if (st == ST_EXISTED && PK_UNLIKELY(queued_at[row_w & (kWinMarks - 1)])) {
+        const K k = keys[i];
+        const uint64_t v = val_of(i);
+        for (int x = 0; x < qlen; ++x) {
+          St& o = q[(qhead + x) % kQueue];
+          if (o.k == k) o.v = v;  // (every queued row is an earlier one)
+        }
+      }
+    }
+    finish(i, st);
+  };
   // One step of the oldest queued insert: its window was prefetched about G inserts ago.
   auto step_queued = [&]() __attribute__((always_inline)) {
     St& s = q[qhead];
@@ -560,6 +589,7 @@ void grouped_insert_w(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G
       }
       uint32_t own;
       if (insert_first_window<Mode, CW>(t, slots + s.p.w * CW, s.k, s.v, s.i, budget, new_empty, finish, own)) {
+        mark_queued(s, -1);
         // append: true means a slot was taken here. Remembered where earlier copies are, or after a long
         // walk: copies of a key spread one per window (each window's other slots held by other keys) never
         // share a window, and walked ever further (quadratic; review finding). Distinct keys rarely walk
@@ -577,6 +607,7 @@ void grouped_insert_w(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G
     uint8_t st;
     if (t.template ins_step<Mode>(s, st, budget, new_empty)) {
       if (Mode == M_APPEND && hints && st == ST_NEW) hints->remember(s);
+      mark_queued(s, -1);
       finish(s.i, st);
     } else {
       q[(qhead + qlen++) % kQueue] = s;  // behind the others (never the slot just left: qlen < kQueue)
@@ -601,7 +632,8 @@ void grouped_insert_w(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G
       }
       const Probe p = first[cur][j];
       uint32_t own;
-      if (PK_LIKELY((insert_first_window<Mode, CW>(t, slots + p.w * CW, k, v, i, budget, new_empty, finish, own))))
+      row_w = p.w;
+      if (PK_LIKELY((insert_first_window<Mode, CW>(t, slots + p.w * CW, k, v, i, budget, new_empty, done, own))))
         continue;
       St& s = q[(qhead + qlen) % kQueue];  // built in the FIFO's next slot: queued without a copy
       t.ins_begin(s, i, k, v, p, false);    // its window is in cache: this step costs no miss
@@ -616,10 +648,11 @@ void grouped_insert_w(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G
       }
       uint8_t st;
       if (t.template ins_step<Mode>(s, st, budget, new_empty)) {
-        finish(i, st);
+        done(i, st);
         continue;
       }
       ++qlen;
+      mark_queued(s, +1);
       // one step either finishes an insert or re-queues it: step until one finished (bounded FIFO)
       while (qlen > B) step_queued();
     }
