@@ -165,6 +165,18 @@ struct Budget {
   bool exhausted() const { return local == 0 && used->load(std::memory_order_relaxed) >= limit; }
 };
 
+// How many rows of an insert are in flight per first window (its low 10 bits): a map's upserts on one
+// thread keep each key's last value by handing a stored value to the earlier rows of its key still in
+// flight (grouped_insert_w's `done`, insert_impl's AMAC loop), and search those rows only where this
+// count shows another one (searched at every store, upserts of 4M present keys at load 0.9 took 45 ->
+// 60 ms; with window 16, in AMAC, 145 -> 220+).
+struct InFlightByWindow {
+  static constexpr uint64_t kMask = 1023;
+  uint8_t n[kMask + 1] = {};  // at most 128 rows are in flight
+  void add(uint64_t w, int d) { n[w & kMask] = (uint8_t)(n[w & kMask] + d); }
+  int at(uint64_t w) const { return n[w & kMask]; }
+};
+
 // Index of key k in a small direct-mapped or set-associative cache of 2^bits sets (Fibonacci hashing).
 template <class K>
 inline size_t small_index(K k, int bits) {
@@ -386,7 +398,7 @@ struct Table {
   // Why to the end: the free slot is lost on one thread too, to another row of the call that took it
   // while this row was queued (grouped_insert_w's FIFO, amac's round robin); a restarted row put back in
   // the queue went behind a later row of its own key, which then was the one flagged new, and this row's
-  // value overwrote the later one (review finding; test_single_thread_inserts_keep_row_order_...).
+  // value overwrote the later one (review finding; test_single_thread_insert_after_a_lost_free_slot_...).
   template <int Mode>
   bool claim(InsState& s, uint8_t& st, Budget& used, int64_t& new_empty) {
     S* slot = s.free_slot;
@@ -1072,17 +1084,13 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
                                         WithAhead<decltype(finish), decltype(ahead)>{finish, ahead}, hint))
           return;
         // other window sizes: AMAC, up to G inserts in flight, one window per step
-        // A map's earlier rows of a key still in flight store the value of a row that stored over the key
-        // before them (one thread keeps each key's last value; see grouped_insert_w's `done`), searched
-        // only where in_flight (rows in flight per first window, its low bits) shows another row there
-        // (searched at every store, upserts of 4M present keys, window 16, load 0.9 took 145 -> 220+ ms).
+        // (a map: a row that stores over its key hands its value to the earlier rows of the key in
+        // flight, which would store theirs after it; see InFlightByWindow)
         constexpr bool kForward = Mode == M_UPSERT && Table<K, V>::kHasVal;
-        constexpr int kWinMarks = 1024;
-        uint8_t in_flight[kForward ? kWinMarks : 1];
-        if constexpr (kForward) std::memset(in_flight, 0, sizeof in_flight);
+        InFlightByWindow in_flight;
         auto begin = [&](int x) __attribute__((always_inline)) {
           live[x] = start(sts[x]);
-          if constexpr (kForward) in_flight[sts[x].p0.w & (kWinMarks - 1)] += live[x];
+          if constexpr (kForward) in_flight.add(sts[x].p0.w, live[x]);
           return live[x];
         };
         int active = 0;
@@ -1096,12 +1104,11 @@ py::tuple insert_impl(const Geo& g, uintptr_t keys_p, uintptr_t vals_p, int64_t 
               if (hint && st == ST_NEW) hint->remember(sts[x]);
             }
             if constexpr (kForward) {
-              uint8_t& here = in_flight[sts[x].p0.w & (kWinMarks - 1)];
-              if (st == ST_EXISTED && here > 1) {
+              if (st == ST_EXISTED && in_flight.at(sts[x].p0.w) > 1) {  // (this row is counted too)
                 for (int y = 0; y < G; ++y)
                   if (live[y] && y != x && sts[y].k == sts[x].k && sts[y].i < sts[x].i) sts[y].v = sts[x].v;
               }
-              --here;
+              in_flight.add(sts[x].p0.w, -1);
             }
             finish(sts[x].i, st);
             if (!begin(x)) --active;
@@ -1902,8 +1909,8 @@ int64_t bloom_contains_x8(const uint64_t* words, uint64_t nblocks, int k_run, ui
 // Measured (4M int64 keys, 1M distinct, 1 thread): a scalar update of every lane 4.9 ms; a branch on
 // "any lane above the floor" 4.5 ms (it mispredicted on a quarter of the steps, each waiting on the
 // whole hash); this 2.4 ms (2 threads: 2.65 -> 1.27 ms; the same estimates). The AVX2 tier (hll_x4_avx2)
-// has no compress: the branch made it slower there (4.9 -> 6.9 ms), so it updates every lane. KT: the keys' type (4-byte keys are widened). Handles
-// [b, b + 8 * floor((e - b) / 8)); returns where it stopped.
+// has no compress: the branch made it slower there (4.9 -> 6.9 ms), so it updates every lane. KT: the
+// keys' type (4-byte keys are widened). Handles [b, b + 8 * floor((e - b) / 8)); returns where it stopped.
 // (vplzcntq is AVX-512 CD: the loop is compiled for it, so the count is inlined; a separate function
 // for it was called per step, its argument passed through memory)
 template <class KT, int P>

@@ -552,20 +552,16 @@ void grouped_insert_w(Table<K, V>& t, const K* keys, int64_t b, int64_t e, int G
   // their older values after it), hands them its value (review finding: a queued row of k, a row before
   // it placing k in k's first window, a row after it finding k there at once; the queued one finished
   // last). Queued rows keep their order among themselves (one step each per turn of the FIFO). The FIFO
-  // is searched only where queued_at (queued rows per first window, its low bits) says one may be
-  // there: searched at every such store, upserts of 4M present keys at load 0.9 took 45 -> 60 ms.
-  // The AMAC loop does the same.
+  // is searched only where `queued` shows a row of the same first window (see InFlightByWindow).
   constexpr bool kForward = Mode == M_UPSERT && Table<K, V>::kHasVal;
-  constexpr int kWinMarks = 1024;
-  uint8_t queued_at[kForward ? kWinMarks : 1];
-  if constexpr (kForward) std::memset(queued_at, 0, sizeof queued_at);
+  InFlightByWindow queued;
   auto mark_queued = [&](const St& s, int d) __attribute__((always_inline)) {
-    if constexpr (kForward) queued_at[s.p0.w & (kWinMarks - 1)] += d;
+    if constexpr (kForward) queued.add(s.p0.w, d);
   };
   uint64_t row_w = 0;  // the first window of the row the main loop decides
   auto done = [&](int64_t i, uint8_t st) __attribute__((always_inline)) {
     if constexpr (kForward) {
-      if (st == ST_EXISTED && PK_UNLIKELY(queued_at[row_w & (kWinMarks - 1)])) {
+      if (st == ST_EXISTED && PK_UNLIKELY(queued.at(row_w))) {
         const K k = keys[i];
         const uint64_t v = val_of(i);
         for (int x = 0; x < qlen; ++x) {
