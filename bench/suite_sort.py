@@ -199,6 +199,24 @@ def _cpu_cases(quick: bool):
                notes="values + int64 indices; the hot values' buckets copied, not sorted (4 + 4 + 8 + 8 + 12 bytes "
                      "a key: the count, the split, the buckets)", check=_check_same_sort)
 
+    # power laws: raw Zipf(1.3) ranks (counts, word or page ranks: half the keys below 7, the span 2^31),
+    # ascending and descending (a top-k by count). Every linear cut of the span leaves most keys in its
+    # first bucket: the split cuts it by binades (LogDigit; the LSD engine took them before, 2x slower).
+    def sort_power_law_vs_torch(descending):
+        def make():
+            ranks = np.minimum(np.random.default_rng(9).zipf(1.3, n_torch), (1 << 31) - 1)
+            x = torch.from_numpy(ranks.astype(np.int32))
+            return (lambda: pykernels.sort(x, descending=descending)), \
+                (lambda: torch.sort(x, stable=True, descending=descending))
+        return make
+
+    for descending in (False, True):
+        yield Case("sort", "sort", f"int32 Zipf(1.3) ranks{' descending' if descending else ''} n={n_torch:,}", n_torch,
+                   sort_power_law_vs_torch(descending), "torch.sort(stable=True)", n_torch, "keys",
+                   bytes_moved=n_torch * 36,
+                   notes="values + int64 indices; split by binades of the span, the hot ranks' buckets copied",
+                   check=_check_same_sort)
+
     def sort_ids_vs_torch():
         x = torch.randint(0, 1 << 31, (n_torch,), generator=torch.Generator().manual_seed(4), dtype=torch.int64)
         return (lambda: pykernels.sort(x)), (lambda: torch.sort(x, stable=True))

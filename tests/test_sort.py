@@ -2484,6 +2484,73 @@ def test_msd_piece_digit_for_far_clusters(case):
     _check_range_digit_sorts(x, case, digit="piece_digit")
 
 
+@pytest.mark.parametrize("case", ["i32_zipf", "i32_zipf_half_ones", "i32_lognormal", "u32_pareto_full_span",
+                                  "i64_counts", "i32_negated_zipf", "i32_zipf_offset", "i32_zipf_below_1e6"])
+def test_msd_log_digit_for_power_laws(case):
+    """Keys whose counts fall off with their size (raw Zipf ranks, lognormal amounts, Pareto sizes, counts
+    as int64): every linear cut of the span leaves most keys in its first bucket, so the split cuts it by
+    binades (LogDigit: the values below 16 one bucket each, then 8 slices per binade), with hot keys on top
+    where a value fills a bucket. Descending (the encoding complements the keys, which then crowd the top of
+    the span) and negated ranks take the flipped digit, whose split moves the keys' base so that each
+    bucket's keys share their high bits. Values, indices and payloads agree with a stable sort both ways on
+    1-3 threads."""
+    rng = np.random.default_rng(41)
+    n = 1 << 20
+    i32 = lambda a: torch.from_numpy(np.clip(a, -(1 << 31), (1 << 31) - 1).astype(np.int64)).to(torch.int32)
+    if case == "i32_zipf":
+        x = i32(rng.zipf(1.3, n))  # a quarter of the keys 1, the span 2^31 (clipped ranks at the max)
+    elif case == "i32_zipf_half_ones":
+        x = i32(rng.zipf(1.7, n))
+    elif case == "i32_lognormal":
+        x = i32(rng.lognormal(8, 3, n))
+    elif case == "u32_pareto_full_span":  # 0 and 2^32 - 1 among them: v spans all 32 bits both ways
+        a = np.minimum(rng.pareto(0.7, n) * 10, (1 << 32) - 1).astype(np.uint64)
+        a[:7] = [0, (1 << 32) - 1, 0, 1, (1 << 32) - 1, (1 << 32) - 2, 2]
+        x = torch.from_numpy(a.astype(np.uint32))
+    elif case == "i64_counts":  # 64-bit keys spanning < 2^32: the narrow records
+        x = torch.from_numpy(np.minimum(rng.zipf(1.4, n), (1 << 32) - 2).astype(np.int64))
+    elif case == "i32_negated_zipf":
+        x = i32(-rng.zipf(1.3, n))
+    elif case == "i32_zipf_offset":  # ranks far from 0 (the digit is over key - min)
+        x = i32(rng.zipf(1.3, n).clip(max=1 << 30) + 1_000_000_000)
+    else:  # a span well below 2^w - 1 (999,999 of 2^20 - 1): descending, the base moves by 48,576
+        x = i32(rng.zipf(1.3, n).clip(max=1_000_000))
+    _check_range_digit_sorts(x, case, hot=case in ("i32_zipf", "i32_zipf_half_ones", "i32_zipf_below_1e6"),
+                             digit="log_digit")
+
+
+def test_msd_log_digit_random_power_laws():
+    """Random power laws (Zipf, Pareto, lognormal of random shapes, scales, offsets and signs; some clipped,
+    some with a hot placeholder), 256K-1M keys of int32, uint32 and int64: wherever the split takes the
+    binades' digit, or any other, the result agrees with a stable sort both ways."""
+    rng = np.random.default_rng(43)
+    for trial in range(12):
+        n = int(rng.integers(1 << 18, 1 << 20))
+        kind = trial % 3
+        if kind == 0:
+            a = rng.zipf(float(rng.uniform(1.1, 2.5)), n).astype(np.float64)
+        elif kind == 1:
+            a = rng.pareto(float(rng.uniform(0.3, 2.0)), n) * 10.0 ** int(rng.integers(0, 5))
+        else:
+            a = rng.lognormal(float(rng.uniform(0, 10)), float(rng.uniform(0.5, 4)), n)
+        if rng.random() < 0.3:
+            a = -a
+        a = a + float(rng.integers(-1000, 1000)) * 10.0 ** int(rng.integers(0, 6))
+        if rng.random() < 0.3:
+            a[rng.random(n) < 0.1] = 0
+        dtype = (torch.int32, torch.uint32, torch.int64)[int(rng.integers(0, 3))]
+        lo, hi = {torch.int32: (-(1 << 31), (1 << 31) - 1), torch.uint32: (0, (1 << 32) - 1),
+                  torch.int64: (-(1 << 40), 1 << 40)}[dtype]
+        a = np.clip(a, lo, hi)
+        x = torch.from_numpy(a.astype(np.int64))
+        x = torch.from_numpy(x.numpy().astype(np.uint32)) if dtype == torch.uint32 else x.to(dtype)
+        for desc in (False, True):
+            ri = ref_argsort_1d(x, descending=desc)
+            k, i, _, st = _cpu_sort_1d(x, want_idx=True, descending=desc, want_stats=True)
+            assert_same(i, ri, f"trial {trial} {dtype} desc={desc} {st}")
+            assert_same(k, take(x, ri), f"trial {trial} desc={desc}")
+
+
 def test_msd_piece_digit_random_mixtures():
     """Random mixtures of mixed-sign float64 clusters (2-6 normal clusters of random scales and centres,
     some hot values), 256K-1M keys: wherever the split takes the pieces' digit, or any other, the result

@@ -197,6 +197,7 @@ struct SortStats {
   int hot_keys = 0;  // the MSD split's equality buckets (HotPlan)
   bool range_digit = false;  // the MSD split's digit spans the keys' central range (RangeDigit)
   bool piece_digit = false;  // the MSD split's digit cuts pieces of the span by their share (PieceDigit)
+  bool log_digit = false;    // the MSD split's digit cuts the span by binades (LogDigit)
   bool lossy = false, small = false, wc = false, msd = false;
 };
 
@@ -1298,6 +1299,53 @@ struct PieceDigit {
   int bits_below(uint64_t v, int) const { return bits[(*this)(v)]; }
 };
 
+// A digit by binades of v, as a float's exponent and its top mantissa bits: for keys whose counts fall
+// off with their size (power laws: raw Zipf ranks, word and page counts, file sizes; lognormal amounts)
+// every linear cut of the span leaves most keys in its first bucket, the pieces' included (4M raw Zipf(1.3)
+// int32 ranks: half the keys below 7, the span 2^31; lognormal(8, 3)), and the LSD engine took them
+// (~2.5x the time of random keys). With e = max(0, bitlen(u) - mb - 1), code(u) = (e << mb) + (u >> e):
+// the values below 2^(mb + 1) one bucket each (e = 0, nothing left to sort inside), then each binade
+// [2^(mb + e), 2^(mb + e + 1)) cut into 2^mb even slices whose keys differ in their low e bits. Monotone and
+// contiguous: binade e takes codes [(e + 1) << mb, (e + 2) << mb). mb is the largest whose codes for
+// u < 2^w fit the 256 buckets ((w - mb + 1) << mb of them: 3 for 32-bit spans, 2 for 64-bit).
+// The digit is code(v), or where the keys crowd the top of the span (power laws sorted descending: the
+// order-preserving encoding complements them) maxd - code(top - v), top = the largest v. Such a bucket's
+// keys share (top - v) >> e, which is their v >> e only where top + 1 is a multiple of 2^e: so the split
+// that takes the flipped digit moves the keys' base down to make top = 2^w - 1 (rebase_flip).
+// Tried last (after the central range and the pieces), where the plain split is refused or crowded.
+struct LogDigit {
+  int mb = -1;        // mantissa bits kept below a binade's leading one; -1: not the split's digit
+  bool flip = false;  // binades of top - v
+  uint64_t top = 0;   // flip: the largest v
+  uint32_t maxd = 0;  // flip: code(2^w - 1), the digit of v = top
+  static int exponent(uint64_t u, int mb) { return std::max(63 - __builtin_clzll(u | 1) - mb, 0); }
+  uint32_t code(uint64_t u) const {
+    const int e = exponent(u, mb);
+    return (uint32_t)(((uint64_t)e << mb) + (u >> e));
+  }
+  uint32_t operator()(uint64_t v) const { return flip ? maxd - code(top - v) : code(v); }
+  int bits_below(uint64_t v, int) const { return exponent(flip ? top - v : v, mb); }
+  // false where the span is within the plain digit's 8 bits (nothing to gain); vmax: the largest v
+  bool plan(int w, bool flipped, uint64_t vmax) {
+    if (w <= MSD_BITS) return false;
+    int m = MSD_BITS - 1;
+    while (m > 0 && (w - m + 1) << m > MSD_BUCKETS) --m;
+    mb = m;
+    flip = flipped;
+    top = vmax;
+    maxd = code(w >= 64 ? ~uint64_t(0) : (uint64_t(1) << w) - 1);
+    return true;
+  }
+  // The flipped digit's records: v' = v + delta with delta = 2^w - 1 - top (the keys' base moved down by
+  // delta), so v' >> e is what the keys of a bucket share; the same digit of each key. Returns delta.
+  uint64_t rebase_flip(int w) {
+    const uint64_t all = w >= 64 ? ~uint64_t(0) : (uint64_t(1) << w) - 1;
+    const uint64_t delta = all - top;
+    top = all;
+    return delta;
+  }
+};
+
 template <class U, class VOf>
 bool PiecePlan::plan(const std::vector<U>& sampled, VOf v_of, uint64_t lo_key, uint64_t hi_key) {
   sh = 0;
@@ -1677,30 +1725,54 @@ static void copy_through(const SortArgs& a, int threads) {
 }
 
 // The split's alternative digits in turn, for both paths: the central range's (RangeDigit), then, where
-// pieces is set, the pieces' (PiecePlan), each planned from the sample hs, looked at through a strided
-// sample and kept where takes(look, digit) accepts it (which may plan hot keys for it). rd.s >= 0 or
-// pd.sh >= 0 says which was kept (look: its sample); pp holds pd's tables.
+// pieces is set, the pieces' (PiecePlan) and the binades' (LogDigit), each planned from the sample hs,
+// looked at through a strided sample and accepted where takes(look, digit) says so (which may plan hot keys
+// for it). The first accepted is kept unless its sample's fullest bucket still holds more than `roomy`
+// keys: then a later one that halves it replaces it (lognormal amounts: the pieces' fullest bucket
+// ~55% of the keys, refused after the counting read; the binades' ~6%). rd.s >= 0, pd.sh >= 0 or
+// lg.mb >= 0 says which was kept (look: its sample, and takes' state is the kept digit's); pp holds pd's
+// tables.
 template <class U, Enc E, class VOf, class Takes>
 static void try_other_digits(const U* in, int64_t n, const Coder<U, E>& cd, const HotSample<U>& hs, VOf v_of, int w,
-                             U kmin, U kmax, bool pieces, Takes takes, RangeDigit& rd, PiecePlan& pp, PieceDigit& pd,
-                             SampleLook& look) {
+                             U kmin, U kmax, bool pieces, bool flipped_binades, double roomy, Takes takes,
+                             RangeDigit& rd, PiecePlan& pp, PieceDigit& pd, LogDigit& lg, SampleLook& look) {
   RangeDigit r;
-  if (r.plan(hs.keys, v_of, w)) {
-    SampleLook ll = sample_buckets<MSD_BITS>(in, n, cd, [&](U k) { return r(v_of(k)); });
-    if (takes(ll, r)) {
-      rd = r;
-      look = ll;
-      return;
-    }
+  PieceDigit p;
+  LogDigit g, gf;
+  enum { NONE, RANGE, PIECES, BINADES, BINADES_FLIPPED } kept = NONE, last = NONE;
+  SampleLook kept_raw{0.0, false, 0};  // the kept digit's sample before takes()
+  double kept_big = 0;                 // its fullest bucket after takes()
+  // whether digit `dig` (which) is kept: accepted, and first or halving the kept one's fullest
+  auto consider = [&](int which, auto dig) {
+    const SampleLook raw = sample_buckets<MSD_BITS>(in, n, cd, [&](U k) { return dig(v_of(k)); });
+    SampleLook ll = raw;
+    last = (decltype(last))which;
+    if (!takes(ll, dig) || (kept != NONE && ll.biggest * 2 > kept_big)) return;
+    kept = (decltype(kept))which;
+    kept_raw = raw;
+    kept_big = ll.biggest;
+    look = ll;
+  };
+  auto settled = [&]() { return kept != NONE && kept_big / SAMPLE_SLACK <= roomy; };
+  if (r.plan(hs.keys, v_of, w)) consider(RANGE, r);
+  if (!settled() && pieces && pp.plan(hs.keys, v_of, (uint64_t)kmin, (uint64_t)kmax)) {
+    p = PieceDigit(pp);
+    consider(PIECES, p);
   }
-  if (pieces && pp.plan(hs.keys, v_of, (uint64_t)kmin, (uint64_t)kmax)) {
-    const PieceDigit p(pp);
-    SampleLook ll = sample_buckets<MSD_BITS>(in, n, cd, [&](U k) { return p(v_of(k)); });
-    if (takes(ll, p)) {
-      pd = p;
-      look = ll;
-    }
+  const uint64_t vmax = v_of(kmax);
+  if (!settled() && pieces && g.plan(w, false, vmax)) consider(BINADES, g);
+  if (!settled() && pieces && flipped_binades && gf.plan(w, true, vmax)) consider(BINADES_FLIPPED, gf);
+  if (kept != last && kept != NONE) {  // takes' state (hot keys) back to the kept digit's
+    SampleLook ll = kept_raw;
+    if (kept == RANGE) takes(ll, r);
+    else if (kept == PIECES) takes(ll, p);
+    else if (kept == BINADES) takes(ll, g);
+    else takes(ll, gf);
   }
+  if (kept == RANGE) rd = r;
+  else if (kept == PIECES) pd = p;
+  else if (kept == BINADES) lg = g;
+  else if (kept == BINADES_FLIPPED) lg = gf;
 }
 
 // The wide MSD path: 64-bit keys spanning 2^32 or more (random int64 keys, hashes, nanosecond
@@ -1752,6 +1824,7 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
   RangeDigit rd;  // rd.s >= 0: the split's digit is rd's (keys clustered between far outliers)
   PiecePlan pp;   // (pd.sh >= 0: the split's digit is pd's: keys crowding a few pieces of the span)
   PieceDigit pd;
+  LogDigit lg;    // (lg.mb >= 0: the binades': power laws)
   const bool plain_ok = try_digit(look, plain);
   // Where the top byte's buckets are not surely taken (the sample's fullest less its noise refused: the
   // exact count would likely refuse them after a read) or one of them would hold more than 1/8 of the
@@ -1773,15 +1846,18 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
     auto takes = [&](const SampleLook& ll, auto dig) {
       return try_digit(ll, dig) && (!plain_ok || fullest(ll) * 2 <= plain_big);
     };
-    try_other_digits(in, n, cd, hs, vbits, w, kmin, kmax, refused || crowded, takes, rd, pp, pd, look);
-    if (rd.s < 0 && pd.sh < 0) try_digit(look, plain);  // (the plain digit's hot plan back)
+    try_other_digits(in, n, cd, hs, vbits, w, kmin, kmax, refused || crowded, false,
+                     (double)L2_BUCKET_BYTES / (double)rec_bytes, takes, rd, pp, pd, lg, look);
+    if (rd.s < 0 && pd.sh < 0 && lg.mb < 0) try_digit(look, plain);  // (the plain digit's hot plan back)
   }
-  if (rd.s < 0 && pd.sh < 0 && !plain_ok) return false;
+  const bool other_digit = rd.s >= 0 || pd.sh >= 0 || lg.mb >= 0;
+  if (!other_digit && !plain_ok) return false;
   if (hot) look.varied = hp.varied;
   // f(digit) with the digit in use
   auto with_digit = [&](auto f) {
     if (rd.s >= 0) f(rd);
     else if (pd.sh >= 0) f(pd);
+    else if (lg.mb >= 0) f(lg);
     else f(plain);
   };
   const int RBX = hot ? RB << HOT_BITS : RB;
@@ -1816,12 +1892,13 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
   st.hot_keys = hot ? hp.keys : 0;
   st.range_digit = rd.s >= 0;
   st.piece_digit = pd.sh >= 0;
+  st.log_digit = lg.mb >= 0;
   // keys only, the 8-byte records live in the output keys (in place, as in msd_hybrid_sort); else scratch
   // Where the 256 even buckets' starts alias in L2 (split_buckets_alias: 2^21-2^23 keys), the records go to
   // scratch with a line of gap before each bucket, and plain stores, as on the narrow path (streaming
   // stores at those sizes left powers of two 15-30% slower than their neighbours: 2 threads, random int64,
   // 2^22 keys + indices 36.5 ms against 28.4 at 4.15M, keys only 31.1 against 26.3).
-  const int64_t gap = !hot && rd.s < 0 && pd.sh < 0 && a.nt_stores < 0 && (size_t)n * rec_bytes >= SPLIT_STREAM_MIN_BYTES &&
+  const int64_t gap = !hot && !other_digit && a.nt_stores < 0 && (size_t)n * rec_bytes >= SPLIT_STREAM_MIN_BYTES &&
                               split_buckets_alias(n, rec_bytes, RB)
                           ? 64 / (int64_t)rec_bytes
                           : 0;
@@ -1844,7 +1921,11 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
       int w0 = 0;
       // the bits that vary inside the bucket (rd's outlier buckets: all of them)
       const int64_t rb = rec_at(b);
-      const int lbb = rd.s >= 0 ? rd.bits_below(v_of(rec[rb]), w) : pd.sh >= 0 ? pd.bits_below(v_of(rec[rb]), w) : lb;
+      const uint64_t v0 = v_of(rec[rb]);
+      const int lbb = rd.s >= 0    ? rd.bits_below(v0, w)
+                      : pd.sh >= 0 ? pd.bits_below(v0, w)
+                      : lg.mb >= 0 ? lg.bits_below(v0, w)
+                                   : lb;
       const int live = bucket_wide(rec + rb, tmp, m, lbb, bh, &w0, [out, b](int64_t q, const Rec& x) { out(b + q, x); });
       if (m == biggest) width.store(w0, std::memory_order_relaxed);
       int seen = most_live.load(std::memory_order_relaxed);
@@ -1860,7 +1941,7 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
         for_each_bucket<MSD_BITS + HOT_BITS, Rec>(T, start, biggest, WIDE_HIST_WORDS, false, sort_bucket, true);
         copy_hot_buckets(T, start, rec, out);
       } else {
-        split_scatter<MSD_BITS>(T, n, split_pos, rec, in, cd, gap || rd.s >= 0 || pd.sh >= 0 ? uneven_nt : a.nt_stores,
+        split_scatter<MSD_BITS>(T, n, split_pos, rec, in, cd, gap || other_digit ? uneven_nt : a.nt_stores,
                                  vbits, dig, make);
         for_each_bucket<MSD_BITS, Rec>(T, start, biggest, WIDE_HIST_WORDS, false, sort_bucket);
       }
@@ -2004,6 +2085,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     RangeDigit rd;  // rd.s >= 0: the split's digit is rd's (see msd_wide_sort)
     PiecePlan pp;   // pd.sh >= 0: the split's digit is pd's (see msd_wide_sort)
     PieceDigit pd;
+    LogDigit lg;    // lg.mb >= 0: the binades' (see msd_wide_sort)
     // digit: the plain digit (v >> lb) & 255, rd or pd
     auto try_hot = [&](SampleLook& lk, auto v_of, auto digit, int lb) {
       hot = false;
@@ -2173,10 +2255,17 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
             return (hot || !too_big(ll.biggest / SAMPLE_SLACK, guess_bytes, ll.varied)) &&
                    (refused || fullest(ll) * 2 <= plain_big);
           };
-          try_other_digits(in, n, cd, hs, v_of, w, kmin, kmax, true, takes, rd, pp, pd, look);
-          if (rd.s < 0 && pd.sh < 0) {
+          try_other_digits(in, n, cd, hs, v_of, w, kmin, kmax, true, true, (double)L2_BUCKET_BYTES / (double)guess_bytes,
+                           takes, rd, pp, pd, lg, look);
+          if (rd.s < 0 && pd.sh < 0 && lg.mb < 0) {
             look = plain_look;
             try_hot(look, v_of, plain, lbd);  // (the plain digit's hot plan and counters back)
+          }
+          if (lg.mb >= 0 && lg.flip) {  // the records' v moved up by delta (see LogDigit), the hot keys too
+            const uint32_t delta = (uint32_t)lg.rebase_flip(w);
+            base_key = U(base_key - U(delta));
+            for (uint32_t& h : hp.hot)
+              if (h != ~uint32_t(0)) h += delta;
           }
         }
       }
@@ -2202,6 +2291,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
       };
       if (rd.s >= 0) count_by(rd);
       else if (pd.sh >= 0) count_by(pd);
+      else if (lg.mb >= 0) count_by(lg);
       else count_by(plain);
       biggest = offsets();
     }
@@ -2227,6 +2317,8 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     st.hot_keys = hot ? hp.keys : 0;
     st.range_digit = rd.s >= 0;
     st.piece_digit = pd.sh >= 0;
+    st.log_digit = lg.mb >= 0;
+    const bool other_digit = rd.s >= 0 || pd.sh >= 0 || lg.mb >= 0;
     // The records live in the output array of their size where there is one: a bucket's records
     // [b, b + m) become its outputs [b, b + m) in place (read into the cache, sorted there, written back
     // to the same lines: no scratch pages and no read-for-ownership of the outputs). Else in scratch.
@@ -2234,7 +2326,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     // keys), the records go to scratch instead, with a line of gap before each bucket (bucket d's records
     // from start[d] + d * gap), so the plain stores win there too rather than the streaming lines.
     // (Not with hot keys or the range digit: their buckets are uneven.)
-    const int64_t gap = MB == MSD_BITS && !hot && rd.s < 0 && pd.sh < 0 && a.nt_stores < 0 && (size_t)n * rec_bytes >= SPLIT_STREAM_MIN_BYTES &&
+    const int64_t gap = MB == MSD_BITS && !hot && !other_digit && a.nt_stores < 0 && (size_t)n * rec_bytes >= SPLIT_STREAM_MIN_BYTES &&
                                 split_buckets_alias(n, rec_bytes, RB)
                             ? 64 / (int64_t)rec_bytes
                             : 0;
@@ -2250,7 +2342,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
     }
     std::vector<int64_t>& split_pos = gap ? gapped_pos : pos;
     // (hot keys, the range digit: plain stores, as into 256 even buckets that do not alias)
-    const int split_nt = gap || ((hot || rd.s >= 0 || pd.sh >= 0) && a.nt_stores < 0) ? 0 : a.nt_stores;
+    const int split_nt = gap || ((hot || other_digit) && a.nt_stores < 0) ? 0 : a.nt_stores;
     // where bucket [b, ...) of the outputs has its records
     auto rec_at = [&](int64_t b) {
       if (!gap) return b;
@@ -2272,7 +2364,10 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
         constexpr int KS = sizeof(Rec) == 8 ? 32 : 0;
         // the bits that vary inside the bucket (the range digit's outlier buckets: all w)
         const uint32_t v0 = (uint32_t)(rec[rec_at(b)] >> KS);
-        const int lbb = rd.s >= 0 ? rd.bits_below(v0, w) : pd.sh >= 0 ? pd.bits_below(v0, w) : lb;
+        const int lbb = rd.s >= 0    ? rd.bits_below(v0, w)
+                        : pd.sh >= 0 ? pd.bits_below(v0, w)
+                        : lg.mb >= 0 ? lg.bits_below(v0, w)
+                                     : lb;
         int wid[3];
         const int planned = bucket_plan(m, sizeof(Rec), lbb, wid);
         const int live = bucket_lsd<Rec, KS>(rec + rec_at(b), tmp, m, lbb, bh, {rec + (nm ? rec_at(nb) : 0), nm},
@@ -2300,6 +2395,9 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
           done = true;
         } else if (pd.sh >= 0) {
           run(pd);
+          done = true;
+        } else if (lg.mb >= 0) {
+          run(lg);
           done = true;
         } else if (hot) {
           const int lh = lb_hot;
@@ -3606,6 +3704,7 @@ py::dict stats_dict(const pksort::SortStats& st) {
   d["hot_keys"] = st.hot_keys;
   d["range_digit"] = st.range_digit;
   d["piece_digit"] = st.piece_digit;
+  d["log_digit"] = st.log_digit;
   return d;
 }
 
