@@ -103,9 +103,15 @@ def test_quantlinear_state_dict_round_trip(lm):
     fresh.load_state_dict(torch.load(buf, weights_only=True))
     x = torch.randn(5, 96)
     assert torch.equal(fresh(x), layer(x))
-    wrong = QuantLinear(96, 384, bias=True, bits=8, group_size=32)
-    with pytest.raises((ValueError, RuntimeError)):
-        wrong.load_state_dict(layer.state_dict())
+    # another format (bits, scheme) is refused by name, in torch's collected RuntimeError, before anything is
+    # copied in (the bits' mismatch was reported as codes past bits; the scheme's half-loaded the layer and
+    # raised a bare ValueError; audit findings)
+    for wrong in (QuantLinear(96, 384, bias=True, bits=2, group_size=32),
+                  QuantLinear(96, 384, bias=True, bits=4, group_size=32, scheme="sym")):
+        packed, scales = wrong.packed.clone(), wrong.scales.clone()
+        with pytest.raises(RuntimeError, match=r"state dict was saved for \{'bits': 4.*'scheme': 'asym'"):
+            wrong.load_state_dict(layer.state_dict())
+        assert torch.equal(wrong.packed, packed) and torch.equal(wrong.scales, scales)
     # codes past `bits` (a corrupt or mislabelled checkpoint) are refused before anything is copied in, as
     # QuantizedWeight.from_state_dict and torch.load refuse them (the layer gave garbage; audit finding)
     three = QuantLinear.from_linear(lm.blocks[0].mlp[0], bits=3, group_size=32)

@@ -554,6 +554,15 @@ class QuantLinear(nn.Module):
         # them where this layer keeps none (the extra state still checks the format matches).
         if self.planes is None:
             state_dict.pop(prefix + "planes", None)
+        # A state dict saved for another format (bits, group size, scheme, shape) is refused before anything
+        # is copied in, as torch's own size mismatches are: collected into load_state_dict's RuntimeError,
+        # the layer as it was. (set_extra_state ran after the buffers were copied, and the code check below
+        # named the codes rather than the format; audit finding.)
+        extra = state_dict.get(prefix + "_extra_state")
+        if extra is not None and extra != self.get_extra_state():
+            error_msgs.append(f"pykernels.QuantLinear: state dict was saved for {extra}, this layer is "
+                              f"{self.get_extra_state()}")
+            return
         # codes past `bits` gave garbage outputs with no error (QuantizedWeight.from_state_dict and torch.load
         # refuse them; audit finding): checked before anything is copied in, so the layer stays as it was
         packed = state_dict.get(prefix + "packed")
