@@ -2485,7 +2485,8 @@ def test_msd_piece_digit_for_far_clusters(case):
 
 
 @pytest.mark.parametrize("case", ["i32_zipf", "i32_zipf_half_ones", "i32_lognormal", "u32_pareto_full_span",
-                                  "i64_counts", "i32_negated_zipf", "i32_zipf_offset", "i32_zipf_below_1e6"])
+                                  "i64_counts", "i32_negated_zipf", "i32_zipf_offset", "i32_zipf_below_1e6",
+                                  "i64_wide_zipf", "i64_wide_negated_zipf", "i64_wide_lognormal", "u64_pareto_full_span"])
 def test_msd_log_digit_for_power_laws(case):
     """Keys whose counts fall off with their size (raw Zipf ranks, lognormal amounts, Pareto sizes, counts
     as int64): every linear cut of the span leaves most keys in its first bucket, so the split cuts it by
@@ -2513,10 +2514,22 @@ def test_msd_log_digit_for_power_laws(case):
         x = i32(-rng.zipf(1.3, n))
     elif case == "i32_zipf_offset":  # ranks far from 0 (the digit is over key - min)
         x = i32(rng.zipf(1.3, n).clip(max=1 << 30) + 1_000_000_000)
-    else:  # a span well below 2^w - 1 (999,999 of 2^20 - 1): descending, the base moves by 48,576
-        x = i32(rng.zipf(1.3, n).clip(max=1_000_000))
-    _check_range_digit_sorts(x, case, hot=case in ("i32_zipf", "i32_zipf_half_ones", "i32_zipf_below_1e6"),
-                             digit="log_digit")
+    elif case == "i32_zipf_below_1e6":  # a span well below 2^w - 1 (999,999 of 2^20 - 1): descending, the
+        x = i32(rng.zipf(1.3, n).clip(max=1_000_000))  # base moves by 48,576
+    # 64-bit keys spanning 2^32 or more (the wide records): raw int64 Zipf ranks (up to ~2^63), negated; file
+    # sizes in bytes; uint64 with 0 and 2^64 - 1 among them (all 64 bits vary both ways, the flip's delta 0)
+    elif case == "i64_wide_zipf":
+        x = torch.from_numpy(rng.zipf(1.3, n).astype(np.int64))
+    elif case == "i64_wide_negated_zipf":
+        x = torch.from_numpy(-rng.zipf(1.3, n).astype(np.int64))
+    elif case == "i64_wide_lognormal":
+        x = torch.from_numpy(rng.lognormal(10, 4, n).astype(np.int64))
+    else:
+        a = (rng.pareto(0.5, n) * 1000).clip(max=2.0 ** 63).astype(np.uint64)
+        a[:6] = [0, (1 << 64) - 1, 1, (1 << 64) - 2, 0, (1 << 64) - 1]
+        x = torch.from_numpy(a)
+    hot = case in ("i32_zipf", "i32_zipf_half_ones", "i32_zipf_below_1e6", "i64_wide_zipf", "i64_wide_negated_zipf")
+    _check_range_digit_sorts(x, case, hot=hot, digit="log_digit")
 
 
 def test_msd_log_digit_random_power_laws():

@@ -1725,7 +1725,7 @@ static void copy_through(const SortArgs& a, int threads) {
 }
 
 // The split's alternative digits in turn, for both paths: the central range's (RangeDigit), then, where
-// pieces is set, the pieces' (PiecePlan) and the binades' (LogDigit), each planned from the sample hs,
+// pieces is set, the pieces' (PiecePlan) and the binades' (LogDigit, plain then flipped), each planned from the sample hs,
 // looked at through a strided sample and accepted where takes(look, digit) says so (which may plan hot keys
 // for it). The first accepted is kept unless its sample's fullest bucket still holds more than `roomy`
 // keys: then a later one that halves it replaces it (lognormal amounts: the pieces' fullest bucket
@@ -1734,7 +1734,7 @@ static void copy_through(const SortArgs& a, int threads) {
 // tables.
 template <class U, Enc E, class VOf, class Takes>
 static void try_other_digits(const U* in, int64_t n, const Coder<U, E>& cd, const HotSample<U>& hs, VOf v_of, int w,
-                             U kmin, U kmax, bool pieces, bool flipped_binades, double roomy, Takes takes,
+                             U kmin, U kmax, bool pieces, double roomy, Takes takes,
                              RangeDigit& rd, PiecePlan& pp, PieceDigit& pd, LogDigit& lg, SampleLook& look) {
   RangeDigit r;
   PieceDigit p;
@@ -1761,7 +1761,7 @@ static void try_other_digits(const U* in, int64_t n, const Coder<U, E>& cd, cons
   }
   const uint64_t vmax = v_of(kmax);
   if (!settled() && pieces && g.plan(w, false, vmax)) consider(BINADES, g);
-  if (!settled() && pieces && flipped_binades && gf.plan(w, true, vmax)) consider(BINADES_FLIPPED, gf);
+  if (!settled() && pieces && gf.plan(w, true, vmax)) consider(BINADES_FLIPPED, gf);
   if (kept != last && kept != NONE) {  // takes' state (hot keys) back to the kept digit's
     SampleLook ll = kept_raw;
     if (kept == RANGE) takes(ll, r);
@@ -1804,7 +1804,12 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
   // keys the sample already shows refused (one value filling a bucket past L2, or a bucket past the
   // budget) leave without the counting read; the exact counts below decide the rest
   SampleLook look = sample_buckets<MSD_BITS>(in, n, cd, digit);
-  auto vbits = [kmin](U k) { return (uint64_t)(k - kmin); };
+  // v of an encoded key: its offset from the keys' base (kmin, moved down where the flipped binades are the
+  // split's digit: see LogDigit::rebase_flip)
+  struct VBits {
+    U base;
+    uint64_t operator()(U k) const { return (uint64_t)(k - base); }
+  } vbits{kmin};
   auto plain = [lb](uint64_t v) { return (uint32_t)(v >> lb); };
   // keys that fill much of a bucket get buckets of their own (HotPlan)
   HotPlan<uint64_t> hp;
@@ -1846,9 +1851,16 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
     auto takes = [&](const SampleLook& ll, auto dig) {
       return try_digit(ll, dig) && (!plain_ok || fullest(ll) * 2 <= plain_big);
     };
-    try_other_digits(in, n, cd, hs, vbits, w, kmin, kmax, refused || crowded, false,
+    try_other_digits(in, n, cd, hs, vbits, w, kmin, kmax, refused || crowded,
                      (double)L2_BUCKET_BYTES / (double)rec_bytes, takes, rd, pp, pd, lg, look);
     if (rd.s < 0 && pd.sh < 0 && lg.mb < 0) try_digit(look, plain);  // (the plain digit's hot plan back)
+    if (lg.mb >= 0 && lg.flip) {  // the records' v moved up by delta (see LogDigit), the hot keys too
+      const uint64_t delta = lg.rebase_flip(w);
+      kmin = U(kmin - U(delta));
+      vbits.base = kmin;
+      for (uint64_t& h : hp.hot)
+        if (h != ~uint64_t(0)) h += delta;
+    }
   }
   const bool other_digit = rd.s >= 0 || pd.sh >= 0 || lg.mb >= 0;
   if (!other_digit && !plain_ok) return false;
@@ -2255,7 +2267,7 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
             return (hot || !too_big(ll.biggest / SAMPLE_SLACK, guess_bytes, ll.varied)) &&
                    (refused || fullest(ll) * 2 <= plain_big);
           };
-          try_other_digits(in, n, cd, hs, v_of, w, kmin, kmax, true, true, (double)L2_BUCKET_BYTES / (double)guess_bytes,
+          try_other_digits(in, n, cd, hs, v_of, w, kmin, kmax, true, (double)L2_BUCKET_BYTES / (double)guess_bytes,
                            takes, rd, pp, pd, lg, look);
           if (rd.s < 0 && pd.sh < 0 && lg.mb < 0) {
             look = plain_look;
