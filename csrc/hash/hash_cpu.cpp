@@ -868,6 +868,34 @@ struct HotKeys {
       while (cells[x].id >= 0) x = (x + 1) & mask;
       cells[x] = Cell{keys[h], (int32_t)h};
     }
+    plan_direct();
+  }
+  // A few hot keys (a column of categories) get a collision-free direct map instead: 16 cells a key and a
+  // multiplier tried until no two keys share a cell (64 keys: each try succeeds with probability ~e^-2),
+  // so a lookup is one cell and no branch (4M keys of 64 values, one thread: ~2.3 ns a key with linear
+  // probing at 8x, ~1.5 direct, in a standalone loop).
+  static constexpr size_t kDirectMaxKeys = 64;
+  static constexpr int kDirectTries = 256;
+  uint64_t mul = 0;  // nonzero: cells is the direct map of multiplier mul
+  void plan_direct() {
+    if (keys.size() > kDirectMaxKeys) return;
+    const int dbits = bits + 1;
+    std::vector<Cell> direct((size_t)1 << dbits);
+    uint64_t m = 0x9E3779B97F4A7C15ULL;
+    for (int t = 0; t < kDirectTries; ++t, m = (m * 6364136223846793005ULL + 1442695040888963407ULL) | 1) {
+      std::fill(direct.begin(), direct.end(), Cell{K(), -1});
+      size_t h = 0;
+      for (; h < keys.size(); ++h) {
+        Cell& c = direct[(size_t)(((uint64_t)keys[h] * m) >> (64 - dbits))];
+        if (c.id >= 0) break;
+        c = Cell{keys[h], (int32_t)h};
+      }
+      if (h < keys.size()) continue;
+      cells.swap(direct);
+      bits = dbits;
+      mul = m;
+      return;
+    }
   }
   bool empty() const { return keys.empty(); }
   // The lookup on a raw copy of the cells' address: a loop that also stores status bytes (which may
@@ -875,7 +903,12 @@ struct HotKeys {
   struct Finder {
     const Cell* cells;
     int bits;
+    uint64_t mul;  // nonzero: a direct map (plan_direct)
     int id(K k) const {
+      if (mul) {
+        const Cell& c = cells[(size_t)(((uint64_t)k * mul) >> (64 - bits))];
+        return c.k == k ? c.id : -1;  // (an empty cell: id -1 whatever its key)
+      }
       const size_t mask = ((size_t)1 << bits) - 1;
       for (size_t x = small_index(k, bits);; x = (x + 1) & mask) {
         const Cell& c = cells[x];
@@ -883,7 +916,7 @@ struct HotKeys {
       }
     }
   };
-  Finder finder() const { return Finder{cells.data(), bits}; }
+  Finder finder() const { return Finder{cells.data(), bits, mul}; }
   int id(K k) const { return finder().id(k); }
 };
 
