@@ -872,8 +872,8 @@ struct HotKeys {
   }
   // A few hot keys (a column of categories) get a collision-free direct map instead: 16 cells a key and a
   // multiplier tried until no two keys share a cell (64 keys: each try succeeds with probability ~e^-2),
-  // so a lookup is one cell and no branch (4M keys of 64 values, one thread: ~2.3 ns a key with linear
-  // probing at 8x, ~1.5 direct, in a standalone loop).
+  // so a lookup is one cell and no probe loop (CountingTable.add of 4M keys of 64 values, one thread,
+  // old/new builds in turn: 9.4 -> 8.7 ms).
   static constexpr size_t kDirectMaxKeys = 64;
   static constexpr int kDirectTries = 256;
   uint64_t mul = 0;  // nonzero: cells is the direct map of multiplier mul
@@ -979,8 +979,10 @@ void split_hot_cold(int64_t n, int nt, const HotKeys<K>& hot, KeyAt&& key_at, Ma
 
 // The hot keys' handler of adds and upserts (insert_impl): sums each hot key's adds privately (an upsert:
 // keeps its last value) and notes its first row. Once every hot key's first row was seen (a column of a
-// few categories: within a few hundred rows), steady_hot skips that test: 4M keys of 64 values, one
-// thread, ~18% of the loop in a standalone copy of it.
+// few categories: within a few hundred rows), steady_hot skips that test; whether it adds and whether
+// values come are template arguments, not tests per row. CountingTable.add of 4M keys (one thread, old/new
+// builds in turn): 64 values 8.5 -> 6.1 ms, 1024 values 14.9 -> 12.4; HashMap.insert of 2M Zipf(1.3) keys
+// 16.4 -> 15.2.
 template <class K, class V, bool ADD, bool VALS>
 struct HotSums {
   uint64_t* sum;
