@@ -1337,11 +1337,15 @@ struct LogDigit {
     return true;
   }
   // The flipped digit's records: v' = v + delta with delta = 2^w - 1 - top (the keys' base moved down by
-  // delta), so v' >> e is what the keys of a bucket share; the same digit of each key. Returns delta.
-  uint64_t rebase_flip(int w) {
+  // delta), so v' >> e is what the keys of a bucket share; the same digit of each key. The hot keys of hp
+  // (planned on v) move with them. Returns delta, for the caller's base.
+  template <class V>
+  uint64_t rebase_flip(int w, HotPlan<V>& hp) {
     const uint64_t all = w >= 64 ? ~uint64_t(0) : (uint64_t(1) << w) - 1;
     const uint64_t delta = all - top;
     top = all;
+    for (V& h : hp.hot)
+      if (h != V(~V(0))) h = V(h + V(delta));
     return delta;
   }
 };
@@ -1725,9 +1729,9 @@ static void copy_through(const SortArgs& a, int threads) {
 }
 
 // The split's alternative digits in turn, for both paths: the central range's (RangeDigit), then, where
-// pieces is set, the pieces' (PiecePlan) and the binades' (LogDigit, plain then flipped), each planned from the sample hs,
-// looked at through a strided sample and accepted where takes(look, digit) says so (which may plan hot keys
-// for it). The first accepted is kept unless its sample's fullest bucket still holds more than `roomy`
+// pieces is set, the pieces' (PiecePlan) and the binades' (LogDigit, plain then flipped), each planned from
+// the sample hs, looked at through a strided sample and accepted where takes(look, digit) says so (which
+// may plan hot keys for it). The first accepted is kept unless its sample's fullest bucket still holds more than `roomy`
 // keys: then a later one that halves it replaces it (lognormal amounts: the pieces' fullest bucket
 // ~55% of the keys, refused after the counting read; the binades' ~6%). rd.s >= 0, pd.sh >= 0 or
 // lg.mb >= 0 says which was kept (look: its sample, and takes' state is the kept digit's); pp holds pd's
@@ -1854,12 +1858,9 @@ static bool msd_wide_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& s
     try_other_digits(in, n, cd, hs, vbits, w, kmin, kmax, refused || crowded,
                      (double)L2_BUCKET_BYTES / (double)rec_bytes, takes, rd, pp, pd, lg, look);
     if (rd.s < 0 && pd.sh < 0 && lg.mb < 0) try_digit(look, plain);  // (the plain digit's hot plan back)
-    if (lg.mb >= 0 && lg.flip) {  // the records' v moved up by delta (see LogDigit), the hot keys too
-      const uint64_t delta = lg.rebase_flip(w);
-      kmin = U(kmin - U(delta));
+    if (lg.mb >= 0 && lg.flip) {  // the records' v moved up (see LogDigit), the hot keys too
+      kmin = U(kmin - U(lg.rebase_flip(w, hp)));
       vbits.base = kmin;
-      for (uint64_t& h : hp.hot)
-        if (h != ~uint64_t(0)) h += delta;
     }
   }
   const bool other_digit = rd.s >= 0 || pd.sh >= 0 || lg.mb >= 0;
@@ -2273,12 +2274,8 @@ bool msd_hybrid_sort(const SortArgs& a, const Coder<U, E>& cd, SortStats& st, in
             look = plain_look;
             try_hot(look, v_of, plain, lbd);  // (the plain digit's hot plan and counters back)
           }
-          if (lg.mb >= 0 && lg.flip) {  // the records' v moved up by delta (see LogDigit), the hot keys too
-            const uint32_t delta = (uint32_t)lg.rebase_flip(w);
-            base_key = U(base_key - U(delta));
-            for (uint32_t& h : hp.hot)
-              if (h != ~uint32_t(0)) h += delta;
-          }
+          if (lg.mb >= 0 && lg.flip)  // the records' v moved up (see LogDigit), the hot keys too
+            base_key = U(base_key - U(lg.rebase_flip(w, hp)));
         }
       }
       if (too_big(look.biggest / SAMPLE_SLACK, guess_bytes, look.varied))
